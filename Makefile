@@ -1,0 +1,33 @@
+# fedpipe developer commands. Each target creates .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The CPU build of PyTorch. On a GPU machine install the CUDA build instead, see README.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test bench protos clean venv
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,demo]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/fedpipe demo --nodes 3
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/wire.py
+	$(PY) benchmarks/planner.py
+
+protos: $(VENV)/.installed
+	$(PY) tools/gen_protos.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

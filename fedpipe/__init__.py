@@ -1,0 +1,26 @@
+"""fedpipe: pipeline-parallel training of one PyTorch model across unlike machines.
+
+Public API (imported lazily, so ``fedpipe.planner`` and ``fedpipe.wire`` stay light):
+``Client``, ``Job``, ``OptimizerSpec``, ``optimizer``, ``LocalSwarm``.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Client": "fedpipe.client",
+    "Job": "fedpipe.client",
+    "OptimizerSpec": "fedpipe.runtime.optim",
+    "optimizer": "fedpipe.runtime.optim",
+    "LocalSwarm": "fedpipe.testing",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fedpipe' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

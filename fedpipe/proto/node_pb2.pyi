@@ -1,0 +1,168 @@
+from . import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KIND_UNSPECIFIED: _ClassVar[Kind]
+    KIND_INPUT: _ClassVar[Kind]
+    KIND_TARGET: _ClassVar[Kind]
+    KIND_ACTIVATION: _ClassVar[Kind]
+    KIND_GRADIENT: _ClassVar[Kind]
+KIND_UNSPECIFIED: Kind
+KIND_INPUT: Kind
+KIND_TARGET: Kind
+KIND_ACTIVATION: Kind
+KIND_GRADIENT: Kind
+
+class Resources(_message.Message):
+    __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    device_name: str
+    cores: int
+    memory_bytes: int
+    flops: float
+    hostname: str
+    def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class StageAssignment(_message.Message):
+    __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_CODEC_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_CODEC_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    stage: int
+    node_id: str
+    address: str
+    layer_start: int
+    layer_end: int
+    activation_codec: str
+    gradient_codec: str
+    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("stages", "predicted_step_seconds", "summary")
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
+    predicted_step_seconds: float
+    summary: str
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ...) -> None: ...
+
+class JobConfig(_message.Message):
+    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "compression")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    microbatches: int
+    schedule: str
+    optimizer: bytes
+    loss_fn: bytes
+    compression: str
+    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., compression: _Optional[str] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadStageRequest(_message.Message):
+    __slots__ = ("job_id", "assignment", "n_stages", "layers", "prev_address", "next_address", "config")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    N_STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PREV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    assignment: StageAssignment
+    n_stages: int
+    layers: _containers.RepeatedScalarFieldContainer[bytes]
+    prev_address: str
+    next_address: str
+    config: JobConfig
+    def __init__(self, job_id: _Optional[str] = ..., assignment: _Optional[_Union[StageAssignment, _Mapping]] = ..., n_stages: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., prev_address: _Optional[str] = ..., next_address: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
+
+class LoadStageReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopJobRequest(_message.Message):
+    __slots__ = ("job_id", "reason", "release")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reason: str
+    release: bool
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
+
+class StopJobReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Envelope(_message.Message):
+    __slots__ = ("job_id", "replica", "stage", "kind", "step", "microbatch", "batch_size")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replica: int
+    stage: int
+    kind: Kind
+    step: int
+    microbatch: int
+    batch_size: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("envelope", "tensor", "chunk", "name")
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    envelope: Envelope
+    tensor: _tensor_pb2.Tensor
+    chunk: bytes
+    name: str
+    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., chunk: _Optional[bytes] = ..., name: _Optional[str] = ...) -> None: ...
+
+class SendReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FetchStateRequest(_message.Message):
+    __slots__ = ("job_id", "replica", "stage")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replica: int
+    stage: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,234 @@
+from . import node_pb2 as _node_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_PENDING: _ClassVar[JobState]
+    JOB_STATE_PLANNING: _ClassVar[JobState]
+    JOB_STATE_DEPLOYING: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_RECOVERING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_PENDING: JobState
+JOB_STATE_PLANNING: JobState
+JOB_STATE_DEPLOYING: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_RECOVERING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("name", "address", "resources")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    resources: _node_pb2.Resources
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ...) -> None: ...
+
+class RegisterNodeReply(_message.Message):
+    __slots__ = ("node_id", "lease_seconds")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known", "lease_seconds")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    lease_seconds: float
+    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    name: str
+    address: str
+    resources: _node_pb2.Resources
+    alive: bool
+    last_heartbeat: float
+    registered: float
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., alive: _Optional[bool] = ..., last_heartbeat: _Optional[float] = ..., registered: _Optional[float] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ("include_lost",)
+    INCLUDE_LOST_FIELD_NUMBER: _ClassVar[int]
+    include_lost: bool
+    def __init__(self, include_lost: _Optional[bool] = ...) -> None: ...
+
+class ListNodesReply(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class LayerProfile(_message.Message):
+    __slots__ = ("name", "flops", "activation_bytes", "parameter_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    flops: float
+    activation_bytes: int
+    parameter_bytes: int
+    def __init__(self, name: _Optional[str] = ..., flops: _Optional[float] = ..., activation_bytes: _Optional[int] = ..., parameter_bytes: _Optional[int] = ...) -> None: ...
+
+class ModelProfile(_message.Message):
+    __slots__ = ("layers", "input_bytes")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerProfile]
+    input_bytes: int
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerProfile, _Mapping]]] = ..., input_bytes: _Optional[int] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("name", "layers", "config", "profile", "batch_size", "pending_timeout")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    layers: _containers.RepeatedScalarFieldContainer[bytes]
+    config: _node_pb2.JobConfig
+    profile: ModelProfile
+    batch_size: int
+    pending_timeout: float
+    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[bytes]] = ..., config: _Optional[_Union[_node_pb2.JobConfig, _Mapping]] = ..., profile: _Optional[_Union[ModelProfile, _Mapping]] = ..., batch_size: _Optional[int] = ..., pending_timeout: _Optional[float] = ...) -> None: ...
+
+class SubmitJobReply(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    name: str
+    state: JobState
+    reason: str
+    plan: _node_pb2.Plan
+    step: int
+    steps: int
+    loss: float
+    created: float
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class WatchJobRequest(_message.Message):
+    __slots__ = ("job_id", "after_seq")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    after_seq: int
+    def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("seq", "time", "state", "reason", "step", "loss", "samples_per_second")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    time: float
+    state: JobState
+    reason: str
+    step: int
+    loss: float
+    samples_per_second: float
+    def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ...) -> None: ...
+
+class StageReport(_message.Message):
+    __slots__ = ("job_id", "replica", "stage", "node_id", "status", "step", "loss", "samples", "seconds", "error")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[StageReport.Status]
+        STATUS_STEP: _ClassVar[StageReport.Status]
+        STATUS_DONE: _ClassVar[StageReport.Status]
+        STATUS_FAILED: _ClassVar[StageReport.Status]
+    STATUS_UNSPECIFIED: StageReport.Status
+    STATUS_STEP: StageReport.Status
+    STATUS_DONE: StageReport.Status
+    STATUS_FAILED: StageReport.Status
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replica: int
+    stage: int
+    node_id: str
+    status: StageReport.Status
+    step: int
+    loss: float
+    samples: int
+    seconds: float
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., status: _Optional[_Union[StageReport.Status, str]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StageReportReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,1 @@
+"""fedpipe.tracker."""
