@@ -24,7 +24,7 @@ def make_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) 
     Nodes are taken fastest first; for every chain length k the min-max
     partition (:func:`partition`) is computed and the k with the least
     predicted step time wins, so a node that would slow the job down is left
-    without a stage.
+    without a stage. ``config.stages`` pins the chain length.
 
     Raises:
         PlanError: no node, no layer, or no chain whose stages fit in memory
@@ -37,7 +37,13 @@ def make_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) 
     nodes = sorted(cluster.nodes, key=lambda n: (-n.flops, n.node_id))
     best: tuple[float, list[NodeSpec], list[tuple[int, int]]] | None = None
     mb = config.batch_size / config.microbatches
-    for k in range(1, min(len(nodes), len(profile.layers)) + 1):
+    depths = range(1, min(len(nodes), len(profile.layers)) + 1)
+    if config.stages:
+        if config.stages > min(len(nodes), len(profile.layers)):
+            raise PlanError(f"{config.stages} stages asked for, but there are {len(nodes)} "
+                            f"node(s) and {len(profile.layers)} layer(s)")
+        depths = [config.stages]
+    for k in depths:
         chain = nodes[:k]
         found = partition(chain, profile, config, cluster.link)
         if found is None:

@@ -111,12 +111,14 @@ class TrainConfig:
         schedule: "gpipe" or "1f1b" (or "async", later).
         state_factor: bytes kept per parameter byte for a stage: weights,
             gradients and optimizer state (4 for AdamW: weights, grads, two moments).
+        stages: pipeline depth the user asked for (0: the planner chooses).
     """
 
     batch_size: int
     microbatches: int = 1
     schedule: str = "gpipe"
     state_factor: float = 4.0
+    stages: int = 0
 
 
 @dataclass(frozen=True)

@@ -68,42 +68,42 @@ class Plan(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "compression")
+    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "compression", "stages")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     LOSS_FN_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     steps: int
     microbatches: int
     schedule: str
     optimizer: bytes
     loss_fn: bytes
     compression: str
-    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., compression: _Optional[str] = ...) -> None: ...
+    stages: int
+    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., compression: _Optional[str] = ..., stages: _Optional[int] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("job_id", "assignment", "n_stages", "layers", "prev_address", "next_address", "config")
+    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
-    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
-    N_STAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
-    PREV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    assignment: StageAssignment
-    n_stages: int
+    replica: int
+    stage: int
     layers: _containers.RepeatedScalarFieldContainer[bytes]
-    prev_address: str
-    next_address: str
+    plan: Plan
     config: JobConfig
-    def __init__(self, job_id: _Optional[str] = ..., assignment: _Optional[_Union[StageAssignment, _Mapping]] = ..., n_stages: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., prev_address: _Optional[str] = ..., next_address: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
 
 class LoadStageReply(_message.Message):
     __slots__ = ()

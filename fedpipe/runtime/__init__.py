@@ -1,1 +1,1 @@
-"""fedpipe.runtime."""
+"""Training runtime: schedules, the stage loop, optimizer specs."""

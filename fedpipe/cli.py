@@ -1,0 +1,157 @@
+"""`fedpipe` command line: tracker, node, submit, status, demo."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_tracker(args) -> int:
+    import threading
+    import signal
+
+    from .tracker.service import serve
+
+    srv, service, port = serve(args.host, args.port, args.db, args.lease)
+    print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db})", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    service.close()
+    srv.stop(grace=1).wait()
+    service.store.close()
+    return 0
+
+
+def cmd_node(args) -> int:
+    from .node.daemon import NodeDaemon
+
+    daemon = NodeDaemon(args.tracker, args.host, args.port, advertise=args.advertise,
+                        name=args.name, device=args.device, threads=args.threads,
+                        trust_code=args.trust_code, memory_limit=args.memory_limit)
+    daemon.install_signal_handlers()
+    print(f"fedpipe node {daemon.name} listening on {daemon.address}", flush=True)
+    daemon.run()
+    return 0
+
+
+def cmd_status(args) -> int:
+    from .client import Client
+
+    client = Client(args.tracker)
+    if args.job:
+        info = client.job(args.job).status()
+        print(info)
+        for a in info.plan.stages:
+            print(f"  replica {a.replica} stage {a.stage}: {a.address} layers "
+                  f"{a.layer_start}-{a.layer_end - 1}")
+        return 0
+    from .proto import tracker_pb2
+
+    nodes = client.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=True), timeout=10)
+    print(f"{'node':<14}{'name':<14}{'address':<22}{'state':<7}{'device':<8}"
+          f"{'GFLOP/s':>9}{'GiB':>7}")
+    for n in nodes.nodes:
+        r = n.resources
+        print(f"{n.node_id:<14}{n.name:<14}{n.address:<22}{'alive' if n.alive else 'lost':<7}"
+              f"{r.device:<8}{r.flops / 1e9:>9.1f}{r.memory_bytes / 2**30:>7.1f}")
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from .client import Client
+    from .examples import digits
+
+    digits.train(Client(args.tracker), steps=args.steps, microbatches=args.microbatches,
+                 schedule=args.schedule, stages=args.stages or 0, compression=args.compression)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .examples import digits
+    from .testing import LocalSwarm
+
+    print(f"starting a tracker and {args.nodes} nodes on 127.0.0.1 ...", flush=True)
+    with LocalSwarm(args.nodes) as swarm:
+        print(f"tracker at {swarm.tracker}; nodes: "
+              + ", ".join(f"{n.name} ({n.address})" for n in swarm.client().nodes()), flush=True)
+        # the digits MLP is so small that one node would be fastest: the demo
+        # pins one stage per node to show the pipeline
+        acc = digits.train(swarm.client(), steps=args.steps, microbatches=args.microbatches,
+                           schedule=args.schedule, stages=args.stages or args.nodes,
+                           compression=args.compression)
+    print("swarm stopped.")
+    return 0 if acc >= 0.95 else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedpipe", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tracker", help="run the tracker (control plane)")
+    t.add_argument("--host", default="0.0.0.0")
+    t.add_argument("--port", type=int, default=7070)
+    t.add_argument("--db", default="fedpipe-tracker.db", help="SQLite file for the tracker's state")
+    t.add_argument("--lease", type=float, default=10.0,
+                   help="seconds a node may go without a heartbeat before it is marked lost")
+    t.set_defaults(func=cmd_tracker)
+
+    n = sub.add_parser("node", help="run a node (compute)")
+    n.add_argument("--tracker", required=True, help="tracker HOST:PORT")
+    n.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    n.add_argument("--port", type=int, default=0, help="port (0: any free port)")
+    n.add_argument("--advertise", help="host peers should dial (default: --host)")
+    n.add_argument("--name", default="", help="node name (default: node-PORT)")
+    n.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    n.add_argument("--threads", type=int, default=None, help="torch threads")
+    n.add_argument("--trust-code", action="store_true",
+                   help="accept pickled model code from non-loopback peers (code execution!)")
+    n.add_argument("--memory-limit", type=int, default=None,
+                   help="advertise at most this many bytes of memory")
+    n.set_defaults(func=cmd_node)
+
+    s = sub.add_parser("status", help="list nodes, or show a job")
+    s.add_argument("--tracker", required=True)
+    s.add_argument("job", nargs="?", help="job id")
+    s.set_defaults(func=cmd_status)
+
+    def train_args(q):
+        q.add_argument("--steps", type=int, default=300)
+        q.add_argument("--microbatches", type=int, default=4)
+        q.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+        q.add_argument("--compression", default="auto", help="auto, none or a codec name")
+        q.add_argument("--stages", type=int, default=None,
+                       help="pipeline depth (default: submit lets the planner choose; "
+                            "demo uses every node)")
+
+    u = sub.add_parser("submit", help="train the built-in digits example on a swarm")
+    u.add_argument("--tracker", required=True)
+    train_args(u)
+    u.set_defaults(func=cmd_submit)
+
+    d = sub.add_parser("demo", help="start a local swarm and train the digits example")
+    d.add_argument("--nodes", type=int, default=3)
+    train_args(d)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    _logging(args.verbose)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # the CLI's last word: one line, not a traceback
+        if args.verbose:
+            raise
+        print(f"fedpipe {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

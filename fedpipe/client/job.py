@@ -1,0 +1,281 @@
+"""The Python client: submit a model, feed its data, watch it, collect its weights."""
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import grpc
+import torch
+from torch import nn
+
+from .. import net
+from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
+from ..runtime.optim import OptimizerSpec
+from ..runtime.schedules import SCHEDULES
+from ..wire import codecs, frames
+from .packaging import dumps, pack_layers
+from .profile import profile_model
+
+log = logging.getLogger("fedpipe.client")
+S = tracker_pb2
+TERMINAL = {S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_CANCELLED}
+
+
+def state_name(state: int) -> str:
+    """"RUNNING" for JOB_STATE_RUNNING, and so on."""
+    return S.JobState.Name(state).removeprefix("JOB_STATE_")
+
+
+class JobFailed(RuntimeError):
+    """The job ended FAILED or CANCELLED; the message is the tracker's reason."""
+
+
+@dataclass
+class JobStatus:
+    """A job's state and the reason for it, its progress and its plan."""
+
+    state: str
+    reason: str
+    step: int
+    steps: int
+    loss: float
+    plan: node_pb2.Plan
+
+    def __str__(self) -> str:
+        return f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
+
+
+class Client:
+    """Talks to a tracker at ``HOST:PORT``."""
+
+    def __init__(self, tracker: str):
+        self.address = tracker
+        self.channel = net.channel(tracker)
+        self.stub = tracker_pb2_grpc.TrackerStub(self.channel)
+
+    def nodes(self) -> list[tracker_pb2.NodeInfo]:
+        """The live nodes, in registration order."""
+        return list(self.stub.ListNodes(S.ListNodesRequest(), timeout=10).nodes)
+
+    def submit(self, model: nn.Sequential, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               optimizer: OptimizerSpec, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+               steps: int, microbatches: int = 1, schedule: str = "gpipe",
+               stages: int = 0, compression: str = "auto", name: str = "",
+               pending_timeout: float | None = None) -> "Job":
+        """Submit a training job and start feeding it.
+
+        Args:
+            model: an ``nn.Sequential``; each child is a unit a stage can hold and
+                must map one tensor to one tensor.
+            loss_fn: ``loss_fn(output, target)``, averaging over the batch.
+            optimizer: from :func:`fedpipe.optimizer`; built per stage.
+            data: (input, target) batches, inputs of shape (B, ...); re-iterated
+                if it runs out before ``steps`` batches.
+            steps: optimizer steps, one batch each.
+            microbatches: each batch is split into this many along dim 0.
+            schedule: "gpipe" or "1f1b".
+            stages: pipeline depth (0: the planner chooses from the nodes' speeds and links).
+            compression: "auto", "none" or a codec name.
+            pending_timeout: fail the job if no node takes it within this many seconds.
+
+        Raises:
+            TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
+                bad optimizer.
+            ValueError: bad steps, microbatches or schedule, or empty data.
+            grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
+                with the memory figures) or is unreachable.
+        """
+        layers = pack_layers(model)
+        if not isinstance(optimizer, OptimizerSpec):
+            raise TypeError("optimizer must come from fedpipe.optimizer(torch.optim.X, ...)")
+        if steps < 1 or microbatches < 1:
+            raise ValueError(f"steps and microbatches must be >= 1, got {steps}, {microbatches}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+        batches = _cycle(data)
+        try:
+            first = next(batches)
+        except StopIteration:
+            raise ValueError("data yielded no batch") from None
+        x0, _ = first
+        if x0.shape[0] < microbatches:
+            raise ValueError(f"batch of {x0.shape[0]} samples cannot be split into "
+                             f"{microbatches} microbatches")
+        profile = profile_model(model, x0)
+        config = node_pb2.JobConfig(steps=steps, microbatches=microbatches, schedule=schedule,
+                                    optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
+                                    compression=compression, stages=stages)
+        req = S.SubmitJobRequest(name=name or type(model).__name__, layers=layers, config=config,
+                                 profile=profile, batch_size=x0.shape[0],
+                                 pending_timeout=pending_timeout or 0.0)
+        job_id = self.stub.SubmitJob(req, timeout=60).job_id
+        return Job(self, job_id, model, itertools.chain([first], batches), microbatches)
+
+    def job(self, job_id: str) -> "Job":
+        """Attach to an existing job (to watch it or fetch its weights; no data is fed)."""
+        return Job(self, job_id)
+
+
+def _cycle(data: Iterable) -> Iterator:
+    """Batches of ``data``, starting over when it runs out (if it can be iterated again)."""
+    while True:
+        n = 0
+        for batch in data:
+            n += 1
+            yield batch
+        if n == 0 or iter(data) is data:
+            return
+
+
+class Job:
+    """A submitted job: its status, progress, and trained weights."""
+
+    def __init__(self, client: Client, job_id: str, model: nn.Sequential | None = None,
+                 batches: Iterator | None = None, microbatches: int = 1):
+        self.client, self.id, self._model = client, job_id, model
+        self.microbatches = microbatches
+        self.feed_error: BaseException | None = None
+        self._feeder = None
+        if batches is not None:
+            self._feeder = threading.Thread(target=self._feed, args=(batches,),
+                                            name=f"feed-{job_id}", daemon=True)
+            self._feeder.start()
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    def status(self) -> JobStatus:
+        """The job's current state, reason, progress and plan."""
+        info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id), timeout=10)
+        return JobStatus(state_name(info.state), info.reason, info.step, info.steps, info.loss,
+                         info.plan)
+
+    @property
+    def plan(self) -> node_pb2.Plan:
+        """The plan (empty before PLANNING is over)."""
+        return self.status().plan
+
+    def events(self) -> Iterator[tracker_pb2.JobEvent]:
+        """The job's events from the start, until it ends."""
+        yield from self.client.stub.WatchJob(S.WatchJobRequest(job_id=self.id))
+
+    def wait(self, timeout: float | None = None, progress: bool = True) -> JobStatus:
+        """Block until the job ends, showing a progress bar (step, loss, samples/s).
+
+        Raises:
+            JobFailed: the job ended FAILED or CANCELLED.
+            TimeoutError: it did not end within ``timeout`` seconds.
+        """
+        from tqdm.auto import tqdm
+
+        status = self.status()
+        bar = tqdm(total=status.steps, desc=f"job {self.id}", unit="step", disable=not progress)
+        call = self.client.stub.WatchJob(S.WatchJobRequest(job_id=self.id), timeout=timeout)
+        last_state = None
+        try:
+            for ev in call:
+                if ev.step:
+                    bar.update(ev.step - bar.n)
+                    bar.set_postfix(loss=f"{ev.loss:.4f}", samples_s=f"{ev.samples_per_second:.0f}")
+                elif ev.state != last_state:
+                    bar.write(f"job {self.id}: {state_name(ev.state)} — {ev.reason}")
+                last_state = ev.state
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(f"job {self.id} did not finish within {timeout} s") from None
+            raise
+        finally:
+            bar.close()
+        status = self.status()
+        if status.state != "SUCCEEDED":
+            detail = f"; feeding data failed: {self.feed_error}" if self.feed_error else ""
+            raise JobFailed(f"job {self.id} {status.state}: {status.reason}{detail}")
+        return status
+
+    def cancel(self, reason: str = "cancelled by the client") -> JobStatus:
+        """Cancel the job; its stages stop and drop their weights."""
+        self.client.stub.CancelJob(S.CancelJobRequest(job_id=self.id, reason=reason), timeout=10)
+        return self.status()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights, gathered from the stages, keyed as the model's own state_dict.
+
+        Raises:
+            grpc.RpcError: a stage's node is unreachable or no longer holds the stage.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for a in self.plan.stages:
+            if a.replica != 0:
+                continue
+            stub = node_pb2_grpc.NodeStub(net.channel(a.address))
+            stream = stub.FetchState(node_pb2.FetchStateRequest(job_id=self.id, replica=0,
+                                                                stage=a.stage), timeout=300)
+            for head, t in frames.read_tensors(stream):
+                out[head.name] = t
+        return out
+
+    def model(self) -> nn.Sequential:
+        """A copy of the submitted model carrying the trained weights.
+
+        Raises:
+            RuntimeError: the job was attached by id, so the model is not known here.
+        """
+        if self._model is None:
+            raise RuntimeError("this Job was attached by id; use state_dict() instead")
+        model = copy.deepcopy(self._model)
+        model.load_state_dict(self.state_dict())
+        return model
+
+    def release(self) -> None:
+        """Ask the stages' nodes to drop the job's weights (after :meth:`state_dict`)."""
+        for address in {a.address for a in self.plan.stages}:
+            node_pb2_grpc.NodeStub(net.channel(address)).StopJob(
+                node_pb2.StopJobRequest(job_id=self.id, reason="released", release=True),
+                timeout=10)
+
+    # -- data feeding -------------------------------------------------------
+    def _wait_running(self) -> node_pb2.Plan | None:
+        for ev in self.events():
+            if ev.state == S.JOB_STATE_RUNNING:
+                return self.plan
+            if ev.state in TERMINAL:
+                return None
+        return None
+
+    def _feed(self, batches: Iterator) -> None:
+        try:
+            plan = self._wait_running()
+            if plan is None:
+                return
+            info = self.status()
+            stages = sorted((a for a in plan.stages if a.replica == 0), key=lambda a: a.stage)
+            first, last = stages[0], stages[-1]
+            stubs = {a.address: node_pb2_grpc.NodeStub(net.channel(a.address))
+                     for a in (first, last)}
+            for step in range(info.steps):
+                x, y = next(batches)
+                for mb, (xm, ym) in enumerate(zip(torch.tensor_split(x, self.microbatches),
+                                                  torch.tensor_split(y, self.microbatches))):
+                    for a, kind, t in ((first, node_pb2.KIND_INPUT, xm),
+                                       (last, node_pb2.KIND_TARGET, ym)):
+                        env = node_pb2.Envelope(job_id=self.id, replica=0, stage=a.stage,
+                                                kind=kind, step=step, microbatch=mb,
+                                                batch_size=x.shape[0])
+                        stubs[a.address].Send(frames.to_frames(codecs.encode(t), envelope=env),
+                                              timeout=3600)
+        except StopIteration:
+            self.feed_error = ValueError("data ran out before the last step")
+            self.cancel("the client's data ran out before the last step")
+        except grpc.RpcError as e:
+            if self.status().state not in ("FAILED", "CANCELLED"):
+                self.feed_error = e
+                log.error("feeding job %s failed: %s", self.id, e.details())
+        except BaseException as e:  # noqa: BLE001 — surfaced by wait()
+            self.feed_error = e
+            log.exception("feeding job %s failed", self.id)
+            self.cancel(f"the client could not feed data: {e}")

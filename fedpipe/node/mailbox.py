@@ -1,0 +1,83 @@
+"""Where tensors that arrived for a node's stages wait until the stage takes them."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import Callable, Hashable
+
+import torch
+
+
+class Stopped(Exception):
+    """The stage waiting on the mailbox was stopped."""
+
+
+class Mailbox:
+    """Tensors keyed by ``(slot, kind, step, microbatch)``; ``slot`` names a stage.
+
+    Inputs and targets, which a client may send far ahead, are bounded: a put
+    of a ``bounded`` kind waits while ``capacity`` of them are queued for the
+    slot (backpressure on the sender). Activations and gradients are bounded by
+    the schedule itself.
+    """
+
+    def __init__(self, capacity: int, bounded: tuple[str, ...]):
+        self.capacity, self.bounded = capacity, bounded
+        self._items: dict[tuple, tuple[torch.Tensor, int]] = {}
+        self._counts: dict[tuple, int] = defaultdict(int)
+        self._cond = threading.Condition()
+
+    def put(self, slot: Hashable, kind: str, step: int, mb: int, tensor: torch.Tensor,
+            batch: int, alive: Callable[[], bool] = lambda: True) -> None:
+        """Store a tensor; for bounded kinds wait for room while ``alive()``.
+
+        Raises:
+            Stopped: ``alive()`` turned false while waiting for room.
+            KeyError: a tensor with the same key is already waiting.
+        """
+        key = (slot, kind, step, mb)
+        with self._cond:
+            if kind in self.bounded:
+                while self._counts[(slot, kind)] >= self.capacity:
+                    if not alive():
+                        raise Stopped(f"{kind} for {slot} was not taken")
+                    self._cond.wait(0.1)
+                self._counts[(slot, kind)] += 1
+            if key in self._items:
+                raise KeyError(f"duplicate {kind} for step {step} microbatch {mb}")
+            self._items[key] = (tensor, batch)
+            self._cond.notify_all()
+
+    def get(self, slot: Hashable, kind: str, step: int, mb: int,
+            stopped: Callable[[], bool], timeout: float | None = None) -> tuple[torch.Tensor, int]:
+        """Take the tensor with that key, waiting for it.
+
+        Raises:
+            Stopped: ``stopped()`` turned true first.
+            TimeoutError: nothing came within ``timeout`` seconds.
+        """
+        key = (slot, kind, step, mb)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while key not in self._items:
+                if stopped():
+                    raise Stopped(f"stage {slot} stopped")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no {kind} for step {step} microbatch {mb} "
+                                       f"within {timeout:.0f} s")
+                self._cond.wait(0.1)
+            item = self._items.pop(key)
+            if kind in self.bounded:
+                self._counts[(slot, kind)] -= 1
+            self._cond.notify_all()
+            return item
+
+    def drop(self, match: Callable[[Hashable], bool]) -> None:
+        """Forget every tensor of the slots ``match`` selects."""
+        with self._cond:
+            for key in [k for k in self._items if match(k[0])]:
+                del self._items[key]
+            for key in [k for k in self._counts if match(k[0])]:
+                del self._counts[key]
+            self._cond.notify_all()

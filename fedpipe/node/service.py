@@ -1,0 +1,290 @@
+"""The Node gRPC service: loads stages, runs them, moves their tensors.
+
+Each loaded stage runs its :class:`~fedpipe.runtime.stage.StageRunner` in a
+thread of its own. Tensors that arrive (``Send``) wait in a :class:`Mailbox`
+until the stage takes them; outgoing tensors go through one ordered
+:class:`PeerSender` per peer address, so compute overlaps communication.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Callable
+
+import cloudpickle
+import grpc
+import torch
+from torch import nn
+
+from .. import net
+from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
+from ..runtime.stage import ACTIVATION, GRADIENT, INPUT, TARGET, StageError, StageRunner
+from ..wire import WireError, codecs, frames
+from .mailbox import Mailbox, Stopped
+
+log = logging.getLogger(__name__)
+
+KINDS = {node_pb2.KIND_INPUT: INPUT, node_pb2.KIND_TARGET: TARGET,
+         node_pb2.KIND_ACTIVATION: ACTIVATION, node_pb2.KIND_GRADIENT: GRADIENT}
+KIND_CODES = {v: k for k, v in KINDS.items()}
+SEND_TIMEOUT = 600.0
+
+
+class PeerSender:
+    """Sends tensors to one peer's ``Send`` RPC, in order, from a background thread.
+
+    The first failed send is kept and raised (as StageError) by the next
+    :meth:`submit` or :meth:`flush`.
+    """
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = net.channel(address)
+        self.stub = node_pb2_grpc.NodeStub(self.channel)
+        self.pool = futures.ThreadPoolExecutor(1, thread_name_prefix=f"send-{address}")
+        self.error: Exception | None = None
+        self.pending: list[futures.Future] = []
+
+    def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
+        """Queue ``tensor`` for the peer, encoded with ``codec``.
+
+        Raises:
+            StageError: an earlier send to this peer failed.
+        """
+        self._raise()
+        self.pending = [f for f in self.pending if not f.done()]
+        self.pending.append(self.pool.submit(self._send, envelope, tensor, codec))
+
+    def _send(self, envelope, tensor, codec):
+        try:
+            msg = codecs.encode(tensor, codec)
+            net.retry(lambda: self.stub.Send(frames.to_frames(msg, envelope=envelope),
+                                             timeout=SEND_TIMEOUT),
+                      f"send to {self.address}", attempts=5)
+        except Exception as e:  # kept for the stage thread, which reports it
+            self.error = self.error or e
+
+    def _raise(self):
+        if self.error is not None:
+            detail = self.error.details() if isinstance(self.error, grpc.RpcError) else self.error
+            raise StageError(f"sending to {self.address} failed: {detail}")
+
+    def flush(self) -> None:
+        """Wait for queued sends. Raises StageError if one failed."""
+        futures.wait(self.pending)
+        self._raise()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.channel.close()
+
+
+@dataclass
+class Stage:
+    """A loaded stage: its layers, runner, peers and thread."""
+
+    job_id: str
+    replica: int
+    index: int
+    n_stages: int
+    layer_start: int
+    module: nn.Module
+    runner: StageRunner | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    senders: dict[str, PeerSender] = field(default_factory=dict)
+
+    @property
+    def slot(self) -> tuple[str, int, int]:
+        return (self.job_id, self.replica, self.index)
+
+
+class StageTransport:
+    """:class:`~fedpipe.runtime.stage.Transport` over the node's mailbox and peer senders."""
+
+    def __init__(self, stage: Stage, mailbox: Mailbox, device: torch.device,
+                 prev: node_pb2.StageAssignment | None, mine: node_pb2.StageAssignment,
+                 nxt: node_pb2.StageAssignment | None, sender: Callable[[str], PeerSender]):
+        self.stage, self.mailbox, self.device = stage, mailbox, device
+        # activations go forward with this stage's codec; gradients go back
+        # with the codec the previous stage's link carries them with.
+        self.routes = {
+            ACTIVATION: (nxt, mine.activation_codec or "raw"),
+            GRADIENT: (prev, prev.gradient_codec if prev and prev.gradient_codec else "raw"),
+        }
+        self.sender = sender
+
+    def recv(self, kind, step, microbatch):
+        t, batch = self.mailbox.get(self.stage.slot, kind, step, microbatch,
+                                    stopped=self.stage.stop.is_set)
+        return t.to(self.device), batch
+
+    def send(self, kind, step, microbatch, tensor, batch_size):
+        peer, codec = self.routes[kind]
+        env = node_pb2.Envelope(job_id=self.stage.job_id, replica=self.stage.replica,
+                                stage=peer.stage, kind=KIND_CODES[kind], step=step,
+                                microbatch=microbatch, batch_size=batch_size)
+        self.sender(peer.address).submit(env, tensor, codec)
+
+
+class NodeService(node_pb2_grpc.NodeServicer):
+    """The Node service of one node process.
+
+    Args:
+        node_id: returns the tracker-assigned id (known after registration).
+        resources: what :func:`fedpipe.node.probe.probe` measured.
+        report: sends a StageReport to the tracker (may block briefly).
+        trust_code: load pickled layers from any peer, not only loopback ones.
+        input_capacity: inputs/targets a stage may have queued before Send blocks.
+    """
+
+    def __init__(self, node_id: Callable[[], str], resources: node_pb2.Resources,
+                 report: Callable[[tracker_pb2.StageReport], None], *, trust_code: bool = False,
+                 input_capacity: int = 64):
+        self.node_id, self.resources, self.report = node_id, resources, report
+        self.trust_code = trust_code
+        self.device = torch.device(resources.device or "cpu")
+        self.mailbox = Mailbox(input_capacity, bounded=(INPUT, TARGET))
+        self.stages: dict[tuple[str, int, int], Stage] = {}
+        self.lock = threading.Lock()
+
+    # -- control plane ------------------------------------------------------
+    def Probe(self, request, context):
+        return self.resources
+
+    def LoadStage(self, request, context):
+        if not (self.trust_code or net.is_loopback_peer(context.peer())):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"refusing pickled model code from {context.peer()}: start the node "
+                          "with --trust-code to accept code from non-loopback peers")
+        slot = (request.job_id, request.replica, request.stage)
+        with self.lock:
+            if slot in self.stages:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"stage {slot} is already loaded")
+        try:
+            stage = self._build(request)
+        except Exception as e:  # noqa: BLE001 — any failure of user code is the caller's error
+            log.exception("cannot load stage %s", slot)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"cannot load stage {request.stage}: {type(e).__name__}: {e}")
+        with self.lock:
+            self.stages[slot] = stage
+        stage.thread = threading.Thread(target=self._run, args=(stage, request.config.steps),
+                                        name=f"stage-{request.stage}", daemon=True)
+        stage.thread.start()
+        log.info("loaded job %s stage %d/%d (layers %d..%d)", request.job_id, request.stage,
+                 stage.n_stages, stage.layer_start, stage.layer_start + len(stage.module) - 1)
+        return node_pb2.LoadStageReply()
+
+    def _build(self, request) -> Stage:
+        peers = {(a.replica, a.stage): a for a in request.plan.stages}
+        mine = peers[(request.replica, request.stage)]
+        n_stages = sum(1 for a in request.plan.stages if a.replica == request.replica)
+        layers = [cloudpickle.loads(blob) for blob in request.layers]
+        module = nn.Sequential(*layers).to(self.device)
+        cfg = request.config
+        params = [p for p in module.parameters() if p.requires_grad]
+        opt = cloudpickle.loads(cfg.optimizer).build(params) if params else None
+        last = request.stage == n_stages - 1
+        loss_fn = cloudpickle.loads(cfg.loss_fn) if last else None
+        stage = Stage(request.job_id, request.replica, request.stage, n_stages,
+                      mine.layer_start, module)
+        transport = StageTransport(stage, self.mailbox, self.device,
+                                   peers.get((request.replica, request.stage - 1)), mine,
+                                   peers.get((request.replica, request.stage + 1)),
+                                   lambda addr: self._sender(stage, addr))
+        stage.runner = StageRunner(module, opt, loss_fn, cfg.schedule, request.stage, n_stages,
+                                   cfg.microbatches, transport)
+        return stage
+
+    @staticmethod
+    def _sender(stage: Stage, address: str) -> PeerSender:
+        if address not in stage.senders:
+            stage.senders[address] = PeerSender(address)
+        return stage.senders[address]
+
+    def _report(self, stage: Stage, status, **kw) -> None:
+        self.report(tracker_pb2.StageReport(job_id=stage.job_id, replica=stage.replica,
+                                            stage=stage.index, node_id=self.node_id(),
+                                            status=status, **kw))
+
+    def _run(self, stage: Stage, steps: int) -> None:
+        R = tracker_pb2.StageReport
+        try:
+            for step in range(steps):
+                result = stage.runner.run_step(step)
+                if result.loss is not None:
+                    self._report(stage, R.STATUS_STEP, step=step + 1, loss=result.loss,
+                                 samples=result.samples, seconds=result.seconds)
+            for s in stage.senders.values():
+                s.flush()
+            self._report(stage, R.STATUS_DONE, step=steps)
+            log.info("job %s stage %d done", stage.job_id, stage.index)
+        except Stopped:
+            log.info("job %s stage %d stopped", stage.job_id, stage.index)
+        except Exception as e:  # noqa: BLE001 — reported to the tracker, which fails the job
+            log.exception("job %s stage %d failed", stage.job_id, stage.index)
+            self._report(stage, R.STATUS_FAILED, error=f"{type(e).__name__}: {e}")
+        finally:
+            for s in stage.senders.values():
+                s.close()
+            self.mailbox.drop(lambda slot: slot == stage.slot)
+
+    def StopJob(self, request, context):
+        with self.lock:
+            mine = [s for s in self.stages.values() if s.job_id == request.job_id]
+            if request.release:
+                for s in mine:
+                    del self.stages[s.slot]
+        for s in mine:
+            s.stop.set()
+        self.mailbox.drop(lambda slot: slot[0] == request.job_id)
+        return node_pb2.StopJobReply()
+
+    def stop_all(self) -> None:
+        """Stop every stage (node shutdown)."""
+        with self.lock:
+            for s in self.stages.values():
+                s.stop.set()
+
+    # -- data plane ---------------------------------------------------------
+    def Send(self, request_iterator, context):
+        try:
+            for head, tensor in frames.read_tensors(request_iterator):
+                env = head.envelope
+                slot = (env.job_id, env.replica, env.stage)
+                with self.lock:
+                    stage = self.stages.get(slot)
+                if stage is None or stage.stop.is_set():
+                    context.abort(grpc.StatusCode.NOT_FOUND,
+                                  f"no running stage {env.stage} of job {env.job_id!r} "
+                                  f"(replica {env.replica}) on this node")
+                if env.kind not in KINDS:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"unknown envelope kind {env.kind}")
+                if env.batch_size <= 0:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"envelope batch_size must be positive, got {env.batch_size}")
+                self.mailbox.put(slot, KINDS[env.kind], env.step, env.microbatch, tensor,
+                                 env.batch_size,
+                                 alive=lambda: context.is_active() and not stage.stop.is_set())
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {e}")
+        except KeyError as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except Stopped as e:
+            context.abort(grpc.StatusCode.ABORTED, str(e))
+        return node_pb2.SendReply()
+
+    def FetchState(self, request, context):
+        with self.lock:
+            stage = self.stages.get((request.job_id, request.replica, request.stage))
+        if stage is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no stage {request.stage} of job {request.job_id!r} on this node")
+        for name, t in stage.module.state_dict().items():
+            idx, _, rest = name.partition(".")
+            full = f"{stage.layer_start + int(idx)}.{rest}"
+            yield from frames.to_frames(codecs.encode(t), name=full)

@@ -1,0 +1,302 @@
+"""The Tracker service: node registry with leases, job life cycle, plans, events.
+
+A scheduler thread expires leases, plans PENDING jobs onto live nodes and
+deploys their stages; nodes report steps and completion back through
+``ReportStage``. All state lives in :class:`~fedpipe.tracker.store.Store`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from .. import net, planner
+from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
+from ..runtime import schedules
+from .store import TERMINAL, Store
+
+log = logging.getLogger("fedpipe.tracker")
+S = tracker_pb2
+ACTIVE = {S.JOB_STATE_PLANNING, S.JOB_STATE_DEPLOYING, S.JOB_STATE_RUNNING}
+STATE_NAMES = {v: k.removeprefix("JOB_STATE_") for k, v in S.JobState.items()}
+
+
+def cluster_view(nodes: list[tracker_pb2.NodeInfo]) -> planner.ClusterView:
+    """The planner's view of registered nodes (links not measured yet: default link)."""
+    return planner.ClusterView([planner.NodeSpec(n.node_id, n.resources.flops,
+                                                 n.resources.memory_bytes, n.name,
+                                                 n.resources.device) for n in nodes])
+
+
+def model_profile(p: tracker_pb2.ModelProfile) -> planner.ModelProfile:
+    """The planner's model profile from its message."""
+    return planner.ModelProfile(
+        [planner.LayerProfile(lp.name, lp.flops, lp.activation_bytes, lp.parameter_bytes)
+         for lp in p.layers], p.input_bytes)
+
+
+def train_config(spec: tracker_pb2.SubmitJobRequest) -> planner.TrainConfig:
+    """The planner's training config from a submission."""
+    return planner.TrainConfig(batch_size=spec.batch_size, microbatches=spec.config.microbatches,
+                               schedule=spec.config.schedule, stages=spec.config.stages)
+
+
+def validate(spec: tracker_pb2.SubmitJobRequest) -> str | None:
+    """What is wrong with a submission, or None."""
+    c = spec.config
+    if not spec.layers:
+        return "the job has no layers"
+    if len(spec.profile.layers) != len(spec.layers):
+        return (f"the profile has {len(spec.profile.layers)} layers but the job "
+                f"{len(spec.layers)}")
+    if c.steps < 1:
+        return f"steps must be >= 1, got {c.steps}"
+    if c.stages < 0 or c.stages > len(spec.layers):
+        return f"stages must be between 0 and the {len(spec.layers)} layers, got {c.stages}"
+    if c.microbatches < 1:
+        return f"microbatches must be >= 1, got {c.microbatches}"
+    if spec.batch_size < c.microbatches:
+        return f"batch_size {spec.batch_size} is smaller than microbatches {c.microbatches}"
+    if c.schedule not in schedules.SCHEDULES:
+        return f"unknown schedule {c.schedule!r}; choose one of {sorted(schedules.SCHEDULES)}"
+    if not c.optimizer or not c.loss_fn:
+        return "the job needs an optimizer and a loss function"
+    return None
+
+
+class TrackerService(tracker_pb2_grpc.TrackerServicer):
+    """The tracker. ``lease`` is the heartbeat lease in seconds."""
+
+    def __init__(self, store: Store, lease: float = 10.0):
+        self.store, self.lease = store, lease
+        self.wake = threading.Condition()
+        self.stop_event = threading.Event()
+        self.store.renew_all()
+        self.thread = threading.Thread(target=self._scheduler, name="scheduler", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop_event.set()
+        self._notify()
+        self.thread.join(timeout=5)
+
+    def _notify(self) -> None:
+        with self.wake:
+            self.wake.notify_all()
+
+    # -- nodes --------------------------------------------------------------
+    def RegisterNode(self, request, context):
+        if not request.address or ":" not in request.address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"node address must be HOST:PORT, got {request.address!r}")
+        if request.resources.flops <= 0 or request.resources.memory_bytes <= 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "node resources must have positive flops and memory_bytes")
+        node_id = self.store.upsert_node(request.name or request.address, request.address,
+                                         request.resources)
+        log.info("node %s (%s) registered at %s", request.name, node_id, request.address)
+        self._notify()
+        return S.RegisterNodeReply(node_id=node_id, lease_seconds=self.lease)
+
+    def Heartbeat(self, request, context):
+        return S.HeartbeatReply(known=self.store.heartbeat(request.node_id),
+                                lease_seconds=self.lease)
+
+    def ListNodes(self, request, context):
+        return S.ListNodesReply(nodes=self.store.nodes(request.include_lost))
+
+    # -- jobs ---------------------------------------------------------------
+    def SubmitJob(self, request, context):
+        problem = validate(request)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        nodes = self.store.nodes()
+        if nodes:
+            need = planner.stage_memory_bytes(model_profile(request.profile), 0,
+                                              len(request.layers), train_config(request), 0, 1)
+            have = sum(n.resources.memory_bytes for n in nodes)
+            if need > have:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"the job needs about {need / 2**20:.1f} MiB (weights, gradients, "
+                              f"optimizer state, activations) but the swarm's {len(nodes)} "
+                              f"node(s) have {have / 2**20:.1f} MiB in all")
+        reason = "queued for planning" if nodes else "waiting for a node to register"
+        job_id = self.store.add_job(request, reason)
+        log.info("job %s submitted: %d layers, %d steps", job_id, len(request.layers),
+                 request.config.steps)
+        self._notify()
+        return S.SubmitJobReply(job_id=job_id)
+
+    def _job(self, job_id, context) -> tracker_pb2.JobInfo:
+        try:
+            return self.store.job(job_id)
+        except KeyError:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
+
+    def GetJob(self, request, context):
+        return self._job(request.job_id, context)
+
+    def CancelJob(self, request, context):
+        job = self._job(request.job_id, context)
+        if self.store.set_state(job.job_id, S.JOB_STATE_CANCELLED,
+                                request.reason or "cancelled by the client"):
+            self._stop_stages(job.job_id, "cancelled", release=True)
+            self._notify()
+        return self.store.job(job.job_id)
+
+    def WatchJob(self, request, context):
+        self._job(request.job_id, context)
+        seq = request.after_seq
+        while context.is_active() and not self.stop_event.is_set():
+            events = self.store.events(request.job_id, seq)
+            for ev in events:
+                yield ev
+                seq = ev.seq
+            if not events:
+                if self.store.job(request.job_id).state in TERMINAL:
+                    return
+                with self.wake:
+                    self.wake.wait(0.5)
+
+    def ReportStage(self, request, context):
+        R = S.StageReport
+        try:
+            job = self.store.job(request.job_id)
+        except KeyError:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
+        if job.state in TERMINAL:
+            return S.StageReportReply()
+        if request.status == R.STATUS_STEP:
+            sps = request.samples / request.seconds if request.seconds > 0 else 0.0
+            self.store.record_step(job.job_id, request.step, request.loss, sps)
+        elif request.status == R.STATUS_DONE:
+            if self.store.stage_done(job.job_id, request.replica, request.stage):
+                self.store.set_state(job.job_id, S.JOB_STATE_SUCCEEDED,
+                                     f"all {job.steps} steps done")
+                log.info("job %s succeeded", job.job_id)
+        elif request.status == R.STATUS_FAILED:
+            self._fail(job.job_id, f"stage {request.stage} (replica {request.replica}) on node "
+                                   f"{request.node_id} failed: {request.error}")
+        else:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unknown report status {request.status}")
+        self._notify()
+        return S.StageReportReply()
+
+    # -- scheduling ---------------------------------------------------------
+    def _fail(self, job_id: str, reason: str) -> None:
+        if self.store.set_state(job_id, S.JOB_STATE_FAILED, reason):
+            log.warning("job %s failed: %s", job_id, reason)
+            self._stop_stages(job_id, reason, release=False)
+
+    def _stop_stages(self, job_id: str, reason: str, release: bool) -> None:
+        plan = self.store.job(job_id).plan
+        for address in {a.address for a in plan.stages}:
+            try:
+                node_pb2_grpc.NodeStub(net.channel(address)).StopJob(
+                    node_pb2.StopJobRequest(job_id=job_id, reason=reason, release=release),
+                    timeout=5)
+            except grpc.RpcError as e:
+                log.warning("could not stop job %s on %s: %s", job_id, address, e.details())
+
+    def _scheduler(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 — keep scheduling whatever one job did
+                log.exception("scheduler error")
+            with self.wake:
+                self.wake.wait(min(1.0, self.lease / 4))
+
+    def _tick(self) -> None:
+        lost = set(self.store.expire_nodes(self.lease))
+        for nid in lost:
+            log.warning("node %s missed its lease of %.1f s: marked lost", nid, self.lease)
+        if lost:
+            for job_id in self.store.jobs_in(*ACTIVE):
+                used = {a.node_id for a in self.store.job(job_id).plan.stages}
+                if used & lost:
+                    self._fail(job_id, f"node(s) {', '.join(sorted(used & lost))} lost "
+                                       f"(no heartbeat for {self.lease:.0f} s)")
+        for job_id in self.store.jobs_in(S.JOB_STATE_PENDING):
+            spec = self.store.spec(job_id)
+            job = self.store.job(job_id)
+            nodes = self.store.nodes()
+            if not nodes:
+                if spec.pending_timeout and time.time() - job.created > spec.pending_timeout:
+                    self._fail(job_id, f"no node registered within {spec.pending_timeout:.0f} s")
+                continue
+            self._start(job_id, spec, nodes)
+
+    def _start(self, job_id: str, spec: tracker_pb2.SubmitJobRequest,
+               nodes: list[tracker_pb2.NodeInfo]) -> None:
+        if not self.store.set_state(job_id, S.JOB_STATE_PLANNING,
+                                    f"planning over {len(nodes)} node(s)",
+                                    only_from={S.JOB_STATE_PENDING}):
+            return
+        try:
+            plan = planner.make_plan(cluster_view(nodes), model_profile(spec.profile),
+                                     train_config(spec))
+        except planner.PlanError as e:
+            self._fail(job_id, f"no plan: {e}")
+            return
+        msg = plan_message(plan, {n.node_id: n for n in nodes})
+        self.store.set_plan(job_id, msg)
+        self.store.set_state(job_id, S.JOB_STATE_DEPLOYING, "loading stages: " + msg.summary)
+        error = self._deploy(job_id, spec, msg)
+        if error:
+            self._fail(job_id, error)
+        else:
+            self.store.set_state(job_id, S.JOB_STATE_RUNNING, "all stages loaded",
+                                 only_from={S.JOB_STATE_DEPLOYING})
+        self._notify()
+
+    def _deploy(self, job_id: str, spec, plan: node_pb2.Plan) -> str | None:
+        def load(a: node_pb2.StageAssignment):
+            req = node_pb2.LoadStageRequest(
+                job_id=job_id, replica=a.replica, stage=a.stage, plan=plan, config=spec.config,
+                layers=self.store.layers(job_id, a.layer_start, a.layer_end))
+            node_pb2_grpc.NodeStub(net.channel(a.address)).LoadStage(req, timeout=120)
+
+        with futures.ThreadPoolExecutor(max(1, len(plan.stages))) as pool:
+            results = {a.stage: pool.submit(load, a) for a in plan.stages}
+        for stage, fut in sorted(results.items()):
+            err = fut.exception()
+            if err is not None:
+                detail = err.details() if isinstance(err, grpc.RpcError) else str(err)
+                return f"stage {stage} could not be loaded: {detail}"
+        return None
+
+
+def plan_message(plan: planner.Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2.Plan:
+    """The Plan message for a planner plan, with node addresses and a one-line summary."""
+    msg = node_pb2.Plan(predicted_step_seconds=plan.predicted_step_seconds)
+    parts = []
+    for r, group in enumerate(plan.groups):
+        for i, s in enumerate(group.stages):
+            n = nodes[s.node_id]
+            msg.stages.append(node_pb2.StageAssignment(
+                replica=r, stage=i, node_id=s.node_id, address=n.address,
+                layer_start=s.layer_start, layer_end=s.layer_end,
+                activation_codec=s.activation_codec, gradient_codec=s.gradient_codec))
+            parts.append(f"{n.name}: layers {s.layer_start}-{s.layer_end - 1}")
+    msg.summary = "; ".join(parts)
+    return msg
+
+
+def serve(host: str, port: int, db: str, lease: float = 10.0) -> tuple[grpc.Server, TrackerService, int]:
+    """Start a tracker server; returns ``(server, service, port)``.
+
+    Raises:
+        OSError: the port cannot be bound.
+        sqlite3.Error: the database cannot be opened.
+    """
+    service = TrackerService(Store(db), lease)
+    srv = net.server(32)
+    tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
+    real = net.bind(srv, host, port)
+    srv.start()
+    return srv, service, real

@@ -1,0 +1,84 @@
+"""Chunking: one tensor message <-> a sequence of Frames of at most ~1 MiB each.
+
+A large tensor never hits a gRPC message cap: its payload is cut into pieces
+of ``CHUNK_BYTES``; the first frame carries the header (and routing envelope or
+name), the rest carry only bytes. The receiver checks the pieces add up to the
+declared ``payload_bytes`` before it decodes.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from ..proto import node_pb2, tensor_pb2
+from . import codecs
+from .codecs import WireError
+
+CHUNK_BYTES = 1 << 20
+
+
+def to_frames(msg: tensor_pb2.Tensor, *, envelope: node_pb2.Envelope | None = None,
+              name: str = "", chunk_bytes: int = CHUNK_BYTES) -> Iterator[node_pb2.Frame]:
+    """Split an encoded tensor into frames; the first carries ``envelope`` and ``name``."""
+    payload = msg.payload
+    head = tensor_pb2.Tensor()
+    head.CopyFrom(msg)
+    head.payload = payload[:chunk_bytes]
+    head.payload_bytes = len(payload)
+    yield node_pb2.Frame(envelope=envelope, tensor=head, name=name)
+    view = memoryview(payload)
+    for off in range(chunk_bytes, len(payload), chunk_bytes):
+        yield node_pb2.Frame(chunk=bytes(view[off:off + chunk_bytes]))
+
+
+def encode_frames(t: torch.Tensor, codec: str = "raw", **kw) -> Iterator[node_pb2.Frame]:
+    """Encode ``t`` with ``codec`` and split it; ``kw`` goes to :func:`to_frames`."""
+    return to_frames(codecs.encode(t, codec), **kw)
+
+
+def read_tensors(frames: Iterable[node_pb2.Frame],
+                 max_payload_bytes: int = 1 << 40) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
+    """Reassemble and decode the tensors of a frame stream.
+
+    Yields ``(first_frame, tensor)`` for each tensor; ``first_frame`` carries the
+    envelope and name.
+
+    Raises:
+        WireError: a continuation frame without a header, pieces that do not
+            add up to ``payload_bytes``, a payload over ``max_payload_bytes``,
+            or a malformed tensor (see :func:`fedpipe.wire.codecs.decode`).
+    """
+    head: node_pb2.Frame | None = None
+    parts: list[bytes] = []
+    size = 0
+
+    def finish():
+        if size != head.tensor.payload_bytes:
+            raise WireError(f"tensor stream ended after {size} payload bytes, header declared "
+                            f"{head.tensor.payload_bytes}")
+        msg = head.tensor
+        if len(parts) > 1:
+            msg = tensor_pb2.Tensor()
+            msg.CopyFrom(head.tensor)
+            msg.payload = b"".join(parts)
+        return head, codecs.decode(msg)
+
+    for frame in frames:
+        if frame.HasField("tensor"):
+            if head is not None:
+                yield finish()
+            head, parts, size = frame, [frame.tensor.payload], len(frame.tensor.payload)
+            if head.tensor.payload_bytes > max_payload_bytes:
+                raise WireError(f"tensor payload of {head.tensor.payload_bytes} bytes exceeds "
+                                f"the limit of {max_payload_bytes}")
+        elif head is None:
+            raise WireError("frame stream starts with a continuation chunk, not a tensor header")
+        else:
+            parts.append(frame.chunk)
+            size += len(frame.chunk)
+        if head is not None and size > head.tensor.payload_bytes:
+            raise WireError(f"tensor stream carries more than the declared "
+                            f"{head.tensor.payload_bytes} payload bytes")
+    if head is not None:
+        yield finish()
