@@ -5,9 +5,8 @@ import copy
 import itertools
 import logging
 import threading
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import grpc
 import torch

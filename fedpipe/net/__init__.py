@@ -25,6 +25,9 @@ _OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # a restarted peer is found again within 2 s, not after gRPC's default 2 min backoff
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 T = TypeVar("T")

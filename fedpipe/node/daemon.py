@@ -76,7 +76,7 @@ class NodeDaemon:
                  self.resources.memory_bytes / 2**30)
 
     def _heartbeat(self) -> None:
-        while not self.stop_event.wait(self.lease / 3):
+        while not self.stop_event.wait(self.lease / 4):
             try:
                 reply = self.tracker.Heartbeat(
                     tracker_pb2.HeartbeatRequest(node_id=self.node_id), timeout=5)

@@ -16,18 +16,29 @@ from ..client import Client
 _LISTEN = re.compile(r"tracker listening on (\S+)")
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
+def die_with_parent() -> None:
+    """Have the kernel send SIGTERM to this process when its parent dies (Linux).
+
+    Called at start-up by processes a LocalSwarm starts (``FEDPIPE_PARENT_PID``
+    is set); not a ``preexec_fn``, since forking a process that runs gRPC
+    threads and then running Python code before exec can abort the child.
+    """
+    parent = os.environ.get("FEDPIPE_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):  # the parent died before prctl
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def child_env(threads: int = 1) -> dict[str, str]:
     """Environment for a swarm process: ``threads`` BLAS/OpenMP threads."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", FEDPIPE_PARENT_PID=str(os.getpid()))
     return env
 
 
@@ -64,11 +75,14 @@ class LocalSwarm:
 
     # -- processes ----------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = self.workdir / f"{name}.log"
-        with open(log, "ab") as out:
+        log, n = self.workdir / f"{name}.log", 1
+        while log.exists():  # a restarted process gets a log of its own
+            n += 1
+            log = self.workdir / f"{name}-{n}.log"
+        with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "fedpipe", *args], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=child_env(self.threads), preexec_fn=_die_with_parent)
+                                    env=child_env(self.threads))
         self._logs[proc] = log
         return proc
 

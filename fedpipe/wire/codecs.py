@@ -1,18 +1,59 @@
 """Tensor codecs: torch.Tensor <-> fedpipe.v1.Tensor message.
 
-Each codec is a pair of pure functions registered by name. A message names its
-own codec and parameters, so a receiver needs no out-of-band knowledge.
-Decoders validate every header field against the payload before they allocate.
+Each codec is a pair of pure functions registered by name in :data:`CODECS`.
+A message names its own codec and parameters, so a receiver needs no
+out-of-band knowledge. Decoders validate every header field against the
+payload before they allocate.
+
+Codec spec strings (see :func:`parse_codec`)::
+
+    spec  := name [":" param] ["+zstd" [":" level]]
+    raw | fp16 | bf16          no parameter
+    int8[:B]                   B = values per scale block, 16..65536 (default 128)
+    topk[:F]                   F = fraction of entries kept, 1e-6..1 (default 0.01)
+    +zstd[:L]                  zstandard level L, 1..22 (default 1)
+
+e.g. ``"int8:64+zstd"``, ``"topk:0.05+zstd:3"``.
+
+Wire layouts, little-endian, C order; ``encoded_bytes`` is the length of the
+codec output before zstd, n = number of elements:
+
+======  ==========================  =========================================  ====================
+codec   header fields               payload (before zstd)                      encoded_bytes
+======  ==========================  =========================================  ====================
+raw     -                           n values of ``dtype``                      n·itemsize(dtype)
+fp16    -                           n float16, saturated to ±65504             2n
+bf16    -                           n bfloat16, saturated to its finite range  2n
+int8    ``block_size`` = B          ⌈n/B⌉ float32 scales, then n int8          4⌈n/B⌉ + n
+topk    ``k``, ``value_dtype``      k flat indices, strictly increasing, then  k·(w + itemsize(
+                                    k values of ``value_dtype``; index width   value_dtype))
+                                    w = 4 (int32) if n < 2**31 else 8 (int64)
+======  ==========================  =========================================  ====================
+
+The topk index width is not a header field: it follows from ``shape`` (n), so
+the message still describes itself completely.
+
+The lossy codecs (fp16, bf16, int8, topk) apply to floating tensors only. A
+tensor of another dtype (token ids, masks) sent with a lossy codec falls back
+to ``raw`` (zstd still applies), so any tensor can be sent on any link.
 """
 from __future__ import annotations
 
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Hashable, NamedTuple
+
 import torch
+import torch.nn.functional as F
+import zstandard
 
 from ..proto import tensor_pb2 as pb
 
 
 class WireError(ValueError):
-    """A tensor message is malformed: the message says which field and why."""
+    """A tensor message or codec spec is malformed: the message says which field and why."""
 
 
 DTYPES: dict[torch.dtype, int] = {
@@ -22,59 +63,476 @@ DTYPES: dict[torch.dtype, int] = {
     torch.int8: pb.DTYPE_INT8, torch.uint8: pb.DTYPE_UINT8, torch.bool: pb.DTYPE_BOOL,
 }
 TORCH_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPES.items()}
-MAX_ELEMENTS = 2**40
+
+MAX_DIMS = 64
+MAX_TENSOR_BYTES = 1 << 34
+"""Default bound (16 GiB) on a decoded tensor and on its codec output; see :func:`decode`."""
 
 
-def _shape_numel(msg: pb.Tensor) -> int:
-    numel = 1
-    for d in msg.shape:
-        if d < 0:
-            raise WireError(f"tensor shape {list(msg.shape)} has a negative dimension")
-        numel *= d
-        if numel > MAX_ELEMENTS:
-            raise WireError(f"tensor shape {list(msg.shape)} has more than 2**40 elements")
-    return numel
+# ---------------------------------------------------------------------------
+# Codec specs
 
 
-def _torch_dtype(code: int) -> torch.dtype:
-    try:
-        return TORCH_DTYPES[code]
-    except KeyError:
-        raise WireError(f"unknown tensor dtype code {code}") from None
+@dataclass(frozen=True)
+class CodecSpec:
+    """A parsed codec spec string (see the module docstring for the syntax).
 
-
-def encode(t: torch.Tensor, codec: str = "raw") -> pb.Tensor:
-    """Encode a tensor (any shape, a dtype in :data:`DTYPES`) as a message.
+    Attributes:
+        name: key of :data:`CODECS` (``raw``, ``fp16``, ``bf16``, ``int8``, ``topk``).
+        block_size: int8 only: values per float32 scale, 16..65536.
+        fraction: topk only: fraction of the entries kept, 1e-6..1; at least one
+            entry of a non-empty tensor is kept.
+        zstd_level: zstandard level 1..22, or None for no zstd.
 
     Raises:
-        WireError: unsupported dtype or unknown codec name.
+        WireError: unknown name or a parameter out of range.
+    """
+    name: str
+    block_size: int = 128
+    fraction: float = 0.01
+    zstd_level: int | None = None
+
+    def __post_init__(self):
+        if self.name not in CODECS:
+            raise WireError(f"unknown codec {self.name!r}; known: {sorted(CODECS)}")
+        _check_range("int8 block_size", self.block_size, 16, 65536)
+        _check_range("topk fraction", self.fraction, 1e-6, 1.0)
+        if self.zstd_level is not None:
+            _check_range("zstd level", self.zstd_level, 1, 22)
+
+    def k(self, numel: int) -> int:
+        """topk: number of entries kept out of ``numel``: ⌈fraction·numel⌉, at least 1."""
+        return min(numel, max(1, math.ceil(self.fraction * numel)))
+
+    def __str__(self) -> str:
+        param = CODECS[self.name].param
+        text = self.name if param is None else f"{self.name}:{getattr(self, param)}"
+        return text if self.zstd_level is None else f"{text}+zstd:{self.zstd_level}"
+
+
+def _check_range(what: str, value, lo, hi) -> None:
+    if not lo <= value <= hi:
+        raise WireError(f"{what} must be in [{lo}, {hi}], got {value}")
+
+
+_SPEC_RE = re.compile(r"(?P<name>\w+)(?::(?P<param>[^+]+))?(?P<zstd>\+zstd(?::(?P<level>[^+]+))?)?")
+
+
+@lru_cache(maxsize=256)
+def parse_codec(spec: str) -> CodecSpec:
+    """Parse a codec spec string such as ``"int8:64+zstd"`` or ``"topk:0.05+zstd:3"``.
+
+    Raises:
+        WireError: the string does not follow the grammar, names an unknown
+            codec, gives a parameter to a codec that takes none, or a value
+            out of range.
+    """
+    m = _SPEC_RE.fullmatch(spec) if isinstance(spec, str) else None
+    if m is None:
+        raise WireError(f"bad codec spec {spec!r}: expected NAME[:PARAM][+zstd[:LEVEL]], "
+                        f"e.g. 'int8:64+zstd'")
+    name, param, level = m["name"], m["param"], m["level"]
+    if name not in CODECS:
+        raise WireError(f"bad codec spec {spec!r}: unknown codec {name!r}; known: {sorted(CODECS)}")
+    kwargs: dict = {"zstd_level": (1 if level is None else _number(spec, level, int))
+                    if m["zstd"] else None}
+    if param is not None:
+        field = CODECS[name].param
+        if field is None:
+            raise WireError(f"bad codec spec {spec!r}: codec {name!r} takes no parameter")
+        kwargs[field] = _number(spec, param, type(getattr(CodecSpec, field)))
+    return CodecSpec(name, **kwargs)
+
+
+def _number(spec: str, text: str, kind: type):
+    try:
+        return kind(text)
+    except ValueError:
+        raise WireError(f"bad codec spec {spec!r}: {text!r} is not a valid {kind.__name__}") from None
+
+
+# ---------------------------------------------------------------------------
+# Error feedback
+
+
+class ErrorFeedback:
+    """Residual memory for lossy gradient compression ("error feedback").
+
+    Before a tensor is encoded, the residual stored under its key is added to
+    it; after encoding, the new residual ``t + residual - sent`` is stored,
+    where ``sent`` is exactly what the receiver will decode. So what a codec
+    drops is delayed, not lost: over steps, ``sum(sent) + residual ==
+    sum(inputs)`` up to float32 rounding. Residuals are float32 (float64 for
+    float64 tensors), on the tensor's device, shaped like the tensor.
+
+    Source: Stich, Cordonnier & Jaggi, "Sparsified SGD with Memory" (NeurIPS
+    2018); Lin et al., "Deep Gradient Compression" (ICLR 2018); it works for
+    any lossy codec (Karimireddy et al., "Error Feedback Fixes SignSGD", 2019).
+
+    Use one key per link and tensor slot, e.g. ``(peer, "grad", stage, slot)``.
+    Not locked: one key must not be encoded from two threads at once.
+    """
+
+    def __init__(self) -> None:
+        self._residuals: dict[Hashable, torch.Tensor] = {}
+
+    def residual(self, key: Hashable) -> torch.Tensor | None:
+        """The residual stored under ``key`` (not yet sent), or None."""
+        return self._residuals.get(key)
+
+    def reset(self, key: Hashable | None = None) -> None:
+        """Forget the residual of ``key``, or all residuals when ``key`` is None."""
+        if key is None:
+            self._residuals.clear()
+        else:
+            self._residuals.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._residuals)
+
+    def _compensate(self, key: Hashable, t: torch.Tensor) -> torch.Tensor:
+        """``t`` plus the residual stored under ``key``, flat, in float32 or wider.
+
+        Raises:
+            ValueError: the key holds a residual of another shape (a reused key).
+        """
+        acc = t.reshape(-1).to(torch.promote_types(t.dtype, torch.float32), copy=True)
+        residual = self._residuals.get(key)
+        if residual is not None:
+            if residual.shape != t.shape:
+                raise ValueError(f"error feedback key {key!r} holds a residual of shape "
+                                 f"{list(residual.shape)}, the tensor has shape {list(t.shape)}; "
+                                 f"use one key per tensor slot or reset() it")
+            acc += residual.reshape(-1).to(acc)
+        return acc
+
+    def _remember(self, key: Hashable, residual: torch.Tensor) -> None:
+        self._residuals[key] = residual
+
+
+# ---------------------------------------------------------------------------
+# The codecs: pure functions over 1-D tensors and byte buffers
+
+
+class _Header(NamedTuple):
+    """A message's validated header: what a codec's size and decode functions see."""
+    msg: pb.Tensor
+    dtype: torch.dtype
+    numel: int
+
+
+def _view(buf: bytearray, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+    """``count`` values of ``dtype`` at byte ``offset`` of ``buf``, without a copy."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+
+
+def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
+    """``flat`` zero-padded to whole blocks and viewed as (⌈n/block⌉, block)."""
+    return F.pad(flat, (0, -flat.numel() % block)).view(-1, block)
+
+
+# raw ----------------------------------------------------------------------
+
+def _raw_encode(flat, spec):
+    return [flat], {}
+
+
+def _raw_size(h):
+    return h.numel * h.dtype.itemsize
+
+
+def _raw_decode(buf, h):
+    return _view(buf, h.dtype, h.numel)
+
+
+# fp16, bf16: a cast to a 2-byte float, saturated ---------------------------
+
+def _cast_codec(wire: torch.dtype):
+    """Encode, size and decode functions of a codec that casts to ``wire``."""
+    fmax = torch.finfo(wire).max
+
+    def encode(flat, spec):
+        # Out-of-range values become ±inf in the cast; clamping the result
+        # saturates them to ±fmax (NaN stays NaN). Same as clamping first, and
+        # exact even for sources (bf16) that cannot represent fmax.
+        return [flat.to(wire, copy=True).clamp_(-fmax, fmax)], {}
+
+    def size(h):
+        return h.numel * wire.itemsize
+
+    def decode(buf, h):
+        return _view(buf, wire, h.numel).to(h.dtype)
+
+    return encode, size, decode
+
+
+# int8: blockwise absmax quantisation --------------------------------------
+
+def _int8_encode(flat, spec):
+    """Blockwise absmax: per block of B values, scale = max|x|/127, q = round(x/scale).
+
+    Source: Dettmers et al., "8-bit Optimizers via Block-wise Quantization"
+    (ICLR 2022) and "LLM.int8()" (NeurIPS 2022). Non-finite values make their
+    block decode to NaN.
+    """
+    blocks = _blocks(flat.float(), spec.block_size)
+    scales = blocks.abs().amax(dim=1) / 127
+    inverse = torch.where(scales > 0, 1 / scales, 0)
+    q = (blocks * inverse[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return [scales, q.view(-1)[:flat.numel()]], {"block_size": spec.block_size}
+
+
+def _int8_blocks(h) -> int:
+    _check_range("int8 block_size", h.msg.block_size, 16, 65536)
+    return -(-h.numel // h.msg.block_size)
+
+
+def _int8_size(h):
+    return 4 * _int8_blocks(h) + h.numel
+
+
+def _int8_decode(buf, h):
+    nblocks = _int8_blocks(h)
+    scales = _view(buf, torch.float32, nblocks)
+    q = _view(buf, torch.int8, h.numel, offset=4 * nblocks)
+    values = _blocks(q.float(), h.msg.block_size) * scales[:, None]
+    return values.view(-1)[:h.numel].to(h.dtype)
+
+
+# topk: sparsification ------------------------------------------------------
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def _topk_encode(flat, spec):
+    """Keep the k largest-magnitude entries (flat indices ascending, exact values).
+
+    Source: Stich et al., "Sparsified SGD with Memory" (2018); Lin et al.,
+    "Deep Gradient Compression" (2018). Pair it with :class:`ErrorFeedback`.
+    """
+    k = spec.k(flat.numel())
+    index = flat.abs().topk(k, sorted=False).indices.sort().values
+    return ([index.to(_index_dtype(flat.numel())), flat[index]],
+            {"k": k, "value_dtype": DTYPES[flat.dtype]})
+
+
+def _topk_value_dtype(h) -> torch.dtype:
+    dtype = TORCH_DTYPES.get(h.msg.value_dtype)
+    if dtype is None or not dtype.is_floating_point:
+        raise WireError(f"topk value_dtype code {h.msg.value_dtype} is not a floating dtype")
+    return dtype
+
+
+def _topk_size(h):
+    if h.msg.k > h.numel:
+        raise WireError(f"topk k={h.msg.k} exceeds the tensor's {h.numel} elements")
+    return h.msg.k * (_index_dtype(h.numel).itemsize + _topk_value_dtype(h).itemsize)
+
+
+def _topk_decode(buf, h):
+    k, index_dtype = h.msg.k, _index_dtype(h.numel)
+    index = _view(buf, index_dtype, k).long()
+    if k and not (0 <= index[0] and index[-1] < h.numel):
+        raise WireError(f"topk indices run from {int(index[0])} to {int(index[-1])}, outside "
+                        f"[0, {h.numel})")
+    disorder = (index[1:] <= index[:-1]).nonzero()
+    if len(disorder):
+        i = int(disorder[0])
+        raise WireError(f"topk indices must strictly increase: index[{i}]={int(index[i])}, "
+                        f"index[{i + 1}]={int(index[i + 1])}")
+    values = _view(buf, _topk_value_dtype(h), k, offset=k * index_dtype.itemsize)
+    out = torch.zeros(h.numel, dtype=h.dtype)
+    out[index] = values.to(h.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The registry
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One registered codec: pure functions over flat (1-D, contiguous) tensors.
+
+    Attributes:
+        name: the name in spec strings.
+        code: its ``fedpipe.v1.Codec`` enum value.
+        lossy: floating tensors only; other dtypes fall back to raw.
+        encode: ``(flat, spec) -> (parts, fields)``: tensors whose bytes,
+            concatenated, are the codec output, and the header fields to set.
+        size: ``(header) -> int``: the codec output's length in bytes implied
+            by the header; validates the codec's header fields (WireError).
+        decode: ``(buf, header) -> flat``: the 1-D tensor of ``header.dtype``
+            from a buffer of exactly ``size(header)`` bytes (WireError on bad
+            content).
+        fields: header fields the codec uses (the others must be zero).
+        param: the :class:`CodecSpec` field its spec parameter sets, if any.
+    """
+    name: str
+    code: int
+    lossy: bool
+    encode: Callable[[torch.Tensor, CodecSpec], tuple[list[torch.Tensor], dict]]
+    size: Callable[[_Header], int]
+    decode: Callable[[bytearray, _Header], torch.Tensor]
+    fields: tuple[str, ...] = ()
+    param: str | None = None
+
+
+CODECS: dict[str, Codec] = {c.name: c for c in (
+    Codec("raw", pb.CODEC_RAW, False, _raw_encode, _raw_size, _raw_decode),
+    Codec("fp16", pb.CODEC_FP16, True, *_cast_codec(torch.float16)),
+    Codec("bf16", pb.CODEC_BF16, True, *_cast_codec(torch.bfloat16)),
+    Codec("int8", pb.CODEC_INT8, True, _int8_encode, _int8_size, _int8_decode,
+          fields=("block_size",), param="block_size"),
+    Codec("topk", pb.CODEC_TOPK, True, _topk_encode, _topk_size, _topk_decode,
+          fields=("k", "value_dtype"), param="fraction"),
+)}
+_BY_CODE: dict[int, Codec] = {c.code: c for c in CODECS.values()}
+_PARAM_FIELDS = ("block_size", "k", "value_dtype")
+
+_missing = [pb.Codec.Name(v) for v in pb.Codec.values() if v and v not in _BY_CODE]
+_missing += [pb.DType.Name(v) for v in pb.DType.values() if v and v not in TORCH_DTYPES]
+if _missing:
+    raise ImportError(f"fedpipe.wire.codecs has no implementation for {_missing}")
+
+
+# ---------------------------------------------------------------------------
+# encode
+
+
+def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
+           feedback: ErrorFeedback | None = None, key: Hashable = None) -> pb.Tensor:
+    """Encode a tensor (any shape, a dtype in :data:`DTYPES`, any device) as a message.
+
+    Args:
+        t: the tensor; 0-dim and 0-element tensors are fine.
+        codec: a spec string (see :func:`parse_codec`) or a :class:`CodecSpec`.
+            Lossy codecs on a non-floating tensor fall back to raw.
+        feedback: error feedback memory; with a lossy codec on a floating
+            tensor, the residual under ``key`` is added before encoding and the
+            new residual stored (see :class:`ErrorFeedback`).
+        key: the feedback slot; required with ``feedback``.
+
+    Returns:
+        A message with the whole payload: ``payload_bytes == len(payload)``,
+        ``encoded_bytes`` = length in bytes of the codec output before zstd.
+
+    Raises:
+        WireError: unsupported dtype, or a bad codec spec.
+        ValueError: ``feedback`` without a key, or a key reused for another shape.
     """
     if t.dtype not in DTYPES:
         raise WireError(f"dtype {t.dtype} cannot be sent; supported: {sorted(map(str, DTYPES))}")
-    if codec != "raw":
-        raise WireError(f"unknown codec {codec!r}")
-    t = t.detach().to("cpu").contiguous()
-    payload = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return pb.Tensor(dtype=DTYPES[t.dtype], shape=list(t.shape), codec=pb.CODEC_RAW,
-                     encoded_bytes=len(payload), payload=payload, payload_bytes=len(payload))
+    spec = codec if isinstance(codec, CodecSpec) else parse_codec(codec)
+    impl = CODECS[spec.name]
+    if impl.lossy and not t.dtype.is_floating_point:
+        impl = CODECS["raw"]
+    flat = t.detach().contiguous().view(-1)
+    compensate = feedback is not None and impl.lossy
+    if compensate:
+        if key is None:
+            raise ValueError("encode with feedback needs a key (one per link and tensor slot)")
+        acc = feedback._compensate(key, t.detach())
+        flat = acc.to(t.dtype)
+    parts, fields = impl.encode(flat, spec)
+    out = _join(parts)
+    msg = pb.Tensor(dtype=DTYPES[t.dtype], shape=t.shape, codec=impl.code,
+                    encoded_bytes=len(out), **fields)
+    if compensate:
+        sent = impl.decode(bytearray(out), _Header(msg, t.dtype, t.numel()))
+        feedback._remember(key, acc.sub_(sent.to(acc)).view(t.shape))
+    if spec.zstd_level is not None:
+        out = zstandard.ZstdCompressor(level=spec.zstd_level).compress(out)
+        msg.zstd = True
+    msg.payload = out
+    msg.payload_bytes = len(out)
+    return msg
 
 
-def decode(msg: pb.Tensor) -> torch.Tensor:
-    """Decode a message into a new CPU tensor.
+def _join(parts: list[torch.Tensor]) -> bytes:
+    """The bytes of 1-D tensors, concatenated: one copy (after any device-to-host copy)."""
+    return b"".join(p.cpu().view(torch.uint8).numpy() for p in parts)
+
+
+# ---------------------------------------------------------------------------
+# decode
+
+
+def decode(msg: pb.Tensor, *, max_bytes: int = MAX_TENSOR_BYTES) -> torch.Tensor:
+    """Decode a message into a new, writable CPU tensor of its ``dtype`` and ``shape``.
+
+    Every header field is checked before anything of the declared size is
+    allocated; zstd output is bounded by ``encoded_bytes`` (a frame that
+    declares or yields another size is rejected). Memory use is at most about
+    ``max_bytes`` (bytes of the decoded tensor and of the codec output) plus
+    the payload.
 
     Raises:
-        WireError: unknown dtype or codec, or a payload whose size does not
-            match dtype × shape.
+        WireError: for any malformed message, naming the field and numbers:
+            unknown dtype or codec, bad shape (negative, over ``MAX_DIMS``
+            dimensions or ``max_bytes``), a lossy codec on a non-floating
+            dtype, codec fields out of range or set for a codec that does not
+            use them, ``encoded_bytes`` or ``payload_bytes`` that do not match,
+            a bad zstd frame, or bad content (topk indices out of range or
+            not strictly increasing).
     """
-    dtype = _torch_dtype(msg.dtype)
-    numel = _shape_numel(msg)
-    if msg.codec != pb.CODEC_RAW:
+    h, impl = _header(msg)
+    size = impl.size(h)
+    if max(size, h.numel * h.dtype.itemsize) > max_bytes:
+        raise WireError(f"tensor of shape {list(msg.shape)} ({h.numel * h.dtype.itemsize} "
+                        f"bytes, {size} encoded) exceeds the limit of {max_bytes} bytes")
+    if msg.encoded_bytes != size:
+        raise WireError(f"encoded_bytes is {msg.encoded_bytes} but codec "
+                        f"{impl.name} and shape {list(msg.shape)} need {size}")
+    payload = msg.payload
+    if len(payload) != msg.payload_bytes:
+        raise WireError(f"payload is {len(payload)} bytes but payload_bytes says "
+                        f"{msg.payload_bytes}")
+    buf = _unzstd(payload, size) if msg.zstd else bytearray(payload)
+    if len(buf) != size:
+        raise WireError(f"payload is {len(buf)} bytes but encoded_bytes is {size}")
+    try:
+        flat = impl.decode(buf, h)
+    except (RuntimeError, IndexError, OverflowError, MemoryError) as e:  # defence in depth
+        raise WireError(f"cannot decode {impl.name} payload: {e}") from e
+    return flat.view(tuple(msg.shape))
+
+
+def _header(msg: pb.Tensor) -> tuple[_Header, Codec]:
+    """Validate dtype, shape, codec and unused fields; return the header and codec."""
+    dtype = TORCH_DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise WireError(f"unknown tensor dtype code {msg.dtype}")
+    impl = _BY_CODE.get(msg.codec)
+    if impl is None:
         raise WireError(f"unknown codec code {msg.codec}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(msg.payload) != numel * itemsize:
-        raise WireError(f"payload is {len(msg.payload)} bytes but dtype {dtype} and shape "
-                        f"{list(msg.shape)} need {numel * itemsize}")
-    if numel == 0:
-        return torch.empty(tuple(msg.shape), dtype=dtype)
-    flat = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8).view(dtype)
-    return flat.reshape(tuple(msg.shape))
+    if impl.lossy and not dtype.is_floating_point:
+        raise WireError(f"codec {impl.name} needs a floating dtype, message has {dtype}")
+    for field in _PARAM_FIELDS:
+        if field not in impl.fields and getattr(msg, field):
+            raise WireError(f"field {field}={getattr(msg, field)} is set but codec "
+                            f"{impl.name} does not use it")
+    if len(msg.shape) > MAX_DIMS:
+        raise WireError(f"tensor shape has {len(msg.shape)} dimensions, more than {MAX_DIMS}")
+    if any(d < 0 for d in msg.shape):
+        raise WireError(f"tensor shape {list(msg.shape)} has a negative dimension")
+    return _Header(msg, dtype, math.prod(msg.shape)), impl
+
+
+def _unzstd(payload: bytes, size: int) -> bytearray:
+    """Decompress one zstd frame that must yield exactly ``size`` bytes, allocating at most that."""
+    # zstandard's decompress() allocates the content size a frame header
+    # declares, whatever max_output_size says: so check that size first.
+    try:
+        declared = zstandard.frame_content_size(payload)
+        if declared not in (-1, size):
+            raise WireError(f"zstd frame declares {declared} bytes but encoded_bytes is {size}")
+        out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=size,
+                                                      allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise WireError(f"bad zstd payload ({len(payload)} bytes, encoded_bytes {size}): "
+                        f"{e}") from None
+    return bytearray(out)

@@ -1,0 +1,155 @@
+"""End to end over real processes on 127.0.0.1: the demo, bad input, leases, restarts."""
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+import fedpipe
+from fedpipe import net
+from fedpipe.client import JobFailed
+from fedpipe.examples import digits
+from fedpipe.proto import node_pb2, node_pb2_grpc, tensor_pb2
+from fedpipe.testing import LocalSwarm, child_env
+
+pytestmark = pytest.mark.timeout(180)
+ADAMW = fedpipe.optimizer(torch.optim.AdamW, lr=3e-3)
+
+
+def digit_data(batch=32):
+    x, y, _, _ = digits.load()
+    return digits.batches(x, y, batch)
+
+
+def submit_digits(client, steps=5, **kw):
+    return client.submit(digits.make_model(hidden=32), nn.functional.cross_entropy, ADAMW,
+                         digit_data(), steps=steps, microbatches=2, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_demo_reaches_95_percent_with_three_node_processes():
+    out = subprocess.run([sys.executable, "-m", "fedpipe", "demo", "--nodes", "3"],
+                         capture_output=True, text=True, timeout=170, env=child_env())
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    acc = float(re.search(r"held-out accuracy: (\d\.\d{4})", out.stdout).group(1))
+    assert acc >= 0.95
+    stages = re.findall(r"stage (\d) on (node\d)", out.stdout)
+    assert len({node for _, node in stages}) == 3, out.stdout
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def test_bad_models_are_refused_with_a_clear_error(swarm):
+    client = swarm.client()
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        client.submit(nn.Linear(64, 10), nn.functional.cross_entropy, ADAMW, digit_data(),
+                      steps=1)
+    with pytest.raises(TypeError, match=r"layer 1 \(Pair\).*not a single tensor"):
+        client.submit(nn.Sequential(nn.Linear(64, 10), Pair()), nn.functional.cross_entropy,
+                      ADAMW, digit_data(), steps=1)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        submit_digits(client, schedule="zigzag")
+
+
+def test_malformed_tensor_gets_invalid_argument_and_node_keeps_serving(swarm):
+    node = swarm.client().nodes()[0]
+    stub = node_pb2_grpc.NodeStub(net.channel(node.address))
+    bad = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[4, 4],
+                            codec=tensor_pb2.CODEC_RAW, payload=b"\0" * 10, payload_bytes=10,
+                            encoded_bytes=10)
+    env = node_pb2.Envelope(job_id="x", stage=0, kind=node_pb2.KIND_INPUT, batch_size=4)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Send(iter([node_pb2.Frame(envelope=env, tensor=bad)]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(r"10 .*need 64", err.value.details()), err.value.details()
+    # a continuation chunk without a header
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Send(iter([node_pb2.Frame(chunk=b"abc")]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # the node still serves: it answers a probe and trains a job
+    assert stub.Probe(node_pb2.ProbeRequest(), timeout=10).flops > 0
+    assert submit_digits(swarm.client(), stages=3).wait(timeout=60, progress=False).step == 5
+
+
+def test_pending_without_nodes_then_runs_when_a_node_joins_and_memory_is_checked():
+    with LocalSwarm(n_nodes=0) as s:
+        client = s.client()
+        job = submit_digits(client, pending_timeout=1.5)
+        st = job.status()
+        assert st.state == "PENDING" and "waiting for a node" in st.reason
+        with pytest.raises(JobFailed, match="no node registered within 2 s"):
+            job.wait(timeout=30, progress=False)
+
+        waiting = submit_digits(client)
+        s.add_node("--memory-limit", str(4 * 2**20))
+        s.wait_for_nodes(1)
+        assert waiting.wait(timeout=60, progress=False).state == "SUCCEEDED"
+
+        # 1024x1024 float32 weights with AdamW state need ~16 MiB: more than the 4 MiB node
+        big = nn.Sequential(nn.Linear(64, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 10))
+        with pytest.raises(grpc.RpcError) as err:
+            client.submit(big, nn.functional.cross_entropy, ADAMW, digit_data(), steps=1)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert re.search(r"needs about [\d.]+ MiB .* have 4\.0 MiB", err.value.details())
+
+
+def test_node_retries_an_unreachable_tracker_then_registers(tmp_path):
+    port = free_port()
+    s = LocalSwarm(n_nodes=0, workdir=str(tmp_path))
+    s.tracker = f"127.0.0.1:{port}"
+    try:
+        node = s.add_node()
+        wait_until(lambda: "retrying" in s.log(node), what="a retry in the node's log")
+        assert re.search(r"registering with tracker 127\.0\.0\.1:\d+ failed \(UNAVAILABLE", s.log(node))
+        s.start_tracker()  # on the port the node keeps dialling
+        s.wait_for_nodes(1)
+    finally:
+        s.close()
+
+
+def test_tracker_restart_keeps_jobs_and_nodes_and_lost_nodes_fail_their_job(tmp_path):
+    with LocalSwarm(n_nodes=2, workdir=str(tmp_path), lease=4.0) as s:
+        client = s.client()
+        done = submit_digits(client, stages=2)
+        assert done.wait(timeout=60, progress=False).state == "SUCCEEDED"
+        ids = {n.node_id for n in client.nodes()}
+
+        s.stop_process(s.tracker_proc, kill=True)
+        s.start_tracker()
+        client = s.client()
+        assert client.job(done.id).status().state == "SUCCEEDED"
+        assert {n.node_id for n in client.nodes()} == ids
+        # the nodes keep their ids across the restart, and the swarm still trains
+        assert submit_digits(client, stages=2).wait(timeout=60, progress=False).step == 5
+
+        # a node that dies mid-job is marked lost after its lease and fails the job
+        long = submit_digits(client, steps=100_000, stages=2)
+        wait_until(lambda: long.status().step > 0, what="the long job to start")
+        s.stop_process(s.nodes[1], kill=True)
+        with pytest.raises(JobFailed, match=r"lost|failed"):
+            long.wait(timeout=60, progress=False)
+        wait_until(lambda: len(client.nodes()) == 1, what="the dead node to be marked lost")
