@@ -17,7 +17,7 @@ def cmd_tracker(args) -> int:
 
     from .tracker.service import serve
 
-    srv, service, port = serve(args.host, args.port, args.db, args.lease)
+    srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh)
     print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db})", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -34,7 +34,8 @@ def cmd_node(args) -> int:
 
     daemon = NodeDaemon(args.tracker, args.host, args.port, advertise=args.advertise,
                         name=args.name, device=args.device, threads=args.threads,
-                        trust_code=args.trust_code, memory_limit=args.memory_limit)
+                        trust_code=args.trust_code, memory_limit=args.memory_limit,
+                        link_profile=args.link_profile)
     daemon.install_signal_handlers()
     print(f"fedpipe node {daemon.name} listening on {daemon.address}", flush=True)
     daemon.run()
@@ -69,8 +70,13 @@ def cmd_submit(args) -> int:
     from .examples import digits
 
     digits.train(Client(args.tracker), steps=args.steps, microbatches=args.microbatches,
-                 schedule=args.schedule, stages=args.stages or 0, compression=args.compression)
+                 schedule=args.schedule, stages=args.stages or 0, compression=_compression(args))
     return 0
+
+
+def _compression(args) -> dict[str, str]:
+    return {"activations": args.compression,
+            "gradients": args.gradient_compression or args.compression}
 
 
 def cmd_demo(args) -> int:
@@ -85,7 +91,7 @@ def cmd_demo(args) -> int:
         # pins one stage per node to show the pipeline
         acc = digits.train(swarm.client(), steps=args.steps, microbatches=args.microbatches,
                            schedule=args.schedule, stages=args.stages or args.nodes,
-                           compression=args.compression)
+                           compression=_compression(args))
     print("swarm stopped.")
     return 0 if acc >= 0.95 else 1
 
@@ -101,6 +107,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--db", default="fedpipe-tracker.db", help="SQLite file for the tracker's state")
     t.add_argument("--lease", type=float, default=10.0,
                    help="seconds a node may go without a heartbeat before it is marked lost")
+    t.add_argument("--link-refresh", type=float, default=300.0,
+                   help="seconds between link re-measurements (0: only when nodes join)")
     t.set_defaults(func=cmd_tracker)
 
     n = sub.add_parser("node", help="run a node (compute)")
@@ -115,6 +123,8 @@ def parser() -> argparse.ArgumentParser:
                    help="accept pickled model code from non-loopback peers (code execution!)")
     n.add_argument("--memory-limit", type=int, default=None,
                    help="advertise at most this many bytes of memory")
+    n.add_argument("--link-profile", default=None,
+                   help="JSON file of emulated links to peers (bandwidth, latency); see README")
     n.set_defaults(func=cmd_node)
 
     s = sub.add_parser("status", help="list nodes, or show a job")
@@ -126,7 +136,10 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--steps", type=int, default=300)
         q.add_argument("--microbatches", type=int, default=4)
         q.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
-        q.add_argument("--compression", default="auto", help="auto, none or a codec name")
+        q.add_argument("--compression", default="auto",
+                       help="activation and gradient codec: auto, none or a codec spec")
+        q.add_argument("--gradient-compression", default=None,
+                       help="gradient codec, if not --compression's (e.g. topk:0.01)")
         q.add_argument("--stages", type=int, default=None,
                        help="pipeline depth (default: submit lets the planner choose; "
                             "demo uses every node)")

@@ -64,7 +64,7 @@ class Client:
     def submit(self, model: nn.Sequential, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                optimizer: OptimizerSpec, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
                steps: int, microbatches: int = 1, schedule: str = "gpipe",
-               stages: int = 0, compression: str = "auto", name: str = "",
+               stages: int = 0, compression: str | dict[str, str] = "auto", name: str = "",
                pending_timeout: float | None = None) -> "Job":
         """Submit a training job and start feeding it.
 
@@ -79,7 +79,10 @@ class Client:
             microbatches: each batch is split into this many along dim 0.
             schedule: "gpipe" or "1f1b".
             stages: pipeline depth (0: the planner chooses from the nodes' speeds and links).
-            compression: "auto", "none" or a codec name.
+            compression: "auto" (the planner picks each link's codec from its
+                bandwidth), "none", a codec spec such as "int8+zstd", or a dict
+                ``{"activations": ..., "gradients": ...}`` to set them apart
+                (top-k is for gradients only).
             pending_timeout: fail the job if no node takes it within this many seconds.
 
         Raises:
@@ -96,6 +99,7 @@ class Client:
             raise ValueError(f"steps and microbatches must be >= 1, got {steps}, {microbatches}")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+        act_codec, grad_codec = _compression(compression)
         batches = _cycle(data)
         try:
             first = next(batches)
@@ -108,7 +112,8 @@ class Client:
         profile = profile_model(model, x0)
         config = node_pb2.JobConfig(steps=steps, microbatches=microbatches, schedule=schedule,
                                     optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
-                                    compression=compression, stages=stages)
+                                    activation_compression=act_codec,
+                                    gradient_compression=grad_codec, stages=stages)
         req = S.SubmitJobRequest(name=name or type(model).__name__, layers=layers, config=config,
                                  profile=profile, batch_size=x0.shape[0],
                                  pending_timeout=pending_timeout or 0.0)
@@ -118,6 +123,31 @@ class Client:
     def job(self, job_id: str) -> "Job":
         """Attach to an existing job (to watch it or fetch its weights; no data is fed)."""
         return Job(self, job_id)
+
+
+def _compression(compression: str | dict[str, str]) -> tuple[str, str]:
+    """(activation, gradient) compression from the ``compression`` argument.
+
+    Raises:
+        ValueError: unknown keys, a bad codec spec, or top-k for activations.
+    """
+    if isinstance(compression, str):
+        act = grad = compression
+    else:
+        unknown = set(compression) - {"activations", "gradients"}
+        if unknown:
+            raise ValueError(f"compression keys must be 'activations' and 'gradients', "
+                             f"got {sorted(unknown)}")
+        act = compression.get("activations", "auto")
+        grad = compression.get("gradients", "auto")
+    for what, spec in (("activations", act), ("gradients", grad)):
+        if spec not in ("auto", "none"):
+            parsed = codecs.parse_codec(spec)  # WireError (a ValueError) names the problem
+            if what == "activations" and parsed.name == "topk":
+                raise ValueError("top-k drops most of each activation: use it for gradients, "
+                                 "e.g. compression={'activations': 'int8', "
+                                 "'gradients': 'topk:0.01'}")
+    return act, grad
 
 
 def _cycle(data: Iterable) -> Iterator:

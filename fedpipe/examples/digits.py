@@ -57,7 +57,7 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int = 4,
-          schedule: str = "1f1b", stages: int = 0, compression: str = "auto",
+          schedule: str = "1f1b", stages: int = 0, compression: str | dict = "auto",
           lr: float = 3e-3,
           progress: bool = True, out=print) -> float:
     """Train the digits MLP on a swarm through ``client``; return held-out accuracy.

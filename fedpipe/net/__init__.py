@@ -33,9 +33,14 @@ _OPTIONS = [
 T = TypeVar("T")
 
 
-def channel(address: str) -> grpc.Channel:
-    """An insecure channel to ``HOST:PORT`` with fedpipe's options."""
-    return grpc.insecure_channel(address, options=_OPTIONS + [("grpc.enable_http_proxy", 0)])
+def channel(address: str, shaper: grpc.UnaryUnaryClientInterceptor | None = None) -> grpc.Channel:
+    """An insecure channel to ``HOST:PORT`` with fedpipe's options.
+
+    ``shaper`` (a :class:`fedpipe.net.emulation.Shaper`) delays and paces
+    every call, to emulate a slow link.
+    """
+    ch = grpc.insecure_channel(address, options=_OPTIONS + [("grpc.enable_http_proxy", 0)])
+    return grpc.intercept_channel(ch, shaper) if shaper is not None else ch
 
 
 def server(max_workers: int = 16) -> grpc.Server:

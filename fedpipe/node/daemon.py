@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from .. import net
+from ..net.emulation import LinkProfile
 from ..proto import node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
 from .probe import probe, resolve_device
 from .service import NodeService
@@ -29,16 +30,17 @@ class NodeDaemon:
         threads: torch intra-op threads.
         trust_code: accept pickled layers from non-loopback peers.
         memory_limit: cap on advertised memory, bytes.
+        link_profile: path of an emulated link profile (:mod:`fedpipe.net.emulation`).
 
     Raises:
-        ValueError: an unusable device.
+        ValueError: an unusable device, or a malformed link profile.
         OSError: the port cannot be bound.
     """
 
     def __init__(self, tracker: str, host: str = "127.0.0.1", port: int = 0, *,
                  advertise: str | None = None, name: str = "", device: str = "auto",
                  threads: int | None = None, trust_code: bool = False,
-                 memory_limit: int | None = None):
+                 memory_limit: int | None = None, link_profile: str | None = None):
         if threads:
             torch.set_num_threads(threads)
         self.tracker_address = tracker
@@ -48,14 +50,15 @@ class NodeDaemon:
         self.lease = 10.0
         self.tracker = tracker_pb2_grpc.TrackerStub(net.channel(tracker))
         self.reports = futures.ThreadPoolExecutor(1, thread_name_prefix="report")
-        self.service = NodeService(lambda: self.node_id, self.resources, self._report,
-                                   trust_code=trust_code)
+        links = LinkProfile.load(link_profile) if link_profile else None
         self.server = net.server()
-        node_pb2_grpc.add_NodeServicer_to_server(self.service, self.server)
         self.port = net.bind(self.server, host, port)
         adv = advertise or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
         self.address = f"{adv}:{self.port}"
         self.name = name or f"node-{self.port}"
+        self.service = NodeService(lambda: self.node_id, self.name, self.resources, self._report,
+                                   trust_code=trust_code, links=links)
+        node_pb2_grpc.add_NodeServicer_to_server(self.service, self.server)
 
     def _report(self, report: tracker_pb2.StageReport) -> None:
         self.reports.submit(lambda: net.retry(

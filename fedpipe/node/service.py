@@ -8,7 +8,9 @@ until the stage takes them; outgoing tensors go through one ordered
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from .. import net
+from ..net.emulation import LinkProfile
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime.stage import ACTIVATION, GRADIENT, INPUT, TARGET, StageError, StageRunner
 from ..wire import WireError, codecs, frames
@@ -35,17 +38,21 @@ SEND_TIMEOUT = 600.0
 class PeerSender:
     """Sends tensors to one peer's ``Send`` RPC, in order, from a background thread.
 
+    Lossy codecs on gradients use error feedback: the residual is kept per
+    link (this sender), per microbatch slot and shape, so what the codec drops
+    is sent later instead of lost (:class:`fedpipe.wire.codecs.ErrorFeedback`).
     The first failed send is kept and raised (as StageError) by the next
     :meth:`submit` or :meth:`flush`.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, shaper=None):
         self.address = address
-        self.channel = net.channel(address)
+        self.channel = net.channel(address, shaper)
         self.stub = node_pb2_grpc.NodeStub(self.channel)
         self.pool = futures.ThreadPoolExecutor(1, thread_name_prefix=f"send-{address}")
         self.error: Exception | None = None
         self.pending: list[futures.Future] = []
+        self.feedback = codecs.ErrorFeedback()
 
     def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
         """Queue ``tensor`` for the peer, encoded with ``codec``.
@@ -59,7 +66,11 @@ class PeerSender:
 
     def _send(self, envelope, tensor, codec):
         try:
-            msg = codecs.encode(tensor, codec)
+            if envelope.kind == node_pb2.KIND_GRADIENT:
+                key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
+                msg = codecs.encode(tensor, codec, feedback=self.feedback, key=key)
+            else:
+                msg = codecs.encode(tensor, codec)
             net.retry(lambda: self.stub.Send(frames.to_frames(msg, envelope=envelope),
                                              timeout=SEND_TIMEOUT),
                       f"send to {self.address}", attempts=5)
@@ -100,20 +111,62 @@ class Stage:
     def slot(self) -> tuple[str, int, int]:
         return (self.job_id, self.replica, self.index)
 
+    def sender(self, peer: node_pb2.StageAssignment, shaper=None) -> PeerSender:
+        """The stage's sender to ``peer`` (one per address)."""
+        if peer.address not in self.senders:
+            self.senders[peer.address] = PeerSender(peer.address, shaper)
+        return self.senders[peer.address]
+
+
+def measure_link(address: str, shaper=None, *, pings: int = 5, max_bytes: int = 4 * 2**20,
+                 seconds: float = 0.5) -> tuple[float, float]:
+    """Latency (one way, s) and bandwidth (bytes/s) to the node at ``address``.
+
+    Latency is half the median round trip of ``pings`` small Ping calls.
+    Bandwidth is timed over the data path itself (Send of a probe tensor,
+    chunked and decoded like an activation): a 256 KiB probe gives a first
+    estimate, then a probe sized to take about ``seconds`` (at most
+    ``max_bytes``) gives the figure, net of one round trip.
+
+    Raises:
+        grpc.RpcError: the peer is unreachable.
+    """
+    ch = net.channel(address, shaper)
+    try:
+        stub = node_pb2_grpc.NodeStub(ch)
+        rtts = []
+        for _ in range(pings):
+            t0 = time.perf_counter()
+            stub.Ping(node_pb2.PingRequest(), timeout=30)
+            rtts.append(time.perf_counter() - t0)
+        rtt = statistics.median(rtts)
+        env = node_pb2.Envelope(kind=node_pb2.KIND_PROBE)
+
+        def probe(nbytes: int) -> float:
+            msg = codecs.encode(torch.zeros(nbytes, dtype=torch.uint8))
+            t0 = time.perf_counter()
+            stub.Send(frames.to_frames(msg, envelope=env), timeout=120)
+            return max(time.perf_counter() - t0 - rtt, 1e-6)
+
+        first = 256 * 1024
+        estimate = first / probe(first)
+        size = int(min(max_bytes, max(first, estimate * seconds)))
+        return rtt / 2, size / probe(size)
+    finally:
+        ch.close()
+
 
 class StageTransport:
     """:class:`~fedpipe.runtime.stage.Transport` over the node's mailbox and peer senders."""
 
     def __init__(self, stage: Stage, mailbox: Mailbox, device: torch.device,
                  prev: node_pb2.StageAssignment | None, mine: node_pb2.StageAssignment,
-                 nxt: node_pb2.StageAssignment | None, sender: Callable[[str], PeerSender]):
+                 nxt: node_pb2.StageAssignment | None,
+                 sender: Callable[[node_pb2.StageAssignment], PeerSender]):
         self.stage, self.mailbox, self.device = stage, mailbox, device
-        # activations go forward with this stage's codec; gradients go back
-        # with the codec the previous stage's link carries them with.
-        self.routes = {
-            ACTIVATION: (nxt, mine.activation_codec or "raw"),
-            GRADIENT: (prev, prev.gradient_codec if prev and prev.gradient_codec else "raw"),
-        }
+        # the plan gives each stage the codecs of what it sends
+        self.routes = {ACTIVATION: (nxt, mine.activation_codec or "raw"),
+                       GRADIENT: (prev, mine.gradient_codec or "raw")}
         self.sender = sender
 
     def recv(self, kind, step, microbatch):
@@ -126,7 +179,7 @@ class StageTransport:
         env = node_pb2.Envelope(job_id=self.stage.job_id, replica=self.stage.replica,
                                 stage=peer.stage, kind=KIND_CODES[kind], step=step,
                                 microbatch=microbatch, batch_size=batch_size)
-        self.sender(peer.address).submit(env, tensor, codec)
+        self.sender(peer).submit(env, tensor, codec)
 
 
 class NodeService(node_pb2_grpc.NodeServicer):
@@ -134,16 +187,19 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     Args:
         node_id: returns the tracker-assigned id (known after registration).
+        name: this node's name (what link profiles and peers call it).
         resources: what :func:`fedpipe.node.probe.probe` measured.
         report: sends a StageReport to the tracker (may block briefly).
         trust_code: load pickled layers from any peer, not only loopback ones.
         input_capacity: inputs/targets a stage may have queued before Send blocks.
+        links: an emulated link profile for this node's outgoing traffic.
     """
 
-    def __init__(self, node_id: Callable[[], str], resources: node_pb2.Resources,
+    def __init__(self, node_id: Callable[[], str], name: str, resources: node_pb2.Resources,
                  report: Callable[[tracker_pb2.StageReport], None], *, trust_code: bool = False,
-                 input_capacity: int = 64):
-        self.node_id, self.resources, self.report = node_id, resources, report
+                 input_capacity: int = 64, links: LinkProfile | None = None):
+        self.node_id, self.name, self.resources, self.report = node_id, name, resources, report
+        self.links = links
         self.trust_code = trust_code
         self.device = torch.device(resources.device or "cpu")
         self.mailbox = Mailbox(input_capacity, bounded=(INPUT, TARGET))
@@ -194,16 +250,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         transport = StageTransport(stage, self.mailbox, self.device,
                                    peers.get((request.replica, request.stage - 1)), mine,
                                    peers.get((request.replica, request.stage + 1)),
-                                   lambda addr: self._sender(stage, addr))
+                                   lambda peer: stage.sender(peer, self._shaper(peer.node_name)))
         stage.runner = StageRunner(module, opt, loss_fn, cfg.schedule, request.stage, n_stages,
                                    cfg.microbatches, transport)
         return stage
 
-    @staticmethod
-    def _sender(stage: Stage, address: str) -> PeerSender:
-        if address not in stage.senders:
-            stage.senders[address] = PeerSender(address)
-        return stage.senders[address]
+    def _shaper(self, peer_name: str):
+        return self.links.shaper(self.name, peer_name) if self.links else None
 
     def _report(self, stage: Stage, status, **kw) -> None:
         self.report(tracker_pb2.StageReport(job_id=stage.job_id, replica=stage.replica,
@@ -254,6 +307,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         try:
             for head, tensor in frames.read_tensors(request_iterator):
                 env = head.envelope
+                if env.kind == node_pb2.KIND_PROBE:
+                    continue  # a link measurement: it only had to arrive
                 slot = (env.job_id, env.replica, env.stage)
                 with self.lock:
                     stage = self.stages.get(slot)
@@ -277,6 +332,25 @@ class NodeService(node_pb2_grpc.NodeServicer):
         except Stopped as e:
             context.abort(grpc.StatusCode.ABORTED, str(e))
         return node_pb2.SendReply()
+
+    # -- link measurement ---------------------------------------------------
+    def Ping(self, request, context):
+        return node_pb2.PingReply()
+
+    def MeasureLinks(self, request, context):
+        out = node_pb2.MeasureLinksReply()
+        for peer in request.peers:
+            m = node_pb2.LinkMeasurement(src_id=self.node_id(), dst_id=peer.node_id,
+                                         measured_at=time.time())
+            try:
+                m.latency, m.bandwidth = measure_link(
+                    peer.address, self._shaper(peer.name), pings=request.pings or 5,
+                    max_bytes=request.max_probe_bytes or 4 * 2**20,
+                    seconds=request.probe_seconds or 0.5)
+            except grpc.RpcError as e:
+                m.error = f"{e.code().name}: {e.details()}"
+            out.links.append(m)
+        return out
 
     def FetchState(self, request, context):
         with self.lock:

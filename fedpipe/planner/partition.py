@@ -2,103 +2,318 @@
 
 Source: Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN
 Training" (SOSP 2019), section 3.1. Here each node has its own speed and memory
-cap, so the stage cost depends on which node of the chain holds the stage.
+cap, so the cost of a stage depends on which node holds it; the program may
+also skip nodes of the chain (a node that would slow the pipeline gets no
+stage); and it minimises the pipeline's step time rather than only its
+bottleneck:
+
+    T(m) = sigma + (m - 1) · bottleneck
+
+with ``sigma`` the fill-and-drain path (every stage's compute plus every
+transfer, latency included, of one microbatch) and ``bottleneck`` the busiest
+resource's seconds per microbatch (a stage's compute or a link's sends; under
+GPipe the forward and backward phases each pay their own bottleneck). A first
+pass finds the least bottleneck τ*; a second pass, for a few thresholds
+τ ≥ τ*, finds the least ``sigma`` with every stage under τ, and the best T wins
+(exact when every achievable τ is tried, ``exact=True``).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .types import Link, ModelProfile, NodeSpec, TrainConfig
+import numpy as np
+
+from .context import PlanContext
+from .costs import FORWARD_FRACTION, pipeline_estimate, stage_memory_bytes  # noqa: F401 (re-export)
+from .types import ClusterView, Link, ModelProfile, NodeSpec, TrainConfig
+
+THRESHOLDS = (1.0, 1.05, 1.15, 1.35, 1.7)
+"""Multiples of the least bottleneck τ* at which the second pass minimises ``sigma``."""
+STAGE_REWARDS = (0.0, 0.5, 1.0)
+"""The second pass also minimises ``sigma - λ·τ·stages`` for these λ: splits over
+more nodes, which shorten 1F1B's round-trip bound (see
+:func:`~fedpipe.planner.costs.pipeline_estimate`) at some cost in ``sigma``."""
 
 
-def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig,
-                       stage: int, n_stages: int) -> float:
-    """Peak memory of a stage holding layers ``[start, end)``, bytes.
+@dataclass(frozen=True)
+class GroupSolution:
+    """One pipeline's split.
 
-    Weights, gradients and optimizer state (``config.state_factor`` × parameter
-    bytes) plus the activations stashed for backward: every microbatch of the
-    batch under GPipe, at most ``n_stages - stage`` microbatches under 1F1B.
+    Attributes:
+        nodes: indices of the nodes that got a stage, in pipeline order.
+        ranges: each stage's layers ``(start, end)``.
+        sigma: fill-and-drain seconds of one microbatch (see module doc).
+        bottleneck: the costliest stage's seconds per microbatch (what the
+            min-max program minimises).
+        period: steady-state seconds per microbatch
+            (:func:`~fedpipe.planner.costs.pipeline_estimate`).
+        drain: per stage, seconds from its last backward pass to the end of the
+            group's last one (the backward passes and gradient sends below it).
+        max_microbatches: the most microbatches the split fits in memory (inf: any).
+        positions: where the stages' nodes sit in the chain that was split.
     """
-    layers = profile.layers[start:end]
-    params = sum(layer.parameter_bytes for layer in layers) * config.state_factor
-    per_sample = profile.input_bytes if start == 0 else profile.layers[start - 1].activation_bytes
-    per_sample += sum(layer.activation_bytes for layer in layers)
-    mb_samples = math.ceil(config.batch_size / config.microbatches)
-    in_flight = config.microbatches
-    if config.schedule != "gpipe":
-        in_flight = min(config.microbatches, n_stages - stage)
-    return params + per_sample * mb_samples * in_flight
+
+    nodes: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    sigma: float
+    bottleneck: float
+    period: float
+    drain: tuple[float, ...]
+    max_microbatches: float
+    positions: tuple[int, ...] = ()
+
+    def seconds(self, microbatches: int) -> float:
+        """Estimated seconds of one step of ``microbatches`` microbatches."""
+        return self.sigma + (microbatches - 1) * self.period
 
 
-def stage_compute_seconds(profile: ModelProfile, start: int, end: int, node: NodeSpec,
-                          samples: float) -> float:
-    """Forward + backward seconds of layers ``[start, end)`` on ``node`` for ``samples``."""
-    flops = sum(layer.flops for layer in profile.layers[start:end])
-    return flops * samples / node.flops
+def _in_flight_bound(ctx: PlanContext, m: int, i: int, n: int) -> np.ndarray | int:
+    """Microbatches stashed by a stage at chain position i that ends at layer j (vector over j).
+
+    Exact when no node is skipped; otherwise an upper bound (later stages ≤
+    later nodes and ≤ later layers)."""
+    if ctx.config.schedule == "gpipe":
+        return m
+    later = np.minimum(n - 1 - i, ctx.L - np.arange(ctx.L + 1))
+    return np.minimum(m, 1 + np.maximum(later, 0))
+
+
+def _stage_matrices(ctx: PlanContext, node: int, nxt: int | None, memok: np.ndarray):
+    """``(cost, sigma)`` of a stage on ``node`` followed by ``nxt``, per ``[k, j]``
+    (vectors over k when ``nxt`` is None: the last stage ends at L)."""
+    w = ctx.work / ctx.flops[node]
+    if nxt is None:
+        c = np.where(memok[:, ctx.L], w[:, ctx.L], math.inf)
+        return c, w[:, ctx.L]
+    lc = ctx.link_costs(node, nxt)
+    if ctx.config.schedule == "gpipe":
+        c = (np.maximum(w * FORWARD_FRACTION, lc.act_busy[None, :])
+             + np.maximum(w * (1 - FORWARD_FRACTION), lc.grad_busy[None, :]))
+    else:
+        c = np.maximum(np.maximum(w, lc.act_busy[None, :]), lc.grad_busy[None, :])
+    c = np.where(memok, c, math.inf)
+    return c, w + lc.act_total[None, :] + lc.grad_total[None, :]
+
+
+def solve_chain(ctx: PlanContext, chain: Sequence[int], microbatches: int,
+                window: int | None = None, exact: bool = False) -> GroupSolution | None:
+    """The best split of all layers over a subsequence of ``chain``.
+
+    Args:
+        ctx: the planning context.
+        chain: node indices in pipeline order.
+        microbatches: microbatches the group runs per step (weights the
+            bottleneck against the fill-and-drain path, and sets GPipe's stash).
+        window: at most ``window - 1`` consecutive nodes of the chain may be
+            skipped (1: every node gets a stage; None: any subsequence).
+        exact: try every achievable bottleneck as a threshold and return the
+            split minimising ``sigma + (microbatches - 1) · bottleneck``
+            exactly (slow; for tests). Default: the thresholds
+            :data:`THRESHOLDS` × τ*, and of their splits the one with the least
+            estimated step time ``sigma + (microbatches - 1) · period``.
+
+    Returns:
+        The split, or None when no split fits the nodes' memory (or there are
+        fewer layers than nodes with ``window=1``).
+
+    Cost: O(n · window · L²) numpy work for n nodes and L layers.
+    """
+    n, L = len(chain), ctx.L
+    if n == 0:
+        return None
+    W = n if window is None else max(1, min(window, n))
+    mats: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    mm: list[np.ndarray] = [np.full(L + 1, math.inf)] * n
+    for i in range(n - 1, -1, -1):
+        node = chain[i]
+        infl = _in_flight_bound(ctx, microbatches, i, n)
+        memok = ctx.state + ctx.stash * infl <= ctx.mem[node]
+        best = np.full(L + 1, math.inf)
+        if i >= n - W:
+            c, s = _stage_matrices(ctx, node, None, memok)
+            mats[(i, -1)] = (c, s)
+            best = np.minimum(best, c)
+        for q in range(i + 1, min(n, i + W + 1)):
+            if not np.isfinite(mm[q]).any():
+                continue
+            c, s = _stage_matrices(ctx, node, chain[q], memok)
+            mats[(i, q)] = (c, s)
+            best = np.minimum(best, np.maximum(c, mm[q][None, :]).min(axis=1))
+        mm[i] = best
+    tau = min(mm[i][0] for i in range(W))
+    if not math.isfinite(tau):
+        return None
+    if exact:
+        vals = np.unique(np.concatenate([c[np.isfinite(c)].ravel() for c, _ in mats.values()]))
+        taus, rewards = vals[vals >= tau], np.zeros(1)
+    else:
+        taus = np.array(THRESHOLDS) * tau
+        taus[0] = tau
+        rewards = np.array(STAGE_REWARDS)
+    taus, rewards = np.repeat(taus, len(rewards)), np.tile(rewards, len(taus))
+    return _min_sigma(ctx, chain, microbatches, W, mats, taus, rewards * taus, exact)
+
+
+def _min_sigma(ctx, chain, m, W, mats, taus, rewards, exact) -> GroupSolution | None:
+    """Second pass: for each threshold ``taus[t]``, the split with the least
+    ``sigma - rewards[t] · stages`` whose stages all cost at most the threshold;
+    returns the best (see :func:`solve_chain`)."""
+    n, L = len(chain), ctx.L
+    K = len(taus)
+    T, R = taus[:, None, None], rewards[:, None, None]
+    ss: list[np.ndarray] = [np.full((K, L + 1), math.inf)] * n
+    args: list[tuple[np.ndarray, np.ndarray]] = [None] * n  # type: ignore[list-item]
+    rows = np.arange(K)[:, None]
+    cols = np.arange(L + 1)[None, :]
+    for i in range(n - 1, -1, -1):
+        best = np.full((K, L + 1), math.inf)
+        bq = np.full((K, L + 1), -2)
+        bj = np.zeros((K, L + 1), dtype=int)
+        end = mats.get((i, -1))
+        if end is not None:
+            c, s = end
+            val = np.where(c[None, :] <= taus[:, None], s[None, :] - rewards[:, None], math.inf)
+            better = val < best
+            best[better], bq[better], bj[better] = val[better], -1, L
+        for q in range(i + 1, min(n, i + W + 1)):
+            if (i, q) not in mats:
+                continue
+            c, s = mats[(i, q)]
+            tot = np.where(c[None] <= T, s[None] - R, math.inf) + ss[q][:, None, :]
+            jj = tot.argmin(axis=2)
+            val = tot[rows, cols, jj]
+            better = val < best
+            best[better], bq[better], bj[better] = val[better], q, jj[better]
+        ss[i], args[i] = best, (bq, bj)
+    def key(sol: GroupSolution) -> tuple[float, float]:
+        if exact:
+            return sol.sigma + (m - 1) * sol.bottleneck, sol.bottleneck
+        return sol.seconds(m), sol.bottleneck
+
+    found: GroupSolution | None = None
+    for t in range(K):
+        i0 = min(range(W), key=lambda i: ss[i][t, 0])
+        if not math.isfinite(ss[i0][t, 0]):
+            continue
+        sol = _trace(ctx, chain, m, mats, args, t, i0)
+        if found is None or key(sol) < key(found):
+            found = sol
+    return found
+
+
+def _trace(ctx, chain, m, mats, args, t, i0) -> GroupSolution:
+    """Follow the second pass's choices for threshold ``t`` from node ``i0``, layer 0."""
+    stages = []
+    i, k = i0, 0
+    while True:
+        q, j = int(args[i][0][t, k]), int(args[i][1][t, k])
+        stages.append((i, k, j))
+        if q == -1:
+            break
+        i, k = q, j
+    return describe(ctx, chain, stages, m)
+
+
+def describe(ctx: PlanContext, chain: Sequence[int], stages: Sequence[tuple[int, int, int]],
+             microbatches: int) -> GroupSolution:
+    """Price a given split: ``stages[s] = (position in chain, layer_start, layer_end)``.
+
+    Links use their fastest allowed codec. ``max_microbatches`` is 0 when a
+    stage does not fit its node's memory even with one microbatch.
+    """
+    n_st = len(stages)
+    sched = ctx.config.schedule
+    fwd, bwd, ab, at, gb, gt = [], [], [], [], [], []
+    bottleneck, cap = 0.0, math.inf
+    for s, (i, k, j) in enumerate(stages):
+        node = chain[i]
+        w = ctx.work[k, j] / ctx.flops[node]
+        fwd.append(w * FORWARD_FRACTION)
+        bwd.append(w * (1 - FORWARD_FRACTION))
+        cost = w
+        if s + 1 < n_st:
+            lc = ctx.link_costs(node, chain[stages[s + 1][0]])
+            ab.append(lc.act_busy[j])
+            at.append(lc.act_total[j])
+            gb.append(lc.grad_busy[j])
+            gt.append(lc.grad_total[j])
+            cost = (max(fwd[-1], ab[-1]) + max(bwd[-1], gb[-1]) if sched == "gpipe"
+                    else max(w, ab[-1], gb[-1]))
+        bottleneck = max(bottleneck, cost)
+        stash = ctx.stash[k, j]
+        room = (ctx.mem[node] - ctx.state[k, j]) // stash if stash > 0 else math.inf
+        if ctx.mem[node] < ctx.state[k, j]:
+            room = 0
+        elif sched != "gpipe" and room >= n_st - s:
+            room = math.inf   # 1F1B never stashes more than n_stages - s
+        cap = min(cap, room)
+    sigma, period = pipeline_estimate(fwd, bwd, ab, at, gb, gt, microbatches, sched)
+    drain, acc = [], 0.0
+    for s in range(n_st):
+        drain.append(acc)
+        acc += bwd[s] + (gt[s] if s < n_st - 1 else 0.0)
+    return GroupSolution(tuple(chain[i] for i, _, _ in stages), tuple((k, j) for _, k, j in stages),
+                         float(sigma), float(bottleneck), float(period), tuple(drain), cap,
+                         tuple(i for i, _, _ in stages))
+
+
+def proportional_split(ctx: PlanContext, chain: Sequence[int], microbatches: int) -> GroupSolution:
+    """Every node of the chain gets a stage whose share of the work matches its
+    share of the chain's FLOP/s (rounded to layer boundaries, one layer at
+    least). A cheap stand-in for :func:`solve_chain` when screening many
+    groupings; ignores links and memory (check ``max_microbatches``).
+
+    Requires ``len(chain) <= L``.
+    """
+    n, L = len(chain), ctx.L
+    speed = np.cumsum([ctx.flops[i] for i in chain])
+    work = ctx.work[0, 1:]                     # work of layers [0, j) for j = 1..L
+    bounds, prev = [0], 0
+    for s in range(n - 1):
+        target = work[-1] * speed[s] / speed[-1]
+        j = int(np.searchsorted(work, target)) + 1
+        if j > 1 and abs(work[j - 2] - target) < abs(work[min(j, L) - 1] - target):
+            j -= 1
+        j = min(max(j, prev + 1), L - (n - 1 - s))
+        bounds.append(j)
+        prev = j
+    bounds.append(L)
+    return describe(ctx, chain, [(s, bounds[s], bounds[s + 1]) for s in range(n)], microbatches)
 
 
 def partition(chain: Sequence[NodeSpec], profile: ModelProfile, config: TrainConfig,
               link: Callable[[str, str], Link]) -> tuple[list[tuple[int, int]], float] | None:
     """Split the layers into ``len(chain)`` contiguous, non-empty stages, one per node of the chain.
 
-    Minimises the slowest stage's per-microbatch time: compute on that stage's
-    node plus sending its output activation (forward) and receiving the
-    gradient back (backward) over the link to the next node. Each stage must
-    fit its node's memory (:func:`stage_memory_bytes`).
+    The v1 entry point, kept for callers: :func:`solve_chain` with every node
+    used and ``config.microbatches`` microbatches.
 
     Args:
         chain: nodes in pipeline order.
         profile: per-layer costs.
-        config: batch size, microbatches, schedule.
+        config: batch size, microbatches, schedule, compression.
         link: ``link(a, b)`` gives the link from node id a to node id b.
 
     Returns:
-        ``(ranges, bottleneck_seconds)`` with ``ranges[i] = (start, end)``, or
-        None when no split fits in memory or there are fewer layers than nodes.
+        ``(ranges, bottleneck_seconds)`` with ``ranges[i] = (start, end)`` and
+        the busiest resource's seconds per microbatch, or None when no split
+        fits in memory or there are fewer layers than nodes.
 
-    Cost: O(S · L²) for S nodes and L layers.
+    Raises:
+        PlanError: bad config (see :class:`~fedpipe.planner.context.PlanContext`).
     """
-    n_layers, n_stages = len(profile.layers), len(chain)
-    if n_stages == 0 or n_layers < n_stages:
+    if not chain or len(profile.layers) < len(chain):
         return None
-    mb = config.batch_size / config.microbatches
-    prefix = [0.0]
-    for layer in profile.layers:
-        prefix.append(prefix[-1] + layer.flops)
-
-    def cost(i: int, start: int, end: int) -> float:
-        node = chain[i]
-        if stage_memory_bytes(profile, start, end, config, i, n_stages) > node.memory_bytes:
-            return math.inf
-        t = (prefix[end] - prefix[start]) * mb / node.flops
-        if i + 1 < n_stages:
-            nbytes = profile.layers[end - 1].activation_bytes * mb
-            nxt = chain[i + 1].node_id
-            t += link(node.node_id, nxt).transfer_seconds(nbytes)
-            t += link(nxt, node.node_id).transfer_seconds(nbytes)
-        return t
-
-    inf = math.inf
-    # best[i][j]: least bottleneck placing layers [0, j) on the first i+1 nodes.
-    best = [[inf] * (n_layers + 1) for _ in range(n_stages)]
-    choice = [[-1] * (n_layers + 1) for _ in range(n_stages)]
-    for j in range(1, n_layers - n_stages + 2):
-        best[0][j] = cost(0, 0, j)
-    for i in range(1, n_stages):
-        for j in range(i + 1, n_layers - (n_stages - i - 1) + 1):
-            for k in range(i, j):
-                if best[i - 1][k] == inf:
-                    continue
-                v = max(best[i - 1][k], cost(i, k, j))
-                if v < best[i][j]:
-                    best[i][j], choice[i][j] = v, k
-    if best[-1][n_layers] == inf:
+    ids = [node.node_id for node in chain]
+    cluster = ClusterView(list(chain), {(a, b): link(a, b) for a in ids for b in ids if a != b})
+    ctx = PlanContext(cluster, profile, TrainConfig(**{**config.__dict__, "stages": 0}))
+    sol = solve_chain(ctx, range(len(chain)), config.microbatches, window=1)
+    if sol is None:
         return None
-    ranges, end = [], n_layers
-    for i in range(n_stages - 1, -1, -1):
-        start = choice[i][end] if i > 0 else 0
-        ranges.append((start, end))
-        end = start
-    ranges.reverse()
-    return ranges, best[-1][n_layers]
+    return list(sol.ranges), sol.bottleneck
+
+
+__all__ = ["GroupSolution", "THRESHOLDS", "describe", "partition", "proportional_split",
+           "solve_chain", "stage_memory_bytes"]

@@ -22,6 +22,8 @@ class NodeSpec:
         memory_bytes: memory a stage may use on it, bytes.
         name: human-readable name.
         device: "cpu" or "cuda:N".
+        site: where the node is (a region, a lab); nodes of one site share the
+            cluster's ``site_links``. Empty: no site.
     """
 
     node_id: str
@@ -29,6 +31,7 @@ class NodeSpec:
     memory_bytes: int
     name: str = ""
     device: str = "cpu"
+    site: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,17 +54,35 @@ DEFAULT_LINK = Link(bandwidth=1e9, latency=1e-4)
 class ClusterView:
     """Nodes and the directed links between them.
 
-    ``links[(a, b)]`` is the link from node ``a`` to node ``b``; a missing pair
-    falls back to ``default_link``.
+    ``links[(a, b)]`` is the link from node ``a`` to node ``b``. A missing pair
+    falls back to ``site_links[(site of a, site of b)]`` when both nodes have a
+    site and that pair of sites is listed (``(s, s)`` is the link inside site
+    ``s``), and otherwise to ``default_link``.
     """
 
     nodes: list[NodeSpec]
     links: dict[tuple[str, str], Link] = field(default_factory=dict)
     default_link: Link = DEFAULT_LINK
+    site_links: dict[tuple[str, str], Link] = field(default_factory=dict)
+    _sites: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def link(self, a: str, b: str) -> Link:
-        """The link from ``a`` to ``b``."""
-        return self.links.get((a, b), self.default_link)
+        """The link from ``a`` to ``b`` (explicit, else by sites, else the default)."""
+        found = self.links.get((a, b))
+        if found is not None:
+            return found
+        if self.site_links:
+            found = self.site_links.get((self.site_of(a), self.site_of(b)))
+            if found is not None:
+                return found
+        return self.default_link
+
+    def site_of(self, node_id: str) -> str:
+        """The site of node ``node_id`` ("" if it has none or is unknown)."""
+        if node_id not in self._sites:
+            self._sites.clear()
+            self._sites.update((n.node_id, n.site) for n in self.nodes)
+        return self._sites.get(node_id, "")
 
     def node(self, node_id: str) -> NodeSpec:
         """The node with that id; KeyError if there is none."""
@@ -90,10 +111,18 @@ class LayerProfile:
 
 @dataclass
 class ModelProfile:
-    """Per-layer costs of a model; ``input_bytes`` is the input per sample."""
+    """Per-layer costs of a model.
+
+    Attributes:
+        layers: the layers in order.
+        input_bytes: bytes of the model's input per sample.
+        element_bytes: bytes per element of the activations as profiled (4 for
+            float32, 2 for bf16/fp16); codec wire sizes are relative to float32.
+    """
 
     layers: list[LayerProfile]
     input_bytes: int = 0
+    element_bytes: int = 4
 
     @property
     def parameter_bytes(self) -> int:
@@ -111,7 +140,17 @@ class TrainConfig:
         schedule: "gpipe" or "1f1b" (or "async", later).
         state_factor: bytes kept per parameter byte for a stage: weights,
             gradients and optimizer state (4 for AdamW: weights, grads, two moments).
-        stages: pipeline depth the user asked for (0: the planner chooses).
+        stages: pipeline depth the user asked for: every replica group gets
+            exactly this many stages (0: the planner chooses).
+        compression: codec policy for every pipeline link: "auto" (the planner
+            picks per link from its bandwidth, see ``fedpipe.planner.codecs``),
+            "none" (raw everywhere) or one codec spec such as "int8+zstd".
+        activation_compression: overrides ``compression`` for activations.
+        gradient_compression: overrides ``compression`` for the gradients sent
+            back along the pipeline.
+
+    With several replica groups the job's ``microbatches`` (each of
+    ``batch_size / microbatches`` samples) are shared among the groups.
     """
 
     batch_size: int
@@ -119,11 +158,20 @@ class TrainConfig:
     schedule: str = "gpipe"
     state_factor: float = 4.0
     stages: int = 0
+    compression: str = "auto"
+    activation_compression: str | None = None
+    gradient_compression: str | None = None
 
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Layers ``[layer_start, layer_end)`` on node ``node_id``."""
+    """Layers ``[layer_start, layer_end)`` on node ``node_id``.
+
+    The codecs are those of the tensors this stage *sends*:
+    ``activation_codec`` for its output to the next stage, ``gradient_codec``
+    for the gradient of its input sent back to the previous stage ("raw" where
+    there is no such neighbour).
+    """
 
     node_id: str
     layer_start: int
@@ -134,9 +182,21 @@ class StagePlan:
 
 @dataclass
 class ReplicaGroup:
-    """One data-parallel replica: an ordered chain of stages."""
+    """One data-parallel replica: an ordered chain of stages.
+
+    Attributes:
+        stages: the chain, first stage first.
+        microbatches: microbatches this group runs per step (0: not set, the
+            job's ``microbatches`` shared equally).
+        samples: samples this group processes per step (0: not set).
+        predicted_seconds: simulated time of this group's forward and
+            backward passes in one step, seconds (without the all-reduce).
+    """
 
     stages: list[StagePlan]
+    microbatches: int = 0
+    samples: int = 0
+    predicted_seconds: float = 0.0
 
 
 @dataclass
@@ -145,10 +205,37 @@ class Plan:
 
     Attributes:
         groups: replica groups (one for pure pipeline parallelism).
-        predicted_step_seconds: predicted wall time of one optimizer step, seconds.
+        predicted_step_seconds: predicted wall time of one optimizer step,
+            seconds (from the discrete-event simulator).
         unused: ids of nodes left without a stage.
+        predicted_samples_per_second: batch size / predicted step time.
+        sync_seconds: predicted time the cross-group gradient all-reduce adds
+            after the slowest group's last backward pass, seconds (0 for one group).
+        schedule: the schedule the prediction assumes ("gpipe" or "1f1b").
     """
 
     groups: list[ReplicaGroup]
     predicted_step_seconds: float
     unused: list[str] = field(default_factory=list)
+    predicted_samples_per_second: float = 0.0
+    sync_seconds: float = 0.0
+    schedule: str = ""
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Bounds of the planner's local search.
+
+    Attributes:
+        seed: seed of the search's random moves; equal seeds give equal plans
+            as long as ``time_limit_s`` is not what stops the search.
+        iterations: local-search moves tried from each start; None: chosen from
+            the cluster's size.
+        time_limit_s: wall-clock bound of the whole search, seconds.
+        starts: how many of the best initial groupings the local search refines.
+    """
+
+    seed: int = 0
+    iterations: int | None = None
+    time_limit_s: float = 20.0
+    starts: int = 3

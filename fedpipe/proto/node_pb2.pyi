@@ -15,11 +15,13 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KIND_TARGET: _ClassVar[Kind]
     KIND_ACTIVATION: _ClassVar[Kind]
     KIND_GRADIENT: _ClassVar[Kind]
+    KIND_PROBE: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 KIND_INPUT: Kind
 KIND_TARGET: Kind
 KIND_ACTIVATION: Kind
 KIND_GRADIENT: Kind
+KIND_PROBE: Kind
 
 class Resources(_message.Message):
     __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname")
@@ -38,7 +40,7 @@ class Resources(_message.Message):
     def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec")
+    __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec", "node_name")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +49,7 @@ class StageAssignment(_message.Message):
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_CODEC_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_CODEC_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     replica: int
     stage: int
     node_id: str
@@ -55,7 +58,8 @@ class StageAssignment(_message.Message):
     layer_end: int
     activation_codec: str
     gradient_codec: str
-    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ...) -> None: ...
+    node_name: str
+    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., node_name: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("stages", "predicted_step_seconds", "summary")
@@ -68,22 +72,24 @@ class Plan(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "compression", "stages")
+    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     LOSS_FN_FIELD_NUMBER: _ClassVar[int]
-    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     steps: int
     microbatches: int
     schedule: str
     optimizer: bytes
     loss_fn: bytes
-    compression: str
+    activation_compression: str
     stages: int
-    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., compression: _Optional[str] = ..., stages: _Optional[int] = ...) -> None: ...
+    gradient_compression: str
+    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ()
@@ -166,3 +172,57 @@ class FetchStateRequest(_message.Message):
     replica: int
     stage: int
     def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class Peer(_message.Message):
+    __slots__ = ("node_id", "name", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    name: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class MeasureLinksRequest(_message.Message):
+    __slots__ = ("peers", "pings", "max_probe_bytes", "probe_seconds")
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    PINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROBE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    pings: int
+    max_probe_bytes: int
+    probe_seconds: float
+    def __init__(self, peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., pings: _Optional[int] = ..., max_probe_bytes: _Optional[int] = ..., probe_seconds: _Optional[float] = ...) -> None: ...
+
+class LinkMeasurement(_message.Message):
+    __slots__ = ("src_id", "dst_id", "bandwidth", "latency", "measured_at", "error")
+    SRC_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_ID_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    src_id: str
+    dst_id: str
+    bandwidth: float
+    latency: float
+    measured_at: float
+    error: str
+    def __init__(self, src_id: _Optional[str] = ..., dst_id: _Optional[str] = ..., bandwidth: _Optional[float] = ..., latency: _Optional[float] = ..., measured_at: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class MeasureLinksReply(_message.Message):
+    __slots__ = ("links",)
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
+    def __init__(self, links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class PingReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -59,6 +59,16 @@ class NodeStub:
                 request_serializer=fedpipe_dot_v1_dot_node__pb2.FetchStateRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_v1_dot_node__pb2.Frame.FromString,
                 _registered_method=True)
+        self.Ping = channel.unary_unary(
+                '/fedpipe.v1.Node/Ping',
+                request_serializer=fedpipe_dot_v1_dot_node__pb2.PingRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_node__pb2.PingReply.FromString,
+                _registered_method=True)
+        self.MeasureLinks = channel.unary_unary(
+                '/fedpipe.v1.Node/MeasureLinks',
+                request_serializer=fedpipe_dot_v1_dot_node__pb2.MeasureLinksRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_node__pb2.MeasureLinksReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -99,6 +109,20 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Ping(self, request, context):
+        """A small round trip, for latency measurements.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MeasureLinks(self, request, context):
+        """Measure latency and bandwidth from this node to each peer, over the data path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +150,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.FetchState,
                     request_deserializer=fedpipe_dot_v1_dot_node__pb2.FetchStateRequest.FromString,
                     response_serializer=fedpipe_dot_v1_dot_node__pb2.Frame.SerializeToString,
+            ),
+            'Ping': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=fedpipe_dot_v1_dot_node__pb2.PingRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_node__pb2.PingReply.SerializeToString,
+            ),
+            'MeasureLinks': grpc.unary_unary_rpc_method_handler(
+                    servicer.MeasureLinks,
+                    request_deserializer=fedpipe_dot_v1_dot_node__pb2.MeasureLinksRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_node__pb2.MeasureLinksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +297,60 @@ class Node:
             '/fedpipe.v1.Node/FetchState',
             fedpipe_dot_v1_dot_node__pb2.FetchStateRequest.SerializeToString,
             fedpipe_dot_v1_dot_node__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Node/Ping',
+            fedpipe_dot_v1_dot_node__pb2.PingRequest.SerializeToString,
+            fedpipe_dot_v1_dot_node__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MeasureLinks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Node/MeasureLinks',
+            fedpipe_dot_v1_dot_node__pb2.MeasureLinksRequest.SerializeToString,
+            fedpipe_dot_v1_dot_node__pb2.MeasureLinksReply.FromString,
             options,
             channel_credentials,
             insecure,

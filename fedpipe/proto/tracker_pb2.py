@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from . import node_pb2 as fedpipe_dot_v1_dot_node__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65\x64pipe/v1/tracker.proto\x12\nfedpipe.v1\x1a\x15\x66\x65\x64pipe/v1/node.proto\"^\n\x13RegisterNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\tresources\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.Resources\";\n\x11RegisterNodeReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"#\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"6\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"\x9f\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12(\n\tresources\x18\x04 \x01(\x0b\x32\x15.fedpipe.v1.Resources\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x16\n\x0elast_heartbeat\x18\x06 \x01(\x01\x12\x12\n\nregistered\x18\x07 \x01(\x01\"(\n\x10ListNodesRequest\x12\x14\n\x0cinclude_lost\x18\x01 \x01(\x08\"5\n\x0eListNodesReply\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.fedpipe.v1.NodeInfo\"^\n\x0cLayerProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66lops\x18\x02 \x01(\x01\x12\x18\n\x10\x61\x63tivation_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fparameter_bytes\x18\x04 \x01(\x04\"M\n\x0cModelProfile\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.fedpipe.v1.LayerProfile\x12\x13\n\x0binput_bytes\x18\x02 \x01(\x04\"\xaf\x01\n\x10SubmitJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x0c\x12%\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.JobConfig\x12)\n\x07profile\x18\x04 \x01(\x0b\x32\x18.fedpipe.v1.ModelProfile\x12\x12\n\nbatch_size\x18\x05 \x01(\x03\x12\x17\n\x0fpending_timeout\x18\x06 \x01(\x01\" \n\x0eSubmitJobReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xb8\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1e\n\x04plan\x18\x05 \x01(\x0b\x32\x10.fedpipe.v1.Plan\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x0f\n\x07\x63reated\x18\t \x01(\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\x92\x01\n\x08JobEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x07 \x01(\x01\"\xa2\x02\n\x0bStageReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12.\n\x06status\x18\x05 \x01(\x0e\x32\x1e.fedpipe.v1.StageReport.Status\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0f\n\x07samples\x18\x08 \x01(\x03\x12\x0f\n\x07seconds\x18\t \x01(\x01\x12\r\n\x05\x65rror\x18\n \x01(\t\"U\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTATUS_STEP\x10\x01\x12\x0f\n\x0bSTATUS_DONE\x10\x02\x12\x11\n\rSTATUS_FAILED\x10\x03\"\x12\n\x10StageReportReply*\xe6\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x16\n\x12JOB_STATE_PLANNING\x10\x02\x12\x17\n\x13JOB_STATE_DEPLOYING\x10\x03\x12\x15\n\x11JOB_STATE_RUNNING\x10\x04\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x05\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x06\x12\x14\n\x10JOB_STATE_FAILED\x10\x07\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x08\x32\xaf\x04\n\x07Tracker\x12N\n\x0cRegisterNode\x12\x1f.fedpipe.v1.RegisterNodeRequest\x1a\x1d.fedpipe.v1.RegisterNodeReply\x12\x45\n\tHeartbeat\x12\x1c.fedpipe.v1.HeartbeatRequest\x1a\x1a.fedpipe.v1.HeartbeatReply\x12\x45\n\tListNodes\x12\x1c.fedpipe.v1.ListNodesRequest\x1a\x1a.fedpipe.v1.ListNodesReply\x12\x45\n\tSubmitJob\x12\x1c.fedpipe.v1.SubmitJobRequest\x1a\x1a.fedpipe.v1.SubmitJobReply\x12\x38\n\x06GetJob\x12\x19.fedpipe.v1.GetJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12?\n\x08WatchJob\x12\x1b.fedpipe.v1.WatchJobRequest\x1a\x14.fedpipe.v1.JobEvent0\x01\x12>\n\tCancelJob\x12\x1c.fedpipe.v1.CancelJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12\x44\n\x0bReportStage\x12\x17.fedpipe.v1.StageReport\x1a\x1c.fedpipe.v1.StageReportReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65\x64pipe/v1/tracker.proto\x12\nfedpipe.v1\x1a\x15\x66\x65\x64pipe/v1/node.proto\"^\n\x13RegisterNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\tresources\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.Resources\";\n\x11RegisterNodeReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"#\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"6\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"\x9f\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12(\n\tresources\x18\x04 \x01(\x0b\x32\x15.fedpipe.v1.Resources\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x16\n\x0elast_heartbeat\x18\x06 \x01(\x01\x12\x12\n\nregistered\x18\x07 \x01(\x01\"(\n\x10ListNodesRequest\x12\x14\n\x0cinclude_lost\x18\x01 \x01(\x08\"a\n\x0eListNodesReply\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.fedpipe.v1.NodeInfo\x12*\n\x05links\x18\x02 \x03(\x0b\x32\x1b.fedpipe.v1.LinkMeasurement\"^\n\x0cLayerProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66lops\x18\x02 \x01(\x01\x12\x18\n\x10\x61\x63tivation_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fparameter_bytes\x18\x04 \x01(\x04\"M\n\x0cModelProfile\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.fedpipe.v1.LayerProfile\x12\x13\n\x0binput_bytes\x18\x02 \x01(\x04\"\xaf\x01\n\x10SubmitJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x0c\x12%\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.JobConfig\x12)\n\x07profile\x18\x04 \x01(\x0b\x32\x18.fedpipe.v1.ModelProfile\x12\x12\n\nbatch_size\x18\x05 \x01(\x03\x12\x17\n\x0fpending_timeout\x18\x06 \x01(\x01\" \n\x0eSubmitJobReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xb8\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1e\n\x04plan\x18\x05 \x01(\x0b\x32\x10.fedpipe.v1.Plan\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x0f\n\x07\x63reated\x18\t \x01(\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\x92\x01\n\x08JobEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x07 \x01(\x01\"\xa2\x02\n\x0bStageReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12.\n\x06status\x18\x05 \x01(\x0e\x32\x1e.fedpipe.v1.StageReport.Status\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0f\n\x07samples\x18\x08 \x01(\x03\x12\x0f\n\x07seconds\x18\t \x01(\x01\x12\r\n\x05\x65rror\x18\n \x01(\t\"U\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTATUS_STEP\x10\x01\x12\x0f\n\x0bSTATUS_DONE\x10\x02\x12\x11\n\rSTATUS_FAILED\x10\x03\"\x12\n\x10StageReportReply*\xe6\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x16\n\x12JOB_STATE_PLANNING\x10\x02\x12\x17\n\x13JOB_STATE_DEPLOYING\x10\x03\x12\x15\n\x11JOB_STATE_RUNNING\x10\x04\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x05\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x06\x12\x14\n\x10JOB_STATE_FAILED\x10\x07\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x08\x32\xaf\x04\n\x07Tracker\x12N\n\x0cRegisterNode\x12\x1f.fedpipe.v1.RegisterNodeRequest\x1a\x1d.fedpipe.v1.RegisterNodeReply\x12\x45\n\tHeartbeat\x12\x1c.fedpipe.v1.HeartbeatRequest\x1a\x1a.fedpipe.v1.HeartbeatReply\x12\x45\n\tListNodes\x12\x1c.fedpipe.v1.ListNodesRequest\x1a\x1a.fedpipe.v1.ListNodesReply\x12\x45\n\tSubmitJob\x12\x1c.fedpipe.v1.SubmitJobRequest\x1a\x1a.fedpipe.v1.SubmitJobReply\x12\x38\n\x06GetJob\x12\x19.fedpipe.v1.GetJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12?\n\x08WatchJob\x12\x1b.fedpipe.v1.WatchJobRequest\x1a\x14.fedpipe.v1.JobEvent0\x01\x12>\n\tCancelJob\x12\x1c.fedpipe.v1.CancelJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12\x44\n\x0bReportStage\x12\x17.fedpipe.v1.StageReport\x1a\x1c.fedpipe.v1.StageReportReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedpipe.v1.tracker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=1748
-  _globals['_JOBSTATE']._serialized_end=1978
+  _globals['_JOBSTATE']._serialized_start=1792
+  _globals['_JOBSTATE']._serialized_end=2022
   _globals['_REGISTERNODEREQUEST']._serialized_start=63
   _globals['_REGISTERNODEREQUEST']._serialized_end=157
   _globals['_REGISTERNODEREPLY']._serialized_start=159
@@ -47,31 +47,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTNODESREQUEST']._serialized_start=475
   _globals['_LISTNODESREQUEST']._serialized_end=515
   _globals['_LISTNODESREPLY']._serialized_start=517
-  _globals['_LISTNODESREPLY']._serialized_end=570
-  _globals['_LAYERPROFILE']._serialized_start=572
-  _globals['_LAYERPROFILE']._serialized_end=666
-  _globals['_MODELPROFILE']._serialized_start=668
-  _globals['_MODELPROFILE']._serialized_end=745
-  _globals['_SUBMITJOBREQUEST']._serialized_start=748
-  _globals['_SUBMITJOBREQUEST']._serialized_end=923
-  _globals['_SUBMITJOBREPLY']._serialized_start=925
-  _globals['_SUBMITJOBREPLY']._serialized_end=957
-  _globals['_JOBINFO']._serialized_start=960
-  _globals['_JOBINFO']._serialized_end=1144
-  _globals['_GETJOBREQUEST']._serialized_start=1146
-  _globals['_GETJOBREQUEST']._serialized_end=1177
-  _globals['_CANCELJOBREQUEST']._serialized_start=1179
-  _globals['_CANCELJOBREQUEST']._serialized_end=1229
-  _globals['_WATCHJOBREQUEST']._serialized_start=1231
-  _globals['_WATCHJOBREQUEST']._serialized_end=1283
-  _globals['_JOBEVENT']._serialized_start=1286
-  _globals['_JOBEVENT']._serialized_end=1432
-  _globals['_STAGEREPORT']._serialized_start=1435
-  _globals['_STAGEREPORT']._serialized_end=1725
-  _globals['_STAGEREPORT_STATUS']._serialized_start=1640
-  _globals['_STAGEREPORT_STATUS']._serialized_end=1725
-  _globals['_STAGEREPORTREPLY']._serialized_start=1727
-  _globals['_STAGEREPORTREPLY']._serialized_end=1745
-  _globals['_TRACKER']._serialized_start=1981
-  _globals['_TRACKER']._serialized_end=2540
+  _globals['_LISTNODESREPLY']._serialized_end=614
+  _globals['_LAYERPROFILE']._serialized_start=616
+  _globals['_LAYERPROFILE']._serialized_end=710
+  _globals['_MODELPROFILE']._serialized_start=712
+  _globals['_MODELPROFILE']._serialized_end=789
+  _globals['_SUBMITJOBREQUEST']._serialized_start=792
+  _globals['_SUBMITJOBREQUEST']._serialized_end=967
+  _globals['_SUBMITJOBREPLY']._serialized_start=969
+  _globals['_SUBMITJOBREPLY']._serialized_end=1001
+  _globals['_JOBINFO']._serialized_start=1004
+  _globals['_JOBINFO']._serialized_end=1188
+  _globals['_GETJOBREQUEST']._serialized_start=1190
+  _globals['_GETJOBREQUEST']._serialized_end=1221
+  _globals['_CANCELJOBREQUEST']._serialized_start=1223
+  _globals['_CANCELJOBREQUEST']._serialized_end=1273
+  _globals['_WATCHJOBREQUEST']._serialized_start=1275
+  _globals['_WATCHJOBREQUEST']._serialized_end=1327
+  _globals['_JOBEVENT']._serialized_start=1330
+  _globals['_JOBEVENT']._serialized_end=1476
+  _globals['_STAGEREPORT']._serialized_start=1479
+  _globals['_STAGEREPORT']._serialized_end=1769
+  _globals['_STAGEREPORT_STATUS']._serialized_start=1684
+  _globals['_STAGEREPORT_STATUS']._serialized_end=1769
+  _globals['_STAGEREPORTREPLY']._serialized_start=1771
+  _globals['_STAGEREPORTREPLY']._serialized_end=1789
+  _globals['_TRACKER']._serialized_start=2025
+  _globals['_TRACKER']._serialized_end=2584
 # @@protoc_insertion_point(module_scope)

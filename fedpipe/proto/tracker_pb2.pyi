@@ -86,10 +86,12 @@ class ListNodesRequest(_message.Message):
     def __init__(self, include_lost: _Optional[bool] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "links")
     NODES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[_node_pb2.LinkMeasurement]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[_node_pb2.LinkMeasurement, _Mapping]]] = ...) -> None: ...
 
 class LayerProfile(_message.Message):
     __slots__ = ("name", "flops", "activation_bytes", "parameter_bytes")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 from ..client import Client
+from ..proto import tracker_pb2
 
 _LISTEN = re.compile(r"tracker listening on (\S+)")
 
@@ -54,7 +56,10 @@ class LocalSwarm:
         lease: the tracker's heartbeat lease, seconds.
         threads: torch threads per node.
         node_args: extra ``fedpipe node`` arguments, for all nodes.
-        timeout: seconds to wait for the tracker and every node to be up.
+        link_profile: emulated links for the whole swarm, as a dict in the format of
+            :mod:`fedpipe.net.emulation` (nodes are named node0, node1, ...).
+        timeout: seconds to wait for the tracker and every node to be up, and
+            for the links between them to be measured.
 
     Raises:
         RuntimeError: a process exited or did not come up in time (the message
@@ -62,11 +67,16 @@ class LocalSwarm:
     """
 
     def __init__(self, n_nodes: int = 2, *, workdir: str | None = None, lease: float = 5.0,
-                 threads: int = 1, node_args: list[str] | None = None, timeout: float = 60.0):
+                 threads: int = 1, node_args: list[str] | None = None,
+                 link_profile: dict | None = None, timeout: float = 60.0):
         self.n_nodes, self.lease, self.threads = n_nodes, lease, threads
         self.node_args, self.timeout = list(node_args or []), timeout
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="fedpipe-")
         self.workdir = Path(workdir or self._tmp.name)
+        if link_profile is not None:
+            path = self.workdir / "links.json"
+            path.write_text(json.dumps(link_profile, indent=1))
+            self.node_args += ["--link-profile", str(path)]
         self.db = str(self.workdir / "tracker.db")
         self.tracker = ""
         self.tracker_proc: subprocess.Popen | None = None
@@ -136,6 +146,20 @@ class LocalSwarm:
         logs = "\n".join(f"--- node{i}\n{self.log(p)[-2000:]}" for i, p in enumerate(self.nodes))
         raise RuntimeError(f"{n} nodes did not register within {self.timeout} s\n{logs}")
 
+    def wait_for_links(self) -> None:
+        """Wait until the tracker has measured every link between live nodes."""
+        from ..tracker.service import unmeasured
+
+        client = self.client()
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(), timeout=10)
+            if not unmeasured(list(reply.nodes), list(reply.links)):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"links were not measured within {self.timeout} s:\n"
+                           f"{self.log(self.tracker_proc)[-3000:]}")
+
     def client(self) -> Client:
         """A client of this swarm's tracker."""
         return Client(self.tracker)
@@ -158,6 +182,7 @@ class LocalSwarm:
             for _ in range(self.n_nodes):
                 self.add_node()
             self.wait_for_nodes(self.n_nodes)
+            self.wait_for_links()
         except BaseException:
             self.close()
             raise

@@ -24,11 +24,24 @@ ACTIVE = {S.JOB_STATE_PLANNING, S.JOB_STATE_DEPLOYING, S.JOB_STATE_RUNNING}
 STATE_NAMES = {v: k.removeprefix("JOB_STATE_") for k, v in S.JobState.items()}
 
 
-def cluster_view(nodes: list[tracker_pb2.NodeInfo]) -> planner.ClusterView:
-    """The planner's view of registered nodes (links not measured yet: default link)."""
-    return planner.ClusterView([planner.NodeSpec(n.node_id, n.resources.flops,
-                                                 n.resources.memory_bytes, n.name,
-                                                 n.resources.device) for n in nodes])
+def cluster_view(nodes: list[tracker_pb2.NodeInfo],
+                 links: list[node_pb2.LinkMeasurement]) -> planner.ClusterView:
+    """The planner's view of nodes and measured links (unmeasured pairs: the default link)."""
+    ids = {n.node_id for n in nodes}
+    return planner.ClusterView(
+        [planner.NodeSpec(n.node_id, n.resources.flops, n.resources.memory_bytes, n.name,
+                          n.resources.device) for n in nodes],
+        {(m.src_id, m.dst_id): planner.Link(m.bandwidth, m.latency)
+         for m in links if m.src_id in ids and m.dst_id in ids and m.bandwidth > 0})
+
+
+def unmeasured(nodes: list[tracker_pb2.NodeInfo], links: list[node_pb2.LinkMeasurement]
+               ) -> list[tuple[str, str]]:
+    """Ordered pairs of live nodes without a measurement since both registered."""
+    seen = {(m.src_id, m.dst_id): m.measured_at for m in links}
+    return [(a.node_id, b.node_id) for a in nodes for b in nodes
+            if a.node_id != b.node_id
+            and seen.get((a.node_id, b.node_id), 0) < max(a.registered, b.registered)]
 
 
 def model_profile(p: tracker_pb2.ModelProfile) -> planner.ModelProfile:
@@ -40,8 +53,11 @@ def model_profile(p: tracker_pb2.ModelProfile) -> planner.ModelProfile:
 
 def train_config(spec: tracker_pb2.SubmitJobRequest) -> planner.TrainConfig:
     """The planner's training config from a submission."""
-    return planner.TrainConfig(batch_size=spec.batch_size, microbatches=spec.config.microbatches,
-                               schedule=spec.config.schedule, stages=spec.config.stages)
+    c = spec.config
+    return planner.TrainConfig(batch_size=spec.batch_size, microbatches=c.microbatches,
+                               schedule=c.schedule, stages=c.stages,
+                               activation_compression=c.activation_compression or "auto",
+                               gradient_compression=c.gradient_compression or "auto")
 
 
 def validate(spec: tracker_pb2.SubmitJobRequest) -> str | None:
@@ -68,20 +84,36 @@ def validate(spec: tracker_pb2.SubmitJobRequest) -> str | None:
 
 
 class TrackerService(tracker_pb2_grpc.TrackerServicer):
-    """The tracker. ``lease`` is the heartbeat lease in seconds."""
+    """The tracker.
 
-    def __init__(self, store: Store, lease: float = 10.0):
+    Args:
+        store: the SQLite state.
+        lease: seconds a node may go without a heartbeat before it is marked lost.
+        link_refresh: seconds between re-measurements of every link (0: only
+            when nodes join).
+        link_wait: seconds a job waits for the links of newly joined nodes to
+            be measured before it is planned with default figures.
+    """
+
+    def __init__(self, store: Store, lease: float = 10.0, link_refresh: float = 300.0,
+                 link_wait: float = 30.0):
         self.store, self.lease = store, lease
+        self.link_refresh, self.link_wait = link_refresh, link_wait
         self.wake = threading.Condition()
         self.stop_event = threading.Event()
+        self.measure_now = threading.Event()
         self.store.renew_all()
-        self.thread = threading.Thread(target=self._scheduler, name="scheduler", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._scheduler, name="scheduler", daemon=True),
+                        threading.Thread(target=self._measurer, name="links", daemon=True)]
+        for th in self.threads:
+            th.start()
 
     def close(self) -> None:
         self.stop_event.set()
+        self.measure_now.set()
         self._notify()
-        self.thread.join(timeout=5)
+        for th in self.threads:
+            th.join(timeout=5)
 
     def _notify(self) -> None:
         with self.wake:
@@ -98,6 +130,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         node_id = self.store.upsert_node(request.name or request.address, request.address,
                                          request.resources)
         log.info("node %s (%s) registered at %s", request.name, node_id, request.address)
+        self.measure_now.set()
         self._notify()
         return S.RegisterNodeReply(node_id=node_id, lease_seconds=self.lease)
 
@@ -106,7 +139,43 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
                                 lease_seconds=self.lease)
 
     def ListNodes(self, request, context):
-        return S.ListNodesReply(nodes=self.store.nodes(request.include_lost))
+        return S.ListNodesReply(nodes=self.store.nodes(request.include_lost),
+                                links=self.store.links())
+
+    # -- links --------------------------------------------------------------
+    def _measurer(self) -> None:
+        """Measure every link when nodes join and every ``link_refresh`` seconds."""
+        self.measure_now.set()
+        while not self.stop_event.is_set():
+            self.measure_now.wait(self.link_refresh or None)
+            self.measure_now.clear()
+            if self.stop_event.is_set():
+                return
+            try:
+                self.measure_links()
+            except Exception:  # noqa: BLE001 — try again at the next trigger
+                log.exception("link measurement failed")
+            self._notify()
+
+    def measure_links(self) -> None:
+        """Ask each live node, one at a time, to measure its links to the others."""
+        nodes = self.store.nodes()
+        for n in nodes:
+            peers = [node_pb2.Peer(node_id=p.node_id, name=p.name, address=p.address)
+                     for p in nodes if p.node_id != n.node_id]
+            if not peers:
+                continue
+            try:
+                reply = node_pb2_grpc.NodeStub(net.channel(n.address)).MeasureLinks(
+                    node_pb2.MeasureLinksRequest(peers=peers), timeout=60 + 30 * len(peers))
+            except grpc.RpcError as e:
+                log.warning("node %s could not measure its links: %s", n.name, e.details())
+                continue
+            self.store.set_links(reply.links)
+            for m in reply.links:
+                if m.error:
+                    log.warning("link %s -> %s: %s", n.name, m.dst_id, m.error)
+        log.info("measured %d links among %d nodes", len(nodes) * (len(nodes) - 1), len(nodes))
 
     # -- jobs ---------------------------------------------------------------
     def SubmitJob(self, request, context):
@@ -229,16 +298,20 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
                 if spec.pending_timeout and time.time() - job.created > spec.pending_timeout:
                     self._fail(job_id, f"no node registered within {spec.pending_timeout:.0f} s")
                 continue
-            self._start(job_id, spec, nodes)
+            links = self.store.links()
+            missing = unmeasured(nodes, links)
+            if missing and time.time() - job.created < self.link_wait:
+                continue  # the links of nodes that just joined are being measured
+            self._start(job_id, spec, nodes, links)
 
     def _start(self, job_id: str, spec: tracker_pb2.SubmitJobRequest,
-               nodes: list[tracker_pb2.NodeInfo]) -> None:
+               nodes: list[tracker_pb2.NodeInfo], links: list[node_pb2.LinkMeasurement]) -> None:
         if not self.store.set_state(job_id, S.JOB_STATE_PLANNING,
                                     f"planning over {len(nodes)} node(s)",
                                     only_from={S.JOB_STATE_PENDING}):
             return
         try:
-            plan = planner.make_plan(cluster_view(nodes), model_profile(spec.profile),
+            plan = planner.make_plan(cluster_view(nodes, links), model_profile(spec.profile),
                                      train_config(spec))
         except planner.PlanError as e:
             self._fail(job_id, f"no plan: {e}")
@@ -279,7 +352,7 @@ def plan_message(plan: planner.Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> 
         for i, s in enumerate(group.stages):
             n = nodes[s.node_id]
             msg.stages.append(node_pb2.StageAssignment(
-                replica=r, stage=i, node_id=s.node_id, address=n.address,
+                replica=r, stage=i, node_id=s.node_id, node_name=n.name, address=n.address,
                 layer_start=s.layer_start, layer_end=s.layer_end,
                 activation_codec=s.activation_codec, gradient_codec=s.gradient_codec))
             parts.append(f"{n.name}: layers {s.layer_start}-{s.layer_end - 1}")
@@ -287,14 +360,15 @@ def plan_message(plan: planner.Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> 
     return msg
 
 
-def serve(host: str, port: int, db: str, lease: float = 10.0) -> tuple[grpc.Server, TrackerService, int]:
+def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: float = 300.0
+          ) -> tuple[grpc.Server, TrackerService, int]:
     """Start a tracker server; returns ``(server, service, port)``.
 
     Raises:
         OSError: the port cannot be bound.
         sqlite3.Error: the database cannot be opened.
     """
-    service = TrackerService(Store(db), lease)
+    service = TrackerService(Store(db), lease, link_refresh)
     srv = net.server(32)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
     real = net.bind(srv, host, port)

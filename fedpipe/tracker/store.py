@@ -33,6 +33,9 @@ CREATE TABLE IF NOT EXISTS job_events (
     state INTEGER NOT NULL, reason TEXT NOT NULL, step INTEGER NOT NULL DEFAULT 0,
     loss REAL NOT NULL DEFAULT 0, samples_per_second REAL NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS job_events_by_job ON job_events (job_id, seq);
+CREATE TABLE IF NOT EXISTS links (
+    src TEXT NOT NULL, dst TEXT NOT NULL, bandwidth REAL NOT NULL, latency REAL NOT NULL,
+    measured_at REAL NOT NULL, PRIMARY KEY (src, dst));
 """
 
 TERMINAL = {tracker_pb2.JOB_STATE_SUCCEEDED, tracker_pb2.JOB_STATE_FAILED,
@@ -100,6 +103,21 @@ class Store:
                                             resources=node_pb2.Resources.FromString(res),
                                             alive=bool(alive), last_heartbeat=hb, registered=reg))
         return out
+
+    # -- links --------------------------------------------------------------
+    def set_links(self, links: Iterable[node_pb2.LinkMeasurement]) -> None:
+        """Keep the latest measurement of each directed link (failed ones are skipped)."""
+        with self.lock:
+            for m in links:
+                if not m.error:
+                    self._x("INSERT OR REPLACE INTO links VALUES (?,?,?,?,?)",
+                            (m.src_id, m.dst_id, m.bandwidth, m.latency, m.measured_at))
+
+    def links(self) -> list[node_pb2.LinkMeasurement]:
+        """The latest measurement of every directed link."""
+        return [node_pb2.LinkMeasurement(src_id=s, dst_id=d, bandwidth=b, latency=lat,
+                                         measured_at=at)
+                for s, d, b, lat, at in self._x("SELECT * FROM links ORDER BY src, dst")]
 
     # -- jobs ---------------------------------------------------------------
     def add_job(self, spec: tracker_pb2.SubmitJobRequest, reason: str) -> str:

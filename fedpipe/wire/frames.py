@@ -4,6 +4,12 @@ A large tensor never hits a gRPC message cap: its payload is cut into pieces
 of ``CHUNK_BYTES``; the first frame carries the header (and routing envelope or
 name), the rest carry only bytes. The receiver checks the pieces add up to the
 declared ``payload_bytes`` before it decodes.
+
+Every copy of a payload costs (a 16 MiB tensor is 4096 pages, and glibc's
+defaults hand large buffers out as freshly mapped memory), so both directions
+copy the payload as few times as the protobuf runtime allows: reading a bytes
+field and setting one each copy, so the header is never copied with its
+payload, and pieces are cut from one ``bytes`` object.
 """
 from __future__ import annotations
 
@@ -17,19 +23,35 @@ from .codecs import WireError
 
 CHUNK_BYTES = 1 << 20
 
+_PAYLOAD_FIELDS = ("payload", "payload_bytes")
+_HEADER_FIELDS = tuple(f for f in tensor_pb2.Tensor.DESCRIPTOR.fields
+                       if f.name not in _PAYLOAD_FIELDS)
+
+
+def _header(msg: tensor_pb2.Tensor) -> tensor_pb2.Tensor:
+    """A copy of ``msg`` without ``payload`` and ``payload_bytes`` (CopyFrom would copy the payload)."""
+    head = tensor_pb2.Tensor()
+    for f in _HEADER_FIELDS:
+        if f.is_repeated:
+            getattr(head, f.name).extend(getattr(msg, f.name))
+        elif f.message_type is not None:
+            if msg.HasField(f.name):
+                getattr(head, f.name).CopyFrom(getattr(msg, f.name))
+        else:
+            setattr(head, f.name, getattr(msg, f.name))
+    return head
+
 
 def to_frames(msg: tensor_pb2.Tensor, *, envelope: node_pb2.Envelope | None = None,
               name: str = "", chunk_bytes: int = CHUNK_BYTES) -> Iterator[node_pb2.Frame]:
     """Split an encoded tensor into frames; the first carries ``envelope`` and ``name``."""
-    payload = msg.payload
-    head = tensor_pb2.Tensor()
-    head.CopyFrom(msg)
-    head.payload = payload[:chunk_bytes]
+    payload = msg.payload  # one copy out of the message; each piece below is one more
+    head = _header(msg)
+    head.payload = payload[:chunk_bytes]  # the same object when it fits: no copy
     head.payload_bytes = len(payload)
     yield node_pb2.Frame(envelope=envelope, tensor=head, name=name)
-    view = memoryview(payload)
     for off in range(chunk_bytes, len(payload), chunk_bytes):
-        yield node_pb2.Frame(chunk=bytes(view[off:off + chunk_bytes]))
+        yield node_pb2.Frame(chunk=payload[off:off + chunk_bytes])
 
 
 def encode_frames(t: torch.Tensor, codec: str = "raw", **kw) -> Iterator[node_pb2.Frame]:
@@ -54,14 +76,16 @@ def read_tensors(frames: Iterable[node_pb2.Frame],
     size = 0
 
     def finish():
+        nonlocal parts
         if size != head.tensor.payload_bytes:
             raise WireError(f"tensor stream ended after {size} payload bytes, header declared "
                             f"{head.tensor.payload_bytes}")
         msg = head.tensor
         if len(parts) > 1:
-            msg = tensor_pb2.Tensor()
-            msg.CopyFrom(head.tensor)
+            msg = _header(head.tensor)
+            msg.payload_bytes = head.tensor.payload_bytes
             msg.payload = b"".join(parts)
+        parts = []  # the pieces (and the joined copy) are freed before decode allocates
         return head, codecs.decode(msg)
 
     for frame in frames:
@@ -75,8 +99,9 @@ def read_tensors(frames: Iterable[node_pb2.Frame],
         elif head is None:
             raise WireError("frame stream starts with a continuation chunk, not a tensor header")
         else:
-            parts.append(frame.chunk)
-            size += len(frame.chunk)
+            chunk = frame.chunk
+            parts.append(chunk)
+            size += len(chunk)
         if head is not None and size > head.tensor.payload_bytes:
             raise WireError(f"tensor stream carries more than the declared "
                             f"{head.tensor.payload_bytes} payload bytes")

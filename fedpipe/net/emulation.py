@@ -1,0 +1,170 @@
+"""Link emulation on one machine: shape a process's outgoing gRPC traffic.
+
+A node started with ``--link-profile profile.json`` sends to each peer through
+a token bucket (bandwidth) and an added one-way delay (latency), both applied
+inside fedpipe's own channels (:func:`fedpipe.net.channel`). Real traffic,
+real time: the tracker's link measurements and the training's step times see
+the emulated links as if they were real. The kernel's netem would do the
+delay, but it is not available everywhere; rate limits can also come from
+``tc qdisc ... tbf`` on real interfaces.
+
+Profile JSON (node names, group names or "*" in ``from``/``to``; the first
+matching entry wins; an entry applies both ways unless ``"oneway": true``)::
+
+    {
+      "groups": {"site-a": ["node0", "node1"], "site-b": ["node2", "node3"]},
+      "links": [
+        {"from": "site-a", "to": "site-b", "mbps": 20, "latency_ms": 30},
+        {"from": "node3", "to": "*", "bandwidth": 1.25e6, "latency_ms": 5, "oneway": true}
+      ]
+    }
+
+Bandwidth is ``bandwidth`` in bytes/s, or ``mbps``/``gbps`` in bits/s ×1e6/×1e9;
+latency is ``latency_ms`` or ``latency_s`` (one way). Pairs no entry matches
+are not shaped.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import grpc
+
+
+@dataclass(frozen=True)
+class EmulatedLink:
+    """An emulated directed link: ``bandwidth`` in bytes/s (0: unlimited), ``latency`` one way, s."""
+
+    bandwidth: float
+    latency: float
+
+
+def parse_link(entry: dict[str, Any], where: str = "link") -> EmulatedLink:
+    """An EmulatedLink from a JSON object with a bandwidth and a latency key.
+
+    Raises:
+        ValueError: no or several bandwidth keys, a negative figure, or a bad latency.
+    """
+    bw_keys = [k for k in ("bandwidth", "mbps", "gbps") if k in entry]
+    if len(bw_keys) > 1:
+        raise ValueError(f"{where}: give one of bandwidth/mbps/gbps, not {bw_keys}")
+    scale = {"bandwidth": 1.0, "mbps": 1e6 / 8, "gbps": 1e9 / 8}
+    bandwidth = float(entry[bw_keys[0]]) * scale[bw_keys[0]] if bw_keys else 0.0
+    if "latency_ms" in entry and "latency_s" in entry:
+        raise ValueError(f"{where}: give latency_ms or latency_s, not both")
+    latency = float(entry.get("latency_s", float(entry.get("latency_ms", 0.0)) / 1e3))
+    if bandwidth < 0 or latency < 0:
+        raise ValueError(f"{where}: bandwidth and latency must be >= 0, got {bandwidth}, {latency}")
+    return EmulatedLink(bandwidth, latency)
+
+
+class TokenBucket:
+    """Paces bytes to ``rate`` bytes/s with bursts of at most ``burst`` bytes; thread-safe."""
+
+    def __init__(self, rate: float, burst: float = 64 * 1024):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.stamp = burst, time.monotonic()
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        """Block until ``n`` bytes may go."""
+        if self.rate <= 0:
+            return
+        with self.lock:  # one sender at a time, as on one wire
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            self.tokens -= n
+            if self.tokens < 0:
+                wait = -self.tokens / self.rate
+                time.sleep(wait)
+                self.stamp += wait
+                self.tokens = 0.0
+
+
+class Shaper(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor,
+             grpc.UnaryStreamClientInterceptor):
+    """Client interceptor that delays and paces every call on a channel.
+
+    Requests wait ``latency`` before the first message goes and pass a token
+    bucket message by message (serialised size); the caller gets the answer
+    ``latency`` after the peer gave it (the reply's trip back), so a blocking
+    call costs two latencies plus size / bandwidth, as on a real link.
+    """
+
+    def __init__(self, link: EmulatedLink):
+        self.link = link
+        self.bucket = TokenBucket(link.bandwidth)
+
+    def _pace(self, messages: Iterator) -> Iterator:
+        time.sleep(self.link.latency)
+        for m in messages:
+            self.bucket.take(m.ByteSize())
+            yield m
+
+    def _back(self, result):
+        time.sleep(self.link.latency)
+        return result
+
+    def intercept_unary_unary(self, continuation, details, request):
+        request = next(self._pace(iter([request])))
+        return self._back(continuation(details, request))
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return self._back(continuation(details, self._pace(request_iterator)))
+
+    def intercept_unary_stream(self, continuation, details, request):
+        request = next(self._pace(iter([request])))
+        return self._back(continuation(details, request))
+
+
+class LinkProfile:
+    """Emulated links between named nodes, from a profile (see the module docstring).
+
+    Raises:
+        ValueError: a malformed profile (the message says where).
+    """
+
+    def __init__(self, profile: dict[str, Any]):
+        if not isinstance(profile, dict):
+            raise ValueError("a link profile must be a JSON object")
+        self.groups = {g: set(members) for g, members in profile.get("groups", {}).items()}
+        self.entries = []
+        for i, e in enumerate(profile.get("links", [])):
+            if "from" not in e or "to" not in e:
+                raise ValueError(f"links[{i}] needs 'from' and 'to'")
+            link = parse_link(e, f"links[{i}]")
+            self.entries.append((e["from"], e["to"], link))
+            if not e.get("oneway", False):
+                self.entries.append((e["to"], e["from"], link))
+        self._shapers: dict[tuple[str, str], Shaper] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str) -> "LinkProfile":
+        """Read a profile file. Raises OSError, ValueError (also for bad JSON)."""
+        with open(path) as f:
+            return cls(json.load(f))
+
+    def _matches(self, pattern: str, name: str) -> bool:
+        return pattern == "*" or pattern == name or name in self.groups.get(pattern, ())
+
+    def link(self, src: str, dst: str) -> EmulatedLink | None:
+        """The emulated link from node ``src`` to node ``dst``, or None (not shaped)."""
+        if src == dst:
+            return None
+        for a, b, link in self.entries:
+            if self._matches(a, src) and self._matches(b, dst):
+                return link
+        return None
+
+    def shaper(self, src: str, dst: str) -> Shaper | None:
+        """The shared interceptor for traffic from ``src`` to ``dst`` (one bucket per pair)."""
+        link = self.link(src, dst)
+        if link is None:
+            return None
+        with self._lock:
+            return self._shapers.setdefault((src, dst), Shaper(link))

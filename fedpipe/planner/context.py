@@ -1,0 +1,153 @@
+"""Precomputed arrays for planning one job on one cluster (numpy, no I/O).
+
+Indices, not ids: node ``i`` is ``cluster.nodes[i]``; ``bw[i, j]`` and
+``lat[i, j]`` describe the link from node i to node j (bytes/s, seconds).
+Layer matrices are indexed ``[k, j]`` for a stage holding layers ``[k, j)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import codecs
+from .costs import (FORWARD_FRACTION, boundary_bytes, state_bytes, stash_bytes,
+                    transfer_seconds)
+from .types import ClusterView, Link, ModelProfile, PlanError, TrainConfig
+
+
+def link_arrays(cluster: ClusterView) -> tuple[np.ndarray, np.ndarray]:
+    """``(bandwidth, latency)`` matrices of the cluster's directed links, bytes/s and seconds.
+
+    Resolves each pair as :meth:`ClusterView.link` does (explicit link, else
+    the sites' link, else the default) without calling it n² times.
+    """
+    n = len(cluster.nodes)
+    bw = np.full((n, n), float(cluster.default_link.bandwidth))
+    lat = np.full((n, n), float(cluster.default_link.latency))
+    if cluster.site_links:
+        sites = np.array([node.site for node in cluster.nodes], dtype=object)
+        rows = {s: np.flatnonzero(sites == s) for s in set(sites.tolist()) if s}
+        for (sa, sb), lk in cluster.site_links.items():
+            if sa in rows and sb in rows:
+                idx = np.ix_(rows[sa], rows[sb])
+                bw[idx], lat[idx] = lk.bandwidth, lk.latency
+    index = {node.node_id: i for i, node in enumerate(cluster.nodes)}
+    for (a, b), lk in cluster.links.items():
+        if a in index and b in index:
+            bw[index[a], index[b]], lat[index[a], index[b]] = lk.bandwidth, lk.latency
+    return bw, lat
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """Per-microbatch link costs of a stage boundary, indexed by the boundary layer ``j``
+    (the tensor leaving layer ``j - 1``); ``inf`` where no tensor crosses (j = 0, j = L).
+
+    Each uses the codec that keeps the link busy the shortest time.
+
+    Attributes:
+        act_busy, act_total: activation p -> q: seconds the link is busy, and
+            busy + latency.
+        grad_busy, grad_total: the gradient q -> p, likewise.
+    """
+
+    act_busy: np.ndarray
+    act_total: np.ndarray
+    grad_busy: np.ndarray
+    grad_total: np.ndarray
+
+
+class PlanContext:
+    """Everything the search needs about one (cluster, profile, config), precomputed.
+
+    Raises:
+        PlanError: no node, no layer, a bad batch size / microbatch count /
+            schedule / codec, or ``config.stages`` larger than the layers.
+    """
+
+    def __init__(self, cluster: ClusterView, profile: ModelProfile, config: TrainConfig):
+        validate(cluster, profile, config)
+        self.cluster, self.profile, self.config = cluster, profile, config
+        self.ids = [node.node_id for node in cluster.nodes]
+        self.n = len(self.ids)
+        self.flops = np.array([float(node.flops) for node in cluster.nodes])
+        self.mem = np.array([float(node.memory_bytes) for node in cluster.nodes])
+        self.bw, self.lat = link_arrays(cluster)
+        self.L = L = len(profile.layers)
+        self.M = config.microbatches
+        self.mb = config.batch_size / config.microbatches
+        self.act_codecs, self.grad_codecs = codecs.candidates(config)
+        stash_samples = math.ceil(self.mb)
+        inf = math.inf
+        self.work = np.full((L + 1, L + 1), inf)    # FLOP per microbatch of layers [k, j)
+        self.state = np.full((L + 1, L + 1), inf)   # weights + grads + optimizer state, bytes
+        self.stash = np.full((L + 1, L + 1), inf)   # activations stashed per microbatch, bytes
+        prefix = np.concatenate([[0.0], np.cumsum([layer.flops for layer in profile.layers])])
+        for k in range(L):
+            for j in range(k + 1, L + 1):
+                self.work[k, j] = (prefix[j] - prefix[k]) * self.mb
+                self.state[k, j] = state_bytes(profile, k, j, config)
+                self.stash[k, j] = stash_bytes(profile, k, j, stash_samples)
+        self.boundary = np.zeros(L + 1)             # bytes crossing after layer j - 1
+        for j in range(1, L):
+            self.boundary[j] = boundary_bytes(profile, j, self.mb)
+        self._links: dict[tuple[float, float, float, float], LinkCosts] = {}
+
+    def link_costs(self, p: int, q: int) -> LinkCosts:
+        """Costs of the boundary between node ``p`` (earlier stage) and node ``q`` (next stage)."""
+        key = (self.bw[p, q], self.lat[p, q], self.bw[q, p], self.lat[q, p])
+        found = self._links.get(key)
+        if found is None:
+            fwd, bwd = Link(key[0], key[1]), Link(key[2], key[3])
+            arrays = [np.full(self.L + 1, math.inf) for _ in range(4)]
+            eb = self.profile.element_bytes
+            for j in range(1, self.L):
+                x = self.boundary[j]
+                for out, (lk, specs) in zip((0, 2), ((fwd, self.act_codecs), (bwd, self.grad_codecs))):
+                    busy, lat = min(transfer_seconds(lk, x, c, eb) for c in specs)
+                    arrays[out][j], arrays[out + 1][j] = busy, busy + lat
+            found = self._links[key] = LinkCosts(*arrays)
+        return found
+
+    def hop_cost(self) -> np.ndarray:
+        """Symmetric matrix of raw round-trip seconds of a typical boundary tensor
+        between two nodes (there and back, latency included): the weight the
+        stage-ordering and grouping heuristics minimise."""
+        inner = self.boundary[1:self.L]
+        x = float(np.median(inner)) if inner.size else float(self.profile.input_bytes * self.mb)
+        one_way = x / self.bw + self.lat
+        return one_way + one_way.T
+
+    @property
+    def forward_fraction(self) -> float:
+        """Share of compute in the forward pass."""
+        return FORWARD_FRACTION
+
+
+def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -> None:
+    """Check the inputs make a planning problem.
+
+    Raises:
+        PlanError: the first problem found, with the numbers.
+    """
+    if not cluster.nodes:
+        raise PlanError("no node is available")
+    if not profile.layers:
+        raise PlanError("the model has no layers")
+    if config.batch_size < 1 or config.microbatches < 1:
+        raise PlanError(f"batch size and microbatches must be >= 1, got "
+                        f"{config.batch_size} and {config.microbatches}")
+    if config.microbatches > config.batch_size:
+        raise PlanError(f"{config.microbatches} microbatches do not fit a batch of "
+                        f"{config.batch_size} samples")
+    if config.schedule not in ("gpipe", "1f1b"):
+        raise PlanError(f"unknown schedule {config.schedule!r}; the planner knows 'gpipe' and '1f1b'")
+    if config.stages < 0 or config.stages > min(len(cluster.nodes), len(profile.layers)):
+        raise PlanError(f"{config.stages} stages asked for, but there are {len(cluster.nodes)} "
+                        f"node(s) and {len(profile.layers)} layer(s)")
+    for node in cluster.nodes:
+        if not node.flops > 0:
+            raise PlanError(f"node {node.node_id!r} has speed {node.flops} FLOP/s; it must be > 0")
+    codecs.candidates(config)

@@ -1,0 +1,214 @@
+"""The cost model: compute, memory, link transfers and the cross-group all-reduce.
+
+Units: FLOP/s for speeds, bytes for sizes, bytes/s for bandwidth, seconds for times.
+Everything the search estimates and everything the simulator replays is priced
+by these functions, so the two never disagree about a single cost.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
+
+from .codecs import codec_cost
+from .types import Link, ModelProfile, TrainConfig
+
+FORWARD_FRACTION = 1 / 3
+"""Share of a layer's forward + backward FLOP spent in the forward pass (backward ≈ 2× forward)."""
+
+
+def compute_seconds(profile: ModelProfile, start: int, end: int, flops: float,
+                    samples: float) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of layers ``[start, end)`` for ``samples`` samples
+    on a node of ``flops`` FLOP/s."""
+    total = sum(layer.flops for layer in profile.layers[start:end]) * samples / flops
+    return total * FORWARD_FRACTION, total * (1 - FORWARD_FRACTION)
+
+
+def state_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig) -> float:
+    """Weights, gradients and optimizer state of layers ``[start, end)``, bytes."""
+    return sum(layer.parameter_bytes for layer in profile.layers[start:end]) * config.state_factor
+
+
+def stash_bytes(profile: ModelProfile, start: int, end: int, samples: float) -> float:
+    """Activations one microbatch of ``samples`` samples keeps for backward in
+    layers ``[start, end)``: the stage's input and every layer's output, bytes."""
+    per_sample = profile.input_bytes if start == 0 else profile.layers[start - 1].activation_bytes
+    per_sample += sum(layer.activation_bytes for layer in profile.layers[start:end])
+    return per_sample * samples
+
+
+def in_flight(schedule: str, stage: int, n_stages: int, microbatches: int) -> int:
+    """Microbatches a stage stashes at once: all of them under GPipe, at most
+    ``n_stages - stage`` under 1F1B (Narayanan et al., ICML 2021)."""
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, n_stages - stage)
+
+
+def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig,
+                       stage: int, n_stages: int, microbatches: int | None = None) -> float:
+    """Peak memory of a stage holding layers ``[start, end)``, bytes.
+
+    Weights, gradients and optimizer state (``config.state_factor`` ×
+    parameter bytes) plus the activations stashed for backward
+    (:func:`in_flight` microbatches of ``batch_size / microbatches`` samples).
+
+    Args:
+        stage, n_stages: the stage's index in its chain and the chain's length.
+        microbatches: microbatches the stage's group runs per step (default:
+            ``config.microbatches``).
+    """
+    m = config.microbatches if microbatches is None else microbatches
+    samples = math.ceil(config.batch_size / config.microbatches)
+    return (state_bytes(profile, start, end, config)
+            + stash_bytes(profile, start, end, samples)
+            * in_flight(config.schedule, stage, n_stages, m))
+
+
+def boundary_bytes(profile: ModelProfile, end: int, samples: float) -> float:
+    """Bytes of the tensor that crosses from layer ``end - 1`` to layer ``end``
+    for ``samples`` samples (the gradient going back has the same size)."""
+    return profile.layers[end - 1].activation_bytes * samples
+
+
+def transfer_seconds(link: Link, nbytes: float, codec: str,
+                     element_bytes: int = 4) -> tuple[float, float]:
+    """``(busy, latency)`` of sending an ``nbytes``-byte tensor over ``link``.
+
+    ``busy`` is how long the link is occupied: encode + wire bytes / bandwidth
+    + decode, seconds; the tensor arrives ``latency`` seconds after that.
+
+    Raises:
+        PlanError: unknown codec.
+    """
+    c = codec_cost(codec)
+    return c.seconds(nbytes) + c.wire_bytes(nbytes, element_bytes) / link.bandwidth, link.latency
+
+
+def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
+                      act_busy: Sequence[float], act_total: Sequence[float],
+                      grad_busy: Sequence[float], grad_total: Sequence[float],
+                      microbatches: int, schedule: str) -> tuple[float, float]:
+    """Analytic ``(sigma, period)`` of one pipeline; its step takes about
+    ``sigma + (microbatches - 1) · period`` seconds.
+
+    ``sigma`` is one microbatch's way through and back: every stage's forward
+    and backward plus every transfer with its latency. ``period`` is the
+    steady-state seconds per microbatch: the busiest resource (a stage's
+    compute, a link's sends; GPipe pays its forward and backward phases'
+    bottlenecks one after the other), and under 1F1B also each stage's round
+    trip divided by the ``n_stages - s`` microbatches it may keep in flight
+    (the bound that makes 1F1B slow over slow links).
+
+    Args:
+        forward, backward: per stage, seconds per microbatch.
+        act_busy, act_total: per link i -> i+1, seconds the activation keeps
+            the link busy, and busy + latency.
+        grad_busy, grad_total: the same for the gradient i+1 -> i.
+        microbatches: microbatches per step.
+        schedule: "gpipe" or "1f1b".
+    """
+    n = len(forward)
+    work = [f + b for f, b in zip(forward, backward)]
+    hops = [a + g for a, g in zip(act_total, grad_total)]
+    sigma = sum(work) + sum(hops)
+    if schedule == "gpipe":
+        period = (max([*forward, *act_busy]) + max([*backward, *grad_busy]))
+        return sigma, period
+    period = max([*work, *act_busy, *grad_busy])
+    trip = 0.0
+    for s in range(n - 1, -1, -1):
+        trip += work[s] + (hops[s] if s < n - 1 else 0.0)
+        if n - s < microbatches:
+            period = max(period, trip / (n - s))
+    return sigma, period
+
+
+def ring_allreduce_seconds(nbytes: float, bandwidths: Sequence[float],
+                           latencies: Sequence[float]) -> float:
+    """Ring all-reduce of ``nbytes`` bytes among ``R = len(bandwidths)`` replicas, seconds.
+
+    ``2 (R-1)/R × nbytes / min(bandwidths) + 2 (R-1) × max(latencies)``: the
+    reduce-scatter and all-gather phases each take ``R - 1`` steps that move
+    ``nbytes / R`` over every ring link at once (Patarasuk and Yuan, "Bandwidth
+    optimal all-reduce algorithms for clusters of workstations", JPDC 2009).
+    ``bandwidths[r]`` and ``latencies[r]`` are those of the ring's r-th link
+    (bytes/s, seconds). Zero for one replica.
+    """
+    r = len(bandwidths)
+    if r <= 1:
+        return 0.0
+    return 2 * (r - 1) / r * nbytes / min(bandwidths) + 2 * (r - 1) * max(latencies)
+
+
+@dataclass(frozen=True)
+class SyncSegment:
+    """Layers ``[start, end)`` held by the same node in every replica group.
+
+    Attributes:
+        holders: the node holding the segment in each group, in group order
+            (the all-reduce ring's order).
+        nbytes: gradient bytes to all-reduce (the segment's parameter bytes).
+        seconds: ring all-reduce time, seconds.
+    """
+
+    holders: tuple[Hashable, ...]
+    start: int
+    end: int
+    nbytes: float
+    seconds: float
+
+
+def sync_segments(groups: Sequence[Sequence[tuple[Hashable, int, int]]], profile: ModelProfile,
+                  link: Callable[[Hashable, Hashable], tuple[float, float]]) -> list[SyncSegment]:
+    """The all-reduces that synchronise the replica groups after each step.
+
+    Groups may split the layers differently, so the layers are cut at every
+    group's stage boundaries; each piece is all-reduced over a ring of its
+    holders (:func:`ring_allreduce_seconds`).
+
+    Args:
+        groups: per group, its stages as ``(node, layer_start, layer_end)``.
+        link: ``link(a, b)`` gives ``(bandwidth bytes/s, latency s)`` from a to b.
+
+    Returns:
+        The segments in layer order; empty for fewer than two groups.
+    """
+    if len(groups) < 2:
+        return []
+    cuts = sorted({s for g in groups for _, s, _ in g} | {e for g in groups for _, _, e in g})
+    out = []
+    pos = [0] * len(groups)
+    for start, end in zip(cuts, cuts[1:]):
+        holders = []
+        for gi, g in enumerate(groups):
+            while g[pos[gi]][2] <= start:
+                pos[gi] += 1
+            holders.append(g[pos[gi]][0])
+        nbytes = float(sum(layer.parameter_bytes for layer in profile.layers[start:end]))
+        ring = [link(a, b) for a, b in zip(holders, holders[1:] + holders[:1])]
+        seconds = ring_allreduce_seconds(nbytes, [bw for bw, _ in ring], [lat for _, lat in ring])
+        out.append(SyncSegment(tuple(holders), start, end, nbytes, seconds))
+    return out
+
+
+def schedule_sync(segments: Sequence[SyncSegment], ready: dict[Hashable, float]) -> float:
+    """When the last all-reduce ends, seconds from the start of the step.
+
+    A segment's all-reduce starts once every holder has finished its last
+    backward pass (``ready[node]``, seconds) and is done with its earlier
+    all-reduces: a node takes part in one ring at a time. Segments are served in
+    the order they become ready (list scheduling). 0 when there is none.
+    """
+    free: dict[Hashable, float] = {}
+    end_all = 0.0
+    order = sorted(segments, key=lambda s: (max(ready[h] for h in s.holders), s.start))
+    for seg in order:
+        start = max(max(ready[h] for h in seg.holders),
+                    max(free.get(h, 0.0) for h in seg.holders))
+        end = start + seg.seconds
+        for h in seg.holders:
+            free[h] = end
+        end_all = max(end_all, end)
+    return end_all

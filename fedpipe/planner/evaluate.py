@@ -1,0 +1,317 @@
+"""From candidate chains to a scored, simulated plan.
+
+The search proposes replica groups as chains of node indices; this module
+splits each chain's layers (:func:`~fedpipe.planner.partition.solve_chain`),
+shares the job's microbatches among the groups, estimates the step time
+analytically (groups' T(m) plus the all-reduce), and finally builds the
+:class:`Plan` with a codec per link and the simulator's step time.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from . import codecs
+from .context import PlanContext
+from .costs import (boundary_bytes, compute_seconds, pipeline_estimate, schedule_sync,
+                    sync_segments, transfer_seconds)
+from .partition import GroupSolution, describe, proportional_split, solve_chain
+from .simulate import simulate
+from .types import Plan, ReplicaGroup, StagePlan
+
+Chain = tuple[int, ...]
+
+
+def allocate_microbatches(solutions: Sequence[GroupSolution], microbatches: int) -> list[int] | None:
+    """Share ``microbatches`` among the groups so the slowest group is as fast as possible.
+
+    Every group gets at least one; each further microbatch goes to the group
+    whose step would then be shortest (greedy, optimal for a min-max of
+    non-decreasing step times), never past a group's memory cap.
+
+    Returns:
+        Microbatches per group, or None when there are more groups than
+        microbatches or the caps do not add up.
+    """
+    r = len(solutions)
+    if r == 0 or r > microbatches or any(s.max_microbatches < 1 for s in solutions):
+        return None
+    m = [1] * r
+    heap = [(s.seconds(2), g) for g, s in enumerate(solutions) if s.max_microbatches >= 2]
+    heapq.heapify(heap)
+    for _ in range(microbatches - r):
+        if not heap:
+            return None
+        _, g = heapq.heappop(heap)
+        m[g] += 1
+        if m[g] + 1 <= solutions[g].max_microbatches:
+            heapq.heappush(heap, (solutions[g].seconds(m[g] + 1), g))
+    return m
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A scored set of replica groups.
+
+    Attributes:
+        chains: each group's candidate chain (node indices; the split may skip some).
+        solutions: each group's split.
+        microbatches: each group's microbatches per step.
+        seconds: analytic step-time estimate, seconds.
+    """
+
+    chains: tuple[Chain, ...]
+    solutions: tuple[GroupSolution, ...]
+    microbatches: tuple[int, ...]
+    seconds: float
+
+
+class Evaluator:
+    """Scores candidate groupings, caching each chain's split.
+
+    Args:
+        ctx: the planning context.
+        window: nodes a split may skip in a row plus one (None: any, for
+            chains of up to ``exact_up_to`` nodes).
+    """
+
+    def __init__(self, ctx: PlanContext, window: int = 3, exact_up_to: int = 10):
+        self.ctx = ctx
+        self.window, self.exact_up_to = window, exact_up_to
+        self._cache: dict[tuple[Chain, int, bool], GroupSolution | None] = {}
+        self.solves = 0
+
+    def solve(self, chain: Chain, microbatches: int, fast: bool = False) -> GroupSolution | None:
+        """The chain's split for ``microbatches`` (cached); None if none fits.
+
+        ``fast``: give every node a share of the work proportional to its speed
+        (:func:`~fedpipe.planner.partition.proportional_split`) instead of
+        running the dynamic program; for screening many groupings.
+        """
+        key = (chain, microbatches, fast)
+        if key not in self._cache:
+            pinned = self.ctx.config.stages
+            if pinned and len(chain) != pinned:
+                self._cache[key] = None
+            elif fast and len(chain) <= self.ctx.L:
+                sol = proportional_split(self.ctx, chain, microbatches)
+                self._cache[key] = sol if sol.max_microbatches >= 1 else self.solve(chain, microbatches)
+            else:
+                window = 1 if pinned else (None if len(chain) <= self.exact_up_to else self.window)
+                self.solves += 1
+                self._cache[key] = solve_chain(self.ctx, chain, microbatches, window)
+        return self._cache[key]
+
+    def estimate(self, chains: Sequence[Chain], refine: bool = False,
+                 fast: bool = False) -> Candidate | None:
+        """Score a grouping; None when it does not fit (memory, too many groups).
+
+        Each chain is split for an equal share of the microbatches; with
+        ``refine`` it is split again for the share it was then given; with
+        ``fast`` by speed alone (see :meth:`solve`).
+        """
+        ctx = self.ctx
+        r = len(chains)
+        if r == 0 or r > ctx.M or any(not c for c in chains):
+            return None
+        hint = max(1, ctx.M // r)
+        sols = [self.solve(tuple(c), hint, fast) for c in chains]
+        if any(s is None for s in sols):
+            return None
+        micro = allocate_microbatches(sols, ctx.M)
+        if micro is None:
+            return None
+        if refine:
+            again = [self.solve(tuple(c), m) for c, m in zip(chains, micro)]
+            if all(s is not None for s in again):
+                micro2 = allocate_microbatches(again, ctx.M)
+                if micro2 is not None:
+                    sols, micro = again, micro2
+        return Candidate(tuple(tuple(c) for c in chains), tuple(sols), tuple(micro),
+                         self.step_seconds(sols, micro))
+
+    def step_seconds(self, sols: Sequence[GroupSolution], micro: Sequence[int]) -> float:
+        """Analytic step time: the slowest group's T(m), or the end of the
+        all-reduce if later (each stage joins it when its last backward ends)."""
+        ctx = self.ctx
+        times = [s.seconds(m) for s, m in zip(sols, micro)]
+        if len(sols) < 2:
+            return times[0]
+        ready = {}
+        groups = []
+        for s, t in zip(sols, times):
+            groups.append([(node, k, j) for node, (k, j) in zip(s.nodes, s.ranges)])
+            ready.update((node, t - d) for node, d in zip(s.nodes, s.drain))
+        segs = sync_segments(groups, ctx.profile,
+                             lambda a, b: (ctx.bw[a, b], ctx.lat[a, b]))
+        return max(max(times), schedule_sync(segs, ready))
+
+
+def split_samples(batch_size: int, micro: Sequence[int]) -> list[int]:
+    """Samples per group for microbatches ``micro``: proportional, largest remainder."""
+    total = sum(micro)
+    exact = [batch_size * m / total for m in micro]
+    out = [int(x) for x in exact]
+    for g in sorted(range(len(micro)), key=lambda g: out[g] - exact[g])[:batch_size - sum(out)]:
+        out[g] += 1
+    return out
+
+
+def build_plan(ctx: PlanContext, groups: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
+               micro: Sequence[int], compression: bool = True) -> Plan:
+    """The plan for given chains, splits and microbatches, with its simulated step time.
+
+    Each link's codecs come from :func:`choose_codecs`; with
+    ``compression=False`` every link is raw whatever the config says.
+
+    Args:
+        groups: per group, ``(node indices, layer ranges)``.
+        micro: microbatches per group.
+    """
+    samples = split_samples(ctx.config.batch_size, micro)
+    out = []
+    for (nodes, ranges), m, n_samples in zip(groups, micro, samples):
+        act, grad = choose_codecs(ctx, nodes, ranges, n_samples / m, m) if compression else (
+            ["raw"] * len(nodes), ["raw"] * len(nodes))
+        stages = [StagePlan(ctx.ids[node], k, j, a, g)
+                  for node, (k, j), a, g in zip(nodes, ranges, act, grad)]
+        out.append(ReplicaGroup(stages, microbatches=m, samples=n_samples))
+    used = {s.node_id for g in out for s in g.stages}
+    plan = Plan(out, 0.0, unused=[i for i in ctx.ids if i not in used],
+                schedule=ctx.config.schedule)
+    res = simulate(plan, ctx.cluster, ctx.profile, ctx.config)
+    for g, t in zip(plan.groups, res.group_seconds):
+        g.predicted_seconds = t
+    plan.predicted_step_seconds = res.step_seconds
+    plan.sync_seconds = res.sync_seconds
+    plan.predicted_samples_per_second = ctx.config.batch_size / res.step_seconds if res.step_seconds > 0 else math.inf
+    return plan
+
+
+CODEC_SLACK = 0.01
+"""How much (as a fraction) weaker, more faithful codecs may lengthen a group's estimated step."""
+
+
+def choose_codecs(ctx: PlanContext, nodes: Sequence[int], ranges: Sequence[tuple[int, int]],
+                  samples: float, microbatches: int) -> tuple[list[str], list[str]]:
+    """Codecs for one pipeline: ``(activation codec per stage, gradient codec per stage)``.
+
+    A link gets the weakest allowed codec whose send fits within the group's
+    bottleneck (its slowest stage's compute, or its slowest link under the
+    fastest codecs, per microbatch): "raw" when the raw tensor crosses within
+    the compute time, stronger codecs as the link gets slower (see
+    :func:`fedpipe.planner.codecs.choose`; under GPipe the forward and backward
+    phases have their own bottlenecks). If that lengthens the group's estimated
+    step (:func:`~fedpipe.planner.costs.pipeline_estimate`, which sees 1F1B's
+    round-trip bound) by more than :data:`CODEC_SLACK`, the links that lost
+    the most go back to their fastest codec until it does not.
+
+    Args:
+        samples: samples per microbatch.
+        microbatches: microbatches the group runs per step.
+    """
+    prof, cl, sched = ctx.profile, ctx.cluster, ctx.config.schedule
+    fwd, bwd = zip(*(compute_seconds(prof, k, j, ctx.flops[node], samples)
+                     for node, (k, j) in zip(nodes, ranges)))
+    # sends[d][i]: (link, bytes) of link i in direction d (0: activations, 1: gradients)
+    sends = [[], []]
+    for i in range(len(nodes) - 1):
+        x = boundary_bytes(prof, ranges[i][1], samples)
+        a, b = ctx.ids[nodes[i]], ctx.ids[nodes[i + 1]]
+        sends[0].append((cl.link(a, b), x))
+        sends[1].append((cl.link(b, a), x))
+    allowed = (ctx.act_codecs, ctx.grad_codecs)
+
+    def busy(d: int, i: int, codec: str) -> float:
+        link, x = sends[d][i]
+        return transfer_seconds(link, x, codec, prof.element_bytes)[0]
+
+    fast = [[codecs.fastest(allowed[d], lambda c: busy(d, i, c)) for i in range(len(sends[d]))]
+            for d in (0, 1)]
+    fast_busy = [[busy(d, i, c) for i, c in enumerate(fast[d])] for d in (0, 1)]
+    if sched == "gpipe":
+        budgets = (max([*fwd, *fast_busy[0]]), max([*bwd, *fast_busy[1]]))
+    else:
+        top = max([f + b for f, b in zip(fwd, bwd)] + fast_busy[0] + fast_busy[1])
+        budgets = (top, top)
+    chosen = [[codecs.choose(allowed[d], lambda c: busy(d, i, c), budgets[d])
+               for i in range(len(sends[d]))] for d in (0, 1)]
+
+    def step(choice: list[list[str]]) -> float:
+        times = [[busy(d, i, c) for i, c in enumerate(choice[d])] for d in (0, 1)]
+        totals = [[t + sends[d][i][0].latency for i, t in enumerate(times[d])] for d in (0, 1)]
+        sigma, period = pipeline_estimate(fwd, bwd, times[0], totals[0], times[1], totals[1],
+                                          microbatches, sched)
+        return sigma + (microbatches - 1) * period
+
+    target = step(fast) * (1 + CODEC_SLACK)
+    while step(chosen) > target:
+        loss = [(busy(d, i, chosen[d][i]) - fast_busy[d][i], d, i)
+                for d in (0, 1) for i in range(len(chosen[d])) if chosen[d][i] != fast[d][i]]
+        _, d, i = max(loss)
+        chosen[d][i] = fast[d][i]
+    return chosen[0] + ["raw"], ["raw"] + chosen[1]
+
+
+POLISH_MAX_STAGES = 24
+"""Plans with more stages than this (all groups together) are not polished."""
+
+
+def polish(ctx: PlanContext, groups: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
+           micro: Sequence[int], rounds: int = 10, deadline: float = math.inf) -> Plan:
+    """:func:`build_plan`, then hill climbing on the simulator's step time.
+
+    Moves: shift one stage boundary by one layer (when both stages still fit
+    in memory), or move one microbatch from the slowest group to the fastest.
+    The analytic estimate often ties splits the simulator tells apart; this
+    settles them. Skipped for plans of more than :data:`POLISH_MAX_STAGES`
+    stages; stops at ``deadline`` (a ``time.perf_counter()`` value).
+    """
+    groups = [(list(n), list(r)) for n, r in groups]
+    micro = list(micro)
+    best = build_plan(ctx, groups, micro)
+    if sum(len(n) for n, _ in groups) > POLISH_MAX_STAGES:
+        return best
+
+    def fits(nodes, ranges, m) -> bool:
+        sol = describe(ctx, nodes, [(i, k, j) for i, (k, j) in enumerate(ranges)], m)
+        return sol.max_microbatches >= m
+
+    for _ in range(rounds):
+        improved = False
+        tries = []
+        for g, (nodes, ranges) in enumerate(groups):
+            for b in range(len(ranges) - 1):
+                for delta in (-1, 1):
+                    cut = ranges[b][1] + delta
+                    if ranges[b][0] < cut < ranges[b + 1][1]:
+                        new = ranges[:b] + [(ranges[b][0], cut), (cut, ranges[b + 1][1])] + ranges[b + 2:]
+                        tries.append((g, new, micro))
+        if len(groups) > 1:
+            times = [grp.predicted_seconds for grp in best.groups]
+            slow, fast = times.index(max(times)), times.index(min(times))
+            if micro[slow] > 1:
+                moved = list(micro)
+                moved[slow] -= 1
+                moved[fast] += 1
+                tries.append((None, None, moved))
+        for g, new, m in tries:
+            if time.perf_counter() > deadline:
+                return best
+            cand_groups = list(groups)
+            if g is not None:
+                if not fits(groups[g][0], new, m[g]):
+                    continue
+                cand_groups[g] = (groups[g][0], new)
+            elif not all(fits(n, r, mm) for (n, r), mm in zip(groups, m)):
+                continue
+            plan = build_plan(ctx, cand_groups, m)
+            if plan.predicted_step_seconds < best.predicted_step_seconds * (1 - 1e-9):
+                best, groups, micro, improved = plan, cand_groups, list(m), True
+                break
+        if not improved:
+            break
+    return best

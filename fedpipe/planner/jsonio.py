@@ -1,0 +1,253 @@
+"""JSON (de)serialisation of the planner's inputs and outputs, and a readable plan table.
+
+Functions take and return JSON-shaped Python objects (dicts, lists, numbers,
+strings); reading and writing files is the caller's business. The formats are
+documented with examples in ``docs/planner.md``.
+
+Units in JSON: FLOP/s, bytes, bytes/s and seconds, as in the dataclasses; for
+convenience ``tflops``, ``memory_gb`` (1e9 bytes), ``gbps``/``mbps`` (bits/s)
+and ``latency_ms`` are accepted too.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .types import (ClusterView, DEFAULT_LINK, LayerProfile, Link, ModelProfile, NodeSpec, Plan,
+                    ReplicaGroup, StagePlan, TrainConfig)
+
+
+class JsonFormatError(ValueError):
+    """A JSON object does not follow the planner's format: the message says where and why."""
+
+
+def _number(obj: dict, keys: dict[str, float], where: str, default: float | None = None) -> float:
+    """The value of the first of ``keys`` present, times its unit factor."""
+    for key, factor in keys.items():
+        if key in obj:
+            value = obj[key]
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise JsonFormatError(f"{where}: {key!r} must be a number, got {value!r}")
+            return float(value) * factor
+    if default is None:
+        raise JsonFormatError(f"{where}: needs one of {', '.join(map(repr, keys))}")
+    return default
+
+
+def link_from_json(obj: dict, where: str = "link") -> Link:
+    """A :class:`Link` from ``{"bandwidth"|"gbps"|"mbps": ..., "latency_s"|"latency_ms": ...}``.
+
+    Raises:
+        JsonFormatError: no bandwidth, a non-number, or a bandwidth <= 0.
+    """
+    if not isinstance(obj, dict):
+        raise JsonFormatError(f"{where}: expected an object, got {obj!r}")
+    bw = _number(obj, {"bandwidth": 1.0, "gbps": 1e9 / 8, "mbps": 1e6 / 8}, where)
+    if bw <= 0:
+        raise JsonFormatError(f"{where}: bandwidth must be > 0, got {bw} bytes/s")
+    return Link(bw, _number(obj, {"latency_s": 1.0, "latency_ms": 1e-3}, where, 0.0))
+
+
+def _link_json(link: Link) -> dict:
+    return {"bandwidth": link.bandwidth, "latency_s": link.latency}
+
+
+def _pairs(entries: Any, where: str) -> dict[tuple[str, str], Link]:
+    """Directed links from a list of ``{"from", "to", link..., "symmetric": true}``."""
+    if not isinstance(entries, list):
+        raise JsonFormatError(f"{where}: expected a list")
+    out: dict[tuple[str, str], Link] = {}
+    for i, e in enumerate(entries):
+        here = f"{where}[{i}]"
+        if not isinstance(e, dict) or "from" not in e or "to" not in e:
+            raise JsonFormatError(f"{here}: needs 'from' and 'to'")
+        lk = link_from_json(e, here)
+        a, b = str(e["from"]), str(e["to"])
+        out[(a, b)] = lk
+        if e.get("symmetric", True):
+            out[(b, a)] = lk
+    return out
+
+
+def cluster_from_json(obj: dict) -> ClusterView:
+    """A :class:`ClusterView` from its JSON form (see ``docs/planner.md``).
+
+    Keys: ``nodes`` (list of ``{"id", "flops"|"tflops", "memory_bytes"|"memory_gb",
+    "name", "device", "site", "count"}``; with ``count`` n the entry stands for n
+    nodes whose ids replace ``{i}`` in ``id`` by 0..n-1, or append ``-i``),
+    ``default_link``, ``sites`` (``{site: intra-site link}``), ``site_links``
+    and ``links`` (lists of ``{"from", "to", link..., "symmetric"}``;
+    symmetric defaults to true; later entries override earlier ones).
+
+    Raises:
+        JsonFormatError: a missing or malformed field, or a repeated node id.
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("nodes"), list):
+        raise JsonFormatError("cluster: needs a 'nodes' list")
+    nodes: list[NodeSpec] = []
+    for i, e in enumerate(obj["nodes"]):
+        where = f"nodes[{i}]"
+        if not isinstance(e, dict) or "id" not in e:
+            raise JsonFormatError(f"{where}: needs an 'id'")
+        flops = _number(e, {"flops": 1.0, "tflops": 1e12}, where)
+        memory = int(_number(e, {"memory_bytes": 1.0, "memory_gb": 1e9}, where))
+        count = int(e.get("count", 1))
+        for k in range(count):
+            node_id = str(e["id"])
+            if count > 1:
+                node_id = node_id.replace("{i}", str(k)) if "{i}" in node_id else f"{node_id}-{k}"
+            name = str(e.get("name", node_id))
+            if count > 1 and "name" in e:
+                name = name.replace("{i}", str(k)) if "{i}" in name else f"{name}-{k}"
+            nodes.append(NodeSpec(node_id, flops, memory, name, str(e.get("device", "cpu")),
+                                  str(e.get("site", ""))))
+    ids = [n.node_id for n in nodes]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise JsonFormatError(f"cluster: node ids repeat: {dup}")
+    default = (link_from_json(obj["default_link"], "default_link") if "default_link" in obj
+               else DEFAULT_LINK)
+    site_links = {(str(s), str(s)): link_from_json(lk, f"sites[{s!r}]")
+                  for s, lk in obj.get("sites", {}).items()}
+    site_links.update(_pairs(obj.get("site_links", []), "site_links"))
+    return ClusterView(nodes, _pairs(obj.get("links", []), "links"), default, site_links)
+
+
+def cluster_to_json(cluster: ClusterView) -> dict:
+    """The JSON form of a cluster (every link listed one way, bytes/s and seconds)."""
+    def pairs(links: dict[tuple[str, str], Link]) -> list[dict]:
+        return [{"from": a, "to": b, **_link_json(lk), "symmetric": False}
+                for (a, b), lk in links.items()]
+
+    nodes = [{"id": n.node_id, "name": n.name, "flops": n.flops, "memory_bytes": n.memory_bytes,
+              "device": n.device, **({"site": n.site} if n.site else {})} for n in cluster.nodes]
+    return {"nodes": nodes, "default_link": _link_json(cluster.default_link),
+            "site_links": pairs(cluster.site_links), "links": pairs(cluster.links)}
+
+
+def profile_from_json(obj: dict) -> ModelProfile:
+    """A :class:`ModelProfile` from ``{"layers": [{"name", "flops", "activation_bytes",
+    "parameter_bytes", "count"}], "input_bytes", "element_bytes"}``.
+
+    ``flops`` is forward + backward FLOP per sample; an entry with ``count`` n
+    stands for n equal layers named ``name.0`` .. ``name.(n-1)``.
+
+    Raises:
+        JsonFormatError: a missing or malformed field.
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("layers"), list):
+        raise JsonFormatError("profile: needs a 'layers' list")
+    layers = []
+    for i, e in enumerate(obj["layers"]):
+        where = f"layers[{i}]"
+        if not isinstance(e, dict):
+            raise JsonFormatError(f"{where}: expected an object")
+        flops = _number(e, {"flops": 1.0}, where)
+        act = int(_number(e, {"activation_bytes": 1.0}, where))
+        par = int(_number(e, {"parameter_bytes": 1.0}, where, 0.0))
+        count = int(e.get("count", 1))
+        name = str(e.get("name", f"layer{i}"))
+        for k in range(count):
+            layers.append(LayerProfile(f"{name}.{k}" if count > 1 else name, flops, act, par))
+    return ModelProfile(layers, int(obj.get("input_bytes", 0)), int(obj.get("element_bytes", 4)))
+
+
+def profile_to_json(profile: ModelProfile) -> dict:
+    """The JSON form of a profile (one entry per layer)."""
+    return {"input_bytes": profile.input_bytes, "element_bytes": profile.element_bytes,
+            "layers": [{"name": la.name, "flops": la.flops, "activation_bytes": la.activation_bytes,
+                        "parameter_bytes": la.parameter_bytes} for la in profile.layers]}
+
+
+_CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "state_factor", "stages", "compression",
+                "activation_compression", "gradient_compression")
+
+
+def config_from_json(obj: dict) -> TrainConfig:
+    """A :class:`TrainConfig` from an object with its field names as keys.
+
+    Raises:
+        JsonFormatError: no ``batch_size``, or an unknown key.
+    """
+    if not isinstance(obj, dict) or "batch_size" not in obj:
+        raise JsonFormatError("config: needs 'batch_size'")
+    unknown = sorted(set(obj) - set(_CONFIG_KEYS))
+    if unknown:
+        raise JsonFormatError(f"config: unknown key(s) {unknown}; known: {list(_CONFIG_KEYS)}")
+    return TrainConfig(**obj)
+
+
+def config_to_json(config: TrainConfig) -> dict:
+    """The JSON form of a config."""
+    return {k: getattr(config, k) for k in _CONFIG_KEYS if getattr(config, k) is not None}
+
+
+def plan_to_json(plan: Plan) -> dict:
+    """The JSON form of a plan: its fields, groups and stages as nested objects."""
+    return {
+        "predicted_step_seconds": plan.predicted_step_seconds,
+        "predicted_samples_per_second": plan.predicted_samples_per_second,
+        "sync_seconds": plan.sync_seconds,
+        "schedule": plan.schedule,
+        "unused": list(plan.unused),
+        "groups": [{"microbatches": g.microbatches, "samples": g.samples,
+                    "predicted_seconds": g.predicted_seconds,
+                    "stages": [{"node_id": s.node_id, "layer_start": s.layer_start,
+                                "layer_end": s.layer_end, "activation_codec": s.activation_codec,
+                                "gradient_codec": s.gradient_codec} for s in g.stages]}
+                   for g in plan.groups],
+    }
+
+
+def plan_from_json(obj: dict) -> Plan:
+    """The :class:`Plan` of :func:`plan_to_json`'s output.
+
+    Raises:
+        JsonFormatError: a missing field.
+    """
+    try:
+        groups = [ReplicaGroup([StagePlan(**s) for s in g["stages"]],
+                               g.get("microbatches", 0), g.get("samples", 0),
+                               g.get("predicted_seconds", 0.0)) for g in obj["groups"]]
+        return Plan(groups, obj["predicted_step_seconds"], list(obj.get("unused", [])),
+                    obj.get("predicted_samples_per_second", 0.0), obj.get("sync_seconds", 0.0),
+                    obj.get("schedule", ""))
+    except (KeyError, TypeError) as e:
+        raise JsonFormatError(f"plan: {e}") from None
+
+
+def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
+                config: TrainConfig) -> str:
+    """A readable table of the plan: group, stage, node, layers, codecs, predicted times."""
+    nodes = {n.node_id: n for n in cluster.nodes}
+    header = ("group", "stage", "node", "site", "TFLOP/s", "layers", "activations", "gradients")
+    rows = []
+    for gi, g in enumerate(plan.groups):
+        for si, s in enumerate(g.stages):
+            n = nodes.get(s.node_id)
+            last = si == len(g.stages) - 1
+            rows.append((str(gi), str(si), (n.name or n.node_id) if n else s.node_id,
+                         n.site if n else "", f"{n.flops / 1e12:.1f}" if n else "?",
+                         f"{s.layer_start}-{s.layer_end - 1}",
+                         "-" if last else s.activation_codec,
+                         "-" if si == 0 else s.gradient_codec))
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    line = "  ".join
+    out = [f"plan: {len(plan.groups)} replica group(s) of a {len(profile.layers)}-layer model, "
+           f"batch {config.batch_size} in {config.microbatches} microbatches, "
+           f"schedule {plan.schedule or config.schedule}",
+           line(h.ljust(w) for h, w in zip(header, widths)),
+           line("-" * w for w in widths)]
+    out += [line(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    out.append("")
+    for gi, g in enumerate(plan.groups):
+        out.append(f"group {gi}: {g.microbatches} microbatches, {g.samples} samples, "
+                   f"{g.predicted_seconds:.3f} s forward+backward")
+    if len(plan.groups) > 1:
+        out.append(f"all-reduce across groups adds {plan.sync_seconds:.3f} s")
+    out.append(f"predicted step: {plan.predicted_step_seconds:.3f} s, "
+               f"{plan.predicted_samples_per_second:.1f} samples/s")
+    if plan.unused:
+        names = [nodes[i].name or i if i in nodes else i for i in plan.unused]
+        shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+        out.append(f"unused: {shown}")
+    return "\n".join(out)

@@ -1,0 +1,276 @@
+"""Discrete-event simulator of one training step under the GPipe and 1F1B schedules.
+
+Each stage is a resource that runs its forward (F) and backward (B) passes in
+the order its schedule gives; each directed link is a resource that sends one
+tensor at a time, first come first served, and delivers it ``latency`` seconds
+after the send ends. Dependencies: F(i, m) -> send -> F(i+1, m) and
+B(i+1, m) -> send -> B(i, m). After its last backward pass a node joins the
+all-reduce rings of its layers (:func:`fedpipe.planner.costs.schedule_sync`).
+The plan's ``predicted_step_seconds`` is this simulator's answer.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+from .costs import (boundary_bytes, compute_seconds, schedule_sync, sync_segments,
+                    transfer_seconds)
+from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
+
+
+def schedule_order(schedule: str, stage: int, n_stages: int,
+                   microbatches: int) -> list[tuple[str, int]]:
+    """The passes stage ``stage`` runs in one step, in order: ``("F"|"B", microbatch)``.
+
+    GPipe (Huang et al., NeurIPS 2019): every forward, then every backward.
+    1F1B with a flush (PipeDream-Flush; Narayanan et al., ICML 2021):
+    ``min(n_stages - stage - 1, M)`` warm-up forwards, then one forward and one
+    backward in turn, then the remaining backwards. This is the order
+    ``fedpipe.runtime.schedules`` runs.
+
+    Raises:
+        PlanError: unknown schedule.
+    """
+    if schedule == "gpipe":
+        return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
+    if schedule != "1f1b":
+        raise PlanError(f"unknown schedule {schedule!r}; the planner knows 'gpipe' and '1f1b'")
+    warmup = min(n_stages - stage - 1, microbatches)
+    order = [("F", m) for m in range(warmup)]
+    for k in range(microbatches - warmup):
+        order += [("F", warmup + k), ("B", k)]
+    return order + [("B", m) for m in range(microbatches - warmup, microbatches)]
+
+
+class _Engine:
+    """Operations on resources, with dependencies, run by an event loop.
+
+    A resource either runs its operations in a fixed order (a stage's schedule)
+    or first come first served (a link). An operation starts when its
+    dependencies have delivered and its resource is free; it delivers
+    ``lag`` seconds after it ends.
+    """
+
+    def __init__(self) -> None:
+        self.dur: list[float] = []
+        self.lag: list[float] = []
+        self.res: list[int] = []
+        self.succ: list[list[int]] = []
+        self.npred: list[int] = []
+        self.orders: list[list[int] | None] = []
+
+    def resource(self, fixed_order: bool) -> int:
+        self.orders.append([] if fixed_order else None)
+        return len(self.orders) - 1
+
+    def op(self, res: int, dur: float, lag: float = 0.0) -> int:
+        self.dur.append(dur)
+        self.lag.append(lag)
+        self.res.append(res)
+        self.succ.append([])
+        self.npred.append(0)
+        i = len(self.dur) - 1
+        if self.orders[res] is not None:
+            self.orders[res].append(i)
+        return i
+
+    def dep(self, before: int, after: int) -> None:
+        self.succ[before].append(after)
+        self.npred[after] += 1
+
+    def run(self) -> list[float]:
+        """Simulate; returns each operation's end time, seconds.
+
+        Raises:
+            RuntimeError: the operations deadlock (a bug in how they were built).
+        """
+        n_res = len(self.orders)
+        end = [-1.0] * len(self.dur)
+        npred = list(self.npred)
+        busy = [False] * n_res
+        pos = [0] * n_res
+        ready = [False] * len(self.dur)
+        fifo: list[list[tuple[float, int]]] = [[] for _ in range(n_res)]
+        events: list[tuple[float, int, int, int]] = []  # (time, kind 0=finish 1=deliver, seq, op)
+        seq = 0
+
+        def start(r: int, t: float) -> None:
+            nonlocal seq
+            if busy[r]:
+                return
+            order = self.orders[r]
+            if order is not None:
+                if pos[r] >= len(order) or not ready[order[pos[r]]]:
+                    return
+                op = order[pos[r]]
+                pos[r] += 1
+            elif fifo[r]:
+                op = heapq.heappop(fifo[r])[1]
+            else:
+                return
+            busy[r] = True
+            end[op] = t + self.dur[op]
+            heapq.heappush(events, (end[op], 0, seq, op))
+            seq += 1
+
+        def make_ready(op: int, t: float) -> None:
+            ready[op] = True
+            r = self.res[op]
+            if self.orders[r] is None:
+                heapq.heappush(fifo[r], (t, op))
+            start(r, t)
+
+        for op in range(len(self.dur)):
+            if npred[op] == 0:
+                make_ready(op, 0.0)
+        while events:
+            t, kind, _, op = heapq.heappop(events)
+            if kind == 0:
+                busy[self.res[op]] = False
+                heapq.heappush(events, (t + self.lag[op], 1, seq, op))
+                seq += 1
+                start(self.res[op], t)
+            else:
+                for nxt in self.succ[op]:
+                    npred[nxt] -= 1
+                    if npred[nxt] == 0:
+                        make_ready(nxt, t)
+        if min(end, default=0.0) < 0:
+            raise RuntimeError("simulated operations deadlocked")
+        return end
+
+
+@dataclass
+class GroupTimeline:
+    """One replica group's simulated step.
+
+    Attributes:
+        finish: when its last pass ends, seconds.
+        last_backward: per stage, when its last backward pass ends, seconds.
+    """
+
+    finish: float
+    last_backward: list[float]
+
+
+def simulate_group(forward: Sequence[float], backward: Sequence[float],
+                   act_busy: Sequence[float], act_latency: Sequence[float],
+                   grad_busy: Sequence[float], grad_latency: Sequence[float],
+                   microbatches: int, schedule: str) -> GroupTimeline:
+    """Simulate one pipeline for one step.
+
+    Args:
+        forward, backward: per stage, seconds of one microbatch's pass.
+        act_busy, act_latency: per link i -> i+1 (``len(forward) - 1`` of them),
+            seconds the activation keeps the link busy and its latency.
+        grad_busy, grad_latency: the same for the gradient sent from i+1 to i.
+        microbatches: microbatches in the step.
+        schedule: "gpipe" or "1f1b".
+
+    Raises:
+        PlanError: unknown schedule.
+    """
+    n = len(forward)
+    eng = _Engine()
+    stage_res = [eng.resource(fixed_order=True) for _ in range(n)]
+    act_res = [eng.resource(fixed_order=False) for _ in range(n - 1)]
+    grad_res = [eng.resource(fixed_order=False) for _ in range(n - 1)]
+    F: list[dict[int, int]] = [{} for _ in range(n)]
+    B: list[dict[int, int]] = [{} for _ in range(n)]
+    for s in range(n):
+        for kind, m in schedule_order(schedule, s, n, microbatches):
+            if kind == "F":
+                F[s][m] = eng.op(stage_res[s], forward[s])
+            else:
+                B[s][m] = eng.op(stage_res[s], backward[s])
+    for m in range(microbatches):
+        for s in range(n):
+            eng.dep(F[s][m], B[s][m])
+            if s + 1 < n:
+                ta = eng.op(act_res[s], act_busy[s], act_latency[s])
+                eng.dep(F[s][m], ta)
+                eng.dep(ta, F[s + 1][m])
+                tg = eng.op(grad_res[s], grad_busy[s], grad_latency[s])
+                eng.dep(B[s + 1][m], tg)
+                eng.dep(tg, B[s][m])
+    end = eng.run()
+    last_b = [max(end[B[s][m]] for m in range(microbatches)) for s in range(n)]
+    return GroupTimeline(max(end, default=0.0), last_b)
+
+
+@dataclass
+class SimResult:
+    """A simulated step.
+
+    Attributes:
+        step_seconds: the whole step, all-reduce included, seconds.
+        group_seconds: per group, its forward and backward passes, seconds.
+        sync_seconds: how much the all-reduce adds after the slowest group, seconds.
+    """
+
+    step_seconds: float
+    group_seconds: list[float]
+    sync_seconds: float
+
+
+def group_shares(plan: Plan, config: TrainConfig) -> list[tuple[int, float]]:
+    """Per group, ``(microbatches, samples)`` per step.
+
+    A group's own fields win; where they are 0 the job's microbatches and
+    samples are shared equally.
+    """
+    r = len(plan.groups)
+    out = []
+    for gi, g in enumerate(plan.groups):
+        m = g.microbatches or max(1, config.microbatches // r + (gi < config.microbatches % r))
+        samples = g.samples or m * config.batch_size / config.microbatches
+        out.append((m, float(samples)))
+    return out
+
+
+def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
+             config: TrainConfig) -> SimResult:
+    """Simulate one optimizer step of ``plan``.
+
+    Compute and transfer times come from :mod:`fedpipe.planner.costs` with each
+    group's microbatch size and each stage's codecs.
+
+    Raises:
+        PlanError: unknown schedule or codec.
+        KeyError: the plan names a node the cluster does not have.
+    """
+    nodes = {n.node_id: n for n in cluster.nodes}
+    group_seconds, ready = [], {}
+    for g, (m, samples) in zip(plan.groups, group_shares(plan, config)):
+        mb = samples / m
+        st = g.stages
+        fwd, bwd, ab, al, gb, gl = [], [], [], [], [], []
+        for i, s in enumerate(st):
+            f, b = compute_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb)
+            fwd.append(f)
+            bwd.append(b)
+            if i + 1 < len(st):
+                x = boundary_bytes(profile, s.layer_end, mb)
+                nxt = st[i + 1]
+                busy, lat = transfer_seconds(cluster.link(s.node_id, nxt.node_id), x,
+                                             s.activation_codec, profile.element_bytes)
+                ab.append(busy)
+                al.append(lat)
+                busy, lat = transfer_seconds(cluster.link(nxt.node_id, s.node_id), x,
+                                             nxt.gradient_codec, profile.element_bytes)
+                gb.append(busy)
+                gl.append(lat)
+        tl = simulate_group(fwd, bwd, ab, al, gb, gl, m, config.schedule)
+        group_seconds.append(tl.finish)
+        ready.update((s.node_id, t) for s, t in zip(st, tl.last_backward))
+
+    def link(a, b):
+        lk = cluster.link(a, b)
+        return lk.bandwidth, lk.latency
+
+    segments = sync_segments([[(s.node_id, s.layer_start, s.layer_end) for s in g.stages]
+                              for g in plan.groups], profile, link)
+    slowest = max(group_seconds, default=0.0)
+    step = max(slowest, schedule_sync(segments, ready))
+    return SimResult(step, group_seconds, step - slowest)
