@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+import time
 
 
 def _logging(verbose: bool) -> None:
@@ -43,25 +45,41 @@ def cmd_node(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from google.protobuf import json_format
+
     from .client import Client
+    from .proto import tracker_pb2
 
     client = Client(args.tracker)
     if args.job:
         info = client.job(args.job).status()
+        if args.json:
+            print(json.dumps({"state": info.state, "reason": info.reason, "step": info.step,
+                              "steps": info.steps, "loss": info.loss,
+                              "plan": json_format.MessageToDict(info.plan)}, indent=1))
+            return 0
         print(info)
         for a in info.plan.stages:
-            print(f"  replica {a.replica} stage {a.stage}: {a.address} layers "
+            print(f"  replica {a.replica} stage {a.stage}: {a.node_name} ({a.address}) layers "
                   f"{a.layer_start}-{a.layer_end - 1}")
         return 0
-    from .proto import tracker_pb2
-
-    nodes = client.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=True), timeout=10)
+    reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=True), timeout=10)
+    if args.json:
+        print(json_format.MessageToJson(reply))
+        return 0
     print(f"{'node':<14}{'name':<14}{'address':<22}{'state':<7}{'device':<8}"
           f"{'GFLOP/s':>9}{'GiB':>7}")
-    for n in nodes.nodes:
+    for n in reply.nodes:
         r = n.resources
         print(f"{n.node_id:<14}{n.name:<14}{n.address:<22}{'alive' if n.alive else 'lost':<7}"
               f"{r.device:<8}{r.flops / 1e9:>9.1f}{r.memory_bytes / 2**30:>7.1f}")
+    names = {n.node_id: n.name for n in reply.nodes}
+    if reply.links:
+        print(f"\n{'link':<30}{'Mbit/s':>10}{'latency ms':>12}{'measured':>10}")
+        for m in reply.links:
+            pair = f"{names.get(m.src_id, m.src_id)} -> {names.get(m.dst_id, m.dst_id)}"
+            print(f"{pair:<30}{m.bandwidth * 8 / 1e6:>10.1f}{m.latency * 1e3:>12.2f}"
+                  f"{time.strftime('%H:%M:%S', time.localtime(m.measured_at)):>10}")
     return 0
 
 
@@ -127,9 +145,10 @@ def parser() -> argparse.ArgumentParser:
                    help="JSON file of emulated links to peers (bandwidth, latency); see README")
     n.set_defaults(func=cmd_node)
 
-    s = sub.add_parser("status", help="list nodes, or show a job")
+    s = sub.add_parser("status", help="list nodes and measured links, or show a job")
     s.add_argument("--tracker", required=True)
     s.add_argument("job", nargs="?", help="job id")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_status)
 
     def train_args(q):

@@ -150,6 +150,16 @@ def _compression(compression: str | dict[str, str]) -> tuple[str, str]:
     return act, grad
 
 
+def _shard(x: torch.Tensor, y: torch.Tensor, shares: list[int]):
+    """Split a batch along dim 0 in proportion to ``shares``."""
+    n, total = x.shape[0], sum(shares)
+    cuts, acc = [], 0
+    for s in shares[:-1]:
+        acc += s
+        cuts.append(round(n * acc / total))
+    return list(zip(torch.tensor_split(x, cuts), torch.tensor_split(y, cuts)))
+
+
 def _cycle(data: Iterable) -> Iterator:
     """Batches of ``data``, starting over when it runs out (if it can be iterated again)."""
     while True:
@@ -282,21 +292,28 @@ class Job:
             if plan is None:
                 return
             info = self.status()
-            stages = sorted((a for a in plan.stages if a.replica == 0), key=lambda a: a.stage)
-            first, last = stages[0], stages[-1]
+            groups = sorted({a.replica for a in plan.stages})
+            ends = []  # per replica group: (first stage, last stage, microbatches, samples)
+            for r in groups:
+                chain = sorted((a for a in plan.stages if a.replica == r), key=lambda a: a.stage)
+                rep = plan.replicas[r] if r < len(plan.replicas) else None
+                ends.append((chain[0], chain[-1],
+                             rep.microbatches if rep and rep.microbatches else self.microbatches,
+                             rep.samples if rep and rep.samples else 1))
             stubs = {a.address: node_pb2_grpc.NodeStub(net.channel(a.address))
-                     for a in (first, last)}
+                     for first, last, _, _ in ends for a in (first, last)}
             for step in range(info.steps):
                 x, y = next(batches)
-                for mb, (xm, ym) in enumerate(zip(torch.tensor_split(x, self.microbatches),
-                                                  torch.tensor_split(y, self.microbatches))):
-                    for a, kind, t in ((first, node_pb2.KIND_INPUT, xm),
-                                       (last, node_pb2.KIND_TARGET, ym)):
-                        env = node_pb2.Envelope(job_id=self.id, replica=0, stage=a.stage,
-                                                kind=kind, step=step, microbatch=mb,
-                                                batch_size=x.shape[0])
-                        stubs[a.address].Send(frames.to_frames(codecs.encode(t), envelope=env),
-                                              timeout=3600)
+                for (first, last, m, _), (xs, ys) in zip(ends, _shard(x, y, [e[3] for e in ends])):
+                    for mb, (xm, ym) in enumerate(zip(torch.tensor_split(xs, m),
+                                                      torch.tensor_split(ys, m))):
+                        for a, kind, t in ((first, node_pb2.KIND_INPUT, xm),
+                                           (last, node_pb2.KIND_TARGET, ym)):
+                            env = node_pb2.Envelope(job_id=self.id, replica=a.replica,
+                                                    stage=a.stage, kind=kind, step=step,
+                                                    microbatch=mb, batch_size=x.shape[0])
+                            stubs[a.address].Send(
+                                frames.to_frames(codecs.encode(t), envelope=env), timeout=3600)
         except StopIteration:
             self.feed_error = ValueError("data ran out before the last step")
             self.cancel("the client's data ran out before the last step")

@@ -23,14 +23,16 @@ from torch import nn
 from .. import net
 from ..net.emulation import LinkProfile
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
-from ..runtime.stage import ACTIVATION, GRADIENT, INPUT, TARGET, StageError, StageRunner
+from ..runtime.allreduce import GradientSync
+from ..runtime.stage import ACTIVATION, GRADIENT, INPUT, REDUCE, TARGET, StageError, StageRunner
 from ..wire import WireError, codecs, frames
 from .mailbox import Mailbox, Stopped
 
 log = logging.getLogger(__name__)
 
 KINDS = {node_pb2.KIND_INPUT: INPUT, node_pb2.KIND_TARGET: TARGET,
-         node_pb2.KIND_ACTIVATION: ACTIVATION, node_pb2.KIND_GRADIENT: GRADIENT}
+         node_pb2.KIND_ACTIVATION: ACTIVATION, node_pb2.KIND_GRADIENT: GRADIENT,
+         node_pb2.KIND_REDUCE: REDUCE}
 KIND_CODES = {v: k for k, v in KINDS.items()}
 SEND_TIMEOUT = 600.0
 
@@ -176,9 +178,14 @@ class StageTransport:
 
     def send(self, kind, step, microbatch, tensor, batch_size):
         peer, codec = self.routes[kind]
-        env = node_pb2.Envelope(job_id=self.stage.job_id, replica=self.stage.replica,
+        self.send_to(peer, kind, step, microbatch, tensor, batch_size, codec)
+
+    def send_to(self, peer: node_pb2.StageAssignment, kind: str, step: int, tag: int,
+                tensor: torch.Tensor, batch_size: int = 1, codec: str = "raw") -> None:
+        """Queue ``tensor`` for stage ``peer`` (any replica group)."""
+        env = node_pb2.Envelope(job_id=self.stage.job_id, replica=peer.replica,
                                 stage=peer.stage, kind=KIND_CODES[kind], step=step,
-                                microbatch=microbatch, batch_size=batch_size)
+                                microbatch=tag, batch_size=batch_size)
         self.sender(peer).submit(env, tensor, codec)
 
 
@@ -235,9 +242,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return node_pb2.LoadStageReply()
 
     def _build(self, request) -> Stage:
-        peers = {(a.replica, a.stage): a for a in request.plan.stages}
-        mine = peers[(request.replica, request.stage)]
-        n_stages = sum(1 for a in request.plan.stages if a.replica == request.replica)
+        plan, r = request.plan, request.replica
+        peers = {(a.replica, a.stage): a for a in plan.stages}
+        mine = peers[(r, request.stage)]
+        n_stages = sum(1 for a in plan.stages if a.replica == r)
         layers = [cloudpickle.loads(blob) for blob in request.layers]
         module = nn.Sequential(*layers).to(self.device)
         cfg = request.config
@@ -245,14 +253,24 @@ class NodeService(node_pb2_grpc.NodeServicer):
         opt = cloudpickle.loads(cfg.optimizer).build(params) if params else None
         last = request.stage == n_stages - 1
         loss_fn = cloudpickle.loads(cfg.loss_fn) if last else None
-        stage = Stage(request.job_id, request.replica, request.stage, n_stages,
-                      mine.layer_start, module)
+        stage = Stage(request.job_id, r, request.stage, n_stages, mine.layer_start, module)
         transport = StageTransport(stage, self.mailbox, self.device,
-                                   peers.get((request.replica, request.stage - 1)), mine,
-                                   peers.get((request.replica, request.stage + 1)),
+                                   peers.get((r, request.stage - 1)), mine,
+                                   peers.get((r, request.stage + 1)),
                                    lambda peer: stage.sender(peer, self._shaper(peer.node_name)))
+        sync = None
+        if len({a.replica for a in plan.stages}) > 1:
+            sync = GradientSync(
+                module, mine.layer_start, r, request.stage,
+                [(a.replica, a.stage, a.layer_start, a.layer_end) for a in plan.stages],
+                send=lambda rr, ss, step, tag, t: transport.send_to(peers[(rr, ss)], REDUCE,
+                                                                    step, tag, t),
+                recv=lambda step, tag: transport.recv(REDUCE, step, tag)[0])
+        microbatches = cfg.microbatches
+        if r < len(plan.replicas) and plan.replicas[r].microbatches:
+            microbatches = plan.replicas[r].microbatches
         stage.runner = StageRunner(module, opt, loss_fn, cfg.schedule, request.stage, n_stages,
-                                   cfg.microbatches, transport)
+                                   microbatches, transport, grad_sync=sync)
         return stage
 
     def _shaper(self, peer_name: str):

@@ -16,12 +16,14 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KIND_ACTIVATION: _ClassVar[Kind]
     KIND_GRADIENT: _ClassVar[Kind]
     KIND_PROBE: _ClassVar[Kind]
+    KIND_REDUCE: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 KIND_INPUT: Kind
 KIND_TARGET: Kind
 KIND_ACTIVATION: Kind
 KIND_GRADIENT: Kind
 KIND_PROBE: Kind
+KIND_REDUCE: Kind
 
 class Resources(_message.Message):
     __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname")
@@ -61,15 +63,29 @@ class StageAssignment(_message.Message):
     node_name: str
     def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., node_name: _Optional[str] = ...) -> None: ...
 
+class ReplicaInfo(_message.Message):
+    __slots__ = ("microbatches", "samples", "predicted_seconds")
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    microbatches: int
+    samples: int
+    predicted_seconds: float
+    def __init__(self, microbatches: _Optional[int] = ..., samples: _Optional[int] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
+
 class Plan(_message.Message):
-    __slots__ = ("stages", "predicted_step_seconds", "summary")
+    __slots__ = ("stages", "predicted_step_seconds", "summary", "replicas", "sync_seconds")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     predicted_step_seconds: float
     summary: str
-    def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    sync_seconds: float
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ...) -> None: ...
 
 class JobConfig(_message.Message):
     __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression")

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import schedules
 
-INPUT, TARGET, ACTIVATION, GRADIENT = "input", "target", "activation", "gradient"
+INPUT, TARGET, ACTIVATION, GRADIENT, REDUCE = "input", "target", "activation", "gradient", "reduce"
 
 
 class StageError(RuntimeError):
@@ -62,15 +62,18 @@ class StageRunner:
         loss_fn: ``loss_fn(output, target) -> scalar``; used on the last stage only.
         schedule: a name in :data:`fedpipe.runtime.schedules.SCHEDULES`.
         microbatches: microbatches per step.
+        grad_sync: called with the step after the backward passes, before the
+            optimizer step (e.g. :class:`~fedpipe.runtime.allreduce.GradientSync`).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                  loss_fn: Callable | None, schedule: str, stage: int, n_stages: int,
-                 microbatches: int, transport: Transport):
+                 microbatches: int, transport: Transport,
+                 grad_sync: Callable[[int], None] | None = None):
         self.module, self.optimizer, self.loss_fn = module, optimizer, loss_fn
         self.stage, self.n_stages, self.microbatches = stage, n_stages, microbatches
         self.actions = schedules.get(schedule)(stage, n_stages, microbatches)
-        self.transport = transport
+        self.transport, self.grad_sync = transport, grad_sync
         self.first, self.last = stage == 0, stage == n_stages - 1
         if self.last and loss_fn is None:
             raise ValueError("the last stage needs a loss function")
@@ -102,6 +105,8 @@ class StageRunner:
                     out.backward(grad)
                 if not self.first and x.grad is not None:
                     self.transport.send(GRADIENT, step, m, x.grad, batch)
+        if self.grad_sync is not None:
+            self.grad_sync(step)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

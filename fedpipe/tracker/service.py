@@ -102,6 +102,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         self.wake = threading.Condition()
         self.stop_event = threading.Event()
         self.measure_now = threading.Event()
+        self.partial: dict[tuple[str, int], list] = {}  # (job, step) -> groups, loss, samples, s
         self.store.renew_all()
         self.threads = [threading.Thread(target=self._scheduler, name="scheduler", daemon=True),
                         threading.Thread(target=self._measurer, name="links", daemon=True)]
@@ -239,8 +240,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         if job.state in TERMINAL:
             return S.StageReportReply()
         if request.status == R.STATUS_STEP:
-            sps = request.samples / request.seconds if request.seconds > 0 else 0.0
-            self.store.record_step(job.job_id, request.step, request.loss, sps)
+            self._step(job, request)
         elif request.status == R.STATUS_DONE:
             if self.store.stage_done(job.job_id, request.replica, request.stage):
                 self.store.set_state(job.job_id, S.JOB_STATE_SUCCEEDED,
@@ -254,6 +254,26 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
                           f"unknown report status {request.status}")
         self._notify()
         return S.StageReportReply()
+
+    def _step(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> None:
+        """Add one replica group's share of a step; record the step when all groups reported.
+
+        Each group's loss is its part of the batch-mean loss, so the step's loss
+        is their sum, and its samples/s the total samples over the slowest group's time.
+        """
+        groups = max(1, len(job.plan.replicas))
+        with self.wake:
+            part = self.partial.setdefault((job.job_id, report.step), [0, 0.0, 0, 0.0])
+            part[0] += 1
+            part[1] += report.loss
+            part[2] += report.samples
+            part[3] = max(part[3], report.seconds)
+            if part[0] < groups:
+                return
+            del self.partial[(job.job_id, report.step)]
+        _, loss, samples, seconds = part
+        self.store.record_step(job.job_id, report.step, loss,
+                               samples / seconds if seconds > 0 else 0.0)
 
     # -- scheduling ---------------------------------------------------------
     def _fail(self, job_id: str, reason: str) -> None:
@@ -346,16 +366,21 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
 def plan_message(plan: planner.Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2.Plan:
     """The Plan message for a planner plan, with node addresses and a one-line summary."""
-    msg = node_pb2.Plan(predicted_step_seconds=plan.predicted_step_seconds)
+    msg = node_pb2.Plan(predicted_step_seconds=plan.predicted_step_seconds,
+                        sync_seconds=plan.sync_seconds)
     parts = []
     for r, group in enumerate(plan.groups):
+        msg.replicas.append(node_pb2.ReplicaInfo(microbatches=group.microbatches,
+                                                 samples=group.samples,
+                                                 predicted_seconds=group.predicted_seconds))
         for i, s in enumerate(group.stages):
             n = nodes[s.node_id]
             msg.stages.append(node_pb2.StageAssignment(
                 replica=r, stage=i, node_id=s.node_id, node_name=n.name, address=n.address,
                 layer_start=s.layer_start, layer_end=s.layer_end,
                 activation_codec=s.activation_codec, gradient_codec=s.gradient_codec))
-            parts.append(f"{n.name}: layers {s.layer_start}-{s.layer_end - 1}")
+            group_tag = f"group {r} " if len(plan.groups) > 1 else ""
+            parts.append(f"{group_tag}{n.name}: layers {s.layer_start}-{s.layer_end - 1}")
     msg.summary = "; ".join(parts)
     return msg
 
