@@ -1,7 +1,7 @@
 """fedpipe: pipeline-parallel training of one PyTorch model across unlike machines.
 
 Public API (imported lazily, so ``fedpipe.planner`` and ``fedpipe.wire`` stay light):
-``Client``, ``Job``, ``OptimizerSpec``, ``optimizer``, ``LocalSwarm``.
+``Client``, ``Job``, ``OptimizerSpec``, ``optimizer``, ``DiLoCo``, ``LocalSwarm``.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ _LAZY = {
     "Client": "fedpipe.client",
     "Job": "fedpipe.client",
     "OptimizerSpec": "fedpipe.runtime.optim",
+    "DiLoCo": "fedpipe.runtime.optim",
     "optimizer": "fedpipe.runtime.optim",
     "LocalSwarm": "fedpipe.testing",
 }

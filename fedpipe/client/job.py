@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import net
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
-from ..runtime.optim import OptimizerSpec
+from ..runtime.optim import DiLoCo, OptimizerSpec
 from ..runtime.schedules import SCHEDULES
 from ..wire import codecs, frames
 from .packaging import dumps, pack_layers
@@ -64,7 +64,8 @@ class Client:
     def submit(self, model: nn.Sequential, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                optimizer: OptimizerSpec, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
                steps: int, microbatches: int = 1, schedule: str = "gpipe",
-               stages: int = 0, compression: str | dict[str, str] = "auto", name: str = "",
+               stages: int = 0, compression: str | dict[str, str] = "auto",
+               max_staleness: int = 1, replica_sync: str | DiLoCo = "auto", name: str = "",
                pending_timeout: float | None = None) -> "Job":
         """Submit a training job and start feeding it.
 
@@ -77,12 +78,19 @@ class Client:
                 if it runs out before ``steps`` batches.
             steps: optimizer steps, one batch each.
             microbatches: each batch is split into this many along dim 0.
-            schedule: "gpipe" or "1f1b".
+            schedule: "gpipe" or "1f1b" (synchronous), or "async" (PipeDream-style,
+                no flush, weight stashing).
+            max_staleness: async only: weight versions a stage may run ahead of
+                the versions its gradients come back for (0 equals "1f1b").
             stages: pipeline depth (0: the planner chooses from the nodes' speeds and links).
             compression: "auto" (the planner picks each link's codec from its
                 bandwidth), "none", a codec spec such as "int8+zstd", or a dict
                 ``{"activations": ..., "gradients": ...}`` to set them apart
                 (top-k is for gradients only).
+            replica_sync: how replica groups (if the plan has several) agree:
+                "allreduce" (gradients summed every step), "diloco" or a
+                :class:`fedpipe.DiLoCo` (outer steps every H inner steps), or
+                "auto" (the plan picks from the links between groups).
             pending_timeout: fail the job if no node takes it within this many seconds.
 
         Raises:
@@ -100,6 +108,18 @@ class Client:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
         act_codec, grad_codec = _compression(compression)
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if isinstance(replica_sync, str):
+            if replica_sync not in ("auto", "allreduce", "diloco"):
+                raise ValueError(f"replica_sync must be 'auto', 'allreduce', 'diloco' or a "
+                                 f"fedpipe.DiLoCo, got {replica_sync!r}")
+            outer = DiLoCo()
+        elif isinstance(replica_sync, DiLoCo):
+            outer, replica_sync = replica_sync, "diloco"
+        else:
+            raise TypeError(f"replica_sync must be a string or fedpipe.DiLoCo, got "
+                            f"{type(replica_sync).__name__}")
         batches = _cycle(data)
         try:
             first = next(batches)
@@ -113,7 +133,11 @@ class Client:
         config = node_pb2.JobConfig(steps=steps, microbatches=microbatches, schedule=schedule,
                                     optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
                                     activation_compression=act_codec,
-                                    gradient_compression=grad_codec, stages=stages)
+                                    gradient_compression=grad_codec, stages=stages,
+                                    max_staleness=max_staleness, replica_sync=replica_sync,
+                                    outer_every=outer.inner_steps, outer_lr=outer.outer_lr,
+                                    outer_momentum=outer.outer_momentum,
+                                    outer_compression=outer.compression)
         req = S.SubmitJobRequest(name=name or type(model).__name__, layers=layers, config=config,
                                  profile=profile, batch_size=x0.shape[0],
                                  pending_timeout=pending_timeout or 0.0)

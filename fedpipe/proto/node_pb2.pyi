@@ -17,6 +17,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KIND_GRADIENT: _ClassVar[Kind]
     KIND_PROBE: _ClassVar[Kind]
     KIND_REDUCE: _ClassVar[Kind]
+    KIND_OUTER: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 KIND_INPUT: Kind
 KIND_TARGET: Kind
@@ -24,6 +25,7 @@ KIND_ACTIVATION: Kind
 KIND_GRADIENT: Kind
 KIND_PROBE: Kind
 KIND_REDUCE: Kind
+KIND_OUTER: Kind
 
 class Resources(_message.Message):
     __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname")
@@ -88,7 +90,7 @@ class Plan(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression")
+    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +99,12 @@ class JobConfig(_message.Message):
     ACTIVATION_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SYNC_FIELD_NUMBER: _ClassVar[int]
+    OUTER_EVERY_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_FIELD_NUMBER: _ClassVar[int]
+    OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    OUTER_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     steps: int
     microbatches: int
     schedule: str
@@ -105,7 +113,13 @@ class JobConfig(_message.Message):
     activation_compression: str
     stages: int
     gradient_compression: str
-    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ...) -> None: ...
+    max_staleness: int
+    replica_sync: str
+    outer_every: int
+    outer_lr: float
+    outer_momentum: float
+    outer_compression: str
+    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ()
@@ -146,7 +160,7 @@ class StopJobReply(_message.Message):
     def __init__(self) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "kind", "step", "microbatch", "batch_size")
+    __slots__ = ("job_id", "replica", "stage", "kind", "step", "microbatch", "batch_size", "from_replica")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +168,7 @@ class Envelope(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FROM_REPLICA_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
@@ -161,7 +176,8 @@ class Envelope(_message.Message):
     step: int
     microbatch: int
     batch_size: int
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    from_replica: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., batch_size: _Optional[int] = ..., from_replica: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("envelope", "tensor", "chunk", "name")

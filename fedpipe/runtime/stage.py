@@ -64,16 +64,19 @@ class StageRunner:
         microbatches: microbatches per step.
         grad_sync: called with the step after the backward passes, before the
             optimizer step (e.g. :class:`~fedpipe.runtime.allreduce.GradientSync`).
+        after_step: called with the step after the optimizer step (e.g. a
+            DiLoCo outer step every H steps).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                  loss_fn: Callable | None, schedule: str, stage: int, n_stages: int,
                  microbatches: int, transport: Transport,
-                 grad_sync: Callable[[int], None] | None = None):
+                 grad_sync: Callable[[int], None] | None = None,
+                 after_step: Callable[[int], None] | None = None):
         self.module, self.optimizer, self.loss_fn = module, optimizer, loss_fn
         self.stage, self.n_stages, self.microbatches = stage, n_stages, microbatches
         self.actions = schedules.get(schedule)(stage, n_stages, microbatches)
-        self.transport, self.grad_sync = transport, grad_sync
+        self.transport, self.grad_sync, self.after_step = transport, grad_sync, after_step
         self.first, self.last = stage == 0, stage == n_stages - 1
         if self.last and loss_fn is None:
             raise ValueError("the last stage needs a loss function")
@@ -110,6 +113,8 @@ class StageRunner:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if self.after_step is not None:
+            self.after_step(step)
         return StepResult(step, loss_sum if self.last else None, samples,
                           time.perf_counter() - t0)
 
