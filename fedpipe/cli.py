@@ -83,6 +83,35 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from . import planner
+    from .planner import jsonio
+
+    def load(path):
+        with open(path) as f:
+            return json.load(f)
+
+    profile = jsonio.profile_from_json(load(args.model))
+    if args.cluster:
+        cluster = jsonio.cluster_from_json(load(args.cluster))
+    else:
+        from .client import Client
+        from .proto import tracker_pb2
+        from .tracker.service import cluster_view
+
+        reply = Client(args.tracker).stub.ListNodes(tracker_pb2.ListNodesRequest(), timeout=10)
+        cluster = cluster_view(list(reply.nodes), list(reply.links))
+    config = planner.TrainConfig(batch_size=args.batch, microbatches=args.microbatches,
+                                 schedule=args.schedule, stages=args.stages or 0,
+                                 compression=args.compression)
+    plan = planner.make_plan(cluster, profile, config)
+    if args.json:
+        print(json.dumps(jsonio.plan_to_json(plan), indent=1))
+    else:
+        print(jsonio.format_plan(plan, cluster, profile, config))
+    return 0
+
+
 def cmd_submit(args) -> int:
     from .client import Client
     from .examples import digits
@@ -162,6 +191,19 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--stages", type=int, default=None,
                        help="pipeline depth (default: submit lets the planner choose; "
                             "demo uses every node)")
+
+    pl = sub.add_parser("plan", help="plan a model over a cluster file or a live swarm")
+    where = pl.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cluster", help="cluster JSON (nodes and links; see README)")
+    where.add_argument("--tracker", help="plan over this tracker's live nodes and measured links")
+    pl.add_argument("--model", required=True, help="model profile JSON (layers; see README)")
+    pl.add_argument("--batch", type=int, default=64, help="samples per step")
+    pl.add_argument("--microbatches", type=int, default=4)
+    pl.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    pl.add_argument("--stages", type=int, default=None, help="pin the pipeline depth")
+    pl.add_argument("--compression", default="auto", help="auto, none or a codec spec")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
 
     u = sub.add_parser("submit", help="train the built-in digits example on a swarm")
     u.add_argument("--tracker", required=True)

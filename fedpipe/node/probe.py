@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import platform
 import socket
+import statistics
 import time
 
 import psutil
@@ -28,22 +29,29 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def measure_flops(device: str = "cpu", n: int = 512, seconds: float = 0.3) -> float:
-    """Float32 matmul speed on ``device``, FLOP/s: best of repeated n×n products."""
+def measure_flops(device: str = "cpu", n: int = 1024, batch: int = 64,
+                  seconds: float = 0.5) -> float:
+    """Training speed on ``device``, FLOP/s: median over repeated forward + backward
+    passes of an n×n float32 linear layer on ``batch`` samples (6·batch·n² FLOP each).
+
+    A layer's forward and backward, not a bare large matmul, so the figure
+    includes what small training matmuls really get (the planner divides
+    per-layer FLOPs by it); the median, not the best run, so a busy machine
+    is not taken for an idle one.
+    """
     dev = torch.device(device)
-    a = torch.randn(n, n, device=dev)
-    b = torch.randn(n, n, device=dev)
-    best = 0.0
+    w = torch.randn(n, n, device=dev, requires_grad=True)
+    x = torch.randn(batch, n, device=dev, requires_grad=True)
+    rates = []
     deadline = time.perf_counter() + seconds
-    while True:
+    while len(rates) < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        (x @ w).sum().backward()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        (a @ b).sum().item()
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * n**3 / dt)
-        if time.perf_counter() > deadline:
-            return best
+        rates.append(6 * batch * n * n / (time.perf_counter() - t0))
+        w.grad = x.grad = None
+    return statistics.median(rates[1:])
 
 
 def probe(device: str = "cpu", memory_limit: int | None = None) -> node_pb2.Resources:

@@ -1,0 +1,56 @@
+"""`fedpipe plan` from JSON files and from a live tracker; `fedpipe status`."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from fedpipe.client.profile import profile_model
+from fedpipe.examples import digits
+from fedpipe.planner import jsonio
+from fedpipe.testing import child_env
+from fedpipe.tracker.service import model_profile
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def fedpipe(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedpipe", *args], capture_output=True,
+                          text=True, timeout=100, env=child_env())
+
+
+def test_plan_from_cluster_and_model_files():
+    out = fedpipe("plan", "--cluster", str(ROOT / "benchmarks/clusters/S2.json"),
+                  "--model", str(ROOT / "benchmarks/models/uneven16.json"), "--batch", "32",
+                  "--microbatches", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["predicted_step_seconds"] > 0
+    layers = sorted((s["layer_start"], s["layer_end"]) for s in plan["groups"][0]["stages"])
+    assert layers[0][0] == 0 and layers[-1][1] == 16
+
+
+def test_plan_reports_a_bad_file_clearly(tmp_path):
+    bad = tmp_path / "cluster.json"
+    bad.write_text('{"nodes": [{"id": "a"}]}')
+    out = fedpipe("plan", "--cluster", str(bad), "--model",
+                  str(ROOT / "benchmarks/models/uneven16.json"))
+    assert out.returncode == 1
+    assert "fedpipe plan:" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_plan_and_status_for_a_live_swarm(swarm, tmp_path):
+    x, _, _, _ = digits.load()
+    profile = tmp_path / "digits.json"
+    profile.write_text(json.dumps(jsonio.profile_to_json(
+        model_profile(profile_model(digits.make_model(), x[:64])))))
+    out = fedpipe("plan", "--tracker", swarm.tracker, "--model", str(profile), "--stages", "2")
+    assert out.returncode == 0, out.stderr
+    assert "predicted step" in out.stdout and "node" in out.stdout
+    status = fedpipe("status", "--tracker", swarm.tracker)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.count("alive") == 3 and "latency ms" in status.stdout
