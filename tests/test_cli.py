@@ -8,11 +8,9 @@ import sys
 
 import pytest
 
-from fedpipe.client.profile import profile_model
+from fedpipe.client.profile import profile_json
 from fedpipe.examples import digits
-from fedpipe.planner import jsonio
 from fedpipe.testing import child_env
-from fedpipe.tracker.service import model_profile
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -46,8 +44,7 @@ def test_plan_reports_a_bad_file_clearly(tmp_path):
 def test_plan_and_status_for_a_live_swarm(swarm, tmp_path):
     x, _, _, _ = digits.load()
     profile = tmp_path / "digits.json"
-    profile.write_text(json.dumps(jsonio.profile_to_json(
-        model_profile(profile_model(digits.make_model(), x[:64])))))
+    profile.write_text(json.dumps(profile_json(digits.make_model(), x[:64])))
     out = fedpipe("plan", "--tracker", swarm.tracker, "--model", str(profile), "--stages", "2")
     assert out.returncode == 0, out.stderr
     assert "predicted step" in out.stdout and "node" in out.stdout

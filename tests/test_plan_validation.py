@@ -44,4 +44,3 @@ def test_plan_keeps_the_slow_link_out_of_the_pipeline():
             chain.sort(key=lambda a: a.stage)
             hops = {(site[u.node_name], site[v.node_name]) for u, v in zip(chain, chain[1:])}
             assert all(a == b for a, b in hops), f"pipeline hop over the slow link: {status.plan}"
-        print(status.plan)

@@ -51,3 +51,11 @@ def profile_model(model: nn.Sequential, sample: torch.Tensor) -> tracker_pb2.Mod
             parameter_bytes=sum(_nbytes(p) for p in layer.parameters())))
         x = y
     return prof
+
+
+def profile_json(model: nn.Sequential, sample: torch.Tensor) -> dict:
+    """The profile of :func:`profile_model` as the JSON object ``fedpipe plan --model`` reads."""
+    prof = profile_model(model, sample)
+    return {"input_bytes": prof.input_bytes,
+            "layers": [{"name": la.name, "flops": la.flops, "activation_bytes": la.activation_bytes,
+                        "parameter_bytes": la.parameter_bytes} for la in prof.layers]}
