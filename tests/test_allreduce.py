@@ -1,7 +1,6 @@
 """Ring all-reduce and segment cutting, run with threads and queues (the algorithm alone)."""
 from __future__ import annotations
 
-import queue
 import threading
 
 import pytest

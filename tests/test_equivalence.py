@@ -13,7 +13,6 @@ full-size updates, so float32 would compare rounding noise, not the pipeline.
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -22,6 +21,7 @@ from torch import nn
 
 import fedpipe
 from fedpipe.examples import digits
+from reference import max_relative_difference, single_process
 
 pytestmark = pytest.mark.timeout(180)
 STEPS, BATCH, MICROBATCHES = 4, 32, 4
@@ -97,25 +97,6 @@ OPTIMIZERS = {
 }
 
 
-def reference(model, loss_fn, spec, batches):
-    model = copy.deepcopy(model)
-    opt = spec.build(model.parameters())
-    for x, y in batches:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    return model.state_dict()
-
-
-def max_relative_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    worst = 0.0
-    for k in b:
-        scale = b[k].abs().max().item() or 1.0
-        worst = max(worst, (a[k] - b[k]).abs().max().item() / scale)
-    return worst
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -124,7 +105,7 @@ def test_pipeline_equals_single_process(swarm, case, opt, schedule):
     model = make()
     gen = make_batches(BATCH)
     batches = [next(gen) for _ in range(STEPS)]
-    expected = reference(model, loss_fn, OPTIMIZERS[opt], batches)
+    expected = single_process(model, loss_fn, OPTIMIZERS[opt], batches)
 
     job = swarm.client().submit(model, loss_fn, OPTIMIZERS[opt], batches, steps=STEPS,
                                 microbatches=MICROBATCHES, schedule=schedule, stages=3,

@@ -36,3 +36,78 @@ def test_1f1b_stashes_at_most_remaining_stages(n_stages, m):
 def test_unknown_schedule_names_the_choices():
     with pytest.raises(ValueError, match="gpipe"):
         schedules.get("zigzag")
+
+
+@pytest.mark.parametrize("n_stages,m", [(1, 1), (3, 1), (3, 4), (4, 8), (5, 3)])
+def test_async_without_staleness_is_1f1b_step_after_step(n_stages, m):
+    steps = 3
+    for stage in range(n_stages):
+        got = list(schedules.async_stream(stage, n_stages, m, steps, max_staleness=0))
+        want = [schedules.Action(a.kind, s * m + a.microbatch) for s in range(steps)
+                for a in schedules.one_f_one_b(stage, n_stages, m)]
+        assert got == want
+
+
+
+def simulate_async(n_stages, m, steps, k):
+    """Run every stage's async stream against the others' (an activation needs
+    the previous stage's forward, a gradient the next stage's backward).
+
+    Returns per stage: (step, updates applied) of each forward, the peak of
+    microbatches in flight, and the peak of weight versions they use.
+    """
+    streams = [list(schedules.async_stream(s, n_stages, m, steps, k)) for s in range(n_stages)]
+    pos, done = [0] * n_stages, [set() for _ in range(n_stages)]
+    forwards = [[] for _ in range(n_stages)]
+    peak, versions = [0] * n_stages, [0] * n_stages
+    inflight = [{} for _ in range(n_stages)]  # microbatch -> weight version
+    backwards = [0] * n_stages
+    while any(p < len(st) for p, st in zip(pos, streams)):
+        moved = False
+        for s, st in enumerate(streams):
+            while pos[s] < len(st):
+                a = st[pos[s]]
+                if a.kind == "F" and s > 0:
+                    need = (s - 1, ("F", a.microbatch))
+                elif a.kind == "B" and s < n_stages - 1:
+                    need = (s + 1, ("B", a.microbatch))
+                else:
+                    need = None
+                if need and need[1] not in done[need[0]]:
+                    break
+                if a.kind == "F":
+                    applied = backwards[s] // m
+                    forwards[s].append((a.microbatch // m, applied))
+                    inflight[s][a.microbatch] = applied
+                else:
+                    del inflight[s][a.microbatch]
+                    backwards[s] += 1
+                done[s].add((a.kind, a.microbatch))
+                pos[s] += 1
+                moved = True
+                peak[s] = max(peak[s], len(inflight[s]))
+                versions[s] = max(versions[s], len(set(inflight[s].values())))
+        assert moved, f"deadlock at {pos}"
+    return forwards, peak, versions
+
+
+@pytest.mark.parametrize("n_stages,m,k", [(3, 4, 1), (3, 4, 2), (4, 2, 1), (4, 1, 3),
+                                          (5, 3, 0), (2, 8, 1), (6, 2, 5), (1, 3, 2)])
+def test_async_stream_completes_within_its_bounds(n_stages, m, k):
+    steps = 6
+    forwards, peak, versions = simulate_async(n_stages, m, steps, k)
+    for s in range(n_stages):
+        acts = list(schedules.async_stream(s, n_stages, m, steps, k))
+        assert [a.microbatch for a in acts if a.kind == "F"] == list(range(steps * m))
+        assert [a.microbatch for a in acts if a.kind == "B"] == list(range(steps * m))
+        assert peak[s] <= n_stages - s
+        # a forward of step t runs after the updates of all steps <= t - 1 - k
+        assert all(t - applied <= k for t, applied in forwards[s])
+        assert versions[s] <= k + 1
+    if k > 0 and n_stages > 1:  # steps overlap: a forward runs before its previous step's update
+        assert any(t > applied for t, applied in forwards[0])
+
+
+def test_async_stream_rejects_negative_staleness():
+    with pytest.raises(ValueError, match="max_staleness"):
+        list(schedules.async_stream(0, 3, 4, 2, -1))

@@ -64,7 +64,7 @@ class Client:
     def submit(self, model: nn.Sequential, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                optimizer: OptimizerSpec, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
                steps: int, microbatches: int = 1, schedule: str = "gpipe",
-               stages: int = 0, compression: str | dict[str, str] = "auto",
+               stages: int = 0, replicas: int = 0, compression: str | dict[str, str] = "auto",
                max_staleness: int = 1, replica_sync: str | DiLoCo = "auto", name: str = "",
                pending_timeout: float | None = None) -> "Job":
         """Submit a training job and start feeding it.
@@ -83,6 +83,7 @@ class Client:
             max_staleness: async only: weight versions a stage may run ahead of
                 the versions its gradients come back for (0 equals "1f1b").
             stages: pipeline depth (0: the planner chooses from the nodes' speeds and links).
+            replicas: data-parallel replica groups (0: the planner chooses).
             compression: "auto" (the planner picks each link's codec from its
                 bandwidth), "none", a codec spec such as "int8+zstd", or a dict
                 ``{"activations": ..., "gradients": ...}`` to set them apart
@@ -134,6 +135,7 @@ class Client:
                                     optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
                                     activation_compression=act_codec,
                                     gradient_compression=grad_codec, stages=stages,
+                                    replicas=replicas,
                                     max_staleness=max_staleness, replica_sync=replica_sync,
                                     outer_every=outer.inner_steps, outer_lr=outer.outer_lr,
                                     outer_momentum=outer.outer_momentum,

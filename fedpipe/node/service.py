@@ -24,6 +24,9 @@ from .. import net
 from ..net.emulation import LinkProfile
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime.allreduce import GradientSync
+from ..runtime.async_stage import AsyncStageRunner
+from ..runtime.diloco import OUTER, OuterSync
+from ..runtime.optim import DiLoCo
 from ..runtime.stage import ACTIVATION, GRADIENT, INPUT, REDUCE, TARGET, StageError, StageRunner
 from ..wire import WireError, codecs, frames
 from .mailbox import Mailbox, Stopped
@@ -32,7 +35,7 @@ log = logging.getLogger(__name__)
 
 KINDS = {node_pb2.KIND_INPUT: INPUT, node_pb2.KIND_TARGET: TARGET,
          node_pb2.KIND_ACTIVATION: ACTIVATION, node_pb2.KIND_GRADIENT: GRADIENT,
-         node_pb2.KIND_REDUCE: REDUCE}
+         node_pb2.KIND_REDUCE: REDUCE, node_pb2.KIND_OUTER: OUTER}
 KIND_CODES = {v: k for k, v in KINDS.items()}
 SEND_TIMEOUT = 600.0
 
@@ -171,9 +174,10 @@ class StageTransport:
                        GRADIENT: (prev, mine.gradient_codec or "raw")}
         self.sender = sender
 
-    def recv(self, kind, step, microbatch):
+    def recv(self, kind, step, microbatch, timeout: float | None = None):
+        """As :meth:`Transport.recv`; TimeoutError if nothing came within ``timeout`` s."""
         t, batch = self.mailbox.get(self.stage.slot, kind, step, microbatch,
-                                    stopped=self.stage.stop.is_set)
+                                    stopped=self.stage.stop.is_set, timeout=timeout)
         return t.to(self.device), batch
 
     def send(self, kind, step, microbatch, tensor, batch_size):
@@ -185,7 +189,8 @@ class StageTransport:
         """Queue ``tensor`` for stage ``peer`` (any replica group)."""
         env = node_pb2.Envelope(job_id=self.stage.job_id, replica=peer.replica,
                                 stage=peer.stage, kind=KIND_CODES[kind], step=step,
-                                microbatch=tag, batch_size=batch_size)
+                                microbatch=tag, batch_size=batch_size,
+                                from_replica=self.stage.replica)
         self.sender(peer).submit(env, tensor, codec)
 
 
@@ -258,19 +263,36 @@ class NodeService(node_pb2_grpc.NodeServicer):
                                    peers.get((r, request.stage - 1)), mine,
                                    peers.get((r, request.stage + 1)),
                                    lambda peer: stage.sender(peer, self._shaper(peer.node_name)))
-        sync = None
-        if len({a.replica for a in plan.stages}) > 1:
+        sync = after = None
+        all_stages = [(a.replica, a.stage, a.layer_start, a.layer_end) for a in plan.stages]
+        groups = len({a.replica for a in plan.stages})
+        if cfg.replica_sync == "diloco":  # "auto" is resolved by the tracker; else all-reduce
+            shares = [plan.replicas[g].samples if g < len(plan.replicas)
+                      and plan.replicas[g].samples else 1 for g in range(groups)]
+            after = OuterSync(
+                module, mine.layer_start, r, request.stage, all_stages,
+                DiLoCo(cfg.outer_every, cfg.outer_lr, cfg.outer_momentum,
+                       cfg.outer_compression or "none"), shares,
+                send=lambda rr, ss, k, tag, t, codec: transport.send_to(
+                    peers[(rr, ss)], OUTER, k, tag, t, codec=codec),
+                recv=lambda k, tag, timeout: transport.recv(OUTER, k, tag, timeout)[0],
+                last_step=cfg.steps - 1)
+            sync = after.rescale_gradients
+        elif groups > 1:
             sync = GradientSync(
-                module, mine.layer_start, r, request.stage,
-                [(a.replica, a.stage, a.layer_start, a.layer_end) for a in plan.stages],
+                module, mine.layer_start, r, request.stage, all_stages,
                 send=lambda rr, ss, step, tag, t: transport.send_to(peers[(rr, ss)], REDUCE,
                                                                     step, tag, t),
                 recv=lambda step, tag: transport.recv(REDUCE, step, tag)[0])
         microbatches = cfg.microbatches
         if r < len(plan.replicas) and plan.replicas[r].microbatches:
             microbatches = plan.replicas[r].microbatches
-        stage.runner = StageRunner(module, opt, loss_fn, cfg.schedule, request.stage, n_stages,
-                                   microbatches, transport, grad_sync=sync)
+        runner, extra = StageRunner, {}
+        if cfg.schedule == "async":
+            runner, extra = AsyncStageRunner, {"max_staleness": cfg.max_staleness}
+        stage.runner = runner(module, opt, loss_fn, cfg.schedule, request.stage, n_stages,
+                              microbatches, transport, grad_sync=sync, after_step=after,
+                              **extra)
         return stage
 
     def _shaper(self, peer_name: str):
@@ -284,10 +306,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
     def _run(self, stage: Stage, steps: int) -> None:
         R = tracker_pb2.StageReport
         try:
-            for step in range(steps):
-                result = stage.runner.run_step(step)
+            for result in stage.runner.run(steps):
                 if result.loss is not None:
-                    self._report(stage, R.STATUS_STEP, step=step + 1, loss=result.loss,
+                    self._report(stage, R.STATUS_STEP, step=result.step + 1, loss=result.loss,
                                  samples=result.samples, seconds=result.seconds)
             for s in stage.senders.values():
                 s.flush()

@@ -48,7 +48,8 @@ def equal_split(ctx: PlanContext, chain: Sequence[int], microbatches: int) -> Gr
     counted = solve_chain(blind, range(n), microbatches, window=1)
     if counted is None:
         return None
-    return describe(ctx, chain, [(s, k, j) for s, (k, j) in enumerate(counted.ranges)], microbatches)
+    stages = [(s, k, j) for s, (k, j) in enumerate(counted.ranges)]
+    return describe(ctx, chain, stages, microbatches)
 
 
 def _layer_count_context(ctx: PlanContext, chain: Sequence[int]) -> PlanContext:
@@ -94,10 +95,12 @@ def dtfm_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) 
     line = locality_order(hop, range(ctx.n), np.ones(ctx.n))
     best: tuple[float, list[list[int]], list[int]] | None = None
     for r in range(1, min(ctx.M, ctx.n) + 1):
-        if ctx.n % r or ctx.n // r > ctx.L:
+        if ctx.n % r or ctx.n // r > ctx.L or config.replicas not in (0, r):
             continue
         micro = [ctx.M // r + (g < ctx.M % r) for g in range(r)]
-        layouts = [contiguous_groups(line, np.ones(ctx.n), r)] + ([strided_groups(line, r)] if r > 1 else [])
+        layouts = [contiguous_groups(line, np.ones(ctx.n), r)]
+        if r > 1:
+            layouts.append(strided_groups(line, r))
         for groups in layouts:
             chains = [bottleneck_path(hop, g) for g in groups]
             sols = [equal_split(ctx, c, m) for c, m in zip(chains, micro)]
@@ -109,8 +112,9 @@ def dtfm_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) 
             if best is None or cost < best[0]:
                 best = (cost, [list(zip(s.nodes, s.ranges)) for s in sols], micro)
     if best is None:
-        raise PlanError("DTFM-style plan: no equal-size grouping with an equal-layer split "
-                        "fits the nodes' memory")
+        raise PlanError(f"DTFM-style plan: no grouping of all {ctx.n} nodes into equal groups "
+                        f"of at most {ctx.L} nodes (one per layer), at most {ctx.M} groups "
+                        f"(one per microbatch), whose equal-layer split fits the nodes' memory")
     _, groups, micro = best
     return build_plan(ctx, [([n for n, _ in g], [rg for _, rg in g]) for g in groups], micro)
 

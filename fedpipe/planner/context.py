@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import codecs
-from .costs import (FORWARD_FRACTION, boundary_bytes, state_bytes, stash_bytes,
-                    transfer_seconds)
+from .costs import boundary_bytes, state_bytes, stash_bytes, transfer_seconds
 from .types import ClusterView, Link, ModelProfile, PlanError, TrainConfig
 
 
@@ -105,7 +104,8 @@ class PlanContext:
             eb = self.profile.element_bytes
             for j in range(1, self.L):
                 x = self.boundary[j]
-                for out, (lk, specs) in zip((0, 2), ((fwd, self.act_codecs), (bwd, self.grad_codecs))):
+                sends = ((fwd, self.act_codecs), (bwd, self.grad_codecs))
+                for out, (lk, specs) in zip((0, 2), sends):
                     busy, lat = min(transfer_seconds(lk, x, c, eb) for c in specs)
                     arrays[out][j], arrays[out + 1][j] = busy, busy + lat
             found = self._links[key] = LinkCosts(*arrays)
@@ -119,11 +119,6 @@ class PlanContext:
         x = float(np.median(inner)) if inner.size else float(self.profile.input_bytes * self.mb)
         one_way = x / self.bw + self.lat
         return one_way + one_way.T
-
-    @property
-    def forward_fraction(self) -> float:
-        """Share of compute in the forward pass."""
-        return FORWARD_FRACTION
 
 
 def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -> None:
@@ -142,11 +137,15 @@ def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -
     if config.microbatches > config.batch_size:
         raise PlanError(f"{config.microbatches} microbatches do not fit a batch of "
                         f"{config.batch_size} samples")
-    if config.schedule not in ("gpipe", "1f1b"):
-        raise PlanError(f"unknown schedule {config.schedule!r}; the planner knows 'gpipe' and '1f1b'")
+    if config.schedule not in ("gpipe", "1f1b", "async"):
+        raise PlanError(f"unknown schedule {config.schedule!r}; "
+                        f"the planner knows 'gpipe', '1f1b' and 'async'")
     if config.stages < 0 or config.stages > min(len(cluster.nodes), len(profile.layers)):
         raise PlanError(f"{config.stages} stages asked for, but there are {len(cluster.nodes)} "
                         f"node(s) and {len(profile.layers)} layer(s)")
+    if config.replicas < 0 or config.replicas > min(config.microbatches, len(cluster.nodes)):
+        raise PlanError(f"{config.replicas} replica groups asked for, but there are "
+                        f"{len(cluster.nodes)} node(s) and {config.microbatches} microbatches")
     for node in cluster.nodes:
         if not node.flops > 0:
             raise PlanError(f"node {node.node_id!r} has speed {node.flops} FLOP/s; it must be > 0")

@@ -14,7 +14,8 @@ from .codecs import codec_cost
 from .types import Link, ModelProfile, TrainConfig
 
 FORWARD_FRACTION = 1 / 3
-"""Share of a layer's forward + backward FLOP spent in the forward pass (backward ≈ 2× forward)."""
+"""Share of a layer's forward + backward FLOP spent in the forward pass
+(backward ≈ 2× forward)."""
 
 
 def compute_seconds(profile: ModelProfile, start: int, end: int, flops: float,
@@ -97,9 +98,14 @@ def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
     and backward plus every transfer with its latency. ``period`` is the
     steady-state seconds per microbatch: the busiest resource (a stage's
     compute, a link's sends; GPipe pays its forward and backward phases'
-    bottlenecks one after the other), and under 1F1B also each stage's round
-    trip divided by the ``n_stages - s`` microbatches it may keep in flight
-    (the bound that makes 1F1B slow over slow links).
+    bottlenecks one after the other). Under 1F1B a stage ``s`` runs the
+    backward of microbatch j only after the forward of j + w_s (its warm-up
+    depth w_s = n - s - 1), so every window of stages ``s..t`` bounds the period
+    by its round trip (compute of s..t plus the transfers between them) over
+    ``w_s + 1 - w_t = t - s + 1`` microbatches: the cycles of the schedule's
+    event graph, whose largest ratio is the steady-state period (max-plus
+    theory; Baccelli et al., "Synchronization and Linearity", 1992). These
+    bounds make 1F1B slow over slow links.
 
     Args:
         forward, backward: per stage, seconds per microbatch.
@@ -117,11 +123,14 @@ def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
         period = (max([*forward, *act_busy]) + max([*backward, *grad_busy]))
         return sigma, period
     period = max([*work, *act_busy, *grad_busy])
-    trip = 0.0
-    for s in range(n - 1, -1, -1):
-        trip += work[s] + (hops[s] if s < n - 1 else 0.0)
-        if n - s < microbatches:
-            period = max(period, trip / (n - s))
+    warm = [min(n - s - 1, microbatches) for s in range(n)]
+    for s in range(n):
+        if warm[s] >= microbatches:
+            continue            # stage s never alternates: no steady state to bound
+        trip = 0.0
+        for t in range(s, n):
+            trip += work[t] + (hops[t - 1] if t > s else 0.0)
+            period = max(period, trip / (warm[s] + 1 - warm[t]))
     return sigma, period
 
 

@@ -25,7 +25,8 @@ from .types import Plan, ReplicaGroup, StagePlan
 Chain = tuple[int, ...]
 
 
-def allocate_microbatches(solutions: Sequence[GroupSolution], microbatches: int) -> list[int] | None:
+def allocate_microbatches(solutions: Sequence[GroupSolution],
+                          microbatches: int) -> list[int] | None:
     """Share ``microbatches`` among the groups so the slowest group is as fast as possible.
 
     Every group gets at least one; each further microbatch goes to the group
@@ -82,7 +83,6 @@ class Evaluator:
         self.ctx = ctx
         self.window, self.exact_up_to = window, exact_up_to
         self._cache: dict[tuple[Chain, int, bool], GroupSolution | None] = {}
-        self.solves = 0
 
     def solve(self, chain: Chain, microbatches: int, fast: bool = False) -> GroupSolution | None:
         """The chain's split for ``microbatches`` (cached); None if none fits.
@@ -98,40 +98,54 @@ class Evaluator:
                 self._cache[key] = None
             elif fast and len(chain) <= self.ctx.L:
                 sol = proportional_split(self.ctx, chain, microbatches)
-                self._cache[key] = sol if sol.max_microbatches >= 1 else self.solve(chain, microbatches)
+                fits = sol.max_microbatches >= 1
+                self._cache[key] = sol if fits else self.solve(chain, microbatches)
             else:
                 window = 1 if pinned else (None if len(chain) <= self.exact_up_to else self.window)
-                self.solves += 1
                 self._cache[key] = solve_chain(self.ctx, chain, microbatches, window)
         return self._cache[key]
 
-    def estimate(self, chains: Sequence[Chain], refine: bool = False,
+    def estimate(self, chains: Sequence[Chain], refine: bool = True,
                  fast: bool = False) -> Candidate | None:
         """Score a grouping; None when it does not fit (memory, too many groups).
 
-        Each chain is split for an equal share of the microbatches; with
-        ``refine`` it is split again for the share it was then given; with
-        ``fast`` by speed alone (see :meth:`solve`).
+        Each chain is first split for a share of the microbatches proportional
+        to its FLOP/s; with ``refine`` it is split again for the share the
+        allocation then gave it, and the better of the two is kept. With
+        ``fast`` splits are by speed alone (see :meth:`solve`) and not refined.
+        With several groups the splits by speed are scored too and win when
+        they are better: the dynamic program does not see the all-reduce, and
+        its splits may pile many parameters on one node.
         """
+        found = self._estimate(chains, refine, fast)
+        if not fast and len(chains) > 1:
+            even = self._estimate(chains, False, True)
+            if even is not None and (found is None or even.seconds < found.seconds):
+                found = even
+        return found
+
+    def _estimate(self, chains: Sequence[Chain], refine: bool, fast: bool) -> Candidate | None:
         ctx = self.ctx
         r = len(chains)
-        if r == 0 or r > ctx.M or any(not c for c in chains):
+        if r == 0 or r > ctx.M or any(not c for c in chains) or ctx.config.replicas not in (0, r):
             return None
-        hint = max(1, ctx.M // r)
-        sols = [self.solve(tuple(c), hint, fast) for c in chains]
+        speed = [float(sum(ctx.flops[i] for i in c)) for c in chains]
+        hints = [max(1, round(ctx.M * f / sum(speed))) for f in speed]
+        sols = [self.solve(tuple(c), h, fast) for c, h in zip(chains, hints)]
         if any(s is None for s in sols):
             return None
         micro = allocate_microbatches(sols, ctx.M)
         if micro is None:
             return None
-        if refine:
+        best = (self.step_seconds(sols, micro), sols, micro)
+        if refine and not fast:
             again = [self.solve(tuple(c), m) for c, m in zip(chains, micro)]
-            if all(s is not None for s in again):
-                micro2 = allocate_microbatches(again, ctx.M)
-                if micro2 is not None:
-                    sols, micro = again, micro2
-        return Candidate(tuple(tuple(c) for c in chains), tuple(sols), tuple(micro),
-                         self.step_seconds(sols, micro))
+            micro2 = allocate_microbatches(again, ctx.M) if None not in again else None
+            if micro2 is not None:
+                best = min(best, (self.step_seconds(again, micro2), again, micro2),
+                           key=lambda b: b[0])
+        seconds, sols, micro = best
+        return Candidate(tuple(tuple(c) for c in chains), tuple(sols), tuple(micro), seconds)
 
     def step_seconds(self, sols: Sequence[GroupSolution], micro: Sequence[int]) -> float:
         """Analytic step time: the slowest group's T(m), or the end of the
@@ -187,11 +201,12 @@ def build_plan(ctx: PlanContext, groups: Sequence[tuple[Sequence[int], Sequence[
         g.predicted_seconds = t
     plan.predicted_step_seconds = res.step_seconds
     plan.sync_seconds = res.sync_seconds
-    plan.predicted_samples_per_second = ctx.config.batch_size / res.step_seconds if res.step_seconds > 0 else math.inf
+    plan.predicted_samples_per_second = (ctx.config.batch_size / res.step_seconds
+                                         if res.step_seconds > 0 else math.inf)
     return plan
 
 
-CODEC_SLACK = 0.01
+CODEC_SLACK = 0.02
 """How much (as a fraction) weaker, more faithful codecs may lengthen a group's estimated step."""
 
 
@@ -206,8 +221,8 @@ def choose_codecs(ctx: PlanContext, nodes: Sequence[int], ranges: Sequence[tuple
     :func:`fedpipe.planner.codecs.choose`; under GPipe the forward and backward
     phases have their own bottlenecks). If that lengthens the group's estimated
     step (:func:`~fedpipe.planner.costs.pipeline_estimate`, which sees 1F1B's
-    round-trip bound) by more than :data:`CODEC_SLACK`, the links that lost
-    the most go back to their fastest codec until it does not.
+    round-trip bound) by more than :data:`CODEC_SLACK`, the link that lost the
+    most moves to the next stronger codec that is faster, until it does not.
 
     Args:
         samples: samples per microbatch.
@@ -252,7 +267,9 @@ def choose_codecs(ctx: PlanContext, nodes: Sequence[int], ranges: Sequence[tuple
         loss = [(busy(d, i, chosen[d][i]) - fast_busy[d][i], d, i)
                 for d in (0, 1) for i in range(len(chosen[d])) if chosen[d][i] != fast[d][i]]
         _, d, i = max(loss)
-        chosen[d][i] = fast[d][i]
+        now = busy(d, i, chosen[d][i])
+        ladder = allowed[d][allowed[d].index(chosen[d][i]) + 1:]
+        chosen[d][i] = next(c for c in ladder if busy(d, i, c) < now)  # next stronger that helps
     return chosen[0] + ["raw"], ["raw"] + chosen[1]
 
 
@@ -288,7 +305,8 @@ def polish(ctx: PlanContext, groups: Sequence[tuple[Sequence[int], Sequence[tupl
                 for delta in (-1, 1):
                     cut = ranges[b][1] + delta
                     if ranges[b][0] < cut < ranges[b + 1][1]:
-                        new = ranges[:b] + [(ranges[b][0], cut), (cut, ranges[b + 1][1])] + ranges[b + 2:]
+                        new = (ranges[:b] + [(ranges[b][0], cut), (cut, ranges[b + 1][1])]
+                               + ranges[b + 2:])
                         tries.append((g, new, micro))
         if len(groups) > 1:
             times = [grp.predicted_seconds for grp in best.groups]

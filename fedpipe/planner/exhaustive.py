@@ -13,13 +13,16 @@ is too slow even for 8 nodes (≈ 840,000 groupings), so:
 1. every ordered chain (109,600 for 8 nodes; fewer when nodes are twins,
    :func:`twins`) gets its least bottleneck from one min-max dynamic program
    whose rows are shared by chains with the same suffix;
-2. per node subset, the orders whose min-max split gives the subset its
-   least estimated group time for some microbatch count, and the
-   ``orders_per_subset`` orders with the least bottleneck, are split again by
-   the full program; every split that is best for some microbatch count is kept;
+2. per node subset, among its ``described`` orders with the least
+   bottleneck, those whose min-max split gives the subset its least estimated
+   group time for some microbatch count, and the ``orders_per_subset`` with
+   the least bottleneck, are split again by the full program; every split
+   that is best for some microbatch count is kept;
 3. every set partition of every node subset into groups (Bell(N+1) = 21,147
-   for 8 nodes), with every combination of the kept chains, is scored by the
-   analytic estimate (groups and all-reduce);
+   for 8 nodes), with every combination of the kept chains and, for up to
+   :data:`MAX_RING_ORDERS` groups whose all-reduce shows, every ring order,
+   is scored by the analytic estimate (groups and all-reduce), skipping those
+   whose slowest group alone cannot make the ``top_k``;
 4. the ``top_k`` best are split again for their microbatch shares, planned and
    simulated; the ``polished`` fastest are polished on the simulator
    (:func:`~fedpipe.planner.evaluate.polish`, as fedpipe's plan is) and the
@@ -30,6 +33,7 @@ up to step 2's pruning and step 4's analytic ranking.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from typing import Iterator, Sequence
@@ -38,13 +42,16 @@ import numpy as np
 
 from .context import PlanContext
 from .evaluate import Evaluator, allocate_microbatches, build_plan, polish
-from .partition import GroupSolution, _stage_matrices, describe
+from .partition import GroupSolution, stage_costs, describe
 from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
 
 MAX_NODES = 8
+MAX_RING_ORDERS = 4
+"""Groupings of up to this many groups are scored in every ring order."""
 
 
-def _chains_minmax(ctx: PlanContext) -> dict[frozenset[int], list[tuple[float, tuple[int, ...], list]]]:
+def _chains_minmax(ctx: PlanContext
+                   ) -> dict[frozenset[int], list[tuple[float, tuple[int, ...], list]]]:
     """Every ordered chain's least bottleneck (seconds per microbatch) and the
     split that gives it (``(position, layer_start, layer_end)`` per stage),
     grouped by node set.
@@ -62,7 +69,7 @@ def _chains_minmax(ctx: PlanContext) -> dict[frozenset[int], list[tuple[float, t
         if key not in mats:
             infl = M if gpipe else min(M, length)
             memok = ctx.state + ctx.stash * infl <= ctx.mem[v]
-            mats[key] = _stage_matrices(ctx, v, None if u < 0 else u, memok)[0]
+            mats[key] = stage_costs(ctx, v, None if u < 0 else u, memok)[0]
         return mats[key]
 
     twin = twins(ctx)
@@ -140,7 +147,7 @@ def _set_partitions(items: Sequence[int]) -> Iterator[tuple[list[list[int]], lis
 
 
 def exhaustive_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig,
-                    top_k: int = 40, orders_per_subset: int = 4,
+                    top_k: int = 40, orders_per_subset: int = 4, described: int = 60,
                     polished: int = 3) -> Plan:
     """The best plan by brute force (see the module doc); for at most
     :data:`MAX_NODES` nodes.
@@ -159,25 +166,48 @@ def exhaustive_plan(cluster: ClusterView, profile: ModelProfile, config: TrainCo
     ev = Evaluator(ctx, window=1, exact_up_to=0)
     kept: dict[frozenset[int], list[GroupSolution]] = {}
     for key, chains in _chains_minmax(ctx).items():
-        first = [describe(ctx, chain, stages, M) for _, chain, stages in chains]
+        first = [describe(ctx, chain, stages, M) for _, chain, stages in sorted(chains)[:described]]
         picks = {min(first, key=lambda s: s.seconds(m)).nodes for m in range(1, M + 1)}
         picks |= {chain for _, chain, _ in sorted(chains)[:orders_per_subset]}
         sols = first + [s for s in (ev.solve(c, M) for c in sorted(picks)) if s is not None]
         best = {id(min(sols, key=lambda s: s.seconds(m))) for m in range(1, M + 1)}
         kept[key] = [s for s in sols if id(s) in best]
-    # 3: every grouping, scored analytically
-    scored: list[tuple[float, tuple[tuple[int, ...], ...]]] = []
+    # 3: every grouping, scored analytically; keep the top_k (a max-heap of the
+    # negated scores); a grouping whose slowest group alone cannot make the
+    # top_k is skipped, and ring orders are tried only when the all-reduce shows
+    top: list[tuple[float, int, tuple[tuple[int, ...], ...]]] = []
+    counter = itertools.count()
+
+    def offer(score: float, chains: tuple[tuple[int, ...], ...]) -> None:
+        item = (-score, next(counter), chains)
+        if len(top) < top_k:
+            heapq.heappush(top, item)
+        elif score < -top[0][0]:
+            heapq.heapreplace(top, item)
+
     for blocks, _ in _set_partitions(list(range(ctx.n))):
-        if len(blocks) > M or any(not kept.get(frozenset(b)) for b in blocks):
+        if len(blocks) > M or config.replicas not in (0, len(blocks)) \
+                or any(not kept.get(frozenset(b)) for b in blocks):
             continue
         for combo in itertools.product(*(kept[frozenset(b)] for b in blocks)):
             micro = allocate_microbatches(combo, M)
             if micro is None:
                 continue
-            scored.append((ev.step_seconds(combo, micro), tuple(s.nodes for s in combo)))
-    if not scored:
+            floor = max(s.seconds(m) for s, m in zip(combo, micro))
+            if len(top) == top_k and floor >= -top[0][0]:
+                continue
+            score = ev.step_seconds(combo, micro)
+            offer(score, tuple(s.nodes for s in combo))
+            if (3 <= len(combo) <= MAX_RING_ORDERS and score > floor * (1 + 1e-9)
+                    and (len(top) < top_k or score < 2 * -top[0][0])):
+                # the group order is the all-reduce ring's: try every ring (first group fixed)
+                for ring in list(itertools.permutations(range(1, len(combo))))[1:]:
+                    sols = [combo[0]] + [combo[g] for g in ring]
+                    offer(ev.step_seconds(sols, [micro[0]] + [micro[g] for g in ring]),
+                          tuple(s.nodes for s in sols))
+    if not top:
         raise PlanError("brute force: no grouping fits the nodes' memory")
-    scored.sort()
+    scored = sorted((-neg, chains) for neg, _, chains in top)
     # 4: the best few, split again and simulated
     plans = []
     for _, chains in scored[:top_k]:

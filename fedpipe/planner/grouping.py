@@ -23,10 +23,14 @@ import numpy as np
 from .ordering import bottleneck_path
 
 
-def group_counts(n_nodes: int, microbatches: int, n_layers: int, stages: int = 0) -> list[int]:
+def group_counts(n_nodes: int, microbatches: int, n_layers: int, stages: int = 0,
+                 replicas: int = 0) -> list[int]:
     """Group counts worth trying: all up to 16, then a geometric ladder plus
-    counts around ``n_nodes / n_layers`` (the fewest groups that use every node)."""
+    counts around ``n_nodes / n_layers`` (the fewest groups that use every
+    node); only ``replicas`` when the job pins it."""
     top = min(microbatches, n_nodes if not stages else n_nodes // stages)
+    if replicas:
+        return [replicas] if replicas <= top else []
     if top <= 16:
         return list(range(1, top + 1))
     ladder = {1, 2, 3, 4, 6, 8, 12, 16, top}
@@ -83,7 +87,7 @@ def site_subsets(line: Sequence[int], runs: Sequence[Sequence[int]],
 
 
 def initial_groupings(lines: Sequence[Sequence[int]], flops: np.ndarray, hop: np.ndarray,
-                      microbatches: int, n_layers: int, stages: int = 0
+                      microbatches: int, n_layers: int, stages: int = 0, replicas: int = 0
                       ) -> list[tuple[tuple[int, ...], ...]]:
     """Starting points for the search: the chains of both layouts, for every
     line (a locality order or a part of one) and every count of
@@ -91,11 +95,12 @@ def initial_groupings(lines: Sequence[Sequence[int]], flops: np.ndarray, hop: np
 
     Each group keeps at most ``n_layers`` nodes (exactly ``stages`` when the
     job pins the depth; a group with fewer is dropped), fastest first, and is
-    ordered along its bottleneck path.
+    ordered along its bottleneck path. With ``replicas`` pinned, only
+    groupings with that many groups are returned.
     """
     out, seen = [], set()
     for line in lines:
-        for r in group_counts(len(line), microbatches, n_layers, stages):
+        for r in group_counts(len(line), microbatches, n_layers, stages, replicas):
             layouts = [contiguous_groups(line, flops, r)]
             if r > 1:
                 layouts.append(strided_groups(line, r))
@@ -106,7 +111,7 @@ def initial_groupings(lines: Sequence[Sequence[int]], flops: np.ndarray, hop: np
                     if not stages or len(kept) == stages:
                         chains.append(tuple(bottleneck_path(hop, kept)))
                 key = tuple(sorted(chains))
-                if chains and key not in seen:
+                if chains and key not in seen and (not replicas or len(chains) == replicas):
                     seen.add(key)
                     out.append(tuple(chains))
     return out

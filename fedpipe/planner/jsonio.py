@@ -158,8 +158,8 @@ def profile_to_json(profile: ModelProfile) -> dict:
                         "parameter_bytes": la.parameter_bytes} for la in profile.layers]}
 
 
-_CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "state_factor", "stages", "compression",
-                "activation_compression", "gradient_compression")
+_CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "state_factor", "stages", "replicas",
+                "compression", "activation_compression", "gradient_compression")
 
 
 def config_from_json(obj: dict) -> TrainConfig:

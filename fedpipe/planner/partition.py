@@ -3,19 +3,23 @@
 Source: Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN
 Training" (SOSP 2019), section 3.1. Here each node has its own speed and memory
 cap, so the cost of a stage depends on which node holds it; the program may
-also skip nodes of the chain (a node that would slow the pipeline gets no
-stage); and it minimises the pipeline's step time rather than only its
-bottleneck:
+skip nodes of the chain (a node that would slow the pipeline gets no stage);
+and it aims at the pipeline's step time rather than only its bottleneck:
 
-    T(m) = sigma + (m - 1) · bottleneck
+    T(m) = sigma + (m - 1) · period
 
 with ``sigma`` the fill-and-drain path (every stage's compute plus every
-transfer, latency included, of one microbatch) and ``bottleneck`` the busiest
-resource's seconds per microbatch (a stage's compute or a link's sends; under
-GPipe the forward and backward phases each pay their own bottleneck). A first
-pass finds the least bottleneck τ*; a second pass, for a few thresholds
-τ ≥ τ*, finds the least ``sigma`` with every stage under τ, and the best T wins
-(exact when every achievable τ is tried, ``exact=True``).
+transfer, latency included, of one microbatch) and ``period`` the steady-state
+seconds per microbatch (:func:`~fedpipe.planner.costs.pipeline_estimate`).
+
+A first pass (suffix dynamic program, one numpy row per chain position) finds
+the least bottleneck τ*: the smallest possible largest per-stage cost
+(:func:`stage_costs`). A second pass, for several thresholds τ ≥ τ* taken
+from the achievable stage costs and several rewards λ per stage, finds the
+split with every stage under τ that minimises ``sigma - λ·τ·stages``; each
+split is priced by :func:`describe` and the least T(m) wins. With every
+achievable τ and λ = 0 (``exact=True``) the second pass is exact for
+``sigma + (m - 1) · bottleneck``.
 """
 from __future__ import annotations
 
@@ -29,8 +33,11 @@ from .context import PlanContext
 from .costs import FORWARD_FRACTION, pipeline_estimate, stage_memory_bytes  # noqa: F401 (re-export)
 from .types import ClusterView, Link, ModelProfile, NodeSpec, TrainConfig
 
-THRESHOLDS = (1.0, 1.05, 1.15, 1.35, 1.7)
-"""Multiples of the least bottleneck τ* at which the second pass minimises ``sigma``."""
+THRESHOLDS = (10, 5)
+"""How many thresholds the second pass tries (for chains of up to 10 nodes, and
+longer ones): achievable stage costs between the least bottleneck τ* and
+:data:`THRESHOLD_SPAN` × τ*, evenly spread by rank."""
+THRESHOLD_SPAN = 3.0
 STAGE_REWARDS = (0.0, 0.5, 1.0)
 """The second pass also minimises ``sigma - λ·τ·stages`` for these λ: splits over
 more nodes, which shorten 1F1B's round-trip bound (see
@@ -80,9 +87,17 @@ def _in_flight_bound(ctx: PlanContext, m: int, i: int, n: int) -> np.ndarray | i
     return np.minimum(m, 1 + np.maximum(later, 0))
 
 
-def _stage_matrices(ctx: PlanContext, node: int, nxt: int | None, memok: np.ndarray):
-    """``(cost, sigma)`` of a stage on ``node`` followed by ``nxt``, per ``[k, j]``
-    (vectors over k when ``nxt`` is None: the last stage ends at L)."""
+def stage_costs(ctx: PlanContext, node: int, nxt: int | None,
+                memok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(cost, sigma)`` of a stage holding layers ``[k, j)`` on ``node``, followed
+    by a stage on ``nxt``, as matrices over ``[k, j]`` (vectors over k when
+    ``nxt`` is None: the last stage ends at L), seconds per microbatch.
+
+    ``cost`` is what the min-max pass bounds (inf where ``memok`` is False):
+    under 1F1B the largest of the stage's compute and its two links' busy
+    times, under GPipe max(forward, activation send) + max(backward, gradient
+    send); ``sigma`` is the stage's share of the fill-and-drain path. Links use
+    their fastest allowed codec."""
     w = ctx.work / ctx.flops[node]
     if nxt is None:
         c = np.where(memok[:, ctx.L], w[:, ctx.L], math.inf)
@@ -111,12 +126,14 @@ def solve_chain(ctx: PlanContext, chain: Sequence[int], microbatches: int,
         exact: try every achievable bottleneck as a threshold and return the
             split minimising ``sigma + (microbatches - 1) · bottleneck``
             exactly (slow; for tests). Default: the thresholds
-            :data:`THRESHOLDS` × τ*, and of their splits the one with the least
+            of :data:`THRESHOLDS`, and of their splits the one with the least
             estimated step time ``sigma + (microbatches - 1) · period``.
 
     Returns:
         The split, or None when no split fits the nodes' memory (or there are
-        fewer layers than nodes with ``window=1``).
+        fewer layers than nodes with ``window=1``). When nodes may be skipped,
+        1F1B's stash is bounded by the nodes and layers left rather than the
+        stages actually used, so a split that would just fit may be missed.
 
     Cost: O(n · window · L²) numpy work for n nodes and L layers.
     """
@@ -132,25 +149,26 @@ def solve_chain(ctx: PlanContext, chain: Sequence[int], microbatches: int,
         memok = ctx.state + ctx.stash * infl <= ctx.mem[node]
         best = np.full(L + 1, math.inf)
         if i >= n - W:
-            c, s = _stage_matrices(ctx, node, None, memok)
+            c, s = stage_costs(ctx, node, None, memok)
             mats[(i, -1)] = (c, s)
             best = np.minimum(best, c)
         for q in range(i + 1, min(n, i + W + 1)):
             if not np.isfinite(mm[q]).any():
                 continue
-            c, s = _stage_matrices(ctx, node, chain[q], memok)
+            c, s = stage_costs(ctx, node, chain[q], memok)
             mats[(i, q)] = (c, s)
             best = np.minimum(best, np.maximum(c, mm[q][None, :]).min(axis=1))
         mm[i] = best
     tau = min(mm[i][0] for i in range(W))
     if not math.isfinite(tau):
         return None
+    vals = np.unique(np.concatenate([c[np.isfinite(c)].ravel() for c, _ in mats.values()]))
     if exact:
-        vals = np.unique(np.concatenate([c[np.isfinite(c)].ravel() for c, _ in mats.values()]))
         taus, rewards = vals[vals >= tau], np.zeros(1)
     else:
-        taus = np.array(THRESHOLDS) * tau
-        taus[0] = tau
+        vals = vals[(vals >= tau) & (vals <= THRESHOLD_SPAN * tau)]
+        count = THRESHOLDS[0] if n <= 10 else THRESHOLDS[1]
+        taus = vals[np.unique(np.linspace(0, len(vals) - 1, count).round().astype(int))]
         rewards = np.array(STAGE_REWARDS)
     taus, rewards = np.repeat(taus, len(rewards)), np.tile(rewards, len(taus))
     return _min_sigma(ctx, chain, microbatches, W, mats, taus, rewards * taus, exact)
@@ -187,24 +205,31 @@ def _min_sigma(ctx, chain, m, W, mats, taus, rewards, exact) -> GroupSolution | 
             better = val < best
             best[better], bq[better], bj[better] = val[better], q, jj[better]
         ss[i], args[i] = best, (bq, bj)
+
     def key(sol: GroupSolution) -> tuple[float, float]:
         if exact:
             return sol.sigma + (m - 1) * sol.bottleneck, sol.bottleneck
         return sol.seconds(m), sol.bottleneck
 
     found: GroupSolution | None = None
+    seen = set()
     for t in range(K):
         i0 = min(range(W), key=lambda i: ss[i][t, 0])
         if not math.isfinite(ss[i0][t, 0]):
             continue
-        sol = _trace(ctx, chain, m, mats, args, t, i0)
+        stages = _trace(args, t, i0)
+        if stages in seen:
+            continue
+        seen.add(stages)
+        sol = describe(ctx, chain, stages, m)
         if found is None or key(sol) < key(found):
             found = sol
     return found
 
 
-def _trace(ctx, chain, m, mats, args, t, i0) -> GroupSolution:
-    """Follow the second pass's choices for threshold ``t`` from node ``i0``, layer 0."""
+def _trace(args, t: int, i0: int) -> tuple[tuple[int, int, int], ...]:
+    """Follow the second pass's choices for threshold ``t`` from chain position
+    ``i0``, layer 0: the stages as ``(position, layer_start, layer_end)``."""
     stages = []
     i, k = i0, 0
     while True:
@@ -213,7 +238,7 @@ def _trace(ctx, chain, m, mats, args, t, i0) -> GroupSolution:
         if q == -1:
             break
         i, k = q, j
-    return describe(ctx, chain, stages, m)
+    return tuple(stages)
 
 
 def describe(ctx: PlanContext, chain: Sequence[int], stages: Sequence[tuple[int, int, int]],
@@ -316,4 +341,4 @@ def partition(chain: Sequence[NodeSpec], profile: ModelProfile, config: TrainCon
 
 
 __all__ = ["GroupSolution", "THRESHOLDS", "describe", "partition", "proportional_split",
-           "solve_chain", "stage_memory_bytes"]
+           "solve_chain", "stage_costs", "stage_memory_bytes"]

@@ -5,10 +5,11 @@
    (:class:`~fedpipe.planner.evaluate.Evaluator`).
 2. Refine the best few by a seeded local search (hill climbing) over moves
    that relocate a node to another group or to the unused pool, swap two
-   nodes, reorder or reverse a chain, merge two groups or split one.
-3. Build the best candidates' plans (codecs per link), keep the one the
-   discrete-event simulator finds fastest, and polish its split on the
-   simulator (:func:`~fedpipe.planner.evaluate.polish`).
+   nodes, reorder or reverse a chain, merge two groups, split one, or swap
+   two groups' places in the all-reduce ring.
+3. Build the best candidates' plans (codecs per link), polish the splits of
+   those the discrete-event simulator finds fastest on the simulator
+   (:func:`~fedpipe.planner.evaluate.polish`), and return the fastest.
 """
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import time
 from typing import Sequence
 
 from .context import PlanContext
-from .evaluate import Candidate, Chain, Evaluator, build_plan, polish
+from .evaluate import Candidate, Evaluator, build_plan, polish
 from .grouping import initial_groupings, site_subsets
 from .ordering import locality_order, path_cost, site_runs
 from .types import ClusterView, ModelProfile, Plan, PlanError, SearchOptions, TrainConfig
 
-MOVES = ("relocate", "swap", "reorder", "reverse", "merge", "split")
-_WEIGHTS = (3, 3, 2, 1, 1, 1)
-_KEEPS_LENGTH = ("swap", "reorder", "reverse")
+MOVES = ("relocate", "swap", "reorder", "reverse", "merge", "split", "regroup")
+_WEIGHTS = (3, 3, 2, 1, 1, 1, 1)
+_KEEPS_LENGTH = ("swap", "reorder", "reverse", "regroup")
 SCREEN_ABOVE = 16
 """Above this many nodes, initial groupings are screened with a split by speed
 before the dynamic program scores the best few."""
@@ -48,15 +49,52 @@ def make_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig,
             memory (the message gives the bytes needed and available).
     """
     options = options or SearchOptions()
-    start = time.perf_counter()
-    deadline = start + options.time_limit_s
+    deadline = time.perf_counter() + options.time_limit_s
     ctx = PlanContext(cluster, profile, config)
     ev = Evaluator(ctx)
     hop = ctx.hop_cost()
+    archive: dict[tuple, Candidate] = {}
+    starts = _starts(ev, hop, options, deadline, archive)
+    rng = random.Random(options.seed)
+    iterations = options.iterations if options.iterations is not None else default_iterations(ctx.n)
+    for cand in starts:
+        used = {i for c in cand.chains for i in c}
+        pool = tuple(i for i in range(ctx.n) if i not in used)
+        local_search(ev, hop, cand, pool, rng, iterations, deadline, archive)
+    ranked = sorted(archive.values(), key=lambda c: c.seconds)[:max(1, options.finalists)]
+    plans = []
+    for cand in ranked:
+        final = ev.estimate(cand.chains, refine=True) or cand
+        groups = [(s.nodes, s.ranges) for s in final.solutions]
+        plans.append((build_plan(ctx, groups, final.microbatches).predicted_step_seconds,
+                      len(plans), groups, final.microbatches))
+    plans.sort()
+    polished = [polish(ctx, groups, micro, deadline=deadline)
+                for _, _, groups, micro in plans[:max(1, options.polished)]]
+    return min(polished, key=lambda p: p.predicted_step_seconds)
+
+
+def _remember(archive: dict[tuple, Candidate], cand: Candidate) -> None:
+    """Keep ``cand`` among the candidates the final step may simulate: the best
+    by estimate for each distinct assignment of nodes to groups and stages."""
+    key = tuple(s.nodes for s in cand.solutions)
+    if key not in archive or cand.seconds < archive[key].seconds:
+        archive[key] = cand
+
+
+def _starts(ev: Evaluator, hop, options: SearchOptions, deadline: float,
+            archive: dict[tuple, Candidate]) -> list[Candidate]:
+    """The scored initial groupings the local search starts from, best first.
+
+    Raises:
+        PlanError: none fits in memory.
+    """
+    ctx = ev.ctx
     line = locality_order(hop, range(ctx.n), ctx.flops)
     lines = site_subsets(line, site_runs(hop, line), ctx.flops)
-    seeds = initial_groupings(lines, ctx.flops, hop, ctx.M, ctx.L, config.stages)
-    if not config.stages and ctx.n > ev.exact_up_to:
+    seeds = initial_groupings(lines, ctx.flops, hop, ctx.M, ctx.L, ctx.config.stages,
+                              ctx.config.replicas)
+    if not ctx.config.stages and ctx.config.replicas <= 1 and ctx.n > ev.exact_up_to:
         seeds.append((tuple(sorted(range(ctx.n), key=lambda i: (-ctx.flops[i], i))[:ctx.L]),))
     screen = ctx.n > SCREEN_ABOVE
     scored: list[Candidate] = []
@@ -72,22 +110,9 @@ def make_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig,
         scored = sorted((c for c in rescored if c is not None), key=lambda c: c.seconds)
     if not scored:
         raise no_fit_error(ctx)
-    rng = random.Random(options.seed)
-    iterations = options.iterations if options.iterations is not None else default_iterations(ctx.n)
-    finalists: dict[tuple[Chain, ...], Candidate] = {}
-    for cand in scored[:max(1, options.starts)]:
-        finalists.setdefault(cand.chains, cand)
-        used = {i for c in cand.chains for i in c}
-        pool = tuple(i for i in range(ctx.n) if i not in used)
-        best, _ = local_search(ev, hop, cand, pool, rng, iterations, deadline)
-        finalists.setdefault(best.chains, best)
-    ranked = sorted(finalists.values(), key=lambda c: c.seconds)[:max(2, options.starts)]
-    finals = [ev.estimate(cand.chains, refine=True) or cand for cand in ranked]
-    plans = [(build_plan(ctx, [(s.nodes, s.ranges) for s in f.solutions], f.microbatches), f)
-             for f in finals]
-    _, best = min(plans, key=lambda pf: pf[0].predicted_step_seconds)
-    return polish(ctx, [(s.nodes, s.ranges) for s in best.solutions], best.microbatches,
-                  deadline=deadline)
+    for cand in scored:
+        _remember(archive, cand)
+    return scored[:max(1, options.starts)]
 
 
 def default_iterations(n_nodes: int) -> int:
@@ -97,25 +122,45 @@ def default_iterations(n_nodes: int) -> int:
 
 
 def local_search(ev: Evaluator, hop, cand: Candidate, pool: Sequence[int], rng: random.Random,
-                 iterations: int, deadline: float) -> tuple[Candidate, tuple[int, ...]]:
-    """Hill climbing from ``cand``: try random moves, keep those that lower the estimate.
+                 iterations: int, deadline: float,
+                 archive: dict[tuple, Candidate] | None = None
+                 ) -> tuple[Candidate, tuple[int, ...]]:
+    """Hill climbing from ``cand`` over random moves (:func:`propose`), scored by
+    the analytic estimate: a move is kept when it lowers the estimate. Returns
+    the final candidate and its pool of unused nodes.
 
+    Every candidate scored is also offered to ``archive`` (if given), so the
+    final step can simulate near-ties the estimate cannot tell apart.
     Deterministic for a given ``rng`` state unless ``deadline`` (a
     ``time.perf_counter()`` value) stops it first.
     """
     pool = tuple(pool)
-    moves = MOVES if not ev.ctx.config.stages else _KEEPS_LENGTH
-    weights = _WEIGHTS if not ev.ctx.config.stages else (3, 2, 1)
+    cfg = ev.ctx.config
+    moves = [m for m in (_KEEPS_LENGTH if cfg.stages else MOVES)
+             if not (cfg.replicas and m in ("merge", "split"))]
+    weights = [_WEIGHTS[MOVES.index(m)] for m in moves]
+    max_groups = cfg.replicas or ev.ctx.M
     for _ in range(iterations):
         if time.perf_counter() > deadline:
             break
         kind = rng.choices(moves, weights)[0]
-        proposal = propose(kind, [list(c) for c in cand.chains], list(pool), hop, rng, ev.ctx.M)
+        proposal = propose(kind, [list(c) for c in cand.chains], list(pool), hop, rng, max_groups)
         if proposal is None:
             continue
         chains, new_pool = proposal
-        new = ev.estimate([tuple(c) for c in chains if c])
-        if new is not None and new.seconds < cand.seconds * (1 - 1e-9):
+        chains = [tuple(c) for c in chains if c]
+        options = [chains]
+        if len(chains) > len(cand.chains) and len(chains) >= 3:
+            # a new group (appended last): try it at every place in the all-reduce ring
+            *rest, last = chains
+            options = [rest[:i] + [last] + rest[i:] for i in range(len(rest) + 1)]
+        scored = [c for c in map(ev.estimate, options) if c is not None]
+        if not scored:
+            continue
+        new = min(scored, key=lambda c: c.seconds)
+        if archive is not None:
+            _remember(archive, new)
+        if new.seconds < cand.seconds * (1 - 1e-9):
             cand, pool = new, tuple(new_pool)
     return cand, pool
 
@@ -126,69 +171,108 @@ def _best_insert(hop, chain: list[int], node: int) -> list[int]:
     return min(options, key=lambda c: path_cost(hop, c))
 
 
+def _relocate(chains, pool, hop, rng, max_groups) -> bool:
+    """A node (from a group or the pool) to another group (where its path is
+    best), to the pool, or to a new group of its own."""
+    where = [(g, i) for g, c in enumerate(chains) for i in range(len(c))] + \
+            [(-1, i) for i in range(len(pool))]
+    g, i = rng.choice(where)
+    node = (chains[g] if g >= 0 else pool).pop(i)
+    targets = [h for h in range(len(chains)) if h != g] + ([-1] if g >= 0 else []) + \
+              (["new"] if len(chains) < max_groups else [])
+    if not targets:
+        return False
+    h = rng.choice(targets)
+    if h == -1:
+        pool.append(node)
+    elif h == "new":
+        chains.append([node])
+    else:
+        chains[h] = _best_insert(hop, chains[h], node)
+    return True
+
+
+def _swap(chains, pool, hop, rng, max_groups) -> bool:
+    """Two nodes of different groups (or a node and an unused one) trade places."""
+    where = [(g, i) for g, c in enumerate(chains) for i in range(len(c))]
+    a = rng.choice(where)
+    others = [w for w in where if w[0] != a[0]] + [(-1, i) for i in range(len(pool))]
+    if not others:
+        return False
+    b = rng.choice(others)
+    seq_b = chains[b[0]] if b[0] >= 0 else pool
+    chains[a[0]][a[1]], seq_b[b[1]] = seq_b[b[1]], chains[a[0]][a[1]]
+    return True
+
+
+def _reorder(chains, pool, hop, rng, max_groups) -> bool:
+    """Reverse a segment of a chain (2-opt) or move one of its nodes elsewhere in it."""
+    c = chains[rng.randrange(len(chains))]
+    if len(c) < 3:
+        return False
+    i, j = sorted(rng.sample(range(len(c)), 2))
+    if rng.random() < 0.5:
+        c[i:j + 1] = c[i:j + 1][::-1]
+    else:
+        c.insert(j, c.pop(i))
+    return True
+
+
+def _reverse(chains, pool, hop, rng, max_groups) -> bool:
+    """Run a chain the other way round."""
+    chains[rng.randrange(len(chains))].reverse()
+    return True
+
+
+def _merge(chains, pool, hop, rng, max_groups) -> bool:
+    """Join two groups end to end (the orientation with the cheapest joint)."""
+    if len(chains) < 2:
+        return False
+    g, h = rng.sample(range(len(chains)), 2)
+    a, b = chains[g], chains[h]
+    chains[g] = min((a + b, a + b[::-1], a[::-1] + b, b + a), key=lambda c: path_cost(hop, c))
+    del chains[h]
+    return True
+
+
+def _split(chains, pool, hop, rng, max_groups) -> bool:
+    """Cut a chain in two groups."""
+    g = rng.randrange(len(chains))
+    if len(chains) >= max_groups or len(chains[g]) < 2:
+        return False
+    cut = rng.randrange(1, len(chains[g]))
+    chains.append(chains[g][cut:])
+    chains[g] = chains[g][:cut]
+    return True
+
+
+def _regroup(chains, pool, hop, rng, max_groups) -> bool:
+    """Swap two groups' places in the all-reduce ring (the group order)."""
+    if len(chains) < 3:
+        return False
+    g, h = rng.sample(range(len(chains)), 2)
+    chains[g], chains[h] = chains[h], chains[g]
+    return True
+
+
+_MOVE_FUNCTIONS = {"relocate": _relocate, "swap": _swap, "reorder": _reorder,
+                   "reverse": _reverse, "merge": _merge, "split": _split, "regroup": _regroup}
+
+
 def propose(kind: str, chains: list[list[int]], pool: list[int], hop, rng: random.Random,
             max_groups: int) -> tuple[list[list[int]], list[int]] | None:
-    """One random move of kind ``kind`` (see :data:`MOVES`); None when it does not apply.
+    """One random move of kind ``kind`` (one of :data:`MOVES`) on the groups
+    ``chains`` and the unused ``pool``; None when it does not apply.
 
-    The arguments are modified in place and returned.
+    The lists are modified in place and returned; ``hop`` is the hop-cost
+    matrix, ``max_groups`` the most groups allowed.
+
+    Raises:
+        KeyError: unknown move.
     """
-    r = len(chains)
-    if kind == "relocate":
-        where = [(g, i) for g, c in enumerate(chains) for i in range(len(c))] + \
-                [(-1, i) for i in range(len(pool))]
-        g, i = rng.choice(where)
-        node = (chains[g] if g >= 0 else pool).pop(i)
-        targets = [h for h in range(r) if h != g] + ([-1] if g >= 0 else []) + \
-                  (["new"] if r < max_groups else [])
-        if not targets:
-            return None
-        h = rng.choice(targets)
-        if h == -1:
-            pool.append(node)
-        elif h == "new":
-            chains.append([node])
-        else:
-            chains[h] = _best_insert(hop, chains[h], node)
-    elif kind == "swap":
-        where = [(g, i) for g, c in enumerate(chains) for i in range(len(c))]
-        a = rng.choice(where)
-        others = [w for w in where if w[0] != a[0]] + [(-1, i) for i in range(len(pool))]
-        if not others:
-            return None
-        b = rng.choice(others)
-        seq_b = chains[b[0]] if b[0] >= 0 else pool
-        chains[a[0]][a[1]], seq_b[b[1]] = seq_b[b[1]], chains[a[0]][a[1]]
-    elif kind == "reorder":
-        c = chains[rng.randrange(r)]
-        if len(c) < 3:
-            return None
-        i, j = sorted(rng.sample(range(len(c)), 2))
-        if rng.random() < 0.5:
-            c[i:j + 1] = c[i:j + 1][::-1]
-        else:
-            c.insert(j, c.pop(i))
-    elif kind == "reverse":
-        chains[rng.randrange(r)].reverse()
-    elif kind == "merge":
-        if r < 2:
-            return None
-        g, h = rng.sample(range(r), 2)
-        a, b = chains[g], chains[h]
-        joined = min((a + b, a + b[::-1], a[::-1] + b, b + a), key=lambda c: path_cost(hop, c))
-        chains[g] = joined
-        del chains[h]
-    elif kind == "split":
-        if r >= max_groups:
-            return None
-        g = rng.randrange(r)
-        if len(chains[g]) < 2:
-            return None
-        cut = rng.randrange(1, len(chains[g]))
-        chains.append(chains[g][cut:])
-        chains[g] = chains[g][:cut]
-    else:
-        raise ValueError(f"unknown move {kind!r}")
-    return chains, pool
+    if _MOVE_FUNCTIONS[kind](chains, pool, hop, rng, max_groups):
+        return chains, pool
+    return None
 
 
 def no_fit_error(ctx: PlanContext) -> PlanError:

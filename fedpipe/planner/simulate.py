@@ -34,8 +34,10 @@ def schedule_order(schedule: str, stage: int, n_stages: int,
     """
     if schedule == "gpipe":
         return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
-    if schedule != "1f1b":
-        raise PlanError(f"unknown schedule {schedule!r}; the planner knows 'gpipe' and '1f1b'")
+    if schedule not in ("1f1b", "async"):  # async: 1F1B's order without the flush; the
+        # flushed step is an upper bound on its step time
+        raise PlanError(f"unknown schedule {schedule!r}; the planner knows 'gpipe', '1f1b' "
+                        f"and 'async'")
     warmup = min(n_stages - stage - 1, microbatches)
     order = [("F", m) for m in range(warmup)]
     for k in range(microbatches - warmup):

@@ -142,6 +142,8 @@ class TrainConfig:
             gradients and optimizer state (4 for AdamW: weights, grads, two moments).
         stages: pipeline depth the user asked for: every replica group gets
             exactly this many stages (0: the planner chooses).
+        replicas: number of replica groups the user asked for (0: the
+            planner chooses).
         compression: codec policy for every pipeline link: "auto" (the planner
             picks per link from its bandwidth, see ``fedpipe.planner.codecs``),
             "none" (raw everywhere) or one codec spec such as "int8+zstd".
@@ -158,6 +160,7 @@ class TrainConfig:
     schedule: str = "gpipe"
     state_factor: float = 4.0
     stages: int = 0
+    replicas: int = 0
     compression: str = "auto"
     activation_compression: str | None = None
     gradient_compression: str | None = None
@@ -233,9 +236,14 @@ class SearchOptions:
             the cluster's size.
         time_limit_s: wall-clock bound of the whole search, seconds.
         starts: how many of the best initial groupings the local search refines.
+        finalists: how many of the best candidates found are planned and simulated.
+        polished: how many of the fastest finalists get their splits polished
+            on the simulator.
     """
 
     seed: int = 0
     iterations: int | None = None
     time_limit_s: float = 20.0
     starts: int = 3
+    finalists: int = 6
+    polished: int = 3

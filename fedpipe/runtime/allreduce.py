@@ -67,6 +67,29 @@ def segments(stages: Sequence[tuple[int, int, int, int]]) -> list[Segment]:
     return out
 
 
+def held_segments(module: torch.nn.Module, layer_start: int, replica: int, stage: int,
+                  all_stages: Sequence[tuple[int, int, int, int]]
+                  ) -> list[tuple[Segment, int, list[torch.nn.Parameter]]]:
+    """The segments with parameters that stage ``stage`` of group ``replica`` holds.
+
+    Returns ``(segment, rank, params)`` in layer order: ``rank`` is this
+    stage's index in ``segment.holders``, ``params`` the segment's parameters
+    in ``module`` (global layers ``[layer_start, layer_start + len(module))``).
+    Segments without parameters are left out: they need no sync, for any holder.
+
+    Raises:
+        ValueError: as :func:`segments`.
+    """
+    out = []
+    for seg in segments(all_stages):
+        ranks = [i for i, h in enumerate(seg.holders) if h == Holder(replica, stage)]
+        params = [p for layer in range(seg.start, seg.end)
+                  for p in module[layer - layer_start].parameters()] if ranks else []
+        if params:
+            out.append((seg, ranks[0], params))
+    return out
+
+
 def ring_allreduce(flat: torch.Tensor, rank: int, world: int,
                    send: Callable[[int, torch.Tensor], None],
                    recv: Callable[[int], torch.Tensor]) -> torch.Tensor:
@@ -109,13 +132,7 @@ class GradientSync:
                  send: Callable[[int, int, int, int, torch.Tensor], None],
                  recv: Callable[[int, int], torch.Tensor]):
         self.send, self.recv = send, recv
-        self.mine = []
-        for seg in segments(all_stages):
-            ranks = [i for i, h in enumerate(seg.holders) if h == Holder(replica, stage)]
-            params = [p for layer in range(seg.start, seg.end)
-                      for p in module[layer - layer_start].parameters()] if ranks else []
-            if params:  # segments without parameters need no sum, for any holder
-                self.mine.append((seg, ranks[0], params))
+        self.mine = held_segments(module, layer_start, replica, stage, all_stages)
 
     def __call__(self, step: int) -> None:
         """All-reduce this step's gradients in place."""

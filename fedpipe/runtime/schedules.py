@@ -3,11 +3,13 @@
 A schedule maps (stage, number of stages, microbatches) to a list of actions
 for one optimizer step. The synchronous schedules flush the pipeline at the
 end of every step, so training equals single-process gradient accumulation.
+The asynchronous one does not flush: :func:`async_stream` orders a stage's
+actions over the whole run.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Iterator, Literal
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,69 @@ def one_f_one_b(stage: int, n_stages: int, microbatches: int) -> list[Action]:
     return actions
 
 
+def async_one_f_one_b(stage: int, n_stages: int, microbatches: int) -> list[Action]:
+    """The "async" schedule's order within one step: 1F1B's (:func:`one_f_one_b`).
+
+    Only a view for per-step tools; the runner
+    (:class:`fedpipe.runtime.async_stage.AsyncStageRunner`) follows
+    :func:`async_stream`, which lets steps overlap.
+    """
+    return one_f_one_b(stage, n_stages, microbatches)
+
+
+def async_stream(stage: int, n_stages: int, microbatches: int, steps: int,
+                 max_staleness: int) -> Iterator[Action]:
+    """PipeDream-style 1F1B without a flush, over all ``steps * microbatches`` microbatches.
+
+    Yields ``Action(kind, i)`` where ``i = step * microbatches + microbatch``
+    is the microbatch's place in the stream. Backwards run in stream order,
+    and the stage steps its optimizer right after the last backward of each
+    step, so it has applied ``b // microbatches`` updates after ``b``
+    backwards. The next action is the forward of the next ``i`` if all three
+    hold, else the oldest pending backward:
+
+    - microbatches remain;
+    - fewer than ``n_stages - stage`` microbatches are in flight (1F1B's stash
+      bound; Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for
+      DNN Training", SOSP 2019);
+    - ``i``'s step ``s`` is at most ``max_staleness`` steps ahead of the
+      updates applied, i.e. the updates of all steps ``<= s - 1 - max_staleness``
+      are applied.
+
+    ``max_staleness=0`` gives exactly :func:`one_f_one_b` step after step (a
+    flush). A stage's microbatches in flight use at most ``max_staleness + 1``
+    weight versions (PipeDream-2BW uses 2: Narayanan et al., "Memory-Efficient
+    Pipeline-Parallel DNN Training", ICML 2021).
+
+    No deadlock when every stage follows its stream and sends without
+    waiting: if stage ``t`` waits for activation ``i`` while stage ``t - 1``
+    waits for a gradient instead of running ``i``'s forward, what holds
+    ``t - 1`` back is its stash bound (then its oldest pending backward is at
+    least two behind ``t``'s) or the staleness bound (then that backward is in
+    a step ``t`` has already updated); either way ``t`` has sent that gradient.
+
+    Raises:
+        ValueError: ``max_staleness < 0`` or a count below its minimum.
+    """
+    if max_staleness < 0 or steps < 0 or microbatches < 1 or not 0 <= stage < n_stages:
+        raise ValueError(f"bad async stream: stage {stage} of {n_stages}, {microbatches} "
+                         f"microbatches, {steps} steps, max_staleness {max_staleness}")
+    total, limit = steps * microbatches, n_stages - stage
+    f = b = 0
+    while b < total:
+        if (f < total and f - b < limit
+                and f // microbatches - b // microbatches <= max_staleness):
+            yield Action("F", f)
+            f += 1
+        else:
+            yield Action("B", b)
+            b += 1
+
+
 SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "async": async_one_f_one_b,
 }
 
 

@@ -4,13 +4,15 @@ A :class:`StageRunner` runs a schedule's actions for each step: forward passes
 take a microbatch's input (first stage) or the previous stage's activation,
 backward passes take the next stage's gradient (or the loss, on the last
 stage). Tensors move through a :class:`Transport`, which the node implements
-over gRPC.
+over gRPC. The asynchronous schedule has its own runner,
+:class:`fedpipe.runtime.async_stage.AsyncStageRunner`; both are driven by
+``run(steps)``.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -60,12 +62,16 @@ class StageRunner:
         module: the stage's layers.
         optimizer: built over ``module``'s parameters; None for a stage without any.
         loss_fn: ``loss_fn(output, target) -> scalar``; used on the last stage only.
-        schedule: a name in :data:`fedpipe.runtime.schedules.SCHEDULES`.
+        schedule: a synchronous name in :data:`fedpipe.runtime.schedules.SCHEDULES`
+            ("async" runs on :class:`~fedpipe.runtime.async_stage.AsyncStageRunner`).
         microbatches: microbatches per step.
         grad_sync: called with the step after the backward passes, before the
             optimizer step (e.g. :class:`~fedpipe.runtime.allreduce.GradientSync`).
         after_step: called with the step after the optimizer step (e.g. a
             DiLoCo outer step every H steps).
+
+    Raises:
+        ValueError: unknown or asynchronous schedule; the last stage has no loss function.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -75,11 +81,22 @@ class StageRunner:
                  after_step: Callable[[int], None] | None = None):
         self.module, self.optimizer, self.loss_fn = module, optimizer, loss_fn
         self.stage, self.n_stages, self.microbatches = stage, n_stages, microbatches
+        if schedule == "async" and type(self) is StageRunner:
+            raise ValueError("schedule 'async' runs on fedpipe.runtime.async_stage.AsyncStageRunner")
         self.actions = schedules.get(schedule)(stage, n_stages, microbatches)
         self.transport, self.grad_sync, self.after_step = transport, grad_sync, after_step
         self.first, self.last = stage == 0, stage == n_stages - 1
         if self.last and loss_fn is None:
             raise ValueError("the last stage needs a loss function")
+
+    def run(self, steps: int) -> Iterator[StepResult]:
+        """Run steps ``0 .. steps-1``, yielding each one's result after its optimizer step.
+
+        Raises:
+            StageError: as :meth:`run_step`.
+        """
+        for step in range(steps):
+            yield self.run_step(step)
 
     def run_step(self, step: int) -> StepResult:
         """Run one step: the schedule's forwards and backwards, then the optimizer step.
@@ -99,15 +116,23 @@ class StageRunner:
                     loss_sum += out.item()
                 stash[m] = (x, out, batch)
             else:
-                x, out, batch = stash.pop(m)
-                if self.last:
-                    grad = None
-                else:
-                    grad, _ = self.transport.recv(GRADIENT, step, m)
-                if out.requires_grad:  # False for a stage without parameters or input grad
-                    out.backward(grad)
-                if not self.first and x.grad is not None:
-                    self.transport.send(GRADIENT, step, m, x.grad, batch)
+                self._backward(step, m, *stash.pop(m))
+        self._update(step)
+        return StepResult(step, loss_sum if self.last else None, samples,
+                          time.perf_counter() - t0)
+
+    def _backward(self, step: int, m: int, x: torch.Tensor, out: torch.Tensor,
+                  batch: int) -> None:
+        """Backward of microbatch ``m``: from the loss (last stage) or the next
+        stage's gradient; send the input's gradient to the previous stage."""
+        grad = None if self.last else self.transport.recv(GRADIENT, step, m)[0]
+        if out.requires_grad:  # False for a stage without parameters or input grad
+            out.backward(grad)
+        if not self.first and x.grad is not None:
+            self.transport.send(GRADIENT, step, m, x.grad, batch)
+
+    def _update(self, step: int) -> None:
+        """After a step's backwards: sync across replica groups, optimizer step, after-step hook."""
         if self.grad_sync is not None:
             self.grad_sync(step)
         if self.optimizer is not None:
@@ -115,14 +140,20 @@ class StageRunner:
             self.optimizer.zero_grad(set_to_none=True)
         if self.after_step is not None:
             self.after_step(step)
-        return StepResult(step, loss_sum if self.last else None, samples,
-                          time.perf_counter() - t0)
 
-    def _forward(self, step: int, m: int):
+    def _forward(self, step: int, m: int, params: dict[str, torch.Tensor] | None = None):
+        """Receive microbatch ``m`` of ``step``, run the layers (with ``params``
+        in place of the module's parameters, if given) and send the output on.
+
+        Returns ``(input, output or scaled loss, batch size)``.
+        """
         x, batch = self.transport.recv(INPUT if self.first else ACTIVATION, step, m)
         if not self.first and x.is_floating_point():
             x.requires_grad_(True)
-        out = self.module(x)
+        if params is None:
+            out = self.module(x)
+        else:
+            out = torch.func.functional_call(self.module, params, (x,))
         if not isinstance(out, torch.Tensor):
             raise StageError(f"stage {self.stage}: a layer returned {type(out).__name__}, "
                              "not a single tensor")

@@ -55,7 +55,7 @@ def train_config(spec: tracker_pb2.SubmitJobRequest) -> planner.TrainConfig:
     """The planner's training config from a submission."""
     c = spec.config
     return planner.TrainConfig(batch_size=spec.batch_size, microbatches=c.microbatches,
-                               schedule=c.schedule, stages=c.stages,
+                               schedule=c.schedule, stages=c.stages, replicas=c.replicas,
                                activation_compression=c.activation_compression or "auto",
                                gradient_compression=c.gradient_compression or "auto")
 
@@ -74,6 +74,9 @@ def validate(spec: tracker_pb2.SubmitJobRequest) -> str | None:
         return f"stages must be between 0 and the {len(spec.layers)} layers, got {c.stages}"
     if c.microbatches < 1:
         return f"microbatches must be >= 1, got {c.microbatches}"
+    if c.replicas < 0 or c.replicas > c.microbatches:
+        return (f"replicas must be between 0 and the {c.microbatches} microbatches (each group "
+                f"needs one), got {c.replicas}")
     if spec.batch_size < c.microbatches:
         return f"batch_size {spec.batch_size} is smaller than microbatches {c.microbatches}"
     if c.schedule not in schedules.SCHEDULES:

@@ -28,9 +28,10 @@ _HEADER_FIELDS = tuple(f for f in tensor_pb2.Tensor.DESCRIPTOR.fields
                        if f.name not in _PAYLOAD_FIELDS)
 
 
-def _header(msg: tensor_pb2.Tensor) -> tensor_pb2.Tensor:
-    """A copy of ``msg`` without ``payload`` and ``payload_bytes`` (CopyFrom would copy the payload)."""
-    head = tensor_pb2.Tensor()
+def _copy_header(msg: tensor_pb2.Tensor, head: tensor_pb2.Tensor) -> tensor_pb2.Tensor:
+    """Copy the fields of ``msg`` except ``payload`` and ``payload_bytes`` into ``head``
+    (``CopyFrom`` would copy the payload too)."""
+    head.SetInParent()
     for f in _HEADER_FIELDS:
         if f.is_repeated:
             getattr(head, f.name).extend(getattr(msg, f.name))
@@ -46,10 +47,11 @@ def to_frames(msg: tensor_pb2.Tensor, *, envelope: node_pb2.Envelope | None = No
               name: str = "", chunk_bytes: int = CHUNK_BYTES) -> Iterator[node_pb2.Frame]:
     """Split an encoded tensor into frames; the first carries ``envelope`` and ``name``."""
     payload = msg.payload  # one copy out of the message; each piece below is one more
-    head = _header(msg)
+    first = node_pb2.Frame(envelope=envelope, name=name)
+    head = _copy_header(msg, first.tensor)  # filled in place: Frame(tensor=...) would copy it
     head.payload = payload[:chunk_bytes]  # the same object when it fits: no copy
     head.payload_bytes = len(payload)
-    yield node_pb2.Frame(envelope=envelope, tensor=head, name=name)
+    yield first
     for off in range(chunk_bytes, len(payload), chunk_bytes):
         yield node_pb2.Frame(chunk=payload[off:off + chunk_bytes])
 
@@ -82,7 +84,7 @@ def read_tensors(frames: Iterable[node_pb2.Frame],
                             f"{head.tensor.payload_bytes}")
         msg = head.tensor
         if len(parts) > 1:
-            msg = _header(head.tensor)
+            msg = _copy_header(head.tensor, tensor_pb2.Tensor())
             msg.payload_bytes = head.tensor.payload_bytes
             msg.payload = b"".join(parts)
         parts = []  # the pieces (and the joined copy) are freed before decode allocates

@@ -1,0 +1,319 @@
+"""DiLoCo outer steps across replica groups: the algorithm with threads, then real processes.
+
+The unit tests run :class:`OuterSync` of every holder in a thread of its own,
+with messages passed in memory (encoded and decoded as on the wire). The
+end-to-end tests pin a plan of 2 replica groups of 2 stages (``replicas=2,
+stages=2``).
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fedpipe
+from fedpipe.examples import digits
+from fedpipe.runtime.diloco import OuterSync, staleness_weight
+from fedpipe.runtime.optim import DiLoCo
+from fedpipe.testing import LocalSwarm
+from fedpipe.wire import WireError, codecs
+from reference import max_relative_difference, single_process
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# -- in memory ---------------------------------------------------------------
+class Wire:
+    """Messages between holders ``(replica, stage)``; ``hold(src, k)`` returns an
+    Event to delay delivery of what replica ``src`` sends at outer step ``k``."""
+
+    def __init__(self, hold=lambda src, k: None):
+        self.boxes: dict[tuple, torch.Tensor] = {}
+        self.cond = threading.Condition()
+        self.hold = hold
+
+    def sender(self, src: int):
+        def send(rr, ss, k, tag, t, codec):
+            msg = codecs.encode(t, codec)  # as PeerSender and Send do
+
+            def deliver(gate=self.hold(src, k)):
+                if gate is not None:
+                    gate.wait(10)
+                with self.cond:
+                    self.boxes[(rr, ss, k, tag)] = codecs.decode(msg)
+                    self.cond.notify_all()
+            threading.Thread(target=deliver, daemon=True).start()
+        return send
+
+    def receiver(self, replica: int, stage: int):
+        def recv(k, tag, timeout):
+            key = (replica, stage, k, tag)
+            with self.cond:
+                if not self.cond.wait_for(lambda: key in self.boxes, timeout):
+                    raise TimeoutError(key)
+                return self.boxes.pop(key)
+        return recv
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4)).double()
+
+
+def data(steps, batch=32):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 8, generator=g, dtype=torch.float64),
+             torch.randint(0, 4, (batch,), generator=g)) for _ in range(steps)]
+
+
+# group 0 holds every layer in one stage; group 1 splits them in two
+SPLITS = [[(0, 5)], [(0, 2), (2, 5)]]
+
+
+def train_groups(model, batches, shares, config, inner, splits=SPLITS, wire=None, **kw):
+    """Train one copy of ``model`` per group, each on its share of every batch,
+    with an OuterSync per stage; returns the groups' models and syncs."""
+    wire = wire or Wire()
+    all_stages = [(r, s, a, b) for r, split in enumerate(splits) for s, (a, b) in enumerate(split)]
+    models = [copy.deepcopy(model) for _ in splits]
+    holders = []
+    for r, s, a, b in all_stages:
+        sync = OuterSync(models[r][a:b], a, r, s, all_stages, config, shares,
+                         wire.sender(r), wire.receiver(r, s), **kw)
+        holders.append((inner.build(models[r][a:b].parameters()), sync))
+    total = sum(shares)
+    for step, (x, y) in enumerate(batches):
+        cuts = torch.tensor(shares).cumsum(0)[:-1] * len(x) // total
+        for m, xs, ys in zip(models, x.tensor_split(cuts), y.tensor_split(cuts)):
+            (nn.functional.cross_entropy(m(xs), ys) * (len(xs) / len(x))).backward()
+
+        def run(opt, sync):
+            sync.rescale_gradients(step)
+            opt.step()
+            opt.zero_grad()
+            sync(step)
+        threads = [threading.Thread(target=run, args=h) for h in holders]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    return models, [sync for _, sync in holders]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_h1_outer_lr1_equals_synchronous_sgd_with_unequal_shares_and_splits(momentum):
+    model, batches = mlp(), data(5)
+    spec = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=momentum)
+    expected = single_process(model, nn.functional.cross_entropy, spec, batches)
+    models, _ = train_groups(model, batches, [3, 1], DiLoCo(1, 1.0, 0.0), spec)
+    for m in models:
+        diff = max_relative_difference(m.state_dict(), expected)
+        assert diff <= 1e-12, f"max relative difference {diff:.2e}"
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+
+
+def diloco_reference(model, batches, shares, config, spec):
+    """DiLoCo written out plainly: each replica trains alone on its shard's mean loss."""
+    glob = copy.deepcopy(model)
+    outer = torch.optim.SGD(glob.parameters(), lr=config.outer_lr,
+                            momentum=config.outer_momentum, nesterov=True)
+    replicas = [copy.deepcopy(model) for _ in shares]
+    inner = [spec.build(m.parameters()) for m in replicas]
+    total = sum(shares)
+    cuts = torch.tensor(shares).cumsum(0)[:-1] * len(batches[0][0]) // total
+    for step, (x, y) in enumerate(batches):
+        for m, opt, xs, ys in zip(replicas, inner, x.tensor_split(cuts), y.tensor_split(cuts)):
+            nn.functional.cross_entropy(m(xs), ys).backward()
+            opt.step()
+            opt.zero_grad()
+        if (step + 1) % config.inner_steps == 0 or step == len(batches) - 1:
+            with torch.no_grad():
+                for g, *ps in zip(glob.parameters(), *(m.parameters() for m in replicas)):
+                    g.grad = sum(s / total * (g - p) for s, p in zip(shares, ps))
+            outer.step()
+            for m in replicas:
+                m.load_state_dict(glob.state_dict())
+    return glob.state_dict()
+
+
+def test_outer_nesterov_over_h_steps_matches_plain_diloco_and_groups_agree():
+    model, batches = mlp(), data(7)  # outer steps after steps 3, 6 and the last, 7
+    config = DiLoCo(3, 0.7, 0.9)
+    spec = fedpipe.optimizer(torch.optim.AdamW, lr=1e-2)
+    expected = diloco_reference(model, batches, [1, 1], config, spec)
+    models, _ = train_groups(model, batches, [1, 1], config, spec, last_step=len(batches) - 1)
+    for m in models:
+        assert max_relative_difference(m.state_dict(), expected) <= 1e-10
+    assert max_relative_difference(models[0].state_dict(), model.state_dict()) > 1e-3
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8:64+zstd"])
+def test_lossy_codecs_keep_groups_identical(codec):
+    model, batches = mlp(), data(6)
+    spec = fedpipe.optimizer(torch.optim.SGD, lr=0.1)
+    plain, _ = train_groups(model, batches, [1, 1], DiLoCo(2, 0.7, 0.9), spec)
+    models, _ = train_groups(model, batches, [1, 1], DiLoCo(2, 0.7, 0.9, codec), spec)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    assert 0 < max_relative_difference(models[0].state_dict(), plain[0].state_dict()) < 1e-2
+
+
+def test_late_replica_does_not_stall_and_is_applied_with_its_staleness_weight():
+    """Replica 1's outer step 0 reaches replica 0 only after replica 0's step 1,
+    its step 1 only after replica 0 went on too; the last step (2) waits for both."""
+    gate = threading.Event()
+    wire = Wire(lambda src, k: gate if (src, k) == (1, 0) else None)
+    all_stages = [(0, 0, 0, 1), (1, 0, 0, 1)]
+    models = [nn.Sequential(nn.Linear(1, 1, bias=False)).double() for _ in range(2)]
+    for m in models:
+        nn.init.zeros_(m[0].weight)
+    syncs = [OuterSync(m, 0, r, 0, all_stages, DiLoCo(1, 1.0, 0.0), [1, 1], wire.sender(r),
+                       wire.receiver(r, 0), last_step=2) for r, m in enumerate(models)]
+    moves = [[1.0, 4.0, 16.0], [2.0, 8.0, 32.0]]  # each inner step lowers the weight by this
+    seen = [[], []]
+    zero_done_1 = threading.Event()
+
+    def replica(r):
+        for step in range(3):
+            if r == 1 and step == 1:
+                zero_done_1.wait(10)
+            with torch.no_grad():
+                models[r][0].weight -= moves[r][step]
+            t0 = time.monotonic()
+            syncs[r](step)
+            seen[r].append((models[r][0].weight.item(), time.monotonic() - t0))
+            if r == 0 and step == 1:
+                zero_done_1.set()
+                threading.Timer(0.5, gate.set).start()
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    (w0, t0), (w1, t1), (w2, t2) = seen[0]
+    # step 0: replica 0 waits the 1 s grace, then averages what came (itself)
+    assert w0 == -1.0 and 0.5 < t0 < 3.0
+    assert seen[1][0][0] == -(0.5 * 1 + 0.5 * 2)  # replica 1 had both
+    # step 1: replica 1 still owes step 0, so replica 0 does not wait for it at all
+    assert w1 == -1.0 - 4.0 and t1 < 0.5
+    # step 2, the last: waits for everything; step 0 weighs 1/3, step 1 1/2 of its share
+    late = staleness_weight(2) * 0.5 * 2.0 + staleness_weight(1) * 0.5 * 8.0
+    assert w2 == pytest.approx(w1 - (0.5 * 16 + 0.5 * 32 + late), rel=1e-12) and t2 > 0.2
+    assert (syncs[0].missed, syncs[0].late_applied, syncs[0].owed) == (2, 2, [])
+    assert (syncs[1].missed, syncs[1].late_applied) == (0, 0)
+    assert seen[1][2][0] == -1.5 - (0.5 * 4 + 0.5 * 8) - (0.5 * 16 + 0.5 * 32)
+
+
+def test_bad_settings_are_refused():
+    stages = [(0, 0, 0, 1)]
+    m = nn.Sequential(nn.Linear(1, 1))
+    with pytest.raises(WireError):
+        OuterSync(m, 0, 0, 0, stages, DiLoCo(compression="int9"), [1], None, None)
+    with pytest.raises(ValueError, match="shares"):
+        OuterSync(m, 0, 0, 0, stages, DiLoCo(), [0], None, None)
+
+
+def test_stage_without_parameters_takes_no_outer_step():
+    sync = OuterSync(nn.Sequential(nn.ReLU()), 0, 0, 0, [(0, 0, 0, 1), (1, 0, 0, 1)], DiLoCo(1),
+                     [1, 1], None, None, last_step=0)
+    sync.rescale_gradients(0)
+    sync(0)  # sends and receives nothing
+
+
+# -- real processes ----------------------------------------------------------
+def plan_of(job, timeout=60.0):
+    """The job's plan once it has one: two groups of two stages."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = job.status()
+        if status.plan.stages:
+            break
+        assert status.state not in ("FAILED", "CANCELLED"), str(status)
+        time.sleep(0.1)
+    groups = {a.replica for a in status.plan.stages}
+    assert len(groups) == 2 and len(status.plan.stages) == 4, status.plan.summary
+    return status.plan
+
+
+def replica_state(job, plan, replica):
+    """The weights of one replica group, fetched from its stages."""
+    from fedpipe import net
+    from fedpipe.proto import node_pb2, node_pb2_grpc
+    from fedpipe.wire import frames
+
+    out = {}
+    for a in plan.stages:
+        if a.replica == replica:
+            stub = node_pb2_grpc.NodeStub(net.channel(a.address))
+            for head, t in frames.read_tensors(stub.FetchState(node_pb2.FetchStateRequest(
+                    job_id=job.id, replica=replica, stage=a.stage), timeout=60)):
+                out[head.name] = t
+    return out
+
+
+def test_diloco_h1_equals_allreduce_and_single_process_sgd():
+    """2 groups × 2 stages (pinned)."""
+    x, y, _, _ = digits.load()
+    gen = digits.batches(x, y, 1024)
+    batches = [next(gen) for _ in range(4)]
+    model = digits.make_model(hidden=128)
+    sgd = fedpipe.optimizer(torch.optim.SGD, lr=0.5)
+    expected = single_process(model, nn.functional.cross_entropy, sgd, batches)
+    with LocalSwarm(n_nodes=4) as swarm:
+        client = swarm.client()
+        for sync in (DiLoCo(inner_steps=1, outer_lr=1.0, outer_momentum=0.0), "allreduce"):
+            job = client.submit(model, nn.functional.cross_entropy, sgd, batches, steps=4,
+                                microbatches=4, stages=2, replicas=2, compression="none",
+                                replica_sync=sync)
+            plan = plan_of(job)
+            job.wait(timeout=90, progress=False)
+            got = job.state_dict()
+            diff = max_relative_difference(got, expected)
+            print(f"{sync}: {plan.summary}; max relative difference {diff:.2e}")
+            assert diff <= 1e-5, f"{sync}: max relative difference {diff:.2e}"
+            if isinstance(sync, DiLoCo):
+                other = max_relative_difference(replica_state(job, plan, 1), got)
+                assert other <= 1e-6, f"groups differ by {other:.2e}"
+            job.release()
+    assert max_relative_difference(expected, model.state_dict()) > 1e-3
+
+
+SLOW_GROUP = {
+    # everything node3 sends: about 10x slower than loopback (~200 MB/s here)
+    # and 80 ms later, so node3's group falls behind by more than the 1 s grace
+    # period every 10 steps
+    "links": [{"from": "node3", "to": "*", "mbps": 160, "latency_ms": 80, "oneway": True}],
+}
+
+
+def test_diloco_with_one_replica_behind_a_slow_link_finishes_and_converges():
+    """The group with node3 is behind: the other group stops waiting for it
+    after the grace period and applies its pseudo-gradients late, discounted.
+    Groups are pinned (replicas=2, stages=2)."""
+    x_train, y_train, x_test, y_test = digits.load()
+    model = digits.make_model(hidden=128)
+    with LocalSwarm(n_nodes=4, link_profile=SLOW_GROUP) as swarm:
+        client = swarm.client()
+        job = client.submit(model, nn.functional.cross_entropy,
+                            fedpipe.optimizer(torch.optim.AdamW, lr=3e-3),
+                            digits.batches(x_train, y_train, 128), steps=80, microbatches=2,
+                            stages=2, replicas=2, compression="none",
+                            replica_sync=DiLoCo(inner_steps=10, compression="int8"))
+        plan_of(job)
+        status = job.wait(timeout=120, progress=False)
+        assert status.state == "SUCCEEDED"
+        accuracy = digits.accuracy(job.model(), x_test, y_test)
+        job.release()
+        logs = "".join(swarm.log(p) for p in swarm.nodes)
+    late, missed = logs.count("applied replica"), logs.count("within the grace period")
+    print(f"held-out accuracy {accuracy:.4f}; pseudo-gradients that missed the grace "
+          f"period: {missed}, applied late: {late}")
+    assert late >= 1, "no replica was late: the slow link did not slow a group enough"
+    assert accuracy >= 0.9

@@ -1,0 +1,395 @@
+"""Tests of fedpipe.planner: DP split, ordering, grouping, simulator, codecs, JSON, errors."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedpipe.planner import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, PlanError,
+                             SearchOptions, TrainConfig, make_plan, partition, simulate,
+                             stage_memory_bytes)
+from fedpipe.planner import codecs, jsonio
+from fedpipe.planner.context import PlanContext
+from fedpipe.planner.costs import (boundary_bytes, compute_seconds, pipeline_estimate,
+                                   transfer_seconds)
+from fedpipe.planner.evaluate import choose_codecs
+from fedpipe.planner.exhaustive import exhaustive_plan
+from fedpipe.planner.ordering import bottleneck_path, path_cost
+from fedpipe.planner.partition import solve_chain
+from fedpipe.planner.simulate import simulate_group
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = SearchOptions(iterations=60, time_limit_s=10)
+TF = 1e12
+
+
+def model(n_layers: int = 8, flops: float = 1e10, act: int = 10**6, params: int = 10**6,
+          **kw) -> ModelProfile:
+    return ModelProfile([LayerProfile(f"l{i}", flops, act, params) for i in range(n_layers)],
+                        input_bytes=act, **kw)
+
+
+def stages_of(plan):
+    return [s for g in plan.groups for s in g.stages]
+
+
+def check_covers(plan, n_layers):
+    for g in plan.groups:
+        assert g.stages[0].layer_start == 0 and g.stages[-1].layer_end == n_layers
+        for a, b in zip(g.stages, g.stages[1:]):
+            assert a.layer_end == b.layer_start and a.layer_start < a.layer_end
+    ids = [s.node_id for s in stages_of(plan)]
+    assert len(ids) == len(set(ids))
+
+
+# --- the dynamic program against brute force ----------------------------------
+
+def brute_split(ctx, chain, m, skip):
+    """Least ``sigma + (m-1) * max stage cost`` over every split (over every
+    subsequence of the chain if ``skip``), priced with the scalar cost functions."""
+    prof, cfg, L = ctx.profile, ctx.config, ctx.L
+    best = math.inf
+    for r in range(1 if skip else len(chain), len(chain) + 1):
+        for sub in itertools.combinations(chain, r):
+            for cuts in itertools.combinations(range(1, L), r - 1):
+                b = [0, *cuts, L]
+                sigma, worst = 0.0, 0.0
+                for i, node_i in enumerate(sub):
+                    node = ctx.cluster.nodes[node_i]
+                    k, j = b[i], b[i + 1]
+                    if stage_memory_bytes(prof, k, j, cfg, i, r, m) > node.memory_bytes:
+                        break
+                    f, bw = compute_seconds(prof, k, j, node.flops, ctx.mb)
+                    links = (0.0, 0.0, 0.0, 0.0)
+                    if i + 1 < r:
+                        nxt = ctx.cluster.nodes[sub[i + 1]].node_id
+                        x = boundary_bytes(prof, j, ctx.mb)
+                        links = (*min(transfer_seconds(ctx.cluster.link(node.node_id, nxt), x, c)
+                                      for c in ctx.act_codecs),
+                                 *min(transfer_seconds(ctx.cluster.link(nxt, node.node_id), x, c)
+                                      for c in ctx.grad_codecs))
+                    ab, al, gb, gl = links
+                    cost = (max(f + bw, ab, gb) if cfg.schedule == "1f1b"
+                            else max(f, ab) + max(bw, gb))
+                    sigma += f + bw + ab + al + gb + gl
+                    worst = max(worst, cost)
+                else:
+                    best = min(best, sigma + (m - 1) * worst)
+    return best
+
+
+@st.composite
+def chain_case(draw):
+    n = draw(st.integers(1, 3))
+    L = draw(st.integers(n, 6))
+    nodes = [NodeSpec(f"n{i}", draw(st.sampled_from([1, 2, 4])) * TF,
+                      draw(st.sampled_from([5 * 10**7, 2 * 10**8, 10**12]))) for i in range(n)]
+    links = {(a.node_id, b.node_id): Link(draw(st.sampled_from([1e7, 1e8, 1e9])),
+                                          draw(st.sampled_from([0.0, 0.01])))
+             for a in nodes for b in nodes if a is not b}
+    layers = [LayerProfile(f"l{i}", draw(st.sampled_from([1e9, 3e9, 1e10])),
+                           draw(st.sampled_from([10**5, 10**6, 10**7])),
+                           draw(st.sampled_from([10**6, 10**7]))) for i in range(L)]
+    cfg = TrainConfig(batch_size=8, microbatches=draw(st.integers(1, 4)),
+                      schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
+                      compression=draw(st.sampled_from(["auto", "none"])))
+    return ClusterView(nodes, links), ModelProfile(layers, input_bytes=10**6), cfg
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain_case(), st.booleans())
+def test_dp_split_matches_brute_force(case, skip):
+    """Every node used (exact, memory included), or any subsequence of the chain
+    (exact when memory does not bind: with skipped nodes 1F1B's stash is
+    bounded conservatively, by the nodes left rather than the stages)."""
+    cluster, profile, cfg = case
+    if skip:
+        cluster = ClusterView([dataclasses.replace(n, memory_bytes=10**12) for n in cluster.nodes],
+                              cluster.links)
+    ctx = PlanContext(cluster, profile, cfg)
+    chain = tuple(range(len(cluster.nodes)))
+    sol = solve_chain(ctx, chain, cfg.microbatches, window=None if skip else 1, exact=True)
+    want = brute_split(ctx, chain, cfg.microbatches, skip)
+    if math.isinf(want):
+        assert sol is None
+    else:
+        got = sol.sigma + (cfg.microbatches - 1) * sol.bottleneck
+        assert got == pytest.approx(want, rel=1e-9)
+        assert [k for k, _ in sol.ranges][0] == 0 and sol.ranges[-1][1] == len(profile.layers)
+
+
+def test_v1_partition_api_still_works():
+    nodes = [NodeSpec(f"n{i}", TF, 10**12) for i in range(3)]
+    found = partition(nodes, model(6), TrainConfig(batch_size=4, microbatches=2),
+                      lambda a, b: Link(1e9, 1e-4))
+    assert found is not None
+    ranges, bottleneck = found
+    assert ranges[0][0] == 0 and ranges[-1][1] == 6 and len(ranges) == 3 and bottleneck > 0
+    assert partition(nodes, model(2), TrainConfig(batch_size=4), lambda a, b: Link(1e9)) is None
+
+
+# --- whole plans -------------------------------------------------------------
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6))
+def test_plans_respect_memory_caps(seed):
+    rng = random.Random(seed)
+    nodes = [NodeSpec(f"n{i}", rng.choice([1, 2, 4]) * TF, rng.choice([3, 6, 12, 40]) * 10**7)
+             for i in range(rng.randint(2, 5))]
+    cluster = ClusterView(nodes, default_link=Link(rng.choice([1e8, 1e9]), 1e-3))
+    profile = model(rng.randint(3, 8), params=10**7, act=10**6)
+    cfg = TrainConfig(batch_size=8, microbatches=rng.choice([1, 2, 4]),
+                      schedule=rng.choice(["gpipe", "1f1b"]))
+    try:
+        plan = make_plan(cluster, profile, cfg, FAST)
+    except PlanError:
+        return
+    check_covers(plan, len(profile.layers))
+    for g in plan.groups:
+        for i, s in enumerate(g.stages):
+            need = stage_memory_bytes(profile, s.layer_start, s.layer_end, cfg, i, len(g.stages),
+                                      g.microbatches)
+            assert need <= cluster.node(s.node_id).memory_bytes
+    assert sum(g.microbatches for g in plan.groups) == cfg.microbatches
+    assert sum(g.samples for g in plan.groups) == cfg.batch_size
+
+
+def test_slow_node_is_left_out():
+    nodes = [NodeSpec(f"n{i}", TF, 10**12) for i in range(4)] + [NodeSpec("slow", TF / 100, 10**12)]
+    plan = make_plan(ClusterView(nodes, default_link=Link(1.25e9, 1e-4)), model(8),
+                     TrainConfig(batch_size=16, microbatches=8), FAST)
+    assert "slow" in plan.unused
+    check_covers(plan, 8)
+
+
+def test_slow_link_stays_between_groups():
+    """Two pairs joined by a 20 Mbit/s 30 ms link; activations would cost more on it
+    than the once-per-step all-reduce of the small weights."""
+    nodes = [NodeSpec(f"{s}{i}", TF, 10**12, site=s) for s in "ab" for i in range(2)]
+    fast, slow = Link(1.25e9, 1e-4), Link(20e6 / 8, 0.03)
+    cluster = ClusterView(nodes, site_links={("a", "a"): fast, ("b", "b"): fast,
+                                             ("a", "b"): slow, ("b", "a"): slow})
+    plan = make_plan(cluster, model(8, flops=1e10, act=10**6, params=10**5),
+                     TrainConfig(batch_size=32, microbatches=8), FAST)
+    for g in plan.groups:
+        sites = [cluster.site_of(s.node_id) for s in g.stages]
+        assert len(set(sites)) == 1, f"a pipeline crosses the slow link: {sites}"
+    assert len(plan.groups) == 2 and plan.sync_seconds >= 0
+
+
+def test_pinned_depth_and_group_count():
+    nodes = [NodeSpec(f"n{i}", TF, 10**12) for i in range(6)]
+    plan = make_plan(ClusterView(nodes), model(8), TrainConfig(batch_size=16, microbatches=8,
+                                                               stages=3), FAST)
+    assert all(len(g.stages) == 3 for g in plan.groups)
+    plan = make_plan(ClusterView(nodes), model(8), TrainConfig(batch_size=16, microbatches=8,
+                                                               replicas=2), FAST)
+    assert len(plan.groups) == 2
+    plan = make_plan(ClusterView(nodes), model(8), TrainConfig(batch_size=16, microbatches=8,
+                                                               replicas=2, stages=2), FAST)
+    assert [len(g.stages) for g in plan.groups] == [2, 2]
+    with pytest.raises(PlanError, match="7 stages"):
+        make_plan(ClusterView(nodes), model(8), TrainConfig(batch_size=8, stages=7))
+    with pytest.raises(PlanError, match="3 replica groups"):
+        make_plan(ClusterView(nodes), model(8), TrainConfig(batch_size=8, microbatches=2,
+                                                            replicas=3))
+
+
+def test_same_seed_same_plan():
+    rng = random.Random(1)
+    nodes = [NodeSpec(f"n{i}", rng.choice([1, 2]) * TF, 10**12) for i in range(7)]
+    links = {(a.node_id, b.node_id): Link(rng.choice([1e8, 1e9]), 0.005)
+             for a in nodes for b in nodes if a is not b}
+    cluster, profile = ClusterView(nodes, links), model(12, act=10**7)
+    cfg = TrainConfig(batch_size=32, microbatches=8, schedule="1f1b")
+    opts = SearchOptions(seed=7, iterations=80, time_limit_s=60)
+    a = jsonio.plan_to_json(make_plan(cluster, profile, cfg, opts))
+    b = jsonio.plan_to_json(make_plan(cluster, profile, cfg, opts))
+    assert a == b
+
+
+def test_close_to_brute_force_on_a_small_cluster():
+    rng = random.Random(3)
+    nodes = [NodeSpec(f"n{i}", rng.choice([0.5, 1, 2, 4]) * TF, 10**12) for i in range(5)]
+    links = {(a.node_id, b.node_id): Link(rng.choice([2e7, 1e8, 1e9]), rng.choice([0.001, 0.02]))
+             for a in nodes for b in nodes if a is not b}
+    cluster, profile = ClusterView(nodes, links), model(10, act=2 * 10**6)
+    cfg = TrainConfig(batch_size=32, microbatches=8, schedule="1f1b")
+    mine = make_plan(cluster, profile, cfg)
+    best = exhaustive_plan(cluster, profile, cfg)
+    assert mine.predicted_step_seconds <= 1.05 * best.predicted_step_seconds
+    assert mine.predicted_step_seconds == pytest.approx(
+        simulate(mine, cluster, profile, cfg).step_seconds)
+
+
+def test_plan_error_gives_the_numbers():
+    nodes = [NodeSpec("a", TF, 10**6), NodeSpec("b", TF, 2 * 10**6)]
+    with pytest.raises(PlanError, match=r"need \d+\.\d+ GiB.*largest of the 2 node\(s\) has "
+                                        r"0\.00 GiB"):
+        make_plan(ClusterView(nodes), model(4, params=10**8), TrainConfig(batch_size=4))
+    with pytest.raises(PlanError, match="no node"):
+        make_plan(ClusterView([]), model(4), TrainConfig(batch_size=4))
+    with pytest.raises(PlanError, match="microbatches"):
+        make_plan(ClusterView(nodes), model(4), TrainConfig(batch_size=2, microbatches=4))
+
+
+# --- ordering ----------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 7), st.integers(0, 10**6))
+def test_bottleneck_path_is_optimal(n, seed):
+    rng = random.Random(seed)
+    import numpy as np
+    cost = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i + 1, n):
+            cost[i, j] = cost[j, i] = rng.choice([1, 2, 3, 5, 8, 13]) + rng.random()
+    order = bottleneck_path(cost, range(n))
+    assert sorted(order) == list(range(n))
+    best = min(path_cost(cost, p)[0] for p in itertools.permutations(range(n)))
+    assert path_cost(cost, order)[0] == pytest.approx(best)
+
+
+# --- simulator ---------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro", [(1, 1), (1, 5), (3, 4), (4, 8), (6, 2)])
+def test_simulator_matches_the_gpipe_formula(schedule, stages, micro):
+    f, b = 0.1, 0.2
+    zero = [0.0] * (stages - 1)
+    t = simulate_group([f] * stages, [b] * stages, zero, zero, zero, zero, micro, schedule)
+    assert t.finish == pytest.approx((micro + stages - 1) * (f + b))
+
+
+def test_simulator_one_stage_plan_and_serialised_links():
+    node = NodeSpec("a", TF, 10**12)
+    profile = model(4)
+    cfg = TrainConfig(batch_size=8, microbatches=4)
+    plan = make_plan(ClusterView([node]), profile, cfg, FAST)
+    f, b = compute_seconds(profile, 0, 4, TF, 2)
+    assert plan.predicted_step_seconds == pytest.approx(4 * (f + b))
+    # a link 10x slower than compute: its sends queue, one per microbatch per direction
+    t = simulate_group([1e-3, 1e-3], [2e-3, 2e-3], [1.0], [0.0], [1.0], [0.0], 5, "gpipe")
+    assert t.finish == pytest.approx(10.0, rel=0.01)
+
+
+def test_estimate_tracks_the_simulator():
+    rng = random.Random(5)
+    for _ in range(50):
+        n, m = rng.randint(1, 6), rng.choice([2, 8, 16])
+        sched = rng.choice(["gpipe", "1f1b"])
+        f = [rng.uniform(0.01, 0.1) for _ in range(n)]
+        b = [2 * x for x in f]
+        busy = [rng.uniform(0, 0.1) for _ in range(n - 1)]
+        lat = [rng.uniform(0, 0.05) for _ in range(n - 1)]
+        sigma, period = pipeline_estimate(f, b, busy, [x + y for x, y in zip(busy, lat)],
+                                          busy, [x + y for x, y in zip(busy, lat)], m, sched)
+        sim = simulate_group(f, b, busy, lat, busy, lat, m, sched).finish
+        assert 0.97 * sim <= sigma + (m - 1) * period <= 1.25 * sim
+
+
+# --- codecs ------------------------------------------------------------------
+
+def two_stage(bandwidth: float, **cfg):
+    nodes = [NodeSpec("a", TF, 10**12), NodeSpec("b", TF, 10**12)]
+    cluster = ClusterView(nodes, default_link=Link(bandwidth, 1e-3))
+    config = TrainConfig(batch_size=16, microbatches=4, stages=2, **cfg)
+    plan = make_plan(cluster, model(8, flops=1e10, act=4 * 10**6), config, FAST)
+    return plan.groups[0].stages
+
+
+def test_codec_choice_follows_the_link():
+    fast = two_stage(1.25e10)
+    assert fast[0].activation_codec == "raw" and fast[1].gradient_codec == "raw"
+    slow = two_stage(1.25e6)
+    assert slow[0].activation_codec in ("int8", "int8+zstd")
+    assert slow[1].gradient_codec != "raw"
+    assert all(s.activation_codec == "raw" and s.gradient_codec == "raw"
+               for s in two_stage(1.25e6, compression="none"))
+    forced = two_stage(1.25e10, compression="int8")
+    assert forced[0].activation_codec == "int8" and forced[1].gradient_codec == "int8"
+    split = two_stage(1.25e6, activation_compression="bf16", gradient_compression="topk:0.05")
+    assert split[0].activation_codec == "bf16" and split[1].gradient_codec == "topk:0.05"
+    with pytest.raises(PlanError, match="gradients only"):
+        two_stage(1.25e6, compression="topk:0.01")
+    with pytest.raises(PlanError, match="unknown codec"):
+        two_stage(1.25e6, compression="gzip")
+
+
+def test_codec_sizes_and_costs():
+    assert codecs.codec_cost("raw").wire_bytes(100) == 100
+    assert codecs.codec_cost("bf16").wire_bytes(100) == 50
+    assert codecs.codec_cost("bf16").wire_bytes(100, element_bytes=2) == 100
+    assert codecs.codec_cost("int8+zstd").wire_bytes(100) == pytest.approx(15)
+    assert codecs.codec_cost("topk:0.01").wire_bytes(100) == pytest.approx(2)
+    assert codecs.codec_cost("int8+zstd").seconds(0.3e9) == pytest.approx(1.0)
+    assert codecs.choose(codecs.AUTO_ACTIVATION, lambda c: {"raw": 3}.get(c, 1), 2) == "bf16"
+    assert codecs.choose(codecs.AUTO_ACTIVATION, lambda c: 1.0, 2) == "raw"
+
+
+def test_choose_codecs_is_per_link():
+    nodes = [NodeSpec(f"n{i}", TF, 10**12) for i in range(3)]
+    links = {("n0", "n1"): Link(1.25e10), ("n1", "n0"): Link(1.25e10),
+             ("n1", "n2"): Link(1.25e6), ("n2", "n1"): Link(1.25e6)}
+    ctx = PlanContext(ClusterView(nodes, links), model(6, act=4 * 10**6),
+                      TrainConfig(batch_size=16, microbatches=4))
+    act, grad = choose_codecs(ctx, [0, 1, 2], [(0, 2), (2, 4), (4, 6)], 4, 4)
+    assert act[0] == "raw" and act[1] != "raw" and act[2] == "raw"
+    assert grad[1] == "raw" and grad[2] != "raw" and grad[0] == "raw"
+
+
+# --- JSON ----------------------------------------------------------------------
+
+CLUSTER_JSON = {
+    "nodes": [{"id": "ohio-{i}", "count": 2, "tflops": 50, "memory_gb": 40, "site": "ohio"},
+              {"id": "va", "flops": 2.5e13, "memory_bytes": 2 * 10**10, "site": "virginia",
+               "name": "virginia box", "device": "cuda:1"},
+              {"id": "edge", "tflops": 5, "memory_gb": 2}],
+    "default_link": {"mbps": 100, "latency_ms": 20},
+    "sites": {"ohio": {"gbps": 5, "latency_ms": 1}},
+    "site_links": [{"from": "ohio", "to": "virginia", "gbps": 1.12, "latency_ms": 11}],
+    "links": [{"from": "edge", "to": "va", "mbps": 20, "latency_s": 0.05, "symmetric": False}],
+}
+
+
+def test_cluster_json_units_sites_and_round_trip():
+    c = jsonio.cluster_from_json(CLUSTER_JSON)
+    assert [n.node_id for n in c.nodes] == ["ohio-0", "ohio-1", "va", "edge"]
+    assert c.node("ohio-1").flops == 5e13 and c.node("ohio-1").memory_bytes == 4 * 10**10
+    assert c.link("ohio-0", "ohio-1") == Link(5e9 / 8, 1e-3)
+    assert c.link("va", "ohio-1") == Link(1.12e9 / 8, 0.011)
+    assert c.link("edge", "va") == Link(20e6 / 8, 0.05)
+    assert c.link("va", "edge") == Link(100e6 / 8, 0.02)
+    again = jsonio.cluster_from_json(json.loads(json.dumps(jsonio.cluster_to_json(c))))
+    assert again.nodes == c.nodes and again.default_link == c.default_link
+    for a, b in itertools.permutations([n.node_id for n in c.nodes], 2):
+        assert again.link(a, b) == c.link(a, b)
+    with pytest.raises(jsonio.JsonFormatError, match="bandwidth"):
+        jsonio.cluster_from_json({"nodes": [], "default_link": {"latency_ms": 1}})
+
+
+def test_profile_config_plan_json_round_trip():
+    p = jsonio.profile_from_json({"input_bytes": 8, "element_bytes": 2, "layers": [
+        {"name": "block", "count": 3, "flops": 1e9, "activation_bytes": 100, "parameter_bytes": 10},
+        {"name": "head", "flops": 1e8, "activation_bytes": 4}]})
+    assert [la.name for la in p.layers] == ["block.0", "block.1", "block.2", "head"]
+    assert jsonio.profile_from_json(json.loads(json.dumps(jsonio.profile_to_json(p)))) == p
+    cfg = jsonio.config_from_json({"batch_size": 16, "microbatches": 4, "schedule": "1f1b",
+                                   "compression": "none"})
+    assert jsonio.config_from_json(jsonio.config_to_json(cfg)) == cfg
+    with pytest.raises(jsonio.JsonFormatError, match="unknown"):
+        jsonio.config_from_json({"batch_size": 1, "batchsize": 2})
+    cluster = jsonio.cluster_from_json(CLUSTER_JSON)
+    plan = make_plan(cluster, p, cfg, FAST)
+    obj = json.loads(json.dumps(jsonio.plan_to_json(plan)))
+    assert jsonio.plan_from_json(obj) == plan
+    text = jsonio.format_plan(plan, cluster, p, cfg)
+    assert "predicted step" in text and "samples/s" in text
+    assert all((cluster.node(s.node_id).name in text) for s in stages_of(plan))
