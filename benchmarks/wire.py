@@ -218,8 +218,8 @@ def send(grpc_port: int, tcp_port: int) -> None:
             assert len(back) == 1 and torch.equal(back[0], tensor)
 
             def once():  # PeerSender._send, minus the retry and the thread
-                msg = codecs.encode(tensor, "raw")
-                stub.Send(frames.to_frames(msg, envelope=env), timeout=60)
+                msg, payload = codecs.encode_payload(tensor, "raw")  # PeerSender's path
+                stub.Send(frames.to_frames(msg, payload=payload, envelope=env), timeout=60)
             return once
         if transport == "grpc unary":
             def once():

@@ -220,6 +220,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _logging(args.verbose)
+    from .net import tune_malloc
+
+    tune_malloc()
     if args.command in ("tracker", "node"):
         from .testing import die_with_parent
 

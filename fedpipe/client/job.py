@@ -338,8 +338,8 @@ class Job:
                             env = node_pb2.Envelope(job_id=self.id, replica=a.replica,
                                                     stage=a.stage, kind=kind, step=step,
                                                     microbatch=mb, batch_size=x.shape[0])
-                            stubs[a.address].Send(
-                                frames.to_frames(codecs.encode(t), envelope=env), timeout=3600)
+                            stubs[a.address].Send(frames.encode_frames(t, envelope=env),
+                                                  timeout=3600)
         except StopIteration:
             self.feed_error = ValueError("data ran out before the last step")
             self.cancel("the client's data ran out before the last step")

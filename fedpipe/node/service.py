@@ -73,10 +73,12 @@ class PeerSender:
         try:
             if envelope.kind == node_pb2.KIND_GRADIENT:
                 key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
-                msg = codecs.encode(tensor, codec, feedback=self.feedback, key=key)
+                msg, payload = codecs.encode_payload(tensor, codec, feedback=self.feedback,
+                                                     key=key)
             else:
-                msg = codecs.encode(tensor, codec)
-            net.retry(lambda: self.stub.Send(frames.to_frames(msg, envelope=envelope),
+                msg, payload = codecs.encode_payload(tensor, codec)
+            net.retry(lambda: self.stub.Send(frames.to_frames(msg, payload=payload,
+                                                              envelope=envelope),
                                              timeout=SEND_TIMEOUT),
                       f"send to {self.address}", attempts=5)
         except Exception as e:  # kept for the stage thread, which reports it
@@ -148,9 +150,10 @@ def measure_link(address: str, shaper=None, *, pings: int = 5, max_bytes: int = 
         env = node_pb2.Envelope(kind=node_pb2.KIND_PROBE)
 
         def probe(nbytes: int) -> float:
-            msg = codecs.encode(torch.zeros(nbytes, dtype=torch.uint8))
+            probe_frames = list(frames.encode_frames(torch.zeros(nbytes, dtype=torch.uint8),
+                                                     envelope=env))
             t0 = time.perf_counter()
-            stub.Send(frames.to_frames(msg, envelope=env), timeout=120)
+            stub.Send(iter(probe_frames), timeout=120)
             return max(time.perf_counter() - t0 - rtt, 1e-6)
 
         first = 256 * 1024
@@ -400,4 +403,4 @@ class NodeService(node_pb2_grpc.NodeServicer):
         for name, t in stage.module.state_dict().items():
             idx, _, rest = name.partition(".")
             full = f"{stage.layer_start + int(idx)}.{rest}"
-            yield from frames.to_frames(codecs.encode(t), name=full)
+            yield from frames.encode_frames(t, name=full)

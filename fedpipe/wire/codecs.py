@@ -452,6 +452,29 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
     return msg
 
 
+def encode_payload(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
+                   feedback: ErrorFeedback | None = None,
+                   key: Hashable = None) -> tuple[pb.Tensor, memoryview]:
+    """:func:`encode`, with the payload kept apart from the message.
+
+    Returns:
+        ``(header, payload)``: the message with ``payload`` empty (and
+        ``payload_bytes`` set), and the payload. For the raw codec without zstd
+        on a CPU tensor the payload is a view of the tensor's own memory, no
+        copy: the tensor must not be modified while the payload is in use.
+    """
+    spec = codec if isinstance(codec, CodecSpec) else parse_codec(codec)
+    if (spec.name == "raw" and spec.zstd_level is None and t.dtype in DTYPES
+            and t.device.type == "cpu" and t.numel()):
+        view = memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        return pb.Tensor(dtype=DTYPES[t.dtype], shape=t.shape, codec=pb.CODEC_RAW,
+                         encoded_bytes=len(view), payload_bytes=len(view)), view
+    msg = encode(t, spec, feedback=feedback, key=key)
+    payload = msg.payload
+    msg.ClearField("payload")
+    return msg, memoryview(payload)
+
+
 def _join(parts: list[torch.Tensor]) -> bytes:
     """The bytes of 1-D tensors, concatenated: one copy (after any device-to-host copy)."""
     return b"".join(p.cpu().view(torch.uint8).numpy() for p in parts)
@@ -461,7 +484,8 @@ def _join(parts: list[torch.Tensor]) -> bytes:
 # decode
 
 
-def decode(msg: pb.Tensor, *, max_bytes: int = MAX_TENSOR_BYTES) -> torch.Tensor:
+def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = None,
+           max_bytes: int = MAX_TENSOR_BYTES) -> torch.Tensor:
     """Decode a message into a new, writable CPU tensor of its ``dtype`` and ``shape``.
 
     Every header field is checked before anything of the declared size is
@@ -469,6 +493,11 @@ def decode(msg: pb.Tensor, *, max_bytes: int = MAX_TENSOR_BYTES) -> torch.Tensor
     declares or yields another size is rejected). Memory use is at most about
     ``max_bytes`` (bytes of the decoded tensor and of the codec output) plus
     the payload.
+
+    ``payload``, if given, is used instead of ``msg.payload`` (a receiver that
+    reassembled the pieces of a chunked tensor passes them here, which saves
+    copying them into the message and out again). A ``bytearray`` is decoded in
+    place: for raw payloads the returned tensor shares its memory.
 
     Raises:
         WireError: for any malformed message, naming the field and numbers:
@@ -487,11 +516,15 @@ def decode(msg: pb.Tensor, *, max_bytes: int = MAX_TENSOR_BYTES) -> torch.Tensor
     if msg.encoded_bytes != size:
         raise WireError(f"encoded_bytes is {msg.encoded_bytes} but codec "
                         f"{impl.name} and shape {list(msg.shape)} need {size}")
-    payload = msg.payload
+    if payload is None:
+        payload = msg.payload
     if len(payload) != msg.payload_bytes:
         raise WireError(f"payload is {len(payload)} bytes but payload_bytes says "
                         f"{msg.payload_bytes}")
-    buf = _unzstd(payload, size) if msg.zstd else bytearray(payload)
+    if msg.zstd:
+        buf = _unzstd(payload, size)
+    else:
+        buf = payload if type(payload) is bytearray else bytearray(payload)
     if len(buf) != size:
         raise WireError(f"payload is {len(buf)} bytes but encoded_bytes is {size}")
     try:

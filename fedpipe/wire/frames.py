@@ -44,21 +44,31 @@ def _copy_header(msg: tensor_pb2.Tensor, head: tensor_pb2.Tensor) -> tensor_pb2.
 
 
 def to_frames(msg: tensor_pb2.Tensor, *, envelope: node_pb2.Envelope | None = None,
-              name: str = "", chunk_bytes: int = CHUNK_BYTES) -> Iterator[node_pb2.Frame]:
-    """Split an encoded tensor into frames; the first carries ``envelope`` and ``name``."""
-    payload = msg.payload  # one copy out of the message; each piece below is one more
+              name: str = "", chunk_bytes: int = CHUNK_BYTES,
+              payload: bytes | memoryview | None = None) -> Iterator[node_pb2.Frame]:
+    """Split an encoded tensor into frames; the first carries ``envelope`` and ``name``.
+
+    ``payload``: the payload when it travels apart from ``msg`` (see
+    :func:`fedpipe.wire.codecs.encode_payload`); each piece is then copied once.
+    """
+    if payload is None:
+        payload = msg.payload  # one copy out of the message; each piece below is one more
+    else:
+        payload = memoryview(payload)
     first = node_pb2.Frame(envelope=envelope, name=name)
     head = _copy_header(msg, first.tensor)  # filled in place: Frame(tensor=...) would copy it
-    head.payload = payload[:chunk_bytes]  # the same object when it fits: no copy
+    head.payload = bytes(payload[:chunk_bytes])  # no copy for bytes that fit
     head.payload_bytes = len(payload)
     yield first
     for off in range(chunk_bytes, len(payload), chunk_bytes):
-        yield node_pb2.Frame(chunk=payload[off:off + chunk_bytes])
+        yield node_pb2.Frame(chunk=bytes(payload[off:off + chunk_bytes]))
 
 
 def encode_frames(t: torch.Tensor, codec: str = "raw", **kw) -> Iterator[node_pb2.Frame]:
-    """Encode ``t`` with ``codec`` and split it; ``kw`` goes to :func:`to_frames`."""
-    return to_frames(codecs.encode(t, codec), **kw)
+    """Encode ``t`` with ``codec`` (:func:`fedpipe.wire.codecs.encode_payload`) and
+    split it; ``kw`` (``envelope``, ``name``) goes to :func:`to_frames`."""
+    msg, payload = codecs.encode_payload(t, codec)
+    return to_frames(msg, payload=payload, **kw)
 
 
 def read_tensors(frames: Iterable[node_pb2.Frame],
@@ -82,13 +92,9 @@ def read_tensors(frames: Iterable[node_pb2.Frame],
         if size != head.tensor.payload_bytes:
             raise WireError(f"tensor stream ended after {size} payload bytes, header declared "
                             f"{head.tensor.payload_bytes}")
-        msg = head.tensor
-        if len(parts) > 1:
-            msg = _copy_header(head.tensor, tensor_pb2.Tensor())
-            msg.payload_bytes = head.tensor.payload_bytes
-            msg.payload = b"".join(parts)
-        parts = []  # the pieces (and the joined copy) are freed before decode allocates
-        return head, codecs.decode(msg)
+        payload = bytearray().join(parts)  # the one copy: decoded in place
+        parts = []
+        return head, codecs.decode(head.tensor, payload=payload)
 
     for frame in frames:
         if frame.HasField("tensor"):
