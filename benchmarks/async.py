@@ -259,7 +259,7 @@ def run_config(swarm: LocalSwarm, task: Task, config: str) -> Run:
             run.steps.append(ev.step)
             run.times.append(ev.time)
             run.losses.append(ev.loss)
-    status = job.wait(timeout=60, progress=False)
+    status = job.status()
     order = sorted(range(len(run.steps)), key=run.steps.__getitem__)
     run.steps = [run.steps[i] for i in order]
     run.times = [run.times[i] for i in order]

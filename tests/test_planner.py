@@ -393,3 +393,13 @@ def test_profile_config_plan_json_round_trip():
     text = jsonio.format_plan(plan, cluster, p, cfg)
     assert "predicted step" in text and "samples/s" in text
     assert all((cluster.node(s.node_id).name in text) for s in stages_of(plan))
+
+
+def test_choose_replica_sync_by_the_all_reduce_share_of_a_step():
+    from fedpipe.planner import Plan, ReplicaGroup, StagePlan, choose_replica_sync
+
+    one = [ReplicaGroup([StagePlan("a", 0, 2)])]
+    two = one + [ReplicaGroup([StagePlan("b", 0, 2)])]
+    assert choose_replica_sync(Plan(one, 1.0, sync_seconds=0.0)) == "allreduce"
+    assert choose_replica_sync(Plan(two, 1.1, sync_seconds=0.1)) == "allreduce"
+    assert choose_replica_sync(Plan(two, 2.0, sync_seconds=1.0)) == "diloco"

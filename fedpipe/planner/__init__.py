@@ -20,16 +20,23 @@ from .types import (ClusterView, DEFAULT_LINK, LayerProfile, Link, ModelProfile,
                     PlanError, ReplicaGroup, SearchOptions, StagePlan, TrainConfig)
 
 
-def pipeline_step_seconds(stage_seconds: list[float], microbatches: int) -> float:
-    """Step time of a synchronous pipeline: fill and drain, then the bottleneck repeats.
+def choose_replica_sync(plan: Plan, max_share: float = 0.25) -> str:
+    """How a plan's replica groups should agree: "allreduce" or "diloco".
 
-    ``sum(t) + (M - 1) · max(t)`` for per-microbatch stage times ``t`` (seconds):
-    the GPipe/1F1B estimate of Huang et al., "GPipe" (NeurIPS 2019).
+    The per-step gradient all-reduce is kept while it adds at most
+    ``max_share`` of the groups' compute time to a step
+    (``plan.sync_seconds`` against the rest of the predicted step); beyond
+    that, DiLoCo's outer steps every H inner steps pay the cross-group links
+    H times less often (Douillard et al., "DiLoCo", 2023). One group: "allreduce"
+    (nothing to sync).
     """
-    return sum(stage_seconds) + (microbatches - 1) * max(stage_seconds)
+    if len(plan.groups) < 2:
+        return "allreduce"
+    compute = max(plan.predicted_step_seconds - plan.sync_seconds, 1e-12)
+    return "diloco" if plan.sync_seconds > max_share * compute else "allreduce"
 
 
 __all__ = ["ClusterView", "DEFAULT_LINK", "LayerProfile", "Link", "ModelProfile", "NodeSpec",
            "Plan", "PlanError", "ReplicaGroup", "SearchOptions", "SimResult", "StagePlan",
-           "TrainConfig", "make_plan", "partition", "pipeline_step_seconds", "simulate",
+           "TrainConfig", "choose_replica_sync", "make_plan", "partition", "simulate",
            "stage_memory_bytes"]

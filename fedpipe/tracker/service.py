@@ -341,7 +341,11 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
             return
         msg = plan_message(plan, {n.node_id: n for n in nodes})
         self.store.set_plan(job_id, msg)
-        self.store.set_state(job_id, S.JOB_STATE_DEPLOYING, "loading stages: " + msg.summary)
+        if spec.config.replica_sync in ("", "auto"):
+            spec.config.replica_sync = planner.choose_replica_sync(plan)
+        sync = f" (replica groups sync by {spec.config.replica_sync})" if len(plan.groups) > 1 else ""
+        self.store.set_state(job_id, S.JOB_STATE_DEPLOYING,
+                             "loading stages: " + msg.summary + sync)
         error = self._deploy(job_id, spec, msg)
         if error:
             self._fail(job_id, error)
