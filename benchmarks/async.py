@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,23 +50,28 @@ import torch
 from torch import nn
 
 try:
-    import fedpipe  # noqa: F401
+    import fedpipe
 except ImportError:  # not installed: use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fedpipe  # noqa: E402
+    import fedpipe
 from fedpipe.examples import digits  # noqa: E402
 from fedpipe.testing import LocalSwarm  # noqa: E402
 
 torch.set_num_threads(1)
 
 SLOW_NODE = "node3"
-LINKS = {
-    "links": [  # the first match wins
-        {"from": SLOW_NODE, "to": "*", "mbps": 40, "latency_ms": 20, "oneway": True},
-        {"from": "*", "to": "*", "mbps": 400, "latency_ms": 2},
-    ],
-}
+FAST_MBPS, FAST_LATENCY_MS, SLOWDOWN = 400.0, 2.0, 10.0
+
+
+def links(fast_mbps: float = FAST_MBPS, fast_latency_ms: float = FAST_LATENCY_MS,
+          slowdown: float = SLOWDOWN) -> dict:
+    """The link profile: every link fast, except what the slow node sends."""
+    return {"links": [  # the first match wins
+        {"from": SLOW_NODE, "to": "*", "mbps": fast_mbps / slowdown,
+         "latency_ms": fast_latency_ms * slowdown, "oneway": True},
+        {"from": "*", "to": "*", "mbps": fast_mbps, "latency_ms": fast_latency_ms},
+    ]}
+
 SMOOTH = 10          # steps in the trailing mean of the loss
 TARGET_AT = 0.65     # the target is sync's smoothed loss at this fraction of its steps
 CONFIGS = {          # name -> submit() arguments
@@ -191,11 +196,11 @@ class Run:
     losses: list[float] = field(default_factory=list)
     held_out: float = math.nan
     plan: str = ""
-    slow_group: int = -1
     missed: int = 0
     late: int = 0
 
     def smoothed(self) -> list[float]:
+        """The trailing mean of the loss over ``SMOOTH`` steps (fewer at the start)."""
         out, acc = [], 0.0
         for i, x in enumerate(self.losses):
             acc += x
@@ -227,53 +232,52 @@ def plan_of(job, timeout: float = 120.0):
         if status.plan.stages:
             return status.plan
         if status.state in ("FAILED", "CANCELLED"):
-            raise fedpipe.client.JobFailed(str(status))
+            raise RuntimeError(f"job {job.id}: {status}")
         time.sleep(0.1)
-    raise TimeoutError("no plan")
+    raise TimeoutError(f"job {job.id} got no plan in {timeout:.0f} s")
 
 
-def node_logs(swarm: LocalSwarm) -> str:
-    return "".join(swarm.log(p) for p in swarm.nodes)
+def describe_plan(plan) -> str:
+    """Which node holds which layers, each group's share of the batch, and the codecs."""
+    out = []
+    for r, rep in enumerate(plan.replicas):
+        chain = sorted((a for a in plan.stages if a.replica == r), key=lambda a: a.stage)
+        nodes = " -> ".join(
+            f"{a.node_name}{' (slow)' if a.node_name == SLOW_NODE else ''} "
+            f"[layers {a.layer_start}-{a.layer_end - 1}, act {a.activation_codec or 'raw'}, "
+            f"grad {a.gradient_codec or 'raw'}]" for a in chain)
+        out.append(f"group {r}: {rep.samples} samples in {rep.microbatches} microbatches: {nodes}")
+    return "\n  ".join(out)
+
+
+def node_logs(swarm: LocalSwarm) -> list[str]:
+    return [swarm.log(p) for p in swarm.nodes]
 
 
 def run_config(swarm: LocalSwarm, task: Task, config: str) -> Run:
-    model = task.make_model()
-    job = swarm.client().submit(model, task.loss_fn, task.optimizer, task.make_batches(),
-                                steps=task.steps, microbatches=task.microbatches, stages=2,
-                                replicas=2, name=f"{task.name}-{config}", **CONFIGS[config])
-    before = node_logs(swarm)
+    """Submit one job, follow its step events, evaluate its weights on held-out data."""
+    before = [len(log) for log in node_logs(swarm)]
+    job = swarm.client().submit(task.make_model(), task.loss_fn, task.optimizer,
+                                task.make_batches(), steps=task.steps,
+                                microbatches=task.microbatches, stages=2, replicas=2,
+                                name=f"{task.name}-{config}", **CONFIGS[config])
     plan = plan_of(job)
-    run = Run(config)
-    groups = sorted({a.replica for a in plan.stages})
-    if len(groups) != 2 or len(plan.stages) != 4:
+    if len({a.replica for a in plan.stages}) != 2 or len(plan.stages) != 4:
         raise RuntimeError(f"expected 2 groups of 2 stages, got: {plan.summary}")
-    run.slow_group = next((a.replica for a in plan.stages if a.node_name == SLOW_NODE), -1)
-    codecs = ", ".join(f"g{a.replica}s{a.stage} {a.node_name} act {a.activation_codec or 'raw'}"
-                       f"/grad {a.gradient_codec or 'raw'}"
-                       for a in sorted(plan.stages, key=lambda a: (a.replica, a.stage)))
-    shares = ", ".join(f"g{i}: {r.samples} samples in {r.microbatches} mb"
-                       for i, r in enumerate(plan.replicas))
-    run.plan = f"{plan.summary} [{shares}] [{codecs}]"
-    for ev in job.events():
-        if ev.step:
-            run.steps.append(ev.step)
-            run.times.append(ev.time)
-            run.losses.append(ev.loss)
+    run = Run(config, plan=describe_plan(plan))
+    events = sorted((ev.step, ev.time, ev.loss) for ev in job.events() if ev.step)
     status = job.status()
-    order = sorted(range(len(run.steps)), key=run.steps.__getitem__)
-    run.steps = [run.steps[i] for i in order]
-    run.times = [run.times[i] for i in order]
-    run.losses = [run.losses[i] for i in order]
-    if status.state != "SUCCEEDED" or len(run.steps) != task.steps:
-        raise RuntimeError(f"{config}: {status} ({len(run.steps)} step events)")
+    if status.state != "SUCCEEDED" or len(events) != task.steps:
+        raise RuntimeError(f"{task.name}/{config}: {status} ({len(events)} step events)")
+    run.steps, run.times, run.losses = (list(col) for col in zip(*events))
     trained = job.model()
     job.release()
     with torch.no_grad():
         trained.eval()
         run.held_out = task.loss_fn(trained(task.held_out[0]), task.held_out[1]).item()
-    new = node_logs(swarm)[len(before):] if node_logs(swarm).startswith(before) else ""
-    run.missed = len(re.findall("within the grace period", new))
-    run.late = len(re.findall("applied replica", new))
+    new = "".join(log[n:] for log, n in zip(node_logs(swarm), before))
+    run.missed = new.count("within the grace period")
+    run.late = new.count("applied replica")
     return run
 
 
@@ -285,72 +289,101 @@ def fmt_ratio(x: float) -> str:
     return "-" if math.isinf(x) or math.isnan(x) else f"{x:.2f}"
 
 
-def report(task: Task, runs: dict[str, Run]) -> list[tuple[str, str, bool, bool]]:
-    sync = runs["sync"]
-    target = sync.smoothed()[max(0, round(TARGET_AT * task.steps) - 1)]
-    t_sync = sync.time_to(target)
-    print(f"\n== {task.name}: {task.describe}; {task.steps} steps")
-    print(f"target loss {target:.4f} (sync's smoothed loss at step "
-          f"{round(TARGET_AT * task.steps)} of {task.steps})")
-    head = (f"{'config':<12} {'time to target':>14} {'vs sync':>7} {'total':>8} "
-            f"{'final loss':>10} {'vs sync':>7} {'held-out':>9} {'vs sync':>7}  notes")
+def report(task: Task, runs: dict[str, list[Run]], target: float) -> list[bool]:
+    """Print the task's table and the verdicts; return whether each non-sync config met both."""
+    med = statistics.median
+    t_of = {name: med(r.time_to(target) for r in rs) for name, rs in runs.items()}
+    final = {name: statistics.fmean(r.final for r in rs) for name, rs in runs.items()}
+    held = {name: statistics.fmean(r.held_out for r in rs) for name, rs in runs.items()}
+    total = {name: med(r.total for r in rs) for name, rs in runs.items()}
+    n = len(runs["sync"])
+    print(f"\n== {task.name}: {task.describe}; {task.steps} steps, "
+          f"{n} run{'s' if n > 1 else ''} per config" + (" (median time, mean loss)" if n > 1
+                                                          else ""))
+    print(f"target loss {target:.4f} = sync's smoothed loss at step "
+          f"{round(TARGET_AT * task.steps)} of {task.steps}")
+    head = (f"{'config':<12} {'time to target':>14} {'vs sync':>7} {'all steps':>9}   "
+            f"{'final loss':>10} {'vs sync':>7}   {'held-out':>8} {'vs sync':>7}")
     print(head)
     print("-" * len(head))
-    verdicts = []
-    for name, r in runs.items():
-        t = r.time_to(target)
-        notes = f"slow node in group {r.slow_group}"
+    for name in runs:
+        late = ""
         if name.startswith("DiLoCo"):
-            notes += f"; pseudo-gradients late {r.missed}, applied late {r.late}"
-        print(f"{name:<12} {fmt_s(t):>14} {fmt_ratio(t / t_sync):>7} {r.total:>6.1f} s "
-              f"{r.final:>10.4f} {r.final / sync.final:>7.3f} {r.held_out:>9.4f} "
-              f"{r.held_out / sync.held_out:>7.3f}  {notes}")
-        if name != "sync":
-            fast = t / t_sync <= 0.5
-            close = abs(r.final / sync.final - 1) <= 0.02
-            verdicts.append((name, f"time {fmt_ratio(t / t_sync)}x, final loss "
-                                   f"{(r.final / sync.final - 1) * 100:+.1f}% (held-out "
-                                   f"{(r.held_out / sync.held_out - 1) * 100:+.1f}%)", fast, close))
-    print("targets (time to target <= 0.5x sync, final loss within 2% of sync):")
-    for name, what, fast, close in verdicts:
-        ok = "MET" if fast and close else "NOT MET"
-        why = [] if fast and close else [w for w, bad in (("time", not fast), ("loss", not close))
-                                         if bad]
-        print(f"  {name:<12} {ok:<8} {what}" + (f"  [misses: {', '.join(why)}]" if why else ""))
-    return verdicts
+            late = (f"  (late pseudo-gradients: {sum(r.missed for r in runs[name])}, "
+                    f"applied late: {sum(r.late for r in runs[name])})")
+        print(f"{name:<12} {fmt_s(t_of[name]):>14} {fmt_ratio(t_of[name] / t_of['sync']):>7} "
+              f"{total[name]:>7.1f} s   {final[name]:>10.4f} {final[name] / final['sync']:>7.3f}"
+              f"   {held[name]:>8.4f} {held[name] / held['sync']:>7.3f}{late}")
+    print("targets: time to target <= 0.5x sync, final (smoothed training) loss within 2% of sync")
+    met = []
+    for name in runs:
+        if name == "sync":
+            continue
+        ratio, dloss = t_of[name] / t_of["sync"], final[name] / final["sync"] - 1
+        misses = [w for w, bad in (("time", not ratio <= 0.5), ("loss", not abs(dloss) <= 0.02))
+                  if bad]
+        met.append(not misses)
+        print(f"  {name:<12} {'MET' if not misses else 'NOT MET':<8} time {fmt_ratio(ratio)}x, "
+              f"final loss {dloss * 100:+.1f}%, held-out loss "
+              f"{(held[name] / held['sync'] - 1) * 100:+.1f}%"
+              + (f"  [misses: {', '.join(misses)}]" if misses else ""))
+    return met
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps (about 2 minutes)")
-    ap.add_argument("--tasks", default="digits,text")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--steps-digits", type=int, default=0)
-    ap.add_argument("--steps-text", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help="100 steps per job, one run per config (about 2-3 minutes)")
+    ap.add_argument("--tasks", default="digits,text", help="comma-separated: digits, text")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, sync first: {', '.join(CONFIGS)}")
+    ap.add_argument("--steps-digits", type=int, default=0, help="default 300 (--quick: 100)")
+    ap.add_argument("--steps-text", type=int, default=0, help="default 300 (--quick: 100)")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="runs per config, interleaved (default 2; --quick: 1)")
+    ap.add_argument("--fast-mbps", type=float, default=FAST_MBPS)
+    ap.add_argument("--fast-latency-ms", type=float, default=FAST_LATENCY_MS)
+    ap.add_argument("--slowdown", type=float, default=SLOWDOWN,
+                    help="node3's link: this many times less bandwidth and more latency")
     args = ap.parse_args()
     steps = {"digits": args.steps_digits or (100 if args.quick else 300),
              "text": args.steps_text or (100 if args.quick else 300)}
+    repeats = args.repeats or (1 if args.quick else 2)
     makers = {"digits": digits_task, "text": text_task}
     tasks = [makers[t](steps[t]) for t in args.tasks.split(",")]
     configs = args.configs.split(",")
-    if configs[0] != "sync":
-        ap.error("the first configuration must be sync (it sets the target)")
-    print("links: every link 400 Mbit/s, 2 ms; everything node3 sends 40 Mbit/s, 20 ms "
-          "(10x slower); replicas=2, stages=2")
+    if configs[0] != "sync" or any(c not in CONFIGS for c in configs):
+        ap.error(f"configs must start with sync and be among {list(CONFIGS)}")
+    profile = links(args.fast_mbps, args.fast_latency_ms, args.slowdown)
+    slow = profile["links"][0]
+    print(f"links: every link {args.fast_mbps:g} Mbit/s, {args.fast_latency_ms:g} ms one way; "
+          f"everything {SLOW_NODE} sends {slow['mbps']:g} Mbit/s, {slow['latency_ms']:g} ms "
+          f"({args.slowdown:g}x slower); jobs pinned to replicas=2, stages=2")
     t0 = time.monotonic()
-    with LocalSwarm(n_nodes=4, link_profile=LINKS, timeout=180) as swarm:
-        client = swarm.client()
+    verdicts = []
+    with LocalSwarm(n_nodes=4, link_profile=profile, timeout=180) as swarm:
         print("nodes: " + ", ".join(f"{n.name} {n.resources.flops / 1e9:.1f} GFLOP/s"
-                                    for n in client.nodes()))
+                                    for n in swarm.client().nodes()), flush=True)
         for task in tasks:
-            runs = {}
-            for config in configs:
-                runs[config] = run_config(swarm, task, config)
-                r = runs[config]
-                print(f"[{task.name}/{config}] {r.total:.1f} s for {task.steps} steps, final "
-                      f"loss {r.final:.4f}; plan: {r.plan}", flush=True)
-            report(task, runs)
-    print(f"\nwall time {time.monotonic() - t0:.0f} s")
+            runs: dict[str, list[Run]] = {c: [] for c in configs}
+            target, plans = None, set()
+            for rep in range(repeats):
+                for config in configs:
+                    r = run_config(swarm, task, config)
+                    runs[config].append(r)
+                    if target is None:  # the first sync run sets the target
+                        target = r.smoothed()[max(0, round(TARGET_AT * task.steps) - 1)]
+                    if r.plan not in plans:
+                        plans.add(r.plan)
+                        print(f"[{task.name}] plan{' (changed)' if len(plans) > 1 else ''}:\n"
+                              f"  {r.plan}")
+                    print(f"[{task.name}/{config} #{rep + 1}] {r.total:.1f} s for {task.steps} "
+                          f"steps, time to target {fmt_s(r.time_to(target))}, final loss "
+                          f"{r.final:.4f}, held-out {r.held_out:.4f}", flush=True)
+            verdicts += [(task.name, ok) for ok in report(task, runs, target)]
+    met = sum(ok for _, ok in verdicts)
+    print(f"\n{met} of {len(verdicts)} (task, config) pairs met both targets; "
+          f"wall time {time.monotonic() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+import grpc
+
 
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
@@ -112,6 +114,13 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_cancel(args) -> int:
+    from .client import Client
+
+    print(Client(args.tracker).job(args.job).cancel(args.reason))
+    return 0
+
+
 def cmd_submit(args) -> int:
     from .client import Client
     from .examples import digits
@@ -205,6 +214,12 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)
 
+    c = sub.add_parser("cancel", help="cancel a job")
+    c.add_argument("--tracker", required=True)
+    c.add_argument("job", help="job id")
+    c.add_argument("--reason", default="cancelled from the command line")
+    c.set_defaults(func=cmd_cancel)
+
     u = sub.add_parser("submit", help="train the built-in digits example on a swarm")
     u.add_argument("--tracker", required=True)
     train_args(u)
@@ -231,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except grpc.RpcError as e:  # a refusal or an unreachable peer, said in one line
+        if args.verbose:
+            raise
+        print(f"fedpipe {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     except Exception as e:  # the CLI's last word: one line, not a traceback
         if args.verbose:
             raise

@@ -1,6 +1,7 @@
 """End to end over real processes on 127.0.0.1: the demo, bad input, leases, restarts."""
 from __future__ import annotations
 
+import math
 import re
 import socket
 import subprocess
@@ -153,3 +154,37 @@ def test_tracker_restart_keeps_jobs_and_nodes_and_lost_nodes_fail_their_job(tmp_
         with pytest.raises(JobFailed, match=r"lost|failed"):
             long.wait(timeout=60, progress=False)
         wait_until(lambda: len(client.nodes()) == 1, what="the dead node to be marked lost")
+
+
+def test_a_diverging_job_still_reports_every_step(swarm):
+    """NaN losses are stored (SQLite keeps NaN as NULL) and every step is recorded."""
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    job = swarm.client().submit(model, nn.functional.mse_loss,
+                                fedpipe.optimizer(torch.optim.SGD, lr=1e6), [(x, y)], steps=12,
+                                stages=2)
+    status = job.wait(timeout=60, progress=False)
+    assert status.step == 12 and not (status.loss < float("inf"))  # inf or nan at the end
+    job.release()
+
+
+def test_a_stopped_node_leaves_at_once_and_release_is_best_effort(tmp_path):
+    with LocalSwarm(n_nodes=2, workdir=str(tmp_path), lease=30.0) as s:
+        client = s.client()
+        job = submit_digits(client, stages=2)
+        assert job.wait(timeout=60, progress=False).state == "SUCCEEDED"
+        s.stop_process(s.nodes[1])  # SIGTERM: the node tells the tracker it leaves
+        wait_until(lambda: len(client.nodes()) == 1, timeout=10,
+                   what="the stopped node to leave well before its 30 s lease")
+        job.release()  # one node is gone: no error
+
+
+def test_batches_too_small_for_the_microbatches_are_skipped(swarm):
+    x, y, _, _ = digits.load()
+    data = [(x[:32], y[:32]), (x[32:33], y[32:33]), (x[33:65], y[33:65]), (x[65:97], y[65:97])]
+    job = swarm.client().submit(digits.make_model(hidden=32), nn.functional.cross_entropy, ADAMW,
+                                data, steps=3, microbatches=2, stages=2)
+    assert job.wait(timeout=60, progress=False).step == 3
+    losses = [ev.loss for ev in job.events() if ev.step > 0]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses), losses  # no empty microbatch
+    job.release()

@@ -44,3 +44,8 @@ def test_measured_matrix_reflects_10_mbit_50_ms_emulated_link():
         for m in links.values():
             assert 0.8 * 1.25e6 <= m.bandwidth <= 1.2 * 1.25e6, m.bandwidth
             assert 0.8 * 0.050 <= m.latency <= 1.2 * 0.050, m.latency
+
+
+def test_a_misspelled_key_is_refused_not_ignored():
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['mbit'\]"):
+        LinkProfile({"links": [{"from": "a", "to": "b", "mbit": 5}]})

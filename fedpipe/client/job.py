@@ -297,13 +297,34 @@ class Job:
         return model
 
     def release(self) -> None:
-        """Ask the stages' nodes to drop the job's weights (after :meth:`state_dict`)."""
+        """Ask the stages' nodes to drop the job's weights (after :meth:`state_dict`).
+
+        Best effort: a node that cannot be reached (it left, its weights with
+        it) is logged and skipped.
+        """
         for address in {a.address for a in self.plan.stages}:
-            node_pb2_grpc.NodeStub(net.channel(address)).StopJob(
-                node_pb2.StopJobRequest(job_id=self.id, reason="released", release=True),
-                timeout=10)
+            try:
+                node_pb2_grpc.NodeStub(net.channel(address)).StopJob(
+                    node_pb2.StopJobRequest(job_id=self.id, reason="released", release=True),
+                    timeout=10)
+            except grpc.RpcError as e:
+                log.warning("could not release job %s on %s: %s", self.id, address, e.details())
 
     # -- data feeding -------------------------------------------------------
+    def _next_batch(self, batches: Iterator, ends: list) -> tuple:
+        """The next batch whose every group's share holds at least one sample per microbatch.
+
+        Smaller batches (a data set's short last batch, say) are skipped with
+        a warning: an empty microbatch has no loss to scale.
+        """
+        while True:
+            x, y = next(batches)
+            shards = _shard(x, y, [e[3] for e in ends])
+            if all(xs.shape[0] >= m for (_, _, m, _), (xs, _) in zip(ends, shards)):
+                return x, y, shards
+            log.warning("job %s: skipping a batch of %d samples, too few for %s microbatches",
+                        self.id, x.shape[0], "+".join(str(e[2]) for e in ends))
+
     def _wait_running(self) -> node_pb2.Plan | None:
         for ev in self.events():
             if ev.state == S.JOB_STATE_RUNNING:
@@ -329,8 +350,8 @@ class Job:
             stubs = {a.address: node_pb2_grpc.NodeStub(net.channel(a.address))
                      for first, last, _, _ in ends for a in (first, last)}
             for step in range(info.steps):
-                x, y = next(batches)
-                for (first, last, m, _), (xs, ys) in zip(ends, _shard(x, y, [e[3] for e in ends])):
+                x, y, shards = self._next_batch(batches, ends)
+                for (first, last, m, _), (xs, ys) in zip(ends, shards):
                     for mb, (xm, ym) in enumerate(zip(torch.tensor_split(xs, m),
                                                       torch.tensor_split(ys, m))):
                         for a, kind, t in ((first, node_pb2.KIND_INPUT, xm),

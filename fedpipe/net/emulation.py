@@ -46,8 +46,13 @@ def parse_link(entry: dict[str, Any], where: str = "link") -> EmulatedLink:
     """An EmulatedLink from a JSON object with a bandwidth and a latency key.
 
     Raises:
-        ValueError: no or several bandwidth keys, a negative figure, or a bad latency.
+        ValueError: an unknown key, several bandwidth keys, a negative figure, or a bad latency.
     """
+    unknown = set(entry) - {"bandwidth", "mbps", "gbps", "latency_ms", "latency_s", "from", "to",
+                            "oneway"}
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; a link has from, to, "
+                         f"bandwidth|mbps|gbps, latency_ms|latency_s and oneway")
     bw_keys = [k for k in ("bandwidth", "mbps", "gbps") if k in entry]
     if len(bw_keys) > 1:
         raise ValueError(f"{where}: give one of bandwidth/mbps/gbps, not {bw_keys}")
@@ -147,7 +152,10 @@ class LinkProfile:
     def load(cls, path: str) -> "LinkProfile":
         """Read a profile file. Raises OSError, ValueError (also for bad JSON)."""
         with open(path) as f:
-            return cls(json.load(f))
+            try:
+                return cls(json.load(f))
+            except ValueError as e:
+                raise ValueError(f"link profile {path}: {e}") from None
 
     def _matches(self, pattern: str, name: str) -> bool:
         return pattern == "*" or pattern == name or name in self.groups.get(pattern, ())

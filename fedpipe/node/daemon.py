@@ -103,6 +103,12 @@ class NodeDaemon:
         hb.start()
         self.stop_event.wait()
         self.service.stop_all()
+        if self.node_id:
+            try:  # so no job is planned onto a node that is gone
+                self.tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=self.node_id,
+                                                                    leaving=True), timeout=2)
+            except grpc.RpcError as e:
+                log.warning("could not tell the tracker this node is leaving: %s", e.details())
         self.server.stop(grace=1).wait()
 
     def stop(self, *_) -> None:

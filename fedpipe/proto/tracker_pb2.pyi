@@ -48,10 +48,12 @@ class RegisterNodeReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "leaving")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, node_id: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "lease_seconds")

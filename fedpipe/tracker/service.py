@@ -139,6 +139,12 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         return S.RegisterNodeReply(node_id=node_id, lease_seconds=self.lease)
 
     def Heartbeat(self, request, context):
+        if request.leaving:
+            known = self.store.mark_lost(request.node_id)
+            if known:
+                log.info("node %s is leaving", request.node_id)
+                self._lost({request.node_id}, "left the swarm")
+            return S.HeartbeatReply(known=known, lease_seconds=self.lease)
         return S.HeartbeatReply(known=self.store.heartbeat(request.node_id),
                                 lease_seconds=self.lease)
 
@@ -303,16 +309,22 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
             with self.wake:
                 self.wake.wait(min(1.0, self.lease / 4))
 
+    def _lost(self, lost: set[str], why: str) -> None:
+        """Fail the active jobs that have a stage on any of the ``lost`` nodes."""
+        if not lost:
+            return
+        names = {n.node_id: n.name for n in self.store.nodes(include_lost=True)}
+        for job_id in self.store.jobs_in(*ACTIVE):
+            used = {a.node_id for a in self.store.job(job_id).plan.stages} & lost
+            if used:
+                self._fail(job_id, f"node(s) {', '.join(sorted(names.get(n, n) for n in used))} "
+                                   f"{why}")
+
     def _tick(self) -> None:
         lost = set(self.store.expire_nodes(self.lease))
         for nid in lost:
             log.warning("node %s missed its lease of %.1f s: marked lost", nid, self.lease)
-        if lost:
-            for job_id in self.store.jobs_in(*ACTIVE):
-                used = {a.node_id for a in self.store.job(job_id).plan.stages}
-                if used & lost:
-                    self._fail(job_id, f"node(s) {', '.join(sorted(used & lost))} lost "
-                                       f"(no heartbeat for {self.lease:.0f} s)")
+        self._lost(lost, f"lost (no heartbeat for {self.lease:.0f} s)")
         for job_id in self.store.jobs_in(S.JOB_STATE_PENDING):
             spec = self.store.spec(job_id)
             job = self.store.job(job_id)

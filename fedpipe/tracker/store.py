@@ -3,9 +3,13 @@
 Everything the tracker knows is here, so a restarted tracker loses nothing.
 Protobuf messages are stored serialised; the columns the tracker queries by
 are columns of their own.
+
+A loss that is not a number (a diverged step) is kept as NULL, SQLite's only
+way to store NaN, and read back as NaN.
 """
 from __future__ import annotations
 
+import math
 import sqlite3
 import threading
 import time
@@ -21,7 +25,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     alive INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY, name TEXT NOT NULL, state INTEGER NOT NULL, reason TEXT NOT NULL,
-    spec BLOB NOT NULL, plan BLOB, step INTEGER NOT NULL DEFAULT 0, loss REAL NOT NULL DEFAULT 0,
+    spec BLOB NOT NULL, plan BLOB, step INTEGER NOT NULL DEFAULT 0, loss REAL DEFAULT 0,
     created REAL NOT NULL, updated REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS job_layers (
     job_id TEXT NOT NULL, idx INTEGER NOT NULL, blob BLOB NOT NULL, PRIMARY KEY (job_id, idx));
@@ -31,7 +35,7 @@ CREATE TABLE IF NOT EXISTS job_stages (
 CREATE TABLE IF NOT EXISTS job_events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, time REAL NOT NULL,
     state INTEGER NOT NULL, reason TEXT NOT NULL, step INTEGER NOT NULL DEFAULT 0,
-    loss REAL NOT NULL DEFAULT 0, samples_per_second REAL NOT NULL DEFAULT 0);
+    loss REAL DEFAULT 0, samples_per_second REAL NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS job_events_by_job ON job_events (job_id, seq);
 CREATE TABLE IF NOT EXISTS links (
     src TEXT NOT NULL, dst TEXT NOT NULL, bandwidth REAL NOT NULL, latency REAL NOT NULL,
@@ -40,6 +44,10 @@ CREATE TABLE IF NOT EXISTS links (
 
 TERMINAL = {tracker_pb2.JOB_STATE_SUCCEEDED, tracker_pb2.JOB_STATE_FAILED,
             tracker_pb2.JOB_STATE_CANCELLED}
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 class Store:
@@ -78,6 +86,12 @@ class Store:
             cur = self.db.execute("UPDATE nodes SET last_heartbeat=?, alive=1 WHERE node_id=?",
                                   (time.time(), node_id))
             return cur.rowcount > 0
+
+    def mark_lost(self, node_id: str) -> bool:
+        """Mark a node lost now (it said it is leaving); False if unknown."""
+        with self.lock:
+            return self.db.execute("UPDATE nodes SET alive=0 WHERE node_id=?",
+                                   (node_id,)).rowcount > 0
 
     def expire_nodes(self, lease: float) -> list[str]:
         """Mark nodes whose last heartbeat is older than ``lease`` seconds lost; return their ids."""
@@ -162,7 +176,7 @@ class Store:
         jid, name, state, reason, plan, step, loss, created, spec = rows[0]
         steps = tracker_pb2.SubmitJobRequest.FromString(spec).config.steps
         info = tracker_pb2.JobInfo(job_id=jid, name=name, state=state, reason=reason, step=step,
-                                   steps=steps, loss=loss, created=created)
+                                   steps=steps, loss=_nan(loss), created=created)
         if plan:
             info.plan.ParseFromString(plan)
         return info
@@ -224,6 +238,6 @@ class Store:
         """The job's events with ``seq > after_seq``, in order."""
         rows = self._x("SELECT seq,time,state,reason,step,loss,samples_per_second FROM job_events "
                        "WHERE job_id=? AND seq>? ORDER BY seq", (job_id, after_seq))
-        return [tracker_pb2.JobEvent(seq=s, time=t, state=st, reason=r, step=step, loss=loss,
-                                     samples_per_second=sps)
+        return [tracker_pb2.JobEvent(seq=s, time=t, state=st, reason=r, step=step,
+                                     loss=_nan(loss), samples_per_second=sps)
                 for s, t, st, r, step, loss, sps in rows]
