@@ -179,9 +179,11 @@ class LocalSwarm:
     def __enter__(self) -> "LocalSwarm":
         try:
             self.start_tracker()
-            for _ in range(self.n_nodes):
+            for i in range(self.n_nodes):
+                # one at a time: nodes started together would measure their
+                # FLOP/s while the others import torch on the same cores
                 self.add_node()
-            self.wait_for_nodes(self.n_nodes)
+                self.wait_for_nodes(i + 1)
             self.wait_for_links()
         except BaseException:
             self.close()
