@@ -221,10 +221,13 @@ def test_bad_settings_are_refused():
 
 
 def test_stage_without_parameters_takes_no_outer_step():
+    calls = []
     sync = OuterSync(nn.Sequential(nn.ReLU()), 0, 0, 0, [(0, 0, 0, 1), (1, 0, 0, 1)], DiLoCo(1),
-                     [1, 1], None, None, last_step=0)
+                     [1, 1], lambda *a: calls.append(("send", a)),
+                     lambda *a: calls.append(("recv", a)), last_step=0)
     sync.rescale_gradients(0)
-    sync(0)  # sends and receives nothing
+    sync(0)
+    assert calls == [], "a stage without parameters must neither send nor wait"
 
 
 # -- real processes ----------------------------------------------------------
