@@ -25,3 +25,7 @@ def __getattr__(name: str):
 
 
 __all__ = list(_LAZY)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

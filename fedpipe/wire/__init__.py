@@ -1,4 +1,6 @@
 """The wire format: tensors <-> fedpipe.v1.Tensor messages, codecs, chunking."""
-from .codecs import WireError, decode, encode
+from .codecs import (CODECS, CodecSpec, ErrorFeedback, WireError, decode, encode, encode_payload,
+                     parse_codec)
 
-__all__ = ["WireError", "decode", "encode"]
+__all__ = ["CODECS", "CodecSpec", "ErrorFeedback", "WireError", "decode", "encode",
+           "encode_payload", "parse_codec"]
