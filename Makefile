@@ -25,6 +25,8 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/wire.py
 	$(PY) benchmarks/planner.py
+	$(PY) benchmarks/emulated.py
+	$(PY) benchmarks/async.py
 
 protos: $(VENV)/.installed
 	$(PY) tools/gen_protos.py

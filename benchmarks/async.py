@@ -1,40 +1,54 @@
 """Time to a target loss with one replica group behind a slow link: sync, async, DiLoCo.
 
 A LocalSwarm of 4 node processes on 127.0.0.1 with emulated links (fedpipe's
-token bucket + delay, see :mod:`fedpipe.net.emulation`):
+token bucket + delay in its own channels, see :mod:`fedpipe.net.emulation`):
 
 - every link: 400 Mbit/s (50 MB/s), 2 ms one way;
 - everything node3 sends: 40 Mbit/s (5 MB/s), 20 ms one way, i.e. 10x less
   bandwidth and 10x the latency (node3 sits behind a slow uplink).
 
-Jobs are pinned to ``replicas=2, stages=2``: two replica groups of two
-stages; the group that holds node3 has a slow hop inside it and sends over
-the slow link in every exchange between the groups. Four configurations, the
-same optimizer, batches and number of steps:
+(``--fast-mbps``, ``--fast-latency-ms`` and ``--slowdown`` change these.) Jobs
+are pinned to ``replicas=2, stages=2``: two replica groups of two stages. The
+planner chooses the groups, which layers node3 holds and each group's share
+of the batch (both are printed); node3's group has the slow hop inside it and
+its side of every exchange between the groups goes over the slow link. Four
+configurations, the same model, optimizer, batches and number of steps:
 
 - ``sync``: schedule "1f1b", gradients all-reduced across the groups every step;
 - ``async``: schedule "async" (PipeDream-style, ``max_staleness=1``) inside
   each group, gradients all-reduced every step;
 - ``DiLoCo H=10`` / ``DiLoCo H=50``: schedule "1f1b" inside each group, a
-  DiLoCo outer step every H inner steps (outer lr 0.7, Nesterov momentum 0.9,
-  pseudo-gradients uncompressed).
+  DiLoCo outer step every H inner steps (``fedpipe.DiLoCo`` defaults: outer
+  lr 0.7, Nesterov momentum 0.9; pseudo-gradients uncompressed).
 
-Two tasks: the digits MLP (:mod:`fedpipe.examples.digits`) and a small
-character-level transformer (d=64, 4 heads, 2 blocks, context 64) on Python's
-own documentation (``pydoc_data.topics``, bundled with CPython; the last 10%
-of the text is held out). Activation/gradient codecs inside the groups are the
-planner's ("auto"), the same plan for all configurations.
+Codecs inside the groups are the planner's ("auto") for every configuration.
 
-Measured per job, from the tracker's step events (a step is recorded when
-every group has reported it): the loss smoothed by a trailing mean over 10
-steps; the target is the smoothed loss ``sync`` has reached at 65% of its
-steps; time to target is the wall time from the first step event to the first
-step whose smoothed loss is at or below the target. Final loss: the smoothed
-training loss of the last step, and the loss of the trained weights (group
-0's) on held-out data. Benchmark target: time to target <= 0.5x sync and final
-loss within 2% of sync.
+Two tasks: the digits MLP (:mod:`fedpipe.examples.digits`, AdamW lr 3e-3,
+batch 64) and a small character-level transformer (d=64, 4 heads, 2 blocks,
+context 64, AdamW lr 3e-3, batch 32) on Python's own documentation
+(``pydoc_data.topics``, bundled with CPython; the last 10% of the text is
+held out).
 
-    python benchmarks/async.py [--quick] [--tasks digits,text] [--steps-digits N] [--steps-text N]
+Measured per job from the tracker's step events (a step is recorded when
+every group has reported it, so the slower group sets the pace): the loss
+smoothed by a trailing mean over 10 steps. The target is the smoothed loss of
+the first ``sync`` run at 65% of its steps; time to target is the wall time
+from the first step event to the first step whose smoothed loss is at or
+below it. Final loss: the smoothed training loss at the last step (under
+DiLoCo, that of the groups' inner models); also the loss (and for digits the
+accuracy) of the trained weights (group 0's, which under DiLoCo are the outer
+model after the last outer step) on held-out data. Each configuration runs
+``--repeats`` times, interleaved, each task in a swarm of its own; the table
+shows the median time and the mean loss, and which plan (A, B, ...) each run
+got: the tracker re-measures the links every 300 s, and the planner may then
+choose another split. Benchmark target: time to target <= 0.5x sync and final loss
+within 2% of sync.
+
+    python benchmarks/async.py [--quick] [--tasks digits,text] [--repeats N]
+                               [--steps-digits N] [--steps-text N]
+
+Full run: 300 steps per job, 2 runs per configuration (about 8 minutes on 2
+cores); ``--quick``: 100 steps, 1 run (about 2 minutes).
 """
 from __future__ import annotations
 
@@ -166,6 +180,7 @@ class Task:
     microbatches: int
     held_out: tuple             # (x, y) for the held-out loss
     steps: int = 0
+    classifier: bool = False    # also report held-out accuracy
 
 
 def digits_task(steps: int) -> Task:
@@ -174,7 +189,7 @@ def digits_task(steps: int) -> Task:
                 lambda: digits.make_model(hidden=128),
                 lambda: digits.batches(x_train, y_train, 64),
                 nn.functional.cross_entropy, fedpipe.optimizer(torch.optim.AdamW, lr=3e-3),
-                4, (x_test, y_test), steps)
+                4, (x_test, y_test), steps, classifier=True)
 
 
 def text_task(steps: int, seq: int = 64) -> Task:
@@ -195,7 +210,9 @@ class Run:
     times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     held_out: float = math.nan
+    accuracy: float = math.nan
     plan: str = ""
+    label: str = "A"
     missed: int = 0
     late: int = 0
 
@@ -274,7 +291,10 @@ def run_config(swarm: LocalSwarm, task: Task, config: str) -> Run:
     job.release()
     with torch.no_grad():
         trained.eval()
-        run.held_out = task.loss_fn(trained(task.held_out[0]), task.held_out[1]).item()
+        out = trained(task.held_out[0])
+        run.held_out = task.loss_fn(out, task.held_out[1]).item()
+        if task.classifier:
+            run.accuracy = (out.argmax(-1) == task.held_out[1]).float().mean().item()
     new = "".join(log[n:] for log, n in zip(node_logs(swarm), before))
     run.missed = new.count("within the grace period")
     run.late = new.count("applied replica")
@@ -296,6 +316,7 @@ def report(task: Task, runs: dict[str, list[Run]], target: float) -> list[bool]:
     final = {name: statistics.fmean(r.final for r in rs) for name, rs in runs.items()}
     held = {name: statistics.fmean(r.held_out for r in rs) for name, rs in runs.items()}
     total = {name: med(r.total for r in rs) for name, rs in runs.items()}
+    acc = {name: statistics.fmean(r.accuracy for r in rs) for name, rs in runs.items()}
     n = len(runs["sync"])
     print(f"\n== {task.name}: {task.describe}; {task.steps} steps, "
           f"{n} run{'s' if n > 1 else ''} per config" + (" (median time, mean loss)" if n > 1
@@ -303,17 +324,19 @@ def report(task: Task, runs: dict[str, list[Run]], target: float) -> list[bool]:
     print(f"target loss {target:.4f} = sync's smoothed loss at step "
           f"{round(TARGET_AT * task.steps)} of {task.steps}")
     head = (f"{'config':<12} {'time to target':>14} {'vs sync':>7} {'all steps':>9}   "
-            f"{'final loss':>10} {'vs sync':>7}   {'held-out':>8} {'vs sync':>7}")
+            f"{'final loss':>10} {'vs sync':>7}   {'held-out':>8} {'vs sync':>7}"
+            + ("   accuracy" if task.classifier else ""))
     print(head)
     print("-" * len(head))
     for name in runs:
-        late = ""
+        late = "  plan " + "".join(r.label for r in runs[name])
         if name.startswith("DiLoCo"):
-            late = (f"  (late pseudo-gradients: {sum(r.missed for r in runs[name])}, "
-                    f"applied late: {sum(r.late for r in runs[name])})")
+            late += (f"; late pseudo-gradients {sum(r.missed for r in runs[name])}, "
+                     f"applied late {sum(r.late for r in runs[name])}")
         print(f"{name:<12} {fmt_s(t_of[name]):>14} {fmt_ratio(t_of[name] / t_of['sync']):>7} "
               f"{total[name]:>7.1f} s   {final[name]:>10.4f} {final[name] / final['sync']:>7.3f}"
-              f"   {held[name]:>8.4f} {held[name] / held['sync']:>7.3f}{late}")
+              f"   {held[name]:>8.4f} {held[name] / held['sync']:>7.3f}"
+              + (f"   {acc[name]:>8.4f}" if task.classifier else "") + late)
     print("targets: time to target <= 0.5x sync, final (smoothed training) loss within 2% of sync")
     met = []
     for name in runs:
@@ -361,12 +384,15 @@ def main() -> None:
           f"({args.slowdown:g}x slower); jobs pinned to replicas=2, stages=2")
     t0 = time.monotonic()
     verdicts = []
-    with LocalSwarm(n_nodes=4, link_profile=profile, timeout=180) as swarm:
-        print("nodes: " + ", ".join(f"{n.name} {n.resources.flops / 1e9:.1f} GFLOP/s"
-                                    for n in swarm.client().nodes()), flush=True)
-        for task in tasks:
+    for task in tasks:
+        # a swarm per task: the tracker re-measures links every 300 s, and the
+        # planner may then choose another plan; plans are labelled A, B, ...
+        with LocalSwarm(n_nodes=4, link_profile=profile, timeout=180) as swarm:
+            print(f"\n[{task.name}] nodes: " + ", ".join(
+                f"{n.name} {n.resources.flops / 1e9:.1f} GFLOP/s"
+                for n in swarm.client().nodes()), flush=True)
             runs: dict[str, list[Run]] = {c: [] for c in configs}
-            target, plans = None, set()
+            target, plans = None, {}
             for rep in range(repeats):
                 for config in configs:
                     r = run_config(swarm, task, config)
@@ -374,13 +400,15 @@ def main() -> None:
                     if target is None:  # the first sync run sets the target
                         target = r.smoothed()[max(0, round(TARGET_AT * task.steps) - 1)]
                     if r.plan not in plans:
-                        plans.add(r.plan)
-                        print(f"[{task.name}] plan{' (changed)' if len(plans) > 1 else ''}:\n"
-                              f"  {r.plan}")
-                    print(f"[{task.name}/{config} #{rep + 1}] {r.total:.1f} s for {task.steps} "
-                          f"steps, time to target {fmt_s(r.time_to(target))}, final loss "
-                          f"{r.final:.4f}, held-out {r.held_out:.4f}", flush=True)
-            verdicts += [(task.name, ok) for ok in report(task, runs, target)]
+                        plans[r.plan] = chr(ord("A") + len(plans))
+                        print(f"[{task.name}] plan {plans[r.plan]}:\n  {r.plan}")
+                    r.label = plans[r.plan]
+                    print(f"[{task.name}/{config} #{rep + 1}, plan {r.label}] {r.total:.1f} s "
+                          f"for {task.steps} steps, time to target {fmt_s(r.time_to(target))}, "
+                          f"final loss {r.final:.4f}, held-out {r.held_out:.4f}"
+                          + (f" (accuracy {r.accuracy:.4f})" if task.classifier else ""),
+                          flush=True)
+        verdicts += [(task.name, ok) for ok in report(task, runs, target)]
     met = sum(ok for _, ok in verdicts)
     print(f"\n{met} of {len(verdicts)} (task, config) pairs met both targets; "
           f"wall time {time.monotonic() - t0:.0f} s")

@@ -230,7 +230,8 @@ class Job:
         yield from self.client.stub.WatchJob(S.WatchJobRequest(job_id=self.id))
 
     def wait(self, timeout: float | None = None, progress: bool = True) -> JobStatus:
-        """Block until the job ends, showing a progress bar (step, loss, samples/s).
+        """Block until the job ends, showing a progress bar (step, loss, samples/s) and
+        state changes unless ``progress`` is False.
 
         Raises:
             JobFailed: the job ended FAILED or CANCELLED.
@@ -247,7 +248,7 @@ class Job:
                 if ev.step:
                     bar.update(ev.step - bar.n)
                     bar.set_postfix(loss=f"{ev.loss:.4f}", samples_s=f"{ev.samples_per_second:.0f}")
-                elif ev.state != last_state:
+                elif ev.state != last_state and progress:
                     bar.write(f"job {self.id}: {state_name(ev.state)} — {ev.reason}")
                 last_state = ev.state
         except grpc.RpcError as e:
