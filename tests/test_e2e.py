@@ -82,7 +82,7 @@ def test_malformed_tensor_gets_invalid_argument_and_node_keeps_serving(swarm):
     bad = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[4, 4],
                             codec=tensor_pb2.CODEC_RAW, payload=b"\0" * 10, payload_bytes=10,
                             encoded_bytes=10)
-    env = node_pb2.Envelope(job_id="x", stage=0, kind=node_pb2.KIND_INPUT, batch_size=4)
+    env = node_pb2.Envelope(kind=node_pb2.KIND_PROBE)  # a kind any node accepts
     with pytest.raises(grpc.RpcError) as err:
         stub.Send(iter([node_pb2.Frame(envelope=env, tensor=bad)]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -5,6 +5,7 @@ import copy
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -241,20 +242,32 @@ class Job:
 
         status = self.status()
         bar = tqdm(total=status.steps, desc=f"job {self.id}", unit="step", disable=not progress)
-        call = self.client.stub.WatchJob(S.WatchJobRequest(job_id=self.id), timeout=timeout)
-        last_state = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seq, last_state = 0, None
         try:
-            for ev in call:
-                if ev.step:
-                    bar.update(ev.step - bar.n)
-                    bar.set_postfix(loss=f"{ev.loss:.4f}", samples_s=f"{ev.samples_per_second:.0f}")
-                elif ev.state != last_state and progress:
-                    bar.write(f"job {self.id}: {state_name(ev.state)} — {ev.reason}")
-                last_state = ev.state
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError(f"job {self.id} did not finish within {timeout} s") from None
-            raise
+            while True:  # a dropped stream (tracker restart) is resumed after the last event
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    for ev in self.client.stub.WatchJob(
+                            S.WatchJobRequest(job_id=self.id, after_seq=seq), timeout=left):
+                        seq = ev.seq
+                        if ev.step:
+                            bar.update(ev.step - bar.n)
+                            bar.set_postfix(loss=f"{ev.loss:.4f}",
+                                            samples_s=f"{ev.samples_per_second:.0f}")
+                        elif ev.state != last_state and progress:
+                            bar.write(f"job {self.id}: {state_name(ev.state)} — {ev.reason}")
+                        last_state = ev.state
+                    break
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise TimeoutError(f"job {self.id} did not finish within {timeout} s"
+                                           ) from None
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    log.warning("lost the tracker (%s); watching job %s again", e.details(),
+                                self.id)
+                    time.sleep(1.0)
         finally:
             bar.close()
         status = self.status()
@@ -366,9 +379,12 @@ class Job:
             self.feed_error = ValueError("data ran out before the last step")
             self.cancel("the client's data ran out before the last step")
         except grpc.RpcError as e:
-            if self.status().state not in ("FAILED", "CANCELLED"):
-                self.feed_error = e
-                log.error("feeding job %s failed: %s", self.id, e.details())
+            self.feed_error = e
+            log.error("feeding job %s failed: %s", self.id, e.details())
+            try:  # a job nobody feeds would wait for ever: end it, with the reason
+                self.cancel(f"the client could not feed data: {e.code().name}: {e.details()}")
+            except grpc.RpcError:
+                log.error("could not cancel job %s either", self.id)
         except BaseException as e:  # noqa: BLE001 — surfaced by wait()
             self.feed_error = e
             log.exception("feeding job %s failed", self.id)

@@ -68,7 +68,7 @@ def channel(address: str, shaper: grpc.UnaryUnaryClientInterceptor | None = None
     return grpc.intercept_channel(ch, shaper) if shaper is not None else ch
 
 
-def server(max_workers: int = 16) -> grpc.Server:
+def server(max_workers: int = 64) -> grpc.Server:
     """A thread-pool gRPC server with fedpipe's options; add servicers, then :func:`bind`."""
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS)
 

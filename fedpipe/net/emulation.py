@@ -26,6 +26,7 @@ are not shaped.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -57,12 +58,17 @@ def parse_link(entry: dict[str, Any], where: str = "link") -> EmulatedLink:
     if len(bw_keys) > 1:
         raise ValueError(f"{where}: give one of bandwidth/mbps/gbps, not {bw_keys}")
     scale = {"bandwidth": 1.0, "mbps": 1e6 / 8, "gbps": 1e9 / 8}
-    bandwidth = float(entry[bw_keys[0]]) * scale[bw_keys[0]] if bw_keys else 0.0
     if "latency_ms" in entry and "latency_s" in entry:
         raise ValueError(f"{where}: give latency_ms or latency_s, not both")
+    for k in [*bw_keys, "latency_ms", "latency_s"]:
+        v = entry.get(k, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{where}: {k} must be a finite number, got {v!r}")
+    bandwidth = float(entry[bw_keys[0]]) * scale[bw_keys[0]] if bw_keys else 0.0
     latency = float(entry.get("latency_s", float(entry.get("latency_ms", 0.0)) / 1e3))
-    if bandwidth < 0 or latency < 0:
-        raise ValueError(f"{where}: bandwidth and latency must be >= 0, got {bandwidth}, {latency}")
+    if bandwidth < 0 or latency < 0 or latency > 60:
+        raise ValueError(f"{where}: need bandwidth >= 0 and 0 <= latency <= 60 s, got "
+                         f"{bandwidth}, {latency}")
     return EmulatedLink(bandwidth, latency)
 
 
@@ -136,11 +142,22 @@ class LinkProfile:
     def __init__(self, profile: dict[str, Any]):
         if not isinstance(profile, dict):
             raise ValueError("a link profile must be a JSON object")
-        self.groups = {g: set(members) for g, members in profile.get("groups", {}).items()}
+        unknown = set(profile) - {"groups", "links"}
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)}; a profile has groups and links")
+        groups, links = profile.get("groups", {}), profile.get("links", [])
+        if not isinstance(groups, dict) or not all(
+                isinstance(m, list) and all(isinstance(x, str) for x in m) for m in groups.values()):
+            raise ValueError("groups must map each group name to a list of node names")
+        if not isinstance(links, list) or not all(isinstance(e, dict) for e in links):
+            raise ValueError("links must be a list of objects")
+        self.groups = {g: set(members) for g, members in groups.items()}
         self.entries = []
-        for i, e in enumerate(profile.get("links", [])):
-            if "from" not in e or "to" not in e:
-                raise ValueError(f"links[{i}] needs 'from' and 'to'")
+        for i, e in enumerate(links):
+            if not isinstance(e.get("from"), str) or not isinstance(e.get("to"), str):
+                raise ValueError(f"links[{i}] needs 'from' and 'to' (node or group names)")
+            if not isinstance(e.get("oneway", False), bool):
+                raise ValueError(f"links[{i}]: oneway must be true or false")
             link = parse_link(e, f"links[{i}]")
             self.entries.append((e["from"], e["to"], link))
             if not e.get("oneway", False):

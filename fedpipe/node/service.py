@@ -38,6 +38,8 @@ KINDS = {node_pb2.KIND_INPUT: INPUT, node_pb2.KIND_TARGET: TARGET,
          node_pb2.KIND_REDUCE: REDUCE, node_pb2.KIND_OUTER: OUTER}
 KIND_CODES = {v: k for k, v in KINDS.items()}
 SEND_TIMEOUT = 600.0
+MAX_PROBE_BYTES = 64 * 2**20
+"""Largest link-measurement probe a node sends or accepts, bytes."""
 
 
 class PeerSender:
@@ -84,6 +86,10 @@ class PeerSender:
         except Exception as e:  # kept for the stage thread, which reports it
             self.error = self.error or e
 
+    def check(self) -> None:
+        """Raise StageError if a send to this peer failed."""
+        self._raise()
+
     def _raise(self):
         if self.error is not None:
             detail = self.error.details() if isinstance(self.error, grpc.RpcError) else self.error
@@ -109,6 +115,7 @@ class Stage:
     n_stages: int
     layer_start: int
     module: nn.Module
+    steps: int = 0
     runner: StageRunner | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
@@ -180,8 +187,15 @@ class StageTransport:
     def recv(self, kind, step, microbatch, timeout: float | None = None):
         """As :meth:`Transport.recv`; TimeoutError if nothing came within ``timeout`` s."""
         t, batch = self.mailbox.get(self.stage.slot, kind, step, microbatch,
-                                    stopped=self.stage.stop.is_set, timeout=timeout)
+                                    stopped=self._stopped, timeout=timeout)
         return t.to(self.device), batch
+
+    def _stopped(self) -> bool:
+        """Whether to give up waiting: the stage was stopped; StageError if a send failed
+        (the peer will not answer what it never got)."""
+        for s in list(self.stage.senders.values()):
+            s.check()
+        return self.stage.stop.is_set()
 
     def send(self, kind, step, microbatch, tensor, batch_size):
         peer, codec = self.routes[kind]
@@ -236,7 +250,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"stage {slot} is already loaded")
         try:
             stage = self._build(request)
-        except Exception as e:  # noqa: BLE001 — any failure of user code is the caller's error
+        except BaseException as e:  # noqa: BLE001 — user code (even sys.exit) is the caller's error
             log.exception("cannot load stage %s", slot)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"cannot load stage {request.stage}: {type(e).__name__}: {e}")
@@ -261,7 +275,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
         opt = cloudpickle.loads(cfg.optimizer).build(params) if params else None
         last = request.stage == n_stages - 1
         loss_fn = cloudpickle.loads(cfg.loss_fn) if last else None
-        stage = Stage(request.job_id, r, request.stage, n_stages, mine.layer_start, module)
+        if cfg.steps < 1 or cfg.microbatches < 1:
+            raise ValueError(f"steps and microbatches must be >= 1, got {cfg.steps}, "
+                             f"{cfg.microbatches}")
+        stage = Stage(request.job_id, r, request.stage, n_stages, mine.layer_start, module,
+                      cfg.steps)
         transport = StageTransport(stage, self.mailbox, self.device,
                                    peers.get((r, request.stage - 1)), mine,
                                    peers.get((r, request.stage + 1)),
@@ -345,25 +363,46 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 s.stop.set()
 
     # -- data plane ---------------------------------------------------------
+    def _admit(self, head: node_pb2.Frame, context) -> int:
+        """Check a tensor's envelope before its payload is buffered; return its size limit.
+
+        A probe may be at most :data:`MAX_PROBE_BYTES`; a stage's tensor needs a
+        running stage, a known kind, a positive batch size, and a step and
+        microbatch index the stage will ask for (others would sit in its
+        bounded inbox for ever).
+        """
+        env = head.envelope
+        if env.kind == node_pb2.KIND_PROBE:
+            return MAX_PROBE_BYTES
+        with self.lock:
+            stage = self.stages.get((env.job_id, env.replica, env.stage))
+        if stage is None or stage.stop.is_set():
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no running stage {env.stage} of job {env.job_id!r} "
+                          f"(replica {env.replica}) on this node")
+        if env.kind not in KINDS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown envelope kind {env.kind}")
+        if env.batch_size <= 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"envelope batch_size must be positive, got {env.batch_size}")
+        if not 0 <= env.step < stage.steps or env.microbatch < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"step {env.step} / microbatch {env.microbatch} out of range for a "
+                          f"job of {stage.steps} steps")
+        return codecs.MAX_TENSOR_BYTES
+
     def Send(self, request_iterator, context):
         try:
-            for head, tensor in frames.read_tensors(request_iterator):
+            for head, tensor in frames.read_tensors(request_iterator,
+                                                    lambda h: self._admit(h, context)):
                 env = head.envelope
                 if env.kind == node_pb2.KIND_PROBE:
                     continue  # a link measurement: it only had to arrive
                 slot = (env.job_id, env.replica, env.stage)
                 with self.lock:
                     stage = self.stages.get(slot)
-                if stage is None or stage.stop.is_set():
-                    context.abort(grpc.StatusCode.NOT_FOUND,
-                                  f"no running stage {env.stage} of job {env.job_id!r} "
-                                  f"(replica {env.replica}) on this node")
-                if env.kind not in KINDS:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"unknown envelope kind {env.kind}")
-                if env.batch_size <= 0:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"envelope batch_size must be positive, got {env.batch_size}")
+                if stage is None:
+                    context.abort(grpc.StatusCode.NOT_FOUND, f"stage {slot} was released")
                 self.mailbox.put(slot, KINDS[env.kind], env.step, env.microbatch, tensor,
                                  env.batch_size,
                                  alive=lambda: context.is_active() and not stage.stop.is_set())
@@ -386,9 +425,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
                                          measured_at=time.time())
             try:
                 m.latency, m.bandwidth = measure_link(
-                    peer.address, self._shaper(peer.name), pings=request.pings or 5,
-                    max_bytes=request.max_probe_bytes or 4 * 2**20,
-                    seconds=request.probe_seconds or 0.5)
+                    peer.address, self._shaper(peer.name),
+                    pings=min(max(request.pings, 1), 100) if request.pings else 5,
+                    max_bytes=min(request.max_probe_bytes or 4 * 2**20, MAX_PROBE_BYTES),
+                    seconds=min(request.probe_seconds or 0.5, 10.0))
             except grpc.RpcError as e:
                 m.error = f"{e.code().name}: {e.details()}"
             out.links.append(m)

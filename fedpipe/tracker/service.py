@@ -7,6 +7,7 @@ deploys their stages; nodes report steps and completion back through
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent import futures
@@ -16,6 +17,7 @@ import grpc
 from .. import net, planner
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
 from ..runtime import schedules
+from ..wire import WireError, parse_codec
 from .store import TERMINAL, Store
 
 log = logging.getLogger("fedpipe.tracker")
@@ -60,6 +62,23 @@ def train_config(spec: tracker_pb2.SubmitJobRequest) -> planner.TrainConfig:
                                gradient_compression=c.gradient_compression or "auto")
 
 
+MAX_MICROBATCHES = 4096
+MAX_NAME = 256
+
+
+def validate_node(request: tracker_pb2.RegisterNodeRequest) -> str | None:
+    """What is wrong with a registration, or None."""
+    host, _, port = request.address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+        return f"node address must be HOST:PORT with a port in 1..65535, got {request.address!r}"
+    r = request.resources
+    if not (math.isfinite(r.flops) and r.flops > 0) or r.memory_bytes <= 0:
+        return "node resources must have finite flops > 0 and memory_bytes > 0"
+    if len(request.name) > MAX_NAME or len(request.address) > MAX_NAME:
+        return f"node name and address must be at most {MAX_NAME} characters"
+    return None
+
+
 def validate(spec: tracker_pb2.SubmitJobRequest) -> str | None:
     """What is wrong with a submission, or None."""
     c = spec.config
@@ -81,8 +100,27 @@ def validate(spec: tracker_pb2.SubmitJobRequest) -> str | None:
         return f"batch_size {spec.batch_size} is smaller than microbatches {c.microbatches}"
     if c.schedule not in schedules.SCHEDULES:
         return f"unknown schedule {c.schedule!r}; choose one of {sorted(schedules.SCHEDULES)}"
+    if c.microbatches > MAX_MICROBATCHES:
+        return f"microbatches must be <= {MAX_MICROBATCHES}, got {c.microbatches}"
     if not c.optimizer or not c.loss_fn:
         return "the job needs an optimizer and a loss function"
+    if c.replica_sync not in ("", "auto", "allreduce", "diloco"):
+        return f"replica_sync must be auto, allreduce or diloco, got {c.replica_sync!r}"
+    if c.max_staleness < 0:
+        return f"max_staleness must be >= 0, got {c.max_staleness}"
+    for what, codec in (("activation_compression", c.activation_compression),
+                        ("gradient_compression", c.gradient_compression),
+                        ("outer_compression", c.outer_compression)):
+        if codec not in ("", "auto", "none"):
+            try:
+                parsed = parse_codec(codec)
+            except WireError as e:
+                return f"{what}: {e}"
+            if what == "activation_compression" and parsed.name == "topk":
+                return "activation_compression: top-k is for gradients only"
+    for i, lp in enumerate(spec.profile.layers):
+        if not (math.isfinite(lp.flops) and lp.flops >= 0):
+            return f"profile layer {i} ({lp.name}): flops must be a finite number >= 0"
     return None
 
 
@@ -107,6 +145,9 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         self.measure_now = threading.Event()
         self.partial: dict[tuple[str, int], list] = {}  # (job, step) -> groups, loss, samples, s
         self.store.renew_all()
+        for job_id in self.store.jobs_in(S.JOB_STATE_PLANNING, S.JOB_STATE_DEPLOYING):
+            self._fail(job_id, "the tracker restarted while the job was being planned or "
+                               "deployed; submit it again")
         self.threads = [threading.Thread(target=self._scheduler, name="scheduler", daemon=True),
                         threading.Thread(target=self._measurer, name="links", daemon=True)]
         for th in self.threads:
@@ -125,12 +166,9 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
     # -- nodes --------------------------------------------------------------
     def RegisterNode(self, request, context):
-        if not request.address or ":" not in request.address:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"node address must be HOST:PORT, got {request.address!r}")
-        if request.resources.flops <= 0 or request.resources.memory_bytes <= 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "node resources must have positive flops and memory_bytes")
+        problem = validate_node(request)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         node_id = self.store.upsert_node(request.name or request.address, request.address,
                                          request.resources)
         log.info("node %s (%s) registered at %s", request.name, node_id, request.address)
@@ -248,6 +286,16 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
         if job.state in TERMINAL:
             return S.StageReportReply()
+        mine = [a for a in job.plan.stages
+                if (a.replica, a.stage) == (request.replica, request.stage)]
+        if not mine or mine[0].node_id != request.node_id:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"node {request.node_id!r} does not run stage {request.stage} "
+                          f"(replica {request.replica}) of job {job.job_id}")
+        if job.state not in ACTIVE or not 0 <= request.step <= job.steps:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"job {job.job_id} is {STATE_NAMES[job.state]} with {job.steps} steps; "
+                          f"report of step {request.step} refused")
         if request.status == R.STATUS_STEP:
             self._step(job, request)
         elif request.status == R.STATUS_DONE:
@@ -351,6 +399,10 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         except planner.PlanError as e:
             self._fail(job_id, f"no plan: {e}")
             return
+        except Exception as e:  # noqa: BLE001 — a planner bug must not leave the job PLANNING
+            log.exception("planning job %s failed", job_id)
+            self._fail(job_id, f"planning failed: {type(e).__name__}: {e}")
+            return
         msg = plan_message(plan, {n.node_id: n for n in nodes})
         self.store.set_plan(job_id, msg)
         if spec.config.replica_sync in ("", "auto"):
@@ -413,7 +465,7 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
         sqlite3.Error: the database cannot be opened.
     """
     service = TrackerService(Store(db), lease, link_refresh)
-    srv = net.server(32)
+    srv = net.server()
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
     real = net.bind(srv, host, port)
     srv.start()

@@ -552,6 +552,8 @@ def _header(msg: pb.Tensor) -> tuple[_Header, Codec]:
         raise WireError(f"tensor shape has {len(msg.shape)} dimensions, more than {MAX_DIMS}")
     if any(d < 0 for d in msg.shape):
         raise WireError(f"tensor shape {list(msg.shape)} has a negative dimension")
+    if any(d > 2**40 for d in msg.shape):  # a 0 elsewhere would hide it from the product
+        raise WireError(f"tensor shape {list(msg.shape)} has a dimension over 2**40")
     return _Header(msg, dtype, math.prod(msg.shape)), impl
 
 

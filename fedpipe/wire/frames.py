@@ -13,7 +13,7 @@ payload, and pieces are cut from one ``bytes`` object.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -72,20 +72,25 @@ def encode_frames(t: torch.Tensor, codec: str = "raw", **kw) -> Iterator[node_pb
 
 
 def read_tensors(frames: Iterable[node_pb2.Frame],
-                 max_payload_bytes: int = 1 << 40) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
+                 admit: Callable[[node_pb2.Frame], int] | None = None
+                 ) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
     """Reassemble and decode the tensors of a frame stream.
 
     Yields ``(first_frame, tensor)`` for each tensor; ``first_frame`` carries the
-    envelope and name.
+    envelope and name. ``admit(first_frame)``, called before any of a
+    tensor's payload is buffered, may raise to refuse it and returns the most
+    bytes the tensor may take, encoded or decoded (default
+    :data:`fedpipe.wire.codecs.MAX_TENSOR_BYTES`).
 
     Raises:
         WireError: a continuation frame without a header, pieces that do not
-            add up to ``payload_bytes``, a payload over ``max_payload_bytes``,
-            or a malformed tensor (see :func:`fedpipe.wire.codecs.decode`).
+            add up to ``payload_bytes``, a tensor over its limit, or a
+            malformed tensor (see :func:`fedpipe.wire.codecs.decode`).
     """
     head: node_pb2.Frame | None = None
     parts: list[bytes] = []
     size = 0
+    limit = codecs.MAX_TENSOR_BYTES
 
     def finish():
         nonlocal parts
@@ -94,16 +99,17 @@ def read_tensors(frames: Iterable[node_pb2.Frame],
                             f"{head.tensor.payload_bytes}")
         payload = bytearray().join(parts)  # the one copy: decoded in place
         parts = []
-        return head, codecs.decode(head.tensor, payload=payload)
+        return head, codecs.decode(head.tensor, payload=payload, max_bytes=limit)
 
     for frame in frames:
         if frame.HasField("tensor"):
             if head is not None:
                 yield finish()
             head, parts, size = frame, [frame.tensor.payload], len(frame.tensor.payload)
-            if head.tensor.payload_bytes > max_payload_bytes:
+            limit = admit(head) if admit is not None else codecs.MAX_TENSOR_BYTES
+            if head.tensor.payload_bytes > limit:
                 raise WireError(f"tensor payload of {head.tensor.payload_bytes} bytes exceeds "
-                                f"the limit of {max_payload_bytes}")
+                                f"the limit of {limit}")
         elif head is None:
             raise WireError("frame stream starts with a continuation chunk, not a tensor header")
         else:
