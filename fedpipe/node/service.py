@@ -67,7 +67,7 @@ class PeerSender:
         Raises:
             StageError: an earlier send to this peer failed.
         """
-        self._raise()
+        self.check()
         self.pending = [f for f in self.pending if not f.done()]
         self.pending.append(self.pool.submit(self._send, envelope, tensor, codec))
 
@@ -88,9 +88,6 @@ class PeerSender:
 
     def check(self) -> None:
         """Raise StageError if a send to this peer failed."""
-        self._raise()
-
-    def _raise(self):
         if self.error is not None:
             detail = self.error.details() if isinstance(self.error, grpc.RpcError) else self.error
             raise StageError(f"sending to {self.address} failed: {detail}")
@@ -98,7 +95,7 @@ class PeerSender:
     def flush(self) -> None:
         """Wait for queued sends. Raises StageError if one failed."""
         futures.wait(self.pending)
-        self._raise()
+        self.check()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
