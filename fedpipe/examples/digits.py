@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -77,13 +79,17 @@ def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int =
                         batches(x_train, y_train, batch_size), steps=steps,
                         microbatches=microbatches, schedule=schedule, stages=stages,
                         compression=compression, name="digits-mlp")
-    names = {n.node_id: n.name for n in client.nodes()}
-    status = job.wait(progress=progress)
-    out(f"plan ({status.plan.predicted_step_seconds * 1e3:.1f} ms/step predicted):")
-    for a in status.plan.stages:
+    plan = job.status().plan
+    while not plan.stages and job.status().state in ("PENDING", "PLANNING"):
+        time.sleep(0.1)
+        plan = job.status().plan
+    out(f"plan ({plan.predicted_step_seconds * 1e3:.1f} ms/step predicted):")
+    for a in plan.stages:
         layers = ", ".join(f"{i}:{type(model[i]).__name__}" for i in range(a.layer_start, a.layer_end))
-        out(f"  stage {a.stage} on {names.get(a.node_id, a.node_id)} ({a.address}): {layers}"
-            f"  [activations {a.activation_codec or 'raw'}, gradients {a.gradient_codec or 'raw'}]")
+        out(f"  group {a.replica} stage {a.stage} on {a.node_name} ({a.address}): {layers}"
+            f"  [sends activations {a.activation_codec or 'raw'}, gradients "
+            f"{a.gradient_codec or 'raw'}]")
+    status = job.wait(progress=progress)
     trained = job.model()
     job.release()
     acc = accuracy(trained, x_test, y_test)
