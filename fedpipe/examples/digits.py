@@ -79,10 +79,11 @@ def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int =
                         batches(x_train, y_train, batch_size), steps=steps,
                         microbatches=microbatches, schedule=schedule, stages=stages,
                         compression=compression, name="digits-mlp")
-    plan = job.status().plan
-    while not plan.stages and job.status().state in ("PENDING", "PLANNING"):
+    status = job.status()
+    while not status.plan.stages and status.state in ("PENDING", "PLANNING"):
         time.sleep(0.1)
-        plan = job.status().plan
+        status = job.status()
+    plan = status.plan
     out(f"plan ({plan.predicted_step_seconds * 1e3:.1f} ms/step predicted):")
     for a in plan.stages:
         layers = ", ".join(f"{i}:{type(model[i]).__name__}" for i in range(a.layer_start, a.layer_end))
