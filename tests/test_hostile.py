@@ -34,6 +34,10 @@ def test_tracker_refuses_bad_registrations_reports_and_codecs(swarm):
                                   loss_fn=b"l", activation_compression="int8:7"))
     code, details = code_of(lambda: stub.SubmitJob(spec, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "activation_compression" in details
+    spec.config.activation_compression = ""
+    spec.config.replica_sync, spec.config.outer_every = "diloco", 0
+    code, details = code_of(lambda: stub.SubmitJob(spec, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "inner_steps" in details, details
     # a stranger's report about a job it does not run is refused, not believed
     job = stub.SubmitJob(tracker_pb2.SubmitJobRequest(
         layers=[b"x"], batch_size=4, profile=spec.profile,

@@ -403,3 +403,23 @@ def test_choose_replica_sync_by_the_all_reduce_share_of_a_step():
     assert choose_replica_sync(Plan(one, 1.0, sync_seconds=0.0)) == "allreduce"
     assert choose_replica_sync(Plan(two, 1.1, sync_seconds=0.1)) == "allreduce"
     assert choose_replica_sync(Plan(two, 2.0, sync_seconds=1.0)) == "diloco"
+
+
+def test_diloco_pays_the_cross_group_sync_once_every_h_steps():
+    """Two nodes joined by a 10 Mbit/s 50 ms link, 2 groups pinned: the sync of
+    the groups is charged 1/H per step under DiLoCo (sync_every=H)."""
+    nodes = [NodeSpec(f"{s}0", TF, 10**12, site=s) for s in "ab"]
+    fast, slow = Link(1.25e9, 1e-4), Link(10e6 / 8, 0.05)
+    cluster = ClusterView(nodes, site_links={("a", "a"): fast, ("b", "b"): fast,
+                                             ("a", "b"): slow, ("b", "a"): slow})
+    profile = model(8, flops=1e10, act=10**5, params=10**6)
+    every_step = make_plan(cluster, profile, TrainConfig(batch_size=32, microbatches=8,
+                                                         replicas=2), FAST)
+    assert every_step.sync_seconds > 0.5  # 8 MB of weights over 1.25 MB/s
+    h10 = TrainConfig(batch_size=32, microbatches=8, replicas=2, sync_every=10)
+    plan = make_plan(cluster, profile, h10, FAST)
+    assert plan.predicted_step_seconds < every_step.predicted_step_seconds
+    same = simulate(every_step, cluster, profile, h10)  # the same plan, costed for DiLoCo
+    assert same.sync_seconds == pytest.approx(every_step.sync_seconds / 10)
+    assert same.step_seconds == pytest.approx(max(same.group_seconds) + same.sync_seconds)
+

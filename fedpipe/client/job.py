@@ -366,15 +366,17 @@ class Job:
             for step in range(info.steps):
                 x, y, shards = self._next_batch(batches, ends)
                 for (first, last, m, _), (xs, ys) in zip(ends, shards):
-                    for mb, (xm, ym) in enumerate(zip(torch.tensor_split(xs, m),
-                                                      torch.tensor_split(ys, m))):
-                        for a, kind, t in ((first, node_pb2.KIND_INPUT, xm),
-                                           (last, node_pb2.KIND_TARGET, ym)):
-                            env = node_pb2.Envelope(job_id=self.id, replica=a.replica,
-                                                    stage=a.stage, kind=kind, step=step,
-                                                    microbatch=mb, batch_size=x.shape[0])
-                            stubs[a.address].Send(frames.encode_frames(t, envelope=env),
-                                                  timeout=3600)
+                    # one call per stage and step carries all its microbatches
+                    for a, kind, t in ((first, node_pb2.KIND_INPUT, xs),
+                                       (last, node_pb2.KIND_TARGET, ys)):
+                        envs = [node_pb2.Envelope(job_id=self.id, replica=a.replica,
+                                                  stage=a.stage, kind=kind, step=step,
+                                                  microbatch=mb, batch_size=x.shape[0])
+                                for mb in range(m)]
+                        stubs[a.address].Send(itertools.chain.from_iterable(
+                            frames.encode_frames(piece, envelope=env)
+                            for env, piece in zip(envs, torch.tensor_split(t, m))),
+                            timeout=3600)
         except StopIteration:
             self.feed_error = ValueError("data ran out before the last step")
             self.cancel("the client's data ran out before the last step")

@@ -2,8 +2,9 @@
 
 Each loaded stage runs its :class:`~fedpipe.runtime.stage.StageRunner` in a
 thread of its own. Tensors that arrive (``Send``) wait in a :class:`Mailbox`
-until the stage takes them; outgoing tensors go through one ordered
-:class:`PeerSender` per peer address, so compute overlaps communication.
+until the stage takes them; outgoing tensors go through one
+:class:`PeerSender` per peer address, so compute overlaps communication
+and several tensors are in flight on a slow link.
 """
 from __future__ import annotations
 
@@ -43,7 +44,14 @@ MAX_PROBE_BYTES = 64 * 2**20
 
 
 class PeerSender:
-    """Sends tensors to one peer's ``Send`` RPC, in order, from a background thread.
+    """Sends tensors to one peer's ``Send`` RPC from background threads.
+
+    Tensors are encoded in submission order on one thread, then sent with up
+    to ``window`` ``Send`` calls in flight at once (the peer's mailbox keys
+    tensors by kind, step and microbatch, so the order they land in does not
+    matter). A blocking call costs a round trip plus the transfer; with a
+    window, a link of one-way latency ``L`` carries up to ``window`` tensors
+    per ``2 L`` instead of one, as TCP's window does for a byte stream.
 
     Lossy codecs on gradients use error feedback: the residual is kept per
     link (this sender), per microbatch slot and shape, so what the codec drops
@@ -52,13 +60,15 @@ class PeerSender:
     :meth:`submit` or :meth:`flush`.
     """
 
-    def __init__(self, address: str, shaper=None):
+    def __init__(self, address: str, shaper=None, window: int = 8):
         self.address = address
         self.channel = net.channel(address, shaper)
         self.stub = node_pb2_grpc.NodeStub(self.channel)
-        self.pool = futures.ThreadPoolExecutor(1, thread_name_prefix=f"send-{address}")
+        self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"encode-{address}")
+        self.calls = futures.ThreadPoolExecutor(window, thread_name_prefix=f"send-{address}")
         self.error: Exception | None = None
         self.pending: list[futures.Future] = []
+        self.lock = threading.Lock()
         self.feedback = codecs.ErrorFeedback()
 
     def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
@@ -68,10 +78,14 @@ class PeerSender:
             StageError: an earlier send to this peer failed.
         """
         self.check()
-        self.pending = [f for f in self.pending if not f.done()]
-        self.pending.append(self.pool.submit(self._send, envelope, tensor, codec))
+        self._track(self.encoder.submit(self._encode, envelope, tensor, codec))
 
-    def _send(self, envelope, tensor, codec):
+    def _track(self, future: futures.Future) -> None:
+        with self.lock:
+            self.pending = [f for f in self.pending if not f.done()]
+            self.pending.append(future)
+
+    def _encode(self, envelope, tensor, codec):
         try:
             if envelope.kind == node_pb2.KIND_GRADIENT:
                 key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
@@ -79,6 +93,12 @@ class PeerSender:
                                                      key=key)
             else:
                 msg, payload = codecs.encode_payload(tensor, codec)
+            self._track(self.calls.submit(self._send, envelope, msg, payload))
+        except Exception as e:  # kept for the stage thread, which reports it
+            self.error = self.error or e
+
+    def _send(self, envelope, msg, payload):
+        try:
             net.retry(lambda: self.stub.Send(frames.to_frames(msg, payload=payload,
                                                               envelope=envelope),
                                              timeout=SEND_TIMEOUT),
@@ -93,12 +113,18 @@ class PeerSender:
             raise StageError(f"sending to {self.address} failed: {detail}")
 
     def flush(self) -> None:
-        """Wait for queued sends. Raises StageError if one failed."""
-        futures.wait(self.pending)
+        """Wait for queued sends (encoding, then the calls). Raises StageError if one failed."""
+        while True:
+            with self.lock:
+                left = [f for f in self.pending if not f.done()]
+            if not left:
+                break
+            futures.wait(left)
         self.check()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.encoder.shutdown(wait=False, cancel_futures=True)
+        self.calls.shutdown(wait=False, cancel_futures=True)
         self.channel.close()
 
 

@@ -148,8 +148,9 @@ class Evaluator:
         return Candidate(tuple(tuple(c) for c in chains), tuple(sols), tuple(micro), seconds)
 
     def step_seconds(self, sols: Sequence[GroupSolution], micro: Sequence[int]) -> float:
-        """Analytic step time: the slowest group's T(m), or the end of the
-        all-reduce if later (each stage joins it when its last backward ends)."""
+        """Analytic step time: the slowest group's T(m), plus what the all-reduce
+        adds after it (each stage joins it when its last backward ends),
+        divided by the config's ``sync_every``."""
         ctx = self.ctx
         times = [s.seconds(m) for s, m in zip(sols, micro)]
         if len(sols) < 2:
@@ -161,7 +162,8 @@ class Evaluator:
             ready.update((node, t - d) for node, d in zip(s.nodes, s.drain))
         segs = sync_segments(groups, ctx.profile,
                              lambda a, b: (ctx.bw[a, b], ctx.lat[a, b]))
-        return max(max(times), schedule_sync(segs, ready))
+        slowest = max(times)
+        return slowest + max(0.0, schedule_sync(segs, ready) - slowest) / ctx.config.sync_every
 
 
 def split_samples(batch_size: int, micro: Sequence[int]) -> list[int]:

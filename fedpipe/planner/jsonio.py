@@ -159,7 +159,7 @@ def profile_to_json(profile: ModelProfile) -> dict:
 
 
 _CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "state_factor", "stages", "replicas",
-                "compression", "activation_compression", "gradient_compression")
+                "compression", "activation_compression", "gradient_compression", "sync_every")
 
 
 def config_from_json(obj: dict) -> TrainConfig:
@@ -243,7 +243,7 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         out.append(f"group {gi}: {g.microbatches} microbatches, {g.samples} samples, "
                    f"{g.predicted_seconds:.3f} s forward+backward")
     if len(plan.groups) > 1:
-        out.append(f"all-reduce across groups adds {plan.sync_seconds:.3f} s")
+        out.append(f"syncing the groups adds {plan.sync_seconds:.3f} s per step")
     out.append(f"predicted step: {plan.predicted_step_seconds:.3f} s, "
                f"{plan.predicted_samples_per_second:.1f} samples/s")
     if plan.unused:

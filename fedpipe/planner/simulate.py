@@ -208,7 +208,8 @@ class SimResult:
     Attributes:
         step_seconds: the whole step, all-reduce included, seconds.
         group_seconds: per group, its forward and backward passes, seconds.
-        sync_seconds: how much the all-reduce adds after the slowest group, seconds.
+        sync_seconds: how much the all-reduce adds after the slowest group,
+            divided by the config's ``sync_every`` (per step), seconds.
     """
 
     step_seconds: float
@@ -274,5 +275,5 @@ def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     segments = sync_segments([[(s.node_id, s.layer_start, s.layer_end) for s in g.stages]
                               for g in plan.groups], profile, link)
     slowest = max(group_seconds, default=0.0)
-    step = max(slowest, schedule_sync(segments, ready))
-    return SimResult(step, group_seconds, step - slowest)
+    extra = max(0.0, schedule_sync(segments, ready) - slowest) / config.sync_every
+    return SimResult(slowest + extra, group_seconds, extra)

@@ -150,6 +150,10 @@ class TrainConfig:
         activation_compression: overrides ``compression`` for activations.
         gradient_compression: overrides ``compression`` for the gradients sent
             back along the pipeline.
+        sync_every: optimizer steps between two syncs of the replica groups:
+            1 for a gradient all-reduce every step, H under DiLoCo (an outer
+            step every H inner steps; Douillard et al., "DiLoCo", 2023). The
+            sync's time is charged to every step divided by this.
 
     With several replica groups the job's ``microbatches`` (each of
     ``batch_size / microbatches`` samples) are shared among the groups.
@@ -164,6 +168,7 @@ class TrainConfig:
     compression: str = "auto"
     activation_compression: str | None = None
     gradient_compression: str | None = None
+    sync_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -212,8 +217,9 @@ class Plan:
             seconds (from the discrete-event simulator).
         unused: ids of nodes left without a stage.
         predicted_samples_per_second: batch size / predicted step time.
-        sync_seconds: predicted time the cross-group gradient all-reduce adds
-            after the slowest group's last backward pass, seconds (0 for one group).
+        sync_seconds: predicted time the cross-group sync adds after the slowest
+            group's last backward pass, per step (divided by the config's
+            ``sync_every``), seconds (0 for one group).
         schedule: the schedule the prediction assumes ("gpipe" or "1f1b").
     """
 

@@ -17,6 +17,7 @@ import grpc
 from .. import net, planner
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
 from ..runtime import schedules
+from ..runtime.optim import DiLoCo
 from ..wire import WireError, parse_codec
 from .store import TERMINAL, Store
 
@@ -59,7 +60,8 @@ def train_config(spec: tracker_pb2.SubmitJobRequest) -> planner.TrainConfig:
     return planner.TrainConfig(batch_size=spec.batch_size, microbatches=c.microbatches,
                                schedule=c.schedule, stages=c.stages, replicas=c.replicas,
                                activation_compression=c.activation_compression or "auto",
-                               gradient_compression=c.gradient_compression or "auto")
+                               gradient_compression=c.gradient_compression or "auto",
+                               sync_every=c.outer_every if c.replica_sync == "diloco" else 1)
 
 
 MAX_MICROBATCHES = 4096
@@ -108,6 +110,11 @@ def validate(spec: tracker_pb2.SubmitJobRequest) -> str | None:
         return f"replica_sync must be auto, allreduce or diloco, got {c.replica_sync!r}"
     if c.max_staleness < 0:
         return f"max_staleness must be >= 0, got {c.max_staleness}"
+    if c.replica_sync == "diloco":
+        try:
+            DiLoCo(c.outer_every, c.outer_lr, c.outer_momentum)
+        except ValueError as e:
+            return f"DiLoCo: {e}"
     for what, codec in (("activation_compression", c.activation_compression),
                         ("gradient_compression", c.gradient_compression),
                         ("outer_compression", c.outer_compression)):
@@ -394,8 +401,15 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
                                     only_from={S.JOB_STATE_PENDING}):
             return
         try:
-            plan = planner.make_plan(cluster_view(nodes, links), model_profile(spec.profile),
-                                     train_config(spec))
+            cluster, profile = cluster_view(nodes, links), model_profile(spec.profile)
+            plan = planner.make_plan(cluster, profile, train_config(spec))
+            if spec.config.replica_sync in ("", "auto"):
+                spec.config.replica_sync = planner.choose_replica_sync(plan)
+                if spec.config.replica_sync == "diloco":  # plan again, paying the sync 1/H
+                    c, default = spec.config, DiLoCo()
+                    c.outer_every = c.outer_every or default.inner_steps
+                    c.outer_lr = c.outer_lr or default.outer_lr
+                    plan = planner.make_plan(cluster, profile, train_config(spec))
         except planner.PlanError as e:
             self._fail(job_id, f"no plan: {e}")
             return
@@ -405,8 +419,6 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
             return
         msg = plan_message(plan, {n.node_id: n for n in nodes})
         self.store.set_plan(job_id, msg)
-        if spec.config.replica_sync in ("", "auto"):
-            spec.config.replica_sync = planner.choose_replica_sync(plan)
         sync = f" (replica groups sync by {spec.config.replica_sync})" if len(plan.groups) > 1 else ""
         self.store.set_state(job_id, S.JOB_STATE_DEPLOYING,
                              "loading stages: " + msg.summary + sync)
