@@ -27,6 +27,10 @@ _OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # a peer's long-lived Send stream gets no data back until it ends, so the
+    # client's keepalive and flow-control (BDP) pings must not count as abuse
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
     # a restarted peer is found again within 2 s, not after gRPC's default 2 min backoff
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),

@@ -29,6 +29,7 @@ import json
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -100,19 +101,53 @@ class Shaper(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor
              grpc.UnaryStreamClientInterceptor):
     """Client interceptor that delays and paces every call on a channel.
 
-    Requests wait ``latency`` before the first message goes and pass a token
-    bucket message by message (serialised size); the caller gets the answer
-    ``latency`` after the peer gave it (the reply's trip back), so a blocking
-    call costs two latencies plus size / bandwidth, as on a real link.
+    Each request message is held until ``latency`` after the caller produced
+    it (a delay line, so a stream's messages are in flight together, as on a
+    real link), then passes a token bucket (serialised size). A blocking call's
+    caller gets the answer ``latency`` after the peer gave it (the reply's
+    trip back), so it costs two latencies plus size / bandwidth; a call started
+    with ``.future()`` pays the reply's latency once, when it starts.
     """
 
     def __init__(self, link: EmulatedLink):
         self.link = link
         self.bucket = TokenBucket(link.bandwidth)
 
-    def _pace(self, messages: Iterator) -> Iterator:
+    def _pace_one(self, message):
         time.sleep(self.link.latency)
-        for m in messages:
+        self.bucket.take(message.ByteSize())
+        return message
+
+    def _pace(self, messages: Iterator) -> Iterator:
+        """The messages, each no earlier than ``latency`` after ``messages`` gave it."""
+        if self.link.latency <= 0:
+            for m in messages:
+                self.bucket.take(m.ByteSize())
+                yield m
+            return
+        line: deque = deque()
+        ready = threading.Condition()
+        end = object()
+
+        def pump():
+            try:
+                for m in messages:
+                    with ready:
+                        line.append((time.monotonic() + self.link.latency, m))
+                        ready.notify()
+            finally:
+                with ready:
+                    line.append((0.0, end))
+                    ready.notify()
+
+        threading.Thread(target=pump, name="link-delay", daemon=True).start()
+        while True:
+            with ready:
+                ready.wait_for(lambda: line)
+                due, m = line.popleft()
+            if m is end:
+                return
+            time.sleep(max(0.0, due - time.monotonic()))
             self.bucket.take(m.ByteSize())
             yield m
 
@@ -121,15 +156,13 @@ class Shaper(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor
         return result
 
     def intercept_unary_unary(self, continuation, details, request):
-        request = next(self._pace(iter([request])))
-        return self._back(continuation(details, request))
+        return self._back(continuation(details, self._pace_one(request)))
 
     def intercept_stream_unary(self, continuation, details, request_iterator):
         return self._back(continuation(details, self._pace(request_iterator)))
 
     def intercept_unary_stream(self, continuation, details, request):
-        request = next(self._pace(iter([request])))
-        return self._back(continuation(details, request))
+        return self._back(continuation(details, self._pace_one(request)))
 
 
 class LinkProfile:

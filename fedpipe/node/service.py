@@ -3,12 +3,13 @@
 Each loaded stage runs its :class:`~fedpipe.runtime.stage.StageRunner` in a
 thread of its own. Tensors that arrive (``Send``) wait in a :class:`Mailbox`
 until the stage takes them; outgoing tensors go through one
-:class:`PeerSender` per peer address, so compute overlaps communication
-and several tensors are in flight on a slow link.
+:class:`PeerSender` per peer address, a stream that keeps compute and
+communication overlapped and many tensors in flight on a slow link.
 """
 from __future__ import annotations
 
 import logging
+import queue
 import statistics
 import threading
 import time
@@ -38,37 +39,40 @@ KINDS = {node_pb2.KIND_INPUT: INPUT, node_pb2.KIND_TARGET: TARGET,
          node_pb2.KIND_ACTIVATION: ACTIVATION, node_pb2.KIND_GRADIENT: GRADIENT,
          node_pb2.KIND_REDUCE: REDUCE, node_pb2.KIND_OUTER: OUTER}
 KIND_CODES = {v: k for k, v in KINDS.items()}
-SEND_TIMEOUT = 600.0
+STREAM_TIMEOUT = 7 * 24 * 3600.0
+"""Deadline of a peer stream, seconds: a job's streams stay open while it runs."""
 MAX_PROBE_BYTES = 64 * 2**20
 """Largest link-measurement probe a node sends or accepts, bytes."""
 
 
 class PeerSender:
-    """Sends tensors to one peer's ``Send`` RPC from background threads.
+    """Streams tensors to one peer's ``Send`` RPC.
 
-    Tensors are encoded in submission order on one thread, then sent with up
-    to ``window`` ``Send`` calls in flight at once (the peer's mailbox keys
-    tensors by kind, step and microbatch, so the order they land in does not
-    matter). A blocking call costs a round trip plus the transfer; with a
-    window, a link of one-way latency ``L`` carries up to ``window`` tensors
-    per ``2 L`` instead of one, as TCP's window does for a byte stream.
+    Tensors are encoded in submission order on a background thread and their
+    frames written to one long-lived client stream per peer, so a tensor costs
+    no call set-up and no round trip: over a link of one-way latency ``L``
+    tensors follow each other as fast as the link carries them, each arriving
+    ``L`` after it was sent, where a blocking call per tensor would pay ``2 L``
+    each. The peer's ``Send`` reads any number of tensors from a stream.
+    :meth:`flush` ends the stream and waits for the peer's reply (everything
+    was received); the next tensor opens a new stream.
 
     Lossy codecs on gradients use error feedback: the residual is kept per
     link (this sender), per microbatch slot and shape, so what the codec drops
     is sent later instead of lost (:class:`fedpipe.wire.codecs.ErrorFeedback`).
-    The first failed send is kept and raised (as StageError) by the next
+    The first failed stream is kept and raised (as StageError) by the next
     :meth:`submit` or :meth:`flush`.
     """
 
-    def __init__(self, address: str, shaper=None, window: int = 8):
+    END = None
+
+    def __init__(self, address: str, shaper=None):
         self.address = address
         self.channel = net.channel(address, shaper)
         self.stub = node_pb2_grpc.NodeStub(self.channel)
-        self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"encode-{address}")
-        self.calls = futures.ThreadPoolExecutor(window, thread_name_prefix=f"send-{address}")
+        self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"send-{address}")
         self.error: Exception | None = None
-        self.pending: list[futures.Future] = []
-        self.lock = threading.Lock()
+        self.stream: tuple[queue.SimpleQueue, grpc.Future] | None = None  # encoder thread only
         self.feedback = codecs.ErrorFeedback()
 
     def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
@@ -78,14 +82,9 @@ class PeerSender:
             StageError: an earlier send to this peer failed.
         """
         self.check()
-        self._track(self.encoder.submit(self._encode, envelope, tensor, codec))
+        self.encoder.submit(self._send, envelope, tensor, codec)
 
-    def _track(self, future: futures.Future) -> None:
-        with self.lock:
-            self.pending = [f for f in self.pending if not f.done()]
-            self.pending.append(future)
-
-    def _encode(self, envelope, tensor, codec):
+    def _send(self, envelope, tensor, codec):
         try:
             if envelope.kind == node_pb2.KIND_GRADIENT:
                 key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
@@ -93,18 +92,29 @@ class PeerSender:
                                                      key=key)
             else:
                 msg, payload = codecs.encode_payload(tensor, codec)
-            self._track(self.calls.submit(self._send, envelope, msg, payload))
+            if self.stream is None:
+                frames_out = queue.SimpleQueue()
+                call = self.stub.Send.future(iter(frames_out.get, self.END),
+                                             timeout=STREAM_TIMEOUT, wait_for_ready=True)
+                call.add_done_callback(self._ended)
+                self.stream = (frames_out, call)
+            for frame in frames.to_frames(msg, payload=payload, envelope=envelope):
+                self.stream[0].put(frame)
         except Exception as e:  # kept for the stage thread, which reports it
             self.error = self.error or e
 
-    def _send(self, envelope, msg, payload):
-        try:
-            net.retry(lambda: self.stub.Send(frames.to_frames(msg, payload=payload,
-                                                              envelope=envelope),
-                                             timeout=SEND_TIMEOUT),
-                      f"send to {self.address}", attempts=5)
-        except Exception as e:  # kept for the stage thread, which reports it
-            self.error = self.error or e
+    def _ended(self, call: grpc.Future) -> None:
+        if call.exception() is not None:
+            self.error = self.error or call.exception()
+
+    def _close_stream(self) -> grpc.Future | None:
+        """End the open stream (encoder thread); return its call."""
+        if self.stream is None:
+            return None
+        frames_out, call = self.stream
+        self.stream = None
+        frames_out.put(self.END)
+        return call
 
     def check(self) -> None:
         """Raise StageError if a send to this peer failed."""
@@ -113,18 +123,19 @@ class PeerSender:
             raise StageError(f"sending to {self.address} failed: {detail}")
 
     def flush(self) -> None:
-        """Wait for queued sends (encoding, then the calls). Raises StageError if one failed."""
-        while True:
-            with self.lock:
-                left = [f for f in self.pending if not f.done()]
-            if not left:
-                break
-            futures.wait(left)
+        """Wait until the peer has every queued tensor. Raises StageError if a send failed."""
+        call = self.encoder.submit(self._close_stream).result()
+        if call is not None:
+            self._ended(call)  # waits for the peer's reply
         self.check()
 
     def close(self) -> None:
+        """Stop sending: queued tensors are dropped and an open stream is cancelled."""
         self.encoder.shutdown(wait=False, cancel_futures=True)
-        self.calls.shutdown(wait=False, cancel_futures=True)
+        stream = self.stream
+        if stream is not None:
+            stream[0].put(self.END)
+            stream[1].cancel()
         self.channel.close()
 
 

@@ -76,8 +76,9 @@ def read_tensors(frames: Iterable[node_pb2.Frame],
                  ) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
     """Reassemble and decode the tensors of a frame stream.
 
-    Yields ``(first_frame, tensor)`` for each tensor; ``first_frame`` carries the
-    envelope and name. ``admit(first_frame)``, called before any of a
+    Yields ``(first_frame, tensor)`` for each tensor as soon as its last
+    payload byte is in (a stream may stay open between tensors);
+    ``first_frame`` carries the envelope and name. ``admit(first_frame)``, called before any of a
     tensor's payload is buffered, may raise to refuse it and returns the most
     bytes the tensor may take, encoded or decoded (default
     :data:`fedpipe.wire.codecs.MAX_TENSOR_BYTES`).
@@ -104,20 +105,23 @@ def read_tensors(frames: Iterable[node_pb2.Frame],
     for frame in frames:
         if frame.HasField("tensor"):
             if head is not None:
-                yield finish()
+                yield finish()  # raises: the previous tensor is incomplete
             head, parts, size = frame, [frame.tensor.payload], len(frame.tensor.payload)
             limit = admit(head) if admit is not None else codecs.MAX_TENSOR_BYTES
             if head.tensor.payload_bytes > limit:
                 raise WireError(f"tensor payload of {head.tensor.payload_bytes} bytes exceeds "
                                 f"the limit of {limit}")
         elif head is None:
-            raise WireError("frame stream starts with a continuation chunk, not a tensor header")
+            raise WireError("a continuation chunk without a tensor header before it")
         else:
             chunk = frame.chunk
             parts.append(chunk)
             size += len(chunk)
-        if head is not None and size > head.tensor.payload_bytes:
+        if size > head.tensor.payload_bytes:
             raise WireError(f"tensor stream carries more than the declared "
                             f"{head.tensor.payload_bytes} payload bytes")
+        if size == head.tensor.payload_bytes:  # complete: hand it over now, the
+            yield finish()                      # stream may stay open for the next
+            head = None
     if head is not None:
         yield finish()
