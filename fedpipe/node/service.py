@@ -39,8 +39,6 @@ KINDS = {node_pb2.KIND_INPUT: INPUT, node_pb2.KIND_TARGET: TARGET,
          node_pb2.KIND_ACTIVATION: ACTIVATION, node_pb2.KIND_GRADIENT: GRADIENT,
          node_pb2.KIND_REDUCE: REDUCE, node_pb2.KIND_OUTER: OUTER}
 KIND_CODES = {v: k for k, v in KINDS.items()}
-STREAM_TIMEOUT = 7 * 24 * 3600.0
-"""Deadline of a peer stream, seconds: a job's streams stay open while it runs."""
 MAX_PROBE_BYTES = 64 * 2**20
 """Largest link-measurement probe a node sends or accepts, bytes."""
 
@@ -94,8 +92,10 @@ class PeerSender:
                 msg, payload = codecs.encode_payload(tensor, codec)
             if self.stream is None:
                 frames_out = queue.SimpleQueue()
+                # no deadline: the stream lives as long as the stage sends; the
+                # channel's keepalive notices a peer that is gone
                 call = self.stub.Send.future(iter(frames_out.get, self.END),
-                                             timeout=STREAM_TIMEOUT, wait_for_ready=True)
+                                             wait_for_ready=True)
                 call.add_done_callback(self._ended)
                 self.stream = (frames_out, call)
             for frame in frames.to_frames(msg, payload=payload, envelope=envelope):
