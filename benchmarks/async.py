@@ -58,7 +58,7 @@ loss within 2% of sync (a lower loss counts as within).
                                [--steps-digits N] [--steps-text N] [--configs ...]
 
 Full run: 400 digits steps and 1,000 text steps per job, 2 runs per
-configuration (about 30 minutes on 2 cores); ``--quick``: 150 steps, 1 run.
+configuration (20 minutes on this 2-core machine); ``--quick``: 150 steps, 1 run.
 """
 from __future__ import annotations
 
@@ -372,7 +372,7 @@ def report(task: Task, runs: dict[str, list[Run]], target: float) -> list[bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="150 steps per job, one run per config (about 5 minutes)")
+                    help="150 steps per job, one run per config (a few minutes)")
     ap.add_argument("--tasks", default="digits,text", help="comma-separated: digits, text")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated, sync first: {', '.join(CONFIGS)}")

@@ -78,10 +78,10 @@ def read_tensors(frames: Iterable[node_pb2.Frame],
 
     Yields ``(first_frame, tensor)`` for each tensor as soon as its last
     payload byte is in (a stream may stay open between tensors);
-    ``first_frame`` carries the envelope and name. ``admit(first_frame)``, called before any of a
-    tensor's payload is buffered, may raise to refuse it and returns the most
-    bytes the tensor may take, encoded or decoded (default
-    :data:`fedpipe.wire.codecs.MAX_TENSOR_BYTES`).
+    ``first_frame`` carries the envelope and name. ``admit(first_frame)``,
+    called before any of a tensor's payload is buffered, may raise to refuse
+    it and returns the most bytes the tensor may take, encoded or decoded
+    (default :data:`fedpipe.wire.codecs.MAX_TENSOR_BYTES`).
 
     Raises:
         WireError: a continuation frame without a header, pieces that do not
