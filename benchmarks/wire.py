@@ -8,11 +8,13 @@ For 64 KiB, 1 MiB and 16 MiB float32 tensors on 127.0.0.1, in one run:
   identity serializers), the receiver counts the bytes and acks.
 * ``grpc stream``: the same bytes as a client stream of 1 MiB pieces (what
   fedpipe's chunking would cost if framing were free).
-* ``fedpipe``: exactly PeerSender's path for an activation on a fast link
-  (``codecs.encode(t, "raw")``, ``frames.to_frames``, ``NodeStub.Send``) into
-  a real ``fedpipe.v1.Node`` ``Send`` that runs ``frames.read_tensors``
-  (reassemble, validate, decode to a torch tensor): the node's receive path
-  minus the mailbox.
+* ``fedpipe``: PeerSender's encoding and framing for an activation on a fast
+  link (``codecs.encode_payload(t, "raw")``, ``frames.to_frames``) sent by
+  ``NodeStub.Send`` into a real ``fedpipe.v1.Node`` ``Send`` that runs
+  ``frames.read_tensors`` (reassemble, validate, decode to a torch tensor):
+  the node's receive path minus the mailbox. Each transfer is a call of its
+  own, so its end is acknowledged; PeerSender writes a job's tensors into one
+  long-lived stream instead, which also spares the call set-up per tensor.
 
 The raw senders send prebuilt ``bytes`` (no per-transfer copy on the Python
 side) and the TCP receiver reuses its buffer, so they are ceilings. Every gRPC
@@ -217,8 +219,8 @@ def send(grpc_port: int, tcp_port: int) -> None:
             back = [t for _, t in frames.read_tensors(frames.to_frames(codecs.encode(tensor)))]
             assert len(back) == 1 and torch.equal(back[0], tensor)
 
-            def once():  # PeerSender._send, minus the retry and the thread
-                msg, payload = codecs.encode_payload(tensor, "raw")  # PeerSender's path
+            def once():  # PeerSender's encoding and framing, one call per transfer
+                msg, payload = codecs.encode_payload(tensor, "raw")
                 stub.Send(frames.to_frames(msg, payload=payload, envelope=env), timeout=60)
             return once
         if transport == "grpc unary":
