@@ -221,3 +221,10 @@ def schedule_sync(segments: Sequence[SyncSegment], ready: dict[Hashable, float])
             free[h] = end
         end_all = max(end_all, end)
     return end_all
+
+
+def sync_per_step(slowest: float, sync_end: float, config: TrainConfig) -> float:
+    """What syncing the groups adds to a step, seconds: the sync's end
+    (:func:`schedule_sync`) past the slowest group's ``slowest``, paid once
+    every ``config.sync_every`` steps (H under DiLoCo)."""
+    return max(0.0, sync_end - slowest) / config.sync_every

@@ -17,7 +17,7 @@ from typing import Sequence
 from . import codecs
 from .context import PlanContext
 from .costs import (boundary_bytes, compute_seconds, pipeline_estimate, schedule_sync,
-                    sync_segments, transfer_seconds)
+                    sync_per_step, sync_segments, transfer_seconds)
 from .partition import GroupSolution, describe, proportional_split, solve_chain
 from .simulate import simulate
 from .types import Plan, ReplicaGroup, StagePlan
@@ -163,7 +163,7 @@ class Evaluator:
         segs = sync_segments(groups, ctx.profile,
                              lambda a, b: (ctx.bw[a, b], ctx.lat[a, b]))
         slowest = max(times)
-        return slowest + max(0.0, schedule_sync(segs, ready) - slowest) / ctx.config.sync_every
+        return slowest + sync_per_step(slowest, schedule_sync(segs, ready), ctx.config)
 
 
 def split_samples(batch_size: int, micro: Sequence[int]) -> list[int]:

@@ -14,8 +14,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-from .costs import (boundary_bytes, compute_seconds, schedule_sync, sync_segments,
-                    transfer_seconds)
+from .costs import (boundary_bytes, compute_seconds, schedule_sync, sync_per_step,
+                    sync_segments, transfer_seconds)
 from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
 
 
@@ -275,5 +275,5 @@ def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     segments = sync_segments([[(s.node_id, s.layer_start, s.layer_end) for s in g.stages]
                               for g in plan.groups], profile, link)
     slowest = max(group_seconds, default=0.0)
-    extra = max(0.0, schedule_sync(segments, ready) - slowest) / config.sync_every
+    extra = sync_per_step(slowest, schedule_sync(segments, ready), config)
     return SimResult(slowest + extra, group_seconds, extra)
