@@ -1,7 +1,7 @@
 """fedpipe: pipeline-parallel training of one PyTorch model across unlike machines.
 
 Public API (imported lazily, so ``fedpipe.planner`` and ``fedpipe.wire`` stay light):
-``Client``, ``Job``, ``OptimizerSpec``, ``optimizer``, ``DiLoCo``, ``LocalSwarm``.
+``Client``, ``Job``, ``OptimizerSpec``, ``optimizer``, ``DiLoCo``, ``JobSpec``, ``LocalSwarm``.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ _LAZY = {
     "Client": "fedpipe.client",
     "Job": "fedpipe.client",
     "OptimizerSpec": "fedpipe.runtime.optim",
-    "DiLoCo": "fedpipe.runtime.optim",
+    "DiLoCo": "fedpipe.spec",
+    "JobSpec": "fedpipe.spec",
     "optimizer": "fedpipe.runtime.optim",
     "LocalSwarm": "fedpipe.testing",
 }

@@ -24,7 +24,7 @@ from torch import nn
 
 import fedpipe
 from fedpipe.examples import digits
-from fedpipe.runtime import schedules
+from fedpipe import spec as schedules
 from fedpipe.runtime.async_stage import AsyncStageRunner
 from fedpipe.runtime.stage import ACTIVATION, INPUT, TARGET, StageRunner
 from reference import max_relative_difference, single_process

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedpipe.proto import tensor_pb2 as pb
-from fedpipe.wire.codecs import (CODECS, CodecSpec, ErrorFeedback, WireError, decode, encode,
-                                 parse_codec)
+from fedpipe.spec import CodecSpec, SpecError, parse_codec
+from fedpipe.wire.codecs import CODECS, ErrorFeedback, WireError, decode, encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -238,10 +238,10 @@ def test_parse_codec(text, spec):
                                   "topk:x", "int8+zstd:0", "int8+zstd:23", "int8+gzip",
                                   "int8++zstd", "raw+zstd:x", "int8:64:3", "zstd", "+zstd",
                                   "raw+zstd+zstd", " raw"])
-def test_bad_codec_specs_are_wire_errors(text):
-    with pytest.raises(WireError, match="codec|must be in"):
+def test_bad_codec_specs_are_spec_errors(text):
+    with pytest.raises(SpecError, match="codec|must be in"):
         parse_codec(text)
-    with pytest.raises(WireError):
+    with pytest.raises(SpecError):
         encode(torch.ones(3), text)
 
 

@@ -1,7 +1,12 @@
 """Schedules: every microbatch runs forward then backward once; 1F1B bounds what is stashed."""
 import pytest
 
-from fedpipe.runtime import schedules
+import torch
+from torch import nn
+
+from fedpipe import spec as schedules
+from fedpipe.planner.simulate import simulate_group
+from fedpipe.runtime.stage import GRADIENT, StageRunner
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -10,7 +15,7 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.mark.parametrize("n_stages,m", [(1, 1), (1, 4), (3, 1), (3, 4), (4, 8), (5, 3)])
 def test_each_microbatch_forward_then_backward(name, n_stages, m):
     for stage in range(n_stages):
-        acts = schedules.get(name)(stage, n_stages, m)
+        acts = schedules.schedule_order(name, stage, n_stages, m)
         fwd = [a.microbatch for a in acts if a.kind == "F"]
         bwd = [a.microbatch for a in acts if a.kind == "B"]
         assert fwd == list(range(m)) and bwd == list(range(m))
@@ -35,10 +40,43 @@ def test_1f1b_stashes_at_most_remaining_stages(n_stages, m):
 
 def test_unknown_schedule_names_the_choices():
     with pytest.raises(ValueError, match="gpipe"):
-        schedules.get("zigzag")
+        schedules.schedule_order("zigzag", 0, 1, 1)
 
 
-@pytest.mark.parametrize("n_stages,m", [(1, 1), (3, 1), (3, 4), (4, 8), (5, 3)])
+class RecordingTransport:
+    """Hands a stage whatever it asks for at once, and records its passes."""
+
+    def __init__(self):
+        self.passes = []
+
+    def recv(self, kind, step, microbatch):
+        if kind == GRADIENT:
+            self.passes.append(schedules.Action("B", microbatch))
+        else:
+            self.passes.append(schedules.Action("F", microbatch))
+        return torch.ones(2, 3), 2 * 8
+
+    def send(self, kind, step, microbatch, tensor, batch_size):
+        pass
+
+
+@pytest.mark.parametrize("name", schedules.SYNC_SCHEDULES)
+@pytest.mark.parametrize("n_stages,m", [(1, 1), (2, 3), (3, 4), (4, 8)])
+def test_runtime_and_simulator_run_the_same_order(name, n_stages, m):
+    """The order a StageRunner runs its passes in is the order the planner's simulator
+    times them in, for every stage, microbatch count and synchronous schedule."""
+    sim = simulate_group([1.0] * n_stages, [2.0] * n_stages, [0.1] * (n_stages - 1),
+                         [0.05] * (n_stages - 1), [0.1] * (n_stages - 1),
+                         [0.05] * (n_stages - 1), m, name)
+    for stage in range(n_stages - 1):  # the last stage's recvs include targets; covered below
+        transport = RecordingTransport()
+        runner = StageRunner(nn.Linear(3, 3), None, None, name, stage, n_stages, m, transport)
+        runner.run_step(0)
+        assert transport.passes == sim.order[stage], (stage, transport.passes)
+    assert sim.order[-1] == schedules.schedule_order(name, n_stages - 1, n_stages, m)
+
+
+@pytest.mark.parametrize("n_stages,m", [(1, 1), (3, 1), (3, 4), (4, 8)])
 def test_async_without_staleness_is_1f1b_step_after_step(n_stages, m):
     steps = 3
     for stage in range(n_stages):

@@ -15,20 +15,14 @@ from torch import nn
 
 from .. import net
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
-from ..runtime.optim import DiLoCo, OptimizerSpec
-from ..runtime.schedules import SCHEDULES
-from ..wire import codecs, frames
+from ..runtime.optim import OptimizerSpec
+from ..spec import REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, state_name
+from ..wire import frames
 from .packaging import dumps, pack_layers
 from .profile import profile_model
 
 log = logging.getLogger("fedpipe.client")
 S = tracker_pb2
-TERMINAL = {S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_CANCELLED}
-
-
-def state_name(state: int) -> str:
-    """"RUNNING" for JOB_STATE_RUNNING, and so on."""
-    return S.JobState.Name(state).removeprefix("JOB_STATE_")
 
 
 class JobFailed(RuntimeError):
@@ -98,23 +92,18 @@ class Client:
         Raises:
             TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
                 bad optimizer.
-            ValueError: bad steps, microbatches or schedule, or empty data.
+            fedpipe.spec.JobSpecError: a bad setting (a ValueError; ``field`` names it).
+            ValueError: empty data, or a batch too small for the microbatches.
             grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
                 with the memory figures) or is unreachable.
         """
         layers = pack_layers(model)
         if not isinstance(optimizer, OptimizerSpec):
             raise TypeError("optimizer must come from fedpipe.optimizer(torch.optim.X, ...)")
-        if steps < 1 or microbatches < 1:
-            raise ValueError(f"steps and microbatches must be >= 1, got {steps}, {microbatches}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
         act_codec, grad_codec = _compression(compression)
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if isinstance(replica_sync, str):
-            if replica_sync not in ("auto", "allreduce", "diloco"):
-                raise ValueError(f"replica_sync must be 'auto', 'allreduce', 'diloco' or a "
+            if replica_sync not in REPLICA_SYNCS:
+                raise ValueError(f"replica_sync must be one of {list(REPLICA_SYNCS)} or a "
                                  f"fedpipe.DiLoCo, got {replica_sync!r}")
             outer = DiLoCo()
         elif isinstance(replica_sync, DiLoCo):
@@ -122,6 +111,12 @@ class Client:
         else:
             raise TypeError(f"replica_sync must be a string or fedpipe.DiLoCo, got "
                             f"{type(replica_sync).__name__}")
+        job_spec = JobSpec(steps=steps, microbatches=microbatches, schedule=schedule,
+                           optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
+                           activation_compression=act_codec, gradient_compression=grad_codec,
+                           stages=stages, replicas=replicas, max_staleness=max_staleness,
+                           replica_sync=replica_sync, diloco=outer,
+                           batch_size=microbatches).validate(len(layers))
         batches = _cycle(data)
         try:
             first = next(batches)
@@ -131,18 +126,10 @@ class Client:
         if x0.shape[0] < microbatches:
             raise ValueError(f"batch of {x0.shape[0]} samples cannot be split into "
                              f"{microbatches} microbatches")
+        job_spec = job_spec.with_(batch_size=x0.shape[0])
         profile = profile_model(model, x0)
-        config = node_pb2.JobConfig(steps=steps, microbatches=microbatches, schedule=schedule,
-                                    optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
-                                    activation_compression=act_codec,
-                                    gradient_compression=grad_codec, stages=stages,
-                                    replicas=replicas,
-                                    max_staleness=max_staleness, replica_sync=replica_sync,
-                                    outer_every=outer.inner_steps, outer_lr=outer.outer_lr,
-                                    outer_momentum=outer.outer_momentum,
-                                    outer_compression=outer.compression)
-        req = S.SubmitJobRequest(name=name or type(model).__name__, layers=layers, config=config,
-                                 profile=profile, batch_size=x0.shape[0],
+        req = S.SubmitJobRequest(name=name or type(model).__name__, layers=layers,
+                                 config=job_spec.to_proto(), profile=profile,
                                  pending_timeout=pending_timeout or 0.0)
         job_id = self.stub.SubmitJob(req, timeout=60).job_id
         return Job(self, job_id, model, itertools.chain([first], batches), microbatches)
@@ -156,7 +143,7 @@ def _compression(compression: str | dict[str, str]) -> tuple[str, str]:
     """(activation, gradient) compression from the ``compression`` argument.
 
     Raises:
-        ValueError: unknown keys, a bad codec spec, or top-k for activations.
+        ValueError: unknown keys (codec specs are checked by :meth:`JobSpec.validate`).
     """
     if isinstance(compression, str):
         act = grad = compression
@@ -167,13 +154,6 @@ def _compression(compression: str | dict[str, str]) -> tuple[str, str]:
                              f"got {sorted(unknown)}")
         act = compression.get("activations", "auto")
         grad = compression.get("gradients", "auto")
-    for what, spec in (("activations", act), ("gradients", grad)):
-        if spec not in ("auto", "none"):
-            parsed = codecs.parse_codec(spec)  # WireError (a ValueError) names the problem
-            if what == "activations" and parsed.name == "topk":
-                raise ValueError("top-k drops most of each activation: use it for gradients, "
-                                 "e.g. compression={'activations': 'int8', "
-                                 "'gradients': 'topk:0.01'}")
     return act, grad
 
 

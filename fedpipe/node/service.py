@@ -28,8 +28,8 @@ from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime.allreduce import GradientSync
 from ..runtime.async_stage import AsyncStageRunner
 from ..runtime.diloco import OUTER, OuterSync
-from ..runtime.optim import DiLoCo
 from ..runtime.stage import ACTIVATION, GRADIENT, INPUT, REDUCE, TARGET, StageError, StageRunner
+from ..spec import JobSpec
 from ..wire import WireError, codecs, frames
 from .mailbox import Mailbox, Stopped
 
@@ -240,8 +240,7 @@ class StageTransport:
         """Queue ``tensor`` for stage ``peer`` (any replica group)."""
         env = node_pb2.Envelope(job_id=self.stage.job_id, replica=peer.replica,
                                 stage=peer.stage, kind=KIND_CODES[kind], step=step,
-                                microbatch=tag, batch_size=batch_size,
-                                from_replica=self.stage.replica)
+                                microbatch=tag, batch_size=batch_size)
         self.sender(peer).submit(env, tensor, codec)
 
 
@@ -298,20 +297,17 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return node_pb2.LoadStageReply()
 
     def _build(self, request) -> Stage:
+        cfg = JobSpec.from_proto(request.config).validate()  # before unpickling anything
         plan, r = request.plan, request.replica
         peers = {(a.replica, a.stage): a for a in plan.stages}
         mine = peers[(r, request.stage)]
         n_stages = sum(1 for a in plan.stages if a.replica == r)
         layers = [cloudpickle.loads(blob) for blob in request.layers]
         module = nn.Sequential(*layers).to(self.device)
-        cfg = request.config
         params = [p for p in module.parameters() if p.requires_grad]
         opt = cloudpickle.loads(cfg.optimizer).build(params) if params else None
         last = request.stage == n_stages - 1
         loss_fn = cloudpickle.loads(cfg.loss_fn) if last else None
-        if cfg.steps < 1 or cfg.microbatches < 1:
-            raise ValueError(f"steps and microbatches must be >= 1, got {cfg.steps}, "
-                             f"{cfg.microbatches}")
         stage = Stage(request.job_id, r, request.stage, n_stages, mine.layer_start, module,
                       cfg.steps)
         transport = StageTransport(stage, self.mailbox, self.device,
@@ -326,8 +322,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                       and plan.replicas[g].samples else 1 for g in range(groups)]
             after = OuterSync(
                 module, mine.layer_start, r, request.stage, all_stages,
-                DiLoCo(cfg.outer_every, cfg.outer_lr, cfg.outer_momentum,
-                       cfg.outer_compression or "none"), shares,
+                cfg.diloco, shares,
                 send=lambda rr, ss, k, tag, t, codec: transport.send_to(
                     peers[(rr, ss)], OUTER, k, tag, t, codec=codec),
                 recv=lambda k, tag, timeout: transport.recv(OUTER, k, tag, timeout)[0],

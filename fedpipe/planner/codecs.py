@@ -19,13 +19,11 @@ Top-k is never used for activations.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..spec import SpecError, parse_codec
 from .types import PlanError, TrainConfig
-
-_SPEC = re.compile(r"(?P<name>[a-z0-9]+)(?::(?P<param>[0-9.eE+-]+))?(?P<zstd>\+zstd(?::\d+)?)?")
 
 # name -> (wire bytes per float32 byte, encode+decode seconds per tensor byte)
 _BASE = {"raw": (1.0, 0.0), "fp16": (0.5, 1e-9), "bf16": (0.5, 1e-9), "int8": (0.27, 1e-9)}
@@ -80,25 +78,19 @@ def codec_cost(spec: str) -> CodecCost:
     Raises:
         PlanError: the spec does not parse or names an unknown codec.
     """
-    m = _SPEC.fullmatch(spec) if isinstance(spec, str) else None
-    if m is None or m["name"] not in (*_BASE, "topk"):
-        raise PlanError(f"unknown codec {spec!r}: expected one of raw, fp16, bf16, int8, "
-                        f"topk[:F], each optionally followed by +zstd")
-    name = m["name"]
-    if name == "topk":
-        try:
-            frac = float(m["param"]) if m["param"] else 0.01
-        except ValueError:
-            raise PlanError(f"bad top-k fraction in codec {spec!r}") from None
-        if not 0 < frac <= 1:
-            raise PlanError(f"top-k fraction must be in (0, 1], got {frac} in {spec!r}")
-        factor, seconds = min(1.0, 2 * frac), 1e-9
+    try:
+        parsed = parse_codec(spec)
+    except SpecError as e:
+        raise PlanError(f"unknown codec: {e}") from None
+    name = parsed.name
+    if name == "topk":  # k values and k indices of 4 bytes each
+        factor, seconds = min(1.0, 2 * parsed.fraction), 1e-9
     else:
         factor, seconds = _BASE[name]
-    if m["zstd"]:
+    if parsed.zstd_level is not None:
         factor *= _ZSTD_SHRINK.get(name, _ZSTD_DEFAULT_SHRINK)
         seconds += _ZSTD_SECONDS_PER_BYTE
-    return CodecCost(spec, factor, seconds, gradients_only=name == "topk")
+    return CodecCost(spec, factor, seconds, gradients_only=parsed.gradients_only)
 
 
 def _resolve(policy: str, auto: tuple[str, ...], kind: str) -> tuple[str, ...]:

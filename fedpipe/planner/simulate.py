@@ -14,35 +14,10 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..spec import Action, SpecError, schedule_order
 from .costs import (boundary_bytes, compute_seconds, schedule_sync, sync_per_step,
                     sync_segments, transfer_seconds)
 from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
-
-
-def schedule_order(schedule: str, stage: int, n_stages: int,
-                   microbatches: int) -> list[tuple[str, int]]:
-    """The passes stage ``stage`` runs in one step, in order: ``("F"|"B", microbatch)``.
-
-    GPipe (Huang et al., NeurIPS 2019): every forward, then every backward.
-    1F1B with a flush (PipeDream-Flush; Narayanan et al., ICML 2021):
-    ``min(n_stages - stage - 1, M)`` warm-up forwards, then one forward and one
-    backward in turn, then the remaining backwards. This is the order
-    ``fedpipe.runtime.schedules`` runs.
-
-    Raises:
-        PlanError: unknown schedule.
-    """
-    if schedule == "gpipe":
-        return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
-    if schedule not in ("1f1b", "async"):  # async: 1F1B's order without the flush; the
-        # flushed step is an upper bound on its step time
-        raise PlanError(f"unknown schedule {schedule!r}; the planner knows 'gpipe', '1f1b' "
-                        f"and 'async'")
-    warmup = min(n_stages - stage - 1, microbatches)
-    order = [("F", m) for m in range(warmup)]
-    for k in range(microbatches - warmup):
-        order += [("F", warmup + k), ("B", k)]
-    return order + [("B", m) for m in range(microbatches - warmup, microbatches)]
 
 
 class _Engine:
@@ -150,10 +125,12 @@ class GroupTimeline:
     Attributes:
         finish: when its last pass ends, seconds.
         last_backward: per stage, when its last backward pass ends, seconds.
+        order: per stage, its passes in the order the simulation ran them.
     """
 
     finish: float
     last_backward: list[float]
+    order: list[list[Action]]
 
 
 def simulate_group(forward: Sequence[float], backward: Sequence[float],
@@ -181,11 +158,15 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
     F: list[dict[int, int]] = [{} for _ in range(n)]
     B: list[dict[int, int]] = [{} for _ in range(n)]
     for s in range(n):
-        for kind, m in schedule_order(schedule, s, n, microbatches):
-            if kind == "F":
-                F[s][m] = eng.op(stage_res[s], forward[s])
+        try:  # the very list of actions the stage's runtime runs
+            order = schedule_order(schedule, s, n, microbatches)
+        except SpecError as e:
+            raise PlanError(str(e)) from None
+        for action in order:
+            if action.kind == "F":
+                F[s][action.microbatch] = eng.op(stage_res[s], forward[s])
             else:
-                B[s][m] = eng.op(stage_res[s], backward[s])
+                B[s][action.microbatch] = eng.op(stage_res[s], backward[s])
     for m in range(microbatches):
         for s in range(n):
             eng.dep(F[s][m], B[s][m])
@@ -198,7 +179,10 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
                 eng.dep(tg, B[s][m])
     end = eng.run()
     last_b = [max(end[B[s][m]] for m in range(microbatches)) for s in range(n)]
-    return GroupTimeline(max(end, default=0.0), last_b)
+    ran = [sorted([(end[op] - eng.dur[op], Action("F", m)) for m, op in F[s].items()]
+                  + [(end[op] - eng.dur[op], Action("B", m)) for m, op in B[s].items()],
+                  key=lambda e: e[0]) for s in range(n)]
+    return GroupTimeline(max(end, default=0.0), last_b, [[a for _, a in r] for r in ran])
 
 
 @dataclass

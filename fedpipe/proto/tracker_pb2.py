@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from . import node_pb2 as fedpipe_dot_v1_dot_node__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65\x64pipe/v1/tracker.proto\x12\nfedpipe.v1\x1a\x15\x66\x65\x64pipe/v1/node.proto\"^\n\x13RegisterNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\tresources\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.Resources\";\n\x11RegisterNodeReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"4\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\"6\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"\x9f\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12(\n\tresources\x18\x04 \x01(\x0b\x32\x15.fedpipe.v1.Resources\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x16\n\x0elast_heartbeat\x18\x06 \x01(\x01\x12\x12\n\nregistered\x18\x07 \x01(\x01\"(\n\x10ListNodesRequest\x12\x14\n\x0cinclude_lost\x18\x01 \x01(\x08\"a\n\x0eListNodesReply\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.fedpipe.v1.NodeInfo\x12*\n\x05links\x18\x02 \x03(\x0b\x32\x1b.fedpipe.v1.LinkMeasurement\"^\n\x0cLayerProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66lops\x18\x02 \x01(\x01\x12\x18\n\x10\x61\x63tivation_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fparameter_bytes\x18\x04 \x01(\x04\"M\n\x0cModelProfile\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.fedpipe.v1.LayerProfile\x12\x13\n\x0binput_bytes\x18\x02 \x01(\x04\"\xaf\x01\n\x10SubmitJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x0c\x12%\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.JobConfig\x12)\n\x07profile\x18\x04 \x01(\x0b\x32\x18.fedpipe.v1.ModelProfile\x12\x12\n\nbatch_size\x18\x05 \x01(\x03\x12\x17\n\x0fpending_timeout\x18\x06 \x01(\x01\" \n\x0eSubmitJobReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xb8\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1e\n\x04plan\x18\x05 \x01(\x0b\x32\x10.fedpipe.v1.Plan\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x0f\n\x07\x63reated\x18\t \x01(\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\x92\x01\n\x08JobEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x07 \x01(\x01\"\xa2\x02\n\x0bStageReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12.\n\x06status\x18\x05 \x01(\x0e\x32\x1e.fedpipe.v1.StageReport.Status\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0f\n\x07samples\x18\x08 \x01(\x03\x12\x0f\n\x07seconds\x18\t \x01(\x01\x12\r\n\x05\x65rror\x18\n \x01(\t\"U\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTATUS_STEP\x10\x01\x12\x0f\n\x0bSTATUS_DONE\x10\x02\x12\x11\n\rSTATUS_FAILED\x10\x03\"\x12\n\x10StageReportReply*\xe6\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x16\n\x12JOB_STATE_PLANNING\x10\x02\x12\x17\n\x13JOB_STATE_DEPLOYING\x10\x03\x12\x15\n\x11JOB_STATE_RUNNING\x10\x04\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x05\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x06\x12\x14\n\x10JOB_STATE_FAILED\x10\x07\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x08\x32\xaf\x04\n\x07Tracker\x12N\n\x0cRegisterNode\x12\x1f.fedpipe.v1.RegisterNodeRequest\x1a\x1d.fedpipe.v1.RegisterNodeReply\x12\x45\n\tHeartbeat\x12\x1c.fedpipe.v1.HeartbeatRequest\x1a\x1a.fedpipe.v1.HeartbeatReply\x12\x45\n\tListNodes\x12\x1c.fedpipe.v1.ListNodesRequest\x1a\x1a.fedpipe.v1.ListNodesReply\x12\x45\n\tSubmitJob\x12\x1c.fedpipe.v1.SubmitJobRequest\x1a\x1a.fedpipe.v1.SubmitJobReply\x12\x38\n\x06GetJob\x12\x19.fedpipe.v1.GetJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12?\n\x08WatchJob\x12\x1b.fedpipe.v1.WatchJobRequest\x1a\x14.fedpipe.v1.JobEvent0\x01\x12>\n\tCancelJob\x12\x1c.fedpipe.v1.CancelJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12\x44\n\x0bReportStage\x12\x17.fedpipe.v1.StageReport\x1a\x1c.fedpipe.v1.StageReportReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65\x64pipe/v1/tracker.proto\x12\nfedpipe.v1\x1a\x15\x66\x65\x64pipe/v1/node.proto\"^\n\x13RegisterNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\tresources\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.Resources\";\n\x11RegisterNodeReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"4\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\"6\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"\x9f\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12(\n\tresources\x18\x04 \x01(\x0b\x32\x15.fedpipe.v1.Resources\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x16\n\x0elast_heartbeat\x18\x06 \x01(\x01\x12\x12\n\nregistered\x18\x07 \x01(\x01\"(\n\x10ListNodesRequest\x12\x14\n\x0cinclude_lost\x18\x01 \x01(\x08\"a\n\x0eListNodesReply\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.fedpipe.v1.NodeInfo\x12*\n\x05links\x18\x02 \x03(\x0b\x32\x1b.fedpipe.v1.LinkMeasurement\"^\n\x0cLayerProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66lops\x18\x02 \x01(\x01\x12\x18\n\x10\x61\x63tivation_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fparameter_bytes\x18\x04 \x01(\x04\"M\n\x0cModelProfile\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.fedpipe.v1.LayerProfile\x12\x13\n\x0binput_bytes\x18\x02 \x01(\x04\"\xa1\x01\n\x10SubmitJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x0c\x12%\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.JobConfig\x12)\n\x07profile\x18\x04 \x01(\x0b\x32\x18.fedpipe.v1.ModelProfile\x12\x17\n\x0fpending_timeout\x18\x06 \x01(\x01J\x04\x08\x05\x10\x06\" \n\x0eSubmitJobReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xb8\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1e\n\x04plan\x18\x05 \x01(\x0b\x32\x10.fedpipe.v1.Plan\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x0f\n\x07\x63reated\x18\t \x01(\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\x92\x01\n\x08JobEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x07 \x01(\x01\"\xa2\x02\n\x0bStageReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12.\n\x06status\x18\x05 \x01(\x0e\x32\x1e.fedpipe.v1.StageReport.Status\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0f\n\x07samples\x18\x08 \x01(\x03\x12\x0f\n\x07seconds\x18\t \x01(\x01\x12\r\n\x05\x65rror\x18\n \x01(\t\"U\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTATUS_STEP\x10\x01\x12\x0f\n\x0bSTATUS_DONE\x10\x02\x12\x11\n\rSTATUS_FAILED\x10\x03\"\x12\n\x10StageReportReply*\xe6\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x16\n\x12JOB_STATE_PLANNING\x10\x02\x12\x17\n\x13JOB_STATE_DEPLOYING\x10\x03\x12\x15\n\x11JOB_STATE_RUNNING\x10\x04\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x05\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x06\x12\x14\n\x10JOB_STATE_FAILED\x10\x07\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x08\x32\xaf\x04\n\x07Tracker\x12N\n\x0cRegisterNode\x12\x1f.fedpipe.v1.RegisterNodeRequest\x1a\x1d.fedpipe.v1.RegisterNodeReply\x12\x45\n\tHeartbeat\x12\x1c.fedpipe.v1.HeartbeatRequest\x1a\x1a.fedpipe.v1.HeartbeatReply\x12\x45\n\tListNodes\x12\x1c.fedpipe.v1.ListNodesRequest\x1a\x1a.fedpipe.v1.ListNodesReply\x12\x45\n\tSubmitJob\x12\x1c.fedpipe.v1.SubmitJobRequest\x1a\x1a.fedpipe.v1.SubmitJobReply\x12\x38\n\x06GetJob\x12\x19.fedpipe.v1.GetJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12?\n\x08WatchJob\x12\x1b.fedpipe.v1.WatchJobRequest\x1a\x14.fedpipe.v1.JobEvent0\x01\x12>\n\tCancelJob\x12\x1c.fedpipe.v1.CancelJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12\x44\n\x0bReportStage\x12\x17.fedpipe.v1.StageReport\x1a\x1c.fedpipe.v1.StageReportReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedpipe.v1.tracker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=1809
-  _globals['_JOBSTATE']._serialized_end=2039
+  _globals['_JOBSTATE']._serialized_start=1795
+  _globals['_JOBSTATE']._serialized_end=2025
   _globals['_REGISTERNODEREQUEST']._serialized_start=63
   _globals['_REGISTERNODEREQUEST']._serialized_end=157
   _globals['_REGISTERNODEREPLY']._serialized_start=159
@@ -53,25 +53,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELPROFILE']._serialized_start=729
   _globals['_MODELPROFILE']._serialized_end=806
   _globals['_SUBMITJOBREQUEST']._serialized_start=809
-  _globals['_SUBMITJOBREQUEST']._serialized_end=984
-  _globals['_SUBMITJOBREPLY']._serialized_start=986
-  _globals['_SUBMITJOBREPLY']._serialized_end=1018
-  _globals['_JOBINFO']._serialized_start=1021
-  _globals['_JOBINFO']._serialized_end=1205
-  _globals['_GETJOBREQUEST']._serialized_start=1207
-  _globals['_GETJOBREQUEST']._serialized_end=1238
-  _globals['_CANCELJOBREQUEST']._serialized_start=1240
-  _globals['_CANCELJOBREQUEST']._serialized_end=1290
-  _globals['_WATCHJOBREQUEST']._serialized_start=1292
-  _globals['_WATCHJOBREQUEST']._serialized_end=1344
-  _globals['_JOBEVENT']._serialized_start=1347
-  _globals['_JOBEVENT']._serialized_end=1493
-  _globals['_STAGEREPORT']._serialized_start=1496
-  _globals['_STAGEREPORT']._serialized_end=1786
-  _globals['_STAGEREPORT_STATUS']._serialized_start=1701
-  _globals['_STAGEREPORT_STATUS']._serialized_end=1786
-  _globals['_STAGEREPORTREPLY']._serialized_start=1788
-  _globals['_STAGEREPORTREPLY']._serialized_end=1806
-  _globals['_TRACKER']._serialized_start=2042
-  _globals['_TRACKER']._serialized_end=2601
+  _globals['_SUBMITJOBREQUEST']._serialized_end=970
+  _globals['_SUBMITJOBREPLY']._serialized_start=972
+  _globals['_SUBMITJOBREPLY']._serialized_end=1004
+  _globals['_JOBINFO']._serialized_start=1007
+  _globals['_JOBINFO']._serialized_end=1191
+  _globals['_GETJOBREQUEST']._serialized_start=1193
+  _globals['_GETJOBREQUEST']._serialized_end=1224
+  _globals['_CANCELJOBREQUEST']._serialized_start=1226
+  _globals['_CANCELJOBREQUEST']._serialized_end=1276
+  _globals['_WATCHJOBREQUEST']._serialized_start=1278
+  _globals['_WATCHJOBREQUEST']._serialized_end=1330
+  _globals['_JOBEVENT']._serialized_start=1333
+  _globals['_JOBEVENT']._serialized_end=1479
+  _globals['_STAGEREPORT']._serialized_start=1482
+  _globals['_STAGEREPORT']._serialized_end=1772
+  _globals['_STAGEREPORT_STATUS']._serialized_start=1687
+  _globals['_STAGEREPORT_STATUS']._serialized_end=1772
+  _globals['_STAGEREPORTREPLY']._serialized_start=1774
+  _globals['_STAGEREPORTREPLY']._serialized_end=1792
+  _globals['_TRACKER']._serialized_start=2028
+  _globals['_TRACKER']._serialized_end=2587
 # @@protoc_insertion_point(module_scope)

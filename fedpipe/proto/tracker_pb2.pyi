@@ -116,20 +116,18 @@ class ModelProfile(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerProfile, _Mapping]]] = ..., input_bytes: _Optional[int] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("name", "layers", "config", "profile", "batch_size", "pending_timeout")
+    __slots__ = ("name", "layers", "config", "profile", "pending_timeout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PENDING_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     layers: _containers.RepeatedScalarFieldContainer[bytes]
     config: _node_pb2.JobConfig
     profile: ModelProfile
-    batch_size: int
     pending_timeout: float
-    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[bytes]] = ..., config: _Optional[_Union[_node_pb2.JobConfig, _Mapping]] = ..., profile: _Optional[_Union[ModelProfile, _Mapping]] = ..., batch_size: _Optional[int] = ..., pending_timeout: _Optional[float] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[bytes]] = ..., config: _Optional[_Union[_node_pb2.JobConfig, _Mapping]] = ..., profile: _Optional[_Union[ModelProfile, _Mapping]] = ..., pending_timeout: _Optional[float] = ...) -> None: ...
 
 class SubmitJobReply(_message.Message):
     __slots__ = ("job_id",)

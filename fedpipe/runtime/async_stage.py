@@ -1,7 +1,7 @@
 """Asynchronous pipeline stage: PipeDream-style 1F1B without a flush, with weight stashing.
 
 The stage runs 1F1B over the stream of all ``steps * microbatches``
-microbatches (:func:`fedpipe.runtime.schedules.async_stream`): forwards of step
+microbatches (:func:`fedpipe.spec.async_stream`): forwards of step
 ``s + 1`` may start before the backwards of step ``s`` end. It accumulates the
 gradients of a step's microbatches and steps its optimizer after the step's
 last backward, as PipeDream-2BW does (Narayanan et al., "Memory-Efficient
@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from . import schedules
+from .. import spec
 from .stage import StageRunner, StepResult, Transport
 
 
@@ -84,7 +84,7 @@ class AsyncStageRunner(StageRunner):
         loss: dict[int, float] = defaultdict(float)
         samples: dict[int, int] = defaultdict(int)
         t0 = time.perf_counter()
-        for action in schedules.async_stream(self.stage, self.n_stages, M, steps,
+        for action in spec.async_stream(self.stage, self.n_stages, M, steps,
                                              self.max_staleness):
             i = action.microbatch
             step, m = divmod(i, M)

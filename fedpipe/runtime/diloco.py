@@ -68,9 +68,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..spec import DiLoCo, parse_codec
 from ..wire import codecs
 from .allreduce import held_segments
-from .optim import DiLoCo
 
 log = logging.getLogger("fedpipe.diloco")
 
@@ -121,7 +121,7 @@ class OuterSync:
     Raises:
         ValueError: a bad plan (as :func:`~fedpipe.runtime.allreduce.segments`),
             a share that is not positive, or a bad grace.
-        fedpipe.wire.WireError: a bad codec spec.
+        fedpipe.spec.SpecError: a bad codec spec.
     """
 
     def __init__(self, module: nn.Module, layer_start: int, replica: int, stage: int,
@@ -138,7 +138,7 @@ class OuterSync:
                              f"{grace_fraction}, {grace_floor}")
         self.module, self.config, self.send, self.recv = module, config, send, recv
         self.codec = "raw" if config.compression in ("", "none") else config.compression
-        codecs.parse_codec(self.codec)  # WireError names what is wrong
+        parse_codec(self.codec)  # SpecError names what is wrong
         total = float(sum(shares))
         self.weights = [s / total for s in shares]
         self.scale = total / shares[replica]

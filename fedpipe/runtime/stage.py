@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 from torch import nn
 
-from . import schedules
+from .. import spec
 
 INPUT, TARGET, ACTIVATION, GRADIENT, REDUCE = "input", "target", "activation", "gradient", "reduce"
 
@@ -62,7 +62,7 @@ class StageRunner:
         module: the stage's layers.
         optimizer: built over ``module``'s parameters; None for a stage without any.
         loss_fn: ``loss_fn(output, target) -> scalar``; used on the last stage only.
-        schedule: a synchronous name in :data:`fedpipe.runtime.schedules.SCHEDULES`
+        schedule: a synchronous name in :data:`fedpipe.spec.SYNC_SCHEDULES`
             ("async" runs on :class:`~fedpipe.runtime.async_stage.AsyncStageRunner`).
         microbatches: microbatches per step.
         grad_sync: called with the step after the backward passes, before the
@@ -83,7 +83,7 @@ class StageRunner:
         self.stage, self.n_stages, self.microbatches = stage, n_stages, microbatches
         if schedule == "async" and type(self) is StageRunner:
             raise ValueError("schedule 'async' runs on fedpipe.runtime.async_stage.AsyncStageRunner")
-        self.actions = schedules.get(schedule)(stage, n_stages, microbatches)
+        self.actions = spec.schedule_order(schedule, stage, n_stages, microbatches)
         self.transport, self.grad_sync, self.after_step = transport, grad_sync, after_step
         self.first, self.last = stage == 0, stage == n_stages - 1
         if self.last and loss_fn is None:

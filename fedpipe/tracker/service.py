@@ -16,15 +16,11 @@ import grpc
 
 from .. import net, planner
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
-from ..runtime import schedules
-from ..runtime.optim import DiLoCo
-from ..wire import WireError, parse_codec
-from .store import TERMINAL, Store
+from ..spec import ACTIVE, TERMINAL, JobSpec, JobSpecError, state_name
+from .store import Store
 
 log = logging.getLogger("fedpipe.tracker")
 S = tracker_pb2
-ACTIVE = {S.JOB_STATE_PLANNING, S.JOB_STATE_DEPLOYING, S.JOB_STATE_RUNNING}
-STATE_NAMES = {v: k.removeprefix("JOB_STATE_") for k, v in S.JobState.items()}
 
 
 def cluster_view(nodes: list[tracker_pb2.NodeInfo],
@@ -54,17 +50,16 @@ def model_profile(p: tracker_pb2.ModelProfile) -> planner.ModelProfile:
          for lp in p.layers], p.input_bytes)
 
 
-def train_config(spec: tracker_pb2.SubmitJobRequest) -> planner.TrainConfig:
-    """The planner's training config from a submission."""
-    c = spec.config
-    return planner.TrainConfig(batch_size=spec.batch_size, microbatches=c.microbatches,
-                               schedule=c.schedule, stages=c.stages, replicas=c.replicas,
-                               activation_compression=c.activation_compression or "auto",
-                               gradient_compression=c.gradient_compression or "auto",
-                               sync_every=c.outer_every if c.replica_sync == "diloco" else 1)
+def train_config(spec: JobSpec) -> planner.TrainConfig:
+    """The planner's training config for a job."""
+    return planner.TrainConfig(batch_size=spec.batch_size, microbatches=spec.microbatches,
+                               schedule=spec.schedule, stages=spec.stages,
+                               replicas=spec.replicas,
+                               activation_compression=spec.activation_compression,
+                               gradient_compression=spec.gradient_compression,
+                               sync_every=spec.sync_every)
 
 
-MAX_MICROBATCHES = 4096
 MAX_NAME = 256
 
 
@@ -81,51 +76,18 @@ def validate_node(request: tracker_pb2.RegisterNodeRequest) -> str | None:
     return None
 
 
-def validate(spec: tracker_pb2.SubmitJobRequest) -> str | None:
+def validate(request: tracker_pb2.SubmitJobRequest) -> str | None:
     """What is wrong with a submission, or None."""
-    c = spec.config
-    if not spec.layers:
+    if not request.layers:
         return "the job has no layers"
-    if len(spec.profile.layers) != len(spec.layers):
-        return (f"the profile has {len(spec.profile.layers)} layers but the job "
-                f"{len(spec.layers)}")
-    if c.steps < 1:
-        return f"steps must be >= 1, got {c.steps}"
-    if c.stages < 0 or c.stages > len(spec.layers):
-        return f"stages must be between 0 and the {len(spec.layers)} layers, got {c.stages}"
-    if c.microbatches < 1:
-        return f"microbatches must be >= 1, got {c.microbatches}"
-    if c.replicas < 0 or c.replicas > c.microbatches:
-        return (f"replicas must be between 0 and the {c.microbatches} microbatches (each group "
-                f"needs one), got {c.replicas}")
-    if spec.batch_size < c.microbatches:
-        return f"batch_size {spec.batch_size} is smaller than microbatches {c.microbatches}"
-    if c.schedule not in schedules.SCHEDULES:
-        return f"unknown schedule {c.schedule!r}; choose one of {sorted(schedules.SCHEDULES)}"
-    if c.microbatches > MAX_MICROBATCHES:
-        return f"microbatches must be <= {MAX_MICROBATCHES}, got {c.microbatches}"
-    if not c.optimizer or not c.loss_fn:
-        return "the job needs an optimizer and a loss function"
-    if c.replica_sync not in ("", "auto", "allreduce", "diloco"):
-        return f"replica_sync must be auto, allreduce or diloco, got {c.replica_sync!r}"
-    if c.max_staleness < 0:
-        return f"max_staleness must be >= 0, got {c.max_staleness}"
-    if c.replica_sync == "diloco":
-        try:
-            DiLoCo(c.outer_every, c.outer_lr, c.outer_momentum)
-        except ValueError as e:
-            return f"DiLoCo: {e}"
-    for what, codec in (("activation_compression", c.activation_compression),
-                        ("gradient_compression", c.gradient_compression),
-                        ("outer_compression", c.outer_compression)):
-        if codec not in ("", "auto", "none"):
-            try:
-                parsed = parse_codec(codec)
-            except WireError as e:
-                return f"{what}: {e}"
-            if what == "activation_compression" and parsed.name == "topk":
-                return "activation_compression: top-k is for gradients only"
-    for i, lp in enumerate(spec.profile.layers):
+    if len(request.profile.layers) != len(request.layers):
+        return (f"the profile has {len(request.profile.layers)} layers but the job "
+                f"{len(request.layers)}")
+    try:
+        JobSpec.from_proto(request.config).validate(len(request.layers))
+    except JobSpecError as e:
+        return str(e)
+    for i, lp in enumerate(request.profile.layers):
         if not (math.isfinite(lp.flops) and lp.flops >= 0):
             return f"profile layer {i} ({lp.name}): flops must be a finite number >= 0"
     return None
@@ -240,7 +202,9 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         nodes = self.store.nodes()
         if nodes:
             need = planner.stage_memory_bytes(model_profile(request.profile), 0,
-                                              len(request.layers), train_config(request), 0, 1)
+                                              len(request.layers),
+                                              train_config(JobSpec.from_proto(request.config)),
+                                              0, 1)
             have = sum(n.resources.memory_bytes for n in nodes)
             if need > have:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -301,7 +265,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
                           f"(replica {request.replica}) of job {job.job_id}")
         if job.state not in ACTIVE or not 0 <= request.step <= job.steps:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"job {job.job_id} is {STATE_NAMES[job.state]} with {job.steps} steps; "
+                          f"job {job.job_id} is {state_name(job.state)} with {job.steps} steps; "
                           f"report of step {request.step} refused")
         if request.status == R.STATUS_STEP:
             self._step(job, request)
@@ -402,14 +366,13 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
             return
         try:
             cluster, profile = cluster_view(nodes, links), model_profile(spec.profile)
-            plan = planner.make_plan(cluster, profile, train_config(spec))
-            if spec.config.replica_sync in ("", "auto"):
-                spec.config.replica_sync = planner.choose_replica_sync(plan)
-                if spec.config.replica_sync == "diloco":  # plan again, paying the sync 1/H
-                    c, default = spec.config, DiLoCo()
-                    c.outer_every = c.outer_every or default.inner_steps
-                    c.outer_lr = c.outer_lr or default.outer_lr
-                    plan = planner.make_plan(cluster, profile, train_config(spec))
+            job = JobSpec.from_proto(spec.config)
+            plan = planner.make_plan(cluster, profile, train_config(job))
+            if job.replica_sync == "auto":
+                job = job.with_(replica_sync=planner.choose_replica_sync(plan))
+                if job.replica_sync == "diloco":  # plan again, paying the sync 1/H
+                    plan = planner.make_plan(cluster, profile, train_config(job))
+            spec.config.CopyFrom(job.to_proto())
         except planner.PlanError as e:
             self._fail(job_id, f"no plan: {e}")
             return
@@ -419,7 +382,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
             return
         msg = plan_message(plan, {n.node_id: n for n in nodes})
         self.store.set_plan(job_id, msg)
-        sync = f" (replica groups sync by {spec.config.replica_sync})" if len(plan.groups) > 1 else ""
+        sync = f" (replica groups sync by {job.replica_sync})" if len(plan.groups) > 1 else ""
         self.store.set_state(job_id, S.JOB_STATE_DEPLOYING,
                              "loading stages: " + msg.summary + sync)
         error = self._deploy(job_id, spec, msg)

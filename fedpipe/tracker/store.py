@@ -17,6 +17,7 @@ import uuid
 from typing import Iterable
 
 from ..proto import node_pb2, tracker_pb2
+from ..spec import TERMINAL
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -42,8 +43,6 @@ CREATE TABLE IF NOT EXISTS links (
     measured_at REAL NOT NULL, PRIMARY KEY (src, dst));
 """
 
-TERMINAL = {tracker_pb2.JOB_STATE_SUCCEEDED, tracker_pb2.JOB_STATE_FAILED,
-            tracker_pb2.JOB_STATE_CANCELLED}
 
 
 def _nan(value: float | None) -> float:

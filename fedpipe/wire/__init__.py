@@ -1,6 +1,4 @@
 """The wire format: tensors <-> fedpipe.v1.Tensor messages, codecs, chunking."""
-from .codecs import (CODECS, CodecSpec, ErrorFeedback, WireError, decode, encode, encode_payload,
-                     parse_codec)
+from .codecs import CODECS, ErrorFeedback, WireError, decode, encode, encode_payload
 
-__all__ = ["CODECS", "CodecSpec", "ErrorFeedback", "WireError", "decode", "encode",
-           "encode_payload", "parse_codec"]
+__all__ = ["CODECS", "ErrorFeedback", "WireError", "decode", "encode", "encode_payload"]

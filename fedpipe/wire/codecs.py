@@ -5,15 +5,8 @@ A message names its own codec and parameters, so a receiver needs no
 out-of-band knowledge. Decoders validate every header field against the
 payload before they allocate.
 
-Codec spec strings (see :func:`parse_codec`)::
-
-    spec  := name [":" param] ["+zstd" [":" level]]
-    raw | fp16 | bf16          no parameter
-    int8[:B]                   B = values per scale block, 16..65536 (default 128)
-    topk[:F]                   F = fraction of entries kept, 1e-6..1 (default 0.01)
-    +zstd[:L]                  zstandard level L, 1..22 (default 1)
-
-e.g. ``"int8:64+zstd"``, ``"topk:0.05+zstd:3"``.
+Codec spec strings (``"int8:64+zstd"``) follow the grammar of
+:class:`fedpipe.spec.CodecSpec`, parsed by :func:`fedpipe.spec.parse_codec`.
 
 Wire layouts, little-endian, C order; ``encoded_bytes`` is the length of the
 codec output before zstd, n = number of elements:
@@ -40,9 +33,7 @@ to ``raw`` (zstd still applies), so any tensor can be sent on any link.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Hashable, NamedTuple
 
 import torch
@@ -50,10 +41,15 @@ import torch.nn.functional as F
 import zstandard
 
 from ..proto import tensor_pb2 as pb
+from ..spec import CODEC_PARAMS, CodecSpec, SpecError, parse_codec
 
 
-class WireError(ValueError):
-    """A tensor message or codec spec is malformed: the message says which field and why."""
+class WireError(SpecError):
+    """A tensor message is malformed: the message says which field and why.
+
+    A subclass of :class:`fedpipe.spec.SpecError` (a ValueError), which bad codec
+    spec strings raise.
+    """
 
 
 DTYPES: dict[torch.dtype, int] = {
@@ -67,88 +63,6 @@ TORCH_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPES.items()}
 MAX_DIMS = 64
 MAX_TENSOR_BYTES = 1 << 34
 """Default bound (16 GiB) on a decoded tensor and on its codec output; see :func:`decode`."""
-
-
-# ---------------------------------------------------------------------------
-# Codec specs
-
-
-@dataclass(frozen=True)
-class CodecSpec:
-    """A parsed codec spec string (see the module docstring for the syntax).
-
-    Attributes:
-        name: key of :data:`CODECS` (``raw``, ``fp16``, ``bf16``, ``int8``, ``topk``).
-        block_size: int8 only: values per float32 scale, 16..65536.
-        fraction: topk only: fraction of the entries kept, 1e-6..1; at least one
-            entry of a non-empty tensor is kept.
-        zstd_level: zstandard level 1..22, or None for no zstd.
-
-    Raises:
-        WireError: unknown name or a parameter out of range.
-    """
-    name: str
-    block_size: int = 128
-    fraction: float = 0.01
-    zstd_level: int | None = None
-
-    def __post_init__(self):
-        if self.name not in CODECS:
-            raise WireError(f"unknown codec {self.name!r}; known: {sorted(CODECS)}")
-        _check_range("int8 block_size", self.block_size, 16, 65536)
-        _check_range("topk fraction", self.fraction, 1e-6, 1.0)
-        if self.zstd_level is not None:
-            _check_range("zstd level", self.zstd_level, 1, 22)
-
-    def k(self, numel: int) -> int:
-        """topk: number of entries kept out of ``numel``: ⌈fraction·numel⌉, at least 1."""
-        return min(numel, max(1, math.ceil(self.fraction * numel)))
-
-    def __str__(self) -> str:
-        param = CODECS[self.name].param
-        text = self.name if param is None else f"{self.name}:{getattr(self, param)}"
-        return text if self.zstd_level is None else f"{text}+zstd:{self.zstd_level}"
-
-
-def _check_range(what: str, value, lo, hi) -> None:
-    if not lo <= value <= hi:
-        raise WireError(f"{what} must be in [{lo}, {hi}], got {value}")
-
-
-_SPEC_RE = re.compile(r"(?P<name>\w+)(?::(?P<param>[^+]+))?(?P<zstd>\+zstd(?::(?P<level>[^+]+))?)?")
-
-
-@lru_cache(maxsize=256)
-def parse_codec(spec: str) -> CodecSpec:
-    """Parse a codec spec string such as ``"int8:64+zstd"`` or ``"topk:0.05+zstd:3"``.
-
-    Raises:
-        WireError: the string does not follow the grammar, names an unknown
-            codec, gives a parameter to a codec that takes none, or a value
-            out of range.
-    """
-    m = _SPEC_RE.fullmatch(spec) if isinstance(spec, str) else None
-    if m is None:
-        raise WireError(f"bad codec spec {spec!r}: expected NAME[:PARAM][+zstd[:LEVEL]], "
-                        f"e.g. 'int8:64+zstd'")
-    name, param, level = m["name"], m["param"], m["level"]
-    if name not in CODECS:
-        raise WireError(f"bad codec spec {spec!r}: unknown codec {name!r}; known: {sorted(CODECS)}")
-    kwargs: dict = {"zstd_level": (1 if level is None else _number(spec, level, int))
-                    if m["zstd"] else None}
-    if param is not None:
-        field = CODECS[name].param
-        if field is None:
-            raise WireError(f"bad codec spec {spec!r}: codec {name!r} takes no parameter")
-        kwargs[field] = _number(spec, param, type(getattr(CodecSpec, field)))
-    return CodecSpec(name, **kwargs)
-
-
-def _number(spec: str, text: str, kind: type):
-    try:
-        return kind(text)
-    except ValueError:
-        raise WireError(f"bad codec spec {spec!r}: {text!r} is not a valid {kind.__name__}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -285,7 +199,8 @@ def _int8_encode(flat, spec):
 
 
 def _int8_blocks(h) -> int:
-    _check_range("int8 block_size", h.msg.block_size, 16, 65536)
+    if not 16 <= h.msg.block_size <= 65536:
+        raise WireError(f"int8 block_size must be in [16, 65536], got {h.msg.block_size}")
     return -(-h.numel // h.msg.block_size)
 
 
@@ -369,7 +284,6 @@ class Codec:
             from a buffer of exactly ``size(header)`` bytes (WireError on bad
             content).
         fields: header fields the codec uses (the others must be zero).
-        param: the :class:`CodecSpec` field its spec parameter sets, if any.
     """
     name: str
     code: int
@@ -378,7 +292,6 @@ class Codec:
     size: Callable[[_Header], int]
     decode: Callable[[bytearray, _Header], torch.Tensor]
     fields: tuple[str, ...] = ()
-    param: str | None = None
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (
@@ -386,14 +299,15 @@ CODECS: dict[str, Codec] = {c.name: c for c in (
     Codec("fp16", pb.CODEC_FP16, True, *_cast_codec(torch.float16)),
     Codec("bf16", pb.CODEC_BF16, True, *_cast_codec(torch.bfloat16)),
     Codec("int8", pb.CODEC_INT8, True, _int8_encode, _int8_size, _int8_decode,
-          fields=("block_size",), param="block_size"),
+          fields=("block_size",)),
     Codec("topk", pb.CODEC_TOPK, True, _topk_encode, _topk_size, _topk_decode,
-          fields=("k", "value_dtype"), param="fraction"),
+          fields=("k", "value_dtype")),
 )}
 _BY_CODE: dict[int, Codec] = {c.code: c for c in CODECS.values()}
 _PARAM_FIELDS = ("block_size", "k", "value_dtype")
 
-_missing = [pb.Codec.Name(v) for v in pb.Codec.values() if v and v not in _BY_CODE]
+_missing = sorted(set(CODEC_PARAMS) ^ set(CODECS))
+_missing += [pb.Codec.Name(v) for v in pb.Codec.values() if v and v not in _BY_CODE]
 _missing += [pb.DType.Name(v) for v in pb.DType.values() if v and v not in TORCH_DTYPES]
 if _missing:
     raise ImportError(f"fedpipe.wire.codecs has no implementation for {_missing}")
