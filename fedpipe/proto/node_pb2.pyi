@@ -18,6 +18,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KIND_PROBE: _ClassVar[Kind]
     KIND_REDUCE: _ClassVar[Kind]
     KIND_OUTER: _ClassVar[Kind]
+    KIND_NORM: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 KIND_INPUT: Kind
 KIND_TARGET: Kind
@@ -26,6 +27,7 @@ KIND_GRADIENT: Kind
 KIND_PROBE: Kind
 KIND_REDUCE: Kind
 KIND_OUTER: Kind
+KIND_NORM: Kind
 
 class Resources(_message.Message):
     __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname")

@@ -29,23 +29,43 @@ JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
 
+class Versions(_message.Message):
+    __slots__ = ("fedpipe", "protocol", "python", "torch", "cloudpickle")
+    FEDPIPE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_FIELD_NUMBER: _ClassVar[int]
+    TORCH_FIELD_NUMBER: _ClassVar[int]
+    CLOUDPICKLE_FIELD_NUMBER: _ClassVar[int]
+    fedpipe: str
+    protocol: int
+    python: str
+    torch: str
+    cloudpickle: str
+    def __init__(self, fedpipe: _Optional[str] = ..., protocol: _Optional[int] = ..., python: _Optional[str] = ..., torch: _Optional[str] = ..., cloudpickle: _Optional[str] = ...) -> None: ...
+
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("name", "address", "resources")
+    __slots__ = ("name", "address", "resources", "versions", "boot_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     resources: _node_pb2.Resources
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ...) -> None: ...
+    versions: Versions
+    boot_id: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., boot_id: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeReply(_message.Message):
-    __slots__ = ("node_id", "lease_seconds")
+    __slots__ = ("node_id", "lease_seconds", "heartbeat_seconds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    heartbeat_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "leaving")
@@ -56,12 +76,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "lease_seconds")
+    __slots__ = ("known", "lease_seconds", "heartbeat_seconds")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     lease_seconds: float
-    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    heartbeat_seconds: float
+    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered")
@@ -198,7 +220,7 @@ class JobEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "node_id", "status", "step", "loss", "samples", "seconds", "error")
+    __slots__ = ("job_id", "replica", "stage", "node_id", "status", "step", "loss", "samples", "seconds", "error", "compute_seconds", "wait_seconds", "send_seconds")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[StageReport.Status]
@@ -219,6 +241,9 @@ class StageReport(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
@@ -229,7 +254,10 @@ class StageReport(_message.Message):
     samples: int
     seconds: float
     error: str
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., status: _Optional[_Union[StageReport.Status, str]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    compute_seconds: float
+    wait_seconds: float
+    send_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., status: _Optional[_Union[StageReport.Status, str]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ...) -> None: ...
 
 class StageReportReply(_message.Message):
     __slots__ = ()

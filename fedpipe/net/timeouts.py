@@ -1,0 +1,53 @@
+"""Every deadline and interval fedpipe uses, in seconds, in one place.
+
+Each can be overridden by an environment variable ``FEDPIPE_<NAME>`` (e.g.
+``FEDPIPE_CONTROL_RPC=20``), as torchft's ``Manager`` lets ``TORCHFT_*``
+variables override its timeouts. Call sites pass these names, never a literal.
+"""
+from __future__ import annotations
+
+import os
+
+
+def _seconds(name: str, default: float) -> float:
+    value = os.environ.get(f"FEDPIPE_{name}")
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"FEDPIPE_{name} must be a number of seconds, got {value!r}") from None
+    if not seconds > 0:
+        raise ValueError(f"FEDPIPE_{name} must be > 0 seconds, got {seconds}")
+    return seconds
+
+
+CONTROL_RPC = _seconds("CONTROL_RPC", 10.0)
+"""A small control-plane call (register, get a job, cancel, stop a stage, list nodes)."""
+HEARTBEAT_RPC = _seconds("HEARTBEAT_RPC", 5.0)
+"""One heartbeat call."""
+LEAVING_RPC = _seconds("LEAVING_RPC", 2.0)
+"""The last heartbeat of a node that shuts down (best effort, it must not hold up the exit)."""
+SUBMIT_RPC = _seconds("SUBMIT_RPC", 60.0)
+"""Submitting a job (the tracker stores its layers)."""
+LOAD_STAGE_RPC = _seconds("LOAD_STAGE_RPC", 120.0)
+"""Loading one stage: unpickling its layers and building its optimizer."""
+FETCH_STATE_RPC = _seconds("FETCH_STATE_RPC", 300.0)
+"""Streaming one stage's weights to a client."""
+PING_RPC = _seconds("PING_RPC", 30.0)
+"""A Ping during a link measurement."""
+PROBE_SEND_RPC = _seconds("PROBE_SEND_RPC", 120.0)
+"""One bandwidth probe (a Send of at most 64 MiB)."""
+MEASURE_LINKS_BASE = _seconds("MEASURE_LINKS_BASE", 60.0)
+MEASURE_LINKS_PER_PEER = _seconds("MEASURE_LINKS_PER_PEER", 30.0)
+"""A MeasureLinks call to a node with ``n`` peers may take ``BASE + n * PER_PEER``."""
+FEED_RPC = _seconds("FEED_RPC", 600.0)
+"""One Send of a step's inputs or targets from the client: it may wait that long for room in
+the first stage's bounded inbox, which a slow pipeline empties one step at a time."""
+THREAD_JOIN = _seconds("THREAD_JOIN", 5.0)
+"""Waiting for a background thread to end at shutdown."""
+
+
+def measure_links(peers: int) -> float:
+    """Deadline of a MeasureLinks call over ``peers`` peers, seconds."""
+    return MEASURE_LINKS_BASE + MEASURE_LINKS_PER_PEER * peers
