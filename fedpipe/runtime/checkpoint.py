@@ -1,0 +1,205 @@
+"""A stage's snapshot: everything it needs to resume at a step boundary, as named tensors.
+
+A snapshot is taken at a step boundary, on the stage thread, by copying (so
+training goes on at once), and is shipped on another thread as wire-format
+tensors named by their path, e.g. ``module/0.weight``, ``optimizer/state/0/exp_avg``.
+The parts of a stage (its module, optimizer, LR schedule, DiLoCo outer state,
+error-feedback residuals, async weight versions) each give a ``state_dict()``
+and take ``load_state_dict()``, as torch's own objects do; the nested dicts
+are flattened into tensors and one JSON *skeleton* of everything else
+(hyper-parameters, step counters), carried as a uint8 tensor named
+:data:`SKELETON`. A float survives JSON exactly (``repr`` round-trips), so a
+restored stage continues bit for bit as the original would have: this is what
+makes recovery of synchronous jobs exact (the same idea as torch.distributed's
+``state_dict`` flattening in ``torch.distributed.checkpoint``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping, Protocol
+
+import torch
+
+from ..proto import node_pb2
+from ..wire import frames
+from ..wire.codecs import WireError
+
+SKELETON = "__skeleton__"
+"""Name of the tensor (uint8, JSON text) that carries a snapshot's non-tensor state."""
+MAX_SKELETON_BYTES = 64 * 2**20
+"""Largest skeleton a decoder accepts, bytes."""
+
+
+class Checkpointable(Protocol):
+    """Anything with torch's ``state_dict`` / ``load_state_dict`` pair."""
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> Any: ...
+
+
+@dataclass
+class Snapshot:
+    """One stage's state after ``step`` steps (the next step to run is ``step``).
+
+    Attributes:
+        step: steps completed when it was taken.
+        tensors: every tensor, by path (``part/key/...``); CPU copies.
+        skeleton: the nested state with each tensor replaced by ``{"$t": path}``.
+    """
+
+    step: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    skeleton: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its tensors take."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _flatten(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value.detach().to("cpu", copy=True)
+        return {"$t": path}
+    if isinstance(value, Mapping):
+        # keys may be ints (optimizer state by parameter index): keep their type
+        return {"$d": [[k, _flatten(v, f"{path}/{k}", tensors)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        items = [_flatten(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+        return {"$l" if isinstance(value, list) else "$u": items}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$f": repr(value)}
+    raise TypeError(f"cannot snapshot {path}: a {type(value).__name__} is neither a tensor "
+                    f"nor plain data")
+
+
+def _unflatten(node: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(node, dict):
+        if "$t" in node:
+            try:
+                return tensors[node["$t"]]
+            except KeyError:
+                raise WireError(f"snapshot names tensor {node['$t']!r} but does not carry it"
+                                ) from None
+        if "$d" in node:
+            return {k: _unflatten(v, tensors) for k, v in node["$d"]}
+        if "$l" in node:
+            return [_unflatten(v, tensors) for v in node["$l"]]
+        if "$u" in node:
+            return tuple(_unflatten(v, tensors) for v in node["$u"])
+        if "$f" in node:
+            return float(node["$f"])
+        raise WireError(f"snapshot skeleton has an unknown node {sorted(node)}")
+    return node
+
+
+def take(parts: Mapping[str, Checkpointable | None], step: int) -> Snapshot:
+    """Copy the state of every part (None parts are skipped) after ``step`` steps.
+
+    Runs on the stage thread at a step boundary; costs one copy of each tensor.
+
+    Raises:
+        TypeError: a part's state holds something that is neither a tensor
+            nor plain data (numbers, strings, lists, dicts).
+    """
+    snap = Snapshot(step)
+    for name, part in parts.items():
+        if part is not None:
+            snap.skeleton[name] = _flatten(part.state_dict(), name, snap.tensors)
+    return snap
+
+
+def restore(parts: Mapping[str, Checkpointable | None], snap: Snapshot) -> None:
+    """Load ``snap`` into ``parts`` (each part must be in the snapshot).
+
+    Tensors are moved to each part's device by its own ``load_state_dict``
+    (modules and optimizers do so).
+
+    Raises:
+        WireError: the snapshot lacks a part, or its skeleton names a tensor it lacks.
+        RuntimeError: a part refuses the state (torch's own error: shapes differ).
+    """
+    for name, part in parts.items():
+        if part is None:
+            continue
+        if name not in snap.skeleton:
+            raise WireError(f"the step {snap.step} snapshot has no {name!r} state; it has "
+                            f"{sorted(snap.skeleton)}")
+        part.load_state_dict(_unflatten(snap.skeleton[name], snap.tensors))
+
+
+def to_frames(snap: Snapshot, envelope: node_pb2.Envelope | None = None
+              ) -> Iterator[node_pb2.Frame]:
+    """The snapshot as a frame stream: its skeleton first, then each tensor by name.
+
+    ``envelope`` rides on the first frame (who the snapshot is for).
+    """
+    meta = json.dumps({"step": snap.step, "skeleton": snap.skeleton}).encode()
+    yield from frames.encode_frames(torch.frombuffer(bytearray(meta), dtype=torch.uint8),
+                                    name=SKELETON, envelope=envelope)
+    for name, t in snap.tensors.items():
+        yield from frames.encode_frames(t, name=name)
+
+
+def from_frames(stream: Iterable[node_pb2.Frame], max_bytes: int) -> tuple[node_pb2.Frame,
+                                                                          Snapshot]:
+    """Decode a snapshot sent by :func:`to_frames`; returns its first frame and the snapshot.
+
+    Every tensor is validated by the wire decoder before it is allocated; the
+    whole snapshot may take at most ``max_bytes``.
+
+    Raises:
+        WireError: a malformed or truncated stream (no skeleton, a tensor the
+            skeleton does not name or names twice, a tensor missing, over
+            ``max_bytes``, bad JSON).
+    """
+    first: node_pb2.Frame | None = None
+    snap: Snapshot | None = None
+    total = 0
+
+    def admit(head: node_pb2.Frame) -> int:
+        if head.name == SKELETON:
+            return MAX_SKELETON_BYTES
+        return max(0, max_bytes - total)
+
+    for head, t in frames.read_tensors(stream, admit):
+        if first is None:
+            if head.name != SKELETON or t.dtype != torch.uint8:
+                raise WireError("a snapshot stream must start with its skeleton")
+            first = head
+            try:
+                meta = json.loads(bytes(t.numpy()).decode())
+                snap = Snapshot(int(meta["step"]), skeleton=dict(meta["skeleton"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise WireError(f"bad snapshot skeleton: {e}") from None
+            continue
+        assert snap is not None
+        if head.name in snap.tensors:
+            raise WireError(f"snapshot tensor {head.name!r} sent twice")
+        total += t.numel() * t.element_size()
+        snap.tensors[head.name] = t
+    if first is None or snap is None:
+        raise WireError("empty snapshot stream")
+    named: set[str] = set()
+    _collect_paths(snap.skeleton, named)
+    if named != set(snap.tensors):
+        missing, extra = sorted(named - set(snap.tensors)), sorted(set(snap.tensors) - named)
+        raise WireError(f"truncated or inconsistent snapshot of step {snap.step}: missing "
+                        f"{missing[:5]}, unexpected {extra[:5]}")
+    return first, snap
+
+
+def _collect_paths(node: Any, out: set[str]) -> None:
+    if isinstance(node, dict):
+        if "$t" in node:
+            out.add(node["$t"])
+        for v in node.values():
+            _collect_paths(v, out)
+    elif isinstance(node, list):
+        for v in node:
+            _collect_paths(v, out)

@@ -1,0 +1,93 @@
+"""Stage snapshots: a restored stage continues bit for bit; bad streams are refused."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fedpipe.runtime import checkpoint
+from fedpipe.wire.codecs import WireError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def train(model, opt, sched, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def parts(model, opt, sched):
+    return {"module": model, "optimizer": opt, "lr_scheduler": sched}
+
+
+def test_a_restored_stage_continues_bit_for_bit():
+    model, opt, sched = make()
+    train(model, opt, sched, 3, seed=1)
+    snap = checkpoint.take(parts(model, opt, sched), step=3)
+    train(model, opt, sched, 4, seed=2)  # the original goes on
+
+    other, oopt, osched = make()
+    train(other, oopt, osched, 1, seed=9)  # diverged on purpose before the restore
+    _, received = checkpoint.from_frames(checkpoint.to_frames(snap), max_bytes=2**20)
+    assert received.step == 3
+    checkpoint.restore(parts(other, oopt, osched), received)
+    train(other, oopt, osched, 4, seed=2)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert osched.get_last_lr() == sched.get_last_lr()
+    assert oopt.param_groups[0]["betas"] == opt.param_groups[0]["betas"]
+
+
+def test_the_snapshot_is_a_copy():
+    model, opt, sched = make()
+    snap = checkpoint.take(parts(model, opt, sched), step=0)
+    before = copy.deepcopy(snap.tensors)
+    train(model, opt, sched, 2, seed=1)
+    assert all(torch.equal(before[k], snap.tensors[k]) for k in before)
+    assert snap.nbytes == sum(t.numel() * t.element_size() for t in before.values())
+
+
+def test_truncated_and_inconsistent_snapshots_are_refused():
+    model, opt, sched = make()
+    train(model, opt, sched, 2, seed=1)
+    frames = list(checkpoint.to_frames(checkpoint.take(parts(model, opt, sched), step=2)))
+    with pytest.raises(WireError, match="missing"):
+        checkpoint.from_frames(frames[:-1], max_bytes=2**20)  # the last tensor lost
+    with pytest.raises(WireError, match="skeleton"):
+        checkpoint.from_frames(frames[1:], max_bytes=2**20)
+    with pytest.raises(WireError, match="limit"):
+        checkpoint.from_frames(frames, max_bytes=100)
+    cut = frames[-1].__class__()
+    cut.CopyFrom(frames[-1])
+    cut.tensor.payload = cut.tensor.payload[:-4]  # a short payload
+    with pytest.raises(WireError):
+        checkpoint.from_frames(frames[:-1] + [cut], max_bytes=2**20)
+
+
+def test_a_part_missing_from_the_snapshot_is_named():
+    model, opt, sched = make()
+    snap = checkpoint.take({"module": model}, step=0)
+    with pytest.raises(WireError, match="optimizer"):
+        checkpoint.restore({"module": model, "optimizer": opt}, snap)
+
+
+def test_state_that_is_not_data_is_refused():
+    class Odd:
+        def state_dict(self):
+            return {"f": lambda: 0}
+
+    with pytest.raises(TypeError, match="odd/f"):
+        checkpoint.take({"odd": Odd()}, step=0)
