@@ -19,6 +19,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KIND_REDUCE: _ClassVar[Kind]
     KIND_OUTER: _ClassVar[Kind]
     KIND_NORM: _ClassVar[Kind]
+    KIND_SNAPSHOT: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 KIND_INPUT: Kind
 KIND_TARGET: Kind
@@ -28,6 +29,7 @@ KIND_PROBE: Kind
 KIND_REDUCE: Kind
 KIND_OUTER: Kind
 KIND_NORM: Kind
+KIND_SNAPSHOT: Kind
 
 class Resources(_message.Message):
     __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname")
@@ -78,18 +80,20 @@ class ReplicaInfo(_message.Message):
     def __init__(self, microbatches: _Optional[int] = ..., samples: _Optional[int] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("stages", "predicted_step_seconds", "summary", "replicas", "sync_seconds")
+    __slots__ = ("stages", "predicted_step_seconds", "summary", "replicas", "sync_seconds", "epoch")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     predicted_step_seconds: float
     summary: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     sync_seconds: float
-    def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ...) -> None: ...
+    epoch: int
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class JobConfig(_message.Message):
     __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every")
@@ -138,20 +142,24 @@ class ProbeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config")
+    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config", "resume_step", "snapshot_sources")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SOURCES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
     layers: _containers.RepeatedScalarFieldContainer[bytes]
     plan: Plan
     config: JobConfig
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
+    resume_step: int
+    snapshot_sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., resume_step: _Optional[int] = ..., snapshot_sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadStageReply(_message.Message):
     __slots__ = ()
@@ -172,7 +180,7 @@ class StopJobReply(_message.Message):
     def __init__(self) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "kind", "step", "microbatch", "batch_size")
+    __slots__ = ("job_id", "replica", "stage", "kind", "step", "microbatch", "batch_size", "epoch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +188,7 @@ class Envelope(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
@@ -187,7 +196,8 @@ class Envelope(_message.Message):
     step: int
     microbatch: int
     batch_size: int
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("envelope", "tensor", "chunk", "name")
@@ -214,6 +224,18 @@ class FetchStateRequest(_message.Message):
     replica: int
     stage: int
     def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class FetchSnapshotRequest(_message.Message):
+    __slots__ = ("job_id", "replica", "stage", "step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replica: int
+    stage: int
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Peer(_message.Message):
     __slots__ = ("node_id", "name", "address")

@@ -59,6 +59,16 @@ class NodeStub:
                 request_serializer=fedpipe_dot_v1_dot_node__pb2.FetchStateRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_v1_dot_node__pb2.Frame.FromString,
                 _registered_method=True)
+        self.PutSnapshot = channel.stream_unary(
+                '/fedpipe.v1.Node/PutSnapshot',
+                request_serializer=fedpipe_dot_v1_dot_node__pb2.Frame.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_node__pb2.SendReply.FromString,
+                _registered_method=True)
+        self.FetchSnapshot = channel.unary_stream(
+                '/fedpipe.v1.Node/FetchSnapshot',
+                request_serializer=fedpipe_dot_v1_dot_node__pb2.FetchSnapshotRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_node__pb2.Frame.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/fedpipe.v1.Node/Ping',
                 request_serializer=fedpipe_dot_v1_dot_node__pb2.PingRequest.SerializeToString,
@@ -109,6 +119,20 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutSnapshot(self, request_iterator, context):
+        """Keep a buddy's checkpoint snapshot (envelope: KIND_SNAPSHOT, job, replica, stage, step).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchSnapshot(self, request, context):
+        """A snapshot this node holds (its own or a buddy's), as PutSnapshot sent it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ping(self, request, context):
         """A small round trip, for latency measurements.
         """
@@ -149,6 +173,16 @@ def add_NodeServicer_to_server(servicer, server):
             'FetchState': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchState,
                     request_deserializer=fedpipe_dot_v1_dot_node__pb2.FetchStateRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_node__pb2.Frame.SerializeToString,
+            ),
+            'PutSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutSnapshot,
+                    request_deserializer=fedpipe_dot_v1_dot_node__pb2.Frame.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_node__pb2.SendReply.SerializeToString,
+            ),
+            'FetchSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchSnapshot,
+                    request_deserializer=fedpipe_dot_v1_dot_node__pb2.FetchSnapshotRequest.FromString,
                     response_serializer=fedpipe_dot_v1_dot_node__pb2.Frame.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
@@ -296,6 +330,60 @@ class Node:
             target,
             '/fedpipe.v1.Node/FetchState',
             fedpipe_dot_v1_dot_node__pb2.FetchStateRequest.SerializeToString,
+            fedpipe_dot_v1_dot_node__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fedpipe.v1.Node/PutSnapshot',
+            fedpipe_dot_v1_dot_node__pb2.Frame.SerializeToString,
+            fedpipe_dot_v1_dot_node__pb2.SendReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedpipe.v1.Node/FetchSnapshot',
+            fedpipe_dot_v1_dot_node__pb2.FetchSnapshotRequest.SerializeToString,
             fedpipe_dot_v1_dot_node__pb2.Frame.FromString,
             options,
             channel_credentials,

@@ -67,23 +67,39 @@ class RegisterNodeReply(_message.Message):
     heartbeat_seconds: float
     def __init__(self, node_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
 
+class StageRef(_message.Message):
+    __slots__ = ("job_id", "replica", "stage", "epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replica: int
+    stage: int
+    epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "leaving")
+    __slots__ = ("node_id", "leaving", "holds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     leaving: bool
-    def __init__(self, node_id: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    holds: _containers.RepeatedCompositeFieldContainer[StageRef]
+    def __init__(self, node_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., holds: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "lease_seconds", "heartbeat_seconds")
+    __slots__ = ("known", "lease_seconds", "heartbeat_seconds", "drop")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
     known: bool
     lease_seconds: float
     heartbeat_seconds: float
-    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
+    drop: _containers.RepeatedCompositeFieldContainer[StageRef]
+    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered")
@@ -158,7 +174,7 @@ class SubmitJobReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created")
+    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +184,10 @@ class JobInfo(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -177,7 +197,31 @@ class JobInfo(_message.Message):
     steps: int
     loss: float
     created: float
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ...) -> None: ...
+    epoch: int
+    checkpoint_step: int
+    resume_step: int
+    recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ...) -> None: ...
+
+class Recovery(_message.Message):
+    __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    DETECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    lost: str
+    checkpoint_step: int
+    steps_recomputed: int
+    detect_seconds: float
+    replan_seconds: float
+    restore_seconds: float
+    epoch: int
+    def __init__(self, time: _Optional[float] = ..., lost: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., steps_recomputed: _Optional[int] = ..., detect_seconds: _Optional[float] = ..., replan_seconds: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -202,7 +246,7 @@ class WatchJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("seq", "time", "state", "reason", "step", "loss", "samples_per_second")
+    __slots__ = ("seq", "time", "state", "reason", "step", "loss", "samples_per_second", "checkpoint_step", "epoch")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +254,8 @@ class JobEvent(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     seq: int
     time: float
     state: JobState
@@ -217,20 +263,24 @@ class JobEvent(_message.Message):
     step: int
     loss: float
     samples_per_second: float
-    def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ...) -> None: ...
+    checkpoint_step: int
+    epoch: int
+    def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "node_id", "status", "step", "loss", "samples", "seconds", "error", "compute_seconds", "wait_seconds", "send_seconds")
+    __slots__ = ("job_id", "replica", "stage", "node_id", "status", "step", "loss", "samples", "seconds", "error", "compute_seconds", "wait_seconds", "send_seconds", "epoch", "peer")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[StageReport.Status]
         STATUS_STEP: _ClassVar[StageReport.Status]
         STATUS_DONE: _ClassVar[StageReport.Status]
         STATUS_FAILED: _ClassVar[StageReport.Status]
+        STATUS_CHECKPOINT: _ClassVar[StageReport.Status]
     STATUS_UNSPECIFIED: StageReport.Status
     STATUS_STEP: StageReport.Status
     STATUS_DONE: StageReport.Status
     STATUS_FAILED: StageReport.Status
+    STATUS_CHECKPOINT: StageReport.Status
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +294,8 @@ class StageReport(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
@@ -257,7 +309,9 @@ class StageReport(_message.Message):
     compute_seconds: float
     wait_seconds: float
     send_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., status: _Optional[_Union[StageReport.Status, str]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ...) -> None: ...
+    epoch: int
+    peer: str
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., status: _Optional[_Union[StageReport.Status, str]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class StageReportReply(_message.Message):
     __slots__ = ()
