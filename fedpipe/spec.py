@@ -462,14 +462,19 @@ class JobSpec:
     def from_proto(cls, msg: node_pb2.JobConfig) -> "JobSpec":
         """The spec in a ``JobConfig``; fields left unset take their defaults.
 
+        The DiLoCo settings of a job that names ``replica_sync="diloco"`` are
+        taken as given (its client set them: 0 is an error, not "unset").
+
         Raises:
             JobSpecError: the DiLoCo settings are out of range.
         """
         default = DiLoCo()
+        given = msg.replica_sync == "diloco"
         try:
-            outer = DiLoCo(msg.outer_every or default.inner_steps,
-                           msg.outer_lr or default.outer_lr,
-                           msg.outer_momentum if msg.outer_lr else default.outer_momentum,
+            outer = DiLoCo(msg.outer_every if given else msg.outer_every or default.inner_steps,
+                           msg.outer_lr if given else msg.outer_lr or default.outer_lr,
+                           msg.outer_momentum if given or msg.outer_lr
+                           else default.outer_momentum,
                            msg.outer_compression or default.compression)
         except SpecError as e:
             raise JobSpecError("diloco", str(e)) from None
@@ -584,6 +589,33 @@ class PlanView:
         """Group ``replica``'s planned share of each batch, in samples (1 if unset: equal shares)."""
         info = self.plan.replicas[replica] if replica < len(self.plan.replicas) else None
         return info.samples if info is not None and info.samples else 1
+
+    def buddies(self, key: StageKey) -> list[node_pb2.StageAssignment]:
+        """Where stage ``key`` may keep the copy of its checkpoint snapshots, best first.
+
+        Another replica group's nodes first (a loss that takes the stage's
+        group leaves the copy), then the nodes of the neighbouring stages, then
+        any other node of the plan; never the stage's own node. One
+        assignment per node. Checkpoint number ``c`` uses entry
+        ``c % len(buddies)`` (:meth:`buddy`), so copies rotate and a node lost
+        together with one buddy still leaves an older complete checkpoint
+        elsewhere.
+        """
+        mine = self.stages[key]
+        prev, nxt = self.neighbours(key)
+        ranked = ([a for k, a in sorted(self.stages.items()) if k.replica != key.replica]
+                  + [a for a in (nxt, prev) if a is not None]
+                  + [a for _, a in sorted(self.stages.items())])
+        out: dict[str, node_pb2.StageAssignment] = {}
+        for a in ranked:
+            if a.node_id != mine.node_id and a.node_id not in out:
+                out[a.node_id] = a
+        return list(out.values())
+
+    def buddy(self, key: StageKey, checkpoint: int) -> node_pb2.StageAssignment | None:
+        """The buddy of stage ``key`` for its ``checkpoint``-th snapshot (None: a one-node plan)."""
+        options = self.buddies(key)
+        return options[checkpoint % len(options)] if options else None
 
     def node_ids(self) -> set[str]:
         """Every node the plan uses."""
