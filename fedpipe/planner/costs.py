@@ -27,8 +27,15 @@ def compute_seconds(profile: ModelProfile, start: int, end: int, flops: float,
 
 
 def state_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig) -> float:
-    """Weights, gradients and optimizer state of layers ``[start, end)``, bytes."""
-    return sum(layer.parameter_bytes for layer in profile.layers[start:end]) * config.state_factor
+    """Weights, gradients and optimizer state of layers ``[start, end)``, and the
+    checkpoint snapshots of them a node keeps (``config.snapshot_copies``), bytes.
+
+    A buddy keeps snapshots of another stage; counting the stage's own size
+    for it assumes balanced stages, which the min-max partition aims for.
+    """
+    params = sum(layer.parameter_bytes for layer in profile.layers[start:end])
+    return params * (config.state_factor
+                     + config.snapshot_copies * max(0.0, config.state_factor - 1))
 
 
 def stash_bytes(profile: ModelProfile, start: int, end: int, samples: float) -> float:

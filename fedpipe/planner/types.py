@@ -140,6 +140,10 @@ class TrainConfig:
         schedule: "gpipe" or "1f1b" (or "async", later).
         state_factor: bytes kept per parameter byte for a stage: weights,
             gradients and optimizer state (4 for AdamW: weights, grads, two moments).
+        snapshot_copies: checkpoint snapshots a node keeps per stage it runs,
+            its own and those it keeps as a buddy (each weights and optimizer
+            state: ``state_factor - 1`` bytes per parameter byte); 0 when
+            checkpoints are off.
         stages: pipeline depth the user asked for: every replica group gets
             exactly this many stages (0: the planner chooses).
         replicas: number of replica groups the user asked for (0: the
@@ -163,6 +167,7 @@ class TrainConfig:
     microbatches: int = 1
     schedule: str = "gpipe"
     state_factor: float = 4.0
+    snapshot_copies: float = 0.0
     stages: int = 0
     replicas: int = 0
     compression: str = "auto"

@@ -1,0 +1,112 @@
+"""Fault injection for swarm tests and benchmarks: kill, pause, restart, at a chosen step.
+
+In the spirit of torchft's ``EventInjector.fail_at(rank, step)``: a
+:class:`FaultInjector` watches a job's progress from the tracker and fires a
+fault when the job reaches a step, so a test says *when* a node dies in the
+job's own terms, not in seconds.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..proto import tracker_pb2
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """``kill -9`` a process and reap it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+def pause(proc: subprocess.Popen, seconds: float) -> threading.Thread:
+    """SIGSTOP a process now and SIGCONT it ``seconds`` later (from a daemon thread).
+
+    Returns the thread that resumes it (join it to wait for the resume).
+    """
+    os.kill(proc.pid, signal.SIGSTOP)
+
+    def resume() -> None:
+        time.sleep(seconds)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+
+    th = threading.Thread(target=resume, name=f"resume-{proc.pid}", daemon=True)
+    th.start()
+    return th
+
+
+@dataclass
+class Fired:
+    """A fault that fired: at which step of the job (as the tracker last reported it) and when."""
+
+    name: str
+    step: int
+    time: float = field(default_factory=time.time)
+
+
+class FaultInjector:
+    """Fire faults when a job reaches given steps.
+
+    Args:
+        get_job: returns the job's ``JobInfo`` (e.g. ``lambda: stub.GetJob(...)``).
+        poll: seconds between looks at the job's step.
+
+    Use: ``inj.at_step(5, "kill node1", lambda: swarm.kill(1)); inj.start()``.
+    Faults fire in step order, each once, as soon as the job's last completed
+    step is at least theirs; :attr:`fired` lists what fired.
+    """
+
+    def __init__(self, get_job: Callable[[], tracker_pb2.JobInfo], poll: float = 0.02):
+        self.get_job, self.poll = get_job, poll
+        self.plans: list[tuple[int, str, Callable[[], None]]] = []
+        self.fired: list[Fired] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def at_step(self, step: int, name: str, action: Callable[[], None]) -> "FaultInjector":
+        """Run ``action`` once the job has completed ``step`` steps."""
+        self.plans.append((step, name, action))
+        self.plans.sort(key=lambda p: p[0])
+        return self
+
+    def start(self) -> "FaultInjector":
+        """Start watching (a daemon thread)."""
+        self._thread = threading.Thread(target=self._run, name="fault-injector", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        pending = list(self.plans)
+        while pending and not self._stop.is_set():
+            try:
+                job = self.get_job()
+            except Exception:  # noqa: BLE001 — the tracker may be the fault; look again
+                time.sleep(self.poll)
+                continue
+            while pending and job.step >= pending[0][0]:
+                step, name, action = pending.pop(0)
+                try:
+                    action()
+                    self.fired.append(Fired(name, job.step))
+                except BaseException as e:  # noqa: BLE001 — kept for the test to raise
+                    self.errors.append(e)
+            if job.state in (tracker_pb2.JOB_STATE_SUCCEEDED, tracker_pb2.JOB_STATE_FAILED,
+                             tracker_pb2.JOB_STATE_CANCELLED):
+                return
+            time.sleep(self.poll)
+
+    def stop(self) -> None:
+        """Stop watching; raise the first error an action raised."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        if self.errors:
+            raise self.errors[0]
