@@ -476,3 +476,31 @@ def test_a_plaintext_server_admits_every_call_with_no_identity():
             assert _call(ch, "/fedpipe.v1.Node/Send", _send_frame(node_pb2.KIND_GRADIENT)) == "-"
     finally:
         srv.stop(grace=None)
+
+
+def test_diagnose_names_an_expired_server_certificate(swarm_dir):
+    d, _ = swarm_dir
+    alice = TlsConfig.load(d, "alice")
+    certs.issue(d, "tracker", "stale", not_before=ago(3), days=1)
+    stale = TlsConfig.load(d, "stale", check=False)
+    srv = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), srv)
+    port = srv.add_secure_port("127.0.0.1:0", stale.server_credentials())
+    srv.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        err = _refused_handshake(address, alice.channel_credentials())
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert tls.explain(err, address, alice).startswith(
+            f"{address} presents a certificate expired at ")
+    finally:
+        srv.stop(grace=None)
+
+
+def test_explain_keeps_a_refusal_that_is_not_a_connection_failure(server, channels, swarm_dir):
+    with pytest.raises(grpc.RpcError) as e:
+        _call(channels["client"], "/fedpipe.v1.Node/LoadStage")
+    alice = TlsConfig.load(swarm_dir[0], "alice")
+    assert tls.explain(e.value, server, alice) == (
+        "PERMISSION_DENIED: wrong role for /fedpipe.v1.Node/LoadStage: client 'alice' may not "
+        "call it (allowed: tracker)")

@@ -358,7 +358,9 @@ def diagnose(address: str, tls: TlsConfig | None, *, timeout: float = PROBE_SECO
             try:
                 certs.verify_issued_by(server, certs.load_cert(tls.ca_pem))
             except CertError as e:
-                return f"{address} presents a {e}; this caller trusts only {tls.directory}/ca.crt"
+                trust = (f"; this caller trusts only {tls.directory / certs.CA_CERT}"
+                         if "another CA" in str(e) else "")
+                return f"{address} presents a {e}{trust}"
             if not _names_host(server, host):
                 return (f"{address}'s certificate does not name the host {host!r}; issue the "
                         f"server's certificate with --host {host}")
@@ -379,17 +381,15 @@ def _load_chain(ctx: ssl.SSLContext, tls: TlsConfig) -> None:
     ctx.load_cert_chain(tls.directory / f"{tls.name}.crt", tls.directory / f"{tls.name}.key")
 
 
-_HANDSHAKE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
-
-
 def explain(error: grpc.RpcError, address: str, tls: TlsConfig | None) -> str:
     """A one-line message for a failed call: the TLS cause when :func:`diagnose` finds one.
 
-    Returns ``"CODE: details"`` from gRPC when the failure is not a refused
-    connection, or when no TLS cause is found.
+    gRPC reports every failed connection, a refused handshake included, as
+    UNAVAILABLE; only then is the server probed. Returns ``"CODE: details"``
+    from gRPC for other codes, or when no TLS cause is found.
     """
     code, details = error.code(), error.details() or ""
-    if code in _HANDSHAKE_CODES:
+    if code == grpc.StatusCode.UNAVAILABLE:
         reason = diagnose(address, tls)
         if reason:
             return reason
