@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.security import certs, policy, tls
 from fedpipe.security.certs import Identity, Role
-from fedpipe.security.errors import PermissionDenied, Unauthenticated
+from fedpipe.security.errors import DenyListUnreadable, PermissionDenied, Unauthenticated
 from fedpipe.security.interceptor import AuthInterceptor, identity_of
 from fedpipe.security.policy import Rule
 from fedpipe.security.tls import Authenticator, TlsConfig
@@ -504,3 +504,29 @@ def test_explain_keeps_a_refusal_that_is_not_a_connection_failure(server, channe
     assert tls.explain(e.value, server, alice) == (
         "PERMISSION_DENIED: wrong role for /fedpipe.v1.Node/LoadStage: client 'alice' may not "
         "call it (allowed: tracker)")
+
+
+def test_a_deny_list_made_unreadable_refuses_every_caller_until_fixed(tmp_path):
+    certs.make_ca(tmp_path)
+    certs.issue(tmp_path, "client", "alice")
+    alice = _auth_context((tmp_path / "alice.crt").read_bytes())
+    (tmp_path / "revoked.json").write_text("{")
+    with pytest.raises(certs.CertError, match="cannot read its deny list: .*not JSON"):
+        Authenticator(certs.load_ca(tmp_path), deny_file=tmp_path / certs.REVOKED)
+    (tmp_path / "revoked.json").unlink()
+    auth = Authenticator(certs.load_ca(tmp_path), deny_file=tmp_path / certs.REVOKED)
+    assert auth.authenticate(alice).name == "alice"
+    (tmp_path / "revoked.json").write_text('{"revoked": 5}')
+    deadline = time.monotonic() + tls.DENY_RELOAD_SECONDS + 5
+    while True:
+        try:
+            auth.authenticate(alice)
+        except DenyListUnreadable as e:
+            assert e.code == grpc.StatusCode.UNAVAILABLE
+            assert str(e).startswith("this server cannot read its deny list: ")
+            break
+        assert time.monotonic() < deadline, "a broken deny list went unnoticed"
+        time.sleep(0.1)
+    (tmp_path / "revoked.json").write_text('{"revoked": []}')
+    time.sleep(tls.DENY_RELOAD_SECONDS + 0.1)
+    assert auth.authenticate(alice).name == "alice"

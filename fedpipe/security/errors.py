@@ -20,3 +20,9 @@ class PermissionDenied(SecurityError):
     """The caller is known but may not do this: the wrong role, or not its node or job."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class DenyListUnreadable(SecurityError):
+    """This server cannot read its deny list, so it refuses every caller until it can."""
+
+    code = grpc.StatusCode.UNAVAILABLE

@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives import serialization
 
 from . import certs
 from .certs import CertError, DenyList, Identity
-from .errors import Unauthenticated
+from .errors import DenyListUnreadable, Unauthenticated
 
 TLS_DIR_ENV = "FEDPIPE_TLS_DIR"
 """Environment variable naming the TLS directory when ``--tls-dir`` / ``tls=`` is not given."""
@@ -171,27 +171,40 @@ class Authenticator:
     Args:
         ca: the swarm CA's certificate.
         deny_file: a ``revoked.json`` to follow, or None.
+
+    Raises:
+        CertError: ``deny_file`` exists and is malformed.
     """
 
     def __init__(self, ca: x509.Certificate, *, deny_file: pathlib.Path | None = None):
         self.ca = ca
         self._deny_file = deny_file
         self._file_serials: frozenset[int] = frozenset()
-        self._file_mtime: float | None = None
+        self._file_version: tuple[int, int, int] | None = None
+        self._file_error: str | None = None
         self._next_look = 0.0
         self._pushed: frozenset[int] = frozenset()
         self._verified: dict[bytes, _Verified] = {}
         self._lock = threading.Lock()
         self._reload()
+        if self._file_error is not None:  # at a server's start: fail it, with the reason
+            raise CertError(self._file_error)
 
     def set_deny_list(self, deny: DenyList) -> None:
         """Refuse these certificates too (replaces the list given before, not the file's)."""
         self._pushed = deny.serials
 
     def revoked_serials(self) -> frozenset[int]:
-        """Serial numbers refused now."""
+        """Serial numbers refused now.
+
+        Raises:
+            DenyListUnreadable: the deny file became malformed; every call is
+                refused until it is fixed, since forgetting a revocation is worse.
+        """
         if self._deny_file is not None and time.monotonic() >= self._next_look:
             self._reload()
+        if self._file_error is not None:
+            raise DenyListUnreadable(self._file_error)
         return self._file_serials | self._pushed
 
     def _reload(self) -> None:
@@ -200,14 +213,20 @@ class Authenticator:
             if self._deny_file is None:
                 return
             try:
-                mtime = self._deny_file.stat().st_mtime
+                st = self._deny_file.stat()
+                # the inode too: `fedpipe certs revoke` replaces the file, and a
+                # coarse clock can give the new one the old mtime
+                version = (st.st_ino, st.st_mtime_ns, st.st_size)
             except FileNotFoundError:
-                mtime = None
-            if mtime != self._file_mtime:
-                # a malformed file raises here, at the server's start or at the
-                # next call: better refuse calls than forget a revocation
+                version = None
+            if version == self._file_version:
+                return
+            try:
                 self._file_serials = certs.load_revoked(self._deny_file.parent).serials
-                self._file_mtime = mtime
+                self._file_error = None
+            except CertError as e:
+                self._file_error = f"this server cannot read its deny list: {e}"
+            self._file_version = version
 
     def _verify(self, pem: bytes) -> _Verified:
         hit = self._verified.get(pem)
@@ -236,6 +255,7 @@ class Authenticator:
         Raises:
             Unauthenticated: no TLS or no certificate, a certificate from another
                 CA, expired or not yet valid, without a fedpipe identity, or revoked.
+            DenyListUnreadable: this server's deny file is malformed.
         """
         if auth_context.get("transport_security_type") != [b"ssl"]:
             raise Unauthenticated("no TLS: this server requires mutual TLS with a certificate "
