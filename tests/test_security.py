@@ -409,7 +409,8 @@ def test_authenticator_names_each_refusal(swarm_dir, tmp_path):
         (_auth_context((other / "alice.crt").read_bytes()), "certificate from another CA"),
         (_auth_context((d / "old.crt").read_bytes()), "certificate of client 'old' expired at"),
         (_auth_context((d / "gone.crt").read_bytes()), "certificate of client 'gone' (serial"),
-        (_auth_context((d / "ca.crt").read_bytes()), "certificate has no subject alternative names, so no fedpipe identity"),
+        (_auth_context((d / "ca.crt").read_bytes()),
+         "certificate has no subject alternative names, so no fedpipe identity"),
     ]
     for ctx, message in cases:
         with pytest.raises(Unauthenticated) as e:

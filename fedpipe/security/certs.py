@@ -49,7 +49,8 @@ CA_DAYS = 3650
 CERT_DAYS = 365
 """Default lifetime of an issued certificate, days."""
 CLOCK_SKEW = dt.timedelta(minutes=5)
-"""A new certificate is valid from this long before now, so a peer whose clock is behind accepts it."""
+"""A new certificate is valid from this long before now, so a peer whose clock is behind
+accepts it."""
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 """Hosts a tracker or node certificate answers on when ``hosts`` is not given."""
 
@@ -57,7 +58,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class CertError(ValueError):
-    """A certificate, key or TLS directory is missing, malformed or unusable; the message says which."""
+    """A certificate, key or TLS directory is missing, malformed or unusable; the message says."""
 
 
 class Role(str, enum.Enum):

@@ -70,7 +70,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         return _wrap(handler, lambda context: self._admit(method, context))
 
-    def _admit(self, method: str, context: grpc.ServicerContext) -> tuple[Identity | None, Rule | None]:
+    def _admit(self, method: str,
+               context: grpc.ServicerContext) -> tuple[Identity | None, Rule | None]:
         identity: Identity | None = None
         rule = self.table.get(method)
         if self.authenticator is not None:

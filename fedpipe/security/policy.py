@@ -66,8 +66,8 @@ def check_send_kind(identity: Identity | None, frame: Message) -> None:
         return
     kind = frame.envelope.kind
     if kind not in CLIENT_SEND_KINDS:
-        raise PermissionDenied(f"{identity} may send only inputs and targets, not "
-                               f"{node_pb2.Kind.Name(kind) if kind in node_pb2.Kind.values() else kind}")
+        name = node_pb2.Kind.Name(kind) if kind in node_pb2.Kind.values() else f"kind {kind}"
+        raise PermissionDenied(f"{identity} may send only inputs and targets, not {name}")
 
 
 def _methods(descriptor, service: str, rules: Mapping[str, Rule]) -> dict[str, Rule]:
@@ -183,7 +183,7 @@ def require_owner(identity: Identity | None, owner: str, *, job_id: str = "") ->
 
 def require_owner_or_assigned(identity: Identity | None, owner: str,
                               assigned: Collection[str], *, job_id: str = "") -> None:
-    """A job's own client, or a node assigned to the job (``assigned``: node names), may fetch its state.
+    """A job's own client, or a node assigned to it (``assigned``: node names), may fetch its state.
 
     Raises:
         PermissionDenied: anyone else, naming the job.

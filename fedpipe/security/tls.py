@@ -47,7 +47,8 @@ from .errors import DenyListUnreadable, Unauthenticated
 TLS_DIR_ENV = "FEDPIPE_TLS_DIR"
 """Environment variable naming the TLS directory when ``--tls-dir`` / ``tls=`` is not given."""
 DENY_RELOAD_SECONDS = 1.0
-"""How often a server looks at ``revoked.json`` again, seconds: a revocation takes effect within this."""
+"""How often a server looks at ``revoked.json`` again, seconds: a revocation takes effect
+within this."""
 PROBE_SECONDS = 3.0
 """Deadline of :func:`diagnose`'s own TCP connect, handshake and first read, seconds each."""
 
@@ -140,13 +141,13 @@ class TlsConfig:
         return cls(d, identity, ca_pem, cert_pem, key_pem)
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """Credentials for ``add_secure_port``: this certificate, and callers must show one of the CA's."""
+        """Credentials for ``add_secure_port``: this certificate; callers must show the CA's."""
         return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)],
                                            root_certificates=self.ca_pem,
                                            require_client_auth=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        """Credentials for ``secure_channel``: trust only the swarm CA, and show this certificate."""
+        """Credentials for ``secure_channel``: trust only the swarm CA; show this certificate."""
         return grpc.ssl_channel_credentials(self.ca_pem, self.key_pem, self.cert_pem)
 
     def authenticator(self) -> "Authenticator":
