@@ -58,7 +58,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class CertError(ValueError):
-    """A certificate, key or TLS directory is missing, malformed or unusable; the message says."""
+    """A certificate, key or TLS directory is missing, malformed or unusable (see the message)."""
 
 
 class Role(str, enum.Enum):
