@@ -229,6 +229,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--nodes", type=int, default=3)
     train_args(d)
     d.set_defaults(func=cmd_demo)
+
+    from .security.certs import add_cli as add_certs_cli
+    add_certs_cli(sub)
     return p
 
 
