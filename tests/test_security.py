@@ -42,6 +42,8 @@ EXPECTED = {
     "/fedpipe.v1.Node/StopJob": {"tracker", "client"},
     "/fedpipe.v1.Node/Send": {"node", "client"},
     "/fedpipe.v1.Node/FetchState": {"client", "node"},
+    "/fedpipe.v1.Node/PutSnapshot": {"node"},
+    "/fedpipe.v1.Node/FetchSnapshot": {"node"},
     "/fedpipe.v1.Node/Ping": {"node", "tracker"},
     "/fedpipe.v1.Node/MeasureLinks": {"tracker"},
 }

@@ -107,6 +107,9 @@ POLICY: Mapping[str, Rule] = {
         # state moves between nodes (checkpoints, drains, healing) and to the job's client
         "FetchState": Rule(_roles(CLIENT, NODE), service_check="require_owner_or_assigned("
                                                               "identity, owner, nodes)"),
+        # checkpoint snapshots travel between a job's nodes (stage -> buddy, buddy -> restorer)
+        "PutSnapshot": Rule(_roles(NODE), service_check="require_assigned(identity, nodes)"),
+        "FetchSnapshot": Rule(_roles(NODE), service_check="require_assigned(identity, nodes)"),
         "Ping": Rule(_roles(NODE, TRACKER)),
         "MeasureLinks": Rule(_roles(TRACKER)),
     }),
