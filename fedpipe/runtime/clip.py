@@ -136,9 +136,9 @@ class GlobalNormClip:
             whatever ``transport`` raises (e.g. StageError when a peer is gone).
         """
         own = squared_norm(self.params)
-        for s, peer in self.peers.items():
-            self.transport.send_to(peer, NORM, step, self.stage,
-                                   torch.tensor(own, dtype=torch.float64))
+        message = torch.tensor(own, dtype=torch.float64)
+        for peer in self.peers.values():
+            self.transport.send_to(peer, NORM, step, self.stage, message)
         parts = {self.stage: own}
         for s in self.peers:
             parts[s] = float(self.transport.recv(NORM, step, s)[0])

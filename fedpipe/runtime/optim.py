@@ -72,9 +72,11 @@ class LRSchedulerSpec:
 
         Raises:
             ValueError: naming the schedule, when :meth:`build` fails.
+            TypeError: ``opt``'s own arguments do not fit its class.
         """
+        built = opt.build([torch.nn.Parameter(torch.zeros(1))])
         try:
-            self.build(opt.build([torch.nn.Parameter(torch.zeros(1))]))
+            self.build(built)
         except (TypeError, ValueError, KeyError) as e:
             raise ValueError(f"lr_scheduler {self.cls.__name__}({self.kwargs}) does not fit "
                              f"optimizer {opt.cls.__name__}: {type(e).__name__}: {e}") from e
