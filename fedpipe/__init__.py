@@ -1,7 +1,8 @@
 """fedpipe: pipeline-parallel training of one PyTorch model across unlike machines.
 
 Public API (imported lazily, so ``fedpipe.planner`` and ``fedpipe.wire`` stay light):
-``Client``, ``Job``, ``OptimizerSpec``, ``optimizer``, ``DiLoCo``, ``JobSpec``, ``LocalSwarm``.
+``Client``, ``Job``, ``OptimizerSpec``, ``optimizer``, ``LRSchedulerSpec``, ``lr_scheduler``,
+``DiLoCo``, ``JobSpec``, ``LocalSwarm``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ _LAZY = {
     "DiLoCo": "fedpipe.spec",
     "JobSpec": "fedpipe.spec",
     "optimizer": "fedpipe.runtime.optim",
+    "LRSchedulerSpec": "fedpipe.runtime.optim",
+    "lr_scheduler": "fedpipe.runtime.optim",
     "LocalSwarm": "fedpipe.testing",
 }
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import net
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
-from ..runtime.optim import OptimizerSpec
+from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..spec import REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, state_name
 from ..wire import frames
 from .packaging import dumps, pack_layers
@@ -61,7 +61,8 @@ class Client:
                steps: int, microbatches: int = 1, schedule: str = "gpipe",
                stages: int = 0, replicas: int = 0, compression: str | dict[str, str] = "auto",
                max_staleness: int = 1, replica_sync: str | DiLoCo = "auto", name: str = "",
-               pending_timeout: float | None = None) -> "Job":
+               pending_timeout: float | None = None, lr_scheduler: LRSchedulerSpec | None = None,
+               clip_grad_norm: float = 0.0) -> "Job":
         """Submit a training job and start feeding it.
 
         Args:
@@ -88,18 +89,29 @@ class Client:
                 :class:`fedpipe.DiLoCo` (outer steps every H inner steps), or
                 "auto" (the plan picks from the links between groups).
             pending_timeout: fail the job if no node takes it within this many seconds.
+            lr_scheduler: from :func:`fedpipe.lr_scheduler`; built over each
+                stage's optimizer and stepped after every optimizer step.
+            clip_grad_norm: clip the gradients to this global L2 norm before each
+                optimizer step, as :func:`torch.nn.utils.clip_grad_norm_` on the
+                whole model would (:mod:`fedpipe.runtime.clip`); 0: no clipping.
 
         Raises:
             TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
-                bad optimizer.
+                bad optimizer or lr_scheduler.
             fedpipe.spec.JobSpecError: a bad setting (a ValueError; ``field`` names it).
-            ValueError: empty data, or a batch too small for the microbatches.
+            ValueError: empty data, a batch too small for the microbatches, or
+                an lr_scheduler whose arguments do not fit it or the optimizer.
             grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
                 with the memory figures) or is unreachable.
         """
         layers = pack_layers(model)
         if not isinstance(optimizer, OptimizerSpec):
             raise TypeError("optimizer must come from fedpipe.optimizer(torch.optim.X, ...)")
+        if lr_scheduler is not None:
+            if not isinstance(lr_scheduler, LRSchedulerSpec):
+                raise TypeError("lr_scheduler must come from "
+                                "fedpipe.lr_scheduler(torch.optim.lr_scheduler.X, ...)")
+            lr_scheduler.check(optimizer)
         act_codec, grad_codec = _compression(compression)
         if isinstance(replica_sync, str):
             if replica_sync not in REPLICA_SYNCS:
@@ -116,6 +128,8 @@ class Client:
                            activation_compression=act_codec, gradient_compression=grad_codec,
                            stages=stages, replicas=replicas, max_staleness=max_staleness,
                            replica_sync=replica_sync, diloco=outer,
+                           lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"",
+                           clip_grad_norm=clip_grad_norm,
                            batch_size=microbatches).validate(len(layers))
         batches = _cycle(data)
         try:

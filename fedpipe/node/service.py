@@ -27,6 +27,7 @@ from ..net.emulation import LinkProfile
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime.allreduce import GradientSync
 from ..runtime.async_stage import AsyncStageRunner
+from ..runtime.clip import NORM, GlobalNormClip
 from ..runtime.diloco import OUTER, OuterSync
 from ..runtime.stage import ACTIVATION, GRADIENT, INPUT, REDUCE, TARGET, StageError, StageRunner
 from ..spec import JobSpec
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 KINDS = {node_pb2.KIND_INPUT: INPUT, node_pb2.KIND_TARGET: TARGET,
          node_pb2.KIND_ACTIVATION: ACTIVATION, node_pb2.KIND_GRADIENT: GRADIENT,
-         node_pb2.KIND_REDUCE: REDUCE, node_pb2.KIND_OUTER: OUTER}
+         node_pb2.KIND_REDUCE: REDUCE, node_pb2.KIND_OUTER: OUTER, node_pb2.KIND_NORM: NORM}
 KIND_CODES = {v: k for k, v in KINDS.items()}
 MAX_PROBE_BYTES = 64 * 2**20
 """Largest link-measurement probe a node sends or accepts, bytes."""
@@ -306,6 +307,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         module = nn.Sequential(*layers).to(self.device)
         params = [p for p in module.parameters() if p.requires_grad]
         opt = cloudpickle.loads(cfg.optimizer).build(params) if params else None
+        schedule = (cloudpickle.loads(cfg.lr_scheduler).build(opt)
+                    if opt is not None and cfg.lr_scheduler else None)
         last = request.stage == n_stages - 1
         loss_fn = cloudpickle.loads(cfg.loss_fn) if last else None
         stage = Stage(request.job_id, r, request.stage, n_stages, mine.layer_start, module,
@@ -337,9 +340,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         microbatches = cfg.microbatches
         if r < len(plan.replicas) and plan.replicas[r].microbatches:
             microbatches = plan.replicas[r].microbatches
-        runner, extra = StageRunner, {}
+        runner, extra = StageRunner, {"lr_scheduler": schedule}
+        if cfg.clip_grad_norm:  # every stage of the group, with or without parameters
+            extra["clip"] = GlobalNormClip(params, cfg.clip_grad_norm, request.stage,
+                                           {s: peers[(r, s)] for s in range(n_stages)
+                                            if s != request.stage}, transport)
         if cfg.schedule == "async":
-            runner, extra = AsyncStageRunner, {"max_staleness": cfg.max_staleness}
+            runner, extra = AsyncStageRunner, {**extra, "max_staleness": cfg.max_staleness}
         stage.runner = runner(module, opt, loss_fn, cfg.schedule, request.stage, n_stages,
                               microbatches, transport, grad_sync=sync, after_step=after,
                               **extra)

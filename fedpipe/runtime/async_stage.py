@@ -36,7 +36,8 @@ class AsyncStageRunner(StageRunner):
     run ahead of the optimizer updates applied (a forward of step ``s`` waits
     until the updates of steps ``<= s - 1 - max_staleness`` are applied). With
     ``max_staleness=0`` training equals "1f1b" (and single-process training).
-    ``grad_sync(step)`` runs before and ``after_step(step)`` after each update.
+    ``grad_sync(step)`` and ``clip(step)`` run before and ``after_step(step)``
+    after each update; ``lr_scheduler`` steps with each update.
 
     Memory: besides the live parameters, up to ``max_staleness + 1`` stashed
     copies of the stage's trainable parameters (each the size of the
@@ -53,13 +54,16 @@ class AsyncStageRunner(StageRunner):
                  loss_fn: Callable | None, schedule: str, stage: int, n_stages: int,
                  microbatches: int, transport: Transport,
                  grad_sync: Callable[[int], None] | None = None,
-                 after_step: Callable[[int], None] | None = None, *, max_staleness: int = 1):
+                 after_step: Callable[[int], None] | None = None, *, max_staleness: int = 1,
+                 clip: Callable[[int], None] | None = None,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
         if schedule != "async":
             raise ValueError(f"AsyncStageRunner runs schedule 'async', not {schedule!r}")
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         super().__init__(module, optimizer, loss_fn, "1f1b", stage, n_stages, microbatches,
-                         transport, grad_sync, after_step)
+                         transport, grad_sync, after_step, clip=clip,
+                         lr_scheduler=lr_scheduler)
         self.max_staleness = max_staleness
         self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # weight version -> params

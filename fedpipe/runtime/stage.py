@@ -69,6 +69,9 @@ class StageRunner:
             optimizer step (e.g. :class:`~fedpipe.runtime.allreduce.GradientSync`).
         after_step: called with the step after the optimizer step (e.g. a
             DiLoCo outer step every H steps).
+        clip: called with the step after ``grad_sync``, before the optimizer
+            step (:class:`~fedpipe.runtime.clip.GlobalNormClip`).
+        lr_scheduler: stepped after every optimizer step (needs ``optimizer``).
 
     Raises:
         ValueError: unknown or asynchronous schedule; the last stage has no loss function.
@@ -78,8 +81,11 @@ class StageRunner:
                  loss_fn: Callable | None, schedule: str, stage: int, n_stages: int,
                  microbatches: int, transport: Transport,
                  grad_sync: Callable[[int], None] | None = None,
-                 after_step: Callable[[int], None] | None = None):
+                 after_step: Callable[[int], None] | None = None, *,
+                 clip: Callable[[int], None] | None = None,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
         self.module, self.optimizer, self.loss_fn = module, optimizer, loss_fn
+        self.clip, self.lr_scheduler = clip, lr_scheduler
         self.stage, self.n_stages, self.microbatches = stage, n_stages, microbatches
         if schedule == "async" and type(self) is StageRunner:
             raise ValueError("schedule 'async' runs on fedpipe.runtime.async_stage.AsyncStageRunner")
@@ -132,11 +138,16 @@ class StageRunner:
             self.transport.send(GRADIENT, step, m, x.grad, batch)
 
     def _update(self, step: int) -> None:
-        """After a step's backwards: sync across replica groups, optimizer step, after-step hook."""
+        """After a step's backwards: sync across replica groups, clip, optimizer and
+        schedule step, after-step hook."""
         if self.grad_sync is not None:
             self.grad_sync(step)
+        if self.clip is not None:
+            self.clip(step)
         if self.optimizer is not None:
             self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self.after_step is not None:
             self.after_step(step)
