@@ -14,10 +14,10 @@ holder sends its pseudo-gradient of a segment to every other holder
 
 **Averaging.** Group ``g`` runs ``B_g`` of the ``B`` samples of each step
 and its stage losses are scaled by ``n / B`` (share of the *global* batch,
-:class:`~fedpipe.runtime.stage.StageRunner`), so its gradient is the partial
+:class:`~fedpipe.runtime.stage.StageRunnerBase`), so its gradient is the partial
 sum ``G_g = (B_g / B) · ∇L_g`` (``∇L_g``: gradient of the mean loss over
 its shard). In DiLoCo every replica trains as a model of its own, so
-:meth:`OuterSync.rescale_gradients` (the runner's ``grad_sync``) multiplies
+:meth:`OuterSync.rescale_gradients` (a runner's ``before_update`` hook) multiplies
 the gradients by ``1 / w_g``, ``w_g = B_g / B`` (the plan's shares), before
 each inner optimizer step: the inner step is that of the shard's mean loss,
 for any inner optimizer. The outer gradient is the share-weighted mean
@@ -63,19 +63,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
-from ..spec import DiLoCo, parse_codec
+from ..spec import DiLoCo, Kind, StageKey, parse_codec
 from ..wire import codecs
-from .allreduce import held_segments
+from .allreduce import StageSpan, held_segments
+from .stage import Transport
 
 log = logging.getLogger("fedpipe.diloco")
-
-OUTER = "outer"
-"""The transport kind of pseudo-gradient messages (``KIND_OUTER`` on the wire)."""
 
 
 def staleness_weight(staleness: int) -> float:
@@ -94,20 +92,19 @@ def _unflat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tens
 class OuterSync:
     """DiLoCo outer steps of one stage (see the module docstring for the rules).
 
-    Use :meth:`rescale_gradients` as the runner's ``grad_sync`` and the object
-    itself as its ``after_step``.
+    Use :meth:`rescale_gradients` as a runner's ``before_update`` hook and the
+    object itself as its ``after_update`` hook.
 
     Args:
-        module: the stage's layers, global layers ``[layer_start, layer_start + len(module))``.
-        replica, stage: this stage's place in the plan.
-        all_stages: ``(replica, stage, layer_start, layer_end)`` of the whole plan.
+        module: the stage's layers (an ``nn.Sequential``).
+        me: this stage's place in the plan.
+        stages: every stage of the plan with its layers.
         config: H, outer lr and momentum, and the codec of the pseudo-gradients.
         shares: share of the batch of each replica group, indexed by replica
             (any positive numbers; normalised), e.g. the plan's samples per group.
-        send: ``send(to_replica, to_stage, outer_step, tag, tensor, codec)``: queue a tensor.
-        recv: ``recv(outer_step, tag, timeout) -> tensor``: take one sent to this
-            stage, waiting at most ``timeout`` seconds (None: no limit); raises
-            TimeoutError when none came.
+        transport: how pseudo-gradients travel, as :data:`~fedpipe.spec.Kind.OUTER`
+            messages of step ``outer_step``: ``send_to`` every other holder,
+            ``recv`` with a timeout (raising TimeoutError when none came).
         last_step: the job's last inner step (0-based): always an outer step,
             which waits for every pseudo-gradient owed. None: no such step.
         grace_fraction: how long to wait for late peers, as a fraction of the
@@ -124,11 +121,8 @@ class OuterSync:
         fedpipe.spec.SpecError: a bad codec spec.
     """
 
-    def __init__(self, module: nn.Module, layer_start: int, replica: int, stage: int,
-                 all_stages: Sequence[tuple[int, int, int, int]], config: DiLoCo,
-                 shares: Sequence[float],
-                 send: Callable[[int, int, int, int, torch.Tensor, str], None],
-                 recv: Callable[[int, int, float | None], torch.Tensor], *,
+    def __init__(self, module: nn.Module, me: StageKey, stages: Sequence[StageSpan],
+                 config: DiLoCo, shares: Sequence[float], transport: Transport, *,
                  last_step: int | None = None, grace_fraction: float = 0.25,
                  grace_floor: float = 1.0):
         if any(s <= 0 for s in shares):
@@ -136,13 +130,13 @@ class OuterSync:
         if grace_fraction < 0 or grace_floor < 0:
             raise ValueError(f"grace_fraction and grace_floor must be >= 0, got "
                              f"{grace_fraction}, {grace_floor}")
-        self.module, self.config, self.send, self.recv = module, config, send, recv
+        self.module, self.config, self.transport = module, config, transport
         self.codec = "raw" if config.compression in ("", "none") else config.compression
         parse_codec(self.codec)  # SpecError names what is wrong
         total = float(sum(shares))
         self.weights = [s / total for s in shares]
-        self.scale = total / shares[replica]
-        self.mine = held_segments(module, layer_start, replica, stage, all_stages)
+        self.scale = total / shares[me.replica]
+        self.mine = held_segments(module, me, stages)
         self.globals = [[p.detach().clone() for p in params] for _, _, params in self.mine]
         momentum = config.outer_momentum
         self.optimizer = torch.optim.SGD(
@@ -158,7 +152,7 @@ class OuterSync:
         self.missed = 0
 
     def rescale_gradients(self, step: int) -> None:
-        """``grad_sync`` hook: scale this group's gradients by ``1 / w_g`` so the
+        """``before_update`` hook: scale this group's gradients by ``1 / w_g`` so the
         inner step is that of its own shard's mean loss (see the module docstring)."""
         if self.scale != 1.0:
             for p in self.module.parameters():
@@ -166,11 +160,11 @@ class OuterSync:
                     p.grad.mul_(self.scale)
 
     def __call__(self, step: int) -> None:
-        """``after_step`` hook: take an outer step after every H-th inner step and the last.
+        """``after_update`` hook: take an outer step after every H-th inner step and the last.
 
         Raises:
             fedpipe.node.mailbox.Stopped: the stage was stopped while waiting
-                (whatever the ``recv`` given raises).
+                (whatever the transport's ``recv`` raises).
         """
         now = time.monotonic()
         if self.mark is None:
@@ -192,7 +186,7 @@ class OuterSync:
         (a ``time.monotonic()`` time; None: wait for it however long it takes)."""
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return self.recv(outer_step, tag, timeout)
+            return self.transport.recv(Kind.OUTER, outer_step, tag, timeout)[0]
         except TimeoutError:
             return None
 
@@ -213,7 +207,8 @@ class OuterSync:
             sent, seen = self._encode(i, delta)
             for r, h in enumerate(seg.holders):
                 if r != rank:
-                    self.send(h.replica, h.stage, k, self._tag(i, rank), sent, self.codec)
+                    self.transport.send_to(h, Kind.OUTER, k, self._tag(i, rank), sent,
+                                           codec=self.codec)
             own.append(seen)
         for i, glob in enumerate(self.globals):
             for g, piece in zip(glob, _unflat(self._average(i, k, own[i], deadline), glob)):
