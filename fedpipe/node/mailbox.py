@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Callable, Hashable
+from typing import Callable, Hashable, NamedTuple
 
 import torch
 
@@ -19,6 +19,13 @@ class Stopped(Exception):
     """The stage waiting on the mailbox was stopped."""
 
 
+class _Key(NamedTuple):
+    slot: Hashable
+    kind: Kind
+    step: int
+    tag: int
+
+
 class Mailbox:
     """Tensors keyed by ``(slot, kind, step, tag)``; ``slot`` names a stage.
 
@@ -30,8 +37,8 @@ class Mailbox:
 
     def __init__(self, capacity: int, bounded: tuple[Kind, ...]):
         self.capacity, self.bounded = capacity, bounded
-        self._items: dict[tuple, tuple[torch.Tensor, int]] = {}
-        self._counts: dict[tuple, int] = defaultdict(int)
+        self._items: dict[_Key, tuple[torch.Tensor, int]] = {}  # -> (tensor, batch size)
+        self._counts: dict[tuple[Hashable, Kind], int] = defaultdict(int)  # bounded kinds
         self._cond = threading.Condition()
 
     def put(self, slot: Hashable, kind: Kind, step: int, mb: int, tensor: torch.Tensor,
@@ -42,7 +49,7 @@ class Mailbox:
             Stopped: ``alive()`` turned false while waiting for room.
             KeyError: a tensor with the same key is already waiting.
         """
-        key = (slot, kind, step, mb)
+        key = _Key(slot, kind, step, mb)
         with self._cond:
             if kind in self.bounded:
                 while self._counts[(slot, kind)] >= self.capacity:
@@ -63,7 +70,7 @@ class Mailbox:
             Stopped: ``stopped()`` turned true first.
             TimeoutError: nothing came within ``timeout`` seconds.
         """
-        key = (slot, kind, step, mb)
+        key = _Key(slot, kind, step, mb)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while key not in self._items:
@@ -82,9 +89,9 @@ class Mailbox:
     def drop(self, match: Callable[[Hashable], bool]) -> None:
         """Forget every tensor of the slots ``match`` selects."""
         with self._cond:
-            for key in [k for k in self._items if match(k[0])]:
+            for key in [k for k in self._items if match(k.slot)]:
                 del self._items[key]
-            for key in [k for k in self._counts if match(k[0])]:
+            for key in [k for k in self._counts if match(k[0])]:  # k: (slot, kind)
                 del self._counts[key]
             self._cond.notify_all()
 

@@ -14,7 +14,7 @@ import statistics
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import grpc
 import torch
@@ -50,7 +50,7 @@ class ChannelPool:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._channels: dict[str, tuple[grpc.Channel, int]] = {}
+        self._channels: dict[str, tuple[grpc.Channel, int]] = {}  # address -> (channel, users)
 
     def acquire(self, address: str, shaper: Shaper | None = None) -> grpc.Channel:
         """The channel to ``address``, with one more user."""
@@ -85,12 +85,20 @@ class ChannelPool:
     def users(self, address: str) -> int:
         """How many hold ``address``'s channel (0: it is closed)."""
         with self._lock:
-            return self._channels.get(address, (None, 0))[1]
+            _, users = self._channels.get(address, (None, 0))
+            return users
 
     def addresses(self) -> set[str]:
         """The addresses with an open channel."""
         with self._lock:
             return set(self._channels)
+
+
+class _Stream(NamedTuple):
+    """An open ``Send`` stream: the queue its frames are read from, and its call."""
+
+    frames: queue.SimpleQueue
+    call: grpc.Future
 
 
 class PeerSender:
@@ -119,7 +127,7 @@ class PeerSender:
         self.stub = node_pb2_grpc.NodeStub(channel)
         self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"send-{address}")
         self.error: Exception | None = None
-        self.stream: tuple[queue.SimpleQueue, grpc.Future] | None = None  # encoder thread only
+        self.stream: _Stream | None = None  # encoder thread only
         self.feedback = codecs.ErrorFeedback()
 
     def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
@@ -146,9 +154,9 @@ class PeerSender:
                 call = self.stub.Send.future(iter(frames_out.get, self.END),
                                              wait_for_ready=True)
                 call.add_done_callback(self._ended)
-                self.stream = (frames_out, call)
+                self.stream = _Stream(frames_out, call)
             for frame in frames.to_frames(msg, payload=payload, envelope=envelope):
-                self.stream[0].put(frame)
+                self.stream.frames.put(frame)
         except Exception as e:  # kept for the stage thread, which reports it
             self.error = self.error or e
 
@@ -185,8 +193,8 @@ class PeerSender:
         self.encoder.shutdown(wait=True, cancel_futures=True)
         stream = self.stream
         if stream is not None:
-            stream[0].put(self.END)
-            stream[1].cancel()
+            stream.frames.put(self.END)
+            stream.call.cancel()
 
 
 class StagePeers:

@@ -13,7 +13,7 @@ chunk is reduced on one holder and then copied.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -38,6 +38,15 @@ class Segment:
     start: int
     end: int
     holders: tuple[StageKey, ...]
+
+
+class Held(NamedTuple):
+    """A segment a stage holds: ``rank`` is the stage's index in ``segment.holders``,
+    ``params`` the segment's parameters in the stage's module."""
+
+    segment: Segment
+    rank: int
+    params: list[torch.nn.Parameter]
 
 
 def segments(stages: Sequence[StageSpan]) -> list[Segment]:
@@ -71,12 +80,10 @@ def segments(stages: Sequence[StageSpan]) -> list[Segment]:
 
 
 def held_segments(module: torch.nn.Module, me: StageKey, stages: Sequence[StageSpan]
-                  ) -> list[tuple[Segment, int, list[torch.nn.Parameter]]]:
-    """The segments with parameters that stage ``me`` holds.
+                  ) -> list[Held]:
+    """The segments with parameters that stage ``me`` holds, in layer order.
 
-    Returns ``(segment, rank, params)`` in layer order: ``rank`` is this
-    stage's index in ``segment.holders``, ``params`` the segment's parameters
-    in ``module`` (``me``'s layers, as ``stages`` gives them).
+    ``module`` holds ``me``'s layers, as ``stages`` gives them.
     Segments without parameters are left out: they need no sync, for any holder.
 
     Raises:
@@ -92,7 +99,7 @@ def held_segments(module: torch.nn.Module, me: StageKey, stages: Sequence[StageS
         params = [p for layer in range(seg.start, seg.end)
                   for p in module[layer - layer_start].parameters()] if ranks else []
         if params:
-            out.append((seg, ranks[0], params))
+            out.append(Held(seg, ranks[0], params))
     return out
 
 

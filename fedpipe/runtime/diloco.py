@@ -63,7 +63,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -87,6 +87,15 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _unflat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+class Owed(NamedTuple):
+    """A peer's pseudo-gradient not yet applied: of segment ``self.mine[index]``,
+    from the holder of rank ``rank``, for outer step ``outer_step``."""
+
+    index: int
+    rank: int
+    outer_step: int
 
 
 class OuterSync:
@@ -146,7 +155,7 @@ class OuterSync:
         self.last_step = last_step
         self.grace_fraction, self.grace_floor = grace_fraction, grace_floor
         self.outer_step = 0  # index of the next outer step, the same in every group
-        self.owed: list[tuple[int, int, int]] = []  # (index in self.mine, holder rank, outer step)
+        self.owed: list[Owed] = []
         self.mark: float | None = None  # end of the last outer step (or of the first inner step)
         self.late_applied = 0
         self.missed = 0
@@ -178,7 +187,7 @@ class OuterSync:
         self.mark = time.monotonic()
 
     def _tag(self, index: int, rank: int) -> int:
-        seg = self.mine[index][0]
+        seg = self.mine[index].segment
         return seg.index * len(seg.holders) + rank
 
     def _take(self, outer_step: int, tag: int, deadline: float | None) -> torch.Tensor | None:
@@ -226,20 +235,20 @@ class OuterSync:
         seg, rank, _ = self.mine[i]
         weight = [self.weights[h.replica] for h in seg.holders]
         late = []  # earlier steps' pseudo-gradients that came since: (rank, step, tensor)
-        for entry in [e for e in self.owed if e[0] == i]:
-            _, r, j = entry
+        for entry in [e for e in self.owed if e.index == i]:
+            r, j = entry.rank, entry.outer_step
             # take it only if it is in already, except at the last step (which waits)
             got = self._take(j, self._tag(i, r), None if deadline is None else -math.inf)
             if got is not None:
                 self.owed.remove(entry)
                 late.append((r, j, got))
-        behind = {r for ii, r, _ in self.owed if ii == i}  # still owe: do not wait for them
+        behind = {e.rank for e in self.owed if e.index == i}  # still owe: do not wait for them
         parts = {}
         for r in range(len(seg.holders)):
             wait = -math.inf if r in behind and deadline is not None else deadline
             got = own if r == rank else self._take(k, self._tag(i, r), wait)
             if got is None:
-                self.owed.append((i, r, k))
+                self.owed.append(Owed(i, r, k))
                 self.missed += 1
                 log.info("outer step %d: no pseudo-gradient from replica %d within the grace "
                          "period; applying it when it arrives", k, seg.holders[r].replica)
