@@ -6,11 +6,9 @@ inputs as the client would, and collect the stage reports the node sends.
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import threading
-import time
 
 import cloudpickle
 import grpc
