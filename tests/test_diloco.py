@@ -17,8 +17,9 @@ from torch import nn
 
 import fedpipe
 from fedpipe.examples import digits
+from fedpipe.runtime.allreduce import StageSpan
 from fedpipe.runtime.diloco import OuterSync, staleness_weight
-from fedpipe.spec import DiLoCo
+from fedpipe.spec import DiLoCo, Kind, StageKey
 from fedpipe.testing import LocalSwarm
 from fedpipe.spec import SpecError
 from fedpipe.wire import codecs
@@ -29,35 +30,47 @@ pytestmark = pytest.mark.timeout(240)
 
 # -- in memory ---------------------------------------------------------------
 class Wire:
-    """Messages between holders ``(replica, stage)``; ``hold(src, k)`` returns an
-    Event to delay delivery of what replica ``src`` sends at outer step ``k``."""
+    """Messages between holders ``StageKey(replica, stage)``; ``hold(src, k)`` returns
+    an Event to delay delivery of what replica ``src`` sends at outer step ``k``."""
 
     def __init__(self, hold=lambda src, k: None):
         self.boxes: dict[tuple, torch.Tensor] = {}
         self.cond = threading.Condition()
         self.hold = hold
 
-    def sender(self, src: int):
-        def send(rr, ss, k, tag, t, codec):
-            msg = codecs.encode(t, codec)  # as PeerSender and Send do
+    def transport(self, me: StageKey) -> "WireTransport":
+        return WireTransport(self, me)
 
-            def deliver(gate=self.hold(src, k)):
-                if gate is not None:
-                    gate.wait(10)
-                with self.cond:
-                    self.boxes[(rr, ss, k, tag)] = codecs.decode(msg)
-                    self.cond.notify_all()
-            threading.Thread(target=deliver, daemon=True).start()
-        return send
 
-    def receiver(self, replica: int, stage: int):
-        def recv(k, tag, timeout):
-            key = (replica, stage, k, tag)
-            with self.cond:
-                if not self.cond.wait_for(lambda: key in self.boxes, timeout):
-                    raise TimeoutError(key)
-                return self.boxes.pop(key)
-        return recv
+class WireTransport:
+    """The :class:`fedpipe.runtime.stage.Transport` of holder ``me`` on a :class:`Wire`."""
+
+    def __init__(self, wire: Wire, me: StageKey):
+        self.wire, self.me = wire, me
+
+    def send_to(self, peer, kind, step, tag, tensor, batch_size=1, codec="raw"):
+        assert kind == Kind.OUTER and peer != self.me
+        msg = codecs.encode(tensor, codec)  # as PeerSender and Send do
+        wire = self.wire
+
+        def deliver(gate=wire.hold(self.me.replica, step)):
+            if gate is not None:
+                gate.wait(10)
+            with wire.cond:
+                wire.boxes[(peer, step, tag)] = codecs.decode(msg)
+                wire.cond.notify_all()
+        threading.Thread(target=deliver, daemon=True).start()
+
+    def recv(self, kind, step, tag, timeout=None):
+        assert kind == Kind.OUTER
+        key = (self.me, step, tag)
+        with self.wire.cond:
+            if not self.wire.cond.wait_for(lambda: key in self.wire.boxes, timeout):
+                raise TimeoutError(key)
+            return self.wire.boxes.pop(key), 1
+
+    def send(self, kind, step, microbatch, tensor, batch_size):
+        raise AssertionError("an outer sync sends to holders only")
 
 
 def mlp():
@@ -80,12 +93,14 @@ def train_groups(model, batches, shares, config, inner, splits=SPLITS, wire=None
     """Train one copy of ``model`` per group, each on its share of every batch,
     with an OuterSync per stage; returns the groups' models and syncs."""
     wire = wire or Wire()
-    all_stages = [(r, s, a, b) for r, split in enumerate(splits) for s, (a, b) in enumerate(split)]
+    spans = [StageSpan(StageKey(r, s), a, b) for r, split in enumerate(splits)
+             for s, (a, b) in enumerate(split)]
     models = [copy.deepcopy(model) for _ in splits]
     holders = []
-    for r, s, a, b in all_stages:
-        sync = OuterSync(models[r][a:b], a, r, s, all_stages, config, shares,
-                         wire.sender(r), wire.receiver(r, s), **kw)
+    for span in spans:
+        r, a, b = span.key.replica, span.start, span.end
+        sync = OuterSync(models[r][a:b], span.key, spans, config, shares,
+                         wire.transport(span.key), **kw)
         holders.append((inner.build(models[r][a:b].parameters()), sync))
     total = sum(shares)
     for step, (x, y) in enumerate(batches):
@@ -170,12 +185,13 @@ def test_late_replica_does_not_stall_and_is_applied_with_its_staleness_weight():
     its step 1 only after replica 0 went on too; the last step (2) waits for both."""
     gate = threading.Event()
     wire = Wire(lambda src, k: gate if (src, k) == (1, 0) else None)
-    all_stages = [(0, 0, 0, 1), (1, 0, 0, 1)]
+    spans = [StageSpan(StageKey(0, 0), 0, 1), StageSpan(StageKey(1, 0), 0, 1)]
     models = [nn.Sequential(nn.Linear(1, 1, bias=False)).double() for _ in range(2)]
     for m in models:
         nn.init.zeros_(m[0].weight)
-    syncs = [OuterSync(m, 0, r, 0, all_stages, DiLoCo(1, 1.0, 0.0), [1, 1], wire.sender(r),
-                       wire.receiver(r, 0), last_step=2) for r, m in enumerate(models)]
+    syncs = [OuterSync(m, StageKey(r, 0), spans, DiLoCo(1, 1.0, 0.0), [1, 1],
+                       wire.transport(StageKey(r, 0)), last_step=2)
+             for r, m in enumerate(models)]
     moves = [[1.0, 4.0, 16.0], [2.0, 8.0, 32.0]]  # each inner step lowers the weight by this
     seen = [[], []]
     zero_done_1 = threading.Event()
@@ -213,19 +229,37 @@ def test_late_replica_does_not_stall_and_is_applied_with_its_staleness_weight():
 
 
 def test_bad_settings_are_refused():
-    stages = [(0, 0, 0, 1)]
+    stages = [StageSpan(StageKey(0, 0), 0, 1)]
     m = nn.Sequential(nn.Linear(1, 1))
     with pytest.raises(SpecError, match="int9"):
         DiLoCo(compression="int9")
     with pytest.raises(ValueError, match="shares"):
-        OuterSync(m, 0, 0, 0, stages, DiLoCo(), [0], None, None)
+        OuterSync(m, StageKey(0, 0), stages, DiLoCo(), [0], None)
+
+
+class Recording:
+    """A transport that records every call and delivers nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def send_to(self, *a, **kw):
+        self.calls.append(("send_to", a, kw))
+
+    def send(self, *a):
+        self.calls.append(("send", a))
+
+    def recv(self, *a, **kw):
+        self.calls.append(("recv", a, kw))
+        raise TimeoutError
 
 
 def test_stage_without_parameters_takes_no_outer_step():
-    calls = []
-    sync = OuterSync(nn.Sequential(nn.ReLU()), 0, 0, 0, [(0, 0, 0, 1), (1, 0, 0, 1)], DiLoCo(1),
-                     [1, 1], lambda *a: calls.append(("send", a)),
-                     lambda *a: calls.append(("recv", a)), last_step=0)
+    transport = Recording()
+    calls = transport.calls
+    sync = OuterSync(nn.Sequential(nn.ReLU()), StageKey(0, 0),
+                     [StageSpan(StageKey(0, 0), 0, 1), StageSpan(StageKey(1, 0), 0, 1)],
+                     DiLoCo(1), [1, 1], transport, last_step=0)
     sync.rescale_gradients(0)
     sync(0)
     assert calls == [], "a stage without parameters must neither send nor wait"

@@ -6,7 +6,8 @@ from torch import nn
 
 from fedpipe import spec as schedules
 from fedpipe.planner.simulate import simulate_group
-from fedpipe.runtime.stage import GRADIENT, StageRunner
+from fedpipe.runtime.stage import SyncStageRunner
+from fedpipe.spec import Kind
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -49,8 +50,8 @@ class RecordingTransport:
     def __init__(self):
         self.passes = []
 
-    def recv(self, kind, step, microbatch):
-        if kind == GRADIENT:
+    def recv(self, kind, step, microbatch, timeout=None):
+        if kind == Kind.GRADIENT:
             self.passes.append(schedules.Action("B", microbatch))
         else:
             self.passes.append(schedules.Action("F", microbatch))
@@ -59,18 +60,22 @@ class RecordingTransport:
     def send(self, kind, step, microbatch, tensor, batch_size):
         pass
 
+    def send_to(self, peer, kind, step, tag, tensor, batch_size=1, codec="raw"):
+        raise AssertionError("a pipeline stage alone sends to its neighbours only")
+
 
 @pytest.mark.parametrize("name", schedules.SYNC_SCHEDULES)
 @pytest.mark.parametrize("n_stages,m", [(1, 1), (2, 3), (3, 4), (4, 8)])
 def test_runtime_and_simulator_run_the_same_order(name, n_stages, m):
-    """The order a StageRunner runs its passes in is the order the planner's simulator
+    """The order a SyncStageRunner runs its passes in is the order the planner's simulator
     times them in, for every stage, microbatch count and synchronous schedule."""
     sim = simulate_group([1.0] * n_stages, [2.0] * n_stages, [0.1] * (n_stages - 1),
                          [0.05] * (n_stages - 1), [0.1] * (n_stages - 1),
                          [0.05] * (n_stages - 1), m, name)
     for stage in range(n_stages - 1):  # the last stage's recvs include targets; covered below
         transport = RecordingTransport()
-        runner = StageRunner(nn.Linear(3, 3), None, None, name, stage, n_stages, m, transport)
+        runner = SyncStageRunner(nn.Linear(3, 3), None, None, name, stage, n_stages, m,
+                                 transport)
         runner.run_step(0)
         assert transport.passes == sim.order[stage], (stage, transport.passes)
     assert sim.order[-1] == schedules.schedule_order(name, n_stages - 1, n_stages, m)

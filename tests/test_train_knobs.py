@@ -22,11 +22,11 @@ from torch import nn
 import fedpipe
 from fedpipe.client import Client
 from fedpipe.examples import digits
-from fedpipe.runtime.allreduce import GradientSync
+from fedpipe.runtime.allreduce import GradientSync, StageSpan
 from fedpipe.runtime.async_stage import AsyncStageRunner
 from fedpipe.runtime.clip import GlobalNormClip, scale_gradients, squared_norm
-from fedpipe.runtime.stage import ACTIVATION, INPUT, REDUCE, TARGET, StageRunner
-from fedpipe.spec import JobSpecError
+from fedpipe.runtime.stage import SyncStageRunner
+from fedpipe.spec import JobSpecError, Kind, StageKey
 from reference import max_relative_difference
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,15 +92,15 @@ class StageWires:
     def __init__(self, wires, replica, stage):
         self.wires, self.replica, self.stage = wires, replica, stage
 
-    def recv(self, kind, step, m):
+    def recv(self, kind, step, m, timeout=None):
         return self.wires.take((self.replica, self.stage, kind, step, m))
 
     def send(self, kind, step, m, t, batch):
-        to = self.stage + (1 if kind == ACTIVATION else -1)
+        to = self.stage + (1 if kind == Kind.ACTIVATION else -1)
         self.wires.put((self.replica, to, kind, step, m), t, batch)
 
-    def send_to(self, peer, kind, step, tag, tensor):
-        self.wires.put((*peer, kind, step, tag), tensor, 1)
+    def send_to(self, peer, kind, step, tag, tensor, batch_size=1, codec="raw"):
+        self.wires.put((*peer, kind, step, tag), tensor, batch_size)
 
 
 class Recording(GlobalNormClip):
@@ -146,15 +146,16 @@ def pipeline(model, opt_spec, sched_spec, max_norm, batches, groups, schedule="g
     Returns each group's per-stage :class:`Recording` clips (None: no clipping).
     """
     wires = Wires()
-    all_stages = [(g, s, a, b) for g, cuts in enumerate(groups) for s, (a, b) in enumerate(cuts)]
+    spans = [StageSpan(StageKey(g, s), a, b) for g, cuts in enumerate(groups)
+             for s, (a, b) in enumerate(cuts)]
     for t, (x, y) in enumerate(batches):
         shards = zip(torch.tensor_split(x, len(groups)), torch.tensor_split(y, len(groups)))
         for g, (xs, ys) in enumerate(shards):
             last = len(groups[g]) - 1
             for m, (xm, ym) in enumerate(zip(torch.tensor_split(xs, microbatches),
                                              torch.tensor_split(ys, microbatches))):
-                wires.put((g, 0, INPUT, t, m), xm, len(x))  # loss scaled by the global batch
-                wires.put((g, last, TARGET, t, m), ym, len(x))
+                wires.put((g, 0, Kind.INPUT, t, m), xm, len(x))  # loss scaled by the global batch
+                wires.put((g, last, Kind.TARGET, t, m), ym, len(x))
     copies = [model] + [copy.deepcopy(model) for _ in groups[1:]]
     runners, clips = [], []
     for g, cuts in enumerate(groups):
@@ -166,22 +167,26 @@ def pipeline(model, opt_spec, sched_spec, max_norm, batches, groups, schedule="g
             transport = wires.transport(g, s)
             clip = None
             if max_norm:
-                peers = {o: (g, o) for o in range(len(cuts)) if o != s}
+                peers = {o: StageKey(g, o) for o in range(len(cuts)) if o != s}
                 clip = Recording(params, max_norm, s, peers, transport)
             clips[g].append(clip)
-            sync = None
+            before, after = [], []
             if len(groups) > 1:
-                sync = GradientSync(
-                    layers, a, g, s, all_stages,
-                    send=lambda rr, ss, k, tag, t: wires.put((rr, ss, REDUCE, k, tag), t, 1),
-                    recv=lambda k, tag, g=g, s=s: wires.take((g, s, REDUCE, k, tag))[0])
-            kw = dict(grad_sync=sync, clip=clip,
-                      lr_scheduler=sched_spec.build(opt) if sched_spec and opt else None)
-            cls = StageRunner
+                before.append(GradientSync(layers, StageKey(g, s), spans, transport))
+            if clip is not None:
+                before.append(clip)
+            if sched_spec and opt:
+                sched = sched_spec.build(opt)
+                after.append(lambda step, sched=sched: sched.step())
+            loss = LOSS if s == len(cuts) - 1 else None
             if max_staleness is not None:
-                cls, kw["max_staleness"] = AsyncStageRunner, max_staleness
-            runners.append(cls(layers, opt, LOSS if s == len(cuts) - 1 else None, schedule,
-                               s, len(cuts), microbatches, transport, **kw))
+                runners.append(AsyncStageRunner(layers, opt, loss, s, len(cuts), microbatches,
+                                                transport, max_staleness=max_staleness,
+                                                before_update=before, after_update=after))
+            else:
+                runners.append(SyncStageRunner(layers, opt, loss, schedule, s, len(cuts),
+                                               microbatches, transport, before_update=before,
+                                               after_update=after))
     run_threads(runners, len(batches))
     assert not wires.items, f"left over: {sorted(wires.items)[:5]}"
     return copies, clips

@@ -13,17 +13,21 @@ chunk is reduced on one holder and then copied.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from ..spec import Kind, StageKey
+from .stage import Transport
+
 
 @dataclass(frozen=True)
-class Holder:
-    """The stage of replica group ``replica`` that holds a segment."""
+class StageSpan:
+    """Stage ``key`` of a plan holds the global layers ``[start, end)``."""
 
-    replica: int
-    stage: int
+    key: StageKey
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -33,60 +37,69 @@ class Segment:
     index: int
     start: int
     end: int
-    holders: tuple[Holder, ...]
+    holders: tuple[StageKey, ...]
 
 
-def segments(stages: Sequence[tuple[int, int, int, int]]) -> list[Segment]:
+class Held(NamedTuple):
+    """A segment a stage holds: ``rank`` is the stage's index in ``segment.holders``,
+    ``params`` the segment's parameters in the stage's module."""
+
+    segment: Segment
+    rank: int
+    params: list[torch.nn.Parameter]
+
+
+def segments(stages: Sequence[StageSpan]) -> list[Segment]:
     """Cut the layers into segments of constant holders.
 
     Args:
-        stages: ``(replica, stage, layer_start, layer_end)`` for every stage of
-            every replica group; each group must cover the same layers.
+        stages: every stage of every replica group; each group must cover the same layers.
 
     Raises:
         ValueError: the groups do not cover the same layers contiguously.
     """
-    groups: dict[int, list[tuple[int, int, int]]] = {}
-    for r, s, a, b in stages:
-        groups.setdefault(r, []).append((a, b, s))
-    spans = set()
-    for r, ranges in groups.items():
-        ranges.sort()
-        if ranges[0][0] != 0 or any(x[1] != y[0] for x, y in zip(ranges, ranges[1:])):
-            raise ValueError(f"replica group {r} does not cover the layers contiguously: {ranges}")
-        spans.add(ranges[-1][1])
-    if len(spans) != 1:
-        raise ValueError(f"replica groups cover different numbers of layers: {sorted(spans)}")
-    cuts = sorted({a for ranges in groups.values() for a, _, _ in ranges} | spans)
-    replicas = sorted(groups)
+    groups: dict[int, list[StageSpan]] = {}
+    for span in stages:
+        groups.setdefault(span.key.replica, []).append(span)
+    ends = set()
+    for r, spans in groups.items():
+        spans.sort(key=lambda x: (x.start, x.end))
+        if spans[0].start != 0 or any(x.end != y.start for x, y in zip(spans, spans[1:])):
+            raise ValueError(f"replica group {r} does not cover the layers contiguously: "
+                             f"{[(x.start, x.end) for x in spans]}")
+        ends.add(spans[-1].end)
+    if len(ends) != 1:
+        raise ValueError(f"replica groups cover different numbers of layers: {sorted(ends)}")
+    cuts = sorted({x.start for spans in groups.values() for x in spans} | ends)
     out = []
     for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
-        holders = tuple(Holder(r, next(s for lo, hi, s in groups[r] if lo <= a < hi))
-                        for r in replicas)
+        holders = tuple(next(x.key for x in groups[r] if x.start <= a < x.end)
+                        for r in sorted(groups))
         out.append(Segment(i, a, b, holders))
     return out
 
 
-def held_segments(module: torch.nn.Module, layer_start: int, replica: int, stage: int,
-                  all_stages: Sequence[tuple[int, int, int, int]]
-                  ) -> list[tuple[Segment, int, list[torch.nn.Parameter]]]:
-    """The segments with parameters that stage ``stage`` of group ``replica`` holds.
+def held_segments(module: torch.nn.Module, me: StageKey, stages: Sequence[StageSpan]
+                  ) -> list[Held]:
+    """The segments with parameters that stage ``me`` holds, in layer order.
 
-    Returns ``(segment, rank, params)`` in layer order: ``rank`` is this
-    stage's index in ``segment.holders``, ``params`` the segment's parameters
-    in ``module`` (global layers ``[layer_start, layer_start + len(module))``).
+    ``module`` holds ``me``'s layers, as ``stages`` gives them.
     Segments without parameters are left out: they need no sync, for any holder.
 
     Raises:
-        ValueError: as :func:`segments`.
+        ValueError: as :func:`segments`, or ``me`` is not in ``stages``.
     """
+    mine = [x for x in stages if x.key == me]
+    if len(mine) != 1:
+        raise ValueError(f"stage {me} appears {len(mine)} times in the plan, not once")
+    layer_start = mine[0].start
     out = []
-    for seg in segments(all_stages):
-        ranks = [i for i, h in enumerate(seg.holders) if h == Holder(replica, stage)]
+    for seg in segments(stages):
+        ranks = [i for i, h in enumerate(seg.holders) if h == me]
         params = [p for layer in range(seg.start, seg.end)
                   for p in module[layer - layer_start].parameters()] if ranks else []
         if params:
-            out.append((seg, ranks[0], params))
+            out.append(Held(seg, ranks[0], params))
     return out
 
 
@@ -115,27 +128,34 @@ def ring_allreduce(flat: torch.Tensor, rank: int, world: int,
 class GradientSync:
     """Sums a stage's gradients with the other replica groups after each step's backward passes.
 
+    Use it as a runner's ``before_update`` hook. Messages are
+    :data:`~fedpipe.spec.Kind.REDUCE` tensors, sent raw.
+
     Args:
-        module: the stage's layers (an ``nn.Sequential``), global layers
-            ``[layer_start, layer_start + len(module))``.
-        replica, stage: this stage's place in the plan.
-        all_stages: ``(replica, stage, layer_start, layer_end)`` of the whole plan.
-        send: ``send(to_replica, to_stage, step, tag, tensor)``: queue a tensor.
-        recv: ``recv(step, tag) -> tensor``: take one sent to this stage.
+        module: the stage's layers (an ``nn.Sequential``).
+        me: this stage's place in the plan.
+        stages: every stage of the plan with its layers.
+        transport: how ring messages travel (``send_to`` the next holder,
+            ``recv`` from the previous one).
 
     Each microbatch's loss is scaled by its share of the *global* batch, so the
     sum across groups is the full batch's gradient.
+
+    Raises:
+        ValueError: as :func:`held_segments`.
     """
 
-    def __init__(self, module: torch.nn.Module, layer_start: int, replica: int, stage: int,
-                 all_stages: Sequence[tuple[int, int, int, int]],
-                 send: Callable[[int, int, int, int, torch.Tensor], None],
-                 recv: Callable[[int, int], torch.Tensor]):
-        self.send, self.recv = send, recv
-        self.mine = held_segments(module, layer_start, replica, stage, all_stages)
+    def __init__(self, module: torch.nn.Module, me: StageKey, stages: Sequence[StageSpan],
+                 transport: Transport):
+        self.transport = transport
+        self.mine = held_segments(module, me, stages)
 
     def __call__(self, step: int) -> None:
-        """All-reduce this step's gradients in place."""
+        """All-reduce this step's gradients in place.
+
+        Raises:
+            StageError: a send failed (whatever the transport raises).
+        """
         for seg, rank, params in self.mine:
             world = len(seg.holders)
             nxt = seg.holders[(rank + 1) % world]
@@ -144,8 +164,8 @@ class GradientSync:
                               for p in params])
             total = ring_allreduce(
                 flat, rank, world,
-                lambda tag, t: self.send(nxt.replica, nxt.stage, step, base + tag, t),
-                lambda tag: self.recv(step, base + tag))
+                lambda tag, t: self.transport.send_to(nxt, Kind.REDUCE, step, base + tag, t),
+                lambda tag: self.transport.recv(Kind.REDUCE, step, base + tag)[0])
             offset = 0
             for p in params:
                 p.grad = total[offset:offset + p.numel()].view_as(p).clone()

@@ -19,25 +19,24 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from .. import spec
-from .stage import StageRunner, StepResult, Transport
+from .stage import StageRunnerBase, StepHook, StepResult, Transport
 
 
-class AsyncStageRunner(StageRunner):
+class AsyncStageRunner(StageRunnerBase):
     """Runs layers of a model as stage ``stage`` of ``n_stages`` under ``schedule="async"``.
 
-    Arguments are those of :class:`~fedpipe.runtime.stage.StageRunner`, with
-    ``schedule`` "async", plus ``max_staleness``: how many steps a forward may
-    run ahead of the optimizer updates applied (a forward of step ``s`` waits
-    until the updates of steps ``<= s - 1 - max_staleness`` are applied). With
+    Arguments are those of :class:`~fedpipe.runtime.stage.StageRunnerBase`,
+    plus ``max_staleness``: how many steps a forward may run ahead of the
+    optimizer updates applied (a forward of step ``s`` waits until the updates
+    of steps ``<= s - 1 - max_staleness`` are applied). With
     ``max_staleness=0`` training equals "1f1b" (and single-process training).
-    ``grad_sync(step)`` and ``clip(step)`` run before and ``after_step(step)``
-    after each update; ``lr_scheduler`` steps with each update.
+    Steps overlap, so there is no ``run_step``: drive it with :meth:`run`.
 
     Memory: besides the live parameters, up to ``max_staleness + 1`` stashed
     copies of the stage's trainable parameters (each the size of the
@@ -46,37 +45,27 @@ class AsyncStageRunner(StageRunner):
     under 1F1B.
 
     Raises:
-        ValueError: ``schedule`` is not "async", ``max_staleness < 0``, or the
-            last stage has no loss function.
+        ValueError: ``max_staleness < 0``, or the last stage has no loss function.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 loss_fn: Callable | None, schedule: str, stage: int, n_stages: int,
-                 microbatches: int, transport: Transport,
-                 grad_sync: Callable[[int], None] | None = None,
-                 after_step: Callable[[int], None] | None = None, *, max_staleness: int = 1,
-                 clip: Callable[[int], None] | None = None,
-                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
-        if schedule != "async":
-            raise ValueError(f"AsyncStageRunner runs schedule 'async', not {schedule!r}")
+                 loss_fn: Callable | None, stage: int, n_stages: int, microbatches: int,
+                 transport: Transport, *, max_staleness: int = 1,
+                 before_update: Sequence[StepHook] = (), after_update: Sequence[StepHook] = ()):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        super().__init__(module, optimizer, loss_fn, "1f1b", stage, n_stages, microbatches,
-                         transport, grad_sync, after_step, clip=clip,
-                         lr_scheduler=lr_scheduler)
+        super().__init__(module, optimizer, loss_fn, stage, n_stages, microbatches, transport,
+                         before_update=before_update, after_update=after_update)
         self.max_staleness = max_staleness
         self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # weight version -> params
 
-    def run_step(self, step: int) -> StepResult:
-        """Not available: asynchronous steps overlap; use :meth:`run`."""
-        raise TypeError("asynchronous steps overlap: drive AsyncStageRunner with run(steps)")
-
     def run(self, steps: int) -> Iterator[StepResult]:
         """Run all ``steps``, yielding each step's result right after its update.
 
-        ``seconds`` of a result is the wall time since the previous one (or
-        the start); ``loss`` (last stage only) is the step's batch-mean loss.
+        ``seconds`` of a result (and its split) is the wall time since the
+        previous one (or the start); ``loss`` (last stage only) is the step's
+        batch-mean loss.
 
         Raises:
             StageError: a layer's output is not a single tensor, or the loss is not a scalar.
@@ -88,8 +77,9 @@ class AsyncStageRunner(StageRunner):
         loss: dict[int, float] = defaultdict(float)
         samples: dict[int, int] = defaultdict(int)
         t0 = time.perf_counter()
+        self.transport.lap()
         for action in spec.async_stream(self.stage, self.n_stages, M, steps,
-                                             self.max_staleness):
+                                        self.max_staleness):
             i = action.microbatch
             step, m = divmod(i, M)
             if action.kind == "F":
@@ -110,10 +100,10 @@ class AsyncStageRunner(StageRunner):
             for v in [v for v in self.snapshots if v != applied and users[v] == 0]:
                 del self.snapshots[v], users[v]
             if m == M - 1:
-                now = time.perf_counter()
-                yield StepResult(step, loss.pop(step) if self.last else None,
-                                 samples.pop(step), now - t0)
-                t0 = now
+                result = self._result(step, loss.pop(step) if self.last else None,
+                                      samples.pop(step), t0)
+                t0 += result.seconds
+                yield result
 
     def _snapshot(self, version: int) -> dict[str, torch.Tensor]:
         """The stashed parameters of ``version``, copied from the live ones on first use."""

@@ -14,10 +14,10 @@ holder sends its pseudo-gradient of a segment to every other holder
 
 **Averaging.** Group ``g`` runs ``B_g`` of the ``B`` samples of each step
 and its stage losses are scaled by ``n / B`` (share of the *global* batch,
-:class:`~fedpipe.runtime.stage.StageRunner`), so its gradient is the partial
+:class:`~fedpipe.runtime.stage.StageRunnerBase`), so its gradient is the partial
 sum ``G_g = (B_g / B) · ∇L_g`` (``∇L_g``: gradient of the mean loss over
 its shard). In DiLoCo every replica trains as a model of its own, so
-:meth:`OuterSync.rescale_gradients` (the runner's ``grad_sync``) multiplies
+:meth:`OuterSync.rescale_gradients` (a runner's ``before_update`` hook) multiplies
 the gradients by ``1 / w_g``, ``w_g = B_g / B`` (the plan's shares), before
 each inner optimizer step: the inner step is that of the shard's mean loss,
 for any inner optimizer. The outer gradient is the share-weighted mean
@@ -63,19 +63,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import nn
 
-from ..spec import DiLoCo, parse_codec
+from ..spec import DiLoCo, Kind, StageKey, parse_codec
 from ..wire import codecs
-from .allreduce import held_segments
+from .allreduce import StageSpan, held_segments
+from .stage import Transport
 
 log = logging.getLogger("fedpipe.diloco")
-
-OUTER = "outer"
-"""The transport kind of pseudo-gradient messages (``KIND_OUTER`` on the wire)."""
 
 
 def staleness_weight(staleness: int) -> float:
@@ -91,23 +89,31 @@ def _unflat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tens
     return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
+class Owed(NamedTuple):
+    """A peer's pseudo-gradient not yet applied: of segment ``self.mine[index]``,
+    from the holder of rank ``rank``, for outer step ``outer_step``."""
+
+    index: int
+    rank: int
+    outer_step: int
+
+
 class OuterSync:
     """DiLoCo outer steps of one stage (see the module docstring for the rules).
 
-    Use :meth:`rescale_gradients` as the runner's ``grad_sync`` and the object
-    itself as its ``after_step``.
+    Use :meth:`rescale_gradients` as a runner's ``before_update`` hook and the
+    object itself as its ``after_update`` hook.
 
     Args:
-        module: the stage's layers, global layers ``[layer_start, layer_start + len(module))``.
-        replica, stage: this stage's place in the plan.
-        all_stages: ``(replica, stage, layer_start, layer_end)`` of the whole plan.
+        module: the stage's layers (an ``nn.Sequential``).
+        me: this stage's place in the plan.
+        stages: every stage of the plan with its layers.
         config: H, outer lr and momentum, and the codec of the pseudo-gradients.
         shares: share of the batch of each replica group, indexed by replica
             (any positive numbers; normalised), e.g. the plan's samples per group.
-        send: ``send(to_replica, to_stage, outer_step, tag, tensor, codec)``: queue a tensor.
-        recv: ``recv(outer_step, tag, timeout) -> tensor``: take one sent to this
-            stage, waiting at most ``timeout`` seconds (None: no limit); raises
-            TimeoutError when none came.
+        transport: how pseudo-gradients travel, as :data:`~fedpipe.spec.Kind.OUTER`
+            messages of step ``outer_step``: ``send_to`` every other holder,
+            ``recv`` with a timeout (raising TimeoutError when none came).
         last_step: the job's last inner step (0-based): always an outer step,
             which waits for every pseudo-gradient owed. None: no such step.
         grace_fraction: how long to wait for late peers, as a fraction of the
@@ -124,11 +130,8 @@ class OuterSync:
         fedpipe.spec.SpecError: a bad codec spec.
     """
 
-    def __init__(self, module: nn.Module, layer_start: int, replica: int, stage: int,
-                 all_stages: Sequence[tuple[int, int, int, int]], config: DiLoCo,
-                 shares: Sequence[float],
-                 send: Callable[[int, int, int, int, torch.Tensor, str], None],
-                 recv: Callable[[int, int, float | None], torch.Tensor], *,
+    def __init__(self, module: nn.Module, me: StageKey, stages: Sequence[StageSpan],
+                 config: DiLoCo, shares: Sequence[float], transport: Transport, *,
                  last_step: int | None = None, grace_fraction: float = 0.25,
                  grace_floor: float = 1.0):
         if any(s <= 0 for s in shares):
@@ -136,13 +139,13 @@ class OuterSync:
         if grace_fraction < 0 or grace_floor < 0:
             raise ValueError(f"grace_fraction and grace_floor must be >= 0, got "
                              f"{grace_fraction}, {grace_floor}")
-        self.module, self.config, self.send, self.recv = module, config, send, recv
+        self.module, self.config, self.transport = module, config, transport
         self.codec = "raw" if config.compression in ("", "none") else config.compression
         parse_codec(self.codec)  # SpecError names what is wrong
         total = float(sum(shares))
         self.weights = [s / total for s in shares]
-        self.scale = total / shares[replica]
-        self.mine = held_segments(module, layer_start, replica, stage, all_stages)
+        self.scale = total / shares[me.replica]
+        self.mine = held_segments(module, me, stages)
         self.globals = [[p.detach().clone() for p in params] for _, _, params in self.mine]
         momentum = config.outer_momentum
         self.optimizer = torch.optim.SGD(
@@ -152,13 +155,13 @@ class OuterSync:
         self.last_step = last_step
         self.grace_fraction, self.grace_floor = grace_fraction, grace_floor
         self.outer_step = 0  # index of the next outer step, the same in every group
-        self.owed: list[tuple[int, int, int]] = []  # (index in self.mine, holder rank, outer step)
+        self.owed: list[Owed] = []
         self.mark: float | None = None  # end of the last outer step (or of the first inner step)
         self.late_applied = 0
         self.missed = 0
 
     def rescale_gradients(self, step: int) -> None:
-        """``grad_sync`` hook: scale this group's gradients by ``1 / w_g`` so the
+        """``before_update`` hook: scale this group's gradients by ``1 / w_g`` so the
         inner step is that of its own shard's mean loss (see the module docstring)."""
         if self.scale != 1.0:
             for p in self.module.parameters():
@@ -166,11 +169,11 @@ class OuterSync:
                     p.grad.mul_(self.scale)
 
     def __call__(self, step: int) -> None:
-        """``after_step`` hook: take an outer step after every H-th inner step and the last.
+        """``after_update`` hook: take an outer step after every H-th inner step and the last.
 
         Raises:
             fedpipe.node.mailbox.Stopped: the stage was stopped while waiting
-                (whatever the ``recv`` given raises).
+                (whatever the transport's ``recv`` raises).
         """
         now = time.monotonic()
         if self.mark is None:
@@ -184,7 +187,7 @@ class OuterSync:
         self.mark = time.monotonic()
 
     def _tag(self, index: int, rank: int) -> int:
-        seg = self.mine[index][0]
+        seg = self.mine[index].segment
         return seg.index * len(seg.holders) + rank
 
     def _take(self, outer_step: int, tag: int, deadline: float | None) -> torch.Tensor | None:
@@ -192,7 +195,7 @@ class OuterSync:
         (a ``time.monotonic()`` time; None: wait for it however long it takes)."""
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return self.recv(outer_step, tag, timeout)
+            return self.transport.recv(Kind.OUTER, outer_step, tag, timeout)[0]
         except TimeoutError:
             return None
 
@@ -213,7 +216,8 @@ class OuterSync:
             sent, seen = self._encode(i, delta)
             for r, h in enumerate(seg.holders):
                 if r != rank:
-                    self.send(h.replica, h.stage, k, self._tag(i, rank), sent, self.codec)
+                    self.transport.send_to(h, Kind.OUTER, k, self._tag(i, rank), sent,
+                                           codec=self.codec)
             own.append(seen)
         for i, glob in enumerate(self.globals):
             for g, piece in zip(glob, _unflat(self._average(i, k, own[i], deadline), glob)):
@@ -231,20 +235,20 @@ class OuterSync:
         seg, rank, _ = self.mine[i]
         weight = [self.weights[h.replica] for h in seg.holders]
         late = []  # earlier steps' pseudo-gradients that came since: (rank, step, tensor)
-        for entry in [e for e in self.owed if e[0] == i]:
-            _, r, j = entry
+        for entry in [e for e in self.owed if e.index == i]:
+            r, j = entry.rank, entry.outer_step
             # take it only if it is in already, except at the last step (which waits)
             got = self._take(j, self._tag(i, r), None if deadline is None else -math.inf)
             if got is not None:
                 self.owed.remove(entry)
                 late.append((r, j, got))
-        behind = {r for ii, r, _ in self.owed if ii == i}  # still owe: do not wait for them
+        behind = {e.rank for e in self.owed if e.index == i}  # still owe: do not wait for them
         parts = {}
         for r in range(len(seg.holders)):
             wait = -math.inf if r in behind and deadline is not None else deadline
             got = own if r == rank else self._take(k, self._tag(i, r), wait)
             if got is None:
-                self.owed.append((i, r, k))
+                self.owed.append(Owed(i, r, k))
                 self.missed += 1
                 log.info("outer step %d: no pseudo-gradient from replica %d within the grace "
                          "period; applying it when it arrives", k, seg.holders[r].replica)

@@ -16,7 +16,7 @@ import grpc
 
 from .. import net, planner
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
-from ..spec import ACTIVE, TERMINAL, JobSpec, JobSpecError, state_name
+from ..spec import ACTIVE, TERMINAL, JobSpec, JobSpecError, PlanView, state_name
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker")
@@ -290,6 +290,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         is their sum, and its samples/s the total samples over the slowest group's time.
         """
         groups = max(1, len(job.plan.replicas))
+        if report.stage != PlanView(job.plan).depth(report.replica) - 1:
+            return  # every stage reports its step; the loss and samples come from the last
         with self.wake:
             part = self.partial.setdefault((job.job_id, report.step), [0, 0.0, 0, 0.0])
             part[0] += 1

@@ -1,0 +1,286 @@
+"""A node's connections to its peers: shared channels, tensor senders, link probes.
+
+One gRPC channel per peer address (:class:`ChannelPool`), shared by every
+stage that talks to that peer and closed when the last of them lets go. Each
+stage streams its tensors through :class:`PeerSender`\\ s of its own
+(:class:`StagePeers`), so one stage's failed stream or error feedback never
+touches another's. :func:`measure_link` times a link for the tracker.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import statistics
+import threading
+import time
+from concurrent import futures
+from typing import Callable, Iterator, NamedTuple
+
+import grpc
+import torch
+
+from .. import net
+from ..net import timeouts
+from ..proto import node_pb2, node_pb2_grpc
+from ..runtime.stage import StageError
+from ..spec import Kind
+from ..wire import codecs, frames
+
+MAX_PROBE_BYTES = 64 * 2**20
+"""Largest link-measurement probe a node sends or accepts, bytes."""
+PROBE_PINGS, MAX_PINGS = 5, 100
+"""Pings per link measurement: by default, and the most a request may ask for."""
+PROBE_BYTES = 4 * 2**20
+"""Largest bandwidth probe of a link measurement by default, bytes."""
+PROBE_SECONDS, MAX_PROBE_SECONDS = 0.5, 10.0
+"""How long a bandwidth probe is sized to take, seconds: by default, and at most."""
+
+Shaper = grpc.UnaryUnaryClientInterceptor
+"""An emulated link (:class:`fedpipe.net.emulation.Shaper`) a channel's calls go through."""
+
+
+class ChannelPool:
+    """One cached gRPC channel per peer address, reference-counted.
+
+    :meth:`acquire` opens the channel to an address on first use and counts
+    its users; :meth:`release` closes it when the last user lets go. The first
+    acquirer's ``shaper`` (an emulated link) stays with the channel: a node
+    reaches one address over one link. Thread-safe.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[grpc.Channel, int]] = {}  # address -> (channel, users)
+
+    def acquire(self, address: str, shaper: Shaper | None = None) -> grpc.Channel:
+        """The channel to ``address``, with one more user."""
+        with self._lock:
+            ch, users = self._channels.get(address) or (net.channel(address, shaper), 0)
+            self._channels[address] = (ch, users + 1)
+            return ch
+
+    def release(self, address: str) -> None:
+        """One user of ``address``'s channel is done; the last one closes it.
+
+        Raises:
+            KeyError: nobody holds a channel to ``address``.
+        """
+        with self._lock:
+            ch, users = self._channels[address]
+            if users > 1:
+                self._channels[address] = (ch, users - 1)
+                return
+            del self._channels[address]
+        ch.close()
+
+    @contextlib.contextmanager
+    def borrow(self, address: str, shaper: Shaper | None = None) -> Iterator[grpc.Channel]:
+        """``with pool.borrow(address) as ch:`` acquire for the block, then release."""
+        ch = self.acquire(address, shaper)
+        try:
+            yield ch
+        finally:
+            self.release(address)
+
+    def users(self, address: str) -> int:
+        """How many hold ``address``'s channel (0: it is closed)."""
+        with self._lock:
+            _, users = self._channels.get(address, (None, 0))
+            return users
+
+    def addresses(self) -> set[str]:
+        """The addresses with an open channel."""
+        with self._lock:
+            return set(self._channels)
+
+
+class _Stream(NamedTuple):
+    """An open ``Send`` stream: the queue its frames are read from, and its call."""
+
+    frames: queue.SimpleQueue
+    call: grpc.Future
+
+
+class PeerSender:
+    """Streams tensors to one peer's ``Send`` RPC over a channel it is given.
+
+    Tensors are encoded in submission order on a background thread and their
+    frames written to one long-lived client stream per peer, so a tensor costs
+    no call set-up and no round trip: over a link of one-way latency ``L``
+    tensors follow each other as fast as the link carries them, each arriving
+    ``L`` after it was sent, where a blocking call per tensor would pay ``2 L``
+    each. The peer's ``Send`` reads any number of tensors from a stream.
+    :meth:`flush` ends the stream and waits for the peer's reply (everything
+    was received); the next tensor opens a new stream.
+
+    Lossy codecs on gradients use error feedback: the residual is kept per
+    link (this sender), per microbatch slot and shape, so what the codec drops
+    is sent later instead of lost (:class:`fedpipe.wire.codecs.ErrorFeedback`).
+    The first failed stream is kept and raised (as StageError) by the next
+    :meth:`submit` or :meth:`flush`. The channel belongs to the caller.
+    """
+
+    END = None
+
+    def __init__(self, address: str, channel: grpc.Channel):
+        self.address = address
+        self.stub = node_pb2_grpc.NodeStub(channel)
+        self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"send-{address}")
+        self.error: Exception | None = None
+        self.stream: _Stream | None = None  # encoder thread only
+        self.feedback = codecs.ErrorFeedback()
+
+    def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
+        """Queue ``tensor`` for the peer, encoded with ``codec``.
+
+        Raises:
+            StageError: an earlier send to this peer failed.
+        """
+        self.check()
+        self.encoder.submit(self._send, envelope, tensor, codec)
+
+    def _send(self, envelope, tensor, codec):
+        try:
+            if envelope.kind == Kind.GRADIENT:
+                key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
+                msg, payload = codecs.encode_payload(tensor, codec, feedback=self.feedback,
+                                                     key=key)
+            else:
+                msg, payload = codecs.encode_payload(tensor, codec)
+            if self.stream is None:
+                frames_out: queue.SimpleQueue = queue.SimpleQueue()
+                # no deadline: the stream lives as long as the stage sends; the
+                # channel's keepalive notices a peer that is gone
+                call = self.stub.Send.future(iter(frames_out.get, self.END),
+                                             wait_for_ready=True)
+                call.add_done_callback(self._ended)
+                self.stream = _Stream(frames_out, call)
+            for frame in frames.to_frames(msg, payload=payload, envelope=envelope):
+                self.stream.frames.put(frame)
+        except Exception as e:  # kept for the stage thread, which reports it
+            self.error = self.error or e
+
+    def _ended(self, call: grpc.Future) -> None:
+        if call.exception() is not None:
+            self.error = self.error or call.exception()
+
+    def _close_stream(self) -> grpc.Future | None:
+        """End the open stream (encoder thread); return its call."""
+        if self.stream is None:
+            return None
+        frames_out, call = self.stream
+        self.stream = None
+        frames_out.put(self.END)
+        return call
+
+    def check(self) -> None:
+        """Raise StageError if a send to this peer failed."""
+        if self.error is not None:
+            detail = self.error.details() if isinstance(self.error, grpc.RpcError) else self.error
+            raise StageError(f"sending to {self.address} failed: {detail}")
+
+    def flush(self) -> None:
+        """Wait until the peer has every queued tensor. Raises StageError if a send failed."""
+        call = self.encoder.submit(self._close_stream).result()
+        if call is not None:
+            self._ended(call)  # waits for the peer's reply
+        self.check()
+
+    def close(self) -> None:
+        """Stop sending: queued tensors are dropped and an open stream is cancelled."""
+        # wait for a tensor being encoded: it may open a stream, which must be
+        # cancelled here, as the shared channel outlives this sender
+        self.encoder.shutdown(wait=True, cancel_futures=True)
+        stream = self.stream
+        if stream is not None:
+            stream.frames.put(self.END)
+            stream.call.cancel()
+
+
+class StagePeers:
+    """One stage's senders, one per peer address, over channels borrowed from a pool.
+
+    Args:
+        pool: the node's channels.
+        shaper_for: the emulated link to a peer, by the peer's node name (None: none).
+    """
+
+    def __init__(self, pool: ChannelPool,
+                 shaper_for: Callable[[str], Shaper | None] = lambda name: None):
+        self.pool, self.shaper_for = pool, shaper_for
+        self._senders: dict[str, PeerSender] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def sender(self, peer: node_pb2.StageAssignment) -> PeerSender:
+        """The sender to ``peer``'s node (one per address).
+
+        Raises:
+            StageError: the stage's peers were closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise StageError("the stage has stopped sending")
+            if peer.address not in self._senders:
+                ch = self.pool.acquire(peer.address, self.shaper_for(peer.node_name))
+                self._senders[peer.address] = PeerSender(peer.address, ch)
+            return self._senders[peer.address]
+
+    def _all(self) -> list[PeerSender]:
+        with self._lock:
+            return list(self._senders.values())
+
+    def check(self) -> None:
+        """Raise StageError if a send to any peer failed."""
+        for s in self._all():
+            s.check()
+
+    def flush(self) -> None:
+        """Wait until every peer has what was queued. Raises StageError if a send failed."""
+        for s in self._all():
+            s.flush()
+
+    def close(self) -> None:
+        """Stop every sender and let go of their channels (idempotent)."""
+        with self._lock:
+            senders, self._senders, self._closed = self._senders, {}, True
+        for address, s in senders.items():
+            s.close()
+            self.pool.release(address)
+
+
+def measure_link(channel: grpc.Channel, *, pings: int = PROBE_PINGS,
+                 max_bytes: int = PROBE_BYTES, seconds: float = PROBE_SECONDS
+                 ) -> tuple[float, float]:
+    """Latency (one way, s) and bandwidth (bytes/s) to the node ``channel`` reaches.
+
+    Latency is half the median round trip of ``pings`` small Ping calls.
+    Bandwidth is timed over the data path itself (Send of a probe tensor,
+    chunked and decoded like an activation): a 256 KiB probe gives a first
+    estimate, then a probe sized to take about ``seconds`` (at most
+    ``max_bytes``) gives the figure, net of one round trip.
+
+    Raises:
+        grpc.RpcError: the peer is unreachable, or a call ran past
+            :data:`~fedpipe.net.timeouts.PING_RPC` / :data:`~fedpipe.net.timeouts.PROBE_SEND_RPC`.
+    """
+    stub = node_pb2_grpc.NodeStub(channel)
+    rtts = []
+    for _ in range(pings):
+        t0 = time.perf_counter()
+        stub.Ping(node_pb2.PingRequest(), timeout=timeouts.PING_RPC)
+        rtts.append(time.perf_counter() - t0)
+    rtt = statistics.median(rtts)
+    env = node_pb2.Envelope(kind=Kind.PROBE)
+
+    def probe(nbytes: int) -> float:
+        probe_frames = list(frames.encode_frames(torch.zeros(nbytes, dtype=torch.uint8),
+                                                 envelope=env))
+        t0 = time.perf_counter()
+        stub.Send(iter(probe_frames), timeout=timeouts.PROBE_SEND_RPC)
+        return max(time.perf_counter() - t0 - rtt, 1e-6)
+
+    first = 256 * 1024
+    estimate = first / probe(first)
+    size = int(min(max_bytes, max(first, estimate * seconds)))
+    return rtt / 2, size / probe(size)
