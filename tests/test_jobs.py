@@ -8,7 +8,7 @@ from fedpipe.spec import PlanView, StageKey, state_name
 from fedpipe.tracker import errors
 from fedpipe.tracker.jobs import RESTARTED
 from fedpipe.tracker.store import MemoryStore, SqliteStore
-from tests.tracker_fakes import FakeClock, join, make_tracker, registration, submission
+from tracker_fakes import FakeClock, join, make_tracker, registration, submission
 
 pytestmark = pytest.mark.timeout(60)
 S = tracker_pb2

@@ -55,6 +55,15 @@ class FakeNodes:
             for p in request.peers])
 
 
+def versions_with(**changes) -> tracker_pb2.Versions:
+    """:data:`VERSIONS` with ``changes``."""
+    v = tracker_pb2.Versions()
+    v.CopyFrom(VERSIONS)
+    for k, value in changes.items():
+        setattr(v, k, value)
+    return v
+
+
 def registration(name: str, port: int, boot: str = "boot", versions=VERSIONS,
                  memory: int = 2**33) -> tracker_pb2.RegisterNodeRequest:
     return tracker_pb2.RegisterNodeRequest(
