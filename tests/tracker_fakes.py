@@ -79,9 +79,9 @@ def submission(steps: int = 3, stages: int = 2, replicas: int = 1, n_layers: int
         layers=[tracker_pb2.LayerProfile(name=f"l{i}", flops=1e6, activation_bytes=1000,
                                          parameter_bytes=1000) for i in range(n_layers)],
         input_bytes=100)
-    return tracker_pb2.SubmitJobRequest(name="job", layers=[b"layer%d" % i for i in range(n_layers)],
-                                        config=config, profile=profile,
-                                        pending_timeout=pending_timeout)
+    layers = [b"layer%d" % i for i in range(n_layers)]
+    return tracker_pb2.SubmitJobRequest(name="job", layers=layers, config=config,
+                                        profile=profile, pending_timeout=pending_timeout)
 
 
 def make_tracker(store: Store | None = None, clock: FakeClock | None = None, *,

@@ -30,7 +30,7 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
 
 def unmeasured(nodes: list[tracker_pb2.NodeInfo], links: list[node_pb2.LinkMeasurement]
                ) -> list[tuple[str, str]]:
-    """Ordered pairs ``(src_id, dst_id)`` of ``nodes`` without a measurement since both registered."""
+    """Ordered pairs ``(src_id, dst_id)`` of ``nodes`` not measured since both registered."""
     seen = {(m.src_id, m.dst_id): m.measured_at for m in links}
     return [(a.node_id, b.node_id) for a in nodes for b in nodes
             if a.node_id != b.node_id

@@ -15,7 +15,8 @@ import logging
 import grpc
 
 from .. import net
-from ..planner.protoio import cluster_view, unmeasured  # noqa: F401 — cli.py and testing import them from here
+# cli.py and fedpipe.testing import these two from here
+from ..planner.protoio import cluster_view, unmeasured  # noqa: F401
 from ..proto import tracker_pb2, tracker_pb2_grpc
 from . import errors
 from .nodes import GrpcNodeCalls
@@ -45,7 +46,8 @@ def status_of(error: errors.TrackerError) -> grpc.StatusCode:
 
 
 def _unary(method):
-    """Answer a unary RPC whose domain call raised a :class:`~.errors.TrackerError` with its status."""
+    """Answer a unary RPC whose domain call raised a :class:`~.errors.TrackerError` with
+    that error's status code and message."""
     @functools.wraps(method)
     def call(self, request, context):
         try:
