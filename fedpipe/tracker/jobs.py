@@ -47,6 +47,9 @@ R = tracker_pb2.StageReport
 RESTARTED = ("the tracker restarted while the job was being planned or deployed; "
              "submit it again")
 """Why a job found PLANNING or DEPLOYING at start-up failed: its deploy was cut short."""
+WATCH_RECHECK = 0.5
+"""Seconds a watcher waits for a notification before it reads the job's events again
+(every change notifies; this bounds the delay should one be missed)."""
 
 
 def validate(request: tracker_pb2.SubmitJobRequest) -> JobSpec:
@@ -114,12 +117,13 @@ class Jobs:
     def _move(self, job_id: str, state: int, reason: str, *, only_from: set[int] | None = None
               ) -> bool:
         moved = self.store.set_state(job_id, state, reason, self.clock(), only_from=only_from)
-        if moved:
+        if moved and state != S.JOB_STATE_FAILED:  # _fail warns
             log.info("job %s %s: %s", job_id, state_name(state), reason)
         return moved
 
     def _fail(self, job_id: str, reason: str) -> None:
         if self._move(job_id, S.JOB_STATE_FAILED, reason):
+            log.warning("job %s failed: %s", job_id, reason)
             self._stop_stages(job_id, reason, release=False)
         self.notify()
 
@@ -372,4 +376,4 @@ class Jobs:
             if not events:
                 if self.store.job(job_id).state in TERMINAL:
                     return
-                self.wait(0.5)
+                self.wait(WATCH_RECHECK)

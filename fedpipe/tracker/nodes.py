@@ -71,13 +71,6 @@ class GrpcNodeCalls:
         return self._call(self._stub(address).MeasureLinks, request,
                           timeouts.measure_links(len(request.peers)))
 
-    def forget(self, address: str) -> None:
-        """Close the channel to ``address`` (its node is gone)."""
-        with self._lock:
-            ch = self._channels.pop(address, None)
-        if ch is not None:
-            ch.close()
-
     def close(self) -> None:
         """Close every channel."""
         with self._lock:

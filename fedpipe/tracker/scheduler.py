@@ -3,7 +3,7 @@
 :class:`Tracker` builds the :class:`~.registry.Registry` and the
 :class:`~.jobs.Jobs` life cycle over one store, and runs:
 
-- the scheduler: every ``min(1, lease/4)`` seconds, or sooner when something
+- the scheduler: every ``min(TICK, lease/4)`` seconds, or sooner when something
   changes, it expires leases, fails PENDING jobs past their timeout, and
   plans and deploys PENDING jobs once the links of newly joined nodes are
   measured (or ``link_wait`` has passed);
@@ -29,6 +29,10 @@ from .registry import Registry
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker")
+
+TICK = 1.0
+"""Longest pause between scheduler rounds, seconds (it also runs at once on every change,
+and at least 4 times per lease so an expired lease is noticed within a quarter of it)."""
 
 
 class Tracker:
@@ -108,7 +112,7 @@ class Tracker:
                 self.tick()
             except Exception:  # noqa: BLE001 — keep scheduling whatever one job did
                 log.exception("scheduler error")
-            self.jobs.wait(min(1.0, self.lease / 4))
+            self.jobs.wait(min(TICK, self.lease / 4))
 
     # -- links ----------------------------------------------------------------
     def measure_links(self) -> None:
