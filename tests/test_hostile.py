@@ -30,19 +30,21 @@ def test_tracker_refuses_bad_registrations_reports_and_codecs(swarm):
     spec = tracker_pb2.SubmitJobRequest(
         layers=[b"x"], profile=tracker_pb2.ModelProfile(
             layers=[tracker_pb2.LayerProfile(name="l", flops=1.0)]),
-        config=node_pb2.JobConfig(steps=1, microbatches=1, schedule="gpipe", optimizer=b"o",
-                                  loss_fn=b"l", activation_compression="int8:7", batch_size=4))
+        config=node_pb2.JobConfig(steps=1, microbatches=1, batch_size=4, schedule="gpipe",
+                                  optimizer=b"o",
+                                  loss_fn=b"l", activation_compression="int8:7"))
     code, details = code_of(lambda: stub.SubmitJob(spec, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "activation_compression" in details
     spec.config.activation_compression = ""
-    spec.config.replica_sync, spec.config.outer_every = "diloco", 0
+    spec.config.replica_sync, spec.config.outer_every = "diloco", -1  # 0 means the default
     code, details = code_of(lambda: stub.SubmitJob(spec, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "inner_steps" in details, details
     # a stranger's report about a job it does not run is refused, not believed
     job = stub.SubmitJob(tracker_pb2.SubmitJobRequest(
         layers=[b"x"], profile=spec.profile,
-        config=node_pb2.JobConfig(steps=1, microbatches=1, schedule="gpipe", optimizer=b"o",
-                                  loss_fn=b"l", batch_size=4)), timeout=10).job_id
+        config=node_pb2.JobConfig(steps=1, microbatches=1, batch_size=4, schedule="gpipe",
+                                  optimizer=b"o",
+                                  loss_fn=b"l")), timeout=10).job_id
     report = tracker_pb2.StageReport(job_id=job, replica=7, stage=9, node_id="stranger",
                                      status=tracker_pb2.StageReport.STATUS_DONE)
     code, _ = code_of(lambda: stub.ReportStage(report, timeout=10))

@@ -3,23 +3,39 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
+import uuid
 from concurrent import futures
 
+import cloudpickle
 import grpc
 import torch
 
-from .. import net
+from .. import __version__, net
+from ..net import timeouts
 from ..net.emulation import LinkProfile
 from ..proto import node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
+from ..spec import PROTOCOL_VERSION
 from .probe import probe, resolve_device
 from .service import NodeService
 
 log = logging.getLogger("fedpipe.node")
 
 
+def local_versions() -> tracker_pb2.Versions:
+    """This process's versions, as the tracker compares them at registration."""
+    return tracker_pb2.Versions(fedpipe=__version__, protocol=PROTOCOL_VERSION,
+                                python=f"{sys.version_info.major}.{sys.version_info.minor}",
+                                torch=torch.__version__, cloudpickle=cloudpickle.__version__)
+
+
 class NodeDaemon:
     """One node process: its server, its tracker session and heartbeats.
+
+    Each daemon has a fresh boot id: the tracker treats a node that registers
+    again from the same address with another boot id as a new incarnation and
+    fences the old one off. It heartbeats as often as the tracker's last reply says.
 
     Args:
         tracker: tracker ``HOST:PORT``.
@@ -47,7 +63,9 @@ class NodeDaemon:
         self.resources = probe(resolve_device(device), memory_limit)
         self.stop_event = threading.Event()
         self.node_id = ""
+        self.boot_id = uuid.uuid4().hex
         self.lease = 10.0
+        self.heartbeat_seconds = self.lease / 4  # until the tracker's first reply says
         self.tracker = tracker_pb2_grpc.TrackerStub(net.channel(tracker))
         self.reports = futures.ThreadPoolExecutor(1, thread_name_prefix="report")
         links = LinkProfile.load(link_profile) if link_profile else None
@@ -62,28 +80,39 @@ class NodeDaemon:
 
     def _report(self, report: tracker_pb2.StageReport) -> None:
         self.reports.submit(lambda: net.retry(
-            lambda: self.tracker.ReportStage(report, timeout=10), "report to tracker",
-            stop=self.stop_event.is_set))
+            lambda: self.tracker.ReportStage(report, timeout=timeouts.CONTROL_RPC),
+            "report to tracker", stop=self.stop_event.is_set))
 
     def register(self) -> None:
         """Register with the tracker, retrying with backoff while it is unreachable."""
         req = tracker_pb2.RegisterNodeRequest(name=self.name, address=self.address,
-                                              resources=self.resources)
-        reply = net.retry(lambda: self.tracker.RegisterNode(req, timeout=10),
+                                              resources=self.resources,
+                                              versions=local_versions(), boot_id=self.boot_id)
+        reply = net.retry(lambda: self.tracker.RegisterNode(req, timeout=timeouts.CONTROL_RPC),
                           f"registering with tracker {self.tracker_address}",
                           max_delay=5.0, stop=self.stop_event.is_set)
-        self.node_id, self.lease = reply.node_id, reply.lease_seconds
+        self.node_id = reply.node_id
+        self._lease_from(reply)
         log.info("registered as %s (%s) at %s: %s, %d cores, %.1f GFLOP/s, %.1f GiB",
                  self.name, self.node_id, self.address, self.resources.device,
                  self.resources.cores, self.resources.flops / 1e9,
                  self.resources.memory_bytes / 2**30)
 
+    def _lease_from(self, reply) -> None:
+        """Take the lease and heartbeat interval the tracker's reply sets."""
+        self.lease = reply.lease_seconds or self.lease
+        # a tracker that leaves the interval unset (0) gets the lease/4 it used to mean
+        self.heartbeat_seconds = reply.heartbeat_seconds or self.lease / 4
+
     def _heartbeat(self) -> None:
-        while not self.stop_event.wait(self.lease / 4):
+        while not self.stop_event.wait(self.heartbeat_seconds):
             try:
                 reply = self.tracker.Heartbeat(
-                    tracker_pb2.HeartbeatRequest(node_id=self.node_id), timeout=5)
-                if not reply.known:
+                    tracker_pb2.HeartbeatRequest(node_id=self.node_id),
+                    timeout=timeouts.HEARTBEAT_RPC)
+                if reply.known:
+                    self._lease_from(reply)
+                else:
                     log.warning("tracker does not know this node; registering again")
                     self.register()
             except grpc.RpcError as e:
@@ -106,7 +135,8 @@ class NodeDaemon:
         if self.node_id:
             try:  # so no job is planned onto a node that is gone
                 self.tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=self.node_id,
-                                                                    leaving=True), timeout=2)
+                                                                    leaving=True),
+                                       timeout=timeouts.LEAVING_RPC)
             except grpc.RpcError as e:
                 log.warning("could not tell the tracker this node is leaving: %s", e.details())
         self.server.stop(grace=1).wait()

@@ -1,0 +1,382 @@
+"""A job's life cycle: every state transition, with its reason, happens here.
+
+::
+
+    PENDING ──> PLANNING ──> DEPLOYING ──> RUNNING ──> SUCCEEDED
+       │           │             │            │
+       └───────────┴─────────────┴────────────┴──> FAILED | CANCELLED
+
+Events drive it, each a method of :class:`Jobs`: a submission
+(:meth:`~Jobs.submit`), the scheduler deciding to start a PENDING job
+(:meth:`~Jobs.start`: plan ready, then each stage loaded or failed to load),
+a node's report (:meth:`~Jobs.report`: step done, stage done, stage failed),
+nodes lost (:meth:`~Jobs.nodes_lost`: lease expired, left, or replaced by a
+new incarnation), the client's cancel (:meth:`~Jobs.cancel`), a PENDING job
+waiting past its ``pending_timeout`` (:meth:`~Jobs.expire_pending`) and a
+tracker restart (:meth:`~Jobs.recover`). A lost node fails every active job
+that has a stage on it (recovery comes later).
+
+Everything outside is injected: the :class:`~.store.Store`, the
+:class:`~.nodes.NodeCalls` that reach nodes and the clock, so
+``tests/test_jobs.py`` runs the whole life cycle in-process with fakes.
+Errors a caller made are raised as :mod:`~.errors` classes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from .. import planner
+from ..planner.protoio import cluster_view, model_profile, plan_message, train_config
+from ..proto import node_pb2, tracker_pb2
+from ..spec import ACTIVE, TERMINAL, JobSpec, JobSpecError, PlanView, StageKey, state_name
+from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
+    ResourceExhausted
+from .nodes import NodeCallError, NodeCalls
+from .store import Store
+
+log = logging.getLogger("fedpipe.tracker")
+S = tracker_pb2
+R = tracker_pb2.StageReport
+
+RESTARTED = ("the tracker restarted while the job was being planned or deployed; "
+             "submit it again")
+"""Why a job found PLANNING or DEPLOYING at start-up failed: its deploy was cut short."""
+WATCH_RECHECK = 0.5
+"""Seconds a watcher waits for a notification before it reads the job's events again
+(every change notifies; this bounds the delay should one be missed)."""
+
+
+def validate(request: tracker_pb2.SubmitJobRequest) -> JobSpec:
+    """The job's spec, if the submission is well formed.
+
+    Raises:
+        InvalidArgument: no layers, a profile that does not match the layers,
+            an invalid :class:`~fedpipe.spec.JobSpec` field (named), or a
+            profile layer with FLOPs that are negative or not finite.
+    """
+    if not request.layers:
+        raise InvalidArgument("the job has no layers")
+    if len(request.profile.layers) != len(request.layers):
+        raise InvalidArgument(f"the profile has {len(request.profile.layers)} layers but the job "
+                              f"{len(request.layers)}")
+    try:
+        spec = JobSpec.from_proto(request.config).validate(len(request.layers))
+    except JobSpecError as e:
+        raise InvalidArgument(str(e)) from None
+    for i, lp in enumerate(request.profile.layers):
+        if not (math.isfinite(lp.flops) and lp.flops >= 0):
+            raise InvalidArgument(f"profile layer {i} ({lp.name}): flops must be a finite "
+                                  f"number >= 0")
+    return spec
+
+
+def stage_name(key: StageKey) -> str:
+    """"stage 1 (replica 0)": how reasons name a stage."""
+    return f"stage {key.stage} (replica {key.replica})"
+
+
+@dataclass
+class _StepParts:
+    """The replica groups' reports of one step so far, by group."""
+
+    reports: dict[int, tracker_pb2.StageReport] = field(default_factory=dict)
+
+
+class Jobs:
+    """The job life cycle over a store (see the module docstring).
+
+    Args:
+        store: the tracker's state.
+        nodes: how to reach nodes (LoadStage, StopJob).
+        clock: seconds since the epoch.
+    """
+
+    def __init__(self, store: Store, nodes: NodeCalls, clock: Callable[[], float] = time.time):
+        self.store, self.nodes, self.clock = store, nodes, clock
+        self.changed = threading.Condition()
+        """Notified whenever a job or the swarm changes (scheduler and watchers wait on it)."""
+        self._steps: dict[tuple[str, int], _StepParts] = {}
+
+    def notify(self) -> None:
+        """Wake the scheduler and every watcher."""
+        with self.changed:
+            self.changed.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for :meth:`notify`."""
+        with self.changed:
+            self.changed.wait(timeout)
+
+    # -- transitions ----------------------------------------------------------
+    def _move(self, job_id: str, state: int, reason: str, *, only_from: set[int] | None = None
+              ) -> bool:
+        moved = self.store.set_state(job_id, state, reason, self.clock(), only_from=only_from)
+        if moved and state != S.JOB_STATE_FAILED:  # _fail warns
+            log.info("job %s %s: %s", job_id, state_name(state), reason)
+        return moved
+
+    def _fail(self, job_id: str, reason: str) -> None:
+        if self._move(job_id, S.JOB_STATE_FAILED, reason):
+            log.warning("job %s failed: %s", job_id, reason)
+            self._stop_stages(job_id, reason, release=False)
+        self.notify()
+
+    def _stop_stages(self, job_id: str, reason: str, release: bool) -> None:
+        plan = self.store.job(job_id).plan
+        for address in sorted(PlanView(plan).addresses()):
+            try:
+                self.nodes.stop_job(address, node_pb2.StopJobRequest(
+                    job_id=job_id, reason=reason, release=release))
+            except NodeCallError as e:
+                log.warning("could not stop job %s on %s: %s", job_id, address, e)
+
+    # -- events ---------------------------------------------------------------
+    def recover(self) -> None:
+        """The tracker (re)started: fail the jobs whose planning or deploy it cut short."""
+        for job_id in self.store.jobs_in(S.JOB_STATE_PLANNING, S.JOB_STATE_DEPLOYING):
+            self._fail(job_id, RESTARTED)
+
+    def submit(self, request: tracker_pb2.SubmitJobRequest) -> str:
+        """Store a new PENDING job; return its id.
+
+        Raises:
+            InvalidArgument: see :func:`validate`.
+            ResourceExhausted: the live nodes' memory in all is less than the
+                job needs on one device (weights, gradients, optimizer state,
+                activations).
+        """
+        spec = validate(request)
+        nodes = self.store.nodes()
+        if nodes:
+            need = planner.stage_memory_bytes(model_profile(request.profile), 0,
+                                              len(request.layers), train_config(spec), 0, 1)
+            have = sum(n.resources.memory_bytes for n in nodes)
+            if need > have:
+                raise ResourceExhausted(
+                    f"the job needs about {need / 2**20:.1f} MiB (weights, gradients, optimizer "
+                    f"state, activations) but the swarm's {len(nodes)} node(s) have "
+                    f"{have / 2**20:.1f} MiB in all")
+        reason = "queued for planning" if nodes else "waiting for a node to register"
+        job_id = self.store.add_job(request, reason, self.clock())
+        log.info("job %s submitted: %d layers, %d steps", job_id, len(request.layers),
+                 request.config.steps)
+        self.notify()
+        return job_id
+
+    def get(self, job_id: str) -> tracker_pb2.JobInfo:
+        """The job's state, plan and last step.
+
+        Raises:
+            NotFound: no such job.
+        """
+        try:
+            return self.store.job(job_id)
+        except KeyError:
+            raise NotFound(f"no job {job_id!r}") from None
+
+    def cancel(self, job_id: str, reason: str = "") -> tracker_pb2.JobInfo:
+        """Cancel a job that has not ended (its stages are stopped and released); return it.
+
+        Raises:
+            NotFound: no such job.
+        """
+        self.get(job_id)
+        if self._move(job_id, S.JOB_STATE_CANCELLED, reason or "cancelled by the client"):
+            self._stop_stages(job_id, "cancelled", release=True)
+            self.notify()
+        return self.get(job_id)
+
+    def nodes_lost(self, lost: set[str], why: str) -> None:
+        """Fail the active jobs that have a stage on any of the ``lost`` nodes.
+
+        ``why`` completes "node(s) NAMES ...", e.g. "left the swarm".
+        """
+        if not lost:
+            return
+        names = {n.node_id: n.name for n in self.store.nodes(include_lost=True)}
+        for job_id in self.store.jobs_in(*ACTIVE):
+            used = PlanView(self.store.job(job_id).plan).node_ids() & lost
+            if used:
+                self._fail(job_id, f"node(s) {', '.join(sorted(names.get(n, n) for n in used))} "
+                                   f"{why}")
+        self.notify()
+
+    def pending(self) -> list[str]:
+        """Ids of PENDING jobs, oldest first."""
+        return self.store.jobs_in(S.JOB_STATE_PENDING)
+
+    def expire_pending(self, job_id: str) -> bool:
+        """Fail a PENDING job that has waited past its ``pending_timeout``; True if it did."""
+        timeout = self.store.spec(job_id).pending_timeout
+        if timeout and self.clock() - self.store.job(job_id).created > timeout:
+            self._fail(job_id, f"no node registered within {timeout:.0f} s")
+            return True
+        return False
+
+    def start(self, job_id: str, nodes: list[tracker_pb2.NodeInfo],
+              links: list[node_pb2.LinkMeasurement]) -> None:
+        """Plan a PENDING job over ``nodes`` and deploy it: PLANNING, DEPLOYING, then RUNNING.
+
+        A planner error, a planner bug or a stage that cannot be loaded fails
+        the job with the reason; nothing is raised.
+        """
+        if not self._move(job_id, S.JOB_STATE_PLANNING, f"planning over {len(nodes)} node(s)",
+                          only_from={S.JOB_STATE_PENDING}):
+            return
+        self.notify()
+        request = self.store.spec(job_id)
+        try:
+            cluster, profile = cluster_view(nodes, links), model_profile(request.profile)
+            job = JobSpec.from_proto(request.config)
+            plan = planner.make_plan(cluster, profile, train_config(job))
+            if job.replica_sync == "auto":
+                job = job.with_(replica_sync=planner.choose_replica_sync(plan))
+                if job.replica_sync == "diloco":  # plan again, paying the sync 1/H
+                    plan = planner.make_plan(cluster, profile, train_config(job))
+        except planner.PlanError as e:
+            self._fail(job_id, f"no plan: {e}")
+            return
+        except Exception as e:  # noqa: BLE001 — a planner bug must not leave the job PLANNING
+            log.exception("planning job %s failed", job_id)
+            self._fail(job_id, f"planning failed: {type(e).__name__}: {e}")
+            return
+        msg = plan_message(plan, {n.node_id: n for n in nodes})
+        sync = f" (replica groups sync by {job.replica_sync})" if len(plan.groups) > 1 else ""
+        self.plan_ready(job_id, msg, job, sync)
+
+    def plan_ready(self, job_id: str, plan: node_pb2.Plan, job: JobSpec, note: str = "") -> None:
+        """A plan is ready: store it, move to DEPLOYING, load every stage, then RUNNING.
+
+        Args:
+            plan: the plan message (see :func:`~fedpipe.planner.protoio.plan_message`).
+            job: the job's spec with "auto" settings resolved; it is what the
+                stages run by.
+            note: appended to the DEPLOYING reason.
+        """
+        self.store.set_plan(job_id, plan)
+        if not self._move(job_id, S.JOB_STATE_DEPLOYING, "loading stages: " + plan.summary + note,
+                          only_from={S.JOB_STATE_PLANNING}):
+            return
+        self.notify()
+        failures = self._deploy(job_id, plan, job)
+        if failures:
+            self._fail(job_id, "; ".join(failures))
+        else:
+            self._move(job_id, S.JOB_STATE_RUNNING, "all stages loaded",
+                       only_from={S.JOB_STATE_DEPLOYING})
+        self.notify()
+
+    def _deploy(self, job_id: str, plan: node_pb2.Plan, job: JobSpec) -> list[str]:
+        """Load every stage at once; return why each stage that failed to load failed.
+
+        Results are kept by :class:`~fedpipe.spec.StageKey`, so stage ``s``
+        of one replica group never hides stage ``s`` of another.
+        """
+        view = PlanView(plan)
+        if len(view.stages) != len(plan.stages):
+            return [f"the plan names a stage twice: {plan.summary}"]
+        config = job.to_proto()
+
+        def load(a: node_pb2.StageAssignment) -> None:
+            self.nodes.load_stage(a.address, node_pb2.LoadStageRequest(
+                job_id=job_id, replica=a.replica, stage=a.stage, plan=plan, config=config,
+                layers=self.store.layers(job_id, a.layer_start, a.layer_end)))
+
+        with futures.ThreadPoolExecutor(max(1, len(view.stages))) as pool:
+            results = {key: pool.submit(load, a) for key, a in view.stages.items()}
+        failures = []
+        for key, fut in sorted(results.items()):
+            err = fut.exception()
+            if err is not None:
+                detail = str(err) if isinstance(err, NodeCallError) \
+                    else f"{type(err).__name__}: {err}"
+                failures.append(f"{stage_name(key)} on {view[key].node_name} could not be "
+                                f"loaded: {detail}")
+        return failures
+
+    def report(self, report: tracker_pb2.StageReport) -> None:
+        """A node's word on one of its stages: a step done, all steps done, or failed.
+
+        Reports about a job that has ended are ignored. A step is recorded
+        once every replica group has reported it; the job SUCCEEDS once every
+        stage of its plan is done; a failed stage fails the job.
+
+        Raises:
+            NotFound: no such job.
+            PermissionDenied: the node does not run that stage of the job.
+            FailedPrecondition: the job is not active, or the step is out of range.
+            InvalidArgument: an unknown status.
+        """
+        job = self.get(report.job_id)
+        if job.state in TERMINAL:
+            return
+        key = StageKey(report.replica, report.stage)
+        mine = PlanView(job.plan).get(key)
+        if mine is None or mine.node_id != report.node_id:
+            raise PermissionDenied(f"node {report.node_id!r} does not run stage {report.stage} "
+                                   f"(replica {report.replica}) of job {job.job_id}")
+        if job.state not in ACTIVE or not 0 <= report.step <= job.steps:
+            raise FailedPrecondition(f"job {job.job_id} is {state_name(job.state)} with "
+                                     f"{job.steps} steps; report of step {report.step} refused")
+        if report.status == R.STATUS_STEP:
+            self._step(job, report)
+        elif report.status == R.STATUS_DONE:
+            if self.store.stage_done(job.job_id, report.replica, report.stage):
+                self._move(job.job_id, S.JOB_STATE_SUCCEEDED, f"all {job.steps} steps done")
+        elif report.status == R.STATUS_FAILED:
+            self._fail(job.job_id, f"{stage_name(key)} on node {report.node_id} failed: "
+                                   f"{report.error}")
+        else:
+            raise InvalidArgument(f"unknown report status {report.status}")
+        self.notify()
+
+    def _step(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> None:
+        """Add one replica group's share of a step; record the step when all groups reported.
+
+        Each group's loss is its part of the batch-mean loss, so the step's
+        loss is their sum, and its samples/s the total samples over the
+        slowest group's time. A group's report sent twice counts once.
+        """
+        view = PlanView(job.plan)
+        if report.stage != view.depth(report.replica) - 1:
+            return  # every stage reports its step time; the group's last one carries the loss
+        groups = max(1, len(job.plan.replicas))
+        with self.changed:
+            parts = self._steps.setdefault((job.job_id, report.step), _StepParts())
+            parts.reports[report.replica] = report
+            if len(parts.reports) < groups:
+                return
+            del self._steps[(job.job_id, report.step)]
+        reports = parts.reports.values()
+        loss = sum(r.loss for r in reports)
+        samples, seconds = sum(r.samples for r in reports), max(r.seconds for r in reports)
+        self.store.record_step(job.job_id, report.step, loss,
+                               samples / seconds if seconds > 0 else 0.0, self.clock())
+
+    def watch(self, job_id: str, after_seq: int, active: Callable[[], bool]
+              ) -> Iterator[tracker_pb2.JobEvent]:
+        """The job's events after ``after_seq``, then each new one, until it ends.
+
+        Stops when the job is terminal and its events are all given, or when
+        ``active()`` turns false (the watcher left, the tracker stops).
+
+        Raises:
+            NotFound: no such job (at the first ``next``).
+        """
+        self.get(job_id)
+        seq = after_seq
+        while active():
+            events = self.store.events(job_id, seq)
+            for ev in events:
+                yield ev
+                seq = ev.seq
+            if not events:
+                if self.store.job(job_id).state in TERMINAL:
+                    return
+                self.wait(WATCH_RECHECK)

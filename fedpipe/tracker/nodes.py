@@ -1,0 +1,79 @@
+"""The calls the tracker makes to nodes, behind a small protocol.
+
+The job life cycle (:mod:`~fedpipe.tracker.jobs`) and the link measurer
+(:mod:`~fedpipe.tracker.links`) talk to nodes only through :class:`NodeCalls`,
+so their tests can pass fakes and run without gRPC or processes.
+:class:`GrpcNodeCalls` is the real one: one cached channel per node address,
+closed by :meth:`GrpcNodeCalls.close`, and the deadlines of
+:mod:`fedpipe.net.timeouts`.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import grpc
+
+from .. import net
+from ..net import timeouts
+from ..proto import node_pb2, node_pb2_grpc
+
+
+class NodeCallError(Exception):
+    """A call to a node failed; the message is the node's (or the transport's) reason."""
+
+
+class NodeCalls(Protocol):
+    """What the tracker asks of a node at ``address`` (``HOST:PORT``).
+
+    Every method raises :class:`NodeCallError` when the call fails.
+    """
+
+    def load_stage(self, address: str, request: node_pb2.LoadStageRequest) -> None:
+        """Load one stage of a job."""
+
+    def stop_job(self, address: str, request: node_pb2.StopJobRequest) -> None:
+        """Stop (and maybe release) a job's stages on the node."""
+
+    def measure_links(self, address: str, request: node_pb2.MeasureLinksRequest
+                      ) -> node_pb2.MeasureLinksReply:
+        """Measure the node's links to ``request.peers``."""
+
+
+class GrpcNodeCalls:
+    """:class:`NodeCalls` over gRPC, with one channel per node address."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def _stub(self, address: str) -> node_pb2_grpc.NodeStub:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = net.channel(address)
+        return node_pb2_grpc.NodeStub(ch)
+
+    @staticmethod
+    def _call(method, request, timeout: float):
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise NodeCallError(e.details() or e.code().name) from None
+
+    def load_stage(self, address, request):
+        self._call(self._stub(address).LoadStage, request, timeouts.LOAD_STAGE_RPC)
+
+    def stop_job(self, address, request):
+        self._call(self._stub(address).StopJob, request, timeouts.CONTROL_RPC)
+
+    def measure_links(self, address, request):
+        return self._call(self._stub(address).MeasureLinks, request,
+                          timeouts.measure_links(len(request.peers)))
+
+    def close(self) -> None:
+        """Close every channel."""
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()

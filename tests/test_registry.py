@@ -1,0 +1,114 @@
+"""Node registration: one node per address, compatible versions, incarnations, leases."""
+from __future__ import annotations
+
+import pytest
+
+from fedpipe.proto import tracker_pb2
+from fedpipe.spec import PROTOCOL_VERSION, PlanView, state_name
+from fedpipe.tracker import errors
+from tracker_fakes import VERSIONS, join, make_tracker, registration, submission
+from tracker_fakes import versions_with as versions
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_second_node_at_a_live_nodes_address_is_refused_naming_it():
+    tracker, _, clock = make_tracker(lease=10.0)
+    first = tracker.register(registration("alpha", 7000))
+    with pytest.raises(errors.AlreadyExists,
+                       match=rf"127\.0\.0\.1:7000 is held by live node 'alpha' \({first}\)"):
+        tracker.register(registration("beta", 7000, boot="other"))
+    assert [n.name for n in tracker.store.nodes()] == ["alpha"]
+    # once alpha's lease has run out the address is free
+    clock.advance(11)
+    tracker.tick()
+    beta = tracker.register(registration("beta", 7000, boot="other"))
+    assert [n.node_id for n in tracker.store.nodes()] == [beta]
+
+
+def test_the_same_incarnation_registering_again_keeps_its_id_even_after_its_lease_ran_out():
+    tracker, _, clock = make_tracker(lease=10.0)
+    node = tracker.register(registration("alpha", 7000))
+    assert tracker.register(registration("alpha", 7000)) == node
+    clock.advance(11)
+    tracker.tick()
+    assert tracker.store.nodes() == []
+    assert tracker.register(registration("alpha", 7000)) == node
+    assert tracker.registry.heartbeat(node)
+
+
+def test_a_node_with_another_protocol_is_refused_naming_both_versions():
+    tracker, _, _ = make_tracker()
+    with pytest.raises(errors.FailedPrecondition,
+                       match=rf"speaks fedpipe protocol {PROTOCOL_VERSION + 1} \(fedpipe 9\.9\) "
+                             rf"but this tracker speaks protocol {PROTOCOL_VERSION}"):
+        tracker.register(registration("x", 7000, versions=versions(protocol=PROTOCOL_VERSION + 1,
+                                                                    fedpipe="9.9")))
+    with pytest.raises(errors.FailedPrecondition, match="protocol 0"):
+        tracker.register(registration("old", 7001, versions=tracker_pb2.Versions()))
+    assert tracker.store.nodes(include_lost=True) == []
+
+
+@pytest.mark.parametrize("field,value", [("torch", "2.4.1"), ("python", "3.12"),
+                                         ("cloudpickle", "2.2.1")])
+def test_a_node_whose_pickles_differ_from_the_swarms_is_refused_naming_both(field, value):
+    tracker, _, clock = make_tracker(lease=10.0)
+    tracker.register(registration("first", 7000))
+    odd = registration("odd", 7001, versions=versions(**{field: value}))
+    with pytest.raises(errors.FailedPrecondition,
+                       match=rf"node 'odd' runs {field} {value} but the swarm's nodes \(e\.g\. "
+                             rf"'first'\) run {field} {getattr(VERSIONS, field)}"):
+        tracker.register(odd)
+    # another fedpipe release of the same protocol is fine
+    tracker.register(registration("newer", 7002, versions=versions(fedpipe="0.1.1")))
+    # the swarm's versions are those of its live nodes: once they are gone, odd may start one
+    clock.advance(11)
+    tracker.tick()
+    assert tracker.register(odd)
+
+
+def test_a_new_boot_id_at_the_same_address_is_a_new_incarnation_and_fences_the_old():
+    tracker, nodes, _ = make_tracker()
+    old_a, b = join(tracker, 2)
+    job = tracker.jobs.submit(submission(stages=2))
+    tracker.tick()
+    assert PlanView(tracker.jobs.get(job).plan).node_ids() == {old_a, b}
+
+    new_a = tracker.register(registration("node0", 7000, boot="second-boot"))
+    assert new_a != old_a
+    info = tracker.jobs.get(job)
+    assert state_name(info.state) == "FAILED"
+    assert info.reason.startswith("node(s) node0 restarted (a new process registered at "
+                                  "127.0.0.1:7000")
+    assert {n.node_id for n in tracker.store.nodes()} == {new_a, b}
+    # the old incarnation is never merged back: its heartbeats are refused...
+    assert not tracker.registry.heartbeat(old_a)
+    assert old_a not in {n.node_id for n in tracker.store.nodes()}
+    # ...and so is its registration
+    with pytest.raises(errors.FailedPrecondition, match="was replaced by a newer process"):
+        tracker.register(registration("node0", 7000, boot="boot"))
+    # a report about the old job cannot revive it
+    tracker.jobs.report(tracker_pb2.StageReport(job_id=job, node_id=new_a,
+                                                status=tracker_pb2.StageReport.STATUS_DONE))
+    assert state_name(tracker.jobs.get(job).state) == "FAILED"
+    # the new incarnation takes new jobs once its links are measured
+    tracker.measure_links()
+    second = tracker.jobs.submit(submission(stages=2))
+    tracker.tick()
+    assert PlanView(tracker.jobs.get(second).plan).node_ids() == {new_a, b}
+
+
+def test_the_tracker_sets_the_heartbeat_interval_from_its_lease():
+    tracker, _, _ = make_tracker(lease=8.0)
+    assert tracker.registry.heartbeat_seconds == 2.0
+
+
+def test_malformed_registrations_are_invalid_arguments():
+    tracker, _, _ = make_tracker()
+    for req in (registration("x", 0), registration("x" * 300, 7000)):
+        with pytest.raises(errors.InvalidArgument):
+            tracker.register(req)
+    bad = registration("x", 7000)
+    bad.resources.flops = float("nan")
+    with pytest.raises(errors.InvalidArgument, match="finite flops"):
+        tracker.register(bad)

@@ -1,0 +1,182 @@
+"""One contract for every tracker Store backend: the same test runs against each."""
+from __future__ import annotations
+
+import math
+import sqlite3
+
+import pytest
+
+from fedpipe.proto import node_pb2, tracker_pb2
+from fedpipe.tracker.store import MemoryStore, SqliteStore, Store
+
+pytestmark = pytest.mark.timeout(30)
+S = tracker_pb2
+V = tracker_pb2.Versions(fedpipe="0.1.0", protocol=2, python="3.11", torch="2.3.0",
+                         cloudpickle="3.0.0")
+
+
+@pytest.fixture(params=["sqlite", "memory"])
+def store(request, tmp_path) -> Store:
+    s = SqliteStore(str(tmp_path / "tracker.db")) if request.param == "sqlite" else MemoryStore()
+    yield s
+    s.close()
+
+
+def res(flops: float = 1e9) -> node_pb2.Resources:
+    return node_pb2.Resources(flops=flops, memory_bytes=2**30, device="cpu")
+
+
+def submission(n_layers: int = 3, steps: int = 5) -> tracker_pb2.SubmitJobRequest:
+    return S.SubmitJobRequest(name="j", layers=[bytes([i]) * 4 for i in range(n_layers)],
+                              config=node_pb2.JobConfig(steps=steps, microbatches=1),
+                              pending_timeout=7.0)
+
+
+def plan(*keys: tuple[int, int]) -> node_pb2.Plan:
+    return node_pb2.Plan(stages=[node_pb2.StageAssignment(replica=r, stage=s, node_id=f"n{r}{s}")
+                                 for r, s in keys], summary="p")
+
+
+def test_nodes_register_renew_expire_and_come_back_with_their_registration_time(store):
+    store.add_node("b", "nb", "h:2", res(), "boot-b", V, now=20.0)
+    store.add_node("a", "na", "h:1", res(), "boot-a", V, now=10.0)
+    recs = store.node_records()
+    assert [r.info.node_id for r in recs] == ["a", "b"]  # oldest registration first
+    assert recs[0].boot_id == "boot-a" and recs[0].versions == V and not recs[0].fenced
+    assert recs[0].info.registered == 10.0 and recs[0].info.alive
+
+    store.renew_node("a", res(5e9), V, now=30.0)
+    a = store.node_records()[0].info
+    assert (a.registered, a.last_heartbeat, a.resources.flops) == (10.0, 30.0, 5e9)
+
+    assert store.expire_nodes(cutoff=25.0) == ["b"]
+    assert [n.node_id for n in store.nodes()] == ["a"]
+    assert [n.alive for n in store.nodes(include_lost=True)] == [True, False]
+    assert store.heartbeat("b", now=40.0)  # a lost node that heartbeats again is alive
+    assert store.mark_lost("a") and not store.mark_lost("nobody")
+    assert not store.heartbeat("nobody", now=41.0)
+    store.renew_all(now=50.0)
+    assert [(n.node_id, n.last_heartbeat) for n in store.nodes()] == [("b", 50.0)]
+
+
+def test_a_fenced_incarnation_never_comes_back(store):
+    store.add_node("old", "n", "h:1", res(), "boot-1", V, now=1.0)
+    store.fence_node("old")
+    assert not store.heartbeat("old", now=2.0)
+    store.renew_node("old", res(), V, now=3.0)
+    rec, = store.node_records(include_lost=True)
+    assert rec.fenced and not rec.info.alive and store.nodes() == []
+
+
+def test_changing_a_returned_message_changes_nothing_stored(store):
+    store.add_node("a", "na", "h:1", res(), "boot", V, now=1.0)
+    store.nodes()[0].name = "changed"
+    job = store.add_job(submission(), "queued", now=1.0)
+    store.job(job).state = S.JOB_STATE_FAILED
+    store.spec(job).config.steps = 99
+    assert store.nodes()[0].name == "na"
+    assert store.job(job).state == S.JOB_STATE_PENDING and store.spec(job).config.steps == 5
+
+
+def test_links_keep_the_latest_successful_measurement_of_each_direction(store):
+    m = node_pb2.LinkMeasurement
+    store.set_links([m(src_id="b", dst_id="a", bandwidth=1e6, latency=0.1, measured_at=1.0),
+                     m(src_id="a", dst_id="b", bandwidth=2e6, latency=0.2, measured_at=1.0)])
+    store.set_links([m(src_id="a", dst_id="b", bandwidth=3e6, latency=0.3, measured_at=2.0),
+                     m(src_id="b", dst_id="a", error="unreachable", measured_at=2.0)])
+    assert [(x.src_id, x.dst_id, x.bandwidth, x.measured_at) for x in store.links()] == \
+        [("a", "b", 3e6, 2.0), ("b", "a", 1e6, 1.0)]
+
+
+def test_a_job_is_stored_without_its_layers_which_are_served_by_range(store):
+    job = store.add_job(submission(4), "queued for planning", now=5.0)
+    assert store.spec(job).layers == [] and store.spec(job).pending_timeout == 7.0
+    assert store.layers(job, 1, 3) == [b"\1" * 4, b"\2" * 4]
+    info = store.job(job)
+    assert (info.state, info.reason, info.steps, info.created, info.step) == \
+        (S.JOB_STATE_PENDING, "queued for planning", 5, 5.0, 0)
+    ev, = store.events(job, 0)
+    assert (ev.state, ev.reason, ev.time) == (S.JOB_STATE_PENDING, "queued for planning", 5.0)
+    with pytest.raises(KeyError):
+        store.job("nope")
+    with pytest.raises(KeyError):
+        store.spec("nope")
+
+
+def test_states_move_only_from_the_given_states_and_never_out_of_a_terminal_one(store):
+    first = store.add_job(submission(), "q", now=1.0)
+    second = store.add_job(submission(), "q", now=2.0)
+    assert store.jobs_in(S.JOB_STATE_PENDING) == [first, second]
+    assert not store.set_state(first, S.JOB_STATE_DEPLOYING, "x", now=3.0,
+                               only_from={S.JOB_STATE_PLANNING})
+    assert store.set_state(first, S.JOB_STATE_PLANNING, "planning", now=3.0,
+                           only_from={S.JOB_STATE_PENDING})
+    assert store.jobs_in(S.JOB_STATE_PLANNING, S.JOB_STATE_DEPLOYING) == [first]
+    assert store.set_state(first, S.JOB_STATE_FAILED, "boom", now=4.0)
+    assert store.layers(first, 0, 3) == []  # a terminal job's layers are dropped
+    assert not store.set_state(first, S.JOB_STATE_RUNNING, "again", now=5.0)
+    assert not store.set_state("nope", S.JOB_STATE_RUNNING, "x", now=5.0)
+    assert (store.job(first).state, store.job(first).reason) == (S.JOB_STATE_FAILED, "boom")
+    assert [e.state for e in store.events(first, 0)] == \
+        [S.JOB_STATE_PENDING, S.JOB_STATE_PLANNING, S.JOB_STATE_FAILED]
+
+
+def test_the_job_succeeds_only_when_every_stage_of_every_group_is_done(store):
+    job = store.add_job(submission(), "q", now=1.0)
+    store.set_plan(job, plan((0, 0), (0, 1), (1, 0), (1, 1)))
+    assert store.job(job).plan.summary == "p"
+    assert not store.stage_done(job, 0, 0)
+    assert not store.stage_done(job, 0, 0)  # twice counts once
+    assert not store.stage_done(job, 1, 1)
+    assert not store.stage_done(job, 0, 1)
+    assert store.stage_done(job, 1, 0)
+    store.set_plan(job, plan((0, 0)))  # a new plan starts its stages afresh
+    assert store.stage_done(job, 0, 0)
+
+
+def test_steps_keep_their_loss_even_nan_and_events_are_ordered_across_jobs(store):
+    a = store.add_job(submission(), "q", now=1.0)
+    b = store.add_job(submission(), "q", now=1.0)
+    store.record_step(a, 1, 0.5, 100.0, now=2.0)
+    store.record_step(b, 1, 0.7, 50.0, now=2.0)
+    store.record_step(a, 2, math.nan, 90.0, now=3.0)
+    info = store.job(a)
+    assert info.step == 2 and math.isnan(info.loss)
+    evs = store.events(a, 0)
+    assert [e.step for e in evs] == [0, 1, 2] and evs[1].loss == 0.5
+    assert evs[1].samples_per_second == 100.0 and math.isnan(evs[2].loss)
+    assert all(x.seq < y.seq for x, y in zip(evs, evs[1:]))
+    assert [e.step for e in store.events(a, evs[1].seq)] == [2]
+    assert store.events("nope", 0) == []
+    assert {e.seq for e in store.events(a, 0)}.isdisjoint(e.seq for e in store.events(b, 0))
+
+
+def test_sqlite_keeps_everything_across_a_reopen(tmp_path):
+    path = str(tmp_path / "t.db")
+    s = SqliteStore(path)
+    s.add_node("a", "na", "h:1", res(), "boot-a", V, now=1.0)
+    s.fence_node("a")
+    job = s.add_job(submission(), "q", now=1.0)
+    s.set_plan(job, plan((0, 0)))
+    s.close()
+    s = SqliteStore(path)
+    rec, = s.node_records(include_lost=True)
+    assert (rec.boot_id, rec.versions, rec.fenced) == ("boot-a", V, True)
+    assert s.job(job).plan.stages[0].node_id == "n00" and s.layers(job, 0, 3)
+    s.close()
+
+
+def test_sqlite_opens_a_database_written_before_boot_ids_and_versions(tmp_path):
+    path = str(tmp_path / "old.db")
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE nodes (node_id TEXT PRIMARY KEY, name TEXT NOT NULL, address TEXT "
+               "NOT NULL, resources BLOB NOT NULL, registered REAL NOT NULL, last_heartbeat "
+               "REAL NOT NULL, alive INTEGER NOT NULL)")
+    db.execute("INSERT INTO nodes VALUES ('a','na','h:1',?,1.0,1.0,1)",
+               (res().SerializeToString(),))
+    db.commit()
+    db.close()
+    s = SqliteStore(path)
+    rec, = s.node_records()
+    assert (rec.info.name, rec.boot_id, rec.versions.protocol, rec.fenced) == ("na", "", 0, False)
+    s.close()
