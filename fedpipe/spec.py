@@ -510,7 +510,12 @@ class Kind(enum.IntEnum):
     REDUCE = node_pb2.KIND_REDUCE
     OUTER = node_pb2.KIND_OUTER
     NORM = node_pb2.KIND_NORM
+    SNAPSHOT = node_pb2.KIND_SNAPSHOT
 
+
+SNAPSHOTS_KEPT = 2
+"""Checkpoint snapshots a node keeps per stage (its own, and as a buddy): the newest
+complete checkpoint and the one being taken."""
 
 PROTOCOL_VERSION = 2
 """fedpipe's wire protocol version: nodes and trackers of different versions refuse each other."""

@@ -27,7 +27,9 @@ class FakeClock:
 class FakeNodes:
     """:class:`fedpipe.tracker.nodes.NodeCalls` that records every call.
 
-    ``fail_load[StageKey]`` makes that stage's LoadStage fail with the message.
+    ``fail_load[StageKey]`` makes that stage's LoadStage fail with the message;
+    a node whose address is in ``dead`` fails every call; a LoadStage that
+    resumes at a step in ``lost_snapshots`` fails as a node with no snapshot would.
     """
 
     def __init__(self, clock: FakeClock):
@@ -36,12 +38,27 @@ class FakeNodes:
         self.stops: list[tuple[str, node_pb2.StopJobRequest]] = []
         self.measured: list[str] = []
         self.fail_load: dict[StageKey, str] = {}
+        self.dead: set[str] = set()
+        self.lost_snapshots: set[int] = set()
+        self.pings: list[str] = []
+
+    def _alive(self, address):
+        if address in self.dead:
+            raise NodeCallError(f"failed to connect to {address}: Connection refused")
 
     def load_stage(self, address, request):
+        self._alive(address)
         self.loads.append(request)
         error = self.fail_load.get(StageKey(request.replica, request.stage))
         if error:
             raise NodeCallError(error)
+        if request.resume_step in self.lost_snapshots:
+            raise NodeCallError(f"cannot load stage {request.stage}: no snapshot of step "
+                                f"{request.resume_step}")
+
+    def ping(self, address, timeout):
+        self.pings.append(address)
+        self._alive(address)
 
     def stop_job(self, address, request):
         self.stops.append((address, request))

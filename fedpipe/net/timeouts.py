@@ -44,6 +44,9 @@ MEASURE_LINKS_PER_PEER = _seconds("MEASURE_LINKS_PER_PEER", 30.0)
 FEED_RPC = _seconds("FEED_RPC", 600.0)
 """One Send of a step's inputs or targets from the client: it may wait that long for room in
 the first stage's bounded inbox, which a slow pipeline empties one step at a time."""
+PEER_PING_RPC = _seconds("PEER_PING_RPC", 1.0)
+"""The Ping that confirms a node a peer reported unreachable is gone: a killed node's
+port refuses at once; a paused (SIGSTOP) one misses this deadline."""
 THREAD_JOIN = _seconds("THREAD_JOIN", 5.0)
 """Waiting for a background thread to end at shutdown."""
 

@@ -107,9 +107,14 @@ class NodeDaemon:
     def _heartbeat(self) -> None:
         while not self.stop_event.wait(self.heartbeat_seconds):
             try:
+                # what this node holds; the reply names what it must drop (reconciliation:
+                # a stop message lost while the node was unreachable is never lost for good)
                 reply = self.tracker.Heartbeat(
-                    tracker_pb2.HeartbeatRequest(node_id=self.node_id),
+                    tracker_pb2.HeartbeatRequest(node_id=self.node_id,
+                                                 holds=self.service.stages.holdings()),
                     timeout=timeouts.HEARTBEAT_RPC)
+                if reply.drop or reply.drop_jobs:
+                    self.service.stages.drop(list(reply.drop), list(reply.drop_jobs))
                 if reply.known:
                     self._lease_from(reply)
                 else:

@@ -177,7 +177,7 @@ class PeerSender:
         """Raise StageError if a send to this peer failed."""
         if self.error is not None:
             detail = self.error.details() if isinstance(self.error, grpc.RpcError) else self.error
-            raise StageError(f"sending to {self.address} failed: {detail}")
+            raise StageError(f"sending to {self.address} failed: {detail}", peer=self.address)
 
     def flush(self) -> None:
         """Wait until the peer has every queued tensor. Raises StageError if a send failed."""

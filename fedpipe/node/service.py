@@ -16,12 +16,14 @@ import torch
 from .. import net
 from ..net.emulation import LinkProfile
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
+from ..runtime import checkpoint
+from ..spec import StageKey
 from ..wire import WireError, frames
 from .mailbox import Mailbox, Stopped
 from .peers import (MAX_PINGS, MAX_PROBE_BYTES, MAX_PROBE_SECONDS, PROBE_BYTES, PROBE_PINGS,
                     PROBE_SECONDS, ChannelPool, Shaper, StagePeers, measure_link)
 from .stages import (BOUNDED_KINDS, BadEnvelope, NoSuchStage, StageExists, StageLoadError,
-                     StageRegistry, StageSlot)
+                     StageRegistry, StageSlot, StaleEpoch)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.stages = StageRegistry(
             node_id, torch.device(resources.device or "cpu"),
             Mailbox(input_capacity, bounded=BOUNDED_KINDS),
-            lambda: StagePeers(self.channels, self._shaper), report)
+            lambda: StagePeers(self.channels, self._shaper), report, self.channels)
 
     def _shaper(self, peer_name: str) -> Shaper | None:
         return self.links.shaper(self.name, peer_name) if self.links else None
@@ -88,6 +90,23 @@ class NodeService(node_pb2_grpc.NodeServicer):
         for name, t in stage.weights():
             yield from frames.encode_frames(t, name=name)
 
+    def PutSnapshot(self, request_iterator, context):
+        try:
+            self.stages.keep_snapshot(request_iterator)
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed snapshot: {e}")
+        except NoSuchStage as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return node_pb2.SendReply()
+
+    def FetchSnapshot(self, request, context):
+        try:
+            snap = self.stages.snapshot(request.job_id, StageKey(request.replica, request.stage),
+                                        request.step)
+        except NoSuchStage as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        yield from checkpoint.to_frames(snap)
+
     # -- data plane ---------------------------------------------------------
     def _admit(self, head: node_pb2.Frame, context) -> int:
         try:
@@ -96,12 +115,20 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except BadEnvelope as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except StaleEpoch as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     def Send(self, request_iterator, context):
+        last = None
         try:
             for head, tensor in frames.read_tensors(request_iterator,
                                                     lambda h: self._admit(h, context)):
-                self.stages.deliver(head.envelope, tensor, context.is_active)
+                last = head.envelope
+                self.stages.deliver(last, tensor, context.is_active)
+        except grpc.RpcError:  # the sender's side of the stream broke
+            if last is not None:
+                self.stages.suspect(last)
+            raise
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {e}")
         except NoSuchStage as e:

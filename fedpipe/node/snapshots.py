@@ -5,20 +5,17 @@ import threading
 from collections import OrderedDict
 
 from ..runtime.checkpoint import Snapshot
-from ..spec import StageKey
-
-KEEP = 2
-"""Snapshots kept per stage: the newest complete checkpoint and the one being taken."""
+from ..spec import SNAPSHOTS_KEPT, StageKey
 
 
 class SnapshotStore:
-    """Snapshots by ``(job_id, StageKey)`` and step, the newest :data:`KEEP` of each stage.
+    """Snapshots by ``(job_id, StageKey)`` and step, the newest :data:`~fedpipe.spec.SNAPSHOTS_KEPT` of each stage.
 
     Thread-safe. Own snapshots and buddy copies live side by side: a stage
     restored on this node finds either.
     """
 
-    def __init__(self, keep: int = KEEP):
+    def __init__(self, keep: int = SNAPSHOTS_KEPT):
         self.keep = keep
         self._snaps: dict[tuple[str, StageKey], OrderedDict[int, Snapshot]] = {}
         self._lock = threading.Lock()

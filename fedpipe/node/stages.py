@@ -9,38 +9,56 @@ maps to status codes.
 
 Life cycle of one stage::
 
-    load ──> running ──> done | failed | stopped ──> released
-                 (a report per step)   (a report)    (StopJob with release)
+    load ──> (restore) ──> running ──> done | failed | stopped ──> released
+                 (a report per step, a snapshot     (StopJob with release,
+                  every checkpoint_every steps)      or the tracker's drop)
+
+Every stage belongs to a plan *epoch*; each recovery of the job starts a new
+one. Tensors and reports carry the epoch, and a stage takes nothing from an
+older epoch. A stage of a newer epoch replaces a stopped one of the same slot.
+
+Checkpoints (see :mod:`fedpipe.runtime.checkpoint`): after every
+``checkpoint_every``-th step the stage thread copies its state; another
+thread keeps the copy here, sends it to the stage's buddy (a node of another
+replica group if any, else a neighbour's, rotating;
+:meth:`fedpipe.spec.PlanView.buddies`) and then reports the checkpoint to the
+tracker, which marks the step complete once every stage has reported it.
 
 Tensors that arrive for a stage wait in the node's :class:`Mailbox` until
 the stage takes them; what it sends goes through its :class:`StagePeers`.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple
 
 import cloudpickle
+import grpc
 import torch
 from torch import nn
 
-from ..proto import node_pb2, tracker_pb2
+from ..net import timeouts
+from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
+from ..runtime import checkpoint
 from ..runtime.allreduce import GradientSync, StageSpan
 from ..runtime.async_stage import AsyncStageRunner
 from ..runtime.clip import GlobalNormClip
 from ..runtime.diloco import OuterSync
-from ..runtime.stage import (StageRunnerBase, StepHook, StepResult, SyncStageRunner,
-                             TimedTransport)
+from ..runtime.stage import (StageError, StageRunnerBase, StepHook, StepResult,
+                             SyncStageRunner, TimedTransport)
 from ..spec import JobSpec, Kind, PlanView, StageKey
-from ..wire import codecs
+from ..wire import WireError, codecs
 from .mailbox import Mailbox, Stopped
-from .peers import MAX_PROBE_BYTES, StagePeers
+from .peers import MAX_PROBE_BYTES, ChannelPool, StagePeers
+from .snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
 
-STAGE_KINDS = frozenset(Kind) - {Kind.PROBE}
+STAGE_KINDS = frozenset(Kind) - {Kind.PROBE, Kind.SNAPSHOT}
 """Kinds of tensor a stage takes from its mailbox."""
 BOUNDED_KINDS = (Kind.INPUT, Kind.TARGET)
 """Kinds a client may send far ahead: their inbox is bounded (backpressure)."""
@@ -60,6 +78,16 @@ class NoSuchStage(LookupError):
 
 class BadEnvelope(ValueError):
     """A tensor's envelope names a kind, batch size, step or microbatch the stage cannot take."""
+
+
+class StaleEpoch(Exception):
+    """A message of another plan epoch than the stage's: from before a recovery, never taken."""
+
+
+MAX_SNAPSHOT_BYTES = codecs.MAX_TENSOR_BYTES
+"""Largest snapshot a node accepts from a buddy or a restore source, bytes."""
+RELEASE_JOIN = timeouts.THREAD_JOIN
+"""Seconds a release waits for the stage's thread to end before it frees the memory anyway."""
 
 
 class StageSlot(NamedTuple):
@@ -87,6 +115,12 @@ class Stage:
     runner: StageRunnerBase | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    epoch: int = 0
+    start: int = 0
+    checkpoint_every: int = 0
+    plan: PlanView | None = None
+    parts: dict[str, checkpoint.Checkpointable | None] = field(default_factory=dict)
+    """What a checkpoint snapshots: module, optimizer, LR schedule, DiLoCo outer state."""
 
     @property
     def job_id(self) -> str:
@@ -147,7 +181,7 @@ class StageTransport:
                 tensor: torch.Tensor, batch_size: int, codec: str) -> None:
         env = node_pb2.Envelope(job_id=self.stage.job_id, replica=peer.replica,
                                 stage=peer.stage, kind=kind, step=step, microbatch=tag,
-                                batch_size=batch_size)
+                                batch_size=batch_size, epoch=self.stage.epoch)
         self.stage.peers.sender(peer).submit(env, tensor, codec)
 
 
@@ -183,13 +217,17 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     opt = cloudpickle.loads(cfg.optimizer).build(params) if params else None
     last = key.stage == n_stages - 1
     loss_fn = cloudpickle.loads(cfg.loss_fn) if last else None
+    if not 0 <= request.resume_step < cfg.steps:
+        raise ValueError(f"resume_step must be in [0, {cfg.steps}), got {request.resume_step}")
     stage = Stage(StageSlot(request.job_id, *key), n_stages, mine.layer_start, module,
-                  cfg.steps, peers)
+                  cfg.steps, peers, epoch=request.plan.epoch, start=request.resume_step,
+                  checkpoint_every=cfg.checkpoint_every, plan=plan)
     # one timed transport for the runner and the syncs, so their waiting counts too
     transport = TimedTransport(StageTransport(stage, mailbox, device, plan))
     before: list[StepHook] = []
     after: list[StepHook] = []
     spans = [StageSpan(k, a.layer_start, a.layer_end) for k, a in plan.stages.items()]
+    outer = schedule = None
     if cfg.replica_sync == "diloco":  # "auto" is resolved by the tracker; else all-reduce
         outer = OuterSync(module, key, spans, cfg.diloco,
                           [plan.share(g) for g in range(len(plan.replicas))], transport,
@@ -205,6 +243,7 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     if opt is not None and cfg.lr_scheduler:  # stepped after each optimizer step, first
         schedule = cloudpickle.loads(cfg.lr_scheduler).build(opt)
         after.insert(0, lambda step: schedule.step())
+    stage.parts = {"module": module, "optimizer": opt, "lr_scheduler": schedule, "outer": outer}
     common = dict(before_update=before, after_update=after)
     microbatches = plan.microbatches(key.replica)
     if cfg.schedule == "async":
@@ -217,7 +256,7 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
 
 
 class StageRegistry:
-    """The stages a node holds and their life cycle. Thread-safe.
+    """The stages a node holds and their life cycle; the snapshots it keeps. Thread-safe.
 
     Args:
         node_id: returns the tracker-assigned id (known after registration).
@@ -225,51 +264,103 @@ class StageRegistry:
         mailbox: where tensors for the stages wait.
         make_peers: a fresh :class:`StagePeers` for a new stage.
         report: sends a StageReport to the tracker (may block briefly).
+        channels: the node's channels (to buddies and restore sources).
     """
 
     def __init__(self, node_id: Callable[[], str], device: torch.device, mailbox: Mailbox,
                  make_peers: Callable[[], StagePeers],
-                 report: Callable[[tracker_pb2.StageReport], None]):
+                 report: Callable[[tracker_pb2.StageReport], None],
+                 channels: ChannelPool | None = None):
         self.node_id, self.device, self.mailbox = node_id, device, mailbox
         self.make_peers, self.report = make_peers, report
+        self.channels = channels if channels is not None else ChannelPool()
         self.stages: dict[StageSlot, Stage] = {}
+        self.snapshots = SnapshotStore()
         self.lock = threading.Lock()
+        # encodes and ships snapshots, so the stage thread only pays for the copy
+        self.shipper = futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
 
     # -- life cycle ----------------------------------------------------------
     def load(self, request: node_pb2.LoadStageRequest) -> Stage:
-        """Build the stage ``request`` asks for and start running it.
+        """Build the stage ``request`` asks for, restore it from its snapshot of
+        ``request.resume_step`` (if > 0), and start running it.
+
+        A stopped stage of the same slot, or one of an older plan epoch, is
+        replaced (it is stopped and released first).
 
         Raises:
-            StageExists: that stage of that job is already loaded.
-            StageLoadError: as :func:`build_stage`.
+            StageExists: that stage of that job and epoch is already loaded and running.
+            StageLoadError: as :func:`build_stage`, or no snapshot of the resume step
+                could be found or restored.
         """
         slot = StageSlot(request.job_id, request.replica, request.stage)
         with self.lock:
-            if slot in self.stages:
-                raise StageExists(f"stage {tuple(slot)} is already loaded")
+            old = self.stages.get(slot)
+            if old is not None and not old.stop.is_set() and old.epoch >= request.plan.epoch:
+                raise StageExists(f"stage {tuple(slot)} is already loaded (epoch {old.epoch})")
+        if old is not None:
+            self._release([old])
         peers = self.make_peers()
         try:
             stage = build_stage(request, self.device, self.mailbox, peers)
+            if stage.start > 0:
+                self._restore(stage, list(request.snapshot_sources))
         except StageLoadError:
             peers.close()
             raise
         with self.lock:
-            if slot in self.stages:  # a concurrent load of the same stage won
+            current = self.stages.get(slot)
+            if current is not None and current is not old:  # a concurrent load won
                 peers.close()
                 raise StageExists(f"stage {tuple(slot)} is already loaded")
             self.stages[slot] = stage
         stage.thread = threading.Thread(target=self._run, args=(stage,),
                                         name=f"stage-{slot.replica}.{slot.stage}", daemon=True)
         stage.thread.start()
-        log.info("loaded job %s stage %d/%d of group %d (layers %d..%d)", slot.job_id,
-                 slot.stage, stage.n_stages, slot.replica, stage.layer_start,
-                 stage.layer_start + len(stage.module) - 1)
+        log.info("loaded job %s stage %d/%d of group %d (layers %d..%d), epoch %d, from step %d",
+                 slot.job_id, slot.stage, stage.n_stages, slot.replica, stage.layer_start,
+                 stage.layer_start + len(stage.module) - 1, stage.epoch, stage.start)
         return stage
+
+    def _restore(self, stage: Stage, sources: list[str]) -> None:
+        """Load the stage's snapshot of ``stage.start``: kept here, else from ``sources``.
+
+        A corrupt or truncated snapshot is refused by the decoder and the next
+        source is tried.
+
+        Raises:
+            StageLoadError: no source had a good snapshot of that step.
+        """
+        snap = self.snapshots.get(stage.job_id, stage.key, stage.start)
+        tried = []
+        for address in sources if snap is None else []:
+            try:
+                with self.channels.borrow(address) as ch:
+                    stream = node_pb2_grpc.NodeStub(ch).FetchSnapshot(
+                        node_pb2.FetchSnapshotRequest(job_id=stage.job_id, replica=stage.key.replica,
+                                                      stage=stage.key.stage, step=stage.start),
+                        timeout=timeouts.FETCH_STATE_RPC)
+                    _, snap = checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)
+                self.snapshots.put(stage.job_id, stage.key, snap)
+                break
+            except (grpc.RpcError, WireError) as e:
+                detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+                tried.append(f"{address}: {detail}")
+                snap = None
+        if snap is None:
+            raise StageLoadError(f"no snapshot of step {stage.start} for stage {stage.key.stage} "
+                                 f"(replica {stage.key.replica}) of job {stage.job_id}: tried "
+                                 f"{'; '.join(tried) or 'no source'}")
+        try:
+            checkpoint.restore(stage.parts, snap)
+        except (WireError, RuntimeError, ValueError, KeyError) as e:
+            raise StageLoadError(f"cannot restore stage {stage.key.stage} from its step "
+                                 f"{stage.start} snapshot: {e}") from e
 
     def _report(self, stage: Stage, status: int, **kw) -> None:
         self.report(tracker_pb2.StageReport(job_id=stage.job_id, replica=stage.slot.replica,
                                             stage=stage.slot.stage, node_id=self.node_id(),
-                                            status=status, **kw))
+                                            status=status, epoch=stage.epoch, **kw))
 
     def _report_step(self, stage: Stage, result: StepResult) -> None:
         """One report per step, from every stage: its time split, and the loss
@@ -282,7 +373,11 @@ class StageRegistry:
     def _run(self, stage: Stage) -> None:
         R = tracker_pb2.StageReport
         try:
-            for result in stage.runner.run(stage.steps):
+            for result in stage.runner.run(stage.steps, stage.start):
+                done = result.step + 1
+                if stage.checkpoint_every and done % stage.checkpoint_every == 0 \
+                        and done < stage.steps and not stage.stop.is_set():
+                    self._checkpoint(stage, done)
                 self._report_step(stage, result)
             stage.peers.flush()
             self._report(stage, R.STATUS_DONE, step=stage.steps)
@@ -290,29 +385,159 @@ class StageRegistry:
         except Stopped:
             log.info("job %s stage %d stopped", stage.job_id, stage.slot.stage)
         except Exception as e:  # noqa: BLE001 — reported to the tracker, which fails the job
-            log.exception("job %s stage %d failed", stage.job_id, stage.slot.stage)
-            self._report(stage, R.STATUS_FAILED, error=f"{type(e).__name__}: {e}")
+            if stage.stop.is_set():
+                log.info("job %s stage %d stopped (%s)", stage.job_id, stage.slot.stage, e)
+            else:
+                log.exception("job %s stage %d failed", stage.job_id, stage.slot.stage)
+                self._report(stage, R.STATUS_FAILED, error=f"{type(e).__name__}: {e}",
+                             peer=e.peer if isinstance(e, StageError) else "")
         finally:
             stage.peers.close()
             self.mailbox.drop(lambda slot: slot == stage.slot)
 
+    # -- checkpoints ---------------------------------------------------------
+    def _checkpoint(self, stage: Stage, step: int) -> None:
+        """Snapshot ``stage`` after ``step`` steps (on its thread: a copy), then keep it,
+        ship it to its buddy and report it (on the shipper thread)."""
+        snap = checkpoint.take(stage.parts, step)
+        self.snapshots.put(stage.job_id, stage.key, snap)
+        self.shipper.submit(self._ship, stage, snap)
+
+    def _ship(self, stage: Stage, snap: checkpoint.Snapshot) -> None:
+        buddy = stage.plan.buddy(stage.key, snap.step // stage.checkpoint_every) \
+            if stage.plan is not None else None
+        if buddy is not None:
+            env = node_pb2.Envelope(job_id=stage.job_id, replica=stage.key.replica,
+                                    stage=stage.key.stage, kind=Kind.SNAPSHOT, step=snap.step,
+                                    epoch=stage.epoch, batch_size=1)
+            try:
+                with self.channels.borrow(buddy.address) as ch:
+                    node_pb2_grpc.NodeStub(ch).PutSnapshot(checkpoint.to_frames(snap, env),
+                                                           timeout=timeouts.FETCH_STATE_RPC)
+            except grpc.RpcError as e:  # the checkpoint stays incomplete; the last one holds
+                log.warning("job %s stage %d: could not keep the step %d snapshot on buddy %s: "
+                            "%s", stage.job_id, stage.key.stage, snap.step, buddy.node_name,
+                            e.details())
+                return
+        if not stage.stop.is_set():
+            self._report(stage, tracker_pb2.StageReport.STATUS_CHECKPOINT, step=snap.step)
+
+    def keep_snapshot(self, stream: Iterator[node_pb2.Frame]) -> None:
+        """Keep a buddy's snapshot sent by ``PutSnapshot``.
+
+        Raises:
+            WireError: a malformed, truncated or oversized snapshot, or one whose
+                envelope is not a snapshot's.
+            NoSuchStage: this node holds no stage of that job (it is no buddy of it).
+        """
+        first, snap = checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)
+        env = first.envelope
+        if env.kind != Kind.SNAPSHOT or env.step != snap.step:
+            raise WireError(f"a snapshot stream needs a KIND_SNAPSHOT envelope of its step "
+                            f"{snap.step}, got kind {env.kind} step {env.step}")
+        with self.lock:
+            known = any(s.job_id == env.job_id for s in self.stages)
+        if not known:
+            raise NoSuchStage(f"this node runs no stage of job {env.job_id!r}; it keeps no "
+                              f"snapshot of it")
+        self.snapshots.put(env.job_id, StageKey(env.replica, env.stage), snap)
+
+    def snapshot(self, job_id: str, key: StageKey, step: int) -> checkpoint.Snapshot:
+        """The snapshot of stage ``key`` of ``job_id`` at ``step`` kept here.
+
+        Raises:
+            NoSuchStage: none kept.
+        """
+        snap = self.snapshots.get(job_id, key, step)
+        if snap is None:
+            raise NoSuchStage(f"no step {step} snapshot of stage {key.stage} (replica "
+                              f"{key.replica}) of job {job_id!r} here; kept: "
+                              f"{self.snapshots.steps(job_id, key)}")
+        return snap
+
+    # -- stopping and freeing ------------------------------------------------
     def stop_job(self, job_id: str, release: bool) -> list[Stage]:
-        """Stop every stage of ``job_id`` (and forget them if ``release``); return them."""
+        """Stop every stage of ``job_id``; if ``release``, also forget them and the job's
+        snapshots and free their memory. Returns the stages."""
         with self.lock:
             mine = [s for s in self.stages.values() if s.job_id == job_id]
-            if release:
-                for s in mine:
-                    del self.stages[s.slot]
         for s in mine:
             s.stop.set()
         self.mailbox.drop(lambda slot: slot.job_id == job_id)
+        if release:
+            self._release(mine)
+            self.snapshots.drop_job(job_id)
         return mine
+
+    def _release(self, stages: list[Stage]) -> None:
+        """Stop, forget and free ``stages``: their threads are joined (up to
+        :data:`RELEASE_JOIN` s each) and the reference cycles between a stage,
+        its transport, runner and hooks are collected now, not at the next
+        full garbage collection."""
+        with self.lock:
+            for s in stages:
+                if self.stages.get(s.slot) is s:
+                    del self.stages[s.slot]
+        for s in stages:
+            s.stop.set()
+        for s in stages:
+            if s.thread is not None and s.thread is not threading.current_thread():
+                s.thread.join(RELEASE_JOIN)
+            s.runner, s.parts, s.plan = None, {}, None
+            s.module = nn.Sequential()
+        del stages
+        gc.collect()
+
+    def holdings(self) -> list[tracker_pb2.StageRef]:
+        """Every stage held here (running, or ended and kept for its weights), and
+        for each job of which only snapshots are kept, one ref with stage -1."""
+        with self.lock:
+            refs = [tracker_pb2.StageRef(job_id=s.job_id, replica=s.key.replica,
+                                         stage=s.key.stage, epoch=s.epoch)
+                    for s in self.stages.values()]
+        held = {r.job_id for r in refs}
+        return refs + [tracker_pb2.StageRef(job_id=j, replica=-1, stage=-1, epoch=-1)
+                       for j in sorted(self.snapshots.jobs() - held)]
+
+    def suspect(self, env: node_pb2.Envelope) -> None:
+        """A stream that brought ``env``'s stage its pipeline tensors broke: report the
+        sending neighbour to the tracker, which pings it (the stage itself goes on; a
+        neighbour that died would otherwise leave it waiting until the lease ends)."""
+        try:
+            stage = self.get(StageSlot(env.job_id, env.replica, env.stage))
+        except NoSuchStage:
+            return
+        if stage.stop.is_set() or stage.plan is None or env.epoch != stage.epoch:
+            return
+        prev, nxt = stage.plan.neighbours(stage.key)
+        sender = {Kind.ACTIVATION: prev, Kind.GRADIENT: nxt}.get(Kind(env.kind))
+        if sender is not None:
+            self._report(stage, tracker_pb2.StageReport.STATUS_SUSPECT, peer=sender.address,
+                         error=f"the stream from {sender.node_name} broke")
+
+    def drop(self, refs: list[tracker_pb2.StageRef], jobs: list[str] = ()) -> None:
+        """The tracker's reconciliation: stop and free the stages ``refs`` name (of a
+        stale epoch, or moved away), and everything of ``jobs`` (ended and past their
+        retention, or unknown), their snapshots included."""
+        wanted = {(r.job_id, r.replica, r.stage, r.epoch) for r in refs}
+        gone = set(jobs)
+        with self.lock:
+            doomed = [s for s in self.stages.values()
+                      if (s.job_id, *s.key, s.epoch) in wanted or s.job_id in gone]
+        if doomed:
+            log.info("dropping %d stage(s) the tracker no longer plans here: %s", len(doomed),
+                     ", ".join(f"{s.job_id}/{s.key.replica}.{s.key.stage}@{s.epoch}"
+                               for s in doomed))
+            self._release(doomed)
+        for job_id in gone:
+            self.snapshots.drop_job(job_id)
 
     def stop_all(self) -> None:
         """Stop every stage (node shutdown)."""
         with self.lock:
             for s in self.stages.values():
                 s.stop.set()
+        self.shipper.shutdown(wait=False, cancel_futures=True)
 
     def get(self, slot: StageSlot) -> Stage:
         """The loaded stage (running or not).
@@ -345,6 +570,9 @@ class StageRegistry:
         if env.kind == Kind.PROBE:
             return MAX_PROBE_BYTES
         stage = self.get(StageSlot(env.job_id, env.replica, env.stage))
+        if env.epoch != stage.epoch:
+            raise StaleEpoch(f"a tensor of plan epoch {env.epoch} for stage {env.stage} of job "
+                             f"{env.job_id!r}, which runs epoch {stage.epoch}")
         if stage.stop.is_set():
             raise NoSuchStage(f"stage {env.stage} of job {env.job_id!r} (replica "
                               f"{env.replica}) is stopped")

@@ -9,7 +9,7 @@ No I/O and no torch, like the rest of the planner.
 from __future__ import annotations
 
 from ..proto import node_pb2, tracker_pb2
-from ..spec import JobSpec
+from ..spec import SNAPSHOTS_KEPT, JobSpec
 from .types import ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, TrainConfig
 
 
@@ -44,12 +44,13 @@ def model_profile(p: tracker_pb2.ModelProfile) -> ModelProfile:
 
 
 def train_config(spec: JobSpec) -> TrainConfig:
-    """The planner's training config for a job."""
+    """The planner's training config for a job: every node keeps its stages'
+    checkpoint snapshots and, as a buddy, as many of another stage's."""
     return TrainConfig(batch_size=spec.batch_size, microbatches=spec.microbatches,
                        schedule=spec.schedule, stages=spec.stages, replicas=spec.replicas,
                        activation_compression=spec.activation_compression,
                        gradient_compression=spec.gradient_compression,
-                       sync_every=spec.sync_every)
+                       sync_every=spec.sync_every, snapshot_copies=2 * SNAPSHOTS_KEPT)
 
 
 def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2.Plan:

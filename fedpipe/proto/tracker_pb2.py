@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from . import node_pb2 as fedpipe_dot_v1_dot_node__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65\x64pipe/v1/tracker.proto\x12\nfedpipe.v1\x1a\x15\x66\x65\x64pipe/v1/node.proto\"a\n\x08Versions\x12\x0f\n\x07\x66\x65\x64pipe\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\x05\x12\x0e\n\x06python\x18\x03 \x01(\t\x12\r\n\x05torch\x18\x04 \x01(\t\x12\x13\n\x0b\x63loudpickle\x18\x05 \x01(\t\"\x97\x01\n\x13RegisterNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\tresources\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.Resources\x12&\n\x08versions\x18\x04 \x01(\x0b\x32\x14.fedpipe.v1.Versions\x12\x0f\n\x07\x62oot_id\x18\x05 \x01(\t\"V\n\x11RegisterNodeReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x12\x19\n\x11heartbeat_seconds\x18\x03 \x01(\x01\"I\n\x08StageRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\"Y\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\x12#\n\x05holds\x18\x03 \x03(\x0b\x32\x14.fedpipe.v1.StageRef\"u\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x12\x19\n\x11heartbeat_seconds\x18\x03 \x01(\x01\x12\"\n\x04\x64rop\x18\x04 \x03(\x0b\x32\x14.fedpipe.v1.StageRef\"\x9f\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12(\n\tresources\x18\x04 \x01(\x0b\x32\x15.fedpipe.v1.Resources\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x16\n\x0elast_heartbeat\x18\x06 \x01(\x01\x12\x12\n\nregistered\x18\x07 \x01(\x01\"(\n\x10ListNodesRequest\x12\x14\n\x0cinclude_lost\x18\x01 \x01(\x08\"a\n\x0eListNodesReply\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.fedpipe.v1.NodeInfo\x12*\n\x05links\x18\x02 \x03(\x0b\x32\x1b.fedpipe.v1.LinkMeasurement\"^\n\x0cLayerProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66lops\x18\x02 \x01(\x01\x12\x18\n\x10\x61\x63tivation_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fparameter_bytes\x18\x04 \x01(\x04\"M\n\x0cModelProfile\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.fedpipe.v1.LayerProfile\x12\x13\n\x0binput_bytes\x18\x02 \x01(\x04\"\xa1\x01\n\x10SubmitJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x0c\x12%\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.JobConfig\x12)\n\x07profile\x18\x04 \x01(\x0b\x32\x18.fedpipe.v1.ModelProfile\x12\x17\n\x0fpending_timeout\x18\x06 \x01(\x01J\x04\x08\x05\x10\x06\" \n\x0eSubmitJobReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x9f\x02\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1e\n\x04plan\x18\x05 \x01(\x0b\x32\x10.fedpipe.v1.Plan\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x0f\n\x07\x63reated\x18\t \x01(\x01\x12\r\n\x05\x65poch\x18\n \x01(\x03\x12\x17\n\x0f\x63heckpoint_step\x18\x0b \x01(\x03\x12\x13\n\x0bresume_step\x18\x0c \x01(\x03\x12(\n\nrecoveries\x18\r \x03(\x0b\x32\x14.fedpipe.v1.Recovery\"\xb1\x01\n\x08Recovery\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0c\n\x04lost\x18\x02 \x01(\t\x12\x17\n\x0f\x63heckpoint_step\x18\x03 \x01(\x03\x12\x18\n\x10steps_recomputed\x18\x04 \x01(\x03\x12\x16\n\x0e\x64\x65tect_seconds\x18\x05 \x01(\x01\x12\x16\n\x0ereplan_seconds\x18\x06 \x01(\x01\x12\x17\n\x0frestore_seconds\x18\x07 \x01(\x01\x12\r\n\x05\x65poch\x18\x08 \x01(\x03\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\xba\x01\n\x08JobEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x07 \x01(\x01\x12\x17\n\x0f\x63heckpoint_step\x18\x08 \x01(\x03\x12\r\n\x05\x65poch\x18\t \x01(\x03\"\x9b\x03\n\x0bStageReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12.\n\x06status\x18\x05 \x01(\x0e\x32\x1e.fedpipe.v1.StageReport.Status\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0f\n\x07samples\x18\x08 \x01(\x03\x12\x0f\n\x07seconds\x18\t \x01(\x01\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x0b \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x0c \x01(\x01\x12\x14\n\x0csend_seconds\x18\r \x01(\x01\x12\r\n\x05\x65poch\x18\x0e \x01(\x03\x12\x0c\n\x04peer\x18\x0f \x01(\t\"l\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTATUS_STEP\x10\x01\x12\x0f\n\x0bSTATUS_DONE\x10\x02\x12\x11\n\rSTATUS_FAILED\x10\x03\x12\x15\n\x11STATUS_CHECKPOINT\x10\x04\"\x12\n\x10StageReportReply*\xe6\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x16\n\x12JOB_STATE_PLANNING\x10\x02\x12\x17\n\x13JOB_STATE_DEPLOYING\x10\x03\x12\x15\n\x11JOB_STATE_RUNNING\x10\x04\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x05\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x06\x12\x14\n\x10JOB_STATE_FAILED\x10\x07\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x08\x32\xaf\x04\n\x07Tracker\x12N\n\x0cRegisterNode\x12\x1f.fedpipe.v1.RegisterNodeRequest\x1a\x1d.fedpipe.v1.RegisterNodeReply\x12\x45\n\tHeartbeat\x12\x1c.fedpipe.v1.HeartbeatRequest\x1a\x1a.fedpipe.v1.HeartbeatReply\x12\x45\n\tListNodes\x12\x1c.fedpipe.v1.ListNodesRequest\x1a\x1a.fedpipe.v1.ListNodesReply\x12\x45\n\tSubmitJob\x12\x1c.fedpipe.v1.SubmitJobRequest\x1a\x1a.fedpipe.v1.SubmitJobReply\x12\x38\n\x06GetJob\x12\x19.fedpipe.v1.GetJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12?\n\x08WatchJob\x12\x1b.fedpipe.v1.WatchJobRequest\x1a\x14.fedpipe.v1.JobEvent0\x01\x12>\n\tCancelJob\x12\x1c.fedpipe.v1.CancelJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12\x44\n\x0bReportStage\x12\x17.fedpipe.v1.StageReport\x1a\x1c.fedpipe.v1.StageReportReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65\x64pipe/v1/tracker.proto\x12\nfedpipe.v1\x1a\x15\x66\x65\x64pipe/v1/node.proto\"a\n\x08Versions\x12\x0f\n\x07\x66\x65\x64pipe\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\x05\x12\x0e\n\x06python\x18\x03 \x01(\t\x12\r\n\x05torch\x18\x04 \x01(\t\x12\x13\n\x0b\x63loudpickle\x18\x05 \x01(\t\"\x97\x01\n\x13RegisterNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\tresources\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.Resources\x12&\n\x08versions\x18\x04 \x01(\x0b\x32\x14.fedpipe.v1.Versions\x12\x0f\n\x07\x62oot_id\x18\x05 \x01(\t\"V\n\x11RegisterNodeReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x12\x19\n\x11heartbeat_seconds\x18\x03 \x01(\x01\"I\n\x08StageRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\"Y\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\x12#\n\x05holds\x18\x03 \x03(\x0b\x32\x14.fedpipe.v1.StageRef\"\x88\x01\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x12\x19\n\x11heartbeat_seconds\x18\x03 \x01(\x01\x12\"\n\x04\x64rop\x18\x04 \x03(\x0b\x32\x14.fedpipe.v1.StageRef\x12\x11\n\tdrop_jobs\x18\x05 \x03(\t\"\x9f\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12(\n\tresources\x18\x04 \x01(\x0b\x32\x15.fedpipe.v1.Resources\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x16\n\x0elast_heartbeat\x18\x06 \x01(\x01\x12\x12\n\nregistered\x18\x07 \x01(\x01\"(\n\x10ListNodesRequest\x12\x14\n\x0cinclude_lost\x18\x01 \x01(\x08\"a\n\x0eListNodesReply\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.fedpipe.v1.NodeInfo\x12*\n\x05links\x18\x02 \x03(\x0b\x32\x1b.fedpipe.v1.LinkMeasurement\"^\n\x0cLayerProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66lops\x18\x02 \x01(\x01\x12\x18\n\x10\x61\x63tivation_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fparameter_bytes\x18\x04 \x01(\x04\"M\n\x0cModelProfile\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.fedpipe.v1.LayerProfile\x12\x13\n\x0binput_bytes\x18\x02 \x01(\x04\"\xa1\x01\n\x10SubmitJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x0c\x12%\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x15.fedpipe.v1.JobConfig\x12)\n\x07profile\x18\x04 \x01(\x0b\x32\x18.fedpipe.v1.ModelProfile\x12\x17\n\x0fpending_timeout\x18\x06 \x01(\x01J\x04\x08\x05\x10\x06\" \n\x0eSubmitJobReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x9f\x02\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1e\n\x04plan\x18\x05 \x01(\x0b\x32\x10.fedpipe.v1.Plan\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x0f\n\x07\x63reated\x18\t \x01(\x01\x12\r\n\x05\x65poch\x18\n \x01(\x03\x12\x17\n\x0f\x63heckpoint_step\x18\x0b \x01(\x03\x12\x13\n\x0bresume_step\x18\x0c \x01(\x03\x12(\n\nrecoveries\x18\r \x03(\x0b\x32\x14.fedpipe.v1.Recovery\"\xb1\x01\n\x08Recovery\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0c\n\x04lost\x18\x02 \x01(\t\x12\x17\n\x0f\x63heckpoint_step\x18\x03 \x01(\x03\x12\x18\n\x10steps_recomputed\x18\x04 \x01(\x03\x12\x16\n\x0e\x64\x65tect_seconds\x18\x05 \x01(\x01\x12\x16\n\x0ereplan_seconds\x18\x06 \x01(\x01\x12\x17\n\x0frestore_seconds\x18\x07 \x01(\x01\x12\r\n\x05\x65poch\x18\x08 \x01(\x03\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\xba\x01\n\x08JobEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.fedpipe.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x07 \x01(\x01\x12\x17\n\x0f\x63heckpoint_step\x18\x08 \x01(\x03\x12\r\n\x05\x65poch\x18\t \x01(\x03\"\xb0\x03\n\x0bStageReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12.\n\x06status\x18\x05 \x01(\x0e\x32\x1e.fedpipe.v1.StageReport.Status\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0f\n\x07samples\x18\x08 \x01(\x03\x12\x0f\n\x07seconds\x18\t \x01(\x01\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x0b \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x0c \x01(\x01\x12\x14\n\x0csend_seconds\x18\r \x01(\x01\x12\r\n\x05\x65poch\x18\x0e \x01(\x03\x12\x0c\n\x04peer\x18\x0f \x01(\t\"\x80\x01\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTATUS_STEP\x10\x01\x12\x0f\n\x0bSTATUS_DONE\x10\x02\x12\x11\n\rSTATUS_FAILED\x10\x03\x12\x15\n\x11STATUS_CHECKPOINT\x10\x04\x12\x12\n\x0eSTATUS_SUSPECT\x10\x05\"\x12\n\x10StageReportReply*\xe6\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x16\n\x12JOB_STATE_PLANNING\x10\x02\x12\x17\n\x13JOB_STATE_DEPLOYING\x10\x03\x12\x15\n\x11JOB_STATE_RUNNING\x10\x04\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x05\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x06\x12\x14\n\x10JOB_STATE_FAILED\x10\x07\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x08\x32\xaf\x04\n\x07Tracker\x12N\n\x0cRegisterNode\x12\x1f.fedpipe.v1.RegisterNodeRequest\x1a\x1d.fedpipe.v1.RegisterNodeReply\x12\x45\n\tHeartbeat\x12\x1c.fedpipe.v1.HeartbeatRequest\x1a\x1a.fedpipe.v1.HeartbeatReply\x12\x45\n\tListNodes\x12\x1c.fedpipe.v1.ListNodesRequest\x1a\x1a.fedpipe.v1.ListNodesReply\x12\x45\n\tSubmitJob\x12\x1c.fedpipe.v1.SubmitJobRequest\x1a\x1a.fedpipe.v1.SubmitJobReply\x12\x38\n\x06GetJob\x12\x19.fedpipe.v1.GetJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12?\n\x08WatchJob\x12\x1b.fedpipe.v1.WatchJobRequest\x1a\x14.fedpipe.v1.JobEvent0\x01\x12>\n\tCancelJob\x12\x1c.fedpipe.v1.CancelJobRequest\x1a\x13.fedpipe.v1.JobInfo\x12\x44\n\x0bReportStage\x12\x17.fedpipe.v1.StageReport\x1a\x1c.fedpipe.v1.StageReportReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedpipe.v1.tracker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=2598
-  _globals['_JOBSTATE']._serialized_end=2828
+  _globals['_JOBSTATE']._serialized_start=2639
+  _globals['_JOBSTATE']._serialized_end=2869
   _globals['_VERSIONS']._serialized_start=63
   _globals['_VERSIONS']._serialized_end=160
   _globals['_REGISTERNODEREQUEST']._serialized_start=163
@@ -44,40 +44,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGEREF']._serialized_end=477
   _globals['_HEARTBEATREQUEST']._serialized_start=479
   _globals['_HEARTBEATREQUEST']._serialized_end=568
-  _globals['_HEARTBEATREPLY']._serialized_start=570
-  _globals['_HEARTBEATREPLY']._serialized_end=687
-  _globals['_NODEINFO']._serialized_start=690
-  _globals['_NODEINFO']._serialized_end=849
-  _globals['_LISTNODESREQUEST']._serialized_start=851
-  _globals['_LISTNODESREQUEST']._serialized_end=891
-  _globals['_LISTNODESREPLY']._serialized_start=893
-  _globals['_LISTNODESREPLY']._serialized_end=990
-  _globals['_LAYERPROFILE']._serialized_start=992
-  _globals['_LAYERPROFILE']._serialized_end=1086
-  _globals['_MODELPROFILE']._serialized_start=1088
-  _globals['_MODELPROFILE']._serialized_end=1165
-  _globals['_SUBMITJOBREQUEST']._serialized_start=1168
-  _globals['_SUBMITJOBREQUEST']._serialized_end=1329
-  _globals['_SUBMITJOBREPLY']._serialized_start=1331
-  _globals['_SUBMITJOBREPLY']._serialized_end=1363
-  _globals['_JOBINFO']._serialized_start=1366
-  _globals['_JOBINFO']._serialized_end=1653
-  _globals['_RECOVERY']._serialized_start=1656
-  _globals['_RECOVERY']._serialized_end=1833
-  _globals['_GETJOBREQUEST']._serialized_start=1835
-  _globals['_GETJOBREQUEST']._serialized_end=1866
-  _globals['_CANCELJOBREQUEST']._serialized_start=1868
-  _globals['_CANCELJOBREQUEST']._serialized_end=1918
-  _globals['_WATCHJOBREQUEST']._serialized_start=1920
-  _globals['_WATCHJOBREQUEST']._serialized_end=1972
-  _globals['_JOBEVENT']._serialized_start=1975
-  _globals['_JOBEVENT']._serialized_end=2161
-  _globals['_STAGEREPORT']._serialized_start=2164
-  _globals['_STAGEREPORT']._serialized_end=2575
-  _globals['_STAGEREPORT_STATUS']._serialized_start=2467
-  _globals['_STAGEREPORT_STATUS']._serialized_end=2575
-  _globals['_STAGEREPORTREPLY']._serialized_start=2577
-  _globals['_STAGEREPORTREPLY']._serialized_end=2595
-  _globals['_TRACKER']._serialized_start=2831
-  _globals['_TRACKER']._serialized_end=3390
+  _globals['_HEARTBEATREPLY']._serialized_start=571
+  _globals['_HEARTBEATREPLY']._serialized_end=707
+  _globals['_NODEINFO']._serialized_start=710
+  _globals['_NODEINFO']._serialized_end=869
+  _globals['_LISTNODESREQUEST']._serialized_start=871
+  _globals['_LISTNODESREQUEST']._serialized_end=911
+  _globals['_LISTNODESREPLY']._serialized_start=913
+  _globals['_LISTNODESREPLY']._serialized_end=1010
+  _globals['_LAYERPROFILE']._serialized_start=1012
+  _globals['_LAYERPROFILE']._serialized_end=1106
+  _globals['_MODELPROFILE']._serialized_start=1108
+  _globals['_MODELPROFILE']._serialized_end=1185
+  _globals['_SUBMITJOBREQUEST']._serialized_start=1188
+  _globals['_SUBMITJOBREQUEST']._serialized_end=1349
+  _globals['_SUBMITJOBREPLY']._serialized_start=1351
+  _globals['_SUBMITJOBREPLY']._serialized_end=1383
+  _globals['_JOBINFO']._serialized_start=1386
+  _globals['_JOBINFO']._serialized_end=1673
+  _globals['_RECOVERY']._serialized_start=1676
+  _globals['_RECOVERY']._serialized_end=1853
+  _globals['_GETJOBREQUEST']._serialized_start=1855
+  _globals['_GETJOBREQUEST']._serialized_end=1886
+  _globals['_CANCELJOBREQUEST']._serialized_start=1888
+  _globals['_CANCELJOBREQUEST']._serialized_end=1938
+  _globals['_WATCHJOBREQUEST']._serialized_start=1940
+  _globals['_WATCHJOBREQUEST']._serialized_end=1992
+  _globals['_JOBEVENT']._serialized_start=1995
+  _globals['_JOBEVENT']._serialized_end=2181
+  _globals['_STAGEREPORT']._serialized_start=2184
+  _globals['_STAGEREPORT']._serialized_end=2616
+  _globals['_STAGEREPORT_STATUS']._serialized_start=2488
+  _globals['_STAGEREPORT_STATUS']._serialized_end=2616
+  _globals['_STAGEREPORTREPLY']._serialized_start=2618
+  _globals['_STAGEREPORTREPLY']._serialized_end=2636
+  _globals['_TRACKER']._serialized_start=2872
+  _globals['_TRACKER']._serialized_end=3431
 # @@protoc_insertion_point(module_scope)

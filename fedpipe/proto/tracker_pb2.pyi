@@ -90,16 +90,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., holds: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "lease_seconds", "heartbeat_seconds", "drop")
+    __slots__ = ("known", "lease_seconds", "heartbeat_seconds", "drop", "drop_jobs")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DROP_FIELD_NUMBER: _ClassVar[int]
+    DROP_JOBS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     lease_seconds: float
     heartbeat_seconds: float
     drop: _containers.RepeatedCompositeFieldContainer[StageRef]
-    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ...) -> None: ...
+    drop_jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., drop_jobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered")
@@ -276,11 +278,13 @@ class StageReport(_message.Message):
         STATUS_DONE: _ClassVar[StageReport.Status]
         STATUS_FAILED: _ClassVar[StageReport.Status]
         STATUS_CHECKPOINT: _ClassVar[StageReport.Status]
+        STATUS_SUSPECT: _ClassVar[StageReport.Status]
     STATUS_UNSPECIFIED: StageReport.Status
     STATUS_STEP: StageReport.Status
     STATUS_DONE: StageReport.Status
     STATUS_FAILED: StageReport.Status
     STATUS_CHECKPOINT: StageReport.Status
+    STATUS_SUSPECT: StageReport.Status
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]

@@ -60,8 +60,11 @@ class AsyncStageRunner(StageRunnerBase):
         self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # weight version -> params
 
-    def run(self, steps: int) -> Iterator[StepResult]:
-        """Run all ``steps``, yielding each step's result right after its update.
+    def run(self, steps: int, start: int = 0) -> Iterator[StepResult]:
+        """Run steps ``start .. steps-1``, yielding each step's result right after its update.
+
+        A stage resumed at ``start`` (from a checkpoint) begins with an empty
+        pipeline: what was in flight before it was dropped, not replayed.
 
         ``seconds`` of a result (and its split) is the wall time since the
         previous one (or the start); ``loss`` (last stage only) is the step's
@@ -78,10 +81,11 @@ class AsyncStageRunner(StageRunnerBase):
         samples: dict[int, int] = defaultdict(int)
         t0 = time.perf_counter()
         self.transport.lap()
-        for action in spec.async_stream(self.stage, self.n_stages, M, steps,
+        for action in spec.async_stream(self.stage, self.n_stages, M, steps - start,
                                         self.max_staleness):
             i = action.microbatch
             step, m = divmod(i, M)
+            step += start
             if action.kind == "F":
                 x, out, batch = self._forward(step, m, self._snapshot(applied))
                 users[applied] += 1

@@ -160,6 +160,37 @@ class OuterSync:
         self.late_applied = 0
         self.missed = 0
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the outer (global) weights, the outer optimizer's
+        momentum, the index of the next outer step and the codec's error-feedback
+        residuals. Pseudo-gradients still owed by late peers are not kept: a
+        resumed job starts a new plan epoch, whose messages those are not."""
+        return {"globals": self.globals, "outer_step": self.outer_step,
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "residuals": {i: self.feedback.residual(i) for i in range(len(self.mine))
+                              if self.feedback.residual(i) is not None}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict` (a snapshot of the same stage).
+
+        Raises:
+            ValueError: the snapshot holds other segments than this stage.
+        """
+        saved = state["globals"]
+        if [len(g) for g in saved] != [len(g) for g in self.globals]:
+            raise ValueError("the snapshot's DiLoCo state is of another stage's segments")
+        with torch.no_grad():
+            for mine, theirs in zip(self.globals, saved):
+                for g, s in zip(mine, theirs):
+                    g.copy_(s)
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.outer_step = int(state["outer_step"])
+        self.feedback.reset()
+        for i, residual in state["residuals"].items():
+            self.feedback.remember(int(i), residual.clone())
+        self.owed = []
+
     def rescale_gradients(self, step: int) -> None:
         """``before_update`` hook: scale this group's gradients by ``1 / w_g`` so the
         inner step is that of its own shard's mean loss (see the module docstring)."""

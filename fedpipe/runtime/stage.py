@@ -25,7 +25,15 @@ from ..spec import Kind, StageKey
 
 
 class StageError(RuntimeError):
-    """A stage cannot go on: a layer misbehaved or a peer failed."""
+    """A stage cannot go on: a layer misbehaved or a peer failed.
+
+    Attributes:
+        peer: the peer (``HOST:PORT``) a send to failed, when that is why; else "".
+    """
+
+    def __init__(self, message: str, peer: str = ""):
+        super().__init__(message)
+        self.peer = peer
 
 
 class Transport(Protocol):
@@ -179,8 +187,10 @@ class StageRunnerBase(abc.ABC):
             raise ValueError("the last stage needs a loss function")
 
     @abc.abstractmethod
-    def run(self, steps: int) -> Iterator[StepResult]:
-        """Run steps ``0 .. steps-1``, yielding each one's result after its update.
+    def run(self, steps: int, start: int = 0) -> Iterator[StepResult]:
+        """Run steps ``start .. steps-1``, yielding each one's result after its update.
+
+        ``start`` > 0 resumes a stage restored from the checkpoint of that step.
 
         Raises:
             StageError: a layer's output is not a single tensor, or the loss is not a scalar.
@@ -267,8 +277,8 @@ class SyncStageRunner(StageRunnerBase):
                          before_update=before_update, after_update=after_update)
         self.actions = spec.schedule_order(schedule, stage, n_stages, microbatches)
 
-    def run(self, steps: int) -> Iterator[StepResult]:
-        for step in range(steps):
+    def run(self, steps: int, start: int = 0) -> Iterator[StepResult]:
+        for step in range(start, steps):
             yield self.run_step(step)
 
     def run_step(self, step: int) -> StepResult:

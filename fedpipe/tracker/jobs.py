@@ -3,7 +3,9 @@
 ::
 
     PENDING ──> PLANNING ──> DEPLOYING ──> RUNNING ──> SUCCEEDED
-       │           │             │            │
+       │           │             │   │        │  ▲
+       │           │             │   └──> RECOVERING (a node lost: rewind to the
+       │           │             │            │       last complete checkpoint)
        └───────────┴─────────────┴────────────┴──> FAILED | CANCELLED
 
 Events drive it, each a method of :class:`Jobs`: a submission
@@ -13,8 +15,19 @@ a node's report (:meth:`~Jobs.report`: step done, stage done, stage failed),
 nodes lost (:meth:`~Jobs.nodes_lost`: lease expired, left, or replaced by a
 new incarnation), the client's cancel (:meth:`~Jobs.cancel`), a PENDING job
 waiting past its ``pending_timeout`` (:meth:`~Jobs.expire_pending`) and a
-tracker restart (:meth:`~Jobs.recover`). A lost node fails every active job
-that has a stage on it (recovery comes later).
+tracker restart (:meth:`~Jobs.recover`).
+
+Recovery. A lost node (lease expired, left, or confirmed gone by a Ping after
+a peer reported it) moves each active job using it to RECOVERING: a new plan
+*epoch* begins (every message and report carries its epoch; the nodes drop
+older ones), and the job rewinds to its last complete checkpoint ``K`` (the
+step every stage has acknowledged a snapshot of, kept on its node and a buddy).
+The scheduler then calls :meth:`~Jobs.resume`: the lost nodes' stages move to
+live nodes (:func:`~.replan.substitute`: survivors keep theirs), every stage is
+loaded for the new epoch at step ``K`` and restores its snapshot (its own or
+its buddy's), and the job is RUNNING again. The client rewinds its feed to
+``K``. A loss during recovery starts it again; a job that no longer fits
+fails with the figures.
 
 Everything outside is injected: the :class:`~.store.Store`, the
 :class:`~.nodes.NodeCalls` that reach nodes and the clock, so
@@ -35,9 +48,11 @@ from .. import planner
 from ..planner.protoio import cluster_view, model_profile, plan_message, train_config
 from ..proto import node_pb2, tracker_pb2
 from ..spec import ACTIVE, TERMINAL, JobSpec, JobSpecError, PlanView, StageKey, state_name
+from ..net import timeouts
 from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
 from .nodes import NodeCallError, NodeCalls
+from .replan import substitute
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker")
@@ -47,6 +62,11 @@ R = tracker_pb2.StageReport
 RESTARTED = ("the tracker restarted while the job was being planned or deployed; "
              "submit it again")
 """Why a job found PLANNING or DEPLOYING at start-up failed: its deploy was cut short."""
+CHECKPOINT_SECONDS = 30.0
+"""Default checkpoint interval, as training time: a recovery recomputes at most about this."""
+RETENTION = 600.0
+"""Seconds an ended job's stages keep their weights on the nodes (for ``state_dict()``)
+unless released sooner; then the nodes are told to free them."""
 WATCH_RECHECK = 0.5
 """Seconds a watcher waits for a notification before it reads the job's events again
 (every change notifies; this bounds the delay should one be missed)."""
@@ -81,6 +101,25 @@ def stage_name(key: StageKey) -> str:
     return f"stage {key.stage} (replica {key.replica})"
 
 
+def checkpoint_every(job: JobSpec, step_seconds: float) -> int:
+    """Steps between checkpoints: the job's own setting, else as many steps as take
+    :data:`CHECKPOINT_SECONDS` at ``step_seconds`` per step (at least 1)."""
+    if job.checkpoint_every:
+        return job.checkpoint_every
+    return max(1, min(job.steps, int(CHECKPOINT_SECONDS / max(step_seconds, 1e-3))))
+
+
+@dataclass
+class _Recovery:
+    """A recovery in progress (in memory: a restarted tracker starts a fresh record)."""
+
+    reported: float          # when the loss was first suspected (a failure report or expiry)
+    declared: float          # when the node was declared lost
+    lost: set[str]           # names of the lost nodes
+    from_step: int           # the job's step at the loss
+    old_plan: node_pb2.Plan  # the plan the snapshots were taken under
+
+
 @dataclass
 class _StepParts:
     """The replica groups' reports of one step so far, by group."""
@@ -102,6 +141,15 @@ class Jobs:
         self.changed = threading.Condition()
         """Notified whenever a job or the swarm changes (scheduler and watchers wait on it)."""
         self._steps: dict[tuple[str, int], _StepParts] = {}
+        self._acks: dict[tuple[str, int, int], set[StageKey]] = {}  # (job, epoch, step)
+        self._complete: dict[str, list[int]] = {}  # job -> its complete checkpoints, newest last
+        self._recovering: dict[str, _Recovery] = {}
+        self._suspected: dict[str, float] = {}  # address -> when a peer first reported it
+        self._ended: dict[str, float] = {}  # job -> when it reached a terminal state
+        self._lock = threading.RLock()  # recovery bookkeeping
+        self.declare_lost: Callable[[str, str], bool] | None = None
+        """Marks a node lost now with a reason (the registry's); set by the tracker."""
+        self.retention = RETENTION
 
     def notify(self) -> None:
         """Wake the scheduler and every watcher."""
@@ -117,12 +165,16 @@ class Jobs:
     def _move(self, job_id: str, state: int, reason: str, *, only_from: set[int] | None = None
               ) -> bool:
         moved = self.store.set_state(job_id, state, reason, self.clock(), only_from=only_from)
+        if moved and state in TERMINAL:
+            self._ended[job_id] = self.clock()
+            with self._lock:
+                self._recovering.pop(job_id, None)
         if moved and state != S.JOB_STATE_FAILED:  # _fail warns
             log.info("job %s %s: %s", job_id, state_name(state), reason)
         return moved
 
-    def _fail(self, job_id: str, reason: str) -> None:
-        if self._move(job_id, S.JOB_STATE_FAILED, reason):
+    def _fail(self, job_id: str, reason: str, only_from: set[int] | None = None) -> None:
+        if self._move(job_id, S.JOB_STATE_FAILED, reason, only_from=only_from):
             log.warning("job %s failed: %s", job_id, reason)
             self._stop_stages(job_id, reason, release=False)
         self.notify()
@@ -193,19 +245,227 @@ class Jobs:
         return self.get(job_id)
 
     def nodes_lost(self, lost: set[str], why: str) -> None:
-        """Fail the active jobs that have a stage on any of the ``lost`` nodes.
+        """Each active job with a stage on any of the ``lost`` nodes starts recovering
+        (a job still PLANNING is planned again by the scheduler once it fails to load).
 
         ``why`` completes "node(s) NAMES ...", e.g. "left the swarm".
         """
         if not lost:
             return
         names = {n.node_id: n.name for n in self.store.nodes(include_lost=True)}
-        for job_id in self.store.jobs_in(*ACTIVE):
+        for job_id in self.store.jobs_in(S.JOB_STATE_DEPLOYING, S.JOB_STATE_RUNNING,
+                                         S.JOB_STATE_RECOVERING):
             used = PlanView(self.store.job(job_id).plan).node_ids() & lost
             if used:
-                self._fail(job_id, f"node(s) {', '.join(sorted(names.get(n, n) for n in used))} "
-                                   f"{why}")
+                self._begin_recovery(job_id, {names.get(n, n) for n in used}, why)
         self.notify()
+
+    # -- recovery -------------------------------------------------------------
+    def _begin_recovery(self, job_id: str, lost: set[str], why: str,
+                        rewind_to: int | None = None) -> None:
+        """Move the job to RECOVERING in a new epoch, rewound to its last complete
+        checkpoint (or ``rewind_to``); stop its stages of the old epoch."""
+        now = self.clock()
+        with self._lock:
+            job = self.store.job(job_id)
+            if job.state in TERMINAL:
+                return
+            step = job.checkpoint_step if rewind_to is None else rewind_to
+            rec = self._recovering.get(job_id)
+            if rec is None:
+                addresses = {a.address for a in job.plan.stages}
+                reported = min([t for a, t in self._suspected.items() if a in addresses],
+                               default=now)
+                rec = self._recovering[job_id] = _Recovery(reported, now, set(), job.step,
+                                                           job.plan)
+            rec.lost |= lost
+            fields = tracker_pb2.JobInfo()
+            fields.CopyFrom(job)
+            fields.epoch, fields.resume_step = job.epoch + 1, step
+            self.store.set_recovery(job_id, fields, now)
+            self._steps = {k: v for k, v in self._steps.items() if k[0] != job_id}
+            self._acks = {k: v for k, v in self._acks.items() if k[0] != job_id}
+        reason = (f"node(s) {', '.join(sorted(lost))} {why}; rewinding to checkpoint step "
+                  f"{step}")
+        self._move(job_id, S.JOB_STATE_RECOVERING, reason)
+        # stop the old epoch's stages now so they free their threads; a LoadStage of the
+        # new epoch would replace them anyway
+        threading.Thread(target=self._stop_stages, args=(job_id, reason, False),
+                         name=f"stop-{job_id}", daemon=True).start()
+
+    def recovering(self) -> list[str]:
+        """Ids of RECOVERING jobs, oldest first."""
+        return self.store.jobs_in(S.JOB_STATE_RECOVERING)
+
+    def resume(self, job_id: str, nodes: list[tracker_pb2.NodeInfo]) -> None:
+        """One attempt to finish a job's recovery over the live ``nodes``.
+
+        Moves the lost nodes' stages (:func:`~.replan.substitute`), loads
+        every stage for the new epoch at the rewind step with the places its
+        snapshot may be, and moves the job to RUNNING. If a node of the new
+        plan fails meanwhile, the job stays RECOVERING for the next attempt;
+        if no snapshot of the rewind step survives, it rewinds to an older
+        complete checkpoint (or the start); if the job no longer fits, it
+        fails with the figures.
+        """
+        job = self.get(job_id)
+        if job.state != S.JOB_STATE_RECOVERING:
+            return
+        request = self.store.spec(job_id)
+        spec = JobSpec.from_proto(request.config)
+        profile, config = model_profile(request.profile), train_config(spec)
+        view = PlanView(job.plan)
+        with self._lock:
+            rec = self._recovering.setdefault(job_id, _Recovery(
+                self.clock(), self.clock(), set(), job.step, job.plan))
+
+        def need(a: node_pb2.StageAssignment) -> float:
+            return planner.stage_memory_bytes(profile, a.layer_start, a.layer_end, config,
+                                              a.stage, view.depth(a.replica),
+                                              view.microbatches(a.replica))
+
+        live = {n.node_id for n in nodes}
+        t_replan = self.clock()
+        try:
+            plan = substitute(job.plan, view.node_ids() - live, nodes, need)
+        except planner.PlanError as e:
+            self._fail(job_id, f"cannot recover from the loss of {', '.join(sorted(rec.lost))}: "
+                               f"{e}")
+            return
+        plan.epoch = job.epoch
+        self.store.set_plan(job_id, plan)
+        t_restore = self.clock()
+        step = job.resume_step
+        failures = self._deploy(job_id, plan, spec, resume_step=step,
+                                sources=self._snapshot_sources(rec.old_plan, plan, step, spec))
+        if failures:
+            new = PlanView(plan)
+            for key in failures:  # a node that cannot be reached is lost: recovery restarts
+                if key in new.stages:
+                    self._suspect(self.get(job_id), tracker_pb2.StageReport(
+                        peer=new[key].address))
+            gone = new.node_ids() - {n.node_id for n in self.store.nodes()}
+            if gone or self.get(job_id).epoch != job.epoch:
+                return  # a node of the new plan was lost meanwhile: the next attempt replans
+            if step > 0 and all("no snapshot" in f for f in failures.values()):
+                older = [k for k in self._complete.get(job_id, []) if k < step]
+                back = older[-1] if older else 0
+                log.warning("job %s: no snapshot of step %d survives (%s); rewinding to %d",
+                            job_id, step, "; ".join(failures.values()), back)
+                self._begin_recovery(job_id, set(), f"lost the step {step} snapshots",
+                                     rewind_to=back)
+                return
+            self._fail(job_id, "cannot recover: " + "; ".join(failures.values()),
+                       only_from={S.JOB_STATE_RECOVERING})
+            return
+        now = self.clock()
+        fields = tracker_pb2.JobInfo()
+        fields.CopyFrom(self.get(job_id))
+        fields.recoveries.append(tracker_pb2.Recovery(
+            time=rec.declared, lost=", ".join(sorted(rec.lost)), checkpoint_step=step,
+            steps_recomputed=max(0, rec.from_step - step),
+            detect_seconds=max(0.0, rec.declared - rec.reported),
+            replan_seconds=t_restore - t_replan + (t_replan - rec.declared),
+            restore_seconds=now - t_restore, epoch=job.epoch))
+        reason = (f"recovered from the loss of {', '.join(sorted(rec.lost))}: resumed at "
+                  f"checkpoint step {step} ({max(0, rec.from_step - step)} steps to recompute) "
+                  f"on {plan.summary}")
+        with self._lock:
+            self._recovering.pop(job_id, None)
+            for address in PlanView(rec.old_plan).addresses():
+                self._suspected.pop(address, None)
+        self.store.set_recovery(job_id, fields, now, rewind_to=step)
+        self._move(job_id, S.JOB_STATE_RUNNING, reason, only_from={S.JOB_STATE_RECOVERING})
+        self.notify()
+
+    @staticmethod
+    def _snapshot_sources(old: node_pb2.Plan, new: node_pb2.Plan, step: int, spec: JobSpec
+                          ) -> Callable[[StageKey], list[str]]:
+        """Where each stage's snapshot of ``step`` may be, best first: its node in the
+        plan it was taken under, the buddy it went to, then every other node of either
+        plan (buddies rotate, and a node may hold an older copy)."""
+        old_view, new_view = PlanView(old), PlanView(new)
+        every = sorted(old_view.addresses() | new_view.addresses())
+        every_ck = max(1, spec.checkpoint_every)
+
+        def sources(key: StageKey) -> list[str]:
+            first = []
+            if old_view.get(key) is not None:
+                first.append(old_view[key].address)
+                buddy = old_view.buddy(key, step // every_ck)
+                if buddy is not None:
+                    first.append(buddy.address)
+            return list(dict.fromkeys(first + every))
+
+        return sources
+
+    def _checkpointed(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> None:
+        """A stage's snapshot of ``report.step`` is kept on its node and its buddy; once
+        every stage of the plan says so, the step is a complete checkpoint (a consistent
+        cut), recorded in the store."""
+        view = PlanView(job.plan)
+        with self._lock:
+            acks = self._acks.setdefault((job.job_id, job.epoch, report.step), set())
+            acks.add(StageKey(report.replica, report.stage))
+            if len(acks) < len(view.stages) or report.step <= job.checkpoint_step:
+                return
+            del self._acks[(job.job_id, job.epoch, report.step)]
+            done = self._complete.setdefault(job.job_id, [])
+            done[:] = (done + [report.step])[-4:]
+        fields = tracker_pb2.JobInfo()
+        fields.CopyFrom(job)
+        fields.checkpoint_step = report.step
+        self.store.set_recovery(job.job_id, fields, self.clock(), event=tracker_pb2.JobEvent(
+            state=job.state, reason=f"checkpoint of step {report.step} complete",
+            checkpoint_step=report.step, epoch=job.epoch))
+
+    def _suspect(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> bool:
+        """A stage could not send to (or lost the stream from) ``report.peer``: Ping it
+        with a short deadline and declare it lost if it does not answer. Returns
+        whether it was declared lost."""
+        target = next((a for a in job.plan.stages if a.address == report.peer), None)
+        if target is None or self.declare_lost is None:
+            return False
+        with self._lock:
+            self._suspected.setdefault(report.peer, self.clock())
+        try:
+            self.nodes.ping(report.peer, timeouts.PEER_PING_RPC)
+            return False
+        except NodeCallError as e:
+            return self.declare_lost(
+                target.node_id, f"stopped answering (a peer's stream to it failed, then a "
+                                f"Ping: {e})")
+
+    def reconcile(self, node_id: str, holds: list[tracker_pb2.StageRef]
+                  ) -> tuple[list[tracker_pb2.StageRef], list[str]]:
+        """What a node that holds ``holds`` must drop: ``(stages, jobs)``.
+
+        A stage of an older epoch, or one the job's plan no longer puts on this
+        node, is dropped, unless the job is RECOVERING (its snapshots may be
+        restored from these nodes). Everything of a job that is unknown, or ended
+        more than :attr:`retention` seconds ago, is dropped (a released job's
+        stages are gone already).
+        """
+        stages, jobs = [], set()
+        now = self.clock()
+        for ref in holds:
+            try:
+                job = self.store.job(ref.job_id)
+            except KeyError:
+                jobs.add(ref.job_id)
+                continue
+            if job.state in TERMINAL:
+                if now - self._ended.setdefault(ref.job_id, now) > self.retention:
+                    jobs.add(ref.job_id)
+            elif job.state == S.JOB_STATE_RECOVERING or ref.stage < 0:
+                continue
+            elif ref.epoch < job.epoch:
+                stages.append(ref)
+            else:
+                mine = PlanView(job.plan).get(StageKey(ref.replica, ref.stage))
+                if mine is None or mine.node_id != node_id:
+                    stages.append(ref)
+        return stages, sorted(jobs)
 
     def pending(self) -> list[str]:
         """Ids of PENDING jobs, oldest first."""
@@ -259,45 +519,53 @@ class Jobs:
                 stages run by.
             note: appended to the DEPLOYING reason.
         """
+        job = job.with_(checkpoint_every=checkpoint_every(job, plan.predicted_step_seconds))
         self.store.set_plan(job_id, plan)
+        self.store.set_config(job_id, job.to_proto())  # what the stages run by, resolved
         if not self._move(job_id, S.JOB_STATE_DEPLOYING, "loading stages: " + plan.summary + note,
                           only_from={S.JOB_STATE_PLANNING}):
             return
         self.notify()
         failures = self._deploy(job_id, plan, job)
-        if failures:
-            self._fail(job_id, "; ".join(failures))
+        if failures:  # unless a lost node already moved it to RECOVERING
+            self._fail(job_id, "; ".join(failures.values()), only_from={S.JOB_STATE_DEPLOYING})
         else:
             self._move(job_id, S.JOB_STATE_RUNNING, "all stages loaded",
                        only_from={S.JOB_STATE_DEPLOYING})
         self.notify()
 
-    def _deploy(self, job_id: str, plan: node_pb2.Plan, job: JobSpec) -> list[str]:
-        """Load every stage at once; return why each stage that failed to load failed.
+    def _deploy(self, job_id: str, plan: node_pb2.Plan, job: JobSpec, resume_step: int = 0,
+                sources: Callable[[StageKey], list[str]] = lambda key: []
+                ) -> dict[StageKey, str]:
+        """Load every stage at once (at ``resume_step``, restoring from a snapshot
+        ``sources(key)`` may hold); return why each stage that failed to load failed.
 
         Results are kept by :class:`~fedpipe.spec.StageKey`, so stage ``s``
         of one replica group never hides stage ``s`` of another.
         """
         view = PlanView(plan)
         if len(view.stages) != len(plan.stages):
-            return [f"the plan names a stage twice: {plan.summary}"]
+            return {StageKey(-1, -1): f"the plan names a stage twice: {plan.summary}"}
         config = job.to_proto()
 
         def load(a: node_pb2.StageAssignment) -> None:
+            key = StageKey(a.replica, a.stage)
             self.nodes.load_stage(a.address, node_pb2.LoadStageRequest(
                 job_id=job_id, replica=a.replica, stage=a.stage, plan=plan, config=config,
-                layers=self.store.layers(job_id, a.layer_start, a.layer_end)))
+                layers=self.store.layers(job_id, a.layer_start, a.layer_end),
+                resume_step=resume_step,
+                snapshot_sources=sources(key) if resume_step else []))
 
         with futures.ThreadPoolExecutor(max(1, len(view.stages))) as pool:
             results = {key: pool.submit(load, a) for key, a in view.stages.items()}
-        failures = []
+        failures = {}
         for key, fut in sorted(results.items()):
             err = fut.exception()
             if err is not None:
                 detail = str(err) if isinstance(err, NodeCallError) \
                     else f"{type(err).__name__}: {err}"
-                failures.append(f"{stage_name(key)} on {view[key].node_name} could not be "
-                                f"loaded: {detail}")
+                failures[key] = f"{stage_name(key)} on {view[key].node_name} could not be " \
+                                f"loaded: {detail}"
         return failures
 
     def report(self, report: tracker_pb2.StageReport) -> None:
@@ -314,8 +582,8 @@ class Jobs:
             InvalidArgument: an unknown status.
         """
         job = self.get(report.job_id)
-        if job.state in TERMINAL:
-            return
+        if job.state in TERMINAL or report.epoch != job.epoch:
+            return  # an ended job, or a stage of an epoch before a recovery
         key = StageKey(report.replica, report.stage)
         mine = PlanView(job.plan).get(key)
         if mine is None or mine.node_id != report.node_id:
@@ -329,7 +597,15 @@ class Jobs:
         elif report.status == R.STATUS_DONE:
             if self.store.stage_done(job.job_id, report.replica, report.stage):
                 self._move(job.job_id, S.JOB_STATE_SUCCEEDED, f"all {job.steps} steps done")
+        elif report.status == R.STATUS_CHECKPOINT:
+            self._checkpointed(job, report)
+        elif report.status == R.STATUS_SUSPECT:
+            self._suspect(job, report)
         elif report.status == R.STATUS_FAILED:
+            if job.state == S.JOB_STATE_RECOVERING:
+                return  # a stage of the epoch being replaced gave up: expected
+            if report.peer and self._suspect(job, report):
+                return  # its peer is gone: the job recovers
             self._fail(job.job_id, f"{stage_name(key)} on node {report.node_id} failed: "
                                    f"{report.error}")
         else:

@@ -39,6 +39,9 @@ class NodeCalls(Protocol):
                       ) -> node_pb2.MeasureLinksReply:
         """Measure the node's links to ``request.peers``."""
 
+    def ping(self, address: str, timeout: float) -> None:
+        """A round trip within ``timeout`` seconds (is the node there and answering?)."""
+
 
 class GrpcNodeCalls:
     """:class:`NodeCalls` over gRPC, with one channel per node address."""
@@ -70,6 +73,9 @@ class GrpcNodeCalls:
     def measure_links(self, address, request):
         return self._call(self._stub(address).MeasureLinks, request,
                           timeouts.measure_links(len(request.peers)))
+
+    def ping(self, address, timeout):
+        self._call(self._stub(address).Ping, node_pb2.PingRequest(), timeout)
 
     def close(self) -> None:
         """Close every channel."""

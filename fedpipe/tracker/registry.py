@@ -180,10 +180,16 @@ class Registry:
 
     def leave(self, node_id: str) -> bool:
         """The node shuts down: mark it lost now; False if unknown."""
+        return self.declare_lost(node_id, "left the swarm")
+
+    def declare_lost(self, node_id: str, why: str) -> bool:
+        """Mark ``node_id`` lost now, before its lease ends (it left, or a peer's failed
+        send and a failed Ping say it is gone); ``why`` completes "node(s) NAMES ...".
+        Returns False if it was not a live node."""
         known = self.store.mark_lost(node_id)
         if known:
-            log.info("node %s is leaving", node_id)
-            self.on_lost({node_id}, "left the swarm")
+            log.info("node %s %s", node_id, why)
+            self.on_lost({node_id}, why)
         return known
 
     def expire(self) -> set[str]:

@@ -58,6 +58,7 @@ class Tracker:
         self.lease, self.link_refresh, self.link_wait = lease, link_refresh, link_wait
         self.jobs = Jobs(store, nodes, clock)
         self.registry = Registry(store, lease, self.jobs.nodes_lost, clock)
+        self.jobs.declare_lost = self.registry.declare_lost
         self.stop_event = threading.Event()
         self.measure_now = threading.Event()
         # nodes that were live when the tracker stopped get a fresh lease, not a lost verdict
@@ -93,8 +94,11 @@ class Tracker:
 
     # -- scheduler ------------------------------------------------------------
     def tick(self) -> None:
-        """One scheduler round: expire leases, then time out, wait or start each PENDING job."""
+        """One scheduler round: expire leases, go on recovering each RECOVERING job, then
+        time out, wait or start each PENDING job."""
         self.registry.expire()
+        for job_id in self.jobs.recovering():
+            self.jobs.resume(job_id, self.store.nodes())
         for job_id in self.jobs.pending():
             nodes = self.store.nodes()
             if not nodes:

@@ -90,8 +90,10 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     def Heartbeat(self, request, context):
         r = self.tracker.registry
         known = r.leave(request.node_id) if request.leaving else r.heartbeat(request.node_id)
+        drop, drop_jobs = self.tracker.jobs.reconcile(request.node_id, list(request.holds))
         return S.HeartbeatReply(known=known, lease_seconds=r.lease,
-                                heartbeat_seconds=r.heartbeat_seconds)
+                                heartbeat_seconds=r.heartbeat_seconds, drop=drop,
+                                drop_jobs=drop_jobs)
 
     @_unary
     def ListNodes(self, request, context):

@@ -143,6 +143,10 @@ class Store(abc.ABC):
         """Store the job's plan and mark each of its stages not done."""
 
     @abc.abstractmethod
+    def set_config(self, job_id: str, config: node_pb2.JobConfig) -> None:
+        """Replace the job's config (its "auto" settings resolved when it was planned)."""
+
+    @abc.abstractmethod
     def record_step(self, job_id: str, step: int, loss: float, samples_per_second: float,
                     now: float) -> None:
         """A step completed: keep its loss (NaN allowed) and log a step event."""
@@ -154,6 +158,15 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def events(self, job_id: str, after_seq: int) -> list[tracker_pb2.JobEvent]:
         """The job's events with ``seq > after_seq``, in order; seqs grow across all jobs."""
+
+    @abc.abstractmethod
+    def set_recovery(self, job_id: str, fields: tracker_pb2.JobInfo, now: float, *,
+                     rewind_to: int | None = None, event: tracker_pb2.JobEvent | None = None
+                     ) -> None:
+        """Keep the job's recovery fields (``epoch``, ``checkpoint_step``,
+        ``resume_step``, ``recoveries``) as ``fields`` has them; with ``rewind_to``
+        also set its step back to that; with ``event`` also log it (its ``seq``
+        and ``time`` are assigned here). Unknown jobs are ignored."""
 
     def close(self) -> None:
         """Release the backend's resources."""
@@ -187,7 +200,8 @@ CREATE TABLE IF NOT EXISTS job_stages (
 CREATE TABLE IF NOT EXISTS job_events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, time REAL NOT NULL,
     state INTEGER NOT NULL, reason TEXT NOT NULL, step INTEGER NOT NULL DEFAULT 0,
-    loss REAL DEFAULT 0, samples_per_second REAL NOT NULL DEFAULT 0);
+    loss REAL DEFAULT 0, samples_per_second REAL NOT NULL DEFAULT 0,
+    checkpoint_step INTEGER NOT NULL DEFAULT 0, epoch INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS job_events_by_job ON job_events (job_id, seq);
 CREATE TABLE IF NOT EXISTS links (
     src TEXT NOT NULL, dst TEXT NOT NULL, bandwidth REAL NOT NULL, latency REAL NOT NULL,
@@ -195,9 +209,21 @@ CREATE TABLE IF NOT EXISTS links (
 """
 # columns added to ``nodes`` after its first release: a database written before
 # them gets them (with their defaults) when it is opened
-_NODE_COLUMNS = {"boot_id": "TEXT NOT NULL DEFAULT ''",
-                 "versions": "BLOB NOT NULL DEFAULT x''",
-                 "fenced": "INTEGER NOT NULL DEFAULT 0"}
+_ADDED_COLUMNS = {
+    "nodes": {"boot_id": "TEXT NOT NULL DEFAULT ''", "versions": "BLOB NOT NULL DEFAULT x''",
+              "fenced": "INTEGER NOT NULL DEFAULT 0"},
+    "jobs": {"recovery": "BLOB NOT NULL DEFAULT x''"},  # JobInfo with the recovery fields only
+    "job_events": {"checkpoint_step": "INTEGER NOT NULL DEFAULT 0",
+                   "epoch": "INTEGER NOT NULL DEFAULT 0"},
+}
+_RECOVERY_FIELDS = ("epoch", "checkpoint_step", "resume_step", "recoveries")
+
+
+def _recovery_only(info: tracker_pb2.JobInfo) -> tracker_pb2.JobInfo:
+    out = tracker_pb2.JobInfo(epoch=info.epoch, checkpoint_step=info.checkpoint_step,
+                              resume_step=info.resume_step)
+    out.recoveries.extend(info.recoveries)
+    return out
 
 
 def _nan(value: float | None) -> float:
@@ -217,10 +243,11 @@ class SqliteStore(Store):
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
-        have = {row[1] for row in self.db.execute("PRAGMA table_info(nodes)")}
-        for column, decl in _NODE_COLUMNS.items():
-            if column not in have:
-                self.db.execute(f"ALTER TABLE nodes ADD COLUMN {column} {decl}")
+        for table, columns in _ADDED_COLUMNS.items():
+            have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            for column, decl in columns.items():
+                if column not in have:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
         self.lock = threading.RLock()
 
     def _x(self, sql: str, args: Iterable = ()) -> list[tuple]:
@@ -324,14 +351,16 @@ class SqliteStore(Store):
         return [r[0] for r in rows]
 
     def job(self, job_id):
-        rows = self._x("SELECT job_id,name,state,reason,plan,step,loss,created,spec FROM jobs "
-                       "WHERE job_id=?", (job_id,))
+        rows = self._x("SELECT job_id,name,state,reason,plan,step,loss,created,spec,recovery "
+                       "FROM jobs WHERE job_id=?", (job_id,))
         if not rows:
             raise KeyError(job_id)
-        jid, name, state, reason, plan, step, loss, created, spec = rows[0]
+        jid, name, state, reason, plan, step, loss, created, spec, recovery = rows[0]
         steps = tracker_pb2.SubmitJobRequest.FromString(spec).config.steps
-        info = tracker_pb2.JobInfo(job_id=jid, name=name, state=state, reason=reason, step=step,
-                                   steps=steps, loss=_nan(loss), created=created)
+        info = tracker_pb2.JobInfo.FromString(recovery or b"")
+        info.MergeFrom(tracker_pb2.JobInfo(job_id=jid, name=name, state=state, reason=reason,
+                                           step=step, steps=steps, loss=_nan(loss),
+                                           created=created))
         if plan:
             info.plan.ParseFromString(plan)
         return info
@@ -362,6 +391,12 @@ class SqliteStore(Store):
                 self._x("INSERT INTO job_stages (job_id,replica,stage) VALUES (?,?,?)",
                         (job_id, a.replica, a.stage))
 
+    def set_config(self, job_id, config):
+        with self.lock:
+            spec = self.spec(job_id)
+            spec.config.CopyFrom(config)
+            self._x("UPDATE jobs SET spec=? WHERE job_id=?", (spec.SerializeToString(), job_id))
+
     def record_step(self, job_id, step, loss, samples_per_second, now):
         with self.lock:
             self._x("UPDATE jobs SET step=?, loss=?, updated=? WHERE job_id=?",
@@ -379,11 +414,31 @@ class SqliteStore(Store):
             return left[0][0] == 0
 
     def events(self, job_id, after_seq):
-        rows = self._x("SELECT seq,time,state,reason,step,loss,samples_per_second FROM job_events "
-                       "WHERE job_id=? AND seq>? ORDER BY seq", (job_id, after_seq))
+        rows = self._x("SELECT seq,time,state,reason,step,loss,samples_per_second,"
+                       "checkpoint_step,epoch FROM job_events WHERE job_id=? AND seq>? "
+                       "ORDER BY seq", (job_id, after_seq))
         return [tracker_pb2.JobEvent(seq=s, time=t, state=st, reason=r, step=step,
-                                     loss=_nan(loss), samples_per_second=sps)
-                for s, t, st, r, step, loss, sps in rows]
+                                     loss=_nan(loss), samples_per_second=sps,
+                                     checkpoint_step=ck, epoch=ep)
+                for s, t, st, r, step, loss, sps, ck, ep in rows]
+
+    def set_recovery(self, job_id, fields, now, *, rewind_to=None, event=None):
+        with self.lock:
+            self.db.execute("BEGIN")
+            try:
+                self._x("UPDATE jobs SET recovery=?, updated=? WHERE job_id=?",
+                        (_recovery_only(fields).SerializeToString(), now, job_id))
+                if rewind_to is not None:
+                    self._x("UPDATE jobs SET step=? WHERE job_id=?", (rewind_to, job_id))
+                if event is not None:
+                    self._x("INSERT INTO job_events (job_id,time,state,reason,step,loss,"
+                            "samples_per_second,checkpoint_step,epoch) VALUES (?,?,?,?,?,?,?,?,?)",
+                            (job_id, now, event.state, event.reason, event.step, event.loss,
+                             event.samples_per_second, event.checkpoint_step, event.epoch))
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
 
 
 # ---------------------------------------------------------------------------
@@ -553,6 +608,10 @@ class MemoryStore(Store):
             j.info.plan.CopyFrom(plan)
             j.stages = {(a.replica, a.stage): False for a in plan.stages}
 
+    def set_config(self, job_id, config):
+        with self.lock:
+            self._job(job_id).spec.config.CopyFrom(config)
+
     def record_step(self, job_id, step, loss, samples_per_second, now):
         with self.lock:
             j = self._job(job_id)
@@ -571,3 +630,19 @@ class MemoryStore(Store):
         with self.lock:
             return [copy.deepcopy(e) for jid, e in self._events
                     if jid == job_id and e.seq > after_seq]
+
+    def set_recovery(self, job_id, fields, now, *, rewind_to=None, event=None):
+        with self.lock:
+            j = self._jobs.get(job_id)
+            if j is None:
+                return
+            for name in _RECOVERY_FIELDS:
+                j.info.ClearField(name)
+            j.info.MergeFrom(_recovery_only(fields))
+            if rewind_to is not None:
+                j.info.step = rewind_to
+            if event is not None:
+                ev = tracker_pb2.JobEvent()
+                ev.CopyFrom(event)
+                ev.seq, ev.time = next(self._seq), now
+                self._events.append((job_id, ev))

@@ -120,7 +120,8 @@ class ErrorFeedback:
             acc += residual.reshape(-1).to(acc)
         return acc
 
-    def _remember(self, key: Hashable, residual: torch.Tensor) -> None:
+    def remember(self, key: Hashable, residual: torch.Tensor) -> None:
+        """Store ``residual`` under ``key`` (what encoding leaves over; or a checkpoint's)."""
         self._residuals[key] = residual
 
 
@@ -357,7 +358,7 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
                     encoded_bytes=len(out), **fields)
     if compensate:
         sent = impl.decode(bytearray(out), _Header(msg, t.dtype, t.numel()))
-        feedback._remember(key, acc.sub_(sent.to(acc)).view(t.shape))
+        feedback.remember(key, acc.sub_(sent.to(acc)).view(t.shape))
     if spec.zstd_level is not None:
         out = zstandard.ZstdCompressor(level=spec.zstd_level).compress(out)
         msg.zstd = True
