@@ -151,8 +151,9 @@ class DataCallLimit(grpc.ServerInterceptor):
             if not self._slots.acquire(blocking=False):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{method} refused: this server already runs {self.limit} "
-                              f"data-plane calls, its limit (fedpipe.net.DATA_CALLS); "
-                              f"try again when one ends")
+                              f"data-plane calls, the most it takes at once (so control "
+                              f"calls keep threads; fedpipe.net.DATA_CALLS); try again "
+                              f"when one ends")
             # released when the RPC terminates, also if it is cancelled before
             # the behaviour runs or returns a stream that is never drained
             if not context.add_callback(self._slots.release):
