@@ -19,6 +19,7 @@ def cmd_tracker(args) -> int:
     import threading
     import signal
 
+    from .net import timeouts
     from .tracker.service import serve
 
     srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh)
@@ -28,7 +29,7 @@ def cmd_tracker(args) -> int:
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     service.close()
-    srv.stop(grace=1).wait()
+    srv.stop(grace=timeouts.SERVER_GRACE).wait()
     service.store.close()
     return 0
 
@@ -47,12 +48,19 @@ def cmd_node(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from .client import Client
+
+    with Client(args.tracker) as client:
+        return _status(client, args)
+
+
+def _status(client, args) -> int:
+    """``fedpipe status``: one job's state and plan, or the nodes and measured links."""
     from google.protobuf import json_format
 
-    from .client import Client
+    from .net import timeouts
     from .proto import tracker_pb2
 
-    client = Client(args.tracker)
     if args.job:
         info = client.job(args.job).status()
         if args.json:
@@ -65,7 +73,8 @@ def cmd_status(args) -> int:
             print(f"  replica {a.replica} stage {a.stage}: {a.node_name} ({a.address}) layers "
                   f"{a.layer_start}-{a.layer_end - 1}")
         return 0
-    reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=True), timeout=10)
+    reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=True),
+                                   timeout=timeouts.CONTROL_RPC)
     if args.json:
         print(json_format.MessageToJson(reply))
         return 0
@@ -98,10 +107,13 @@ def cmd_plan(args) -> int:
         cluster = jsonio.cluster_from_json(load(args.cluster))
     else:
         from .client import Client
+        from .net import timeouts
         from .proto import tracker_pb2
         from .tracker.service import cluster_view
 
-        reply = Client(args.tracker).stub.ListNodes(tracker_pb2.ListNodesRequest(), timeout=10)
+        with Client(args.tracker) as client:
+            reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(),
+                                          timeout=timeouts.CONTROL_RPC)
         cluster = cluster_view(list(reply.nodes), list(reply.links))
     config = planner.TrainConfig(batch_size=args.batch, microbatches=args.microbatches,
                                  schedule=args.schedule, stages=args.stages or 0,
@@ -117,7 +129,8 @@ def cmd_plan(args) -> int:
 def cmd_cancel(args) -> int:
     from .client import Client
 
-    print(Client(args.tracker).job(args.job).cancel(args.reason))
+    with Client(args.tracker) as client:
+        print(client.job(args.job).cancel(args.reason))
     return 0
 
 
@@ -125,8 +138,10 @@ def cmd_submit(args) -> int:
     from .client import Client
     from .examples import digits
 
-    digits.train(Client(args.tracker), steps=args.steps, microbatches=args.microbatches,
-                 schedule=args.schedule, stages=args.stages or 0, compression=_compression(args))
+    with Client(args.tracker) as client:
+        digits.train(client, steps=args.steps, microbatches=args.microbatches,
+                     schedule=args.schedule, stages=args.stages or 0,
+                     compression=_compression(args))
     return 0
 
 
@@ -141,11 +156,12 @@ def cmd_demo(args) -> int:
 
     print(f"starting a tracker and {args.nodes} nodes on 127.0.0.1 ...", flush=True)
     with LocalSwarm(args.nodes) as swarm:
+        client = swarm.client()  # closed with the swarm
         print(f"tracker at {swarm.tracker}; nodes: "
-              + ", ".join(f"{n.name} ({n.address})" for n in swarm.client().nodes()), flush=True)
+              + ", ".join(f"{n.name} ({n.address})" for n in client.nodes()), flush=True)
         # the digits MLP is so small that one node would be fastest: the demo
         # pins one stage per node to show the pipeline
-        acc = digits.train(swarm.client(), steps=args.steps, microbatches=args.microbatches,
+        acc = digits.train(client, steps=args.steps, microbatches=args.microbatches,
                            schedule=args.schedule, stages=args.stages or args.nodes,
                            compression=_compression(args))
     print("swarm stopped.")

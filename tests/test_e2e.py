@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from fedpipe import net
 from fedpipe.client import JobFailed
 from fedpipe.examples import digits
 from fedpipe.proto import node_pb2, node_pb2_grpc, tensor_pb2
-from fedpipe.testing import LocalSwarm, child_env
+from fedpipe.testing import LocalSwarm, child_env, free_port
 
 pytestmark = pytest.mark.timeout(180)
 ADAMW = fedpipe.optimizer(torch.optim.AdamW, lr=3e-3)
@@ -32,12 +31,6 @@ def digit_data(batch=32):
 def submit_digits(client, steps=5, **kw):
     return client.submit(digits.make_model(hidden=32), nn.functional.cross_entropy, ADAMW,
                          digit_data(), steps=steps, microbatches=2, **kw)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(pred, timeout=30.0, what="condition"):

@@ -15,8 +15,9 @@ from torch import nn
 
 from .. import net
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
+from ..net import timeouts
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
-from ..spec import REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, state_name
+from ..spec import REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, state_name
 from ..wire import frames
 from .packaging import dumps, pack_layers
 from .profile import profile_model
@@ -45,16 +46,70 @@ class JobStatus:
 
 
 class Client:
-    """Talks to a tracker at ``HOST:PORT``."""
+    """Talks to a tracker at ``HOST:PORT``, and to the nodes of its jobs.
+
+    The client owns its channels: one to the tracker and one per node address
+    it has talked to (made on first use, then reused), all closed by
+    :meth:`close`. Use it as a context manager::
+
+        with fedpipe.Client("tracker:7070") as client:
+            job = client.submit(...)
+            job.wait()
+
+    Closing a client whose job is still being fed ends the feed and cancels
+    that job (nothing else would feed it).
+    """
 
     def __init__(self, tracker: str):
         self.address = tracker
         self.channel = net.channel(tracker)
         self.stub = tracker_pb2_grpc.TrackerStub(self.channel)
+        self._lock = threading.Lock()
+        self._nodes: dict[str, tuple[grpc.Channel, node_pb2_grpc.NodeStub]] = {}
+        self._feeding: set[Job] = set()
+        self._closed = False
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def node(self, address: str) -> node_pb2_grpc.NodeStub:
+        """The stub of the node at ``address``, on this client's one channel to it.
+
+        Raises:
+            ValueError: the client is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"client of tracker {self.address} is closed")
+            if address not in self._nodes:
+                ch = net.channel(address)
+                self._nodes[address] = (ch, node_pb2_grpc.NodeStub(ch))
+            return self._nodes[address][1]
+
+    def close(self) -> None:
+        """Stop feeding this client's jobs (cancelling them) and close every channel.
+
+        Idempotent. Calls made after it raise ValueError.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            feeding, nodes = list(self._feeding), list(self._nodes.values())
+        for job in feeding:
+            job._halt_feed()
+        for ch, _ in nodes:  # ends the feed's Sends in flight
+            ch.close()
+        for job in feeding:  # each cancels its job over the tracker channel, still open
+            job._join_feed(timeouts.THREAD_JOIN)
+        self.channel.close()
 
     def nodes(self) -> list[tracker_pb2.NodeInfo]:
         """The live nodes, in registration order."""
-        return list(self.stub.ListNodes(S.ListNodesRequest(), timeout=10).nodes)
+        return list(self.stub.ListNodes(S.ListNodesRequest(), timeout=timeouts.CONTROL_RPC).nodes)
 
     def submit(self, model: nn.Sequential, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                optimizer: OptimizerSpec, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
@@ -145,7 +200,7 @@ class Client:
         req = S.SubmitJobRequest(name=name or type(model).__name__, layers=layers,
                                  config=job_spec.to_proto(), profile=profile,
                                  pending_timeout=pending_timeout or 0.0)
-        job_id = self.stub.SubmitJob(req, timeout=60).job_id
+        job_id = self.stub.SubmitJob(req, timeout=timeouts.SUBMIT_RPC).job_id
         return Job(self, job_id, model, itertools.chain([first], batches), microbatches)
 
     def job(self, job_id: str) -> "Job":
@@ -192,18 +247,52 @@ def _cycle(data: Iterable) -> Iterator:
             return
 
 
+@dataclass(frozen=True)
+class GroupFeed:
+    """Where and how one replica group takes its share of each batch.
+
+    Attributes:
+        first: the group's first stage (takes the inputs).
+        last: its last stage (takes the targets).
+        microbatches: microbatches per step in this group.
+        share: the group's planned share of each batch, in samples (relative).
+    """
+
+    first: node_pb2.StageAssignment
+    last: node_pb2.StageAssignment
+    microbatches: int
+    share: int
+
+    @classmethod
+    def of(cls, view: PlanView) -> list["GroupFeed"]:
+        """One per replica group of ``view``, in group order."""
+        return [cls(chain[0], chain[-1], view.microbatches(r), view.share(r))
+                for r, chain in zip(view.replicas, view.chains())]
+
+
+class _FeedHalted(Exception):
+    """The client was closed while it fed the job."""
+
+
 class Job:
-    """A submitted job: its status, progress, and trained weights."""
+    """A submitted job: its status, progress, and trained weights.
+
+    It talks to the tracker and the nodes over its client's channels.
+    """
 
     def __init__(self, client: Client, job_id: str, model: nn.Sequential | None = None,
                  batches: Iterator | None = None, microbatches: int = 1):
         self.client, self.id, self._model = client, job_id, model
         self.microbatches = microbatches
         self.feed_error: BaseException | None = None
-        self._feeder = None
+        self._feeder: threading.Thread | None = None
+        self._halted = threading.Event()
+        self._watch: grpc.Call | None = None  # the feeder's wait for RUNNING
         if batches is not None:
             self._feeder = threading.Thread(target=self._feed, args=(batches,),
                                             name=f"feed-{job_id}", daemon=True)
+            with client._lock:
+                client._feeding.add(self)
             self._feeder.start()
 
     def __repr__(self) -> str:
@@ -211,7 +300,8 @@ class Job:
 
     def status(self) -> JobStatus:
         """The job's current state, reason, progress and plan."""
-        info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id), timeout=10)
+        info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
+                                       timeout=timeouts.CONTROL_RPC)
         return JobStatus(state_name(info.state), info.reason, info.step, info.steps, info.loss,
                          info.plan)
 
@@ -261,7 +351,7 @@ class Job:
                         raise
                     log.warning("lost the tracker (%s); watching job %s again", e.details(),
                                 self.id)
-                    time.sleep(1.0)
+                    time.sleep(timeouts.WATCH_RESUME)
         finally:
             bar.close()
         status = self.status()
@@ -272,7 +362,8 @@ class Job:
 
     def cancel(self, reason: str = "cancelled by the client") -> JobStatus:
         """Cancel the job; its stages stop and drop their weights."""
-        self.client.stub.CancelJob(S.CancelJobRequest(job_id=self.id, reason=reason), timeout=10)
+        self.client.stub.CancelJob(S.CancelJobRequest(job_id=self.id, reason=reason),
+                                   timeout=timeouts.CONTROL_RPC)
         return self.status()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -282,12 +373,10 @@ class Job:
             grpc.RpcError: a stage's node is unreachable or no longer holds the stage.
         """
         out: dict[str, torch.Tensor] = {}
-        for a in self.plan.stages:
-            if a.replica != 0:
-                continue
-            stub = node_pb2_grpc.NodeStub(net.channel(a.address))
-            stream = stub.FetchState(node_pb2.FetchStateRequest(job_id=self.id, replica=0,
-                                                                stage=a.stage), timeout=300)
+        for a in PlanView(self.plan).chain(0):
+            stream = self.client.node(a.address).FetchState(
+                node_pb2.FetchStateRequest(job_id=self.id, replica=a.replica, stage=a.stage),
+                timeout=timeouts.FETCH_STATE_RPC)
             for head, t in frames.read_tensors(stream):
                 out[head.name] = t
         return out
@@ -310,16 +399,27 @@ class Job:
         Best effort: a node that cannot be reached (it left, its weights with
         it) is logged and skipped.
         """
-        for address in {a.address for a in self.plan.stages}:
+        for address in sorted(PlanView(self.plan).addresses()):
             try:
-                node_pb2_grpc.NodeStub(net.channel(address)).StopJob(
+                self.client.node(address).StopJob(
                     node_pb2.StopJobRequest(job_id=self.id, reason="released", release=True),
-                    timeout=10)
+                    timeout=timeouts.CONTROL_RPC)
             except grpc.RpcError as e:
                 log.warning("could not release job %s on %s: %s", self.id, address, e.details())
 
     # -- data feeding -------------------------------------------------------
-    def _next_batch(self, batches: Iterator, ends: list) -> tuple:
+    def _halt_feed(self) -> None:
+        """Make the feeder stop at once (its client is closing); it cancels the job."""
+        self._halted.set()
+        watch = self._watch
+        if watch is not None:
+            watch.cancel()
+
+    def _join_feed(self, timeout: float) -> None:
+        if self._feeder is not None:
+            self._feeder.join(timeout)
+
+    def _next_batch(self, batches: Iterator, groups: list[GroupFeed]) -> tuple:
         """The next batch whose every group's share holds at least one sample per microbatch.
 
         Smaller batches (a data set's short last batch, say) are skipped with
@@ -327,61 +427,78 @@ class Job:
         """
         while True:
             x, y = next(batches)
-            shards = _shard(x, y, [e[3] for e in ends])
-            if all(xs.shape[0] >= m for (_, _, m, _), (xs, _) in zip(ends, shards)):
+            shards = _shard(x, y, [g.share for g in groups])
+            if all(xs.shape[0] >= g.microbatches for g, (xs, _) in zip(groups, shards)):
                 return x, y, shards
             log.warning("job %s: skipping a batch of %d samples, too few for %s microbatches",
-                        self.id, x.shape[0], "+".join(str(e[2]) for e in ends))
+                        self.id, x.shape[0], "+".join(str(g.microbatches) for g in groups))
 
     def _wait_running(self) -> node_pb2.Plan | None:
-        for ev in self.events():
-            if ev.state == S.JOB_STATE_RUNNING:
-                return self.plan
-            if ev.state in TERMINAL:
-                return None
-        return None
+        """The plan once the job is RUNNING; None if it ended first."""
+        self._watch = self.client.stub.WatchJob(S.WatchJobRequest(job_id=self.id))
+        try:
+            if self._halted.is_set():
+                raise _FeedHalted
+            for ev in self._watch:
+                if ev.state == S.JOB_STATE_RUNNING:
+                    return self.plan
+                if ev.state in TERMINAL:
+                    return None
+            return None
+        finally:
+            self._watch.cancel()  # the stream would hold a tracker thread until the job ends
+
+    def _send_step(self, step: int, batch_size: int, group: GroupFeed, xs: torch.Tensor,
+                   ys: torch.Tensor) -> None:
+        """One step's inputs to the group's first stage and targets to its last, one call each
+        carrying all its microbatches."""
+        m = group.microbatches
+        for a, kind, t in ((group.first, node_pb2.KIND_INPUT, xs),
+                           (group.last, node_pb2.KIND_TARGET, ys)):
+            envs = [node_pb2.Envelope(job_id=self.id, replica=a.replica, stage=a.stage,
+                                      kind=kind, step=step, microbatch=mb, batch_size=batch_size)
+                    for mb in range(m)]
+            self.client.node(a.address).Send(itertools.chain.from_iterable(
+                frames.encode_frames(piece, envelope=env)
+                for env, piece in zip(envs, torch.tensor_split(t, m))),
+                timeout=timeouts.FEED_RPC)
 
     def _feed(self, batches: Iterator) -> None:
         try:
             plan = self._wait_running()
             if plan is None:
                 return
-            info = self.status()
-            groups = sorted({a.replica for a in plan.stages})
-            ends = []  # per replica group: (first stage, last stage, microbatches, samples)
-            for r in groups:
-                chain = sorted((a for a in plan.stages if a.replica == r), key=lambda a: a.stage)
-                rep = plan.replicas[r] if r < len(plan.replicas) else None
-                ends.append((chain[0], chain[-1],
-                             rep.microbatches if rep and rep.microbatches else self.microbatches,
-                             rep.samples if rep and rep.samples else 1))
-            stubs = {a.address: node_pb2_grpc.NodeStub(net.channel(a.address))
-                     for first, last, _, _ in ends for a in (first, last)}
-            for step in range(info.steps):
-                x, y, shards = self._next_batch(batches, ends)
-                for (first, last, m, _), (xs, ys) in zip(ends, shards):
-                    # one call per stage and step carries all its microbatches
-                    for a, kind, t in ((first, node_pb2.KIND_INPUT, xs),
-                                       (last, node_pb2.KIND_TARGET, ys)):
-                        envs = [node_pb2.Envelope(job_id=self.id, replica=a.replica,
-                                                  stage=a.stage, kind=kind, step=step,
-                                                  microbatch=mb, batch_size=x.shape[0])
-                                for mb in range(m)]
-                        stubs[a.address].Send(itertools.chain.from_iterable(
-                            frames.encode_frames(piece, envelope=env)
-                            for env, piece in zip(envs, torch.tensor_split(t, m))),
-                            timeout=3600)
-        except StopIteration:
-            self.feed_error = ValueError("data ran out before the last step")
-            self.cancel("the client's data ran out before the last step")
-        except grpc.RpcError as e:
-            self.feed_error = e
-            log.error("feeding job %s failed: %s", self.id, e.details())
-            try:  # a job nobody feeds would wait for ever: end it, with the reason
-                self.cancel(f"the client could not feed data: {e.code().name}: {e.details()}")
-            except grpc.RpcError:
-                log.error("could not cancel job %s either", self.id)
-        except BaseException as e:  # noqa: BLE001 — surfaced by wait()
-            self.feed_error = e
-            log.exception("feeding job %s failed", self.id)
-            self.cancel(f"the client could not feed data: {e}")
+            steps = self.status().steps
+            groups = GroupFeed.of(PlanView(plan, self.microbatches))
+            for step in range(steps):
+                if self._halted.is_set():
+                    raise _FeedHalted
+                x, y, shards = self._next_batch(batches, groups)
+                for group, (xs, ys) in zip(groups, shards):
+                    self._send_step(step, x.shape[0], group, xs, ys)
+        except BaseException as e:  # noqa: BLE001 — kept in feed_error, surfaced by wait()
+            if self._halted.is_set():  # the channels were closed under the feed
+                self._give_up(_FeedHalted("the client was closed"),
+                              "the client closed before it fed every step")
+            elif isinstance(e, StopIteration):
+                self._give_up(ValueError("data ran out before the last step"),
+                              "the client's data ran out before the last step")
+            elif isinstance(e, grpc.RpcError):
+                log.error("feeding job %s failed: %s", self.id, e.details())
+                self._give_up(e, f"the client could not feed data: {e.code().name}: "
+                                 f"{e.details()}")
+            else:
+                log.exception("feeding job %s failed", self.id)
+                self._give_up(e, f"the client could not feed data: {e}")
+        finally:
+            with self.client._lock:
+                self.client._feeding.discard(self)
+
+    def _give_up(self, error: BaseException, reason: str) -> None:
+        """Keep the feed's ``error`` and cancel the job with ``reason``: a job nobody feeds
+        would wait for ever."""
+        self.feed_error = error
+        try:
+            self.cancel(reason)
+        except (grpc.RpcError, ValueError) as e:  # ValueError: the channel is closed
+            log.error("could not cancel job %s either: %s", self.id, e)

@@ -3,19 +3,38 @@
 Every channel and server gets the same options: message caps large enough for
 the control plane (the data plane chunks tensors, see :mod:`fedpipe.wire.frames`),
 keepalives so a dead peer is noticed, and no proxy (peers are addressed directly).
+
+Every server comes from :func:`server`, which also
+
+- refuses to share its port (gRPC sets ``SO_REUSEPORT`` on Linux by default,
+  so a second server on a held port would start and the kernel would split
+  connections between the two);
+- keeps threads for control calls: data-plane streams (:data:`DATA_METHODS`)
+  may hold at most :data:`DATA_CALLS` of its :data:`SERVER_THREADS` threads,
+  so a swarm's worth of open streams never stops a node answering Ping or the
+  tracker taking heartbeats;
+- serves the standard ``grpc.health.v1.Health`` service, SERVING from
+  :meth:`Server.start` until :meth:`Server.stop`.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import ipaddress
 import logging
 import os
 import random
+import socket
+import threading
 import time
 from concurrent import futures
-from typing import Callable, TypeVar
+from typing import Callable, Collection, Iterable, TypeVar
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ..proto import node_pb2, tracker_pb2
+from . import timeouts
 
 log = logging.getLogger(__name__)
 
@@ -23,18 +42,42 @@ MAX_MESSAGE_BYTES = 256 * 2**20
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_time_ms", round(timeouts.KEEPALIVE_TIME * 1000)),
+    ("grpc.keepalive_timeout_ms", round(timeouts.KEEPALIVE_TIMEOUT * 1000)),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     # a peer's long-lived Send stream gets no data back until it ends, so the
     # client's keepalive and flow-control (BDP) pings must not count as abuse
     ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
-    # a restarted peer is found again within 2 s, not after gRPC's default 2 min backoff
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.initial_reconnect_backoff_ms", round(timeouts.RECONNECT_BACKOFF_MIN * 1000)),
+    ("grpc.max_reconnect_backoff_ms", round(timeouts.RECONNECT_BACKOFF_MAX * 1000)),
 ]
+_SERVER_OPTIONS = _OPTIONS + [
+    # a port held by another server must be an error, not a share of its connections
+    ("grpc.so_reuseport", 0),
+]
+
+SERVER_THREADS = 64
+"""Threads of a server's pool: the most calls it runs at once."""
+DATA_CALLS = 48
+"""The most data-plane calls (:data:`DATA_METHODS`) a server runs at once; the other
+``SERVER_THREADS - DATA_CALLS`` threads are kept for control calls. A node holds one
+inbound stream per neighbouring stage and peer replica, so 48 leave room for many stages."""
+
+
+def _method(service, name: str) -> str:
+    return f"/{service.full_name}/{service.methods_by_name[name].name}"
+
+
+_NODE = node_pb2.DESCRIPTOR.services_by_name["Node"]
+_TRACKER = tracker_pb2.DESCRIPTOR.services_by_name["Tracker"]
+DATA_METHODS = frozenset({
+    _method(_NODE, "Send"),          # tensors from peers and the client's feed
+    _method(_NODE, "FetchState"),    # a stage's weights to a client
+    _method(_TRACKER, "WatchJob"),   # a job's events, for as long as it runs
+})
+"""Full gRPC method names of the long-lived data-plane calls, which :func:`server` caps."""
 
 T = TypeVar("T")
 
@@ -72,21 +115,172 @@ def channel(address: str, shaper: grpc.UnaryUnaryClientInterceptor | None = None
     return grpc.intercept_channel(ch, shaper) if shaper is not None else ch
 
 
-def server(max_workers: int = 64) -> grpc.Server:
-    """A thread-pool gRPC server with fedpipe's options; add servicers, then :func:`bind`."""
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS)
+class DataCallLimit(grpc.ServerInterceptor):
+    """Cap the data-plane calls a server runs at once, refusing the excess at once.
+
+    A call to one of ``methods`` takes a slot for its whole life (until the
+    RPC terminates, however it ends); when all ``limit`` slots are taken it is
+    refused with RESOURCE_EXHAUSTED and a message that names the limit,
+    instead of waiting for a thread that control calls need. Works for all
+    four RPC shapes; other methods pass untouched.
+
+    Args:
+        methods: full method names, e.g. ``/fedpipe.v1.Node/Send``.
+        limit: slots, >= 1.
+    """
+
+    def __init__(self, methods: Collection[str], limit: int):
+        if limit < 1:
+            raise ValueError(f"a data-call limit must be >= 1, got {limit}")
+        self.methods, self.limit = frozenset(methods), limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method not in self.methods:
+            return handler
+        for shape in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            behavior = getattr(handler, shape)
+            if behavior is not None:
+                return handler._replace(**{shape: self._guard(method, behavior)})
+        return handler
+
+    def _guard(self, method: str, behavior: Callable) -> Callable:
+        def guarded(request, context):
+            if not self._slots.acquire(blocking=False):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{method} refused: this server already runs {self.limit} "
+                              f"data-plane calls, the most it takes at once (so control "
+                              f"calls keep threads; fedpipe.net.DATA_CALLS); try again "
+                              f"when one ends")
+            # released when the RPC terminates, also if it is cancelled before
+            # the behaviour runs or returns a stream that is never drained
+            if not context.add_callback(self._slots.release):
+                self._slots.release()
+            return behavior(request, context)
+        return guarded
+
+
+class Server(grpc.Server):
+    """A gRPC server (from :func:`server`) that reports its readiness over ``grpc.health.v1``.
+
+    Each service added to it is NOT_SERVING until :meth:`start`, SERVING after,
+    and NOT_SERVING again from :meth:`stop` on; so is the server as a whole
+    (the service name ``""``). Everything else is the wrapped ``grpc.Server``'s.
+    """
+
+    def __init__(self, inner: grpc.Server):
+        self._inner = inner
+        self.health = health.HealthServicer()
+        self._services: set[str] = {""}
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, inner)
+
+    def _declare(self, name: str) -> None:
+        self._services.add(name)
+        self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable) -> None:
+        for h in generic_rpc_handlers:
+            name = getattr(h, "service_name", lambda: None)()
+            if name:
+                self._declare(name)
+        self._inner.add_generic_rpc_handlers(generic_rpc_handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers) -> None:
+        self._declare(service_name)
+        self._inner.add_registered_method_handlers(service_name, method_handlers)
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._inner.add_insecure_port(address)
+
+    def add_secure_port(self, address: str, server_credentials) -> int:
+        return self._inner.add_secure_port(address, server_credentials)
+
+    def start(self) -> None:
+        self._inner.start()
+        for name in self._services:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float | None) -> threading.Event:
+        self.health.enter_graceful_shutdown()  # NOT_SERVING, and it stays so
+        return self._inner.stop(grace)
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._inner.wait_for_termination(timeout)
+
+
+def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] = DATA_METHODS,
+           data_calls: int = DATA_CALLS) -> Server:
+    """A thread-pool gRPC server with fedpipe's options; add servicers, then :func:`bind`.
+
+    Args:
+        max_workers: threads, the most calls it runs at once.
+        data_methods: full names of the data-plane methods (long-lived streams).
+        data_calls: the most ``data_methods`` calls it runs at once (see
+            :class:`DataCallLimit`); the other threads are kept for control calls.
+
+    Raises:
+        ValueError: ``data_calls`` leaves no thread for control calls.
+    """
+    if not 1 <= data_calls < max_workers:
+        raise ValueError(f"data_calls must be in [1, max_workers) = [1, {max_workers}), "
+                         f"got {data_calls}: control calls need threads of their own")
+    inner = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                        interceptors=[DataCallLimit(data_methods, data_calls)],
+                        options=_SERVER_OPTIONS)
+    return Server(inner)
 
 
 def bind(srv: grpc.Server, host: str, port: int) -> int:
     """Listen on ``host:port`` (port 0 takes a free one) and return the real port.
 
     Raises:
-        OSError: the address cannot be bound.
+        OSError: the address cannot be bound, e.g. another process listens on
+            the port; the message says why.
     """
-    real = srv.add_insecure_port(f"{host}:{port}")
+    try:
+        real = srv.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc >= 1.5x raises where older versions returned 0
+        real = 0
     if real == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(f"cannot listen on {host}:{port}: {_why_unbindable(host, port)}")
     return real
+
+
+def _why_unbindable(host: str, port: int) -> str:
+    """The operating system's reason ``host:port`` cannot be bound (gRPC does not say)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"cannot resolve {host!r} ({e})"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            try:
+                s.bind(sockaddr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return f"port {port} is in use by another process ({e.strerror})"
+                return e.strerror or str(e)
+    return "gRPC could not bind it"
+
+
+def serving(ch: grpc.Channel, service: str = "", timeout: float = timeouts.HEALTH_RPC) -> bool:
+    """Whether the server behind ``ch`` reports ``service`` SERVING over ``grpc.health.v1``.
+
+    ``service`` is a full service name such as ``fedpipe.v1.Tracker``, or ``""``
+    for the server as a whole. False when it is not serving, does not know the
+    service, or does not answer within ``timeout`` seconds.
+    """
+    try:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def is_loopback_peer(peer: str) -> bool:

@@ -49,6 +49,22 @@ PEER_PING_RPC = _seconds("PEER_PING_RPC", 1.0)
 port refuses at once; a paused (SIGSTOP) one misses this deadline."""
 THREAD_JOIN = _seconds("THREAD_JOIN", 5.0)
 """Waiting for a background thread to end at shutdown."""
+HEALTH_RPC = _seconds("HEALTH_RPC", 2.0)
+"""One ``grpc.health.v1.Health/Check`` call (a readiness probe)."""
+SERVER_GRACE = _seconds("SERVER_GRACE", 1.0)
+"""A stopping server lets calls in flight finish for this long, then cancels them."""
+PROCESS_EXIT = _seconds("PROCESS_EXIT", 5.0)
+"""Waiting for a process that was told to stop (SIGTERM) before it is killed."""
+WATCH_RESUME = _seconds("WATCH_RESUME", 1.0)
+"""Pause before a client watches a job again after losing the tracker."""
+KEEPALIVE_TIME = _seconds("KEEPALIVE_TIME", 30.0)
+"""A connection idle this long is pinged, so a dead peer is noticed."""
+KEEPALIVE_TIMEOUT = _seconds("KEEPALIVE_TIMEOUT", 10.0)
+"""A keepalive ping unanswered this long closes the connection."""
+RECONNECT_BACKOFF_MIN = _seconds("RECONNECT_BACKOFF_MIN", 0.2)
+RECONNECT_BACKOFF_MAX = _seconds("RECONNECT_BACKOFF_MAX", 2.0)
+"""A channel redials a lost peer after this much, doubling up to the max: a restarted peer
+is found again within 2 s, not after gRPC's default 2 min backoff."""
 
 
 def measure_links(peers: int) -> float:

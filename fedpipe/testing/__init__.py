@@ -4,18 +4,60 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
+from .. import net
 from ..client import Client
-from ..proto import tracker_pb2
+from ..net import timeouts
+from ..proto import node_pb2, tracker_pb2
 
-_LISTEN = re.compile(r"tracker listening on (\S+)")
+TRACKER_SERVICE = tracker_pb2.DESCRIPTOR.services_by_name["Tracker"].full_name
+NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
+_POLL = 0.05  # seconds between looks at a process that is starting
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that no socket holds now (the kernel's pick).
+
+    Another process may take it before the caller binds it; callers retry.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, service: str, timeout: float,
+                 alive: Callable[[], None] = lambda: None) -> None:
+    """Wait until the server at ``address`` reports ``service`` SERVING over grpc.health.v1.
+
+    Args:
+        service: full service name, e.g. :data:`TRACKER_SERVICE`.
+        timeout: seconds.
+        alive: called between tries; raises if the server's process died.
+
+    Raises:
+        TimeoutError: not serving within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    ch = net.channel(address)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if net.serving(ch, service, timeout=max(0.001, min(timeouts.HEALTH_RPC, left))):
+                return
+            alive()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{service} at {address} is not serving after {timeout} s")
+            time.sleep(_POLL)
+    finally:
+        ch.close()
 
 
 def die_with_parent() -> None:
@@ -82,6 +124,7 @@ class LocalSwarm:
         self.tracker_proc: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
         self._logs: dict[subprocess.Popen, Path] = {}
+        self._clients: list[Client] = []
 
     # -- processes ----------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -100,22 +143,37 @@ class LocalSwarm:
         """The output of one of the swarm's processes so far."""
         return self._logs[proc].read_text(errors="replace")
 
-    def start_tracker(self) -> str:
-        """Start (or restart) the tracker on the same database; return its address."""
-        port = self.tracker.rsplit(":", 1)[1] if self.tracker else "0"
-        self.tracker_proc = self._spawn("tracker", ["tracker", "--host", "127.0.0.1",
-                                                    "--port", port, "--db", self.db,
-                                                    "--lease", str(self.lease)])
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            m = _LISTEN.findall(self.log(self.tracker_proc))
-            if m:
-                self.tracker = m[-1]
-                return self.tracker
-            self._check(self.tracker_proc, "tracker")
-            time.sleep(0.05)
-        raise RuntimeError(f"tracker did not start in {self.timeout} s:\n"
-                           f"{self.log(self.tracker_proc)}")
+    def start_tracker(self, attempts: int = 3) -> str:
+        """Start (or restart) the tracker on the same database; return its address.
+
+        It is up when its ``grpc.health.v1`` service says the tracker is
+        SERVING. A first start picks a free port, and picks another if a
+        process took that one first (up to ``attempts`` tries); a restart
+        reuses the port.
+
+        Raises:
+            RuntimeError: the tracker exited or was not serving within the timeout.
+        """
+        restart = bool(self.tracker)
+        for attempt in range(1 if restart else attempts):
+            address = self.tracker if restart else f"127.0.0.1:{free_port()}"
+            port = address.rsplit(":", 1)[1]
+            self.tracker_proc = proc = self._spawn(
+                "tracker", ["tracker", "--host", "127.0.0.1", "--port", port, "--db", self.db,
+                            "--lease", str(self.lease)])
+            try:
+                wait_serving(address, TRACKER_SERVICE, self.timeout,
+                             lambda: self._check(proc, "tracker"))
+            except TimeoutError:
+                raise RuntimeError(f"tracker did not start in {self.timeout} s:\n"
+                                   f"{self.log(proc)}") from None
+            except RuntimeError:
+                if restart or attempt + 1 == attempts:
+                    raise
+                continue  # most likely the port was taken: another one
+            self.tracker = address
+            return address
+        raise AssertionError("unreachable")
 
     def add_node(self, *extra: str) -> subprocess.Popen:
         """Start one more node process with ``extra`` arguments."""
@@ -131,38 +189,48 @@ class LocalSwarm:
             raise RuntimeError(f"{what} exited with code {proc.returncode}:\n{self.log(proc)}")
 
     def wait_for_nodes(self, n: int) -> None:
-        """Wait until ``n`` nodes are registered and alive."""
-        client = self.client()
+        """Wait until ``n`` nodes are registered and alive, and each says SERVING."""
         deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            try:
-                if len(client.nodes()) >= n:
+        with Client(self.tracker) as client:
+            while time.monotonic() < deadline:
+                try:
+                    nodes = client.nodes()
+                except Exception:  # noqa: BLE001 — tracker still starting
+                    nodes = []
+                if len(nodes) >= n:
+                    try:  # a node registers once it serves; its health says so too
+                        for x in nodes:
+                            wait_serving(x.address, NODE_SERVICE,
+                                         max(0.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        break
                     return
-            except Exception:  # noqa: BLE001 — tracker still starting
-                pass
-            for i, p in enumerate(self.nodes):
-                self._check(p, f"node{i}")
-            time.sleep(0.1)
+                for i, p in enumerate(self.nodes):
+                    self._check(p, f"node{i}")
+                time.sleep(2 * _POLL)
         logs = "\n".join(f"--- node{i}\n{self.log(p)[-2000:]}" for i, p in enumerate(self.nodes))
-        raise RuntimeError(f"{n} nodes did not register within {self.timeout} s\n{logs}")
+        raise RuntimeError(f"{n} nodes did not register and serve within {self.timeout} s\n{logs}")
 
     def wait_for_links(self) -> None:
         """Wait until the tracker has measured every link between live nodes."""
         from ..tracker.service import unmeasured
 
-        client = self.client()
         deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(), timeout=10)
-            if not unmeasured(list(reply.nodes), list(reply.links)):
-                return
-            time.sleep(0.2)
+        with Client(self.tracker) as client:
+            while time.monotonic() < deadline:
+                reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(),
+                                              timeout=timeouts.CONTROL_RPC)
+                if not unmeasured(list(reply.nodes), list(reply.links)):
+                    return
+                time.sleep(4 * _POLL)
         raise RuntimeError(f"links were not measured within {self.timeout} s:\n"
                            f"{self.log(self.tracker_proc)[-3000:]}")
 
     def client(self) -> Client:
-        """A client of this swarm's tracker."""
-        return Client(self.tracker)
+        """A client of this swarm's tracker; :meth:`close` closes it."""
+        client = Client(self.tracker)
+        self._clients.append(client)
+        return client
 
     @staticmethod
     def stop_process(proc: subprocess.Popen, kill: bool = False) -> None:
@@ -170,10 +238,10 @@ class LocalSwarm:
         if proc.poll() is None:
             proc.kill() if kill else proc.terminate()
             try:
-                proc.wait(5)
+                proc.wait(timeouts.PROCESS_EXIT)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(5)
+                proc.wait(timeouts.PROCESS_EXIT)
 
     # -- context manager ----------------------------------------------------
     def __enter__(self) -> "LocalSwarm":
@@ -191,7 +259,10 @@ class LocalSwarm:
         return self
 
     def close(self) -> None:
-        """Stop every process (nodes first) and remove the temp dir."""
+        """Close the clients it made, stop every process (nodes first), remove the temp dir."""
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
         for proc in [*self.nodes, self.tracker_proc]:
             if proc is not None:
                 self.stop_process(proc)
