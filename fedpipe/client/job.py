@@ -274,10 +274,36 @@ class _FeedHalted(Exception):
     """The client was closed while it fed the job."""
 
 
+class _Replan(Exception):
+    """The job started a new plan epoch (a recovery): feed it from its resume step."""
+
+
+FEED_KEEP_CHECKPOINTS = 3
+"""The feed keeps the batches of at most this many checkpoint intervals (see :class:`Job`)."""
+NODE_TROUBLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
+                          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED,
+                          grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Feed errors that mean a node is gone or its stage moved on, not that the data is bad:
+the feed waits for the job to recover (or end) instead of giving up."""
+RECOVERY_POLL = 0.05
+AFTER_FEED_POLL = 0.25
+"""Seconds between looks at a job the feed has given every step to (it may still rewind)."""
+"""Seconds between looks at a job whose feed paused (recovery, or the kept-batch bound)."""
+
 class Job:
     """A submitted job: its status, progress, and trained weights.
 
     It talks to the tracker and the nodes over its client's channels.
+
+    Feeding survives recoveries: the feed keeps each batch it sent since the
+    second-newest complete checkpoint, so when a lost node makes the job
+    rewind to its last complete checkpoint (or the one before, if no snapshot
+    of the last survived) the same batches are sent again, in the same
+    order, and a synchronous job ends as if nothing happened. The bound:
+    ``FEED_KEEP_CHECKPOINTS * checkpoint_every`` batches (3 checkpoint
+    intervals: the one being taken, and the two complete ones a rewind may
+    go back to). At the bound the feed pauses until the next checkpoint
+    completes; it never drops a batch it may need.
     """
 
     def __init__(self, client: Client, job_id: str, model: nn.Sequential | None = None,
@@ -449,33 +475,77 @@ class Job:
             self._watch.cancel()  # the stream would hold a tracker thread until the job ends
 
     def _send_step(self, step: int, batch_size: int, group: GroupFeed, xs: torch.Tensor,
-                   ys: torch.Tensor) -> None:
+                   ys: torch.Tensor, epoch: int) -> None:
         """One step's inputs to the group's first stage and targets to its last, one call each
         carrying all its microbatches."""
         m = group.microbatches
         for a, kind, t in ((group.first, node_pb2.KIND_INPUT, xs),
                            (group.last, node_pb2.KIND_TARGET, ys)):
             envs = [node_pb2.Envelope(job_id=self.id, replica=a.replica, stage=a.stage,
-                                      kind=kind, step=step, microbatch=mb, batch_size=batch_size)
+                                      kind=kind, step=step, microbatch=mb, batch_size=batch_size,
+                                      epoch=epoch)
                     for mb in range(m)]
             self.client.node(a.address).Send(itertools.chain.from_iterable(
                 frames.encode_frames(piece, envelope=env)
                 for env, piece in zip(envs, torch.tensor_split(t, m))),
                 timeout=timeouts.FEED_RPC)
 
+    def _info(self) -> tracker_pb2.JobInfo:
+        return self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
+                                       timeout=timeouts.CONTROL_RPC)
+
+    def _await_epoch(self, after: int, poll: float) -> tracker_pb2.JobInfo | None:
+        """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended),
+        looking every ``poll`` seconds; None if it ends first."""
+        while not self._halted.is_set():
+            info = self._info()
+            if info.state in TERMINAL:
+                return None
+            if info.state == S.JOB_STATE_RUNNING and info.epoch > after:
+                return info
+            time.sleep(poll)
+        raise _FeedHalted
+
     def _feed(self, batches: Iterator) -> None:
         try:
-            plan = self._wait_running()
-            if plan is None:
+            if self._wait_running() is None:
                 return
-            steps = self.status().steps
-            groups = GroupFeed.of(PlanView(plan, self.microbatches))
-            for step in range(steps):
-                if self._halted.is_set():
-                    raise _FeedHalted
-                x, y, shards = self._next_batch(batches, groups)
-                for group, (xs, ys) in zip(groups, shards):
-                    self._send_step(step, x.shape[0], group, xs, ys)
+            info = self._info()
+            kept: dict[int, tuple] = {}  # step -> (x, y), since the second-newest checkpoint
+            seen_checkpoints = [0]
+            step = info.resume_step
+            while True:  # one round per plan epoch
+                groups = GroupFeed.of(PlanView(info.plan, self.microbatches))
+                try:
+                    while step < info.steps:
+                        if self._halted.is_set():
+                            raise _FeedHalted
+                        if step not in kept:
+                            self._bound(kept, seen_checkpoints, info)
+                            x, y, _ = self._next_batch(batches, groups)
+                            kept[step] = (x, y)
+                        x, y = kept[step]
+                        for group, (xs, ys) in zip(groups, _shard(x, y, [g.share for g in groups])):
+                            self._send_step(step, x.shape[0], group, xs, ys, info.epoch)
+                        step += 1
+                    # every step fed: stay until the job ends, and feed it again if it rewinds
+                    resumed = self._await_epoch(info.epoch, AFTER_FEED_POLL)
+                except grpc.RpcError as e:
+                    if e.code() not in NODE_TROUBLE:
+                        raise
+                    # a node of the job is gone, or the job moved to a new epoch without
+                    # it: once the job runs again, feed it from its resume step
+                    log.info("job %s: feeding step %d failed (%s: %s); waiting for the job to "
+                             "recover", self.id, step, e.code().name, e.details())
+                    resumed = self._await_epoch(info.epoch, RECOVERY_POLL)
+                if resumed is None:
+                    return
+                info, step = resumed, resumed.resume_step
+                if step not in kept and step < max(kept, default=step):
+                    raise RuntimeError(f"job {self.id} rewound to step {step}, but the feed "
+                                       f"kept batches from step {min(kept)} only")
+                log.info("job %s recovered (epoch %d): feeding again from step %d", self.id,
+                         info.epoch, step)
         except BaseException as e:  # noqa: BLE001 — kept in feed_error, surfaced by wait()
             if self._halted.is_set():  # the channels were closed under the feed
                 self._give_up(_FeedHalted("the client was closed"),
@@ -493,6 +563,29 @@ class Job:
         finally:
             with self.client._lock:
                 self.client._feeding.discard(self)
+
+    def _bound(self, kept: dict[int, tuple], seen: list[int], info: tracker_pb2.JobInfo
+               ) -> None:
+        """Forget kept batches older than the second-newest complete checkpoint; at the
+        bound (:data:`FEED_KEEP_CHECKPOINTS` checkpoint intervals) wait for the next
+        checkpoint to complete (or the job to move on: a recovery, its end)."""
+        every = max(1, info.checkpoint_every or info.steps)
+        limit = FEED_KEEP_CHECKPOINTS * every
+        while True:
+            if len(kept) < limit and len(kept) % every:
+                return  # between checkpoints: no need to ask the tracker
+            now = self._info()
+            if now.checkpoint_step > seen[-1]:
+                seen.append(now.checkpoint_step)
+            floor = seen[-2] if len(seen) > 1 else 0
+            for s in [s for s in kept if s < floor]:
+                del kept[s]
+            if len(kept) < limit or now.state != S.JOB_STATE_RUNNING or \
+                    now.epoch != info.epoch:
+                return
+            if self._halted.is_set():
+                raise _FeedHalted
+            time.sleep(RECOVERY_POLL)
 
     def _give_up(self, error: BaseException, reason: str) -> None:
         """Keep the feed's ``error`` and cancel the job with ``reason``: a job nobody feeds

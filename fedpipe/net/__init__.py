@@ -75,6 +75,8 @@ _TRACKER = tracker_pb2.DESCRIPTOR.services_by_name["Tracker"]
 DATA_METHODS = frozenset({
     _method(_NODE, "Send"),          # tensors from peers and the client's feed
     _method(_NODE, "FetchState"),    # a stage's weights to a client
+    _method(_NODE, "PutSnapshot"),   # a checkpoint snapshot to its buddy
+    _method(_NODE, "FetchSnapshot"),  # a snapshot to the node restoring a stage
     _method(_TRACKER, "WatchJob"),   # a job's events, for as long as it runs
 })
 """Full gRPC method names of the long-lived data-plane calls, which :func:`server` caps."""
@@ -212,7 +214,7 @@ class Server(grpc.Server):
 
 
 def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] = DATA_METHODS,
-           data_calls: int = DATA_CALLS) -> Server:
+           data_calls: int | None = None) -> Server:
     """A thread-pool gRPC server with fedpipe's options; add servicers, then :func:`bind`.
 
     Args:
@@ -220,10 +222,13 @@ def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] =
         data_methods: full names of the data-plane methods (long-lived streams).
         data_calls: the most ``data_methods`` calls it runs at once (see
             :class:`DataCallLimit`); the other threads are kept for control calls.
+            Default: :data:`DATA_CALLS` of :data:`SERVER_THREADS`, in proportion.
 
     Raises:
         ValueError: ``data_calls`` leaves no thread for control calls.
     """
+    if data_calls is None:
+        data_calls = max(1, max_workers * DATA_CALLS // SERVER_THREADS)
     if not 1 <= data_calls < max_workers:
         raise ValueError(f"data_calls must be in [1, max_workers) = [1, {max_workers}), "
                          f"got {data_calls}: control calls need threads of their own")

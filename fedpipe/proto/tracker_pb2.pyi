@@ -176,7 +176,7 @@ class SubmitJobReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries")
+    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries", "checkpoint_every")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class JobInfo(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -203,7 +204,8 @@ class JobInfo(_message.Message):
     checkpoint_step: int
     resume_step: int
     recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ...) -> None: ...
+    checkpoint_every: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
 
 class Recovery(_message.Message):
     __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch")

@@ -356,11 +356,12 @@ class SqliteStore(Store):
         if not rows:
             raise KeyError(job_id)
         jid, name, state, reason, plan, step, loss, created, spec, recovery = rows[0]
-        steps = tracker_pb2.SubmitJobRequest.FromString(spec).config.steps
         info = tracker_pb2.JobInfo.FromString(recovery or b"")
+        config = tracker_pb2.SubmitJobRequest.FromString(spec).config
         info.MergeFrom(tracker_pb2.JobInfo(job_id=jid, name=name, state=state, reason=reason,
-                                           step=step, steps=steps, loss=_nan(loss),
-                                           created=created))
+                                           step=step, steps=config.steps, loss=_nan(loss),
+                                           created=created,
+                                           checkpoint_every=config.checkpoint_every))
         if plan:
             info.plan.ParseFromString(plan)
         return info
@@ -583,7 +584,10 @@ class MemoryStore(Store):
 
     def job(self, job_id):
         with self.lock:
-            return copy.deepcopy(self._job(job_id).info)
+            j = self._job(job_id)
+            info = copy.deepcopy(j.info)
+            info.checkpoint_every = j.spec.config.checkpoint_every
+            return info
 
     def jobs_in(self, *states):
         with self.lock:
