@@ -117,7 +117,7 @@ class Client:
                stages: int = 0, replicas: int = 0, compression: str | dict[str, str] = "auto",
                max_staleness: int = 1, replica_sync: str | DiLoCo = "auto", name: str = "",
                pending_timeout: float | None = None, lr_scheduler: LRSchedulerSpec | None = None,
-               clip_grad_norm: float = 0.0) -> "Job":
+               clip_grad_norm: float = 0.0, checkpoint_every: int = 0) -> "Job":
         """Submit a training job and start feeding it.
 
         Args:
@@ -144,6 +144,11 @@ class Client:
                 :class:`fedpipe.DiLoCo` (outer steps every H inner steps), or
                 "auto" (the plan picks from the links between groups).
             pending_timeout: fail the job if no node takes it within this many seconds.
+            checkpoint_every: steps between checkpoints (each stage snapshots its
+                state, kept on its node and a buddy node; a lost node makes the
+                job rewind to the last complete one). 0: the tracker picks it so
+                that a recovery recomputes about 30 s of training, from the
+                predicted step time.
             lr_scheduler: from :func:`fedpipe.lr_scheduler`; built over each
                 stage's optimizer and stepped after every optimizer step.
             clip_grad_norm: clip the gradients to this global L2 norm before each
@@ -184,7 +189,7 @@ class Client:
                            stages=stages, replicas=replicas, max_staleness=max_staleness,
                            replica_sync=replica_sync, diloco=outer,
                            lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"",
-                           clip_grad_norm=clip_grad_norm,
+                           clip_grad_norm=clip_grad_norm, checkpoint_every=checkpoint_every,
                            batch_size=microbatches).validate(len(layers))
         batches = _cycle(data)
         try:

@@ -17,6 +17,7 @@ from .. import net
 from ..client import Client
 from ..net import timeouts
 from ..proto import node_pb2, tracker_pb2
+from . import faults
 
 TRACKER_SERVICE = tracker_pb2.DESCRIPTOR.services_by_name["Tracker"].full_name
 NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
@@ -231,6 +232,44 @@ class LocalSwarm:
         client = Client(self.tracker)
         self._clients.append(client)
         return client
+
+    # -- faults (tests and benchmarks) ----------------------------------------
+    def node_index(self, name_or_address: str) -> int:
+        """Which of :attr:`nodes` is called ``name_or_address`` ("node2", or its HOST:PORT).
+
+        Raises:
+            KeyError: no live node has that name or address.
+        """
+        if name_or_address.startswith("node") and name_or_address[4:].isdigit():
+            return int(name_or_address[4:])
+        with Client(self.tracker) as client:
+            for n in client.nodes():
+                if n.address == name_or_address:
+                    return int(n.name[4:])
+        raise KeyError(f"no node {name_or_address!r} in this swarm")
+
+    def kill(self, node: int | str) -> None:
+        """``kill -9`` node ``node`` (its index, name or address)."""
+        faults.kill(self.nodes[node if isinstance(node, int) else self.node_index(node)])
+
+    def pause(self, node: int | str, seconds: float) -> None:
+        """SIGSTOP node ``node`` now and SIGCONT it ``seconds`` later."""
+        faults.pause(self.nodes[node if isinstance(node, int) else self.node_index(node)],
+                     seconds)
+
+    def restart_tracker(self, kill: bool = True) -> str:
+        """Kill (``kill -9``, or terminate) the tracker and start it again on the same
+        database and port; return its address once it serves."""
+        if self.tracker_proc is not None:
+            self.stop_process(self.tracker_proc, kill=kill)
+        return self.start_tracker()
+
+    def inject(self, job_id: str) -> "faults.FaultInjector":
+        """A :class:`~fedpipe.testing.faults.FaultInjector` for ``job_id``: add faults
+        with ``at_step(step, name, action)``, then ``start()`` it."""
+        client = self.client()
+        return faults.FaultInjector(lambda: client.stub.GetJob(
+            tracker_pb2.GetJobRequest(job_id=job_id), timeout=timeouts.CONTROL_RPC))
 
     @staticmethod
     def stop_process(proc: subprocess.Popen, kill: bool = False) -> None:
