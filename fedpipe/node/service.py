@@ -79,7 +79,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return node_pb2.LoadStageReply()
 
     def StopJob(self, request, context):
-        self.stages.stop_job(request.job_id, request.release)
+        self.stages.stop_job(request.job_id, request.release, request.before_epoch)
         return node_pb2.StopJobReply()
 
     def FetchState(self, request, context):
@@ -133,6 +133,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {e}")
         except NoSuchStage as e:
             context.abort(grpc.StatusCode.NOT_FOUND, f"{e} (released)")
+        except StaleEpoch as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KeyError as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except Stopped as e:

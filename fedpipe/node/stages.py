@@ -130,6 +130,12 @@ class Stage:
     def key(self) -> StageKey:
         return self.slot.key
 
+    @property
+    def inbox(self) -> tuple[StageSlot, int]:
+        """The stage's key in the node's mailbox: its slot and plan epoch, so a tensor of
+        an older epoch can never be taken by the stage that replaced it."""
+        return (self.slot, self.epoch)
+
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The stage's state, named as in the whole model (``"<global layer>.<name>"``)."""
         for name, t in self.module.state_dict().items():
@@ -158,7 +164,7 @@ class StageTransport:
     def recv(self, kind: Kind, step: int, tag: int,
              timeout: float | None = None) -> tuple[torch.Tensor, int]:
         """As :meth:`Transport.recv`; also raises Stopped when the stage is stopped."""
-        t, batch = self.mailbox.get(self.stage.slot, kind, step, tag, stopped=self._stopped,
+        t, batch = self.mailbox.get(self.stage.inbox, kind, step, tag, stopped=self._stopped,
                                     timeout=timeout)
         return t.to(self.device), batch
 
@@ -393,7 +399,8 @@ class StageRegistry:
                              peer=e.peer if isinstance(e, StageError) else "")
         finally:
             stage.peers.close()
-            self.mailbox.drop(lambda slot: slot == stage.slot)
+            stage.stop.set()  # an ended stage takes no more tensors
+            self.mailbox.drop(lambda inbox: inbox == stage.inbox)
 
     # -- checkpoints ---------------------------------------------------------
     def _checkpoint(self, stage: Stage, step: int) -> None:
@@ -456,14 +463,17 @@ class StageRegistry:
         return snap
 
     # -- stopping and freeing ------------------------------------------------
-    def stop_job(self, job_id: str, release: bool) -> list[Stage]:
-        """Stop every stage of ``job_id``; if ``release``, also forget them and the job's
-        snapshots and free their memory. Returns the stages."""
+    def stop_job(self, job_id: str, release: bool, before_epoch: int = 0) -> list[Stage]:
+        """Stop every stage of ``job_id`` (with ``before_epoch``, only those of older
+        epochs); if ``release``, also forget them and the job's snapshots and free their
+        memory. Returns the stages."""
         with self.lock:
-            mine = [s for s in self.stages.values() if s.job_id == job_id]
+            mine = [s for s in self.stages.values() if s.job_id == job_id
+                    and (not before_epoch or s.epoch < before_epoch)]
         for s in mine:
             s.stop.set()
-        self.mailbox.drop(lambda slot: slot.job_id == job_id)
+        inboxes = {s.inbox for s in mine}
+        self.mailbox.drop(lambda inbox: inbox in inboxes)
         if release:
             self._release(mine)
             self.snapshots.drop_job(job_id)
@@ -599,5 +609,9 @@ class StageRegistry:
             return  # a link measurement: it only had to arrive
         slot = StageSlot(env.job_id, env.replica, env.stage)
         stage = self.get(slot)
-        self.mailbox.put(slot, Kind(env.kind), env.step, env.microbatch, tensor, env.batch_size,
+        if stage.epoch != env.epoch:  # replaced since the tensor was admitted
+            raise StaleEpoch(f"stage {env.stage} of job {env.job_id!r} now runs epoch "
+                             f"{stage.epoch}, not {env.epoch}")
+        self.mailbox.put((slot, env.epoch), Kind(env.kind), env.step, env.microbatch, tensor,
+                         env.batch_size,
                          alive=lambda: active() and not stage.stop.is_set())

@@ -166,14 +166,16 @@ class LoadStageReply(_message.Message):
     def __init__(self) -> None: ...
 
 class StopJobRequest(_message.Message):
-    __slots__ = ("job_id", "reason", "release")
+    __slots__ = ("job_id", "reason", "release", "before_epoch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     reason: str
     release: bool
-    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
+    before_epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ..., release: _Optional[bool] = ..., before_epoch: _Optional[int] = ...) -> None: ...
 
 class StopJobReply(_message.Message):
     __slots__ = ()

@@ -179,12 +179,15 @@ class Jobs:
             self._stop_stages(job_id, reason, release=False)
         self.notify()
 
-    def _stop_stages(self, job_id: str, reason: str, release: bool) -> None:
-        plan = self.store.job(job_id).plan
+    def _stop_stages(self, job_id: str, reason: str, release: bool,
+                     plan: node_pb2.Plan | None = None, before_epoch: int = 0) -> None:
+        """Stop the job's stages on the nodes of ``plan`` (default: its current plan);
+        with ``before_epoch``, only those of older epochs."""
+        plan = plan if plan is not None else self.store.job(job_id).plan
         for address in sorted(PlanView(plan).addresses()):
             try:
                 self.nodes.stop_job(address, node_pb2.StopJobRequest(
-                    job_id=job_id, reason=reason, release=release))
+                    job_id=job_id, reason=reason, release=release, before_epoch=before_epoch))
             except NodeCallError as e:
                 log.warning("could not stop job %s on %s: %s", job_id, address, e)
 
@@ -272,6 +275,9 @@ class Jobs:
                 return
             step = job.checkpoint_step if rewind_to is None else rewind_to
             rec = self._recovering.get(job_id)
+            if rec is not None and lost and lost <= rec.lost and rewind_to is None \
+                    and job.state == S.JOB_STATE_RECOVERING:
+                return  # this loss already started this recovery
             if rec is None:
                 addresses = {a.address for a in job.plan.stages}
                 reported = min([t for a, t in self._suspected.items() if a in addresses],
@@ -290,7 +296,8 @@ class Jobs:
         self._move(job_id, S.JOB_STATE_RECOVERING, reason)
         # stop the old epoch's stages now so they free their threads; a LoadStage of the
         # new epoch would replace them anyway
-        threading.Thread(target=self._stop_stages, args=(job_id, reason, False),
+        threading.Thread(target=self._stop_stages, args=(job_id, reason, False, job.plan,
+                                                         job.epoch + 1),
                          name=f"stop-{job_id}", daemon=True).start()
 
     def recovering(self) -> list[str]:

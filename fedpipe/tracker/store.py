@@ -80,7 +80,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def mark_lost(self, node_id: str) -> bool:
-        """Mark a node lost now (it said it is leaving); False if unknown."""
+        """Mark a node lost now (it left, or was found gone); False if it was not a live
+        node (unknown, or lost already)."""
 
     @abc.abstractmethod
     def expire_nodes(self, cutoff: float) -> list[str]:
@@ -280,7 +281,7 @@ class SqliteStore(Store):
 
     def mark_lost(self, node_id):
         with self.lock:
-            return self.db.execute("UPDATE nodes SET alive=0 WHERE node_id=?",
+            return self.db.execute("UPDATE nodes SET alive=0 WHERE node_id=? AND alive=1",
                                    (node_id,)).rowcount > 0
 
     def expire_nodes(self, cutoff):
@@ -513,7 +514,7 @@ class MemoryStore(Store):
 
     def mark_lost(self, node_id):
         with self.lock:
-            if node_id not in self._nodes:
+            if node_id not in self._nodes or not self._nodes[node_id].info.alive:
                 return False
             self._update(node_id, alive=False)
             return True
