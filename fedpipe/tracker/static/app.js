@@ -14,6 +14,7 @@ function fmtLoss(x) { return fmt(x, 4); }
 function fmtRate(x) { return x === null || x === undefined ? "—" : x.toFixed(1); }
 function fmtSeconds(s) {
   if (s === null || s === undefined) return "—";
+  if (s < 1e-3) return (s * 1e6).toFixed(0) + " µs";
   return s < 1 ? (s * 1e3).toFixed(1) + " ms" : s.toFixed(2) + " s";
 }
 function fmtBytes(b) {
