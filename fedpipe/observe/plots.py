@@ -111,13 +111,13 @@ def plan_figure(layout: PlanLayout, title: str = "") -> Figure:
         raise ValueError("the plan has no stages to draw")
     cols = max(len(g) for g in layout.groups)
     rows = len(layout.groups)
-    width = cols * BOX_W + (cols - 1) * GAP_X + 1.4
+    width = cols * BOX_W + (cols - 1) * GAP_X  # data units, without the group labels
     height = rows * BOX_H + (rows - 1) * GAP_Y + 0.6
-    fig = Figure(figsize=(max(5.0, 1.15 * width), max(2.2, 1.15 * height + 0.8)),
-                 layout="constrained")
+    fig = Figure(figsize=(0.9 * (width + 1.7), 0.9 * height + 0.7), layout="constrained")
     ax = fig.subplots()
-    ax.set_xlim(-1.4, width - 1.4)
+    ax.set_xlim(-1.4, width + 0.3)
     ax.set_ylim(-0.3, height)
+    ax.set_aspect("equal")
     ax.set_axis_off()
     for r, group in enumerate(layout.groups):
         y = height - 0.3 - (r + 1) * BOX_H - r * GAP_Y
