@@ -85,7 +85,8 @@ def test_plotting_nothing_is_a_clear_error(tmp_path):
 
 def cluster_and_profile():
     cluster = planner.ClusterView(
-        [planner.NodeSpec("a", 100e9, 8 << 30, "fast"), planner.NodeSpec("b", 10e9, 8 << 30, "slow"),
+        [planner.NodeSpec("a", 100e9, 8 << 30, "fast"),
+         planner.NodeSpec("b", 10e9, 8 << 30, "slow"),
          planner.NodeSpec("c", 50e9, 8 << 30, "mid")],
         {(x, y): planner.Link(2e6, 0.01) for x in "abc" for y in "abc" if x != y})
     profile = planner.ModelProfile([planner.LayerProfile(f"{i}:Linear", 4e8, 4096, 1 << 20)

@@ -344,8 +344,9 @@ def node_view(n: tracker_pb2.NodeInfo, now: float) -> dict:
     A lost node's ``why`` says how long ago its last heartbeat came.
     """
     r = n.resources
+    last = time.strftime("%H:%M:%S", time.localtime(n.last_heartbeat))
     why = "" if n.alive else (f"lost: no heartbeat for {max(0.0, now - n.last_heartbeat):.0f} s "
-                              f"(last {time.strftime('%H:%M:%S', time.localtime(n.last_heartbeat))})")
+                              f"(last {last})")
     return {"id": n.node_id, "name": n.name, "address": n.address, "alive": n.alive,
             "state": "alive" if n.alive else "lost", "why": why,
             "device": r.device, "device_name": r.device_name, "cores": r.cores,
