@@ -2,7 +2,9 @@
 plan layouts find the bottleneck the cost model says; the terminal status renders them."""
 from __future__ import annotations
 
+import re
 import struct
+import time
 
 import pytest
 from rich.console import Console
@@ -179,3 +181,19 @@ def test_history_memory_is_bounded_and_keeps_the_latest_steps_exactly(store):
     assert h.last_seq == seq and h.records[-1].step == 8
     view = job_view(s.job(job), h, None)
     assert view["history"][-1]["loss"] == pytest.approx(3.0 / 8)
+
+
+def test_a_lost_node_shows_why_in_the_swarm_view_and_status(store):
+    from fedpipe.observe.views import swarm_view
+
+    s, _, ids = store
+    s.mark_lost(ids[1])
+    view = swarm_view(s.nodes(include_lost=True), s.links(), now=time.time() + 30)
+    lost = [n for n in view["nodes"] if not n["alive"]]
+    assert [n["name"] for n in lost] == ["mid"]
+    assert re.fullmatch(r"lost: no heartbeat for 3\d s \(last \d\d:\d\d:\d\d\)", lost[0]["why"])
+    assert view["totals"] == {"alive": 2, "lost": 1, "flops": 135e9,
+                              "memory_bytes": (8 << 30) + (2 << 30)}
+    console = Console(width=160, record=True, color_system=None)
+    status.run_status(s, console=console)
+    assert "lost: no heartbeat for" in console.export_text()
