@@ -1,0 +1,158 @@
+"""Where the views read from: a narrow, read-only interface to the tracker's state.
+
+The tracker's store satisfies :class:`Source` as it is (its methods have these
+names and signatures); :class:`GrpcSource` reads the parts a remote tracker
+serves over gRPC (``fedpipe status`` and ``fedpipe plot`` use it). The views
+never write.
+
+Per-stage step times (compute, waiting, sending) are reported by the stages
+(``StageReport.compute_seconds`` ...) but not yet kept by the tracker: a
+source that keeps them also implements :class:`StageTimeSource`, and the views
+pick them up (:func:`stage_times_of`).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Protocol, Sequence, runtime_checkable
+
+import grpc
+
+from ..net import timeouts
+from ..proto import node_pb2, tracker_pb2, tracker_pb2_grpc
+from .views import History, StageTime
+
+
+@runtime_checkable
+class SwarmSource(Protocol):
+    """Nodes and measured links."""
+
+    def nodes(self, include_lost: bool = False) -> list[tracker_pb2.NodeInfo]:
+        """Registered nodes in registration order (live ones only unless ``include_lost``)."""
+
+    def links(self) -> list[node_pb2.LinkMeasurement]:
+        """The latest measurement of every directed link."""
+
+
+@runtime_checkable
+class JobSource(Protocol):
+    """One job's state and event log."""
+
+    def job(self, job_id: str) -> tracker_pb2.JobInfo:
+        """The job's current state. Raises KeyError if unknown."""
+
+    def events(self, job_id: str, after_seq: int) -> list[tracker_pb2.JobEvent]:
+        """The job's events with ``seq > after_seq``, in order."""
+
+
+@runtime_checkable
+class Source(SwarmSource, JobSource, Protocol):
+    """Everything the dashboard and the tracker's metrics read (the tracker's store)."""
+
+    def jobs_in(self, *states: int) -> list[str]:
+        """Ids of jobs in any of ``states``, oldest first."""
+
+    def spec(self, job_id: str) -> tracker_pb2.SubmitJobRequest:
+        """The job's submission (config and model profile; layers may be absent).
+        Raises KeyError if unknown."""
+
+
+@runtime_checkable
+class StageTimeSource(Protocol):
+    """A source that keeps the stages' last reported step times (issue 12)."""
+
+    def stage_times(self, job_id: str) -> Sequence[StageTime]:
+        """Each stage's split of its last reported step, any order."""
+
+
+def stage_times_of(source: object, job_id: str) -> list[StageTime]:
+    """The stages' step times from ``source`` if it keeps them, else ``[]``."""
+    if isinstance(source, StageTimeSource):
+        return list(source.stage_times(job_id))
+    return []
+
+
+CATCH_UP_SECONDS = 1.0
+"""How long :meth:`GrpcSource.events` listens on a WatchJob stream for more
+events of a running job before it takes what it has."""
+
+
+class GrpcSource:
+    """:class:`SwarmSource` and :class:`JobSource` over a tracker's gRPC API.
+
+    Args:
+        stub: a ``TrackerStub``; the caller owns its channel.
+        catch_up: see :data:`CATCH_UP_SECONDS`, seconds.
+
+    Errors other than an unknown job propagate as ``grpc.RpcError``.
+    """
+
+    def __init__(self, stub: tracker_pb2_grpc.TrackerStub, catch_up: float = CATCH_UP_SECONDS):
+        self.stub, self.catch_up = stub, catch_up
+
+    def _list(self, include_lost: bool) -> tracker_pb2.ListNodesReply:
+        return self.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=include_lost),
+                                   timeout=timeouts.CONTROL_RPC)
+
+    def nodes(self, include_lost: bool = False) -> list[tracker_pb2.NodeInfo]:
+        return list(self._list(include_lost).nodes)
+
+    def links(self) -> list[node_pb2.LinkMeasurement]:
+        return list(self._list(False).links)
+
+    def job(self, job_id: str) -> tracker_pb2.JobInfo:
+        try:
+            return self.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job_id),
+                                    timeout=timeouts.CONTROL_RPC)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise KeyError(job_id) from None
+            raise
+
+    def events(self, job_id: str, after_seq: int) -> list[tracker_pb2.JobEvent]:
+        # WatchJob streams a running job's events for ever: read until the
+        # stream stays quiet for ``catch_up`` seconds (or ends, for a finished job)
+        out: list[tracker_pb2.JobEvent] = []
+        while True:
+            got = 0
+            try:
+                for ev in self.stub.WatchJob(tracker_pb2.WatchJobRequest(
+                        job_id=job_id, after_seq=after_seq), timeout=self.catch_up):
+                    out.append(ev)
+                    after_seq, got = ev.seq, got + 1
+                return out
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    raise KeyError(job_id) from None
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+            if not got:
+                return out
+
+
+class Histories:
+    """Each job's :class:`~fedpipe.observe.views.History`, read incrementally from a source.
+
+    :meth:`get` reads only the events since the last call for that job. At
+    most ``max_jobs`` histories are kept (the least recently asked for go
+    first). Thread-safe.
+    """
+
+    def __init__(self, source: JobSource, max_jobs: int = 64):
+        self.source, self.max_jobs = source, max_jobs
+        self._lock = threading.Lock()
+        self._jobs: dict[str, History] = {}
+
+    def get(self, job_id: str) -> History:
+        """A snapshot of job ``job_id``'s history, brought up to date."""
+        with self._lock:
+            h = self._jobs.pop(job_id, None) or History()
+            self._jobs[job_id] = h  # most recently used last
+            while len(self._jobs) > self.max_jobs:
+                self._jobs.pop(next(iter(self._jobs)))
+            h.extend(self.source.events(job_id, h.last_seq))
+            snap = History(h.max_records, h.changes.maxlen or 1)
+            snap.records = list(h.records)
+            snap.changes.extend(h.changes)
+            snap.checkpoints.extend(h.checkpoints)
+            snap.last_seq = h.last_seq
+            return snap
