@@ -83,7 +83,8 @@ def measure(tensors: list[torch.Tensor], codec: str, reps: int = 5) -> dict:
     outs = [decode(m) for m in msgs]
     fp32 = sum(t.numel() * 4 for t in tensors)
     wire = sum(len(m.payload) for m in msgs)
-    err = math.sqrt(sum((o.double() - t.double()).pow(2).sum().item() for o, t in zip(outs, tensors)))
+    err = math.sqrt(sum((o.double() - t.double()).pow(2).sum().item()
+                        for o, t in zip(outs, tensors)))
     norm = math.sqrt(sum(t.double().pow(2).sum().item() for t in tensors))
     enc = _best_seconds(lambda t: encode(t, codec), tensors, reps)
     dec = _best_seconds(decode, msgs, reps)
@@ -101,12 +102,13 @@ def codec_table(codecs: list[str] = CODECS) -> list[dict]:
 
 
 def main() -> None:
-    header = f"{'data':<15} {'codec':<15} {'ratio':>7} {'enc MB/s':>9} {'dec MB/s':>9} {'rel L2':>9}"
+    header = (f"{'data':<15} {'codec':<15} {'ratio':>7} {'enc MB/s':>9} {'dec MB/s':>9} "
+              f"{'rel L2':>9}")
     print(header)
     print("-" * len(header))
     for row in codec_table():
-        print(f"{row['data']:<15} {row['codec']:<15} {row['ratio']:>7.2f} {row['encode_MBps']:>9.0f} "
-              f"{row['decode_MBps']:>9.0f} {row['rel_l2']:>9.2e}")
+        print(f"{row['data']:<15} {row['codec']:<15} {row['ratio']:>7.2f} "
+              f"{row['encode_MBps']:>9.0f} {row['decode_MBps']:>9.0f} {row['rel_l2']:>9.2e}")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def timed(fn, *args):
     start, cpu = time.perf_counter(), time.process_time()
     try:
         out = fn(*args)
-    except Exception as e:  # a baseline may not fit (memory): report it, keep going
+    except Exception as e:  # noqa: BLE001 — a baseline may not fit (memory): report it, go on
         out = e
     timed.cpu = time.process_time() - cpu
     return out, time.perf_counter() - start

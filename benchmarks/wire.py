@@ -306,7 +306,8 @@ class Pair:
                                                "--tcp-port", str(ports["tcp"])], self.env)
 
     def _start(self, args: list[str], env: dict) -> subprocess.Popen:
-        p = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
         self.procs.append(p)
         return p
 
@@ -370,7 +371,8 @@ def print_tables(cfgs: dict[str, dict], res: dict) -> None:
         how = "environment" if cfg["env"] else "mallopt() at start-up" if cfg["mallopt"] else ""
         print(f"\n[{name}] {what}" + (f" ({how})" if how else ""))
         head = (f"{'size':>7} {'tcp':>8} {'grpc un':>8} {'grpc st':>8} {'fedpipe':>8}"
-                f" {'fp/unary':>8} {'fp/strm':>8} {'fp/tcp':>7}  {'n fp':>5} {'faults/xfer s/r':>16}")
+                f" {'fp/unary':>8} {'fp/strm':>8} {'fp/tcp':>7}  {'n fp':>5}"
+                f" {'faults/xfer s/r':>16}")
         print("MB/s, median of n transfers; faults: minor page faults per fedpipe transfer, "
               "sender/receiver")
         print(head)

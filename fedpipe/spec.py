@@ -591,7 +591,8 @@ class PlanView:
             self.job_microbatches
 
     def share(self, replica: int) -> int:
-        """Group ``replica``'s planned share of each batch, in samples (1 if unset: equal shares)."""
+        """Group ``replica``'s planned share of each batch, in samples (1 if unset:
+        equal shares)."""
         info = self.plan.replicas[replica] if replica < len(self.plan.replicas) else None
         return info.samples if info is not None and info.samples else 1
 

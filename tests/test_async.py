@@ -73,7 +73,8 @@ def weight_stashing(model, loss_fn, spec, batches, cuts, microbatches, k):
             (loss_fn(h, ym) * (len(xm) / len(x))).backward()
             for s, w in enumerate(leaves):
                 for n, p in w.items():
-                    live[s][n].grad = p.grad if live[s][n].grad is None else live[s][n].grad + p.grad
+                    g = live[s][n].grad
+                    live[s][n].grad = p.grad if g is None else g + p.grad
         for s, opt in enumerate(opts):
             if opt is not None:
                 opt.step()

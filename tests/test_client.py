@@ -60,7 +60,7 @@ def test_a_client_reuses_one_channel_per_node_and_closes_them_all(swarm):
         stubs = {a: client.node(a) for a in addresses}
         assert all(client.node(a) is stubs[a] for a in addresses)  # built once, kept
         job.release()
-    for a, stub in stubs.items():  # every node channel it made is closed
+    for stub in stubs.values():  # every node channel it made is closed
         with pytest.raises(ValueError, match="closed channel"):
             stub.Ping(node_pb2.PingRequest(), timeout=5)
     with pytest.raises(ValueError, match="closed"):

@@ -53,7 +53,8 @@ class WireTransport:
         msg = codecs.encode(tensor, codec)  # as PeerSender and Send do
         wire = self.wire
 
-        def deliver(gate=wire.hold(self.me.replica, step)):
+        # the gate is taken now, when the message is sent, not when it is delivered
+        def deliver(gate=wire.hold(self.me.replica, step)):  # noqa: B008
             if gate is not None:
                 gate.wait(10)
             with wire.cond:
@@ -108,7 +109,7 @@ def train_groups(model, batches, shares, config, inner, splits=SPLITS, wire=None
         for m, xs, ys in zip(models, x.tensor_split(cuts), y.tensor_split(cuts)):
             (nn.functional.cross_entropy(m(xs), ys) * (len(xs) / len(x))).backward()
 
-        def run(opt, sync):
+        def run(opt, sync, step=step):
             sync.rescale_gradients(step)
             opt.step()
             opt.zero_grad()

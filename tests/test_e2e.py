@@ -119,7 +119,8 @@ def test_node_retries_an_unreachable_tracker_then_registers(tmp_path):
     try:
         node = s.add_node()
         wait_until(lambda: "retrying" in s.log(node), what="a retry in the node's log")
-        assert re.search(r"registering with tracker 127\.0\.0\.1:\d+ failed \(UNAVAILABLE", s.log(node))
+        assert re.search(r"registering with tracker 127\.0\.0\.1:\d+ failed \(UNAVAILABLE",
+                         s.log(node))
         s.start_tracker()  # on the port the node keeps dialling
         s.wait_for_nodes(1)
     finally:

@@ -23,9 +23,10 @@ def test_tracker_refuses_bad_registrations_reports_and_codecs(swarm):
     stub = tracker_pb2_grpc.TrackerStub(net.channel(swarm.tracker))
     for address, flops in (("127.0.0.1:1", math.inf), ("no-port", 1e9), ("h:99999", 1e9),
                            ("http://x:1", 1e9)):
-        req = tracker_pb2.RegisterNodeRequest(name="x", address=address, resources=node_pb2.Resources(
-            flops=flops, memory_bytes=2**30))
-        code, details = code_of(lambda: stub.RegisterNode(req, timeout=10))
+        req = tracker_pb2.RegisterNodeRequest(name="x", address=address,
+                                              resources=node_pb2.Resources(flops=flops,
+                                                                           memory_bytes=2**30))
+        code, details = code_of(lambda req=req: stub.RegisterNode(req, timeout=10))
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (address, details)
     spec = tracker_pb2.SubmitJobRequest(
         layers=[b"x"], profile=tracker_pb2.ModelProfile(

@@ -191,7 +191,7 @@ def test_the_checkpoint_interval_defaults_to_about_30_s_of_predicted_steps():
 
 def test_a_node_that_leaves_makes_the_job_recover_at_once():
     tracker, _, _ = make_tracker()
-    ids = join(tracker, 3)
+    join(tracker, 3)
     job = tracker.jobs.submit(submission(stages=2))
     tracker.tick()
     leaving = sorted(PlanView(tracker.jobs.get(job).plan).node_ids())[-1]
@@ -254,7 +254,7 @@ def test_a_second_loss_during_recovery_restarts_it_in_a_new_epoch():
 
 def test_when_no_snapshot_of_the_checkpoint_survives_the_job_rewinds_further():
     tracker, nodes, clock = make_tracker()
-    ids = join(tracker, 3)
+    join(tracker, 3)
     job = tracker.jobs.submit(submission(steps=30, stages=2, checkpoint_every=5))
     tracker.tick()
     ack_checkpoint(tracker, job, 5)

@@ -111,7 +111,8 @@ class Client:
         """The live nodes, in registration order."""
         return list(self.stub.ListNodes(S.ListNodesRequest(), timeout=timeouts.CONTROL_RPC).nodes)
 
-    def submit(self, model: nn.Sequential, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    def submit(self, model: nn.Sequential,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                optimizer: OptimizerSpec, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
                steps: int, microbatches: int = 1, schedule: str = "gpipe",
                stages: int = 0, replicas: int = 0, compression: str | dict[str, str] = "auto",

@@ -86,7 +86,8 @@ def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int =
     plan = status.plan
     out(f"plan ({plan.predicted_step_seconds * 1e3:.1f} ms/step predicted):")
     for a in plan.stages:
-        layers = ", ".join(f"{i}:{type(model[i]).__name__}" for i in range(a.layer_start, a.layer_end))
+        layers = ", ".join(f"{i}:{type(model[i]).__name__}"
+                           for i in range(a.layer_start, a.layer_end))
         out(f"  group {a.replica} stage {a.stage} on {a.node_name} ({a.address}): {layers}"
             f"  [sends activations {a.activation_codec or 'raw'}, gradients "
             f"{a.gradient_codec or 'raw'}]")

@@ -38,7 +38,8 @@ import grpc
 
 @dataclass(frozen=True)
 class EmulatedLink:
-    """An emulated directed link: ``bandwidth`` in bytes/s (0: unlimited), ``latency`` one way, s."""
+    """An emulated directed link: ``bandwidth`` in bytes/s (0: unlimited), ``latency``
+    one way, s."""
 
     bandwidth: float
     latency: float
@@ -180,7 +181,8 @@ class LinkProfile:
             raise ValueError(f"unknown key(s) {sorted(unknown)}; a profile has groups and links")
         groups, links = profile.get("groups", {}), profile.get("links", [])
         if not isinstance(groups, dict) or not all(
-                isinstance(m, list) and all(isinstance(x, str) for x in m) for m in groups.values()):
+                isinstance(m, list) and all(isinstance(x, str) for x in m)
+                for m in groups.values()):
             raise ValueError("groups must map each group name to a list of node names")
         if not isinstance(links, list) or not all(isinstance(e, dict) for e in links):
             raise ValueError("links must be a list of objects")

@@ -157,7 +157,7 @@ class PeerSender:
                 self.stream = _Stream(frames_out, call)
             for frame in frames.to_frames(msg, payload=payload, envelope=envelope):
                 self.stream.frames.put(frame)
-        except Exception as e:  # kept for the stage thread, which reports it
+        except Exception as e:  # noqa: BLE001 — kept for the stage thread, which reports it
             self.error = self.error or e
 
     def _ended(self, call: grpc.Future) -> None:

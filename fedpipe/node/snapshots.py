@@ -9,7 +9,8 @@ from ..spec import SNAPSHOTS_KEPT, StageKey
 
 
 class SnapshotStore:
-    """Snapshots by ``(job_id, StageKey)`` and step, the newest :data:`~fedpipe.spec.SNAPSHOTS_KEPT` of each stage.
+    """Snapshots by ``(job_id, StageKey)`` and step, the newest
+    :data:`~fedpipe.spec.SNAPSHOTS_KEPT` of each stage.
 
     Thread-safe. Own snapshots and buddy copies live side by side: a stage
     restored on this node finds either.

@@ -343,7 +343,8 @@ class StageRegistry:
             try:
                 with self.channels.borrow(address) as ch:
                     stream = node_pb2_grpc.NodeStub(ch).FetchSnapshot(
-                        node_pb2.FetchSnapshotRequest(job_id=stage.job_id, replica=stage.key.replica,
+                        node_pb2.FetchSnapshotRequest(job_id=stage.job_id,
+                                                      replica=stage.key.replica,
                                                       stage=stage.key.stage, step=stage.start),
                         timeout=timeouts.FETCH_STATE_RPC)
                     _, snap = checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)

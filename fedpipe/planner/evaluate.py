@@ -246,15 +246,15 @@ def choose_codecs(ctx: PlanContext, nodes: Sequence[int], ranges: Sequence[tuple
         link, x = sends[d][i]
         return transfer_seconds(link, x, codec, prof.element_bytes)[0]
 
-    fast = [[codecs.fastest(allowed[d], lambda c: busy(d, i, c)) for i in range(len(sends[d]))]
-            for d in (0, 1)]
+    fast = [[codecs.fastest(allowed[d], lambda c, d=d, i=i: busy(d, i, c))
+             for i in range(len(sends[d]))] for d in (0, 1)]
     fast_busy = [[busy(d, i, c) for i, c in enumerate(fast[d])] for d in (0, 1)]
     if sched == "gpipe":
         budgets = (max([*fwd, *fast_busy[0]]), max([*bwd, *fast_busy[1]]))
     else:
         top = max([f + b for f, b in zip(fwd, bwd)] + fast_busy[0] + fast_busy[1])
         budgets = (top, top)
-    chosen = [[codecs.choose(allowed[d], lambda c: busy(d, i, c), budgets[d])
+    chosen = [[codecs.choose(allowed[d], lambda c, d=d, i=i: busy(d, i, c), budgets[d])
                for i in range(len(sends[d]))] for d in (0, 1)]
 
     def step(choice: list[list[str]]) -> float:
@@ -302,7 +302,7 @@ def polish(ctx: PlanContext, groups: Sequence[tuple[Sequence[int], Sequence[tupl
     for _ in range(rounds):
         improved = False
         tries = []
-        for g, (nodes, ranges) in enumerate(groups):
+        for g, (_, ranges) in enumerate(groups):
             for b in range(len(ranges) - 1):
                 for delta in (-1, 1):
                     cut = ranges[b][1] + delta

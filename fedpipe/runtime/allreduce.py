@@ -164,8 +164,9 @@ class GradientSync:
                               for p in params])
             total = ring_allreduce(
                 flat, rank, world,
-                lambda tag, t: self.transport.send_to(nxt, Kind.REDUCE, step, base + tag, t),
-                lambda tag: self.transport.recv(Kind.REDUCE, step, base + tag)[0])
+                lambda tag, t, nxt=nxt, base=base: self.transport.send_to(
+                    nxt, Kind.REDUCE, step, base + tag, t),
+                lambda tag, base=base: self.transport.recv(Kind.REDUCE, step, base + tag)[0])
             offset = 0
             for p in params:
                 p.grad = total[offset:offset + p.numel()].view_as(p).clone()

@@ -126,6 +126,8 @@ class LocalSwarm:
         self.nodes: list[subprocess.Popen] = []
         self._logs: dict[subprocess.Popen, Path] = {}
         self._clients: list[Client] = []
+        self.faulted: set[subprocess.Popen] = set()
+        """Node processes a fault injection killed or paused (their exit is no error)."""
 
     # -- processes ----------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -164,7 +166,7 @@ class LocalSwarm:
                             "--lease", str(self.lease)])
             try:
                 wait_serving(address, TRACKER_SERVICE, self.timeout,
-                             lambda: self._check(proc, "tracker"))
+                             lambda proc=proc: self._check(proc, "tracker"))
             except TimeoutError:
                 raise RuntimeError(f"tracker did not start in {self.timeout} s:\n"
                                    f"{self.log(proc)}") from None
@@ -207,7 +209,8 @@ class LocalSwarm:
                         break
                     return
                 for i, p in enumerate(self.nodes):
-                    self._check(p, f"node{i}")
+                    if p not in self.faulted:
+                        self._check(p, f"node{i}")
                 time.sleep(2 * _POLL)
         logs = "\n".join(f"--- node{i}\n{self.log(p)[-2000:]}" for i, p in enumerate(self.nodes))
         raise RuntimeError(f"{n} nodes did not register and serve within {self.timeout} s\n{logs}")
@@ -250,12 +253,15 @@ class LocalSwarm:
 
     def kill(self, node: int | str) -> None:
         """``kill -9`` node ``node`` (its index, name or address)."""
-        faults.kill(self.nodes[node if isinstance(node, int) else self.node_index(node)])
+        proc = self.nodes[node if isinstance(node, int) else self.node_index(node)]
+        self.faulted.add(proc)
+        faults.kill(proc)
 
     def pause(self, node: int | str, seconds: float) -> None:
         """SIGSTOP node ``node`` now and SIGCONT it ``seconds`` later."""
-        faults.pause(self.nodes[node if isinstance(node, int) else self.node_index(node)],
-                     seconds)
+        proc = self.nodes[node if isinstance(node, int) else self.node_index(node)]
+        self.faulted.add(proc)
+        faults.pause(proc, seconds)
 
     def restart_tracker(self, kill: bool = True) -> str:
         """Kill (``kill -9``, or terminate) the tracker and start it again on the same

@@ -169,7 +169,7 @@ class Store(abc.ABC):
         also set its step back to that; with ``event`` also log it (its ``seq``
         and ``time`` are assigned here). Unknown jobs are ignored."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 — optional: a backend with nothing to release
         """Release the backend's resources."""
 
 
