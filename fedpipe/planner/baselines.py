@@ -22,10 +22,10 @@ from typing import Sequence
 import numpy as np
 
 from .context import PlanContext
-from .evaluate import Evaluator, build_plan
+from .evaluate import Evaluator, Split, build_plan
 from .grouping import contiguous_groups, strided_groups
 from .ordering import bottleneck_path, locality_order
-from .partition import GroupSolution, describe, solve_chain
+from .partition import GroupSolution, all_solved, describe, solve_chain
 from .types import ClusterView, Link, ModelProfile, Plan, PlanError, TrainConfig
 
 
@@ -93,7 +93,7 @@ def dtfm_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) 
                        profile, config)
     hop = ctx.hop_cost()
     line = locality_order(hop, range(ctx.n), np.ones(ctx.n))
-    best: tuple[float, list[list[int]], list[int]] | None = None
+    best: tuple[float, list[Split], list[int]] | None = None
     for r in range(1, min(ctx.M, ctx.n) + 1):
         if ctx.n % r or ctx.n // r > ctx.L or config.replicas not in (0, r):
             continue
@@ -103,20 +103,20 @@ def dtfm_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) 
             layouts.append(strided_groups(line, r))
         for groups in layouts:
             chains = [bottleneck_path(hop, g) for g in groups]
-            sols = [equal_split(ctx, c, m) for c, m in zip(chains, micro)]
-            if any(s is None for s in sols):
+            sols = all_solved([equal_split(ctx, c, m) for c, m in zip(chains, micro)])
+            if sols is None:
                 continue
             priced = [describe(comm, c, [(s, k, j) for s, (k, j) in enumerate(sol.ranges)], m)
                       for c, sol, m in zip(chains, sols, micro)]
             cost = Evaluator(comm).step_seconds(priced, micro)
             if best is None or cost < best[0]:
-                best = (cost, [list(zip(s.nodes, s.ranges)) for s in sols], micro)
+                best = (cost, [(s.nodes, s.ranges) for s in sols], micro)
     if best is None:
         raise PlanError(f"DTFM-style plan: no grouping of all {ctx.n} nodes into equal groups "
                         f"of at most {ctx.L} nodes (one per layer), at most {ctx.M} groups "
                         f"(one per microbatch), whose equal-layer split fits the nodes' memory")
-    _, groups, micro = best
-    return build_plan(ctx, [([n for n, _ in g], [rg for _, rg in g]) for g in groups], micro)
+    _, splits, micro = best
+    return build_plan(ctx, splits, micro)
 
 
 __all__ = ["dtfm_plan", "equal_split", "naive_plan"]

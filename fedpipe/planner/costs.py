@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence, TypeVar
 
 from .codecs import codec_cost
 from .types import Link, ModelProfile, TrainConfig
@@ -176,8 +176,12 @@ class SyncSegment:
     seconds: float
 
 
-def sync_segments(groups: Sequence[Sequence[tuple[Hashable, int, int]]], profile: ModelProfile,
-                  link: Callable[[Hashable, Hashable], tuple[float, float]]) -> list[SyncSegment]:
+NodeT = TypeVar("NodeT", bound=Hashable)
+"""How a caller names nodes (an id, an index): ``link`` takes what ``groups`` holds."""
+
+
+def sync_segments(groups: Sequence[Sequence[tuple[NodeT, int, int]]], profile: ModelProfile,
+                  link: Callable[[NodeT, NodeT], tuple[float, float]]) -> list[SyncSegment]:
     """The all-reduces that synchronise the replica groups after each step.
 
     Groups may split the layers differently, so the layers are cut at every

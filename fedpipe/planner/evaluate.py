@@ -8,21 +8,24 @@ analytically (groups' T(m) plus the all-reduce), and finally builds the
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from . import codecs
 from .context import PlanContext
 from .costs import (boundary_bytes, compute_seconds, pipeline_estimate, schedule_sync,
                     sync_per_step, sync_segments, transfer_seconds)
-from .partition import GroupSolution, describe, proportional_split, solve_chain
+from .partition import GroupSolution, all_solved, describe, proportional_split, solve_chain
 from .simulate import simulate
-from .types import Plan, ReplicaGroup, StagePlan
+from .types import Link, Plan, ReplicaGroup, StagePlan
 
 Chain = tuple[int, ...]
+Split = tuple[Sequence[int], Sequence[tuple[int, int]]]
+"""One group's ``(node indices, layer range (start, end) per stage)``."""
 
 
 def allocate_microbatches(solutions: Sequence[GroupSolution],
@@ -131,17 +134,17 @@ class Evaluator:
             return None
         speed = [float(sum(ctx.flops[i] for i in c)) for c in chains]
         hints = [max(1, round(ctx.M * f / sum(speed))) for f in speed]
-        sols = [self.solve(tuple(c), h, fast) for c, h in zip(chains, hints)]
-        if any(s is None for s in sols):
+        sols = all_solved([self.solve(tuple(c), h, fast) for c, h in zip(chains, hints)])
+        if sols is None:
             return None
         micro = allocate_microbatches(sols, ctx.M)
         if micro is None:
             return None
         best = (self.step_seconds(sols, micro), sols, micro)
         if refine and not fast:
-            again = [self.solve(tuple(c), m) for c, m in zip(chains, micro)]
-            micro2 = allocate_microbatches(again, ctx.M) if None not in again else None
-            if micro2 is not None:
+            again = all_solved([self.solve(tuple(c), m) for c, m in zip(chains, micro)])
+            micro2 = allocate_microbatches(again, ctx.M) if again is not None else None
+            if again is not None and micro2 is not None:
                 best = min(best, (self.step_seconds(again, micro2), again, micro2),
                            key=lambda b: b[0])
         seconds, sols, micro = best
@@ -155,7 +158,7 @@ class Evaluator:
         times = [s.seconds(m) for s, m in zip(sols, micro)]
         if len(sols) < 2:
             return times[0]
-        ready = {}
+        ready: dict[Hashable, float] = {}
         groups = []
         for s, t in zip(sols, times):
             groups.append([(node, k, j) for node, (k, j) in zip(s.nodes, s.ranges)])
@@ -176,8 +179,8 @@ def split_samples(batch_size: int, micro: Sequence[int]) -> list[int]:
     return out
 
 
-def build_plan(ctx: PlanContext, groups: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
-               micro: Sequence[int], compression: bool = True) -> Plan:
+def build_plan(ctx: PlanContext, groups: Sequence[Split], micro: Sequence[int],
+               compression: bool = True) -> Plan:
     """The plan for given chains, splits and microbatches, with its simulated step time.
 
     Each link's codecs come from :func:`choose_codecs`; with
@@ -234,7 +237,7 @@ def choose_codecs(ctx: PlanContext, nodes: Sequence[int], ranges: Sequence[tuple
     fwd, bwd = zip(*(compute_seconds(prof, k, j, ctx.flops[node], samples)
                      for node, (k, j) in zip(nodes, ranges)))
     # sends[d][i]: (link, bytes) of link i in direction d (0: activations, 1: gradients)
-    sends = [[], []]
+    sends: list[list[tuple[Link, float]]] = [[], []]
     for i in range(len(nodes) - 1):
         x = boundary_bytes(prof, ranges[i][1], samples)
         a, b = ctx.ids[nodes[i]], ctx.ids[nodes[i + 1]]
@@ -246,7 +249,7 @@ def choose_codecs(ctx: PlanContext, nodes: Sequence[int], ranges: Sequence[tuple
         link, x = sends[d][i]
         return transfer_seconds(link, x, codec, prof.element_bytes)[0]
 
-    fast = [[codecs.fastest(allowed[d], lambda c, d=d, i=i: busy(d, i, c))
+    fast = [[codecs.fastest(allowed[d], functools.partial(busy, d, i))
              for i in range(len(sends[d]))] for d in (0, 1)]
     fast_busy = [[busy(d, i, c) for i, c in enumerate(fast[d])] for d in (0, 1)]
     if sched == "gpipe":
@@ -254,7 +257,7 @@ def choose_codecs(ctx: PlanContext, nodes: Sequence[int], ranges: Sequence[tuple
     else:
         top = max([f + b for f, b in zip(fwd, bwd)] + fast_busy[0] + fast_busy[1])
         budgets = (top, top)
-    chosen = [[codecs.choose(allowed[d], lambda c, d=d, i=i: busy(d, i, c), budgets[d])
+    chosen = [[codecs.choose(allowed[d], functools.partial(busy, d, i), budgets[d])
                for i in range(len(sends[d]))] for d in (0, 1)]
 
     def step(choice: list[list[str]]) -> float:
@@ -279,8 +282,8 @@ POLISH_MAX_STAGES = 24
 """Plans with more stages than this (all groups together) are not polished."""
 
 
-def polish(ctx: PlanContext, groups: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
-           micro: Sequence[int], rounds: int = 10, deadline: float = math.inf) -> Plan:
+def polish(ctx: PlanContext, groups: Sequence[Split], micro: Sequence[int], rounds: int = 10,
+           deadline: float = math.inf) -> Plan:
     """:func:`build_plan`, then hill climbing on the simulator's step time.
 
     Moves: shift one stage boundary by one layer (when both stages still fit
@@ -289,48 +292,45 @@ def polish(ctx: PlanContext, groups: Sequence[tuple[Sequence[int], Sequence[tupl
     settles them. Skipped for plans of more than :data:`POLISH_MAX_STAGES`
     stages; stops at ``deadline`` (a ``time.perf_counter()`` value).
     """
-    groups = [(list(n), list(r)) for n, r in groups]
+    splits: list[Split] = [(list(n), list(r)) for n, r in groups]
     micro = list(micro)
-    best = build_plan(ctx, groups, micro)
-    if sum(len(n) for n, _ in groups) > POLISH_MAX_STAGES:
+    best = build_plan(ctx, splits, micro)
+    if sum(len(n) for n, _ in splits) > POLISH_MAX_STAGES:
         return best
 
-    def fits(nodes, ranges, m) -> bool:
+    def fits(nodes: Sequence[int], ranges: Sequence[tuple[int, int]], m: int) -> bool:
         sol = describe(ctx, nodes, [(i, k, j) for i, (k, j) in enumerate(ranges)], m)
         return sol.max_microbatches >= m
 
     for _ in range(rounds):
         improved = False
-        tries = []
-        for g, (_, ranges) in enumerate(groups):
+        # each try: (the groups it changes, every group's split, microbatches per group)
+        tries: list[tuple[list[int], list[Split], list[int]]] = []
+        for g, (nodes, ranges) in enumerate(splits):
             for b in range(len(ranges) - 1):
                 for delta in (-1, 1):
                     cut = ranges[b][1] + delta
                     if ranges[b][0] < cut < ranges[b + 1][1]:
-                        new = (ranges[:b] + [(ranges[b][0], cut), (cut, ranges[b + 1][1])]
-                               + ranges[b + 2:])
-                        tries.append((g, new, micro))
-        if len(groups) > 1:
+                        cand = list(splits)
+                        cand[g] = (nodes, [*ranges[:b], (ranges[b][0], cut),
+                                           (cut, ranges[b + 1][1]), *ranges[b + 2:]])
+                        tries.append(([g], cand, micro))
+        if len(splits) > 1:
             times = [grp.predicted_seconds for grp in best.groups]
             slow, fast = times.index(max(times)), times.index(min(times))
             if micro[slow] > 1:
                 moved = list(micro)
                 moved[slow] -= 1
                 moved[fast] += 1
-                tries.append((None, None, moved))
-        for g, new, m in tries:
+                tries.append((list(range(len(splits))), list(splits), moved))
+        for changed, cand, m in tries:
             if time.perf_counter() > deadline:
                 return best
-            cand_groups = list(groups)
-            if g is not None:
-                if not fits(groups[g][0], new, m[g]):
-                    continue
-                cand_groups[g] = (groups[g][0], new)
-            elif not all(fits(n, r, mm) for (n, r), mm in zip(groups, m)):
+            if not all(fits(*cand[g], m[g]) for g in changed):
                 continue
-            plan = build_plan(ctx, cand_groups, m)
+            plan = build_plan(ctx, cand, m)
             if plan.predicted_step_seconds < best.predicted_step_seconds * (1 - 1e-9):
-                best, groups, micro, improved = plan, cand_groups, list(m), True
+                best, splits, micro, improved = plan, cand, list(m), True
                 break
         if not improved:
             break

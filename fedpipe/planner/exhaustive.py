@@ -41,7 +41,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .context import PlanContext
-from .evaluate import Evaluator, allocate_microbatches, build_plan, polish
+from .evaluate import Evaluator, Split, allocate_microbatches, build_plan, polish
 from .partition import GroupSolution, stage_costs, describe
 from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
 
@@ -209,11 +209,12 @@ def exhaustive_plan(cluster: ClusterView, profile: ModelProfile, config: TrainCo
         raise PlanError("brute force: no grouping fits the nodes' memory")
     scored = sorted((-neg, chains) for neg, _, chains in top)
     # 4: the best few, split again and simulated
-    plans = []
-    for _, chains in scored[:top_k]:
-        cand = ev.estimate(chains, refine=True)
+    # (simulated step seconds, rank as a tie-break, splits, microbatches per group)
+    plans: list[tuple[float, int, list[Split], tuple[int, ...]]] = []
+    for _, grouping in scored[:top_k]:
+        cand = ev.estimate(grouping, refine=True)
         if cand is not None:
-            groups = [(s.nodes, s.ranges) for s in cand.solutions]
+            groups: list[Split] = [(s.nodes, s.ranges) for s in cand.solutions]
             plans.append((build_plan(ctx, groups, cand.microbatches).predicted_step_seconds,
                           len(plans), groups, cand.microbatches))
     plans.sort()

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .ordering import bottleneck_path
+from .ordering import PerNode, bottleneck_path
 
 
 def group_counts(n_nodes: int, microbatches: int, n_layers: int, stages: int = 0,
@@ -43,7 +43,7 @@ def group_counts(n_nodes: int, microbatches: int, n_layers: int, stages: int = 0
     return sorted(x for x in ladder if 1 <= x <= top)
 
 
-def contiguous_groups(order: Sequence[int], flops: Sequence[float], r: int) -> list[list[int]]:
+def contiguous_groups(order: Sequence[int], flops: PerNode, r: int) -> list[list[int]]:
     """Cut ``order`` into ``r`` consecutive runs of about equal total FLOP/s (none empty)."""
     r = min(r, len(order))
     total = float(sum(flops[i] for i in order))
@@ -64,7 +64,7 @@ def strided_groups(order: Sequence[int], r: int) -> list[list[int]]:
     return [list(order[g::r]) for g in range(r)]
 
 
-def trim(group: Sequence[int], flops: Sequence[float], keep: int) -> tuple[list[int], list[int]]:
+def trim(group: Sequence[int], flops: PerNode, keep: int) -> tuple[list[int], list[int]]:
     """Keep the ``keep`` fastest nodes (in their order); returns ``(kept, dropped)``."""
     if len(group) <= keep:
         return list(group), []
@@ -73,7 +73,7 @@ def trim(group: Sequence[int], flops: Sequence[float], keep: int) -> tuple[list[
 
 
 def site_subsets(line: Sequence[int], runs: Sequence[Sequence[int]],
-                 flops: Sequence[float]) -> list[list[int]]:
+                 flops: PerNode) -> list[list[int]]:
     """The locality ``line`` restricted to its 1, 2, 4, ... strongest sites (by
     total FLOP/s) and to all of them: a whole site may be better left out than
     joined by slow links."""

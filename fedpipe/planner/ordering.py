@@ -5,9 +5,12 @@ tensor there and back, :meth:`PlanContext.hop_cost`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, TypeAlias
 
 import numpy as np
+
+PerNode: TypeAlias = Sequence[float] | np.ndarray
+"""One number per node, indexed by node (FLOP/s, say): a list or a 1-D array."""
 
 EXACT_PATH_NODES = 8
 """Groups of up to this many nodes get an exact bottleneck path; larger ones a heuristic."""
@@ -98,7 +101,7 @@ def _two_opt(cost: np.ndarray, order: list[int], rounds: int = 50) -> list[int]:
     return order
 
 
-def locality_order(cost: np.ndarray, nodes: Sequence[int], speed: Sequence[float]) -> list[int]:
+def locality_order(cost: np.ndarray, nodes: Sequence[int], speed: PerNode) -> list[int]:
     """A line through ``nodes`` on which nodes joined by cheap links sit together.
 
     Single-linkage clustering (Kruskal on the hop costs): clusters merge along

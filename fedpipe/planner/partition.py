@@ -76,6 +76,12 @@ class GroupSolution:
         return self.sigma + (microbatches - 1) * self.period
 
 
+def all_solved(solutions: Sequence[GroupSolution | None]) -> list[GroupSolution] | None:
+    """``solutions`` as a list when every group has a split, None when one has none."""
+    found = [s for s in solutions if s is not None]
+    return found if len(found) == len(solutions) else None
+
+
 def _in_flight_bound(ctx: PlanContext, m: int, i: int, n: int) -> np.ndarray | int:
     """Microbatches stashed by a stage at chain position i that ends at layer j (vector over j).
 
@@ -340,5 +346,5 @@ def partition(chain: Sequence[NodeSpec], profile: ModelProfile, config: TrainCon
     return list(sol.ranges), sol.bottleneck
 
 
-__all__ = ["GroupSolution", "THRESHOLDS", "describe", "partition", "proportional_split",
-           "solve_chain", "stage_costs", "stage_memory_bytes"]
+__all__ = ["GroupSolution", "THRESHOLDS", "all_solved", "describe", "partition",
+           "proportional_split", "solve_chain", "stage_costs", "stage_memory_bytes"]

@@ -18,7 +18,7 @@ import time
 from typing import Sequence
 
 from .context import PlanContext
-from .evaluate import Candidate, Evaluator, build_plan, polish
+from .evaluate import Candidate, Chain, Evaluator, Split, build_plan, polish
 from .grouping import initial_groupings, site_subsets
 from .ordering import locality_order, path_cost, site_runs
 from .types import ClusterView, ModelProfile, Plan, PlanError, SearchOptions, TrainConfig
@@ -62,10 +62,11 @@ def make_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig,
         pool = tuple(i for i in range(ctx.n) if i not in used)
         local_search(ev, hop, cand, pool, rng, iterations, deadline, archive)
     ranked = sorted(archive.values(), key=lambda c: c.seconds)[:max(1, options.finalists)]
-    plans = []
+    # (simulated step seconds, rank as a tie-break, splits, microbatches per group)
+    plans: list[tuple[float, int, list[Split], tuple[int, ...]]] = []
     for cand in ranked:
         final = ev.estimate(cand.chains, refine=True) or cand
-        groups = [(s.nodes, s.ranges) for s in final.solutions]
+        groups: list[Split] = [(s.nodes, s.ranges) for s in final.solutions]
         plans.append((build_plan(ctx, groups, final.microbatches).predicted_step_seconds,
                       len(plans), groups, final.microbatches))
     plans.sort()
@@ -147,8 +148,8 @@ def local_search(ev: Evaluator, hop, cand: Candidate, pool: Sequence[int], rng: 
         proposal = propose(kind, [list(c) for c in cand.chains], list(pool), hop, rng, max_groups)
         if proposal is None:
             continue
-        chains, new_pool = proposal
-        chains = [tuple(c) for c in chains if c]
+        proposed, new_pool = proposal
+        chains: list[Chain] = [tuple(c) for c in proposed if c]
         options = [chains]
         if len(chains) > len(cand.chains) and len(chains) >= 3:
             # a new group (appended last): try it at every place in the all-reduce ring

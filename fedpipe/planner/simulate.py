@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from ..spec import Action, SpecError, schedule_order
 from .costs import (boundary_bytes, compute_seconds, schedule_sync, sync_per_step,
@@ -48,8 +48,9 @@ class _Engine:
         self.succ.append([])
         self.npred.append(0)
         i = len(self.dur) - 1
-        if self.orders[res] is not None:
-            self.orders[res].append(i)
+        order = self.orders[res]
+        if order is not None:
+            order.append(i)
         return i
 
     def dep(self, before: int, after: int) -> None:
@@ -228,7 +229,8 @@ def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         KeyError: the plan names a node the cluster does not have.
     """
     nodes = {n.node_id: n for n in cluster.nodes}
-    group_seconds, ready = [], {}
+    group_seconds: list[float] = []
+    ready: dict[Hashable, float] = {}  # node id -> end of its last backward pass, seconds
     for g, (m, samples) in zip(plan.groups, group_shares(plan, config)):
         mb = samples / m
         st = g.stages

@@ -52,7 +52,7 @@ class WireError(SpecError):
     """
 
 
-DTYPES: dict[torch.dtype, int] = {
+DTYPES: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.DTYPE_FLOAT32, torch.float16: pb.DTYPE_FLOAT16,
     torch.bfloat16: pb.DTYPE_BFLOAT16, torch.float64: pb.DTYPE_FLOAT64,
     torch.int64: pb.DTYPE_INT64, torch.int32: pb.DTYPE_INT32, torch.int16: pb.DTYPE_INT16,
@@ -287,7 +287,7 @@ class Codec:
         fields: header fields the codec uses (the others must be zero).
     """
     name: str
-    code: int
+    code: pb.Codec
     lossy: bool
     encode: Callable[[torch.Tensor, CodecSpec], tuple[list[torch.Tensor], dict]]
     size: Callable[[_Header], int]
@@ -346,8 +346,9 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
     if impl.lossy and not t.dtype.is_floating_point:
         impl = CODECS["raw"]
     flat = t.detach().contiguous().view(-1)
-    compensate = feedback is not None and impl.lossy
-    if compensate:
+    if not impl.lossy:
+        feedback = None  # a lossless codec leaves no residual to feed back
+    if feedback is not None:
         if key is None:
             raise ValueError("encode with feedback needs a key (one per link and tensor slot)")
         acc = feedback._compensate(key, t.detach())
@@ -356,7 +357,7 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
     out = _join(parts)
     msg = pb.Tensor(dtype=DTYPES[t.dtype], shape=t.shape, codec=impl.code,
                     encoded_bytes=len(out), **fields)
-    if compensate:
+    if feedback is not None:
         sent = impl.decode(bytearray(out), _Header(msg, t.dtype, t.numel()))
         feedback.remember(key, acc.sub_(sent.to(acc)).view(t.shape))
     if spec.zstd_level is not None:
@@ -381,7 +382,7 @@ def encode_payload(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
     spec = codec if isinstance(codec, CodecSpec) else parse_codec(codec)
     if (spec.name == "raw" and spec.zstd_level is None and t.dtype in DTYPES
             and t.device.type == "cpu" and t.numel()):
-        view = memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        view = t.detach().contiguous().view(-1).view(torch.uint8).numpy().data
         return pb.Tensor(dtype=DTYPES[t.dtype], shape=t.shape, codec=pb.CODEC_RAW,
                          encoded_bytes=len(view), payload_bytes=len(view)), view
     msg = encode(t, spec, feedback=feedback, key=key)
@@ -392,7 +393,7 @@ def encode_payload(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
 
 def _join(parts: list[torch.Tensor]) -> bytes:
     """The bytes of 1-D tensors, concatenated: one copy (after any device-to-host copy)."""
-    return b"".join(p.cpu().view(torch.uint8).numpy() for p in parts)
+    return b"".join(p.cpu().view(torch.uint8).numpy().data for p in parts)
 
 
 # ---------------------------------------------------------------------------
@@ -472,7 +473,7 @@ def _header(msg: pb.Tensor) -> tuple[_Header, Codec]:
     return _Header(msg, dtype, math.prod(msg.shape)), impl
 
 
-def _unzstd(payload: bytes, size: int) -> bytearray:
+def _unzstd(payload: bytes | bytearray | memoryview, size: int) -> bytearray:
     """Decompress one zstd frame that must yield exactly ``size`` bytes, allocating at most that."""
     # zstandard's decompress() allocates the content size a frame header
     # declares, whatever max_output_size says: so check that size first.

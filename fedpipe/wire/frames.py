@@ -93,19 +93,19 @@ def read_tensors(frames: Iterable[node_pb2.Frame],
     size = 0
     limit = codecs.MAX_TENSOR_BYTES
 
-    def finish():
+    def finish(first: node_pb2.Frame) -> tuple[node_pb2.Frame, torch.Tensor]:
         nonlocal parts
-        if size != head.tensor.payload_bytes:
+        if size != first.tensor.payload_bytes:
             raise WireError(f"tensor stream ended after {size} payload bytes, header declared "
-                            f"{head.tensor.payload_bytes}")
+                            f"{first.tensor.payload_bytes}")
         payload = bytearray().join(parts)  # the one copy: decoded in place
         parts = []
-        return head, codecs.decode(head.tensor, payload=payload, max_bytes=limit)
+        return first, codecs.decode(first.tensor, payload=payload, max_bytes=limit)
 
     for frame in frames:
         if frame.HasField("tensor"):
             if head is not None:
-                yield finish()  # raises: the previous tensor is incomplete
+                yield finish(head)  # raises: the previous tensor is incomplete
             head, parts, size = frame, [frame.tensor.payload], len(frame.tensor.payload)
             limit = admit(head) if admit is not None else codecs.MAX_TENSOR_BYTES
             if head.tensor.payload_bytes > limit:
@@ -121,7 +121,7 @@ def read_tensors(frames: Iterable[node_pb2.Frame],
             raise WireError(f"tensor stream carries more than the declared "
                             f"{head.tensor.payload_bytes} payload bytes")
         if size == head.tensor.payload_bytes:  # complete: hand it over now, the
-            yield finish()                      # stream may stay open for the next
+            yield finish(head)                  # stream may stay open for the next
             head = None
     if head is not None:
-        yield finish()
+        yield finish(head)
