@@ -497,8 +497,13 @@ class Job:
                 timeout=timeouts.FEED_RPC)
 
     def _info(self) -> tracker_pb2.JobInfo:
-        return self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
-                                       timeout=timeouts.CONTROL_RPC)
+        """The job's info; while the tracker is unreachable (restarting), ask again
+        until it answers, at most :data:`~fedpipe.net.timeouts.RECONNECT_BACKOFF_MAX`
+        apart, so the feed goes on as soon as the tracker is back."""
+        return net.retry(lambda: self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
+                                                         timeout=timeouts.CONTROL_RPC),
+                         f"asking the tracker about job {self.id}",
+                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self._halted.is_set)
 
     def _await_epoch(self, after: int, poll: float) -> tracker_pb2.JobInfo | None:
         """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended),
