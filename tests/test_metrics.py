@@ -9,6 +9,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -88,10 +89,10 @@ def test_tracker_scrape_follows_a_lost_node_and_a_finished_job(store):
     registry = tracker_registry(s)
     with start_metrics(registry, 0) as served:
         before = scrape(served.url)
-        s.record_step(job, 4, 0.5, 200.0)
+        s.record_step(job, 4, 0.5, 200.0, time.time())
         s.mark_lost(ids[2])
         mid = scrape(served.url)
-        s.set_state(job, tracker_pb2.JOB_STATE_SUCCEEDED, "all 10 steps done")
+        s.set_state(job, tracker_pb2.JOB_STATE_SUCCEEDED, "all 10 steps done", time.time())
         after = scrape(served.url)
     assert value(before, "fedpipe_job_step", job=job) == 3
     assert value(mid, "fedpipe_job_step", job=job) == 4
