@@ -359,9 +359,9 @@ class Job:
         """
         return step_records(GrpcSource(self.client.stub).events(self.id, 0))
 
-    def plot(self, path: str) -> None:
+    def plot(self, path: str):
         """Draw the job's loss and throughput curves (recoveries marked) to ``path``
-        (.png, .svg or .pdf), with matplotlib.
+        (.png, .svg or .pdf), with matplotlib; return the ``matplotlib.figure.Figure``.
 
         Raises:
             ValueError: no step is recorded yet.
@@ -369,7 +369,7 @@ class Job:
         """
         from ..observe.plots import plot_job  # matplotlib loads only when a picture is drawn
 
-        plot_job(GrpcSource(self.client.stub), self.id, path)
+        return plot_job(GrpcSource(self.client.stub), self.id, path)
 
     def wait(self, timeout: float | None = None, progress: bool = True) -> JobStatus:
         """Block until the job ends, showing a progress bar (step, loss, samples/s) and
