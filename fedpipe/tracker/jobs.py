@@ -670,12 +670,18 @@ class Jobs:
             stages.setdefault(key, deque(maxlen=STAGE_TIME_WINDOW)).append(split)
 
     def stage_times(self, job_id: str) -> list[StageTime]:
-        """Each stage's step split in the job's latest reporting epoch: per part, the
-        median of its last :data:`STAGE_TIME_WINDOW` reported steps, seconds; ordered by
-        replica and stage (``[]`` before any report, or for a job not seen lately)."""
+        """Each stage's step split in the job's current plan epoch: per part, the median
+        of its last :data:`STAGE_TIME_WINDOW` reported steps, seconds; ordered by replica
+        and stage (``[]`` before any report of this epoch, or for a job not seen lately
+        or unknown)."""
+        try:
+            current = self.store.job(job_id).epoch
+        except KeyError:
+            return []
         with self._times_lock:
-            _, stages = self._stage_times.get(job_id, (0, {}))
-            splits = {key: list(window) for key, window in stages.items()}
+            epoch, stages = self._stage_times.get(job_id, (current, {}))
+            splits = {key: list(window) for key, window in stages.items()} \
+                if epoch == current else {}
         return [StageTime(key.replica, key.stage,
                           *(statistics.median(part) for part in zip(*window)))
                 for key, window in sorted(splits.items())]
