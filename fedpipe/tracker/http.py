@@ -40,7 +40,6 @@ import json
 import logging
 import re
 import time
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
