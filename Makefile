@@ -20,6 +20,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/fedpipe demo --nodes 3
 
 test: $(VENV)/.installed
+	sh tools/setup-test-deps.sh
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.installed

@@ -1,13 +1,14 @@
-"""`fedpipe` command line: tracker, node, submit, status, demo."""
+"""`fedpipe` command line: tracker, node, submit, status, plot, plan, demo."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import sys
-import time
 
 import grpc
+
+from .observe.serving import LOCALHOST
 
 
 def _logging(verbose: bool) -> None:
@@ -24,14 +25,41 @@ def cmd_tracker(args) -> int:
 
     srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh)
     print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db})", flush=True)
+    served = _observe_tracker(service.tracker, args)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    for http in served:
+        http.close()
     service.close()
     srv.stop(grace=timeouts.SERVER_GRACE).wait()
     service.store.close()
     return 0
+
+
+def _observe_tracker(tracker, args) -> list:
+    """Serve the dashboard (``--http-port``) and the Prometheus metrics
+    (``--metrics-port``) of a running tracker, each when its port is not 0; print
+    where. Returns the servers, for the caller to close."""
+    if not (args.http_port or args.metrics_port):
+        return []
+    from .observe.metrics import start_metrics, tracker_registry
+    from .observe.source import Histories
+    from .tracker.http import TrackerSource, start_http
+
+    source = TrackerSource(tracker.store, tracker.jobs)
+    histories = Histories(source)  # shared, so each event is read once
+    registry = tracker_registry(source, histories)
+    served = []
+    if args.http_port:
+        served.append(start_http(source, args.http_host, args.http_port, registry=registry,
+                                 histories=histories))
+        print(f"fedpipe tracker dashboard at {served[-1].url}/", flush=True)
+    if args.metrics_port:
+        served.append(start_metrics(registry, args.metrics_port, args.metrics_host))
+        print(f"fedpipe tracker metrics at {served[-1].url}/metrics", flush=True)
+    return served
 
 
 def cmd_node(args) -> int:
@@ -40,22 +68,43 @@ def cmd_node(args) -> int:
     daemon = NodeDaemon(args.tracker, args.host, args.port, advertise=args.advertise,
                         name=args.name, device=args.device, threads=args.threads,
                         trust_code=args.trust_code, memory_limit=args.memory_limit,
-                        link_profile=args.link_profile)
+                        link_profile=args.link_profile, metrics_port=args.metrics_port,
+                        metrics_host=args.metrics_host)
     daemon.install_signal_handlers()
     print(f"fedpipe node {daemon.name} listening on {daemon.address}", flush=True)
+    if daemon.metrics_server is not None:
+        print(f"fedpipe node {daemon.name} metrics at {daemon.metrics_server.url}/metrics",
+              flush=True)
     daemon.run()
     return 0
 
 
 def cmd_status(args) -> int:
+    """``fedpipe status [JOB] [--watch]``: the swarm, or one job with its plan, per-stage
+    timings and event log, in the terminal (``--json``: once, machine-readable)."""
+    from .observe import status
+
+    if args.dashboard:
+        source = status.HttpSource(args.dashboard)
+        if args.json:
+            print(json.dumps(source.job_dict(args.job) if args.job else source.swarm_dict(),
+                             indent=1))
+            return 0
+        status.run_status(source, args.job, watch=args.watch, interval=args.interval)
+        return 0
     from .client import Client
+    from .observe.source import GrpcSource
 
     with Client(args.tracker) as client:
-        return _status(client, args)
+        if args.json:
+            return _status_json(client, args)
+        status.run_status(GrpcSource(client.stub), args.job, watch=args.watch,
+                          interval=args.interval)
+    return 0
 
 
-def _status(client, args) -> int:
-    """``fedpipe status``: one job's state and plan, or the nodes and measured links."""
+def _status_json(client, args) -> int:
+    """``fedpipe status --json``: one job's state and plan, or the nodes and measured links."""
     from google.protobuf import json_format
 
     from .net import timeouts
@@ -63,34 +112,25 @@ def _status(client, args) -> int:
 
     if args.job:
         info = client.job(args.job).status()
-        if args.json:
-            print(json.dumps({"state": info.state, "reason": info.reason, "step": info.step,
-                              "steps": info.steps, "loss": info.loss,
-                              "plan": json_format.MessageToDict(info.plan)}, indent=1))
-            return 0
-        print(info)
-        for a in info.plan.stages:
-            print(f"  replica {a.replica} stage {a.stage}: {a.node_name} ({a.address}) layers "
-                  f"{a.layer_start}-{a.layer_end - 1}")
+        print(json.dumps({"state": info.state, "reason": info.reason, "step": info.step,
+                          "steps": info.steps, "loss": info.loss,
+                          "plan": json_format.MessageToDict(info.plan)}, indent=1))
         return 0
     reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=True),
                                    timeout=timeouts.CONTROL_RPC)
-    if args.json:
-        print(json_format.MessageToJson(reply))
-        return 0
-    print(f"{'node':<14}{'name':<14}{'address':<22}{'state':<7}{'device':<8}"
-          f"{'GFLOP/s':>9}{'GiB':>7}")
-    for n in reply.nodes:
-        r = n.resources
-        print(f"{n.node_id:<14}{n.name:<14}{n.address:<22}{'alive' if n.alive else 'lost':<7}"
-              f"{r.device:<8}{r.flops / 1e9:>9.1f}{r.memory_bytes / 2**30:>7.1f}")
-    names = {n.node_id: n.name for n in reply.nodes}
-    if reply.links:
-        print(f"\n{'link':<30}{'Mbit/s':>10}{'latency ms':>12}{'measured':>10}")
-        for m in reply.links:
-            pair = f"{names.get(m.src_id, m.src_id)} -> {names.get(m.dst_id, m.dst_id)}"
-            print(f"{pair:<30}{m.bandwidth * 8 / 1e6:>10.1f}{m.latency * 1e3:>12.2f}"
-                  f"{time.strftime('%H:%M:%S', time.localtime(m.measured_at)):>10}")
+    print(json_format.MessageToJson(reply))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    """``fedpipe plot JOB -o FILE``: the job's loss and throughput curves."""
+    from .client import Client
+    from .observe.plots import plot_job
+    from .observe.source import GrpcSource
+
+    with Client(args.tracker) as client:
+        plot_job(GrpcSource(client.stub), args.job, args.output)
+    print(f"wrote {args.output}")
     return 0
 
 
@@ -109,7 +149,7 @@ def cmd_plan(args) -> int:
         from .client import Client
         from .net import timeouts
         from .proto import tracker_pb2
-        from .tracker.service import cluster_view
+        from .planner.protoio import cluster_view
 
         with Client(args.tracker) as client:
             reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(),
@@ -123,6 +163,12 @@ def cmd_plan(args) -> int:
         print(json.dumps(jsonio.plan_to_json(plan), indent=1))
     else:
         print(jsonio.format_plan(plan, cluster, profile, config))
+    if args.draw:
+        from .observe.plots import draw_plan
+        from .observe.views import plan_layout
+
+        draw_plan(plan_layout(plan, cluster=cluster, profile=profile, config=config), args.draw)
+        print(f"wrote {args.draw}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -152,26 +198,61 @@ def _compression(args) -> dict[str, str]:
 
 def cmd_demo(args) -> int:
     from .examples import digits
-    from .testing import LocalSwarm
+    from .testing import LocalSwarm, free_port
 
+    http_port = args.http_port or free_port()
     print(f"starting a tracker and {args.nodes} nodes on 127.0.0.1 ...", flush=True)
-    with LocalSwarm(args.nodes) as swarm:
+    with LocalSwarm(args.nodes, tracker_args=["--http-port", str(http_port)]) as swarm:
         client = swarm.client()  # closed with the swarm
         print(f"tracker at {swarm.tracker}; nodes: "
               + ", ".join(f"{n.name} ({n.address})" for n in client.nodes()), flush=True)
+        print(f"dashboard at http://127.0.0.1:{http_port}/", flush=True)
         # the digits MLP is so small that one node would be fastest: the demo
         # pins one stage per node to show the pipeline
         acc = digits.train(client, steps=args.steps, microbatches=args.microbatches,
                            schedule=args.schedule, stages=args.stages or args.nodes,
                            compression=_compression(args))
+        if args.keep:
+            _keep(swarm.tracker, http_port)
     print("swarm stopped.")
     return 0 if acc >= 0.95 else 1
+
+
+def _keep(tracker: str, http_port: int) -> None:
+    """``fedpipe demo --keep``: say how to look at the swarm, then wait for Ctrl-C."""
+    import signal
+    import threading
+    import urllib.request
+
+    url = f"http://127.0.0.1:{http_port}"
+    with urllib.request.urlopen(f"{url}/api/jobs?limit=1", timeout=10) as r:
+        jobs = json.loads(r.read())["jobs"]
+    job = jobs[0]["id"] if jobs else "JOB"
+    print(f"\nthe swarm stays up until Ctrl-C. Look at it:\n"
+          f"  dashboard:  {url}/#job={job}\n"
+          f"  terminal:   fedpipe status --tracker {tracker} {job}\n"
+          f"  curves:     fedpipe plot --tracker {tracker} {job} -o {job}.png\n"
+          f"  the plan:   fedpipe plan --tracker {tracker} --model PROFILE.json --draw plan.png",
+          flush=True)
+    done = threading.Event()
+    # the swarm's processes are stopped by the caller; SIGTERM ends the wait like Ctrl-C
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        pass
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedpipe", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
+
+    def metrics_args(q):
+        q.add_argument("--metrics-port", type=int, default=0,
+                       help="serve Prometheus metrics on this port (0: off); see docs/metrics.md")
+        q.add_argument("--metrics-host", default=LOCALHOST,
+                       help="address the metrics bind (they have no authentication)")
 
     t = sub.add_parser("tracker", help="run the tracker (control plane)")
     t.add_argument("--host", default="0.0.0.0")
@@ -181,6 +262,11 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a node may go without a heartbeat before it is marked lost")
     t.add_argument("--link-refresh", type=float, default=300.0,
                    help="seconds between link re-measurements (0: only when nodes join)")
+    t.add_argument("--http-port", type=int, default=0,
+                   help="serve the dashboard and its JSON API on this port (0: off)")
+    t.add_argument("--http-host", default=LOCALHOST,
+                   help="address the dashboard binds (it has no authentication)")
+    metrics_args(t)
     t.set_defaults(func=cmd_tracker)
 
     n = sub.add_parser("node", help="run a node (compute)")
@@ -197,13 +283,26 @@ def parser() -> argparse.ArgumentParser:
                    help="advertise at most this many bytes of memory")
     n.add_argument("--link-profile", default=None,
                    help="JSON file of emulated links to peers (bandwidth, latency); see README")
+    metrics_args(n)
     n.set_defaults(func=cmd_node)
 
-    s = sub.add_parser("status", help="list nodes and measured links, or show a job")
-    s.add_argument("--tracker", required=True)
+    s = sub.add_parser("status", help="the swarm (nodes, links), or one job: its plan, "
+                                      "per-stage timings and event log")
+    where = s.add_mutually_exclusive_group(required=True)
+    where.add_argument("--tracker", help="tracker HOST:PORT")
+    where.add_argument("--dashboard", help="the tracker's dashboard URL (http://HOST:PORT): "
+                                           "adds each stage's predicted and measured timings")
     s.add_argument("job", nargs="?", help="job id")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--watch", action="store_true", help="keep it live until Ctrl-C")
+    s.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")
+    s.add_argument("--json", action="store_true", help="machine-readable output, once")
     s.set_defaults(func=cmd_status)
+
+    o = sub.add_parser("plot", help="draw a job's loss and throughput curves")
+    o.add_argument("--tracker", required=True)
+    o.add_argument("job", help="job id")
+    o.add_argument("-o", "--output", required=True, help="picture file (.png, .svg, .pdf)")
+    o.set_defaults(func=cmd_plot)
 
     def train_args(q):
         q.add_argument("--steps", type=int, default=300)
@@ -228,6 +327,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--stages", type=int, default=None, help="pin the pipeline depth")
     pl.add_argument("--compression", default="auto", help="auto, none or a codec spec")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--draw", metavar="FILE", help="also draw the plan (.png, .svg, .pdf)")
     pl.set_defaults(func=cmd_plan)
 
     c = sub.add_parser("cancel", help="cancel a job")
@@ -243,6 +343,10 @@ def parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="start a local swarm and train the digits example")
     d.add_argument("--nodes", type=int, default=3)
+    d.add_argument("--keep", action="store_true",
+                   help="keep the swarm up after training, for a look, until Ctrl-C")
+    d.add_argument("--http-port", type=int, default=0,
+                   help="the dashboard's port (0: any free one)")
     train_args(d)
     d.set_defaults(func=cmd_demo)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -32,6 +33,16 @@ def test_plan_from_cluster_and_model_files():
     assert layers[0][0] == 0 and layers[-1][1] == 16
 
 
+def test_plan_draw_writes_a_picture_of_the_plan(tmp_path):
+    png = tmp_path / "plan.png"
+    out = fedpipe("plan", "--cluster", str(ROOT / "benchmarks/clusters/S2.json"),
+                  "--model", str(ROOT / "benchmarks/models/uneven16.json"), "--batch", "32",
+                  "--microbatches", "8", "--draw", str(png))
+    assert out.returncode == 0, out.stderr
+    assert f"wrote {png}" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
 def test_plan_reports_a_bad_file_clearly(tmp_path):
     bad = tmp_path / "cluster.json"
     bad.write_text('{"nodes": [{"id": "a"}]}')
@@ -50,4 +61,8 @@ def test_plan_and_status_for_a_live_swarm(swarm, tmp_path):
     assert "predicted step" in out.stdout and "node" in out.stdout
     status = fedpipe("status", "--tracker", swarm.tracker)
     assert status.returncode == 0, status.stderr
-    assert status.stdout.count("alive") == 3 and "latency ms" in status.stdout
+    assert "3 node(s) alive, 0 lost" in status.stdout
+    assert len(re.findall(r" alive *$", status.stdout, re.M)) == 3  # one row per node
+    assert "latency" in status.stdout  # and one row per directed link
+    assert len(re.findall(r"^ *node\d +node\d +[\d.]+ +[\d.]+ [µm]?s ", status.stdout,
+                          re.M)) == 6

@@ -9,6 +9,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -88,10 +89,10 @@ def test_tracker_scrape_follows_a_lost_node_and_a_finished_job(store):
     registry = tracker_registry(s)
     with start_metrics(registry, 0) as served:
         before = scrape(served.url)
-        s.record_step(job, 4, 0.5, 200.0)
+        s.record_step(job, 4, 0.5, 200.0, time.time())
         s.mark_lost(ids[2])
         mid = scrape(served.url)
-        s.set_state(job, tracker_pb2.JOB_STATE_SUCCEEDED, "all 10 steps done")
+        s.set_state(job, tracker_pb2.JOB_STATE_SUCCEEDED, "all 10 steps done", time.time())
         after = scrape(served.url)
     assert value(before, "fedpipe_job_step", job=job) == 3
     assert value(mid, "fedpipe_job_step", job=job) == 4
@@ -197,3 +198,39 @@ def test_the_tracker_side_of_observe_does_not_import_torch():
                          timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_the_tracker_keeps_every_stages_median_split_of_the_current_epoch():
+    from fedpipe.spec import PlanView, StageKey
+    from tracker_fakes import join, make_tracker, submission
+
+    R = tracker_pb2.StageReport
+    tracker, _, clock = make_tracker(lease=10.0)
+    join(tracker, 3)
+    job = tracker.jobs.submit(submission(steps=20, stages=2))
+    tracker.tick()
+    view = PlanView(tracker.jobs.get(job).plan)
+
+    def report(stage, step, compute, wait, send, epoch=0):
+        tracker.jobs.report(R(job_id=job, replica=0, stage=stage, status=R.STATUS_STEP,
+                              node_id=view[StageKey(0, stage)].node_id, step=step, loss=1.0,
+                              samples=8, seconds=compute + wait + send, compute_seconds=compute,
+                              wait_seconds=wait, send_seconds=send, epoch=epoch))
+
+    assert tracker.jobs.stage_times(job) == []
+    computes = [0.5, 0.1, 0.3, 0.2, 0.4, 0.9, 0.6]  # the last 5: median 0.4
+    for step, c in enumerate(computes, 1):
+        report(0, step, c, 0.01 * step, 0.002)
+        report(1, step, 2 * c, 0.0, 0.001)
+    report(1, 8, float("nan"), 0.0, 0.0)  # a broken clock is not kept
+    times = tracker.jobs.stage_times(job)
+    assert [(t.replica, t.stage) for t in times] == [(0, 0), (0, 1)]
+    assert (times[0].compute, times[0].wait, times[0].send) == \
+        pytest.approx((0.4, 0.05, 0.002))
+    assert (times[1].compute, times[1].wait, times[1].send) == pytest.approx((0.8, 0.0, 0.001))
+    assert tracker.jobs.get(job).step == 8  # the last stage's reports make the steps
+    # a recovery starts a new epoch: the old stages' times are not shown for it
+    lost = view[StageKey(0, 1)].node_id
+    tracker.registry.declare_lost(lost, "was killed")
+    assert tracker.jobs.get(job).epoch == 1 and tracker.jobs.stage_times(job) == []
+    assert tracker.jobs.stage_times("nosuchjob") == []

@@ -16,6 +16,8 @@ from torch import nn
 from .. import net
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
 from ..net import timeouts
+from ..observe.source import GrpcSource
+from ..observe.views import StepRecord, step_records
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..spec import REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, state_name
 from ..wire import frames
@@ -345,6 +347,30 @@ class Job:
     def events(self) -> Iterator[tracker_pb2.JobEvent]:
         """The job's events from the start, until it ends."""
         yield from self.client.stub.WatchJob(S.WatchJobRequest(job_id=self.id))
+
+    def history(self) -> list[StepRecord]:
+        """The job's completed steps so far, in the order the tracker recorded them (a step
+        replayed after a recovery appears again, with the new epoch): each a
+        :class:`~fedpipe.observe.views.StepRecord` with step, time (seconds since the
+        epoch), loss, samples/s and per-stage times (``stages``: empty, since the
+        tracker's gRPC API does not carry them; its dashboard's ``/api/jobs/ID`` does).
+
+        Raises:
+            KeyError: the tracker does not know the job.
+        """
+        return step_records(GrpcSource(self.client.stub).events(self.id, 0))
+
+    def plot(self, path: str):
+        """Draw the job's loss and throughput curves (recoveries marked) to ``path``
+        (.png, .svg or .pdf), with matplotlib; return the ``matplotlib.figure.Figure``.
+
+        Raises:
+            ValueError: no step is recorded yet.
+            KeyError: the tracker does not know the job.
+        """
+        from ..observe.plots import plot_job  # matplotlib loads only when a picture is drawn
+
+        return plot_job(GrpcSource(self.client.stub), self.id, path)
 
     def wait(self, timeout: float | None = None, progress: bool = True) -> JobStatus:
         """Block until the job ends, showing a progress bar (step, loss, samples/s) and

@@ -15,6 +15,8 @@ import torch
 from .. import __version__, net
 from ..net import timeouts
 from ..net.emulation import LinkProfile
+from ..observe.metrics import NodeMetrics, start_metrics
+from ..observe.serving import LOCALHOST, Served
 from ..proto import node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
 from ..spec import PROTOCOL_VERSION
 from .probe import probe, resolve_device
@@ -47,16 +49,21 @@ class NodeDaemon:
         trust_code: accept pickled layers from non-loopback peers.
         memory_limit: cap on advertised memory, bytes.
         link_profile: path of an emulated link profile (:mod:`fedpipe.net.emulation`).
+        metrics_port: serve Prometheus metrics (:class:`~fedpipe.observe.metrics.NodeMetrics`)
+            at ``http://METRICS_HOST:PORT/metrics`` (0: no metrics).
+        metrics_host: address the metrics bind; 127.0.0.1 by default, since they have
+            no authentication.
 
     Raises:
         ValueError: an unusable device, or a malformed link profile.
-        OSError: the port cannot be bound.
+        OSError: the port or the metrics port cannot be bound.
     """
 
     def __init__(self, tracker: str, host: str = "127.0.0.1", port: int = 0, *,
                  advertise: str | None = None, name: str = "", device: str = "auto",
                  threads: int | None = None, trust_code: bool = False,
-                 memory_limit: int | None = None, link_profile: str | None = None):
+                 memory_limit: int | None = None, link_profile: str | None = None,
+                 metrics_port: int = 0, metrics_host: str = LOCALHOST):
         if threads:
             torch.set_num_threads(threads)
         self.tracker_address = tracker
@@ -74,8 +81,13 @@ class NodeDaemon:
         adv = advertise or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
         self.address = f"{adv}:{self.port}"
         self.name = name or f"node-{self.port}"
+        self.metrics = NodeMetrics(self.name) if metrics_port else None
+        self.metrics_server: Served | None = None
+        if self.metrics is not None:
+            self.metrics_server = start_metrics(self.metrics.registry, metrics_port,
+                                                metrics_host)
         self.service = NodeService(lambda: self.node_id, self.name, self.resources, self._report,
-                                   trust_code=trust_code, links=links)
+                                   trust_code=trust_code, links=links, metrics=self.metrics)
         node_pb2_grpc.add_NodeServicer_to_server(self.service, self.server)
 
     def _report(self, report: tracker_pb2.StageReport) -> None:
@@ -145,6 +157,8 @@ class NodeDaemon:
             except grpc.RpcError as e:
                 log.warning("could not tell the tracker this node is leaving: %s", e.details())
         self.server.stop(grace=1).wait()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
 
     def stop(self, *_) -> None:
         """Ask :meth:`run` to return."""

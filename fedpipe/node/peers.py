@@ -21,6 +21,7 @@ import torch
 
 from .. import net
 from ..net import timeouts
+from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc
 from ..runtime.stage import StageError
 from ..spec import Kind
@@ -118,12 +119,19 @@ class PeerSender:
     is sent later instead of lost (:class:`fedpipe.wire.codecs.ErrorFeedback`).
     The first failed stream is kept and raised (as StageError) by the next
     :meth:`submit` or :meth:`flush`. The channel belongs to the caller.
+
+    Args:
+        address: the peer's ``HOST:PORT``.
+        channel: a channel to it.
+        name: the peer's node name (the ``dst`` of this node's link metrics).
+        metrics: counts each tensor's bytes before and after its codec (None: off).
     """
 
     END = None
 
-    def __init__(self, address: str, channel: grpc.Channel):
-        self.address = address
+    def __init__(self, address: str, channel: grpc.Channel, name: str = "",
+                 metrics: NodeMetrics | None = None):
+        self.address, self.name, self.metrics = address, name or address, metrics
         self.stub = node_pb2_grpc.NodeStub(channel)
         self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"send-{address}")
         self.error: Exception | None = None
@@ -147,6 +155,9 @@ class PeerSender:
                                                      key=key)
             else:
                 msg, payload = codecs.encode_payload(tensor, codec)
+            if self.metrics is not None:
+                self.metrics.sent(self.name, envelope.kind, tensor.numel() * tensor.element_size(),
+                                  payload.nbytes)
             if self.stream is None:
                 frames_out: queue.SimpleQueue = queue.SimpleQueue()
                 # no deadline: the stream lives as long as the stage sends; the
@@ -203,11 +214,13 @@ class StagePeers:
     Args:
         pool: the node's channels.
         shaper_for: the emulated link to a peer, by the peer's node name (None: none).
+        metrics: where the senders count the bytes they send (None: off).
     """
 
     def __init__(self, pool: ChannelPool,
-                 shaper_for: Callable[[str], Shaper | None] = lambda name: None):
-        self.pool, self.shaper_for = pool, shaper_for
+                 shaper_for: Callable[[str], Shaper | None] = lambda name: None,
+                 metrics: NodeMetrics | None = None):
+        self.pool, self.shaper_for, self.metrics = pool, shaper_for, metrics
         self._senders: dict[str, PeerSender] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -223,7 +236,8 @@ class StagePeers:
                 raise StageError("the stage has stopped sending")
             if peer.address not in self._senders:
                 ch = self.pool.acquire(peer.address, self.shaper_for(peer.node_name))
-                self._senders[peer.address] = PeerSender(peer.address, ch)
+                self._senders[peer.address] = PeerSender(peer.address, ch, peer.node_name,
+                                                         self.metrics)
             return self._senders[peer.address]
 
     def _all(self) -> list[PeerSender]:

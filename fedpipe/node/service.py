@@ -15,6 +15,7 @@ import torch
 
 from .. import net
 from ..net.emulation import LinkProfile
+from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime import checkpoint
 from ..spec import StageKey
@@ -39,11 +40,14 @@ class NodeService(node_pb2_grpc.NodeServicer):
         trust_code: load pickled layers from any peer, not only loopback ones.
         input_capacity: inputs/targets a stage may have queued before Send blocks.
         links: an emulated link profile for this node's outgoing traffic.
+        metrics: where stages report their step times and senders count their bytes
+            (None: no metrics).
     """
 
     def __init__(self, node_id: Callable[[], str], name: str, resources: node_pb2.Resources,
                  report: Callable[[tracker_pb2.StageReport], None], *, trust_code: bool = False,
-                 input_capacity: int = 64, links: LinkProfile | None = None):
+                 input_capacity: int = 64, links: LinkProfile | None = None,
+                 metrics: NodeMetrics | None = None):
         self.node_id, self.name, self.resources = node_id, name, resources
         self.links = links
         self.trust_code = trust_code
@@ -51,7 +55,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.stages = StageRegistry(
             node_id, torch.device(resources.device or "cpu"),
             Mailbox(input_capacity, bounded=BOUNDED_KINDS),
-            lambda: StagePeers(self.channels, self._shaper), report, self.channels)
+            lambda: StagePeers(self.channels, self._shaper, metrics), report, self.channels,
+            metrics=metrics)
 
     def _shaper(self, peer_name: str) -> Shaper | None:
         return self.links.shaper(self.name, peer_name) if self.links else None

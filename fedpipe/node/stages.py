@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..net import timeouts
+from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime import checkpoint
 from ..runtime.allreduce import GradientSync, StageSpan
@@ -271,13 +272,15 @@ class StageRegistry:
         make_peers: a fresh :class:`StagePeers` for a new stage.
         report: sends a StageReport to the tracker (may block briefly).
         channels: the node's channels (to buddies and restore sources).
+        metrics: where each step's time split goes (None: no metrics).
     """
 
     def __init__(self, node_id: Callable[[], str], device: torch.device, mailbox: Mailbox,
                  make_peers: Callable[[], StagePeers],
                  report: Callable[[tracker_pb2.StageReport], None],
-                 channels: ChannelPool | None = None):
+                 channels: ChannelPool | None = None, *, metrics: NodeMetrics | None = None):
         self.node_id, self.device, self.mailbox = node_id, device, mailbox
+        self.metrics = metrics
         self.make_peers, self.report = make_peers, report
         self.channels = channels if channels is not None else ChannelPool()
         self.stages: dict[StageSlot, Stage] = {}
@@ -376,6 +379,9 @@ class StageRegistry:
                      loss=result.loss or 0.0, samples=result.samples, seconds=result.seconds,
                      compute_seconds=result.compute_seconds, wait_seconds=result.wait_seconds,
                      send_seconds=result.send_seconds)
+        if self.metrics is not None:
+            self.metrics.stage_step(stage.job_id, *stage.key, compute=result.compute_seconds,
+                                    wait=result.wait_seconds, send=result.send_seconds)
 
     def _run(self, stage: Stage) -> None:
         R = tracker_pb2.StageReport
@@ -478,6 +484,8 @@ class StageRegistry:
         if release:
             self._release(mine)
             self.snapshots.drop_job(job_id)
+            if self.metrics is not None:
+                self.metrics.forget_job(job_id)
         return mine
 
     def _release(self, stages: list[Stage]) -> None:
@@ -542,6 +550,8 @@ class StageRegistry:
             self._release(doomed)
         for job_id in gone:
             self.snapshots.drop_job(job_id)
+            if self.metrics is not None:
+                self.metrics.forget_job(job_id)
 
     def stop_all(self) -> None:
         """Stop every stage (node shutdown)."""

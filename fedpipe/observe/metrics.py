@@ -11,7 +11,8 @@ Two processes export them, each on its own ``--metrics-port`` (0: off):
   sends: ``fedpipe_stage_*`` and ``fedpipe_link_sent_*``;
 - the **tracker** (:class:`SwarmCollector`) reads its state at each scrape:
   ``fedpipe_node_*``, ``fedpipe_link_bandwidth/latency/codec``,
-  ``fedpipe_job_*``, ``fedpipe_jobs``.
+  ``fedpipe_job_*`` (with each stage's step split as the stages reported it,
+  when the source keeps it), ``fedpipe_jobs``.
 
 Both registries also carry the standard ``process_*`` metrics (CPU seconds,
 resident memory) of their process.
@@ -31,7 +32,7 @@ from prometheus_client.registry import Collector
 from ..proto import tracker_pb2
 from ..spec import ACTIVE, Kind, PlanView, state_name
 from .serving import LOCALHOST, Served, serve
-from .source import Histories, Source
+from .source import Histories, Source, stage_times_of
 from .views import measured_step_seconds
 
 
@@ -121,6 +122,9 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("fedpipe_job_step_seconds", "gauge", ("job", "kind"),
               "An active job's step time, seconds: predicted by its plan, or measured "
               "(median gap between recent consecutive steps).", "tracker"),
+    MetricDef("fedpipe_job_stage_step_seconds", "gauge", (*STAGE, "part"),
+              "Seconds of a step an active job's stage spends on each part (compute, wait, "
+              "send): the median of its last reported steps.", "tracker"),
 )
 
 _BY_NAME = {m.name: m for m in METRICS}
@@ -298,6 +302,10 @@ class SwarmCollector(Collector):
             measured = measured_step_seconds(history.records)
             if measured is not None:
                 f["fedpipe_job_step_seconds"].add_metric([job_id, "measured"], measured)
+            for t in stage_times_of(self.source, job_id):
+                for part, seconds in zip(PARTS, (t.compute, t.wait, t.send)):
+                    f["fedpipe_job_stage_step_seconds"].add_metric(
+                        [job_id, str(t.replica), str(t.stage), part], seconds)
             view = PlanView(info.plan)
             for chain in view.chains():
                 for a, b in zip(chain, chain[1:]):

@@ -1,14 +1,24 @@
 """``fedpipe status`` in the terminal, with ``rich``: the swarm, or one job.
 
 Renderings take the JSON-shaped views of :mod:`fedpipe.observe.views` (the
-same figures the dashboard shows); :func:`run_status` fetches them from a
-source (``GrpcSource`` for a remote tracker) and prints them once, or keeps
-them live with ``watch``.
+same figures the dashboard shows); :func:`run_status` fetches them and prints
+them once, or keeps them live with ``watch``. They come from either
+
+- a tracker's gRPC API (a :class:`~fedpipe.observe.source.GrpcSource`, wrapped
+  in :class:`SourceViews`): state, plan, steps and events, but no per-stage
+  timings, which the protocol does not carry; or
+- a tracker's dashboard (:class:`HttpSource`, ``fedpipe status --dashboard
+  URL``): the same views as the page, each stage's predicted and measured
+  timings included.
 """
 from __future__ import annotations
 
+import json
 import time
-from typing import Callable
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Callable, Protocol
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -18,6 +28,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from ..net import timeouts
 from .source import JobSource, SwarmSource
 from .views import History, job_view, measured_step_seconds, plan_from_message, plan_layout, \
     swarm_view
@@ -96,22 +107,29 @@ def job_renderable(job: dict) -> RenderableType:
     if plan:
         t = Table(title="plan" + (f" ({plan['schedule']})" if plan["schedule"] else ""),
                   box=box.SIMPLE_HEAD, title_justify="left")
-        for col, just in (("group", "right"), ("stage", "right"), ("node", "left"),
-                          ("layers", "left"), ("sends act/grad", "left"),
-                          ("predicted", "right"), ("compute", "right"), ("wait", "right"),
-                          ("send", "right"), ("", "left")):
+        stages = [st for group in plan["groups"] for st in group]
+        timed = any(st["measured"] or st["predicted_compute"] is not None for st in stages)
+        cols = [("group", "right"), ("stage", "right"), ("node", "left"), ("layers", "left"),
+                ("sends act/grad", "left")]
+        if timed:
+            cols += [("predicted", "right"), ("compute", "right"), ("wait", "right"),
+                     ("send", "right")]
+        for col, just in cols + [("", "left")]:
             t.add_column(col, justify=just)
-        for group in plan["groups"]:
-            for s in group:
-                m = s["measured"] or {}
-                pred = (None if s["predicted_compute"] is None
-                        else s["predicted_compute"] + (s["predicted_send"] or 0.0))
-                t.add_row(str(s["replica"]), str(s["stage"]), s["node_name"],
-                          f"{s['layer_start']}-{s['layer_end'] - 1}",
-                          f"{s['activation_codec']} / {s['gradient_codec']}", _s(pred),
-                          _s(m.get("compute")), _s(m.get("wait")), _s(m.get("send")),
-                          Text("bottleneck", style="bold red") if s["bottleneck"] else "")
+        for st in stages:
+            m = st["measured"] or {}
+            pred = (None if st["predicted_compute"] is None
+                    else st["predicted_compute"] + (st["predicted_send"] or 0.0))
+            times = [_s(pred), _s(m.get("compute")), _s(m.get("wait")),
+                     _s(m.get("send"))] if timed else []
+            t.add_row(str(st["replica"]), str(st["stage"]), st["node_name"],
+                      f"{st['layer_start']}-{st['layer_end'] - 1}",
+                      f"{st['activation_codec']} / {st['gradient_codec']}", *times,
+                      Text("bottleneck", style="bold red") if st["bottleneck"] else "")
         parts.append(t)
+        if not timed:
+            parts.append(Text("per-stage timings: fedpipe status --dashboard URL (the tracker's "
+                              "--http-port)", style="dim"))
     if job["recoveries"]:
         t = Table(title="recoveries", box=box.SIMPLE_HEAD, title_justify="left")
         for col in ("time", "lost", "checkpoint", "recomputed", "detect", "replan", "restore"):
@@ -147,24 +165,83 @@ def job_dict(source: JobSource, job_id: str) -> dict:
     return job_view(info, history, layout)
 
 
-def run_status(source: SwarmSource | JobSource, job_id: str | None = None, *,
+class Views(Protocol):
+    """Where ``fedpipe status`` gets its JSON-shaped views."""
+
+    def swarm_dict(self) -> dict:
+        """The swarm (:func:`~fedpipe.observe.views.swarm_view`)."""
+
+    def job_dict(self, job_id: str) -> dict:
+        """One job (:func:`~fedpipe.observe.views.job_view`). KeyError if unknown."""
+
+
+class SourceViews:
+    """:class:`Views` computed here from a source (a :class:`~fedpipe.observe.source.GrpcSource`
+    for a remote tracker)."""
+
+    def __init__(self, source: SwarmSource | JobSource):
+        self.source = source
+
+    def swarm_dict(self) -> dict:
+        return swarm_view(self.source.nodes(include_lost=True), self.source.links())
+
+    def job_dict(self, job_id: str) -> dict:
+        return job_dict(self.source, job_id)
+
+
+class HttpSource:
+    """:class:`Views` as a tracker's dashboard serves them (``GET /api/nodes``,
+    ``GET /api/jobs/ID``): each stage's predicted and measured timings included.
+
+    Args:
+        url: the dashboard, ``http://HOST:PORT``.
+        timeout: seconds per request.
+
+    Errors: KeyError for an unknown job; ``urllib.error.URLError`` (an
+    ``OSError``) when the dashboard cannot be reached or answers an error.
+    """
+
+    def __init__(self, url: str, timeout: float = timeouts.CONTROL_RPC):
+        self.url, self.timeout = url.rstrip("/"), timeout
+
+    def _get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=self.timeout) as r:
+            return json.loads(r.read())
+
+    def swarm_dict(self) -> dict:
+        return self._get("/api/nodes")
+
+    def job_dict(self, job_id: str) -> dict:
+        try:
+            return self._get("/api/jobs/" + urllib.parse.quote(job_id, safe=""))
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                raise KeyError(job_id) from None
+            raise
+
+
+def run_status(source: Views | SwarmSource | JobSource, job_id: str | None = None, *,
                watch: bool = False, interval: float = 2.0,
                console: Console | None = None) -> None:
     """``fedpipe status [JOB] [--watch]``: print the swarm or job ``job_id`` once,
     or keep it live every ``interval`` seconds until Ctrl-C (or the job ends).
 
+    Args:
+        source: :class:`Views` (an :class:`HttpSource`), or a source the views
+            are computed from here (a :class:`~fedpipe.observe.source.GrpcSource`).
+
     Raises:
         KeyError: no such job.
-        grpc.RpcError: the tracker is unreachable.
+        grpc.RpcError, OSError: the tracker or its dashboard is unreachable.
     """
     console = console or Console()
+    views = source if hasattr(source, "job_dict") else SourceViews(source)
 
     def render() -> tuple[RenderableType, bool]:
         if job_id:
-            job = job_dict(source, job_id)
+            job = views.job_dict(job_id)
             return job_renderable(job), job["terminal"]
-        return swarm_renderable(swarm_view(source.nodes(include_lost=True), source.links())), \
-            False
+        return swarm_renderable(views.swarm_dict()), False
 
     if not watch:
         console.print(render()[0])

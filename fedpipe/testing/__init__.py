@@ -99,6 +99,8 @@ class LocalSwarm:
         lease: the tracker's heartbeat lease, seconds.
         threads: torch threads per node.
         node_args: extra ``fedpipe node`` arguments, for all nodes.
+        tracker_args: extra ``fedpipe tracker`` arguments (e.g. ``--http-port``), also
+            on a restart.
         link_profile: emulated links for the whole swarm, as a dict in the format of
             :mod:`fedpipe.net.emulation` (nodes are named node0, node1, ...).
         timeout: seconds to wait for the tracker and every node to be up, and
@@ -111,9 +113,11 @@ class LocalSwarm:
 
     def __init__(self, n_nodes: int = 2, *, workdir: str | None = None, lease: float = 5.0,
                  threads: int = 1, node_args: list[str] | None = None,
+                 tracker_args: list[str] | None = None,
                  link_profile: dict | None = None, timeout: float = 60.0):
         self.n_nodes, self.lease, self.threads = n_nodes, lease, threads
         self.node_args, self.timeout = list(node_args or []), timeout
+        self.tracker_args = list(tracker_args or [])
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="fedpipe-")
         self.workdir = Path(workdir or self._tmp.name)
         if link_profile is not None:
@@ -163,7 +167,7 @@ class LocalSwarm:
             port = address.rsplit(":", 1)[1]
             self.tracker_proc = proc = self._spawn(
                 "tracker", ["tracker", "--host", "127.0.0.1", "--port", port, "--db", self.db,
-                            "--lease", str(self.lease)])
+                            "--lease", str(self.lease), *self.tracker_args])
             try:
                 wait_serving(address, TRACKER_SERVICE, self.timeout,
                              lambda proc=proc: self._check(proc, "tracker"))

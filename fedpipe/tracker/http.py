@@ -49,10 +49,14 @@ from prometheus_client.exposition import generate_latest
 
 from ..observe.serving import LOCALHOST, Served, serve
 from ..observe.source import Histories, Source, stage_times_of
-from ..observe.views import (PlanLayout, job_summary, job_view, measured_step_seconds,
+from ..observe.views import (PlanLayout, StageTime, job_summary, job_view, measured_step_seconds,
                              plan_from_message, plan_layout, swarm_view)
-from ..proto import tracker_pb2
+# the tracker's own conversions, so a stage's prediction prices what the planner priced
+from ..planner.protoio import cluster_view, model_profile, train_config
+from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec
+from .jobs import Jobs
+from .store import Store
 
 log = logging.getLogger("fedpipe.tracker.http")
 
@@ -64,6 +68,41 @@ _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ALL_STATES = tuple(v for v in tracker_pb2.JobState.values()
                    if v != tracker_pb2.JOB_STATE_UNSPECIFIED)
 MAX_JOBS = 1000
+
+
+class TrackerSource:
+    """The running tracker's state as a :class:`~fedpipe.observe.source.Source`: its
+    store, plus the stage times its job life cycle keeps in memory
+    (:class:`~fedpipe.observe.source.StageTimeSource`).
+
+    Args:
+        store: the tracker's store.
+        jobs: the tracker's :class:`~fedpipe.tracker.jobs.Jobs`.
+    """
+
+    def __init__(self, store: Store, jobs: Jobs):
+        self.store, self.jobs = store, jobs
+
+    def nodes(self, include_lost: bool = False) -> list[tracker_pb2.NodeInfo]:
+        return self.store.nodes(include_lost)
+
+    def links(self) -> list[node_pb2.LinkMeasurement]:
+        return self.store.links()
+
+    def job(self, job_id: str) -> tracker_pb2.JobInfo:
+        return self.store.job(job_id)
+
+    def events(self, job_id: str, after_seq: int) -> list[tracker_pb2.JobEvent]:
+        return self.store.events(job_id, after_seq)
+
+    def jobs_in(self, *states: int) -> list[str]:
+        return self.store.jobs_in(*states)
+
+    def spec(self, job_id: str) -> tracker_pb2.SubmitJobRequest:
+        return self.store.spec(job_id)
+
+    def stage_times(self, job_id: str) -> list[StageTime]:
+        return self.jobs.stage_times(job_id)
 
 
 class BadRequest(ValueError):
@@ -125,9 +164,6 @@ class Dashboard:
         devices = {n.node_id: n.resources.device for n in nodes}
         kw = {}
         try:
-            # the tracker's own conversions, so the prediction prices what the planner priced
-            from .service import cluster_view, model_profile, train_config
-
             spec = self.source.spec(info.job_id)
             if spec.profile.layers:
                 kw = {"cluster": cluster_view(nodes, self.source.links()),

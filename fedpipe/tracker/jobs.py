@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
+from collections import OrderedDict, deque
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -49,6 +51,7 @@ from ..planner.protoio import cluster_view, model_profile, plan_message, train_c
 from ..proto import node_pb2, tracker_pb2
 from ..spec import ACTIVE, TERMINAL, JobSpec, JobSpecError, PlanView, StageKey, state_name
 from ..net import timeouts
+from ..observe.views import StageTime
 from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
 from .nodes import NodeCallError, NodeCalls
@@ -67,6 +70,10 @@ CHECKPOINT_SECONDS = 30.0
 RETENTION = 600.0
 """Seconds an ended job's stages keep their weights on the nodes (for ``state_dict()``)
 unless released sooner; then the nodes are told to free them."""
+STAGE_TIME_WINDOW = 5
+"""Steps over which :meth:`Jobs.stage_times` takes each stage's median split."""
+STAGE_TIME_JOBS = 256
+"""Jobs whose stage times are kept in memory (the least recently reported go first)."""
 WATCH_RECHECK = 0.5
 """Seconds a watcher waits for a notification before it reads the job's events again
 (every change notifies; this bounds the delay should one be missed)."""
@@ -150,6 +157,10 @@ class Jobs:
         self.declare_lost: Callable[[str, str], bool] | None = None
         """Marks a node lost now with a reason (the registry's); set by the tracker."""
         self.retention = RETENTION
+        # job -> (epoch, stage -> its last STAGE_TIME_WINDOW (compute, wait, send) splits);
+        # in memory only: a report per stage per step is too many for an SQLite write each
+        self._stage_times: OrderedDict[str, tuple[int, dict[StageKey, deque]]] = OrderedDict()
+        self._times_lock = threading.Lock()
 
     def notify(self) -> None:
         """Wake the scheduler and every watcher."""
@@ -626,6 +637,7 @@ class Jobs:
         loss is their sum, and its samples/s the total samples over the
         slowest group's time. A group's report sent twice counts once.
         """
+        self._stage_time(job, report)
         view = PlanView(job.plan)
         if report.stage != view.depth(report.replica) - 1:
             return  # every stage reports its step time; the group's last one carries the loss
@@ -641,6 +653,38 @@ class Jobs:
         samples, seconds = sum(r.samples for r in reports), max(r.seconds for r in reports)
         self.store.record_step(job.job_id, report.step, loss,
                                samples / seconds if seconds > 0 else 0.0, self.clock())
+
+    def _stage_time(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> None:
+        """Keep a stage's step split (compute, wait, send seconds) of the job's epoch."""
+        split = (report.compute_seconds, report.wait_seconds, report.send_seconds)
+        if not all(math.isfinite(x) and x >= 0 for x in split):
+            return  # a broken clock must not poison the medians
+        with self._times_lock:
+            epoch, stages = self._stage_times.pop(job.job_id, (job.epoch, {}))
+            if epoch != job.epoch:  # a recovery replanned: the old stages' times are moot
+                epoch, stages = job.epoch, {}
+            self._stage_times[job.job_id] = (epoch, stages)  # most recent last
+            while len(self._stage_times) > STAGE_TIME_JOBS:
+                self._stage_times.popitem(last=False)
+            key = StageKey(report.replica, report.stage)
+            stages.setdefault(key, deque(maxlen=STAGE_TIME_WINDOW)).append(split)
+
+    def stage_times(self, job_id: str) -> list[StageTime]:
+        """Each stage's step split in the job's current plan epoch: per part, the median
+        of its last :data:`STAGE_TIME_WINDOW` reported steps, seconds; ordered by replica
+        and stage (``[]`` before any report of this epoch, or for a job not seen lately
+        or unknown)."""
+        try:
+            current = self.store.job(job_id).epoch
+        except KeyError:
+            return []
+        with self._times_lock:
+            epoch, stages = self._stage_times.get(job_id, (current, {}))
+            splits = {key: list(window) for key, window in stages.items()} \
+                if epoch == current else {}
+        return [StageTime(key.replica, key.stage,
+                          *(statistics.median(part) for part in zip(*window)))
+                for key, window in sorted(splits.items())]
 
     def watch(self, job_id: str, after_seq: int, active: Callable[[], bool]
               ) -> Iterator[tracker_pb2.JobEvent]:
