@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of PyTorch. On a GPU machine install the CUDA build instead, see README.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test bench protos clean venv
+.PHONY: demo test lint bench protos clean venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,13 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/fedpipe demo --nodes 3
 
-test: $(VENV)/.installed
+test: lint
 	sh tools/setup-test-deps.sh
 	$(PY) -m pytest -q tests
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check fedpipe tests benchmarks tools
+	$(PY) -m mypy
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/wire.py
