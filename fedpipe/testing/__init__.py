@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent import futures
 from pathlib import Path
 from typing import Callable
 
@@ -130,11 +131,18 @@ class LocalSwarm:
         self.nodes: list[subprocess.Popen] = []
         self._logs: dict[subprocess.Popen, Path] = {}
         self._clients: list[Client] = []
+        self._spawner = futures.ThreadPoolExecutor(1, thread_name_prefix="swarm-spawner")
         self.faulted: set[subprocess.Popen] = set()
         """Node processes a fault injection killed or paused (their exit is no error)."""
 
     # -- processes ----------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        # always from the same long-lived thread: a child's PR_SET_PDEATHSIG fires when
+        # the *thread* that started it ends, so a process (re)started from a short-lived
+        # thread (a fault injector's, say) would be killed with it
+        return self._spawner.submit(self._popen, name, args).result()
+
+    def _popen(self, name: str, args: list[str]) -> subprocess.Popen:
         log, n = self.workdir / f"{name}.log", 1
         while log.exists():  # a restarted process gets a log of its own
             n += 1
@@ -315,6 +323,7 @@ class LocalSwarm:
         for proc in [*self.nodes, self.tracker_proc]:
             if proc is not None:
                 self.stop_process(proc)
+        self._spawner.shutdown(wait=False)
         if self._tmp is not None:
             self._tmp.cleanup()
 
