@@ -233,3 +233,91 @@ def test_measure_links_borrows_a_channel_and_gives_it_back(nodes):
     (link,) = reply.links
     assert not link.error and link.latency > 0 and link.bandwidth > 0
     assert nodes[0].service.channels.addresses() == set()
+
+
+def checkpointed_pipeline(nodes, steps=6, every=2, job_id="job"):
+    model, batches = mlp(), data(steps)
+    sgd = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    spec = JobSpec(steps=steps, microbatches=2, batch_size=8, schedule="1f1b",
+                   optimizer=cloudpickle.dumps(sgd),
+                   loss_fn=cloudpickle.dumps(nn.functional.cross_entropy),
+                   checkpoint_every=every).validate()
+    plan = load_pipeline(nodes, model, [(0, 2), (2, 3)], spec, job_id)
+    feed(nodes[0], nodes[1], 2, batches, 2, job_id)
+    for n in nodes:
+        n.wait_for(R.STATUS_DONE, 1)
+    return model, batches, sgd, spec, plan
+
+
+def test_checkpoints_go_to_the_buddy_and_a_stage_resumes_from_either_copy(nodes):
+    model, batches, sgd, spec, plan = checkpointed_pipeline(nodes)
+    for n in nodes:  # every checkpoint but the last step's, acknowledged once the buddy has it
+        acks = [r.step for r in n.wait_for(R.STATUS_CHECKPOINT, 2)]
+        assert acks == [2, 4], acks
+    # each node keeps its own stage's snapshots and its buddy's (the other stage's)
+    a, b = (n.service.stages.snapshots for n in nodes)
+    from fedpipe.spec import StageKey
+    assert a.steps("job", StageKey(0, 0)) == [2, 4] == b.steps("job", StageKey(0, 0))
+    assert b.steps("job", StageKey(0, 1)) == [2, 4] == a.steps("job", StageKey(0, 1))
+    # a new epoch of stage 1, loaded on node a (its buddy), resumes from the step-4 snapshot
+    # fetched from node b, and takes only epoch-1 tensors
+    plan.epoch = 1
+    plan.stages[1].address = nodes[0].address
+    nodes[0].stub.LoadStage(node_pb2.LoadStageRequest(
+        job_id="job", replica=0, stage=1, plan=plan, config=spec.to_proto(), resume_step=4,
+        snapshot_sources=[nodes[1].address],
+        layers=[cloudpickle.dumps(layer) for layer in list(model)[2:3]]), timeout=30)
+    restored = nodes[0].service.stages.get(StageSlot("job", 0, 1))
+    want = single_process(model, nn.functional.cross_entropy, sgd, batches[:4])
+    got = {f"{2 + int(k.split('.')[0])}.{k.split('.', 1)[1]}": v
+           for k, v in restored.module.state_dict().items()}
+    assert max_relative_difference(got, {k: want[k] for k in got}) <= 1e-6
+    with pytest.raises(grpc.RpcError) as e:  # a tensor of the old epoch is refused
+        nodes[0].stub.Send(iter(frames.encode_frames(torch.zeros(4, 4), envelope=node_pb2.Envelope(
+            job_id="job", stage=1, kind=Kind.ACTIVATION, step=4, batch_size=8, epoch=0))),
+            timeout=30)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "epoch" in e.value.details()
+
+
+def test_a_corrupt_snapshot_is_refused_and_no_snapshot_fails_the_load_with_the_reason(nodes):
+    model, _, _, spec, plan = checkpointed_pipeline(nodes)
+    stream = list(nodes[1].stub.FetchSnapshot(node_pb2.FetchSnapshotRequest(
+        job_id="job", replica=0, stage=1, step=4), timeout=30))
+    cut = node_pb2.Frame()
+    cut.CopyFrom(stream[-1])
+    cut.tensor.payload = cut.tensor.payload[:-3] if cut.HasField("tensor") else b""
+    if not cut.HasField("tensor"):
+        cut.chunk = cut.chunk[:-3]
+    with pytest.raises(grpc.RpcError) as e:
+        nodes[0].stub.PutSnapshot(iter(stream[:-1] + [cut]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    plan.epoch = 1
+    with pytest.raises(grpc.RpcError) as e:  # step 3 was never a checkpoint
+        nodes[0].stub.LoadStage(node_pb2.LoadStageRequest(
+            job_id="job", replica=0, stage=1, plan=plan, config=spec.to_proto(), resume_step=3,
+            snapshot_sources=[nodes[1].address],
+            layers=[cloudpickle.dumps(layer) for layer in list(model)[2:3]]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no snapshot of step 3" in e.value.details()
+
+
+def test_released_and_dropped_stages_free_their_memory_at_once(nodes):
+    import gc
+    import weakref
+
+    checkpointed_pipeline(nodes)
+    refs = [weakref.ref(n.service.stages.get(StageSlot("job", 0, s)).module[0].weight)
+            for s, n in enumerate(nodes)]
+    gc.disable()  # only the release may free them, not a collection that happens to run
+    try:
+        nodes[0].stub.StopJob(node_pb2.StopJobRequest(job_id="job", release=True), timeout=30)
+        assert refs[0]() is None  # released: gone at once, cycles and all
+        assert nodes[0].service.stages.snapshots.jobs() == set()
+        # the tracker's reconciliation drops an ended job's stages and snapshots
+        held = nodes[1].service.stages.holdings()
+        assert [(r.job_id, r.stage) for r in held] == [("job", 1)]
+        nodes[1].service.stages.drop([], ["job"])
+        assert refs[1]() is None
+        assert nodes[1].service.stages.holdings() == []
+    finally:
+        gc.enable()
