@@ -83,7 +83,7 @@ def test_kill_9_of_a_middle_stage_node_recovers_exactly(swarm, schedule):
     final = check_exact(client, model, job, data)
     inj.stop()
     assert [f.name for f in inj.fired] == ["kill stage 1"]
-    assert len(final.recoveries) == 1
+    assert len(final.recoveries) == 1 and len(job.status().recoveries) == 1
     rec = final.recoveries[0]
     assert rec.checkpoint_step % EVERY == 0 and rec.steps_recomputed <= EVERY + 2
     assert final.epoch == 1

@@ -34,7 +34,14 @@ class JobFailed(RuntimeError):
 
 @dataclass
 class JobStatus:
-    """A job's state and the reason for it, its progress and its plan."""
+    """A job's state and the reason for it, its progress and its plan.
+
+    Attributes:
+        checkpoint_step: the last complete checkpoint (0: none yet).
+        recoveries: each recovery from a lost node: who was lost, the
+            checkpoint step it rewound to, steps recomputed, and the seconds
+            spent detecting, replanning and restoring.
+    """
 
     state: str
     reason: str
@@ -42,9 +49,18 @@ class JobStatus:
     steps: int
     loss: float
     plan: node_pb2.Plan
+    checkpoint_step: int = 0
+    recoveries: tuple[tracker_pb2.Recovery, ...] = ()
 
     def __str__(self) -> str:
-        return f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
+        text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
+        for r in self.recoveries:
+            text += (f"\n  recovered from the loss of {r.lost}: rewound to step "
+                     f"{r.checkpoint_step}, {r.steps_recomputed} steps recomputed, "
+                     f"{r.detect_seconds + r.replan_seconds + r.restore_seconds:.1f} s "
+                     f"(detect {r.detect_seconds:.1f}, replan {r.replan_seconds:.1f}, "
+                     f"restore {r.restore_seconds:.1f})")
+        return text
 
 
 class Client:
@@ -337,7 +353,7 @@ class Job:
         info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
                                        timeout=timeouts.CONTROL_RPC)
         return JobStatus(state_name(info.state), info.reason, info.step, info.steps, info.loss,
-                         info.plan)
+                         info.plan, info.checkpoint_step, tuple(info.recoveries))
 
     @property
     def plan(self) -> node_pb2.Plan:
