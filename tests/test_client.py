@@ -106,3 +106,23 @@ def test_closing_a_client_whose_job_waits_for_a_node_ends_its_watch_and_cancels_
             status = other.job(job.id).status()
         assert (status.state, status.reason) == ("CANCELLED",
                                                  "the client closed before it fed every step")
+
+
+def test_cycling_a_dataloader_draws_its_shuffle_as_a_plain_epoch_loop_does():
+    """Each pass calls iter() once: a seeded shuffle gives the batches of
+    ``for epoch in ...: for batch in loader``, not ones shifted by an extra iter()."""
+    import itertools as it
+
+    from fedpipe.client.job import _cycle
+
+    data = torch.utils.data.TensorDataset(torch.arange(12.0).reshape(12, 1), torch.arange(12))
+
+    def loader():
+        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True,
+                                           generator=torch.Generator().manual_seed(7))
+
+    once = loader()
+    plain = [y.tolist() for _ in range(3) for _, y in once]
+    cycled = [y.tolist() for _, y in it.islice(_cycle(loader()), 9)]
+    assert cycled == plain
+    assert plain[:3] != plain[3:6]  # the epochs are shuffled differently: the test can fail

@@ -261,13 +261,19 @@ def _shard(x: torch.Tensor, y: torch.Tensor, shares: list[int]):
 
 
 def _cycle(data: Iterable) -> Iterator:
-    """Batches of ``data``, starting over when it runs out (if it can be iterated again)."""
+    """Batches of ``data``, starting over when it runs out (if it can be iterated again).
+
+    Each pass calls ``iter(data)`` once, as ``for epoch: for batch in data`` does:
+    a DataLoader draws its shuffle's seed in ``iter()``, so one call more per epoch
+    would shift a seeded shuffle. A one-shot iterator is not started over.
+    """
+    once = isinstance(data, Iterator)
     while True:
         n = 0
         for batch in data:
             n += 1
             yield batch
-        if n == 0 or iter(data) is data:
+        if n == 0 or once:
             return
 
 
@@ -338,6 +344,7 @@ class Job:
         self._feeder: threading.Thread | None = None
         self._halted = threading.Event()
         self._watch: grpc.Call | None = None  # the feeder's wait for RUNNING
+        self._fed = self._steps = 0  # steps fed in full, of how many
         if batches is not None:
             self._feeder = threading.Thread(target=self._feed, args=(batches,),
                                             name=f"feed-{job_id}", daemon=True)
@@ -581,6 +588,7 @@ class Job:
                         for group, (xs, ys) in zip(groups, _shard(x, y, [g.share for g in groups])):
                             self._send_step(step, x.shape[0], group, xs, ys, info.epoch)
                         step += 1
+                        self._fed, self._steps = step, info.steps
                     # every step fed: stay until the job ends, and feed it again if it rewinds
                     resumed = self._await_epoch(info.epoch, AFTER_FEED_POLL)
                 except grpc.RpcError as e:
@@ -604,8 +612,15 @@ class Job:
                 self._give_up(_FeedHalted("the client was closed"),
                               "the client closed before it fed every step")
             elif isinstance(e, StopIteration):
-                self._give_up(ValueError("data ran out before the last step"),
-                              "the client's data ran out before the last step")
+                self.feed_error = ValueError("data ran out before the last step")
+                try:  # the finished steps' weights stay on the nodes: state_dict() works
+                    self.client.stub.CancelJob(S.CancelJobRequest(
+                        job_id=self.id, keep_weights=True,
+                        reason=f"the client's data ran out after step {self._fed} of "
+                               f"{self._steps}; the weights of the finished steps are kept "
+                               f"(state_dict())"), timeout=timeouts.CONTROL_RPC)
+                except grpc.RpcError as err:
+                    log.error("could not end job %s: %s", self.id, err.details())
             elif isinstance(e, grpc.RpcError):
                 log.error("feeding job %s failed: %s", self.id, e.details())
                 self._give_up(e, f"the client could not feed data: {e.code().name}: "

@@ -234,12 +234,14 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class CancelJobRequest(_message.Message):
-    __slots__ = ("job_id", "reason")
+    __slots__ = ("job_id", "reason", "keep_weights")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    KEEP_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    keep_weights: bool
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ..., keep_weights: _Optional[bool] = ...) -> None: ...
 
 class WatchJobRequest(_message.Message):
     __slots__ = ("job_id", "after_seq")

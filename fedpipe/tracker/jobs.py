@@ -246,15 +246,18 @@ class Jobs:
         except KeyError:
             raise NotFound(f"no job {job_id!r}") from None
 
-    def cancel(self, job_id: str, reason: str = "") -> tracker_pb2.JobInfo:
-        """Cancel a job that has not ended (its stages are stopped and released); return it.
+    def cancel(self, job_id: str, reason: str = "", keep_weights: bool = False
+               ) -> tracker_pb2.JobInfo:
+        """Cancel a job that has not ended; return it. Its stages are stopped and
+        released, or with ``keep_weights`` stopped and kept for the retention period
+        (a job whose data ran out keeps its finished steps' weights).
 
         Raises:
             NotFound: no such job.
         """
         self.get(job_id)
         if self._move(job_id, S.JOB_STATE_CANCELLED, reason or "cancelled by the client"):
-            self._stop_stages(job_id, "cancelled", release=True)
+            self._stop_stages(job_id, "cancelled", release=not keep_weights)
             self.notify()
         return self.get(job_id)
 

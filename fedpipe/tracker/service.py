@@ -110,7 +110,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
     @_unary
     def CancelJob(self, request, context):
-        return self.tracker.jobs.cancel(request.job_id, request.reason)
+        return self.tracker.jobs.cancel(request.job_id, request.reason, request.keep_weights)
 
     @_stream
     def WatchJob(self, request, context):
