@@ -5,7 +5,8 @@ The job life cycle (:mod:`~fedpipe.tracker.jobs`) and the link measurer
 so their tests can pass fakes and run without gRPC or processes.
 :class:`GrpcNodeCalls` is the real one: a cached channel per node address (at
 most :data:`MAX_CHANNELS`, the least recently used closed first, so a swarm of
-10,000 nodes does not hold 10,000 connections open), all closed by
+10,000 nodes does not hold 10,000 connections open; link measurement opens one
+channel per call), all closed by
 :meth:`GrpcNodeCalls.close`, and the deadlines of :mod:`fedpipe.net.timeouts`.
 """
 from __future__ import annotations
@@ -85,8 +86,11 @@ class GrpcNodeCalls:
         self._call(self._stub(address).StopJob, request, timeouts.CONTROL_RPC)
 
     def measure_links(self, address, request):
-        return self._call(self._stub(address).MeasureLinks, request,
-                          timeouts.measure_links(len(request.peers)))
+        # a channel of its own: the measurer visits every node in turn, and through the
+        # cache it would evict the channels of running deploys
+        with net.channel(address) as ch:
+            return self._call(node_pb2_grpc.NodeStub(ch).MeasureLinks, request,
+                              timeouts.measure_links(len(request.peers)))
 
     def close(self) -> None:
         """Close every channel."""

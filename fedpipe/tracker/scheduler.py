@@ -44,10 +44,12 @@ PLAN_CANDIDATES = 256
 nodes it is given, and a swarm of 10,000 would make them 800 MB."""
 
 
-def candidates(nodes: list[tracker_pb2.NodeInfo], limit: int = PLAN_CANDIDATES
+def candidates(nodes: list[tracker_pb2.NodeInfo], limit: int | None = None
                ) -> list[tracker_pb2.NodeInfo]:
-    """The nodes a job is planned over: all of them if at most ``limit``, else the ``limit``
-    fastest (FLOP/s, then memory, then the oldest registration), in registration order."""
+    """The nodes a job is planned over: all of them if at most ``limit`` (default
+    :data:`PLAN_CANDIDATES`), else the ``limit`` fastest (FLOP/s, then memory, then the
+    oldest registration), in registration order. O(n log n)."""
+    limit = PLAN_CANDIDATES if limit is None else limit
     if len(nodes) <= limit:
         return nodes
     order = {n.node_id: i for i, n in enumerate(nodes)}
