@@ -226,7 +226,12 @@ class LinkMeasurer:
             reply, error = None, str(e)
         else:
             error = None
-            self.store.set_links(reply.links)
+            # a node speaks only for its own links, and only about the peers it was asked
+            asked = {p.node_id for p in peers}
+            mine = [x for x in reply.links if x.dst_id in asked]
+            for x in mine:
+                x.src_id = m.node_id
+            self.store.set_links(mine)
         with self._lock:
             for p in peers:
                 self._tried[(m.node_id, p.node_id)] = now
@@ -240,8 +245,7 @@ class LinkMeasurer:
             if m.node_id in self._unreachable:
                 self._unreachable.discard(m.node_id)
                 log.info("node %s measures its links again", m.name)
-            self._errors.extend(f"{m.name} -> {x.dst_id}: {x.error}"
-                                for x in reply.links if x.error)
+            self._errors.extend(f"{m.name} -> {x.dst_id}: {x.error}" for x in mine if x.error)
 
     def run(self) -> tuple[int, list[str]]:
         """Measure every queued node once (pending, then refresh); return how many were
