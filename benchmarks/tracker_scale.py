@@ -108,7 +108,8 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results):
     ids: list[str] = [""] * count
     interval = [2.5]
     sem = asyncio.Semaphore(REGISTER_CONCURRENCY)
-    counts = {"heartbeats": 0, "unknown": 0, "errors": 0, "register_errors": 0}
+    counts = {"heartbeats": 0, "unknown": 0, "errors": 0, "register_errors": 0,
+              "unregistered": 0}
 
     def request(i: int) -> tracker_pb2.RegisterNodeRequest:
         return tracker_pb2.RegisterNodeRequest(
@@ -128,11 +129,14 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results):
                     continue
                 ids[i] = reply.node_id
                 interval[0] = reply.heartbeat_seconds or interval[0]
-                return
+                break
 
-    t0 = time.time()
-    await asyncio.gather(*(register(i) for i in range(count)))
-    results.put(("registered", g, time.time() - t0, sum(1 for i in ids if i)))
+    async def live(i: int) -> None:
+        await register(i)  # then heartbeat at once: registering 10,000 outlasts a lease
+        if ids[i]:
+            await beat(i)
+        else:
+            counts["unregistered"] += 1
 
     latencies: list[float] = []
     if os.environ.get("TRACKER_SCALE_DEBUG"):
@@ -178,7 +182,12 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results):
             due += interval[0]
             await asyncio.sleep(max(0.0, due - time.monotonic()))
 
-    await asyncio.gather(*(beat(i) for i in range(count) if ids[i]))
+    t0 = time.time()
+    fakes = [asyncio.ensure_future(live(i)) for i in range(count)]
+    while sum(1 for i in ids if i) + counts["unregistered"] < count:
+        await asyncio.sleep(0.2)
+    results.put(("registered", g, time.time() - t0, sum(1 for i in ids if i)))
+    await asyncio.gather(*fakes)
     results.put(("done", g, latencies, counts))
     await channel.close()
     await server.stop(None)

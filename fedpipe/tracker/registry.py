@@ -172,6 +172,7 @@ class Registry:
         self._due: dict[str, float] = {}  # each live node's deadline as queued in _heap
         self._heap: list[tuple[float, str]] = []
         self._flushed = clock()
+        self._revived = 0  # lost nodes revived by a heartbeat since the last expire()
         now = clock()
         store.renew_all(now)
         for r in store.node_records(include_lost=True):
@@ -308,7 +309,9 @@ class Registry:
                 return False
             self._live(node_id, now)
         self.store.heartbeat(node_id, now)
-        log.info("node %s (%s) is back", inc.name, node_id)
+        log.debug("node %s (%s) is back", inc.name, node_id)
+        with self._lock:
+            self._revived += 1
         self.on_alive(node_id)
         return True
 
@@ -332,6 +335,7 @@ class Registry:
         now = self.clock()
         lost: set[str] = set()
         with self._lock:
+            revived, self._revived = self._revived, 0
             while self._heap and self._heap[0][0] < now:
                 deadline, node_id = heapq.heappop(self._heap)
                 if self._due.get(node_id) != deadline:
@@ -343,6 +347,8 @@ class Registry:
                 else:
                     self._due[node_id] = renewed
                     heapq.heappush(self._heap, (renewed, node_id))
+        if revived:  # one line per tick, however many came back
+            log.info("%d lost node(s) came back (heartbeat after their lease ran out)", revived)
         if not lost:
             return lost
         self.store.mark_lost_many(sorted(lost))
