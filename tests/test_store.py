@@ -59,6 +59,18 @@ def test_nodes_register_renew_expire_and_come_back_with_their_registration_time(
     assert [(n.node_id, n.last_heartbeat) for n in store.nodes()] == [("b", 50.0)]
 
 
+def test_heartbeats_and_losses_are_written_in_batches_and_never_revive_a_node(store):
+    for i, nid in enumerate("abcd"):
+        store.add_node(nid, "n" + nid, f"h:{i + 1}", res(), "boot", V, now=1.0)
+    store.fence_node("d")
+    store.mark_lost_many(["c", "nobody"])
+    store.set_heartbeats({"a": 5.0, "b": 6.0, "c": 7.0, "d": 8.0, "nobody": 9.0})
+    assert [(n.node_id, n.alive, n.last_heartbeat) for n in store.nodes(include_lost=True)] == \
+        [("a", True, 5.0), ("b", True, 6.0), ("c", False, 1.0), ("d", False, 1.0)]
+    store.mark_lost_many(["a", "b"])
+    assert store.nodes() == []
+
+
 def test_a_fenced_incarnation_never_comes_back(store):
     store.add_node("old", "n", "h:1", res(), "boot-1", V, now=1.0)
     store.fence_node("old")

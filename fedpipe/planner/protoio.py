@@ -8,9 +8,32 @@ No I/O and no torch, like the rest of the planner.
 """
 from __future__ import annotations
 
+import ipaddress
+import statistics
+from typing import Sequence
+
 from ..proto import node_pb2, tracker_pb2
 from ..spec import SNAPSHOTS_KEPT, JobSpec
 from .types import ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, TrainConfig
+
+
+def site_of(address: str) -> str:
+    """The site of a node at ``address`` (``HOST:PORT``): where its links are alike.
+
+    An IPv4 host's site is its /24 network ("10.1.2.0/24"), an IPv6 host's its
+    /64; any other host (a DNS name) is a site of its own. Nodes of one site
+    are assumed to share their links' figures (see :func:`cluster_view`), so
+    the tracker measures only a few links per node
+    (:mod:`fedpipe.tracker.links`). Returns "" for an address without a host.
+    """
+    host = address.rpartition(":")[0].strip("[]")
+    if not host:
+        return ""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower()
+    return str(ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False))
 
 
 def cluster_view(nodes: list[tracker_pb2.NodeInfo],
@@ -18,23 +41,87 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
     """The planner's view of nodes and measured links.
 
     Links to or from nodes not in ``nodes``, and failed measurements
-    (bandwidth 0), are left out; the planner uses its default link for them.
+    (bandwidth 0), are left out. The tracker measures only some pairs
+    (:func:`fedpipe.tracker.links.select_peers`); the planner takes an
+    unmeasured pair ``a -> b`` to be like the measured links between their
+    sites (:func:`site_of`): ``site_links[(site a, site b)]`` is the median
+    bandwidth and median latency of the measured links from site a to site b,
+    else of those from b to a (links are about symmetric), else the planner's
+    :data:`~fedpipe.planner.types.DEFAULT_LINK`. O(len(nodes) + len(links)).
     """
-    ids = {n.node_id for n in nodes}
-    return ClusterView(
-        [NodeSpec(n.node_id, n.resources.flops, n.resources.memory_bytes, n.name,
-                  n.resources.device) for n in nodes],
-        {(m.src_id, m.dst_id): Link(m.bandwidth, m.latency)
-         for m in links if m.src_id in ids and m.dst_id in ids and m.bandwidth > 0})
+    specs = [NodeSpec(n.node_id, n.resources.flops, n.resources.memory_bytes, n.name,
+                      n.resources.device, site_of(n.address)) for n in nodes]
+    site = {s.node_id: s.site for s in specs}
+    measured = {(m.src_id, m.dst_id): Link(m.bandwidth, m.latency)
+                for m in links if m.src_id in site and m.dst_id in site and m.bandwidth > 0}
+    by_sites: dict[tuple[str, str], list[Link]] = {}
+    for (a, b), lk in measured.items():
+        if site[a] and site[b]:
+            by_sites.setdefault((site[a], site[b]), []).append(lk)
+    site_links = {pair: _median_link(found) for pair, found in by_sites.items()}
+    for (sa, sb), lk in list(site_links.items()):
+        site_links.setdefault((sb, sa), lk)
+    return ClusterView(specs, measured, site_links=site_links)
+
+
+def _median_link(links: list[Link]) -> Link:
+    return Link(statistics.median(lk.bandwidth for lk in links),
+                statistics.median(lk.latency for lk in links))
+
+
+MEASURE_NEIGHBOURS = 8
+"""A node measures its links to at most this many members of its own site (k)."""
+MEASURE_SITES = 8
+"""A site's representative measures its links to the representatives of at most this many
+other sites."""
+
+
+def band(order: Sequence[str], i: int, width: int) -> list[str]:
+    """The neighbours of ``order[i]``: the members at most ``width // 2`` places from it.
+
+    The relation is symmetric (``b`` is in ``a``'s band iff ``a`` is in
+    ``b``'s), each member has at most ``width`` neighbours, and a sequence of
+    at most ``width // 2 + 1`` members is complete.
+    """
+    h = width // 2
+    return [order[j] for j in range(max(0, i - h), min(len(order), i + h + 1)) if j != i]
+
+
+def measurement_peers(nodes: list[tracker_pb2.NodeInfo]) -> dict[str, list[str]]:
+    """The directed links the tracker measures among ``nodes``: peers by node id.
+
+    The rule (its incremental form is :class:`fedpipe.tracker.links.LinkMeasurer`):
+    group nodes into sites (:func:`site_of`), each ordered by registration
+    (then node id); a node measures its links to its :func:`band` of
+    :data:`MEASURE_NEIGHBOURS` within its site, and each site's
+    representative (its oldest node) to the band of :data:`MEASURE_SITES` among
+    the representatives, ordered the same way. So each node measures at most
+    ``MEASURE_NEIGHBOURS + MEASURE_SITES`` links, a joining node adds O(k)
+    measurements, not O(n), and a small site (up to ``MEASURE_NEIGHBOURS // 2 + 1``
+    nodes) is measured in full, both ways. The planner's assumption for the
+    other pairs is :func:`cluster_view`'s. O(n log n).
+    """
+    sites: dict[str, list[str]] = {}
+    for n in sorted(nodes, key=lambda n: (n.registered, n.node_id)):
+        sites.setdefault(site_of(n.address), []).append(n.node_id)
+    peers: dict[str, list[str]] = {}
+    for members in sites.values():
+        for i, m in enumerate(members):
+            peers[m] = band(members, i, MEASURE_NEIGHBOURS)
+    reps = [members[0] for members in sites.values()]  # sites in their rep's order
+    for i, r in enumerate(reps):
+        peers[r] += band(reps, i, MEASURE_SITES)
+    return peers
 
 
 def unmeasured(nodes: list[tracker_pb2.NodeInfo], links: list[node_pb2.LinkMeasurement]
                ) -> list[tuple[str, str]]:
-    """Ordered pairs ``(src_id, dst_id)`` of ``nodes`` not measured since both registered."""
+    """Ordered pairs ``(src_id, dst_id)`` of ``nodes`` that the tracker measures
+    (:func:`measurement_peers`) not measured since both registered. O(n log n + len(links))."""
     seen = {(m.src_id, m.dst_id): m.measured_at for m in links}
-    return [(a.node_id, b.node_id) for a in nodes for b in nodes
-            if a.node_id != b.node_id
-            and seen.get((a.node_id, b.node_id), 0) < max(a.registered, b.registered)]
+    registered = {n.node_id: n.registered for n in nodes}
+    return [(a, b) for a, peers in measurement_peers(nodes).items() for b in peers
+            if seen.get((a, b), 0) < max(registered[a], registered[b])]
 
 
 def model_profile(p: tracker_pb2.ModelProfile) -> ModelProfile:

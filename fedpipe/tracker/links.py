@@ -1,40 +1,263 @@
-"""Link measurement: ask each live node to measure its links to the others."""
+"""Link measurement: which links are measured, and when.
+
+Not all n² pairs: the rule is :func:`fedpipe.planner.protoio.measurement_peers`
+(each node measures its links to at most ``MEASURE_NEIGHBOURS`` members of its
+site, in registration order, and each site's representative to those of at
+most ``MEASURE_SITES`` other sites); the planner takes an unmeasured pair to be
+like the measured links between the two nodes' sites
+(:func:`fedpipe.planner.protoio.cluster_view`), else its default link.
+
+:class:`LinkMeasurer` applies that rule incrementally. It keeps each site's
+live members in registration order and a queue of *pending* nodes, those whose
+selected links may not have been measured since both ends registered. A node
+that registers makes itself and its O(k) neighbours pending, never a full
+round; a lost node makes its neighbours pending (their bands shift). Measuring
+a pending node is one ``MeasureLinks`` call over only its unmeasured pairs, so
+a burst of registrations is absorbed in about one call per node. Every
+``link_refresh`` seconds each live node re-measures all its selected links,
+without holding back jobs.
+
+A node that cannot be measured (unreachable, or its call failed) counts as
+measured for that round, so it never holds back a job; it is named in one
+warning when it first fails and when it recovers, and each round's failures are
+summarised in one line.
+"""
 from __future__ import annotations
 
+import bisect
 import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
+from ..planner.protoio import MEASURE_NEIGHBOURS, MEASURE_SITES, band, site_of
 from ..proto import node_pb2
 from .nodes import NodeCallError, NodeCalls
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker")
 
+ERRORS_NAMED = 3
+"""Failed links named as examples in a round's one-line summary."""
 
-def measure_links(store: Store, nodes: NodeCalls) -> int:
-    """Ask each live node, one at a time, to measure its links to every other live node.
 
-    One node at a time, so no two bandwidth probes share a link. Successful
-    measurements are stored; a node that cannot be reached is skipped (its
-    links keep their last measurement). Returns the number of measurements
-    stored.
+@dataclass(frozen=True)
+class _Member:
+    node_id: str
+    name: str
+    address: str
+    registered: float
+    site: str
+
+    @property
+    def key(self) -> tuple[float, str]:
+        return self.registered, self.node_id
+
+
+class LinkMeasurer:
+    """Chooses, queues and measures the links of live nodes (see the module docstring).
+
+    Thread-safe: :meth:`add` and :meth:`remove` come from the registry's
+    callers, :meth:`measure_next` from the measurer thread (or a test).
+
+    Args:
+        store: where measurements go (and, at start-up, come from).
+        nodes: how to reach nodes (MeasureLinks).
+        clock: seconds since the epoch.
     """
-    live = store.nodes()
-    stored = 0
-    for n in live:
-        peers = [node_pb2.Peer(node_id=p.node_id, name=p.name, address=p.address)
-                 for p in live if p.node_id != n.node_id]
-        if not peers:
-            continue
-        try:
-            reply = nodes.measure_links(n.address, node_pb2.MeasureLinksRequest(peers=peers))
-        except NodeCallError as e:
-            log.warning("node %s could not measure its links: %s", n.name, e)
-            continue
-        store.set_links(reply.links)
-        for m in reply.links:
-            if m.error:
-                log.warning("link %s -> %s: %s", n.name, m.dst_id, m.error)
+
+    def __init__(self, store: Store, nodes: NodeCalls, clock: Callable[[], float] = time.time):
+        self.store, self.nodes, self.clock = store, nodes, clock
+        self._lock = threading.Lock()
+        self.added = threading.Event()
+        """Set whenever a node becomes pending (the measurer thread waits on it)."""
+        self._members: dict[str, _Member] = {}
+        self._sites: dict[str, list[tuple[float, str]]] = {}  # site -> member keys, sorted
+        self._reps: list[tuple[float, str, str]] = []  # (rep key..., site), sorted
+        self._pending: dict[str, None] = {}  # first measurement due: holds back jobs
+        self._refresh: dict[str, None] = {}  # periodic re-measurement: holds back nothing
+        self._current: str | None = None
+        # when each directed pair was last tried, by the tracker's clock (or, loaded from
+        # the store at start-up, by the measuring node's)
+        self._tried: dict[tuple[str, str], float] = {
+            (m.src_id, m.dst_id): m.measured_at for m in store.links()}
+        self._unreachable: set[str] = set()
+        self._errors: list[str] = []  # this round's failed links, for one summary line
+
+    # -- membership -----------------------------------------------------------
+    def add(self, node_id: str, name: str, address: str, registered: float) -> None:
+        """A node is alive: queue it and the neighbours it gains (O(k + sites))."""
+        m = _Member(node_id, name, address, registered, site_of(address))
+        with self._lock:
+            if node_id not in self._members:
+                self._members[node_id] = m
+                order = self._sites.setdefault(m.site, [])
+                bisect.insort(order, m.key)
+                if order[0] == m.key:
+                    self._reset_reps()
+            self._queue([node_id, *self._peers(node_id)])
+
+    def remove(self, node_ids: Iterable[str]) -> None:
+        """Nodes are lost: forget them and queue the neighbours whose bands shift."""
+        with self._lock:
+            for node_id in node_ids:
+                m = self._members.get(node_id)
+                if m is None:
+                    continue
+                near = self._peers(node_id)
+                order = self._sites[m.site]
+                i = bisect.bisect_left(order, m.key)
+                del order[i]
+                if not order:
+                    del self._sites[m.site]
+                del self._members[node_id]
+                self._pending.pop(node_id, None)
+                self._refresh.pop(node_id, None)
+                self._unreachable.discard(node_id)
+                if i == 0:
+                    self._reset_reps()
+                # the band's far ends and the site's new rep (and the reps' band) gain peers
+                changed = set(near)
+                for other in near:
+                    changed.update(self._peers(other))
+                self._queue(sorted(changed))
+
+    def refresh_all(self) -> None:
+        """Queue every live node to re-measure all its selected links (holds back no job)."""
+        with self._lock:
+            self._refresh.update(dict.fromkeys(self._members))
+        self.added.set()
+
+    def _queue(self, node_ids: Iterable[str]) -> None:
+        """Under ``_lock``: queue those of ``node_ids`` that have a link to measure."""
+        queued = False
+        for i in node_ids:
+            if i in self._members and self._untried(i):
+                self._pending[i] = None
+                queued = True
+        if queued:
+            self.added.set()
+
+    def _untried(self, node_id: str) -> list[_Member]:
+        """Under ``_lock``: the node's selected peers whose link from it was not tried since
+        both registered."""
+        m = self._members[node_id]
+        peers = [self._members[p] for p in self._peers(node_id)]
+        return [p for p in peers if self._tried.get((node_id, p.node_id), 0.0)
+                < max(m.registered, p.registered)]
+
+    def _reset_reps(self) -> None:
+        # a site's first member changed: O(sites log sites), rare next to the joins themselves
+        self._reps = sorted((*order[0], site) for site, order in self._sites.items())
+
+    def _peers(self, node_id: str) -> list[str]:
+        """Under ``_lock``: the node's selected peers (the rule of
+        :func:`~fedpipe.planner.protoio.measurement_peers`). O(k + log n + sites)."""
+        m = self._members[node_id]
+        order = self._sites[m.site]
+        i = bisect.bisect_left(order, m.key)
+        peers = [key[1] for key in band(order, i, MEASURE_NEIGHBOURS)]
+        if i == 0:
+            j = bisect.bisect_left(self._reps, (*m.key, m.site))
+            h = MEASURE_SITES // 2
+            near = self._reps[max(0, j - h):j + h + 1]
+            peers += band([r[1] for r in near], j - max(0, j - h), MEASURE_SITES)
+        return peers
+
+    # -- state ----------------------------------------------------------------
+    def waiting(self, node_ids: Iterable[str]) -> bool:
+        """Whether any of ``node_ids`` has its first measurement still to come.
+
+        O(len(node_ids)): the scheduler asks it about a job's candidate nodes
+        every tick.
+        """
+        with self._lock:
+            return any(i in self._pending or i == self._current for i in node_ids)
+
+    def pending_count(self) -> int:
+        """How many nodes wait for their first measurement (the one being measured too)."""
+        with self._lock:
+            return len(self._pending) + (self._current is not None)
+
+    def peers(self, node_id: str) -> list[str]:
+        """The live node's selected peers. KeyError if it is not live."""
+        with self._lock:
+            return self._peers(node_id)
+
+    # -- measuring ------------------------------------------------------------
+    def measure_next(self) -> bool:
+        """Measure one queued node's links (pending nodes first); False if none is queued.
+
+        Only the node's selected pairs not tried since both ends registered
+        are measured (all of them on a refresh); a node with none makes no
+        call. Successful measurements are stored. A failed call counts as an
+        attempt: the node is not queued again until something changes.
+        """
+        with self._lock:
+            if self._pending:
+                node_id, refresh = next(iter(self._pending)), False
+                del self._pending[node_id]
+            elif self._refresh:
+                node_id, refresh = next(iter(self._refresh)), True
+                del self._refresh[node_id]
             else:
-                stored += 1
-    log.info("measured %d links among %d nodes", len(live) * (len(live) - 1), len(live))
-    return stored
+                return False
+            m = self._members[node_id]
+            peers = [self._members[p] for p in self._peers(node_id)] if refresh \
+                else self._untried(node_id)
+            if not peers:
+                return True
+            self._current = node_id
+        try:
+            self._measure(m, peers)
+        finally:
+            with self._lock:
+                self._current = None
+        return True
+
+    def _measure(self, m: _Member, peers: list[_Member]) -> None:
+        request = node_pb2.MeasureLinksRequest(peers=[
+            node_pb2.Peer(node_id=p.node_id, name=p.name, address=p.address) for p in peers])
+        now = self.clock()
+        try:
+            reply = self.nodes.measure_links(m.address, request)
+        except NodeCallError as e:
+            reply, error = None, str(e)
+        else:
+            error = None
+            # a node speaks only for its own links, and only about the peers it was asked
+            asked = {p.node_id for p in peers}
+            mine = [x for x in reply.links if x.dst_id in asked]
+            for x in mine:
+                x.src_id = m.node_id
+            self.store.set_links(mine)
+        with self._lock:
+            for p in peers:
+                self._tried[(m.node_id, p.node_id)] = now
+            if error is not None:
+                if m.node_id not in self._unreachable:
+                    self._unreachable.add(m.node_id)
+                    log.warning("node %s could not measure its links (not asked again until "
+                                "its neighbours change or the next refresh): %s", m.name, error)
+                self._errors.append(f"{m.name}: {error}")
+                return
+            if m.node_id in self._unreachable:
+                self._unreachable.discard(m.node_id)
+                log.info("node %s measures its links again", m.name)
+            self._errors.extend(f"{m.name} -> {x.dst_id}: {x.error}" for x in mine if x.error)
+
+    def run(self) -> tuple[int, list[str]]:
+        """Measure every queued node once (pending, then refresh); return how many were
+        taken from the queue and the failures, which are summarised in one log line."""
+        taken = 0
+        while self.measure_next():
+            taken += 1
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            log.warning("%d link measurement(s) failed this round, e.g. %s", len(errors),
+                        "; ".join(errors[:ERRORS_NAMED]))
+        if taken:
+            log.info("measured the links of %d node(s); %d live", taken, len(self._members))
+        return taken, errors

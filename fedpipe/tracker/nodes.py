@@ -3,13 +3,16 @@
 The job life cycle (:mod:`~fedpipe.tracker.jobs`) and the link measurer
 (:mod:`~fedpipe.tracker.links`) talk to nodes only through :class:`NodeCalls`,
 so their tests can pass fakes and run without gRPC or processes.
-:class:`GrpcNodeCalls` is the real one: one cached channel per node address,
-closed by :meth:`GrpcNodeCalls.close`, and the deadlines of
-:mod:`fedpipe.net.timeouts`.
+:class:`GrpcNodeCalls` is the real one: a cached channel per node address (at
+most :data:`MAX_CHANNELS`, the least recently used closed first, so a swarm of
+10,000 nodes does not hold 10,000 connections open; link measurement opens one
+channel per call), all closed by
+:meth:`GrpcNodeCalls.close`, and the deadlines of :mod:`fedpipe.net.timeouts`.
 """
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Protocol
 
 import grpc
@@ -17,6 +20,10 @@ import grpc
 from .. import net
 from ..net import timeouts
 from ..proto import node_pb2, node_pb2_grpc
+
+
+MAX_CHANNELS = 256
+"""Channels to nodes kept open; a call to another node closes the least recently used."""
 
 
 class NodeCallError(Exception):
@@ -44,17 +51,28 @@ class NodeCalls(Protocol):
 
 
 class GrpcNodeCalls:
-    """:class:`NodeCalls` over gRPC, with one channel per node address."""
+    """:class:`NodeCalls` over gRPC, with a channel per node address (at most
+    ``max_channels`` open; see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, max_channels: int = MAX_CHANNELS):
         self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: OrderedDict[str, grpc.Channel] = OrderedDict()
+        self.max_channels = max_channels
 
     def _stub(self, address: str) -> node_pb2_grpc.NodeStub:
+        evicted = []
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
                 ch = self._channels[address] = net.channel(address)
+                while len(self._channels) > self.max_channels:
+                    evicted.append(self._channels.popitem(last=False)[1])
+            else:
+                self._channels.move_to_end(address)
+        # a call still running on an evicted channel fails with CANCELLED, like any failed
+        # call; with hundreds of channels that needs hundreds of concurrent calls
+        for old in evicted:
+            old.close()
         return node_pb2_grpc.NodeStub(ch)
 
     @staticmethod
@@ -71,8 +89,11 @@ class GrpcNodeCalls:
         self._call(self._stub(address).StopJob, request, timeouts.CONTROL_RPC)
 
     def measure_links(self, address, request):
-        return self._call(self._stub(address).MeasureLinks, request,
-                          timeouts.measure_links(len(request.peers)))
+        # a channel of its own: the measurer visits every node in turn, and through the
+        # cache it would evict the channels of running deploys
+        with net.channel(address) as ch:
+            return self._call(node_pb2_grpc.NodeStub(ch).MeasureLinks, request,
+                              timeouts.measure_links(len(request.peers)))
 
     def ping(self, address, timeout):
         self._call(self._stub(address).Ping, node_pb2.PingRequest(), timeout)

@@ -27,14 +27,18 @@ Rules a registration must pass, in this order:
 
 Leases: a node is lost after ``lease`` seconds without a heartbeat; it is
 told to heartbeat every ``lease / 4`` seconds, so three heartbeats in a row
-may be lost before its lease runs out.
+may be lost before its lease runs out. Liveness lives in memory and reaches
+the store in batches (see :class:`Registry`), so a heartbeat costs O(1) and
+no SQLite commit, and 10,000 nodes fit in one tracker.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from ..proto import tracker_pb2
@@ -48,6 +52,10 @@ MAX_NAME = 256
 """Longest node name or address accepted, characters."""
 HEARTBEATS_PER_LEASE = 4
 """Heartbeats a node sends per lease: it may miss ``HEARTBEATS_PER_LEASE - 1`` in a row."""
+PERSIST_EVERY = 5.0
+"""Seconds between two writes of the heartbeats taken in between (one transaction each)."""
+LOST_NAMED = 10
+"""Lost nodes named one warning each; more are summarised in one line."""
 PICKLE_VERSIONS = ("python", "torch", "cloudpickle")
 """The :class:`Versions` fields every live node must agree on (pickles depend on them)."""
 
@@ -101,8 +109,40 @@ def check_versions(name: str, theirs: tracker_pb2.Versions, live: list[NodeRecor
                 f"between nodes, so every node needs the same Python, torch and cloudpickle")
 
 
+@dataclass
+class _Incarnation:
+    """What the registry keeps in memory of one node incarnation (the store has the rest)."""
+
+    name: str
+    address: str
+    boot_id: str
+    versions: tracker_pb2.Versions
+    registered: float
+    fenced: bool = False
+
+
 class Registry:
-    """Registers nodes, renews and expires their leases.
+    """Registers nodes, renews and expires their leases; liveness is kept in memory.
+
+    Every incarnation the store knows is loaded at start-up, and the nodes the
+    store says are alive get a fresh lease then: a restarted tracker renews
+    live nodes instead of declaring them lost. Afterwards the registry is the
+    authority on liveness:
+
+    - :meth:`heartbeat` is O(1) under one lock and writes nothing: it puts the
+      time in a dict. :meth:`flush` writes the heartbeats taken since the last
+      flush in one transaction (:meth:`~.store.Store.set_heartbeats`); the
+      scheduler calls it every :data:`PERSIST_EVERY` seconds and
+      :meth:`close` once more. So ``last_heartbeat`` in the store (and
+      ``ListNodes``) may lag by that much; nothing else is lost when the
+      tracker stops.
+    - Leases expire from a heap of deadlines, one entry per live node: a tick
+      pops only entries that are due, re-queueing those renewed since
+      (each live node is re-queued about once per lease), so
+      :meth:`expire` costs O(log n) per due entry, not O(n).
+    - Every change of liveness (registered, revived by a heartbeat, lost,
+      left, fenced) is written through to the store at once, so
+      ``store.nodes()`` lists the live nodes.
 
     Args:
         store: the tracker's state.
@@ -111,21 +151,88 @@ class Registry:
             left, or replaced by a new incarnation) and the reason, in words
             ("left the swarm"), after the store says so.
         clock: seconds since the epoch.
+        on_alive: called with a node's id when it becomes alive (registered,
+            or a lost node's heartbeat revived it).
     """
 
     def __init__(self, store: Store, lease: float,
                  on_lost: Callable[[set[str], str], None],
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 on_alive: Callable[[str], None] = lambda node_id: None):
         self.store, self.lease, self.on_lost, self.clock = store, lease, on_lost, clock
-        self._lock = threading.Lock()  # registrations at one address must not interleave
+        self.on_alive = on_alive
+        # registrations run one at a time (they check then write the store); heartbeats take
+        # only ``_lock``, which guards the dicts below and is never held across a store call
+        self._registering = threading.Lock()
+        self._lock = threading.Lock()
+        self._nodes: dict[str, _Incarnation] = {}
+        self._by_address: dict[str, set[str]] = {}
+        self._beats: dict[str, float] = {}  # live nodes' last heartbeat; insertion = age order
+        self._dirty: dict[str, float] = {}  # heartbeats not yet persisted
+        self._due: dict[str, float] = {}  # each live node's deadline as queued in _heap
+        self._heap: list[tuple[float, str]] = []
+        self._flushed = clock()
+        self._revived = 0  # lost nodes revived by a heartbeat since the last expire()
+        now = clock()
+        store.renew_all(now)
+        for r in store.node_records(include_lost=True):
+            i = r.info
+            self._remember(i.node_id, _Incarnation(i.name, i.address, r.boot_id, r.versions,
+                                                   i.registered, r.fenced))
+            if i.alive:
+                self._live(i.node_id, now)
+
+    def _remember(self, node_id: str, inc: _Incarnation) -> None:
+        self._nodes[node_id] = inc
+        self._by_address.setdefault(inc.address, set()).add(node_id)
+
+    def _live(self, node_id: str, now: float) -> None:
+        """Under ``_lock``: ``node_id`` is alive with a heartbeat at ``now``."""
+        self._beats[node_id] = now
+        if node_id not in self._due:
+            self._due[node_id] = now + self.lease
+            heapq.heappush(self._heap, (now + self.lease, node_id))
+
+    def _dead(self, node_id: str) -> None:
+        """Under ``_lock``: ``node_id`` is no longer alive (its heap entry goes stale)."""
+        self._beats.pop(node_id, None)
+        self._dirty.pop(node_id, None)
+        self._due.pop(node_id, None)
 
     @property
     def heartbeat_seconds(self) -> float:
         """How often nodes should heartbeat, seconds."""
         return self.lease / HEARTBEATS_PER_LEASE
 
+    def alive(self, node_id: str) -> bool:
+        """Whether ``node_id`` is a live node."""
+        return node_id in self._beats
+
+    def live_count(self) -> int:
+        """How many nodes are alive."""
+        return len(self._beats)
+
+    def info(self, node_id: str) -> tuple[str, str, float]:
+        """``(name, address, registered)`` of a known incarnation. KeyError if unknown."""
+        inc = self._nodes[node_id]
+        return inc.name, inc.address, inc.registered
+
+    def _reference(self, skip: set[str]) -> list[NodeRecord]:
+        """The live node other versions are checked against (see :func:`check_versions`):
+        the longest-live one that speaks this protocol, outside ``skip``; [] if none."""
+        with self._lock:
+            for node_id in self._beats:
+                inc = self._nodes[node_id]
+                if node_id not in skip and inc.versions.protocol == PROTOCOL_VERSION:
+                    return [NodeRecord(tracker_pb2.NodeInfo(node_id=node_id, name=inc.name,
+                                                            address=inc.address, alive=True),
+                                       inc.boot_id, inc.versions)]
+        return []
+
     def register(self, request: tracker_pb2.RegisterNodeRequest) -> str:
         """Register a node incarnation (see the module docstring); return its node id.
+
+        O(1) in the number of nodes (in-memory indexes), plus one store write.
 
         Raises:
             InvalidArgument: a malformed registration.
@@ -134,39 +241,51 @@ class Registry:
         """
         validate_node(request)
         name, address, boot = request.name or request.address, request.address, request.boot_id
-        with self._lock:
-            records = self.store.node_records(include_lost=True)
-            for r in records:
-                if r.info.alive and r.info.address == address and r.info.name != name:
-                    raise AlreadyExists(
-                        f"address {address} is held by live node {r.info.name!r} "
-                        f"({r.info.node_id}); node {name!r} must use another port or "
-                        f"advertised address, or that node must stop first")
-            same = [r for r in records if r.info.name == name and r.info.address == address]
-            for r in same:
-                if r.fenced and r.boot_id == boot:
+        with self._registering:
+            with self._lock:
+                here = [(i, self._nodes[i]) for i in sorted(self._by_address.get(address, ()))]
+                holder = next(((i, inc) for i, inc in here
+                               if i in self._beats and inc.name != name), None)
+            if holder is not None:
+                raise AlreadyExists(
+                    f"address {address} is held by live node {holder[1].name!r} "
+                    f"({holder[0]}); node {name!r} must use another port or "
+                    f"advertised address, or that node must stop first")
+            same = [(i, inc) for i, inc in here if inc.name == name]
+            for _, inc in same:
+                if inc.fenced and inc.boot_id == boot:
                     raise FailedPrecondition(
                         f"node {name!r} at {address} (boot id {boot}) was replaced by a newer "
                         f"process at the same address; this process must stop")
-            same_ids = {r.info.node_id for r in same}
-            check_versions(name, request.versions,
-                           [r for r in records if r.info.alive and r.info.node_id not in same_ids])
-            current = next((r for r in same if r.boot_id == boot and not r.fenced), None)
-            replaced = {r.info.node_id for r in same if r.boot_id != boot and not r.fenced}
+            check_versions(name, request.versions, self._reference({i for i, _ in same}))
+            current = next((i for i, inc in same if inc.boot_id == boot and not inc.fenced),
+                           None)
+            replaced = {i for i, inc in same if inc.boot_id != boot and not inc.fenced}
+            now = self.clock()
             for node_id in replaced:
                 self.store.fence_node(node_id)
-            now = self.clock()
+                with self._lock:
+                    self._nodes[node_id].fenced = True
+                    self._dead(node_id)
             if current is not None:
-                node_id = current.info.node_id
+                node_id = current
                 self.store.renew_node(node_id, request.resources, request.versions, now)
+                with self._lock:
+                    self._nodes[node_id].versions = request.versions
+                    self._live(node_id, now)
             else:
                 node_id = new_id()
                 self.store.add_node(node_id, name, address, request.resources, boot,
                                     request.versions, now)
+                with self._lock:
+                    self._remember(node_id, _Incarnation(name, address, boot, request.versions,
+                                                         now))
+                    self._live(node_id, now)
         v = request.versions
         log.info("node %s (%s) registered at %s: fedpipe %s, protocol %d, python %s, torch %s, "
                  "cloudpickle %s", name, node_id, address, v.fedpipe, v.protocol, v.python,
                  v.torch, v.cloudpickle)
+        self.on_alive(node_id)
         if replaced:
             log.warning("node %s restarted at %s: incarnation(s) %s fenced", name, address,
                         ", ".join(sorted(replaced)))
@@ -175,8 +294,26 @@ class Registry:
         return node_id
 
     def heartbeat(self, node_id: str) -> bool:
-        """Renew ``node_id``'s lease; False if the tracker does not know it (or fenced it)."""
-        return self.store.heartbeat(node_id, self.clock())
+        """Renew ``node_id``'s lease; False if the tracker does not know it (or fenced it).
+
+        O(1), no store write, unless the heartbeat revives a lost node (which
+        is written through).
+        """
+        now = self.clock()
+        with self._lock:
+            if node_id in self._beats:
+                self._beats[node_id] = self._dirty[node_id] = now
+                return True
+            inc = self._nodes.get(node_id)
+            if inc is None or inc.fenced:
+                return False
+            self._live(node_id, now)
+        self.store.heartbeat(node_id, now)
+        log.debug("node %s (%s) is back", inc.name, node_id)
+        with self._lock:
+            self._revived += 1
+        self.on_alive(node_id)
+        return True
 
     def leave(self, node_id: str) -> bool:
         """The node shuts down: mark it lost now; False if unknown."""
@@ -186,17 +323,64 @@ class Registry:
         """Mark ``node_id`` lost now, before its lease ends (it left, or a peer's failed
         send and a failed Ping say it is gone); ``why`` completes "node(s) NAMES ...".
         Returns False if it was not a live node."""
-        known = self.store.mark_lost(node_id)
-        if known:
+        with self._lock:
+            was_alive = self.alive(node_id)
+            self._dead(node_id)
+        if was_alive:
+            self.store.mark_lost(node_id)
             log.info("node %s %s", node_id, why)
             self.on_lost({node_id}, why)
-        return known
+        return was_alive
 
     def expire(self) -> set[str]:
-        """Mark the nodes whose lease ran out lost; return their ids."""
-        lost = set(self.store.expire_nodes(self.clock() - self.lease))
-        for node_id in sorted(lost):
-            log.warning("node %s missed its lease of %.1f s: marked lost", node_id, self.lease)
-        if lost:
-            self.on_lost(lost, f"lost (no heartbeat for {self.lease:.0f} s)")
+        """Mark the nodes whose lease ran out lost (in one store transaction); return their ids.
+
+        A node is lost once more than ``lease`` seconds passed since its last
+        heartbeat. Pops only due deadlines (see the class docstring).
+        """
+        now = self.clock()
+        lost: set[str] = set()
+        with self._lock:
+            revived, self._revived = self._revived, 0
+            while self._heap and self._heap[0][0] < now:
+                deadline, node_id = heapq.heappop(self._heap)
+                if self._due.get(node_id) != deadline:
+                    continue  # stale: the node was lost or left since it was queued
+                renewed = self._beats[node_id] + self.lease
+                if renewed < now:
+                    lost.add(node_id)
+                    self._dead(node_id)
+                else:
+                    self._due[node_id] = renewed
+                    heapq.heappush(self._heap, (renewed, node_id))
+        if revived:  # one line per tick, however many came back
+            log.info("%d lost node(s) came back (heartbeat after their lease ran out)", revived)
+        if not lost:
+            return lost
+        self.store.mark_lost_many(sorted(lost))
+        if len(lost) <= LOST_NAMED:
+            for node_id in sorted(lost):
+                log.warning("node %s missed its lease of %.1f s: marked lost", node_id,
+                            self.lease)
+        else:
+            log.warning("%d nodes missed their lease of %.1f s: marked lost (e.g. %s)",
+                        len(lost), self.lease, ", ".join(sorted(lost)[:LOST_NAMED]))
+        self.on_lost(lost, f"lost (no heartbeat for {self.lease:.0f} s)")
         return lost
+
+    def flush(self) -> int:
+        """Persist the heartbeats taken since the last flush, in one transaction; return
+        how many."""
+        with self._lock:
+            beats, self._dirty = self._dirty, {}
+            self._flushed = self.clock()
+        if beats:
+            self.store.set_heartbeats(beats)
+        return len(beats)
+
+    def flush_if_due(self) -> int:
+        """:meth:`flush` if :data:`PERSIST_EVERY` seconds passed since the last; return how
+        many heartbeats were written."""
+        if self.clock() - self._flushed < PERSIST_EVERY:
+            return 0
+        return self.flush()

@@ -1,14 +1,20 @@
 """The tracker's domain assembled, and its two background loops.
 
-:class:`Tracker` builds the :class:`~.registry.Registry` and the
-:class:`~.jobs.Jobs` life cycle over one store, and runs:
+:class:`Tracker` builds the :class:`~.registry.Registry`, the
+:class:`~.links.LinkMeasurer` and the :class:`~.jobs.Jobs` life cycle over one
+store, and runs:
 
 - the scheduler: every ``min(TICK, lease/4)`` seconds, or sooner when something
-  changes, it expires leases, fails PENDING jobs past their timeout, and
-  plans and deploys PENDING jobs once the links of newly joined nodes are
-  measured (or ``link_wait`` has passed);
-- the link measurer: measures every link when nodes join and every
-  ``link_refresh`` seconds.
+  changes, it expires leases, persists the heartbeats taken since the last
+  batch (every :data:`~.registry.PERSIST_EVERY` seconds), fails PENDING jobs
+  past their timeout, and plans and deploys PENDING jobs. A job is planned over
+  its candidates (:func:`candidates`: at most :data:`PLAN_CANDIDATES` nodes),
+  once none of them waits for its first link measurement (or ``link_wait``
+  has passed). Bookkeeping per tick is O(log n) per due lease plus, only
+  while a job is PENDING, O(n) to read the nodes.
+- the link measurer: measures the links of nodes as they join
+  (:class:`~.links.LinkMeasurer`: O(k) links per node, never a full round),
+  and every ``link_refresh`` seconds re-measures each node's selected links.
 
 :meth:`Tracker.tick` and :meth:`Tracker.measure_links` are one round of each,
 so tests can drive them without threads.
@@ -21,9 +27,9 @@ import time
 from typing import Callable
 
 from ..net import timeouts
-from ..planner.protoio import unmeasured
+from ..proto import tracker_pb2
 from .jobs import Jobs
-from .links import measure_links
+from .links import LinkMeasurer
 from .nodes import NodeCalls
 from .registry import Registry
 from .store import Store
@@ -33,6 +39,23 @@ log = logging.getLogger("fedpipe.tracker")
 TICK = 1.0
 """Longest pause between scheduler rounds, seconds (it also runs at once on every change,
 and at least 4 times per lease so an expired lease is noticed within a quarter of it)."""
+PLAN_CANDIDATES = 256
+"""Most nodes a job is planned over: the planner's link matrices grow as the square of the
+nodes it is given, and a swarm of 10,000 would make them 800 MB."""
+
+
+def candidates(nodes: list[tracker_pb2.NodeInfo], limit: int | None = None
+               ) -> list[tracker_pb2.NodeInfo]:
+    """The nodes a job is planned over: all of them if at most ``limit`` (default
+    :data:`PLAN_CANDIDATES`), else the ``limit`` fastest (FLOP/s, then memory, then the
+    oldest registration), in registration order. O(n log n)."""
+    limit = PLAN_CANDIDATES if limit is None else limit
+    if len(nodes) <= limit:
+        return nodes
+    order = {n.node_id: i for i, n in enumerate(nodes)}
+    best = sorted(nodes, key=lambda n: (-n.resources.flops, -n.resources.memory_bytes,
+                                        order[n.node_id]))[:limit]
+    return sorted(best, key=lambda n: order[n.node_id])
 
 
 class Tracker:
@@ -42,10 +65,12 @@ class Tracker:
         store: the tracker's state.
         nodes: how to reach nodes.
         lease: seconds a node may go without a heartbeat before it is lost.
-        link_refresh: seconds between re-measurements of every link (0: only
-            when nodes join).
-        link_wait: seconds a job waits for the links of newly joined nodes to
-            be measured before it is planned with default figures.
+        link_refresh: seconds between re-measurements of every selected link
+            (0: only when nodes join).
+        link_wait: seconds a job waits for the first link measurement of its
+            candidate nodes before it is planned with what is known (the
+            planner's assumptions for the rest: see
+            :func:`~fedpipe.planner.protoio.cluster_view`).
         clock: seconds since the epoch.
         background: start the scheduler and link-measurer threads (False:
             the caller drives :meth:`tick` and :meth:`measure_links`).
@@ -57,12 +82,14 @@ class Tracker:
         self.store, self.nodes, self.clock = store, nodes, clock
         self.lease, self.link_refresh, self.link_wait = lease, link_refresh, link_wait
         self.jobs = Jobs(store, nodes, clock)
-        self.registry = Registry(store, lease, self.jobs.nodes_lost, clock)
-        self.jobs.declare_lost = self.registry.declare_lost
-        self.stop_event = threading.Event()
-        self.measure_now = threading.Event()
+        self.links = LinkMeasurer(store, nodes, clock)
         # nodes that were live when the tracker stopped get a fresh lease, not a lost verdict
-        store.renew_all(clock())
+        self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive)
+        self.jobs.declare_lost = self.registry.declare_lost
+        for n in store.nodes():
+            self.links.add(n.node_id, n.name, n.address, n.registered)
+        self.stop_event = threading.Event()
+        self.measure_now = self.links.added
         self.jobs.recover()
         self.threads: list[threading.Thread] = []
         if background:
@@ -74,29 +101,39 @@ class Tracker:
 
     def register(self, request) -> str:
         """Register a node (see :meth:`~.registry.Registry.register`, which says what it
-        raises); measure links now, and let the scheduler look again. Returns its node id."""
+        raises); queue its links, and let the scheduler look again. Returns its node id."""
         node_id = self.registry.register(request)
-        self.measure_now.set()
         self.jobs.notify()
         return node_id
 
+    def _alive(self, node_id: str) -> None:
+        name, address, registered = self.registry.info(node_id)
+        self.links.add(node_id, name, address, registered)
+
+    def _nodes_lost(self, lost: set[str], why: str) -> None:
+        self.links.remove(lost)
+        self.jobs.nodes_lost(lost, why)
+
     def close(self) -> None:
-        """Stop the background loops (waiting up to ``THREAD_JOIN`` seconds for each), then
-        close ``nodes`` if it has a ``close()``. The store stays open: its opener closes it."""
+        """Stop the background loops (waiting up to ``THREAD_JOIN`` seconds for each),
+        persist the last heartbeats, then close ``nodes`` if it has a ``close()``. The store
+        stays open: its opener closes it."""
         self.stop_event.set()
         self.measure_now.set()
         self.jobs.notify()
         for th in self.threads:
             th.join(timeout=timeouts.THREAD_JOIN)
+        self.registry.flush()
         close = getattr(self.nodes, "close", None)
         if close is not None:
             close()
 
     # -- scheduler ------------------------------------------------------------
     def tick(self) -> None:
-        """One scheduler round: expire leases, go on recovering each RECOVERING job, then
-        time out, wait or start each PENDING job."""
+        """One scheduler round: expire leases, persist heartbeats when due, go on
+        recovering each RECOVERING job, then time out, wait or start each PENDING job."""
         self.registry.expire()
+        self.registry.flush_if_due()
         for job_id in self.jobs.recovering():
             self.jobs.resume(job_id, self.store.nodes())
         for job_id in self.jobs.pending():
@@ -104,11 +141,11 @@ class Tracker:
             if not nodes:
                 self.jobs.expire_pending(job_id)
                 continue
-            links = self.store.links()
-            if unmeasured(nodes, links) and \
+            chosen = candidates(nodes)
+            if self.links.waiting(n.node_id for n in chosen) and \
                     self.clock() - self.jobs.get(job_id).created < self.link_wait:
                 continue  # the links of nodes that just joined are being measured
-            self.jobs.start(job_id, nodes, links)
+            self.jobs.start(job_id, chosen, self.store.links())
 
     def _scheduler(self) -> None:
         while not self.stop_event.is_set():
@@ -119,19 +156,24 @@ class Tracker:
             self.jobs.wait(min(TICK, self.lease / 4))
 
     # -- links ----------------------------------------------------------------
-    def measure_links(self) -> None:
-        """Measure every link between live nodes once (see :func:`~.links.measure_links`)."""
-        measure_links(self.store, self.nodes)
+    def measure_links(self, refresh: bool = False) -> None:
+        """Measure the links of every queued node (see :class:`~.links.LinkMeasurer`); with
+        ``refresh``, re-measure every live node's selected links first."""
+        if refresh:
+            self.links.refresh_all()
+        self.links.run()
         self.jobs.notify()
 
     def _measurer(self) -> None:
-        self.measure_now.set()
+        next_refresh = time.monotonic() + self.link_refresh if self.link_refresh else None
         while not self.stop_event.is_set():
-            self.measure_now.wait(self.link_refresh or None)
             self.measure_now.clear()
-            if self.stop_event.is_set():
-                return
+            refresh = next_refresh is not None and time.monotonic() >= next_refresh
+            if refresh:
+                next_refresh = time.monotonic() + self.link_refresh
             try:
-                self.measure_links()
+                self.measure_links(refresh)
             except Exception:  # noqa: BLE001 — try again at the next trigger
                 log.exception("link measurement failed")
+            wait = None if next_refresh is None else max(0.0, next_refresh - time.monotonic())
+            self.measure_now.wait(wait)

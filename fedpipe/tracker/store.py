@@ -24,7 +24,7 @@ import sqlite3
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from ..proto import node_pb2, tracker_pb2
 from ..spec import TERMINAL
@@ -82,6 +82,19 @@ class Store(abc.ABC):
     def mark_lost(self, node_id: str) -> bool:
         """Mark a node lost now (it left, or was found gone); False if it was not a live
         node (unknown, or lost already)."""
+
+    @abc.abstractmethod
+    def mark_lost_many(self, node_ids: Iterable[str]) -> None:
+        """Mark each of ``node_ids`` lost, in one transaction (unknown ids are skipped)."""
+
+    @abc.abstractmethod
+    def set_heartbeats(self, beats: Mapping[str, float]) -> None:
+        """Record many nodes' last heartbeat times (seconds since the epoch) in one transaction.
+
+        Only live, unfenced nodes are updated: a node marked lost since the
+        heartbeat was taken stays lost (reviving a node is :meth:`heartbeat`'s
+        work). This is how the registry persists liveness in batches.
+        """
 
     @abc.abstractmethod
     def expire_nodes(self, cutoff: float) -> list[str]:
@@ -283,6 +296,23 @@ class SqliteStore(Store):
         with self.lock:
             return self.db.execute("UPDATE nodes SET alive=0 WHERE node_id=? AND alive=1",
                                    (node_id,)).rowcount > 0
+
+    def _transaction(self, sql: str, rows: list[tuple]) -> None:
+        with self.lock:
+            self.db.execute("BEGIN")
+            try:
+                self.db.executemany(sql, rows)
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+
+    def mark_lost_many(self, node_ids):
+        self._transaction("UPDATE nodes SET alive=0 WHERE node_id=?", [(i,) for i in node_ids])
+
+    def set_heartbeats(self, beats):
+        self._transaction("UPDATE nodes SET last_heartbeat=? WHERE node_id=? AND alive=1 "
+                          "AND fenced=0", [(t, i) for i, t in beats.items()])
 
     def expire_nodes(self, cutoff):
         with self.lock:
@@ -518,6 +548,19 @@ class MemoryStore(Store):
                 return False
             self._update(node_id, alive=False)
             return True
+
+    def mark_lost_many(self, node_ids):
+        with self.lock:
+            for nid in node_ids:
+                if nid in self._nodes:
+                    self._update(nid, alive=False)
+
+    def set_heartbeats(self, beats):
+        with self.lock:
+            for nid, now in beats.items():
+                r = self._nodes.get(nid)
+                if r is not None and r.info.alive and not r.fenced:
+                    self._update(nid, last_heartbeat=now)
 
     def expire_nodes(self, cutoff):
         with self.lock:

@@ -1,0 +1,402 @@
+"""A tracker under 1,000 or 10,000 nodes: heartbeat latency, tracker CPU, a job among them.
+
+    python benchmarks/tracker_scale.py --nodes 10000 --seconds 60
+
+Starts a real tracker (``python -m fedpipe tracker``), then ``--generators``
+load-generator processes (multiprocessing). Each runs its share of fake nodes
+on one asyncio loop with one gRPC channel to the tracker: it registers them,
+then each fake heartbeats at the interval the tracker's replies set
+(``heartbeat_seconds``), with a random phase so they do not beat in step.
+
+Fake nodes need reachable, distinct addresses (the tracker refuses a second
+live node at one address, and measures links by calling the nodes). Each
+generator runs one small gRPC Node server on one port, answering Ping,
+MeasureLinks (loopback-like figures) and Send (a bandwidth probe: drained) for
+all its fakes; fake ``i`` of generator ``g`` advertises
+``127.<g+1>.<i // 250>.<i % 250 + 1>:<port>``. Every 127.x.y.z reaches the
+loopback interface on Linux, so the server listens on the wildcard address,
+for the benchmark's run only. Those addresses put about 250 fakes in each /24
+site, so the tracker's site rule (:func:`fedpipe.planner.protoio.site_of`)
+sees 40 sites at 10,000 nodes. Fakes advertise 1 GFLOP/s and 64 MiB.
+
+After every fake is registered and the link backlog has drained (or
+``--settle`` seconds passed), two real nodes (``python -m fedpipe node``)
+join; then ``--seconds`` of steady state are measured, and halfway through a
+small job (the digits MLP, 2 stages) is submitted with :class:`fedpipe.Client`
+and timed from submit to RUNNING.
+
+Printed: registration time, heartbeat latency p50/p99/max over the window,
+the tracker's CPU (psutil on its pid) and CPU per heartbeat, the load
+generators' share of the machine's cores, nodes marked lost (ListNodes with
+include_lost: every fake keeps heartbeating, so any lost node is a false
+verdict), submit-to-RUNNING seconds, and the load average. Targets (10,000
+nodes, default heartbeat interval): p99 <= 50 ms, no live node lost, the job
+RUNNING within 30 s of its submission.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # measure this checkout's tracker, not an installed one
+
+PER_SUBNET = 250
+"""Fake nodes per /24 (one site each)."""
+FAKE_FLOPS, FAKE_MEMORY = 1e6, 64 * 2**20
+"""What a fake node advertises: slow enough that the planner never gives one a stage (a fake
+cannot run one), so the job lands on the real nodes."""
+REGISTER_CONCURRENCY = 32
+"""Registrations in flight per load generator."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- load generator (a child process) ----------------------------------------------------
+
+def generator(g: int, count: int, tracker: str, versions: bytes, port: int, window, results):
+    """Run ``count`` fake nodes until ``window[2]``; put ``(latencies in the window, counts)``
+    on ``results``. ``window`` is a shared array: (start, end, stop) in time.time(), 0 until
+    set; heartbeats are timed between start and end, and go on until stop."""
+    asyncio.run(_generator(g, count, tracker, versions, port, window, results))
+
+
+async def _generator(g, count, tracker, versions_bytes, port, window, results):
+    import grpc
+    from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
+
+    class FakeNode(node_pb2_grpc.NodeServicer):
+        async def Ping(self, request, context):
+            return node_pb2.PingReply()
+
+        async def MeasureLinks(self, request, context):
+            # src_id is filled in by the tracker (a node speaks only for its own links)
+            now = time.time()
+            return node_pb2.MeasureLinksReply(links=[
+                node_pb2.LinkMeasurement(dst_id=p.node_id, bandwidth=1e9, latency=1e-4,
+                                         measured_at=now) for p in request.peers])
+
+        async def Send(self, request_iterator, context):
+            async for _ in request_iterator:
+                pass
+            return node_pb2.SendReply()
+
+    server = grpc.aio.server()
+    node_pb2_grpc.add_NodeServicer_to_server(FakeNode(), server)
+    server.add_insecure_port(f"0.0.0.0:{port}")
+    await server.start()
+
+    versions = tracker_pb2.Versions.FromString(versions_bytes)
+    channel = grpc.aio.insecure_channel(tracker)
+    stub = tracker_pb2_grpc.TrackerStub(channel)
+    ids: list[str] = [""] * count
+    interval = [2.5]
+    sem = asyncio.Semaphore(REGISTER_CONCURRENCY)
+    counts = {"heartbeats": 0, "unknown": 0, "errors": 0, "register_errors": 0,
+              "unregistered": 0}
+
+    def request(i: int) -> tracker_pb2.RegisterNodeRequest:
+        return tracker_pb2.RegisterNodeRequest(
+            name=f"fake{g}-{i}", boot_id=uuid.uuid4().hex, versions=versions,
+            address=f"127.{g + 1}.{i // PER_SUBNET}.{i % PER_SUBNET + 1}:{port}",
+            resources=node_pb2.Resources(flops=FAKE_FLOPS, memory_bytes=FAKE_MEMORY,
+                                         device="cpu", cores=1))
+
+    async def register(i: int) -> None:
+        async with sem:
+            for _ in range(5):
+                try:
+                    reply = await stub.RegisterNode(request(i), timeout=60)
+                except grpc.aio.AioRpcError:
+                    counts["register_errors"] += 1
+                    await asyncio.sleep(1.0)
+                    continue
+                ids[i] = reply.node_id
+                interval[0] = reply.heartbeat_seconds or interval[0]
+                break
+
+    async def live(i: int) -> None:
+        await register(i)  # then heartbeat at once: registering 10,000 outlasts a lease
+        if ids[i]:
+            await beat(i)
+        else:
+            counts["unregistered"] += 1
+
+    latencies: list[float] = []
+    if os.environ.get("TRACKER_SCALE_DEBUG"):
+        async def report():
+            seen = 0
+            while not (window[2] and time.time() > window[2]):
+                await asyncio.sleep(5)
+                n = counts["heartbeats_all"] - seen
+                seen = counts["heartbeats_all"]
+                recent = sorted(recent_lat[-n:]) if n else [0.0]
+                print(f"gen{g} {time.strftime('%H:%M:%S')}: {n / 5:.0f} beats/s, "
+                      f"p99 {recent[int(0.99 * len(recent))] * 1e3:.0f} ms, "
+                      f"errors {counts['errors']} unknown {counts['unknown']}", flush=True)
+        asyncio.ensure_future(report())
+    recent_lat: list[float] = []
+    counts["heartbeats_all"] = 0
+
+    async def beat(i: int) -> None:
+        await asyncio.sleep(random.random() * interval[0])
+        due = time.monotonic()
+        while True:
+            now = time.time()
+            if window[2] and now > window[2]:
+                return
+            t = time.perf_counter()
+            try:
+                reply = await stub.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=ids[i]),
+                                             timeout=10)
+            except grpc.aio.AioRpcError:
+                counts["errors"] += 1
+            else:
+                took = time.perf_counter() - t
+                counts["heartbeats_all"] += 1
+                recent_lat.append(took)
+                if len(recent_lat) > 100_000:
+                    del recent_lat[:50_000]
+                if window[0] and window[0] <= now <= window[1]:
+                    latencies.append(took)
+                    counts["heartbeats"] += 1
+                if not reply.known:
+                    counts["unknown"] += 1
+                interval[0] = reply.heartbeat_seconds or interval[0]
+            due += interval[0]
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+
+    t0 = time.time()
+    fakes = [asyncio.ensure_future(live(i)) for i in range(count)]
+    while sum(1 for i in ids if i) + counts["unregistered"] < count:
+        await asyncio.sleep(0.2)
+    results.put(("registered", g, time.time() - t0, sum(1 for i in ids if i)))
+    await asyncio.gather(*fakes)
+    results.put(("done", g, latencies, counts))
+    await channel.close()
+    await server.stop(None)
+
+
+# -- the conductor -----------------------------------------------------------------------
+
+def submit_job(client, delay: float, out: dict) -> None:
+    """After ``delay`` seconds, submit the digits MLP on 2 stages; time submit to RUNNING into
+    ``out["to_running"]``, its nodes into ``out["placed"]``, how it ended into ``out["end"]``."""
+    import torch
+    from torch import nn
+
+    import fedpipe
+    from fedpipe.examples import digits
+
+    time.sleep(delay)
+    x, y, _, _ = digits.load()
+    t = time.time()
+    job = client.submit(digits.make_model(hidden=32), nn.functional.cross_entropy,
+                        fedpipe.optimizer(torch.optim.AdamW, lr=3e-3), digits.batches(x, y, 32),
+                        steps=5, microbatches=2, stages=2, replicas=1)
+    while time.time() - t < 120:
+        status = job.status()
+        if status.state in ("RUNNING", "SUCCEEDED") or status.step > 0:
+            out["to_running"] = time.time() - t
+            break
+        if status.state in ("FAILED", "CANCELLED"):
+            break
+        time.sleep(0.1)
+    out["placed"] = sorted({a.node_name for a in job.status().plan.stages})
+    try:
+        out["end"] = job.wait(timeout=60, progress=False).state
+    except Exception as e:  # noqa: BLE001 — report, do not hide
+        out["end"] = f"{type(e).__name__}: {e}"
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=1000, help="fake nodes")
+    ap.add_argument("--generators", type=int, default=2, help="load-generator processes")
+    ap.add_argument("--seconds", type=float, default=60.0, help="steady state measured, s")
+    ap.add_argument("--lease", type=float, default=None,
+                    help="the tracker's --lease (default: the tracker's own default)")
+    ap.add_argument("--settle", type=float, default=120.0,
+                    help="longest wait for the link backlog to drain after registration, s")
+    args = ap.parse_args()
+
+    import psutil
+
+    import fedpipe
+    from fedpipe.node.daemon import local_versions
+    from fedpipe.planner.protoio import unmeasured
+    from fedpipe.proto import tracker_pb2
+    from fedpipe.testing import child_env
+
+    work = Path(tempfile.mkdtemp(prefix="fedpipe-scale-"))
+    print(f"logs in {work}")
+    env = dict(child_env(1), PYTHONPATH=str(ROOT))
+    port = free_port()
+    tracker = f"127.0.0.1:{port}"
+    tlog = open(work / "tracker.log", "w")
+    cmd = [sys.executable, "-m", "fedpipe", "tracker", "--host", "127.0.0.1", "--port",
+           str(port), "--db", str(work / "tracker.db")]
+    if args.lease:
+        cmd += ["--lease", str(args.lease)]
+    tproc = subprocess.Popen(cmd, stdout=tlog, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    procs: list = []
+    nodes: list[subprocess.Popen] = []
+    try:
+        client = fedpipe.Client(tracker)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.nodes()
+                break
+            except Exception:  # noqa: BLE001 — still starting
+                if time.monotonic() > deadline or tproc.poll() is not None:
+                    raise RuntimeError((work / "tracker.log").read_text()[-2000:]) from None
+                time.sleep(0.2)
+        tps = psutil.Process(tproc.pid)
+
+        ctx = mp.get_context("spawn")
+        window = ctx.Array("d", [0.0, 0.0, 0.0])
+        results = ctx.Queue()
+        share = [args.nodes // args.generators + (g < args.nodes % args.generators)
+                 for g in range(args.generators)]
+        versions = local_versions().SerializeToString()
+        t_reg = time.time()
+        for g, count in enumerate(share):
+            p = ctx.Process(target=generator, args=(g, count, tracker, versions, free_port(),
+                                                    window, results), daemon=True)
+            p.start()
+            procs.append(p)
+        registered = 0
+        for _ in procs:
+            _, g, seconds, ok = results.get(timeout=1800)
+            registered += ok
+        reg_seconds = time.time() - t_reg
+        print(f"{registered} of {args.nodes} fake nodes registered in {reg_seconds:.1f} s "
+              f"({registered / reg_seconds:.0f}/s) by {args.generators} generators")
+
+        def list_nodes():
+            return client.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=True),
+                                         timeout=60)
+
+        # the link backlog: every selected link measured (the fakes all answer)
+        t_settle = time.time()
+        left = -1
+        while time.time() - t_settle < args.settle:
+            reply = list_nodes()
+            left = len(unmeasured([n for n in reply.nodes if n.alive], list(reply.links)))
+            if not left:
+                break
+            time.sleep(3.0)
+        print(f"link backlog: {left} selected links unmeasured after "
+              f"{time.time() - t_settle:.1f} s")
+
+        for i in range(2):
+            nodes.append(subprocess.Popen(
+                [sys.executable, "-m", "fedpipe", "node", "--tracker", tracker, "--host",
+                 "127.0.0.1", "--port", "0", "--name", f"real{i}", "--device", "cpu",
+                 "--threads", "1"], stdout=open(work / f"real{i}.log", "w"),
+                stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+        deadline = time.monotonic() + 120
+        while sum(1 for n in client.nodes() if n.name.startswith("real")) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the real nodes did not register")
+            time.sleep(0.5)
+
+        start = time.time() + 2.0
+        window[0], window[1] = start, start + args.seconds
+        time.sleep(max(0.0, start - time.time()))
+        cpu0 = tps.cpu_times()
+        gen0 = [psutil.Process(p.pid).cpu_times() for p in procs]
+        wall0 = time.time()
+
+        submitted: dict = {}
+        job_thread = threading.Thread(target=submit_job, args=(client, args.seconds / 2,
+                                                               submitted), daemon=True)
+        job_thread.start()
+        time.sleep(max(0.0, window[1] - time.time()))
+        cpu1 = tps.cpu_times()
+        gen1 = [psutil.Process(p.pid).cpu_times() for p in procs]
+        wall = time.time() - wall0
+        load = os.getloadavg()
+        rss = tps.memory_info().rss
+        reply = list_nodes()  # while every fake still heartbeats
+        lost = [n.name for n in reply.nodes if not n.alive]
+        log_text = (work / "tracker.log").read_text(errors="replace")
+        job_thread.join(150)
+        window[2] = time.time()
+
+        latencies, counts = [], {}
+        for _ in procs:
+            _, g, lat, c = results.get(timeout=120)
+            latencies += lat
+            for k, v in c.items():
+                counts[k] = counts.get(k, 0) + v
+
+        t_cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+        g_cpu = sum((b.user + b.system) - (a.user + a.system) for a, b in zip(gen0, gen1))
+        cores = os.cpu_count() or 1
+        beats = counts.get("heartbeats", 0)
+        print(f"nodes: {args.nodes} fake + 2 real, {args.generators} generators, "
+              f"window {wall:.1f} s")
+        print(f"heartbeats: {beats} ({beats / wall:.0f}/s), errors {counts.get('errors', 0)}, "
+              f"unknown {counts.get('unknown', 0)}")
+        print(f"heartbeat latency: p50 {percentile(latencies, 0.5) * 1e3:.1f} ms, "
+              f"p99 {percentile(latencies, 0.99) * 1e3:.1f} ms, "
+              f"max {max(latencies, default=float('nan')) * 1e3:.1f} ms  (target p99 <= 50 ms)")
+        print(f"tracker CPU: {t_cpu:.1f} s in {wall:.1f} s = {100 * t_cpu / wall:.0f}% of one "
+              f"core; {1e3 * t_cpu / max(beats, 1):.3f} ms CPU per heartbeat (all tracker work "
+              f"in the window / heartbeats); RSS {rss / 2**20:.0f} MiB")
+        print(f"load generators CPU: {g_cpu:.1f} s = {100 * g_cpu / wall / cores:.0f}% of the "
+              f"{cores} cores")
+        print(f"nodes marked lost: {len(lost)} {lost[:5]}; 'missed its lease' lines in the "
+              f"tracker log: {len(re.findall('missed (its|their) lease', log_text))}  "
+              f"(target 0)")
+        to_running = submitted.get("to_running")
+        print(f"small job on {submitted.get('placed')}: submit to RUNNING "
+              f"{'never' if to_running is None else f'{to_running:.2f} s'}  (target <= 30 s); "
+              f"{submitted.get('end', 'no end')}")
+        print(f"tracker log: {len(log_text) / 1024:.0f} KiB; load average "
+              f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+        return 0
+    finally:
+        for n in nodes:
+            n.terminate()
+        for p in procs:
+            p.terminate()
+        tproc.terminate()
+        try:
+            tproc.wait(10)
+        except subprocess.TimeoutExpired:
+            tproc.kill()
+        for n in nodes:
+            try:
+                n.wait(10)
+            except subprocess.TimeoutExpired:
+                n.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
