@@ -15,14 +15,19 @@ data:
 
 Per task, in this order:
 
-1. **Checkpoint overhead.** Jobs with checkpoints on (every ``--every``
-   steps) and off (every ``steps + 1``), alternated ``--repeats`` times.
-   A job's step time is its mean over its steps from step 3 on (from the
-   tracker's step events, so a slow checkpoint step counts); the medians of
-   on and off are compared. ``os.getloadavg()`` is printed with it: the
-   machine is shared, and the ratio is only as good as the interleaving.
-2. **An undisturbed run**: the reference for accuracy/loss and weights (it is
-   also compared with single-process PyTorch on the same batches).
+1. **Checkpoint overhead.** Jobs of 200 (digits) or 60 (text) steps with
+   checkpoints on (every ``--every`` steps) and off (every ``steps + 1``),
+   alternated ``--repeats`` times. A job's step time is its mean over its
+   steps from step 3 on (from the tracker's step events, so a slow
+   checkpoint step counts); the medians of on and off are compared, and
+   their difference is also given per checkpoint. ``os.getloadavg()`` is
+   printed with it: the machine is shared, and the ratio is only as good as
+   the interleaving.
+2. **An undisturbed run**: the reference for accuracy/loss and weights. It
+   is also compared with single-process PyTorch on the same batches, with
+   the gradient accumulated over the same microbatches (and, for scale,
+   over whole batches: with AdamW a near-zero gradient's rounding flips the
+   sign of its update, so that difference is not a fedpipe error).
 3. **``--trials`` kill trials**: each picks a random stage of the plan and a
    random step, and ``kill -9``\\ s the node holding that stage once the job
    has completed that step (:meth:`fedpipe.testing.LocalSwarm.inject`).
@@ -44,7 +49,8 @@ the first failure report, and RUNNING to the first replayed step); the final
 held-out accuracy (digits) or loss (text) next to the undisturbed run's; and
 the largest relative difference per tensor between its weights and the
 undisturbed run's (``max |a - b| / max |b|``). For the tracker kill: seconds
-from the kill to the next recorded step.
+from the kill to the next recorded step. A job that makes no progress (step,
+state or epoch) for 60 s is cancelled and counted as STUCK, not completed.
 
 Targets, printed with whether each is met: every kill trial completes;
 steps recomputed <= checkpoint_every; kill to resumed training <= 10 s;
@@ -55,9 +61,9 @@ undisturbed run's within 1e-5.
                                 [--every K] [--repeats R] [--steps-digits N] [--steps-text N]
                                 [--workdir DIR]
 
-Full run: 10 trials per task, 50 digits steps and 30 text steps per job, 3
-overhead repeats (about 15 minutes on a 2-core machine); ``--quick``: 2 trials
-per task, 1 overhead repeat. The swarm's logs (tracker, nodes) are kept in
+Full run: 10 trials per task, 50 digits steps and 30 text steps per job, 5
+overhead repeats (about 10 minutes on a 2-core machine); ``--quick``: 2 trials
+per task, 1 overhead repeat (about 3 minutes). The swarm's logs (tracker, nodes) are kept in
 ``--workdir`` (default: a temporary directory, removed if every trial completed).
 """
 from __future__ import annotations
@@ -433,7 +439,8 @@ def overhead(bench: Bench, task: Task, every: int, repeats: int, steps: int) -> 
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     print(f"[{task.name} overhead] median step time: checkpoints on (every {every}) "
           f"{on * 1e3:.1f} ms, off {off * 1e3:.1f} ms: ratio {on / off:.3f} "
-          f"({(on / off - 1) * 100:+.1f} %); load average before "
+          f"({(on / off - 1) * 100:+.1f} %, {(on - off) * every * 1e3:.0f} ms per checkpoint); "
+          f"load average before "
           f"{' '.join(f'{x:.2f}' for x in load0)}, after {' '.join(f'{x:.2f}' for x in load1)}",
           flush=True)
     return on / off - 1
@@ -553,7 +560,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="picks the kill steps and stages")
     ap.add_argument("--every", type=int, default=5, help="checkpoint_every (steps)")
     ap.add_argument("--repeats", type=int, default=0,
-                    help="checkpoint on/off pairs for the overhead (default 3; --quick 1)")
+                    help="checkpoint on/off pairs for the overhead (default 5; --quick 1)")
     ap.add_argument("--steps-digits", type=int, default=50)
     ap.add_argument("--steps-text", type=int, default=30)
     ap.add_argument("--overhead-steps-digits", type=int, default=200)
@@ -561,7 +568,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="", help="keep the swarm's logs here")
     args = ap.parse_args()
     args.trials = args.trials or (2 if args.quick else 10)
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 5)
     makers = {"digits": lambda: digits_task(args.steps_digits),
               "text": lambda: text_task(args.steps_text)}
     names = args.tasks.split(",")
