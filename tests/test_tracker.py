@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from fedpipe import net
-from fedpipe.proto import tracker_pb2, tracker_pb2_grpc
+from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
 from fedpipe.spec import PROTOCOL_VERSION
+from fedpipe.testing import free_port
 from tracker_fakes import registration, versions_with
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,13 +47,37 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
     return err.value.code(), err.value.details()
 
 
-def test_registration_errors_arrive_as_their_status_codes_and_the_tracker_keeps_serving(tracker):
-    reply = tracker.RegisterNode(registration("alpha", 7000), timeout=10)
+class Pinged(node_pb2_grpc.NodeServicer):
+    """A node address that answers the tracker's registration Ping, and nothing else."""
+
+    def Ping(self, request, context):
+        return node_pb2.PingReply()
+
+
+@pytest.fixture
+def reachable():
+    """Two ports on 127.0.0.1 that answer Ping, as a registering node's address must."""
+    srv = net.server(max_workers=4)
+    node_pb2_grpc.add_NodeServicer_to_server(Pinged(), srv)
+    ports = [net.bind(srv, "127.0.0.1", 0) for _ in range(2)]
+    srv.start()
+    yield ports
+    srv.stop(grace=0).wait()
+
+
+def test_registration_errors_arrive_as_their_status_codes_and_the_tracker_keeps_serving(
+        tracker, reachable):
+    a, b = reachable
+    reply = tracker.RegisterNode(registration("alpha", a), timeout=10)
     assert (reply.lease_seconds, reply.heartbeat_seconds) == (8.0, 2.0)
-    code, details = code_of(lambda: tracker.RegisterNode(registration("beta", 7000, boot="b"),
+    code, details = code_of(lambda: tracker.RegisterNode(registration("beta", a, boot="b"),
                                                          timeout=10))
     assert code == grpc.StatusCode.ALREADY_EXISTS and "'alpha'" in details, details
-    old = registration("gamma", 7001, versions=versions_with(protocol=PROTOCOL_VERSION - 1))
+    # an address the tracker cannot dial (NAT, a wrong --advertise) is refused, named
+    code, details = code_of(lambda: tracker.RegisterNode(registration("far", free_port()),
+                                                         timeout=30))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "cannot reach node 'far'" in details
+    old = registration("gamma", b, versions=versions_with(protocol=PROTOCOL_VERSION - 1))
     code, details = code_of(lambda: tracker.RegisterNode(old, timeout=10))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert f"protocol {PROTOCOL_VERSION - 1}" in details and \

@@ -47,6 +47,8 @@ the first stage's bounded inbox, which a slow pipeline empties one step at a tim
 PEER_PING_RPC = _seconds("PEER_PING_RPC", 1.0)
 """The Ping that confirms a node a peer reported unreachable is gone: a killed node's
 port refuses at once; a paused (SIGSTOP) one misses this deadline."""
+REGISTER_PING_RPC = _seconds("REGISTER_PING_RPC", 5.0)
+"""The Ping by which the tracker checks it can reach a registering node's address."""
 THREAD_JOIN = _seconds("THREAD_JOIN", 5.0)
 """Waiting for a background thread to end at shutdown."""
 HEALTH_RPC = _seconds("HEALTH_RPC", 2.0)

@@ -30,7 +30,8 @@ from ..net import timeouts
 from ..proto import tracker_pb2
 from .jobs import Jobs
 from .links import LinkMeasurer
-from .nodes import NodeCalls
+from .errors import FailedPrecondition
+from .nodes import NodeCallError, NodeCalls
 from .registry import Registry
 from .store import Store
 
@@ -101,7 +102,21 @@ class Tracker:
 
     def register(self, request) -> str:
         """Register a node (see :meth:`~.registry.Registry.register`, which says what it
-        raises); queue its links, and let the scheduler look again. Returns its node id."""
+        raises); queue its links, and let the scheduler look again. Returns its node id.
+
+        The tracker first dials the address the node advertises: a node it cannot
+        reach (behind NAT, a wrong ``--advertise``) would be planned onto and fail
+        every job, so it is refused with that reason.
+
+        Raises:
+            FailedPrecondition: the node's address does not answer a Ping.
+        """
+        try:
+            self.nodes.ping(request.address, timeouts.REGISTER_PING_RPC)
+        except NodeCallError as e:
+            raise FailedPrecondition(
+                f"the tracker cannot reach node {request.name!r} at {request.address} (behind "
+                f"NAT, or a wrong --advertise?): {e}") from None
         node_id = self.registry.register(request)
         self.jobs.notify()
         return node_id
