@@ -32,7 +32,7 @@ from .jobs import Jobs
 from .links import LinkMeasurer
 from .errors import FailedPrecondition
 from .nodes import NodeCallError, NodeCalls
-from .registry import Registry
+from .registry import Registry, validate_node
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker")
@@ -111,6 +111,7 @@ class Tracker:
         Raises:
             FailedPrecondition: the node's address does not answer a Ping.
         """
+        validate_node(request)  # a malformed address is refused as such, not dialled
         try:
             self.nodes.ping(request.address, timeouts.REGISTER_PING_RPC)
         except NodeCallError as e:
