@@ -163,6 +163,29 @@ def test_steps_keep_their_loss_even_nan_and_events_are_ordered_across_jobs(store
     assert {e.seq for e in store.events(a, 0)}.isdisjoint(e.seq for e in store.events(b, 0))
 
 
+def test_a_jobs_step_log_stays_bounded_keeping_the_newest_steps_and_other_events(
+        store, monkeypatch):
+    from fedpipe.tracker import store as module
+
+    monkeypatch.setattr(module, "MAX_STEP_EVENTS", 64)
+    monkeypatch.setattr(module, "COMPACT_EVERY", 16)
+    job = store.add_job(submission(steps=2000), "queued", now=1.0)
+    for step in range(1, 2001):
+        store.record_step(job, step, 1.0 / step, 10.0, now=1.0 + step)
+        if step == 500:
+            fields = tracker_pb2.JobInfo(checkpoint_step=500)
+            store.set_recovery(job, fields, now=600.0, event=tracker_pb2.JobEvent(
+                state=tracker_pb2.JOB_STATE_PENDING, reason="checkpoint of step 500 complete",
+                checkpoint_step=500))
+    events = store.events(job, 0)
+    steps = [e.step for e in events if e.step and not e.checkpoint_step]
+    assert len(steps) <= 64 + 16, len(steps)
+    assert steps == sorted(steps) and steps[-16:] == list(range(1985, 2001))
+    assert events[0].reason == "queued"  # state events are never thinned
+    assert any(e.checkpoint_step == 500 for e in events)
+    assert store.job(job).step == 2000
+
+
 def test_sqlite_keeps_everything_across_a_reopen(tmp_path):
     path = str(tmp_path / "t.db")
     s = SqliteStore(path)

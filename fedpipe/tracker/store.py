@@ -163,7 +163,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def record_step(self, job_id: str, step: int, loss: float, samples_per_second: float,
                     now: float) -> None:
-        """A step completed: keep its loss (NaN allowed) and log a step event."""
+        """A step completed: keep its loss (NaN allowed) and log a step event.
+
+        The log stays bounded: every :data:`COMPACT_EVERY` steps, once a job has
+        more than :data:`MAX_STEP_EVENTS` step events, every other one of the
+        older half is dropped (state, checkpoint and recovery events are kept), so
+        the newest steps stay complete and older ones thin out geometrically."""
 
     @abc.abstractmethod
     def stage_done(self, job_id: str, replica: int, stage: int) -> bool:
@@ -238,6 +243,12 @@ def _recovery_only(info: tracker_pb2.JobInfo) -> tracker_pb2.JobInfo:
                               resume_step=info.resume_step)
     out.recoveries.extend(info.recoveries)
     return out
+
+
+MAX_STEP_EVENTS = 4096
+"""Step events a job's log keeps before it thins out its older half (see ``record_step``)."""
+COMPACT_EVERY = 256
+"""Steps between checks of a job's step-event count."""
 
 
 def _nan(value: float | None) -> float:
@@ -437,6 +448,16 @@ class SqliteStore(Store):
             self._x("INSERT INTO job_events (job_id,time,state,reason,step,loss,samples_per_second)"
                     " VALUES (?,?,?,?,?,?,?)",
                     (job_id, now, state, "", step, loss, samples_per_second))
+            if step % COMPACT_EVERY == 0:
+                self._compact(job_id)
+
+    def _compact(self, job_id: str) -> None:
+        steps = "job_id=? AND step>0 AND checkpoint_step=0 AND reason=''"
+        n = self._x(f"SELECT COUNT(*) FROM job_events WHERE {steps}", (job_id,))[0][0]
+        if n > MAX_STEP_EVENTS:
+            older = self._x(f"SELECT seq FROM job_events WHERE {steps} ORDER BY seq LIMIT ?",
+                            (job_id, n // 2))
+            self.db.executemany("DELETE FROM job_events WHERE seq=?", older[1::2])
 
     def stage_done(self, job_id, replica, stage):
         with self.lock:
@@ -666,6 +687,12 @@ class MemoryStore(Store):
             j.info.step, j.info.loss = step, loss
             self._event(job_id, now, state=j.info.state, reason="", step=step, loss=loss,
                         samples_per_second=samples_per_second)
+            if step % COMPACT_EVERY == 0:
+                mine = [e.seq for jid, e in self._events if jid == job_id and e.step > 0
+                        and not e.checkpoint_step and not e.reason]
+                if len(mine) > MAX_STEP_EVENTS:
+                    drop = set(mine[:len(mine) // 2][1::2])
+                    self._events = [(jid, e) for jid, e in self._events if e.seq not in drop]
 
     def stage_done(self, job_id, replica, stage):
         with self.lock:
