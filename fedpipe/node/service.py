@@ -18,6 +18,7 @@ from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime import checkpoint
+from ..security import TlsConfig
 from ..spec import StageKey
 from ..wire import WireError, frames
 from .mailbox import Mailbox, Stopped
@@ -42,16 +43,18 @@ class NodeService(node_pb2_grpc.NodeServicer):
         links: an emulated link profile for this node's outgoing traffic.
         metrics: where stages report their step times and senders count their bytes
             (None: no metrics).
+        tls: this node's certificate, for mutual TLS to its peers (None: plaintext).
     """
 
     def __init__(self, node_id: Callable[[], str], name: str, resources: node_pb2.Resources,
                  report: Callable[[tracker_pb2.StageReport], None], *, trust_code: bool = False,
                  input_capacity: int = 64, links: LinkProfile | None = None,
-                 metrics: NodeMetrics | None = None):
+                 metrics: NodeMetrics | None = None, tls: TlsConfig | None = None):
         self.node_id, self.name, self.resources = node_id, name, resources
         self.links = links
         self.trust_code = trust_code
-        self.channels = ChannelPool()
+        self.tls = tls
+        self.channels = ChannelPool(tls)
         self.stages = StageRegistry(
             node_id, torch.device(resources.device or "cpu"),
             Mailbox(input_capacity, bounded=BOUNDED_KINDS),

@@ -17,6 +17,7 @@ import grpc
 from .. import net
 from ..net import timeouts
 from ..proto import node_pb2, node_pb2_grpc
+from ..security import TlsConfig
 
 
 class NodeCallError(Exception):
@@ -44,9 +45,14 @@ class NodeCalls(Protocol):
 
 
 class GrpcNodeCalls:
-    """:class:`NodeCalls` over gRPC, with one channel per node address."""
+    """:class:`NodeCalls` over gRPC, with one channel per node address.
 
-    def __init__(self):
+    Args:
+        tls: the tracker's certificate, for mutual TLS to nodes (None: plaintext).
+    """
+
+    def __init__(self, tls: TlsConfig | None = None):
+        self.tls = tls
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
@@ -54,7 +60,7 @@ class GrpcNodeCalls:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = net.channel(address)
+                ch = self._channels[address] = net.channel(address, tls=self.tls)
         return node_pb2_grpc.NodeStub(ch)
 
     @staticmethod

@@ -18,6 +18,7 @@ from .. import net
 # cli.py and fedpipe.testing import these two from here
 from ..planner.protoio import cluster_view, unmeasured  # noqa: F401
 from ..proto import tracker_pb2, tracker_pb2_grpc
+from ..security import TlsConfig
 from . import errors
 from .nodes import GrpcNodeCalls
 from .scheduler import Tracker
@@ -125,17 +126,22 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         return S.StageReportReply()
 
 
-def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: float = 300.0
-          ) -> tuple[grpc.Server, TrackerService, int]:
+def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: float = 300.0,
+          *, tls: TlsConfig | None = None) -> tuple[grpc.Server, TrackerService, int]:
     """Start a tracker server on the SQLite file ``db``; returns ``(server, service, port)``.
+
+    Args:
+        tls: the tracker's certificate (role tracker): the server takes only mutual
+            TLS and enforces the policy table, and the tracker's calls to nodes
+            show this certificate. None: plaintext.
 
     Raises:
         OSError: the port cannot be bound.
         sqlite3.Error: the database cannot be opened.
     """
-    service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(), lease=lease,
+    service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(tls), lease=lease,
                                      link_refresh=link_refresh))
-    srv = net.server()
+    srv = net.server(tls=tls)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
     real = net.bind(srv, host, port)
     srv.start()
