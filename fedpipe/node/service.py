@@ -6,8 +6,11 @@ channels to peers, link probes).
 """
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -18,7 +21,9 @@ from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime import checkpoint
-from ..security import TlsConfig
+from ..security import SecurityError, TlsConfig, identity_of
+from ..security.certs import Role
+from ..security.policy import require_owner, require_owner_or_assigned
 from ..spec import StageKey
 from ..wire import WireError, frames
 from .mailbox import Mailbox, Stopped
@@ -28,6 +33,24 @@ from .stages import (BOUNDED_KINDS, BadEnvelope, NoSuchStage, StageExists, Stage
                      StageRegistry, StageSlot, StaleEpoch)
 
 log = logging.getLogger(__name__)
+
+KNOWN_JOBS = 1024
+"""Jobs whose owner and nodes a node remembers for its identity checks (the least recently
+loaded go first; a forgotten job's calls are refused as if it had no owner)."""
+
+
+@dataclass
+class JobAccess:
+    """Who may act on one job on this node, as its LoadStage calls said.
+
+    Attributes:
+        owner: the name of the client that submitted it ("" without TLS).
+        nodes: the names of every node any of its plans assigned (all epochs: state
+            moves from a node of an older plan to one of a newer).
+    """
+
+    owner: str
+    nodes: set[str] = field(default_factory=set)
 
 
 class NodeService(node_pb2_grpc.NodeServicer):
@@ -55,6 +78,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.trust_code = trust_code
         self.tls = tls
         self.channels = ChannelPool(tls)
+        self._jobs: collections.OrderedDict[str, JobAccess] = collections.OrderedDict()
+        self._jobs_lock = threading.Lock()
         self.stages = StageRegistry(
             node_id, torch.device(resources.device or "cpu"),
             Mailbox(input_capacity, bounded=BOUNDED_KINDS),
@@ -68,6 +93,35 @@ class NodeService(node_pb2_grpc.NodeServicer):
         """Stop every stage (node shutdown)."""
         self.stages.stop_all()
 
+    # -- identity checks (policy.py's require_*, with this node's knowledge) --
+    def _learn(self, request: node_pb2.LoadStageRequest) -> None:
+        with self._jobs_lock:
+            access = self._jobs.pop(request.job_id, None) or JobAccess(request.owner)
+            access.nodes.update(a.node_name for a in request.plan.stages)
+            self._jobs[request.job_id] = access
+            while len(self._jobs) > KNOWN_JOBS:
+                self._jobs.popitem(last=False)
+
+    def _access(self, job_id: str) -> JobAccess:
+        with self._jobs_lock:
+            return self._jobs.get(job_id) or JobAccess("")
+
+    def _require_owner(self, context, job_id: str) -> None:
+        """Only the job's own client (or the tracker) may stop or feed it; aborts otherwise."""
+        try:
+            require_owner(identity_of(context), self._access(job_id).owner, job_id=job_id)
+        except SecurityError as e:
+            context.abort(e.code, str(e))
+
+    def _require_owner_or_assigned(self, context, job_id: str) -> None:
+        """The job's own client, or a node of its plans, may fetch its state; aborts otherwise."""
+        access = self._access(job_id)
+        try:
+            require_owner_or_assigned(identity_of(context), access.owner, access.nodes,
+                                      job_id=job_id)
+        except SecurityError as e:
+            context.abort(e.code, str(e))
+
     # -- control plane ------------------------------------------------------
     def Probe(self, request, context):
         return self.resources
@@ -77,6 +131,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"refusing pickled model code from {context.peer()}: start the node "
                           "with --trust-code to accept code from non-loopback peers")
+        self._learn(request)
         try:
             self.stages.load(request)
         except StageExists as e:
@@ -87,10 +142,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return node_pb2.LoadStageReply()
 
     def StopJob(self, request, context):
+        self._require_owner(context, request.job_id)
         self.stages.stop_job(request.job_id, request.release, request.before_epoch)
         return node_pb2.StopJobReply()
 
     def FetchState(self, request, context):
+        self._require_owner_or_assigned(context, request.job_id)
         try:
             stage = self.stages.get(StageSlot(request.job_id, request.replica, request.stage))
         except NoSuchStage as e:
@@ -117,6 +174,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     # -- data plane ---------------------------------------------------------
     def _admit(self, head: node_pb2.Frame, context) -> int:
+        identity = identity_of(context)
+        if identity is not None and identity.role is Role.CLIENT:  # a client feeds its own job
+            self._require_owner(context, head.envelope.job_id)
         try:
             return self.stages.admit(head.envelope)
         except NoSuchStage as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import grpc
 
@@ -18,7 +19,8 @@ from .. import net
 # cli.py and fedpipe.testing import these two from here
 from ..planner.protoio import cluster_view, unmeasured  # noqa: F401
 from ..proto import tracker_pb2, tracker_pb2_grpc
-from ..security import TlsConfig
+from ..security import SecurityError, TlsConfig, identity_of
+from ..security.policy import require_owner, require_self
 from . import errors
 from .nodes import GrpcNodeCalls
 from .scheduler import Tracker
@@ -47,14 +49,17 @@ def status_of(error: errors.TrackerError) -> grpc.StatusCode:
 
 
 def _unary(method):
-    """Answer a unary RPC whose domain call raised a :class:`~.errors.TrackerError` with
-    that error's status code and message."""
+    """Answer a unary RPC whose domain call raised a :class:`~.errors.TrackerError` (or whose
+    identity check raised a :class:`~fedpipe.security.SecurityError`) with that error's
+    status code and message."""
     @functools.wraps(method)
     def call(self, request, context):
         try:
             return method(self, request, context)
         except errors.TrackerError as e:
             context.abort(status_of(e), str(e))
+        except SecurityError as e:
+            context.abort(e.code, str(e))
     return call
 
 
@@ -66,15 +71,60 @@ def _stream(method):
             yield from method(self, request, context)
         except errors.TrackerError as e:
             context.abort(status_of(e), str(e))
+        except SecurityError as e:
+            context.abort(e.code, str(e))
     return call
 
 
 class TrackerService(tracker_pb2_grpc.TrackerServicer):
-    """The Tracker service over a :class:`~fedpipe.tracker.scheduler.Tracker`."""
+    """The Tracker service over a :class:`~fedpipe.tracker.scheduler.Tracker`.
+
+    Who may call which method is the policy table's
+    (:data:`fedpipe.security.policy.POLICY`, enforced before a method runs);
+    what needs the tracker's knowledge is checked here, with the caller's
+    identity (None without TLS, when every check passes): a node speaks only
+    for itself, a client only for its own jobs.
+    """
 
     def __init__(self, tracker: Tracker):
         self.tracker = tracker
         self.store = tracker.store  # the caller closes it after the server stops
+        self._names: dict[str, str] = {}  # node_id -> name; ids are never reused
+        self._names_lock = threading.Lock()
+
+    def _node_name(self, node_id: str) -> str | None:
+        """The registered name of ``node_id`` (None: no such node)."""
+        with self._names_lock:
+            name = self._names.get(node_id)
+        if name is None:  # registered before a restart: look it up once
+            for rec in self.store.node_records(include_lost=True):
+                if rec.info.node_id == node_id:
+                    name = rec.info.name
+                    with self._names_lock:
+                        self._names[node_id] = name
+                    break
+        return name
+
+    def _speaks_for(self, context, node_id: str) -> None:
+        """A node may heartbeat, leave and report only as itself.
+
+        Raises:
+            PermissionDenied: ``node_id`` is another node's (or no node's).
+        """
+        identity = identity_of(context)
+        if identity is not None:
+            require_self(identity, self._node_name(node_id) or f"(unknown id {node_id})")
+
+    def _owned(self, context, job_id: str) -> tracker_pb2.JobInfo:
+        """The job, if the caller may see and change it (its owner, or admin).
+
+        Raises:
+            NotFound: no such job.
+            PermissionDenied: another client's job.
+        """
+        job = self.tracker.jobs.get(job_id)
+        require_owner(identity_of(context), job.owner, job_id=job_id)
+        return job
 
     def close(self) -> None:
         """Stop the tracker's background loops and close its channels to nodes."""
@@ -82,13 +132,17 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
     @_unary
     def RegisterNode(self, request, context):
+        require_self(identity_of(context), request.name)
         node_id = self.tracker.register(request)
+        with self._names_lock:
+            self._names[node_id] = request.name
         r = self.tracker.registry
         return S.RegisterNodeReply(node_id=node_id, lease_seconds=r.lease,
                                    heartbeat_seconds=r.heartbeat_seconds)
 
     @_unary
     def Heartbeat(self, request, context):
+        self._speaks_for(context, request.node_id)
         r = self.tracker.registry
         known = r.leave(request.node_id) if request.leaving else r.heartbeat(request.node_id)
         drop, drop_jobs = self.tracker.jobs.reconcile(request.node_id, list(request.holds))
@@ -103,18 +157,26 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
     @_unary
     def SubmitJob(self, request, context):
+        identity = identity_of(context)
+        owner = identity.name if identity is not None else ""
+        if request.owner and request.owner != owner:
+            raise errors.PermissionDenied(f"the job says its owner is {request.owner!r} but "
+                                          f"it comes from {identity or 'a caller without TLS'}")
+        request.owner = owner
         return S.SubmitJobReply(job_id=self.tracker.jobs.submit(request))
 
     @_unary
     def GetJob(self, request, context):
-        return self.tracker.jobs.get(request.job_id)
+        return self._owned(context, request.job_id)
 
     @_unary
     def CancelJob(self, request, context):
+        self._owned(context, request.job_id)
         return self.tracker.jobs.cancel(request.job_id, request.reason)
 
     @_stream
     def WatchJob(self, request, context):
+        self._owned(context, request.job_id)
         stopping = self.tracker.stop_event
         yield from self.tracker.jobs.watch(
             request.job_id, request.after_seq,
@@ -122,6 +184,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
     @_unary
     def ReportStage(self, request, context):
+        # the node must be itself; jobs.report then checks it runs that stage
+        self._speaks_for(context, request.node_id)
         self.tracker.jobs.report(request)
         return S.StageReportReply()
 
