@@ -40,7 +40,7 @@ def cmd_tracker(args) -> int:
 
     tls = _tls(args, "tracker")
     srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh,
-                               tls=tls)
+                               tls=tls, insecure=args.insecure)
     print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db}"
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'})", flush=True)
     served = _observe_tracker(service.tracker, args)
@@ -87,7 +87,8 @@ def cmd_node(args) -> int:
                         name=args.name, device=args.device, threads=args.threads,
                         trust_code=args.trust_code, memory_limit=args.memory_limit,
                         link_profile=args.link_profile, metrics_port=args.metrics_port,
-                        metrics_host=args.metrics_host, tls=_tls(args, args.name or None))
+                        metrics_host=args.metrics_host, tls=_tls(args, args.name or None),
+                        insecure=args.insecure)
     daemon.install_signal_handlers()
     print(f"fedpipe node {daemon.name} listening on {daemon.address}", flush=True)
     if daemon.metrics_server is not None:
@@ -268,6 +269,11 @@ def parser() -> argparse.ArgumentParser:
         if name_help:
             q.add_argument("--tls-name", default=None, help=name_help)
 
+    def insecure_arg(q):
+        q.add_argument("--insecure", action="store_true",
+                       help="serve without TLS on a non-loopback --host (anyone who reaches "
+                            "it may call every RPC; a warning is logged at each start)")
+
     client_name = "this client's certificate in --tls-dir (default: its only one)"
 
     def metrics_args(q):
@@ -290,6 +296,7 @@ def parser() -> argparse.ArgumentParser:
                    help="address the dashboard binds (it has no authentication)")
     metrics_args(t)
     tls_args(t, "the tracker's certificate in --tls-dir (default: tracker)")
+    insecure_arg(t)
     t.set_defaults(func=cmd_tracker)
 
     n = sub.add_parser("node", help="run a node (compute)")
@@ -301,13 +308,16 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     n.add_argument("--threads", type=int, default=None, help="torch threads")
     n.add_argument("--trust-code", action="store_true",
-                   help="accept pickled model code from non-loopback peers (code execution!)")
+                   help="without TLS: accept pickled model code from non-loopback peers (code "
+                        "execution!); ignored with --tls-dir, where only jobs signed by a "
+                        "client certificate load")
     n.add_argument("--memory-limit", type=int, default=None,
                    help="advertise at most this many bytes of memory")
     n.add_argument("--link-profile", default=None,
                    help="JSON file of emulated links to peers (bandwidth, latency); see README")
     metrics_args(n)
     tls_args(n, None)  # a node's certificate is its --name
+    insecure_arg(n)
     n.set_defaults(func=cmd_node)
 
     s = sub.add_parser("status", help="the swarm (nodes, links), or one job: its plan, "

@@ -21,6 +21,7 @@ from ..observe.source import GrpcSource
 from ..observe.views import StepRecord, step_records
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..security import TlsConfig
+from ..security.signing import sign_job
 from ..security.tls import resolve as resolve_tls
 from ..spec import REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, state_name
 from ..wire import frames
@@ -235,9 +236,15 @@ class Client:
                              f"{microbatches} microbatches")
         job_spec = job_spec.with_(batch_size=x0.shape[0])
         profile = profile_model(model, x0)
+        config = job_spec.to_proto()
         req = S.SubmitJobRequest(name=name or type(model).__name__, layers=layers,
-                                 config=job_spec.to_proto(), profile=profile,
+                                 config=config, profile=profile,
                                  pending_timeout=pending_timeout or 0.0)
+        if self.tls is not None:  # the tracker and every node check it before unpickling
+            signed = sign_job(self.tls, layers, config)
+            req.owner, req.job_signature = signed.owner, signed.job_signature
+            req.client_cert = signed.client_cert
+            req.layer_digests.extend(signed.layer_digests)
         job_id = self.stub.SubmitJob(req, timeout=timeouts.SUBMIT_RPC).job_id
         return Job(self, job_id, model, itertools.chain([first], batches), microbatches)
 

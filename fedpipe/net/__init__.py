@@ -327,6 +327,40 @@ def is_loopback_peer(peer: str) -> bool:
         return False
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether a listening address (``127.0.0.1``, ``::1``, ``localhost``) is this machine only.
+
+    ``0.0.0.0``, ``::`` and ``""`` (every interface) are not loopback.
+    """
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_plaintext(host: str, tls: TlsConfig | None, insecure: bool, what: str) -> None:
+    """Refuse to serve without TLS on an address others can reach, unless told ``insecure``.
+
+    Without TLS anyone who reaches the port may call every RPC, so a server on a
+    non-loopback address needs ``--insecure``, and then logs a warning at each
+    start.
+
+    Raises:
+        ValueError: no TLS, a non-loopback ``host`` and not ``insecure``; the message
+            says what to give.
+    """
+    if tls is not None or is_loopback_host(host):
+        return
+    if not insecure:
+        raise ValueError(f"{what} would serve on {host or 'every interface'} without TLS, "
+                         f"where anyone who reaches it may call every RPC: give --tls-dir "
+                         f"(see `fedpipe certs`), listen on 127.0.0.1, or pass --insecure")
+    log.warning("%s serves on %s WITHOUT TLS (--insecure): anyone who reaches it may call "
+                "every RPC", what, host or "every interface")
+
+
 def retry(call: Callable[[], T], what: str, *, attempts: int | None = None,
           first_delay: float = 0.2, max_delay: float = 10.0,
           stop: Callable[[], bool] = lambda: False) -> T:

@@ -57,11 +57,15 @@ class NodeDaemon:
         tls: this node's certificate (role node): its server takes only mutual TLS
             and enforces the policy table, and its calls to the tracker and peers
             show it. ``name`` must be the certificate's name (default: it is).
-            None: plaintext.
+            None: plaintext. With TLS ``trust_code`` is ignored: code loads only
+            from jobs signed by a client certificate.
+        insecure: allow plaintext on a non-loopback ``host`` (see
+            :func:`fedpipe.net.check_plaintext`).
 
     Raises:
         ValueError: an unusable device, a malformed link profile, or a ``name``
-            that is not the TLS certificate's.
+            that is not the TLS certificate's, or plaintext on a non-loopback ``host``
+            without ``insecure``.
         OSError: the port or the metrics port cannot be bound.
     """
 
@@ -70,8 +74,13 @@ class NodeDaemon:
                  threads: int | None = None, trust_code: bool = False,
                  memory_limit: int | None = None, link_profile: str | None = None,
                  metrics_port: int = 0, metrics_host: str = LOCALHOST,
-                 tls: TlsConfig | None = None):
+                 tls: TlsConfig | None = None, insecure: bool = False):
+        net.check_plaintext(host, tls, insecure, "this node")
         if tls is not None:
+            if trust_code:
+                log.warning("--trust-code is ignored under TLS: this node loads code only "
+                            "from jobs signed by a client certificate of the swarm CA")
+                trust_code = False
             if tls.identity.role is not Role.NODE:
                 raise ValueError(f"a node needs a certificate with role node, not "
                                  f"{tls.identity} ({tls.directory})")

@@ -24,6 +24,7 @@ from ..runtime import checkpoint
 from ..security import SecurityError, TlsConfig, identity_of
 from ..security.certs import Role
 from ..security.policy import require_owner, require_owner_or_assigned
+from ..security.signing import verify_job
 from ..spec import StageKey
 from ..wire import WireError, frames
 from .mailbox import Mailbox, Stopped
@@ -61,7 +62,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         name: this node's name (what link profiles and peers call it).
         resources: what :func:`fedpipe.node.probe.probe` measured.
         report: sends a StageReport to the tracker (may block briefly).
-        trust_code: load pickled layers from any peer, not only loopback ones.
+        trust_code: without TLS, load pickled layers from any peer, not only loopback
+            ones (with TLS, only jobs signed by a client certificate load).
         input_capacity: inputs/targets a stage may have queued before Send blocks.
         links: an emulated link profile for this node's outgoing traffic.
         metrics: where stages report their step times and senders count their bytes
@@ -77,6 +79,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.links = links
         self.trust_code = trust_code
         self.tls = tls
+        # checks job signatures against the swarm CA and deny list (None: no TLS)
+        self.verifier = tls.authenticator() if tls is not None else None
         self.channels = ChannelPool(tls)
         self._jobs: collections.OrderedDict[str, JobAccess] = collections.OrderedDict()
         self._jobs_lock = threading.Lock()
@@ -92,6 +96,25 @@ class NodeService(node_pb2_grpc.NodeServicer):
     def stop_all(self) -> None:
         """Stop every stage (node shutdown)."""
         self.stages.stop_all()
+
+    def _check_signed(self, request: node_pb2.LoadStageRequest, context) -> None:
+        """Abort unless a client certificate of the swarm CA signed this stage's code
+        (see :mod:`fedpipe.security.signing`)."""
+        assert self.verifier is not None
+        mine = [a for a in request.plan.stages
+                if (a.replica, a.stage) == (request.replica, request.stage)]
+        if len(mine) != 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"the plan has {len(mine)} assignments of stage {request.stage} "
+                          f"(replica {request.replica}), not one")
+        try:
+            verify_job(self.verifier, owner=request.owner, client_cert=request.client_cert,
+                       job_signature=request.job_signature, digests=request.layer_digests,
+                       config=request.config, layers=request.layers,
+                       first_layer=mine[0].layer_start)
+        except SecurityError as e:
+            log.warning("refused job %s: %s", request.job_id, e)
+            context.abort(e.code, str(e))
 
     # -- identity checks (policy.py's require_*, with this node's knowledge) --
     def _learn(self, request: node_pb2.LoadStageRequest) -> None:
@@ -127,7 +150,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return self.resources
 
     def LoadStage(self, request, context):
-        if not (self.trust_code or net.is_loopback_peer(context.peer())):
+        if self.verifier is not None:  # TLS: only code a client signed, whoever forwards it
+            self._check_signed(request, context)
+        elif not (self.trust_code or net.is_loopback_peer(context.peer())):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"refusing pickled model code from {context.peer()}: start the node "
                           "with --trust-code to accept code from non-loopback peers")

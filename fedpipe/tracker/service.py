@@ -21,6 +21,7 @@ from ..planner.protoio import cluster_view, unmeasured  # noqa: F401
 from ..proto import tracker_pb2, tracker_pb2_grpc
 from ..security import SecurityError, TlsConfig, identity_of
 from ..security.policy import require_owner, require_self
+from ..security.signing import verify_job
 from . import errors
 from .nodes import GrpcNodeCalls
 from .scheduler import Tracker
@@ -86,8 +87,10 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     for itself, a client only for its own jobs.
     """
 
-    def __init__(self, tracker: Tracker):
+    def __init__(self, tracker: Tracker, tls: TlsConfig | None = None):
         self.tracker = tracker
+        # checks job signatures against the swarm CA and deny list (None: no TLS)
+        self.verifier = tls.authenticator() if tls is not None else None
         self.store = tracker.store  # the caller closes it after the server stops
         self._names: dict[str, str] = {}  # node_id -> name; ids are never reused
         self._names_lock = threading.Lock()
@@ -163,6 +166,13 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
             raise errors.PermissionDenied(f"the job says its owner is {request.owner!r} but "
                                           f"it comes from {identity or 'a caller without TLS'}")
         request.owner = owner
+        if self.verifier is not None:
+            if len(request.layer_digests) != len(request.layers):
+                raise errors.InvalidArgument(f"the job has {len(request.layers)} layers but "
+                                             f"{len(request.layer_digests)} layer digests")
+            verify_job(self.verifier, owner=owner, client_cert=request.client_cert,
+                       job_signature=request.job_signature, digests=request.layer_digests,
+                       config=request.config, layers=request.layers)
         return S.SubmitJobReply(job_id=self.tracker.jobs.submit(request))
 
     @_unary
@@ -191,20 +201,25 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
 
 def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: float = 300.0,
-          *, tls: TlsConfig | None = None) -> tuple[grpc.Server, TrackerService, int]:
+          *, tls: TlsConfig | None = None, insecure: bool = False
+          ) -> tuple[grpc.Server, TrackerService, int]:
     """Start a tracker server on the SQLite file ``db``; returns ``(server, service, port)``.
 
     Args:
         tls: the tracker's certificate (role tracker): the server takes only mutual
             TLS and enforces the policy table, and the tracker's calls to nodes
             show this certificate. None: plaintext.
+        insecure: allow plaintext on a non-loopback ``host`` (see
+            :func:`fedpipe.net.check_plaintext`).
 
     Raises:
+        ValueError: plaintext on a non-loopback ``host`` without ``insecure``.
         OSError: the port cannot be bound.
         sqlite3.Error: the database cannot be opened.
     """
+    net.check_plaintext(host, tls, insecure, "the tracker")
     service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(tls), lease=lease,
-                                     link_refresh=link_refresh))
+                                     link_refresh=link_refresh), tls)
     srv = net.server(tls=tls)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
     real = net.bind(srv, host, port)
