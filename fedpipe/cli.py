@@ -40,7 +40,8 @@ def cmd_tracker(args) -> int:
 
     tls = _tls(args, "tracker")
     srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh,
-                               tls=tls, insecure=args.insecure)
+                               tls=tls, insecure=args.insecure,
+                               max_job_bytes=args.max_job_bytes)
     print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db}"
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'})", flush=True)
     served = _observe_tracker(service.tracker, args)
@@ -292,6 +293,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds between link re-measurements (0: only when nodes join)")
     t.add_argument("--http-port", type=int, default=0,
                    help="serve the dashboard and its JSON API on this port (0: off)")
+    t.add_argument("--max-job-bytes", type=int, default=128 * 2**20,
+                   help="the most bytes of layers a submitted job may carry")
     t.add_argument("--http-host", default=LOCALHOST,
                    help="address the dashboard binds (it has no authentication)")
     metrics_args(t)

@@ -35,6 +35,9 @@ from .stages import (BOUNDED_KINDS, BadEnvelope, NoSuchStage, StageExists, Stage
 
 log = logging.getLogger(__name__)
 
+MAX_MEASURE_PEERS = 4096
+"""The most peers one MeasureLinks call may ask a node to probe (each probe sends up to
+``MAX_PROBE_BYTES``, so this bounds what one request can make a node send)."""
 KNOWN_JOBS = 1024
 """Jobs whose owner and nodes a node remembers for its identity checks (the least recently
 loaded go first; a forgotten job's calls are refused as if it had no owner)."""
@@ -150,6 +153,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return self.resources
 
     def LoadStage(self, request, context):
+        if not request.layers:  # a stage thread with nothing to run would wait forever
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"LoadStage of job {request.job_id!r} has no layers")
         if self.verifier is not None:  # TLS: only code a client signed, whoever forwards it
             self._check_signed(request, context)
         elif not (self.trust_code or net.is_loopback_peer(context.peer())):
@@ -242,6 +248,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         pings = min(max(request.pings, 1), MAX_PINGS) if request.pings else PROBE_PINGS
         max_bytes = min(request.max_probe_bytes or PROBE_BYTES, MAX_PROBE_BYTES)
         seconds = min(request.probe_seconds or PROBE_SECONDS, MAX_PROBE_SECONDS)
+        if len(request.peers) > MAX_MEASURE_PEERS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"MeasureLinks asks for {len(request.peers)} peers, more than "
+                          f"{MAX_MEASURE_PEERS} at once")
         out = node_pb2.MeasureLinksReply()
         for peer in request.peers:
             m = node_pb2.LinkMeasurement(src_id=self.node_id(), dst_id=peer.node_id,

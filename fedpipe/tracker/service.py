@@ -19,6 +19,7 @@ from .. import net
 # cli.py and fedpipe.testing import these two from here
 from ..planner.protoio import cluster_view, unmeasured  # noqa: F401
 from ..proto import tracker_pb2, tracker_pb2_grpc
+from ..spec import ACTIVE
 from ..security import SecurityError, TlsConfig, identity_of
 from ..security.policy import require_owner, require_self
 from ..security.signing import verify_job
@@ -29,6 +30,13 @@ from .store import SqliteStore
 
 log = logging.getLogger("fedpipe.tracker")
 S = tracker_pb2
+
+MAX_JOB_BYTES = 128 * 2**20
+"""The most bytes of layers a submitted job may carry (they are stored in the tracker's
+database and sent to nodes); ``fedpipe tracker --max-job-bytes`` changes it."""
+MAX_JOBS_PER_OWNER = 8
+"""The most jobs one client (certificate) may have pending or running at once; more are
+refused with RESOURCE_EXHAUSTED and the count, so one client cannot flood the tracker."""
 
 STATUS: dict[type[errors.TrackerError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -87,8 +95,11 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     for itself, a client only for its own jobs.
     """
 
-    def __init__(self, tracker: Tracker, tls: TlsConfig | None = None):
+    def __init__(self, tracker: Tracker, tls: TlsConfig | None = None, *,
+                 max_job_bytes: int = MAX_JOB_BYTES, max_jobs_per_owner: int = MAX_JOBS_PER_OWNER):
         self.tracker = tracker
+        self.max_job_bytes, self.max_jobs_per_owner = max_job_bytes, max_jobs_per_owner
+        self._submit_lock = threading.Lock()  # the per-owner count and the insert, as one
         # checks job signatures against the swarm CA and deny list (None: no TLS)
         self.verifier = tls.authenticator() if tls is not None else None
         self.store = tracker.store  # the caller closes it after the server stops
@@ -117,6 +128,30 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         identity = identity_of(context)
         if identity is not None:
             require_self(identity, self._node_name(node_id) or f"(unknown id {node_id})")
+
+    def _admit_job(self, request: tracker_pb2.SubmitJobRequest) -> None:
+        """Bounds on a submission: its size, and its owner's jobs not yet ended.
+
+        Raises:
+            InvalidArgument: the layers are larger than ``max_job_bytes`` in all.
+            ResourceExhausted: the owner already has ``max_jobs_per_owner`` jobs
+                pending or running (only with TLS, where owners are known).
+        """
+        size = sum(len(b) for b in request.layers)
+        if size > self.max_job_bytes:
+            raise errors.InvalidArgument(
+                f"the job's layers are {size / 2**20:.1f} MiB, more than this tracker's limit "
+                f"of {self.max_job_bytes / 2**20:.1f} MiB (fedpipe tracker --max-job-bytes)")
+        if not request.owner:
+            return
+        store = self.tracker.store
+        live = [j for j in store.jobs_in(S.JOB_STATE_PENDING, *ACTIVE)
+                if store.job(j).owner == request.owner]
+        if len(live) >= self.max_jobs_per_owner:
+            raise errors.ResourceExhausted(
+                f"client {request.owner!r} already has {len(live)} jobs pending or running, "
+                f"the most one client may have at once ({self.max_jobs_per_owner}); submit "
+                f"again when one ends")
 
     def _owned(self, context, job_id: str) -> tracker_pb2.JobInfo:
         """The job, if the caller may see and change it (its owner, or admin).
@@ -173,7 +208,9 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
             verify_job(self.verifier, owner=owner, client_cert=request.client_cert,
                        job_signature=request.job_signature, digests=request.layer_digests,
                        config=request.config, layers=request.layers)
-        return S.SubmitJobReply(job_id=self.tracker.jobs.submit(request))
+        with self._submit_lock:
+            self._admit_job(request)
+            return S.SubmitJobReply(job_id=self.tracker.jobs.submit(request))
 
     @_unary
     def GetJob(self, request, context):
@@ -201,8 +238,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
 
 def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: float = 300.0,
-          *, tls: TlsConfig | None = None, insecure: bool = False
-          ) -> tuple[grpc.Server, TrackerService, int]:
+          *, tls: TlsConfig | None = None, insecure: bool = False,
+          max_job_bytes: int = MAX_JOB_BYTES) -> tuple[grpc.Server, TrackerService, int]:
     """Start a tracker server on the SQLite file ``db``; returns ``(server, service, port)``.
 
     Args:
@@ -211,6 +248,7 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
             show this certificate. None: plaintext.
         insecure: allow plaintext on a non-loopback ``host`` (see
             :func:`fedpipe.net.check_plaintext`).
+        max_job_bytes: the most bytes of layers a job may carry.
 
     Raises:
         ValueError: plaintext on a non-loopback ``host`` without ``insecure``.
@@ -219,7 +257,8 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
     """
     net.check_plaintext(host, tls, insecure, "the tracker")
     service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(tls), lease=lease,
-                                     link_refresh=link_refresh), tls)
+                                     link_refresh=link_refresh), tls,
+                             max_job_bytes=max_job_bytes)
     srv = net.server(tls=tls)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
     real = net.bind(srv, host, port)
