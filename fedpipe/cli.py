@@ -215,8 +215,11 @@ def cmd_demo(args) -> int:
     from .testing import LocalSwarm, free_port
 
     http_port = args.http_port or free_port()
-    print(f"starting a tracker and {args.nodes} nodes on 127.0.0.1 ...", flush=True)
-    with LocalSwarm(args.nodes, tracker_args=["--http-port", str(http_port)]) as swarm:
+    print(f"starting a tracker and {args.nodes} nodes on 127.0.0.1"
+          f"{' over mutual TLS (a CA and certificates in a temp dir)' if args.tls else ''} ...",
+          flush=True)
+    with LocalSwarm(args.nodes, tracker_args=["--http-port", str(http_port)],
+                    tls=args.tls) as swarm:
         client = swarm.client()  # closed with the swarm
         print(f"tracker at {swarm.tracker}; nodes: "
               + ", ".join(f"{n.name} ({n.address})" for n in client.nodes()), flush=True)
@@ -389,6 +392,8 @@ def parser() -> argparse.ArgumentParser:
                    help="keep the swarm up after training, for a look, until Ctrl-C")
     d.add_argument("--http-port", type=int, default=0,
                    help="the dashboard's port (0: any free one)")
+    d.add_argument("--tls", action="store_true",
+                   help="run the whole swarm over mutual TLS, with a CA made in a temp dir")
     train_args(d)
     d.set_defaults(func=cmd_demo)
 
