@@ -16,6 +16,21 @@ def _logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _tls(args, name: str | None):
+    """The TLS configuration of ``--tls-dir`` (or ``$FEDPIPE_TLS_DIR``) and certificate ``name``
+    (None: the directory's only one); None without either (plaintext)."""
+    from .security.tls import resolve
+
+    return resolve(args.tls_dir, getattr(args, "tls_name", None) or name)
+
+
+def _client(args):
+    """A :class:`~fedpipe.client.Client` of ``--tracker`` with ``--tls-dir``/``--tls-name``."""
+    from .client import Client
+
+    return Client(args.tracker, tls=_tls(args, None))
+
+
 def cmd_tracker(args) -> int:
     import threading
     import signal
@@ -23,8 +38,12 @@ def cmd_tracker(args) -> int:
     from .net import timeouts
     from .tracker.service import serve
 
-    srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh)
-    print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db})", flush=True)
+    tls = _tls(args, "tracker")
+    srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh,
+                               tls=tls, insecure=args.insecure,
+                               max_job_bytes=args.max_job_bytes)
+    print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db}"
+          f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'})", flush=True)
     served = _observe_tracker(service.tracker, args)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -69,7 +88,8 @@ def cmd_node(args) -> int:
                         name=args.name, device=args.device, threads=args.threads,
                         trust_code=args.trust_code, memory_limit=args.memory_limit,
                         link_profile=args.link_profile, metrics_port=args.metrics_port,
-                        metrics_host=args.metrics_host)
+                        metrics_host=args.metrics_host, tls=_tls(args, args.name or None),
+                        insecure=args.insecure)
     daemon.install_signal_handlers()
     print(f"fedpipe node {daemon.name} listening on {daemon.address}", flush=True)
     if daemon.metrics_server is not None:
@@ -92,10 +112,9 @@ def cmd_status(args) -> int:
             return 0
         status.run_status(source, args.job, watch=args.watch, interval=args.interval)
         return 0
-    from .client import Client
     from .observe.source import GrpcSource
 
-    with Client(args.tracker) as client:
+    with _client(args) as client:
         if args.json:
             return _status_json(client, args)
         status.run_status(GrpcSource(client.stub), args.job, watch=args.watch,
@@ -124,11 +143,10 @@ def _status_json(client, args) -> int:
 
 def cmd_plot(args) -> int:
     """``fedpipe plot JOB -o FILE``: the job's loss and throughput curves."""
-    from .client import Client
     from .observe.plots import plot_job
     from .observe.source import GrpcSource
 
-    with Client(args.tracker) as client:
+    with _client(args) as client:
         plot_job(GrpcSource(client.stub), args.job, args.output)
     print(f"wrote {args.output}")
     return 0
@@ -146,12 +164,11 @@ def cmd_plan(args) -> int:
     if args.cluster:
         cluster = jsonio.cluster_from_json(load(args.cluster))
     else:
-        from .client import Client
         from .net import timeouts
         from .proto import tracker_pb2
         from .planner.protoio import cluster_view
 
-        with Client(args.tracker) as client:
+        with _client(args) as client:
             reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(),
                                           timeout=timeouts.CONTROL_RPC)
         cluster = cluster_view(list(reply.nodes), list(reply.links))
@@ -173,18 +190,15 @@ def cmd_plan(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from .client import Client
-
-    with Client(args.tracker) as client:
+    with _client(args) as client:
         print(client.job(args.job).cancel(args.reason))
     return 0
 
 
 def cmd_submit(args) -> int:
-    from .client import Client
     from .examples import digits
 
-    with Client(args.tracker) as client:
+    with _client(args) as client:
         digits.train(client, steps=args.steps, microbatches=args.microbatches,
                      schedule=args.schedule, stages=args.stages or 0,
                      compression=_compression(args))
@@ -201,8 +215,11 @@ def cmd_demo(args) -> int:
     from .testing import LocalSwarm, free_port
 
     http_port = args.http_port or free_port()
-    print(f"starting a tracker and {args.nodes} nodes on 127.0.0.1 ...", flush=True)
-    with LocalSwarm(args.nodes, tracker_args=["--http-port", str(http_port)]) as swarm:
+    print(f"starting a tracker and {args.nodes} nodes on 127.0.0.1"
+          f"{' over mutual TLS (a CA and certificates in a temp dir)' if args.tls else ''} ...",
+          flush=True)
+    with LocalSwarm(args.nodes, tracker_args=["--http-port", str(http_port)],
+                    tls=args.tls) as swarm:
         client = swarm.client()  # closed with the swarm
         print(f"tracker at {swarm.tracker}; nodes: "
               + ", ".join(f"{n.name} ({n.address})" for n in client.nodes()), flush=True)
@@ -248,6 +265,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
+    def tls_args(q, name_help: str | None):
+        q.add_argument("--tls-dir", default=None,
+                       help="mutual TLS with the certificates in this directory (its ca.crt, "
+                            "NAME.crt, NAME.key; see `fedpipe certs`); default: "
+                            "$FEDPIPE_TLS_DIR, else plaintext")
+        if name_help:
+            q.add_argument("--tls-name", default=None, help=name_help)
+
+    def insecure_arg(q):
+        q.add_argument("--insecure", action="store_true",
+                       help="serve without TLS on a non-loopback --host (anyone who reaches "
+                            "it may call every RPC; a warning is logged at each start)")
+
+    client_name = "this client's certificate in --tls-dir (default: its only one)"
+
     def metrics_args(q):
         q.add_argument("--metrics-port", type=int, default=0,
                        help="serve Prometheus metrics on this port (0: off); see docs/metrics.md")
@@ -264,9 +296,13 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds between link re-measurements (0: only when nodes join)")
     t.add_argument("--http-port", type=int, default=0,
                    help="serve the dashboard and its JSON API on this port (0: off)")
+    t.add_argument("--max-job-bytes", type=int, default=128 * 2**20,
+                   help="the most bytes of layers a submitted job may carry")
     t.add_argument("--http-host", default=LOCALHOST,
                    help="address the dashboard binds (it has no authentication)")
     metrics_args(t)
+    tls_args(t, "the tracker's certificate in --tls-dir (default: tracker)")
+    insecure_arg(t)
     t.set_defaults(func=cmd_tracker)
 
     n = sub.add_parser("node", help="run a node (compute)")
@@ -278,12 +314,16 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     n.add_argument("--threads", type=int, default=None, help="torch threads")
     n.add_argument("--trust-code", action="store_true",
-                   help="accept pickled model code from non-loopback peers (code execution!)")
+                   help="without TLS: accept pickled model code from non-loopback peers (code "
+                        "execution!); ignored with --tls-dir, where only jobs signed by a "
+                        "client certificate load")
     n.add_argument("--memory-limit", type=int, default=None,
                    help="advertise at most this many bytes of memory")
     n.add_argument("--link-profile", default=None,
                    help="JSON file of emulated links to peers (bandwidth, latency); see README")
     metrics_args(n)
+    tls_args(n, None)  # a node's certificate is its --name
+    insecure_arg(n)
     n.set_defaults(func=cmd_node)
 
     s = sub.add_parser("status", help="the swarm (nodes, links), or one job: its plan, "
@@ -296,12 +336,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--watch", action="store_true", help="keep it live until Ctrl-C")
     s.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")
     s.add_argument("--json", action="store_true", help="machine-readable output, once")
+    tls_args(s, client_name)
     s.set_defaults(func=cmd_status)
 
     o = sub.add_parser("plot", help="draw a job's loss and throughput curves")
     o.add_argument("--tracker", required=True)
     o.add_argument("job", help="job id")
     o.add_argument("-o", "--output", required=True, help="picture file (.png, .svg, .pdf)")
+    tls_args(o, client_name)
     o.set_defaults(func=cmd_plot)
 
     def train_args(q):
@@ -328,17 +370,20 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--compression", default="auto", help="auto, none or a codec spec")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--draw", metavar="FILE", help="also draw the plan (.png, .svg, .pdf)")
+    tls_args(pl, client_name)
     pl.set_defaults(func=cmd_plan)
 
     c = sub.add_parser("cancel", help="cancel a job")
     c.add_argument("--tracker", required=True)
     c.add_argument("job", help="job id")
     c.add_argument("--reason", default="cancelled from the command line")
+    tls_args(c, client_name)
     c.set_defaults(func=cmd_cancel)
 
     u = sub.add_parser("submit", help="train the built-in digits example on a swarm")
     u.add_argument("--tracker", required=True)
     train_args(u)
+    tls_args(u, client_name)
     u.set_defaults(func=cmd_submit)
 
     d = sub.add_parser("demo", help="start a local swarm and train the digits example")
@@ -347,6 +392,8 @@ def parser() -> argparse.ArgumentParser:
                    help="keep the swarm up after training, for a look, until Ctrl-C")
     d.add_argument("--http-port", type=int, default=0,
                    help="the dashboard's port (0: any free one)")
+    d.add_argument("--tls", action="store_true",
+                   help="run the whole swarm over mutual TLS, with a CA made in a temp dir")
     train_args(d)
     d.set_defaults(func=cmd_demo)
 

@@ -71,11 +71,12 @@ def test_measured_links_over_a_tbf_shaped_veth(namespaces, tmp_path):
                                       stderr=subprocess.STDOUT, env=child_env()))
 
     try:
-        start(ns_a, "tracker", "--host", ip_a, "--port", "7070", "--db", str(tmp_path / "t.db"))
+        start(ns_a, "tracker", "--host", ip_a, "--port", "7070", "--db", str(tmp_path / "t.db"),
+              "--insecure")
         for i, (ns, ip) in enumerate(((ns_a, ip_a), (ns_b, ip_b))):
             start(ns, "node", "--tracker", tracker, "--host", ip, "--port", "0",
                   "--name", f"node{i}", "--device", "cpu", "--threads", "1", "--trust-code",
-                  "--link-profile", str(profile))
+                  "--insecure", "--link-profile", str(profile))
         deadline, links = time.monotonic() + 90, []
         while time.monotonic() < deadline and len(links) < 2:
             time.sleep(1)

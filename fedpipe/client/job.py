@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ from ..net import timeouts
 from ..observe.source import GrpcSource
 from ..observe.views import StepRecord, step_records
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
+from ..security import TlsConfig
+from ..security.signing import sign_job
+from ..security.tls import resolve as resolve_tls
 from ..spec import REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, state_name
 from ..wire import frames
 from .packaging import dumps, pack_layers
@@ -76,11 +80,22 @@ class Client:
 
     Closing a client whose job is still being fed ends the feed and cancels
     that job (nothing else would feed it).
+
+    Args:
+        tracker: the tracker's ``HOST:PORT``.
+        tls: mutual TLS: a :class:`fedpipe.security.TlsConfig` (a certificate
+            with role client, or admin for the operator), or a TLS directory
+            holding one certificate with its key. None: ``$FEDPIPE_TLS_DIR`` if
+            set, else plaintext.
+
+    Raises:
+        fedpipe.security.CertError: an unusable TLS directory or certificate.
     """
 
-    def __init__(self, tracker: str):
+    def __init__(self, tracker: str, tls: TlsConfig | str | os.PathLike | None = None):
         self.address = tracker
-        self.channel = net.channel(tracker)
+        self.tls = resolve_tls(tls)
+        self.channel = net.channel(tracker, tls=self.tls)
         self.stub = tracker_pb2_grpc.TrackerStub(self.channel)
         self._lock = threading.Lock()
         self._nodes: dict[str, tuple[grpc.Channel, node_pb2_grpc.NodeStub]] = {}
@@ -103,7 +118,7 @@ class Client:
             if self._closed:
                 raise ValueError(f"client of tracker {self.address} is closed")
             if address not in self._nodes:
-                ch = net.channel(address)
+                ch = net.channel(address, tls=self.tls)
                 self._nodes[address] = (ch, node_pb2_grpc.NodeStub(ch))
             return self._nodes[address][1]
 
@@ -221,9 +236,15 @@ class Client:
                              f"{microbatches} microbatches")
         job_spec = job_spec.with_(batch_size=x0.shape[0])
         profile = profile_model(model, x0)
+        config = job_spec.to_proto()
         req = S.SubmitJobRequest(name=name or type(model).__name__, layers=layers,
-                                 config=job_spec.to_proto(), profile=profile,
+                                 config=config, profile=profile,
                                  pending_timeout=pending_timeout or 0.0)
+        if self.tls is not None:  # the tracker and every node check it before unpickling
+            signed = sign_job(self.tls, layers, config)
+            req.owner, req.job_signature = signed.owner, signed.job_signature
+            req.client_cert = signed.client_cert
+            req.layer_digests.extend(signed.layer_digests)
         job_id = self.stub.SubmitJob(req, timeout=timeouts.SUBMIT_RPC).job_id
         return Job(self, job_id, model, itertools.chain([first], batches), microbatches)
 

@@ -14,7 +14,14 @@ Every server comes from :func:`server`, which also
   so a swarm's worth of open streams never stops a node answering Ping or the
   tracker taking heartbeats;
 - serves the standard ``grpc.health.v1.Health`` service, SERVING from
-  :meth:`Server.start` until :meth:`Server.stop`.
+  :meth:`Server.start` until :meth:`Server.stop`;
+- authenticates and authorizes every call with one
+  :class:`~fedpipe.security.AuthInterceptor`: given a
+  :class:`~fedpipe.security.TlsConfig` it listens with mutual TLS only and
+  enforces the policy table; without one the interceptor admits every call
+  with no identity (plaintext, the services' loopback rules apply).
+
+Channels get mutual TLS the same way: ``channel(address, tls=config)``.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..proto import node_pb2, tracker_pb2
+from ..security import AuthInterceptor, TlsConfig
 from . import timeouts
 
 log = logging.getLogger(__name__)
@@ -107,13 +115,18 @@ def tune_malloc() -> bool:
         return False
 
 
-def channel(address: str, shaper: grpc.UnaryUnaryClientInterceptor | None = None) -> grpc.Channel:
-    """An insecure channel to ``HOST:PORT`` with fedpipe's options.
+def channel(address: str, shaper: grpc.UnaryUnaryClientInterceptor | None = None, *,
+            tls: TlsConfig | None = None) -> grpc.Channel:
+    """A channel to ``HOST:PORT`` with fedpipe's options: mutual TLS with ``tls``, else plaintext.
 
     ``shaper`` (a :class:`fedpipe.net.emulation.Shaper`) delays and paces
-    every call, to emulate a slow link.
+    every call, to emulate a slow link. With ``tls`` the channel trusts only
+    the swarm CA, checks that the server's certificate names ``HOST``, and
+    shows this process's certificate.
     """
-    ch = grpc.insecure_channel(address, options=_OPTIONS + [("grpc.enable_http_proxy", 0)])
+    options = _OPTIONS + [("grpc.enable_http_proxy", 0)]
+    ch = (grpc.secure_channel(address, tls.channel_credentials(), options=options)
+          if tls is not None else grpc.insecure_channel(address, options=options))
     return grpc.intercept_channel(ch, shaper) if shaper is not None else ch
 
 
@@ -172,8 +185,10 @@ class Server(grpc.Server):
     (the service name ``""``). Everything else is the wrapped ``grpc.Server``'s.
     """
 
-    def __init__(self, inner: grpc.Server):
+    def __init__(self, inner: grpc.Server, tls: TlsConfig | None = None):
         self._inner = inner
+        self.tls = tls
+        """The server's TLS configuration; :func:`bind` listens with it (None: plaintext)."""
         self.health = health.HealthServicer()
         self._services: set[str] = {""}
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -214,10 +229,16 @@ class Server(grpc.Server):
 
 
 def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] = DATA_METHODS,
-           data_calls: int | None = None) -> Server:
+           data_calls: int | None = None, tls: TlsConfig | None = None) -> Server:
     """A thread-pool gRPC server with fedpipe's options; add servicers, then :func:`bind`.
 
+    Every call passes an :class:`~fedpipe.security.AuthInterceptor` first (so a
+    refused caller never takes a data-call slot), then the :class:`DataCallLimit`.
+
     Args:
+        tls: this process's certificate: :func:`bind` listens with mutual TLS and
+            the policy table is enforced. None: plaintext, every call admitted
+            with no identity.
         max_workers: threads, the most calls it runs at once.
         data_methods: full names of the data-plane methods (long-lived streams).
         data_calls: the most ``data_methods`` calls it runs at once (see
@@ -232,21 +253,27 @@ def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] =
     if not 1 <= data_calls < max_workers:
         raise ValueError(f"data_calls must be in [1, max_workers) = [1, {max_workers}), "
                          f"got {data_calls}: control calls need threads of their own")
+    auth = AuthInterceptor(tls.authenticator() if tls is not None else None)
     inner = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                        interceptors=[DataCallLimit(data_methods, data_calls)],
+                        interceptors=[auth, DataCallLimit(data_methods, data_calls)],
                         options=_SERVER_OPTIONS)
-    return Server(inner)
+    return Server(inner, tls)
 
 
 def bind(srv: grpc.Server, host: str, port: int) -> int:
     """Listen on ``host:port`` (port 0 takes a free one) and return the real port.
 
+    A :class:`Server` made with ``tls`` listens with mutual TLS (callers must
+    show a certificate of the swarm CA), any other in plaintext.
+
     Raises:
         OSError: the address cannot be bound, e.g. another process listens on
             the port; the message says why.
     """
+    tls = getattr(srv, "tls", None)
     try:
-        real = srv.add_insecure_port(f"{host}:{port}")
+        real = (srv.add_secure_port(f"{host}:{port}", tls.server_credentials())
+                if tls is not None else srv.add_insecure_port(f"{host}:{port}"))
     except RuntimeError:  # grpc >= 1.5x raises where older versions returned 0
         real = 0
     if real == 0:
@@ -298,6 +325,40 @@ def is_loopback_peer(peer: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a listening address (``127.0.0.1``, ``::1``, ``localhost``) is this machine only.
+
+    ``0.0.0.0``, ``::`` and ``""`` (every interface) are not loopback.
+    """
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_plaintext(host: str, tls: TlsConfig | None, insecure: bool, what: str) -> None:
+    """Refuse to serve without TLS on an address others can reach, unless told ``insecure``.
+
+    Without TLS anyone who reaches the port may call every RPC, so a server on a
+    non-loopback address needs ``--insecure``, and then logs a warning at each
+    start.
+
+    Raises:
+        ValueError: no TLS, a non-loopback ``host`` and not ``insecure``; the message
+            says what to give.
+    """
+    if tls is not None or is_loopback_host(host):
+        return
+    if not insecure:
+        raise ValueError(f"{what} would serve on {host or 'every interface'} without TLS, "
+                         f"where anyone who reaches it may call every RPC: give --tls-dir "
+                         f"(see `fedpipe certs`), listen on 127.0.0.1, or pass --insecure")
+    log.warning("%s serves on %s WITHOUT TLS (--insecure): anyone who reaches it may call "
+                "every RPC", what, host or "every interface")
 
 
 def retry(call: Callable[[], T], what: str, *, attempts: int | None = None,

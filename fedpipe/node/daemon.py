@@ -18,6 +18,7 @@ from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics, start_metrics
 from ..observe.serving import LOCALHOST, Served
 from ..proto import node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
+from ..security import Role, TlsConfig
 from ..spec import PROTOCOL_VERSION
 from .probe import probe, resolve_device
 from .service import NodeService
@@ -53,9 +54,18 @@ class NodeDaemon:
             at ``http://METRICS_HOST:PORT/metrics`` (0: no metrics).
         metrics_host: address the metrics bind; 127.0.0.1 by default, since they have
             no authentication.
+        tls: this node's certificate (role node): its server takes only mutual TLS
+            and enforces the policy table, and its calls to the tracker and peers
+            show it. ``name`` must be the certificate's name (default: it is).
+            None: plaintext. With TLS ``trust_code`` is ignored: code loads only
+            from jobs signed by a client certificate.
+        insecure: allow plaintext on a non-loopback ``host`` (see
+            :func:`fedpipe.net.check_plaintext`).
 
     Raises:
-        ValueError: an unusable device, or a malformed link profile.
+        ValueError: an unusable device, a malformed link profile, or a ``name``
+            that is not the TLS certificate's, or plaintext on a non-loopback ``host``
+            without ``insecure``.
         OSError: the port or the metrics port cannot be bound.
     """
 
@@ -63,7 +73,21 @@ class NodeDaemon:
                  advertise: str | None = None, name: str = "", device: str = "auto",
                  threads: int | None = None, trust_code: bool = False,
                  memory_limit: int | None = None, link_profile: str | None = None,
-                 metrics_port: int = 0, metrics_host: str = LOCALHOST):
+                 metrics_port: int = 0, metrics_host: str = LOCALHOST,
+                 tls: TlsConfig | None = None, insecure: bool = False):
+        net.check_plaintext(host, tls, insecure, "this node")
+        if tls is not None:
+            if trust_code:
+                log.warning("--trust-code is ignored under TLS: this node loads code only "
+                            "from jobs signed by a client certificate of the swarm CA")
+                trust_code = False
+            if tls.identity.role is not Role.NODE:
+                raise ValueError(f"a node needs a certificate with role node, not "
+                                 f"{tls.identity} ({tls.directory})")
+            if name and name != tls.name:
+                raise ValueError(f"--name {name!r} is not the name in this node's certificate "
+                                 f"({tls.name!r}): a node may speak only as its certificate")
+            name = tls.name
         if threads:
             torch.set_num_threads(threads)
         self.tracker_address = tracker
@@ -73,10 +97,10 @@ class NodeDaemon:
         self.boot_id = uuid.uuid4().hex
         self.lease = 10.0
         self.heartbeat_seconds = self.lease / 4  # until the tracker's first reply says
-        self.tracker = tracker_pb2_grpc.TrackerStub(net.channel(tracker))
+        self.tracker = tracker_pb2_grpc.TrackerStub(net.channel(tracker, tls=tls))
         self.reports = futures.ThreadPoolExecutor(1, thread_name_prefix="report")
         links = LinkProfile.load(link_profile) if link_profile else None
-        self.server = net.server()
+        self.server = net.server(tls=tls)
         self.port = net.bind(self.server, host, port)
         adv = advertise or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
         self.address = f"{adv}:{self.port}"
@@ -87,7 +111,8 @@ class NodeDaemon:
             self.metrics_server = start_metrics(self.metrics.registry, metrics_port,
                                                 metrics_host)
         self.service = NodeService(lambda: self.node_id, self.name, self.resources, self._report,
-                                   trust_code=trust_code, links=links, metrics=self.metrics)
+                                   trust_code=trust_code, links=links, metrics=self.metrics,
+                                   tls=tls)
         node_pb2_grpc.add_NodeServicer_to_server(self.service, self.server)
 
     def _report(self, report: tracker_pb2.StageReport) -> None:

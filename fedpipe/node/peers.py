@@ -24,6 +24,7 @@ from ..net import timeouts
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc
 from ..runtime.stage import StageError
+from ..security import TlsConfig
 from ..spec import Kind
 from ..wire import codecs, frames
 
@@ -47,16 +48,21 @@ class ChannelPool:
     its users; :meth:`release` closes it when the last user lets go. The first
     acquirer's ``shaper`` (an emulated link) stays with the channel: a node
     reaches one address over one link. Thread-safe.
+
+    Args:
+        tls: this node's certificate, for mutual TLS to peers (None: plaintext).
     """
 
-    def __init__(self):
+    def __init__(self, tls: TlsConfig | None = None):
+        self.tls = tls
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, int]] = {}  # address -> (channel, users)
 
     def acquire(self, address: str, shaper: Shaper | None = None) -> grpc.Channel:
         """The channel to ``address``, with one more user."""
         with self._lock:
-            ch, users = self._channels.get(address) or (net.channel(address, shaper), 0)
+            ch, users = (self._channels.get(address)
+                         or (net.channel(address, shaper, tls=self.tls), 0))
             self._channels[address] = (ch, users + 1)
             return ch
 

@@ -6,8 +6,11 @@ channels to peers, link probes).
 """
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -18,6 +21,10 @@ from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime import checkpoint
+from ..security import SecurityError, TlsConfig, identity_of
+from ..security.certs import Role
+from ..security.policy import require_owner, require_owner_or_assigned
+from ..security.signing import verify_job
 from ..spec import StageKey
 from ..wire import WireError, frames
 from .mailbox import Mailbox, Stopped
@@ -28,6 +35,27 @@ from .stages import (BOUNDED_KINDS, BadEnvelope, NoSuchStage, StageExists, Stage
 
 log = logging.getLogger(__name__)
 
+MAX_MEASURE_PEERS = 4096
+"""The most peers one MeasureLinks call may ask a node to probe (each probe sends up to
+``MAX_PROBE_BYTES``, so this bounds what one request can make a node send)."""
+KNOWN_JOBS = 1024
+"""Jobs whose owner and nodes a node remembers for its identity checks (the least recently
+loaded go first; a forgotten job's calls are refused as if it had no owner)."""
+
+
+@dataclass
+class JobAccess:
+    """Who may act on one job on this node, as its LoadStage calls said.
+
+    Attributes:
+        owner: the name of the client that submitted it ("" without TLS).
+        nodes: the names of every node any of its plans assigned (all epochs: state
+            moves from a node of an older plan to one of a newer).
+    """
+
+    owner: str
+    nodes: set[str] = field(default_factory=set)
+
 
 class NodeService(node_pb2_grpc.NodeServicer):
     """The Node service of one node process.
@@ -37,21 +65,28 @@ class NodeService(node_pb2_grpc.NodeServicer):
         name: this node's name (what link profiles and peers call it).
         resources: what :func:`fedpipe.node.probe.probe` measured.
         report: sends a StageReport to the tracker (may block briefly).
-        trust_code: load pickled layers from any peer, not only loopback ones.
+        trust_code: without TLS, load pickled layers from any peer, not only loopback
+            ones (with TLS, only jobs signed by a client certificate load).
         input_capacity: inputs/targets a stage may have queued before Send blocks.
         links: an emulated link profile for this node's outgoing traffic.
         metrics: where stages report their step times and senders count their bytes
             (None: no metrics).
+        tls: this node's certificate, for mutual TLS to its peers (None: plaintext).
     """
 
     def __init__(self, node_id: Callable[[], str], name: str, resources: node_pb2.Resources,
                  report: Callable[[tracker_pb2.StageReport], None], *, trust_code: bool = False,
                  input_capacity: int = 64, links: LinkProfile | None = None,
-                 metrics: NodeMetrics | None = None):
+                 metrics: NodeMetrics | None = None, tls: TlsConfig | None = None):
         self.node_id, self.name, self.resources = node_id, name, resources
         self.links = links
         self.trust_code = trust_code
-        self.channels = ChannelPool()
+        self.tls = tls
+        # checks job signatures against the swarm CA and deny list (None: no TLS)
+        self.verifier = tls.authenticator() if tls is not None else None
+        self.channels = ChannelPool(tls)
+        self._jobs: collections.OrderedDict[str, JobAccess] = collections.OrderedDict()
+        self._jobs_lock = threading.Lock()
         self.stages = StageRegistry(
             node_id, torch.device(resources.device or "cpu"),
             Mailbox(input_capacity, bounded=BOUNDED_KINDS),
@@ -65,15 +100,69 @@ class NodeService(node_pb2_grpc.NodeServicer):
         """Stop every stage (node shutdown)."""
         self.stages.stop_all()
 
+    def _check_signed(self, request: node_pb2.LoadStageRequest, context) -> None:
+        """Abort unless a client certificate of the swarm CA signed this stage's code
+        (see :mod:`fedpipe.security.signing`)."""
+        assert self.verifier is not None
+        mine = [a for a in request.plan.stages
+                if (a.replica, a.stage) == (request.replica, request.stage)]
+        if len(mine) != 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"the plan has {len(mine)} assignments of stage {request.stage} "
+                          f"(replica {request.replica}), not one")
+        try:
+            verify_job(self.verifier, owner=request.owner, client_cert=request.client_cert,
+                       job_signature=request.job_signature, digests=request.layer_digests,
+                       config=request.config, layers=request.layers,
+                       first_layer=mine[0].layer_start)
+        except SecurityError as e:
+            log.warning("refused job %s: %s", request.job_id, e)
+            context.abort(e.code, str(e))
+
+    # -- identity checks (policy.py's require_*, with this node's knowledge) --
+    def _learn(self, request: node_pb2.LoadStageRequest) -> None:
+        with self._jobs_lock:
+            access = self._jobs.pop(request.job_id, None) or JobAccess(request.owner)
+            access.nodes.update(a.node_name for a in request.plan.stages)
+            self._jobs[request.job_id] = access
+            while len(self._jobs) > KNOWN_JOBS:
+                self._jobs.popitem(last=False)
+
+    def _access(self, job_id: str) -> JobAccess:
+        with self._jobs_lock:
+            return self._jobs.get(job_id) or JobAccess("")
+
+    def _require_owner(self, context, job_id: str) -> None:
+        """Only the job's own client (or the tracker) may stop or feed it; aborts otherwise."""
+        try:
+            require_owner(identity_of(context), self._access(job_id).owner, job_id=job_id)
+        except SecurityError as e:
+            context.abort(e.code, str(e))
+
+    def _require_owner_or_assigned(self, context, job_id: str) -> None:
+        """The job's own client, or a node of its plans, may fetch its state; aborts otherwise."""
+        access = self._access(job_id)
+        try:
+            require_owner_or_assigned(identity_of(context), access.owner, access.nodes,
+                                      job_id=job_id)
+        except SecurityError as e:
+            context.abort(e.code, str(e))
+
     # -- control plane ------------------------------------------------------
     def Probe(self, request, context):
         return self.resources
 
     def LoadStage(self, request, context):
-        if not (self.trust_code or net.is_loopback_peer(context.peer())):
+        if not request.layers:  # a stage thread with nothing to run would wait forever
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"LoadStage of job {request.job_id!r} has no layers")
+        if self.verifier is not None:  # TLS: only code a client signed, whoever forwards it
+            self._check_signed(request, context)
+        elif not (self.trust_code or net.is_loopback_peer(context.peer())):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"refusing pickled model code from {context.peer()}: start the node "
                           "with --trust-code to accept code from non-loopback peers")
+        self._learn(request)
         try:
             self.stages.load(request)
         except StageExists as e:
@@ -84,10 +173,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return node_pb2.LoadStageReply()
 
     def StopJob(self, request, context):
+        self._require_owner(context, request.job_id)
         self.stages.stop_job(request.job_id, request.release, request.before_epoch)
         return node_pb2.StopJobReply()
 
     def FetchState(self, request, context):
+        self._require_owner_or_assigned(context, request.job_id)
         try:
             stage = self.stages.get(StageSlot(request.job_id, request.replica, request.stage))
         except NoSuchStage as e:
@@ -114,6 +205,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     # -- data plane ---------------------------------------------------------
     def _admit(self, head: node_pb2.Frame, context) -> int:
+        identity = identity_of(context)
+        if identity is not None and identity.role is Role.CLIENT:  # a client feeds its own job
+            self._require_owner(context, head.envelope.job_id)
         try:
             return self.stages.admit(head.envelope)
         except NoSuchStage as e:
@@ -154,6 +248,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         pings = min(max(request.pings, 1), MAX_PINGS) if request.pings else PROBE_PINGS
         max_bytes = min(request.max_probe_bytes or PROBE_BYTES, MAX_PROBE_BYTES)
         seconds = min(request.probe_seconds or PROBE_SECONDS, MAX_PROBE_SECONDS)
+        if len(request.peers) > MAX_MEASURE_PEERS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"MeasureLinks asks for {len(request.peers)} peers, more than "
+                          f"{MAX_MEASURE_PEERS} at once")
         out = node_pb2.MeasureLinksReply()
         for peer in request.peers:
             m = node_pb2.LinkMeasurement(src_id=self.node_id(), dst_id=peer.node_id,

@@ -156,18 +156,26 @@ class ModelProfile(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerProfile, _Mapping]]] = ..., input_bytes: _Optional[int] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("name", "layers", "config", "profile", "pending_timeout")
+    __slots__ = ("name", "layers", "config", "profile", "pending_timeout", "owner", "job_signature", "client_cert", "layer_digests")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PENDING_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    JOB_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_CERT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     layers: _containers.RepeatedScalarFieldContainer[bytes]
     config: _node_pb2.JobConfig
     profile: ModelProfile
     pending_timeout: float
-    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[bytes]] = ..., config: _Optional[_Union[_node_pb2.JobConfig, _Mapping]] = ..., profile: _Optional[_Union[ModelProfile, _Mapping]] = ..., pending_timeout: _Optional[float] = ...) -> None: ...
+    owner: str
+    job_signature: bytes
+    client_cert: bytes
+    layer_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[bytes]] = ..., config: _Optional[_Union[_node_pb2.JobConfig, _Mapping]] = ..., profile: _Optional[_Union[ModelProfile, _Mapping]] = ..., pending_timeout: _Optional[float] = ..., owner: _Optional[str] = ..., job_signature: _Optional[bytes] = ..., client_cert: _Optional[bytes] = ..., layer_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SubmitJobReply(_message.Message):
     __slots__ = ("job_id",)
@@ -176,7 +184,7 @@ class SubmitJobReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries", "checkpoint_every")
+    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries", "checkpoint_every", "owner")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +199,7 @@ class JobInfo(_message.Message):
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -205,7 +214,8 @@ class JobInfo(_message.Message):
     resume_step: int
     recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
     checkpoint_every: int
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class Recovery(_message.Message):
     __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch")

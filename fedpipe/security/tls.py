@@ -66,6 +66,27 @@ def tls_dir(explicit: str | os.PathLike | None = None) -> pathlib.Path | None:
     return pathlib.Path(value) if value is not None else None
 
 
+def resolve(tls: "TlsConfig | str | os.PathLike | None", name: str | None = None
+            ) -> "TlsConfig | None":
+    """This process's TLS configuration from what a caller gave (``tls=``, ``--tls-dir``).
+
+    Args:
+        tls: a :class:`TlsConfig` (returned as it is), a TLS directory, or None
+            for ``$FEDPIPE_TLS_DIR``.
+        name: the certificate's name in the directory (None: its only one).
+
+    Returns:
+        None when no directory is given or set: plaintext.
+
+    Raises:
+        CertError: see :meth:`TlsConfig.load`.
+    """
+    if isinstance(tls, TlsConfig):
+        return tls
+    d = tls_dir(tls)
+    return TlsConfig.load(d, name) if d is not None else None
+
+
 def _pem(path: pathlib.Path, what: str) -> bytes:
     try:
         return path.read_bytes()

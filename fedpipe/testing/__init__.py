@@ -18,6 +18,8 @@ from .. import net
 from ..client import Client
 from ..net import timeouts
 from ..proto import node_pb2, tracker_pb2
+from ..security import TlsConfig, certs
+from ..security.tls import TLS_DIR_ENV
 from . import faults
 
 TRACKER_SERVICE = tracker_pb2.DESCRIPTOR.services_by_name["Tracker"].full_name
@@ -36,19 +38,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_serving(address: str, service: str, timeout: float,
-                 alive: Callable[[], None] = lambda: None) -> None:
+                 alive: Callable[[], None] = lambda: None, *,
+                 tls: TlsConfig | None = None) -> None:
     """Wait until the server at ``address`` reports ``service`` SERVING over grpc.health.v1.
 
     Args:
         service: full service name, e.g. :data:`TRACKER_SERVICE`.
         timeout: seconds.
         alive: called between tries; raises if the server's process died.
+        tls: the certificate to show a server that takes only mutual TLS.
 
     Raises:
         TimeoutError: not serving within ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
-    ch = net.channel(address)
+    ch = net.channel(address, tls=tls)
     try:
         while True:
             left = deadline - time.monotonic()
@@ -81,8 +85,12 @@ def die_with_parent() -> None:
 
 
 def child_env(threads: int = 1) -> dict[str, str]:
-    """Environment for a swarm process: ``threads`` BLAS/OpenMP threads."""
-    env = dict(os.environ)
+    """Environment for a swarm process: ``threads`` BLAS/OpenMP threads.
+
+    ``$FEDPIPE_TLS_DIR`` is not passed on: a swarm process gets its TLS
+    directory, if any, on its command line.
+    """
+    env = {k: v for k, v in os.environ.items() if k != TLS_DIR_ENV}
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                PYTHONUNBUFFERED="1", FEDPIPE_PARENT_PID=str(os.getpid()))
     return env
@@ -106,6 +114,11 @@ class LocalSwarm:
             :mod:`fedpipe.net.emulation` (nodes are named node0, node1, ...).
         timeout: seconds to wait for the tracker and every node to be up, and
             for the links between them to be measured.
+        tls: run the whole swarm over mutual TLS: make a swarm CA in ``workdir/tls``
+            and issue certificates there (tracker ``tracker``, nodes ``node0``...,
+            client ``client``, admin ``admin``, all for 127.0.0.1); every process
+            gets ``--tls-dir``, :meth:`client` uses ``client``'s and the swarm's
+            own calls ``admin``'s.
 
     Raises:
         RuntimeError: a process exited or did not come up in time (the message
@@ -115,7 +128,7 @@ class LocalSwarm:
     def __init__(self, n_nodes: int = 2, *, workdir: str | None = None, lease: float = 5.0,
                  threads: int = 1, node_args: list[str] | None = None,
                  tracker_args: list[str] | None = None,
-                 link_profile: dict | None = None, timeout: float = 60.0):
+                 link_profile: dict | None = None, timeout: float = 60.0, tls: bool = False):
         self.n_nodes, self.lease, self.threads = n_nodes, lease, threads
         self.node_args, self.timeout = list(node_args or []), timeout
         self.tracker_args = list(tracker_args or [])
@@ -126,6 +139,16 @@ class LocalSwarm:
             path.write_text(json.dumps(link_profile, indent=1))
             self.node_args += ["--link-profile", str(path)]
         self.db = str(self.workdir / "tracker.db")
+        self.tls_dir: Path | None = None
+        """The swarm's CA and certificates (None: plaintext)."""
+        self.admin_tls: TlsConfig | None = None
+        if tls:
+            self.tls_dir = self.workdir / "tls"
+            certs.make_ca(self.tls_dir)
+            certs.issue(self.tls_dir, certs.Role.TRACKER, "tracker")
+            certs.issue(self.tls_dir, certs.Role.ADMIN, "admin")
+            certs.issue(self.tls_dir, certs.Role.CLIENT, "client")
+            self.admin_tls = TlsConfig.load(self.tls_dir, "admin")
         self.tracker = ""
         self.tracker_proc: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
@@ -175,10 +198,11 @@ class LocalSwarm:
             port = address.rsplit(":", 1)[1]
             self.tracker_proc = proc = self._spawn(
                 "tracker", ["tracker", "--host", "127.0.0.1", "--port", port, "--db", self.db,
-                            "--lease", str(self.lease), *self.tracker_args])
+                            "--lease", str(self.lease), *self._tls_args(),
+                            *self.tracker_args])
             try:
                 wait_serving(address, TRACKER_SERVICE, self.timeout,
-                             lambda proc=proc: self._check(proc, "tracker"))
+                             lambda proc=proc: self._check(proc, "tracker"), tls=self.admin_tls)
             except TimeoutError:
                 raise RuntimeError(f"tracker did not start in {self.timeout} s:\n"
                                    f"{self.log(proc)}") from None
@@ -190,12 +214,31 @@ class LocalSwarm:
             return address
         raise AssertionError("unreachable")
 
+    def _tls_args(self) -> list[str]:
+        return ["--tls-dir", str(self.tls_dir)] if self.tls_dir is not None else []
+
+    def issue(self, role: str, name: str, **kwargs) -> TlsConfig:
+        """Issue one more certificate of this swarm's CA (see :func:`fedpipe.security.certs.issue`
+        for ``kwargs``) and return it as a :class:`TlsConfig` (unchecked, so tests can
+        make expired ones).
+
+        Raises:
+            ValueError: the swarm runs without TLS.
+        """
+        if self.tls_dir is None:
+            raise ValueError("this LocalSwarm runs without TLS (LocalSwarm(tls=True))")
+        certs.issue(self.tls_dir, role, name, **kwargs)
+        return TlsConfig.load(self.tls_dir, name, check=False)
+
     def add_node(self, *extra: str) -> subprocess.Popen:
         """Start one more node process with ``extra`` arguments."""
         i = len(self.nodes)
+        if self.tls_dir is not None and not (self.tls_dir / f"node{i}.crt").exists():
+            certs.issue(self.tls_dir, certs.Role.NODE, f"node{i}")
         proc = self._spawn(f"node{i}", ["node", "--tracker", self.tracker, "--host", "127.0.0.1",
                                         "--port", "0", "--name", f"node{i}", "--device", "cpu",
-                                        "--threads", str(self.threads), *self.node_args, *extra])
+                                        "--threads", str(self.threads), *self._tls_args(),
+                                        *self.node_args, *extra])
         self.nodes.append(proc)
         return proc
 
@@ -206,7 +249,7 @@ class LocalSwarm:
     def wait_for_nodes(self, n: int) -> None:
         """Wait until ``n`` nodes are registered and alive, and each says SERVING."""
         deadline = time.monotonic() + self.timeout
-        with Client(self.tracker) as client:
+        with self._admin() as client:
             while time.monotonic() < deadline:
                 try:
                     nodes = client.nodes()
@@ -216,7 +259,8 @@ class LocalSwarm:
                     try:  # a node registers once it serves; its health says so too
                         for x in nodes:
                             wait_serving(x.address, NODE_SERVICE,
-                                         max(0.0, deadline - time.monotonic()))
+                                         max(0.0, deadline - time.monotonic()),
+                                         tls=self.admin_tls)
                     except TimeoutError:
                         break
                     return
@@ -232,7 +276,7 @@ class LocalSwarm:
         from ..tracker.service import unmeasured
 
         deadline = time.monotonic() + self.timeout
-        with Client(self.tracker) as client:
+        with self._admin() as client:
             while time.monotonic() < deadline:
                 reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(),
                                               timeout=timeouts.CONTROL_RPC)
@@ -242,9 +286,21 @@ class LocalSwarm:
         raise RuntimeError(f"links were not measured within {self.timeout} s:\n"
                            f"{self.log(self.tracker_proc)[-3000:]}")
 
-    def client(self) -> Client:
-        """A client of this swarm's tracker; :meth:`close` closes it."""
-        client = Client(self.tracker)
+    def _admin(self) -> Client:
+        """A client for the swarm's own calls (the admin certificate under TLS)."""
+        return Client(self.tracker, tls=self.admin_tls)
+
+    def client(self, name: str = "client") -> Client:
+        """A client of this swarm's tracker; :meth:`close` closes it.
+
+        Under TLS it shows the certificate ``name`` (role client), issued on first use.
+        """
+        tls = None
+        if self.tls_dir is not None:
+            if not (self.tls_dir / f"{name}.crt").exists():
+                certs.issue(self.tls_dir, certs.Role.CLIENT, name)
+            tls = TlsConfig.load(self.tls_dir, name)
+        client = Client(self.tracker, tls=tls)
         self._clients.append(client)
         return client
 
@@ -257,7 +313,7 @@ class LocalSwarm:
         """
         if name_or_address.startswith("node") and name_or_address[4:].isdigit():
             return int(name_or_address[4:])
-        with Client(self.tracker) as client:
+        with self._admin() as client:
             for n in client.nodes():
                 if n.address == name_or_address:
                     return int(n.name[4:])
@@ -285,7 +341,8 @@ class LocalSwarm:
     def inject(self, job_id: str) -> "faults.FaultInjector":
         """A :class:`~fedpipe.testing.faults.FaultInjector` for ``job_id``: add faults
         with ``at_step(step, name, action)``, then ``start()`` it."""
-        client = self.client()
+        client = self._admin()
+        self._clients.append(client)
         return faults.FaultInjector(lambda: client.stub.GetJob(
             tracker_pb2.GetJobRequest(job_id=job_id), timeout=timeouts.CONTROL_RPC))
 

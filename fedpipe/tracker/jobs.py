@@ -568,6 +568,8 @@ class Jobs:
         if len(view.stages) != len(plan.stages):
             return {StageKey(-1, -1): f"the plan names a stage twice: {plan.summary}"}
         config = job.to_proto()
+        # the owner and the client's signature travel with the code: nodes check them
+        signed = self.store.spec(job_id)
 
         def load(a: node_pb2.StageAssignment) -> None:
             key = StageKey(a.replica, a.stage)
@@ -575,7 +577,9 @@ class Jobs:
                 job_id=job_id, replica=a.replica, stage=a.stage, plan=plan, config=config,
                 layers=self.store.layers(job_id, a.layer_start, a.layer_end),
                 resume_step=resume_step,
-                snapshot_sources=sources(key) if resume_step else []))
+                snapshot_sources=sources(key) if resume_step else [],
+                owner=signed.owner, job_signature=signed.job_signature,
+                client_cert=signed.client_cert, layer_digests=signed.layer_digests))
 
         with futures.ThreadPoolExecutor(max(1, len(view.stages))) as pool:
             results = {key: pool.submit(load, a) for key, a in view.stages.items()}

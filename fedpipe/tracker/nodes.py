@@ -20,6 +20,7 @@ import grpc
 from .. import net
 from ..net import timeouts
 from ..proto import node_pb2, node_pb2_grpc
+from ..security import TlsConfig
 
 
 MAX_CHANNELS = 256
@@ -52,9 +53,15 @@ class NodeCalls(Protocol):
 
 class GrpcNodeCalls:
     """:class:`NodeCalls` over gRPC, with a channel per node address (at most
-    ``max_channels`` open; see the module docstring)."""
+    ``max_channels`` open; see the module docstring).
 
-    def __init__(self, max_channels: int = MAX_CHANNELS):
+    Args:
+        max_channels: the most channels kept open (least recently used closed first).
+        tls: the tracker's certificate, for mutual TLS to nodes (None: plaintext).
+    """
+
+    def __init__(self, max_channels: int = MAX_CHANNELS, tls: TlsConfig | None = None):
+        self.tls = tls
         self._lock = threading.Lock()
         self._channels: OrderedDict[str, grpc.Channel] = OrderedDict()
         self.max_channels = max_channels
@@ -64,7 +71,7 @@ class GrpcNodeCalls:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = net.channel(address)
+                ch = self._channels[address] = net.channel(address, tls=self.tls)
                 while len(self._channels) > self.max_channels:
                     evicted.append(self._channels.popitem(last=False)[1])
             else:

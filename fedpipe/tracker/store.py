@@ -399,8 +399,10 @@ class SqliteStore(Store):
             raise KeyError(job_id)
         jid, name, state, reason, plan, step, loss, created, spec, recovery = rows[0]
         info = tracker_pb2.JobInfo.FromString(recovery or b"")
-        config = tracker_pb2.SubmitJobRequest.FromString(spec).config
+        submitted = tracker_pb2.SubmitJobRequest.FromString(spec)
+        config = submitted.config
         info.MergeFrom(tracker_pb2.JobInfo(job_id=jid, name=name, state=state, reason=reason,
+                                           owner=submitted.owner,
                                            step=step, steps=config.steps, loss=_nan(loss),
                                            created=created,
                                            checkpoint_every=config.checkpoint_every))
@@ -630,7 +632,7 @@ class MemoryStore(Store):
     def add_job(self, spec, reason, now):
         job_id = new_id()
         with self.lock:
-            info = tracker_pb2.JobInfo(job_id=job_id, name=spec.name,
+            info = tracker_pb2.JobInfo(job_id=job_id, name=spec.name, owner=spec.owner,
                                        state=tracker_pb2.JOB_STATE_PENDING, reason=reason,
                                        steps=spec.config.steps, created=now)
             self._jobs[job_id] = _Job(_bare(spec), info, list(spec.layers), {},

@@ -1,0 +1,249 @@
+"""A swarm over mutual TLS: it trains, and every caller without the right certificate,
+identity or signature is refused, over real processes (LocalSwarm(tls=True))."""
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+
+import cloudpickle
+import grpc
+import pytest
+import torch
+from torch import nn
+
+import fedpipe
+from fedpipe import net
+from fedpipe.client import Client
+from fedpipe.examples import digits
+from fedpipe.net import timeouts
+from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
+from fedpipe.security import TlsConfig, certs
+from fedpipe.security.signing import sign_job
+from fedpipe.spec import JobSpec
+from fedpipe.testing import LocalSwarm
+
+pytestmark = pytest.mark.timeout(600)
+RPC = timeouts.CONTROL_RPC
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    with LocalSwarm(2, tls=True, lease=5.0) as s:
+        yield s
+
+
+def _tracker(swarm: LocalSwarm, tls: TlsConfig | None, creds=None):
+    ch = (grpc.secure_channel(swarm.tracker, creds) if creds is not None
+          else net.channel(swarm.tracker, tls=tls))
+    return ch, tracker_pb2_grpc.TrackerStub(ch)
+
+
+def _node(address: str, tls: TlsConfig):
+    ch = net.channel(address, tls=tls)
+    return ch, node_pb2_grpc.NodeStub(ch)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _signed_request(tls: TlsConfig) -> tracker_pb2.SubmitJobRequest:
+    """A well-formed job signed by ``tls``'s key (the layers are real pickles)."""
+    model = _model()
+    layers = [cloudpickle.dumps(m) for m in model]
+    config = JobSpec(steps=10, microbatches=1, schedule="gpipe",
+                     optimizer=cloudpickle.dumps(fedpipe.optimizer(torch.optim.SGD, lr=0.1)),
+                     loss_fn=cloudpickle.dumps(nn.functional.mse_loss),
+                     batch_size=4).validate(len(layers)).to_proto()
+    profile = tracker_pb2.ModelProfile(layers=[tracker_pb2.LayerProfile(name=str(i))
+                                               for i in range(len(layers))])
+    signed = sign_job(tls, layers, config)
+    return tracker_pb2.SubmitJobRequest(
+        name="t", layers=layers, config=config, profile=profile, owner=signed.owner,
+        job_signature=signed.job_signature, client_cert=signed.client_cert,
+        layer_digests=signed.layer_digests)
+
+
+def test_a_digits_job_trains_to_succeeded_over_mutual_tls(swarm):
+    client = swarm.client()
+    acc = digits.train(client, steps=40, stages=2, progress=False, out=lambda *a: None)
+    assert acc > 0.5  # digits.train raises JobFailed unless the job SUCCEEDED
+
+
+def _expect(code: grpc.StatusCode, call, *words: str):
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    assert e.value.code() == code, (e.value.code(), e.value.details())
+    for w in words:
+        assert w in (e.value.details() or ""), e.value.details()
+
+
+def test_callers_without_a_valid_certificate_are_refused_and_others_still_served(swarm, tmp_path):
+    other = tmp_path / "other"
+    certs.make_ca(other)
+    certs.issue(other, "client", "stranger")
+    stranger = TlsConfig.load(other, "stranger")
+    swarm_ca = TlsConfig.load(swarm.tls_dir, "client").ca_pem
+    old = swarm.issue("client", "old-client", days=1,
+                      not_before=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2))
+    cases = {
+        "no certificate": grpc.insecure_channel(swarm.tracker),
+        "another CA": grpc.secure_channel(swarm.tracker, grpc.ssl_channel_credentials(
+            swarm_ca, stranger.key_pem, stranger.cert_pem)),
+        "expired": grpc.secure_channel(swarm.tracker, grpc.ssl_channel_credentials(
+            swarm_ca, old.key_pem, old.cert_pem)),
+    }
+    for why, ch in cases.items():
+        stub = tracker_pb2_grpc.TrackerStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ListNodes(tracker_pb2.ListNodesRequest(), timeout=RPC)
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.UNAUTHENTICATED), (why, e.value.code())
+        ch.close()
+    assert len(swarm.client().nodes()) == 2  # the tracker still serves the swarm
+
+
+def test_a_node_may_not_speak_for_another_node(swarm):
+    rogue = swarm.issue("node", "rogue")
+    victim = swarm.client().nodes()[0]
+    ch, stub = _tracker(swarm, rogue)
+    with ch:
+        _expect(grpc.StatusCode.PERMISSION_DENIED, lambda: stub.Heartbeat(
+            tracker_pb2.HeartbeatRequest(node_id=victim.node_id, leaving=True), timeout=RPC),
+            "may speak only for itself", victim.name)
+        _expect(grpc.StatusCode.PERMISSION_DENIED, lambda: stub.RegisterNode(
+            tracker_pb2.RegisterNodeRequest(name=victim.name, address="127.0.0.1:1"),
+            timeout=RPC), "may speak only for itself")
+        _expect(grpc.StatusCode.PERMISSION_DENIED, lambda: stub.ReportStage(
+            tracker_pb2.StageReport(job_id="x", node_id=victim.node_id), timeout=RPC),
+            "may speak only for itself")
+    assert victim.node_id in {n.node_id for n in swarm.client().nodes()}  # still alive
+
+
+def test_a_client_may_not_watch_cancel_stop_or_fetch_another_clients_job(swarm):
+    alice = swarm.client("alice")
+    x = torch.randn(64, 4)
+    job = alice.submit(_model(), nn.functional.mse_loss,
+                       fedpipe.optimizer(torch.optim.SGD, lr=0.01), [(x, torch.randn(64, 2))],
+                       steps=100_000, stages=2)
+    try:
+        info = alice.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=RPC)
+        assert info.owner == "alice"
+        mallory = swarm.issue("client", "mallory")
+        ch, stub = _tracker(swarm, mallory)
+        with ch:
+            for call in (lambda: stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id),
+                                             timeout=RPC),
+                         lambda: stub.CancelJob(tracker_pb2.CancelJobRequest(job_id=job.id),
+                                                timeout=RPC),
+                         lambda: list(stub.WatchJob(tracker_pb2.WatchJobRequest(
+                             job_id=job.id), timeout=RPC))):
+                _expect(grpc.StatusCode.PERMISSION_DENIED, call, "not the owner", job.id)
+        t0 = time.monotonic()
+        while not info.plan.stages and time.monotonic() - t0 < 120:
+            time.sleep(0.5)
+            info = alice.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=RPC)
+        assert info.plan.stages, "the job was never planned"
+        a = info.plan.stages[0]
+        nch, node = _node(a.address, mallory)
+        with nch:
+            _expect(grpc.StatusCode.PERMISSION_DENIED, lambda: list(node.FetchState(
+                node_pb2.FetchStateRequest(job_id=job.id, replica=a.replica,
+                                           stage=a.stage), timeout=RPC)), "not the owner")
+            _expect(grpc.StatusCode.PERMISSION_DENIED, lambda: node.StopJob(
+                node_pb2.StopJobRequest(job_id=job.id, release=True), timeout=RPC),
+                "not the owner")
+        assert alice.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id),
+                                 timeout=RPC).state not in (tracker_pb2.JOB_STATE_CANCELLED,
+                                                            tracker_pb2.JOB_STATE_FAILED)
+    finally:
+        job.cancel("test over")
+
+
+def test_tampered_or_unsigned_jobs_are_refused_before_unpickling(swarm):
+    client_tls = TlsConfig.load(swarm.tls_dir, "client")
+    ch, stub = _tracker(swarm, client_tls)
+    with ch:
+        req = _signed_request(client_tls)
+        req.job_signature = bytes([req.job_signature[0] ^ 1]) + req.job_signature[1:]
+        _expect(grpc.StatusCode.PERMISSION_DENIED,
+                lambda: stub.SubmitJob(req, timeout=RPC), "signature does not match")
+        req = _signed_request(client_tls)
+        req.layers[0] = cloudpickle.dumps(nn.Linear(4, 9))
+        _expect(grpc.StatusCode.PERMISSION_DENIED,
+                lambda: stub.SubmitJob(req, timeout=RPC), "not the one the client signed")
+        req = _signed_request(client_tls)
+        req.ClearField("job_signature")
+        _expect(grpc.StatusCode.UNAUTHENTICATED,
+                lambda: stub.SubmitJob(req, timeout=RPC), "not signed")
+
+    # a node: from the tracker's certificate, a tampered job; bytes that are no
+    # pickle, so INVALID_ARGUMENT would mean the node tried to unpickle them
+    node = swarm.client().nodes()[0]
+    tracker_tls = TlsConfig.load(swarm.tls_dir, "tracker")
+    signed = _signed_request(client_tls)
+    plan = node_pb2.Plan(stages=[node_pb2.StageAssignment(
+        replica=0, stage=0, node_id=node.node_id, address=node.address, layer_start=0,
+        layer_end=3, node_name=node.name)])
+    load = node_pb2.LoadStageRequest(
+        job_id="tampered", replica=0, stage=0, layers=[b"\x80not a pickle"] * 3, plan=plan,
+        config=signed.config, owner="client", job_signature=signed.job_signature,
+        client_cert=signed.client_cert, layer_digests=signed.layer_digests)
+    nch, stub_n = _node(node.address, tracker_tls)
+    with nch:
+        _expect(grpc.StatusCode.PERMISSION_DENIED, lambda: stub_n.LoadStage(load, timeout=RPC),
+                "not the one the client signed")
+        load.owner = "someone-else"
+        _expect(grpc.StatusCode.PERMISSION_DENIED, lambda: stub_n.LoadStage(load, timeout=RPC),
+                "owner")
+    # a client may not call LoadStage at all
+    cch, stub_c = _node(node.address, client_tls)
+    with cch:
+        _expect(grpc.StatusCode.PERMISSION_DENIED, lambda: stub_c.LoadStage(
+            node_pb2.LoadStageRequest(job_id="x"), timeout=RPC), "wrong role")
+
+
+def test_forty_jobs_at_once_from_one_client_are_queued_or_refused_with_a_reason(swarm):
+    flood = swarm.issue("client", "flood")
+    ch, stub = _tracker(swarm, flood)
+    req = _signed_request(flood)
+    results: list = []
+    lock = threading.Lock()
+
+    def submit():
+        try:
+            out = stub.SubmitJob(req, timeout=60).job_id
+        except grpc.RpcError as e:
+            out = e
+        with lock:
+            results.append(out)
+
+    with ch:
+        threads = [threading.Thread(target=submit) for _ in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        accepted = [r for r in results if isinstance(r, str)]
+        refused = [r for r in results if not isinstance(r, str)]
+        assert len(results) == 40
+        assert 1 <= len(accepted) <= 8
+        for e in refused:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+            assert "the most one client may have at once (8)" in e.details()
+        # the tracker keeps serving, and its nodes stay alive
+        assert len(swarm.client().nodes()) == 2
+        for job_id in accepted:
+            stub.CancelJob(tracker_pb2.CancelJobRequest(job_id=job_id), timeout=RPC)
+
+
+def test_a_client_refuses_to_start_with_a_certificate_of_the_wrong_ca(tmp_path):
+    certs.make_ca(tmp_path / "a")
+    certs.make_ca(tmp_path / "b")
+    certs.issue(tmp_path / "b", "client", "c")
+    (tmp_path / "b" / "ca.crt").unlink()
+    (tmp_path / "b" / "ca.crt").write_bytes((tmp_path / "a" / "ca.crt").read_bytes())
+    with pytest.raises(certs.CertError, match="another CA"):
+        Client("127.0.0.1:1", tls=tmp_path / "b")
