@@ -98,7 +98,7 @@ class GrpcNodeCalls:
     def measure_links(self, address, request):
         # a channel of its own: the measurer visits every node in turn, and through the
         # cache it would evict the channels of running deploys
-        with net.channel(address) as ch:
+        with net.channel(address, tls=self.tls) as ch:
             return self._call(node_pb2_grpc.NodeStub(ch).MeasureLinks, request,
                               timeouts.measure_links(len(request.peers)))
 
