@@ -44,6 +44,8 @@ def cmd_tracker(args) -> int:
                                max_job_bytes=args.max_job_bytes)
     print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db}"
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'})", flush=True)
+    if args.retention is not None:
+        service.tracker.jobs.retention = args.retention
     served = _observe_tracker(service.tracker, args)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -292,6 +294,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--db", default="fedpipe-tracker.db", help="SQLite file for the tracker's state")
     t.add_argument("--lease", type=float, default=10.0,
                    help="seconds a node may go without a heartbeat before it is marked lost")
+    t.add_argument("--retention", type=float, default=None,
+                   help="seconds an ended job's stages keep their weights on the nodes "
+                        "(for state_dict()) unless released sooner (default: "
+                        "fedpipe.tracker.jobs.RETENTION, 10 minutes)")
     t.add_argument("--link-refresh", type=float, default=300.0,
                    help="seconds between link re-measurements (0: only when nodes join)")
     t.add_argument("--http-port", type=int, default=0,

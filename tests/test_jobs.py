@@ -411,3 +411,31 @@ def test_bad_or_oversized_submissions_are_refused_naming_the_problem():
     with pytest.raises(errors.ResourceExhausted, match=r"needs about [\d.]+ MiB .* have 0\.0 MiB"):
         tracker.jobs.submit(submission())
     assert tracker.store.jobs_in(S.JOB_STATE_PENDING) == []
+
+
+def test_a_node_lost_while_the_job_deploys_makes_it_recover_not_fail():
+    tracker, nodes, _ = make_tracker()
+    ids = join(tracker, 3)
+    job = tracker.jobs.submit(submission(stages=2))
+    gone = []
+
+    def load_and_lose(address, request, load=nodes.load_stage):
+        if not gone:  # the first LoadStage: another node of the plan leaves meanwhile
+            info = tracker.jobs.get(request.job_id)
+            other = next(a for a in info.plan.stages if a.address != address)
+            gone.append(other.node_id)
+            tracker.registry.leave(other.node_id)
+        load(address, request)
+
+    nodes.load_stage = load_and_lose
+    tracker.tick()  # plans, deploys (a node leaves mid-deploy), resumes
+    info = tracker.jobs.get(job)
+    assert state_name(info.state) in ("RECOVERING", "RUNNING"), info.reason
+    nodes.load_stage = nodes.__class__.load_stage.__get__(nodes)
+    tracker.tick()
+    info = tracker.jobs.get(job)
+    assert state_name(info.state) == "RUNNING", info.reason
+    assert gone[0] not in PlanView(info.plan).node_ids() and info.epoch == 1
+    assert "left the swarm" in [e.reason for e in tracker.store.events(job, 0)
+                                if e.state == tracker_pb2.JOB_STATE_RECOVERING][0]
+    assert set(ids) - {gone[0]} >= PlanView(info.plan).node_ids()
