@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedpipe.planner import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, PlanError,
-                             SearchOptions, TrainConfig, make_plan, partition, simulate,
+                             SearchOptions, TrainConfig, make_plan, simulate,
                              stage_memory_bytes)
 from fedpipe.planner import codecs, jsonio
 from fedpipe.planner.context import PlanContext
@@ -123,42 +123,6 @@ def test_dp_split_matches_brute_force(case, skip):
         got = sol.sigma + (cfg.microbatches - 1) * sol.bottleneck
         assert got == pytest.approx(want, rel=1e-9)
         assert [k for k, _ in sol.ranges][0] == 0 and sol.ranges[-1][1] == len(profile.layers)
-
-
-def test_v1_partition_api_still_works():
-    nodes = [NodeSpec(f"n{i}", TF, 10**12) for i in range(3)]
-    found = partition(nodes, model(6), TrainConfig(batch_size=4, microbatches=2),
-                      lambda a, b: Link(1e9, 1e-4))
-    assert found is not None
-    ranges, bottleneck = found
-    assert ranges[0][0] == 0 and ranges[-1][1] == 6 and len(ranges) == 3 and bottleneck > 0
-    assert partition(nodes, model(2), TrainConfig(batch_size=4), lambda a, b: Link(1e9)) is None
-
-
-# --- whole plans -------------------------------------------------------------
-
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 10**6))
-def test_plans_respect_memory_caps(seed):
-    rng = random.Random(seed)
-    nodes = [NodeSpec(f"n{i}", rng.choice([1, 2, 4]) * TF, rng.choice([3, 6, 12, 40]) * 10**7)
-             for i in range(rng.randint(2, 5))]
-    cluster = ClusterView(nodes, default_link=Link(rng.choice([1e8, 1e9]), 1e-3))
-    profile = model(rng.randint(3, 8), params=10**7, act=10**6)
-    cfg = TrainConfig(batch_size=8, microbatches=rng.choice([1, 2, 4]),
-                      schedule=rng.choice(["gpipe", "1f1b"]))
-    try:
-        plan = make_plan(cluster, profile, cfg, FAST)
-    except PlanError:
-        return
-    check_covers(plan, len(profile.layers))
-    for g in plan.groups:
-        for i, s in enumerate(g.stages):
-            need = stage_memory_bytes(profile, s.layer_start, s.layer_end, cfg, i, len(g.stages),
-                                      g.microbatches)
-            assert need <= cluster.node(s.node_id).memory_bytes
-    assert sum(g.microbatches for g in plan.groups) == cfg.microbatches
-    assert sum(g.samples for g in plan.groups) == cfg.batch_size
 
 
 def test_slow_node_is_left_out():

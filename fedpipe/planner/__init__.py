@@ -13,7 +13,6 @@ discrete-event simulator), ``search`` (:func:`make_plan`), ``baselines`` and
 from __future__ import annotations
 
 from .costs import stage_memory_bytes
-from .partition import partition
 from .search import make_plan
 from .simulate import SimResult, simulate
 from .types import (ClusterView, DEFAULT_LINK, LayerProfile, Link, ModelProfile, NodeSpec, Plan,
@@ -38,5 +37,5 @@ def choose_replica_sync(plan: Plan, max_share: float = 0.25) -> str:
 
 __all__ = ["ClusterView", "DEFAULT_LINK", "LayerProfile", "Link", "ModelProfile", "NodeSpec",
            "Plan", "PlanError", "ReplicaGroup", "SearchOptions", "SimResult", "StagePlan",
-           "TrainConfig", "choose_replica_sync", "make_plan", "partition", "simulate",
+           "TrainConfig", "choose_replica_sync", "make_plan", "simulate",
            "stage_memory_bytes"]

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from .context import PlanContext
 from .costs import FORWARD_FRACTION, pipeline_estimate, stage_memory_bytes  # noqa: F401 (re-export)
-from .types import ClusterView, Link, ModelProfile, NodeSpec, TrainConfig
 
 THRESHOLDS = (10, 5)
 """How many thresholds the second pass tries (for chains of up to 10 nodes, and
@@ -312,39 +311,3 @@ def proportional_split(ctx: PlanContext, chain: Sequence[int], microbatches: int
         prev = j
     bounds.append(L)
     return describe(ctx, chain, [(s, bounds[s], bounds[s + 1]) for s in range(n)], microbatches)
-
-
-def partition(chain: Sequence[NodeSpec], profile: ModelProfile, config: TrainConfig,
-              link: Callable[[str, str], Link]) -> tuple[list[tuple[int, int]], float] | None:
-    """Split the layers into ``len(chain)`` contiguous, non-empty stages, one per node of the chain.
-
-    The v1 entry point, kept for callers: :func:`solve_chain` with every node
-    used and ``config.microbatches`` microbatches.
-
-    Args:
-        chain: nodes in pipeline order.
-        profile: per-layer costs.
-        config: batch size, microbatches, schedule, compression.
-        link: ``link(a, b)`` gives the link from node id a to node id b.
-
-    Returns:
-        ``(ranges, bottleneck_seconds)`` with ``ranges[i] = (start, end)`` and
-        the busiest resource's seconds per microbatch, or None when no split
-        fits in memory or there are fewer layers than nodes.
-
-    Raises:
-        PlanError: bad config (see :class:`~fedpipe.planner.context.PlanContext`).
-    """
-    if not chain or len(profile.layers) < len(chain):
-        return None
-    ids = [node.node_id for node in chain]
-    cluster = ClusterView(list(chain), {(a, b): link(a, b) for a in ids for b in ids if a != b})
-    ctx = PlanContext(cluster, profile, TrainConfig(**{**config.__dict__, "stages": 0}))
-    sol = solve_chain(ctx, range(len(chain)), config.microbatches, window=1)
-    if sol is None:
-        return None
-    return list(sol.ranges), sol.bottleneck
-
-
-__all__ = ["GroupSolution", "THRESHOLDS", "all_solved", "describe", "partition",
-           "proportional_split", "solve_chain", "stage_costs", "stage_memory_bytes"]
