@@ -19,10 +19,11 @@ Per task, in this order:
    checkpoints on (every ``--every`` steps) and off (every ``steps + 1``),
    alternated ``--repeats`` times. A job's step time is its mean over its
    steps from step 3 on (from the tracker's step events, so a slow
-   checkpoint step counts); the medians of on and off are compared, and
-   their difference is also given per checkpoint. ``os.getloadavg()`` is
-   printed with it: the machine is shared, and the ratio is only as good as
-   the interleaving.
+   checkpoint step counts). The overhead is the median over the pairs of
+   on / off - 1 (a pair runs back to back, so a change in the machine's
+   load between pairs cancels out), also given in ms per checkpoint.
+   ``os.getloadavg()`` is printed with it: the machine is shared, and the
+   ratio is only as good as the interleaving.
 2. **An undisturbed run**: the reference for accuracy/loss and weights. It
    is also compared with single-process PyTorch on the same batches, with
    the gradient accumulated over the same microbatches (and, for scale,
@@ -59,12 +60,14 @@ undisturbed run's within 1e-5.
 
     python benchmarks/faults.py [--quick] [--trials N] [--tasks digits,text] [--seed S]
                                 [--every K] [--repeats R] [--steps-digits N] [--steps-text N]
+                                [--overhead-steps-digits N] [--overhead-steps-text N]
                                 [--workdir DIR]
 
 Full run: 10 trials per task, 50 digits steps and 30 text steps per job, 5
 overhead repeats (about 10 minutes on a 2-core machine); ``--quick``: 2 trials
-per task, 1 overhead repeat (about 3 minutes). The swarm's logs (tracker, nodes) are kept in
-``--workdir`` (default: a temporary directory, removed if every trial completed).
+per task, 1 overhead repeat (about 3 minutes). The swarm's logs (tracker,
+nodes) are kept in ``--workdir`` (default: a temporary directory, removed if
+every trial completed). Exit status 0 if every target is met, else 1.
 """
 from __future__ import annotations
 
@@ -417,33 +420,40 @@ def verdict(ok: bool) -> str:
 
 # -- the benchmark -------------------------------------------------------------
 def overhead(bench: Bench, task: Task, every: int, repeats: int, steps: int) -> float:
-    """Checkpoint overhead as a fraction of step time (on/off - 1) over jobs of ``steps``
-    steps; prints the runs."""
+    """Checkpoint overhead as a fraction of step time over jobs of ``steps`` steps: the
+    median over ``repeats`` pairs (checkpoints on, then off) of on / off - 1. Each pair
+    runs back to back, so a change in the machine's load between pairs cancels out."""
     off_every = steps + 1
     times: dict[str, list[float]] = {"on": [], "off": []}
+    ratios = []
     load0 = os.getloadavg()
     for rep in range(repeats):
+        pair = {}
         for mode, k in (("on", every), ("off", off_every)):
             out = bench.finish(task, bench.submit(task, k, f"{task.name}-ck-{mode}", steps),
                                weights=False)
-            if not out.completed:
-                print(f"[{task.name} overhead] checkpoints {mode} #{rep + 1}: NOT completed "
+            if out.completed:
+                pair[mode] = out.step_seconds()
+                times[mode].append(pair[mode])
+            else:
+                print(f"[{task.name} overhead #{rep + 1}] checkpoints {mode}: NOT completed "
                       f"({out.state}: {out.reason})", flush=True)
-                continue
-            times[mode].append(out.step_seconds())
-            print(f"[{task.name} overhead] checkpoints {mode:<3} #{rep + 1}: "
-                  f"{times[mode][-1] * 1e3:.1f} ms/step", flush=True)
+        if len(pair) == 2:
+            ratios.append(pair["on"] / pair["off"])
+            print(f"[{task.name} overhead #{rep + 1}] checkpoints on {pair['on'] * 1e3:.1f} "
+                  f"ms/step, off {pair['off'] * 1e3:.1f} ms/step: ratio {ratios[-1]:.3f}",
+                  flush=True)
     load1 = os.getloadavg()
-    if not times["on"] or not times["off"]:
+    if not ratios:
         return math.nan
+    ratio = statistics.median(ratios)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    print(f"[{task.name} overhead] median step time: checkpoints on (every {every}) "
-          f"{on * 1e3:.1f} ms, off {off * 1e3:.1f} ms: ratio {on / off:.3f} "
-          f"({(on / off - 1) * 100:+.1f} %, {(on - off) * every * 1e3:.0f} ms per checkpoint); "
-          f"load average before "
-          f"{' '.join(f'{x:.2f}' for x in load0)}, after {' '.join(f'{x:.2f}' for x in load1)}",
-          flush=True)
-    return on / off - 1
+    print(f"[{task.name} overhead] checkpoints every {every} steps: median ratio {ratio:.3f} "
+          f"({(ratio - 1) * 100:+.1f} % of step time, about {(ratio - 1) * off * every * 1e3:.0f}"
+          f" ms per checkpoint; median step time on {on * 1e3:.1f} ms, off {off * 1e3:.1f} ms);"
+          f" load average before {' '.join(f'{x:.2f}' for x in load0)}, after "
+          f"{' '.join(f'{x:.2f}' for x in load1)}", flush=True)
+    return ratio - 1
 
 
 def kill_steps(rng: random.Random, steps: int, every: int, n: int) -> list[int]:

@@ -8,7 +8,8 @@ Modules: ``types`` (dataclasses), ``codecs`` (codec names and sizes), ``costs``
 layer split), ``ordering`` (bottleneck path, locality order), ``grouping``
 (replica groups), ``evaluate`` (estimate and plan building), ``simulate`` (the
 discrete-event simulator), ``search`` (:func:`make_plan`), ``baselines`` and
-``exhaustive`` (reference planners for benchmarks and tests), ``jsonio``.
+``exhaustive`` (reference planners for benchmarks and tests), ``jsonio``, ``protoio``
+(to and from the protocol messages).
 """
 from __future__ import annotations
 
