@@ -517,7 +517,7 @@ SNAPSHOTS_KEPT = 2
 """Checkpoint snapshots a node keeps per stage (its own, and as a buddy): the newest
 complete checkpoint and the one being taken."""
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """fedpipe's wire protocol version: nodes and trackers of different versions refuse each other."""
 
 

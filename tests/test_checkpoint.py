@@ -70,9 +70,7 @@ def test_truncated_and_inconsistent_snapshots_are_refused():
         checkpoint.from_frames(frames[1:], max_bytes=2**20)
     with pytest.raises(WireError, match="limit"):
         checkpoint.from_frames(frames, max_bytes=100)
-    cut = frames[-1].__class__()
-    cut.CopyFrom(frames[-1])
-    cut.tensor.payload = cut.tensor.payload[:-4]  # a short payload
+    cut = frames[-1][:-4]  # a short payload
     with pytest.raises(WireError):
         checkpoint.from_frames(frames[:-1] + [cut], max_bytes=2**20)
 

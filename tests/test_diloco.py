@@ -284,13 +284,13 @@ def plan_of(job, timeout=60.0):
 def replica_state(job, plan, replica):
     """The weights of one replica group, fetched from its stages."""
     from fedpipe import net
-    from fedpipe.proto import node_pb2, node_pb2_grpc
-    from fedpipe.wire import frames
+    from fedpipe.proto import node_pb2
+    from fedpipe.wire import frames, rpc
 
     out = {}
     for a in plan.stages:
         if a.replica == replica:
-            stub = node_pb2_grpc.NodeStub(net.channel(a.address))
+            stub = rpc.NodeStub(net.channel(a.address))
             for head, t in frames.read_tensors(stub.FetchState(node_pb2.FetchStateRequest(
                     job_id=job.id, replica=replica, stage=a.stage), timeout=60)):
                 out[head.name] = t

@@ -16,9 +16,10 @@ import fedpipe
 from fedpipe import net
 from fedpipe.client import JobFailed
 from fedpipe.examples import digits
-from fedpipe.proto import node_pb2, node_pb2_grpc, tensor_pb2, tracker_pb2
+from fedpipe.proto import node_pb2, tensor_pb2, tracker_pb2
 from fedpipe.spec import PlanView
 from fedpipe.testing import LocalSwarm, child_env, free_port
+from fedpipe.wire import format, rpc
 
 pytestmark = pytest.mark.timeout(180)
 ADAMW = fedpipe.optimizer(torch.optim.AdamW, lr=3e-3)
@@ -72,18 +73,18 @@ def test_bad_models_are_refused_with_a_clear_error(swarm):
 
 def test_malformed_tensor_gets_invalid_argument_and_node_keeps_serving(swarm):
     node = swarm.client().nodes()[0]
-    stub = node_pb2_grpc.NodeStub(net.channel(node.address))
+    stub = rpc.NodeStub(net.channel(node.address))
     bad = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[4, 4],
-                            codec=tensor_pb2.CODEC_RAW, payload=b"\0" * 10, payload_bytes=10,
-                            encoded_bytes=10)
+                            codec=tensor_pb2.CODEC_RAW, payload_bytes=10, encoded_bytes=10)
     env = node_pb2.Envelope(kind=node_pb2.KIND_PROBE)  # a kind any node accepts
     with pytest.raises(grpc.RpcError) as err:
-        stub.Send(iter([node_pb2.Frame(envelope=env, tensor=bad)]), timeout=10)
+        stub.Send(iter([format.pack_head(node_pb2.Frame(envelope=env, tensor=bad),
+                                         b"\0" * 10)]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.search(r"10 .*need 64", err.value.details()), err.value.details()
     # a continuation chunk without a header
     with pytest.raises(grpc.RpcError) as err:
-        stub.Send(iter([node_pb2.Frame(chunk=b"abc")]), timeout=10)
+        stub.Send(iter([format.pack_more(b"abc")]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # the node still serves: it answers a probe and trains a job
     assert stub.Probe(node_pb2.ProbeRequest(), timeout=10).flops > 0

@@ -8,7 +8,8 @@ import pytest
 import zstandard
 
 from fedpipe import net
-from fedpipe.proto import node_pb2, node_pb2_grpc, tensor_pb2, tracker_pb2, tracker_pb2_grpc
+from fedpipe.proto import node_pb2, tensor_pb2, tracker_pb2, tracker_pb2_grpc
+from fedpipe.wire import format, rpc
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,28 +58,37 @@ def test_tracker_refuses_bad_registrations_reports_and_codecs(swarm):
 
 def test_node_refuses_before_buffering_and_bounds_probes(swarm):
     node = swarm.client().nodes()[0]
-    stub = node_pb2_grpc.NodeStub(net.channel(node.address))
+    stub = rpc.NodeStub(net.channel(node.address))
     # a 1 GiB zstd bomb declared as a link probe: over the probe limit, refused unread
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 * 2**20 + 1))
     head = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[64 * 2**20 + 1],
                              codec=tensor_pb2.CODEC_RAW, zstd=True, encoded_bytes=64 * 2**20 + 1,
-                             payload=bomb, payload_bytes=len(bomb))
+                             payload_bytes=len(bomb))
     env = node_pb2.Envelope(kind=node_pb2.KIND_PROBE)
-    code, details = code_of(lambda: stub.Send(iter([node_pb2.Frame(envelope=env, tensor=head)]),
-                                              timeout=30))
+    code, details = code_of(lambda: stub.Send(iter([format.pack_head(
+        node_pb2.Frame(envelope=env, tensor=head), bomb)]), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds" in details
     # a big tensor for a job the node does not run is refused at its header
     big = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2**28],
-                            codec=tensor_pb2.CODEC_RAW, encoded_bytes=2**30, payload=b"",
+                            codec=tensor_pb2.CODEC_RAW, encoded_bytes=2**30,
                             payload_bytes=2**30)
-    frames = iter([node_pb2.Frame(envelope=node_pb2.Envelope(job_id="nope", kind=1, batch_size=1),
-                                  tensor=big)] + [node_pb2.Frame(chunk=b"\0" * 2**20)] * 8)
+    frames = iter([format.pack_head(node_pb2.Frame(
+        envelope=node_pb2.Envelope(job_id="nope", kind=1, batch_size=1), tensor=big))]
+        + [format.pack_more(b"\0" * 2**20)] * 8)
     code, _ = code_of(lambda: stub.Send(frames, timeout=30))
     assert code == grpc.StatusCode.NOT_FOUND
     # a shape whose zero hides huge dimensions
     odd = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2**62, 0],
                             codec=tensor_pb2.CODEC_RAW)
-    code, _ = code_of(lambda: stub.Send(iter([node_pb2.Frame(
-        envelope=node_pb2.Envelope(kind=node_pb2.KIND_PROBE), tensor=odd)]), timeout=10))
+    code, _ = code_of(lambda: stub.Send(iter([format.pack_head(node_pb2.Frame(
+        envelope=node_pb2.Envelope(kind=node_pb2.KIND_PROBE), tensor=odd))]), timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+    # frames that are not fedpipe wire frames: a protobuf Frame (an old sender), another
+    # version, a header length past the frame's end; each refused by name
+    old = node_pb2.Frame(envelope=node_pb2.Envelope(kind=node_pb2.KIND_PROBE), tensor=odd)
+    for frame, why in ((old.SerializeToString(), "not a fedpipe wire frame"),
+                       (b"FPW\x07\x01", "version 7"),
+                       (b"FPW\x01\x01\xff\xff\x00\x00", "runs past the end")):
+        code, details = code_of(lambda frame=frame: stub.Send(iter([frame]), timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details, details
     assert stub.Probe(node_pb2.ProbeRequest(), timeout=10).flops > 0

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .. import net
-from ..proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
+from ..proto import node_pb2, tracker_pb2, tracker_pb2_grpc
 from ..net import timeouts
 from ..observe.source import GrpcSource
 from ..observe.views import StepRecord, step_records
@@ -24,7 +24,7 @@ from ..security import TlsConfig
 from ..security.signing import sign_job
 from ..security.tls import resolve as resolve_tls
 from ..spec import REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, state_name
-from ..wire import frames
+from ..wire import frames, rpc
 from .packaging import dumps, pack_layers
 from .profile import profile_model
 
@@ -98,7 +98,7 @@ class Client:
         self.channel = net.channel(tracker, tls=self.tls)
         self.stub = tracker_pb2_grpc.TrackerStub(self.channel)
         self._lock = threading.Lock()
-        self._nodes: dict[str, tuple[grpc.Channel, node_pb2_grpc.NodeStub]] = {}
+        self._nodes: dict[str, tuple[grpc.Channel, rpc.NodeStub]] = {}
         self._feeding: set[Job] = set()
         self._closed = False
 
@@ -108,7 +108,7 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def node(self, address: str) -> node_pb2_grpc.NodeStub:
+    def node(self, address: str) -> rpc.NodeStub:
         """The stub of the node at ``address``, on this client's one channel to it.
 
         Raises:
@@ -119,7 +119,7 @@ class Client:
                 raise ValueError(f"client of tracker {self.address} is closed")
             if address not in self._nodes:
                 ch = net.channel(address, tls=self.tls)
-                self._nodes[address] = (ch, node_pb2_grpc.NodeStub(ch))
+                self._nodes[address] = (ch, rpc.NodeStub(ch))
             return self._nodes[address][1]
 
     def close(self) -> None:
@@ -561,7 +561,7 @@ class Job:
                                       kind=kind, step=step, microbatch=mb, batch_size=batch_size,
                                       epoch=epoch)
                     for mb in range(m)]
-            self.client.node(a.address).Send(itertools.chain.from_iterable(
+            rpc.send(self.client.node(a.address), itertools.chain.from_iterable(
                 frames.encode_frames(piece, envelope=env)
                 for env, piece in zip(envs, torch.tensor_split(t, m))),
                 timeout=timeouts.FEED_RPC)

@@ -98,6 +98,13 @@ class TokenBucket:
                 self.tokens = 0.0
 
 
+def _size(message) -> int:
+    """Bytes a request message takes on the wire: a data-plane frame is raw bytes
+    (:mod:`fedpipe.wire.format`), every other message a protobuf."""
+    return len(message) if isinstance(message, (bytes, bytearray, memoryview)) \
+        else message.ByteSize()
+
+
 class Shaper(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor,
              grpc.UnaryStreamClientInterceptor):
     """Client interceptor that delays and paces every call on a channel.
@@ -116,14 +123,14 @@ class Shaper(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor
 
     def _pace_one(self, message):
         time.sleep(self.link.latency)
-        self.bucket.take(message.ByteSize())
+        self.bucket.take(_size(message))
         return message
 
     def _pace(self, messages: Iterator) -> Iterator:
         """The messages, each no earlier than ``latency`` after ``messages`` gave it."""
         if self.link.latency <= 0:
             for m in messages:
-                self.bucket.take(m.ByteSize())
+                self.bucket.take(_size(m))
                 yield m
             return
         line: deque = deque()
@@ -149,7 +156,7 @@ class Shaper(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor
             if m is end:
                 return
             time.sleep(max(0.0, due - time.monotonic()))
-            self.bucket.take(m.ByteSize())
+            self.bucket.take(_size(m))
             yield m
 
     def _back(self, result):

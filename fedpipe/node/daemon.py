@@ -17,9 +17,10 @@ from ..net import timeouts
 from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics, start_metrics
 from ..observe.serving import LOCALHOST, Served
-from ..proto import node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
+from ..proto import tracker_pb2, tracker_pb2_grpc
 from ..security import Role, TlsConfig
 from ..spec import PROTOCOL_VERSION
+from ..wire import rpc
 from .probe import probe, resolve_device
 from .service import NodeService
 
@@ -113,7 +114,7 @@ class NodeDaemon:
         self.service = NodeService(lambda: self.node_id, self.name, self.resources, self._report,
                                    trust_code=trust_code, links=links, metrics=self.metrics,
                                    tls=tls)
-        node_pb2_grpc.add_NodeServicer_to_server(self.service, self.server)
+        rpc.add_node_servicer(self.service, self.server)
 
     def _report(self, report: tracker_pb2.StageReport) -> None:
         self.reports.submit(lambda: net.retry(

@@ -22,11 +22,11 @@ import torch
 from .. import net
 from ..net import timeouts
 from ..observe.metrics import NodeMetrics
-from ..proto import node_pb2, node_pb2_grpc
+from ..proto import node_pb2
 from ..runtime.stage import StageError
 from ..security import TlsConfig
 from ..spec import Kind
-from ..wire import codecs, frames
+from ..wire import codecs, frames, rpc
 
 MAX_PROBE_BYTES = 64 * 2**20
 """Largest link-measurement probe a node sends or accepts, bytes."""
@@ -138,7 +138,7 @@ class PeerSender:
     def __init__(self, address: str, channel: grpc.Channel, name: str = "",
                  metrics: NodeMetrics | None = None):
         self.address, self.name, self.metrics = address, name or address, metrics
-        self.stub = node_pb2_grpc.NodeStub(channel)
+        self.stub = rpc.NodeStub(channel)
         self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"send-{address}")
         self.error: Exception | None = None
         self.stream: _Stream | None = None  # encoder thread only
@@ -284,7 +284,7 @@ def measure_link(channel: grpc.Channel, *, pings: int = PROBE_PINGS,
         grpc.RpcError: the peer is unreachable, or a call ran past
             :data:`~fedpipe.net.timeouts.PING_RPC` / :data:`~fedpipe.net.timeouts.PROBE_SEND_RPC`.
     """
-    stub = node_pb2_grpc.NodeStub(channel)
+    stub = rpc.NodeStub(channel)
     rtts = []
     for _ in range(pings):
         t0 = time.perf_counter()
@@ -297,7 +297,7 @@ def measure_link(channel: grpc.Channel, *, pings: int = PROBE_PINGS,
         probe_frames = list(frames.encode_frames(torch.zeros(nbytes, dtype=torch.uint8),
                                                  envelope=env))
         t0 = time.perf_counter()
-        stub.Send(iter(probe_frames), timeout=timeouts.PROBE_SEND_RPC)
+        rpc.send(stub, probe_frames, timeout=timeouts.PROBE_SEND_RPC)
         return max(time.perf_counter() - t0 - rtt, 1e-6)
 
     first = 256 * 1024

@@ -43,7 +43,7 @@ from torch import nn
 
 from ..net import timeouts
 from ..observe.metrics import NodeMetrics
-from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
+from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint
 from ..runtime.allreduce import GradientSync, StageSpan
 from ..runtime.async_stage import AsyncStageRunner
@@ -52,7 +52,7 @@ from ..runtime.diloco import OuterSync
 from ..runtime.stage import (StageError, StageRunnerBase, StepHook, StepResult,
                              SyncStageRunner, TimedTransport)
 from ..spec import JobSpec, Kind, PlanView, StageKey
-from ..wire import WireError, codecs
+from ..wire import WireError, codecs, rpc
 from .mailbox import Mailbox, Stopped
 from .peers import MAX_PROBE_BYTES, ChannelPool, StagePeers
 from .snapshots import SnapshotStore
@@ -345,7 +345,7 @@ class StageRegistry:
         for address in sources if snap is None else []:
             try:
                 with self.channels.borrow(address) as ch:
-                    stream = node_pb2_grpc.NodeStub(ch).FetchSnapshot(
+                    stream = rpc.NodeStub(ch).FetchSnapshot(
                         node_pb2.FetchSnapshotRequest(job_id=stage.job_id,
                                                       replica=stage.key.replica,
                                                       stage=stage.key.stage, step=stage.start),
@@ -426,7 +426,7 @@ class StageRegistry:
                                     epoch=stage.epoch, batch_size=1)
             try:
                 with self.channels.borrow(buddy.address) as ch:
-                    node_pb2_grpc.NodeStub(ch).PutSnapshot(checkpoint.to_frames(snap, env),
+                    rpc.NodeStub(ch).PutSnapshot(checkpoint.to_frames(snap, env),
                                                            timeout=timeouts.FETCH_STATE_RPC)
             except grpc.RpcError as e:  # the checkpoint stays incomplete; the last one holds
                 log.warning("job %s stage %d: could not keep the step %d snapshot on buddy %s: "
@@ -436,7 +436,7 @@ class StageRegistry:
         if not stage.stop.is_set():
             self._report(stage, tracker_pb2.StageReport.STATUS_CHECKPOINT, step=snap.step)
 
-    def keep_snapshot(self, stream: Iterator[node_pb2.Frame]) -> None:
+    def keep_snapshot(self, stream: Iterator[bytes]) -> None:
         """Keep a buddy's snapshot sent by ``PutSnapshot``.
 
         Raises:

@@ -134,7 +134,7 @@ def restore(parts: Mapping[str, Checkpointable | None], snap: Snapshot) -> None:
 
 
 def to_frames(snap: Snapshot, envelope: node_pb2.Envelope | None = None
-              ) -> Iterator[node_pb2.Frame]:
+              ) -> Iterator[bytes]:
     """The snapshot as a frame stream: its skeleton first, then each tensor by name.
 
     ``envelope`` rides on the first frame (who the snapshot is for).
@@ -146,7 +146,7 @@ def to_frames(snap: Snapshot, envelope: node_pb2.Envelope | None = None
         yield from frames.encode_frames(t, name=name)
 
 
-def from_frames(stream: Iterable[node_pb2.Frame], max_bytes: int) -> tuple[node_pb2.Frame,
+def from_frames(stream: Iterable[bytes], max_bytes: int) -> tuple[node_pb2.Frame,
                                                                           Snapshot]:
     """Decode a snapshot sent by :func:`to_frames`; returns its first frame and the snapshot.
 

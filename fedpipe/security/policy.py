@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2
 from google.protobuf.message import Message
 
 from ..proto import node_pb2, tracker_pb2
+from ..wire.format import WireError, peek_header
 from .certs import Identity, Role
 from .errors import PermissionDenied
 
@@ -53,16 +54,24 @@ class Rule:
     service_check: str = ""
 
 
-def check_send_kind(identity: Identity | None, frame: Message) -> None:
+def check_send_kind(identity: Identity | None, frame: Message | bytes) -> None:
     """A client may Send only inputs and targets; nodes send any kind.
 
     Args:
-        frame: a ``fedpipe.v1.Frame``; only the first of a tensor stream has an envelope.
+        frame: a wire frame (bytes, :mod:`fedpipe.wire.format`) or a ``fedpipe.v1.Frame``;
+            only the first of a tensor stream has an envelope.
 
     Raises:
         PermissionDenied: a client sent another kind.
     """
-    if identity is None or identity.role is not CLIENT or not frame.HasField("envelope"):
+    if identity is None or identity.role is not CLIENT:
+        return
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        try:
+            frame = peek_header(frame) or node_pb2.Frame()
+        except WireError:  # the servicer refuses it, with INVALID_ARGUMENT and the reason
+            return
+    if not frame.HasField("envelope"):
         return
     kind = frame.envelope.kind
     if kind not in CLIENT_SEND_KINDS:

@@ -41,15 +41,11 @@ import torch.nn.functional as F
 import zstandard
 
 from ..proto import tensor_pb2 as pb
-from ..spec import CODEC_PARAMS, CodecSpec, SpecError, parse_codec
+from ..spec import CODEC_PARAMS, CodecSpec, parse_codec
+from .format import WireError
 
-
-class WireError(SpecError):
-    """A tensor message is malformed: the message says which field and why.
-
-    A subclass of :class:`fedpipe.spec.SpecError` (a ValueError), which bad codec
-    spec strings raise.
-    """
+__all__ = ["CODECS", "DTYPES", "MAX_TENSOR_BYTES", "Codec", "ErrorFeedback", "WireError",
+           "check_header", "decode", "encode", "encode_payload"]
 
 
 DTYPES: dict[torch.dtype, pb.DType] = {
@@ -424,14 +420,7 @@ def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = N
             a bad zstd frame, or bad content (topk indices out of range or
             not strictly increasing).
     """
-    h, impl = _header(msg)
-    size = impl.size(h)
-    if max(size, h.numel * h.dtype.itemsize) > max_bytes:
-        raise WireError(f"tensor of shape {list(msg.shape)} ({h.numel * h.dtype.itemsize} "
-                        f"bytes, {size} encoded) exceeds the limit of {max_bytes} bytes")
-    if msg.encoded_bytes != size:
-        raise WireError(f"encoded_bytes is {msg.encoded_bytes} but codec "
-                        f"{impl.name} and shape {list(msg.shape)} need {size}")
+    h, impl, size = _checked(msg, max_bytes)
     if payload is None:
         payload = msg.payload
     if len(payload) != msg.payload_bytes:
@@ -448,6 +437,44 @@ def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = N
     except (RuntimeError, IndexError, OverflowError, MemoryError) as e:  # defence in depth
         raise WireError(f"cannot decode {impl.name} payload: {e}") from e
     return flat.view(tuple(msg.shape))
+
+
+def check_header(msg: pb.Tensor, max_bytes: int = MAX_TENSOR_BYTES) -> int:
+    """Check every header field of ``msg`` as :func:`decode` does, without its payload.
+
+    A receiver calls it on a tensor's header before it buffers any of the
+    payload, so a bad or oversized tensor is refused before anything of its
+    declared size is allocated or read.
+
+    Returns:
+        The codec output's length in bytes (``encoded_bytes``).
+
+    Raises:
+        WireError: as :func:`decode` for every field but the payload itself;
+            also a ``payload_bytes`` over ``max_bytes``, or one that differs
+            from ``encoded_bytes`` without zstd.
+    """
+    _, _, size = _checked(msg, max_bytes)
+    if msg.payload_bytes > max_bytes:
+        raise WireError(f"tensor payload of {msg.payload_bytes} bytes exceeds the limit of "
+                        f"{max_bytes}")
+    if not msg.zstd and msg.payload_bytes != size:
+        raise WireError(f"payload_bytes is {msg.payload_bytes} but the payload without zstd "
+                        f"is encoded_bytes = {size}")
+    return size
+
+
+def _checked(msg: pb.Tensor, max_bytes: int) -> tuple[_Header, Codec, int]:
+    """The header, codec and encoded size of ``msg``, every field checked (see :func:`decode`)."""
+    h, impl = _header(msg)
+    size = impl.size(h)
+    if max(size, h.numel * h.dtype.itemsize) > max_bytes:
+        raise WireError(f"tensor of shape {list(msg.shape)} ({h.numel * h.dtype.itemsize} "
+                        f"bytes, {size} encoded) exceeds the limit of {max_bytes} bytes")
+    if msg.encoded_bytes != size:
+        raise WireError(f"encoded_bytes is {msg.encoded_bytes} but codec "
+                        f"{impl.name} and shape {list(msg.shape)} need {size}")
+    return h, impl, size
 
 
 def _header(msg: pb.Tensor) -> tuple[_Header, Codec]:

@@ -1,15 +1,17 @@
-"""Chunking: one tensor message <-> a sequence of Frames of at most ~1 MiB each.
+"""Chunking: one encoded tensor <-> a sequence of wire frames (raw bytes) of at most ~1 MiB each.
 
 A large tensor never hits a gRPC message cap: its payload is cut into pieces
-of ``CHUNK_BYTES``; the first frame carries the header (and routing envelope or
-name), the rest carry only bytes. The receiver checks the pieces add up to the
-declared ``payload_bytes`` before it decodes.
+of ``CHUNK_BYTES``; the first frame (HEAD) carries the tensor header and the
+routing envelope or name, the rest (MORE) carry only bytes. The frame layout
+is :mod:`fedpipe.wire.format` (contract: ``protos/fedpipe/v1/FRAMES.md``).
+The receiver checks the header before it buffers a byte of the payload and
+that the pieces add up to the declared ``payload_bytes`` before it decodes.
 
-Every copy of a payload costs (a 16 MiB tensor is 4096 pages, and glibc's
-defaults hand large buffers out as freshly mapped memory), so both directions
-copy the payload as few times as the protobuf runtime allows: reading a bytes
-field and setting one each copy, so the header is never copied with its
-payload, and pieces are cut from one ``bytes`` object.
+Frames are raw bytes, so no protobuf runtime copies the payload: the sender
+copies each piece once (into its frame, from the tensor's own memory for raw
+CPU tensors) and the receiver once (the pieces, joined into the tensor's
+buffer, which is decoded in place). gRPC itself copies each message once each
+way, as it does for raw-bytes calls.
 """
 from __future__ import annotations
 
@@ -18,10 +20,14 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..proto import node_pb2, tensor_pb2
-from . import codecs
-from .codecs import WireError
+from . import codecs, format
+from .format import WireError
 
 CHUNK_BYTES = 1 << 20
+"""Payload bytes per frame (the first frame's header comes on top)."""
+
+Frame = bytes
+"""One wire frame: one gRPC message of a data-plane stream (:mod:`fedpipe.wire.format`)."""
 
 _PAYLOAD_FIELDS = ("payload", "payload_bytes")
 _HEADER_FIELDS = tuple(f for f in tensor_pb2.Tensor.DESCRIPTOR.fields
@@ -45,83 +51,88 @@ def _copy_header(msg: tensor_pb2.Tensor, head: tensor_pb2.Tensor) -> tensor_pb2.
 
 def to_frames(msg: tensor_pb2.Tensor, *, envelope: node_pb2.Envelope | None = None,
               name: str = "", chunk_bytes: int = CHUNK_BYTES,
-              payload: bytes | memoryview | None = None) -> Iterator[node_pb2.Frame]:
-    """Split an encoded tensor into frames; the first carries ``envelope`` and ``name``.
+              payload: bytes | memoryview | None = None) -> Iterator[Frame]:
+    """Split an encoded tensor into wire frames; the first carries ``envelope`` and ``name``.
 
-    ``payload``: the payload when it travels apart from ``msg`` (see
-    :func:`fedpipe.wire.codecs.encode_payload`); each piece is then copied once.
+    Args:
+        msg: the encoded tensor (:func:`fedpipe.wire.codecs.encode`); its
+            ``payload`` is used unless ``payload`` is given.
+        payload: the payload when it travels apart from ``msg`` (see
+            :func:`fedpipe.wire.codecs.encode_payload`).
+        chunk_bytes: payload bytes per frame, >= 1.
+
+    Each payload byte is copied once, into its frame; frames are made as they
+    are asked for, so a stream's pieces are copied while earlier ones travel.
     """
-    if payload is None:
-        payload = msg.payload  # one copy out of the message; each piece below is one more
-    else:
-        payload = memoryview(payload)
-    first = node_pb2.Frame(envelope=envelope, name=name)
-    head = _copy_header(msg, first.tensor)  # filled in place: Frame(tensor=...) would copy it
-    head.payload = bytes(payload[:chunk_bytes])  # no copy for bytes that fit
-    head.payload_bytes = len(payload)
-    yield first
-    for off in range(chunk_bytes, len(payload), chunk_bytes):
-        yield node_pb2.Frame(chunk=bytes(payload[off:off + chunk_bytes]))
+    view = memoryview(msg.payload if payload is None else payload).cast("B")
+    header = node_pb2.Frame(envelope=envelope, name=name)
+    _copy_header(msg, header.tensor).payload_bytes = len(view)
+    yield format.pack_head(header, view[:chunk_bytes])
+    for off in range(chunk_bytes, len(view), chunk_bytes):
+        yield format.pack_more(view[off:off + chunk_bytes])
 
 
-def encode_frames(t: torch.Tensor, codec: str = "raw", **kw) -> Iterator[node_pb2.Frame]:
+def encode_frames(t: torch.Tensor, codec: str = "raw", **kw) -> Iterator[Frame]:
     """Encode ``t`` with ``codec`` (:func:`fedpipe.wire.codecs.encode_payload`) and
-    split it; ``kw`` (``envelope``, ``name``) goes to :func:`to_frames`."""
+    split it; ``kw`` (``envelope``, ``name``, ``chunk_bytes``) goes to :func:`to_frames`."""
     msg, payload = codecs.encode_payload(t, codec)
     return to_frames(msg, payload=payload, **kw)
 
 
-def read_tensors(frames: Iterable[node_pb2.Frame],
+def read_tensors(frames: Iterable[Frame],
                  admit: Callable[[node_pb2.Frame], int] | None = None
                  ) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
-    """Reassemble and decode the tensors of a frame stream.
+    """Reassemble and decode the tensors of a wire-frame stream.
 
-    Yields ``(first_frame, tensor)`` for each tensor as soon as its last
-    payload byte is in (a stream may stay open between tensors);
-    ``first_frame`` carries the envelope and name. ``admit(first_frame)``,
-    called before any of a tensor's payload is buffered, may raise to refuse
-    it and returns the most bytes the tensor may take, encoded or decoded
-    (default :data:`fedpipe.wire.codecs.MAX_TENSOR_BYTES`).
+    Yields ``(header, tensor)`` for each tensor as soon as its last payload
+    byte is in (a stream may stay open between tensors); ``header`` (a
+    ``fedpipe.v1.Frame`` without payload) carries the envelope and name.
+    ``admit(header)``, called before any of a tensor's payload is buffered,
+    may raise to refuse it and returns the most bytes the tensor may take,
+    encoded or decoded (default :data:`fedpipe.wire.codecs.MAX_TENSOR_BYTES`).
+    Every field of the frame (:func:`fedpipe.wire.format.unpack`) and of the
+    tensor header (:func:`fedpipe.wire.codecs.check_header`) is checked before
+    the payload is buffered; memory held grows with the bytes received, never
+    with a size only declared.
 
     Raises:
-        WireError: a continuation frame without a header, pieces that do not
-            add up to ``payload_bytes``, a tensor over its limit, or a
-            malformed tensor (see :func:`fedpipe.wire.codecs.decode`).
+        WireError: a malformed frame or tensor header, a continuation frame
+            without a header, pieces that do not add up to ``payload_bytes``,
+            a tensor over its limit, or a malformed payload (see
+            :func:`fedpipe.wire.codecs.decode`).
     """
     head: node_pb2.Frame | None = None
-    parts: list[bytes] = []
-    size = 0
+    parts: list[memoryview] = []
+    size = want = 0
     limit = codecs.MAX_TENSOR_BYTES
 
     def finish(first: node_pb2.Frame) -> tuple[node_pb2.Frame, torch.Tensor]:
         nonlocal parts
-        if size != first.tensor.payload_bytes:
+        if size != want:
             raise WireError(f"tensor stream ended after {size} payload bytes, header declared "
-                            f"{first.tensor.payload_bytes}")
-        payload = bytearray().join(parts)  # the one copy: decoded in place
+                            f"{want}")
+        # the one copy on this side: into a buffer the tensor is decoded in place from
+        payload = parts[0] if len(parts) == 1 else bytearray().join(parts)
         parts = []
         return first, codecs.decode(first.tensor, payload=payload, max_bytes=limit)
 
     for frame in frames:
-        if frame.HasField("tensor"):
+        header, piece = format.unpack(frame)
+        if header is not None:
             if head is not None:
                 yield finish(head)  # raises: the previous tensor is incomplete
-            head, parts, size = frame, [frame.tensor.payload], len(frame.tensor.payload)
-            limit = admit(head) if admit is not None else codecs.MAX_TENSOR_BYTES
-            if head.tensor.payload_bytes > limit:
-                raise WireError(f"tensor payload of {head.tensor.payload_bytes} bytes exceeds "
-                                f"the limit of {limit}")
+            limit = admit(header) if admit is not None else codecs.MAX_TENSOR_BYTES
+            codecs.check_header(header.tensor, limit)
+            head, want, parts, size = header, header.tensor.payload_bytes, [], 0
         elif head is None:
-            raise WireError("a continuation chunk without a tensor header before it")
-        else:
-            chunk = frame.chunk
-            parts.append(chunk)
-            size += len(chunk)
-        if size > head.tensor.payload_bytes:
-            raise WireError(f"tensor stream carries more than the declared "
-                            f"{head.tensor.payload_bytes} payload bytes")
-        if size == head.tensor.payload_bytes:  # complete: hand it over now, the
-            yield finish(head)                  # stream may stay open for the next
+            raise WireError("a continuation frame without a tensor header before it")
+        size += len(piece)
+        if size > want:
+            raise WireError(f"tensor stream carries more than the declared {want} payload bytes")
+        if piece:
+            parts.append(piece)
+        if size == want:      # complete: hand it over now, the
+            yield finish(head)  # stream may stay open for the next
             head = None
     if head is not None:
         yield finish(head)

@@ -1,0 +1,145 @@
+"""The data plane's frame format: one gRPC message <-> (header, payload piece). No torch.
+
+The data-plane methods (``Send``, ``PutSnapshot`` requests; ``FetchState``,
+``FetchSnapshot`` replies; :data:`fedpipe.wire.rpc.DATA_METHODS`) carry raw
+bytes, not protobuf messages: protobuf would copy a tensor's payload on every
+serialization and parse. Each gRPC message is one *frame*, a fixed prefix and
+then either a header and the first payload piece (HEAD) or only payload bytes
+(MORE). The contract, with byte offsets, is ``protos/fedpipe/v1/FRAMES.md``:
+
+======  ====  =======================================================================
+offset  size  field
+======  ====  =======================================================================
+0       3     magic ``b"FPW"``
+3       1     version, :data:`VERSION`
+4       1     kind: :data:`HEAD` (1) or :data:`MORE` (2)
+5       4     HEAD only: header length ``h``, unsigned little-endian, <= :data:`MAX_HEADER_BYTES`
+9       h     HEAD only: a serialized ``fedpipe.v1.Frame`` (envelope, name, and ``tensor``
+              with ``payload`` empty and ``payload_bytes`` the whole payload's length)
+9+h     rest  HEAD: the payload's first piece; MORE (from offset 5): its next piece
+======  ====  =======================================================================
+
+:func:`unpack` checks every prefix field and the header before it returns
+anything, and copies nothing but the (small) header; the piece it returns is
+a view of the message. This module imports no torch, so the security layer
+(which reads a client's envelope) and the tracker may use it.
+"""
+from __future__ import annotations
+
+import struct
+
+from google.protobuf.message import DecodeError
+
+from ..proto import node_pb2
+from ..spec import SpecError
+
+
+class WireError(SpecError):
+    """A tensor message or frame is malformed: the message says which field and why.
+
+    A subclass of :class:`fedpipe.spec.SpecError` (a ValueError), which bad codec
+    spec strings raise.
+    """
+
+
+MAGIC = b"FPW"
+VERSION = 1
+"""The frame format's version; a frame of another version is refused, naming both."""
+HEAD, MORE = 1, 2
+"""Frame kinds: a tensor's header and first payload piece; a further payload piece."""
+MAX_HEADER_BYTES = 1 << 16
+"""Largest serialized header a frame may carry, bytes (an envelope, a name and a
+64-dimension shape take well under 1 KiB)."""
+
+_PREFIX = struct.Struct("<3sBB")   # magic, version, kind
+_HEAD_LEN = struct.Struct("<I")    # header length, after the prefix
+HEAD_PREFIX_BYTES = _PREFIX.size + _HEAD_LEN.size
+"""Bytes before a HEAD frame's header: 9."""
+MORE_PREFIX = _PREFIX.pack(MAGIC, VERSION, MORE)
+"""The whole prefix of a MORE frame: 5 bytes."""
+_HEAD_PREFIX = _PREFIX.pack(MAGIC, VERSION, HEAD)
+
+Buffer = bytes | bytearray | memoryview
+
+
+def pack_head(header: node_pb2.Frame, piece: Buffer = b"") -> bytes:
+    """A HEAD frame: ``header`` (tensor header with ``payload`` empty) and the first ``piece``.
+
+    One copy of ``piece`` (into the returned message).
+
+    Raises:
+        WireError: the header is over :data:`MAX_HEADER_BYTES` or carries payload bytes.
+    """
+    if header.tensor.payload or header.chunk:
+        raise WireError("a frame header must not carry payload bytes: they follow it")
+    head = header.SerializeToString()
+    if len(head) > MAX_HEADER_BYTES:
+        raise WireError(f"frame header of {len(head)} bytes exceeds the limit of "
+                        f"{MAX_HEADER_BYTES}")
+    return b"".join((_HEAD_PREFIX, _HEAD_LEN.pack(len(head)), head, piece))
+
+
+def pack_more(piece: Buffer) -> bytes:
+    """A MORE frame: the next ``piece`` of the current tensor's payload (one copy)."""
+    return b"".join((MORE_PREFIX, piece))
+
+
+def unpack(message: Buffer) -> tuple[node_pb2.Frame | None, memoryview]:
+    """Split one frame into its header (None for a MORE frame) and its payload piece.
+
+    Checks, in order and before anything is allocated: the length, the magic,
+    the version, the kind, the header length (at most :data:`MAX_HEADER_BYTES`
+    and within the message), that the header parses, that it has a ``tensor``
+    and that it carries no payload bytes of its own. The tensor header's fields
+    are the codec's to check (:func:`fedpipe.wire.codecs.check_header`).
+
+    Returns:
+        ``(header, piece)``: ``piece`` is a view of ``message``, no copy.
+
+    Raises:
+        WireError: naming the field that is wrong and its value.
+    """
+    view = memoryview(message)
+    if len(view) < _PREFIX.size:
+        raise WireError(f"a wire frame of {len(view)} bytes is shorter than its "
+                        f"{_PREFIX.size}-byte prefix")
+    magic, version, kind = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise WireError(f"not a fedpipe wire frame: it starts with {bytes(view[:3])!r}, not "
+                        f"{MAGIC!r} (a sender that predates protos/fedpipe/v1/FRAMES.md?)")
+    if version != VERSION:
+        raise WireError(f"wire frame version {version} is not supported; this side speaks "
+                        f"version {VERSION}")
+    if kind == MORE:
+        return None, view[_PREFIX.size:]
+    if kind != HEAD:
+        raise WireError(f"unknown wire frame kind {kind} (HEAD is {HEAD}, MORE is {MORE})")
+    if len(view) < HEAD_PREFIX_BYTES:
+        raise WireError(f"a HEAD frame of {len(view)} bytes is shorter than its "
+                        f"{HEAD_PREFIX_BYTES}-byte prefix")
+    (size,) = _HEAD_LEN.unpack_from(view, _PREFIX.size)
+    if size > MAX_HEADER_BYTES:
+        raise WireError(f"frame header length {size} exceeds the limit of {MAX_HEADER_BYTES}")
+    end = HEAD_PREFIX_BYTES + size
+    if end > len(view):
+        raise WireError(f"frame header length {size} runs past the end of the "
+                        f"{len(view)}-byte frame")
+    header = node_pb2.Frame()
+    try:
+        header.ParseFromString(bytes(view[HEAD_PREFIX_BYTES:end]))
+    except DecodeError as e:
+        raise WireError(f"frame header does not parse as fedpipe.v1.Frame: {e}") from None
+    if not header.HasField("tensor"):
+        raise WireError("frame header has no tensor")
+    if header.tensor.payload or header.chunk:
+        raise WireError("frame header carries payload bytes of its own; they must follow it")
+    return header, view[end:]
+
+
+def peek_header(message: Buffer) -> node_pb2.Frame | None:
+    """The header of a HEAD frame, None for a MORE frame (see :func:`unpack`).
+
+    Raises:
+        WireError: a malformed frame.
+    """
+    return unpack(message)[0]

@@ -1,0 +1,181 @@
+"""The data plane's wire frames (protos/fedpipe/v1/FRAMES.md): round trips, and malformed,
+truncated or oversized frames refused by name before anything of a declared size is held."""
+from __future__ import annotations
+
+import struct
+import tracemalloc
+
+import pytest
+import torch
+
+from fedpipe.proto import node_pb2, tensor_pb2
+from fedpipe.security.certs import Identity, Role
+from fedpipe.security.errors import PermissionDenied
+from fedpipe.security.policy import check_send_kind
+from fedpipe.wire import codecs, format, frames
+from fedpipe.wire.format import WireError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def env(kind=node_pb2.KIND_ACTIVATION, **kw) -> node_pb2.Envelope:
+    return node_pb2.Envelope(job_id="j", stage=1, kind=kind, batch_size=4, **kw)
+
+
+def head(tensor: tensor_pb2.Tensor, piece: bytes = b"", **kw) -> bytes:
+    """A HEAD frame, built field by field as a hostile sender could."""
+    return format.pack_head(node_pb2.Frame(tensor=tensor, **kw), piece)
+
+
+def raw_head(header: node_pb2.Frame) -> bytes:
+    """A HEAD frame around any header, as pack_head would refuse to make it."""
+    data = header.SerializeToString()
+    return b"FPW\x01\x01" + struct.pack("<I", len(data)) + data
+
+
+F32 = dict(dtype=tensor_pb2.DTYPE_FLOAT32, codec=tensor_pb2.CODEC_RAW)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, frames.CHUNK_BYTES])
+def test_tensors_of_every_codec_round_trip_through_frames_with_envelope_and_name(chunk):
+    g = torch.Generator().manual_seed(chunk)
+    sent = [("a", torch.randn(3, 5, generator=g), "raw"),
+            ("empty", torch.zeros(0, 4), "raw"),
+            ("scalar", torch.tensor(2.5, dtype=torch.float64), "raw+zstd"),
+            ("ids", torch.arange(100), "int8:32"),  # a lossy codec on ints falls back to raw
+            ("q", torch.randn(40, generator=g), "int8:16+zstd"),
+            ("h", torch.randn(8, 8, generator=g), "fp16"),
+            ("k", torch.randn(64, generator=g), "topk:0.25")]
+    stream = [f for i, (name, t, codec) in enumerate(sent)
+              for f in frames.encode_frames(t, codec, name=name, envelope=env(microbatch=i),
+                                            chunk_bytes=chunk)]
+    assert all(type(f) is bytes and f[:4] == b"FPW\x01" for f in stream)
+    got = list(frames.read_tensors(stream))
+    assert [h.name for h, _ in got] == [name for name, _, _ in sent]
+    assert [h.envelope.microbatch for h, _ in got] == list(range(len(sent)))
+    for (_, t, codec), (h, back) in zip(sent, got):
+        want = codecs.decode(codecs.encode(t, codec))
+        assert back.dtype == t.dtype and back.shape == t.shape
+        assert torch.equal(back, want), codec
+        assert not h.tensor.payload and not h.chunk  # the header never carries payload
+
+
+def test_a_large_tensor_is_cut_into_pieces_of_chunk_bytes_and_decoded_into_a_writable_copy():
+    t = torch.randn(2**18 + 3)  # 1 MiB and 12 bytes
+    stream = list(frames.encode_frames(t, envelope=env()))
+    assert len(stream) == 2 and len(stream[1]) == len(format.MORE_PREFIX) + 12
+    assert stream[1][:5] == b"FPW\x01\x02"
+    ((h, back),) = frames.read_tensors(stream)
+    assert h.tensor.payload_bytes == t.numel() * 4 and torch.equal(back, t)
+    back += 1  # its own memory: neither the frames nor the sender's tensor change
+    assert torch.equal(next(frames.read_tensors(stream))[1], t)
+
+
+def test_a_single_frame_payload_is_copied_out_of_the_message():
+    t = torch.arange(6, dtype=torch.float32)
+    stream = list(frames.encode_frames(t))
+    ((_, back),) = frames.read_tensors(stream)
+    back.zero_()
+    assert stream[0].endswith(t.numpy().tobytes())  # the received message is untouched
+
+
+GOOD = head(tensor_pb2.Tensor(shape=[2], encoded_bytes=8, payload_bytes=8, **F32), b"\0" * 8)
+
+
+@pytest.mark.parametrize("frame,why", [
+    (b"FP", "shorter than its 5-byte prefix"),
+    (b"XYZ\x01\x01" + GOOD[5:], "not a fedpipe wire frame"),
+    (node_pb2.Frame(tensor=tensor_pb2.Tensor(**F32)).SerializeToString(),
+     "not a fedpipe wire frame"),
+    (b"FPW\x02\x01" + GOOD[5:], "version 2 is not supported; this side speaks version 1"),
+    (b"FPW\x01\x09" + GOOD[5:], "unknown wire frame kind 9"),
+    (b"FPW\x01\x01\x03", "shorter than its 9-byte prefix"),
+    (b"FPW\x01\x01" + struct.pack("<I", 2**31) + b"\0" * 64, "header length 2147483648 exceeds"),
+    (b"FPW\x01\x01" + struct.pack("<I", 100) + b"\0" * 64, "runs past the end"),
+    (b"FPW\x01\x01" + struct.pack("<I", 3) + b"\xff\xff\xff", "does not parse"),
+    (b"FPW\x01\x01" + struct.pack("<I", 0), "has no tensor"),
+    (raw_head(node_pb2.Frame(tensor=tensor_pb2.Tensor(payload=b"xx"))), "payload bytes of its own"),
+    (raw_head(node_pb2.Frame(tensor=tensor_pb2.Tensor(), chunk=b"x")), "payload bytes of its own"),
+    (format.pack_more(b"abc"), "continuation frame without a tensor header"),
+    (head(tensor_pb2.Tensor(dtype=99, codec=1)), "unknown tensor dtype code 99"),
+    (head(tensor_pb2.Tensor(shape=[4, 4], encoded_bytes=10, payload_bytes=10, **F32)),
+     "encoded_bytes is 10 but codec raw and shape [4, 4] need 64"),
+    (head(tensor_pb2.Tensor(shape=[2], encoded_bytes=8, payload_bytes=9, **F32)),
+     "payload_bytes is 9 but the payload without zstd is encoded_bytes = 8"),
+    (head(tensor_pb2.Tensor(shape=[2**62, 0], **F32)), "dimension over 2**40"),
+    (head(tensor_pb2.Tensor(shape=[2**20], encoded_bytes=2**22, payload_bytes=2**22, **F32),
+          b"\0" * 16), "ended after 16 payload bytes, header declared 4194304"),
+    (GOOD + b"\0", "more than the declared 8 payload bytes"),
+])
+def test_malformed_frames_are_refused_naming_the_field(frame, why):
+    with pytest.raises(WireError) as e:
+        for _ in frames.read_tensors([frame]):
+            pass
+    assert why in str(e.value)
+
+
+def test_a_longer_piece_than_declared_and_a_header_before_the_end_are_refused():
+    with pytest.raises(WireError, match="more than the declared 8"):
+        list(frames.read_tensors([GOOD[:-4], format.pack_more(b"\0" * 5)]))
+    with pytest.raises(WireError, match="ended after 4 payload bytes, header declared 8"):
+        list(frames.read_tensors([GOOD[:-4], GOOD]))
+
+
+def test_a_header_over_the_limit_is_refused_before_its_payload_is_read():
+    """admit() runs on the header alone, and the limit it returns is checked before the
+    stream gives another frame: a refused tensor's pieces are never read."""
+    declared = tensor_pb2.Tensor(shape=[2**28], encoded_bytes=2**30, payload_bytes=2**30, **F32)
+    read = []
+
+    def stream():
+        yield head(declared, envelope=env())
+        for i in range(4):
+            read.append(i)
+            yield format.pack_more(b"\0" * 2**20)
+
+    admitted = []
+    with pytest.raises(WireError, match="exceeds the limit of 1048576"):
+        list(frames.read_tensors(stream(), lambda h: admitted.append(h.envelope.job_id) or 2**20))
+    assert admitted == ["j"] and read == []
+
+    def refuse(h):
+        raise LookupError(f"no stage {h.envelope.stage}")
+    with pytest.raises(LookupError, match="no stage 1"):
+        list(frames.read_tensors(stream(), refuse))
+    assert read == []
+
+
+def test_memory_held_follows_the_bytes_received_not_the_size_declared():
+    """A 1 GiB tensor declared within the limit, of which 64 KiB arrive: the reader holds
+    about what arrived when the stream ends short."""
+    declared = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, codec=tensor_pb2.CODEC_RAW,
+                                 shape=[2**30], encoded_bytes=2**30, payload_bytes=2**30)
+    stream = [head(declared)] + [format.pack_more(b"\0" * 2**14)] * 4
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError, match="ended after 65536 payload bytes"):
+            list(frames.read_tensors(stream))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
+
+
+def test_pack_head_refuses_payload_in_the_header_and_oversized_headers():
+    with pytest.raises(WireError, match="must not carry payload"):
+        format.pack_head(node_pb2.Frame(tensor=tensor_pb2.Tensor(payload=b"x")))
+    with pytest.raises(WireError, match="exceeds the limit of 65536"):
+        format.pack_head(node_pb2.Frame(tensor=tensor_pb2.Tensor(), name="n" * 2**16))
+
+
+def test_a_clients_send_kinds_are_read_from_the_frame_header():
+    alice = Identity(Role.CLIENT, "alice", 1)
+    node = Identity(Role.NODE, "n1", 2)
+    activation = next(frames.encode_frames(torch.zeros(2), envelope=env()))
+    inputs = next(frames.encode_frames(torch.zeros(2), envelope=env(node_pb2.KIND_INPUT)))
+    with pytest.raises(PermissionDenied, match="only inputs and targets, not KIND_ACTIVATION"):
+        check_send_kind(alice, activation)
+    check_send_kind(alice, inputs)
+    check_send_kind(node, activation)
+    check_send_kind(alice, format.pack_more(b"abc"))  # no envelope: nothing to check
+    check_send_kind(alice, b"garbage")  # malformed: the servicer refuses it, with the reason
