@@ -208,14 +208,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         identity = identity_of(context)
         if identity is not None and identity.role is Role.CLIENT:  # a client feeds its own job
             self._require_owner(context, head.envelope.job_id)
-        try:
-            return self.stages.admit(head.envelope)
-        except NoSuchStage as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except BadEnvelope as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except StaleEpoch as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return self.stages.admit(head.envelope)  # raises what Send maps to a status
 
     def Send(self, request_iterator, context):
         last = None
@@ -230,8 +223,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
             raise
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {e}")
+        except BadEnvelope as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoSuchStage as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"{e} (released)")
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except StaleEpoch as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KeyError as e:
