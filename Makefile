@@ -32,6 +32,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/planner.py
 	$(PY) benchmarks/emulated.py
 	$(PY) benchmarks/async.py
+	$(PY) benchmarks/faults.py
 
 protos: $(VENV)/.installed
 	$(PY) tools/gen_protos.py

@@ -67,7 +67,7 @@ Full run: 10 trials per task, 50 digits steps and 30 text steps per job, 5
 overhead repeats (about 10 minutes on a 2-core machine); ``--quick``: 2 trials
 per task, 1 overhead repeat (about 3 minutes). The swarm's logs (tracker,
 nodes) are kept in ``--workdir`` (default: a temporary directory, removed if
-every trial completed). Exit status 0 if every target is met, else 1.
+every trial completed).
 """
 from __future__ import annotations
 
@@ -601,14 +601,13 @@ def main() -> None:
         bench = Bench(swarm)
         for name in names:
             results[name] = run_task(bench, makers[name](), args, rng)
-    ok = report(results, args.every)
+    report(results, args.every)
     print(f"\nwall time {time.monotonic() - t0:.0f} s; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if all(r.completed for res in results.values() for r in res["rows"]) and not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
         print(f"logs kept in {workdir}")
-    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
