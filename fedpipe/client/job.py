@@ -593,7 +593,6 @@ class Job:
                 return
             info = self._info()
             kept: dict[int, tuple] = {}  # step -> (x, y), since the second-newest checkpoint
-            seen_checkpoints = [0]
             step = info.resume_step
             while True:  # one round per plan epoch
                 groups = GroupFeed.of(PlanView(info.plan, self.microbatches))
@@ -602,7 +601,7 @@ class Job:
                         if self._halted.is_set():
                             raise _FeedHalted
                         if step not in kept:
-                            self._bound(kept, seen_checkpoints, info)
+                            self._bound(kept, info)
                             x, y, _ = self._next_batch(batches, groups)
                             kept[step] = (x, y)
                         x, y = kept[step]
@@ -653,20 +652,21 @@ class Job:
             with self.client._lock:
                 self.client._feeding.discard(self)
 
-    def _bound(self, kept: dict[int, tuple], seen: list[int], info: tracker_pb2.JobInfo
-               ) -> None:
-        """Forget kept batches older than the second-newest complete checkpoint; at the
-        bound (:data:`FEED_KEEP_CHECKPOINTS` checkpoint intervals) wait for the next
-        checkpoint to complete (or the job to move on: a recovery, its end)."""
+    def _bound(self, kept: dict[int, tuple], info: tracker_pb2.JobInfo) -> None:
+        """Forget kept batches from before the checkpoint one interval older than the last
+        complete one (a rewind goes back at most that far: the nodes keep those two
+        snapshots); at the bound (:data:`FEED_KEEP_CHECKPOINTS` checkpoint intervals)
+        wait for the next checkpoint to complete (or the job to move on: a recovery,
+        its end). The floor follows from the last complete checkpoint alone, so
+        checkpoints that complete faster than the feed looks (a burst after a tracker
+        restart) still free what they should."""
         every = max(1, info.checkpoint_every or info.steps)
         limit = FEED_KEEP_CHECKPOINTS * every
         while True:
             if len(kept) < limit and len(kept) % every:
                 return  # between checkpoints: no need to ask the tracker
             now = self._info()
-            if now.checkpoint_step > seen[-1]:
-                seen.append(now.checkpoint_step)
-            floor = seen[-2] if len(seen) > 1 else 0
+            floor = max(0, now.checkpoint_step - every)
             for s in [s for s in kept if s < floor]:
                 del kept[s]
             if len(kept) < limit or now.state != S.JOB_STATE_RUNNING or \

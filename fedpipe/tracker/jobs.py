@@ -369,8 +369,10 @@ class Jobs:
             if gone or self.get(job_id).epoch != job.epoch:
                 return  # a node of the new plan was lost meanwhile: the next attempt replans
             if step > 0 and all("no snapshot" in f for f in failures.values()):
+                # the nodes keep the snapshots of the last two checkpoints; the one before
+                # the last is known here, or (after a tracker restart) one interval back
                 older = [k for k in self._complete.get(job_id, []) if k < step]
-                back = older[-1] if older else 0
+                back = older[-1] if older else max(0, step - max(1, spec.checkpoint_every))
                 log.warning("job %s: no snapshot of step %d survives (%s); rewinding to %d",
                             job_id, step, "; ".join(failures.values()), back)
                 self._begin_recovery(job_id, set(), f"lost the step {step} snapshots",
@@ -443,7 +445,7 @@ class Jobs:
     def _suspect(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> bool:
         """A stage could not send to (or lost the stream from) ``report.peer``: Ping it
         with a short deadline and declare it lost if it does not answer. Returns
-        whether it was declared lost."""
+        whether it is gone (declared lost now, or already)."""
         target = next((a for a in job.plan.stages if a.address == report.peer), None)
         if target is None or self.declare_lost is None:
             return False
@@ -453,9 +455,10 @@ class Jobs:
             self.nodes.ping(report.peer, timeouts.PEER_PING_RPC)
             return False
         except NodeCallError as e:
-            return self.declare_lost(
-                target.node_id, f"stopped answering (a peer's stream to it failed, then a "
-                                f"Ping: {e})")
+            # declared now, or already by another stage's report: gone either way
+            self.declare_lost(target.node_id, f"stopped answering (a peer's stream to it "
+                                              f"failed, then a Ping: {e})")
+            return True
 
     def reconcile(self, node_id: str, holds: list[tracker_pb2.StageRef]
                   ) -> tuple[list[tracker_pb2.StageRef], list[str]]:
@@ -631,8 +634,9 @@ class Jobs:
                 return  # a stage of the epoch being replaced gave up: expected
             if report.peer and self._suspect(job, report):
                 return  # its peer is gone: the job recovers
+            # only from where this report was read: a recovery may have begun meanwhile
             self._fail(job.job_id, f"{stage_name(key)} on node {report.node_id} failed: "
-                                   f"{report.error}")
+                                   f"{report.error}", only_from={job.state})
         else:
             raise InvalidArgument(f"unknown report status {report.status}")
         self.notify()
