@@ -305,8 +305,8 @@ class Jobs:
             self.store.set_recovery(job_id, fields, now)
             self._steps = {k: v for k, v in self._steps.items() if k[0] != job_id}
             self._acks = {k: v for k, v in self._acks.items() if k[0] != job_id}
-        reason = (f"node(s) {', '.join(sorted(lost))} {why}; rewinding to checkpoint step "
-                  f"{step}")
+        who = f"node(s) {', '.join(sorted(lost))} " if lost else ""
+        reason = f"{who}{why}; rewinding to checkpoint step {step}"
         self._move(job_id, S.JOB_STATE_RECOVERING, reason)
         # stop the old epoch's stages now so they free their threads; a LoadStage of the
         # new epoch would replace them anyway
@@ -375,7 +375,7 @@ class Jobs:
                 back = older[-1] if older else max(0, step - max(1, spec.checkpoint_every))
                 log.warning("job %s: no snapshot of step %d survives (%s); rewinding to %d",
                             job_id, step, "; ".join(failures.values()), back)
-                self._begin_recovery(job_id, set(), f"lost the step {step} snapshots",
+                self._begin_recovery(job_id, set(), f"no snapshot of step {step} survives",
                                      rewind_to=back)
                 return
             self._fail(job_id, "cannot recover: " + "; ".join(failures.values()),
