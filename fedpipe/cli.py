@@ -119,8 +119,13 @@ def cmd_status(args) -> int:
     with _client(args) as client:
         if args.json:
             return _status_json(client, args)
-        status.run_status(GrpcSource(client.stub), args.job, watch=args.watch,
-                          interval=args.interval)
+        try:
+            status.run_status(GrpcSource(client.stub), args.job, watch=args.watch,
+                              interval=args.interval)
+        except KeyError:
+            print(f"fedpipe status: no job {args.job!r} on tracker {args.tracker}",
+                  file=sys.stderr)
+            return 1
     return 0
 
 

@@ -144,7 +144,11 @@ class TlsConfig:
             name = names[0]
         certs.check_name(name)
         ca_pem = _pem(d / certs.CA_CERT, "CA certificate")
-        cert_pem = _pem(d / f"{name}.crt", "certificate")
+        try:
+            cert_pem = _pem(d / f"{name}.crt", "certificate")
+        except CertError as e:
+            raise CertError(f"{e}: a process uses the certificate named after it (a node's "
+                            f"--name; the tracker's 'tracker', or --tls-name NAME)") from None
         key_pem = _pem(d / f"{name}.key", "private key")
         identity = certs.read_identity(cert_pem)
         if check:
