@@ -576,13 +576,14 @@ class Job:
                          max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self._halted.is_set)
 
     def _await_epoch(self, after: int, poll: float) -> tracker_pb2.JobInfo | None:
-        """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended),
-        looking every ``poll`` seconds; None if it ends first."""
+        """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended)
+        on that epoch's plan, looking every ``poll`` seconds; None if it ends first."""
         while not self._halted.is_set():
             info = self._info()
             if info.state in TERMINAL:
                 return None
-            if info.state == S.JOB_STATE_RUNNING and info.epoch > after:
+            if info.state == S.JOB_STATE_RUNNING and info.epoch > after \
+                    and info.plan.epoch == info.epoch:
                 return info
             time.sleep(poll)
         raise _FeedHalted
@@ -591,7 +592,9 @@ class Job:
         try:
             if self._wait_running() is None:
                 return
-            info = self._info()
+            info = self._await_epoch(-1, RECOVERY_POLL)  # running now, not only once
+            if info is None:
+                return
             kept: dict[int, tuple] = {}  # step -> (x, y), since the second-newest checkpoint
             step = info.resume_step
             while True:  # one round per plan epoch

@@ -302,12 +302,16 @@ class Jobs:
             fields = tracker_pb2.JobInfo()
             fields.CopyFrom(job)
             fields.epoch, fields.resume_step = job.epoch + 1, step
+            if rewind_to is not None:  # the checkpoints from rewind_to on are gone
+                fields.checkpoint_step = min(job.checkpoint_step, rewind_to)
+                self._complete[job_id] = [k for k in self._complete.get(job_id, [])
+                                          if k < rewind_to]
             self.store.set_recovery(job_id, fields, now)
             self._steps = {k: v for k, v in self._steps.items() if k[0] != job_id}
             self._acks = {k: v for k, v in self._acks.items() if k[0] != job_id}
-        who = f"node(s) {', '.join(sorted(lost))} " if lost else ""
-        reason = f"{who}{why}; rewinding to checkpoint step {step}"
-        self._move(job_id, S.JOB_STATE_RECOVERING, reason)
+            who = f"node(s) {', '.join(sorted(lost))} " if lost else ""
+            reason = f"{who}{why}; rewinding to checkpoint step {step}"
+            self._move(job_id, S.JOB_STATE_RECOVERING, reason)
         # stop the old epoch's stages now so they free their threads; a LoadStage of the
         # new epoch would replace them anyway
         threading.Thread(target=self._stop_stages, args=(job_id, reason, False, job.plan,
@@ -393,12 +397,16 @@ class Jobs:
         reason = (f"recovered from the loss of {', '.join(sorted(rec.lost))}: resumed at "
                   f"checkpoint step {step} ({max(0, rec.from_step - step)} steps to recompute) "
                   f"on {plan.summary}")
-        with self._lock:
+        with self._lock:  # unless a newer loss restarted the recovery meanwhile
+            current = self.get(job_id)
+            if current.epoch != job.epoch or current.state != S.JOB_STATE_RECOVERING:
+                return
+            fields.epoch, fields.checkpoint_step = current.epoch, current.checkpoint_step
             self._recovering.pop(job_id, None)
-            for address in PlanView(rec.old_plan).addresses():
+            for address in PlanView(rec.old_plan).addresses() | PlanView(plan).addresses():
                 self._suspected.pop(address, None)
-        self.store.set_recovery(job_id, fields, now, rewind_to=step)
-        self._move(job_id, S.JOB_STATE_RUNNING, reason, only_from={S.JOB_STATE_RECOVERING})
+            self.store.set_recovery(job_id, fields, now, rewind_to=step)
+            self._move(job_id, S.JOB_STATE_RUNNING, reason, only_from={S.JOB_STATE_RECOVERING})
         self.notify()
 
     @staticmethod
@@ -426,21 +434,23 @@ class Jobs:
         """A stage's snapshot of ``report.step`` is kept on its node and its buddy; once
         every stage of the plan says so, the step is a complete checkpoint (a consistent
         cut), recorded in the store."""
-        view = PlanView(job.plan)
-        with self._lock:
+        with self._lock:  # read now: a recovery may have begun since the report was read
+            job = self.get(job.job_id)
+            if report.epoch != job.epoch:
+                return
             acks = self._acks.setdefault((job.job_id, job.epoch, report.step), set())
             acks.add(StageKey(report.replica, report.stage))
-            if len(acks) < len(view.stages) or report.step <= job.checkpoint_step:
+            if len(acks) < len(PlanView(job.plan).stages) or report.step <= job.checkpoint_step:
                 return
             del self._acks[(job.job_id, job.epoch, report.step)]
             done = self._complete.setdefault(job.job_id, [])
             done[:] = (done + [report.step])[-4:]
-        fields = tracker_pb2.JobInfo()
-        fields.CopyFrom(job)
-        fields.checkpoint_step = report.step
-        self.store.set_recovery(job.job_id, fields, self.clock(), event=tracker_pb2.JobEvent(
-            state=job.state, reason=f"checkpoint of step {report.step} complete",
-            checkpoint_step=report.step, epoch=job.epoch))
+            fields = tracker_pb2.JobInfo()
+            fields.CopyFrom(job)
+            fields.checkpoint_step = report.step
+            self.store.set_recovery(job.job_id, fields, self.clock(), event=tracker_pb2.JobEvent(
+                state=job.state, reason=f"checkpoint of step {report.step} complete",
+                checkpoint_step=report.step, epoch=job.epoch))
 
     def _suspect(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> bool:
         """A stage could not send to (or lost the stream from) ``report.peer``: Ping it
@@ -453,6 +463,8 @@ class Jobs:
             self._suspected.setdefault(report.peer, self.clock())
         try:
             self.nodes.ping(report.peer, timeouts.PEER_PING_RPC)
+            with self._lock:
+                self._suspected.pop(report.peer, None)
             return False
         except NodeCallError as e:
             # declared now, or already by another stage's report: gone either way
@@ -658,7 +670,7 @@ class Jobs:
             parts.reports[report.replica] = report
             if len(parts.reports) < groups:
                 return
-            del self._steps[(job.job_id, report.step)]
+            self._steps.pop((job.job_id, report.step), None)
         reports = parts.reports.values()
         loss = sum(r.loss for r in reports)
         samples, seconds = sum(r.samples for r in reports), max(r.seconds for r in reports)
