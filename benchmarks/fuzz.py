@@ -1,0 +1,85 @@
+"""Fuzz every RPC of a real swarm, then train a job on it.
+
+Starts a LocalSwarm (a tracker and ``--nodes`` node processes on 127.0.0.1),
+makes ``--calls`` malformed calls with :mod:`fedpipe.testing.fuzz` (random
+bytes, random field values, truncated and oversized messages, hostile wire
+frames) to the tracker and every node, then trains the digits MLP across the
+same processes and prints its final loss. Prints the calls, the count of
+each outcome and status code, each crash and hang, and the load average.
+
+Exit status: 0 when there were no crashes and no hangs and the job succeeded,
+1 otherwise.
+
+    python benchmarks/fuzz.py --calls 10000
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+import fedpipe
+from fedpipe.examples import digits
+from fedpipe.testing import LocalSwarm, fuzz
+
+
+def train(swarm: LocalSwarm, steps: int) -> fedpipe.client.job.JobStatus:
+    """Train the digits MLP over every node of ``swarm`` for ``steps`` steps; its final status."""
+    x, y, _, _ = digits.load()
+    torch.manual_seed(0)
+    client = swarm.client()
+    job = client.submit(digits.make_model(hidden=32), nn.functional.cross_entropy,
+                        fedpipe.optimizer(torch.optim.AdamW, lr=3e-3),
+                        digits.batches(x, y, 32), steps=steps, microbatches=2,
+                        stages=swarm.n_nodes, replicas=1)
+    return job.wait(timeout=300, progress=False)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=10_000)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=4, help="calls in flight at once")
+    ap.add_argument("--deadline", type=float, default=10.0, help="each call's deadline, s")
+    ap.add_argument("--steps", type=int, default=30, help="steps of the job trained afterwards")
+    args = ap.parse_args()
+
+    with LocalSwarm(n_nodes=args.nodes) as swarm:
+        targets = fuzz.swarm_targets(swarm)
+        print(f"fuzzing {', '.join(t.name for t in targets)}: "
+              f"{sum(len(t.methods) for t in targets)} RPCs, seed {args.seed}", flush=True)
+
+        def progress(r: fuzz.Report) -> None:
+            if r.calls % 1000 < 100:
+                print(f"  {r.calls} calls, {r.seconds:.0f} s, crashes {len(r.crashes)}, "
+                      f"hangs {len(r.hangs)}, load {os.getloadavg()[0]:.1f}", flush=True)
+
+        with fuzz.Fuzzer(targets, seed=args.seed, deadline=args.deadline) as fz:
+            report = fz.run(args.calls, workers=args.workers, progress=progress)
+            left = fz.cleanup()
+        print(report.summary())
+        print("calls by method and mutation:")
+        for line in fuzz.iter_lines(report):
+            print("  " + line)
+        for job in left:
+            print(f"could not cancel fuzzed job {job}")
+        t0 = time.monotonic()
+        status = train(swarm, args.steps)
+        print(f"after fuzzing, a {args.steps}-step digits job: {status.state} "
+              f"({status.reason}), final loss {status.loss:.4f}, "
+              f"{time.monotonic() - t0:.1f} s")
+    load = os.getloadavg()
+    print(f"calls {report.calls}, crashes {len(report.crashes)}, hangs {len(report.hangs)}, "
+          f"slow calls {len(report.deadlines)}; load average {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f} on {os.cpu_count()} CPUs")
+    ok = not report.crashes and not report.hangs and status.state == "SUCCEEDED"
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

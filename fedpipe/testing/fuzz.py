@@ -1,0 +1,657 @@
+"""A fuzz harness: malformed input to every RPC of the Tracker and Node services.
+
+Every method is found from the generated service descriptors
+(``fedpipe.v1.Tracker`` in :mod:`fedpipe.proto.tracker_pb2`, ``fedpipe.v1.Node``
+in :mod:`fedpipe.proto.node_pb2`); the data-plane methods whose requests are
+wire frames, not protobuf (``Send``, ``PutSnapshot``:
+:data:`fedpipe.wire.rpc.DATA_STREAM_IN`, contract
+``protos/fedpipe/v1/FRAMES.md``), get frame sequences. Calls go over gRPC as
+raw bytes, so nothing on the client side checks or fixes what is sent.
+
+Each call is one :class:`Mutation` of one method's request:
+
+* ``RANDOM_BYTES``: random bytes (for a request stream, several messages of them);
+* ``RANDOM_FIELDS``: a request that parses, with random field values from a walk
+  of the descriptor: ints at their type's limits, negative and huge; floats
+  inf/nan/denormal; unknown enum values; random, empty, long and non-ASCII
+  strings; repeated fields of random length; nested messages (for frame
+  methods: frames with a random ``fedpipe.v1.Frame`` header and random payload);
+* ``TRUNCATED``: such a request cut short at a random byte;
+* ``OVERSIZED``: a message over the server's receive limit
+  (:data:`fedpipe.net.MAX_MESSAGE_BYTES`, by default);
+* ``FRAMES`` (frame methods only): sequences of hostile wire frames: bad magic,
+  bad version, unknown kind, truncated prefixes, header lengths that lie or are
+  huge, headers that do not parse or lack a tensor, MORE without HEAD, payloads
+  shorter or longer than declared, declared sizes near 2**63, a valid header
+  with a garbage (or zstd-garbage) payload.
+
+Call ``i`` of a run with seed ``s`` is a pure function of ``(s, i)``
+(:meth:`Fuzzer.make_call`), so any finding can be replayed alone.
+
+Outcomes (:class:`Outcome`), as a call is classified:
+
+* ``OK``: the server answered (which includes a refusal with a status code
+  other than those below: INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, ...);
+  the code is counted per name.
+* ``CRASH``: a defect. The call ended with ``UNKNOWN`` (gRPC Python's answer when a
+  handler raised an exception it did not map: a traceback on the server), or the
+  target's process died (``alive`` raised).
+* ``DEADLINE``: the call got no final status within its deadline
+  (:attr:`Fuzzer.deadline`, seconds) but the server answered its liveness probe
+  right after: a slow call, reported, not a hang.
+* ``HANG``: the call got no status within its deadline *and* the server then did
+  not answer its liveness probe (a node's ``Ping``, the tracker's
+  ``ListNodes``; :attr:`Fuzzer.probe_deadline` seconds each, :data:`PROBE_TRIES`
+  tries). A server found unresponsive by the probe after every batch is a hang too
+  (counted once per batch and server), whatever the calls' outcomes were.
+
+A server-streaming call whose server keeps sending (a valid ``WatchJob``) is read
+for at most :data:`MAX_REPLIES` messages and then cancelled: an answer, ``OK``.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import random
+import struct
+import threading
+import time
+from collections import Counter
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import grpc
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf import message_factory
+
+from .. import net
+from ..proto import node_pb2, tensor_pb2, tracker_pb2
+from ..security import TlsConfig
+from ..wire import format, rpc
+
+PROBE_TRIES = 3
+"""Liveness probes before a server is declared unresponsive (each with the probe deadline)."""
+MAX_REPLIES = 64
+"""Replies read from a server-streaming call before it is cancelled as answered."""
+DEPTH = 4
+"""How deep a random message nests (deeper message fields are left empty)."""
+
+_TRACKER = tracker_pb2.DESCRIPTOR.services_by_name["Tracker"]
+_NODE = node_pb2.DESCRIPTOR.services_by_name["Node"]
+_FD = _descriptor.FieldDescriptor
+
+
+class Mutation(enum.Enum):
+    """How a request is malformed (see the module docstring)."""
+
+    RANDOM_BYTES = "random-bytes"
+    RANDOM_FIELDS = "random-fields"
+    TRUNCATED = "truncated"
+    OVERSIZED = "oversized"
+    FRAMES = "frames"
+
+
+class Outcome(enum.Enum):
+    """How a call ended (see the module docstring for the precise rules)."""
+
+    OK = "ok"
+    DEADLINE = "deadline"
+    CRASH = "crash"
+    HANG = "hang"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC of a fedpipe service, as its descriptor declares it.
+
+    Attributes:
+        path: the full gRPC name, ``/fedpipe.v1.Node/Send``.
+        request: the request's descriptor (for frame methods, the header's: ``Frame``).
+        client_streaming, server_streaming: the RPC's shape.
+        frames_in: the requests are wire frames, not serialized ``request``s.
+    """
+
+    path: str
+    request: _descriptor.Descriptor
+    client_streaming: bool
+    server_streaming: bool
+    frames_in: bool
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[1]
+
+
+def methods(service: _descriptor.ServiceDescriptor) -> list[Method]:
+    """Every RPC of ``service`` (a generated service descriptor), in declaration order."""
+    frames_in = rpc.DATA_STREAM_IN if service.full_name == rpc.SERVICE else frozenset()
+    return [Method(f"/{service.full_name}/{m.name}", m.input_type, m.client_streaming,
+                   m.server_streaming, m.name in frames_in) for m in service.methods]
+
+
+def mutations_of(method: Method) -> tuple[Mutation, ...]:
+    """The mutations that apply to ``method`` (``FRAMES`` only to frame methods)."""
+    return tuple(m for m in Mutation if m is not Mutation.FRAMES or method.frames_in)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One server under fuzzing.
+
+    Attributes:
+        name: how reports call it ("tracker", "node0").
+        address: ``HOST:PORT``.
+        methods: its RPCs (:func:`methods`).
+        probe: the liveness probe, a unary method path, and its request.
+        alive: raises if the server's process died (e.g. ``Popen.poll`` wrapped);
+            the default never raises.
+    """
+
+    name: str
+    address: str
+    methods: tuple[Method, ...]
+    probe: tuple[str, bytes]
+    alive: Callable[[], None] = lambda: None
+
+
+def tracker_target(address: str, alive: Callable[[], None] = lambda: None) -> Target:
+    """The tracker at ``address``, probed with ``ListNodes``."""
+    return Target("tracker", address, tuple(methods(_TRACKER)),
+                  (f"/{_TRACKER.full_name}/ListNodes",
+                   tracker_pb2.ListNodesRequest().SerializeToString()), alive)
+
+
+def node_target(name: str, address: str, alive: Callable[[], None] = lambda: None) -> Target:
+    """The node ``name`` at ``address``, probed with ``Ping``."""
+    return Target(name, address, tuple(methods(_NODE)),
+                  (f"/{_NODE.full_name}/Ping", node_pb2.PingRequest().SerializeToString()),
+                  alive)
+
+
+# -- random values ------------------------------------------------------------
+_INT_LIMITS = {
+    _FD.TYPE_INT32: (-2**31, 2**31 - 1), _FD.TYPE_SINT32: (-2**31, 2**31 - 1),
+    _FD.TYPE_SFIXED32: (-2**31, 2**31 - 1), _FD.TYPE_INT64: (-2**63, 2**63 - 1),
+    _FD.TYPE_SINT64: (-2**63, 2**63 - 1), _FD.TYPE_SFIXED64: (-2**63, 2**63 - 1),
+    _FD.TYPE_UINT32: (0, 2**32 - 1), _FD.TYPE_FIXED32: (0, 2**32 - 1),
+    _FD.TYPE_UINT64: (0, 2**64 - 1), _FD.TYPE_FIXED64: (0, 2**64 - 1),
+}
+_FLOATS = (0.0, -0.0, 1.0, -1.0, 0.5, 1e-320, 1e300, -1e300, 3.4e38, math.inf, -math.inf,
+           math.nan)
+_STRINGS = ("", "0", "-1", "x", "127.0.0.1:1", "localhost:0", "[::1]:1", "node0", "job-1",
+            "none", "raw", "fp16", "int8:64", "topk:0.01+zstd", "zstd:99", "diloco",
+            "gpipe", "1f1b", "async", "../../etc/passwd", "\x00", "é\u202e\U0001f600",
+            "\ud7ff", "%s%n", "a" * 300)
+
+
+class Values:
+    """Random field values and messages, from one ``random.Random``."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+
+    def length(self, most: int = 24) -> int:
+        """A random repeated-field or byte-string length, mostly small, sometimes large."""
+        r = self.rng.random()
+        if r < 0.3:
+            return self.rng.choice((0, 1, 2))
+        if r < 0.97:
+            return self.rng.randint(0, most)
+        return self.rng.randint(most, 40 * most)
+
+    def integer(self, kind: int) -> int:
+        lo, hi = _INT_LIMITS[kind]
+        r = self.rng.random()
+        if r < 0.35:
+            return self.rng.choice([v for v in (0, 1, -1, 2, 7, 64, 2**31 - 1, 2**32 - 1,
+                                                2**63 - 1, lo, hi) if lo <= v <= hi])
+        if r < 0.7:
+            return max(lo, min(hi, self.rng.randint(-8, 4096)))
+        return self.rng.randint(lo, hi)
+
+    def floating(self) -> float:
+        if self.rng.random() < 0.5:
+            return self.rng.choice(_FLOATS)
+        return self.rng.uniform(-1e6, 1e6)
+
+    def text(self) -> str:
+        r = self.rng.random()
+        if r < 0.5:
+            return self.rng.choice(_STRINGS)
+        if r < 0.9:
+            return "".join(chr(self.rng.randint(32, 126)) for _ in range(self.length(16)))
+        return "".join(chr(self.rng.randint(1, 0xD7FF)) for _ in range(self.length(64)))
+
+    def blob(self, most: int = 64) -> bytes:
+        return self.rng.randbytes(self.length(most))
+
+    def scalar(self, f: _descriptor.FieldDescriptor):
+        t = f.type
+        if t in _INT_LIMITS:
+            return self.integer(t)
+        if t in (_FD.TYPE_DOUBLE, _FD.TYPE_FLOAT):
+            v = self.floating()
+            return v if t == _FD.TYPE_DOUBLE or not math.isfinite(v) else \
+                struct.unpack("<f", struct.pack("<f", max(-3.4e38, min(3.4e38, v))))[0]
+        if t == _FD.TYPE_BOOL:
+            return self.rng.random() < 0.5
+        if t == _FD.TYPE_ENUM:
+            if self.rng.random() < 0.8:
+                return self.rng.choice(f.enum_type.values).number
+            return self.integer(_FD.TYPE_INT32)  # proto3 enums are open: unknown values parse
+        if t == _FD.TYPE_STRING:
+            return self.text()
+        if t == _FD.TYPE_BYTES:
+            return self.blob()
+        raise TypeError(f"no random value for field {f.full_name} of type {t}")
+
+    def message(self, desc: _descriptor.Descriptor, depth: int = 0) -> _message.Message:
+        """A message of type ``desc`` with a random subset of its fields set at random."""
+        msg = message_factory.GetMessageClass(desc)()
+        if depth >= DEPTH:
+            return msg
+        for f in desc.fields:
+            if self.rng.random() < 0.4:
+                continue
+            is_msg = f.type == _FD.TYPE_MESSAGE
+            if f.is_repeated:
+                box = getattr(msg, f.name)
+                n = self.length(4 if is_msg else 24)
+                for _ in range(min(n, 8) if is_msg and depth else n):
+                    if is_msg:
+                        box.add().CopyFrom(self.message(f.message_type, depth + 1))
+                    else:
+                        box.append(self.scalar(f))
+            elif is_msg:
+                getattr(msg, f.name).CopyFrom(self.message(f.message_type, depth + 1))
+            else:
+                setattr(msg, f.name, self.scalar(f))
+        return msg
+
+
+# -- hostile wire frames ------------------------------------------------------
+_HEAD_LEN = struct.Struct("<I")
+
+
+def _prefix(kind: int, magic: bytes = format.MAGIC, version: int = format.VERSION) -> bytes:
+    return magic + bytes((version, kind))
+
+
+def _head(header: bytes, piece: bytes = b"", declared: int | None = None) -> bytes:
+    n = len(header) if declared is None else declared
+    return _prefix(format.HEAD) + _HEAD_LEN.pack(n) + header + piece
+
+
+class Frames:
+    """Hostile wire-frame sequences for ``Send`` and ``PutSnapshot``."""
+
+    def __init__(self, values: Values):
+        self.v = values
+        self.rng = values.rng
+
+    def header(self, sane: bool) -> node_pb2.Frame:
+        """A ``Frame`` header: random throughout, or (``sane``) a tensor header that passes
+        the codec's checks, with a random envelope (a probe half the time)."""
+        if not sane:
+            return self.v.message(node_pb2.Frame.DESCRIPTOR)  # type: ignore[return-value]
+        n = self.rng.randint(0, 64)
+        t = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[n],
+                              codec=tensor_pb2.CODEC_RAW, encoded_bytes=n, payload_bytes=n)
+        if self.rng.random() < 0.3:  # zstd over garbage: the decoder must refuse it
+            t.zstd = True
+            t.payload_bytes = self.rng.randint(1, 64)
+        env = self.v.message(node_pb2.Envelope.DESCRIPTOR)
+        if self.rng.random() < 0.5:
+            env.kind = node_pb2.KIND_PROBE  # type: ignore[attr-defined]
+        return node_pb2.Frame(tensor=t, envelope=env, name=self.v.text())
+
+    def one(self) -> list[bytes]:
+        """One hostile frame sequence (1 to ~6 messages)."""
+        rng, v = self.rng, self.v
+        sane = self.header(True)
+        body = sane.SerializeToString()
+        declared = sane.tensor.payload_bytes
+        pick = rng.randrange(16)
+        if pick == 0:  # bad magic
+            return [rng.choice((b"FPX", b"\0\0\0", b"fpw")) + bytes((1, 1)) + v.blob()]
+        if pick == 1:  # a version this side does not speak
+            return [_prefix(format.HEAD, version=rng.choice((0, 2, 255))) + v.blob()]
+        if pick == 2:  # an unknown kind
+            return [_prefix(rng.choice((0, 3, 255))) + v.blob()]
+        if pick == 3:  # a prefix cut short
+            return [_head(body)[:rng.randint(0, format.HEAD_PREFIX_BYTES - 1)]]
+        if pick == 4:  # a header length past the end of the frame
+            return [_head(body, declared=len(body) + rng.randint(1, 4096))]
+        if pick == 5:  # a huge header length
+            return [_head(body, declared=rng.choice((format.MAX_HEADER_BYTES + 1, 2**32 - 1)))]
+        if pick == 6:  # a header that does not parse, or has no tensor
+            junk = rng.choice((v.blob(), node_pb2.Frame(name="x").SerializeToString()))
+            return [_head(junk, v.blob())]
+        if pick == 7:  # a header that carries payload bytes itself
+            bad = node_pb2.Frame(tensor=tensor_pb2.Tensor(payload=v.blob() or b"x"))
+            return [_head(bad.SerializeToString())]
+        if pick == 8:  # MORE frames with no HEAD
+            return [_prefix(format.MORE) + v.blob() for _ in range(rng.randint(1, 3))]
+        if pick == 9:  # fewer payload bytes than declared, then the stream ends
+            sane.tensor.payload_bytes = sane.tensor.encoded_bytes = n = rng.randint(8, 4096)
+            sane.tensor.zstd, sane.tensor.shape[:] = False, [n]
+            return [_head(sane.SerializeToString(), rng.randbytes(n // 2))]
+        if pick == 10:  # more payload bytes than declared
+            return [_head(body, rng.randbytes(declared)),
+                    *[_prefix(format.MORE) + v.blob() + b"x" for _ in range(rng.randint(1, 3))]]
+        if pick == 11:  # sizes declared near 2**63 with a tiny payload
+            sane.tensor.shape[:] = [rng.choice((2**62, 2**40, 2**31))]
+            sane.tensor.encoded_bytes = sane.tensor.payload_bytes = rng.choice(
+                (2**63 - 1, 2**62, 2**40))
+            sane.tensor.zstd = False
+            return [_head(sane.SerializeToString(), v.blob())]
+        if pick == 12:  # a random header (descriptor walk) with a random payload
+            return [_head(self.header(False).SerializeToString(), v.blob())
+                    for _ in range(rng.randint(1, 3))]
+        if pick == 13:  # a sane header with a garbage payload, possibly then garbage
+            out = [_head(body, rng.randbytes(declared))]
+            return out + [v.blob() for _ in range(rng.randint(0, 2))]
+        if pick == 14:  # a header after a header whose tensor was not finished
+            return [_head(body), _head(body, rng.randbytes(declared))]
+        # a mixed sequence of everything above
+        return [f for _ in range(rng.randint(2, 4)) for f in self.one()][:8]
+
+
+# -- calls ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Call:
+    """One fuzzed call: call ``index`` of a run, to ``method`` of ``target``."""
+
+    index: int
+    target: Target
+    method: Method
+    mutation: Mutation
+    messages: tuple[bytes, ...]
+    unary_send: bool = False
+    """A single-frame Send made as a unary call (as :func:`fedpipe.wire.rpc.send` does)."""
+
+    def describe(self) -> str:
+        sizes = ",".join(str(len(m)) for m in self.messages[:6])
+        return (f"#{self.index} {self.target.name}{self.method.path} {self.mutation.value} "
+                f"({len(self.messages)} messages: {sizes} bytes)")
+
+
+@dataclass
+class Result:
+    """How one call ended: its outcome, the status code (None: answered OK) and details."""
+
+    call: Call
+    outcome: Outcome
+    code: grpc.StatusCode | None
+    details: str
+    seconds: float
+
+
+@dataclass
+class Report:
+    """What a run found.
+
+    Attributes:
+        calls: calls made.
+        outcomes: calls per :class:`Outcome` value.
+        codes: calls per final status name ("OK" for an answer without error).
+        by_method: calls per (target's kind, method name, mutation value).
+        crashes, hangs, deadlines: the calls (or liveness failures) of each kind.
+        seconds: wall time of the run.
+    """
+
+    calls: int = 0
+    outcomes: Counter = field(default_factory=Counter)
+    codes: Counter = field(default_factory=Counter)
+    by_method: Counter = field(default_factory=Counter)
+    crashes: list[str] = field(default_factory=list)
+    hangs: list[str] = field(default_factory=list)
+    deadlines: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, r: Result) -> None:
+        self.calls += 1
+        self.outcomes[r.outcome.value] += 1
+        self.codes[r.code.name if r.code is not None else "OK"] += 1
+        kind = "tracker" if r.call.target.name == "tracker" else "node"
+        self.by_method[(kind, r.call.method.name, r.call.mutation.value)] += 1
+        line = f"{r.call.describe()}: {r.code.name if r.code else 'OK'} {r.details[:300]!r}"
+        {Outcome.CRASH: self.crashes, Outcome.HANG: self.hangs,
+         Outcome.DEADLINE: self.deadlines}.get(r.outcome, []).append(line)
+
+    def summary(self) -> str:
+        """A few lines: calls, outcomes, status codes, and each crash and hang."""
+        lines = [f"calls: {self.calls} in {self.seconds:.1f} s",
+                 "outcomes: " + ", ".join(f"{k} {self.outcomes.get(k.value, 0)}"
+                                          for k in Outcome),
+                 "status codes: " + ", ".join(f"{k} {n}" for k, n in self.codes.most_common())]
+        lines += [f"CRASH {c}" for c in self.crashes] + [f"HANG {h}" for h in self.hangs]
+        lines += [f"slow (deadline, server alive) {d}" for d in self.deadlines[:10]]
+        return "\n".join(lines)
+
+
+class Fuzzer:
+    """Fuzz the RPCs of ``targets`` with seeded, reproducible malformed calls.
+
+    Args:
+        targets: the servers (:func:`tracker_target`, :func:`node_target`).
+        seed: the run's seed; call ``i`` depends only on ``(seed, i)``.
+        deadline: each call's deadline, seconds.
+        probe_deadline: each liveness probe's deadline, seconds.
+        max_message_bytes: the servers' receive limit (``OVERSIZED`` goes one KiB and
+            more over it), bytes.
+        oversized_rate: the share of calls after the first round that are ``OVERSIZED``
+            (each sends ``max_message_bytes`` over loopback, so they are kept few).
+        tls: the certificate to show servers that take only mutual TLS (None: plaintext).
+    """
+
+    def __init__(self, targets: Sequence[Target], *, seed: int = 0, deadline: float = 10.0,
+                 probe_deadline: float = 5.0, max_message_bytes: int = net.MAX_MESSAGE_BYTES,
+                 oversized_rate: float = 0.002, tls: TlsConfig | None = None):
+        self.targets, self.seed = list(targets), seed
+        self.deadline, self.probe_deadline = deadline, probe_deadline
+        self.max_message_bytes, self.oversized_rate = max_message_bytes, oversized_rate
+        self.tls = tls
+        self._pairs = [(t, m, x) for t in self.targets for m in t.methods
+                       for x in mutations_of(m)]
+        self._channels = {t.address: self._channel(t.address) for t in self.targets}
+        self._big: bytes | None = None
+        self._big_lock = threading.Lock()
+        self.submitted: list[str] = []
+        """Job ids of fuzzed SubmitJob calls the tracker accepted (see :meth:`cleanup`)."""
+
+    def _channel(self, address: str) -> grpc.Channel:
+        # not net.channel: its send cap would stop an oversized message in this process,
+        # and the point is that the server refuses it
+        options = [("grpc.max_send_message_length", -1),
+                   ("grpc.max_receive_message_length", -1), ("grpc.enable_http_proxy", 0)]
+        if self.tls is not None:
+            return grpc.secure_channel(address, self.tls.channel_credentials(), options=options)
+        return grpc.insecure_channel(address, options=options)
+
+    def close(self) -> None:
+        """Close the channels."""
+        for ch in self._channels.values():
+            ch.close()
+
+    def __enter__(self) -> "Fuzzer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- making calls ---------------------------------------------------------
+    def _oversized(self) -> bytes:
+        with self._big_lock:  # one buffer for every oversized call: it is large
+            if self._big is None:
+                self._big = bytes(self.max_message_bytes + 1024)
+            return self._big
+
+    def make_call(self, index: int) -> Call:
+        """Call ``index`` of this run (a pure function of the seed and ``index``).
+
+        The first ``len(targets' methods x mutations)`` calls try each
+        (target, method, mutation) once; later ones pick at random, ``OVERSIZED``
+        at :attr:`oversized_rate`.
+        """
+        rng = random.Random(self.seed * 1_000_003 + index)
+        if index < len(self._pairs):
+            target, method, mutation = self._pairs[index]
+        else:
+            target = rng.choice(self.targets)
+            method = rng.choice(target.methods)
+            if rng.random() < self.oversized_rate:
+                mutation = Mutation.OVERSIZED
+            else:
+                mutation = rng.choice([m for m in mutations_of(method)
+                                       if m is not Mutation.OVERSIZED])
+        values = Values(rng)
+        messages = self._messages(method, mutation, values)
+        unary = (method.frames_in and method.name == "Send" and len(messages) == 1
+                 and rng.random() < 0.5)
+        return Call(index, target, method, mutation, tuple(messages), unary)
+
+    def _messages(self, method: Method, mutation: Mutation, v: Values) -> list[bytes]:
+        rng = v.rng
+        many = method.client_streaming
+        if mutation is Mutation.OVERSIZED:
+            return [self._oversized()]
+        if mutation is Mutation.RANDOM_BYTES:
+            return [v.blob(256) for _ in range(rng.randint(1, 4) if many else 1)]
+        if mutation is Mutation.FRAMES:
+            return Frames(v).one()
+        if method.frames_in:  # a well-formed frame around a random header, or cut short
+            frames = Frames(v)
+            whole = [_head(frames.header(rng.random() < 0.5).SerializeToString(), v.blob())
+                     for _ in range(rng.randint(1, 3))]
+        else:
+            whole = [v.message(method.request).SerializeToString()
+                     for _ in range(rng.randint(1, 3) if many else 1)]
+        if mutation is Mutation.TRUNCATED:
+            last = whole[-1]
+            whole[-1] = last[:rng.randint(0, max(0, len(last) - 1))]
+        return whole
+
+    def invoke(self, call: Call) -> Result:
+        """Make ``call`` and classify how it ended (liveness probed after a deadline)."""
+        ch = self._channels[call.target.address]
+        m, t0 = call.method, time.monotonic()
+        code, details = None, ""
+        try:
+            if call.unary_send or not (m.client_streaming or m.server_streaming):
+                reply = ch.unary_unary(m.path)(call.messages[0], timeout=self.deadline)
+                self._note_reply(call, reply)
+            elif m.server_streaming:
+                stream = (ch.stream_stream(m.path)(iter(call.messages), timeout=self.deadline)
+                          if m.client_streaming else
+                          ch.unary_stream(m.path)(call.messages[0], timeout=self.deadline))
+                for n, _ in enumerate(stream, 1):
+                    if n >= MAX_REPLIES:
+                        stream.cancel()
+                        break
+            else:
+                ch.stream_unary(m.path)(iter(call.messages), timeout=self.deadline)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+        seconds = time.monotonic() - t0
+        if code == grpc.StatusCode.CANCELLED and "Locally cancelled" in details:
+            code, details = None, f"cancelled after {MAX_REPLIES} replies"
+        outcome = Outcome.OK
+        try:
+            call.target.alive()
+        except Exception as e:  # noqa: BLE001 — any way a process check fails is a crash
+            outcome, details = Outcome.CRASH, f"the server's process died: {e}"
+        else:
+            if code == grpc.StatusCode.UNKNOWN:
+                outcome = Outcome.CRASH
+            elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                outcome = Outcome.DEADLINE if self.responsive(call.target) else Outcome.HANG
+        return Result(call, outcome, code, details, seconds)
+
+    def _note_reply(self, call: Call, reply: bytes) -> None:
+        if call.method.name == "SubmitJob":
+            self.submitted.append(tracker_pb2.SubmitJobReply.FromString(reply).job_id)
+
+    def responsive(self, target: Target) -> bool:
+        """Whether ``target`` answers its liveness probe within :data:`PROBE_TRIES` tries."""
+        path, request = target.probe
+        for _ in range(PROBE_TRIES):
+            try:
+                self._channels[target.address].unary_unary(path)(
+                    request, timeout=self.probe_deadline)
+                return True
+            except grpc.RpcError:
+                continue
+        return False
+
+    def run(self, calls: int, *, workers: int = 4, batch: int = 100,
+            first: int = 0, progress: Callable[[Report], None] | None = None) -> Report:
+        """Make calls ``first .. first + calls - 1``, ``workers`` at a time, in batches.
+
+        After each batch of ``batch`` calls every target's process is checked and its
+        liveness probed; a target that fails either is a crash or a hang of that
+        batch. ``progress`` is called with the report so far after each batch.
+        """
+        report, t0 = Report(), time.monotonic()
+        with futures.ThreadPoolExecutor(workers, thread_name_prefix="fuzz") as pool:
+            for start in range(first, first + calls, batch):
+                stop = min(first + calls, start + batch)
+                for r in pool.map(lambda i: self.invoke(self.make_call(i)), range(start, stop)):
+                    report.add(r)
+                for t in self.targets:
+                    try:
+                        t.alive()
+                    except Exception as e:  # noqa: BLE001
+                        report.crashes.append(f"{t.name} died in calls {start}..{stop - 1}: {e}")
+                        continue
+                    if not self.responsive(t):
+                        report.hangs.append(f"{t.name} stopped answering {t.probe[0]} in calls "
+                                            f"{start}..{stop - 1}")
+                report.seconds = time.monotonic() - t0
+                if progress is not None:
+                    progress(report)
+        return report
+
+    def cleanup(self) -> list[str]:
+        """Cancel the jobs fuzzed SubmitJob calls made (so they hold no nodes); returns
+        the ids it could not cancel, with the reason."""
+        tracker = next((t for t in self.targets if t.name == "tracker"), None)
+        failed = []
+        if tracker is None:
+            return failed
+        cancel = self._channels[tracker.address].unary_unary(
+            f"/{_TRACKER.full_name}/CancelJob")
+        for job in self.submitted:
+            try:
+                cancel(tracker_pb2.CancelJobRequest(job_id=job, reason="fuzzed job")
+                       .SerializeToString(), timeout=self.probe_deadline)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # already ended
+                    failed.append(f"{job}: {e.code().name} {e.details()}")
+        return failed
+
+
+def swarm_targets(swarm) -> list[Target]:
+    """The tracker and every live node of a :class:`~fedpipe.testing.LocalSwarm`, each with
+    a check that its process still runs."""
+    def alive(proc, what: str) -> Callable[[], None]:
+        def check() -> None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with code {proc.returncode}; its log ends:\n"
+                                   f"{swarm.log(proc)[-2000:]}")
+        return check
+
+    targets = [tracker_target(swarm.tracker, alive(swarm.tracker_proc, "the tracker"))]
+    with swarm._admin() as client:
+        for n in client.nodes():
+            proc = swarm.nodes[swarm.node_index(n.name)]
+            targets.append(node_target(n.name, n.address, alive(proc, n.name)))
+    return targets
+
+
+def iter_lines(report: Report) -> Iterator[str]:
+    """The per-(kind, method, mutation) call counts, one line each."""
+    for (kind, name, mutation), n in sorted(report.by_method.items()):
+        yield f"{kind:8} {name:14} {mutation:14} {n}"
