@@ -66,6 +66,15 @@ def main() -> int:
         print("calls by method and mutation:")
         for line in fuzz.iter_lines(report):
             print("  " + line)
+        print("one answer per method and status code:")
+        for (name, code), details in sorted(report.examples.items()):
+            print(f"  {name:14} {code:20} {details!r}")
+        for proc in [swarm.tracker_proc, *swarm.nodes]:
+            log = swarm.log(proc)
+            print(f"  log of pid {proc.pid}: {log.count('Traceback')} tracebacks")
+            i = log.find("Traceback")
+            if i >= 0:
+                print(log[max(0, i - 300):i + 1500])
         for job in left:
             print(f"could not cancel fuzzed job {job}")
         t0 = time.monotonic()

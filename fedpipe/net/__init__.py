@@ -43,6 +43,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ..proto import node_pb2, tracker_pb2
 from ..security import AuthInterceptor, TlsConfig
 from . import timeouts
+from .decode import ParseRequests
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +233,10 @@ def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] =
            data_calls: int | None = None, tls: TlsConfig | None = None) -> Server:
     """A thread-pool gRPC server with fedpipe's options; add servicers, then :func:`bind`.
 
-    Every call passes an :class:`~fedpipe.security.AuthInterceptor` first (so a
-    refused caller never takes a data-call slot), then the :class:`DataCallLimit`.
+    Every request is parsed by :class:`~fedpipe.net.decode.ParseRequests` (one that
+    does not parse is refused with INVALID_ARGUMENT), then every call passes an
+    :class:`~fedpipe.security.AuthInterceptor` (so a refused caller never takes a
+    data-call slot), then the :class:`DataCallLimit`.
 
     Args:
         tls: this process's certificate: :func:`bind` listens with mutual TLS and
@@ -255,7 +258,8 @@ def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] =
                          f"got {data_calls}: control calls need threads of their own")
     auth = AuthInterceptor(tls.authenticator() if tls is not None else None)
     inner = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                        interceptors=[auth, DataCallLimit(data_methods, data_calls)],
+                        interceptors=[ParseRequests(), auth,
+                                      DataCallLimit(data_methods, data_calls)],
                         options=_SERVER_OPTIONS)
     return Server(inner, tls)
 

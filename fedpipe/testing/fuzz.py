@@ -406,6 +406,7 @@ class Report:
     outcomes: Counter = field(default_factory=Counter)
     codes: Counter = field(default_factory=Counter)
     by_method: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
     crashes: list[str] = field(default_factory=list)
     hangs: list[str] = field(default_factory=list)
     deadlines: list[str] = field(default_factory=list)
@@ -417,6 +418,8 @@ class Report:
         self.codes[r.code.name if r.code is not None else "OK"] += 1
         kind = "tracker" if r.call.target.name == "tracker" else "node"
         self.by_method[(kind, r.call.method.name, r.call.mutation.value)] += 1
+        code = r.code.name if r.code is not None else "OK"
+        self.examples.setdefault((r.call.method.name, code), r.details[:160])
         line = f"{r.call.describe()}: {r.code.name if r.code else 'OK'} {r.details[:300]!r}"
         {Outcome.CRASH: self.crashes, Outcome.HANG: self.hangs,
          Outcome.DEADLINE: self.deadlines}.get(r.outcome, []).append(line)
@@ -424,7 +427,7 @@ class Report:
     def summary(self) -> str:
         """A few lines: calls, outcomes, status codes, and each crash and hang."""
         lines = [f"calls: {self.calls} in {self.seconds:.1f} s",
-                 "outcomes: " + ", ".join(f"{k} {self.outcomes.get(k.value, 0)}"
+                 "outcomes: " + ", ".join(f"{k.value} {self.outcomes.get(k.value, 0)}"
                                           for k in Outcome),
                  "status codes: " + ", ".join(f"{k} {n}" for k, n in self.codes.most_common())]
         lines += [f"CRASH {c}" for c in self.crashes] + [f"HANG {h}" for h in self.hangs]
