@@ -23,7 +23,10 @@ Each call is one :class:`Mutation` of one method's request:
   bad version, unknown kind, truncated prefixes, header lengths that lie or are
   huge, headers that do not parse or lack a tensor, MORE without HEAD, payloads
   shorter or longer than declared, declared sizes near 2**63, a valid header
-  with a garbage (or zstd-garbage) payload.
+  with a garbage (or zstd-garbage) payload;
+* ``NEAR_VALID`` (methods with seed requests, :func:`sample_seeds`): a valid request
+  with one to three fields changed anywhere in its tree, so the call gets past
+  the first checks (a job the tracker plans and deploys, a stage a node builds).
 
 Call ``i`` of a run with seed ``s`` is a pure function of ``(s, i)``
 (:meth:`Fuzzer.make_call`), so any finding can be replayed alone.
@@ -59,7 +62,7 @@ import time
 from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import grpc
 from google.protobuf import descriptor as _descriptor
@@ -91,6 +94,7 @@ class Mutation(enum.Enum):
     TRUNCATED = "truncated"
     OVERSIZED = "oversized"
     FRAMES = "frames"
+    NEAR_VALID = "near-valid"
 
 
 class Outcome(enum.Enum):
@@ -131,9 +135,50 @@ def methods(service: _descriptor.ServiceDescriptor) -> list[Method]:
                    m.server_streaming, m.name in frames_in) for m in service.methods]
 
 
-def mutations_of(method: Method) -> tuple[Mutation, ...]:
-    """The mutations that apply to ``method`` (``FRAMES`` only to frame methods)."""
-    return tuple(m for m in Mutation if m is not Mutation.FRAMES or method.frames_in)
+def mutations_of(method: Method, seeds: Mapping[str, Sequence[bytes]]) -> tuple[Mutation, ...]:
+    """The mutations that apply to ``method``: ``FRAMES`` only to frame methods,
+    ``NEAR_VALID`` only to those with seed requests in ``seeds``."""
+    return tuple(m for m in Mutation
+                 if (m is not Mutation.FRAMES or method.frames_in)
+                 and (m is not Mutation.NEAR_VALID or method.request.full_name in seeds))
+
+
+def sample_seeds() -> dict[str, list[bytes]]:
+    """Valid requests to start ``NEAR_VALID`` mutations from, by request type's full name.
+
+    A ``SubmitJobRequest`` the tracker accepts (a two-layer MLP, as
+    :meth:`fedpipe.Client.submit` packs it) and a ``LoadStageRequest`` of its
+    first layer on a one-stage plan, which a node loads from a loopback caller.
+    A mutation changes one to three of their fields, so calls reach the code
+    behind the first checks (planning, stage building).
+    """
+    import torch  # only here: the rest of the harness needs no torch
+    from torch import nn
+
+    from .. import optimizer
+    from ..client.packaging import dumps, pack_layers
+    from ..client.profile import profile_model
+    from ..spec import JobSpec
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    layers = pack_layers(model)
+    spec = JobSpec(steps=4, microbatches=2, schedule="gpipe", batch_size=4,
+                   optimizer=dumps(optimizer(torch.optim.SGD, lr=0.1)),
+                   loss_fn=dumps(nn.functional.cross_entropy), stages=1, replicas=1,
+                   activation_compression="none", gradient_compression="none"
+                   ).validate(len(layers))
+    config = spec.to_proto()
+    submit = tracker_pb2.SubmitJobRequest(
+        name="fuzz", layers=layers, config=config,
+        profile=profile_model(model, torch.zeros(4, 4)))
+    plan = node_pb2.Plan(stages=[node_pb2.StageAssignment(
+        replica=0, stage=0, node_id="n", address="127.0.0.1:1", layer_start=0,
+        layer_end=len(layers), activation_codec="raw", gradient_codec="raw", node_name="n")],
+        replicas=[node_pb2.ReplicaInfo(microbatches=2)])
+    load = node_pb2.LoadStageRequest(job_id="fuzz-job", replica=0, stage=0, plan=plan,
+                                     config=config, layers=layers)
+    return {tracker_pb2.SubmitJobRequest.DESCRIPTOR.full_name: [submit.SerializeToString()],
+            node_pb2.LoadStageRequest.DESCRIPTOR.full_name: [load.SerializeToString()]}
 
 
 @dataclass(frozen=True)
@@ -268,6 +313,43 @@ class Values:
                 getattr(msg, f.name).CopyFrom(self.message(f.message_type, depth + 1))
             else:
                 setattr(msg, f.name, self.scalar(f))
+        return msg
+
+
+    def mutate(self, msg: _message.Message, changes: int) -> _message.Message:
+        """Change ``changes`` fields of ``msg`` in place, anywhere in its tree: a new random
+        value, cleared, or (repeated fields) an element dropped or repeated."""
+        for _ in range(changes):
+            node = msg
+            while True:  # walk down into a set message field now and then
+                f = self.rng.choice(node.DESCRIPTOR.fields)
+                is_msg = f.type == _FD.TYPE_MESSAGE
+                if is_msg and not f.is_repeated and node.HasField(f.name) \
+                        and self.rng.random() < 0.6:
+                    node = getattr(node, f.name)
+                    continue
+                break
+            box = getattr(node, f.name) if f.is_repeated else None
+            r = self.rng.random()
+            if r < 0.15:
+                node.ClearField(f.name)
+            elif box is not None and len(box) and r < 0.4:
+                i = self.rng.randrange(len(box))
+                if self.rng.random() < 0.5:
+                    del box[i]
+                elif is_msg:
+                    box.add().CopyFrom(box[i])
+                else:
+                    box.append(box[i])
+            elif box is not None:
+                if is_msg:
+                    box.add().CopyFrom(self.message(f.message_type, 1))
+                else:
+                    box.append(self.scalar(f))
+            elif is_msg:
+                getattr(node, f.name).CopyFrom(self.message(f.message_type, 1))
+            else:
+                setattr(node, f.name, self.scalar(f))
         return msg
 
 
@@ -448,17 +530,21 @@ class Fuzzer:
         oversized_rate: the share of calls after the first round that are ``OVERSIZED``
             (each sends ``max_message_bytes`` over loopback, so they are kept few).
         tls: the certificate to show servers that take only mutual TLS (None: plaintext).
+        seeds: valid requests by request type's full name, for ``NEAR_VALID``
+            (default :func:`sample_seeds`; ``{}``: no ``NEAR_VALID`` calls).
     """
 
     def __init__(self, targets: Sequence[Target], *, seed: int = 0, deadline: float = 10.0,
                  probe_deadline: float = 5.0, max_message_bytes: int = net.MAX_MESSAGE_BYTES,
-                 oversized_rate: float = 0.002, tls: TlsConfig | None = None):
+                 oversized_rate: float = 0.002, tls: TlsConfig | None = None,
+                 seeds: Mapping[str, Sequence[bytes]] | None = None):
         self.targets, self.seed = list(targets), seed
         self.deadline, self.probe_deadline = deadline, probe_deadline
         self.max_message_bytes, self.oversized_rate = max_message_bytes, oversized_rate
         self.tls = tls
+        self.seeds = sample_seeds() if seeds is None else dict(seeds)
         self._pairs = [(t, m, x) for t in self.targets for m in t.methods
-                       for x in mutations_of(m)]
+                       for x in mutations_of(m, self.seeds)]
         self._channels = {t.address: self._channel(t.address) for t in self.targets}
         self._big: bytes | None = None
         self._big_lock = threading.Lock()
@@ -508,7 +594,7 @@ class Fuzzer:
             if rng.random() < self.oversized_rate:
                 mutation = Mutation.OVERSIZED
             else:
-                mutation = rng.choice([m for m in mutations_of(method)
+                mutation = rng.choice([m for m in mutations_of(method, self.seeds)
                                        if m is not Mutation.OVERSIZED])
         values = Values(rng)
         messages = self._messages(method, mutation, values)
@@ -525,6 +611,10 @@ class Fuzzer:
             return [v.blob(256) for _ in range(rng.randint(1, 4) if many else 1)]
         if mutation is Mutation.FRAMES:
             return Frames(v).one()
+        if mutation is Mutation.NEAR_VALID:
+            cls = message_factory.GetMessageClass(method.request)
+            seed = cls.FromString(rng.choice(self.seeds[method.request.full_name]))
+            return [v.mutate(seed, rng.randint(1, 3)).SerializeToString()]
         if method.frames_in:  # a well-formed frame around a random header, or cut short
             frames = Frames(v)
             whole = [_head(frames.header(rng.random() < 0.5).SerializeToString(), v.blob())
