@@ -377,7 +377,7 @@ class Frames:
         """A ``Frame`` header: random throughout, or (``sane``) a tensor header that passes
         the codec's checks, with a random envelope (a probe half the time)."""
         if not sane:
-            return self.v.message(node_pb2.Frame.DESCRIPTOR)  # type: ignore[return-value]
+            return self.v.message(node_pb2.Frame.DESCRIPTOR)
         n = self.rng.randint(0, 64)
         t = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[n],
                               codec=tensor_pb2.CODEC_RAW, encoded_bytes=n, payload_bytes=n)
@@ -386,7 +386,7 @@ class Frames:
             t.payload_bytes = self.rng.randint(1, 64)
         env = self.v.message(node_pb2.Envelope.DESCRIPTOR)
         if self.rng.random() < 0.5:
-            env.kind = node_pb2.KIND_PROBE  # type: ignore[attr-defined]
+            env.kind = node_pb2.KIND_PROBE
         return node_pb2.Frame(tensor=t, envelope=env, name=self.v.text())
 
     def one(self) -> list[bytes]:
@@ -711,7 +711,7 @@ class Fuzzer:
         """Cancel the jobs fuzzed SubmitJob calls made (so they hold no nodes); returns
         the ids it could not cancel, with the reason."""
         tracker = next((t for t in self.targets if t.name == "tracker"), None)
-        failed = []
+        failed: list[str] = []
         if tracker is None:
             return failed
         cancel = self._channels[tracker.address].unary_unary(
