@@ -15,7 +15,9 @@ Exit status: 0 when there were no crashes and no hangs and the job succeeded,
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import sys
 import time
 
@@ -25,6 +27,16 @@ from torch import nn
 import fedpipe
 from fedpipe.examples import digits
 from fedpipe.testing import LocalSwarm, fuzz
+
+
+def logged_errors(log: str) -> collections.Counter:
+    """ERROR lines of a process's log, by logger and message (numbers and quoted values
+    replaced, so the same error counts once)."""
+    out: collections.Counter = collections.Counter()
+    for m in re.finditer(r" ERROR (\S+): (.*)", log):
+        text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", m.group(2))
+        out[f"{m.group(1)}: {re.sub(r'-?[0-9][0-9.e+-]*', 'N', text)[:110]}"] += 1
+    return out
 
 
 def train(swarm: LocalSwarm, steps: int) -> fedpipe.client.job.JobStatus:
@@ -69,12 +81,14 @@ def main() -> int:
         print("one answer per method and status code:")
         for (name, code), details in sorted(report.examples.items()):
             print(f"  {name:14} {code:20} {details!r}")
-        for proc in [swarm.tracker_proc, *swarm.nodes]:
+        for what, proc in [("tracker", swarm.tracker_proc),
+                           *((f"node{i}", p) for i, p in enumerate(swarm.nodes))]:
             log = swarm.log(proc)
-            print(f"  log of pid {proc.pid}: {log.count('Traceback')} tracebacks")
-            i = log.find("Traceback")
-            if i >= 0:
-                print(log[max(0, i - 300):i + 1500])
+            errors = logged_errors(log)
+            print(f"{what}'s log: {log.count('Traceback')} tracebacks, "
+                  f"{sum(errors.values())} ERROR lines:")
+            for line, n in errors.most_common(12):
+                print(f"  {n:5}  {line}")
         for job in left:
             print(f"could not cancel fuzzed job {job}")
         t0 = time.monotonic()

@@ -27,7 +27,7 @@ CALLS = 400
 def test_a_fuzzed_swarm_answers_every_call_stays_up_and_still_trains():
     with LocalSwarm(n_nodes=2) as swarm:
         targets = fuzz.swarm_targets(swarm)
-        with fuzz.Fuzzer(targets, seed=11, deadline=10.0) as fz:
+        with fuzz.Fuzzer(targets, seed=11, deadline=30.0) as fz:
             report = fz.run(CALLS, workers=4)
             assert fz.cleanup() == []
             for t in targets:
