@@ -8,7 +8,7 @@ import pytest
 
 from fedpipe.net import timeouts
 from fedpipe.proto import tracker_pb2
-from fedpipe.spec import PlanView, StageKey, state_name
+from fedpipe.spec import PlanView, state_name
 from fedpipe.tracker import errors
 from tracker_fakes import join, make_tracker, submission
 
