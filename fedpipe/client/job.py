@@ -63,7 +63,8 @@ class JobStatus:
     def __str__(self) -> str:
         text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
         for r in self.recoveries:
-            text += (f"\n  recovered from the loss of {r.lost}: rewound to step "
+            what = f"the loss of {r.lost}" if r.lost else "a restored checkpoint"
+            text += (f"\n  recovered from {what}: rewound to step "
                      f"{r.checkpoint_step}, {r.steps_recomputed} steps recomputed, "
                      f"{r.detect_seconds + r.replan_seconds + r.restore_seconds:.1f} s "
                      f"(detect {r.detect_seconds:.1f}, replan {r.replan_seconds:.1f}, "
@@ -551,7 +552,8 @@ class Job:
 
     def wait(self, timeout: float | None = None, progress: bool = True) -> JobStatus:
         """Block until the job ends, showing a progress bar (step, loss, samples/s) and
-        state changes unless ``progress`` is False.
+        state changes unless ``progress`` is False. With a ``checkpoint_dir``, also until
+        the job's last checkpoint (its final state) is kept there.
 
         Raises:
             JobFailed: the job ended FAILED or CANCELLED.
@@ -589,6 +591,9 @@ class Job:
                     time.sleep(timeouts.WATCH_RESUME)
         finally:
             bar.close()
+        if self._follower is not None and self._checkpoint_dir is not None:
+            # the watch keeps the job's last checkpoints in checkpoint_dir: let it finish
+            self._follower.join(timeouts.FETCH_STATE_RPC)
         status = self.status()
         if status.state != "SUCCEEDED":
             detail = f"; feeding data failed: {self.feed_error}" if self.feed_error else ""
