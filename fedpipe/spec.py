@@ -281,6 +281,11 @@ TERMINAL = frozenset({tracker_pb2.JOB_STATE_SUCCEEDED, tracker_pb2.JOB_STATE_FAI
 ACTIVE = frozenset({tracker_pb2.JOB_STATE_PLANNING, tracker_pb2.JOB_STATE_DEPLOYING,
                     tracker_pb2.JOB_STATE_RUNNING, tracker_pb2.JOB_STATE_RECOVERING})
 """States in which a job holds (or is about to hold) stages on nodes."""
+WAITING = tracker_pb2.JOB_STATE_WAITING
+"""The job's client is gone: its stages are stopped (their snapshots kept) and it waits up to
+its ``client_timeout`` for a client to resume it from its last complete checkpoint."""
+CLIENT_TIMEOUT = 600.0
+"""Default seconds a job waits for its client to come back (:attr:`JobSpec.client_timeout`)."""
 
 
 def state_name(state: int) -> str:
@@ -376,6 +381,9 @@ class JobSpec:
         replica_sync: one of :data:`REPLICA_SYNCS`.
         diloco: the DiLoCo settings (used when ``replica_sync`` is "diloco").
         checkpoint_every: steps between checkpoints (0: chosen from the step time).
+        client_timeout: seconds the job waits for its client once the client is gone
+            (WAITING, "waiting for the client"), then fails (> 0; unset in the
+            proto: :data:`CLIENT_TIMEOUT`).
     """
 
     steps: int
@@ -394,6 +402,7 @@ class JobSpec:
     replica_sync: str = "auto"
     diloco: DiLoCo = field(default_factory=DiLoCo)
     checkpoint_every: int = 0
+    client_timeout: float = CLIENT_TIMEOUT
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -439,6 +448,8 @@ class JobSpec:
              f"must be one of {list(REPLICA_SYNCS)}, got {self.replica_sync!r}")
         need(self.checkpoint_every >= 0, "checkpoint_every",
              f"must be >= 0 (0: chosen from the step time), got {self.checkpoint_every}")
+        need(math.isfinite(self.client_timeout) and self.client_timeout > 0, "client_timeout",
+             f"must be a finite number of seconds > 0, got {self.client_timeout}")
         return self
 
     @property
@@ -485,7 +496,8 @@ class JobSpec:
                    activation_compression=msg.activation_compression or "auto",
                    gradient_compression=msg.gradient_compression or "auto",
                    max_staleness=msg.max_staleness, replica_sync=msg.replica_sync or "auto",
-                   diloco=outer, checkpoint_every=msg.checkpoint_every)
+                   diloco=outer, checkpoint_every=msg.checkpoint_every,
+                   client_timeout=msg.client_timeout or CLIENT_TIMEOUT)
 
     def summary(self) -> dict:
         """The settings as plain values (no pickles), for logs and status pages."""

@@ -1,5 +1,5 @@
 """The client owns its channels, feeds each replica group from the plan's view, and ends the
-feed (cancelling the job) when it is closed."""
+feed (detaching: the job waits for a client) when it is closed."""
 from __future__ import annotations
 
 import time
@@ -12,7 +12,7 @@ import fedpipe
 from fedpipe.client import Client
 from fedpipe.client.job import GroupFeed
 from fedpipe.examples import digits
-from fedpipe.proto import node_pb2
+from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.spec import PlanView
 from fedpipe.testing import LocalSwarm
 
@@ -70,7 +70,7 @@ def test_a_client_reuses_one_channel_per_node_and_closes_them_all(swarm):
     client.close()  # closing again is harmless
 
 
-def test_closing_a_client_mid_feed_ends_the_feed_and_cancels_the_job(swarm):
+def test_closing_a_client_mid_feed_ends_the_feed_and_the_job_waits_for_a_client(swarm):
     client = Client(swarm.tracker)
     job = client.submit(digits.make_model(hidden=32), nn.functional.cross_entropy, ADAMW,
                         digit_batches(), steps=100_000, microbatches=2)
@@ -84,14 +84,21 @@ def test_closing_a_client_mid_feed_ends_the_feed_and_cancels_the_job(swarm):
     assert not job._feeder.is_alive()  # close() waits for the feeder to stop
     assert time.monotonic() - closed < 10
     with Client(swarm.tracker) as other:
-        status = other.job(job.id).status()
-    assert status.state == "CANCELLED", status
-    assert status.reason == "the client closed before it fed every step"
+        watched = other.job(job.id)
+        deadline = time.monotonic() + 60
+        while (status := watched.status()).state == "RUNNING":
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)
+        assert status.state == "WAITING", status
+        assert status.reason.startswith("waiting for the client"), status
+        watched.cancel()
+        assert watched.status().state == "CANCELLED"
     assert "closed" in str(job.feed_error)
 
 
-def test_closing_a_client_whose_job_waits_for_a_node_ends_its_watch_and_cancels_the_job():
-    """The feeder waits for RUNNING on a WatchJob stream; close() must end that wait."""
+def test_closing_a_client_whose_job_waits_for_a_node_ends_its_watch_and_leaves_the_job():
+    """The feeder waits for RUNNING on a WatchJob stream; close() must end that wait. The
+    job stays PENDING: it fails at its client_timeout unless a client resumes it."""
     with LocalSwarm(n_nodes=0) as lone:
         client = Client(lone.tracker)
         job = client.submit(nn.Sequential(nn.Linear(4, 2)), nn.functional.mse_loss,
@@ -102,10 +109,15 @@ def test_closing_a_client_whose_job_waits_for_a_node_ends_its_watch_and_cancels_
         client.close()
         assert not job._feeder.is_alive()
         assert time.monotonic() - closed < 5
+        assert not job._follower.is_alive()
         with Client(lone.tracker) as other:
             status = other.job(job.id).status()
-        assert (status.state, status.reason) == ("CANCELLED",
-                                                 "the client closed before it fed every step")
+            assert status.state == "PENDING", status
+            deadline = time.monotonic() + 10  # the tracker sees the client's watch end
+            while other.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id),
+                                    timeout=10).feeder:
+                assert time.monotonic() < deadline, "the tracker still counts the client in"
+                time.sleep(0.05)
 
 
 def test_cycling_a_dataloader_draws_its_shuffle_as_a_plain_epoch_loop_does():

@@ -32,6 +32,7 @@ EXPECTED = {
     "/fedpipe.v1.Tracker/RegisterNode": {"node"},
     "/fedpipe.v1.Tracker/Heartbeat": {"node"},
     "/fedpipe.v1.Tracker/ReportStage": {"node"},
+    "/fedpipe.v1.Tracker/RestoreJob": {"client"},
     "/fedpipe.v1.Tracker/ListNodes": {"node", "tracker", "client", "admin"},
     "/fedpipe.v1.Tracker/SubmitJob": {"client"},
     "/fedpipe.v1.Tracker/GetJob": {"client", "admin"},
@@ -42,8 +43,8 @@ EXPECTED = {
     "/fedpipe.v1.Node/StopJob": {"tracker", "client"},
     "/fedpipe.v1.Node/Send": {"node", "client"},
     "/fedpipe.v1.Node/FetchState": {"client", "node"},
-    "/fedpipe.v1.Node/PutSnapshot": {"node"},
-    "/fedpipe.v1.Node/FetchSnapshot": {"node"},
+    "/fedpipe.v1.Node/PutSnapshot": {"node", "client"},
+    "/fedpipe.v1.Node/FetchSnapshot": {"node", "client"},
     "/fedpipe.v1.Node/Ping": {"node", "tracker"},
     "/fedpipe.v1.Node/MeasureLinks": {"tracker"},
 }

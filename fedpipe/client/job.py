@@ -23,8 +23,12 @@ from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..security import TlsConfig
 from ..security.signing import sign_job
 from ..security.tls import resolve as resolve_tls
-from ..spec import REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, state_name
+from ..spec import CLIENT_TIMEOUT, REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, \
+    StageKey, state_name
+from ..runtime import checkpoint
 from ..wire import frames, rpc
+from ..wire.codecs import MAX_TENSOR_BYTES
+from . import checkpoints
 from .packaging import dumps, pack_layers
 from .profile import profile_model
 
@@ -59,7 +63,8 @@ class JobStatus:
     def __str__(self) -> str:
         text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
         for r in self.recoveries:
-            text += (f"\n  recovered from the loss of {r.lost}: rewound to step "
+            what = f"the loss of {r.lost}" if r.lost else "a restored checkpoint"
+            text += (f"\n  recovered from {what}: rewound to step "
                      f"{r.checkpoint_step}, {r.steps_recomputed} steps recomputed, "
                      f"{r.detect_seconds + r.replan_seconds + r.restore_seconds:.1f} s "
                      f"(detect {r.detect_seconds:.1f}, replan {r.replan_seconds:.1f}, "
@@ -78,8 +83,10 @@ class Client:
             job = client.submit(...)
             job.wait()
 
-    Closing a client whose job is still being fed ends the feed and cancels
-    that job (nothing else would feed it).
+    Closing a client whose job is still being fed ends the feed and detaches
+    from the job: the job stops at its last complete checkpoint and waits, in
+    state WAITING, up to its ``client_timeout`` for a client to resume it
+    (``Client(addr).job(ID).resume(data)``); :meth:`Job.cancel` cancels it.
 
     Args:
         tracker: the tracker's ``HOST:PORT``.
@@ -123,7 +130,8 @@ class Client:
             return self._nodes[address][1]
 
     def close(self) -> None:
-        """Stop feeding this client's jobs (cancelling them) and close every channel.
+        """Stop feeding this client's jobs (they wait for a client, see above) and close
+        every channel.
 
         Idempotent. Calls made after it raise ValueError.
         """
@@ -136,7 +144,7 @@ class Client:
             job._halt_feed()
         for ch, _ in nodes:  # ends the feed's Sends in flight
             ch.close()
-        for job in feeding:  # each cancels its job over the tracker channel, still open
+        for job in feeding:
             job._join_feed(timeouts.THREAD_JOIN)
         self.channel.close()
 
@@ -151,7 +159,10 @@ class Client:
                stages: int = 0, replicas: int = 0, compression: str | dict[str, str] = "auto",
                max_staleness: int = 1, replica_sync: str | DiLoCo = "auto", name: str = "",
                pending_timeout: float | None = None, lr_scheduler: LRSchedulerSpec | None = None,
-               clip_grad_norm: float = 0.0, checkpoint_every: int = 0) -> "Job":
+               clip_grad_norm: float = 0.0, checkpoint_every: int = 0,
+               client_timeout: float = CLIENT_TIMEOUT,
+               resume_from: str | os.PathLike | None = None,
+               checkpoint_dir: str | os.PathLike | None = None) -> "Job":
         """Submit a training job and start feeding it.
 
         Args:
@@ -188,6 +199,19 @@ class Client:
             clip_grad_norm: clip the gradients to this global L2 norm before each
                 optimizer step, as :func:`torch.nn.utils.clip_grad_norm_` on the
                 whole model would (:mod:`fedpipe.runtime.clip`); 0: no clipping.
+            client_timeout: seconds the job waits for a client once this one is
+                gone (closed, crashed, cut off), in state WAITING with the reason
+                "waiting for the client"; then it fails.
+            resume_from: a checkpoint folder written by :meth:`Job.save` (or a
+                ``checkpoint_dir``: its newest): the job starts after that
+                checkpoint's step with its weights, optimizer, LR schedule and
+                DiLoCo state. ``data`` is still given from its start; the steps
+                done are skipped. The new plan must split the layers as the
+                checkpoint's did (same stages and replica groups).
+            checkpoint_dir: keep the newest complete checkpoints in this folder
+                (pulled from the nodes as each completes), so the job can be
+                resumed (``resume_from=checkpoint_dir``) even if every node and
+                the tracker are lost.
 
         Raises:
             TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
@@ -195,6 +219,8 @@ class Client:
             fedpipe.spec.JobSpecError: a bad setting (a ValueError; ``field`` names it).
             ValueError: empty data, a batch too small for the microbatches, or
                 an lr_scheduler whose arguments do not fit it or the optimizer.
+            fedpipe.client.checkpoints.CheckpointError: ``resume_from`` holds no
+                readable checkpoint, or one at or past ``steps``.
             grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
                 with the memory figures) or is unreachable.
         """
@@ -217,6 +243,14 @@ class Client:
         else:
             raise TypeError(f"replica_sync must be a string or fedpipe.DiLoCo, got "
                             f"{type(replica_sync).__name__}")
+        restore = None
+        if resume_from is not None:
+            restore = checkpoints.read(resume_from)
+            if restore.step >= steps:
+                raise checkpoints.CheckpointError(
+                    f"the checkpoint in {resume_from} is after step {restore.step}; the job "
+                    f"has only {steps} steps")
+            stages, replicas = restore.depth, restore.replicas  # the split it was saved in
         job_spec = JobSpec(steps=steps, microbatches=microbatches, schedule=schedule,
                            optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
                            activation_compression=act_codec, gradient_compression=grad_codec,
@@ -224,6 +258,7 @@ class Client:
                            replica_sync=replica_sync, diloco=outer,
                            lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"",
                            clip_grad_norm=clip_grad_norm, checkpoint_every=checkpoint_every,
+                           client_timeout=client_timeout,
                            batch_size=microbatches).validate(len(layers))
         batches = _cycle(data)
         try:
@@ -246,10 +281,14 @@ class Client:
             req.client_cert = signed.client_cert
             req.layer_digests.extend(signed.layer_digests)
         job_id = self.stub.SubmitJob(req, timeout=timeouts.SUBMIT_RPC).job_id
-        return Job(self, job_id, model, itertools.chain([first], batches), microbatches)
+        job = Job(self, job_id, model, microbatches, spec=job_spec,
+                  checkpoint_dir=checkpoint_dir)
+        job._start_feed(itertools.chain([first], batches), restore=restore)
+        return job
 
     def job(self, job_id: str) -> "Job":
-        """Attach to an existing job (to watch it or fetch its weights; no data is fed)."""
+        """Attach to an existing job: to watch it, fetch its weights, save it, cancel
+        it, or feed it again (:meth:`Job.resume`)."""
         return Job(self, job_id)
 
 
@@ -322,7 +361,7 @@ class GroupFeed:
 
 
 class _FeedHalted(Exception):
-    """The client was closed while it fed the job."""
+    """The client was closed while it fed the job, or another client took the job over."""
 
 
 class _Replan(Exception):
@@ -355,23 +394,118 @@ class Job:
     intervals: the one being taken, and the two complete ones a rewind may
     go back to). At the bound the feed pauses until the next checkpoint
     completes; it never drops a batch it may need.
+
+    While it feeds, the job holds a *feeder's watch* of the job on the tracker
+    (:mod:`fedpipe.tracker.clients`): when that stream ends (the client closed,
+    crashed or was cut off) the job stops at its last complete checkpoint and
+    waits for a client (WAITING). :meth:`resume` feeds it again from another
+    process; only the latest feeder's data is used.
     """
 
     def __init__(self, client: Client, job_id: str, model: nn.Sequential | None = None,
-                 batches: Iterator | None = None, microbatches: int = 1):
+                 microbatches: int = 1, *, spec: JobSpec | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None):
         self.client, self.id, self._model = client, job_id, model
         self.microbatches = microbatches
         self.feed_error: BaseException | None = None
+        self._spec = spec
+        self._checkpoint_dir = checkpoint_dir
+        self._saved_step = 0  # the newest checkpoint kept in checkpoint_dir
         self._feeder: threading.Thread | None = None
+        self._follower: threading.Thread | None = None
+        self._feeder_id = os.urandom(8).hex()
         self._halted = threading.Event()
-        self._watch: grpc.Call | None = None  # the feeder's wait for RUNNING
+        self._started = threading.Event()  # the job ran (or ended): the feed may begin
+        self._superseded = False  # another client took the job over
+        self._watch: grpc.Call | None = None  # the feeder's watch
         self._fed = self._steps = 0  # steps fed in full, of how many
-        if batches is not None:
-            self._feeder = threading.Thread(target=self._feed, args=(batches,),
-                                            name=f"feed-{job_id}", daemon=True)
-            with client._lock:
-                client._feeding.add(self)
-            self._feeder.start()
+
+    def _start_feed(self, batches: Iterator, *, take_over: bool = False,
+                    restore: checkpoints.SavedCheckpoint | None = None) -> None:
+        """Start the feeder's watch and the feed of ``batches`` (from the job's first step)."""
+        if self._feeder is not None:
+            raise RuntimeError(f"job {self.id} is being fed by this Job already")
+        self._follower = threading.Thread(target=self._follow, args=(take_over,),
+                                          name=f"watch-{self.id}", daemon=True)
+        self._feeder = threading.Thread(target=self._feed, args=(batches, restore),
+                                        name=f"feed-{self.id}", daemon=True)
+        with self.client._lock:
+            if self.client._closed:
+                raise ValueError(f"client of tracker {self.client.address} is closed")
+            self.client._feeding.add(self)
+        self._follower.start()
+        self._feeder.start()
+
+    def resume(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> "Job":
+        """Feed this job again, from this client: take it over from a client that is
+        gone (or still there: it stops feeding), rewind it to its last complete
+        checkpoint (a WAITING job's is where it stopped) and feed it from there.
+
+        Args:
+            data: the job's data *from its start*, the same batches in the same
+                order as the first client gave; the steps before the job's
+                resume step are drawn and skipped (a DataLoader re-iterates as
+                ``for epoch: for batch in loader`` would).
+
+        Returns:
+            self, being fed (:meth:`wait` for it).
+
+        Raises:
+            RuntimeError: this Job feeds the job already.
+            ValueError: the client is closed.
+        """
+        self._start_feed(_cycle(data), take_over=True)
+        return self
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the job's last complete checkpoint (its final state, once it has
+        SUCCEEDED) to folder ``path``: every tensor of every stage (weights,
+        optimizer, LR schedule, DiLoCo state) in ``tensors.safetensors`` and the
+        metadata (step, plan, config) in ``checkpoint.json``
+        (:mod:`fedpipe.client.checkpoints`). ``submit(..., resume_from=path)``
+        continues from it. Returns the folder.
+
+        Raises:
+            RuntimeError: no checkpoint has completed yet.
+            grpc.RpcError: no node holds a stage's snapshot of that step any more.
+            OSError: the folder cannot be written.
+        """
+        info = self._info()
+        step = info.steps if info.state == S.JOB_STATE_SUCCEEDED else info.checkpoint_step
+        if step <= 0:
+            raise RuntimeError(f"job {self.id} has no complete checkpoint yet "
+                               f"({state_name(info.state)} at step {info.step})")
+        snaps = self._pull_snapshots(info.plan, step)
+        return str(checkpoints.write(path, step, snaps, info.plan, steps=info.steps,
+                                     config=self._config()))
+
+    def _config(self) -> dict:
+        return self._spec.summary() if self._spec is not None else {}
+
+    def _pull_snapshots(self, plan: node_pb2.Plan, step: int
+                        ) -> dict[StageKey, "checkpoint.Snapshot"]:
+        """Every stage's snapshot of ``step``, from its node, else any node of the plan
+        (its buddy holds a copy).
+
+        Raises:
+            grpc.RpcError: no node has one stage's snapshot (the last node's error).
+        """
+        view = PlanView(plan)
+        out = {}
+        for key, a in sorted(view.stages.items()):
+            others = sorted(view.addresses() - {a.address})
+            for i, address in enumerate([a.address] + others):
+                try:
+                    stream = self.client.node(address).FetchSnapshot(
+                        node_pb2.FetchSnapshotRequest(job_id=self.id, replica=key.replica,
+                                                      stage=key.stage, step=step),
+                        timeout=timeouts.FETCH_STATE_RPC)
+                    _, out[key] = checkpoint.from_frames(stream, MAX_TENSOR_BYTES)
+                    break
+                except grpc.RpcError:
+                    if i == len(others):
+                        raise
+        return out
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
@@ -418,7 +552,8 @@ class Job:
 
     def wait(self, timeout: float | None = None, progress: bool = True) -> JobStatus:
         """Block until the job ends, showing a progress bar (step, loss, samples/s) and
-        state changes unless ``progress`` is False.
+        state changes unless ``progress`` is False. With a ``checkpoint_dir``, also until
+        the job's last checkpoint (its final state) is kept there.
 
         Raises:
             JobFailed: the job ended FAILED or CANCELLED.
@@ -456,6 +591,9 @@ class Job:
                     time.sleep(timeouts.WATCH_RESUME)
         finally:
             bar.close()
+        if self._follower is not None and self._checkpoint_dir is not None:
+            # the watch keeps the job's last checkpoints in checkpoint_dir: let it finish
+            self._follower.join(timeouts.FETCH_STATE_RPC)
         status = self.status()
         if status.state != "SUCCEEDED":
             detail = f"; feeding data failed: {self.feed_error}" if self.feed_error else ""
@@ -511,15 +649,72 @@ class Job:
 
     # -- data feeding -------------------------------------------------------
     def _halt_feed(self) -> None:
-        """Make the feeder stop at once (its client is closing); it cancels the job."""
+        """Make the feeder stop at once (its client is closing): its watch ends, so the
+        job waits for a client."""
         self._halted.set()
+        self._started.set()
         watch = self._watch
         if watch is not None:
             watch.cancel()
 
     def _join_feed(self, timeout: float) -> None:
-        if self._feeder is not None:
-            self._feeder.join(timeout)
+        for thread in (self._feeder, self._follower):
+            if thread is not None:
+                thread.join(timeout)
+
+    def _follow(self, take_over: bool) -> None:
+        """Hold the feeder's watch of the job (the tracker's sign that this client is
+        there, :mod:`fedpipe.tracker.clients`) until the job ends or the feed stops;
+        watch again after losing the tracker. Lets the feed start once the job runs,
+        and keeps each complete checkpoint in ``checkpoint_dir``."""
+        seq = 0
+        while not self._halted.is_set():
+            call = self.client.stub.WatchJob(S.WatchJobRequest(
+                job_id=self.id, after_seq=seq, feeder=self._feeder_id, take_over=take_over))
+            self._watch = call
+            if self._halted.is_set():
+                call.cancel()
+                return
+            try:
+                for ev in call:
+                    seq, take_over = ev.seq, False  # attached: a re-watch takes nothing over
+                    if ev.state == S.JOB_STATE_RUNNING or ev.state in TERMINAL:
+                        self._started.set()
+                    if self._checkpoint_dir is not None and (
+                            ev.checkpoint_step or ev.state == S.JOB_STATE_SUCCEEDED):
+                        self._keep_checkpoint()
+                self._started.set()
+                return  # the job ended
+            except grpc.RpcError as e:
+                if self._halted.is_set():
+                    return
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # taken over
+                    log.warning("job %s: %s; this client stops feeding it", self.id,
+                                e.details())
+                    self._superseded = True
+                    self._halt_feed()
+                    return
+                log.warning("job %s: lost the tracker (%s: %s); watching again", self.id,
+                            e.code().name, e.details())
+                time.sleep(timeouts.WATCH_RESUME)
+
+    def _keep_checkpoint(self) -> None:
+        """Pull the job's newest complete checkpoint into ``checkpoint_dir`` if it is
+        newer than the one kept there (best effort: a failure is logged)."""
+        assert self._checkpoint_dir is not None
+        try:
+            info = self._info()
+            step = info.steps if info.state == S.JOB_STATE_SUCCEEDED else info.checkpoint_step
+            if step <= self._saved_step:
+                return
+            folder = checkpoints.keep(self._checkpoint_dir, step,
+                                      self._pull_snapshots(info.plan, step), info.plan,
+                                      steps=info.steps, config=self._config())
+            self._saved_step = step
+            log.info("job %s: checkpoint of step %d kept in %s", self.id, step, folder)
+        except (grpc.RpcError, OSError, ValueError) as e:
+            log.warning("job %s: could not keep its checkpoint in %s: %s", self.id,
+                        self._checkpoint_dir, e)
 
     def _next_batch(self, batches: Iterator, groups: list[GroupFeed]) -> tuple:
         """The next batch whose every group's share holds at least one sample per microbatch.
@@ -535,20 +730,11 @@ class Job:
             log.warning("job %s: skipping a batch of %d samples, too few for %s microbatches",
                         self.id, x.shape[0], "+".join(str(g.microbatches) for g in groups))
 
-    def _wait_running(self) -> node_pb2.Plan | None:
-        """The plan once the job is RUNNING; None if it ended first."""
-        self._watch = self.client.stub.WatchJob(S.WatchJobRequest(job_id=self.id))
-        try:
-            if self._halted.is_set():
-                raise _FeedHalted
-            for ev in self._watch:
-                if ev.state == S.JOB_STATE_RUNNING:
-                    return self.plan
-                if ev.state in TERMINAL:
-                    return None
-            return None
-        finally:
-            self._watch.cancel()  # the stream would hold a tracker thread until the job ends
+    def _wait_running(self) -> None:
+        """Wait until the feeder's watch has seen the job run (or end)."""
+        self._started.wait()
+        if self._halted.is_set():
+            raise _FeedHalted
 
     def _send_step(self, step: int, batch_size: int, group: GroupFeed, xs: torch.Tensor,
                    ys: torch.Tensor, epoch: int) -> None:
@@ -577,25 +763,65 @@ class Job:
 
     def _await_epoch(self, after: int, poll: float) -> tracker_pb2.JobInfo | None:
         """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended)
-        on that epoch's plan, looking every ``poll`` seconds; None if it ends first."""
+        on that epoch's plan, with this client as its feeder, looking every ``poll``
+        seconds; None if it ends first.
+
+        Raises:
+            _FeedHalted: the client closed, or another client took the job over.
+        """
         while not self._halted.is_set():
             info = self._info()
             if info.state in TERMINAL:
                 return None
+            if info.feeder != self._feeder_id:
+                if info.feeder:
+                    self._superseded = True  # another client took the job over
+                    raise _FeedHalted
+                time.sleep(poll)  # this client's watch is not attached (yet, or again)
+                continue
             if info.state == S.JOB_STATE_RUNNING and info.epoch > after \
                     and info.plan.epoch == info.epoch:
                 return info
             time.sleep(poll)
         raise _FeedHalted
 
-    def _feed(self, batches: Iterator) -> None:
+    def _restore(self, info: tracker_pb2.JobInfo, saved: checkpoints.SavedCheckpoint
+                 ) -> tracker_pb2.JobInfo | None:
+        """Put each stage's snapshot of a saved checkpoint on the node that runs it,
+        then have the job restore it (RestoreJob: a new epoch at its step); return the
+        job once it runs there (None if it ended).
+
+        Raises:
+            checkpoints.CheckpointError: the plan does not split the layers as the
+                checkpoint did.
+        """
+        view = PlanView(info.plan)
+        have = {key: (a.layer_start, a.layer_end) for key, a in view.stages.items()}
+        if have != saved.layers:
+            raise checkpoints.CheckpointError(
+                f"the checkpoint's stages hold layers {sorted(saved.layers.items())} but the "
+                f"job's plan puts them as {sorted(have.items())}: resume_from needs the same "
+                f"split (run it on nodes like the original ones)")
+        for key, snap in saved.snapshots.items():
+            env = node_pb2.Envelope(job_id=self.id, replica=key.replica, stage=key.stage,
+                                    kind=node_pb2.KIND_SNAPSHOT, step=saved.step,
+                                    epoch=info.epoch, batch_size=1)
+            self.client.node(view[key].address).PutSnapshot(
+                checkpoint.to_frames(snap, env), timeout=timeouts.FETCH_STATE_RPC)
+        self.client.stub.RestoreJob(S.RestoreJobRequest(job_id=self.id, step=saved.step),
+                                    timeout=timeouts.CONTROL_RPC)
+        return self._await_epoch(info.epoch, RECOVERY_POLL)
+
+    def _feed(self, batches: Iterator, restore: checkpoints.SavedCheckpoint | None) -> None:
         try:
-            if self._wait_running() is None:
-                return
+            self._wait_running()
             info = self._await_epoch(-1, RECOVERY_POLL)  # running now, not only once
+            if info is not None and restore is not None:
+                info = self._restore(info, restore)
             if info is None:
                 return
             kept: dict[int, tuple] = {}  # step -> (x, y), since the second-newest checkpoint
+            drawn = 0  # batches drawn from the data (the steps before it are behind us)
             step = info.resume_step
             while True:  # one round per plan epoch
                 groups = GroupFeed.of(PlanView(info.plan, self.microbatches))
@@ -605,8 +831,11 @@ class Job:
                             raise _FeedHalted
                         if step not in kept:
                             self._bound(kept, info)
+                            while drawn < step:  # a resumed job: skip the steps done
+                                self._next_batch(batches, groups)
+                                drawn += 1
                             x, y, _ = self._next_batch(batches, groups)
-                            kept[step] = (x, y)
+                            kept[step], drawn = (x, y), drawn + 1
                         x, y = kept[step]
                         for group, (xs, ys) in zip(groups, _shard(x, y, [g.share for g in groups])):
                             self._send_step(step, x.shape[0], group, xs, ys, info.epoch)
@@ -625,15 +854,18 @@ class Job:
                 if resumed is None:
                     return
                 info, step = resumed, resumed.resume_step
-                if step not in kept and step < max(kept, default=step):
+                if step not in kept and step < drawn:
                     raise RuntimeError(f"job {self.id} rewound to step {step}, but the feed "
-                                       f"kept batches from step {min(kept)} only")
+                                       f"kept batches from step {min(kept, default=drawn)} only")
                 log.info("job %s recovered (epoch %d): feeding again from step %d", self.id,
                          info.epoch, step)
         except BaseException as e:  # noqa: BLE001 — kept in feed_error, surfaced by wait()
-            if self._halted.is_set():  # the channels were closed under the feed
-                self._give_up(_FeedHalted("the client was closed"),
-                              "the client closed before it fed every step")
+            if self._superseded:
+                self.feed_error = _FeedHalted("another client took the job over")
+            elif self._halted.is_set():  # the client closed: the job waits for a client
+                self.feed_error = _FeedHalted(
+                    "the client was closed before it fed every step; the job waits for a "
+                    "client to resume it (Client(addr).job(id).resume(data))")
             elif isinstance(e, StopIteration):
                 self.feed_error = ValueError("data ran out before the last step")
                 try:  # the finished steps' weights stay on the nodes: state_dict() works

@@ -72,3 +72,9 @@ is found again within 2 s, not after gRPC's default 2 min backoff."""
 def measure_links(peers: int) -> float:
     """Deadline of a MeasureLinks call over ``peers`` peers, seconds."""
     return MEASURE_LINKS_BASE + MEASURE_LINKS_PER_PEER * peers
+CLIENT_GRACE = _seconds("CLIENT_GRACE", 3.0)
+"""A job's feeding client may be gone this long (a dropped connection being redialled)
+before the job stops its stages and waits for a client (WAITING)."""
+CLIENT_REATTACH = _seconds("CLIENT_REATTACH", 15.0)
+"""After a tracker (re)start, the feeding clients of running jobs have this long to watch
+their jobs again before the jobs wait for a client."""

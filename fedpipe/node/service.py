@@ -186,9 +186,16 @@ class NodeService(node_pb2_grpc.NodeServicer):
         for name, t in stage.weights():
             yield from frames.encode_frames(t, name=name)
 
+    def _client_owns(self, context, job_id: str) -> None:
+        """A client may put or fetch snapshots of its own jobs only (nodes: the policy's)."""
+        identity = identity_of(context)
+        if identity is not None and identity.role is Role.CLIENT:
+            self._require_owner(context, job_id)
+
     def PutSnapshot(self, request_iterator, context):
         try:
-            self.stages.keep_snapshot(request_iterator)
+            self.stages.keep_snapshot(request_iterator,
+                                      lambda env: self._client_owns(context, env.job_id))
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed snapshot: {e}")
         except NoSuchStage as e:
@@ -196,6 +203,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return node_pb2.SendReply()
 
     def FetchSnapshot(self, request, context):
+        self._client_owns(context, request.job_id)
         try:
             snap = self.stages.snapshot(request.job_id, StageKey(request.replica, request.stage),
                                         request.step)

@@ -391,6 +391,9 @@ class StageRegistry:
                 if stage.checkpoint_every and done % stage.checkpoint_every == 0 \
                         and done < stage.steps and not stage.stop.is_set():
                     self._checkpoint(stage, done)
+                elif done == stage.steps and not stage.stop.is_set():
+                    # the final state, kept here only: what Job.save() of an ended job pulls
+                    self.snapshots.put(stage.job_id, stage.key, checkpoint.take(stage.parts, done))
                 self._report_step(stage, result)
             stage.peers.flush()
             self._report(stage, R.STATUS_DONE, step=stage.steps)
@@ -436,8 +439,10 @@ class StageRegistry:
         if not stage.stop.is_set():
             self._report(stage, tracker_pb2.StageReport.STATUS_CHECKPOINT, step=snap.step)
 
-    def keep_snapshot(self, stream: Iterator[bytes]) -> None:
-        """Keep a buddy's snapshot sent by ``PutSnapshot``.
+    def keep_snapshot(self, stream: Iterator[bytes],
+                      admit: Callable[[node_pb2.Envelope], None] | None = None) -> None:
+        """Keep a buddy's snapshot sent by ``PutSnapshot`` (or the job's client's, restoring
+        a saved checkpoint); ``admit(envelope)`` may refuse it by raising.
 
         Raises:
             WireError: a malformed, truncated or oversized snapshot, or one whose

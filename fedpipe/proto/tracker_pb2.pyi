@@ -19,6 +19,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
+    JOB_STATE_WAITING: _ClassVar[JobState]
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_PENDING: JobState
 JOB_STATE_PLANNING: JobState
@@ -28,6 +29,7 @@ JOB_STATE_RECOVERING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+JOB_STATE_WAITING: JobState
 
 class Versions(_message.Message):
     __slots__ = ("fedpipe", "protocol", "python", "torch", "cloudpickle")
@@ -184,7 +186,7 @@ class SubmitJobReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries", "checkpoint_every", "owner")
+    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries", "checkpoint_every", "owner", "feeder")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +202,7 @@ class JobInfo(_message.Message):
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    FEEDER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -215,7 +218,8 @@ class JobInfo(_message.Message):
     recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
     checkpoint_every: int
     owner: str
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    feeder: str
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., owner: _Optional[str] = ..., feeder: _Optional[str] = ...) -> None: ...
 
 class Recovery(_message.Message):
     __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch")
@@ -253,13 +257,25 @@ class CancelJobRequest(_message.Message):
     keep_weights: bool
     def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ..., keep_weights: _Optional[bool] = ...) -> None: ...
 
+class RestoreJobRequest(_message.Message):
+    __slots__ = ("job_id", "step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
 class WatchJobRequest(_message.Message):
-    __slots__ = ("job_id", "after_seq")
+    __slots__ = ("job_id", "after_seq", "feeder", "take_over")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FEEDER_FIELD_NUMBER: _ClassVar[int]
+    TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     after_seq: int
-    def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+    feeder: str
+    take_over: bool
+    def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., feeder: _Optional[str] = ..., take_over: _Optional[bool] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "time", "state", "reason", "step", "loss", "samples_per_second", "checkpoint_step", "epoch")

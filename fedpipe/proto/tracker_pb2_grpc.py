@@ -74,6 +74,11 @@ class TrackerStub:
                 request_serializer=fedpipe_dot_v1_dot_tracker__pb2.StageReport.SerializeToString,
                 response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.StageReportReply.FromString,
                 _registered_method=True)
+        self.RestoreJob = channel.unary_unary(
+                '/fedpipe.v1.Tracker/RestoreJob',
+                request_serializer=fedpipe_dot_v1_dot_tracker__pb2.RestoreJobRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.JobInfo.FromString,
+                _registered_method=True)
 
 
 class TrackerServicer:
@@ -127,6 +132,12 @@ class TrackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestoreJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrackerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.ReportStage,
                     request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.StageReport.FromString,
                     response_serializer=fedpipe_dot_v1_dot_tracker__pb2.StageReportReply.SerializeToString,
+            ),
+            'RestoreJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreJob,
+                    request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.RestoreJobRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_tracker__pb2.JobInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class Tracker:
             '/fedpipe.v1.Tracker/ReportStage',
             fedpipe_dot_v1_dot_tracker__pb2.StageReport.SerializeToString,
             fedpipe_dot_v1_dot_tracker__pb2.StageReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Tracker/RestoreJob',
+            fedpipe_dot_v1_dot_tracker__pb2.RestoreJobRequest.SerializeToString,
+            fedpipe_dot_v1_dot_tracker__pb2.JobInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -105,6 +105,7 @@ POLICY: Mapping[str, Rule] = {
         "CancelJob": Rule(_roles(CLIENT, ADMIN), service_check="require_owner(identity, owner)"),
         "ReportStage": Rule(_roles(NODE), service_check="require_self(identity, the stage's "
                                                         "assigned node, what='the stage')"),
+        "RestoreJob": Rule(_roles(CLIENT), service_check="require_owner(identity, owner)"),
     }),
     **_methods(node_pb2.DESCRIPTOR, "Node", {
         "Probe": Rule(_roles(NODE, TRACKER)),
@@ -117,8 +118,11 @@ POLICY: Mapping[str, Rule] = {
         "FetchState": Rule(_roles(CLIENT, NODE), service_check="require_owner_or_assigned("
                                                               "identity, owner, nodes)"),
         # checkpoint snapshots travel between a job's nodes (stage -> buddy, buddy -> restorer)
-        "PutSnapshot": Rule(_roles(NODE), service_check="require_assigned(identity, nodes)"),
-        "FetchSnapshot": Rule(_roles(NODE), service_check="require_assigned(identity, nodes)"),
+        # ... and between the job's client and its nodes (Job.save, submit(resume_from=))
+        "PutSnapshot": Rule(_roles(NODE, CLIENT), service_check="require_owner_or_assigned("
+                                                               "identity, owner, nodes)"),
+        "FetchSnapshot": Rule(_roles(NODE, CLIENT), service_check="require_owner_or_assigned("
+                                                                 "identity, owner, nodes)"),
         "Ping": Rule(_roles(NODE, TRACKER)),
         "MeasureLinks": Rule(_roles(TRACKER)),
     }),

@@ -49,7 +49,8 @@ from typing import Callable, Iterator
 from .. import planner
 from ..planner.protoio import cluster_view, model_profile, plan_message, train_config
 from ..proto import node_pb2, tracker_pb2
-from ..spec import ACTIVE, TERMINAL, JobSpec, JobSpecError, PlanView, StageKey, state_name
+from ..spec import ACTIVE, TERMINAL, WAITING, JobSpec, JobSpecError, PlanView, StageKey, \
+    state_name
 from ..net import timeouts
 from ..observe.views import StageTime
 from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
@@ -65,6 +66,10 @@ R = tracker_pb2.StageReport
 RESTARTED = ("the tracker restarted while the job was being planned or deployed; "
              "submit it again")
 """Why a job found PLANNING or DEPLOYING at start-up failed: its deploy was cut short."""
+CLIENT_CAUSE = "the client's absence"
+"""What a job parked or taken over for its client recovers from (its recovery record)."""
+RESTORE_CAUSE = "a checkpoint the client restored"
+"""What a job started from a saved checkpoint (``submit(resume_from=...)``) recovers from."""
 CHECKPOINT_SECONDS = 30.0
 """Default checkpoint interval, as training time: a recovery recomputes at most about this."""
 RETENTION = 600.0
@@ -125,6 +130,7 @@ class _Recovery:
     lost: set[str]           # names of the lost nodes
     from_step: int           # the job's step at the loss
     old_plan: node_pb2.Plan  # the plan the snapshots were taken under
+    cause: str = ""          # what the job recovers from, if not lost nodes ("" : the loss of)
 
 
 @dataclass
@@ -279,13 +285,23 @@ class Jobs:
 
     # -- recovery -------------------------------------------------------------
     def _begin_recovery(self, job_id: str, lost: set[str], why: str,
-                        rewind_to: int | None = None) -> None:
-        """Move the job to RECOVERING in a new epoch, rewound to its last complete
-        checkpoint (or ``rewind_to``); stop its stages of the old epoch."""
+                        rewind_to: int | None = None, *, state: int = S.JOB_STATE_RECOVERING,
+                        cause: str = "", restored: bool = False,
+                        only_from: set[int] | None = None) -> None:
+        """Move the job to RECOVERING (or ``state``) in a new epoch, rewound to its last
+        complete checkpoint (or ``rewind_to``); stop its stages of the old epoch.
+
+        Args:
+            cause: what the recovery record says the job recovered from (default:
+                the loss of the ``lost`` nodes).
+            restored: ``rewind_to`` is a checkpoint the client put on the nodes
+                (:meth:`restore`): it becomes the last complete one.
+            only_from: begin only if the job is in one of these states.
+        """
         now = self.clock()
         with self._lock:
             job = self.store.job(job_id)
-            if job.state in TERMINAL:
+            if job.state in TERMINAL or (only_from is not None and job.state not in only_from):
                 return
             step = job.checkpoint_step if rewind_to is None else rewind_to
             rec = self._recovering.get(job_id)
@@ -299,24 +315,61 @@ class Jobs:
                 rec = self._recovering[job_id] = _Recovery(reported, now, set(), job.step,
                                                            job.plan)
             rec.lost |= lost
+            rec.cause = cause or rec.cause
             fields = tracker_pb2.JobInfo()
             fields.CopyFrom(job)
             fields.epoch, fields.resume_step = job.epoch + 1, step
-            if rewind_to is not None:  # the checkpoints from rewind_to on are gone
+            if restored:
+                fields.checkpoint_step = step
+                self._complete[job_id] = [step]
+            elif rewind_to is not None:  # the checkpoints from rewind_to on are gone
                 fields.checkpoint_step = min(job.checkpoint_step, rewind_to)
                 self._complete[job_id] = [k for k in self._complete.get(job_id, [])
                                           if k < rewind_to]
             self.store.set_recovery(job_id, fields, now)
             self._steps = {k: v for k, v in self._steps.items() if k[0] != job_id}
             self._acks = {k: v for k, v in self._acks.items() if k[0] != job_id}
-            who = f"node(s) {', '.join(sorted(lost))} " if lost else ""
+            who = f"node(s) {', '.join(sorted(lost))} " if lost and not cause else ""
             reason = f"{who}{why}; rewinding to checkpoint step {step}"
-            self._move(job_id, S.JOB_STATE_RECOVERING, reason)
+            self._move(job_id, state, reason)
         # stop the old epoch's stages now so they free their threads; a LoadStage of the
         # new epoch would replace them anyway
         threading.Thread(target=self._stop_stages, args=(job_id, reason, False, job.plan,
                                                          job.epoch + 1),
                          name=f"stop-{job_id}", daemon=True).start()
+
+    # -- the client's presence (decided by .clients.Feeders) --------------------
+    def park(self, job_id: str, why: str) -> None:
+        """A RUNNING job whose client is gone moves to WAITING in a new epoch, rewound
+        to its last complete checkpoint: its stages stop, so no node holds a thread
+        for inputs that will not come (their snapshots and weights are kept, see
+        :meth:`reconcile`). ``why`` starts the reason ("waiting for the client ...")."""
+        self._begin_recovery(job_id, {"the client"}, why, state=WAITING, cause=CLIENT_CAUSE,
+                             only_from={S.JOB_STATE_RUNNING})
+        self.notify()
+
+    def rewind_for_client(self, job_id: str, why: str, rewind_to: int | None = None,
+                          restored: bool = False) -> None:
+        """A client takes the job over (:meth:`fedpipe.Job.resume`), comes back to a
+        WAITING job, or restores a checkpoint it put on the nodes (``restored``, at
+        ``rewind_to``): a DEPLOYING, RUNNING or WAITING job recovers in a new epoch
+        from that checkpoint (default: its last complete one), which only the new
+        feeder feeds. A RECOVERING job is left to its recovery, unless ``restored``."""
+        states = {S.JOB_STATE_DEPLOYING, S.JOB_STATE_RUNNING, WAITING}
+        if restored:
+            states.add(S.JOB_STATE_RECOVERING)
+        with self._lock:
+            rec = self._recovering.get(job_id)
+            if rec is not None:  # the time spent waiting for the client is no recovery time
+                rec.reported = rec.declared = self.clock()
+        self._begin_recovery(job_id, set() if restored else {"the client"}, why, rewind_to,
+                             cause=RESTORE_CAUSE if restored else CLIENT_CAUSE,
+                             restored=restored, only_from=states)
+        self.notify()
+
+    def fail_for_client(self, job_id: str, reason: str, only_from: set[int]) -> None:
+        """Fail a job whose client stayed away past its ``client_timeout``."""
+        self._fail(job_id, reason, only_from=only_from)
 
     def recovering(self) -> list[str]:
         """Ids of RECOVERING jobs, oldest first."""
@@ -394,7 +447,8 @@ class Jobs:
             detect_seconds=max(0.0, rec.declared - rec.reported),
             replan_seconds=t_restore - t_replan + (t_replan - rec.declared),
             restore_seconds=now - t_restore, epoch=job.epoch))
-        reason = (f"recovered from the loss of {', '.join(sorted(rec.lost))}: resumed at "
+        cause = rec.cause or f"the loss of {', '.join(sorted(rec.lost))}"
+        reason = (f"recovered from {cause}: resumed at "
                   f"checkpoint step {step} ({max(0, rec.from_step - step)} steps to recompute) "
                   f"on {plan.summary}")
         with self._lock:  # unless a newer loss restarted the recovery meanwhile
@@ -493,7 +547,7 @@ class Jobs:
             if job.state in TERMINAL:
                 if now - self._ended.setdefault(ref.job_id, now) > self.retention:
                     jobs.add(ref.job_id)
-            elif job.state == S.JOB_STATE_RECOVERING or ref.stage < 0:
+            elif job.state in (S.JOB_STATE_RECOVERING, WAITING) or ref.stage < 0:
                 continue
             elif ref.epoch < job.epoch:
                 stages.append(ref)

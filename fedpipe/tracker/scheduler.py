@@ -28,6 +28,7 @@ from typing import Callable
 
 from ..net import timeouts
 from ..proto import tracker_pb2
+from .clients import Feeders
 from .jobs import Jobs
 from .links import LinkMeasurer
 from .errors import FailedPrecondition
@@ -92,6 +93,7 @@ class Tracker:
         self.stop_event = threading.Event()
         self.measure_now = self.links.added
         self.jobs.recover()
+        self.feeders = Feeders(self.jobs, clock)  # after recover(): it arms the jobs left
         self.threads: list[threading.Thread] = []
         if background:
             self.threads = [threading.Thread(target=self._scheduler, name="scheduler",
@@ -150,6 +152,7 @@ class Tracker:
         recovering each RECOVERING job, then time out, wait or start each PENDING job."""
         self.registry.expire()
         self.registry.flush_if_due()
+        self.feeders.sweep()
         for job_id in self.jobs.recovering():
             self.jobs.resume(job_id, self.store.nodes())
         for job_id in self.jobs.pending():

@@ -214,7 +214,9 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
     @_unary
     def GetJob(self, request, context):
-        return self._owned(context, request.job_id)
+        job = self._owned(context, request.job_id)
+        job.feeder = self.tracker.feeders.feeder(request.job_id)
+        return job
 
     @_unary
     def CancelJob(self, request, context):
@@ -225,9 +227,24 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     def WatchJob(self, request, context):
         self._owned(context, request.job_id)
         stopping = self.tracker.stop_event
+        if request.feeder:  # the stream is the feeding client's presence (see .clients)
+            feeders = self.tracker.feeders
+            feeders.attach(request.job_id, request.feeder, request.take_over)
+            context.add_callback(lambda: feeders.detach(request.job_id, request.feeder))
         yield from self.tracker.jobs.watch(
             request.job_id, request.after_seq,
             active=lambda: context.is_active() and not stopping.is_set())
+
+    @_unary
+    def RestoreJob(self, request, context):
+        job = self._owned(context, request.job_id)
+        if not 0 < request.step < job.steps:
+            raise errors.InvalidArgument(f"job {job.job_id} has {job.steps} steps: it cannot "
+                                         f"resume at step {request.step}")
+        self.tracker.jobs.rewind_for_client(
+            job.job_id, f"restoring the client's checkpoint of step {request.step}",
+            rewind_to=request.step, restored=True)
+        return self.tracker.jobs.get(job.job_id)
 
     @_unary
     def ReportStage(self, request, context):
