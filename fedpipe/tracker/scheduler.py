@@ -32,7 +32,7 @@ from .jobs import Jobs
 from .links import LinkMeasurer
 from .errors import FailedPrecondition
 from .nodes import NodeCallError, NodeCalls
-from .registry import Registry, validate_node
+from .registry import HEARTBEAT_RATE, Registry, validate_node
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker")
@@ -65,7 +65,8 @@ class Tracker:
     Args:
         store: the tracker's state.
         nodes: how to reach nodes.
-        lease: seconds a node may go without a heartbeat before it is lost.
+        lease: seconds a node may go without a heartbeat before it is lost, while the
+            swarm is small (see :attr:`~.registry.Registry.lease_seconds`).
         link_refresh: seconds between re-measurements of every selected link
             (0: only when nodes join).
         link_wait: seconds a job waits for the first link measurement of its
@@ -75,17 +76,21 @@ class Tracker:
         clock: seconds since the epoch.
         background: start the scheduler and link-measurer threads (False:
             the caller drives :meth:`tick` and :meth:`measure_links`).
+        heartbeat_rate: the most heartbeats per second asked of all nodes together
+            (:data:`~.registry.HEARTBEAT_RATE`).
     """
 
     def __init__(self, store: Store, nodes: NodeCalls, *, lease: float = 10.0,
                  link_refresh: float = 300.0, link_wait: float = 30.0,
-                 clock: Callable[[], float] = time.time, background: bool = True):
+                 clock: Callable[[], float] = time.time, background: bool = True,
+                 heartbeat_rate: float = HEARTBEAT_RATE):
         self.store, self.nodes, self.clock = store, nodes, clock
         self.lease, self.link_refresh, self.link_wait = lease, link_refresh, link_wait
         self.jobs = Jobs(store, nodes, clock)
         self.links = LinkMeasurer(store, nodes, clock)
         # nodes that were live when the tracker stopped get a fresh lease, not a lost verdict
-        self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive)
+        self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive,
+                                 rate=heartbeat_rate)
         self.jobs.declare_lost = self.registry.declare_lost
         for n in store.nodes():
             self.links.add(n.node_id, n.name, n.address, n.registered)

@@ -25,6 +25,7 @@ from ..security.policy import require_owner, require_self
 from ..security.signing import verify_job
 from . import errors
 from .nodes import GrpcNodeCalls
+from .registry import HEARTBEAT_RATE
 from .scheduler import Tracker
 from .store import SqliteStore
 
@@ -175,7 +176,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         with self._names_lock:
             self._names[node_id] = request.name
         r = self.tracker.registry
-        return S.RegisterNodeReply(node_id=node_id, lease_seconds=r.lease,
+        return S.RegisterNodeReply(node_id=node_id, lease_seconds=r.lease_seconds,
                                    heartbeat_seconds=r.heartbeat_seconds)
 
     @_unary
@@ -184,7 +185,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         r = self.tracker.registry
         known = r.leave(request.node_id) if request.leaving else r.heartbeat(request.node_id)
         drop, drop_jobs = self.tracker.jobs.reconcile(request.node_id, list(request.holds))
-        return S.HeartbeatReply(known=known, lease_seconds=r.lease,
+        # the lease the registry just held the node to (it moves only as nodes join or go)
+        return S.HeartbeatReply(known=known, lease_seconds=r.lease_seconds,
                                 heartbeat_seconds=r.heartbeat_seconds, drop=drop,
                                 drop_jobs=drop_jobs)
 
@@ -239,7 +241,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
 def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: float = 300.0,
           *, tls: TlsConfig | None = None, insecure: bool = False,
-          max_job_bytes: int = MAX_JOB_BYTES) -> tuple[grpc.Server, TrackerService, int]:
+          max_job_bytes: int = MAX_JOB_BYTES, heartbeat_rate: float | None = None
+          ) -> tuple[grpc.Server, TrackerService, int]:
     """Start a tracker server on the SQLite file ``db``; returns ``(server, service, port)``.
 
     Args:
@@ -249,6 +252,9 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
         insecure: allow plaintext on a non-loopback ``host`` (see
             :func:`fedpipe.net.check_plaintext`).
         max_job_bytes: the most bytes of layers a job may carry.
+        heartbeat_rate: the most heartbeats per second asked of the whole swarm (None:
+            :data:`~fedpipe.tracker.registry.HEARTBEAT_RATE`); a larger swarm is told
+            a longer interval and lease.
 
     Raises:
         ValueError: plaintext on a non-loopback ``host`` without ``insecure``.
@@ -256,8 +262,9 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
         sqlite3.Error: the database cannot be opened.
     """
     net.check_plaintext(host, tls, insecure, "the tracker")
+    rate = HEARTBEAT_RATE if heartbeat_rate is None else heartbeat_rate
     service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(tls=tls), lease=lease,
-                                     link_refresh=link_refresh), tls,
+                                     link_refresh=link_refresh, heartbeat_rate=rate), tls,
                              max_job_bytes=max_job_bytes)
     srv = net.server(tls=tls)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)

@@ -1,0 +1,127 @@
+"""The tracker scales the heartbeat interval with the swarm, so its heartbeat rate stays bounded."""
+from __future__ import annotations
+
+import pytest
+
+from fedpipe import net
+from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
+from fedpipe.tracker.registry import HEARTBEATS_PER_LEASE, Registry
+from fedpipe.tracker.scheduler import Tracker
+from fedpipe.tracker.store import MemoryStore, SqliteStore, Store
+from tracker_fakes import FakeClock, FakeNodes, registration
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def rated(rate: float, lease: float = 8.0, store: Store | None = None,
+          clock: FakeClock | None = None) -> tuple[Tracker, FakeClock]:
+    """A thread-less tracker over fake nodes that asks for at most ``rate`` heartbeats/s."""
+    clock = clock or FakeClock()
+    nodes = FakeNodes(clock)
+    tracker = Tracker(store or MemoryStore(), nodes, lease=lease, clock=clock, background=False,
+                      heartbeat_rate=rate)
+    nodes.tracker = tracker
+    return tracker, clock
+
+
+def register(tracker: Tracker, n: int, first: int = 0) -> list[str]:
+    return [tracker.register(registration(f"n{i}", 7000 + i)) for i in range(first, first + n)]
+
+
+def test_a_small_swarm_heartbeats_at_a_quarter_of_the_base_lease():
+    tracker, _ = rated(rate=10.0, lease=8.0)  # binds above 10 * 8 / 4 = 20 nodes
+    register(tracker, 20)
+    r = tracker.registry
+    assert (r.lease_seconds, r.heartbeat_seconds) == (8.0, 2.0)
+
+
+@pytest.mark.parametrize("n", [21, 100, 1000])
+def test_a_large_swarm_is_told_a_longer_interval_so_all_its_heartbeats_fit_the_rate(n):
+    tracker, _ = rated(rate=10.0, lease=8.0)
+    register(tracker, n)
+    r = tracker.registry
+    assert r.heartbeat_seconds == pytest.approx(n / 10.0)
+    assert r.lease_seconds == pytest.approx(HEARTBEATS_PER_LEASE * r.heartbeat_seconds)
+    assert n / r.heartbeat_seconds == pytest.approx(10.0)  # the swarm's heartbeats per second
+
+
+def test_a_node_is_held_to_the_longer_lease_it_was_told_after_the_swarm_shrinks():
+    tracker, clock = rated(rate=1.0, lease=8.0)
+    ids = register(tracker, 8)
+    r = tracker.registry
+    assert r.lease_seconds == 32.0
+    slow = ids[0]
+    assert r.heartbeat(slow)  # told: heartbeat every 8 s, lease 32 s
+    for i in ids[1:]:
+        assert r.leave(i)
+    assert r.lease_seconds == 8.0  # the next heartbeat hears the base lease again
+    clock.advance(31.0)  # the base lease has long run out, the one it was told has not
+    assert r.expire() == set()
+    assert r.heartbeat(slow)  # now held to 8 s
+    clock.advance(8.5)
+    assert r.expire() == {slow}
+    assert tracker.store.nodes() == []
+
+
+def test_a_node_told_a_short_lease_before_the_swarm_grew_is_lost_when_that_one_runs_out():
+    tracker, clock = rated(rate=1.0, lease=8.0)
+    first = register(tracker, 1)[0]  # told 8 s
+    register(tracker, 7, first=1)  # the swarm now gets 32 s on its next heartbeats
+    clock.advance(8.5)
+    assert first in tracker.registry.expire()
+
+
+def test_a_restarted_tracker_gives_every_live_node_the_lease_of_the_whole_swarm(tmp_path):
+    path = str(tmp_path / "t.db")
+    store = SqliteStore(path)
+    tracker, clock = rated(rate=1.0, lease=8.0, store=store)
+    ids = register(tracker, 8)  # lease 32 s
+    tracker.close()
+    store.close()
+    store = SqliteStore(path)
+    again, _ = rated(rate=1.0, lease=8.0, store=store, clock=clock)
+    clock.advance(20.0)  # nodes heartbeat every 8 s; 20 s without one is within 32 s
+    assert again.registry.expire() == set()
+    assert {n.node_id for n in store.nodes()} == set(ids)
+    store.close()
+
+
+@pytest.mark.parametrize("lease,rate", [(0.0, 10.0), (8.0, 0.0), (8.0, -1.0)])
+def test_a_lease_or_rate_that_is_not_positive_is_refused_naming_both(lease, rate):
+    with pytest.raises(ValueError, match=rf"got lease {lease} s and rate {rate}/s"):
+        Registry(MemoryStore(), lease, lambda ids, why: None, rate=rate)
+
+
+class Pinged(node_pb2_grpc.NodeServicer):
+    """A node address that answers the tracker's registration Ping, and nothing else."""
+
+    def Ping(self, request, context):
+        return node_pb2.PingReply()
+
+
+def test_registration_and_heartbeat_replies_over_grpc_carry_the_scaled_interval(tmp_path):
+    from fedpipe.tracker.service import serve
+
+    nodes = net.server(max_workers=4)
+    node_pb2_grpc.add_NodeServicer_to_server(Pinged(), nodes)
+    ports = [net.bind(nodes, "127.0.0.1", 0) for _ in range(3)]
+    nodes.start()
+    srv, service, port = serve("127.0.0.1", 0, str(tmp_path / "tracker.db"), lease=8.0,
+                               heartbeat_rate=1.0)
+    channel = net.channel(f"127.0.0.1:{port}")
+    try:
+        stub = tracker_pb2_grpc.TrackerStub(channel)
+        replies = [stub.RegisterNode(registration(f"n{i}", p), timeout=30)
+                   for i, p in enumerate(ports)]
+        # the first two joined a swarm within the base lease; the third one above it
+        assert [(r.lease_seconds, r.heartbeat_seconds) for r in replies] == \
+            [(8.0, 2.0), (8.0, 2.0), (12.0, 3.0)]
+        hb = stub.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=replies[0].node_id), timeout=10)
+        assert hb.known and (hb.lease_seconds, hb.heartbeat_seconds) == (12.0, 3.0)
+    finally:
+        channel.close()
+        service.close()
+        srv.stop(grace=0).wait()
+        service.store.close()
+        nodes.stop(grace=0).wait()
+
