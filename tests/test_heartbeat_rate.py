@@ -1,6 +1,10 @@
-"""The tracker scales the heartbeat interval with the swarm, so its heartbeat rate stays bounded."""
+"""A tracker for large swarms: the heartbeat interval scales with the swarm, registrations are
+admitted a few at a time, candidates are chosen in linear time."""
 from __future__ import annotations
 
+import threading
+
+import grpc
 import pytest
 
 from fedpipe import net
@@ -125,3 +129,72 @@ def test_registration_and_heartbeat_replies_over_grpc_carry_the_scaled_interval(
         service.store.close()
         nodes.stop(grace=0).wait()
 
+
+
+def test_candidates_are_the_fastest_nodes_ties_to_the_oldest_in_registration_order():
+    import random
+
+    from fedpipe.tracker.scheduler import candidates
+
+    rng = random.Random(7)
+    nodes = [tracker_pb2.NodeInfo(node_id=f"n{i}", resources=node_pb2.Resources(
+        flops=rng.choice([1e9, 2e9, 3e9]), memory_bytes=rng.choice([2**30, 2**31])))
+        for i in range(1000)]
+    chosen = candidates(nodes, limit=50)
+    # the rule, spelled out as a full sort
+    rank = sorted(range(len(nodes)), key=lambda i: (-nodes[i].resources.flops,
+                                                    -nodes[i].resources.memory_bytes, i))
+    assert [n.node_id for n in chosen] == [nodes[i].node_id for i in sorted(rank[:50])]
+    assert candidates(nodes[:50], limit=50) == nodes[:50]
+
+
+class GatedPing(node_pb2_grpc.NodeServicer):
+    """Node addresses whose Ping answers only once ``gate`` is set (after ``opened`` first
+    pings it answers at once)."""
+
+    def __init__(self, opened: int):
+        self.gate, self.opened, self.lock = threading.Event(), opened, threading.Lock()
+        self.waiting = threading.Semaphore(0)
+
+    def Ping(self, request, context):
+        with self.lock:
+            self.opened -= 1
+            free = self.opened >= 0
+        if not free:
+            self.waiting.release()
+            self.gate.wait(10)
+        return node_pb2.PingReply()
+
+
+def test_registrations_beyond_the_limit_are_refused_unavailable_and_heartbeats_go_on(tmp_path):
+    from fedpipe.tracker.service import MAX_REGISTERING, serve
+
+    pinged = GatedPing(opened=1)
+    nodes = net.server(max_workers=MAX_REGISTERING + 8)
+    node_pb2_grpc.add_NodeServicer_to_server(pinged, nodes)
+    ports = [net.bind(nodes, "127.0.0.1", 0) for _ in range(MAX_REGISTERING + 2)]
+    nodes.start()
+    srv, service, port = serve("127.0.0.1", 0, str(tmp_path / "tracker.db"), lease=8.0)
+    channel = net.channel(f"127.0.0.1:{port}")
+    stub = tracker_pb2_grpc.TrackerStub(channel)
+    try:
+        first = stub.RegisterNode(registration("n0", ports[0]), timeout=10).node_id
+        held = [stub.RegisterNode.future(registration(f"n{i}", ports[i]), timeout=30)
+                for i in range(1, MAX_REGISTERING + 1)]
+        for _ in held:  # every admitted registration is dialling its node
+            assert pinged.waiting.acquire(timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.RegisterNode(registration("late", ports[-1]), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"registering {MAX_REGISTERING} nodes already" in refused.value.details()
+        assert stub.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=first), timeout=5).known
+        pinged.gate.set()
+        assert len({f.result().node_id for f in held}) == MAX_REGISTERING
+        assert stub.RegisterNode(registration("late", ports[-1]), timeout=10).node_id
+    finally:
+        pinged.gate.set()
+        channel.close()
+        service.close()
+        srv.stop(grace=0).wait()
+        service.store.close()
+        nodes.stop(grace=0).wait()

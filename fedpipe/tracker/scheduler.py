@@ -11,7 +11,8 @@ store, and runs:
   its candidates (:func:`candidates`: at most :data:`PLAN_CANDIDATES` nodes),
   once none of them waits for its first link measurement (or ``link_wait``
   has passed). Bookkeeping per tick is O(log n) per due lease plus, only
-  while a job is PENDING, O(n) to read the nodes.
+  while a job is PENDING or RECOVERING, O(n) to read the nodes and choose
+  its candidates.
 - the link measurer: measures the links of nodes as they join
   (:class:`~.links.LinkMeasurer`: O(k) links per node, never a full round),
   and every ``link_refresh`` seconds re-measures each node's selected links.
@@ -21,6 +22,7 @@ so tests can drive them without threads.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -49,14 +51,15 @@ def candidates(nodes: list[tracker_pb2.NodeInfo], limit: int | None = None
                ) -> list[tracker_pb2.NodeInfo]:
     """The nodes a job is planned over: all of them if at most ``limit`` (default
     :data:`PLAN_CANDIDATES`), else the ``limit`` fastest (FLOP/s, then memory, then the
-    oldest registration), in registration order. O(n log n)."""
+    oldest registration), in registration order. O(n log limit): linear in the swarm
+    (a bounded heap, not a sort of all n)."""
     limit = PLAN_CANDIDATES if limit is None else limit
     if len(nodes) <= limit:
         return nodes
-    order = {n.node_id: i for i, n in enumerate(nodes)}
-    best = sorted(nodes, key=lambda n: (-n.resources.flops, -n.resources.memory_bytes,
-                                        order[n.node_id]))[:limit]
-    return sorted(best, key=lambda n: order[n.node_id])
+    best = heapq.nsmallest(limit, range(len(nodes)),
+                           key=lambda i: (-nodes[i].resources.flops,
+                                          -nodes[i].resources.memory_bytes, i))
+    return [nodes[i] for i in sorted(best)]
 
 
 class Tracker:

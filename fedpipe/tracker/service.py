@@ -38,6 +38,12 @@ database and sent to nodes); ``fedpipe tracker --max-job-bytes`` changes it."""
 MAX_JOBS_PER_OWNER = 8
 """The most jobs one client (certificate) may have pending or running at once; more are
 refused with RESOURCE_EXHAUSTED and the count, so one client cannot flood the tracker."""
+MAX_REGISTERING = 8
+"""Registrations the tracker runs at once. Each holds a server thread while it dials the
+node and waits its turn to write, so a swarm registering at once (10,000 nodes after a
+tracker restart) would take every thread and starve heartbeats into lost leases; the
+excess is refused with UNAVAILABLE, which nodes retry with backoff
+(:func:`fedpipe.net.retry`)."""
 
 STATUS: dict[type[errors.TrackerError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -46,6 +52,7 @@ STATUS: dict[type[errors.TrackerError], grpc.StatusCode] = {
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 """The status code of each domain error."""
 
@@ -106,6 +113,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         self.store = tracker.store  # the caller closes it after the server stops
         self._names: dict[str, str] = {}  # node_id -> name; ids are never reused
         self._names_lock = threading.Lock()
+        self._registering = threading.BoundedSemaphore(MAX_REGISTERING)
 
     def _node_name(self, node_id: str) -> str | None:
         """The registered name of ``node_id`` (None: no such node)."""
@@ -172,7 +180,14 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     @_unary
     def RegisterNode(self, request, context):
         require_self(identity_of(context), request.name)
-        node_id = self.tracker.register(request)
+        if not self._registering.acquire(blocking=False):
+            raise errors.Unavailable(
+                f"the tracker is registering {MAX_REGISTERING} nodes already, the most it "
+                f"takes at once (so heartbeats keep their threads); retry with backoff")
+        try:
+            node_id = self.tracker.register(request)
+        finally:
+            self._registering.release()
         with self._names_lock:
             self._names[node_id] = request.name
         r = self.tracker.registry
