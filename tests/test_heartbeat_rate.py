@@ -198,3 +198,32 @@ def test_registrations_beyond_the_limit_are_refused_unavailable_and_heartbeats_g
         srv.stop(grace=0).wait()
         service.store.close()
         nodes.stop(grace=0).wait()
+
+
+def test_a_refresh_round_is_paced_and_a_node_that_joins_is_measured_between_two_paces():
+    tracker, clock = rated(rate=500.0, lease=8.0)
+    register(tracker, 6)
+    tracker.measure_links()
+    nodes = tracker.nodes
+    links = tracker.links
+    links.refresh_all()
+    waits: list[tuple[float, int]] = []
+    late = {}
+
+    def wait(gap: float) -> bool:
+        waits.append((gap, len(nodes.measured)))
+        if len(waits) == 2:  # a node joins mid-round: measured next, not after the round
+            late["id"] = tracker.register(registration("late", 7100))
+            late["before"] = len(nodes.measured)
+        return False
+
+    before = len(nodes.measured)
+    taken, errors = links.run(gap=0.5, wait=wait)
+    assert errors == []
+    assert [gap for gap, _ in waits] == [0.5] * 6  # one pace after each of the 6 re-measurements
+    assert [n for _, n in waits][:2] == [before + 1, before + 2]  # one call per pace
+    # the newcomer (and the neighbours it changed) went next, with no pace between them
+    pending = taken - 6
+    assert pending >= 1 and waits[2][1] == late["before"] + pending + 1
+    assert "127.0.0.1:7100" in nodes.measured[late["before"]:late["before"] + pending]
+    assert not links.waiting([late["id"]])

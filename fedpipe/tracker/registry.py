@@ -201,8 +201,8 @@ class Registry:
         self._lock = threading.Lock()
         self._nodes: dict[str, _Incarnation] = {}
         self._by_address: dict[str, set[str]] = {}
-        # live nodes' lease deadlines (last heartbeat + the lease told then); insertion = age
-        self._until: dict[str, float] = {}
+        # live nodes' (lease deadline, the lease told at their last heartbeat); insertion = age
+        self._until: dict[str, tuple[float, float]] = {}
         self._dirty: dict[str, float] = {}  # heartbeats not yet persisted
         self._due: dict[str, float] = {}  # each live node's deadline as queued in _heap
         self._heap: list[tuple[float, str]] = []
@@ -227,8 +227,9 @@ class Registry:
     def _live(self, node_id: str, now: float, lease: float | None = None) -> None:
         """Under ``_lock``: ``node_id`` is alive with a heartbeat at ``now``, held to
         ``lease`` seconds (default: :attr:`lease_seconds`)."""
-        until = now + (self.lease_seconds if lease is None else lease)
-        self._until[node_id] = until
+        lease = self.lease_seconds if lease is None else lease
+        until = now + lease
+        self._until[node_id] = (until, lease)
         if node_id not in self._due:
             self._due[node_id] = until
             heapq.heappush(self._heap, (until, node_id))
@@ -353,7 +354,8 @@ class Registry:
         now = self.clock()
         with self._lock:
             if node_id in self._until:
-                self._until[node_id] = now + self.lease_seconds
+                lease = self.lease_seconds
+                self._until[node_id] = (now + lease, lease)
                 self._dirty[node_id] = now
                 return True
             inc = self._nodes.get(node_id)
@@ -391,17 +393,16 @@ class Registry:
         since its last heartbeat. Pops only due deadlines (see the class docstring).
         """
         now = self.clock()
-        lost: set[str] = set()
+        lost: dict[str, float] = {}  # node -> the lease it missed
         with self._lock:
-            lease = self.lease_seconds  # for the messages: what nodes were told lately
             revived, self._revived = self._revived, 0
             while self._heap and self._heap[0][0] < now:
                 deadline, node_id = heapq.heappop(self._heap)
                 if self._due.get(node_id) != deadline:
                     continue  # stale: the node was lost or left since it was queued
-                renewed = self._until[node_id]
+                renewed, lease = self._until[node_id]
                 if renewed < now:
-                    lost.add(node_id)
+                    lost[node_id] = lease
                     self._dead(node_id)
                 else:
                     self._due[node_id] = renewed
@@ -409,17 +410,18 @@ class Registry:
         if revived:  # one line per tick, however many came back
             log.info("%d lost node(s) came back (heartbeat after their lease ran out)", revived)
         if not lost:
-            return lost
+            return set()
         self.store.mark_lost_many(sorted(lost))
+        longest = max(lost.values())
         if len(lost) <= LOST_NAMED:
             for node_id in sorted(lost):
                 log.warning("node %s missed its lease of %.1f s: marked lost", node_id,
-                            lease)
+                            lost[node_id])
         else:
-            log.warning("%d nodes missed their lease of %.1f s: marked lost (e.g. %s)",
-                        len(lost), lease, ", ".join(sorted(lost)[:LOST_NAMED]))
-        self.on_lost(lost, f"lost (no heartbeat for {lease:.0f} s)")
-        return lost
+            log.warning("%d nodes missed their leases of up to %.1f s: marked lost (e.g. %s)",
+                        len(lost), longest, ", ".join(sorted(lost)[:LOST_NAMED]))
+        self.on_lost(set(lost), f"lost (no heartbeat for {longest:.0f} s)")
+        return set(lost)
 
     def flush(self) -> int:
         """Persist the heartbeats taken since the last flush, in one transaction; return
