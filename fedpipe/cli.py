@@ -304,7 +304,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--heartbeat-rate", type=float, default=None,
                    help="most heartbeats per second asked of all nodes together; a larger "
                         "swarm is told to heartbeat less often (default: "
-                        "fedpipe.tracker.registry.HEARTBEAT_RATE, 500)")
+                        "fedpipe.tracker.registry.HEARTBEAT_RATE, 250)")
     t.add_argument("--retention", type=float, default=None,
                    help="seconds an ended job's stages keep their weights on the nodes "
                         "(for state_dict()) unless released sooner (default: "

@@ -34,15 +34,16 @@ second (:data:`HEARTBEAT_RATE`)::
 
 A node is lost after ``lease`` seconds without a heartbeat; it is told to
 heartbeat every ``lease / 4`` seconds, so three heartbeats in a row may be
-lost before its lease runs out. With the defaults (``--lease 10``, 500/s) a
-swarm of up to 1,250 nodes heartbeats every 2.5 s; 10,000 nodes heartbeat
-every 20 s with a lease of 80 s. This is Nomad's rule (its servers give each
+lost before its lease runs out. With the defaults (``--lease 10``, 250/s) a
+swarm of up to 625 nodes heartbeats every 2.5 s; 10,000 nodes heartbeat
+every 40 s with a lease of 160 s. This is Nomad's rule (its servers give each
 client a heartbeat TTL of ``max(min_heartbeat_ttl, nodes /
-max_heartbeats_per_second)``): a Python gRPC server spends about 0.35 ms of
-CPU on the bare call (sync or asyncio alike, ``benchmarks/heartbeat_rpc.py``),
-so a fixed 2.5 s interval at 10,000 nodes (4,000 calls/s) would need more
-than one core for heartbeats alone. The lease is the backstop, not the
-detector: a failed send and a failed Ping mark a node lost at once.
+max_heartbeats_per_second)``, 200 s at 10,000 nodes by default): a Python
+gRPC server spends about 0.35 ms of CPU on the bare call (sync or asyncio
+alike, ``benchmarks/heartbeat_rpc.py``), so a fixed 2.5 s interval at 10,000
+nodes (4,000 calls/s) would need more than one core for heartbeats alone.
+The lease is the backstop, not the detector: a failed send and a failed Ping
+mark a node lost at once (docs/tracker-scale.md).
 
 Each node is held to the lease it was last told (its deadline is set when
 its heartbeat is taken), so a shrinking swarm never declares lost a node that
@@ -71,11 +72,13 @@ MAX_NAME = 256
 """Longest node name or address accepted, characters."""
 HEARTBEATS_PER_LEASE = 4
 """Heartbeats a node sends per lease: it may miss ``HEARTBEATS_PER_LEASE - 1`` in a row."""
-HEARTBEAT_RATE = 500.0
+HEARTBEAT_RATE = 250.0
 """Most heartbeats per second the tracker asks of the whole swarm (``fedpipe tracker
---heartbeat-rate``): about 30 % of one core at ~0.6 ms of tracker CPU per heartbeat. Below
-``rate * base_lease / HEARTBEATS_PER_LEASE`` nodes (1,250 with a 10 s lease) it does not
-bind; above, the interval grows with the swarm (see the module docstring)."""
+--heartbeat-rate``): about 1/6 of one core at ~0.65 ms of tracker CPU per heartbeat, which
+leaves the rest of a core to registrations (~7 ms each, hundreds a second when a swarm
+reconnects), link measurement and planning. Below ``rate * base_lease /
+HEARTBEATS_PER_LEASE`` nodes (625 with a 10 s lease) it does not bind; above, the interval
+grows with the swarm (see the module docstring)."""
 PERSIST_EVERY = 5.0
 """Seconds between two writes of the heartbeats taken in between (one transaction each)."""
 LOST_NAMED = 10
