@@ -227,3 +227,21 @@ def test_a_refresh_round_is_paced_and_a_node_that_joins_is_measured_between_two_
     assert pending >= 1 and waits[2][1] == late["before"] + pending + 1
     assert "127.0.0.1:7100" in nodes.measured[late["before"]:late["before"] + pending]
     assert not links.waiting([late["id"]])
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_links_among_some_nodes_are_those_with_both_ends_among_them_latest_first_ordered(
+        kind, tmp_path):
+    store = MemoryStore() if kind == "memory" else SqliteStore(str(tmp_path / "t.db"))
+    ids = [f"n{i}" for i in range(6)]
+    store.set_links([node_pb2.LinkMeasurement(src_id=a, dst_id=b, bandwidth=1e6 * (i + 1),
+                                              latency=1e-3, measured_at=1.0)
+                     for i, (a, b) in enumerate((a, b) for a in ids for b in ids if a != b)])
+    store.set_links([node_pb2.LinkMeasurement(src_id="n2", dst_id="n1", bandwidth=5.0,
+                                              latency=2e-3, measured_at=2.0)])
+    among = store.links_among(iter(["n2", "n1", "n4", "nobody"]))
+    assert [(m.src_id, m.dst_id) for m in among] == [
+        ("n1", "n2"), ("n1", "n4"), ("n2", "n1"), ("n2", "n4"), ("n4", "n1"), ("n4", "n2")]
+    assert among == [m for m in store.links() if {m.src_id, m.dst_id} <= {"n1", "n2", "n4"}]
+    assert next(m for m in among if m.src_id == "n2" and m.dst_id == "n1").bandwidth == 5.0
+    assert store.links_among([]) == []

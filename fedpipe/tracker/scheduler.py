@@ -174,7 +174,8 @@ class Tracker:
             if self.links.waiting(n.node_id for n in chosen) and \
                     self.clock() - self.jobs.get(job_id).created < self.link_wait:
                 continue  # the links of nodes that just joined are being measured
-            self.jobs.start(job_id, chosen, self.store.links())
+            # the planner uses only the links among the candidates (cluster_view)
+            self.jobs.start(job_id, chosen, self.store.links_among(n.node_id for n in chosen))
 
     def _scheduler(self) -> None:
         while not self.stop_event.is_set():
