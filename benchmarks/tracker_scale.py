@@ -33,11 +33,12 @@ Printed: registration time, the interval and lease the tracker set,
 heartbeat latency p50/p99/max over the window, the same figures of a *control*
 (the generators send ``CONTROL_RATE`` Heartbeats a second to a bare gRPC
 server of its own process that does nothing else, so its p99 is what the
-machine's load alone adds: the floor of the tracker's), the tracker's CPU (psutil on its pid) and CPU per heartbeat, the load
-generators' share of the machine's cores, nodes marked lost (ListNodes with
-include_lost: every fake keeps heartbeating, so any lost node is a false
-verdict) and nodes whose lease ran out at any time in the run (the tracker's
-log; registration included), submit-to-RUNNING seconds, and the load average. Targets (10,000
+machine's load alone adds: the floor of the tracker's), the tracker's CPU
+(psutil on its pid) and CPU per heartbeat, the load generators' share of the
+machine's cores, nodes marked lost (ListNodes with include_lost: every fake
+keeps heartbeating, so any lost node is a false verdict) and nodes whose
+lease ran out at any time in the run (the tracker's log; registration
+included), submit-to-RUNNING seconds, and the load average. Targets (10,000
 nodes, default heartbeat interval): p99 <= 50 ms, no live node lost, the job
 RUNNING within 30 s of its submission.
 """
