@@ -1,6 +1,10 @@
 """A tracker under 1,000 or 10,000 nodes: heartbeat latency, tracker CPU, a job among them.
 
-    python benchmarks/tracker_scale.py --nodes 10000 --seconds 60
+    python benchmarks/tracker_scale.py --nodes 1000 10000 --seconds 60
+
+One run (a fresh tracker) per ``--nodes`` value; a table at the end, with ratios against
+the first. The tracker sets the heartbeat interval (it grows with the swarm, see
+:mod:`fedpipe.tracker.registry`); ``--heartbeat-rate`` passes the tracker's budget.
 
 Starts a real tracker (``python -m fedpipe tracker``), then ``--generators``
 load-generator processes (multiprocessing). Each runs its share of fake nodes
@@ -25,11 +29,16 @@ join; then ``--seconds`` of steady state are measured, and halfway through a
 small job (the digits MLP, 2 stages) is submitted with :class:`fedpipe.Client`
 and timed from submit to RUNNING.
 
-Printed: registration time, heartbeat latency p50/p99/max over the window,
-the tracker's CPU (psutil on its pid) and CPU per heartbeat, the load
-generators' share of the machine's cores, nodes marked lost (ListNodes with
-include_lost: every fake keeps heartbeating, so any lost node is a false
-verdict), submit-to-RUNNING seconds, and the load average. Targets (10,000
+Printed: registration time, the interval and lease the tracker set,
+heartbeat latency p50/p99/max over the window, the same figures of a *control*
+(the generators send ``CONTROL_RATE`` Heartbeats a second to a bare gRPC
+server of its own process that does nothing else, so its p99 is what the
+machine's load alone adds: the floor of the tracker's), the tracker's CPU
+(psutil on its pid) and CPU per heartbeat, the load generators' share of the
+machine's cores, nodes marked lost (ListNodes with include_lost: every fake
+keeps heartbeating, so any lost node is a false verdict) and nodes whose
+lease ran out at any time in the run (the tracker's log; registration
+included), submit-to-RUNNING seconds, and the load average. Targets (10,000
 nodes, default heartbeat interval): p99 <= 50 ms, no live node lost, the job
 RUNNING within 30 s of its submission.
 """
@@ -52,6 +61,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure this checkout's tracker, not an installed one
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import heartbeat_rpc  # noqa: E402 — the control server, from its sibling benchmark
 
 PER_SUBNET = 250
 """Fake nodes per /24 (one site each)."""
@@ -60,6 +71,12 @@ FAKE_FLOPS, FAKE_MEMORY = 1e6, 64 * 2**20
 cannot run one), so the job lands on the real nodes."""
 REGISTER_CONCURRENCY = 32
 """Registrations in flight per load generator."""
+CONTROL_RATE = 50.0
+"""Heartbeats a second, from all generators together, to the control server: a bare gRPC
+server in a process of its own that answers at once (``benchmarks/heartbeat_rpc.py``'s
+``bare-sync``), so its latency is what the machine's load alone adds."""
+REGISTER_ATTEMPTS = 30
+"""Tries per fake node's registration (backoff from 0.2 s to 5 s between them)."""
 
 
 def free_port() -> int:
@@ -70,14 +87,18 @@ def free_port() -> int:
 
 # -- load generator (a child process) ----------------------------------------------------
 
-def generator(g: int, count: int, tracker: str, versions: bytes, port: int, window, results):
+def generator(g: int, count: int, tracker: str, versions: bytes, port: int, window, results,
+              control: str, control_rate: float):
     """Run ``count`` fake nodes until ``window[2]``; put ``(latencies in the window, counts)``
     on ``results``. ``window`` is a shared array: (start, end, stop) in time.time(), 0 until
-    set; heartbeats are timed between start and end, and go on until stop."""
-    asyncio.run(_generator(g, count, tracker, versions, port, window, results))
+    set; heartbeats are timed between start and end, and go on until stop. In the window,
+    also send ``control_rate`` Heartbeats a second to the bare server at ``control``."""
+    asyncio.run(_generator(g, count, tracker, versions, port, window, results, control,
+                           control_rate))
 
 
-async def _generator(g, count, tracker, versions_bytes, port, window, results):
+async def _generator(g, count, tracker, versions_bytes, port, window, results, control,
+                     control_rate):
     import grpc
     from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
 
@@ -106,10 +127,10 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results):
     channel = grpc.aio.insecure_channel(tracker)
     stub = tracker_pb2_grpc.TrackerStub(channel)
     ids: list[str] = [""] * count
-    interval = [2.5]
+    interval, lease = [2.5], [10.0]
     sem = asyncio.Semaphore(REGISTER_CONCURRENCY)
     counts = {"heartbeats": 0, "unknown": 0, "errors": 0, "register_errors": 0,
-              "unregistered": 0}
+              "register_refused": 0, "unregistered": 0}
 
     def request(i: int) -> tracker_pb2.RegisterNodeRequest:
         return tracker_pb2.RegisterNodeRequest(
@@ -119,16 +140,22 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results):
                                          device="cpu", cores=1))
 
     async def register(i: int) -> None:
+        # as fedpipe.net.retry does for a real node: UNAVAILABLE (the tracker admits a few
+        # registrations at once) is retried with exponential backoff and jitter
+        delay = 0.2
         async with sem:
-            for _ in range(5):
+            for _ in range(REGISTER_ATTEMPTS):
                 try:
                     reply = await stub.RegisterNode(request(i), timeout=60)
-                except grpc.aio.AioRpcError:
-                    counts["register_errors"] += 1
-                    await asyncio.sleep(1.0)
+                except grpc.aio.AioRpcError as e:
+                    refused = e.code() == grpc.StatusCode.UNAVAILABLE
+                    counts["register_refused" if refused else "register_errors"] += 1
+                    await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                    delay = min(5.0, delay * 2)
                     continue
                 ids[i] = reply.node_id
                 interval[0] = reply.heartbeat_seconds or interval[0]
+                lease[0] = reply.lease_seconds or lease[0]
                 break
 
     async def live(i: int) -> None:
@@ -179,16 +206,40 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results):
                 if not reply.known:
                     counts["unknown"] += 1
                 interval[0] = reply.heartbeat_seconds or interval[0]
+                lease[0] = reply.lease_seconds or lease[0]
             due += interval[0]
             await asyncio.sleep(max(0.0, due - time.monotonic()))
 
+    control_latencies: list[float] = []
+
+    async def probe_control() -> None:
+        """The same call to a server that does nothing else: the latency this machine's
+        scheduler alone adds (its p99 is the floor of the tracker's)."""
+        async with grpc.aio.insecure_channel(control) as ch:
+            cstub = tracker_pb2_grpc.TrackerStub(ch)
+            while not window[0] or time.time() < window[0]:
+                await asyncio.sleep(0.05)
+            n, t0 = 0, time.monotonic()
+            while time.time() < window[1]:
+                t = time.perf_counter()
+                try:
+                    await cstub.Heartbeat(tracker_pb2.HeartbeatRequest(node_id="control"),
+                                          timeout=10)
+                except grpc.aio.AioRpcError:
+                    counts["control_errors"] = counts.get("control_errors", 0) + 1
+                else:
+                    control_latencies.append(time.perf_counter() - t)
+                n += 1
+                await asyncio.sleep(max(0.0, t0 + n / control_rate - time.monotonic()))
+
     t0 = time.time()
+    control_task = asyncio.ensure_future(probe_control())
     fakes = [asyncio.ensure_future(live(i)) for i in range(count)]
     while sum(1 for i in ids if i) + counts["unregistered"] < count:
         await asyncio.sleep(0.2)
     results.put(("registered", g, time.time() - t0, sum(1 for i in ids if i)))
-    await asyncio.gather(*fakes)
-    results.put(("done", g, latencies, counts))
+    await asyncio.gather(*fakes, control_task)
+    results.put(("done", g, latencies, counts, interval[0], lease[0], control_latencies))
     await channel.close()
     await server.stop(None)
 
@@ -225,6 +276,12 @@ def submit_job(client, delay: float, out: dict) -> None:
         out["end"] = f"{type(e).__name__}: {e}"
 
 
+def lease_misses(log_text: str) -> int:
+    """Nodes the tracker's log says missed their lease (one line each, or one line for many)."""
+    one = len(re.findall(r"node \S+ missed its lease", log_text))
+    return one + sum(int(k) for k in re.findall(r"(\d+) nodes missed their lease", log_text))
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -234,14 +291,49 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nodes", type=int, default=1000, help="fake nodes")
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1000, 10000],
+                    help="fake nodes; one run per value, the first is the baseline of the "
+                         "ratios (default: 1000 10000)")
     ap.add_argument("--generators", type=int, default=2, help="load-generator processes")
     ap.add_argument("--seconds", type=float, default=60.0, help="steady state measured, s")
     ap.add_argument("--lease", type=float, default=None,
                     help="the tracker's --lease (default: the tracker's own default)")
     ap.add_argument("--settle", type=float, default=120.0,
                     help="longest wait for the link backlog to drain after registration, s")
+    ap.add_argument("--heartbeat-rate", type=float, default=None,
+                    help="the tracker's --heartbeat-rate (default: the tracker's own, "
+                         "fedpipe.tracker.registry.HEARTBEAT_RATE)")
     args = ap.parse_args()
+    rows = [run(n, args) for n in args.nodes]
+    print()
+    print("nodes   interval  lease   beats/s  p50 ms  p99 ms  control p99  tracker CPU  "
+          "CPU/beat ms  gen CPU  lost  misses  to RUNNING s  load")
+    for r in rows:
+        print(f"{r['nodes']:>6}  {r['interval']:>6.1f} s {r['lease']:>5.0f} s {r['rate']:>8.0f}  "
+              f"{r['p50'] * 1e3:>6.1f}  {r['p99'] * 1e3:>6.1f}  {r['control_p99'] * 1e3:>11.1f}  "
+              f"{r['cpu']:>10.0%}  "
+              f"{r['per_beat'] * 1e3:>11.3f}  {r['gen']:>7.0%}  {r['lost']:>4}  {r['misses']:>6}  "
+              f"{r['to_running'] if r['to_running'] is None else round(r['to_running'], 1)!s:>12}"
+              f"  {r['load']:.1f}")
+    base = rows[0]
+    for r in rows[1:]:
+        print(f"{r['nodes']} against {base['nodes']} nodes: p99 {r['p99'] / base['p99']:.2f}x, "
+              f"tracker CPU {r['cpu'] / max(base['cpu'], 1e-9):.2f}x, CPU per heartbeat "
+              f"{r['per_beat'] / max(base['per_beat'], 1e-9):.2f}x, heartbeats/s "
+              f"{r['rate'] / max(base['rate'], 1e-9):.2f}x")
+    met = all(r["p99"] <= 0.050 and r["lost"] == 0 and r["misses"] == 0 and
+              r["to_running"] is not None and r["to_running"] <= 30 for r in rows)
+    print(f"targets (p99 <= 50 ms, no lease missed, RUNNING <= 30 s) "
+          f"{'met' if met else 'NOT met'} at every size")
+    return 0
+
+
+def run(n: int, args) -> dict:
+    """One tracker under ``n`` fake nodes (see the module docstring); prints its figures and
+    returns them: nodes, interval and lease (s), rate (heartbeats/s), p50/p99 (s), cpu (share
+    of one core), per_beat (CPU s), gen (share of all cores), lost, misses, to_running (s or
+    None), load (1-minute load average)."""
+
 
     import psutil
 
@@ -261,8 +353,11 @@ def main() -> int:
            str(port), "--db", str(work / "tracker.db")]
     if args.lease:
         cmd += ["--lease", str(args.lease)]
+    if args.heartbeat_rate:
+        cmd += ["--heartbeat-rate", str(args.heartbeat_rate)]
     tproc = subprocess.Popen(cmd, stdout=tlog, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     procs: list = []
+    control_proc = None
     nodes: list[subprocess.Popen] = []
     try:
         client = fedpipe.Client(tracker)
@@ -278,15 +373,24 @@ def main() -> int:
         tps = psutil.Process(tproc.pid)
 
         ctx = mp.get_context("spawn")
+        ready, cport = ctx.Event(), free_port()
+        procs.append(ctx.Process(target=heartbeat_rpc.serve, args=("bare-sync", cport, ready),
+                                 daemon=True))
+        procs[-1].start()
+        if not ready.wait(60):
+            raise RuntimeError("the control server did not start")
+        control = f"127.0.0.1:{cport}"
+        control_proc = procs.pop()
         window = ctx.Array("d", [0.0, 0.0, 0.0])
         results = ctx.Queue()
-        share = [args.nodes // args.generators + (g < args.nodes % args.generators)
+        share = [n // args.generators + (g < n % args.generators)
                  for g in range(args.generators)]
         versions = local_versions().SerializeToString()
         t_reg = time.time()
         for g, count in enumerate(share):
             p = ctx.Process(target=generator, args=(g, count, tracker, versions, free_port(),
-                                                    window, results), daemon=True)
+                                                    window, results, control,
+                                                    CONTROL_RATE / len(share)), daemon=True)
             p.start()
             procs.append(p)
         registered = 0
@@ -294,7 +398,7 @@ def main() -> int:
             _, g, seconds, ok = results.get(timeout=1800)
             registered += ok
         reg_seconds = time.time() - t_reg
-        print(f"{registered} of {args.nodes} fake nodes registered in {reg_seconds:.1f} s "
+        print(f"{registered} of {n} fake nodes registered in {reg_seconds:.1f} s "
               f"({registered / reg_seconds:.0f}/s) by {args.generators} generators")
 
         def list_nodes():
@@ -348,10 +452,12 @@ def main() -> int:
         job_thread.join(150)
         window[2] = time.time()
 
-        latencies, counts = [], {}
+        latencies, counts, told, floor = [], {}, (0.0, 0.0), []
         for _ in procs:
-            _, g, lat, c = results.get(timeout=120)
+            _, g, lat, c, interval, lease, control_lat = results.get(timeout=120)
+            told = max(told, (interval, lease))
             latencies += lat
+            floor += control_lat
             for k, v in c.items():
                 counts[k] = counts.get(k, 0) + v
 
@@ -359,20 +465,29 @@ def main() -> int:
         g_cpu = sum((b.user + b.system) - (a.user + a.system) for a, b in zip(gen0, gen1))
         cores = os.cpu_count() or 1
         beats = counts.get("heartbeats", 0)
-        print(f"nodes: {args.nodes} fake + 2 real, {args.generators} generators, "
+        print(f"nodes: {n} fake + 2 real, {args.generators} generators, "
               f"window {wall:.1f} s")
+        print(f"heartbeat interval {told[0]:.1f} s, lease {told[1]:.0f} s (as the tracker "
+              f"set them last); registrations refused UNAVAILABLE and retried "
+              f"{counts.get('register_refused', 0)}, failed otherwise "
+              f"{counts.get('register_errors', 0)}")
         print(f"heartbeats: {beats} ({beats / wall:.0f}/s), errors {counts.get('errors', 0)}, "
               f"unknown {counts.get('unknown', 0)}")
         print(f"heartbeat latency: p50 {percentile(latencies, 0.5) * 1e3:.1f} ms, "
               f"p99 {percentile(latencies, 0.99) * 1e3:.1f} ms, "
               f"max {max(latencies, default=float('nan')) * 1e3:.1f} ms  (target p99 <= 50 ms)")
+        print(f"control (the same call to a bare server, {CONTROL_RATE:.0f}/s, same window): "
+              f"p50 {percentile(floor, 0.5) * 1e3:.1f} ms, p99 {percentile(floor, 0.99) * 1e3:.1f} "
+              f"ms; tracker p99 / control p99 = "
+              f"{percentile(latencies, 0.99) / percentile(floor, 0.99):.2f}x")
         print(f"tracker CPU: {t_cpu:.1f} s in {wall:.1f} s = {100 * t_cpu / wall:.0f}% of one "
               f"core; {1e3 * t_cpu / max(beats, 1):.3f} ms CPU per heartbeat (all tracker work "
               f"in the window / heartbeats); RSS {rss / 2**20:.0f} MiB")
         print(f"load generators CPU: {g_cpu:.1f} s = {100 * g_cpu / wall / cores:.0f}% of the "
               f"{cores} cores")
-        print(f"nodes marked lost: {len(lost)} {lost[:5]}; 'missed its lease' lines in the "
-              f"tracker log: {len(re.findall('missed (its|their) lease', log_text))}  "
+        misses = lease_misses(log_text)
+        print(f"nodes marked lost: {len(lost)} {lost[:5]}; nodes whose lease ran out during "
+              f"the run (tracker log): {misses}  "
               f"(target 0)")
         to_running = submitted.get("to_running")
         print(f"small job on {submitted.get('placed')}: submit to RUNNING "
@@ -380,11 +495,15 @@ def main() -> int:
               f"{submitted.get('end', 'no end')}")
         print(f"tracker log: {len(log_text) / 1024:.0f} KiB; load average "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-        return 0
+        return dict(nodes=n, interval=told[0], lease=told[1], rate=beats / wall,
+                    p50=percentile(latencies, 0.5), p99=percentile(latencies, 0.99),
+                    control_p99=percentile(floor, 0.99),
+                    cpu=t_cpu / wall, per_beat=t_cpu / max(beats, 1), gen=g_cpu / wall / cores,
+                    lost=len(lost), misses=misses, to_running=to_running, load=load[0])
     finally:
         for n in nodes:
             n.terminate()
-        for p in procs:
+        for p in procs + ([control_proc] if control_proc is not None else []):
             p.terminate()
         tproc.terminate()
         try:

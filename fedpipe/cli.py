@@ -41,7 +41,8 @@ def cmd_tracker(args) -> int:
     tls = _tls(args, "tracker")
     srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh,
                                tls=tls, insecure=args.insecure,
-                               max_job_bytes=args.max_job_bytes)
+                               max_job_bytes=args.max_job_bytes,
+                               heartbeat_rate=args.heartbeat_rate)
     print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db}"
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'})", flush=True)
     if args.retention is not None:
@@ -298,7 +299,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--port", type=int, default=7070)
     t.add_argument("--db", default="fedpipe-tracker.db", help="SQLite file for the tracker's state")
     t.add_argument("--lease", type=float, default=10.0,
-                   help="seconds a node may go without a heartbeat before it is marked lost")
+                   help="seconds a node may go without a heartbeat before it is marked lost, "
+                        "in a swarm below --heartbeat-rate * lease / 4 nodes (longer above)")
+    t.add_argument("--heartbeat-rate", type=float, default=None,
+                   help="most heartbeats per second asked of all nodes together; a larger "
+                        "swarm is told to heartbeat less often (default: "
+                        "fedpipe.tracker.registry.HEARTBEAT_RATE, 250)")
     t.add_argument("--retention", type=float, default=None,
                    help="seconds an ended job's stages keep their weights on the nodes "
                         "(for state_dict()) unless released sooner (default: "

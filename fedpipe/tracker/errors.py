@@ -34,3 +34,8 @@ class FailedPrecondition(TrackerError):
 
 class ResourceExhausted(TrackerError):
     """The swarm cannot hold what is asked (a job larger than all nodes' memory)."""
+
+
+class Unavailable(TrackerError):
+    """The tracker cannot take the request now but will soon: the caller retries with
+    backoff (too many registrations at once)."""

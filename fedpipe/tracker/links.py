@@ -15,7 +15,9 @@ round; a lost node makes its neighbours pending (their bands shift). Measuring
 a pending node is one ``MeasureLinks`` call over only its unmeasured pairs, so
 a burst of registrations is absorbed in about one call per node. Every
 ``link_refresh`` seconds each live node re-measures all its selected links,
-without holding back jobs.
+without holding back jobs; the tracker paces those calls over the period
+(:meth:`LinkMeasurer.run`'s ``gap``), since 10,000 of them back to back take a
+core for a minute and delay heartbeats by up to a second.
 
 A node that cannot be measured (unreachable, or its call failed) counts as
 measured for that round, so it never holds back a job; it is named in one
@@ -247,12 +249,27 @@ class LinkMeasurer:
                 log.info("node %s measures its links again", m.name)
             self._errors.extend(f"{m.name} -> {x.dst_id}: {x.error}" for x in mine if x.error)
 
-    def run(self) -> tuple[int, list[str]]:
+    def run(self, gap: float = 0.0, wait: Callable[[float], object] = time.sleep
+            ) -> tuple[int, list[str]]:
         """Measure every queued node once (pending, then refresh); return how many were
-        taken from the queue and the failures, which are summarised in one log line."""
+        taken from the queue and the failures, which are summarised in one log line.
+
+        Args:
+            gap: seconds to ``wait`` after each re-measurement (a refresh), so a
+                round is spread out; first measurements never wait, and one that
+                is queued meanwhile goes next.
+            wait: called with ``gap``; may return early (a node joined); a true
+                result ends the round (the tracker stops).
+        """
         taken = 0
-        while self.measure_next():
+        while True:
+            with self._lock:
+                refreshing = not self._pending and bool(self._refresh)
+            if not self.measure_next():
+                break
             taken += 1
+            if refreshing and gap > 0 and wait(gap):
+                break
         with self._lock:
             errors, self._errors = self._errors, []
         if errors:

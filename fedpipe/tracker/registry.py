@@ -25,11 +25,31 @@ Rules a registration must pass, in this order:
    never merged with the new process. A fenced incarnation that registers
    again is refused with :class:`~.errors.FailedPrecondition`.
 
-Leases: a node is lost after ``lease`` seconds without a heartbeat; it is
-told to heartbeat every ``lease / 4`` seconds, so three heartbeats in a row
-may be lost before its lease runs out. Liveness lives in memory and reaches
-the store in batches (see :class:`Registry`), so a heartbeat costs O(1) and
-no SQLite commit, and 10,000 nodes fit in one tracker.
+Leases: the tracker sets every node's heartbeat interval, and scales it with
+the swarm so that all nodes together send at most ``rate`` heartbeats a
+second (:data:`HEARTBEAT_RATE`)::
+
+    lease    = max(base_lease, HEARTBEATS_PER_LEASE * live_nodes / rate)
+    interval = lease / HEARTBEATS_PER_LEASE
+
+A node is lost after ``lease`` seconds without a heartbeat; it is told to
+heartbeat every ``lease / 4`` seconds, so three heartbeats in a row may be
+lost before its lease runs out. With the defaults (``--lease 10``, 250/s) a
+swarm of up to 625 nodes heartbeats every 2.5 s; 10,000 nodes heartbeat
+every 40 s with a lease of 160 s. This is Nomad's rule (its servers give each
+client a heartbeat TTL of ``max(min_heartbeat_ttl, nodes /
+max_heartbeats_per_second)``, 200 s at 10,000 nodes by default): a Python
+gRPC server spends about 0.35 ms of CPU on the bare call (sync or asyncio
+alike, ``benchmarks/heartbeat_rpc.py``), so a fixed 2.5 s interval at 10,000
+nodes (4,000 calls/s) would need more than one core for heartbeats alone.
+The lease is the backstop, not the detector: a failed send and a failed Ping
+mark a node lost at once (docs/tracker-scale.md).
+
+Each node is held to the lease it was last told (its deadline is set when
+its heartbeat is taken), so a shrinking swarm never declares lost a node that
+still beats at the longer interval it heard. Liveness lives in memory and
+reaches the store in batches (see :class:`Registry`), so a heartbeat costs
+O(1) and no SQLite commit, and 10,000 nodes fit in one tracker.
 """
 from __future__ import annotations
 
@@ -52,6 +72,13 @@ MAX_NAME = 256
 """Longest node name or address accepted, characters."""
 HEARTBEATS_PER_LEASE = 4
 """Heartbeats a node sends per lease: it may miss ``HEARTBEATS_PER_LEASE - 1`` in a row."""
+HEARTBEAT_RATE = 250.0
+"""Most heartbeats per second the tracker asks of the whole swarm (``fedpipe tracker
+--heartbeat-rate``): about 1/6 of one core at ~0.65 ms of tracker CPU per heartbeat, which
+leaves the rest of a core to registrations (~7 ms each, hundreds a second when a swarm
+reconnects), link measurement and planning. Below ``rate * base_lease /
+HEARTBEATS_PER_LEASE`` nodes (625 with a 10 s lease) it does not bind; above, the interval
+grows with the swarm (see the module docstring)."""
 PERSIST_EVERY = 5.0
 """Seconds between two writes of the heartbeats taken in between (one transaction each)."""
 LOST_NAMED = 10
@@ -146,28 +173,39 @@ class Registry:
 
     Args:
         store: the tracker's state.
-        lease: seconds a node may go without a heartbeat before it is lost.
+        lease: the base lease: seconds a node may go without a heartbeat before it
+            is lost, while the swarm is small enough (see :attr:`lease_seconds`).
         on_lost: called with the ids of nodes that were lost (lease expired,
             left, or replaced by a new incarnation) and the reason, in words
             ("left the swarm"), after the store says so.
         clock: seconds since the epoch.
         on_alive: called with a node's id when it becomes alive (registered,
             or a lost node's heartbeat revived it).
+        rate: the most heartbeats per second asked of all live nodes together
+            (:data:`HEARTBEAT_RATE`); > 0.
+
+    Raises:
+        ValueError: ``lease`` or ``rate`` is not > 0.
     """
 
     def __init__(self, store: Store, lease: float,
                  on_lost: Callable[[set[str], str], None],
                  clock: Callable[[], float] = time.time,
-                 on_alive: Callable[[str], None] = lambda node_id: None):
+                 on_alive: Callable[[str], None] = lambda node_id: None,
+                 rate: float = HEARTBEAT_RATE):
+        if not (lease > 0 and rate > 0):
+            raise ValueError(f"a lease and a heartbeat rate must be > 0, got lease {lease} s "
+                             f"and rate {rate}/s")
         self.store, self.lease, self.on_lost, self.clock = store, lease, on_lost, clock
-        self.on_alive = on_alive
+        self.on_alive, self.rate = on_alive, rate
         # registrations run one at a time (they check then write the store); heartbeats take
         # only ``_lock``, which guards the dicts below and is never held across a store call
         self._registering = threading.Lock()
         self._lock = threading.Lock()
         self._nodes: dict[str, _Incarnation] = {}
         self._by_address: dict[str, set[str]] = {}
-        self._beats: dict[str, float] = {}  # live nodes' last heartbeat; insertion = age order
+        # live nodes' (lease deadline, the lease told at their last heartbeat); insertion = age
+        self._until: dict[str, tuple[float, float]] = {}
         self._dirty: dict[str, float] = {}  # heartbeats not yet persisted
         self._due: dict[str, float] = {}  # each live node's deadline as queued in _heap
         self._heap: list[tuple[float, str]] = []
@@ -175,42 +213,58 @@ class Registry:
         self._revived = 0  # lost nodes revived by a heartbeat since the last expire()
         now = clock()
         store.renew_all(now)
-        for r in store.node_records(include_lost=True):
+        records = store.node_records(include_lost=True)
+        # every node live at the restart gets the lease of the whole swarm it is part of
+        lease = self._lease_for(sum(1 for r in records if r.info.alive))
+        for r in records:
             i = r.info
             self._remember(i.node_id, _Incarnation(i.name, i.address, r.boot_id, r.versions,
                                                    i.registered, r.fenced))
             if i.alive:
-                self._live(i.node_id, now)
+                self._live(i.node_id, now, lease)
 
     def _remember(self, node_id: str, inc: _Incarnation) -> None:
         self._nodes[node_id] = inc
         self._by_address.setdefault(inc.address, set()).add(node_id)
 
-    def _live(self, node_id: str, now: float) -> None:
-        """Under ``_lock``: ``node_id`` is alive with a heartbeat at ``now``."""
-        self._beats[node_id] = now
+    def _live(self, node_id: str, now: float, lease: float | None = None) -> None:
+        """Under ``_lock``: ``node_id`` is alive with a heartbeat at ``now``, held to
+        ``lease`` seconds (default: :attr:`lease_seconds`)."""
+        lease = self.lease_seconds if lease is None else lease
+        until = now + lease
+        self._until[node_id] = (until, lease)
         if node_id not in self._due:
-            self._due[node_id] = now + self.lease
-            heapq.heappush(self._heap, (now + self.lease, node_id))
+            self._due[node_id] = until
+            heapq.heappush(self._heap, (until, node_id))
 
     def _dead(self, node_id: str) -> None:
         """Under ``_lock``: ``node_id`` is no longer alive (its heap entry goes stale)."""
-        self._beats.pop(node_id, None)
+        self._until.pop(node_id, None)
         self._dirty.pop(node_id, None)
         self._due.pop(node_id, None)
 
+    def _lease_for(self, live: int) -> float:
+        """The lease for a swarm of ``live`` nodes, seconds (the module docstring's rule)."""
+        return max(self.lease, HEARTBEATS_PER_LEASE * live / self.rate)
+
+    @property
+    def lease_seconds(self) -> float:
+        """The lease nodes are told now, seconds: the base lease, or longer in a swarm so
+        large that its heartbeats would exceed ``rate`` per second."""
+        return self._lease_for(len(self._until))
+
     @property
     def heartbeat_seconds(self) -> float:
-        """How often nodes should heartbeat, seconds."""
-        return self.lease / HEARTBEATS_PER_LEASE
+        """How often nodes should heartbeat now, seconds (:attr:`lease_seconds` / 4)."""
+        return self.lease_seconds / HEARTBEATS_PER_LEASE
 
     def alive(self, node_id: str) -> bool:
         """Whether ``node_id`` is a live node."""
-        return node_id in self._beats
+        return node_id in self._until
 
     def live_count(self) -> int:
         """How many nodes are alive."""
-        return len(self._beats)
+        return len(self._until)
 
     def info(self, node_id: str) -> tuple[str, str, float]:
         """``(name, address, registered)`` of a known incarnation. KeyError if unknown."""
@@ -221,7 +275,7 @@ class Registry:
         """The live node other versions are checked against (see :func:`check_versions`):
         the longest-live one that speaks this protocol, outside ``skip``; [] if none."""
         with self._lock:
-            for node_id in self._beats:
+            for node_id in self._until:
                 inc = self._nodes[node_id]
                 if node_id not in skip and inc.versions.protocol == PROTOCOL_VERSION:
                     return [NodeRecord(tracker_pb2.NodeInfo(node_id=node_id, name=inc.name,
@@ -245,7 +299,7 @@ class Registry:
             with self._lock:
                 here = [(i, self._nodes[i]) for i in sorted(self._by_address.get(address, ()))]
                 holder = next(((i, inc) for i, inc in here
-                               if i in self._beats and inc.name != name), None)
+                               if i in self._until and inc.name != name), None)
             if holder is not None:
                 raise AlreadyExists(
                     f"address {address} is held by live node {holder[1].name!r} "
@@ -296,13 +350,16 @@ class Registry:
     def heartbeat(self, node_id: str) -> bool:
         """Renew ``node_id``'s lease; False if the tracker does not know it (or fenced it).
 
-        O(1), no store write, unless the heartbeat revives a lost node (which
-        is written through).
+        The node is held to :attr:`lease_seconds` as it is now (what the reply
+        tells it). O(1), no store write, unless the heartbeat revives a lost node
+        (which is written through).
         """
         now = self.clock()
         with self._lock:
-            if node_id in self._beats:
-                self._beats[node_id] = self._dirty[node_id] = now
+            if node_id in self._until:
+                lease = self.lease_seconds
+                self._until[node_id] = (now + lease, lease)
+                self._dirty[node_id] = now
                 return True
             inc = self._nodes.get(node_id)
             if inc is None or inc.fenced:
@@ -335,20 +392,20 @@ class Registry:
     def expire(self) -> set[str]:
         """Mark the nodes whose lease ran out lost (in one store transaction); return their ids.
 
-        A node is lost once more than ``lease`` seconds passed since its last
-        heartbeat. Pops only due deadlines (see the class docstring).
+        A node is lost once more than the lease it was last told has passed
+        since its last heartbeat. Pops only due deadlines (see the class docstring).
         """
         now = self.clock()
-        lost: set[str] = set()
+        lost: dict[str, float] = {}  # node -> the lease it missed
         with self._lock:
             revived, self._revived = self._revived, 0
             while self._heap and self._heap[0][0] < now:
                 deadline, node_id = heapq.heappop(self._heap)
                 if self._due.get(node_id) != deadline:
                     continue  # stale: the node was lost or left since it was queued
-                renewed = self._beats[node_id] + self.lease
+                renewed, lease = self._until[node_id]
                 if renewed < now:
-                    lost.add(node_id)
+                    lost[node_id] = lease
                     self._dead(node_id)
                 else:
                     self._due[node_id] = renewed
@@ -356,17 +413,18 @@ class Registry:
         if revived:  # one line per tick, however many came back
             log.info("%d lost node(s) came back (heartbeat after their lease ran out)", revived)
         if not lost:
-            return lost
+            return set()
         self.store.mark_lost_many(sorted(lost))
+        longest = max(lost.values())
         if len(lost) <= LOST_NAMED:
             for node_id in sorted(lost):
                 log.warning("node %s missed its lease of %.1f s: marked lost", node_id,
-                            self.lease)
+                            lost[node_id])
         else:
-            log.warning("%d nodes missed their lease of %.1f s: marked lost (e.g. %s)",
-                        len(lost), self.lease, ", ".join(sorted(lost)[:LOST_NAMED]))
-        self.on_lost(lost, f"lost (no heartbeat for {self.lease:.0f} s)")
-        return lost
+            log.warning("%d nodes missed their leases of up to %.1f s: marked lost (e.g. %s)",
+                        len(lost), longest, ", ".join(sorted(lost)[:LOST_NAMED]))
+        self.on_lost(set(lost), f"lost (no heartbeat for {longest:.0f} s)")
+        return set(lost)
 
     def flush(self) -> int:
         """Persist the heartbeats taken since the last flush, in one transaction; return

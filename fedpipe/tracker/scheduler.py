@@ -11,16 +11,20 @@ store, and runs:
   its candidates (:func:`candidates`: at most :data:`PLAN_CANDIDATES` nodes),
   once none of them waits for its first link measurement (or ``link_wait``
   has passed). Bookkeeping per tick is O(log n) per due lease plus, only
-  while a job is PENDING, O(n) to read the nodes.
+  while a job is PENDING or RECOVERING, O(n) to read the nodes and choose
+  its candidates.
 - the link measurer: measures the links of nodes as they join
   (:class:`~.links.LinkMeasurer`: O(k) links per node, never a full round),
-  and every ``link_refresh`` seconds re-measures each node's selected links.
+  and every ``link_refresh`` seconds re-measures each node's selected links,
+  one node every ``REFRESH_SPREAD * link_refresh / n`` seconds (10,000
+  nodes: one call each 27 ms, not all in one burst).
 
 :meth:`Tracker.tick` and :meth:`Tracker.measure_links` are one round of each,
 so tests can drive them without threads.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -33,7 +37,7 @@ from .jobs import Jobs
 from .links import LinkMeasurer
 from .errors import FailedPrecondition
 from .nodes import NodeCallError, NodeCalls
-from .registry import Registry, validate_node
+from .registry import HEARTBEAT_RATE, Registry, validate_node
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker")
@@ -41,6 +45,9 @@ log = logging.getLogger("fedpipe.tracker")
 TICK = 1.0
 """Longest pause between scheduler rounds, seconds (it also runs at once on every change,
 and at least 4 times per lease so an expired lease is noticed within a quarter of it)."""
+REFRESH_SPREAD = 0.9
+"""Part of ``link_refresh`` a round of re-measurements is spread over (the rest is slack,
+so a round ends before the next is due)."""
 PLAN_CANDIDATES = 256
 """Most nodes a job is planned over: the planner's link matrices grow as the square of the
 nodes it is given, and a swarm of 10,000 would make them 800 MB."""
@@ -50,14 +57,15 @@ def candidates(nodes: list[tracker_pb2.NodeInfo], limit: int | None = None
                ) -> list[tracker_pb2.NodeInfo]:
     """The nodes a job is planned over: all of them if at most ``limit`` (default
     :data:`PLAN_CANDIDATES`), else the ``limit`` fastest (FLOP/s, then memory, then the
-    oldest registration), in registration order. O(n log n)."""
+    oldest registration), in registration order. O(n log limit): linear in the swarm
+    (a bounded heap, not a sort of all n)."""
     limit = PLAN_CANDIDATES if limit is None else limit
     if len(nodes) <= limit:
         return nodes
-    order = {n.node_id: i for i, n in enumerate(nodes)}
-    best = sorted(nodes, key=lambda n: (-n.resources.flops, -n.resources.memory_bytes,
-                                        order[n.node_id]))[:limit]
-    return sorted(best, key=lambda n: order[n.node_id])
+    best = heapq.nsmallest(limit, range(len(nodes)),
+                           key=lambda i: (-nodes[i].resources.flops,
+                                          -nodes[i].resources.memory_bytes, i))
+    return [nodes[i] for i in sorted(best)]
 
 
 class Tracker:
@@ -66,7 +74,8 @@ class Tracker:
     Args:
         store: the tracker's state.
         nodes: how to reach nodes.
-        lease: seconds a node may go without a heartbeat before it is lost.
+        lease: seconds a node may go without a heartbeat before it is lost, while the
+            swarm is small (see :attr:`~.registry.Registry.lease_seconds`).
         link_refresh: seconds between re-measurements of every selected link
             (0: only when nodes join).
         link_wait: seconds a job waits for the first link measurement of its
@@ -76,17 +85,21 @@ class Tracker:
         clock: seconds since the epoch.
         background: start the scheduler and link-measurer threads (False:
             the caller drives :meth:`tick` and :meth:`measure_links`).
+        heartbeat_rate: the most heartbeats per second asked of all nodes together
+            (:data:`~.registry.HEARTBEAT_RATE`).
     """
 
     def __init__(self, store: Store, nodes: NodeCalls, *, lease: float = 10.0,
                  link_refresh: float = 300.0, link_wait: float = 30.0,
-                 clock: Callable[[], float] = time.time, background: bool = True):
+                 clock: Callable[[], float] = time.time, background: bool = True,
+                 heartbeat_rate: float = HEARTBEAT_RATE):
         self.store, self.nodes, self.clock = store, nodes, clock
         self.lease, self.link_refresh, self.link_wait = lease, link_refresh, link_wait
         self.jobs = Jobs(store, nodes, clock)
         self.links = LinkMeasurer(store, nodes, clock)
         # nodes that were live when the tracker stopped get a fresh lease, not a lost verdict
-        self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive)
+        self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive,
+                                 rate=heartbeat_rate)
         self.jobs.declare_lost = self.registry.declare_lost
         for n in store.nodes():
             self.links.add(n.node_id, n.name, n.address, n.registered)
@@ -164,7 +177,8 @@ class Tracker:
             if self.links.waiting(n.node_id for n in chosen) and \
                     self.clock() - self.jobs.get(job_id).created < self.link_wait:
                 continue  # the links of nodes that just joined are being measured
-            self.jobs.start(job_id, chosen, self.store.links())
+            # the planner uses only the links among the candidates (cluster_view)
+            self.jobs.start(job_id, chosen, self.store.links_among(n.node_id for n in chosen))
 
     def _scheduler(self) -> None:
         while not self.stop_event.is_set():
@@ -175,13 +189,24 @@ class Tracker:
             self.jobs.wait(min(TICK, self.lease / 4))
 
     # -- links ----------------------------------------------------------------
-    def measure_links(self, refresh: bool = False) -> None:
+    def measure_links(self, refresh: bool = False, paced: bool = False) -> None:
         """Measure the links of every queued node (see :class:`~.links.LinkMeasurer`); with
-        ``refresh``, re-measure every live node's selected links first."""
+        ``refresh``, re-measure every live node's selected links first; with ``paced``,
+        spread the re-measurements over ``REFRESH_SPREAD * link_refresh`` seconds (until
+        the tracker stops)."""
         if refresh:
             self.links.refresh_all()
-        self.links.run()
+        gap = (REFRESH_SPREAD * self.link_refresh / max(1, self.registry.live_count())
+               if paced else 0.0)
+        self.links.run(gap, self._pause)
         self.jobs.notify()
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds`` between two re-measurements, less if a node joins (its first
+        measurement goes next); True if the tracker is stopping."""
+        self.measure_now.wait(seconds)
+        self.measure_now.clear()
+        return self.stop_event.is_set()
 
     def _measurer(self) -> None:
         next_refresh = time.monotonic() + self.link_refresh if self.link_refresh else None
@@ -191,7 +216,7 @@ class Tracker:
             if refresh:
                 next_refresh = time.monotonic() + self.link_refresh
             try:
-                self.measure_links(refresh)
+                self.measure_links(refresh, paced=True)
             except Exception:  # noqa: BLE001 — try again at the next trigger
                 log.exception("link measurement failed")
             wait = None if next_refresh is None else max(0.0, next_refresh - time.monotonic())

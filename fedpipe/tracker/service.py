@@ -25,6 +25,7 @@ from ..security.policy import require_owner, require_self
 from ..security.signing import verify_job
 from . import errors
 from .nodes import GrpcNodeCalls
+from .registry import HEARTBEAT_RATE
 from .scheduler import Tracker
 from .store import SqliteStore
 
@@ -37,6 +38,12 @@ database and sent to nodes); ``fedpipe tracker --max-job-bytes`` changes it."""
 MAX_JOBS_PER_OWNER = 8
 """The most jobs one client (certificate) may have pending or running at once; more are
 refused with RESOURCE_EXHAUSTED and the count, so one client cannot flood the tracker."""
+MAX_REGISTERING = 8
+"""Registrations the tracker runs at once. Each holds a server thread while it dials the
+node and waits its turn to write, so a swarm registering at once (10,000 nodes after a
+tracker restart) would take every thread and starve heartbeats into lost leases; the
+excess is refused with UNAVAILABLE, which nodes retry with backoff
+(:func:`fedpipe.net.retry`)."""
 
 STATUS: dict[type[errors.TrackerError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -45,6 +52,7 @@ STATUS: dict[type[errors.TrackerError], grpc.StatusCode] = {
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 """The status code of each domain error."""
 
@@ -105,6 +113,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         self.store = tracker.store  # the caller closes it after the server stops
         self._names: dict[str, str] = {}  # node_id -> name; ids are never reused
         self._names_lock = threading.Lock()
+        self._registering = threading.BoundedSemaphore(MAX_REGISTERING)
 
     def _node_name(self, node_id: str) -> str | None:
         """The registered name of ``node_id`` (None: no such node)."""
@@ -171,11 +180,18 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     @_unary
     def RegisterNode(self, request, context):
         require_self(identity_of(context), request.name)
-        node_id = self.tracker.register(request)
+        if not self._registering.acquire(blocking=False):
+            raise errors.Unavailable(
+                f"the tracker is registering {MAX_REGISTERING} nodes already, the most it "
+                f"takes at once (so heartbeats keep their threads); retry with backoff")
+        try:
+            node_id = self.tracker.register(request)
+        finally:
+            self._registering.release()
         with self._names_lock:
             self._names[node_id] = request.name
         r = self.tracker.registry
-        return S.RegisterNodeReply(node_id=node_id, lease_seconds=r.lease,
+        return S.RegisterNodeReply(node_id=node_id, lease_seconds=r.lease_seconds,
                                    heartbeat_seconds=r.heartbeat_seconds)
 
     @_unary
@@ -184,7 +200,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         r = self.tracker.registry
         known = r.leave(request.node_id) if request.leaving else r.heartbeat(request.node_id)
         drop, drop_jobs = self.tracker.jobs.reconcile(request.node_id, list(request.holds))
-        return S.HeartbeatReply(known=known, lease_seconds=r.lease,
+        # the lease the registry just held the node to (it moves only as nodes join or go)
+        return S.HeartbeatReply(known=known, lease_seconds=r.lease_seconds,
                                 heartbeat_seconds=r.heartbeat_seconds, drop=drop,
                                 drop_jobs=drop_jobs)
 
@@ -256,7 +273,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
 def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: float = 300.0,
           *, tls: TlsConfig | None = None, insecure: bool = False,
-          max_job_bytes: int = MAX_JOB_BYTES) -> tuple[grpc.Server, TrackerService, int]:
+          max_job_bytes: int = MAX_JOB_BYTES, heartbeat_rate: float | None = None
+          ) -> tuple[grpc.Server, TrackerService, int]:
     """Start a tracker server on the SQLite file ``db``; returns ``(server, service, port)``.
 
     Args:
@@ -266,6 +284,9 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
         insecure: allow plaintext on a non-loopback ``host`` (see
             :func:`fedpipe.net.check_plaintext`).
         max_job_bytes: the most bytes of layers a job may carry.
+        heartbeat_rate: the most heartbeats per second asked of the whole swarm (None:
+            :data:`~fedpipe.tracker.registry.HEARTBEAT_RATE`); a larger swarm is told
+            a longer interval and lease.
 
     Raises:
         ValueError: plaintext on a non-loopback ``host`` without ``insecure``.
@@ -273,8 +294,9 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
         sqlite3.Error: the database cannot be opened.
     """
     net.check_plaintext(host, tls, insecure, "the tracker")
+    rate = HEARTBEAT_RATE if heartbeat_rate is None else heartbeat_rate
     service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(tls=tls), lease=lease,
-                                     link_refresh=link_refresh), tls,
+                                     link_refresh=link_refresh, heartbeat_rate=rate), tls,
                              max_job_bytes=max_job_bytes)
     srv = net.server(tls=tls)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)

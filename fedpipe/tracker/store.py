@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import copy
 import itertools
+import json
 import math
 import sqlite3
 import threading
@@ -120,6 +121,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def links(self) -> list[node_pb2.LinkMeasurement]:
         """The latest measurement of every directed link, ordered by (src, dst)."""
+
+    def links_among(self, node_ids: Iterable[str]) -> list[node_pb2.LinkMeasurement]:
+        """:meth:`links` whose both ends are in ``node_ids``, ordered by (src, dst): what a
+        plan over those nodes needs, without reading a swarm's worth of links (80,000 at
+        10,000 nodes) on every scheduler tick. This default filters :meth:`links`."""
+        ids = set(node_ids)
+        return [m for m in self.links() if m.src_id in ids and m.dst_id in ids]
 
     # -- jobs ---------------------------------------------------------------
     @abc.abstractmethod
@@ -360,6 +368,16 @@ class SqliteStore(Store):
         return [node_pb2.LinkMeasurement(src_id=s, dst_id=d, bandwidth=b, latency=lat,
                                          measured_at=at)
                 for s, d, b, lat, at in self._x("SELECT * FROM links ORDER BY src, dst")]
+
+    def links_among(self, node_ids):
+        # one lookup per source by the (src, dst) key, not a scan of every link
+        ids = json.dumps(sorted(set(node_ids)))
+        return [node_pb2.LinkMeasurement(src_id=s, dst_id=d, bandwidth=b, latency=lat,
+                                         measured_at=at)
+                for s, d, b, lat, at in self._x(
+                    "SELECT * FROM links WHERE src IN (SELECT value FROM json_each(?)) "
+                    "AND dst IN (SELECT value FROM json_each(?)) ORDER BY src, dst",
+                    (ids, ids))]
 
     # -- jobs ---------------------------------------------------------------
     def add_job(self, spec, reason, now):
