@@ -293,6 +293,9 @@ def state_name(state: int) -> str:
 
 REPLICA_SYNCS = ("auto", "allreduce", "diloco")
 """How replica groups agree: the planner chooses, a per-step all-reduce, or DiLoCo outer steps."""
+REBALANCE = ("auto", "never")
+"""Whether the tracker may migrate a running job to a better plan (a node joined, or one is
+slower than it said) at a checkpoint boundary, when the gain pays for the move."""
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,7 @@ class JobSpec:
         replica_sync: one of :data:`REPLICA_SYNCS`.
         diloco: the DiLoCo settings (used when ``replica_sync`` is "diloco").
         checkpoint_every: steps between checkpoints (0: chosen from the step time).
+        rebalance: one of :data:`REBALANCE`.
     """
 
     steps: int
@@ -394,6 +398,7 @@ class JobSpec:
     replica_sync: str = "auto"
     diloco: DiLoCo = field(default_factory=DiLoCo)
     checkpoint_every: int = 0
+    rebalance: str = "auto"
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -439,6 +444,8 @@ class JobSpec:
              f"must be one of {list(REPLICA_SYNCS)}, got {self.replica_sync!r}")
         need(self.checkpoint_every >= 0, "checkpoint_every",
              f"must be >= 0 (0: chosen from the step time), got {self.checkpoint_every}")
+        need(self.rebalance in REBALANCE, "rebalance",
+             f"must be one of {list(REBALANCE)}, got {self.rebalance!r}")
         return self
 
     @property
@@ -485,7 +492,8 @@ class JobSpec:
                    activation_compression=msg.activation_compression or "auto",
                    gradient_compression=msg.gradient_compression or "auto",
                    max_staleness=msg.max_staleness, replica_sync=msg.replica_sync or "auto",
-                   diloco=outer, checkpoint_every=msg.checkpoint_every)
+                   diloco=outer, checkpoint_every=msg.checkpoint_every,
+                   rebalance=msg.rebalance or "auto")
 
     def summary(self) -> dict:
         """The settings as plain values (no pickles), for logs and status pages."""

@@ -144,6 +144,17 @@ class Client:
         """The live nodes, in registration order."""
         return list(self.stub.ListNodes(S.ListNodesRequest(), timeout=timeouts.CONTROL_RPC).nodes)
 
+    def drain(self, node: str) -> tracker_pb2.DrainNodeReply:
+        """Drain ``node`` (its name or id): its stages move to other nodes at the next step
+        boundary with their current state (no step is lost), it takes no new work, and it
+        exits once nothing needs it (see ``fedpipe drain``). Under TLS only an admin may.
+
+        Raises:
+            grpc.RpcError: NOT_FOUND for an unknown node, PERMISSION_DENIED for a caller
+                that is not an admin.
+        """
+        return self.stub.DrainNode(S.DrainNodeRequest(node=node), timeout=timeouts.CONTROL_RPC)
+
     def submit(self, model: nn.Sequential,
                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                optimizer: OptimizerSpec, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
@@ -151,7 +162,8 @@ class Client:
                stages: int = 0, replicas: int = 0, compression: str | dict[str, str] = "auto",
                max_staleness: int = 1, replica_sync: str | DiLoCo = "auto", name: str = "",
                pending_timeout: float | None = None, lr_scheduler: LRSchedulerSpec | None = None,
-               clip_grad_norm: float = 0.0, checkpoint_every: int = 0) -> "Job":
+               clip_grad_norm: float = 0.0, checkpoint_every: int = 0,
+               rebalance: str = "auto") -> "Job":
         """Submit a training job and start feeding it.
 
         Args:
@@ -188,6 +200,10 @@ class Client:
             clip_grad_norm: clip the gradients to this global L2 norm before each
                 optimizer step, as :func:`torch.nn.utils.clip_grad_norm_` on the
                 whole model would (:mod:`fedpipe.runtime.clip`); 0: no clipping.
+            rebalance: "auto": the tracker may move stages to a better plan at a
+                step boundary (a node joined, or one runs slower than it said) when the
+                predicted gain pays for moving the state; "never": only drains and
+                losses move stages.
 
         Raises:
             TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
@@ -224,7 +240,7 @@ class Client:
                            replica_sync=replica_sync, diloco=outer,
                            lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"",
                            clip_grad_norm=clip_grad_norm, checkpoint_every=checkpoint_every,
-                           batch_size=microbatches).validate(len(layers))
+                           rebalance=rebalance, batch_size=microbatches).validate(len(layers))
         batches = _cycle(data)
         try:
             first = next(batches)
