@@ -360,6 +360,10 @@ class StageRegistry:
                         timeout=timeouts.FETCH_STATE_RPC)
                     _, snap = checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)
                 self.snapshots.put(stage.job_id, stage.key, snap)
+                # the state that changed hands (tests and benchmarks count it from this line)
+                log.info("fetched the step %d snapshot of job %s stage %d (replica %d) from %s: "
+                         "%d tensors, %d bytes", snap.step, stage.job_id, stage.key.stage,
+                         stage.key.replica, address, len(snap.tensors), snap.nbytes)
                 break
             except (grpc.RpcError, WireError) as e:
                 detail = e.details() if isinstance(e, grpc.RpcError) else str(e)

@@ -216,6 +216,12 @@ class Elastic:
         self.pending: dict[str, Handover] = {}
         self._targets: dict[str, tuple[node_pb2.Plan, int]] = {}  # job -> migration plan, bytes
         self._considering: set[str] = set()
+        self.background = True
+        """Consider migrations on a thread of their own (False: only when :meth:`consider`
+        is called, as in-process tests do)."""
+        self.unmeasured: Callable[[str], bool] = lambda node_id: False
+        """Whether a node's links are still to be measured (it is not considered yet); the
+        tracker sets it from its link measurer."""
         self._lock = threading.RLock()
         jobs.on_checkpoint, jobs.on_step = self.on_checkpoint, self.on_step
         jobs.usable = self.usable
@@ -351,7 +357,7 @@ class Elastic:
                 if h.target is not None:
                     self._targets[job_id] = (h.target, h.bytes_moved)
             self.jobs.begin_recovery(job_id, h.names, h.cause, cause=h.cause)
-        elif h is None and job_id not in self._considering:
+        elif h is None and self.background and job_id not in self._considering:
             threading.Thread(target=self.consider, args=(job_id,), name=f"rebalance-{job_id}",
                              daemon=True).start()
 
@@ -359,7 +365,7 @@ class Elastic:
         """Step ``step`` of a job is recorded: every :data:`CONSIDER_EVERY` steps look for
         slow nodes and a better assignment (in the background), so a node slower than
         it said is found even when checkpoints are far apart."""
-        if step % CONSIDER_EVERY == 0:
+        if self.background and step % CONSIDER_EVERY == 0:
             with self._lock:
                 if job_id in self.pending or job_id in self._considering:
                     return
@@ -426,7 +432,9 @@ class Elastic:
         spec = JobSpec.from_proto(request.config)
         if spec.rebalance != "auto" or job.state != S.JOB_STATE_RUNNING:
             return False
-        nodes = self.usable(self.store.nodes())
+        used = PlanView(job.plan).node_ids()
+        nodes = [n for n in self.usable(self.store.nodes())
+                 if n.node_id in used or not self.unmeasured(n.node_id)]
         profile, config = model_profile(request.profile), train_config(spec)
         cluster = cluster_view(nodes + [n for n in self.store.nodes()
                                         if n.node_id in self.draining], self.store.links())

@@ -88,6 +88,7 @@ class Tracker:
         self.lease, self.link_refresh, self.link_wait = lease, link_refresh, link_wait
         self.jobs = Jobs(store, nodes, clock)
         self.elastic = Elastic(self.jobs, threshold=rebalance_threshold)
+        self.elastic.unmeasured = lambda node_id: self.links.waiting([node_id])
         self.links = LinkMeasurer(store, nodes, clock)
         # nodes that were live when the tracker stopped get a fresh lease, not a lost verdict
         self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive)
