@@ -49,8 +49,14 @@ def info(client, job):
 
 
 def holder(client, job, stage):
-    """The node (a NodeInfo-like assignment) running ``stage`` of group 0 now."""
-    return PlanView(info(client, job).plan)[StageKey(0, stage)]
+    """The assignment of ``stage`` of group 0 once the job runs."""
+    deadline = time.monotonic() + 120
+    while (now := info(client, job)).state != tracker_pb2.JOB_STATE_RUNNING:
+        assert time.monotonic() < deadline and now.state in (
+            tracker_pb2.JOB_STATE_PENDING, tracker_pb2.JOB_STATE_PLANNING,
+            tracker_pb2.JOB_STATE_DEPLOYING), now.reason
+        time.sleep(0.1)
+    return PlanView(now.plan)[StageKey(0, stage)]
 
 
 def submit(client, data, stages=3, rebalance="never", schedule="1f1b"):
@@ -90,6 +96,7 @@ def test_fedpipe_drain_mid_job_moves_the_stage_with_no_step_recomputed(swarm):
     model, job = submit(client, data)
     victim = holder(client, job, 1)
     proc = swarm.nodes[swarm.node_index(victim.node_name)]
+    swarm.faulted.add(proc)  # its exit is expected
     inj = swarm.inject(job.id).at_step(3, "drain", lambda: client.drain(victim.node_name))
     inj.start()
     final = finish_exact(client, model, job, data)
@@ -108,6 +115,7 @@ def test_sigterm_drains_a_node_which_then_exits(swarm):
     model, job = submit(client, data, schedule="gpipe")
     victim = holder(client, job, 2)
     proc = swarm.nodes[swarm.node_index(victim.node_name)]
+    swarm.faulted.add(proc)
     inj = swarm.inject(job.id).at_step(4, "SIGTERM", proc.terminate)
     inj.start()
     final = finish_exact(client, model, job, data)
@@ -122,6 +130,7 @@ def test_sigterm_drains_a_node_which_then_exits(swarm):
 def test_a_draining_node_takes_no_new_work(swarm):
     client, data = swarm.client(), batches()
     idle = client.nodes()[-1]
+    swarm.faulted.add(swarm.nodes[swarm.node_index(idle.name)])
     # a long job keeps the drained node needed by nothing: it leaves at once, so look
     # at the flag while its heartbeat has not come yet
     client.drain(idle.name)
@@ -129,6 +138,7 @@ def test_a_draining_node_takes_no_new_work(swarm):
     assert flags.get(idle.name, True)  # listed as draining, or already gone
     assert not any(v for k, v in flags.items() if k != idle.name)
     model, job = submit(client, data)
+    holder(client, job, 0)
     assert idle.node_id not in PlanView(info(client, job).plan).node_ids()
     job.cancel()
     replace_gone(swarm)
@@ -142,9 +152,8 @@ def test_a_node_joining_mid_job_takes_a_stage_when_it_pays_and_weights_stay_exac
     with LocalSwarm(n_nodes=2, lease=5.0, link_profile=SLOW) as swarm:
         client, data = swarm.client(), batches()
         model, job = submit(client, data, stages=2, rebalance="auto")
-        before = info(client, job).plan
-        slow = PlanView(before)[StageKey(0, 1)] if PlanView(before)[StageKey(0, 1)].node_name \
-            == "node1" else PlanView(before)[StageKey(0, 0)]
+        slow = holder(client, job, 1) if holder(client, job, 1).node_name == "node1" \
+            else holder(client, job, 0)
         assert slow.node_name == "node1"
         inj = swarm.inject(job.id).at_step(2, "join", lambda: swarm.add_node())
         inj.start()
@@ -172,6 +181,7 @@ def test_the_drained_node_exits_before_its_timeout():
     --drain-timeout; SIGINT stops a node at once (LocalSwarm.close relies on it)."""
     with LocalSwarm(n_nodes=1, lease=5.0) as swarm:
         proc = swarm.nodes[0]
+        swarm.faulted.add(proc)
         t0 = time.monotonic()
         proc.terminate()
         assert proc.wait(timeout=20) == 0
