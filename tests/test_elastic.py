@@ -59,10 +59,10 @@ def holder(client, job, stage):
     return PlanView(now.plan)[StageKey(0, stage)]
 
 
-def submit(client, data, stages=3, rebalance="never", schedule="1f1b"):
+def submit(client, data, stages=3, rebalance="never", schedule="1f1b", steps=STEPS):
     torch.manual_seed(0)
     model = digits.make_model(hidden=32)
-    job = client.submit(model, LOSS, SGD, data, steps=STEPS, microbatches=2, stages=stages,
+    job = client.submit(model, LOSS, SGD, data, steps=steps, microbatches=2, stages=stages,
                         replicas=1, schedule=schedule, compression="none",
                         checkpoint_every=EVERY, rebalance=rebalance)
     return model, job
@@ -130,7 +130,8 @@ def test_sigterm_drains_a_node_which_then_exits(swarm):
 def test_a_draining_node_takes_no_new_work(swarm):
     client, data = swarm.client(), batches()
     idle = client.nodes()[-1]
-    swarm.faulted.add(swarm.nodes[swarm.node_index(idle.name)])
+    proc = swarm.nodes[swarm.node_index(idle.name)]
+    swarm.faulted.add(proc)
     # a long job keeps the drained node needed by nothing: it leaves at once, so look
     # at the flag while its heartbeat has not come yet
     client.drain(idle.name)
@@ -141,17 +142,20 @@ def test_a_draining_node_takes_no_new_work(swarm):
     holder(client, job, 0)
     assert idle.node_id not in PlanView(info(client, job).plan).node_ids()
     job.cancel()
+    assert proc.wait(timeout=30) == 0  # it ran nothing: it leaves at its next heartbeat
     replace_gone(swarm)
 
 
-SLOW = {"links": [{"from": "node1", "to": "*", "bandwidth": 200_000, "latency_ms": 15}]}
+SLOW = {"links": [{"from": "node1", "to": "*", "bandwidth": 100_000, "latency_ms": 100}]}
 """node1 sits behind a slow link; node2, which joins mid-job, does not."""
+JOIN_STEPS = 80
+"""Enough slow steps for node2 to start, register and have its links measured mid-job."""
 
 
 def test_a_node_joining_mid_job_takes_a_stage_when_it_pays_and_weights_stay_exact():
     with LocalSwarm(n_nodes=2, lease=5.0, link_profile=SLOW) as swarm:
-        client, data = swarm.client(), batches()
-        model, job = submit(client, data, stages=2, rebalance="auto")
+        client, data = swarm.client(), batches(JOIN_STEPS)
+        model, job = submit(client, data, stages=2, rebalance="auto", steps=JOIN_STEPS)
         slow = holder(client, job, 1) if holder(client, job, 1).node_name == "node1" \
             else holder(client, job, 0)
         assert slow.node_name == "node1"

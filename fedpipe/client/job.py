@@ -59,7 +59,9 @@ class JobStatus:
     def __str__(self) -> str:
         text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
         for r in self.recoveries:
-            text += (f"\n  recovered from the loss of {r.lost}: rewound to step "
+            what = {"drain": "handed over from draining", "rebalance": "migrated to"}.get(
+                r.cause, "recovered from the loss of")
+            text += (f"\n  {what} {r.lost}: rewound to step "
                      f"{r.checkpoint_step}, {r.steps_recomputed} steps recomputed, "
                      f"{r.detect_seconds + r.replan_seconds + r.restore_seconds:.1f} s "
                      f"(detect {r.detect_seconds:.1f}, replan {r.replan_seconds:.1f}, "

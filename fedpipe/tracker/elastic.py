@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -71,6 +72,9 @@ SLOW_FACTOR = 1.5
 HANDOVER_TIMEOUT = 60.0
 """Seconds a hand-over's cut may take to become a complete checkpoint; past it the hold is
 lifted and a drain falls back to a rewind (the node is then treated as lost)."""
+STEP_OVERHEAD = 0.02
+"""Seconds per microbatch a stage may exceed its calibrated compute time by before it
+counts as slow (a step's fixed costs, which FLOP/s do not predict)."""
 CONSIDER_EVERY = 5
 """Steps between looks for slow nodes and better assignments (also at every checkpoint)."""
 CUT_ATTEMPTS = 5
@@ -474,21 +478,37 @@ class Elastic:
 
     def _remeasure(self, job: tracker_pb2.JobInfo, profile: planner.ModelProfile,
                    flops: dict[str, float]) -> None:
-        """Mark the nodes whose stages compute :data:`SLOW_FACTOR` times slower than their
-        advertised FLOP/s predict, with the speed their stages show."""
+        """Mark the nodes whose stages compute :data:`SLOW_FACTOR` times slower than the
+        calibrated cost model predicts, with the speed their stages show.
+
+        The model is calibrated on the job's other stages: their median ratio of
+        measured to predicted compute (1 for a job of one stage) absorbs what FLOP/s
+        leave out (Python and launch overheads, a CPU's cache). A stage must also
+        exceed the prediction by :data:`STEP_OVERHEAD` seconds per microbatch, so tiny
+        models whose step is all overhead do not count as slow.
+        """
         view = PlanView(job.plan)
+        ratios: dict[StageKey, tuple[float, float, node_pb2.StageAssignment]] = {}
         for t in self.jobs.stage_times(job.job_id):
-            a = view.get(StageKey(t.replica, t.stage))
+            key = StageKey(t.replica, t.stage)
+            a = view.get(key)
             if a is None or t.compute <= 0:
                 continue
             m = max(1, view.microbatches(a.replica))
             f, b = compute_seconds(profile, a.layer_start, a.layer_end,
                                    max(flops.get(a.node_id, 1.0), 1.0), view.share(a.replica) / m)
-            predicted = (f + b) * m
-            if predicted > 0 and t.compute >= SLOW_FACTOR * predicted:
-                measured = flops.get(a.node_id, 1.0) * predicted / t.compute
-                with self._lock:
-                    if measured < self.speed.get(a.node_id, math.inf):
-                        log.warning("node %s computes %.1fx slower than it advertised: taking "
-                                    "%.2g FLOP/s", a.node_name, t.compute / predicted, measured)
-                        self.speed[a.node_id] = measured
+            if f + b > 0:
+                ratios[key] = ((f + b) * m, t.compute, a)
+        for key, (predicted, measured, a) in ratios.items():
+            others = [c / p for k, (p, c, _) in ratios.items() if k != key]
+            calibrated = predicted * (statistics.median(others) if others else 1.0)
+            m = max(1, view.microbatches(a.replica))
+            if measured < SLOW_FACTOR * calibrated + STEP_OVERHEAD * m:
+                continue
+            speed = flops.get(a.node_id, 1.0) * calibrated / measured
+            with self._lock:
+                if speed < self.speed.get(a.node_id, math.inf):
+                    log.warning("node %s computes %.1fx slower than the calibrated model "
+                                "predicts: taking %.2g FLOP/s", a.node_name,
+                                measured / calibrated, speed)
+                    self.speed[a.node_id] = speed
