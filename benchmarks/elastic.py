@@ -11,7 +11,7 @@ measures its baseline in the same run and prints ``os.getloadavg()``: the
 machine is shared, and the figures are only as good as its load allows.
 
 - ``join``: 2 nodes, node1 behind an emulated slow link
-  (:mod:`fedpipe.net.emulation`; ``--slow-kbps``, default 2000 kB/s, 10 ms);
+  (:mod:`fedpipe.net.emulation`; ``--slow-kbps``, default 400 kB/s, 50 ms);
   a 2-stage job with ``rebalance="auto"``. At step ``--join-at`` node2 joins,
   whose links are not shaped (faster than the slowest participant's). A node on
   the same host adds no cores, so the gain can only come from the link. Printed:
@@ -32,8 +32,8 @@ machine is shared, and the figures are only as good as its load allows.
   over time (10 s bins), also written to ``--out`` as ``elastic-churn.csv`` and
   ``elastic-churn.json`` (with the events), for a plot.
 
-    python benchmarks/elastic.py [join|drain|churn|all] [--quick] [--minutes M] [--seed S]
-                                 [--out DIR]
+    PYTHONPATH=. python benchmarks/elastic.py [join|drain|churn|all] [--quick] [--minutes M]
+                                              [--seed S] [--out DIR]
 
 ``all`` (default) takes about 5 + ``2 × --minutes`` minutes on a 2-core machine;
 ``--quick`` shortens every job.
@@ -147,13 +147,13 @@ def max_rel(a: dict, b: dict) -> float:
 
 # -- join ---------------------------------------------------------------------------
 def section_join(args) -> dict:
-    steps = 60 if args.quick else 150
-    join_at = max(5, steps // 5)
+    steps = 80 if args.quick else 150
+    join_at = 5  # node2 then needs ~10-20 s to start, register and be measured
     profile = {"links": [{"from": "node1", "to": "*", "bandwidth": args.slow_kbps * 1e3,
-                          "latency_ms": 10}]}
+                          "latency_ms": 50}]}
     batches = data(steps)
     out = {}
-    print(f"\n== join: node1 behind {args.slow_kbps:.0f} kB/s + 10 ms; node2 (unshaped) joins "
+    print(f"\n== join: node1 behind {args.slow_kbps:.0f} kB/s + 50 ms; node2 (unshaped) joins "
           f"at step {join_at} of {steps} ({load()})")
     for mode in ("auto", "never"):
         with LocalSwarm(n_nodes=2, lease=5.0, link_profile=profile) as swarm:
@@ -193,7 +193,7 @@ def section_join(args) -> dict:
 
 # -- drain --------------------------------------------------------------------------
 def section_drain(args) -> dict:
-    steps = 60 if args.quick else 150
+    steps = 100 if args.quick else 400
     drain_at = steps // 3
     batches = data(steps)
     print(f"\n== drain: 4 nodes, 3 stages, {steps} steps; stage 1's node drains at step "
@@ -346,7 +346,7 @@ def main() -> None:
     p.add_argument("section", nargs="?", default="all", choices=["join", "drain", "churn", "all"])
     p.add_argument("--quick", action="store_true", help="shorter jobs (a smoke run)")
     p.add_argument("--minutes", type=float, default=3.0, help="length of the churn run")
-    p.add_argument("--slow-kbps", type=float, default=2000.0,
+    p.add_argument("--slow-kbps", type=float, default=400.0,
                    help="join: node1's emulated bandwidth, kB/s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="elastic-out", help="where churn writes its CSV and JSON")
