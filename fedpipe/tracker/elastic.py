@@ -58,6 +58,7 @@ from ..planner.protoio import cluster_view, model_profile, train_config
 from ..proto import node_pb2, tracker_pb2
 from ..spec import ACTIVE, JobSpec, PlanView, StageKey
 from .errors import NotFound
+from .jobs import Jobs
 from .nodes import NodeCallError, NodeCalls
 
 log = logging.getLogger("fedpipe.tracker")
@@ -172,9 +173,9 @@ def reassign(plan: node_pb2.Plan, nodes: list[tracker_pb2.NodeInfo],
              need: Callable[[node_pb2.StageAssignment], float]) -> node_pb2.Plan:
     """A better assignment of ``plan``'s stages to ``nodes``, each stage keeping its
     layer range: greedy steepest descent, each round moving the one stage to the
-    unused node (one the plan does not use, with the memory the stage ``need``\\ s,
-    bytes) that lowers ``predict`` most, until no move helps. Returns ``plan``
-    itself when nothing does. O(rounds · stages · nodes) predictions."""
+    unused node (one the plan does not use, with at least ``need(stage)`` bytes of
+    memory) that lowers ``predict`` (seconds per step) most, until no move helps.
+    Returns ``plan`` itself when nothing does. O(stages² · nodes) predictions."""
     best, best_t = plan, predict(plan)
     for _ in range(len(plan.stages)):
         used = PlanView(best).node_ids()
@@ -203,7 +204,7 @@ class Elastic:
         horizon: most steps a migration's gain is counted over.
     """
 
-    def __init__(self, jobs, *, threshold: float = REBALANCE_THRESHOLD,
+    def __init__(self, jobs: Jobs, *, threshold: float = REBALANCE_THRESHOLD,
                  horizon: int = HORIZON_STEPS):
         if not 0 <= threshold < 1:
             raise ValueError(f"the rebalance threshold must be in [0, 1), got {threshold}")
@@ -233,6 +234,11 @@ class Elastic:
 
     # -- drains ---------------------------------------------------------------
     def find(self, node: str) -> tracker_pb2.NodeInfo:
+        """The live node whose name or id is ``node``.
+
+        Raises:
+            NotFound: none.
+        """
         for n in self.store.nodes():
             if node in (n.node_id, n.name):
                 return n
@@ -327,9 +333,9 @@ class Elastic:
                 break
             if all(r.accepted for r in replies):
                 with self._lock:
-                    h = self.pending.get(job_id)
-                    if h is not None:
-                        h.cut = cut
+                    mine = self.pending.get(job_id)
+                    if mine is not None:
+                        mine.cut = cut
                 log.info("job %s: %s of %s at the cut of step %d", job_id, cause,
                          ", ".join(sorted(names)), cut)
                 return True
