@@ -281,15 +281,15 @@ def section_churn(args) -> dict:
                     swarm.add_node()
                     name = f"node{len(swarm.nodes) - 1}"
                     events.append({"t": now, "event": "join", "node": name})
-                    continue
-                victim = rng.choice(alive)
-                if rng.random() < 0.5:
+                elif rng.random() < 0.5:
+                    victim = rng.choice(alive)
                     try:
                         client.drain(f"node{victim}")
                         events.append({"t": now, "event": "drain", "node": f"node{victim}"})
                     except Exception as e:  # noqa: BLE001 — e.g. it registered a moment ago
                         events.append({"t": now, "event": f"drain failed: {e}"})
                 else:
+                    victim = rng.choice(alive)
                     swarm.kill(victim)
                     events.append({"t": now, "event": "kill -9", "node": f"node{victim}"})
                 print(f"  t={now:6.1f} s {events[-1]['event']} {events[-1].get('node', '')}",
