@@ -25,9 +25,10 @@ machine is shared, and the figures are only as good as its load allows.
   undisturbed run's (1e-5).
 - ``churn``: 4 nodes and a 3-stage job with ``rebalance="auto"`` and a checkpoint
   every 10 steps, run for ``--minutes``; every 20-40 s (uniform) a node joins
-  or leaves at random (never fewer than 4 live, never more than 6); a leave is a
-  drain or a ``kill -9``, half each. The undisturbed run of the same steps is
-  the baseline. Printed: held-out accuracy of both (target: within 1 point),
+  or leaves at random (never fewer than 4 live, never more than 6); leaves
+  alternate between a drain and a ``kill -9`` (the first one drawn at random).
+  The undisturbed run of the same steps is the baseline. Printed: held-out
+  accuracy of both (target: within 1 point),
   average throughput over undisturbed (target >= 70 %), and the throughput
   over time (10 s bins), also written to ``--out`` as ``elastic-churn.csv`` and
   ``elastic-churn.json`` (with the events), for a plot.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import os
 import random
@@ -272,6 +274,9 @@ def section_churn(args) -> dict:
         stop = threading.Event()
         t0 = time.monotonic()
 
+        first = rng.choice(["drain", "kill"])  # then they alternate: half each
+        kinds = itertools.cycle([first, "kill" if first == "drain" else "drain"])
+
         def churn():
             while not stop.wait(rng.uniform(20, 40)):
                 alive = [i for i, p in enumerate(swarm.nodes) if p.poll() is None]
@@ -281,7 +286,7 @@ def section_churn(args) -> dict:
                     swarm.add_node()
                     name = f"node{len(swarm.nodes) - 1}"
                     events.append({"t": now, "event": "join", "node": name})
-                elif rng.random() < 0.5:
+                elif next(kinds) == "drain":
                     victim = rng.choice(alive)
                     try:
                         client.drain(f"node{victim}")
