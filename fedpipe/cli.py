@@ -47,6 +47,7 @@ def cmd_tracker(args) -> int:
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'})", flush=True)
     if args.retention is not None:
         service.tracker.jobs.retention = args.retention
+    service.tracker.elastic.threshold = args.rebalance_threshold
     served = _observe_tracker(service.tracker, args)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -84,6 +85,13 @@ def _observe_tracker(tracker, args) -> list:
     return served
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), got {text}")
+    return value
+
+
 def cmd_node(args) -> int:
     from .node.daemon import NodeDaemon
 
@@ -92,7 +100,7 @@ def cmd_node(args) -> int:
                         trust_code=args.trust_code, memory_limit=args.memory_limit,
                         link_profile=args.link_profile, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host, tls=_tls(args, args.name or None),
-                        insecure=args.insecure)
+                        insecure=args.insecure, drain_timeout=args.drain_timeout)
     daemon.install_signal_handlers()
     print(f"fedpipe node {daemon.name} listening on {daemon.address}", flush=True)
     if daemon.metrics_server is not None:
@@ -203,6 +211,16 @@ def cmd_cancel(args) -> int:
     return 0
 
 
+def cmd_drain(args) -> int:
+    """``fedpipe drain NODE``: the node's stages move away at the next step boundary and it
+    exits once no job needs it (under TLS, an admin certificate's call)."""
+    with _client(args) as client:
+        reply = client.drain(args.node)
+    jobs = ", ".join(reply.jobs) or "none"
+    print(f"draining {reply.node.name} ({reply.node.node_id}); jobs handing over: {jobs}")
+    return 0
+
+
 def cmd_submit(args) -> int:
     from .examples import digits
 
@@ -309,6 +327,10 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds an ended job's stages keep their weights on the nodes "
                         "(for state_dict()) unless released sooner (default: "
                         "fedpipe.tracker.jobs.RETENTION, 10 minutes)")
+    t.add_argument("--rebalance-threshold", type=_fraction, default=0.10,
+                   help="least fall of a running job's predicted step time (a fraction, "
+                        "default 0.10) for which it migrates to a better assignment of "
+                        "nodes; the time to move the state counts against the gain")
     t.add_argument("--link-refresh", type=float, default=300.0,
                    help="seconds between link re-measurements (0: only when nodes join)")
     t.add_argument("--http-port", type=int, default=0,
@@ -338,6 +360,10 @@ def parser() -> argparse.ArgumentParser:
                    help="advertise at most this many bytes of memory")
     n.add_argument("--link-profile", default=None,
                    help="JSON file of emulated links to peers (bandwidth, latency); see README")
+    n.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on SIGTERM, seconds to hand this node's stages over to other nodes "
+                        "before it exits anyway (0: exit at once; SIGINT always exits at "
+                        "once); node/fedpipe-node.service's TimeoutStopSec matches it")
     metrics_args(n)
     tls_args(n, None)  # a node's certificate is its --name
     insecure_arg(n)
@@ -389,6 +415,13 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--draw", metavar="FILE", help="also draw the plan (.png, .svg, .pdf)")
     tls_args(pl, client_name)
     pl.set_defaults(func=cmd_plan)
+
+    dr = sub.add_parser("drain", help="drain a node: its stages move to other nodes at the "
+                                      "next step boundary, then it exits (admin)")
+    dr.add_argument("--tracker", required=True)
+    dr.add_argument("node", help="the node's name or id")
+    tls_args(dr, "the admin certificate in --tls-dir (default: its only one)")
+    dr.set_defaults(func=cmd_drain)
 
     c = sub.add_parser("cancel", help="cancel a job")
     c.add_argument("--tracker", required=True)

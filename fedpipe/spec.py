@@ -298,6 +298,9 @@ def state_name(state: int) -> str:
 
 REPLICA_SYNCS = ("auto", "allreduce", "diloco")
 """How replica groups agree: the planner chooses, a per-step all-reduce, or DiLoCo outer steps."""
+REBALANCE = ("auto", "never")
+"""Whether the tracker may migrate a running job to a better plan (a node joined, or one is
+slower than it said) at a checkpoint boundary, when the gain pays for the move."""
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,7 @@ class JobSpec:
         client_timeout: seconds the job waits for its client once the client is gone
             (WAITING, "waiting for the client"), then fails (> 0; unset in the
             proto: :data:`CLIENT_TIMEOUT`).
+        rebalance: one of :data:`REBALANCE`.
     """
 
     steps: int
@@ -403,6 +407,7 @@ class JobSpec:
     diloco: DiLoCo = field(default_factory=DiLoCo)
     checkpoint_every: int = 0
     client_timeout: float = CLIENT_TIMEOUT
+    rebalance: str = "auto"
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -450,6 +455,8 @@ class JobSpec:
              f"must be >= 0 (0: chosen from the step time), got {self.checkpoint_every}")
         need(math.isfinite(self.client_timeout) and self.client_timeout > 0, "client_timeout",
              f"must be a finite number of seconds > 0, got {self.client_timeout}")
+        need(self.rebalance in REBALANCE, "rebalance",
+             f"must be one of {list(REBALANCE)}, got {self.rebalance!r}")
         return self
 
     @property
@@ -497,7 +504,8 @@ class JobSpec:
                    gradient_compression=msg.gradient_compression or "auto",
                    max_staleness=msg.max_staleness, replica_sync=msg.replica_sync or "auto",
                    diloco=outer, checkpoint_every=msg.checkpoint_every,
-                   client_timeout=msg.client_timeout or CLIENT_TIMEOUT)
+                   client_timeout=msg.client_timeout or CLIENT_TIMEOUT,
+                   rebalance=msg.rebalance or "auto")
 
     def summary(self) -> dict:
         """The settings as plain values (no pickles), for logs and status pages."""

@@ -38,6 +38,7 @@ EXPECTED = {
     "/fedpipe.v1.Tracker/GetJob": {"client", "admin"},
     "/fedpipe.v1.Tracker/WatchJob": {"client", "admin"},
     "/fedpipe.v1.Tracker/CancelJob": {"client", "admin"},
+    "/fedpipe.v1.Tracker/DrainNode": {"admin", "node"},
     "/fedpipe.v1.Node/Probe": {"node", "tracker"},
     "/fedpipe.v1.Node/LoadStage": {"tracker"},
     "/fedpipe.v1.Node/StopJob": {"tracker", "client"},
@@ -47,6 +48,7 @@ EXPECTED = {
     "/fedpipe.v1.Node/FetchSnapshot": {"node", "client"},
     "/fedpipe.v1.Node/Ping": {"node", "tracker"},
     "/fedpipe.v1.Node/MeasureLinks": {"tracker"},
+    "/fedpipe.v1.Node/HoldAt": {"tracker"},
 }
 CALLERS = {"tracker": "t", "node": "n1", "client": "alice", "admin": "op"}
 CHAT = "/fedpipe.test.Echo/Chat"

@@ -41,6 +41,8 @@ class FakeNodes:
         self.dead: set[str] = set()
         self.lost_snapshots: set[int] = set()
         self.pings: list[str] = []
+        self.holds: list[tuple[str, node_pb2.HoldAtRequest]] = []
+        self.done: dict[str, int] = {}  # address -> steps its stages have done (for HoldAt)
 
     def _alive(self, address):
         if address in self.dead:
@@ -62,6 +64,13 @@ class FakeNodes:
 
     def stop_job(self, address, request):
         self.stops.append((address, request))
+
+    def hold_at(self, address, request):
+        """As a node would: refused when a stage here is already past the cut."""
+        self._alive(address)
+        self.holds.append((address, request))
+        done = self.done.get(address, 0)
+        return node_pb2.HoldAtReply(accepted=request.step == 0 or done < request.step, done=done)
 
     def measure_links(self, address, request):
         self.measured.append(address)

@@ -63,8 +63,10 @@ class JobStatus:
     def __str__(self) -> str:
         text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
         for r in self.recoveries:
-            what = f"the loss of {r.lost}" if r.lost else "a restored checkpoint"
-            text += (f"\n  recovered from {what}: rewound to step "
+            what = {"loss": f"recovered from the loss of {r.lost}",
+                    "drain": f"handed over from draining {r.lost}",
+                    "rebalance": f"migrated to {r.lost}"}.get(r.cause, f"recovered from {r.cause}")
+            text += (f"\n  {what}: rewound to step "
                      f"{r.checkpoint_step}, {r.steps_recomputed} steps recomputed, "
                      f"{r.detect_seconds + r.replan_seconds + r.restore_seconds:.1f} s "
                      f"(detect {r.detect_seconds:.1f}, replan {r.replan_seconds:.1f}, "
@@ -152,6 +154,17 @@ class Client:
         """The live nodes, in registration order."""
         return list(self.stub.ListNodes(S.ListNodesRequest(), timeout=timeouts.CONTROL_RPC).nodes)
 
+    def drain(self, node: str) -> tracker_pb2.DrainNodeReply:
+        """Drain ``node`` (its name or id): its stages move to other nodes at the next step
+        boundary with their current state (no step is lost), it takes no new work, and it
+        exits once nothing needs it (see ``fedpipe drain``). Under TLS only an admin may.
+
+        Raises:
+            grpc.RpcError: NOT_FOUND for an unknown node, PERMISSION_DENIED for a caller
+                that is not an admin.
+        """
+        return self.stub.DrainNode(S.DrainNodeRequest(node=node), timeout=timeouts.CONTROL_RPC)
+
     def submit(self, model: nn.Sequential,
                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                optimizer: OptimizerSpec, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
@@ -162,7 +175,8 @@ class Client:
                clip_grad_norm: float = 0.0, checkpoint_every: int = 0,
                client_timeout: float = CLIENT_TIMEOUT,
                resume_from: str | os.PathLike | None = None,
-               checkpoint_dir: str | os.PathLike | None = None) -> "Job":
+               checkpoint_dir: str | os.PathLike | None = None,
+               rebalance: str = "auto") -> "Job":
         """Submit a training job and start feeding it.
 
         Args:
@@ -212,6 +226,10 @@ class Client:
                 (pulled from the nodes as each completes), so the job can be
                 resumed (``resume_from=checkpoint_dir``) even if every node and
                 the tracker are lost.
+            rebalance: "auto": the tracker may move stages to a better plan at a
+                step boundary (a node joined, or one runs slower than it said) when the
+                predicted gain pays for moving the state; "never": only drains and
+                losses move stages.
 
         Raises:
             TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
@@ -258,7 +276,7 @@ class Client:
                            replica_sync=replica_sync, diloco=outer,
                            lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"",
                            clip_grad_norm=clip_grad_norm, checkpoint_every=checkpoint_every,
-                           client_timeout=client_timeout,
+                           client_timeout=client_timeout, rebalance=rebalance,
                            batch_size=microbatches).validate(len(layers))
         batches = _cycle(data)
         try:

@@ -5,6 +5,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 import uuid
 from concurrent import futures
 
@@ -25,6 +26,12 @@ from .probe import probe, resolve_device
 from .service import NodeService
 
 log = logging.getLogger("fedpipe.node")
+
+DRAIN_TIMEOUT = 60.0
+"""Default seconds a draining node waits for its stages to be handed over before it exits;
+``node/fedpipe-node.service``'s ``TimeoutStopSec`` is a little more."""
+DRAIN_POLL = 0.2
+"""Seconds between a draining node's looks at whether it may exit."""
 
 
 def local_versions() -> tracker_pb2.Versions:
@@ -62,6 +69,9 @@ class NodeDaemon:
             from jobs signed by a client certificate.
         insecure: allow plaintext on a non-loopback ``host`` (see
             :func:`fedpipe.net.check_plaintext`).
+        drain_timeout: on SIGTERM (or when the tracker drains it), seconds to wait
+            for the tracker to move this node's stages to other nodes before it
+            exits anyway (0: exit at once). SIGINT always exits at once.
 
     Raises:
         ValueError: an unusable device, a malformed link profile, or a ``name``
@@ -75,7 +85,8 @@ class NodeDaemon:
                  threads: int | None = None, trust_code: bool = False,
                  memory_limit: int | None = None, link_profile: str | None = None,
                  metrics_port: int = 0, metrics_host: str = LOCALHOST,
-                 tls: TlsConfig | None = None, insecure: bool = False):
+                 tls: TlsConfig | None = None, insecure: bool = False,
+                 drain_timeout: float = DRAIN_TIMEOUT):
         net.check_plaintext(host, tls, insecure, "this node")
         if tls is not None:
             if trust_code:
@@ -94,6 +105,12 @@ class NodeDaemon:
         self.tracker_address = tracker
         self.resources = probe(resolve_device(device), memory_limit)
         self.stop_event = threading.Event()
+        self.drain_timeout = drain_timeout
+        self.draining = threading.Event()
+        """Set once this node drains (SIGTERM, or the tracker's word): it says so in every
+        heartbeat and exits when the tracker says no job needs it, or after drain_timeout."""
+        self.drained = threading.Event()
+        self._drain_since = 0.0
         self.node_id = ""
         self.boot_id = uuid.uuid4().hex
         self.lease = 10.0
@@ -149,8 +166,14 @@ class NodeDaemon:
                 # a stop message lost while the node was unreachable is never lost for good)
                 reply = self.tracker.Heartbeat(
                     tracker_pb2.HeartbeatRequest(node_id=self.node_id,
-                                                 holds=self.service.stages.holdings()),
+                                                 holds=self.service.stages.holdings(),
+                                                 draining=self.draining.is_set()),
                     timeout=timeouts.HEARTBEAT_RPC)
+                if reply.drain and not self.draining.is_set():
+                    log.info("the tracker drains this node: its stages move to other nodes")
+                    self.drain()
+                if reply.drained and self.draining.is_set():
+                    self.drained.set()
                 if reply.drop or reply.drop_jobs:
                     self.service.stages.drop(list(reply.drop), list(reply.drop_jobs))
                 if reply.known:
@@ -173,7 +196,10 @@ class NodeDaemon:
                 raise
         hb = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         hb.start()
-        self.stop_event.wait()
+        while not self.stop_event.wait(DRAIN_POLL):
+            if self.draining.is_set() and self._drain_over():
+                break
+        self.stop_event.set()
         self.service.stop_all()
         if self.node_id:
             try:  # so no job is planned onto a node that is gone
@@ -187,9 +213,47 @@ class NodeDaemon:
             self.metrics_server.close()
 
     def stop(self, *_) -> None:
-        """Ask :meth:`run` to return."""
+        """Ask :meth:`run` to return at once."""
         self.stop_event.set()
 
+    def drain(self, *_) -> None:
+        """Drain, then return from :meth:`run`: the tracker moves this node's stages to
+        other nodes at the next step boundary (:mod:`fedpipe.tracker.elastic`); the node
+        takes no new work and returns once no job needs it, or after ``drain_timeout``
+        seconds. A drain already under way is not restarted."""
+        if self.draining.is_set():
+            return
+        self._drain_since = time.monotonic()
+        self.draining.set()
+        if self.drain_timeout <= 0 or not self.node_id:
+            self.stop()
+            return
+        threading.Thread(target=self._ask_drain, name="drain", daemon=True).start()
+
+    def _ask_drain(self) -> None:
+        """Tell the tracker at once (the heartbeats say it too, should this call fail)."""
+        try:
+            self.tracker.DrainNode(tracker_pb2.DrainNodeRequest(node=self.node_id or self.name),
+                                   timeout=timeouts.CONTROL_RPC)
+        except grpc.RpcError as e:
+            log.warning("could not ask the tracker to drain this node (%s); the heartbeats "
+                        "say it", e.details())
+        log.info("draining: waiting up to %.0f s for the tracker to move this node's stages",
+                 self.drain_timeout)
+
+    def _drain_over(self) -> bool:
+        """Whether a draining node may exit: no job needs it, or its time is up."""
+        if self.drained.is_set():
+            log.info("drained: no job needs this node; exiting")
+            return True
+        if time.monotonic() - self._drain_since > self.drain_timeout:
+            log.warning("the drain timed out after %.0f s; exiting anyway", self.drain_timeout)
+            return True
+        return False
+
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self.stop)
+        """SIGTERM (``systemctl stop``) drains; SIGINT (Ctrl-C) stops at once, as does a
+        second SIGTERM."""
+        signal.signal(signal.SIGTERM, lambda *_: self.stop() if self.draining.is_set()
+                      else self.drain())
+        signal.signal(signal.SIGINT, self.stop)

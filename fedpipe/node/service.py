@@ -243,6 +243,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.ABORTED, str(e))
         return node_pb2.SendReply()
 
+    def HoldAt(self, request, context):
+        accepted, done = self.stages.hold(request.job_id, request.epoch, request.step)
+        return node_pb2.HoldAtReply(accepted=accepted, done=done)
+
     # -- link measurement ---------------------------------------------------
     def Ping(self, request, context):
         return node_pb2.PingReply()

@@ -87,6 +87,8 @@ class StaleEpoch(Exception):
 
 MAX_SNAPSHOT_BYTES = codecs.MAX_TENSOR_BYTES
 """Largest snapshot a node accepts from a buddy or a restore source, bytes."""
+HOLD_RECHECK = 0.2
+"""Seconds a stage holding at a hand-over cut waits before it looks at its stop event again."""
 RELEASE_JOIN = timeouts.THREAD_JOIN
 """Seconds a release waits for the stage's thread to end before it frees the memory anyway."""
 
@@ -122,6 +124,11 @@ class Stage:
     plan: PlanView | None = None
     parts: dict[str, checkpoint.Checkpointable | None] = field(default_factory=dict)
     """What a checkpoint snapshots: module, optimizer, LR schedule, DiLoCo outer state."""
+    done: int = 0
+    """Steps done (the stage's step boundary it last crossed)."""
+    hold_at: int = 0
+    """A hand-over cut (a drain or a migration): after this many steps the stage
+    snapshots and waits there until stopped or moved to a later cut (0: none)."""
 
     @property
     def job_id(self) -> str:
@@ -286,6 +293,7 @@ class StageRegistry:
         self.stages: dict[StageSlot, Stage] = {}
         self.snapshots = SnapshotStore()
         self.lock = threading.Lock()
+        self.held = threading.Condition()  # hand-over cuts: Stage.done and Stage.hold_at
         # encodes and ships snapshots, so the stage thread only pays for the copy
         self.shipper = futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
 
@@ -352,6 +360,10 @@ class StageRegistry:
                         timeout=timeouts.FETCH_STATE_RPC)
                     _, snap = checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)
                 self.snapshots.put(stage.job_id, stage.key, snap)
+                # the state that changed hands (tests and benchmarks count it from this line)
+                log.info("fetched the step %d snapshot of job %s stage %d (replica %d) from %s: "
+                         "%d tensors, %d bytes", snap.step, stage.job_id, stage.key.stage,
+                         stage.key.replica, address, len(snap.tensors), snap.nbytes)
                 break
             except (grpc.RpcError, WireError) as e:
                 detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
@@ -388,13 +400,18 @@ class StageRegistry:
         try:
             for result in stage.runner.run(stage.steps, stage.start):
                 done = result.step + 1
-                if stage.checkpoint_every and done % stage.checkpoint_every == 0 \
+                with self.held:
+                    stage.done = done
+                    cut = stage.hold_at == done
+                if (cut or stage.checkpoint_every and done % stage.checkpoint_every == 0) \
                         and done < stage.steps and not stage.stop.is_set():
                     self._checkpoint(stage, done)
                 elif done == stage.steps and not stage.stop.is_set():
                     # the final state, kept here only: what Job.save() of an ended job pulls
                     self.snapshots.put(stage.job_id, stage.key, checkpoint.take(stage.parts, done))
                 self._report_step(stage, result)
+                if cut:
+                    self._hold(stage)
             stage.peers.flush()
             self._report(stage, R.STATUS_DONE, step=stage.steps)
             log.info("job %s stage %d done", stage.job_id, stage.slot.stage)
@@ -411,6 +428,40 @@ class StageRegistry:
             stage.peers.close()
             stage.stop.set()  # an ended stage takes no more tensors
             self.mailbox.drop(lambda inbox: inbox == stage.inbox)
+
+    # -- hand-over cuts (drains, migrations) ----------------------------------
+    def hold(self, job_id: str, epoch: int, step: int) -> tuple[bool, int]:
+        """Make every stage of ``job_id``'s plan ``epoch`` here stop at the step boundary
+        ``step``: snapshot there (reported as a checkpoint) and wait until stopped or
+        given a later cut. ``step`` 0 lifts a hold.
+
+        Returns:
+            ``(accepted, done)``: whether every such stage can still stop at ``step``
+            (none has gone past it), and the most steps any of them has done.
+            A stage that cannot keeps running; the caller picks a later cut.
+        """
+        with self.lock:
+            mine = [s for s in self.stages.values() if s.job_id == job_id and s.epoch == epoch
+                    and not s.stop.is_set()]
+        with self.held:
+            done = max((s.done for s in mine), default=0)
+            # a stage holding at its cut may move on to a later one; others must not be past it
+            ok = step == 0 or all(s.done < step or s.done == step == s.hold_at for s in mine)
+            if ok:
+                for s in mine:
+                    s.hold_at = step
+                self.held.notify_all()
+        return ok, done
+
+    def _hold(self, stage: Stage) -> None:
+        """Wait at a hand-over cut until the stage is stopped or its cut moves on."""
+        log.info("job %s stage %d holds at step %d for a hand-over", stage.job_id,
+                 stage.key.stage, stage.done)
+        with self.held:
+            while stage.hold_at == stage.done and not stage.stop.is_set():
+                self.held.wait(HOLD_RECHECK)
+        if stage.stop.is_set():
+            raise Stopped()
 
     # -- checkpoints ---------------------------------------------------------
     def _checkpoint(self, stage: Stage, step: int) -> None:

@@ -35,7 +35,8 @@ from .views import History, job_view, measured_step_seconds, plan_from_message, 
 
 STATE_STYLE = {"RUNNING": "green", "SUCCEEDED": "bold green", "FAILED": "bold red",
                "CANCELLED": "red", "RECOVERING": "yellow", "PENDING": "yellow", "WAITING": "yellow",
-               "PLANNING": "yellow", "DEPLOYING": "yellow", "alive": "green", "lost": "red"}
+               "PLANNING": "yellow", "DEPLOYING": "yellow", "alive": "green", "lost": "red",
+               "draining": "yellow"}
 EVENTS_SHOWN = 15
 """State changes :func:`job_renderable` lists (the latest)."""
 

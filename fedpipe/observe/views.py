@@ -339,7 +339,7 @@ def _num(x: float | None) -> float | None:
 
 
 def node_view(n: tracker_pb2.NodeInfo, now: float) -> dict:
-    """One node: identity, device, speed, memory, and alive or lost and why.
+    """One node: identity, device, speed, memory, and alive (or draining) or lost and why.
 
     A lost node's ``why`` says how long ago its last heartbeat came.
     """
@@ -348,7 +348,7 @@ def node_view(n: tracker_pb2.NodeInfo, now: float) -> dict:
     why = "" if n.alive else (f"lost: no heartbeat for {max(0.0, now - n.last_heartbeat):.0f} s "
                               f"(last {last})")
     return {"id": n.node_id, "name": n.name, "address": n.address, "alive": n.alive,
-            "state": "alive" if n.alive else "lost", "why": why,
+            "state": ("draining" if n.draining else "alive") if n.alive else "lost", "why": why,
             "device": r.device, "device_name": r.device_name, "cores": r.cores,
             "flops": r.flops, "memory_bytes": r.memory_bytes, "hostname": r.hostname,
             "last_heartbeat": n.last_heartbeat, "registered": n.registered}

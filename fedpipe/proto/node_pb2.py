@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as fedpipe_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x65\x64pipe/v1/node.proto\x12\nfedpipe.v1\x1a\x17\x66\x65\x64pipe/v1/tensor.proto\"v\n\tResources\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\r\n\x05\x63ores\x18\x03 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x66lops\x18\x05 \x01(\x01\x12\x10\n\x08hostname\x18\x06 \x01(\t\"\xc0\x01\n\x0fStageAssignment\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0blayer_start\x18\x05 \x01(\x05\x12\x11\n\tlayer_end\x18\x06 \x01(\x05\x12\x18\n\x10\x61\x63tivation_codec\x18\x07 \x01(\t\x12\x16\n\x0egradient_codec\x18\x08 \x01(\t\x12\x11\n\tnode_name\x18\t \x01(\t\"O\n\x0bReplicaInfo\x12\x14\n\x0cmicrobatches\x18\x01 \x01(\x05\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x19\n\x11predicted_seconds\x18\x03 \x01(\x01\"\xb4\x01\n\x04Plan\x12+\n\x06stages\x18\x01 \x03(\x0b\x32\x1b.fedpipe.v1.StageAssignment\x12\x1e\n\x16predicted_step_seconds\x18\x02 \x01(\x01\x12\x0f\n\x07summary\x18\x03 \x01(\t\x12)\n\x08replicas\x18\x04 \x03(\x0b\x32\x17.fedpipe.v1.ReplicaInfo\x12\x14\n\x0csync_seconds\x18\x05 \x01(\x01\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\"\xc1\x03\n\tJobConfig\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x14\n\x0cmicrobatches\x18\x02 \x01(\x05\x12\x10\n\x08schedule\x18\x03 \x01(\t\x12\x11\n\toptimizer\x18\x04 \x01(\x0c\x12\x0f\n\x07loss_fn\x18\x05 \x01(\x0c\x12\x1e\n\x16\x61\x63tivation_compression\x18\x06 \x01(\t\x12\x0e\n\x06stages\x18\x07 \x01(\x05\x12\x1c\n\x14gradient_compression\x18\x08 \x01(\t\x12\x15\n\rmax_staleness\x18\t \x01(\x05\x12\x14\n\x0creplica_sync\x18\n \x01(\t\x12\x13\n\x0bouter_every\x18\x0b \x01(\x05\x12\x10\n\x08outer_lr\x18\x0c \x01(\x01\x12\x16\n\x0eouter_momentum\x18\r \x01(\x01\x12\x19\n\x11outer_compression\x18\x0e \x01(\t\x12\x10\n\x08replicas\x18\x0f \x01(\x05\x12\x12\n\nbatch_size\x18\x10 \x01(\x03\x12\x14\n\x0clr_scheduler\x18\x11 \x01(\x0c\x12\x16\n\x0e\x63lip_grad_norm\x18\x12 \x01(\x01\x12\x18\n\x10\x63heckpoint_every\x18\x13 \x01(\x03\x12\x16\n\x0e\x63lient_timeout\x18x \x01(\x01\"\x0e\n\x0cProbeRequest\"\x9a\x02\n\x10LoadStageRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0e\n\x06layers\x18\x04 \x03(\x0c\x12\x1e\n\x04plan\x18\x05 \x01(\x0b\x32\x10.fedpipe.v1.Plan\x12%\n\x06\x63onfig\x18\x06 \x01(\x0b\x32\x15.fedpipe.v1.JobConfig\x12\x13\n\x0bresume_step\x18\x07 \x01(\x03\x12\x18\n\x10snapshot_sources\x18\x08 \x03(\t\x12\r\n\x05owner\x18\t \x01(\t\x12\x15\n\rjob_signature\x18\n \x01(\x0c\x12\x13\n\x0b\x63lient_cert\x18\x0b \x01(\x0c\x12\x15\n\rlayer_digests\x18\x0c \x03(\x0c\"\x10\n\x0eLoadStageReply\"W\n\x0eStopJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07release\x18\x03 \x01(\x08\x12\x14\n\x0c\x62\x65\x66ore_epoch\x18\x04 \x01(\x03\"\x0e\n\x0cStopJobReply\"\xa5\x01\n\x08\x45nvelope\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x1e\n\x04kind\x18\x04 \x01(\x0e\x32\x10.fedpipe.v1.Kind\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x12\n\nmicrobatch\x18\x06 \x01(\x05\x12\x12\n\nbatch_size\x18\x07 \x01(\x03\x12\r\n\x05\x65poch\x18\t \x01(\x03J\x04\x08\x08\x10\t\"p\n\x05\x46rame\x12&\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x14.fedpipe.v1.Envelope\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.fedpipe.v1.Tensor\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\x12\x0c\n\x04name\x18\x04 \x01(\t\"\x0b\n\tSendReply\"C\n\x11\x46\x65tchStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\"T\n\x14\x46\x65tchSnapshotRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\"6\n\x04Peer\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"u\n\x13MeasureLinksRequest\x12\x1f\n\x05peers\x18\x01 \x03(\x0b\x32\x10.fedpipe.v1.Peer\x12\r\n\x05pings\x18\x02 \x01(\x05\x12\x17\n\x0fmax_probe_bytes\x18\x03 \x01(\x04\x12\x15\n\rprobe_seconds\x18\x04 \x01(\x01\"y\n\x0fLinkMeasurement\x12\x0e\n\x06src_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64st_id\x18\x02 \x01(\t\x12\x11\n\tbandwidth\x18\x03 \x01(\x01\x12\x0f\n\x07latency\x18\x04 \x01(\x01\x12\x13\n\x0bmeasured_at\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"?\n\x11MeasureLinksReply\x12*\n\x05links\x18\x01 \x03(\x0b\x32\x1b.fedpipe.v1.LinkMeasurement\"\x13\n\x0bPingRequestJ\x04\x08\x01\x10\x02\"\x0b\n\tPingReply*\xb8\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_INPUT\x10\x01\x12\x0f\n\x0bKIND_TARGET\x10\x02\x12\x13\n\x0fKIND_ACTIVATION\x10\x03\x12\x11\n\rKIND_GRADIENT\x10\x04\x12\x0e\n\nKIND_PROBE\x10\x05\x12\x0f\n\x0bKIND_REDUCE\x10\x06\x12\x0e\n\nKIND_OUTER\x10\x07\x12\r\n\tKIND_NORM\x10\x08\x12\x11\n\rKIND_SNAPSHOT\x10\t2\xc9\x04\n\x04Node\x12\x38\n\x05Probe\x12\x18.fedpipe.v1.ProbeRequest\x1a\x15.fedpipe.v1.Resources\x12\x45\n\tLoadStage\x12\x1c.fedpipe.v1.LoadStageRequest\x1a\x1a.fedpipe.v1.LoadStageReply\x12?\n\x07StopJob\x12\x1a.fedpipe.v1.StopJobRequest\x1a\x18.fedpipe.v1.StopJobReply\x12\x32\n\x04Send\x12\x11.fedpipe.v1.Frame\x1a\x15.fedpipe.v1.SendReply(\x01\x12@\n\nFetchState\x12\x1d.fedpipe.v1.FetchStateRequest\x1a\x11.fedpipe.v1.Frame0\x01\x12\x39\n\x0bPutSnapshot\x12\x11.fedpipe.v1.Frame\x1a\x15.fedpipe.v1.SendReply(\x01\x12\x46\n\rFetchSnapshot\x12 .fedpipe.v1.FetchSnapshotRequest\x1a\x11.fedpipe.v1.Frame0\x01\x12\x36\n\x04Ping\x12\x17.fedpipe.v1.PingRequest\x1a\x15.fedpipe.v1.PingReply\x12N\n\x0cMeasureLinks\x12\x1f.fedpipe.v1.MeasureLinksRequest\x1a\x1d.fedpipe.v1.MeasureLinksReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x65\x64pipe/v1/node.proto\x12\nfedpipe.v1\x1a\x17\x66\x65\x64pipe/v1/tensor.proto\"v\n\tResources\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\r\n\x05\x63ores\x18\x03 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x66lops\x18\x05 \x01(\x01\x12\x10\n\x08hostname\x18\x06 \x01(\t\"\xc0\x01\n\x0fStageAssignment\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0blayer_start\x18\x05 \x01(\x05\x12\x11\n\tlayer_end\x18\x06 \x01(\x05\x12\x18\n\x10\x61\x63tivation_codec\x18\x07 \x01(\t\x12\x16\n\x0egradient_codec\x18\x08 \x01(\t\x12\x11\n\tnode_name\x18\t \x01(\t\"O\n\x0bReplicaInfo\x12\x14\n\x0cmicrobatches\x18\x01 \x01(\x05\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x19\n\x11predicted_seconds\x18\x03 \x01(\x01\"\xb4\x01\n\x04Plan\x12+\n\x06stages\x18\x01 \x03(\x0b\x32\x1b.fedpipe.v1.StageAssignment\x12\x1e\n\x16predicted_step_seconds\x18\x02 \x01(\x01\x12\x0f\n\x07summary\x18\x03 \x01(\t\x12)\n\x08replicas\x18\x04 \x03(\x0b\x32\x17.fedpipe.v1.ReplicaInfo\x12\x14\n\x0csync_seconds\x18\x05 \x01(\x01\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\"\xd5\x03\n\tJobConfig\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x14\n\x0cmicrobatches\x18\x02 \x01(\x05\x12\x10\n\x08schedule\x18\x03 \x01(\t\x12\x11\n\toptimizer\x18\x04 \x01(\x0c\x12\x0f\n\x07loss_fn\x18\x05 \x01(\x0c\x12\x1e\n\x16\x61\x63tivation_compression\x18\x06 \x01(\t\x12\x0e\n\x06stages\x18\x07 \x01(\x05\x12\x1c\n\x14gradient_compression\x18\x08 \x01(\t\x12\x15\n\rmax_staleness\x18\t \x01(\x05\x12\x14\n\x0creplica_sync\x18\n \x01(\t\x12\x13\n\x0bouter_every\x18\x0b \x01(\x05\x12\x10\n\x08outer_lr\x18\x0c \x01(\x01\x12\x16\n\x0eouter_momentum\x18\r \x01(\x01\x12\x19\n\x11outer_compression\x18\x0e \x01(\t\x12\x10\n\x08replicas\x18\x0f \x01(\x05\x12\x12\n\nbatch_size\x18\x10 \x01(\x03\x12\x14\n\x0clr_scheduler\x18\x11 \x01(\x0c\x12\x16\n\x0e\x63lip_grad_norm\x18\x12 \x01(\x01\x12\x18\n\x10\x63heckpoint_every\x18\x13 \x01(\x03\x12\x16\n\x0e\x63lient_timeout\x18x \x01(\x01\x12\x12\n\trebalance\x18\x8c\x01 \x01(\t\"\x0e\n\x0cProbeRequest\"\x9a\x02\n\x10LoadStageRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0e\n\x06layers\x18\x04 \x03(\x0c\x12\x1e\n\x04plan\x18\x05 \x01(\x0b\x32\x10.fedpipe.v1.Plan\x12%\n\x06\x63onfig\x18\x06 \x01(\x0b\x32\x15.fedpipe.v1.JobConfig\x12\x13\n\x0bresume_step\x18\x07 \x01(\x03\x12\x18\n\x10snapshot_sources\x18\x08 \x03(\t\x12\r\n\x05owner\x18\t \x01(\t\x12\x15\n\rjob_signature\x18\n \x01(\x0c\x12\x13\n\x0b\x63lient_cert\x18\x0b \x01(\x0c\x12\x15\n\rlayer_digests\x18\x0c \x03(\x0c\"\x10\n\x0eLoadStageReply\"W\n\x0eStopJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07release\x18\x03 \x01(\x08\x12\x14\n\x0c\x62\x65\x66ore_epoch\x18\x04 \x01(\x03\"\x0e\n\x0cStopJobReply\"\xa5\x01\n\x08\x45nvelope\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x1e\n\x04kind\x18\x04 \x01(\x0e\x32\x10.fedpipe.v1.Kind\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x12\n\nmicrobatch\x18\x06 \x01(\x05\x12\x12\n\nbatch_size\x18\x07 \x01(\x03\x12\r\n\x05\x65poch\x18\t \x01(\x03J\x04\x08\x08\x10\t\"p\n\x05\x46rame\x12&\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x14.fedpipe.v1.Envelope\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.fedpipe.v1.Tensor\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\x12\x0c\n\x04name\x18\x04 \x01(\t\"\x0b\n\tSendReply\"C\n\x11\x46\x65tchStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\"T\n\x14\x46\x65tchSnapshotRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\"6\n\x04Peer\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"u\n\x13MeasureLinksRequest\x12\x1f\n\x05peers\x18\x01 \x03(\x0b\x32\x10.fedpipe.v1.Peer\x12\r\n\x05pings\x18\x02 \x01(\x05\x12\x17\n\x0fmax_probe_bytes\x18\x03 \x01(\x04\x12\x15\n\rprobe_seconds\x18\x04 \x01(\x01\"y\n\x0fLinkMeasurement\x12\x0e\n\x06src_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64st_id\x18\x02 \x01(\t\x12\x11\n\tbandwidth\x18\x03 \x01(\x01\x12\x0f\n\x07latency\x18\x04 \x01(\x01\x12\x13\n\x0bmeasured_at\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"?\n\x11MeasureLinksReply\x12*\n\x05links\x18\x01 \x03(\x0b\x32\x1b.fedpipe.v1.LinkMeasurement\"\x13\n\x0bPingRequestJ\x04\x08\x01\x10\x02\"\x0b\n\tPingReply\"<\n\rHoldAtRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"-\n\x0bHoldAtReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0c\n\x04\x64one\x18\x02 \x01(\x03*\xb8\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_INPUT\x10\x01\x12\x0f\n\x0bKIND_TARGET\x10\x02\x12\x13\n\x0fKIND_ACTIVATION\x10\x03\x12\x11\n\rKIND_GRADIENT\x10\x04\x12\x0e\n\nKIND_PROBE\x10\x05\x12\x0f\n\x0bKIND_REDUCE\x10\x06\x12\x0e\n\nKIND_OUTER\x10\x07\x12\r\n\tKIND_NORM\x10\x08\x12\x11\n\rKIND_SNAPSHOT\x10\t2\x87\x05\n\x04Node\x12\x38\n\x05Probe\x12\x18.fedpipe.v1.ProbeRequest\x1a\x15.fedpipe.v1.Resources\x12\x45\n\tLoadStage\x12\x1c.fedpipe.v1.LoadStageRequest\x1a\x1a.fedpipe.v1.LoadStageReply\x12?\n\x07StopJob\x12\x1a.fedpipe.v1.StopJobRequest\x1a\x18.fedpipe.v1.StopJobReply\x12\x32\n\x04Send\x12\x11.fedpipe.v1.Frame\x1a\x15.fedpipe.v1.SendReply(\x01\x12@\n\nFetchState\x12\x1d.fedpipe.v1.FetchStateRequest\x1a\x11.fedpipe.v1.Frame0\x01\x12\x39\n\x0bPutSnapshot\x12\x11.fedpipe.v1.Frame\x1a\x15.fedpipe.v1.SendReply(\x01\x12\x46\n\rFetchSnapshot\x12 .fedpipe.v1.FetchSnapshotRequest\x1a\x11.fedpipe.v1.Frame0\x01\x12\x36\n\x04Ping\x12\x17.fedpipe.v1.PingRequest\x1a\x15.fedpipe.v1.PingReply\x12N\n\x0cMeasureLinks\x12\x1f.fedpipe.v1.MeasureLinksRequest\x1a\x1d.fedpipe.v1.MeasureLinksReply\x12<\n\x06HoldAt\x12\x19.fedpipe.v1.HoldAtRequest\x1a\x17.fedpipe.v1.HoldAtReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedpipe.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KIND']._serialized_start=2365
-  _globals['_KIND']._serialized_end=2549
+  _globals['_KIND']._serialized_start=2494
+  _globals['_KIND']._serialized_end=2678
   _globals['_RESOURCES']._serialized_start=62
   _globals['_RESOURCES']._serialized_end=180
   _globals['_STAGEASSIGNMENT']._serialized_start=183
@@ -43,39 +43,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PLAN']._serialized_start=459
   _globals['_PLAN']._serialized_end=639
   _globals['_JOBCONFIG']._serialized_start=642
-  _globals['_JOBCONFIG']._serialized_end=1091
-  _globals['_PROBEREQUEST']._serialized_start=1093
-  _globals['_PROBEREQUEST']._serialized_end=1107
-  _globals['_LOADSTAGEREQUEST']._serialized_start=1110
-  _globals['_LOADSTAGEREQUEST']._serialized_end=1392
-  _globals['_LOADSTAGEREPLY']._serialized_start=1394
-  _globals['_LOADSTAGEREPLY']._serialized_end=1410
-  _globals['_STOPJOBREQUEST']._serialized_start=1412
-  _globals['_STOPJOBREQUEST']._serialized_end=1499
-  _globals['_STOPJOBREPLY']._serialized_start=1501
-  _globals['_STOPJOBREPLY']._serialized_end=1515
-  _globals['_ENVELOPE']._serialized_start=1518
-  _globals['_ENVELOPE']._serialized_end=1683
-  _globals['_FRAME']._serialized_start=1685
-  _globals['_FRAME']._serialized_end=1797
-  _globals['_SENDREPLY']._serialized_start=1799
-  _globals['_SENDREPLY']._serialized_end=1810
-  _globals['_FETCHSTATEREQUEST']._serialized_start=1812
-  _globals['_FETCHSTATEREQUEST']._serialized_end=1879
-  _globals['_FETCHSNAPSHOTREQUEST']._serialized_start=1881
-  _globals['_FETCHSNAPSHOTREQUEST']._serialized_end=1965
-  _globals['_PEER']._serialized_start=1967
-  _globals['_PEER']._serialized_end=2021
-  _globals['_MEASURELINKSREQUEST']._serialized_start=2023
-  _globals['_MEASURELINKSREQUEST']._serialized_end=2140
-  _globals['_LINKMEASUREMENT']._serialized_start=2142
-  _globals['_LINKMEASUREMENT']._serialized_end=2263
-  _globals['_MEASURELINKSREPLY']._serialized_start=2265
-  _globals['_MEASURELINKSREPLY']._serialized_end=2328
-  _globals['_PINGREQUEST']._serialized_start=2330
-  _globals['_PINGREQUEST']._serialized_end=2349
-  _globals['_PINGREPLY']._serialized_start=2351
-  _globals['_PINGREPLY']._serialized_end=2362
-  _globals['_NODE']._serialized_start=2552
-  _globals['_NODE']._serialized_end=3137
+  _globals['_JOBCONFIG']._serialized_end=1111
+  _globals['_PROBEREQUEST']._serialized_start=1113
+  _globals['_PROBEREQUEST']._serialized_end=1127
+  _globals['_LOADSTAGEREQUEST']._serialized_start=1130
+  _globals['_LOADSTAGEREQUEST']._serialized_end=1412
+  _globals['_LOADSTAGEREPLY']._serialized_start=1414
+  _globals['_LOADSTAGEREPLY']._serialized_end=1430
+  _globals['_STOPJOBREQUEST']._serialized_start=1432
+  _globals['_STOPJOBREQUEST']._serialized_end=1519
+  _globals['_STOPJOBREPLY']._serialized_start=1521
+  _globals['_STOPJOBREPLY']._serialized_end=1535
+  _globals['_ENVELOPE']._serialized_start=1538
+  _globals['_ENVELOPE']._serialized_end=1703
+  _globals['_FRAME']._serialized_start=1705
+  _globals['_FRAME']._serialized_end=1817
+  _globals['_SENDREPLY']._serialized_start=1819
+  _globals['_SENDREPLY']._serialized_end=1830
+  _globals['_FETCHSTATEREQUEST']._serialized_start=1832
+  _globals['_FETCHSTATEREQUEST']._serialized_end=1899
+  _globals['_FETCHSNAPSHOTREQUEST']._serialized_start=1901
+  _globals['_FETCHSNAPSHOTREQUEST']._serialized_end=1985
+  _globals['_PEER']._serialized_start=1987
+  _globals['_PEER']._serialized_end=2041
+  _globals['_MEASURELINKSREQUEST']._serialized_start=2043
+  _globals['_MEASURELINKSREQUEST']._serialized_end=2160
+  _globals['_LINKMEASUREMENT']._serialized_start=2162
+  _globals['_LINKMEASUREMENT']._serialized_end=2283
+  _globals['_MEASURELINKSREPLY']._serialized_start=2285
+  _globals['_MEASURELINKSREPLY']._serialized_end=2348
+  _globals['_PINGREQUEST']._serialized_start=2350
+  _globals['_PINGREQUEST']._serialized_end=2369
+  _globals['_PINGREPLY']._serialized_start=2371
+  _globals['_PINGREPLY']._serialized_end=2382
+  _globals['_HOLDATREQUEST']._serialized_start=2384
+  _globals['_HOLDATREQUEST']._serialized_end=2444
+  _globals['_HOLDATREPLY']._serialized_start=2446
+  _globals['_HOLDATREPLY']._serialized_end=2491
+  _globals['_NODE']._serialized_start=2681
+  _globals['_NODE']._serialized_end=3328
 # @@protoc_insertion_point(module_scope)

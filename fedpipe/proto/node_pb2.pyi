@@ -96,7 +96,7 @@ class Plan(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every", "client_timeout")
+    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every", "client_timeout", "rebalance")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class JobConfig(_message.Message):
     CLIP_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    REBALANCE_FIELD_NUMBER: _ClassVar[int]
     steps: int
     microbatches: int
     schedule: str
@@ -137,7 +138,8 @@ class JobConfig(_message.Message):
     clip_grad_norm: float
     checkpoint_every: int
     client_timeout: float
-    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., client_timeout: _Optional[float] = ...) -> None: ...
+    rebalance: str
+    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., client_timeout: _Optional[float] = ..., rebalance: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ()
@@ -300,3 +302,21 @@ class PingRequest(_message.Message):
 class PingReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class HoldAtRequest(_message.Message):
+    __slots__ = ("job_id", "epoch", "step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class HoldAtReply(_message.Message):
+    __slots__ = ("accepted", "done")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    done: int
+    def __init__(self, accepted: _Optional[bool] = ..., done: _Optional[int] = ...) -> None: ...

@@ -79,6 +79,11 @@ class NodeStub:
                 request_serializer=fedpipe_dot_v1_dot_node__pb2.MeasureLinksRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_v1_dot_node__pb2.MeasureLinksReply.FromString,
                 _registered_method=True)
+        self.HoldAt = channel.unary_unary(
+                '/fedpipe.v1.Node/HoldAt',
+                request_serializer=fedpipe_dot_v1_dot_node__pb2.HoldAtRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_node__pb2.HoldAtReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -147,6 +152,12 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HoldAt(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +205,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.MeasureLinks,
                     request_deserializer=fedpipe_dot_v1_dot_node__pb2.MeasureLinksRequest.FromString,
                     response_serializer=fedpipe_dot_v1_dot_node__pb2.MeasureLinksReply.SerializeToString,
+            ),
+            'HoldAt': grpc.unary_unary_rpc_method_handler(
+                    servicer.HoldAt,
+                    request_deserializer=fedpipe_dot_v1_dot_node__pb2.HoldAtRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_node__pb2.HoldAtReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +455,33 @@ class Node:
             '/fedpipe.v1.Node/MeasureLinks',
             fedpipe_dot_v1_dot_node__pb2.MeasureLinksRequest.SerializeToString,
             fedpipe_dot_v1_dot_node__pb2.MeasureLinksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldAt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Node/HoldAt',
+            fedpipe_dot_v1_dot_node__pb2.HoldAtRequest.SerializeToString,
+            fedpipe_dot_v1_dot_node__pb2.HoldAtReply.FromString,
             options,
             channel_credentials,
             insecure,

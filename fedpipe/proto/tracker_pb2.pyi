@@ -82,31 +82,37 @@ class StageRef(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "leaving", "holds")
+    __slots__ = ("node_id", "leaving", "holds", "draining")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     HOLDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     leaving: bool
     holds: _containers.RepeatedCompositeFieldContainer[StageRef]
-    def __init__(self, node_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., holds: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., holds: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "lease_seconds", "heartbeat_seconds", "drop", "drop_jobs")
+    __slots__ = ("known", "lease_seconds", "heartbeat_seconds", "drop", "drop_jobs", "drain", "drained")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DROP_FIELD_NUMBER: _ClassVar[int]
     DROP_JOBS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     known: bool
     lease_seconds: float
     heartbeat_seconds: float
     drop: _containers.RepeatedCompositeFieldContainer[StageRef]
     drop_jobs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., drop_jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+    drain: bool
+    drained: bool
+    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., drop_jobs: _Optional[_Iterable[str]] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered")
+    __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered", "draining")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +120,7 @@ class NodeInfo(_message.Message):
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     address: str
@@ -121,7 +128,8 @@ class NodeInfo(_message.Message):
     alive: bool
     last_heartbeat: float
     registered: float
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., alive: _Optional[bool] = ..., last_heartbeat: _Optional[float] = ..., registered: _Optional[float] = ...) -> None: ...
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., alive: _Optional[bool] = ..., last_heartbeat: _Optional[float] = ..., registered: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("include_lost",)
@@ -222,7 +230,7 @@ class JobInfo(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., owner: _Optional[str] = ..., feeder: _Optional[str] = ...) -> None: ...
 
 class Recovery(_message.Message):
-    __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch")
+    __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch", "cause", "bytes_moved")
     TIME_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +239,8 @@ class Recovery(_message.Message):
     REPLAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     time: float
     lost: str
     checkpoint_step: int
@@ -239,7 +249,9 @@ class Recovery(_message.Message):
     replan_seconds: float
     restore_seconds: float
     epoch: int
-    def __init__(self, time: _Optional[float] = ..., lost: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., steps_recomputed: _Optional[int] = ..., detect_seconds: _Optional[float] = ..., replan_seconds: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    cause: str
+    bytes_moved: int
+    def __init__(self, time: _Optional[float] = ..., lost: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., steps_recomputed: _Optional[int] = ..., detect_seconds: _Optional[float] = ..., replan_seconds: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., cause: _Optional[str] = ..., bytes_moved: _Optional[int] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -350,3 +362,17 @@ class StageReport(_message.Message):
 class StageReportReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DrainNodeRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class DrainNodeReply(_message.Message):
+    __slots__ = ("node", "jobs")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeInfo
+    jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., jobs: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -79,6 +79,11 @@ class TrackerStub:
                 request_serializer=fedpipe_dot_v1_dot_tracker__pb2.RestoreJobRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.JobInfo.FromString,
                 _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/fedpipe.v1.Tracker/DrainNode',
+                request_serializer=fedpipe_dot_v1_dot_tracker__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.DrainNodeReply.FromString,
+                _registered_method=True)
 
 
 class TrackerServicer:
@@ -138,6 +143,12 @@ class TrackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrackerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.RestoreJob,
                     request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.RestoreJobRequest.FromString,
                     response_serializer=fedpipe_dot_v1_dot_tracker__pb2.JobInfo.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.DrainNodeRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_tracker__pb2.DrainNodeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class Tracker:
             '/fedpipe.v1.Tracker/RestoreJob',
             fedpipe_dot_v1_dot_tracker__pb2.RestoreJobRequest.SerializeToString,
             fedpipe_dot_v1_dot_tracker__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Tracker/DrainNode',
+            fedpipe_dot_v1_dot_tracker__pb2.DrainNodeRequest.SerializeToString,
+            fedpipe_dot_v1_dot_tracker__pb2.DrainNodeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -106,6 +106,9 @@ POLICY: Mapping[str, Rule] = {
         "ReportStage": Rule(_roles(NODE), service_check="require_self(identity, the stage's "
                                                         "assigned node, what='the stage')"),
         "RestoreJob": Rule(_roles(CLIENT), service_check="require_owner(identity, owner)"),
+        # the operator drains any node (`fedpipe drain`); a node on SIGTERM drains itself
+        "DrainNode": Rule(_roles(ADMIN, NODE), service_check="nodes: require_self(identity, "
+                                                             "the node's name)"),
     }),
     **_methods(node_pb2.DESCRIPTOR, "Node", {
         "Probe": Rule(_roles(NODE, TRACKER)),
@@ -125,6 +128,8 @@ POLICY: Mapping[str, Rule] = {
                                                                  "identity, owner, nodes)"),
         "Ping": Rule(_roles(NODE, TRACKER)),
         "MeasureLinks": Rule(_roles(TRACKER)),
+        # a drain's or a migration's cut at a step boundary
+        "HoldAt": Rule(_roles(TRACKER)),
     }),
     **_methods(health_pb2.DESCRIPTOR, "Health", {
         "Check": Rule(public=True), "List": Rule(public=True), "Watch": Rule(public=True),

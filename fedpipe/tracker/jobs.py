@@ -70,6 +70,8 @@ CLIENT_CAUSE = "the client's absence"
 """What a job parked or taken over for its client recovers from (its recovery record)."""
 RESTORE_CAUSE = "a checkpoint the client restored"
 """What a job started from a saved checkpoint (``submit(resume_from=...)``) recovers from."""
+HANDOVERS = ("drain", "rebalance")
+"""Recovery causes that are hand-overs at a step boundary (:mod:`.elastic`): nothing is lost."""
 CHECKPOINT_SECONDS = 30.0
 """Default checkpoint interval, as training time: a recovery recomputes at most about this."""
 RETENTION = 600.0
@@ -130,7 +132,7 @@ class _Recovery:
     lost: set[str]           # names of the lost nodes
     from_step: int           # the job's step at the loss
     old_plan: node_pb2.Plan  # the plan the snapshots were taken under
-    cause: str = ""          # what the job recovers from, if not lost nodes ("" : the loss of)
+    cause: str = "loss"      # "loss", one of HANDOVERS, CLIENT_CAUSE or RESTORE_CAUSE
 
 
 @dataclass
@@ -167,6 +169,13 @@ class Jobs:
         # in memory only: a report per stage per step is too many for an SQLite write each
         self._stage_times: OrderedDict[str, tuple[int, dict[StageKey, deque]]] = OrderedDict()
         self._times_lock = threading.Lock()
+        # hooks of :class:`~.elastic.Elastic` (drains, joins, slow nodes); inert without it
+        self.on_checkpoint: Callable[[str, int], None] = lambda job_id, step: None
+        self.on_step: Callable[[str, int], None] = lambda job_id, step: None
+        self.usable: Callable[[list[tracker_pb2.NodeInfo]], list[tracker_pb2.NodeInfo]] = \
+            lambda nodes: nodes
+        self.target_plan: Callable[[str, node_pb2.Plan], tuple[node_pb2.Plan, int] | None] = \
+            lambda job_id, plan: None
 
     def notify(self) -> None:
         """Wake the scheduler and every watcher."""
@@ -284,16 +293,29 @@ class Jobs:
         self.notify()
 
     # -- recovery -------------------------------------------------------------
+    def begin_recovery(self, job_id: str, names: set[str], why: str, cause: str) -> None:
+        """Start a new plan epoch at the job's last complete checkpoint for a hand-over
+        (``cause`` "drain" or "rebalance": the checkpoint is the cut the stages hold at,
+        so nothing is recomputed); :meth:`resume` then moves the stages."""
+        self._begin_recovery(job_id, names, why, cause=cause)
+
+    def old_nodes(self, job_id: str) -> set[str]:
+        """Ids of the nodes of the plan a recovering job's snapshots were taken under."""
+        with self._lock:
+            rec = self._recovering.get(job_id)
+        return PlanView(rec.old_plan).node_ids() if rec is not None else set()
+
     def _begin_recovery(self, job_id: str, lost: set[str], why: str,
                         rewind_to: int | None = None, *, state: int = S.JOB_STATE_RECOVERING,
-                        cause: str = "", restored: bool = False,
+                        cause: str = "loss", restored: bool = False,
                         only_from: set[int] | None = None) -> None:
         """Move the job to RECOVERING (or ``state``) in a new epoch, rewound to its last
         complete checkpoint (or ``rewind_to``); stop its stages of the old epoch.
 
         Args:
-            cause: what the recovery record says the job recovered from (default:
-                the loss of the ``lost`` nodes).
+            cause: what the recovery record says the job recovers from: "loss" (of the
+                ``lost`` nodes), a hand-over (:data:`HANDOVERS`: nothing is recomputed),
+                :data:`CLIENT_CAUSE` or :data:`RESTORE_CAUSE`.
             restored: ``rewind_to`` is a checkpoint the client put on the nodes
                 (:meth:`restore`): it becomes the last complete one.
             only_from: begin only if the job is in one of these states.
@@ -313,9 +335,10 @@ class Jobs:
                 reported = min([t for a, t in self._suspected.items() if a in addresses],
                                default=now)
                 rec = self._recovering[job_id] = _Recovery(reported, now, set(), job.step,
-                                                           job.plan)
+                                                           job.plan, cause)
+            elif cause not in HANDOVERS:
+                rec.cause = cause  # a loss during a hand-over makes it a recovery
             rec.lost |= lost
-            rec.cause = cause or rec.cause
             fields = tracker_pb2.JobInfo()
             fields.CopyFrom(job)
             fields.epoch, fields.resume_step = job.epoch + 1, step
@@ -329,8 +352,12 @@ class Jobs:
             self.store.set_recovery(job_id, fields, now)
             self._steps = {k: v for k, v in self._steps.items() if k[0] != job_id}
             self._acks = {k: v for k, v in self._acks.items() if k[0] != job_id}
-            who = f"node(s) {', '.join(sorted(lost))} " if lost and not cause else ""
-            reason = f"{who}{why}; rewinding to checkpoint step {step}"
+            names = ', '.join(sorted(lost))
+            if cause in HANDOVERS:
+                reason = f"{cause} of {names}: handing over at step {step}"
+            else:
+                who = f"node(s) {names} " if lost and cause == "loss" else ""
+                reason = f"{who}{why}; rewinding to checkpoint step {step}"
             self._move(job_id, state, reason)
         # stop the old epoch's stages now so they free their threads; a LoadStage of the
         # new epoch would replace them anyway
@@ -402,10 +429,15 @@ class Jobs:
                                               a.stage, view.depth(a.replica),
                                               view.microbatches(a.replica))
 
+        nodes = self.usable(nodes)  # a draining node takes no new work
         live = {n.node_id for n in nodes}
         t_replan = self.clock()
+        target = self.target_plan(job_id, job.plan) if rec.cause == "rebalance" else None
+        bytes_moved = target[1] if target is not None else 0
         try:
-            plan = substitute(job.plan, view.node_ids() - live, nodes, need)
+            plan = node_pb2.Plan()
+            plan.CopyFrom(target[0] if target is not None
+                          else substitute(job.plan, view.node_ids() - live, nodes, need))
         except planner.PlanError as e:
             self._fail(job_id, f"cannot recover from the loss of {', '.join(sorted(rec.lost))}: "
                                f"{e}")
@@ -446,9 +478,13 @@ class Jobs:
             steps_recomputed=max(0, rec.from_step - step),
             detect_seconds=max(0.0, rec.declared - rec.reported),
             replan_seconds=t_restore - t_replan + (t_replan - rec.declared),
-            restore_seconds=now - t_restore, epoch=job.epoch))
-        cause = rec.cause or f"the loss of {', '.join(sorted(rec.lost))}"
-        reason = (f"recovered from {cause}: resumed at "
+            restore_seconds=now - t_restore, epoch=job.epoch, cause=rec.cause,
+            bytes_moved=bytes_moved))
+        names = ', '.join(sorted(rec.lost))
+        what = {"loss": f"recovered from the loss of {names}",
+                "drain": f"handed over from draining {names}",
+                "rebalance": f"migrated to {names}"}.get(rec.cause, f"recovered from {rec.cause}")
+        reason = (f"{what}: resumed at "
                   f"checkpoint step {step} ({max(0, rec.from_step - step)} steps to recompute) "
                   f"on {plan.summary}")
         with self._lock:  # unless a newer loss restarted the recovery meanwhile
@@ -505,6 +541,7 @@ class Jobs:
             self.store.set_recovery(job.job_id, fields, self.clock(), event=tracker_pb2.JobEvent(
                 state=job.state, reason=f"checkpoint of step {report.step} complete",
                 checkpoint_step=report.step, epoch=job.epoch))
+        self.on_checkpoint(job.job_id, report.step)
 
     def _suspect(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> bool:
         """A stage could not send to (or lost the stream from) ``report.peer``: Ping it
@@ -730,6 +767,7 @@ class Jobs:
         samples, seconds = sum(r.samples for r in reports), max(r.seconds for r in reports)
         self.store.record_step(job.job_id, report.step, loss,
                                samples / seconds if seconds > 0 else 0.0, self.clock())
+        self.on_step(job.job_id, report.step)
 
     def _stage_time(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> None:
         """Keep a stage's step split (compute, wait, send seconds) of the job's epoch."""

@@ -43,6 +43,9 @@ class NodeCalls(Protocol):
     def stop_job(self, address: str, request: node_pb2.StopJobRequest) -> None:
         """Stop (and maybe release) a job's stages on the node."""
 
+    def hold_at(self, address: str, request: node_pb2.HoldAtRequest) -> node_pb2.HoldAtReply:
+        """Ask a job's stages on the node to stop at a step boundary (a hand-over cut)."""
+
     def measure_links(self, address: str, request: node_pb2.MeasureLinksRequest
                       ) -> node_pb2.MeasureLinksReply:
         """Measure the node's links to ``request.peers``."""
@@ -94,6 +97,9 @@ class GrpcNodeCalls:
 
     def stop_job(self, address, request):
         self._call(self._stub(address).StopJob, request, timeouts.CONTROL_RPC)
+
+    def hold_at(self, address, request):
+        return self._call(self._stub(address).HoldAt, request, timeouts.CONTROL_RPC)
 
     def measure_links(self, address, request):
         # a channel of its own: the measurer visits every node in turn, and through the

@@ -33,6 +33,7 @@ from typing import Callable
 from ..net import timeouts
 from ..proto import tracker_pb2
 from .clients import Feeders
+from .elastic import REBALANCE_THRESHOLD, Elastic
 from .jobs import Jobs
 from .links import LinkMeasurer
 from .errors import FailedPrecondition
@@ -83,6 +84,8 @@ class Tracker:
             planner's assumptions for the rest: see
             :func:`~fedpipe.planner.protoio.cluster_view`).
         clock: seconds since the epoch.
+        rebalance_threshold: least relative fall of the predicted step time for which a
+            running job migrates to a better assignment (see :mod:`~.elastic`).
         background: start the scheduler and link-measurer threads (False:
             the caller drives :meth:`tick` and :meth:`measure_links`).
         heartbeat_rate: the most heartbeats per second asked of all nodes together
@@ -92,10 +95,13 @@ class Tracker:
     def __init__(self, store: Store, nodes: NodeCalls, *, lease: float = 10.0,
                  link_refresh: float = 300.0, link_wait: float = 30.0,
                  clock: Callable[[], float] = time.time, background: bool = True,
-                 heartbeat_rate: float = HEARTBEAT_RATE):
+                 heartbeat_rate: float = HEARTBEAT_RATE,
+                 rebalance_threshold: float = REBALANCE_THRESHOLD):
         self.store, self.nodes, self.clock = store, nodes, clock
         self.lease, self.link_refresh, self.link_wait = lease, link_refresh, link_wait
         self.jobs = Jobs(store, nodes, clock)
+        self.elastic = Elastic(self.jobs, threshold=rebalance_threshold)
+        self.elastic.unmeasured = lambda node_id: self.links.waiting([node_id])
         self.links = LinkMeasurer(store, nodes, clock)
         # nodes that were live when the tracker stopped get a fresh lease, not a lost verdict
         self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive,
@@ -143,6 +149,7 @@ class Tracker:
 
     def _nodes_lost(self, lost: set[str], why: str) -> None:
         self.links.remove(lost)
+        self.elastic.forget(lost)
         self.jobs.nodes_lost(lost, why)
 
     def close(self) -> None:
@@ -166,10 +173,11 @@ class Tracker:
         self.registry.expire()
         self.registry.flush_if_due()
         self.feeders.sweep()
+        self.elastic.tick()
         for job_id in self.jobs.recovering():
             self.jobs.resume(job_id, self.store.nodes())
         for job_id in self.jobs.pending():
-            nodes = self.store.nodes()
+            nodes = self.elastic.usable(self.store.nodes())
             if not nodes:
                 self.jobs.expire_pending(job_id)
                 continue

@@ -20,7 +20,7 @@ from .. import net
 from ..planner.protoio import cluster_view, unmeasured  # noqa: F401
 from ..proto import tracker_pb2, tracker_pb2_grpc
 from ..spec import ACTIVE
-from ..security import SecurityError, TlsConfig, identity_of
+from ..security import Role, SecurityError, TlsConfig, identity_of
 from ..security.policy import require_owner, require_self
 from ..security.signing import verify_job
 from . import errors
@@ -199,16 +199,31 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         self._speaks_for(context, request.node_id)
         r = self.tracker.registry
         known = r.leave(request.node_id) if request.leaving else r.heartbeat(request.node_id)
+        elastic = self.tracker.elastic
+        if known and request.draining and not request.leaving:
+            elastic.drain(request.node_id)  # a node's SIGTERM, or told so before a restart
         drop, drop_jobs = self.tracker.jobs.reconcile(request.node_id, list(request.holds))
         # the lease the registry just held the node to (it moves only as nodes join or go)
         return S.HeartbeatReply(known=known, lease_seconds=r.lease_seconds,
                                 heartbeat_seconds=r.heartbeat_seconds, drop=drop,
-                                drop_jobs=drop_jobs)
+                                drop_jobs=drop_jobs,
+                                drain=request.node_id in elastic.draining,
+                                drained=elastic.drained(request.node_id))
 
     @_unary
     def ListNodes(self, request, context):
         store = self.tracker.store
-        return S.ListNodesReply(nodes=store.nodes(request.include_lost), links=store.links())
+        return S.ListNodesReply(nodes=self.tracker.elastic.annotate(
+            store.nodes(request.include_lost)), links=store.links())
+
+    @_unary
+    def DrainNode(self, request, context):
+        identity = identity_of(context)
+        node = self.tracker.elastic.find(request.node)
+        if identity is not None and identity.role is Role.NODE:
+            require_self(identity, node.name)  # a node drains only itself
+        node, jobs = self.tracker.elastic.drain(node.node_id)
+        return S.DrainNodeReply(node=node, jobs=jobs)
 
     @_unary
     def SubmitJob(self, request, context):
