@@ -376,6 +376,11 @@ class JobSpec:
         replica_sync: one of :data:`REPLICA_SYNCS`.
         diloco: the DiLoCo settings (used when ``replica_sync`` is "diloco").
         checkpoint_every: steps between checkpoints (0: chosen from the step time).
+        min_replicas: elastic replica groups: while at least this many groups are
+            live, losing a node drops only its group and the others go on without
+            rewinding (:mod:`fedpipe.tracker.replicas`); below it, the job rewinds
+            to its last complete checkpoint. 0 (the default): every loss rewinds.
+            At most ``replicas`` when that is set.
     """
 
     steps: int
@@ -394,6 +399,7 @@ class JobSpec:
     replica_sync: str = "auto"
     diloco: DiLoCo = field(default_factory=DiLoCo)
     checkpoint_every: int = 0
+    min_replicas: int = 0
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -439,7 +445,16 @@ class JobSpec:
              f"must be one of {list(REPLICA_SYNCS)}, got {self.replica_sync!r}")
         need(self.checkpoint_every >= 0, "checkpoint_every",
              f"must be >= 0 (0: chosen from the step time), got {self.checkpoint_every}")
+        need(self.min_replicas >= 0, "min_replicas",
+             f"must be >= 0 (0: every loss rewinds), got {self.min_replicas}")
+        need(not self.replicas or self.min_replicas <= self.replicas, "min_replicas",
+             f"{self.min_replicas} is more than the {self.replicas} replica groups asked for")
         return self
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a lost replica group drops out instead of rewinding the job."""
+        return self.min_replicas > 0
 
     @property
     def sync_every(self) -> int:
@@ -485,7 +500,8 @@ class JobSpec:
                    activation_compression=msg.activation_compression or "auto",
                    gradient_compression=msg.gradient_compression or "auto",
                    max_staleness=msg.max_staleness, replica_sync=msg.replica_sync or "auto",
-                   diloco=outer, checkpoint_every=msg.checkpoint_every)
+                   diloco=outer, checkpoint_every=msg.checkpoint_every,
+                   min_replicas=msg.min_replicas)
 
     def summary(self) -> dict:
         """The settings as plain values (no pickles), for logs and status pages."""
@@ -630,3 +646,30 @@ class PlanView:
     def addresses(self) -> set[str]:
         """Every node address the plan uses."""
         return {a.address for a in self.stages.values()}
+
+
+# ---------------------------------------------------------------------------
+# Elastic replica groups
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The answer to a stage about one step's sync.
+
+    Attributes:
+        step: the step asked about (0-based).
+        version: the replica epoch the members are of.
+        members: the replica groups that take part in the step, in order.
+        committed: the step is committed under ``version``: apply the sum over
+            ``members``. False: sum (again) over ``members``, then report it.
+        dropped: the asking stage's group is no longer live: stop the stage.
+        donate_to: groups that join at ``step + 1`` and take their state from the
+            asking stage's group after this step (empty: none).
+    """
+
+    step: int
+    version: int
+    members: tuple[int, ...]
+    committed: bool = False
+    dropped: bool = False
+    donate_to: tuple[int, ...] = ()

@@ -151,7 +151,8 @@ class Client:
                stages: int = 0, replicas: int = 0, compression: str | dict[str, str] = "auto",
                max_staleness: int = 1, replica_sync: str | DiLoCo = "auto", name: str = "",
                pending_timeout: float | None = None, lr_scheduler: LRSchedulerSpec | None = None,
-               clip_grad_norm: float = 0.0, checkpoint_every: int = 0) -> "Job":
+               clip_grad_norm: float = 0.0, checkpoint_every: int = 0,
+               min_replicas: int = 0) -> "Job":
         """Submit a training job and start feeding it.
 
         Args:
@@ -188,6 +189,9 @@ class Client:
             clip_grad_norm: clip the gradients to this global L2 norm before each
                 optimizer step, as :func:`torch.nn.utils.clip_grad_norm_` on the
                 whole model would (:mod:`fedpipe.runtime.clip`); 0: no clipping.
+            min_replicas: elastic replica groups (README, "Replica groups as the
+                unit of failure"): while this many groups are live, a lost node
+                drops only its group; below it the job rewinds. 0: every loss rewinds.
 
         Raises:
             TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
@@ -224,7 +228,7 @@ class Client:
                            replica_sync=replica_sync, diloco=outer,
                            lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"",
                            clip_grad_norm=clip_grad_norm, checkpoint_every=checkpoint_every,
-                           batch_size=microbatches).validate(len(layers))
+                           min_replicas=min_replicas, batch_size=microbatches).validate(len(layers))
         batches = _cycle(data)
         try:
             first = next(batches)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as fedpipe_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x65\x64pipe/v1/node.proto\x12\nfedpipe.v1\x1a\x17\x66\x65\x64pipe/v1/tensor.proto\"v\n\tResources\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\r\n\x05\x63ores\x18\x03 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x66lops\x18\x05 \x01(\x01\x12\x10\n\x08hostname\x18\x06 \x01(\t\"\xc0\x01\n\x0fStageAssignment\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0blayer_start\x18\x05 \x01(\x05\x12\x11\n\tlayer_end\x18\x06 \x01(\x05\x12\x18\n\x10\x61\x63tivation_codec\x18\x07 \x01(\t\x12\x16\n\x0egradient_codec\x18\x08 \x01(\t\x12\x11\n\tnode_name\x18\t \x01(\t\"O\n\x0bReplicaInfo\x12\x14\n\x0cmicrobatches\x18\x01 \x01(\x05\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x19\n\x11predicted_seconds\x18\x03 \x01(\x01\"\xb4\x01\n\x04Plan\x12+\n\x06stages\x18\x01 \x03(\x0b\x32\x1b.fedpipe.v1.StageAssignment\x12\x1e\n\x16predicted_step_seconds\x18\x02 \x01(\x01\x12\x0f\n\x07summary\x18\x03 \x01(\t\x12)\n\x08replicas\x18\x04 \x03(\x0b\x32\x17.fedpipe.v1.ReplicaInfo\x12\x14\n\x0csync_seconds\x18\x05 \x01(\x01\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\"\xa9\x03\n\tJobConfig\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x14\n\x0cmicrobatches\x18\x02 \x01(\x05\x12\x10\n\x08schedule\x18\x03 \x01(\t\x12\x11\n\toptimizer\x18\x04 \x01(\x0c\x12\x0f\n\x07loss_fn\x18\x05 \x01(\x0c\x12\x1e\n\x16\x61\x63tivation_compression\x18\x06 \x01(\t\x12\x0e\n\x06stages\x18\x07 \x01(\x05\x12\x1c\n\x14gradient_compression\x18\x08 \x01(\t\x12\x15\n\rmax_staleness\x18\t \x01(\x05\x12\x14\n\x0creplica_sync\x18\n \x01(\t\x12\x13\n\x0bouter_every\x18\x0b \x01(\x05\x12\x10\n\x08outer_lr\x18\x0c \x01(\x01\x12\x16\n\x0eouter_momentum\x18\r \x01(\x01\x12\x19\n\x11outer_compression\x18\x0e \x01(\t\x12\x10\n\x08replicas\x18\x0f \x01(\x05\x12\x12\n\nbatch_size\x18\x10 \x01(\x03\x12\x14\n\x0clr_scheduler\x18\x11 \x01(\x0c\x12\x16\n\x0e\x63lip_grad_norm\x18\x12 \x01(\x01\x12\x18\n\x10\x63heckpoint_every\x18\x13 \x01(\x03\"\x0e\n\x0cProbeRequest\"\x9a\x02\n\x10LoadStageRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0e\n\x06layers\x18\x04 \x03(\x0c\x12\x1e\n\x04plan\x18\x05 \x01(\x0b\x32\x10.fedpipe.v1.Plan\x12%\n\x06\x63onfig\x18\x06 \x01(\x0b\x32\x15.fedpipe.v1.JobConfig\x12\x13\n\x0bresume_step\x18\x07 \x01(\x03\x12\x18\n\x10snapshot_sources\x18\x08 \x03(\t\x12\r\n\x05owner\x18\t \x01(\t\x12\x15\n\rjob_signature\x18\n \x01(\x0c\x12\x13\n\x0b\x63lient_cert\x18\x0b \x01(\x0c\x12\x15\n\rlayer_digests\x18\x0c \x03(\x0c\"\x10\n\x0eLoadStageReply\"W\n\x0eStopJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07release\x18\x03 \x01(\x08\x12\x14\n\x0c\x62\x65\x66ore_epoch\x18\x04 \x01(\x03\"\x0e\n\x0cStopJobReply\"\xa5\x01\n\x08\x45nvelope\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x1e\n\x04kind\x18\x04 \x01(\x0e\x32\x10.fedpipe.v1.Kind\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x12\n\nmicrobatch\x18\x06 \x01(\x05\x12\x12\n\nbatch_size\x18\x07 \x01(\x03\x12\r\n\x05\x65poch\x18\t \x01(\x03J\x04\x08\x08\x10\t\"p\n\x05\x46rame\x12&\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x14.fedpipe.v1.Envelope\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.fedpipe.v1.Tensor\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\x12\x0c\n\x04name\x18\x04 \x01(\t\"\x0b\n\tSendReply\"C\n\x11\x46\x65tchStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\"T\n\x14\x46\x65tchSnapshotRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\"6\n\x04Peer\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"u\n\x13MeasureLinksRequest\x12\x1f\n\x05peers\x18\x01 \x03(\x0b\x32\x10.fedpipe.v1.Peer\x12\r\n\x05pings\x18\x02 \x01(\x05\x12\x17\n\x0fmax_probe_bytes\x18\x03 \x01(\x04\x12\x15\n\rprobe_seconds\x18\x04 \x01(\x01\"y\n\x0fLinkMeasurement\x12\x0e\n\x06src_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64st_id\x18\x02 \x01(\t\x12\x11\n\tbandwidth\x18\x03 \x01(\x01\x12\x0f\n\x07latency\x18\x04 \x01(\x01\x12\x13\n\x0bmeasured_at\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"?\n\x11MeasureLinksReply\x12*\n\x05links\x18\x01 \x03(\x0b\x32\x1b.fedpipe.v1.LinkMeasurement\"\x13\n\x0bPingRequestJ\x04\x08\x01\x10\x02\"\x0b\n\tPingReply*\xb8\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_INPUT\x10\x01\x12\x0f\n\x0bKIND_TARGET\x10\x02\x12\x13\n\x0fKIND_ACTIVATION\x10\x03\x12\x11\n\rKIND_GRADIENT\x10\x04\x12\x0e\n\nKIND_PROBE\x10\x05\x12\x0f\n\x0bKIND_REDUCE\x10\x06\x12\x0e\n\nKIND_OUTER\x10\x07\x12\r\n\tKIND_NORM\x10\x08\x12\x11\n\rKIND_SNAPSHOT\x10\t2\xc9\x04\n\x04Node\x12\x38\n\x05Probe\x12\x18.fedpipe.v1.ProbeRequest\x1a\x15.fedpipe.v1.Resources\x12\x45\n\tLoadStage\x12\x1c.fedpipe.v1.LoadStageRequest\x1a\x1a.fedpipe.v1.LoadStageReply\x12?\n\x07StopJob\x12\x1a.fedpipe.v1.StopJobRequest\x1a\x18.fedpipe.v1.StopJobReply\x12\x32\n\x04Send\x12\x11.fedpipe.v1.Frame\x1a\x15.fedpipe.v1.SendReply(\x01\x12@\n\nFetchState\x12\x1d.fedpipe.v1.FetchStateRequest\x1a\x11.fedpipe.v1.Frame0\x01\x12\x39\n\x0bPutSnapshot\x12\x11.fedpipe.v1.Frame\x1a\x15.fedpipe.v1.SendReply(\x01\x12\x46\n\rFetchSnapshot\x12 .fedpipe.v1.FetchSnapshotRequest\x1a\x11.fedpipe.v1.Frame0\x01\x12\x36\n\x04Ping\x12\x17.fedpipe.v1.PingRequest\x1a\x15.fedpipe.v1.PingReply\x12N\n\x0cMeasureLinks\x12\x1f.fedpipe.v1.MeasureLinksRequest\x1a\x1d.fedpipe.v1.MeasureLinksReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x65\x64pipe/v1/node.proto\x12\nfedpipe.v1\x1a\x17\x66\x65\x64pipe/v1/tensor.proto\"v\n\tResources\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\r\n\x05\x63ores\x18\x03 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x66lops\x18\x05 \x01(\x01\x12\x10\n\x08hostname\x18\x06 \x01(\t\"\xc0\x01\n\x0fStageAssignment\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0blayer_start\x18\x05 \x01(\x05\x12\x11\n\tlayer_end\x18\x06 \x01(\x05\x12\x18\n\x10\x61\x63tivation_codec\x18\x07 \x01(\t\x12\x16\n\x0egradient_codec\x18\x08 \x01(\t\x12\x11\n\tnode_name\x18\t \x01(\t\"O\n\x0bReplicaInfo\x12\x14\n\x0cmicrobatches\x18\x01 \x01(\x05\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x19\n\x11predicted_seconds\x18\x03 \x01(\x01\"\xb4\x01\n\x04Plan\x12+\n\x06stages\x18\x01 \x03(\x0b\x32\x1b.fedpipe.v1.StageAssignment\x12\x1e\n\x16predicted_step_seconds\x18\x02 \x01(\x01\x12\x0f\n\x07summary\x18\x03 \x01(\t\x12)\n\x08replicas\x18\x04 \x03(\x0b\x32\x17.fedpipe.v1.ReplicaInfo\x12\x14\n\x0csync_seconds\x18\x05 \x01(\x01\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\"\xc0\x03\n\tJobConfig\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x14\n\x0cmicrobatches\x18\x02 \x01(\x05\x12\x10\n\x08schedule\x18\x03 \x01(\t\x12\x11\n\toptimizer\x18\x04 \x01(\x0c\x12\x0f\n\x07loss_fn\x18\x05 \x01(\x0c\x12\x1e\n\x16\x61\x63tivation_compression\x18\x06 \x01(\t\x12\x0e\n\x06stages\x18\x07 \x01(\x05\x12\x1c\n\x14gradient_compression\x18\x08 \x01(\t\x12\x15\n\rmax_staleness\x18\t \x01(\x05\x12\x14\n\x0creplica_sync\x18\n \x01(\t\x12\x13\n\x0bouter_every\x18\x0b \x01(\x05\x12\x10\n\x08outer_lr\x18\x0c \x01(\x01\x12\x16\n\x0eouter_momentum\x18\r \x01(\x01\x12\x19\n\x11outer_compression\x18\x0e \x01(\t\x12\x10\n\x08replicas\x18\x0f \x01(\x05\x12\x12\n\nbatch_size\x18\x10 \x01(\x03\x12\x14\n\x0clr_scheduler\x18\x11 \x01(\x0c\x12\x16\n\x0e\x63lip_grad_norm\x18\x12 \x01(\x01\x12\x18\n\x10\x63heckpoint_every\x18\x13 \x01(\x03\x12\x15\n\x0cmin_replicas\x18\xa0\x01 \x01(\x05\"\x0e\n\x0cProbeRequest\"\x9a\x02\n\x10LoadStageRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0e\n\x06layers\x18\x04 \x03(\x0c\x12\x1e\n\x04plan\x18\x05 \x01(\x0b\x32\x10.fedpipe.v1.Plan\x12%\n\x06\x63onfig\x18\x06 \x01(\x0b\x32\x15.fedpipe.v1.JobConfig\x12\x13\n\x0bresume_step\x18\x07 \x01(\x03\x12\x18\n\x10snapshot_sources\x18\x08 \x03(\t\x12\r\n\x05owner\x18\t \x01(\t\x12\x15\n\rjob_signature\x18\n \x01(\x0c\x12\x13\n\x0b\x63lient_cert\x18\x0b \x01(\x0c\x12\x15\n\rlayer_digests\x18\x0c \x03(\x0c\"\x10\n\x0eLoadStageReply\"W\n\x0eStopJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07release\x18\x03 \x01(\x08\x12\x14\n\x0c\x62\x65\x66ore_epoch\x18\x04 \x01(\x03\"\x0e\n\x0cStopJobReply\"\xa5\x01\n\x08\x45nvelope\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x1e\n\x04kind\x18\x04 \x01(\x0e\x32\x10.fedpipe.v1.Kind\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x12\n\nmicrobatch\x18\x06 \x01(\x05\x12\x12\n\nbatch_size\x18\x07 \x01(\x03\x12\r\n\x05\x65poch\x18\t \x01(\x03J\x04\x08\x08\x10\t\"p\n\x05\x46rame\x12&\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x14.fedpipe.v1.Envelope\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.fedpipe.v1.Tensor\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\x12\x0c\n\x04name\x18\x04 \x01(\t\"\x0b\n\tSendReply\"C\n\x11\x46\x65tchStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\"T\n\x14\x46\x65tchSnapshotRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\"6\n\x04Peer\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"u\n\x13MeasureLinksRequest\x12\x1f\n\x05peers\x18\x01 \x03(\x0b\x32\x10.fedpipe.v1.Peer\x12\r\n\x05pings\x18\x02 \x01(\x05\x12\x17\n\x0fmax_probe_bytes\x18\x03 \x01(\x04\x12\x15\n\rprobe_seconds\x18\x04 \x01(\x01\"y\n\x0fLinkMeasurement\x12\x0e\n\x06src_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64st_id\x18\x02 \x01(\t\x12\x11\n\tbandwidth\x18\x03 \x01(\x01\x12\x0f\n\x07latency\x18\x04 \x01(\x01\x12\x13\n\x0bmeasured_at\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"?\n\x11MeasureLinksReply\x12*\n\x05links\x18\x01 \x03(\x0b\x32\x1b.fedpipe.v1.LinkMeasurement\"\x13\n\x0bPingRequestJ\x04\x08\x01\x10\x02\"\x0b\n\tPingReply*\xb8\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_INPUT\x10\x01\x12\x0f\n\x0bKIND_TARGET\x10\x02\x12\x13\n\x0fKIND_ACTIVATION\x10\x03\x12\x11\n\rKIND_GRADIENT\x10\x04\x12\x0e\n\nKIND_PROBE\x10\x05\x12\x0f\n\x0bKIND_REDUCE\x10\x06\x12\x0e\n\nKIND_OUTER\x10\x07\x12\r\n\tKIND_NORM\x10\x08\x12\x11\n\rKIND_SNAPSHOT\x10\t2\xc9\x04\n\x04Node\x12\x38\n\x05Probe\x12\x18.fedpipe.v1.ProbeRequest\x1a\x15.fedpipe.v1.Resources\x12\x45\n\tLoadStage\x12\x1c.fedpipe.v1.LoadStageRequest\x1a\x1a.fedpipe.v1.LoadStageReply\x12?\n\x07StopJob\x12\x1a.fedpipe.v1.StopJobRequest\x1a\x18.fedpipe.v1.StopJobReply\x12\x32\n\x04Send\x12\x11.fedpipe.v1.Frame\x1a\x15.fedpipe.v1.SendReply(\x01\x12@\n\nFetchState\x12\x1d.fedpipe.v1.FetchStateRequest\x1a\x11.fedpipe.v1.Frame0\x01\x12\x39\n\x0bPutSnapshot\x12\x11.fedpipe.v1.Frame\x1a\x15.fedpipe.v1.SendReply(\x01\x12\x46\n\rFetchSnapshot\x12 .fedpipe.v1.FetchSnapshotRequest\x1a\x11.fedpipe.v1.Frame0\x01\x12\x36\n\x04Ping\x12\x17.fedpipe.v1.PingRequest\x1a\x15.fedpipe.v1.PingReply\x12N\n\x0cMeasureLinks\x12\x1f.fedpipe.v1.MeasureLinksRequest\x1a\x1d.fedpipe.v1.MeasureLinksReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedpipe.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KIND']._serialized_start=2341
-  _globals['_KIND']._serialized_end=2525
+  _globals['_KIND']._serialized_start=2364
+  _globals['_KIND']._serialized_end=2548
   _globals['_RESOURCES']._serialized_start=62
   _globals['_RESOURCES']._serialized_end=180
   _globals['_STAGEASSIGNMENT']._serialized_start=183
@@ -43,39 +43,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PLAN']._serialized_start=459
   _globals['_PLAN']._serialized_end=639
   _globals['_JOBCONFIG']._serialized_start=642
-  _globals['_JOBCONFIG']._serialized_end=1067
-  _globals['_PROBEREQUEST']._serialized_start=1069
-  _globals['_PROBEREQUEST']._serialized_end=1083
-  _globals['_LOADSTAGEREQUEST']._serialized_start=1086
-  _globals['_LOADSTAGEREQUEST']._serialized_end=1368
-  _globals['_LOADSTAGEREPLY']._serialized_start=1370
-  _globals['_LOADSTAGEREPLY']._serialized_end=1386
-  _globals['_STOPJOBREQUEST']._serialized_start=1388
-  _globals['_STOPJOBREQUEST']._serialized_end=1475
-  _globals['_STOPJOBREPLY']._serialized_start=1477
-  _globals['_STOPJOBREPLY']._serialized_end=1491
-  _globals['_ENVELOPE']._serialized_start=1494
-  _globals['_ENVELOPE']._serialized_end=1659
-  _globals['_FRAME']._serialized_start=1661
-  _globals['_FRAME']._serialized_end=1773
-  _globals['_SENDREPLY']._serialized_start=1775
-  _globals['_SENDREPLY']._serialized_end=1786
-  _globals['_FETCHSTATEREQUEST']._serialized_start=1788
-  _globals['_FETCHSTATEREQUEST']._serialized_end=1855
-  _globals['_FETCHSNAPSHOTREQUEST']._serialized_start=1857
-  _globals['_FETCHSNAPSHOTREQUEST']._serialized_end=1941
-  _globals['_PEER']._serialized_start=1943
-  _globals['_PEER']._serialized_end=1997
-  _globals['_MEASURELINKSREQUEST']._serialized_start=1999
-  _globals['_MEASURELINKSREQUEST']._serialized_end=2116
-  _globals['_LINKMEASUREMENT']._serialized_start=2118
-  _globals['_LINKMEASUREMENT']._serialized_end=2239
-  _globals['_MEASURELINKSREPLY']._serialized_start=2241
-  _globals['_MEASURELINKSREPLY']._serialized_end=2304
-  _globals['_PINGREQUEST']._serialized_start=2306
-  _globals['_PINGREQUEST']._serialized_end=2325
-  _globals['_PINGREPLY']._serialized_start=2327
-  _globals['_PINGREPLY']._serialized_end=2338
-  _globals['_NODE']._serialized_start=2528
-  _globals['_NODE']._serialized_end=3113
+  _globals['_JOBCONFIG']._serialized_end=1090
+  _globals['_PROBEREQUEST']._serialized_start=1092
+  _globals['_PROBEREQUEST']._serialized_end=1106
+  _globals['_LOADSTAGEREQUEST']._serialized_start=1109
+  _globals['_LOADSTAGEREQUEST']._serialized_end=1391
+  _globals['_LOADSTAGEREPLY']._serialized_start=1393
+  _globals['_LOADSTAGEREPLY']._serialized_end=1409
+  _globals['_STOPJOBREQUEST']._serialized_start=1411
+  _globals['_STOPJOBREQUEST']._serialized_end=1498
+  _globals['_STOPJOBREPLY']._serialized_start=1500
+  _globals['_STOPJOBREPLY']._serialized_end=1514
+  _globals['_ENVELOPE']._serialized_start=1517
+  _globals['_ENVELOPE']._serialized_end=1682
+  _globals['_FRAME']._serialized_start=1684
+  _globals['_FRAME']._serialized_end=1796
+  _globals['_SENDREPLY']._serialized_start=1798
+  _globals['_SENDREPLY']._serialized_end=1809
+  _globals['_FETCHSTATEREQUEST']._serialized_start=1811
+  _globals['_FETCHSTATEREQUEST']._serialized_end=1878
+  _globals['_FETCHSNAPSHOTREQUEST']._serialized_start=1880
+  _globals['_FETCHSNAPSHOTREQUEST']._serialized_end=1964
+  _globals['_PEER']._serialized_start=1966
+  _globals['_PEER']._serialized_end=2020
+  _globals['_MEASURELINKSREQUEST']._serialized_start=2022
+  _globals['_MEASURELINKSREQUEST']._serialized_end=2139
+  _globals['_LINKMEASUREMENT']._serialized_start=2141
+  _globals['_LINKMEASUREMENT']._serialized_end=2262
+  _globals['_MEASURELINKSREPLY']._serialized_start=2264
+  _globals['_MEASURELINKSREPLY']._serialized_end=2327
+  _globals['_PINGREQUEST']._serialized_start=2329
+  _globals['_PINGREQUEST']._serialized_end=2348
+  _globals['_PINGREPLY']._serialized_start=2350
+  _globals['_PINGREPLY']._serialized_end=2361
+  _globals['_NODE']._serialized_start=2551
+  _globals['_NODE']._serialized_end=3136
 # @@protoc_insertion_point(module_scope)

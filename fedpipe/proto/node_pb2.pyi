@@ -96,7 +96,7 @@ class Plan(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every")
+    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every", "min_replicas")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class JobConfig(_message.Message):
     LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     CLIP_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     microbatches: int
     schedule: str
@@ -135,7 +136,8 @@ class JobConfig(_message.Message):
     lr_scheduler: bytes
     clip_grad_norm: float
     checkpoint_every: int
-    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+    min_replicas: int
+    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., min_replicas: _Optional[int] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,181 @@
+"""Gradient all-reduce over the replica groups of each step's quorum (elastic jobs).
+
+:class:`ElasticGradientSync` is :class:`~fedpipe.runtime.allreduce.GradientSync`
+for a job whose replica groups may drop out and come back
+(``JobSpec.min_replicas`` > 0). Before it changes a gradient it agrees with
+the tracker on the step's members (a :class:`~fedpipe.spec.Quorum`; the rules
+are in :mod:`fedpipe.tracker.replicas`):
+
+1. sum the step's gradients by the ring all-reduce among the holders of the
+   members' groups only (the segments are those of the members' layer splits);
+   the message tags carry the quorum's version, so rings of two versions never
+   mix; while it waits for a ring message it asks the tracker every
+   :data:`POLL_SECONDS` whether the membership changed, and if so starts again
+   over the new members;
+2. report the sum and wait for the step's commit; apply the sum only then
+   (every stage of every member group applies the same one), or sum again
+   when the membership changed first.
+
+Loss scaling. Each group scales its microbatch losses by ``n / B`` (share of
+the step's global batch, :class:`~fedpipe.runtime.stage.StageRunnerBase`), so
+the sum of the groups' gradients is the global batch's gradient only if every
+sample was used. The ring also sums the members' sample counts ``N``, and the
+gradient is multiplied by ``B / N``: the gradient of the mean loss over the
+samples the members trained on. When no group was lost mid-step ``N = B`` and
+nothing is multiplied, so an undisturbed elastic job trains exactly as a
+plain all-reduce job.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from ..spec import Kind, Quorum, StageKey
+from .allreduce import Held, StageSpan, held_segments, ring_allreduce
+from .stage import StageError, Transport
+
+POLL_SECONDS = 0.5
+"""Seconds a ring member waits for a message before it asks whether the membership changed."""
+COMMIT_WAIT = 2.0
+"""Seconds one ask for a step's commit may block at the tracker (asked again until decided)."""
+VERSION_TAGS = 1 << 16
+"""Message tags of one quorum version: ring tags are ``version * VERSION_TAGS + tag``."""
+MAX_VERSION = (2**31 - 1) // VERSION_TAGS - 1
+"""The highest quorum version whose tags fit the wire's int32 tag."""
+
+
+class AskQuorum(Protocol):
+    """How a stage asks the tracker about a step's sync (see
+    :meth:`fedpipe.tracker.replicas.ReplicaSet.ask`)."""
+
+    def __call__(self, step: int, version: int, reduced: bool, wait: float) -> Quorum:
+        """The quorum of ``step``; ``reduced``: the stage summed it under ``version``.
+
+        Raises:
+            StageError: the tracker cannot be reached.
+        """
+
+
+class GroupDropped(StageError):
+    """The stage's replica group was dropped from the job (a node of it was lost)."""
+
+
+class _Superseded(Exception):
+    def __init__(self, quorum: Quorum):
+        self.quorum = quorum
+
+
+class ElasticGradientSync:
+    """Sums a stage's gradients over the groups of the step's quorum (module docstring).
+
+    Use it as a runner's ``before_update`` hook.
+
+    Args:
+        module: the stage's layers (an ``nn.Sequential``).
+        me: this stage's place in the plan.
+        stages: every stage of the plan with its layers (all groups, live or not).
+        transport: how ring messages travel.
+        ask: the tracker's quorum (:class:`AskQuorum`).
+        samples: ``(n, B)`` of the step just run: samples this stage trained on and
+            the global batch size.
+
+    Attributes:
+        quorum: the last committed quorum (None before the first).
+        retries: steps summed again because the membership changed.
+
+    Raises:
+        ValueError: as :func:`~fedpipe.runtime.allreduce.held_segments`, or a
+            parameter that is neither float32 nor float64 (the sample count
+            rides in the gradient's dtype and must stay an exact integer).
+    """
+
+    def __init__(self, module: torch.nn.Module, me: StageKey, stages: Sequence[StageSpan],
+                 transport: Transport, ask: AskQuorum, samples: Callable[[], tuple[int, int]]):
+        bad = {p.dtype for p in module.parameters()} - {torch.float32, torch.float64}
+        if bad:
+            raise ValueError(f"elastic all-reduce needs float32 or float64 parameters, got "
+                             f"{sorted(map(str, bad))}")
+        self.module, self.me, self.stages = module, me, list(stages)
+        self.transport, self.ask, self.samples = transport, ask, samples
+        self.quorum: Quorum | None = None
+        self.retries = 0
+        self._held: dict[tuple[int, ...], list[Held]] = {}
+
+    def _mine(self, members: tuple[int, ...]) -> list[Held]:
+        if members not in self._held:
+            spans = [s for s in self.stages if s.key.replica in members]
+            self._held[members] = held_segments(self.module, self.me, spans)
+        return self._held[members]
+
+    def __call__(self, step: int) -> None:
+        """Agree on ``step``'s members, all-reduce among them, and set the gradients.
+
+        Raises:
+            GroupDropped: this stage's group is no longer in the job.
+            StageError: a send failed, or the tracker answered out of turn.
+        """
+        version = self.quorum.version if self.quorum is not None else -1
+        q = self.ask(step, version, False, 0.0)
+        n, batch = self.samples()
+        while True:
+            if q.dropped:
+                raise GroupDropped(f"replica group {self.me.replica} was dropped from the job "
+                                   f"(replica epoch {q.version})")
+            if q.version > MAX_VERSION:
+                raise StageError(f"replica epoch {q.version} is past {MAX_VERSION}: the ring "
+                                 f"tags no longer fit")
+            try:
+                sums = self._reduce(step, q, n)
+            except _Superseded as e:
+                q, self.retries = e.quorum, self.retries + 1
+                continue
+            answer = q
+            while not (answer.committed or answer.dropped) and answer.version == q.version:
+                answer = self.ask(step, q.version, True, COMMIT_WAIT)
+            if answer.committed and answer.version == q.version:
+                break
+            if answer.committed:
+                raise StageError(f"step {step} committed under replica epoch {answer.version} "
+                                 f"while this stage summed it under {q.version}")
+            q, self.retries = answer, self.retries + 1
+        self.quorum = answer
+        for (_, _, params), (total, count) in zip(self._mine(q.members), sums):
+            scale = None if count == batch else batch / count
+            offset = 0
+            for p in params:
+                g = total[offset:offset + p.numel()].view_as(p).clone()
+                p.grad = g.mul_(scale) if scale is not None else g
+                offset += p.numel()
+
+    def _reduce(self, step: int, q: Quorum, n: int) -> list[tuple[torch.Tensor, float]]:
+        """The ring sums of every held segment over ``q.members``: ``(gradients, samples)``.
+
+        Raises:
+            _Superseded: the membership changed while a message was awaited.
+        """
+        out = []
+        for seg, rank, params in self._mine(q.members):
+            world = len(seg.holders)
+            nxt = seg.holders[(rank + 1) % world]
+            base = q.version * VERSION_TAGS + seg.index * 2 * world
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in params]
+                             + [torch.tensor([float(n)], dtype=params[0].dtype,
+                                             device=params[0].device)])
+            total = ring_allreduce(
+                flat, rank, world,
+                lambda tag, t, nxt=nxt, base=base: self.transport.send_to(
+                    nxt, Kind.REDUCE, step, base + tag, t),
+                lambda tag, base=base: self._recv(step, base + tag, q))
+            out.append((total[:-1], float(total[-1])))
+        return out
+
+    def _recv(self, step: int, tag: int, q: Quorum) -> torch.Tensor:
+        while True:
+            try:
+                return self.transport.recv(Kind.REDUCE, step, tag, POLL_SECONDS)[0]
+            except TimeoutError:
+                now = self.ask(step, q.version, False, 0.0)
+                if now.dropped or now.version != q.version:
+                    raise _Superseded(now) from None
