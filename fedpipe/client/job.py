@@ -25,6 +25,7 @@ from ..security.signing import sign_job
 from ..security.tls import resolve as resolve_tls
 from ..spec import REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, state_name
 from ..wire import frames, rpc
+from .elastic import ElasticFeed
 from .packaging import dumps, pack_layers
 from .profile import profile_model
 
@@ -603,21 +604,35 @@ class Job:
             step = info.resume_step
             while True:  # one round per plan epoch
                 groups = GroupFeed.of(PlanView(info.plan, self.microbatches))
+                elastic = ElasticFeed(self.client.stub, self.id, info) \
+                    if ElasticFeed.applies(info) else None
                 try:
                     while step < info.steps:
                         if self._halted.is_set():
                             raise _FeedHalted
+                        if elastic is not None:  # the live groups only, and any that join
+                            groups = self._elastic_groups(elastic, step)
                         if step not in kept:
                             self._bound(kept, info)
                             x, y, _ = self._next_batch(batches, groups)
                             kept[step] = (x, y)
                         x, y = kept[step]
                         for group, (xs, ys) in zip(groups, _shard(x, y, [g.share for g in groups])):
-                            self._send_step(step, x.shape[0], group, xs, ys, info.epoch)
+                            try:
+                                self._send_step(step, x.shape[0], group, xs, ys, info.epoch)
+                            except grpc.RpcError as e:
+                                if elastic is None or e.code() not in NODE_TROUBLE or \
+                                        not elastic.dropped(group.first.replica, info.epoch,
+                                                            self._halted.is_set):
+                                    raise
+                                log.info("job %s: replica group %d was dropped; feeding the "
+                                         "others", self.id, group.first.replica)
                         step += 1
                         self._fed, self._steps = step, info.steps
                     # every step fed: stay until the job ends, and feed it again if it rewinds
                     resumed = self._await_epoch(info.epoch, AFTER_FEED_POLL)
+                except _Replan:  # an elastic job rewound (fewer than min_replicas groups left)
+                    resumed = self._await_epoch(info.epoch, RECOVERY_POLL)
                 except grpc.RpcError as e:
                     if e.code() not in NODE_TROUBLE:
                         raise
@@ -658,6 +673,18 @@ class Job:
         finally:
             with self.client._lock:
                 self.client._feeding.discard(self)
+
+    def _elastic_groups(self, elastic: ElasticFeed, step: int) -> list[GroupFeed]:
+        """The groups to feed at ``step`` of an elastic job (:mod:`.elastic`).
+
+        Raises:
+            _Replan: the job rewound meanwhile.
+        """
+        live, now = elastic.members(step)
+        if not live:
+            raise _Replan
+        view = PlanView(now.plan, self.microbatches)
+        return [g for g in GroupFeed.of(view) if g.first.replica in live]
 
     def _bound(self, kept: dict[int, tuple], info: tracker_pb2.JobInfo) -> None:
         """Forget kept batches from before the checkpoint one interval older than the last

@@ -72,3 +72,16 @@ is found again within 2 s, not after gRPC's default 2 min backoff."""
 def measure_links(peers: int) -> float:
     """Deadline of a MeasureLinks call over ``peers`` peers, seconds."""
     return MEASURE_LINKS_BASE + MEASURE_LINKS_PER_PEER * peers
+
+
+QUORUM_POLL = _seconds("QUORUM_POLL", 0.5)
+"""Elastic replica groups: a ring member that waited this long for a message asks the tracker
+whether the step's membership changed (a group dropped) before it waits again."""
+QUORUM_COMMIT_WAIT = _seconds("QUORUM_COMMIT_WAIT", 2.0)
+"""Elastic replica groups: one ask for a step's commit blocks at the tracker at most this
+long (the stage asks again until the step is decided)."""
+QUORUM_RPC = QUORUM_COMMIT_WAIT + CONTROL_RPC
+"""Deadline of one ReplicaQuorum call: its wait plus a control call's."""
+HEAL_SNAPSHOT_WAIT = _seconds("HEAL_SNAPSHOT_WAIT", 60.0)
+"""A rebuilt replica group's stage waits this long for the state its donor keeps after the
+step before the join (the donor gets there at its own pace)."""

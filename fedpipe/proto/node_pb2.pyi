@@ -144,7 +144,7 @@ class ProbeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config", "resume_step", "snapshot_sources", "owner", "job_signature", "client_cert", "layer_digests")
+    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config", "resume_step", "snapshot_sources", "owner", "job_signature", "client_cert", "layer_digests", "snapshot_wait_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class LoadStageRequest(_message.Message):
     JOB_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_CERT_FIELD_NUMBER: _ClassVar[int]
     LAYER_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
@@ -169,23 +170,26 @@ class LoadStageRequest(_message.Message):
     job_signature: bytes
     client_cert: bytes
     layer_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., resume_step: _Optional[int] = ..., snapshot_sources: _Optional[_Iterable[str]] = ..., owner: _Optional[str] = ..., job_signature: _Optional[bytes] = ..., client_cert: _Optional[bytes] = ..., layer_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    snapshot_wait_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., resume_step: _Optional[int] = ..., snapshot_sources: _Optional[_Iterable[str]] = ..., owner: _Optional[str] = ..., job_signature: _Optional[bytes] = ..., client_cert: _Optional[bytes] = ..., layer_digests: _Optional[_Iterable[bytes]] = ..., snapshot_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class LoadStageReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StopJobRequest(_message.Message):
-    __slots__ = ("job_id", "reason", "release", "before_epoch")
+    __slots__ = ("job_id", "reason", "release", "before_epoch", "replicas")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     BEFORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     reason: str
     release: bool
     before_epoch: int
-    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ..., release: _Optional[bool] = ..., before_epoch: _Optional[int] = ...) -> None: ...
+    replicas: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ..., release: _Optional[bool] = ..., before_epoch: _Optional[int] = ..., replicas: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StopJobReply(_message.Message):
     __slots__ = ()

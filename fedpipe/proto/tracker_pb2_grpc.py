@@ -74,6 +74,16 @@ class TrackerStub:
                 request_serializer=fedpipe_dot_v1_dot_tracker__pb2.StageReport.SerializeToString,
                 response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.StageReportReply.FromString,
                 _registered_method=True)
+        self.ReplicaQuorum = channel.unary_unary(
+                '/fedpipe.v1.Tracker/ReplicaQuorum',
+                request_serializer=fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumReply.FromString,
+                _registered_method=True)
+        self.JoinReplica = channel.unary_unary(
+                '/fedpipe.v1.Tracker/JoinReplica',
+                request_serializer=fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaReply.FromString,
+                _registered_method=True)
 
 
 class TrackerServicer:
@@ -127,6 +137,18 @@ class TrackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplicaQuorum(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrackerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +191,16 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.ReportStage,
                     request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.StageReport.FromString,
                     response_serializer=fedpipe_dot_v1_dot_tracker__pb2.StageReportReply.SerializeToString,
+            ),
+            'ReplicaQuorum': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicaQuorum,
+                    request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumReply.SerializeToString,
+            ),
+            'JoinReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinReplica,
+                    request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +419,60 @@ class Tracker:
             '/fedpipe.v1.Tracker/ReportStage',
             fedpipe_dot_v1_dot_tracker__pb2.StageReport.SerializeToString,
             fedpipe_dot_v1_dot_tracker__pb2.StageReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaQuorum(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Tracker/ReplicaQuorum',
+            fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumRequest.SerializeToString,
+            fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Tracker/JoinReplica',
+            fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaRequest.SerializeToString,
+            fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaReply.FromString,
             options,
             channel_credentials,
             insecure,

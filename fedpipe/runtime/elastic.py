@@ -10,8 +10,8 @@ are in :mod:`fedpipe.tracker.replicas`):
    members' groups only (the segments are those of the members' layer splits);
    the message tags carry the quorum's version, so rings of two versions never
    mix; while it waits for a ring message it asks the tracker every
-   :data:`POLL_SECONDS` whether the membership changed, and if so starts again
-   over the new members;
+   :data:`~fedpipe.net.timeouts.QUORUM_POLL` seconds whether the membership
+   changed, and if so starts again over the new members;
 2. report the sum and wait for the step's commit; apply the sum only then
    (every stage of every member group applies the same one), or sum again
    when the membership changed first.
@@ -31,14 +31,11 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from ..net import timeouts
 from ..spec import Kind, Quorum, StageKey
 from .allreduce import Held, StageSpan, held_segments, ring_allreduce
 from .stage import StageError, Transport
 
-POLL_SECONDS = 0.5
-"""Seconds a ring member waits for a message before it asks whether the membership changed."""
-COMMIT_WAIT = 2.0
-"""Seconds one ask for a step's commit may block at the tracker (asked again until decided)."""
 VERSION_TAGS = 1 << 16
 """Message tags of one quorum version: ring tags are ``version * VERSION_TAGS + tag``."""
 MAX_VERSION = (2**31 - 1) // VERSION_TAGS - 1
@@ -79,6 +76,9 @@ class ElasticGradientSync:
         ask: the tracker's quorum (:class:`AskQuorum`).
         samples: ``(n, B)`` of the step just run: samples this stage trained on and
             the global batch size.
+        peer_failed: called with a ring peer's address when a send to it failed
+            (the node reports it to the tracker, which drops its group if it is
+            gone); the sync then goes on waiting for the step's membership to change.
 
     Attributes:
         quorum: the last committed quorum (None before the first).
@@ -91,13 +91,15 @@ class ElasticGradientSync:
     """
 
     def __init__(self, module: torch.nn.Module, me: StageKey, stages: Sequence[StageSpan],
-                 transport: Transport, ask: AskQuorum, samples: Callable[[], tuple[int, int]]):
+                 transport: Transport, ask: AskQuorum, samples: Callable[[], tuple[int, int]],
+                 peer_failed: Callable[[str], None] | None = None):
         bad = {p.dtype for p in module.parameters()} - {torch.float32, torch.float64}
         if bad:
             raise ValueError(f"elastic all-reduce needs float32 or float64 parameters, got "
                              f"{sorted(map(str, bad))}")
         self.module, self.me, self.stages = module, me, list(stages)
         self.transport, self.ask, self.samples = transport, ask, samples
+        self.peer_failed = peer_failed
         self.quorum: Quorum | None = None
         self.retries = 0
         self._held: dict[tuple[int, ...], list[Held]] = {}
@@ -132,7 +134,7 @@ class ElasticGradientSync:
                 continue
             answer = q
             while not (answer.committed or answer.dropped) and answer.version == q.version:
-                answer = self.ask(step, q.version, True, COMMIT_WAIT)
+                answer = self.ask(step, q.version, True, timeouts.QUORUM_COMMIT_WAIT)
             if answer.committed and answer.version == q.version:
                 break
             if answer.committed:
@@ -165,17 +167,30 @@ class ElasticGradientSync:
                                              device=params[0].device)])
             total = ring_allreduce(
                 flat, rank, world,
-                lambda tag, t, nxt=nxt, base=base: self.transport.send_to(
-                    nxt, Kind.REDUCE, step, base + tag, t),
+                lambda tag, t, nxt=nxt, base=base: self._send(nxt, step, base + tag, t),
                 lambda tag, base=base: self._recv(step, base + tag, q))
             out.append((total[:-1], float(total[-1])))
         return out
 
+    def _failed(self, error: StageError) -> None:
+        """A send to a ring peer failed: tell the node, or fail the stage without a node."""
+        if not error.peer or self.peer_failed is None:
+            raise error
+        self.peer_failed(error.peer)
+
+    def _send(self, peer: StageKey, step: int, tag: int, tensor: torch.Tensor) -> None:
+        try:
+            self.transport.send_to(peer, Kind.REDUCE, step, tag, tensor)
+        except StageError as e:  # an earlier send failed; this one is lost with it
+            self._failed(e)
+
     def _recv(self, step: int, tag: int, q: Quorum) -> torch.Tensor:
         while True:
             try:
-                return self.transport.recv(Kind.REDUCE, step, tag, POLL_SECONDS)[0]
-            except TimeoutError:
+                return self.transport.recv(Kind.REDUCE, step, tag, timeouts.QUORUM_POLL)[0]
+            except (TimeoutError, StageError) as e:
+                if isinstance(e, StageError):
+                    self._failed(e)
                 now = self.ask(step, q.version, False, 0.0)
                 if now.dropped or now.version != q.version:
                     raise _Superseded(now) from None

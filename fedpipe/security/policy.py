@@ -105,6 +105,9 @@ POLICY: Mapping[str, Rule] = {
         "CancelJob": Rule(_roles(CLIENT, ADMIN), service_check="require_owner(identity, owner)"),
         "ReportStage": Rule(_roles(NODE), service_check="require_self(identity, the stage's "
                                                         "assigned node, what='the stage')"),
+        "ReplicaQuorum": Rule(_roles(NODE), service_check="require_self(identity, the stage's "
+                                                          "assigned node, what='the stage')"),
+        "JoinReplica": Rule(_roles(CLIENT), service_check="require_owner(identity, owner)"),
     }),
     **_methods(node_pb2.DESCRIPTOR, "Node", {
         "Probe": Rule(_roles(NODE, TRACKER)),

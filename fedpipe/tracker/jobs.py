@@ -56,6 +56,7 @@ from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDen
     ResourceExhausted
 from .nodes import NodeCallError, NodeCalls
 from .replan import substitute
+from .replicas import ElasticReplicas
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker")
@@ -161,6 +162,8 @@ class Jobs:
         # in memory only: a report per stage per step is too many for an SQLite write each
         self._stage_times: OrderedDict[str, tuple[int, dict[StageKey, deque]]] = OrderedDict()
         self._times_lock = threading.Lock()
+        self.replicas = ElasticReplicas(self)
+        """Elastic replica groups: drops, per-step quorums, heals (:mod:`.replicas`)."""
 
     def notify(self) -> None:
         """Wake the scheduler and every watcher."""
@@ -273,8 +276,9 @@ class Jobs:
         for job_id in self.store.jobs_in(S.JOB_STATE_DEPLOYING, S.JOB_STATE_RUNNING,
                                          S.JOB_STATE_RECOVERING):
             used = PlanView(self.store.job(job_id).plan).node_ids() & lost
-            if used:
-                self._begin_recovery(job_id, {names.get(n, n) for n in used}, why)
+            if used and not self.replicas.drop(job_id, used, why):
+                self._begin_recovery(job_id, {names.get(n, n) for n in used}, why,
+                                     rewind_to=self.replicas.rewind_to(self.store.job(job_id)))
         self.notify()
 
     # -- recovery -------------------------------------------------------------
@@ -440,8 +444,10 @@ class Jobs:
                 return
             acks = self._acks.setdefault((job.job_id, job.epoch, report.step), set())
             acks.add(StageKey(report.replica, report.stage))
-            if len(acks) < len(PlanView(job.plan).stages) or report.step <= job.checkpoint_step:
+            if len(acks) < self.replicas.stages(job, report.step) \
+                    or report.step <= job.checkpoint_step:
                 return
+            self.replicas.checkpointed(job, report.step)
             del self._acks[(job.job_id, job.epoch, report.step)]
             done = self._complete.setdefault(job.job_id, [])
             done[:] = (done + [report.step])[-4:]
@@ -632,6 +638,8 @@ class Jobs:
         if job.state not in ACTIVE or not 0 <= report.step <= job.steps:
             raise FailedPrecondition(f"job {job.job_id} is {state_name(job.state)} with "
                                      f"{job.steps} steps; report of step {report.step} refused")
+        if self.replicas.out(job, report.replica):
+            return  # a stage of a dropped replica group: the others go on without it
         if report.status == R.STATUS_STEP:
             self._step(job, report)
         elif report.status == R.STATUS_DONE:
@@ -664,7 +672,7 @@ class Jobs:
         view = PlanView(job.plan)
         if report.stage != view.depth(report.replica) - 1:
             return  # every stage reports its step time; the group's last one carries the loss
-        groups = max(1, len(job.plan.replicas))
+        groups = self.replicas.groups(job, report.step)
         with self.changed:
             parts = self._steps.setdefault((job.job_id, report.step), _StepParts())
             parts.reports[report.replica] = report

@@ -152,6 +152,7 @@ class Tracker:
         self.registry.flush_if_due()
         for job_id in self.jobs.recovering():
             self.jobs.resume(job_id, self.store.nodes())
+        self.jobs.replicas.heal_all(self.store.nodes())
         for job_id in self.jobs.pending():
             nodes = self.store.nodes()
             if not nodes:
