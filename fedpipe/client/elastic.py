@@ -11,8 +11,8 @@ the mean over the samples the live groups had, see
 :mod:`fedpipe.runtime.elastic`.)
 
 When the tracker has rebuilt a dropped group on spare nodes
-(``JobInfo.replica_ready``), the client picks the step it joins at: the next
-step it feeds, which no live group has received yet. ``JoinReplica`` says
+(``JobInfo.replica_ready``), the client picks the step it joins at: the one
+after the step it feeds next, which no live group has received yet. ``JoinReplica`` says
 whether that is still possible (the step before must not be committed: the
 donor keeps its state after it); if not, the client tries again at its next
 step.
@@ -53,12 +53,14 @@ class ElasticFeed:
 
     def members(self, step: int) -> tuple[list[int], S.JobInfo]:
         """The groups to feed at ``step`` and the job's info they come from; rebuilt groups
-        are asked to join at ``step`` first."""
+        are asked to join at ``step + 1`` (the live groups may be done with ``step - 1``
+        already, waiting for this feed; the donor must still be told at its end of
+        ``step``)."""
         info = self._get()
         for replica in info.replica_ready:
             reply = self.stub.JoinReplica(S.JoinReplicaRequest(job_id=self.job_id,
-                                                               replica=replica, step=step),
-                                          timeout=timeouts.CONTROL_RPC)
+                                                               replica=replica, step=step + 1),
+                                          timeout=timeouts.LOAD_STAGE_RPC)  # loads it
             if reply.accepted:
                 log.info("job %s: %s", self.job_id, reply.reason)
                 info = reply.job

@@ -163,6 +163,9 @@ class StageTransport:
         # the plan gives each stage the codecs of what it sends
         self.routes = {Kind.ACTIVATION: (nxt, mine.activation_codec or "raw"),
                        Kind.GRADIENT: (prev, mine.gradient_codec or "raw")}
+        self.foreign_failed: Callable[[str], None] | None = None
+        """Elastic replica groups: called with the address of another group's stage a
+        send failed to, instead of failing this stage (None: every failure fails it)."""
 
     def recv(self, kind: Kind, step: int, tag: int,
              timeout: float | None = None) -> tuple[torch.Tensor, int]:
@@ -174,7 +177,13 @@ class StageTransport:
     def _stopped(self) -> bool:
         """Whether to give up waiting: the stage was stopped; StageError if a send failed
         (the peer will not answer what it never got)."""
-        self.stage.peers.check()
+        try:
+            self.stage.peers.check()
+        except StageError as e:
+            own = {a.address for a in self.plan.chain(self.stage.key.replica)}
+            if self.foreign_failed is None or not e.peer or e.peer in own:
+                raise
+            self.foreign_failed(e.peer)
         return self.stage.stop.is_set()
 
     def send(self, kind: Kind, step: int, microbatch: int, tensor: torch.Tensor,
@@ -217,6 +226,7 @@ class ElasticHooks:
         self.stage, self.transport, self.quorum = stage, transport, quorum
         self.node_id, self.keep, self.suspect = node_id, keep, suspect
         self.donate: tuple[int, ...] = ()
+        transport.foreign_failed = self.peer_failed
 
     def ask(self, step: int, version: int, reduced: bool, wait: float) -> Quorum:
         """As :class:`~fedpipe.runtime.elastic.AskQuorum`."""

@@ -445,8 +445,11 @@ class ElasticReplicas:
         reply = tracker_pb2.ReplicaQuorumReply(
             step=q.step, version=q.version, members=q.members, committed=q.committed,
             dropped=q.dropped, donate_to=q.donate_to)
-        if q.version != request.version:
-            reply.plan.CopyFrom(self.jobs.get(request.job_id).plan)
+        if q.version != request.version:  # the live groups' stages: peers and buddies
+            plan = self.jobs.get(request.job_id).plan
+            reply.plan.CopyFrom(plan)
+            del reply.plan.stages[:]
+            reply.plan.stages.extend(a for a in plan.stages if a.replica in rs.live)
         return reply
 
     # -- healing -------------------------------------------------------------
@@ -520,7 +523,7 @@ class ElasticReplicas:
             if step >= job.steps:
                 return tracker_pb2.JoinReplicaReply(reason="past the job's last step", job=job)
             try:
-                rs.join(replica, step, ready.donor, job.step)
+                rs.join(replica, step, ready.donor, job.step - 1)
             except ReplicaError as e:
                 return tracker_pb2.JoinReplicaReply(reason=str(e), job=job)
             del self._ready[job_id][replica]
@@ -531,15 +534,20 @@ class ElasticReplicas:
         job = self.jobs.get(job_id)
         self.jobs.store.set_recovery(job_id, job, time.time(), event=tracker_pb2.JobEvent(
             state=job.state, reason=reason, epoch=job.epoch))
-        threading.Thread(target=self._load_group, args=(job, replica, step, ready.donor),
-                         name=f"heal-{job_id}", daemon=True).start()
+        # loaded before the reply: the client feeds the group as soon as it has it
+        failed = self._load_group(job, replica, step, ready.donor)
         self.jobs.notify()
+        if failed:
+            return tracker_pb2.JoinReplicaReply(reason=failed,
+                                                job=self.annotate(self.jobs.get(job_id)))
         return tracker_pb2.JoinReplicaReply(accepted=True, reason=reason,
                                             job=self.annotate(self.jobs.get(job_id)))
 
-    def _load_group(self, job: tracker_pb2.JobInfo, replica: int, step: int, donor: int) -> None:
+    def _load_group(self, job: tracker_pb2.JobInfo, replica: int, step: int, donor: int
+                    ) -> str:
         """Load the joining group's stages; each restores its donor stage's state after
-        ``step - 1`` (kept by the donor under the joiner's key) on its own thread."""
+        ``step - 1`` (kept by the donor under the joiner's key) on its own thread. Returns
+        why a stage could not be loaded ("": all were); then the group is dropped again."""
         view = PlanView(job.plan)
         signed = self.jobs.store.spec(job.job_id)  # its config as the stages run it
         failed = []
@@ -556,11 +564,13 @@ class ElasticReplicas:
                     client_cert=signed.client_cert, layer_digests=signed.layer_digests))
             except NodeCallError as e:
                 failed.append(f"stage {a.stage} on {a.node_name}: {e}")
-        if failed:
-            log.warning("job %s: replica group %d could not be loaded (%s); dropping it again",
-                        job.job_id, replica, "; ".join(failed))
-            self.drop(job.job_id, {a.node_id for a in view.chain(replica)},
-                      "its rebuild failed to load")
+        if not failed:
+            return ""
+        why = f"replica group {replica} could not be loaded ({'; '.join(failed)})"
+        log.warning("job %s: %s; dropping it again", job.job_id, why)
+        self.drop(job.job_id, {a.node_id for a in view.chain(replica)},
+                  "its rebuild failed to load")
+        return why
 
 
 def _only(plan: node_pb2.Plan, replica: int) -> node_pb2.Plan:
