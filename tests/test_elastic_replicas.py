@@ -1,14 +1,16 @@
 """Replica groups as the unit of failure, with real processes: kill -9 a node of one
 group; the other group goes on without rewinding and the lost group heals.
 
-The digits MLP trains in two replica groups of one stage each (all-reduce,
-compression "none"), on a swarm of three nodes: the third is the spare a lost
-group is rebuilt on. An undisturbed all-reduce job equals single-process
-training on the same batches (``tests/test_recovery.py`` and the equivalence
-tests hold it to 1e-5), so that is the undisturbed run the final loss is
-compared with.
+The digits MLP trains in two replica groups of one stage each (all-reduce or
+DiLoCo, compression "none"), on a swarm of three nodes: the third is the spare
+a lost group is rebuilt on. An undisturbed all-reduce job equals
+single-process training on the same batches (``tests/test_recovery.py`` and
+the equivalence tests hold it to 1e-5), so that is the undisturbed run its
+final loss is compared with; under DiLoCo the same job runs undisturbed first.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -23,9 +25,9 @@ from fedpipe.wire import frames
 from reference import max_relative_difference, single_process
 
 pytestmark = pytest.mark.timeout(300)
-SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
 LOSS = nn.functional.cross_entropy
-STEPS, EVERY, KILL_AT = 36, 4, 10
+STEPS, EVERY, KILL_AT = 48, 4, 10
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +46,13 @@ def info(client, job):
     return client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10)
 
 
-def submit(client, data, min_replicas):
+DILOCO = fedpipe.DiLoCo(inner_steps=4, outer_lr=0.7, outer_momentum=0.9)
+
+
+def submit(client, data, min_replicas, sync="allreduce"):
     model = digits.make_model(hidden=32)
     job = client.submit(model, LOSS, SGD, data, steps=STEPS, microbatches=2, stages=1,
-                        replicas=2, replica_sync="allreduce", compression="none",
+                        replicas=2, replica_sync=sync, compression="none",
                         checkpoint_every=EVERY, min_replicas=min_replicas)
     return model, job
 
@@ -60,9 +65,9 @@ def group_state(client, job, replica):
     return {head.name: t for head, t in frames.read_tensors(stream)}
 
 
-def test_loss(model, state):
+def held_out_loss(model, state):
     _, _, x, y = digits.load()
-    model = type(model)(*model)  # same layers; the weights come from state
+    model = copy.deepcopy(model)
     model.load_state_dict(state)
     with torch.no_grad():
         return LOSS(model(x), y).item()
@@ -75,9 +80,15 @@ def replace_dead(swarm):
     swarm.wait_for_nodes(3)
 
 
-def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exactly(swarm):
+@pytest.mark.parametrize("sync", ["allreduce", "diloco"])
+def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exactly(swarm, sync):
     client, data = swarm.client(), batches()
-    model, job = submit(client, data, min_replicas=1)
+    if sync == "diloco":  # the undisturbed run, to compare the final loss with
+        model, job = submit(client, data, min_replicas=1, sync=DILOCO)
+        assert job.wait(timeout=240, progress=False).state == "SUCCEEDED"
+        undisturbed = job.state_dict()
+        job.release()
+    model, job = submit(client, data, min_replicas=1, sync=DILOCO if sync == "diloco" else sync)
     inj = swarm.inject(job.id)
     inj.at_step(KILL_AT, "kill group 1", lambda: swarm.kill(
         PlanView(info(client, job).plan)[StageKey(1, 0)].address)).start()
@@ -91,11 +102,13 @@ def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exac
     assert any("replica group 1 joins at step" in r for r in reasons), reasons
     steps = [r.step for r in job.history()]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS  # no step went back or repeated
-    # the rebuilt group took the donor's weights and optimizer state: they stay equal
+    # the rebuilt group took the donor's weights, optimizer (and outer) state: the two end
+    # equal (all-reduce: every step; DiLoCo: the last step is an outer step)
     g0, g1 = group_state(client, job, 0), group_state(client, job, 1)
     assert all(torch.equal(g0[k], g1[k]) for k in g0)
-    undisturbed = single_process(model, LOSS, SGD, data)
-    got, want = test_loss(model, g0), test_loss(model, undisturbed)
+    if sync == "allreduce":
+        undisturbed = single_process(model, LOSS, SGD, data)
+    got, want = held_out_loss(model, g0), held_out_loss(model, undisturbed)
     assert abs(got - want) <= 0.02 * want, (got, want)
     job.release()
     replace_dead(swarm)

@@ -252,3 +252,51 @@ def test_a_stage_of_a_dropped_group_is_told_to_stop():
     with pytest.raises(GroupDropped, match="replica group 2 was dropped"):
         sync(3)
     assert not errors
+
+
+def test_elastic_diloco_outer_steps_go_on_over_the_survivors_who_agree_bit_for_bit():
+    from fedpipe.runtime.elastic import ElasticOuterSync
+    from fedpipe.spec import DiLoCo
+
+    data, groups, H = batches(8), range(3), 2
+    rs = ReplicaSet({g: frozenset({K(g, 0)}) for g in groups}, min_replicas=2)
+    wire = Wire()
+    spans = [StageSpan(K(g, 0), 0, 3) for g in groups]
+    models = {g: model() for g in groups}
+    syncs = {}
+
+    def replica(g):
+        m = models[g]
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        holder = {}
+        syncs[g] = sync = ElasticOuterSync(
+            m, K(g, 0), spans, DiLoCo(inner_steps=H, outer_lr=0.7, outer_momentum=0.9),
+            [1, 1, 1], wire.transport(K(g, 0)),
+            lambda step, version, reduced, wait: rs.ask(K(g, 0), step, version, reduced, wait),
+            lambda: holder["n"], last_step=len(data) - 1)
+        for step, (x, y) in enumerate(data):
+            members = rs.members(step)
+            idx = torch.tensor_split(torch.arange(x.shape[0]), len(members))[members.index(g)]
+            (nn.functional.mse_loss(m(x[idx]), y[idx]) * (len(idx) / x.shape[0])).backward()
+            holder["n"] = (len(idx), x.shape[0])
+            sync.rescale_gradients(step)
+            opt.step()
+            opt.zero_grad()
+            if g == 2 and step == 4:  # dies before the outer step after step 5
+                wire.dead.add(g)
+                return
+            sync(step)
+
+    threads = [threading.Thread(target=replica, args=(g,)) for g in groups]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    rs.drop([2])
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    assert syncs[0].quorum.members == (0, 1) and syncs[0].outer_step == len(data) // H
+    assert syncs[0].retries >= 1  # it waited for group 2, then averaged without it
+    assert not torch.equal(next(models[0].parameters()), next(models[2].parameters()))

@@ -50,7 +50,7 @@ from ..runtime.allreduce import GradientSync, StageSpan
 from ..runtime.async_stage import AsyncStageRunner
 from ..runtime.clip import GlobalNormClip
 from ..runtime.diloco import OuterSync
-from ..runtime.elastic import AskQuorum, ElasticGradientSync
+from ..runtime.elastic import AskQuorum, ElasticGradientSync, ElasticOuterSync
 from ..runtime.stage import (StageError, StageRunnerBase, StepHook, StepResult,
                              SyncStageRunner, TimedTransport)
 from ..spec import JobSpec, Kind, PlanView, Quorum, StageKey
@@ -312,14 +312,22 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     after: list[StepHook] = []
     spans = [StageSpan(k, a.layer_start, a.layer_end) for k, a in plan.stages.items()]
     outer = schedule = None
-    if cfg.replica_sync == "diloco":  # "auto" is resolved by the tracker; else all-reduce
+    shares = [plan.share(g) for g in range(len(plan.replicas))]
+    hooks = elastic(stage, inner) if len(plan.replicas) > 1 and cfg.elastic and elastic \
+        else None
+    if cfg.replica_sync == "diloco" and hooks is not None:
+        outer = ElasticOuterSync(module, key, spans, cfg.diloco, shares, transport, hooks.ask,
+                                 lambda: stage.runner.step_samples if stage.runner is not None
+                                 else (0, 1), hooks.peer_failed, last_step=cfg.steps - 1)
+        before.append(outer.rescale_gradients)
+        after.extend([outer, hooks.after_update])
+    elif cfg.replica_sync == "diloco":  # "auto" is resolved by the tracker; else all-reduce
         outer = OuterSync(module, key, spans, cfg.diloco,
                           [plan.share(g) for g in range(len(plan.replicas))], transport,
                           last_step=cfg.steps - 1)
         before.append(outer.rescale_gradients)
         after.append(outer)
-    elif len(plan.replicas) > 1 and cfg.elastic and elastic is not None:
-        hooks = elastic(stage, inner)
+    elif hooks is not None:
         ask: AskQuorum = hooks.ask
         before.append(ElasticGradientSync(
             module, key, spans, transport, ask,

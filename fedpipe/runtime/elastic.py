@@ -32,8 +32,9 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from ..net import timeouts
-from ..spec import Kind, Quorum, StageKey
+from ..spec import DiLoCo, Kind, Quorum, StageKey
 from .allreduce import Held, StageSpan, held_segments, ring_allreduce
+from .diloco import OuterSync, _flat, _unflat
 from .stage import StageError, Transport
 
 VERSION_TAGS = 1 << 16
@@ -56,6 +57,14 @@ class AskQuorum(Protocol):
 
 class GroupDropped(StageError):
     """The stage's replica group was dropped from the job (a node of it was lost)."""
+
+
+def _peer_failed(handler: Callable[[str], None] | None, error: StageError) -> None:
+    """A send to another group's stage failed: tell the node (which reports it to the
+    tracker and goes on), or, without a handler or a peer, fail the stage."""
+    if not error.peer or handler is None:
+        raise error
+    handler(error.peer)
 
 
 class _Superseded(Exception):
@@ -173,10 +182,7 @@ class ElasticGradientSync:
         return out
 
     def _failed(self, error: StageError) -> None:
-        """A send to a ring peer failed: tell the node, or fail the stage without a node."""
-        if not error.peer or self.peer_failed is None:
-            raise error
-        self.peer_failed(error.peer)
+        _peer_failed(self.peer_failed, error)
 
     def _send(self, peer: StageKey, step: int, tag: int, tensor: torch.Tensor) -> None:
         try:
@@ -192,5 +198,148 @@ class ElasticGradientSync:
                 if isinstance(e, StageError):
                     self._failed(e)
                 now = self.ask(step, q.version, False, 0.0)
+                if now.dropped or now.version != q.version:
+                    raise _Superseded(now) from None
+
+
+class ElasticOuterSync(OuterSync):
+    """DiLoCo outer steps over the replica groups of each outer step's quorum.
+
+    :class:`~fedpipe.runtime.diloco.OuterSync` for an elastic job: at the
+    outer step after inner step ``s`` the stage agrees with the tracker on
+    the members of ``s`` (as :class:`ElasticGradientSync` does), sends its
+    pseudo-gradient of each segment to the members' holders only, waits for
+    theirs (asking whether the membership changed every
+    :data:`~fedpipe.net.timeouts.QUORUM_POLL` seconds) and, once the outer
+    step is committed, applies the members' share-weighted mean, the weights
+    renormalised over the members. A lost group is not waited for once the
+    tracker dropped it, and the outer step is taken again over the others;
+    there is no grace period and no late application (a group is in an outer
+    step or out of it). The outer step's own pseudo-gradient is encoded once,
+    so a retry does not disturb the codec's error feedback.
+
+    The inner steps are rescaled by ``B / n`` (global batch over the samples
+    the group trained on: the client re-shards the batch over the live groups,
+    so a group's share changes when one drops) instead of the plan's share.
+
+    Args:
+        module, me, stages, config, shares, transport, last_step: as
+            :class:`~fedpipe.runtime.diloco.OuterSync`.
+        ask, samples, peer_failed: as :class:`ElasticGradientSync`.
+
+    Raises:
+        ValueError, fedpipe.spec.SpecError: as :class:`~fedpipe.runtime.diloco.OuterSync`.
+    """
+
+    def __init__(self, module: torch.nn.Module, me: StageKey, stages: Sequence[StageSpan],
+                 config: DiLoCo, shares: Sequence[float], transport: Transport,
+                 ask: AskQuorum, samples: Callable[[], tuple[int, int]],
+                 peer_failed: Callable[[str], None] | None = None, *,
+                 last_step: int | None = None):
+        super().__init__(module, me, stages, config, shares, transport, last_step=last_step)
+        self.ask, self.samples, self.peer_failed = ask, samples, peer_failed
+        self.quorum: Quorum | None = None
+        self.retries = 0
+        self._inner = 0
+
+    def rescale_gradients(self, step: int) -> None:
+        """``before_update`` hook: scale the gradients by ``B / n`` (class docstring)."""
+        n, batch = self.samples()
+        if n and n != batch:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(batch / n)
+
+    def __call__(self, step: int) -> None:
+        """``after_update`` hook, as :meth:`OuterSync.__call__`.
+
+        Raises:
+            GroupDropped: this stage's group is no longer in the job.
+            StageError: a send failed, or the tracker answered out of turn.
+        """
+        self._inner = step
+        if self.optimizer is None:  # no parameters, but one of the stages a commit waits for
+            if (step + 1) % self.config.inner_steps == 0 or step == self.last_step:
+                self._agree(step, self.outer_step, [])
+                self.outer_step += 1
+            return
+        super().__call__(step)
+
+    def _outer(self, k: int, deadline: float | None) -> None:
+        own = []
+        for i, (_, _, params) in enumerate(self.mine):
+            with torch.no_grad():
+                delta = _flat(self.globals[i]) - _flat(params)
+            own.append(self._encode(i, delta))
+        means = self._agree(self._inner, k, own)
+        for glob, mean in zip(self.globals, means):
+            for g, piece in zip(glob, _unflat(mean, glob)):
+                g.grad = piece
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for (_, _, params), glob in zip(self.mine, self.globals):
+                for p, g in zip(params, glob):
+                    p.copy_(g)
+
+    def _agree(self, step: int, k: int, own: list[tuple[torch.Tensor, torch.Tensor]]
+               ) -> list[torch.Tensor]:
+        """Outer step ``k`` after inner step ``step``: the members' mean of each segment,
+        once committed (``own``: this stage's ``(sent, seen)`` pseudo-gradients)."""
+        version = self.quorum.version if self.quorum is not None else -1
+        q = self.ask(step, version, False, 0.0)
+        while True:
+            if q.dropped:
+                raise GroupDropped(f"replica group {self.me.replica} was dropped from the job "
+                                   f"(replica epoch {q.version})")
+            try:
+                means = [self._mean(k, i, q, sent, seen) for i, (sent, seen) in enumerate(own)]
+            except _Superseded as e:
+                q, self.retries = e.quorum, self.retries + 1
+                continue
+            answer = q
+            while not (answer.committed or answer.dropped) and answer.version == q.version:
+                answer = self.ask(step, q.version, True, timeouts.QUORUM_COMMIT_WAIT)
+            if answer.committed and answer.version == q.version:
+                break
+            if answer.committed:
+                raise StageError(f"outer step after step {step} committed under replica epoch "
+                                 f"{answer.version} while this stage averaged under {q.version}")
+            q, self.retries = answer, self.retries + 1
+        self.quorum = answer
+        return means
+
+    def _mean(self, k: int, i: int, q: Quorum, sent: torch.Tensor,
+              seen: torch.Tensor) -> torch.Tensor:
+        """The members' weighted mean pseudo-gradient of segment ``self.mine[i]``."""
+        seg, rank, _ = self.mine[i]
+        base = q.version * VERSION_TAGS
+        members = [(r, h) for r, h in enumerate(seg.holders) if h.replica in q.members]
+        for r, h in members:
+            if r != rank:
+                try:
+                    self.transport.send_to(h, Kind.OUTER, k, base + self._tag(i, rank), sent,
+                                           codec=self.codec)
+                except StageError as e:
+                    self._failed(e)
+        parts = {r: seen if r == rank else self._recv_outer(k, base + self._tag(i, r), q)
+                 for r, _ in members}
+        total = torch.zeros_like(seen)
+        weight = {r: self.weights[h.replica] for r, h in members}
+        for r in sorted(parts):  # holder order: the same sum in every group
+            total.add_(parts[r].to(seen), alpha=weight[r])
+        return total.div_(sum(weight.values()))
+
+    def _failed(self, error: StageError) -> None:
+        _peer_failed(self.peer_failed, error)
+
+    def _recv_outer(self, k: int, tag: int, q: Quorum) -> torch.Tensor:
+        while True:
+            try:
+                return self.transport.recv(Kind.OUTER, k, tag, timeouts.QUORUM_POLL)[0]
+            except (TimeoutError, StageError) as e:
+                if isinstance(e, StageError):
+                    self._failed(e)
+                now = self.ask(self._inner, q.version, False, 0.0)
                 if now.dropped or now.version != q.version:
                     raise _Superseded(now) from None

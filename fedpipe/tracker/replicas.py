@@ -520,6 +520,8 @@ class ElasticReplicas:
             if rs is None or ready is None:
                 return tracker_pb2.JoinReplicaReply(
                     reason=f"replica group {replica} is not ready to join", job=job)
+            every = JobSpec.from_proto(self.jobs.store.spec(job_id).config).sync_every
+            step = -(-step // every) * every  # DiLoCo: at the next outer step's inner steps
             if step >= job.steps:
                 return tracker_pb2.JoinReplicaReply(reason="past the job's last step", job=job)
             try:
