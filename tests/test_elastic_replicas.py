@@ -25,15 +25,28 @@ from fedpipe.wire import frames
 from reference import max_relative_difference, single_process
 
 pytestmark = pytest.mark.timeout(300)
-SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+# a setting in which a few half batches move the held-out loss by < 1 % (checked against
+# single-process runs); with momentum 0.9 this small MLP's loss at step 64 moves by 4-30 %
+# when any 12 steps see half their batch, undisturbed runs and disturbed ones alike
+SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.5)
 LOSS = nn.functional.cross_entropy
-STEPS, EVERY, KILL_AT = 48, 4, 10
+STEPS, EVERY, KILL_AT = 64, 4, 10
 
 
 @pytest.fixture(scope="module")
 def swarm():
     with LocalSwarm(n_nodes=3, lease=5.0) as s:
         yield s
+
+
+@pytest.fixture(autouse=True)
+def spare_again(swarm):
+    """After each test (passed or not), start a node for each one killed."""
+    yield
+    alive = sum(p.poll() is None for p in swarm.nodes)
+    for _ in range(3 - alive):
+        swarm.add_node()
+    swarm.wait_for_nodes(3)
 
 
 def batches(n=STEPS, batch=32):
@@ -73,13 +86,6 @@ def held_out_loss(model, state):
         return LOSS(model(x), y).item()
 
 
-def replace_dead(swarm):
-    alive = sum(p.poll() is None for p in swarm.nodes)
-    for _ in range(3 - alive):
-        swarm.add_node()
-    swarm.wait_for_nodes(3)
-
-
 @pytest.mark.parametrize("sync", ["allreduce", "diloco"])
 def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exactly(swarm, sync):
     client, data = swarm.client(), batches()
@@ -111,7 +117,6 @@ def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exac
     got, want = held_out_loss(model, g0), held_out_loss(model, undisturbed)
     assert abs(got - want) <= 0.02 * want, (got, want)
     job.release()
-    replace_dead(swarm)
 
 
 def test_below_min_replicas_the_job_rewinds_and_ends_exact(swarm):
@@ -129,4 +134,3 @@ def test_below_min_replicas_the_job_rewinds_and_ends_exact(swarm):
     want = single_process(model, LOSS, SGD, data)
     assert max_relative_difference(job.state_dict(), want) <= 1e-5
     job.release()
-    replace_dead(swarm)

@@ -311,28 +311,28 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     before: list[StepHook] = []
     after: list[StepHook] = []
     spans = [StageSpan(k, a.layer_start, a.layer_end) for k, a in plan.stages.items()]
-    outer = schedule = None
+    outer: OuterSync | None = None
+    schedule = None
     shares = [plan.share(g) for g in range(len(plan.replicas))]
     hooks = elastic(stage, inner) if len(plan.replicas) > 1 and cfg.elastic and elastic \
         else None
-    if cfg.replica_sync == "diloco" and hooks is not None:
-        outer = ElasticOuterSync(module, key, spans, cfg.diloco, shares, transport, hooks.ask,
-                                 lambda: stage.runner.step_samples if stage.runner is not None
-                                 else (0, 1), hooks.peer_failed, last_step=cfg.steps - 1)
-        before.append(outer.rescale_gradients)
-        after.extend([outer, hooks.after_update])
-    elif cfg.replica_sync == "diloco":  # "auto" is resolved by the tracker; else all-reduce
-        outer = OuterSync(module, key, spans, cfg.diloco,
-                          [plan.share(g) for g in range(len(plan.replicas))], transport,
-                          last_step=cfg.steps - 1)
+
+    def samples() -> tuple[int, int]:
+        return stage.runner.step_samples if stage.runner is not None else (0, 1)
+
+    if cfg.replica_sync == "diloco":  # "auto" is resolved by the tracker; else all-reduce
+        outer = OuterSync(module, key, spans, cfg.diloco, shares, transport,
+                          last_step=cfg.steps - 1) if hooks is None else \
+            ElasticOuterSync(module, key, spans, cfg.diloco, shares, transport, hooks.ask,
+                             samples, hooks.peer_failed, last_step=cfg.steps - 1)
         before.append(outer.rescale_gradients)
         after.append(outer)
+        if hooks is not None:
+            after.append(hooks.after_update)
     elif hooks is not None:
         ask: AskQuorum = hooks.ask
-        before.append(ElasticGradientSync(
-            module, key, spans, transport, ask,
-            lambda: stage.runner.step_samples if stage.runner is not None else (0, 1),
-            hooks.peer_failed))
+        before.append(ElasticGradientSync(module, key, spans, transport, ask, samples,
+                                          hooks.peer_failed))
         after.append(hooks.after_update)
     elif len(plan.replicas) > 1:
         before.append(GradientSync(module, key, spans, transport))

@@ -174,10 +174,13 @@ class ElasticGradientSync:
                               for p in params]
                              + [torch.tensor([float(n)], dtype=params[0].dtype,
                                              device=params[0].device)])
-            total = ring_allreduce(
-                flat, rank, world,
-                lambda tag, t, nxt=nxt, base=base: self._send(nxt, step, base + tag, t),
-                lambda tag, base=base: self._recv(step, base + tag, q))
+            def send(tag: int, t: torch.Tensor, nxt: StageKey = nxt, base: int = base) -> None:
+                self._send(nxt, step, base + tag, t)
+
+            def recv(tag: int, base: int = base) -> torch.Tensor:
+                return self._recv(step, base + tag, q)
+
+            total = ring_allreduce(flat, rank, world, send, recv)
             out.append((total[:-1], float(total[-1])))
         return out
 
@@ -237,7 +240,7 @@ class ElasticOuterSync(OuterSync):
                  peer_failed: Callable[[str], None] | None = None, *,
                  last_step: int | None = None):
         super().__init__(module, me, stages, config, shares, transport, last_step=last_step)
-        self.ask, self.samples, self.peer_failed = ask, samples, peer_failed
+        self.me, self.ask, self.samples, self.peer_failed = me, ask, samples, peer_failed
         self.quorum: Quorum | None = None
         self.retries = 0
         self._inner = 0
@@ -272,6 +275,7 @@ class ElasticOuterSync(OuterSync):
                 delta = _flat(self.globals[i]) - _flat(params)
             own.append(self._encode(i, delta))
         means = self._agree(self._inner, k, own)
+        assert self.optimizer is not None  # OuterSync steps outer only with parameters
         for glob, mean in zip(self.globals, means):
             for g, piece in zip(glob, _unflat(mean, glob)):
                 g.grad = piece
