@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from fedpipe.proto import tracker_pb2
 from fedpipe.runtime.allreduce import StageSpan
 from fedpipe.runtime.elastic import ElasticGradientSync, GroupDropped
-from fedpipe.spec import JobSpec, JobSpecError, StageKey
+from fedpipe.spec import JobSpec, JobSpecError, PlanView, StageKey
 from fedpipe.tracker.replicas import ReplicaError, ReplicaSet
 
 pytestmark = pytest.mark.timeout(60)
@@ -300,3 +301,65 @@ def test_elastic_diloco_outer_steps_go_on_over_the_survivors_who_agree_bit_for_b
     assert syncs[0].quorum.members == (0, 1) and syncs[0].outer_step == len(data) // H
     assert syncs[0].retries >= 1  # it waited for group 2, then averaged without it
     assert not torch.equal(next(models[0].parameters()), next(models[2].parameters()))
+
+
+# -- the tracker's side, in-process over fake nodes ----------------------------
+
+def elastic_job(min_replicas):
+    from test_jobs import report
+    from tracker_fakes import join, make_tracker, submission
+
+    tracker, nodes, clock = make_tracker(lease=10.0)
+    join(tracker, 3)
+    job = tracker.jobs.submit(submission(steps=20, stages=1, replicas=2, checkpoint_every=5,
+                                         replica_sync="allreduce", min_replicas=min_replicas))
+    tracker.tick()
+    info = tracker.jobs.get(job)
+    assert info.state == tracker_pb2.JOB_STATE_RUNNING, info.reason
+    for step in range(1, 4):
+        for g in (0, 1):
+            report(tracker, job, K(g, 0), tracker_pb2.StageReport.STATUS_STEP, step=step,
+                   loss=0.5, samples=4, seconds=0.1)
+    return tracker, nodes, clock, job
+
+
+def test_the_tracker_drops_a_lost_group_heals_it_on_the_spare_and_joins_it_where_asked():
+    from test_jobs import lose
+
+    tracker, nodes, clock, job = elastic_job(min_replicas=1)
+    plan = PlanView(tracker.jobs.get(job).plan)
+    lost = plan[K(1, 0)].node_id
+    lose(tracker, clock, lost)
+    info = tracker.jobs.replicas.annotate(tracker.jobs.get(job))
+    assert info.state == tracker_pb2.JOB_STATE_RUNNING and info.epoch == 0, info.reason
+    assert [m.replica for m in info.replica_members] == [0] and info.replica_version == 1
+    assert any(r.replicas == [1] for _, r in nodes.stops)  # only group 1's stages stopped
+    # a survivor's quorum: group 0 alone; the dropped group's stage is told to stop
+    ask = tracker_pb2.ReplicaQuorumRequest(job_id=job, epoch=0, replica=0, stage=0,
+                                           node_id=plan[K(0, 0)].node_id, step=3, version=0)
+    reply = tracker.jobs.replicas.ask(ask)
+    assert list(reply.members) == [0] and reply.version == 1 and reply.plan.stages
+    assert {a.replica for a in reply.plan.stages} == {0}  # the live groups' stages only
+    tracker.tick()  # the scheduler heals: the spare node takes group 1
+    info = tracker.jobs.replicas.annotate(tracker.jobs.get(job))
+    assert list(info.replica_ready) == [1]
+    nodes.loads.clear()
+    joined = tracker.jobs.replicas.join(job, 1, 8)
+    assert joined.accepted, joined.reason
+    (load,) = nodes.loads
+    assert (load.replica, load.resume_step) == (1, 8) and load.snapshot_wait_seconds > 0
+    assert load.snapshot_sources == [plan[K(0, 0)].address]  # the donor
+    new = PlanView(tracker.jobs.get(job).plan)
+    assert new[K(1, 0)].node_id not in {lost, plan[K(0, 0)].node_id}
+    info = tracker.jobs.replicas.annotate(tracker.jobs.get(job))
+    assert info.epoch == 0 and {(m.replica, m.since) for m in info.replica_members} == \
+        {(0, 0), (1, 8)}
+
+
+def test_the_tracker_rewinds_a_job_left_below_min_replicas():
+    from test_jobs import lose
+
+    tracker, nodes, clock, job = elastic_job(min_replicas=2)
+    lose(tracker, clock, PlanView(tracker.jobs.get(job).plan)[K(1, 0)].node_id)
+    info = tracker.jobs.get(job)
+    assert info.state == tracker_pb2.JOB_STATE_RECOVERING and info.epoch == 1, info.reason

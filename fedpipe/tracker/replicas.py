@@ -128,6 +128,15 @@ class ReplicaSet:
     def _members(self, step: int) -> tuple[int, ...]:
         return tuple(sorted(g for g, info in self._live.items() if info.since <= step))
 
+    def since(self, group: int) -> int:
+        """The first step live group ``group`` takes part in.
+
+        Raises:
+            KeyError: the group is not live.
+        """
+        with self._cond:
+            return self._live[group].since
+
     def enough(self, lost: Iterable[int]) -> bool:
         """Whether the job can go on without rewinding if groups ``lost`` drop out."""
         with self._cond:
@@ -275,6 +284,8 @@ class JobsLike(Protocol):
 
     def notify(self) -> None: ...
 
+    def clock(self) -> float: ...
+
 
 @dataclass
 class _Ready:
@@ -355,7 +366,7 @@ class ElasticReplicas:
         reason = (f"replica group(s) {', '.join(map(str, sorted(live)))} dropped ({why}); "
                   f"groups {', '.join(map(str, rs.live))} go on (replica epoch {version})")
         log.info("job %s: %s", job_id, reason)
-        self.jobs.store.set_recovery(job_id, job, time.time(), event=tracker_pb2.JobEvent(
+        self.jobs.store.set_recovery(job_id, job, self.jobs.clock(), event=tracker_pb2.JobEvent(
             state=job.state, reason=reason, epoch=job.epoch))
         for key in view.stages:
             if key.replica in live:  # nothing more is expected of them
@@ -417,7 +428,7 @@ class ElasticReplicas:
             return job
         job.replica_version = rs.version
         for g in rs.live:
-            job.replica_members.add(replica=g, since=rs._live[g].since)
+            job.replica_members.add(replica=g, since=rs.since(g))
         with self._lock:
             job.replica_ready.extend(sorted(self._ready.get(job.job_id, {})))
         return job
@@ -534,7 +545,7 @@ class ElasticReplicas:
                   f"state (replica epoch {rs.version})")
         log.info("job %s: %s", job_id, reason)
         job = self.jobs.get(job_id)
-        self.jobs.store.set_recovery(job_id, job, time.time(), event=tracker_pb2.JobEvent(
+        self.jobs.store.set_recovery(job_id, job, self.jobs.clock(), event=tracker_pb2.JobEvent(
             state=job.state, reason=reason, epoch=job.epoch))
         # loaded before the reply: the client feeds the group as soon as it has it
         failed = self._load_group(job, replica, step, ready.donor)
