@@ -29,6 +29,12 @@ its buddy's), and the job is RUNNING again. The client rewinds its feed to
 ``K``. A loss during recovery starts it again; a job that no longer fits
 fails with the figures.
 
+Elastic replica groups. A job with ``min_replicas`` > 0 and several replica
+groups does not rewind for a lost node while enough groups are left: the
+node's group is dropped and the others go on (:mod:`.replicas`, which also
+counts each step's reports and checkpoint acknowledgements over the groups
+that take part, and heals dropped groups on spare nodes).
+
 Everything outside is injected: the :class:`~.store.Store`, the
 :class:`~.nodes.NodeCalls` that reach nodes and the clock, so
 ``tests/test_jobs.py`` runs the whole life cycle in-process with fakes.
