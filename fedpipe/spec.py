@@ -654,7 +654,9 @@ class PlanView:
 
 @dataclass(frozen=True)
 class Quorum:
-    """The answer to a stage about one step's sync.
+    """The tracker's answer to a stage about one step's sync across replica groups
+    (:meth:`fedpipe.tracker.replicas.ReplicaSet.ask`; on the wire a
+    ``ReplicaQuorumReply``), for jobs with ``min_replicas`` > 0.
 
     Attributes:
         step: the step asked about (0-based).
