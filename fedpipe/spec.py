@@ -388,6 +388,11 @@ class JobSpec:
             (WAITING, "waiting for the client"), then fails (> 0; unset in the
             proto: :data:`CLIENT_TIMEOUT`).
         rebalance: one of :data:`REBALANCE`.
+        min_replicas: elastic replica groups: while at least this many groups are
+            live, losing a node drops only its group and the others go on without
+            rewinding (:mod:`fedpipe.tracker.replicas`); below it, the job rewinds
+            to its last complete checkpoint. 0 (the default): every loss rewinds.
+            At most ``replicas`` when that is set.
     """
 
     steps: int
@@ -408,6 +413,7 @@ class JobSpec:
     checkpoint_every: int = 0
     client_timeout: float = CLIENT_TIMEOUT
     rebalance: str = "auto"
+    min_replicas: int = 0
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -457,7 +463,16 @@ class JobSpec:
              f"must be a finite number of seconds > 0, got {self.client_timeout}")
         need(self.rebalance in REBALANCE, "rebalance",
              f"must be one of {list(REBALANCE)}, got {self.rebalance!r}")
+        need(self.min_replicas >= 0, "min_replicas",
+             f"must be >= 0 (0: every loss rewinds), got {self.min_replicas}")
+        need(not self.replicas or self.min_replicas <= self.replicas, "min_replicas",
+             f"{self.min_replicas} is more than the {self.replicas} replica groups asked for")
         return self
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a lost replica group drops out instead of rewinding the job."""
+        return self.min_replicas > 0
 
     @property
     def sync_every(self) -> int:
@@ -505,7 +520,8 @@ class JobSpec:
                    max_staleness=msg.max_staleness, replica_sync=msg.replica_sync or "auto",
                    diloco=outer, checkpoint_every=msg.checkpoint_every,
                    client_timeout=msg.client_timeout or CLIENT_TIMEOUT,
-                   rebalance=msg.rebalance or "auto")
+                   rebalance=msg.rebalance or "auto",
+                   min_replicas=msg.min_replicas)
 
     def summary(self) -> dict:
         """The settings as plain values (no pickles), for logs and status pages."""
@@ -650,3 +666,32 @@ class PlanView:
     def addresses(self) -> set[str]:
         """Every node address the plan uses."""
         return {a.address for a in self.stages.values()}
+
+
+# ---------------------------------------------------------------------------
+# Elastic replica groups
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The tracker's answer to a stage about one step's sync across replica groups
+    (:meth:`fedpipe.tracker.replicas.ReplicaSet.ask`; on the wire a
+    ``ReplicaQuorumReply``), for jobs with ``min_replicas`` > 0.
+
+    Attributes:
+        step: the step asked about (0-based).
+        version: the replica epoch the members are of.
+        members: the replica groups that take part in the step, in order.
+        committed: the step is committed under ``version``: apply the sum over
+            ``members``. False: sum (again) over ``members``, then report it.
+        dropped: the asking stage's group is no longer live: stop the stage.
+        donate_to: groups that join at ``step + 1`` and take their state from the
+            asking stage's group after this step (empty: none).
+    """
+
+    step: int
+    version: int
+    members: tuple[int, ...]
+    committed: bool = False
+    dropped: bool = False
+    donate_to: tuple[int, ...] = ()

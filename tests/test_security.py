@@ -39,6 +39,8 @@ EXPECTED = {
     "/fedpipe.v1.Tracker/WatchJob": {"client", "admin"},
     "/fedpipe.v1.Tracker/CancelJob": {"client", "admin"},
     "/fedpipe.v1.Tracker/DrainNode": {"admin", "node"},
+    "/fedpipe.v1.Tracker/ReplicaQuorum": {"node"},
+    "/fedpipe.v1.Tracker/JoinReplica": {"client"},
     "/fedpipe.v1.Node/Probe": {"node", "tracker"},
     "/fedpipe.v1.Node/LoadStage": {"tracker"},
     "/fedpipe.v1.Node/StopJob": {"tracker", "client"},

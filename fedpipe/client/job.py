@@ -29,6 +29,7 @@ from ..runtime import checkpoint
 from ..wire import frames, rpc
 from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
+from .elastic import ElasticFeed
 from .packaging import dumps, pack_layers
 from .profile import profile_model
 
@@ -176,7 +177,8 @@ class Client:
                client_timeout: float = CLIENT_TIMEOUT,
                resume_from: str | os.PathLike | None = None,
                checkpoint_dir: str | os.PathLike | None = None,
-               rebalance: str = "auto") -> "Job":
+               rebalance: str = "auto",
+               min_replicas: int = 0) -> "Job":
         """Submit a training job and start feeding it.
 
         Args:
@@ -230,6 +232,9 @@ class Client:
                 step boundary (a node joined, or one runs slower than it said) when the
                 predicted gain pays for moving the state; "never": only drains and
                 losses move stages.
+            min_replicas: elastic replica groups (README, "Replica groups as the
+                unit of failure"): while this many groups are live, a lost node
+                drops only its group; below it the job rewinds. 0: every loss rewinds.
 
         Raises:
             TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
@@ -277,7 +282,7 @@ class Client:
                            lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"",
                            clip_grad_norm=clip_grad_norm, checkpoint_every=checkpoint_every,
                            client_timeout=client_timeout, rebalance=rebalance,
-                           batch_size=microbatches).validate(len(layers))
+                           min_replicas=min_replicas, batch_size=microbatches).validate(len(layers))
         batches = _cycle(data)
         try:
             first = next(batches)
@@ -843,10 +848,14 @@ class Job:
             step = info.resume_step
             while True:  # one round per plan epoch
                 groups = GroupFeed.of(PlanView(info.plan, self.microbatches))
+                elastic = ElasticFeed(self.client.stub, self.id, info) \
+                    if ElasticFeed.applies(info) else None
                 try:
                     while step < info.steps:
                         if self._halted.is_set():
                             raise _FeedHalted
+                        if elastic is not None:  # the live groups only, and any that join
+                            groups = self._elastic_groups(elastic, step)
                         if step not in kept:
                             self._bound(kept, info)
                             while drawn < step:  # a resumed job: skip the steps done
@@ -856,11 +865,21 @@ class Job:
                             kept[step], drawn = (x, y), drawn + 1
                         x, y = kept[step]
                         for group, (xs, ys) in zip(groups, _shard(x, y, [g.share for g in groups])):
-                            self._send_step(step, x.shape[0], group, xs, ys, info.epoch)
+                            try:
+                                self._send_step(step, x.shape[0], group, xs, ys, info.epoch)
+                            except grpc.RpcError as e:
+                                if elastic is None or e.code() not in NODE_TROUBLE or \
+                                        not elastic.dropped(group.first.replica, info.epoch,
+                                                            self._halted.is_set):
+                                    raise
+                                log.info("job %s: replica group %d was dropped; feeding the "
+                                         "others", self.id, group.first.replica)
                         step += 1
                         self._fed, self._steps = step, info.steps
                     # every step fed: stay until the job ends, and feed it again if it rewinds
                     resumed = self._await_epoch(info.epoch, AFTER_FEED_POLL)
+                except _Replan:  # an elastic job rewound (fewer than min_replicas groups left)
+                    resumed = self._await_epoch(info.epoch, RECOVERY_POLL)
                 except grpc.RpcError as e:
                     if e.code() not in NODE_TROUBLE:
                         raise
@@ -904,6 +923,18 @@ class Job:
         finally:
             with self.client._lock:
                 self.client._feeding.discard(self)
+
+    def _elastic_groups(self, elastic: ElasticFeed, step: int) -> list[GroupFeed]:
+        """The groups to feed at ``step`` of an elastic job (:mod:`.elastic`).
+
+        Raises:
+            _Replan: the job rewound meanwhile.
+        """
+        live, now = elastic.members(step)
+        if not live:
+            raise _Replan
+        view = PlanView(now.plan, self.microbatches)
+        return [g for g in GroupFeed.of(view) if g.first.replica in live]
 
     def _bound(self, kept: dict[int, tuple], info: tracker_pb2.JobInfo) -> None:
         """Forget kept batches from before the checkpoint one interval older than the last

@@ -78,3 +78,16 @@ before the job stops its stages and waits for a client (WAITING)."""
 CLIENT_REATTACH = _seconds("CLIENT_REATTACH", 15.0)
 """After a tracker (re)start, the feeding clients of running jobs have this long to watch
 their jobs again before the jobs wait for a client."""
+
+
+QUORUM_POLL = _seconds("QUORUM_POLL", 0.5)
+"""Elastic replica groups: a ring member that waited this long for a message asks the tracker
+whether the step's membership changed (a group dropped) before it waits again."""
+QUORUM_COMMIT_WAIT = _seconds("QUORUM_COMMIT_WAIT", 2.0)
+"""Elastic replica groups: one ask for a step's commit blocks at the tracker at most this
+long (the stage asks again until the step is decided)."""
+QUORUM_RPC = QUORUM_COMMIT_WAIT + CONTROL_RPC
+"""Deadline of one ReplicaQuorum call: its wait plus a control call's."""
+HEAL_SNAPSHOT_WAIT = _seconds("HEAL_SNAPSHOT_WAIT", 60.0)
+"""A rebuilt replica group's stage waits this long for the state its donor keeps after the
+step before the join (the donor gets there at its own pace)."""

@@ -130,13 +130,19 @@ class NodeDaemon:
                                                 metrics_host)
         self.service = NodeService(lambda: self.node_id, self.name, self.resources, self._report,
                                    trust_code=trust_code, links=links, metrics=self.metrics,
-                                   tls=tls)
+                                   tls=tls, quorum=self._quorum)
         rpc.add_node_servicer(self.service, self.server)
 
     def _report(self, report: tracker_pb2.StageReport) -> None:
         self.reports.submit(lambda: net.retry(
             lambda: self.tracker.ReportStage(report, timeout=timeouts.CONTROL_RPC),
             "report to tracker", stop=self.stop_event.is_set))
+
+    def _quorum(self, request: tracker_pb2.ReplicaQuorumRequest
+                ) -> tracker_pb2.ReplicaQuorumReply:
+        """One ReplicaQuorum call for a stage, retried while the tracker is unreachable."""
+        return net.retry(lambda: self.tracker.ReplicaQuorum(request, timeout=timeouts.QUORUM_RPC),
+                         "replica quorum", stop=self.stop_event.is_set)
 
     def register(self) -> None:
         """Register with the tracker, retrying with backoff while it is unreachable."""

@@ -260,6 +260,15 @@ class StagePeers:
         for s in self._all():
             s.flush()
 
+    def forget(self, address: str) -> None:
+        """Drop the sender to ``address`` (its failure is dealt with: a peer of a replica
+        group that was dropped); a later send to it starts afresh."""
+        with self._lock:
+            s = self._senders.pop(address, None)
+        if s is not None:
+            s.close()
+            self.pool.release(address)
+
     def close(self) -> None:
         """Stop every sender and let go of their channels (idempotent)."""
         with self._lock:

@@ -72,12 +72,16 @@ class NodeService(node_pb2_grpc.NodeServicer):
         metrics: where stages report their step times and senders count their bytes
             (None: no metrics).
         tls: this node's certificate, for mutual TLS to its peers (None: plaintext).
+        quorum: one ReplicaQuorum call to the tracker (elastic replica groups; None:
+            this node cannot run stages of elastic jobs).
     """
 
     def __init__(self, node_id: Callable[[], str], name: str, resources: node_pb2.Resources,
                  report: Callable[[tracker_pb2.StageReport], None], *, trust_code: bool = False,
                  input_capacity: int = 64, links: LinkProfile | None = None,
-                 metrics: NodeMetrics | None = None, tls: TlsConfig | None = None):
+                 metrics: NodeMetrics | None = None, tls: TlsConfig | None = None,
+                 quorum: Callable[[tracker_pb2.ReplicaQuorumRequest],
+                                  tracker_pb2.ReplicaQuorumReply] | None = None):
         self.node_id, self.name, self.resources = node_id, name, resources
         self.links = links
         self.trust_code = trust_code
@@ -91,7 +95,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             node_id, torch.device(resources.device or "cpu"),
             Mailbox(input_capacity, bounded=BOUNDED_KINDS),
             lambda: StagePeers(self.channels, self._shaper, metrics), report, self.channels,
-            metrics=metrics)
+            metrics=metrics, quorum=quorum)
 
     def _shaper(self, peer_name: str) -> Shaper | None:
         return self.links.shaper(self.name, peer_name) if self.links else None
@@ -174,7 +178,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     def StopJob(self, request, context):
         self._require_owner(context, request.job_id)
-        self.stages.stop_job(request.job_id, request.release, request.before_epoch)
+        self.stages.stop_job(request.job_id, request.release, request.before_epoch,
+                             request.replicas)
         return node_pb2.StopJobReply()
 
     def FetchState(self, request, context):

@@ -32,9 +32,10 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Collection, Iterator, NamedTuple
 
 import cloudpickle
 import grpc
@@ -49,9 +50,10 @@ from ..runtime.allreduce import GradientSync, StageSpan
 from ..runtime.async_stage import AsyncStageRunner
 from ..runtime.clip import GlobalNormClip
 from ..runtime.diloco import OuterSync
+from ..runtime.elastic import AskQuorum, ElasticGradientSync, ElasticOuterSync
 from ..runtime.stage import (StageError, StageRunnerBase, StepHook, StepResult,
                              SyncStageRunner, TimedTransport)
-from ..spec import JobSpec, Kind, PlanView, StageKey
+from ..spec import JobSpec, Kind, PlanView, Quorum, StageKey
 from ..wire import WireError, codecs, rpc
 from .mailbox import Mailbox, Stopped
 from .peers import MAX_PROBE_BYTES, ChannelPool, StagePeers
@@ -168,6 +170,9 @@ class StageTransport:
         # the plan gives each stage the codecs of what it sends
         self.routes = {Kind.ACTIVATION: (nxt, mine.activation_codec or "raw"),
                        Kind.GRADIENT: (prev, mine.gradient_codec or "raw")}
+        self.foreign_failed: Callable[[str], None] | None = None
+        """Elastic replica groups: called with the address of another group's stage a
+        send failed to, instead of failing this stage (None: every failure fails it)."""
 
     def recv(self, kind: Kind, step: int, tag: int,
              timeout: float | None = None) -> tuple[torch.Tensor, int]:
@@ -179,7 +184,13 @@ class StageTransport:
     def _stopped(self) -> bool:
         """Whether to give up waiting: the stage was stopped; StageError if a send failed
         (the peer will not answer what it never got)."""
-        self.stage.peers.check()
+        try:
+            self.stage.peers.check()
+        except StageError as e:
+            own = {a.address for a in self.plan.chain(self.stage.key.replica)}
+            if self.foreign_failed is None or not e.peer or e.peer in own:
+                raise
+            self.foreign_failed(e.peer)
         return self.stage.stop.is_set()
 
     def send(self, kind: Kind, step: int, microbatch: int, tensor: torch.Tensor,
@@ -199,25 +210,90 @@ class StageTransport:
         self.stage.peers.sender(peer).submit(env, tensor, codec)
 
 
+class ElasticHooks:
+    """A stage's link to the tracker's quorum (elastic replica groups,
+    :mod:`fedpipe.tracker.replicas`): asks it, follows the plan it sends when the
+    membership changed, and keeps its state for a joining group when told to.
+
+    Args:
+        stage: the stage.
+        transport: the stage's transport (its plan is replaced with the tracker's).
+        quorum: one ReplicaQuorum call to the tracker.
+        node_id: returns this node's id.
+        keep: keeps a snapshot on this node, under a stage key.
+        suspect: reports a peer a send failed to (the tracker pings it).
+    """
+
+    def __init__(self, stage: Stage, transport: StageTransport,
+                 quorum: Callable[[tracker_pb2.ReplicaQuorumRequest],
+                                  tracker_pb2.ReplicaQuorumReply],
+                 node_id: Callable[[], str],
+                 keep: Callable[[str, StageKey, checkpoint.Snapshot], None],
+                 suspect: Callable[[Stage, str], None]):
+        self.stage, self.transport, self.quorum = stage, transport, quorum
+        self.node_id, self.keep, self.suspect = node_id, keep, suspect
+        self.donate: tuple[int, ...] = ()
+        transport.foreign_failed = self.peer_failed
+
+    def ask(self, step: int, version: int, reduced: bool, wait: float) -> Quorum:
+        """As :class:`~fedpipe.runtime.elastic.AskQuorum`."""
+        st = self.stage
+        reply = self.quorum(tracker_pb2.ReplicaQuorumRequest(
+            job_id=st.job_id, epoch=st.epoch, replica=st.key.replica, stage=st.key.stage,
+            node_id=self.node_id(), step=step, version=version, reduced=reduced,
+            wait_seconds=wait))
+        if reply.plan.stages:  # the membership changed: a joining group's nodes are new
+            st.plan = self.transport.plan = PlanView(reply.plan, self.transport.plan
+                                                     .job_microbatches)
+        q = Quorum(reply.step, reply.version, tuple(reply.members), reply.committed,
+                   reply.dropped, tuple(reply.donate_to))
+        if q.committed:
+            self.donate = q.donate_to
+        return q
+
+    def peer_failed(self, address: str) -> None:
+        """A send to another group's stage at ``address`` failed: report it, and forget
+        the sender so the stage's other sends and receives go on."""
+        self.stage.peers.forget(address)
+        self.suspect(self.stage, address)
+
+    def after_update(self, step: int) -> None:
+        """``after_update`` hook: after the step before a group joins, keep this stage's
+        state (weights, optimizer, LR schedule) under the joining group's stage key."""
+        if self.donate:
+            snap = checkpoint.take(self.stage.parts, step + 1)
+            for group in self.donate:
+                self.keep(self.stage.job_id, StageKey(group, self.stage.key.stage), snap)
+            log.info("job %s stage %d: kept the state after step %d for joining group(s) %s",
+                     self.stage.job_id, self.stage.key.stage, step, list(self.donate))
+            self.donate = ()
+
+
+ElasticFactory = Callable[[Stage, StageTransport], ElasticHooks]
+"""Makes a stage's :class:`ElasticHooks` (a node that reaches a tracker has one)."""
+
+
 def build_stage(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Mailbox,
-                peers: StagePeers) -> Stage:
+                peers: StagePeers, elastic: ElasticFactory | None = None) -> Stage:
     """Wire a stage from its request: layers, optimizer, loss, replica sync, runner.
 
-    The config is validated before anything is unpickled.
+    The config is validated before anything is unpickled. ``elastic``: how a stage
+    of an elastic job (``min_replicas`` > 0) reaches the tracker's quorum; without
+    it such a stage syncs as a plain all-reduce.
 
     Raises:
         StageLoadError: the config or plan is invalid, or unpickling the layers,
             loss or optimizer, or building them, failed (the message names why).
     """
     try:
-        return _build(request, device, mailbox, peers)
+        return _build(request, device, mailbox, peers, elastic)
     except BaseException as e:  # noqa: BLE001 — user code (even sys.exit) is the caller's error
         raise StageLoadError(f"cannot load stage {request.stage}: {type(e).__name__}: {e}") \
             from e
 
 
 def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Mailbox,
-           peers: StagePeers) -> Stage:
+           peers: StagePeers, elastic: ElasticFactory | None) -> Stage:
     cfg = JobSpec.from_proto(request.config).validate()  # before unpickling anything
     plan = PlanView(request.plan, cfg.microbatches)
     key = StageKey(request.replica, request.stage)
@@ -237,17 +313,34 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
                   cfg.steps, peers, epoch=request.plan.epoch, start=request.resume_step,
                   checkpoint_every=cfg.checkpoint_every, plan=plan)
     # one timed transport for the runner and the syncs, so their waiting counts too
-    transport = TimedTransport(StageTransport(stage, mailbox, device, plan))
+    inner = StageTransport(stage, mailbox, device, plan)
+    transport = TimedTransport(inner)
     before: list[StepHook] = []
     after: list[StepHook] = []
     spans = [StageSpan(k, a.layer_start, a.layer_end) for k, a in plan.stages.items()]
-    outer = schedule = None
+    outer: OuterSync | None = None
+    schedule = None
+    shares = [plan.share(g) for g in range(len(plan.replicas))]
+    hooks = elastic(stage, inner) if len(plan.replicas) > 1 and cfg.elastic and elastic \
+        else None
+
+    def samples() -> tuple[int, int]:
+        return stage.runner.step_samples if stage.runner is not None else (0, 1)
+
     if cfg.replica_sync == "diloco":  # "auto" is resolved by the tracker; else all-reduce
-        outer = OuterSync(module, key, spans, cfg.diloco,
-                          [plan.share(g) for g in range(len(plan.replicas))], transport,
-                          last_step=cfg.steps - 1)
+        outer = OuterSync(module, key, spans, cfg.diloco, shares, transport,
+                          last_step=cfg.steps - 1) if hooks is None else \
+            ElasticOuterSync(module, key, spans, cfg.diloco, shares, transport, hooks.ask,
+                             samples, hooks.peer_failed, last_step=cfg.steps - 1)
         before.append(outer.rescale_gradients)
         after.append(outer)
+        if hooks is not None:
+            after.append(hooks.after_update)
+    elif hooks is not None:
+        ask: AskQuorum = hooks.ask
+        before.append(ElasticGradientSync(module, key, spans, transport, ask, samples,
+                                          hooks.peer_failed))
+        after.append(hooks.after_update)
     elif len(plan.replicas) > 1:
         before.append(GradientSync(module, key, spans, transport))
     if cfg.clip_grad_norm:  # after the gradient sync; every stage of the group takes part
@@ -285,8 +378,11 @@ class StageRegistry:
     def __init__(self, node_id: Callable[[], str], device: torch.device, mailbox: Mailbox,
                  make_peers: Callable[[], StagePeers],
                  report: Callable[[tracker_pb2.StageReport], None],
-                 channels: ChannelPool | None = None, *, metrics: NodeMetrics | None = None):
+                 channels: ChannelPool | None = None, *, metrics: NodeMetrics | None = None,
+                 quorum: Callable[[tracker_pb2.ReplicaQuorumRequest],
+                                  tracker_pb2.ReplicaQuorumReply] | None = None):
         self.node_id, self.device, self.mailbox = node_id, device, mailbox
+        self.quorum = quorum
         self.metrics = metrics
         self.make_peers, self.report = make_peers, report
         self.channels = channels if channels is not None else ChannelPool()
@@ -318,9 +414,10 @@ class StageRegistry:
         if old is not None:
             self._release([old])
         peers = self.make_peers()
+        later = request.snapshot_wait_seconds > 0  # a joining group's: restored on its thread
         try:
-            stage = build_stage(request, self.device, self.mailbox, peers)
-            if stage.start > 0:
+            stage = build_stage(request, self.device, self.mailbox, peers, self._elastic)
+            if stage.start > 0 and not later:
                 self._restore(stage, list(request.snapshot_sources))
         except StageLoadError:
             peers.close()
@@ -331,13 +428,48 @@ class StageRegistry:
                 peers.close()
                 raise StageExists(f"stage {tuple(slot)} is already loaded")
             self.stages[slot] = stage
-        stage.thread = threading.Thread(target=self._run, args=(stage,),
-                                        name=f"stage-{slot.replica}.{slot.stage}", daemon=True)
+        if later:
+            stage.thread = threading.Thread(
+                target=self._restore_then_run, name=f"stage-{slot.replica}.{slot.stage}",
+                args=(stage, list(request.snapshot_sources), request.snapshot_wait_seconds),
+                daemon=True)
+        else:
+            stage.thread = threading.Thread(target=self._run, args=(stage,),
+                                            name=f"stage-{slot.replica}.{slot.stage}",
+                                            daemon=True)
         stage.thread.start()
         log.info("loaded job %s stage %d/%d of group %d (layers %d..%d), epoch %d, from step %d",
                  slot.job_id, slot.stage, stage.n_stages, slot.replica, stage.layer_start,
                  stage.layer_start + len(stage.module) - 1, stage.epoch, stage.start)
         return stage
+
+    def _elastic(self, stage: Stage, transport: StageTransport) -> ElasticHooks:
+        if self.quorum is None:
+            raise ValueError("an elastic job's stage needs a node that reaches a tracker")
+        return ElasticHooks(stage, transport, self.quorum, self.node_id, self.snapshots.put,
+                            lambda st, address: self._report(
+                                st, tracker_pb2.StageReport.STATUS_SUSPECT, peer=address,
+                                error=f"a replica sync send to {address} failed"))
+
+    def _restore_then_run(self, stage: Stage, sources: list[str], wait: float) -> None:
+        """A joining group's stage: restore the state its donor keeps after the step
+        before ``stage.start`` (asking ``sources`` again until it is there, up to
+        ``wait`` seconds), then run; report a failure to restore."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                self._restore(stage, sources)
+                break
+            except StageLoadError as e:
+                if stage.stop.is_set() or time.monotonic() > deadline:
+                    if not stage.stop.is_set():
+                        self._report(stage, tracker_pb2.StageReport.STATUS_FAILED,
+                                     error=str(e))
+                    stage.peers.close()
+                    stage.stop.set()
+                    return
+                stage.stop.wait(timeouts.QUORUM_POLL)
+        self._run(stage)
 
     def _restore(self, stage: Stage, sources: list[str]) -> None:
         """Load the stage's snapshot of ``stage.start``: kept here, else from ``sources``.
@@ -526,13 +658,16 @@ class StageRegistry:
         return snap
 
     # -- stopping and freeing ------------------------------------------------
-    def stop_job(self, job_id: str, release: bool, before_epoch: int = 0) -> list[Stage]:
+    def stop_job(self, job_id: str, release: bool, before_epoch: int = 0,
+                 replicas: Collection[int] = ()) -> list[Stage]:
         """Stop every stage of ``job_id`` (with ``before_epoch``, only those of older
-        epochs); if ``release``, also forget them and the job's snapshots and free their
-        memory. Returns the stages."""
+        epochs; with ``replicas``, only those of these replica groups); if ``release``,
+        also forget them and the job's snapshots and free their memory. Returns the
+        stages."""
         with self.lock:
             mine = [s for s in self.stages.values() if s.job_id == job_id
-                    and (not before_epoch or s.epoch < before_epoch)]
+                    and (not before_epoch or s.epoch < before_epoch)
+                    and (not replicas or s.key.replica in replicas)]
         for s in mine:
             s.stop.set()
         inboxes = {s.inbox for s in mine}

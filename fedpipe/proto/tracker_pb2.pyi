@@ -194,7 +194,7 @@ class SubmitJobReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries", "checkpoint_every", "owner", "feeder")
+    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries", "checkpoint_every", "owner", "feeder", "replica_version", "replica_members", "replica_ready")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,9 @@ class JobInfo(_message.Message):
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     FEEDER_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_READY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -227,7 +230,78 @@ class JobInfo(_message.Message):
     checkpoint_every: int
     owner: str
     feeder: str
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., owner: _Optional[str] = ..., feeder: _Optional[str] = ...) -> None: ...
+    replica_version: int
+    replica_members: _containers.RepeatedCompositeFieldContainer[ReplicaMember]
+    replica_ready: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., owner: _Optional[str] = ..., feeder: _Optional[str] = ..., replica_version: _Optional[int] = ..., replica_members: _Optional[_Iterable[_Union[ReplicaMember, _Mapping]]] = ..., replica_ready: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReplicaMember(_message.Message):
+    __slots__ = ("replica", "since")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    since: int
+    def __init__(self, replica: _Optional[int] = ..., since: _Optional[int] = ...) -> None: ...
+
+class ReplicaQuorumRequest(_message.Message):
+    __slots__ = ("job_id", "epoch", "replica", "stage", "node_id", "step", "version", "reduced", "wait_seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REDUCED_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    replica: int
+    stage: int
+    node_id: str
+    step: int
+    version: int
+    reduced: bool
+    wait_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., reduced: _Optional[bool] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class ReplicaQuorumReply(_message.Message):
+    __slots__ = ("step", "version", "members", "committed", "dropped", "donate_to", "plan")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DONATE_TO_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    version: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    committed: bool
+    dropped: bool
+    donate_to: _containers.RepeatedScalarFieldContainer[int]
+    plan: _node_pb2.Plan
+    def __init__(self, step: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., committed: _Optional[bool] = ..., dropped: _Optional[bool] = ..., donate_to: _Optional[_Iterable[int]] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ...) -> None: ...
+
+class JoinReplicaRequest(_message.Message):
+    __slots__ = ("job_id", "replica", "step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replica: int
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class JoinReplicaReply(_message.Message):
+    __slots__ = ("accepted", "reason", "job")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    job: JobInfo
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ...) -> None: ...
 
 class Recovery(_message.Message):
     __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch", "cause", "bytes_moved")

@@ -84,6 +84,16 @@ class TrackerStub:
                 request_serializer=fedpipe_dot_v1_dot_tracker__pb2.DrainNodeRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.DrainNodeReply.FromString,
                 _registered_method=True)
+        self.ReplicaQuorum = channel.unary_unary(
+                '/fedpipe.v1.Tracker/ReplicaQuorum',
+                request_serializer=fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumReply.FromString,
+                _registered_method=True)
+        self.JoinReplica = channel.unary_unary(
+                '/fedpipe.v1.Tracker/JoinReplica',
+                request_serializer=fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaReply.FromString,
+                _registered_method=True)
 
 
 class TrackerServicer:
@@ -149,6 +159,18 @@ class TrackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplicaQuorum(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrackerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +223,16 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.DrainNode,
                     request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.DrainNodeRequest.FromString,
                     response_serializer=fedpipe_dot_v1_dot_tracker__pb2.DrainNodeReply.SerializeToString,
+            ),
+            'ReplicaQuorum': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicaQuorum,
+                    request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumReply.SerializeToString,
+            ),
+            'JoinReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinReplica,
+                    request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +505,60 @@ class Tracker:
             '/fedpipe.v1.Tracker/DrainNode',
             fedpipe_dot_v1_dot_tracker__pb2.DrainNodeRequest.SerializeToString,
             fedpipe_dot_v1_dot_tracker__pb2.DrainNodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaQuorum(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Tracker/ReplicaQuorum',
+            fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumRequest.SerializeToString,
+            fedpipe_dot_v1_dot_tracker__pb2.ReplicaQuorumReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Tracker/JoinReplica',
+            fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaRequest.SerializeToString,
+            fedpipe_dot_v1_dot_tracker__pb2.JoinReplicaReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -99,6 +99,7 @@ class AsyncStageRunner(StageRunnerBase):
             self._collect(self.snapshots[version])
             users[version] -= 1
             if m == M - 1:  # the step's last backward: update
+                self.step_samples = (samples[step], batch)
                 self._update(step)
                 applied += 1
             for v in [v for v in self.snapshots if v != applied and users[v] == 0]:

@@ -169,6 +169,11 @@ class StageRunnerBase(abc.ABC):
         after_update: called in order with the step after the optimizer step
             (a learning-rate scheduler, a DiLoCo outer step every H steps).
 
+    Attributes:
+        step_samples: ``(n, B)`` of the step being updated: samples this stage ran
+            and the step's global batch size (set before the before-update hooks,
+            which an elastic all-reduce scales by).
+
     Raises:
         ValueError: the last stage has no loss function.
     """
@@ -183,6 +188,7 @@ class StageRunnerBase(abc.ABC):
             else TimedTransport(transport)
         self.before_update, self.after_update = list(before_update), list(after_update)
         self.first, self.last = stage == 0, stage == n_stages - 1
+        self.step_samples = (0, 1)
         if self.last and loss_fn is None:
             raise ValueError("the last stage needs a loss function")
 
@@ -290,7 +296,7 @@ class SyncStageRunner(StageRunnerBase):
         t0 = time.perf_counter()
         self.transport.lap()  # the step's split starts now
         stash: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        loss_sum, samples = 0.0, 0
+        loss_sum, samples, batch = 0.0, 0, 1
         for action in self.actions:
             m = action.microbatch
             if action.kind == "F":
@@ -301,5 +307,6 @@ class SyncStageRunner(StageRunnerBase):
                 stash[m] = (x, out, batch)
             else:
                 self._backward(step, m, *stash.pop(m))
+        self.step_samples = (samples, batch)
         self._update(step)
         return self._result(step, loss_sum if self.last else None, samples, t0)

@@ -109,6 +109,9 @@ POLICY: Mapping[str, Rule] = {
         # the operator drains any node (`fedpipe drain`); a node on SIGTERM drains itself
         "DrainNode": Rule(_roles(ADMIN, NODE), service_check="nodes: require_self(identity, "
                                                              "the node's name)"),
+        "ReplicaQuorum": Rule(_roles(NODE), service_check="require_self(identity, the stage's "
+                                                          "assigned node, what='the stage')"),
+        "JoinReplica": Rule(_roles(CLIENT), service_check="require_owner(identity, owner)"),
     }),
     **_methods(node_pb2.DESCRIPTOR, "Node", {
         "Probe": Rule(_roles(NODE, TRACKER)),

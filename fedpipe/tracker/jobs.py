@@ -29,6 +29,12 @@ its buddy's), and the job is RUNNING again. The client rewinds its feed to
 ``K``. A loss during recovery starts it again; a job that no longer fits
 fails with the figures.
 
+Elastic replica groups. A job with ``min_replicas`` > 0 and several replica
+groups does not rewind for a lost node while enough groups are left: the
+node's group is dropped and the others go on (:mod:`.replicas`, which also
+counts each step's reports and checkpoint acknowledgements over the groups
+that take part, and heals dropped groups on spare nodes).
+
 Everything outside is injected: the :class:`~.store.Store`, the
 :class:`~.nodes.NodeCalls` that reach nodes and the clock, so
 ``tests/test_jobs.py`` runs the whole life cycle in-process with fakes.
@@ -57,6 +63,7 @@ from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDen
     ResourceExhausted
 from .nodes import NodeCallError, NodeCalls
 from .replan import substitute
+from .replicas import ElasticReplicas
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker")
@@ -176,6 +183,8 @@ class Jobs:
             lambda nodes: nodes
         self.target_plan: Callable[[str, node_pb2.Plan], tuple[node_pb2.Plan, int] | None] = \
             lambda job_id, plan: None
+        self.replicas = ElasticReplicas(self)
+        """Elastic replica groups: drops, per-step quorums, heals (:mod:`.replicas`)."""
 
     def notify(self) -> None:
         """Wake the scheduler and every watcher."""
@@ -288,8 +297,9 @@ class Jobs:
         for job_id in self.store.jobs_in(S.JOB_STATE_DEPLOYING, S.JOB_STATE_RUNNING,
                                          S.JOB_STATE_RECOVERING):
             used = PlanView(self.store.job(job_id).plan).node_ids() & lost
-            if used:
-                self._begin_recovery(job_id, {names.get(n, n) for n in used}, why)
+            if used and not self.replicas.drop(job_id, used, why):
+                self._begin_recovery(job_id, {names.get(n, n) for n in used}, why,
+                                     rewind_to=self.replicas.rewind_to(self.store.job(job_id)))
         self.notify()
 
     # -- recovery -------------------------------------------------------------
@@ -530,8 +540,10 @@ class Jobs:
                 return
             acks = self._acks.setdefault((job.job_id, job.epoch, report.step), set())
             acks.add(StageKey(report.replica, report.stage))
-            if len(acks) < len(PlanView(job.plan).stages) or report.step <= job.checkpoint_step:
+            if len(acks) < self.replicas.stages(job, report.step) \
+                    or report.step <= job.checkpoint_step:
                 return
+            self.replicas.checkpointed(job, report.step)
             del self._acks[(job.job_id, job.epoch, report.step)]
             done = self._complete.setdefault(job.job_id, [])
             done[:] = (done + [report.step])[-4:]
@@ -723,6 +735,8 @@ class Jobs:
         if job.state not in ACTIVE or not 0 <= report.step <= job.steps:
             raise FailedPrecondition(f"job {job.job_id} is {state_name(job.state)} with "
                                      f"{job.steps} steps; report of step {report.step} refused")
+        if self.replicas.out(job, report.replica):
+            return  # a stage of a dropped replica group: the others go on without it
         if report.status == R.STATUS_STEP:
             self._step(job, report)
         elif report.status == R.STATUS_DONE:
@@ -755,7 +769,7 @@ class Jobs:
         view = PlanView(job.plan)
         if report.stage != view.depth(report.replica) - 1:
             return  # every stage reports its step time; the group's last one carries the loss
-        groups = max(1, len(job.plan.replicas))
+        groups = self.replicas.groups(job, report.step)
         with self.changed:
             parts = self._steps.setdefault((job.job_id, report.step), _StepParts())
             parts.reports[report.replica] = report

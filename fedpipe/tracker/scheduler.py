@@ -176,6 +176,7 @@ class Tracker:
         self.elastic.tick()
         for job_id in self.jobs.recovering():
             self.jobs.resume(job_id, self.store.nodes())
+        self.jobs.replicas.heal_all(self.store.nodes())
         for job_id in self.jobs.pending():
             nodes = self.elastic.usable(self.store.nodes())
             if not nodes:

@@ -246,7 +246,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
     @_unary
     def GetJob(self, request, context):
-        job = self._owned(context, request.job_id)
+        job = self.tracker.jobs.replicas.annotate(self._owned(context, request.job_id))
         job.feeder = self.tracker.feeders.feeder(request.job_id)
         return job
 
@@ -284,6 +284,16 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         self._speaks_for(context, request.node_id)
         self.tracker.jobs.report(request)
         return S.StageReportReply()
+
+    @_unary
+    def ReplicaQuorum(self, request, context):
+        self._speaks_for(context, request.node_id)
+        return self.tracker.jobs.replicas.ask(request)
+
+    @_unary
+    def JoinReplica(self, request, context):
+        self._owned(context, request.job_id)
+        return self.tracker.jobs.replicas.join(request.job_id, request.replica, request.step)
 
 
 def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: float = 300.0,
