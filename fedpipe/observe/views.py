@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from .. import planner
-from ..planner.costs import boundary_bytes, compute_seconds, transfer_seconds
-from ..planner.simulate import group_shares
+from ..planner.simulate import stage_costs
 from ..proto import node_pb2, tracker_pb2
 from ..spec import ACTIVE, TERMINAL, PlanView, StageKey, state_name
 
@@ -236,42 +235,22 @@ def plan_from_message(msg: node_pb2.Plan) -> planner.Plan:
             [planner.StagePlan(a.node_id, a.layer_start, a.layer_end, a.activation_codec,
                                a.gradient_codec) for a in chain],
             info.microbatches, info.samples, info.predicted_seconds))
-    return planner.Plan(groups, msg.predicted_step_seconds, sync_seconds=msg.sync_seconds)
+    return planner.Plan(groups, msg.predicted_step_seconds, sync_seconds=msg.sync_seconds,
+                        calibrated=msg.calibrated)
 
 
 def predicted_stage_seconds(plan: planner.Plan, cluster: planner.ClusterView,
                             profile: planner.ModelProfile, config: planner.TrainConfig
                             ) -> dict[StageKey, tuple[float, float]]:
-    """Per stage, ``(compute, send)`` predicted seconds per step.
-
-    Priced by :mod:`fedpipe.planner.costs` as the simulator prices them: the
-    group's samples through the stage's layers on its node, and each of the
-    group's microbatches crossing the stage's outgoing links with their codecs.
+    """Per stage, ``(compute, send)`` predicted seconds per step, priced as the
+    simulator prices them (:func:`fedpipe.planner.simulate.stage_costs`).
 
     Raises:
         KeyError: the plan names a node the cluster lacks.
         PlanError: an unknown codec.
     """
-    nodes = {n.node_id: n for n in cluster.nodes}
-    out: dict[StageKey, tuple[float, float]] = {}
-    for r, (g, (m, samples)) in enumerate(zip(plan.groups, group_shares(plan, config))):
-        mb = samples / m
-        for i, s in enumerate(g.stages):
-            fwd, bwd = compute_seconds(profile, s.layer_start, s.layer_end,
-                                       nodes[s.node_id].flops, samples)
-            send = 0.0
-            if i + 1 < len(g.stages):
-                busy, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i + 1].node_id),
-                                           boundary_bytes(profile, s.layer_end, mb),
-                                           s.activation_codec, profile.element_bytes)
-                send += m * busy
-            if i > 0:
-                busy, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i - 1].node_id),
-                                           boundary_bytes(profile, s.layer_start, mb),
-                                           s.gradient_codec, profile.element_bytes)
-                send += m * busy
-            out[StageKey(r, i)] = (fwd + bwd, send)
-    return out
+    return {key: (c.compute, c.send)
+            for key, c in stage_costs(plan, cluster, profile, config).items()}
 
 
 def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,

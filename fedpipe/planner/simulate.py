@@ -5,7 +5,10 @@ the order its schedule gives; each directed link is a resource that sends one
 tensor at a time, first come first served, and delivers it ``latency`` seconds
 after the send ends. Dependencies: F(i, m) -> send -> F(i+1, m) and
 B(i+1, m) -> send -> B(i, m). After its last backward pass a node joins the
-all-reduce rings of its layers (:func:`fedpipe.planner.costs.schedule_sync`).
+all-reduce rings of its layers (:func:`fedpipe.planner.costs.schedule_sync`),
+then runs its optimizer step. Each pass and message also pays the cluster's
+fixed :class:`~fedpipe.planner.types.Overheads`, and nodes that share a
+machine's cores compute slower (:func:`~fedpipe.planner.costs.host_factors`).
 The plan's ``predicted_step_seconds`` is this simulator's answer.
 """
 from __future__ import annotations
@@ -14,9 +17,9 @@ import heapq
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from ..spec import Action, SpecError, schedule_order
-from .costs import (boundary_bytes, compute_seconds, schedule_sync, sync_per_step,
-                    sync_segments, transfer_seconds)
+from ..spec import Action, SpecError, StageKey, schedule_order
+from .costs import (boundary_bytes, host_factors, optimizer_seconds, pass_seconds,
+                    schedule_sync, sync_per_step, sync_segments, transfer_seconds)
 from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
 
 
@@ -137,7 +140,8 @@ class GroupTimeline:
 def simulate_group(forward: Sequence[float], backward: Sequence[float],
                    act_busy: Sequence[float], act_latency: Sequence[float],
                    grad_busy: Sequence[float], grad_latency: Sequence[float],
-                   microbatches: int, schedule: str) -> GroupTimeline:
+                   microbatches: int, schedule: str,
+                   optimizer: Sequence[float] | None = None) -> GroupTimeline:
     """Simulate one pipeline for one step.
 
     Args:
@@ -147,6 +151,8 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
         grad_busy, grad_latency: the same for the gradient sent from i+1 to i.
         microbatches: microbatches in the step.
         schedule: "gpipe" or "1f1b".
+        optimizer: per stage, seconds of its optimizer step, run after its
+            last pass (None: none); ``finish`` includes it, ``last_backward`` not.
 
     Raises:
         PlanError: unknown schedule.
@@ -178,6 +184,9 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
                 tg = eng.op(grad_res[s], grad_busy[s], grad_latency[s])
                 eng.dep(B[s + 1][m], tg)
                 eng.dep(tg, B[s][m])
+    if optimizer is not None:
+        for s in range(n):  # last in the stage's fixed order: after its last pass
+            eng.op(stage_res[s], optimizer[s])
     end = eng.run()
     last_b = [max(end[B[s][m]] for m in range(microbatches)) for s in range(n)]
     ran = [sorted([(end[op] - eng.dur[op], Action("F", m)) for m, op in F[s].items()]
@@ -229,28 +238,35 @@ def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         KeyError: the plan names a node the cluster does not have.
     """
     nodes = {n.node_id: n for n in cluster.nodes}
+    host = host_factors([nodes[i] for i in _node_ids(plan)])
+    over = cluster.overheads
     group_seconds: list[float] = []
     ready: dict[Hashable, float] = {}  # node id -> end of its last backward pass, seconds
     for g, (m, samples) in zip(plan.groups, group_shares(plan, config)):
         mb = samples / m
         st = g.stages
-        fwd, bwd, ab, al, gb, gl = [], [], [], [], [], []
+        fwd, bwd, opt, ab, al, gb, gl = [], [], [], [], [], [], []
         for i, s in enumerate(st):
-            f, b = compute_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb)
+            f, b = pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
+                                over, host[s.node_id])
             fwd.append(f)
             bwd.append(b)
+            opt.append(optimizer_seconds(profile, s.layer_start, s.layer_end, over,
+                                         host[s.node_id]))
             if i + 1 < len(st):
                 x = boundary_bytes(profile, s.layer_end, mb)
                 nxt = st[i + 1]
                 busy, lat = transfer_seconds(cluster.link(s.node_id, nxt.node_id), x,
-                                             s.activation_codec, profile.element_bytes)
+                                             s.activation_codec, profile.element_bytes,
+                                             over.message)
                 ab.append(busy)
                 al.append(lat)
                 busy, lat = transfer_seconds(cluster.link(nxt.node_id, s.node_id), x,
-                                             nxt.gradient_codec, profile.element_bytes)
+                                             nxt.gradient_codec, profile.element_bytes,
+                                             over.message)
                 gb.append(busy)
                 gl.append(lat)
-        tl = simulate_group(fwd, bwd, ab, al, gb, gl, m, config.schedule)
+        tl = simulate_group(fwd, bwd, ab, al, gb, gl, m, config.schedule, opt)
         group_seconds.append(tl.finish)
         ready.update((s.node_id, t) for s, t in zip(st, tl.last_backward))
 
@@ -263,3 +279,70 @@ def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     slowest = max(group_seconds, default=0.0)
     extra = sync_per_step(slowest, schedule_sync(segments, ready), config)
     return SimResult(slowest + extra, group_seconds, extra)
+
+
+def _node_ids(plan: Plan) -> list[str]:
+    """The distinct nodes ``plan`` uses, in plan order."""
+    return list(dict.fromkeys(s.node_id for g in plan.groups for s in g.stages))
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What the cost model predicts one stage spends per step, seconds.
+
+    Attributes:
+        flop: its passes' FLOP on its node's speed, slowed by sharing its host
+            (:func:`~fedpipe.planner.costs.host_factors`): the part a per-node
+            correction scales.
+        fixed: the runtime's fixed costs of its passes and its optimizer step
+            (:class:`~fedpipe.planner.types.Overheads`).
+        send: its outgoing links' busy time for its tensors.
+    """
+
+    flop: float
+    fixed: float
+    send: float
+
+    @property
+    def compute(self) -> float:
+        """flop + fixed: what the stage's reported ``compute_seconds`` measures."""
+        return self.flop + self.fixed
+
+
+def stage_costs(plan: Plan, cluster: ClusterView, profile: ModelProfile,
+                config: TrainConfig) -> dict[StageKey, StageCost]:
+    """Per stage, its predicted compute (split as :class:`StageCost`) and send seconds
+    per step, priced as :func:`simulate` prices them.
+
+    Raises:
+        KeyError: the plan names a node the cluster lacks.
+        PlanError: an unknown codec.
+    """
+    nodes = {n.node_id: n for n in cluster.nodes}
+    host = host_factors([nodes[i] for i in _node_ids(plan)])
+    over = cluster.overheads
+    out: dict[StageKey, StageCost] = {}
+    for r, (g, (m, samples)) in enumerate(zip(plan.groups, group_shares(plan, config))):
+        mb = samples / m
+        for i, s in enumerate(g.stages):
+            h = host[s.node_id]
+            f, b = pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
+                                over, h)
+            fixed = 2 * m * over.microbatch
+            fixed += optimizer_seconds(profile, s.layer_start, s.layer_end, over, h)
+            send = 0.0
+            if i + 1 < len(g.stages):
+                busy, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i + 1].node_id),
+                                           boundary_bytes(profile, s.layer_end, mb),
+                                           s.activation_codec, profile.element_bytes,
+                                           over.message)
+                send += m * busy
+            if i > 0:
+                busy, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i - 1].node_id),
+                                           boundary_bytes(profile, s.layer_start, mb),
+                                           s.gradient_codec, profile.element_bytes,
+                                           over.message)
+                send += m * busy
+            out[StageKey(r, i)] = StageCost(m * (f + b) - 2 * m * over.microbatch,
+                                            fixed, send)
+    return out
