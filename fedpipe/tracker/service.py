@@ -214,7 +214,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
     @_unary
     def GetJob(self, request, context):
-        return self._owned(context, request.job_id)
+        self._owned(context, request.job_id)
+        return self.tracker.jobs.info(request.job_id)
 
     @_unary
     def CancelJob(self, request, context):
