@@ -259,7 +259,9 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
                 profile: planner.ModelProfile | None = None,
                 config: planner.TrainConfig | None = None,
                 stage_times: Sequence[StageTime] = (),
-                measured_step: float | None = None) -> PlanLayout:
+                measured_step: float | None = None,
+                predicted: Mapping[StageKey, tuple[float | None, float | None]] | None = None
+                ) -> PlanLayout:
     """Lay a plan out for drawing and find its bottleneck stage.
 
     Args:
@@ -271,6 +273,9 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
         stage_times: the stages' reported step splits; when every stage has
             one, the bottleneck is the measured one.
         measured_step: the job's measured step time, seconds.
+        predicted: per stage, ``(compute, send)`` predicted seconds per step as
+            the tracker priced them (``JobInfo.stage_times``; either may be
+            None); used where ``cluster``, ``profile`` and ``config`` are not given.
 
     Raises:
         KeyError, PlanError: as :func:`predicted_stage_seconds`.
@@ -281,15 +286,16 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
         for n in cluster.nodes:
             names.setdefault(n.node_id, n.name or n.node_id)
             devices.setdefault(n.node_id, n.device)
-    predicted = ({} if cluster is None or profile is None or config is None
-                 else predicted_stage_seconds(plan, cluster, profile, config))
+    priced: Mapping[StageKey, tuple[float | None, float | None]] = (
+        dict(predicted or {}) if cluster is None or profile is None or config is None
+        else predicted_stage_seconds(plan, cluster, profile, config))
     measured = {StageKey(t.replica, t.stage): t for t in stage_times}
     groups = []
     for r, g in enumerate(plan.groups):
         boxes = []
         for i, s in enumerate(g.stages):
             key = StageKey(r, i)
-            comp, send = predicted.get(key, (None, None))
+            comp, send = priced.get(key, (None, None))
             boxes.append(StageBox(r, i, s.node_id, names.get(s.node_id, s.node_id),
                                   devices.get(s.node_id, ""), s.layer_start, s.layer_end,
                                   s.activation_codec, s.gradient_codec, comp, send,
@@ -374,6 +380,19 @@ def _event_view(ev: tracker_pb2.JobEvent) -> dict:
             "epoch": ev.epoch, "checkpoint_step": ev.checkpoint_step}
 
 
+def stage_timings(info: tracker_pb2.JobInfo
+                  ) -> tuple[list[StageTime], dict[StageKey, tuple[float | None, float | None]]]:
+    """A job's per-stage timings as ``GetJob`` carries them (``JobInfo.stage_times``):
+    the measured splits, and per stage its predicted ``(compute, None)`` seconds per
+    step (left out where the tracker made no prediction)."""
+    measured = [StageTime(t.replica, t.stage, t.compute_seconds, t.wait_seconds,
+                          t.send_seconds) for t in info.stage_times]
+    predicted: dict[StageKey, tuple[float | None, float | None]] = {
+        StageKey(t.replica, t.stage): (t.predicted_compute_seconds, None)
+        for t in info.stage_times if t.predicted_compute_seconds > 0}
+    return measured, predicted
+
+
 def _stage_time_view(t: StageTime | None) -> dict | None:
     return None if t is None else {"compute": t.compute, "wait": t.wait, "send": t.send}
 
@@ -441,7 +460,8 @@ def job_view(info: tracker_pb2.JobInfo, history: History, layout: PlanLayout | N
         "plan": layout_view(layout) if layout is not None else None,
         "summary": info.plan.summary,
         "step_seconds": {"predicted": _num(info.plan.predicted_step_seconds) or None,
-                         "measured": _num(measured)},
+                         "measured": _num(measured),
+                         "calibrated": info.plan.calibrated},
         "history": [record_view(r) for r in history.records],
         "events": [_event_view(ev) for ev in history.changes],
         "checkpoints": [{"step": ev.checkpoint_step, "time": ev.time, "epoch": ev.epoch,
@@ -462,5 +482,5 @@ def job_view(info: tracker_pb2.JobInfo, history: History, layout: PlanLayout | N
 __all__ = ["History", "PlanLayout", "StageBox", "StageTime", "StepRecord", "is_step_event",
            "is_checkpoint_event", "job_summary", "job_view", "latest_per_step", "layout_view",
            "measured_step_seconds", "node_view", "plan_from_message", "plan_layout",
-           "predicted_stage_seconds", "record_view", "recovery_view", "step_records",
-           "swarm_view"]
+           "predicted_stage_seconds", "record_view", "recovery_view", "stage_timings",
+           "step_records", "swarm_view"]
