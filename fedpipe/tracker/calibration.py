@@ -105,7 +105,9 @@ class Calibration:
             KeyError, PlanError: as :func:`~fedpipe.planner.simulate.stage_costs`.
         """
         used = {s.node_id for g in plan.groups for s in g.stages}
-        mine = dataclasses.replace(probed, nodes=[n for n in probed.nodes if n.node_id in used])
+        # the fit prices the fixed costs as the planner does, so corrections scale FLOP only
+        mine = dataclasses.replace(probed, nodes=[n for n in probed.nodes if n.node_id in used],
+                                   overheads=self.base)
         predicted = {k: c.compute for k, c in
                      stage_costs(plan, self.cluster(mine), profile, config).items()}
         with self._lock:
