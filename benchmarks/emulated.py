@@ -75,7 +75,7 @@ def main() -> None:
                 print(f"round {rnd} {name:<30} {kind:<10} predicted {r['predicted'] * 1e3:8.1f} "
                       f"ms   measured {r['measured'] * 1e3:8.1f} ms   error "
                       f"{(r['measured'] / r['predicted'] - 1) * 100:+5.0f}%   [{r['plan']}]   "
-                      "load %.2f" % os.getloadavg()[0], flush=True)
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)
     first = [abs(r["measured"] / r["predicted"] - 1) for _, r in rows if not r["calibrated"]]
     later = [abs(r["measured"] / r["predicted"] - 1) for _, r in rows if r["calibrated"]]
     if first:

@@ -76,11 +76,27 @@ class Calibration:
 
     def cluster(self, probed: ClusterView) -> ClusterView:
         """``probed`` (probed speeds, as :func:`~fedpipe.planner.protoio.cluster_view`
-        gives it) corrected: what the planner should plan on."""
+        gives it) corrected: what the planner should plan on.
+
+        A node not yet measured gets the median correction of the measured nodes
+        of its host, else of all measured nodes (a new node is likelier to run a
+        model like its peers than at its probed speed), else none.
+        """
         with self._lock:
             corr, over = dict(self._corrections), dataclasses.replace(
                 self.base, message=self._message)
-        return dataclasses.replace(calibrate.corrected(probed, corr), overheads=over)
+        return dataclasses.replace(calibrate.corrected(probed, _filled(probed, corr)),
+                                   overheads=over)
+
+    def covers(self, plan: Plan, probed: ClusterView) -> bool:
+        """Whether every node of ``plan`` has a correction of its own or of a measured
+        node on its host: its prediction is calibrated, not guessed."""
+        with self._lock:
+            corr = dict(self._corrections)
+        hosts = {n.host for n in probed.nodes if n.node_id in corr and n.host}
+        host = {n.node_id: n.host for n in probed.nodes}
+        return all(s.node_id in corr or (host.get(s.node_id) and host[s.node_id] in hosts)
+                   for g in plan.groups for s in g.stages)
 
     def predict(self, plan: Plan, probed: ClusterView, profile: ModelProfile,
                 config: TrainConfig) -> Plan:
@@ -93,7 +109,8 @@ class Calibration:
         cluster = self.cluster(probed)
         sim = simulate(plan, cluster, profile, config)
         return dataclasses.replace(plan, predicted_step_seconds=sim.step_seconds,
-                                   sync_seconds=sim.sync_seconds, calibrated=self.calibrated)
+                                   sync_seconds=sim.sync_seconds,
+                                   calibrated=self.covers(plan, probed))
 
     # -- what the tracker tells it ---------------------------------------------
     def planned(self, job_id: str, epoch: int, plan: Plan, probed: ClusterView,
@@ -150,3 +167,21 @@ class Calibration:
             self._corrections = calibrate.fit_corrections(everything)
             self._message = statistics.median(m for _, m in self._observed.values())
         return True
+
+
+def _filled(cluster: ClusterView, corrections: Mapping[str, float]) -> dict[str, float]:
+    """``corrections`` with a guess for each node of ``cluster`` that has none: the
+    median of its host's measured nodes, else of every measured node."""
+    if not corrections:
+        return {}
+    out = dict(corrections)
+    by_host: dict[str, list[float]] = {}
+    for n in cluster.nodes:
+        if n.node_id in corrections and n.host:
+            by_host.setdefault(n.host, []).append(corrections[n.node_id])
+    overall = statistics.median(corrections.values())
+    for n in cluster.nodes:
+        if n.node_id not in out:
+            mates = by_host.get(n.host) if n.host else None
+            out[n.node_id] = statistics.median(mates) if mates else overall
+    return out

@@ -557,7 +557,7 @@ class Jobs:
                 job = job.with_(replica_sync=planner.choose_replica_sync(plan))
                 if job.replica_sync == "diloco":  # plan again, paying the sync 1/H
                     plan = planner.make_plan(cluster, profile, train_config(job))
-            plan = dataclasses.replace(plan, calibrated=self.calibration.calibrated)
+            plan = dataclasses.replace(plan, calibrated=self.calibration.covers(plan, probed))
             self.calibration.planned(job_id, self.store.job(job_id).epoch, plan, probed, profile,
                                      train_config(job))
         except planner.PlanError as e:
