@@ -142,7 +142,8 @@ def _torch_worker(rank: int, cfg: Config, ranges: list[tuple[int, int]], steps: 
     model = cfg.build()
     start, end = ranges[rank]
     part = nn.Sequential(*list(model.children())[start:end])
-    opt = torch.optim.SGD(part.parameters(), lr=0.01)
+    params = list(part.parameters())  # a stage of ReLUs alone has none
+    opt = torch.optim.SGD(params, lr=0.01) if params else None
     stage = PipelineStage(part, rank, n, torch.device("cpu"))
     kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     sched = kind(stage, cfg.microbatches, loss_fn=loss_fn)
@@ -155,8 +156,9 @@ def _torch_worker(rank: int, cfg: Config, ranges: list[tuple[int, int]], steps: 
             sched.step(target=y)
         else:
             sched.step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter())
     if rank == 0:
         Path(out).write_text(json.dumps(times))
