@@ -63,6 +63,8 @@ def test_nodes_sharing_a_host_beyond_its_cores_compute_that_much_slower():
               NodeSpec("alone", GF, 1), NodeSpec("unknown", GF, 1, host="box", host_cores=0)]
     f = host_factors(nodes)
     assert [f[f"n{i}"] for i in range(4)] == [2.0] * 4
+    half = host_factors(nodes, busy={f"n{i}": 0.75 for i in range(4)})
+    assert half["n0"] == 1.5  # 4 threads busy 3/4 of the time on 2 cores
     assert (f["big"], f["alone"], f["unknown"]) == (2.0, 1.0, 1.0)
     assert host_factors(nodes[:2])["n0"] == 1.0  # two 1-thread nodes fit 2 cores
     # the simulator prices it: the same plan on one 1-core host takes longer
@@ -111,7 +113,11 @@ def test_a_correction_carries_over_to_a_plan_with_more_nodes_on_the_host():
     # n0 runs layer 0 at 3x its probed speed's time, twice again for 4 threads on 2 cores
     flop0 = stage_costs(Plan([ReplicaGroup([StagePlan("n0", 0, 1)])], 0.0),
                         probed, profile, config)[StageKey(0, 0)].flop
-    assert costs[StageKey(0, 0)].flop == pytest.approx(flop0 * 3.0 * 2.0)
+    always = stage_costs(plan4, cal.cluster(wide), profile, config,
+                         busy={f"n{i}": 1.0 for i in range(4)})
+    assert always[StageKey(0, 0)].flop == pytest.approx(flop0 * 3.0 * 2.0)
+    # as simulated, the 4 stages idle in their bubbles: they share the cores less
+    assert flop0 * 3.0 < costs[StageKey(0, 0)].flop < flop0 * 3.0 * 2.0
     elsewhere = dataclasses.replace(wide, nodes=wide.nodes[:2] + [
         NodeSpec(f"n{i}", 10 * GF, 2**33, host="other", host_cores=2) for i in (2, 3)])
     assert not cal.covers(plan4, elsewhere)  # unmeasured nodes on an unmeasured host

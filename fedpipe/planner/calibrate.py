@@ -59,19 +59,30 @@ class StageSample:
 
 
 def stage_samples(plan: Plan, probed: ClusterView, profile: ModelProfile, config: TrainConfig,
-                  measured: Mapping[StageKey, float]) -> list[StageSample]:
+                  measured: Mapping[StageKey, float],
+                  step_seconds: float | None = None) -> list[StageSample]:
     """A sample per stage of ``plan`` with a measured compute time.
 
     Args:
         probed: the cluster with the nodes' probed speeds (no corrections).
         measured: per stage, its reported compute seconds per step; stages
             missing here are left out.
+        step_seconds: the measured step; with it, the nodes' host sharing is
+            priced by their measured busy fractions (compute / step) rather
+            than the probed model's.
 
     Raises:
         KeyError: the plan names a node ``probed`` lacks.
         PlanError: an unknown codec.
     """
-    costs = stage_costs(plan, probed, profile, config)
+    busy = None
+    if step_seconds:
+        busy = {}
+        for r, g in enumerate(plan.groups):
+            for i, s in enumerate(g.stages):
+                busy[s.node_id] = busy.get(s.node_id, 0.0) + measured.get(StageKey(r, i), 0.0)
+        busy = {n: min(1.0, c / step_seconds) for n, c in busy.items()}
+    costs = stage_costs(plan, probed, profile, config, busy)
     out = []
     for r, g in enumerate(plan.groups):
         for i, s in enumerate(g.stages):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence, TypeVar
+from typing import Callable, Hashable, Mapping, Sequence, TypeVar
 
 from .codecs import codec_cost
 from .types import Link, ModelProfile, NodeSpec, Overheads, TrainConfig
@@ -26,21 +26,23 @@ def compute_seconds(profile: ModelProfile, start: int, end: int, flops: float,
     return total * FORWARD_FRACTION, total * (1 - FORWARD_FRACTION)
 
 
-def host_factors(nodes: Sequence[NodeSpec]) -> dict[str, float]:
+def host_factors(nodes: Sequence[NodeSpec],
+                 busy: Mapping[str, float] | None = None) -> dict[str, float]:
     """Per node id, how many times slower its compute runs because ``nodes`` (those a
     plan uses) share their machines' cores.
 
-    A host runs the threads of every node of it in ``nodes``; when they exceed
-    its ``host_cores`` the OS time-slices them, so each node's passes take
-    ``threads on the host / host_cores`` times as long as probed alone (at least
-    1). This charges every node as if all of them computed at once, which a
-    pipeline's steady state comes close to (its bubbles are the error). Nodes
-    without a host or with ``host_cores`` 0 get 1.
+    A host runs the threads of every node of it in ``nodes``, each busy
+    computing ``busy[node]`` of the step (a fraction; 1 where not given); when
+    together they demand more than its ``host_cores`` the OS time-slices them,
+    so each node's passes take ``demand / host_cores`` times as long as probed
+    alone (at least 1). Nodes without a host or with ``host_cores`` 0 get 1.
     """
-    demand: dict[str, int] = {}
+    busy = busy or {}
+    demand: dict[str, float] = {}
     for n in nodes:
         if n.host and n.host_cores > 0:
-            demand[n.host] = demand.get(n.host, 0) + max(1, n.threads)
+            demand[n.host] = demand.get(n.host, 0.0) + max(1, n.threads) * min(
+                1.0, max(0.0, busy.get(n.node_id, 1.0)))
     return {n.node_id: (max(1.0, demand[n.host] / n.host_cores)
                         if n.host and n.host_cores > 0 else 1.0) for n in nodes}
 

@@ -14,8 +14,8 @@ The plan's ``predicted_step_seconds`` is this simulator's answer.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from typing import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
 
 from ..spec import Action, SpecError, StageKey, schedule_order
 from .costs import (boundary_bytes, host_factors, optimizer_seconds, pass_seconds,
@@ -204,11 +204,14 @@ class SimResult:
         group_seconds: per group, its forward and backward passes, seconds.
         sync_seconds: how much the all-reduce adds after the slowest group,
             divided by the config's ``sync_every`` (per step), seconds.
+        busy: per node id, the fraction of the step it computes (what its host's
+            sharing is priced by: :func:`~fedpipe.planner.costs.host_factors`).
     """
 
     step_seconds: float
     group_seconds: list[float]
     sync_seconds: float
+    busy: dict[str, float] = field(default_factory=dict)
 
 
 def group_shares(plan: Plan, config: TrainConfig) -> list[tuple[int, float]]:
@@ -238,8 +241,29 @@ def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         KeyError: the plan names a node the cluster does not have.
     """
     nodes = {n.node_id: n for n in cluster.nodes}
-    host = host_factors([nodes[i] for i in _node_ids(plan)])
+    used = [nodes[i] for i in _node_ids(plan)]
+    shared = {n.host for n in used if n.host and n.host_cores > 0}
+    result = _simulate_once(plan, cluster, profile, config, host_factors(used))
+    if any(sum(n.host == h for n in used) > 1 for h in shared):
+        # a fixed point: the nodes' busy fractions set the host's slowdown, which sets
+        # their busy fractions; a few rounds settle it (pipelines idle in their bubbles
+        # and while waiting on slow links, so they contend less than always-on threads)
+        for _ in range(HOST_ROUNDS):
+            result = _simulate_once(plan, cluster, profile, config,
+                                    host_factors(used, result.busy))
+    return result
+
+
+HOST_ROUNDS = 3
+"""Rounds of :func:`simulate`'s fixed point between busy fractions and host sharing."""
+
+
+def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
+                   config: TrainConfig, host: dict[str, float]) -> SimResult:
+    """:func:`simulate` with each node's host slowdown given."""
+    nodes = {n.node_id: n for n in cluster.nodes}
     over = cluster.overheads
+    compute: dict[str, float] = {}  # node id -> its compute seconds per step
     group_seconds: list[float] = []
     ready: dict[Hashable, float] = {}  # node id -> end of its last backward pass, seconds
     for g, (m, samples) in zip(plan.groups, group_shares(plan, config)):
@@ -267,6 +291,8 @@ def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                 gb.append(busy)
                 gl.append(lat)
         tl = simulate_group(fwd, bwd, ab, al, gb, gl, m, config.schedule, opt)
+        for s, f, b, o in zip(st, fwd, bwd, opt):
+            compute[s.node_id] = compute.get(s.node_id, 0.0) + m * (f + b) + o
         group_seconds.append(tl.finish)
         ready.update((s.node_id, t) for s, t in zip(st, tl.last_backward))
 
@@ -278,7 +304,9 @@ def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                               for g in plan.groups], profile, link)
     slowest = max(group_seconds, default=0.0)
     extra = sync_per_step(slowest, schedule_sync(segments, ready), config)
-    return SimResult(slowest + extra, group_seconds, extra)
+    step = slowest + extra
+    return SimResult(step, group_seconds, extra,
+                     {n: min(1.0, c / step) if step > 0 else 1.0 for n, c in compute.items()})
 
 
 def _node_ids(plan: Plan) -> list[str]:
@@ -310,16 +338,20 @@ class StageCost:
 
 
 def stage_costs(plan: Plan, cluster: ClusterView, profile: ModelProfile,
-                config: TrainConfig) -> dict[StageKey, StageCost]:
+                config: TrainConfig, busy: Mapping[str, float] | None = None
+                ) -> dict[StageKey, StageCost]:
     """Per stage, its predicted compute (split as :class:`StageCost`) and send seconds
-    per step, priced as :func:`simulate` prices them.
+    per step, priced as :func:`simulate` prices them. ``busy`` is each node's busy
+    fraction of the step, for its host's sharing (default: :func:`simulate`'s).
 
     Raises:
         KeyError: the plan names a node the cluster lacks.
         PlanError: an unknown codec.
     """
     nodes = {n.node_id: n for n in cluster.nodes}
-    host = host_factors([nodes[i] for i in _node_ids(plan)])
+    if busy is None:
+        busy = simulate(plan, cluster, profile, config).busy
+    host = host_factors([nodes[i] for i in _node_ids(plan)], busy)
     over = cluster.overheads
     out: dict[StageKey, StageCost] = {}
     for r, (g, (m, samples)) in enumerate(zip(plan.groups, group_shares(plan, config))):

@@ -154,7 +154,8 @@ class Calibration:
             p = self._planned.get((job_id, epoch))
         if p is None or not measured or not step_seconds > 0:
             return False
-        samples = calibrate.stage_samples(p.plan, p.probed, p.profile, p.config, measured)
+        samples = calibrate.stage_samples(p.plan, p.probed, p.profile, p.config, measured,
+                                          step_seconds)
         own = calibrate.fit_corrections(samples)  # this plan's nodes, from this plan alone
         cluster = dataclasses.replace(calibrate.corrected(p.probed, own), overheads=self.base)
         message = calibrate.fit_message(p.plan, cluster, p.profile, p.config, step_seconds)
