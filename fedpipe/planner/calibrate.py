@@ -75,13 +75,13 @@ def stage_samples(plan: Plan, probed: ClusterView, profile: ModelProfile, config
         KeyError: the plan names a node ``probed`` lacks.
         PlanError: an unknown codec.
     """
-    busy = None
+    busy: dict[str, float] | None = None
     if step_seconds:
-        busy = {}
+        spent: dict[str, float] = {}
         for r, g in enumerate(plan.groups):
             for i, s in enumerate(g.stages):
-                busy[s.node_id] = busy.get(s.node_id, 0.0) + measured.get(StageKey(r, i), 0.0)
-        busy = {n: min(1.0, c / step_seconds) for n, c in busy.items()}
+                spent[s.node_id] = spent.get(s.node_id, 0.0) + measured.get(StageKey(r, i), 0.0)
+        busy = {n: min(1.0, c / step_seconds) for n, c in spent.items()}
     costs = stage_costs(plan, probed, profile, config, busy)
     out = []
     for r, g in enumerate(plan.groups):

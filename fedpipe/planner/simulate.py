@@ -364,17 +364,17 @@ def stage_costs(plan: Plan, cluster: ClusterView, profile: ModelProfile,
             fixed += optimizer_seconds(profile, s.layer_start, s.layer_end, over, h)
             send = 0.0
             if i + 1 < len(g.stages):
-                busy, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i + 1].node_id),
+                link, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i + 1].node_id),
                                            boundary_bytes(profile, s.layer_end, mb),
                                            s.activation_codec, profile.element_bytes,
                                            over.message)
-                send += m * busy
+                send += m * link
             if i > 0:
-                busy, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i - 1].node_id),
+                link, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i - 1].node_id),
                                            boundary_bytes(profile, s.layer_start, mb),
                                            s.gradient_codec, profile.element_bytes,
                                            over.message)
-                send += m * busy
+                send += m * link
             out[StageKey(r, i)] = StageCost(m * (f + b) - 2 * m * over.microbatch,
                                             fixed, send)
     return out
