@@ -336,13 +336,17 @@ def test_status_of_a_job_prints_its_plan_per_stage_timings_and_events(running):
     assert "bottleneck" in text
     for e in api["events"]:
         assert e["reason"][:40] in text
-    # over gRPC: the same job, its plan and step times, no per-stage split
+    # over gRPC: the same job, its plan, step times and each stage's split (GetJob's
+    # stage_times), with the stage's predicted compute
     out = cli("status", "--tracker", swarm.tracker, job.id)
     assert out.returncode == 0, out.stderr
-    assert f"step {HELD_AT}/50" in out.stdout and "per-stage timings: fedpipe status " \
-        "--dashboard" in out.stdout
+    assert f"step {HELD_AT}/50" in out.stdout and "predicted compute" in out.stdout
     assert status._s(api["step_seconds"]["predicted"]) in out.stdout
-    assert all(s["node_name"] in out.stdout for g in api["plan"]["groups"] for s in g)
+    for s in (s for g in api["plan"]["groups"] for s in g):
+        row = next(line for line in out.stdout.splitlines()
+                   if f" {s['node_name']} " in line and f"{s['layer_start']}-" in line)
+        for part in ("compute", "wait", "send"):
+            assert status._s(s["measured"][part]) in row, (part, row)
     out = cli("status", "--dashboard", ports.url, "nosuchjob")
     assert out.returncode == 1 and "nosuchjob" in out.stderr
 

@@ -36,6 +36,11 @@ PROBE_BYTES = 4 * 2**20
 """Largest bandwidth probe of a link measurement by default, bytes."""
 PROBE_SECONDS, MAX_PROBE_SECONDS = 0.5, 10.0
 """How long a bandwidth probe is sized to take, seconds: by default, and at most."""
+INLINE_BYTES = 4 * 2**20
+"""A raw CPU tensor up to this size is framed on the sending stage's own thread: raw
+framing is a view of the tensor's memory and a header, cheaper than waking the
+encoder thread for it (issue 12: each hand-off between threads cost a stage about
+as much as a small layer's pass)."""
 
 Shaper = grpc.UnaryUnaryClientInterceptor
 """An emulated link (:class:`fedpipe.net.emulation.Shaper`) a channel's calls go through."""
@@ -111,7 +116,8 @@ class _Stream(NamedTuple):
 class PeerSender:
     """Streams tensors to one peer's ``Send`` RPC over a channel it is given.
 
-    Tensors are encoded in submission order on a background thread and their
+    Tensors are encoded on a background thread (a raw CPU tensor of at most
+    :data:`INLINE_BYTES` is framed at once on the caller's thread) and their
     frames written to one long-lived client stream per peer, so a tensor costs
     no call set-up and no round trip: over a link of one-way latency ``L``
     tensors follow each other as fast as the link carries them, each arriving
@@ -141,19 +147,31 @@ class PeerSender:
         self.stub = rpc.NodeStub(channel)
         self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"send-{address}")
         self.error: Exception | None = None
-        self.stream: _Stream | None = None  # encoder thread only
+        self.stream: _Stream | None = None
+        # a tensor's frames go into the stream together (the receiver reassembles
+        # them in order), from the encoder thread or a caller framing inline
+        self._stream_lock = threading.Lock()
         self.feedback = codecs.ErrorFeedback()
 
     def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
-        """Queue ``tensor`` for the peer, encoded with ``codec``.
+        """Queue ``tensor`` for the peer, encoded with ``codec``. Tensors may arrive in
+        another order than submitted (the receiver keys them by their envelope).
 
         Raises:
             StageError: an earlier send to this peer failed.
         """
         self.check()
-        self.encoder.submit(self._send, envelope, tensor, codec)
+        if (codec == "raw" and tensor.device.type == "cpu"
+                and tensor.numel() * tensor.element_size() <= INLINE_BYTES):
+            self._send(envelope, tensor, codec)
+        else:
+            self.encoder.submit(self._send, envelope, tensor, codec)
 
     def _send(self, envelope, tensor, codec):
+        with self._stream_lock:
+            self._send_locked(envelope, tensor, codec)
+
+    def _send_locked(self, envelope, tensor, codec):
         try:
             if envelope.kind == Kind.GRADIENT:
                 key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
@@ -182,11 +200,12 @@ class PeerSender:
             self.error = self.error or call.exception()
 
     def _close_stream(self) -> grpc.Future | None:
-        """End the open stream (encoder thread); return its call."""
-        if self.stream is None:
-            return None
-        frames_out, call = self.stream
-        self.stream = None
+        """End the open stream (after every tensor queued on the encoder); return its call."""
+        with self._stream_lock:
+            if self.stream is None:
+                return None
+            frames_out, call = self.stream
+            self.stream = None
         frames_out.put(self.END)
         return call
 
@@ -208,7 +227,8 @@ class PeerSender:
         # wait for a tensor being encoded: it may open a stream, which must be
         # cancelled here, as the shared channel outlives this sender
         self.encoder.shutdown(wait=True, cancel_futures=True)
-        stream = self.stream
+        with self._stream_lock:
+            stream = self.stream
         if stream is not None:
             stream.frames.put(self.END)
             stream.call.cancel()

@@ -1,6 +1,7 @@
 """What a node machine can do: device, cores, memory and a measured FLOP/s figure."""
 from __future__ import annotations
 
+import os
 import platform
 import socket
 import statistics
@@ -54,6 +55,29 @@ def measure_flops(device: str = "cpu", n: int = 1024, batch: int = 64,
     return statistics.median(rates[1:])
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+"""Linux: a random id per boot of the machine, the same in every process and container
+on it."""
+
+
+def host_id() -> str:
+    """An id shared by every node on this machine (and only them): its boot id, else its
+    host name. Nodes of one host share its cores (the planner's ``host_factors``)."""
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def host_cores() -> int:
+    """Logical cores this machine lets processes run on (CPU affinity, where known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def probe(device: str = "cpu", memory_limit: int | None = None) -> node_pb2.Resources:
     """Measure this machine.
 
@@ -72,4 +96,7 @@ def probe(device: str = "cpu", memory_limit: int | None = None) -> node_pb2.Reso
         memory = min(memory, memory_limit)
     return node_pb2.Resources(device=device, device_name=name, cores=torch.get_num_threads(),
                               memory_bytes=int(memory), flops=measure_flops(device),
-                              hostname=socket.gethostname())
+                              hostname=socket.gethostname(),
+                              # a GPU is not shared the way cores are: no host for it
+                              host_id=host_id() if dev.type == "cpu" else "",
+                              host_cores=host_cores())

@@ -526,6 +526,8 @@ class StageRegistry:
         if self.metrics is not None:
             self.metrics.stage_step(stage.job_id, *stage.key, compute=result.compute_seconds,
                                     wait=result.wait_seconds, send=result.send_seconds)
+            self.metrics.in_flight(stage.job_id, *stage.key, result.in_flight)
+            self.metrics.staleness(stage.job_id, *stage.key, result.staleness)
 
     def _run(self, stage: Stage) -> None:
         R = tracker_pb2.StageReport

@@ -75,9 +75,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("fedpipe_stage_step_seconds", "histogram", (*STAGE, "part"),
               "Seconds of one step a stage spent on each part: compute, wait or send.", "node"),
     MetricDef("fedpipe_stage_microbatches_in_flight", "gauge", STAGE,
-              "Microbatches a stage has run forward but not yet backward.", "node"),
+              "Microbatches a stage has run forward but not yet backward: the most at once "
+              "during its last step.", "node"),
     MetricDef("fedpipe_stage_staleness_steps", "gauge", STAGE,
-              "Async schedules: weight versions the stage runs ahead of its gradients.", "node"),
+              "Async schedules: weight versions the stage ran ahead of its gradients: the most "
+              "during its last step (0 under gpipe and 1f1b).", "node"),
     # -- node: links it sends on -------------------------------------------------------
     MetricDef("fedpipe_link_sent_bytes_total", "counter", ("src", "dst", "encoding"),
               "Tensor bytes sent from node src to node dst: raw (before the codec) or "
@@ -195,11 +197,13 @@ class NodeMetrics:
             self._step.labels(*key, part).observe(seconds)
 
     def in_flight(self, job: str, replica: int, stage: int, microbatches: int) -> None:
-        """Microbatches the stage has run forward but not yet backward."""
+        """Microbatches the stage has run forward but not yet backward (the most at once
+        in its last step: :attr:`~fedpipe.runtime.stage.StepResult.in_flight`)."""
         self._in_flight.labels(*self._key(job, replica, stage)).set(microbatches)
 
     def staleness(self, job: str, replica: int, stage: int, versions: int) -> None:
-        """Async schedules: weight versions the stage runs ahead of its gradients."""
+        """Async schedules: weight versions the stage ran ahead of its gradients (the
+        most in its last step: :attr:`~fedpipe.runtime.stage.StepResult.staleness`)."""
         self._staleness.labels(*self._key(job, replica, stage)).set(versions)
 
     def sent(self, dst: str, kind: Kind | int, raw_bytes: int, encoded_bytes: int) -> None:

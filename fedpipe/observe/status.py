@@ -5,8 +5,8 @@ same figures the dashboard shows); :func:`run_status` fetches them and prints
 them once, or keeps them live with ``watch``. They come from either
 
 - a tracker's gRPC API (a :class:`~fedpipe.observe.source.GrpcSource`, wrapped
-  in :class:`SourceViews`): state, plan, steps and events, but no per-stage
-  timings, which the protocol does not carry; or
+  in :class:`SourceViews`): state, plan, steps and events, and each stage's
+  measured split against its predicted compute (``JobInfo.stage_times``); or
 - a tracker's dashboard (:class:`HttpSource`, ``fedpipe status --dashboard
   URL``): the same views as the page, each stage's predicted and measured
   timings included.
@@ -31,7 +31,7 @@ from rich.text import Text
 from ..net import timeouts
 from .source import JobSource, SwarmSource
 from .views import History, job_view, measured_step_seconds, plan_from_message, plan_layout, \
-    swarm_view
+    stage_timings, swarm_view
 
 STATE_STYLE = {"RUNNING": "green", "SUCCEEDED": "bold green", "FAILED": "bold red",
                "CANCELLED": "red", "RECOVERING": "yellow", "PENDING": "yellow", "WAITING": "yellow",
@@ -47,6 +47,13 @@ def _s(x: float | None) -> str:
     if x < 1e-3:
         return f"{x * 1e6:.0f} µs"
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _error(predicted: float | None, measured: float | None) -> str:
+    """Measured against predicted, as a signed percentage ("" without both)."""
+    if not predicted or measured is None:
+        return ""
+    return f" ({(measured / predicted - 1) * 100:+.0f}%)"
 
 
 def _f(x: float | None, digits: int) -> str:
@@ -98,8 +105,10 @@ def job_renderable(job: dict) -> RenderableType:
                  f"step {job['step']}/{job['steps']}",
                  f"loss {_f(job['loss'], 4)}",
                  f"{_f(job['samples_per_second'], 1)} samples/s",
-                 f"step predicted {_s(job['step_seconds']['predicted'])}, "
-                 f"measured {_s(job['step_seconds']['measured'])}",
+                 f"step predicted {_s(job['step_seconds']['predicted'])}"
+                 f"{' (calibrated)' if job['step_seconds'].get('calibrated') else ''}, "
+                 f"measured {_s(job['step_seconds']['measured'])}"
+                 + _error(job['step_seconds']['predicted'], job['step_seconds']['measured']),
                  f"checkpoint {job['checkpoint_step'] or '-'}")
     parts: list[RenderableType] = [
         head, ProgressBar(total=max(job["steps"], 1), completed=job["step"], width=60),
@@ -113,24 +122,23 @@ def job_renderable(job: dict) -> RenderableType:
         cols = [("group", "right"), ("stage", "right"), ("node", "left"), ("layers", "left"),
                 ("sends act/grad", "left")]
         if timed:
-            cols += [("predicted", "right"), ("compute", "right"), ("wait", "right"),
+            cols += [("predicted compute", "right"), ("compute", "right"), ("wait", "right"),
                      ("send", "right")]
         for col, just in cols + [("", "left")]:
             t.add_column(col, justify=just)
         for st in stages:
             m = st["measured"] or {}
-            pred = (None if st["predicted_compute"] is None
-                    else st["predicted_compute"] + (st["predicted_send"] or 0.0))
-            times = [_s(pred), _s(m.get("compute")), _s(m.get("wait")),
-                     _s(m.get("send"))] if timed else []
+            pred = st["predicted_compute"]
+            times = [_s(pred), _s(m.get("compute")) + _error(pred, m.get("compute")),
+                     _s(m.get("wait")), _s(m.get("send"))] if timed else []
             t.add_row(str(st["replica"]), str(st["stage"]), st["node_name"],
                       f"{st['layer_start']}-{st['layer_end'] - 1}",
                       f"{st['activation_codec']} / {st['gradient_codec']}", *times,
                       Text("bottleneck", style="bold red") if st["bottleneck"] else "")
         parts.append(t)
         if not timed:
-            parts.append(Text("per-stage timings: fedpipe status --dashboard URL (the tracker's "
-                              "--http-port)", style="dim"))
+            parts.append(Text("per-stage timings: once the stages report their steps",
+                              style="dim"))
     if job["recoveries"]:
         t = Table(title="recoveries", box=box.SIMPLE_HEAD, title_justify="left")
         for col in ("time", "lost", "checkpoint", "recomputed", "detect", "replan", "restore"):
@@ -152,17 +160,19 @@ def job_renderable(job: dict) -> RenderableType:
 
 
 def job_dict(source: JobSource, job_id: str) -> dict:
-    """Job ``job_id``'s :func:`~fedpipe.observe.views.job_view` from ``source``
-    (its plan without per-stage predictions: a remote tracker does not serve
-    the model profile). Raises KeyError for an unknown job."""
+    """Job ``job_id``'s :func:`~fedpipe.observe.views.job_view` from ``source``, with
+    each stage's measured split and predicted compute as the tracker serves them
+    (``JobInfo.stage_times``). Raises KeyError for an unknown job."""
     info = source.job(job_id)
     history = History()
     history.extend(source.events(job_id, 0))
     layout = None
     if info.plan.stages:
+        measured, predicted = stage_timings(info)
         layout = plan_layout(plan_from_message(info.plan),
                              names={a.node_id: a.node_name for a in info.plan.stages},
-                             measured_step=measured_step_seconds(history.records))
+                             measured_step=measured_step_seconds(history.records),
+                             stage_times=measured, predicted=predicted)
     return job_view(info, history, layout)
 
 

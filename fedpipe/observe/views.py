@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from .. import planner
-from ..planner.costs import boundary_bytes, compute_seconds, transfer_seconds
-from ..planner.simulate import group_shares
+from ..planner.simulate import stage_costs
 from ..proto import node_pb2, tracker_pb2
 from ..spec import ACTIVE, TERMINAL, PlanView, StageKey, state_name
 
@@ -236,42 +235,22 @@ def plan_from_message(msg: node_pb2.Plan) -> planner.Plan:
             [planner.StagePlan(a.node_id, a.layer_start, a.layer_end, a.activation_codec,
                                a.gradient_codec) for a in chain],
             info.microbatches, info.samples, info.predicted_seconds))
-    return planner.Plan(groups, msg.predicted_step_seconds, sync_seconds=msg.sync_seconds)
+    return planner.Plan(groups, msg.predicted_step_seconds, sync_seconds=msg.sync_seconds,
+                        calibrated=msg.calibrated)
 
 
 def predicted_stage_seconds(plan: planner.Plan, cluster: planner.ClusterView,
                             profile: planner.ModelProfile, config: planner.TrainConfig
                             ) -> dict[StageKey, tuple[float, float]]:
-    """Per stage, ``(compute, send)`` predicted seconds per step.
-
-    Priced by :mod:`fedpipe.planner.costs` as the simulator prices them: the
-    group's samples through the stage's layers on its node, and each of the
-    group's microbatches crossing the stage's outgoing links with their codecs.
+    """Per stage, ``(compute, send)`` predicted seconds per step, priced as the
+    simulator prices them (:func:`fedpipe.planner.simulate.stage_costs`).
 
     Raises:
         KeyError: the plan names a node the cluster lacks.
         PlanError: an unknown codec.
     """
-    nodes = {n.node_id: n for n in cluster.nodes}
-    out: dict[StageKey, tuple[float, float]] = {}
-    for r, (g, (m, samples)) in enumerate(zip(plan.groups, group_shares(plan, config))):
-        mb = samples / m
-        for i, s in enumerate(g.stages):
-            fwd, bwd = compute_seconds(profile, s.layer_start, s.layer_end,
-                                       nodes[s.node_id].flops, samples)
-            send = 0.0
-            if i + 1 < len(g.stages):
-                busy, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i + 1].node_id),
-                                           boundary_bytes(profile, s.layer_end, mb),
-                                           s.activation_codec, profile.element_bytes)
-                send += m * busy
-            if i > 0:
-                busy, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i - 1].node_id),
-                                           boundary_bytes(profile, s.layer_start, mb),
-                                           s.gradient_codec, profile.element_bytes)
-                send += m * busy
-            out[StageKey(r, i)] = (fwd + bwd, send)
-    return out
+    return {key: (c.compute, c.send)
+            for key, c in stage_costs(plan, cluster, profile, config).items()}
 
 
 def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
@@ -280,7 +259,9 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
                 profile: planner.ModelProfile | None = None,
                 config: planner.TrainConfig | None = None,
                 stage_times: Sequence[StageTime] = (),
-                measured_step: float | None = None) -> PlanLayout:
+                measured_step: float | None = None,
+                predicted: Mapping[StageKey, tuple[float | None, float | None]] | None = None
+                ) -> PlanLayout:
     """Lay a plan out for drawing and find its bottleneck stage.
 
     Args:
@@ -292,6 +273,9 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
         stage_times: the stages' reported step splits; when every stage has
             one, the bottleneck is the measured one.
         measured_step: the job's measured step time, seconds.
+        predicted: per stage, ``(compute, send)`` predicted seconds per step as
+            the tracker priced them (``JobInfo.stage_times``; either may be
+            None); used where ``cluster``, ``profile`` and ``config`` are not given.
 
     Raises:
         KeyError, PlanError: as :func:`predicted_stage_seconds`.
@@ -302,15 +286,16 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
         for n in cluster.nodes:
             names.setdefault(n.node_id, n.name or n.node_id)
             devices.setdefault(n.node_id, n.device)
-    predicted = ({} if cluster is None or profile is None or config is None
-                 else predicted_stage_seconds(plan, cluster, profile, config))
+    priced: Mapping[StageKey, tuple[float | None, float | None]] = (
+        dict(predicted or {}) if cluster is None or profile is None or config is None
+        else predicted_stage_seconds(plan, cluster, profile, config))
     measured = {StageKey(t.replica, t.stage): t for t in stage_times}
     groups = []
     for r, g in enumerate(plan.groups):
         boxes = []
         for i, s in enumerate(g.stages):
             key = StageKey(r, i)
-            comp, send = predicted.get(key, (None, None))
+            comp, send = priced.get(key, (None, None))
             boxes.append(StageBox(r, i, s.node_id, names.get(s.node_id, s.node_id),
                                   devices.get(s.node_id, ""), s.layer_start, s.layer_end,
                                   s.activation_codec, s.gradient_codec, comp, send,
@@ -395,6 +380,19 @@ def _event_view(ev: tracker_pb2.JobEvent) -> dict:
             "epoch": ev.epoch, "checkpoint_step": ev.checkpoint_step}
 
 
+def stage_timings(info: tracker_pb2.JobInfo
+                  ) -> tuple[list[StageTime], dict[StageKey, tuple[float | None, float | None]]]:
+    """A job's per-stage timings as ``GetJob`` carries them (``JobInfo.stage_times``):
+    the measured splits, and per stage its predicted ``(compute, None)`` seconds per
+    step (left out where the tracker made no prediction)."""
+    measured = [StageTime(t.replica, t.stage, t.compute_seconds, t.wait_seconds,
+                          t.send_seconds) for t in info.stage_times]
+    predicted: dict[StageKey, tuple[float | None, float | None]] = {
+        StageKey(t.replica, t.stage): (t.predicted_compute_seconds, None)
+        for t in info.stage_times if t.predicted_compute_seconds > 0}
+    return measured, predicted
+
+
 def _stage_time_view(t: StageTime | None) -> dict | None:
     return None if t is None else {"compute": t.compute, "wait": t.wait, "send": t.send}
 
@@ -462,7 +460,8 @@ def job_view(info: tracker_pb2.JobInfo, history: History, layout: PlanLayout | N
         "plan": layout_view(layout) if layout is not None else None,
         "summary": info.plan.summary,
         "step_seconds": {"predicted": _num(info.plan.predicted_step_seconds) or None,
-                         "measured": _num(measured)},
+                         "measured": _num(measured),
+                         "calibrated": info.plan.calibrated},
         "history": [record_view(r) for r in history.records],
         "events": [_event_view(ev) for ev in history.changes],
         "checkpoints": [{"step": ev.checkpoint_step, "time": ev.time, "epoch": ev.epoch,
@@ -483,5 +482,5 @@ def job_view(info: tracker_pb2.JobInfo, history: History, layout: PlanLayout | N
 __all__ = ["History", "PlanLayout", "StageBox", "StageTime", "StepRecord", "is_step_event",
            "is_checkpoint_event", "job_summary", "job_view", "latest_per_step", "layout_view",
            "measured_step_seconds", "node_view", "plan_from_message", "plan_layout",
-           "predicted_stage_seconds", "record_view", "recovery_view", "step_records",
-           "swarm_view"]
+           "predicted_stage_seconds", "record_view", "recovery_view", "stage_timings",
+           "step_records", "swarm_view"]

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence, TypeVar
+from typing import Callable, Hashable, Mapping, Sequence, TypeVar
 
 from .codecs import codec_cost
-from .types import Link, ModelProfile, TrainConfig
+from .types import Link, ModelProfile, NodeSpec, Overheads, TrainConfig
 
 FORWARD_FRACTION = 1 / 3
 """Share of a layer's forward + backward FLOP spent in the forward pass
@@ -24,6 +24,44 @@ def compute_seconds(profile: ModelProfile, start: int, end: int, flops: float,
     on a node of ``flops`` FLOP/s."""
     total = sum(layer.flops for layer in profile.layers[start:end]) * samples / flops
     return total * FORWARD_FRACTION, total * (1 - FORWARD_FRACTION)
+
+
+def host_factors(nodes: Sequence[NodeSpec],
+                 busy: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Per node id, how many times slower its compute runs because ``nodes`` (those a
+    plan uses) share their machines' cores.
+
+    A host runs the threads of every node of it in ``nodes``, each busy
+    computing ``busy[node]`` of the step (a fraction; 1 where not given); when
+    together they demand more than its ``host_cores`` the OS time-slices them,
+    so each node's passes take ``demand / host_cores`` times as long as probed
+    alone (at least 1). Nodes without a host or with ``host_cores`` 0 get 1.
+    """
+    busy = busy or {}
+    demand: dict[str, float] = {}
+    for n in nodes:
+        if n.host and n.host_cores > 0:
+            demand[n.host] = demand.get(n.host, 0.0) + max(1, n.threads) * min(
+                1.0, max(0.0, busy.get(n.node_id, 1.0)))
+    return {n.node_id: (max(1.0, demand[n.host] / n.host_cores)
+                        if n.host and n.host_cores > 0 else 1.0) for n in nodes}
+
+
+def pass_seconds(profile: ModelProfile, start: int, end: int, flops: float, samples: float,
+                 overheads: Overheads, host_factor: float = 1.0) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one microbatch of ``samples`` samples through
+    layers ``[start, end)`` on a node of ``flops`` FLOP/s whose host slows it by
+    ``host_factor`` (:func:`host_factors`), with the runtime's fixed cost per pass."""
+    f, b = compute_seconds(profile, start, end, flops, samples)
+    return f * host_factor + overheads.microbatch, b * host_factor + overheads.microbatch
+
+
+def optimizer_seconds(profile: ModelProfile, start: int, end: int, overheads: Overheads,
+                      host_factor: float = 1.0) -> float:
+    """Seconds of the optimizer step of layers ``[start, end)`` (after the step's last
+    backward), priced per parameter byte (:class:`~fedpipe.planner.types.Overheads`)."""
+    params = sum(layer.parameter_bytes for layer in profile.layers[start:end])
+    return params * overheads.optimizer_per_byte * host_factor
 
 
 def state_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig) -> float:
@@ -81,17 +119,20 @@ def boundary_bytes(profile: ModelProfile, end: int, samples: float) -> float:
 
 
 def transfer_seconds(link: Link, nbytes: float, codec: str,
-                     element_bytes: int = 4) -> tuple[float, float]:
+                     element_bytes: int = 4, message: float = 0.0) -> tuple[float, float]:
     """``(busy, latency)`` of sending an ``nbytes``-byte tensor over ``link``.
 
     ``busy`` is how long the link is occupied: encode + wire bytes / bandwidth
-    + decode, seconds; the tensor arrives ``latency`` seconds after that.
+    + decode, plus ``message``, the runtime's fixed cost per message
+    (:attr:`~fedpipe.planner.types.Overheads.message`), seconds; the tensor
+    arrives ``latency`` seconds after that.
 
     Raises:
         PlanError: unknown codec.
     """
     c = codec_cost(codec)
-    return c.seconds(nbytes) + c.wire_bytes(nbytes, element_bytes) / link.bandwidth, link.latency
+    return (c.seconds(nbytes) + c.wire_bytes(nbytes, element_bytes) / link.bandwidth + message,
+            link.latency)
 
 
 def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],

@@ -40,6 +40,11 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
                  links: list[node_pb2.LinkMeasurement]) -> ClusterView:
     """The planner's view of nodes and measured links.
 
+    Speeds are the nodes' probed FLOP/s (the tracker divides them by fitted
+    corrections: :func:`fedpipe.planner.calibrate.corrected`). Nodes that
+    advertise a ``host_id`` share its ``host_cores``
+    (:func:`fedpipe.planner.costs.host_factors`).
+
     Links to or from nodes not in ``nodes``, and failed measurements
     (bandwidth 0), are left out. The tracker measures only some pairs
     (:func:`fedpipe.tracker.links.select_peers`); the planner takes an
@@ -49,8 +54,10 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
     else of those from b to a (links are about symmetric), else the planner's
     :data:`~fedpipe.planner.types.DEFAULT_LINK`. O(len(nodes) + len(links)).
     """
-    specs = [NodeSpec(n.node_id, n.resources.flops, n.resources.memory_bytes, n.name,
-                      n.resources.device, site_of(n.address)) for n in nodes]
+    specs = [NodeSpec(n.node_id, n.resources.flops,
+                      n.resources.memory_bytes, n.name, n.resources.device, site_of(n.address),
+                      n.resources.host_id, max(1, n.resources.cores), n.resources.host_cores)
+             for n in nodes]
     site = {s.node_id: s.site for s in specs}
     measured = {(m.src_id, m.dst_id): Link(m.bandwidth, m.latency)
                 for m in links if m.src_id in site and m.dst_id in site and m.bandwidth > 0}
@@ -152,7 +159,7 @@ def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2
         KeyError: the plan names a node missing from ``nodes``.
     """
     msg = node_pb2.Plan(predicted_step_seconds=plan.predicted_step_seconds,
-                        sync_seconds=plan.sync_seconds)
+                        sync_seconds=plan.sync_seconds, calibrated=plan.calibrated)
     parts = []
     for r, group in enumerate(plan.groups):
         msg.replicas.append(node_pb2.ReplicaInfo(microbatches=group.microbatches,

@@ -5,18 +5,21 @@ the order its schedule gives; each directed link is a resource that sends one
 tensor at a time, first come first served, and delivers it ``latency`` seconds
 after the send ends. Dependencies: F(i, m) -> send -> F(i+1, m) and
 B(i+1, m) -> send -> B(i, m). After its last backward pass a node joins the
-all-reduce rings of its layers (:func:`fedpipe.planner.costs.schedule_sync`).
+all-reduce rings of its layers (:func:`fedpipe.planner.costs.schedule_sync`),
+then runs its optimizer step. Each pass and message also pays the cluster's
+fixed :class:`~fedpipe.planner.types.Overheads`, and nodes that share a
+machine's cores compute slower (:func:`~fedpipe.planner.costs.host_factors`).
 The plan's ``predicted_step_seconds`` is this simulator's answer.
 """
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from typing import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
 
-from ..spec import Action, SpecError, schedule_order
-from .costs import (boundary_bytes, compute_seconds, schedule_sync, sync_per_step,
-                    sync_segments, transfer_seconds)
+from ..spec import Action, SpecError, StageKey, schedule_order
+from .costs import (boundary_bytes, host_factors, optimizer_seconds, pass_seconds,
+                    schedule_sync, sync_per_step, sync_segments, transfer_seconds)
 from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
 
 
@@ -137,7 +140,8 @@ class GroupTimeline:
 def simulate_group(forward: Sequence[float], backward: Sequence[float],
                    act_busy: Sequence[float], act_latency: Sequence[float],
                    grad_busy: Sequence[float], grad_latency: Sequence[float],
-                   microbatches: int, schedule: str) -> GroupTimeline:
+                   microbatches: int, schedule: str,
+                   optimizer: Sequence[float] | None = None) -> GroupTimeline:
     """Simulate one pipeline for one step.
 
     Args:
@@ -147,6 +151,8 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
         grad_busy, grad_latency: the same for the gradient sent from i+1 to i.
         microbatches: microbatches in the step.
         schedule: "gpipe" or "1f1b".
+        optimizer: per stage, seconds of its optimizer step, run after its
+            last pass (None: none); ``finish`` includes it, ``last_backward`` not.
 
     Raises:
         PlanError: unknown schedule.
@@ -178,6 +184,9 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
                 tg = eng.op(grad_res[s], grad_busy[s], grad_latency[s])
                 eng.dep(B[s + 1][m], tg)
                 eng.dep(tg, B[s][m])
+    if optimizer is not None:
+        for s in range(n):  # last in the stage's fixed order: after its last pass
+            eng.op(stage_res[s], optimizer[s])
     end = eng.run()
     last_b = [max(end[B[s][m]] for m in range(microbatches)) for s in range(n)]
     ran = [sorted([(end[op] - eng.dur[op], Action("F", m)) for m, op in F[s].items()]
@@ -195,11 +204,14 @@ class SimResult:
         group_seconds: per group, its forward and backward passes, seconds.
         sync_seconds: how much the all-reduce adds after the slowest group,
             divided by the config's ``sync_every`` (per step), seconds.
+        busy: per node id, the fraction of the step it computes (what its host's
+            sharing is priced by: :func:`~fedpipe.planner.costs.host_factors`).
     """
 
     step_seconds: float
     group_seconds: list[float]
     sync_seconds: float
+    busy: dict[str, float] = field(default_factory=dict)
 
 
 def group_shares(plan: Plan, config: TrainConfig) -> list[tuple[int, float]]:
@@ -229,28 +241,58 @@ def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         KeyError: the plan names a node the cluster does not have.
     """
     nodes = {n.node_id: n for n in cluster.nodes}
+    used = [nodes[i] for i in _node_ids(plan)]
+    shared = {n.host for n in used if n.host and n.host_cores > 0}
+    result = _simulate_once(plan, cluster, profile, config, host_factors(used))
+    if any(sum(n.host == h for n in used) > 1 for h in shared):
+        # a fixed point: the nodes' busy fractions set the host's slowdown, which sets
+        # their busy fractions; a few rounds settle it (pipelines idle in their bubbles
+        # and while waiting on slow links, so they contend less than always-on threads)
+        for _ in range(HOST_ROUNDS):
+            result = _simulate_once(plan, cluster, profile, config,
+                                    host_factors(used, result.busy))
+    return result
+
+
+HOST_ROUNDS = 3
+"""Rounds of :func:`simulate`'s fixed point between busy fractions and host sharing."""
+
+
+def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
+                   config: TrainConfig, host: dict[str, float]) -> SimResult:
+    """:func:`simulate` with each node's host slowdown given."""
+    nodes = {n.node_id: n for n in cluster.nodes}
+    over = cluster.overheads
+    compute: dict[str, float] = {}  # node id -> its compute seconds per step
     group_seconds: list[float] = []
     ready: dict[Hashable, float] = {}  # node id -> end of its last backward pass, seconds
     for g, (m, samples) in zip(plan.groups, group_shares(plan, config)):
         mb = samples / m
         st = g.stages
-        fwd, bwd, ab, al, gb, gl = [], [], [], [], [], []
+        fwd, bwd, opt, ab, al, gb, gl = [], [], [], [], [], [], []
         for i, s in enumerate(st):
-            f, b = compute_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb)
+            f, b = pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
+                                over, host[s.node_id])
             fwd.append(f)
             bwd.append(b)
+            opt.append(optimizer_seconds(profile, s.layer_start, s.layer_end, over,
+                                         host[s.node_id]))
             if i + 1 < len(st):
                 x = boundary_bytes(profile, s.layer_end, mb)
                 nxt = st[i + 1]
                 busy, lat = transfer_seconds(cluster.link(s.node_id, nxt.node_id), x,
-                                             s.activation_codec, profile.element_bytes)
+                                             s.activation_codec, profile.element_bytes,
+                                             over.message)
                 ab.append(busy)
                 al.append(lat)
                 busy, lat = transfer_seconds(cluster.link(nxt.node_id, s.node_id), x,
-                                             nxt.gradient_codec, profile.element_bytes)
+                                             nxt.gradient_codec, profile.element_bytes,
+                                             over.message)
                 gb.append(busy)
                 gl.append(lat)
-        tl = simulate_group(fwd, bwd, ab, al, gb, gl, m, config.schedule)
+        tl = simulate_group(fwd, bwd, ab, al, gb, gl, m, config.schedule, opt)
+        for s, f, b, o in zip(st, fwd, bwd, opt):
+            compute[s.node_id] = compute.get(s.node_id, 0.0) + m * (f + b) + o
         group_seconds.append(tl.finish)
         ready.update((s.node_id, t) for s, t in zip(st, tl.last_backward))
 
@@ -262,4 +304,77 @@ def simulate(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                               for g in plan.groups], profile, link)
     slowest = max(group_seconds, default=0.0)
     extra = sync_per_step(slowest, schedule_sync(segments, ready), config)
-    return SimResult(slowest + extra, group_seconds, extra)
+    step = slowest + extra
+    return SimResult(step, group_seconds, extra,
+                     {n: min(1.0, c / step) if step > 0 else 1.0 for n, c in compute.items()})
+
+
+def _node_ids(plan: Plan) -> list[str]:
+    """The distinct nodes ``plan`` uses, in plan order."""
+    return list(dict.fromkeys(s.node_id for g in plan.groups for s in g.stages))
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What the cost model predicts one stage spends per step, seconds.
+
+    Attributes:
+        flop: its passes' FLOP on its node's speed, slowed by sharing its host
+            (:func:`~fedpipe.planner.costs.host_factors`): the part a per-node
+            correction scales.
+        fixed: the runtime's fixed costs of its passes and its optimizer step
+            (:class:`~fedpipe.planner.types.Overheads`).
+        send: its outgoing links' busy time for its tensors.
+    """
+
+    flop: float
+    fixed: float
+    send: float
+
+    @property
+    def compute(self) -> float:
+        """flop + fixed: what the stage's reported ``compute_seconds`` measures."""
+        return self.flop + self.fixed
+
+
+def stage_costs(plan: Plan, cluster: ClusterView, profile: ModelProfile,
+                config: TrainConfig, busy: Mapping[str, float] | None = None
+                ) -> dict[StageKey, StageCost]:
+    """Per stage, its predicted compute (split as :class:`StageCost`) and send seconds
+    per step, priced as :func:`simulate` prices them. ``busy`` is each node's busy
+    fraction of the step, for its host's sharing (default: :func:`simulate`'s).
+
+    Raises:
+        KeyError: the plan names a node the cluster lacks.
+        PlanError: an unknown codec.
+    """
+    nodes = {n.node_id: n for n in cluster.nodes}
+    if busy is None:
+        busy = simulate(plan, cluster, profile, config).busy
+    host = host_factors([nodes[i] for i in _node_ids(plan)], busy)
+    over = cluster.overheads
+    out: dict[StageKey, StageCost] = {}
+    for r, (g, (m, samples)) in enumerate(zip(plan.groups, group_shares(plan, config))):
+        mb = samples / m
+        for i, s in enumerate(g.stages):
+            h = host[s.node_id]
+            f, b = pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
+                                over, h)
+            fixed = 2 * m * over.microbatch
+            fixed += optimizer_seconds(profile, s.layer_start, s.layer_end, over, h)
+            send = 0.0
+            if i + 1 < len(g.stages):
+                link, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i + 1].node_id),
+                                           boundary_bytes(profile, s.layer_end, mb),
+                                           s.activation_codec, profile.element_bytes,
+                                           over.message)
+                send += m * link
+            if i > 0:
+                link, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i - 1].node_id),
+                                           boundary_bytes(profile, s.layer_start, mb),
+                                           s.gradient_codec, profile.element_bytes,
+                                           over.message)
+                send += m * link
+            out[StageKey(r, i)] = StageCost(m * (f + b) - 2 * m * over.microbatch,
+                                            fixed, send)
+    return out

@@ -24,6 +24,11 @@ class NodeSpec:
         device: "cpu" or "cuda:N".
         site: where the node is (a region, a lab); nodes of one site share the
             cluster's ``site_links``. Empty: no site.
+        host: the machine the node runs on: nodes of one host share its
+            ``host_cores`` (see :func:`fedpipe.planner.costs.host_factors`). Empty:
+            a machine of its own.
+        threads: compute threads the node runs (its torch threads).
+        host_cores: logical cores of the node's machine (0: unknown, not shared).
     """
 
     node_id: str
@@ -32,6 +37,9 @@ class NodeSpec:
     name: str = ""
     device: str = "cpu"
     site: str = ""
+    host: str = ""
+    threads: int = 1
+    host_cores: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,35 @@ class Link:
 DEFAULT_LINK = Link(bandwidth=1e9, latency=1e-4)
 
 
+@dataclass(frozen=True)
+class Overheads:
+    """Fixed costs of a runtime that a FLOP count and a link's bandwidth miss, seconds.
+
+    All 0 by default: the planner alone prices FLOP and bytes only. The tracker
+    plans with :data:`RUNTIME_OVERHEADS`, fedpipe's own, refined by calibration
+    (:mod:`fedpipe.planner.calibrate`).
+
+    Attributes:
+        message: per tensor message on a pipeline link, added to the time the
+            link is busy with it: the hand-off to the sender thread, framing,
+            the receiver's decode and mailbox.
+        microbatch: per forward or backward pass of one microbatch on a stage:
+            Python dispatch, autograd set-up, the mailbox wait and wake-up.
+        optimizer_per_byte: the optimizer step, per parameter byte of the
+            stage: it streams the weights, gradients and optimizer state.
+    """
+
+    message: float = 0.0
+    microbatch: float = 0.0
+    optimizer_per_byte: float = 0.0
+
+
+RUNTIME_OVERHEADS = Overheads(message=2e-4, microbatch=5e-5, optimizer_per_byte=2.5e-10)
+"""fedpipe's runtime before calibration, as measured on a 2-core machine (issue 12):
+about 0.2 ms per tensor message, 50 µs per pass, and an SGD step at about 4 GB/s
+of parameter bytes on one core."""
+
+
 @dataclass
 class ClusterView:
     """Nodes and the directed links between them.
@@ -57,13 +94,15 @@ class ClusterView:
     ``links[(a, b)]`` is the link from node ``a`` to node ``b``. A missing pair
     falls back to ``site_links[(site of a, site of b)]`` when both nodes have a
     site and that pair of sites is listed (``(s, s)`` is the link inside site
-    ``s``), and otherwise to ``default_link``.
+    ``s``), and otherwise to ``default_link``. ``overheads`` are the runtime's
+    fixed costs (defaults, or fitted by :mod:`fedpipe.planner.calibrate`).
     """
 
     nodes: list[NodeSpec]
     links: dict[tuple[str, str], Link] = field(default_factory=dict)
     default_link: Link = DEFAULT_LINK
     site_links: dict[tuple[str, str], Link] = field(default_factory=dict)
+    overheads: Overheads = field(default_factory=Overheads)
     _sites: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def link(self, a: str, b: str) -> Link:
@@ -226,6 +265,8 @@ class Plan:
             group's last backward pass, per step (divided by the config's
             ``sync_every``), seconds (0 for one group).
         schedule: the schedule the prediction assumes ("gpipe" or "1f1b").
+        calibrated: the prediction used corrections fitted from measured step
+            times (:mod:`fedpipe.planner.calibrate`), not the probed figures alone.
     """
 
     groups: list[ReplicaGroup]
@@ -234,6 +275,7 @@ class Plan:
     predicted_samples_per_second: float = 0.0
     sync_seconds: float = 0.0
     schedule: str = ""
+    calibrated: bool = False
 
 
 @dataclass(frozen=True)

@@ -32,20 +32,24 @@ KIND_NORM: Kind
 KIND_SNAPSHOT: Kind
 
 class Resources(_message.Message):
-    __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname")
+    __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname", "host_id", "host_cores")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     CORES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     FLOPS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_CORES_FIELD_NUMBER: _ClassVar[int]
     device: str
     device_name: str
     cores: int
     memory_bytes: int
     flops: float
     hostname: str
-    def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ...) -> None: ...
+    host_id: str
+    host_cores: int
+    def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., host_cores: _Optional[int] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec", "node_name")
@@ -80,20 +84,22 @@ class ReplicaInfo(_message.Message):
     def __init__(self, microbatches: _Optional[int] = ..., samples: _Optional[int] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("stages", "predicted_step_seconds", "summary", "replicas", "sync_seconds", "epoch")
+    __slots__ = ("stages", "predicted_step_seconds", "summary", "replicas", "sync_seconds", "epoch", "calibrated")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     predicted_step_seconds: float
     summary: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     sync_seconds: float
     epoch: int
-    def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    calibrated: bool
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., calibrated: _Optional[bool] = ...) -> None: ...
 
 class JobConfig(_message.Message):
     __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every", "client_timeout", "rebalance", "min_replicas")

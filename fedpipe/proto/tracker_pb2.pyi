@@ -194,7 +194,7 @@ class SubmitJobReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries", "checkpoint_every", "owner", "feeder", "replica_version", "replica_members", "replica_ready")
+    __slots__ = ("job_id", "name", "state", "reason", "plan", "step", "steps", "loss", "created", "epoch", "checkpoint_step", "resume_step", "recoveries", "checkpoint_every", "owner", "feeder", "replica_version", "replica_members", "replica_ready", "stage_times")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class JobInfo(_message.Message):
     REPLICA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_READY_FIELD_NUMBER: _ClassVar[int]
+    STAGE_TIMES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -233,7 +234,8 @@ class JobInfo(_message.Message):
     replica_version: int
     replica_members: _containers.RepeatedCompositeFieldContainer[ReplicaMember]
     replica_ready: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., owner: _Optional[str] = ..., feeder: _Optional[str] = ..., replica_version: _Optional[int] = ..., replica_members: _Optional[_Iterable[_Union[ReplicaMember, _Mapping]]] = ..., replica_ready: _Optional[_Iterable[int]] = ...) -> None: ...
+    stage_times: _containers.RepeatedCompositeFieldContainer[StageTiming]
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., created: _Optional[float] = ..., epoch: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resume_step: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., owner: _Optional[str] = ..., feeder: _Optional[str] = ..., replica_version: _Optional[int] = ..., replica_members: _Optional[_Iterable[_Union[ReplicaMember, _Mapping]]] = ..., replica_ready: _Optional[_Iterable[int]] = ..., stage_times: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
 
 class ReplicaMember(_message.Message):
     __slots__ = ("replica", "since")
@@ -302,6 +304,22 @@ class JoinReplicaReply(_message.Message):
     reason: str
     job: JobInfo
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ...) -> None: ...
+
+class StageTiming(_message.Message):
+    __slots__ = ("replica", "stage", "compute_seconds", "wait_seconds", "send_seconds", "predicted_compute_seconds")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    stage: int
+    compute_seconds: float
+    wait_seconds: float
+    send_seconds: float
+    predicted_compute_seconds: float
+    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., predicted_compute_seconds: _Optional[float] = ...) -> None: ...
 
 class Recovery(_message.Message):
     __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch", "cause", "bytes_moved")

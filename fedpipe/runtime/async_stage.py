@@ -79,6 +79,7 @@ class AsyncStageRunner(StageRunnerBase):
         stash: dict[int, tuple] = {}
         loss: dict[int, float] = defaultdict(float)
         samples: dict[int, int] = defaultdict(int)
+        peak = stale = 0  # since the last result: most in flight, most versions behind
         t0 = time.perf_counter()
         self.transport.lap()
         for action in spec.async_stream(self.stage, self.n_stages, M, steps - start,
@@ -93,8 +94,10 @@ class AsyncStageRunner(StageRunnerBase):
                 if self.last:
                     loss[step] += out.item()
                 stash[i] = (x, out, batch, applied)
+                peak = max(peak, len(stash))
                 continue
             x, out, batch, version = stash.pop(i)
+            stale = max(stale, applied - version)
             self._backward(step, m, x, out, batch)
             self._collect(self.snapshots[version])
             users[version] -= 1
@@ -106,7 +109,8 @@ class AsyncStageRunner(StageRunnerBase):
                 del self.snapshots[v], users[v]
             if m == M - 1:
                 result = self._result(step, loss.pop(step) if self.last else None,
-                                      samples.pop(step), t0)
+                                      samples.pop(step), t0, in_flight=peak, staleness=stale)
+                peak, stale = len(stash), 0
                 t0 += result.seconds
                 yield result
 

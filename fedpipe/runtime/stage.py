@@ -137,6 +137,10 @@ class StepResult:
             backward, the optimizer and the syncs' arithmetic.
         wait_seconds: of ``seconds``, waiting in ``Transport.recv`` for peers.
         send_seconds: of ``seconds``, handing tensors to ``Transport.send``/``send_to``.
+        in_flight: the most microbatches run forward but not yet backward at
+            once during the step (their activations stashed for backward).
+        staleness: "async" only: the most weight versions the live weights ran
+            ahead of those a backward of the step computed its gradients on.
     """
 
     step: int
@@ -146,6 +150,8 @@ class StepResult:
     compute_seconds: float = 0.0
     wait_seconds: float = 0.0
     send_seconds: float = 0.0
+    in_flight: int = 0
+    staleness: int = 0
 
 
 class StageRunnerBase(abc.ABC):
@@ -249,14 +255,14 @@ class StageRunnerBase(abc.ABC):
         for hook in self.after_update:
             hook(step)
 
-    def _result(self, step: int, loss: float | None, samples: int,
-                started: float) -> StepResult:
+    def _result(self, step: int, loss: float | None, samples: int, started: float, *,
+                in_flight: int = 0, staleness: int = 0) -> StepResult:
         """The result of ``step``, timed from ``started`` (a ``time.perf_counter()``)
         with the transport's time since its last lap."""
         seconds = time.perf_counter() - started
         wait, send = self.transport.lap()
         return StepResult(step, loss, samples, seconds, max(0.0, seconds - wait - send),
-                          wait, send)
+                          wait, send, in_flight, staleness)
 
 
 class SyncStageRunner(StageRunnerBase):
@@ -296,7 +302,7 @@ class SyncStageRunner(StageRunnerBase):
         t0 = time.perf_counter()
         self.transport.lap()  # the step's split starts now
         stash: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        loss_sum, samples, batch = 0.0, 0, 1
+        loss_sum, samples, batch, peak = 0.0, 0, 1, 0
         for action in self.actions:
             m = action.microbatch
             if action.kind == "F":
@@ -305,8 +311,10 @@ class SyncStageRunner(StageRunnerBase):
                 if self.last:
                     loss_sum += out.item()
                 stash[m] = (x, out, batch)
+                peak = max(peak, len(stash))
             else:
                 self._backward(step, m, *stash.pop(m))
         self.step_samples = (samples, batch)
         self._update(step)
-        return self._result(step, loss_sum if self.last else None, samples, t0)
+        return self._result(step, loss_sum if self.last else None, samples, t0,
+                            in_flight=peak)

@@ -53,6 +53,7 @@ from ..observe.views import (PlanLayout, StageTime, job_summary, job_view, measu
                              plan_from_message, plan_layout, swarm_view)
 # the tracker's own conversions, so a stage's prediction prices what the planner priced
 from ..planner.protoio import cluster_view, model_profile, train_config
+from ..planner.types import ClusterView
 from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec
 from .jobs import Jobs
@@ -103,6 +104,10 @@ class TrackerSource:
 
     def stage_times(self, job_id: str) -> list[StageTime]:
         return self.jobs.stage_times(job_id)
+
+    def cluster(self, nodes: list[tracker_pb2.NodeInfo]) -> ClusterView:
+        """The planner's view of ``nodes`` as the tracker plans on it: calibrated."""
+        return self.jobs.calibration.cluster(cluster_view(nodes, self.store.links()))
 
 
 class BadRequest(ValueError):
@@ -166,7 +171,9 @@ class Dashboard:
         try:
             spec = self.source.spec(info.job_id)
             if spec.profile.layers:
-                kw = {"cluster": cluster_view(nodes, self.source.links()),
+                cluster = (self.source.cluster(nodes) if isinstance(self.source, TrackerSource)
+                           else cluster_view(nodes, self.source.links()))
+                kw = {"cluster": cluster,
                       "profile": model_profile(spec.profile),
                       "config": train_config(JobSpec.from_proto(spec.config))}
         except (KeyError, ValueError) as e:  # an unknown node or a bad spec: no prediction

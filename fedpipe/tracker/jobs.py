@@ -42,6 +42,7 @@ Errors a caller made are raised as :mod:`~.errors` classes.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -58,7 +59,8 @@ from ..proto import node_pb2, tracker_pb2
 from ..spec import ACTIVE, TERMINAL, WAITING, JobSpec, JobSpecError, PlanView, StageKey, \
     state_name
 from ..net import timeouts
-from ..observe.views import StageTime
+from ..observe.views import StageTime, plan_from_message
+from .calibration import Calibration
 from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
 from .nodes import NodeCallError, NodeCalls
@@ -185,6 +187,8 @@ class Jobs:
             lambda job_id, plan: None
         self.replicas = ElasticReplicas(self)
         """Elastic replica groups: drops, per-step quorums, heals (:mod:`.replicas`)."""
+        self.calibration = Calibration()
+        """The cost model fitted from the stages' step times: plans and replans use it."""
 
     def notify(self) -> None:
         """Wake the scheduler and every watcher."""
@@ -269,6 +273,22 @@ class Jobs:
             return self.store.job(job_id)
         except KeyError:
             raise NotFound(f"no job {job_id!r}") from None
+
+    def info(self, job_id: str) -> tracker_pb2.JobInfo:
+        """:meth:`get` with each stage's recent step split and its predicted compute
+        (``JobInfo.stage_times``), for ``GetJob``.
+
+        Raises:
+            NotFound: no such job.
+        """
+        job = self.get(job_id)
+        predicted = self.calibration.predicted(job_id, job.epoch)
+        for t in self.stage_times(job_id):
+            job.stage_times.add(replica=t.replica, stage=t.stage, compute_seconds=t.compute,
+                                wait_seconds=t.wait, send_seconds=t.send,
+                                predicted_compute_seconds=predicted.get(
+                                    StageKey(t.replica, t.stage), 0.0))
+        return job
 
     def cancel(self, job_id: str, reason: str = "", keep_weights: bool = False
                ) -> tracker_pb2.JobInfo:
@@ -453,6 +473,7 @@ class Jobs:
                                f"{e}")
             return
         plan.epoch = job.epoch
+        self._predict(job_id, plan, nodes, profile, config)
         self.store.set_plan(job_id, plan)
         t_restore = self.clock()
         step = job.resume_step
@@ -631,13 +652,17 @@ class Jobs:
         self.notify()
         request = self.store.spec(job_id)
         try:
-            cluster, profile = cluster_view(nodes, links), model_profile(request.profile)
+            probed, profile = cluster_view(nodes, links), model_profile(request.profile)
+            cluster = self.calibration.cluster(probed)
             job = JobSpec.from_proto(request.config)
             plan = planner.make_plan(cluster, profile, train_config(job))
             if job.replica_sync == "auto":
                 job = job.with_(replica_sync=planner.choose_replica_sync(plan))
                 if job.replica_sync == "diloco":  # plan again, paying the sync 1/H
                     plan = planner.make_plan(cluster, profile, train_config(job))
+            plan = dataclasses.replace(plan, calibrated=self.calibration.covers(plan, probed))
+            self.calibration.planned(job_id, self.store.job(job_id).epoch, plan, probed, profile,
+                                     train_config(job))
         except planner.PlanError as e:
             self._fail(job_id, f"no plan: {e}")
             return
@@ -782,6 +807,36 @@ class Jobs:
         self.store.record_step(job.job_id, report.step, loss,
                                samples / seconds if seconds > 0 else 0.0, self.clock())
         self.on_step(job.job_id, report.step)
+        if report.step % STAGE_TIME_WINDOW == 0 and report.step >= 2 * STAGE_TIME_WINDOW:
+            self._calibrate(job)  # once per window of steps, past the first (warm-up)
+
+    def _predict(self, job_id: str, plan: node_pb2.Plan, nodes: list[tracker_pb2.NodeInfo],
+                 profile: planner.ModelProfile, config: planner.TrainConfig) -> None:
+        """Set a replanned ``plan``'s predicted step time from the calibrated cost model,
+        and remember it for the next fit (a failure keeps the old prediction)."""
+        try:
+            probed = cluster_view(nodes, self.store.links())
+            new = self.calibration.predict(plan_from_message(plan), probed, profile, config)
+            plan.predicted_step_seconds, plan.sync_seconds = (new.predicted_step_seconds,
+                                                              new.sync_seconds)
+            plan.calibrated = new.calibrated
+            self.calibration.planned(job_id, plan.epoch, new, probed, profile, config)
+        except (planner.PlanError, KeyError) as e:
+            log.warning("job %s: cannot predict the replanned step time: %s", job_id, e)
+
+    def _calibrate(self, job: tracker_pb2.JobInfo) -> None:
+        """Fit the cost model to the job's recent stage splits (all its stages reported)."""
+        with self._times_lock:
+            epoch, stages = self._stage_times.get(job.job_id, (job.epoch, {}))
+            windows = {key: list(w) for key, w in stages.items()} if epoch == job.epoch else {}
+        if not windows or len(windows) < len(job.plan.stages):
+            return
+        compute = {key: statistics.median(c for c, _, _ in w) for key, w in windows.items()}
+        step = statistics.median(statistics.median(sum(x) for x in w) for w in windows.values())
+        try:
+            self.calibration.observe(job.job_id, job.epoch, compute, step)
+        except (planner.PlanError, KeyError) as e:  # an async plan, a node gone meanwhile
+            log.debug("job %s: no calibration from this plan: %s", job.job_id, e)
 
     def _stage_time(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> None:
         """Keep a stage's step split (compute, wait, send seconds) of the job's epoch."""

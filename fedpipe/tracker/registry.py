@@ -100,6 +100,10 @@ def validate_node(request: tracker_pb2.RegisterNodeRequest) -> None:
     r = request.resources
     if not (math.isfinite(r.flops) and r.flops > 0) or r.memory_bytes <= 0:
         raise InvalidArgument("node resources must have finite flops > 0 and memory_bytes > 0")
+    if r.host_cores < 0 or r.cores < 0 or len(r.host_id) > MAX_NAME:
+        raise InvalidArgument(f"node resources must have cores and host_cores >= 0 and a "
+                              f"host_id of at most {MAX_NAME} characters; got cores {r.cores}, "
+                              f"host_cores {r.host_cores}, a host_id of {len(r.host_id)}")
     if len(request.name) > MAX_NAME or len(request.address) > MAX_NAME:
         raise InvalidArgument(f"node name and address must be at most {MAX_NAME} characters")
 

@@ -246,7 +246,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
     @_unary
     def GetJob(self, request, context):
-        job = self.tracker.jobs.replicas.annotate(self._owned(context, request.job_id))
+        self._owned(context, request.job_id)
+        job = self.tracker.jobs.replicas.annotate(self.tracker.jobs.info(request.job_id))
         job.feeder = self.tracker.feeders.feeder(request.job_id)
         return job
 
