@@ -72,3 +72,8 @@ is found again within 2 s, not after gRPC's default 2 min backoff."""
 def measure_links(peers: int) -> float:
     """Deadline of a MeasureLinks call over ``peers`` peers, seconds."""
     return MEASURE_LINKS_BASE + MEASURE_LINKS_PER_PEER * peers
+IDLE_STREAM = _seconds("IDLE_STREAM", 30.0)
+"""A node's data-plane stream (Send, PutSnapshot, FetchState, FetchSnapshot) that carries
+nothing for this long while it belongs to no running job on that node (none named yet, or
+its job's stages there have ended) is closed. A running job's streams are never cut for
+idling (they idle between DiLoCo outer steps on purpose); keepalive finds dead ones."""

@@ -91,6 +91,11 @@ RELEASE_JOIN = timeouts.THREAD_JOIN
 """Seconds a release waits for the stage's thread to end before it frees the memory anyway."""
 
 
+def inbox_job(inbox: tuple["StageSlot", int]) -> str:
+    """The job of a stage's mailbox key (:attr:`Stage.inbox`), for the mailbox's per-job cap."""
+    return inbox[0].job_id
+
+
 class StageSlot(NamedTuple):
     """A stage of a job on this node: the key of the registry and the mailbox."""
 
@@ -560,6 +565,11 @@ class StageRegistry:
                 s.stop.set()
         self.shipper.shutdown(wait=False, cancel_futures=True)
 
+    def runs(self, job_id: str) -> bool:
+        """Whether a stage of ``job_id`` runs here (loaded and not stopped)."""
+        with self.lock:
+            return any(s.job_id == job_id and not s.stop.is_set() for s in self.stages.values())
+
     def get(self, slot: StageSlot) -> Stage:
         """The loaded stage (running or not).
 
@@ -615,6 +625,8 @@ class StageRegistry:
             NoSuchStage: the stage was released meanwhile.
             KeyError: the stage already has that tensor.
             Stopped: the stage stopped or ``active()`` turned false while waiting.
+            Full: the job has as many tensors waiting on this node as one job may
+                (:class:`~fedpipe.node.mailbox.Mailbox`).
         """
         if env.kind == Kind.PROBE:
             return  # a link measurement: it only had to arrive
