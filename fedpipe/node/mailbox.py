@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 
@@ -53,7 +53,7 @@ class Mailbox:
     """
 
     def __init__(self, capacity: int, bounded: tuple[Kind, ...], *, job_cap: int = JOB_TENSORS,
-                 job_of: Callable[[Hashable], Hashable] = lambda slot: slot):
+                 job_of: Callable[[Any], Hashable] = lambda slot: slot):
         if job_cap < 1:
             raise ValueError(f"a mailbox's job_cap must be >= 1, got {job_cap}")
         self.capacity, self.bounded, self.job_cap, self.job_of = capacity, bounded, job_cap, job_of
@@ -125,9 +125,9 @@ class Mailbox:
     def drop(self, match: Callable[[Hashable], bool]) -> None:
         """Forget every tensor of the slots ``match`` selects."""
         with self._cond:
-            for key in [k for k in self._items if match(k.slot)]:
-                del self._items[key]
-                self._forget(self.job_of(key.slot))
+            for item in [k for k in self._items if match(k.slot)]:
+                del self._items[item]
+                self._forget(self.job_of(item.slot))
             for key in [k for k in self._counts if match(k[0])]:  # k: (slot, kind)
                 del self._counts[key]
             self._cond.notify_all()

@@ -212,8 +212,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
             stream = watch.track(request_iterator)
             try:
                 first = next(stream, None)
-                head = peek_header(first) if first is not None else None
-                if head is None:
+                head = None if first is None else peek_header(first)
+                if first is None or head is None:
                     raise WireError("a snapshot stream must start with a header frame")
                 watch.belongs_to(head.envelope.job_id)
                 # before a byte of the snapshot is buffered

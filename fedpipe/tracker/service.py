@@ -184,9 +184,11 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         r = self.tracker.registry
         known = r.leave(request.node_id) if request.leaving else r.heartbeat(request.node_id)
         drop, drop_jobs = self.tracker.jobs.reconcile(request.node_id, list(request.holds))
+        # the swarm's deny list, whole: the node refuses these on every call it serves
+        revoked = self.verifier.deny_list().to_proto() if self.verifier is not None else []
         return S.HeartbeatReply(known=known, lease_seconds=r.lease,
                                 heartbeat_seconds=r.heartbeat_seconds, drop=drop,
-                                drop_jobs=drop_jobs)
+                                drop_jobs=drop_jobs, revoked=revoked)
 
     @_unary
     def ListNodes(self, request, context):
