@@ -241,7 +241,7 @@ def test_a_node_answers_ping_while_idle_send_streams_fill_its_data_side(one_node
     thread; a pool's worth of them, from several peers, must not stop the node answering
     Ping."""
     [node] = one_node.client().nodes()
-    peers = net.SERVER_THREADS // net.PEER_DATA_CALLS  # each stays within its own limit
+    peers = -(-net.SERVER_THREADS // net.PEER_DATA_CALLS)  # each within its own limit
     chans = connections(node.address, peers)
     with net.channel(node.address) as ch:
         stub = node_pb2_grpc.NodeStub(ch)
@@ -314,7 +314,7 @@ def test_the_tracker_takes_heartbeats_while_idle_watches_fill_its_data_side(lone
                         [(torch.zeros(4, 4), torch.zeros(4, 2))], steps=1)
     assert job.status().state == "PENDING"  # no node: it waits, and so do its watchers
     stub = tracker_pb2_grpc.TrackerStub(client.channel)
-    chans = connections(lone_tracker.tracker, net.SERVER_THREADS // net.PEER_DATA_CALLS)
+    chans = connections(lone_tracker.tracker, -(-net.SERVER_THREADS // net.PEER_DATA_CALLS))
     watchers = [tracker_pb2_grpc.TrackerStub(c) for c in chans]
     calls = [watchers[i % len(watchers)].WatchJob(tracker_pb2.WatchJobRequest(job_id=job.id))
              for i in range(net.SERVER_THREADS)]

@@ -20,6 +20,7 @@ from fedpipe.net import timeouts
 from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
 from fedpipe.security import TlsConfig, certs
 from fedpipe.security.signing import sign_job
+from fedpipe.security.tls import DENY_RELOAD_SECONDS
 from fedpipe.spec import JobSpec
 from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames, rpc
@@ -250,13 +251,14 @@ def test_a_client_refuses_to_start_with_a_certificate_of_the_wrong_ca(tmp_path):
         Client("127.0.0.1:1", tls=tmp_path / "b")
 
 
-def _wait_planned(client: Client, job_id: str) -> tracker_pb2.JobInfo:
+def _wait_running(client: Client, job_id: str) -> tracker_pb2.JobInfo:
+    """The job's info once it runs (its stages are loaded on their nodes)."""
     t0 = time.monotonic()
     info = client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job_id), timeout=RPC)
-    while not info.plan.stages and time.monotonic() - t0 < 120:
+    while info.state != tracker_pb2.JOB_STATE_RUNNING and time.monotonic() - t0 < 120:
         time.sleep(0.5)
         info = client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job_id), timeout=RPC)
-    assert info.plan.stages, "the job was never planned"
+    assert info.state == tracker_pb2.JOB_STATE_RUNNING, info.reason
     return info
 
 
@@ -267,7 +269,7 @@ def test_only_nodes_assigned_to_a_job_move_its_snapshots_and_state(swarm):
                        fedpipe.optimizer(torch.optim.SGD, lr=0.01), [(x, torch.randn(64, 2))],
                        steps=100_000, stages=2)
     try:
-        info = _wait_planned(owner, job.id)
+        info = _wait_running(owner, job.id)
         a, b = info.plan.stages[0], info.plan.stages[-1]
         assert a.node_name != b.node_name
         snap_req = node_pb2.FetchSnapshotRequest(job_id=job.id, replica=a.replica, stage=a.stage,
@@ -313,10 +315,16 @@ def test_a_certificate_revoked_at_the_tracker_is_refused_by_every_node_within_tw
         with nch, tch:
             node0.Ping(ping, timeout=RPC)  # served before the revocation
             certs.revoke(s.tls_dir, "node1")
+            # the tracker re-reads its deny list within DENY_RELOAD_SECONDS and serves it
+            # in every heartbeat reply
+            deadline = time.monotonic() + DENY_RELOAD_SECONDS + 5
+            while True:
+                reply = tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=n0.node_id),
+                                          timeout=RPC)
+                if reply.revoked or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             revoked_at = time.monotonic()
-            # the tracker serves the deny list in every heartbeat reply
-            reply = tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=n0.node_id),
-                                      timeout=RPC)
             assert [(r.name, int(r.serial)) for r in reply.revoked] == [
                 ("node1", gone.identity.serial)]
             # node0 learns it from its next heartbeat: node1's calls to it are refused
@@ -392,3 +400,50 @@ def test_a_client_with_a_certificate_of_the_wrong_role_is_told_so_in_one_line(sw
     assert err.details() == ("wrong role for /fedpipe.v1.Tracker/GetJob: tracker 'tracker' may "
                              "not call it (allowed: admin, client)")
     assert str(err) == f"PERMISSION_DENIED: {err.details()}"
+
+
+def test_one_identitys_idle_streams_past_its_limit_are_refused_over_any_connection(swarm):
+    """Under TLS the per-peer limit counts the certificate, however many connections it
+    opens; another identity's calls and the tracker's Ping are still served promptly."""
+    import queue
+    node = swarm.client().nodes()[0]
+    hog = swarm.issue("node", "hog")
+    chans = [grpc.secure_channel(node.address, hog.channel_credentials(),
+                                 options=[("grpc.use_local_subchannel_pool", 1)])
+             for _ in range(2)]
+    extra = 4
+    idle: list = []
+    calls = []
+    for i in range(net.PEER_DATA_CALLS + extra):
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        idle.append(q)
+        calls.append(node_pb2_grpc.NodeStub(chans[i % 2]).Send.future(iter(q.get, None)))
+    try:
+        deadline = time.monotonic() + 30
+        while sum(c.done() for c in calls) < extra:
+            assert time.monotonic() < deadline, "the excess streams were not refused"
+            time.sleep(0.05)
+        time.sleep(0.5)  # any further refusal would come at once
+        ended = [c for c in calls if c.done()]
+        assert len(ended) == extra
+        for c in ended:
+            assert c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, c.details()
+            assert (f"fedpipe://node/hog already has {net.PEER_DATA_CALLS} data-plane calls "
+                    f"open on this server") in c.details()
+        probe = list(frames.encode_frames(torch.zeros(4), envelope=node_pb2.Envelope(
+            kind=node_pb2.KIND_PROBE, batch_size=1)))
+        other = swarm.issue("node", "polite")
+        for tls, call in ((other, lambda s: rpc.NodeStub(s).Send(iter(probe), timeout=2.0)),
+                          (TlsConfig.load(swarm.tls_dir, "tracker"),
+                           lambda s: node_pb2_grpc.NodeStub(s).Ping(node_pb2.PingRequest(),
+                                                                    timeout=2.0))):
+            with grpc.secure_channel(node.address, tls.channel_credentials(),
+                                     options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+                start = time.monotonic()
+                call(ch)
+                assert time.monotonic() - start < 2.0
+    finally:
+        for q in idle:
+            q.put(None)
+        for ch in chans:
+            ch.close()

@@ -74,11 +74,11 @@ DATA_CALLS = 48
 """The most data-plane calls (:data:`DATA_METHODS`) a server runs at once; the other
 ``SERVER_THREADS - DATA_CALLS`` threads are kept for control calls. A node holds one
 inbound stream per neighbouring stage and peer replica, so 48 leave room for many stages."""
-PEER_DATA_CALLS = 16
+PEER_DATA_CALLS = 24
 """The most data-plane calls one caller (a certificate's identity; without TLS, a
 connection) may run at once on one server, so one caller's idle streams never take all
-:data:`DATA_CALLS`. A node opens one Send stream per stage and peer it sends to, and a
-client one feed per job and replica group plus a watch per job (at most 8 jobs each)."""
+:data:`DATA_CALLS`. A node opens one Send stream per stage and peer it sends to; a client
+one feed per job and replica group and up to two watches per job, for at most 8 jobs."""
 
 
 def _method(service, name: str) -> str:
