@@ -186,25 +186,84 @@ class _Responses(_Outcome):
         return out
 
 
-class _Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    def __init__(self, explainer: _Explainer):
-        self.x = explainer
+class _Unary:
+    """A unary-response multicallable (unary-unary or stream-unary) whose errors are explained."""
 
-    def intercept_unary_unary(self, continuation, details, request):
-        return _Outcome(continuation(details, request), self.x)
+    def __init__(self, inner, explainer: _Explainer):
+        self._inner, self._x = inner, explainer
 
-    def intercept_stream_unary(self, continuation, details, requests):
-        return _Outcome(continuation(details, requests), self.x)
+    def __call__(self, request, **kw):
+        try:
+            out = self._inner(request, **kw)
+        except grpc.RpcError as e:
+            raise self._x.explain_rpc(e) from None
+        self._x.connected = True
+        return out
 
-    def intercept_unary_stream(self, continuation, details, request):
-        return _Responses(continuation(details, request), self.x)
+    def with_call(self, request, **kw):
+        try:
+            out = self._inner.with_call(request, **kw)
+        except grpc.RpcError as e:
+            raise self._x.explain_rpc(e) from None
+        self._x.connected = True
+        return out
 
-    def intercept_stream_stream(self, continuation, details, requests):
-        return _Responses(continuation(details, requests), self.x)
+    def future(self, request, **kw):
+        return _Outcome(self._inner.future(request, **kw), self._x)
+
+
+class _Streaming:
+    """A response-streaming multicallable (unary-stream or stream-stream), explained."""
+
+    def __init__(self, inner, explainer: _Explainer):
+        self._inner, self._x = inner, explainer
+
+    def __call__(self, request, **kw):
+        try:
+            return _Responses(self._inner(request, **kw), self._x)
+        except grpc.RpcError as e:
+            raise self._x.explain_rpc(e) from None
+
+
+class _ExplainedChannel(grpc.Channel):
+    """A channel whose calls' errors are explained. Its multicallables are made on the
+    wrapped channel when a stub asks for them, as gRPC's own are, so a call on a closed
+    channel raises ValueError as usual (gRPC's interceptor channels make them at each call,
+    which crashes on a closed channel)."""
+
+    def __init__(self, channel: grpc.Channel, explainer: _Explainer):
+        self._ch, self._x = channel, explainer
+
+    def subscribe(self, callback, try_to_connect=False):
+        self._ch.subscribe(callback, try_to_connect)
+
+    def unsubscribe(self, callback):
+        self._ch.unsubscribe(callback)
+
+    def unary_unary(self, method, *args, **kw):
+        return _Unary(self._ch.unary_unary(method, *args, **kw), self._x)
+
+    def stream_unary(self, method, *args, **kw):
+        return _Unary(self._ch.stream_unary(method, *args, **kw), self._x)
+
+    def unary_stream(self, method, *args, **kw):
+        return _Streaming(self._ch.unary_stream(method, *args, **kw), self._x)
+
+    def stream_stream(self, method, *args, **kw):
+        return _Streaming(self._ch.stream_stream(method, *args, **kw), self._x)
+
+    def close(self):
+        self._ch.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
 
 def explained(channel: grpc.Channel, address: str, tls: TlsConfig | None) -> grpc.Channel:
     """``channel`` (to ``address``, made with ``tls``) with one-line errors; closing the
     result closes ``channel``."""
-    return grpc.intercept_channel(channel, _Interceptor(_Explainer(address, tls)))
+    return _ExplainedChannel(channel, _Explainer(address, tls))
