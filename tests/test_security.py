@@ -538,3 +538,38 @@ def test_a_deny_list_made_unreadable_refuses_every_caller_until_fixed(tmp_path):
     (tmp_path / "revoked.json").write_text('{"revoked": []}')
     time.sleep(tls.DENY_RELOAD_SECONDS + 0.1)
     assert auth.authenticate(alice).name == "alice"
+
+
+def test_only_nodes_of_a_jobs_plans_move_its_snapshots():
+    n1, n2 = Identity(Role.NODE, "n1", 1), Identity(Role.NODE, "n2", 2)
+    policy.require_assigned(n1, {"n1"}, job_id="j1")
+    policy.require_assigned(None, (), job_id="j1")  # no TLS: the loopback rules apply
+    for who, name in ((n2, "node 'n2'"), (Identity(Role.CLIENT, "alice", 3), "client 'alice'"),
+                      (Identity(Role.TRACKER, "t", 4), "tracker 't'")):
+        with pytest.raises(PermissionDenied, match=f"^{name} is not assigned to job j1$"):
+            policy.require_assigned(who, {"n1"}, job_id="j1")
+
+
+def test_the_deny_list_travels_in_heartbeat_replies_and_a_bad_serial_is_refused():
+    deny = certs.DenyList((certs.RevokedEntry(2**150 + 7, "gone", 1.5),
+                           certs.RevokedEntry(3, "old", 2.0)))
+    reply = tracker_pb2.HeartbeatReply(revoked=deny.to_proto())
+    assert certs.DenyList.from_proto(tracker_pb2.HeartbeatReply.FromString(
+        reply.SerializeToString()).revoked) == deny
+    for serial in ("-1", "12a", "", "9" * 51):
+        with pytest.raises(certs.CertError, match="is not a decimal certificate serial"):
+            certs.DenyList.from_proto([tracker_pb2.RevokedCert(serial=serial, name="x")])
+
+
+def test_a_tls_config_shares_one_authenticator_so_a_pushed_deny_list_reaches_every_check(
+        swarm_dir):
+    d, _ = swarm_dir
+    cfg = TlsConfig.load(d, "t")
+    assert cfg.authenticator() is cfg.authenticator()
+    alice = (d / "alice.crt").read_bytes()
+    cfg.authenticator().set_deny_list(certs.DenyList((certs.RevokedEntry(
+        certs.read_identity(alice).serial, "alice", 0.0),)))
+    with pytest.raises(Unauthenticated, match="'alice'.*is revoked"):
+        cfg.authenticator().authenticate(_auth_context(alice))
+    names = [e.name for e in cfg.authenticator().deny_list().entries]
+    assert names[-1] == "alice" and "gone" in names  # the file's, then the pushed

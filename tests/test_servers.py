@@ -22,6 +22,8 @@ import fedpipe
 from fedpipe import net
 from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
 from fedpipe.testing import NODE_SERVICE, TRACKER_SERVICE, LocalSwarm, child_env
+from fedpipe.wire import frames as wire_frames
+from fedpipe.wire import rpc
 
 pytestmark = pytest.mark.timeout(180)
 QUICK = 2.0  # seconds: the deadline a control call must meet while the data side is full
@@ -216,18 +218,34 @@ def assert_refused_for_the_limit(ended: list) -> None:
         assert f"{net.DATA_CALLS} data-plane calls" in c.details(), c.details()
 
 
+def connections(address: str, n: int) -> list[grpc.Channel]:
+    """``n`` channels to ``address``, each its own TCP connection: without TLS, each is a
+    peer of its own for the per-peer limit."""
+    return [grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(n)]
+
+
+def idle_sends(stubs: list, n: int) -> tuple[list, list]:
+    """``n`` Send streams that send nothing, spread over ``stubs`` in turn: (queues, calls)."""
+    idle: list = []
+    calls = []
+    for i in range(n):
+        frames: queue.SimpleQueue = queue.SimpleQueue()
+        idle.append(frames)
+        calls.append(stubs[i % len(stubs)].Send.future(iter(frames.get, None)))
+    return idle, calls
+
+
 def test_a_node_answers_ping_while_idle_send_streams_fill_its_data_side(one_node):
     """Idle Send streams (a peer that opened one and sent nothing) each hold a server
-    thread; a pool's worth of them must not stop the node answering Ping."""
+    thread; a pool's worth of them, from several peers, must not stop the node answering
+    Ping."""
     [node] = one_node.client().nodes()
+    peers = -(-net.SERVER_THREADS // net.PEER_DATA_CALLS)  # each within its own limit
+    chans = connections(node.address, peers)
     with net.channel(node.address) as ch:
         stub = node_pb2_grpc.NodeStub(ch)
-        idle: list = []
-        calls = []
-        for _ in range(net.SERVER_THREADS):
-            frames: queue.SimpleQueue = queue.SimpleQueue()
-            idle.append(frames)
-            calls.append(stub.Send.future(iter(frames.get, None)))
+        idle, calls = idle_sends([node_pb2_grpc.NodeStub(c) for c in chans], net.SERVER_THREADS)
         try:
             ended = settle(calls, net.SERVER_THREADS - net.DATA_CALLS, "Send")
             assert len(ended) == net.SERVER_THREADS - net.DATA_CALLS
@@ -243,6 +261,48 @@ def test_a_node_answers_ping_while_idle_send_streams_fill_its_data_side(one_node
         for c in calls:
             if c not in ended:
                 assert isinstance(c.result(timeout=30), node_pb2.SendReply)
+    for c in chans:
+        c.close()
+
+
+def probe_frames() -> list[bytes]:
+    """One small link-measurement tensor (a probe), as a peer sends it."""
+    env = node_pb2.Envelope(kind=node_pb2.KIND_PROBE, batch_size=1)
+    return list(wire_frames.encode_frames(torch.zeros(16), envelope=env))
+
+
+def test_one_peers_idle_send_streams_past_its_limit_are_refused_and_others_served(one_node):
+    """Issue 11: limits per peer. One connection (a peer, without TLS) opens more idle Send
+    streams than one peer may hold: the excess is refused naming the limit, at once, while
+    another peer's Send and the node's heartbeats to the tracker go on."""
+    [node] = one_node.client().nodes()
+    extra = 5
+    hog, other = connections(node.address, 2)
+    idle, calls = idle_sends([node_pb2_grpc.NodeStub(hog)], net.PEER_DATA_CALLS + extra)
+    try:
+        ended = settle(calls, extra, "Send")
+        assert len(ended) == extra
+        for c in ended:
+            assert c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (c.code(), c.details())
+            assert f"already has {net.PEER_DATA_CALLS} data-plane calls open on this server, " \
+                   f"the most one peer may have at once ({net.PEER_DATA_CALLS}" in c.details()
+        for _ in range(3):
+            start = time.monotonic()
+            reply = rpc.NodeStub(other).Send(iter(probe_frames()), timeout=QUICK)
+            assert isinstance(reply, node_pb2.SendReply)
+            assert time.monotonic() - start < QUICK
+        # the node's heartbeats still reach the tracker: it is not declared lost past a lease
+        time.sleep(one_node.lease * 1.5)
+        [again] = one_node.client().nodes()
+        assert again.alive and again.node_id == node.node_id
+    finally:
+        for frames in idle:
+            frames.put(None)
+    for c in calls:
+        if c not in ended:
+            assert isinstance(c.result(timeout=30), node_pb2.SendReply)
+    hog.close()
+    other.close()
 
 
 def test_the_tracker_takes_heartbeats_while_idle_watches_fill_its_data_side(lone_tracker):
@@ -254,8 +314,10 @@ def test_the_tracker_takes_heartbeats_while_idle_watches_fill_its_data_side(lone
                         [(torch.zeros(4, 4), torch.zeros(4, 2))], steps=1)
     assert job.status().state == "PENDING"  # no node: it waits, and so do its watchers
     stub = tracker_pb2_grpc.TrackerStub(client.channel)
-    calls = [stub.WatchJob(tracker_pb2.WatchJobRequest(job_id=job.id))
-             for _ in range(net.SERVER_THREADS)]
+    chans = connections(lone_tracker.tracker, -(-net.SERVER_THREADS // net.PEER_DATA_CALLS))
+    watchers = [tracker_pb2_grpc.TrackerStub(c) for c in chans]
+    calls = [watchers[i % len(watchers)].WatchJob(tracker_pb2.WatchJobRequest(job_id=job.id))
+             for i in range(net.SERVER_THREADS)]
     try:
         # the client's own feeder holds one watch until the job runs
         refused = net.SERVER_THREADS - (net.DATA_CALLS - 1)
@@ -271,4 +333,6 @@ def test_the_tracker_takes_heartbeats_while_idle_watches_fill_its_data_side(lone
     finally:
         for c in calls:
             c.cancel()
+        for c in chans:
+            c.close()
         job.cancel()

@@ -20,8 +20,10 @@ from fedpipe.net import timeouts
 from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
 from fedpipe.security import TlsConfig, certs
 from fedpipe.security.signing import sign_job
+from fedpipe.security.tls import DENY_RELOAD_SECONDS
 from fedpipe.spec import JobSpec
 from fedpipe.testing import LocalSwarm
+from fedpipe.wire import frames, rpc
 
 pytestmark = pytest.mark.timeout(600)
 RPC = timeouts.CONTROL_RPC
@@ -247,3 +249,201 @@ def test_a_client_refuses_to_start_with_a_certificate_of_the_wrong_ca(tmp_path):
     (tmp_path / "b" / "ca.crt").write_bytes((tmp_path / "a" / "ca.crt").read_bytes())
     with pytest.raises(certs.CertError, match="another CA"):
         Client("127.0.0.1:1", tls=tmp_path / "b")
+
+
+def _wait_running(client: Client, job_id: str) -> tracker_pb2.JobInfo:
+    """The job's info once it runs (its stages are loaded on their nodes)."""
+    t0 = time.monotonic()
+    info = client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job_id), timeout=RPC)
+    while info.state != tracker_pb2.JOB_STATE_RUNNING and time.monotonic() - t0 < 120:
+        time.sleep(0.5)
+        info = client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job_id), timeout=RPC)
+    assert info.state == tracker_pb2.JOB_STATE_RUNNING, info.reason
+    return info
+
+
+def test_only_nodes_assigned_to_a_job_move_its_snapshots_and_state(swarm):
+    owner = swarm.client("snap-owner")
+    x = torch.randn(64, 4)
+    job = owner.submit(_model(), nn.functional.mse_loss,
+                       fedpipe.optimizer(torch.optim.SGD, lr=0.01), [(x, torch.randn(64, 2))],
+                       steps=100_000, stages=2)
+    try:
+        info = _wait_running(owner, job.id)
+        a, b = info.plan.stages[0], info.plan.stages[-1]
+        assert a.node_name != b.node_name
+        snap_req = node_pb2.FetchSnapshotRequest(job_id=job.id, replica=a.replica, stage=a.stage,
+                                                 step=999_999)
+        state_req = node_pb2.FetchStateRequest(job_id=job.id, replica=a.replica, stage=a.stage)
+        env = node_pb2.Envelope(job_id=job.id, replica=a.replica, stage=a.stage,
+                                kind=node_pb2.KIND_SNAPSHOT, step=1, batch_size=1)
+        put = list(frames.encode_frames(torch.zeros(4), envelope=env))
+
+        rogue = swarm.issue("node", "unassigned")
+        ch = net.channel(a.address, tls=rogue)
+        with ch:
+            stub = rpc.NodeStub(ch)
+            for call in (lambda: list(stub.FetchSnapshot(snap_req, timeout=RPC)),
+                         lambda: stub.PutSnapshot(iter(put), timeout=RPC),
+                         lambda: list(stub.FetchState(state_req, timeout=RPC))):
+                _expect(grpc.StatusCode.PERMISSION_DENIED, call,
+                        f"node 'unassigned' is not assigned to job {job.id}")
+        # the job's other node passes the check: there is simply no snapshot of that step
+        ch = net.channel(a.address, tls=TlsConfig.load(swarm.tls_dir, b.node_name))
+        with ch:
+            stub = rpc.NodeStub(ch)
+            _expect(grpc.StatusCode.NOT_FOUND, lambda: list(stub.FetchSnapshot(snap_req,
+                                                                               timeout=RPC)),
+                    "no step 999999 snapshot")
+            assert list(stub.FetchState(state_req, timeout=RPC))
+        # and the job's own client fetches its state
+        assert list(owner.node(a.address).FetchState(state_req, timeout=RPC))
+    finally:
+        job.cancel("test over")
+
+
+def test_a_certificate_revoked_at_the_tracker_is_refused_by_every_node_within_two_heartbeats():
+    with LocalSwarm(2, tls=True, lease=4.0) as s:
+        by_name = {n.name: n for n in s.client().nodes()}
+        n0, n1 = by_name["node0"], by_name["node1"]
+        gone = TlsConfig.load(s.tls_dir, "node1")
+        own = TlsConfig.load(s.tls_dir, "node0")
+        tracker_tls = TlsConfig.load(s.tls_dir, "tracker")
+        ping = node_pb2.PingRequest()
+        nch, node0 = _node(n0.address, gone)
+        tch, tracker = _tracker(s, own)
+        with nch, tch:
+            node0.Ping(ping, timeout=RPC)  # served before the revocation
+            certs.revoke(s.tls_dir, "node1")
+            # the tracker re-reads its deny list within DENY_RELOAD_SECONDS and serves it
+            # in every heartbeat reply
+            deadline = time.monotonic() + DENY_RELOAD_SECONDS + 5
+            while True:
+                reply = tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=n0.node_id),
+                                          timeout=RPC)
+                if reply.revoked or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            revoked_at = time.monotonic()
+            assert [(r.name, int(r.serial)) for r in reply.revoked] == [
+                ("node1", gone.identity.serial)]
+            # node0 learns it from its next heartbeat: node1's calls to it are refused
+            bound = 2 * reply.heartbeat_seconds + 1.0
+            while True:
+                try:
+                    node0.Ping(ping, timeout=RPC)
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e.details()
+                    assert e.details() == (f"certificate of node 'node1' (serial "
+                                           f"{gone.identity.serial}) is revoked")
+                    break
+                assert time.monotonic() - revoked_at < bound, "node0 still serves node1"
+                time.sleep(0.1)
+            _expect(grpc.StatusCode.UNAUTHENTICATED,
+                    lambda: rpc.send(rpc.NodeStub(nch), [b""], timeout=RPC), "revoked")
+            # the tracker refuses it too, and both still serve everyone else
+            _expect(grpc.StatusCode.UNAUTHENTICATED, lambda: _tracker(s, gone)[1].Heartbeat(
+                tracker_pb2.HeartbeatRequest(node_id=n1.node_id), timeout=RPC), "revoked")
+        with net.channel(n0.address, tls=tracker_tls) as ch:
+            node_pb2_grpc.NodeStub(ch).Ping(ping, timeout=RPC)
+        assert "node0" in {n.name for n in s.client().nodes()}
+
+
+@pytest.fixture
+def no_tls_env(monkeypatch):
+    monkeypatch.delenv("FEDPIPE_TLS_DIR", raising=False)
+
+
+def _one_line_failure(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    assert "\n" not in str(e.value) and "\n" not in e.value.details(), str(e.value)
+    assert "Socket closed" not in e.value.details()
+    return e.value
+
+
+def test_a_client_with_no_certificate_is_told_so_in_one_line(swarm, no_tls_env):
+    with Client(swarm.tracker) as client:
+        err = _one_line_failure(client.nodes)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.details() == (f"{swarm.tracker} requires mutual TLS and this caller has no "
+                             "certificate: give --tls-dir, tls= or set FEDPIPE_TLS_DIR")
+
+
+def test_a_client_of_another_ca_is_told_so_in_one_line(swarm, tmp_path):
+    other = tmp_path / "elsewhere"
+    certs.make_ca(other)
+    certs.issue(other, "client", "stranger")
+    with Client(swarm.tracker, tls=other) as client:
+        err = _one_line_failure(client.nodes)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.details().startswith(f"{swarm.tracker} presents a certificate from another CA: "
+                                    "issued by "), err.details()
+    assert err.details().endswith(f"; this caller trusts only {other / 'ca.crt'}")
+
+
+def test_a_client_with_an_expired_certificate_is_told_so_in_one_line(swarm):
+    old = swarm.issue("client", "lapsed", days=1,
+                      not_before=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2))
+    with Client(swarm.tracker, tls=old) as client:
+        err = _one_line_failure(client.nodes)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.details().startswith("this caller's certificate 'lapsed' is unusable: "
+                                    "certificate expired at "), err.details()
+
+
+def test_a_client_with_a_certificate_of_the_wrong_role_is_told_so_in_one_line(swarm):
+    with Client(swarm.tracker, tls=TlsConfig.load(swarm.tls_dir, "tracker")) as client:
+        assert len(client.nodes()) == 2  # every role may list nodes
+        err = _one_line_failure(lambda: client.job("j-none").status())
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert err.details() == ("wrong role for /fedpipe.v1.Tracker/GetJob: tracker 'tracker' may "
+                             "not call it (allowed: admin, client)")
+    assert str(err) == f"PERMISSION_DENIED: {err.details()}"
+
+
+def test_one_identitys_idle_streams_past_its_limit_are_refused_over_any_connection(swarm):
+    """Under TLS the per-peer limit counts the certificate, however many connections it
+    opens; another identity's calls and the tracker's Ping are still served promptly."""
+    import queue
+    node = swarm.client().nodes()[0]
+    hog = swarm.issue("node", "hog")
+    chans = [grpc.secure_channel(node.address, hog.channel_credentials(),
+                                 options=[("grpc.use_local_subchannel_pool", 1)])
+             for _ in range(2)]
+    extra = 4
+    idle: list = []
+    calls = []
+    for i in range(net.PEER_DATA_CALLS + extra):
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        idle.append(q)
+        calls.append(node_pb2_grpc.NodeStub(chans[i % 2]).Send.future(iter(q.get, None)))
+    try:
+        deadline = time.monotonic() + 30
+        while sum(c.done() for c in calls) < extra:
+            assert time.monotonic() < deadline, "the excess streams were not refused"
+            time.sleep(0.05)
+        time.sleep(0.5)  # any further refusal would come at once
+        ended = [c for c in calls if c.done()]
+        assert len(ended) == extra
+        for c in ended:
+            assert c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, c.details()
+            assert (f"fedpipe://node/hog already has {net.PEER_DATA_CALLS} data-plane calls "
+                    f"open on this server") in c.details()
+        probe = list(frames.encode_frames(torch.zeros(4), envelope=node_pb2.Envelope(
+            kind=node_pb2.KIND_PROBE, batch_size=1)))
+        other = swarm.issue("node", "polite")
+        for tls, call in ((other, lambda s: rpc.NodeStub(s).Send(iter(probe), timeout=2.0)),
+                          (TlsConfig.load(swarm.tls_dir, "tracker"),
+                           lambda s: node_pb2_grpc.NodeStub(s).Ping(node_pb2.PingRequest(),
+                                                                    timeout=2.0))):
+            with grpc.secure_channel(node.address, tls.channel_credentials(),
+                                     options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+                start = time.monotonic()
+                call(ch)
+                assert time.monotonic() - start < 2.0
+    finally:
+        for q in idle:
+            q.put(None)
+        for ch in chans:
+            ch.close()

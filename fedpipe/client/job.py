@@ -21,6 +21,7 @@ from ..observe.source import GrpcSource
 from ..observe.views import StepRecord, step_records
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..security import TlsConfig
+from ..security.explain import explained
 from ..security.signing import sign_job
 from ..security.tls import resolve as resolve_tls
 from ..spec import CLIENT_TIMEOUT, REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, \
@@ -91,6 +92,11 @@ class Client:
     state WAITING, up to its ``client_timeout`` for a client to resume it
     (``Client(addr).job(ID).resume(data)``); :meth:`Job.cancel` cancels it.
 
+    A call refused for TLS reasons fails with a one-line reason instead of
+    gRPC's bare "UNAVAILABLE: Socket closed": no certificate, another CA's, an
+    expired one, or the wrong role for the method
+    (:mod:`fedpipe.security.explain`); the status code stays gRPC's.
+
     Args:
         tracker: the tracker's ``HOST:PORT``.
         tls: mutual TLS: a :class:`fedpipe.security.TlsConfig` (a certificate
@@ -105,7 +111,7 @@ class Client:
     def __init__(self, tracker: str, tls: TlsConfig | str | os.PathLike | None = None):
         self.address = tracker
         self.tls = resolve_tls(tls)
-        self.channel = net.channel(tracker, tls=self.tls)
+        self.channel = explained(net.channel(tracker, tls=self.tls), tracker, self.tls)
         self.stub = tracker_pb2_grpc.TrackerStub(self.channel)
         self._lock = threading.Lock()
         self._nodes: dict[str, tuple[grpc.Channel, rpc.NodeStub]] = {}
@@ -128,7 +134,7 @@ class Client:
             if self._closed:
                 raise ValueError(f"client of tracker {self.address} is closed")
             if address not in self._nodes:
-                ch = net.channel(address, tls=self.tls)
+                ch = explained(net.channel(address, tls=self.tls), address, self.tls)
                 self._nodes[address] = (ch, rpc.NodeStub(ch))
             return self._nodes[address][1]
 

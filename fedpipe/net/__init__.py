@@ -12,7 +12,8 @@ Every server comes from :func:`server`, which also
 - keeps threads for control calls: data-plane streams (:data:`DATA_METHODS`)
   may hold at most :data:`DATA_CALLS` of its :data:`SERVER_THREADS` threads,
   so a swarm's worth of open streams never stops a node answering Ping or the
-  tracker taking heartbeats;
+  tracker taking heartbeats, and one caller at most :data:`PEER_DATA_CALLS`, so
+  one caller's idle streams never shut out the others;
 - serves the standard ``grpc.health.v1.Health`` service, SERVING from
   :meth:`Server.start` until :meth:`Server.stop`;
 - authenticates and authorizes every call with one
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -41,7 +43,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..proto import node_pb2, tracker_pb2
-from ..security import AuthInterceptor, TlsConfig
+from ..security import AuthInterceptor, TlsConfig, identity_of
 from . import timeouts
 from .decode import ParseRequests
 
@@ -73,6 +75,11 @@ DATA_CALLS = 48
 """The most data-plane calls (:data:`DATA_METHODS`) a server runs at once; the other
 ``SERVER_THREADS - DATA_CALLS`` threads are kept for control calls. A node holds one
 inbound stream per neighbouring stage and peer replica, so 48 leave room for many stages."""
+PEER_DATA_CALLS = 24
+"""The most data-plane calls one caller (a certificate's identity; without TLS, a
+connection) may run at once on one server, so one caller's idle streams never take all
+:data:`DATA_CALLS`. A node opens one Send stream per stage and peer it sends to; a client
+one feed per job and replica group and up to two watches per job, for at most 8 jobs."""
 
 
 def _method(service, name: str) -> str:
@@ -132,24 +139,50 @@ def channel(address: str, shaper: grpc.UnaryUnaryClientInterceptor | None = None
 
 
 class DataCallLimit(grpc.ServerInterceptor):
-    """Cap the data-plane calls a server runs at once, refusing the excess at once.
+    """Cap the data-plane calls a server runs at once, in all and per caller; refuse the excess.
 
     A call to one of ``methods`` takes a slot for its whole life (until the
-    RPC terminates, however it ends); when all ``limit`` slots are taken it is
-    refused with RESOURCE_EXHAUSTED and a message that names the limit,
-    instead of waiting for a thread that control calls need. Works for all
-    four RPC shapes; other methods pass untouched.
+    RPC terminates, however it ends). When all ``limit`` slots are taken, or
+    its caller already holds ``per_peer`` of them, it is refused at once with
+    RESOURCE_EXHAUSTED and a message that names the limit, instead of waiting
+    for a thread that control calls need. The per-caller cap keeps one caller's
+    idle streams from taking every slot: others are still served. Works for
+    all four RPC shapes; other methods pass untouched.
+
+    The caller is its certificate's identity (``role/name``) as the
+    :class:`~fedpipe.security.AuthInterceptor`, which runs first, left it on
+    the context; without TLS it is the connection (``context.peer()``, e.g.
+    ``ipv4:127.0.0.1:53412``), since a whole LocalSwarm shares one address.
 
     Args:
         methods: full method names, e.g. ``/fedpipe.v1.Node/Send``.
         limit: slots, >= 1.
+        per_peer: slots one caller may hold, >= 1; at ``limit`` or above, no
+            per-caller cap.
     """
 
-    def __init__(self, methods: Collection[str], limit: int):
+    def __init__(self, methods: Collection[str], limit: int, per_peer: int | None = None):
         if limit < 1:
             raise ValueError(f"a data-call limit must be >= 1, got {limit}")
-        self.methods, self.limit = frozenset(methods), limit
-        self._slots = threading.BoundedSemaphore(limit)
+        per_peer = limit if per_peer is None else per_peer
+        if per_peer < 1:
+            raise ValueError(f"a per-peer data-call limit must be >= 1, got {per_peer}")
+        self.methods, self.limit, self.per_peer = frozenset(methods), limit, per_peer
+        self._lock = threading.Lock()
+        self._total = 0
+        self._held: dict[str, int] = {}  # caller -> slots held
+
+    def held(self, peer: str) -> int:
+        """Slots ``peer`` (as :meth:`peer_of` names it) holds now."""
+        with self._lock:
+            return self._held.get(peer, 0)
+
+    @staticmethod
+    def peer_of(context: grpc.ServicerContext) -> str:
+        """Who a call counts against: the certificate's ``fedpipe://role/name``, else the
+        connection."""
+        identity = identity_of(context)
+        return identity.uri if identity is not None else context.peer()
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -162,18 +195,44 @@ class DataCallLimit(grpc.ServerInterceptor):
                 return handler._replace(**{shape: self._guard(method, behavior)})
         return handler
 
+    def _take(self, method: str, peer: str) -> str | None:
+        """Take a slot for ``peer``; None, or why it is refused."""
+        with self._lock:
+            mine = self._held.get(peer, 0)
+            if self.per_peer < self.limit and mine >= self.per_peer:
+                return (f"{method} refused: {peer} already has {mine} data-plane calls open "
+                        f"on this server, the most one peer may have at once "
+                        f"({self.per_peer}, fedpipe.net.PEER_DATA_CALLS); try again when "
+                        f"one ends")
+            if self._total >= self.limit:
+                return (f"{method} refused: this server already runs {self.limit} "
+                        f"data-plane calls, the most it takes at once (so control "
+                        f"calls keep threads; fedpipe.net.DATA_CALLS); try again "
+                        f"when one ends")
+            self._total += 1
+            self._held[peer] = mine + 1
+            return None
+
+    def _give(self, peer: str) -> None:
+        with self._lock:
+            self._total -= 1
+            left = self._held[peer] - 1
+            if left:
+                self._held[peer] = left
+            else:
+                del self._held[peer]
+
     def _guard(self, method: str, behavior: Callable) -> Callable:
         def guarded(request, context):
-            if not self._slots.acquire(blocking=False):
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{method} refused: this server already runs {self.limit} "
-                              f"data-plane calls, the most it takes at once (so control "
-                              f"calls keep threads; fedpipe.net.DATA_CALLS); try again "
-                              f"when one ends")
+            peer = self.peer_of(context)
+            refused = self._take(method, peer)
+            if refused is not None:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
             # released when the RPC terminates, also if it is cancelled before
             # the behaviour runs or returns a stream that is never drained
-            if not context.add_callback(self._slots.release):
-                self._slots.release()
+            release = functools.partial(self._give, peer)
+            if not context.add_callback(release):
+                release()
             return behavior(request, context)
         return guarded
 
@@ -230,7 +289,8 @@ class Server(grpc.Server):
 
 
 def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] = DATA_METHODS,
-           data_calls: int | None = None, tls: TlsConfig | None = None) -> Server:
+           data_calls: int | None = None, peer_calls: int = PEER_DATA_CALLS,
+           tls: TlsConfig | None = None) -> Server:
     """A thread-pool gRPC server with fedpipe's options; add servicers, then :func:`bind`.
 
     Every request is parsed by :class:`~fedpipe.net.decode.ParseRequests` (one that
@@ -247,6 +307,8 @@ def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] =
         data_calls: the most ``data_methods`` calls it runs at once (see
             :class:`DataCallLimit`); the other threads are kept for control calls.
             Default: :data:`DATA_CALLS` of :data:`SERVER_THREADS`, in proportion.
+        peer_calls: the most ``data_methods`` calls one caller runs at once (see
+            :class:`DataCallLimit`; at ``data_calls`` or above, no per-caller cap).
 
     Raises:
         ValueError: ``data_calls`` leaves no thread for control calls.
@@ -259,7 +321,7 @@ def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] =
     auth = AuthInterceptor(tls.authenticator() if tls is not None else None)
     inner = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                         interceptors=[ParseRequests(), auth,
-                                      DataCallLimit(data_methods, data_calls)],
+                                      DataCallLimit(data_methods, data_calls, peer_calls)],
                         options=_SERVER_OPTIONS)
     return Server(inner, tls)
 

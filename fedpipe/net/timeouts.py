@@ -91,3 +91,8 @@ QUORUM_RPC = QUORUM_COMMIT_WAIT + CONTROL_RPC
 HEAL_SNAPSHOT_WAIT = _seconds("HEAL_SNAPSHOT_WAIT", 60.0)
 """A rebuilt replica group's stage waits this long for the state its donor keeps after the
 step before the join (the donor gets there at its own pace)."""
+IDLE_STREAM = _seconds("IDLE_STREAM", 30.0)
+"""A node's data-plane stream (Send, PutSnapshot, FetchState, FetchSnapshot) that carries
+nothing for this long while it belongs to no running job on that node (none named yet, or
+its job's stages there have ended) is closed. A running job's streams are never cut for
+idling (they idle between DiLoCo outer steps on purpose); keepalive finds dead ones."""

@@ -19,7 +19,7 @@ from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics, start_metrics
 from ..observe.serving import LOCALHOST, Served
 from ..proto import tracker_pb2, tracker_pb2_grpc
-from ..security import Role, TlsConfig
+from ..security import CertError, DenyList, Role, TlsConfig
 from ..spec import PROTOCOL_VERSION
 from ..wire import rpc
 from .probe import probe, resolve_device
@@ -115,6 +115,8 @@ class NodeDaemon:
         self.boot_id = uuid.uuid4().hex
         self.lease = 10.0
         self.heartbeat_seconds = self.lease / 4  # until the tracker's first reply says
+        self.tls = tls
+        self._deny_serials: frozenset[int] = frozenset()
         self.tracker = tracker_pb2_grpc.TrackerStub(net.channel(tracker, tls=tls))
         self.reports = futures.ThreadPoolExecutor(1, thread_name_prefix="report")
         links = LinkProfile.load(link_profile) if link_profile else None
@@ -165,6 +167,22 @@ class NodeDaemon:
         # a tracker that leaves the interval unset (0) gets the lease/4 it used to mean
         self.heartbeat_seconds = reply.heartbeat_seconds or self.lease / 4
 
+    def _take_deny_list(self, reply: tracker_pb2.HeartbeatReply) -> None:
+        """Refuse the certificates the tracker's deny list names, on every call this node
+        serves (its server and its job-signature checks share one authenticator)."""
+        if self.tls is None:
+            return
+        try:
+            deny = DenyList.from_proto(reply.revoked)
+        except CertError as e:  # keep the last good list rather than forget revocations
+            log.error("the tracker's deny list is unusable, keeping the last one: %s", e)
+            return
+        if deny.serials != self._deny_serials:
+            log.info("deny list from the tracker: %d revoked certificate(s)%s",
+                     len(deny.entries), "".join(f", {e.name!r}" for e in deny.entries[:5]))
+            self._deny_serials = deny.serials
+        self.tls.authenticator().set_deny_list(deny)
+
     def _heartbeat(self) -> None:
         while not self.stop_event.wait(self.heartbeat_seconds):
             try:
@@ -182,6 +200,7 @@ class NodeDaemon:
                     self.drained.set()
                 if reply.drop or reply.drop_jobs:
                     self.service.stages.drop(list(reply.drop), list(reply.drop_jobs))
+                self._take_deny_list(reply)
                 if reply.known:
                     self._lease_from(reply)
                 else:

@@ -4,12 +4,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 
-from ..spec import Kind
+from ..spec import MAX_MICROBATCHES, Kind
 
+JOB_TENSORS = 4 * MAX_MICROBATCHES
+"""The most tensors one job may have waiting in a node's mailbox, all its stages and kinds
+together. A synchronous stage holds at most a step's microbatches of activations and of
+gradients (and the bounded inputs and targets); this leaves room for several stages of a
+job with the most microbatches on one node, and stops a sender that runs ahead without end."""
 POLL_SECONDS = 0.1
 """How often a waiting put or get checks whether its stage is still alive: the
 longest a stopped stage's waiters take to notice."""
@@ -17,6 +22,10 @@ longest a stopped stage's waiters take to notice."""
 
 class Stopped(Exception):
     """The stage waiting on the mailbox was stopped."""
+
+
+class Full(Exception):
+    """A job already has :attr:`Mailbox.job_cap` tensors waiting; the message gives the figures."""
 
 
 class _Key(NamedTuple):
@@ -32,14 +41,31 @@ class Mailbox:
     Inputs and targets, which a client may send far ahead, are bounded: a put
     of a ``bounded`` kind waits while ``capacity`` of them are queued for the
     slot (backpressure on the sender). Activations and gradients are bounded by
-    the schedule itself.
+    the schedule itself for an honest sender; against any other, every job may
+    have at most ``job_cap`` tensors waiting, of all its slots and kinds, and a
+    put past that is refused (:class:`Full`) instead of buffered.
+
+    Args:
+        capacity: tensors of one bounded kind one slot may have waiting.
+        bounded: the kinds whose puts wait for room.
+        job_cap: tensors one job may have waiting, >= 1.
+        job_of: the job a slot belongs to (default: the slot is its own job).
     """
 
-    def __init__(self, capacity: int, bounded: tuple[Kind, ...]):
-        self.capacity, self.bounded = capacity, bounded
+    def __init__(self, capacity: int, bounded: tuple[Kind, ...], *, job_cap: int = JOB_TENSORS,
+                 job_of: Callable[[Any], Hashable] = lambda slot: slot):
+        if job_cap < 1:
+            raise ValueError(f"a mailbox's job_cap must be >= 1, got {job_cap}")
+        self.capacity, self.bounded, self.job_cap, self.job_of = capacity, bounded, job_cap, job_of
         self._items: dict[_Key, tuple[torch.Tensor, int]] = {}  # -> (tensor, batch size)
         self._counts: dict[tuple[Hashable, Kind], int] = defaultdict(int)  # bounded kinds
+        self._jobs: dict[Hashable, int] = defaultdict(int)  # every kind, by job
         self._cond = threading.Condition()
+
+    def waiting(self, job: Hashable) -> int:
+        """Tensors of ``job`` waiting now."""
+        with self._cond:
+            return self._jobs.get(job, 0)
 
     def put(self, slot: Hashable, kind: Kind, step: int, mb: int, tensor: torch.Tensor,
             batch: int, alive: Callable[[], bool] = lambda: True) -> None:
@@ -48,17 +74,26 @@ class Mailbox:
         Raises:
             Stopped: ``alive()`` turned false while waiting for room.
             KeyError: a tensor with the same key is already waiting.
+            Full: the slot's job already has :attr:`job_cap` tensors waiting.
         """
         key = _Key(slot, kind, step, mb)
+        job = self.job_of(slot)
         with self._cond:
             if kind in self.bounded:
                 while self._counts[(slot, kind)] >= self.capacity:
                     if not alive():
                         raise Stopped(f"{_name(kind)} for {slot} was not taken")
                     self._cond.wait(POLL_SECONDS)
-                self._counts[(slot, kind)] += 1
             if key in self._items:
                 raise KeyError(f"duplicate {_name(kind)} for step {step} microbatch {mb}")
+            if self._jobs[job] >= self.job_cap:
+                raise Full(f"refused a {_name(kind)} for step {step} microbatch {mb}: job "
+                           f"{job} already has {self._jobs[job]} tensors waiting on this node, "
+                           f"the most one job may ({self.job_cap}, "
+                           f"fedpipe.node.mailbox.JOB_TENSORS)")
+            if kind in self.bounded:
+                self._counts[(slot, kind)] += 1
+            self._jobs[job] += 1
             self._items[key] = (tensor, batch)
             self._cond.notify_all()
 
@@ -83,17 +118,28 @@ class Mailbox:
             item = self._items.pop(key)
             if kind in self.bounded:  # room for a waiting put; no one else waits on a get
                 self._counts[(slot, kind)] -= 1
-                self._cond.notify_all()
+            self._forget(self.job_of(slot))
+            self._cond.notify_all()
             return item
 
     def drop(self, match: Callable[[Hashable], bool]) -> None:
         """Forget every tensor of the slots ``match`` selects."""
         with self._cond:
-            for key in [k for k in self._items if match(k.slot)]:
-                del self._items[key]
+            for item in [k for k in self._items if match(k.slot)]:
+                del self._items[item]
+                self._forget(self.job_of(item.slot))
             for key in [k for k in self._counts if match(k[0])]:  # k: (slot, kind)
                 del self._counts[key]
             self._cond.notify_all()
+
+
+    def _forget(self, job: Hashable) -> None:
+        """One tensor of ``job`` left (under the lock)."""
+        left = self._jobs[job] - 1
+        if left:
+            self._jobs[job] = left
+        else:
+            del self._jobs[job]
 
 
 def _name(kind: Kind) -> str:

@@ -7,6 +7,7 @@ channels to peers, link probes).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -17,21 +18,24 @@ import grpc
 import torch
 
 from .. import net
+from ..net import timeouts
 from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime import checkpoint
 from ..security import SecurityError, TlsConfig, identity_of
 from ..security.certs import Role
-from ..security.policy import require_owner, require_owner_or_assigned
+from ..security.policy import require_assigned, require_owner, require_owner_or_assigned
 from ..security.signing import verify_job
 from ..spec import StageKey
 from ..wire import WireError, frames
-from .mailbox import Mailbox, Stopped
+from ..wire.format import peek_header
+from .mailbox import JOB_TENSORS, Full, Mailbox, Stopped
+from .streams import StreamWatch, Watched
 from .peers import (MAX_PINGS, MAX_PROBE_BYTES, MAX_PROBE_SECONDS, PROBE_BYTES, PROBE_PINGS,
                     PROBE_SECONDS, ChannelPool, Shaper, StagePeers, measure_link)
 from .stages import (BOUNDED_KINDS, BadEnvelope, NoSuchStage, StageExists, StageLoadError,
-                     StageRegistry, StageSlot, StaleEpoch)
+                     StageRegistry, StageSlot, StaleEpoch, inbox_job)
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +72,24 @@ class NodeService(node_pb2_grpc.NodeServicer):
         trust_code: without TLS, load pickled layers from any peer, not only loopback
             ones (with TLS, only jobs signed by a client certificate load).
         input_capacity: inputs/targets a stage may have queued before Send blocks.
+        job_tensors: tensors one job may have waiting on this node before Send refuses
+            more (RESOURCE_EXHAUSTED; see :class:`~fedpipe.node.mailbox.Mailbox`).
         links: an emulated link profile for this node's outgoing traffic.
         metrics: where stages report their step times and senders count their bytes
             (None: no metrics).
         tls: this node's certificate, for mutual TLS to its peers (None: plaintext).
+        idle_stream: seconds a data-plane stream may carry nothing while it serves no
+            job running here, before it is closed (:class:`~fedpipe.node.streams.StreamWatch`).
         quorum: one ReplicaQuorum call to the tracker (elastic replica groups; None:
             this node cannot run stages of elastic jobs).
     """
 
     def __init__(self, node_id: Callable[[], str], name: str, resources: node_pb2.Resources,
                  report: Callable[[tracker_pb2.StageReport], None], *, trust_code: bool = False,
-                 input_capacity: int = 64, links: LinkProfile | None = None,
+                 input_capacity: int = 64, job_tensors: int = JOB_TENSORS,
+                 links: LinkProfile | None = None,
                  metrics: NodeMetrics | None = None, tls: TlsConfig | None = None,
+                 idle_stream: float = timeouts.IDLE_STREAM,
                  quorum: Callable[[tracker_pb2.ReplicaQuorumRequest],
                                   tracker_pb2.ReplicaQuorumReply] | None = None):
         self.node_id, self.name, self.resources = node_id, name, resources
@@ -93,9 +103,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self._jobs_lock = threading.Lock()
         self.stages = StageRegistry(
             node_id, torch.device(resources.device or "cpu"),
-            Mailbox(input_capacity, bounded=BOUNDED_KINDS),
+            Mailbox(input_capacity, bounded=BOUNDED_KINDS, job_cap=job_tensors,
+                    job_of=inbox_job),
             lambda: StagePeers(self.channels, self._shaper, metrics), report, self.channels,
             metrics=metrics, quorum=quorum)
+        self.streams = StreamWatch(self.stages.runs, idle_stream)
 
     def _shaper(self, peer_name: str) -> Shaper | None:
         return self.links.shaper(self.name, peer_name) if self.links else None
@@ -103,6 +115,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
     def stop_all(self) -> None:
         """Stop every stage (node shutdown)."""
         self.stages.stop_all()
+        self.streams.close()
 
     def _check_signed(self, request: node_pb2.LoadStageRequest, context) -> None:
         """Abort unless a client certificate of the swarm CA signed this stage's code
@@ -140,6 +153,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         """Only the job's own client (or the tracker) may stop or feed it; aborts otherwise."""
         try:
             require_owner(identity_of(context), self._access(job_id).owner, job_id=job_id)
+        except SecurityError as e:
+            context.abort(e.code, str(e))
+
+    def _require_assigned(self, context, job_id: str) -> None:
+        """Only a node of the job's plans may move its snapshots; aborts otherwise."""
+        try:
+            require_assigned(identity_of(context), self._access(job_id).nodes, job_id=job_id)
         except SecurityError as e:
             context.abort(e.code, str(e))
 
@@ -188,46 +208,56 @@ class NodeService(node_pb2_grpc.NodeServicer):
             stage = self.stages.get(StageSlot(request.job_id, request.replica, request.stage))
         except NoSuchStage as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        for name, t in stage.weights():
-            yield from frames.encode_frames(t, name=name)
-
-    def _client_owns(self, context, job_id: str) -> None:
-        """A client may put or fetch snapshots of its own jobs only (nodes: the policy's)."""
-        identity = identity_of(context)
-        if identity is not None and identity.role is Role.CLIENT:
-            self._require_owner(context, job_id)
+        with self.streams.open(context, "FetchState", request.job_id) as watch:
+            for name, t in stage.weights():
+                yield from watch.track(frames.encode_frames(t, name=name))
 
     def PutSnapshot(self, request_iterator, context):
-        try:
-            self.stages.keep_snapshot(request_iterator,
-                                      lambda env: self._client_owns(context, env.job_id))
-        except WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed snapshot: {e}")
-        except NoSuchStage as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        with self.streams.open(context, "PutSnapshot") as watch:
+            stream = watch.track(request_iterator)
+            try:
+                first = next(stream, None)
+                head = None if first is None else peek_header(first)
+                if first is None or head is None:
+                    raise WireError("a snapshot stream must start with a header frame")
+                watch.belongs_to(head.envelope.job_id)
+                # before a byte of the snapshot is buffered
+                self._require_owner_or_assigned(context, head.envelope.job_id)
+                self.stages.keep_snapshot(itertools.chain([first], stream))
+            except WireError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed snapshot: {e}")
+            except NoSuchStage as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return node_pb2.SendReply()
 
     def FetchSnapshot(self, request, context):
-        self._client_owns(context, request.job_id)
+        self._require_owner_or_assigned(context, request.job_id)
         try:
             snap = self.stages.snapshot(request.job_id, StageKey(request.replica, request.stage),
                                         request.step)
         except NoSuchStage as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        yield from checkpoint.to_frames(snap)
+        with self.streams.open(context, "FetchSnapshot", request.job_id) as watch:
+            yield from watch.track(checkpoint.to_frames(snap))
 
     # -- data plane ---------------------------------------------------------
-    def _admit(self, head: node_pb2.Frame, context) -> int:
+    def _admit(self, head: node_pb2.Frame, context, watch: Watched) -> int:
+        if head.envelope.kind != node_pb2.KIND_PROBE:
+            watch.belongs_to(head.envelope.job_id)
         identity = identity_of(context)
         if identity is not None and identity.role is Role.CLIENT:  # a client feeds its own job
             self._require_owner(context, head.envelope.job_id)
         return self.stages.admit(head.envelope)  # raises what Send maps to a status
 
     def Send(self, request_iterator, context):
+        with self.streams.open(context, "Send") as watch:
+            return self._receive(watch.track(request_iterator), context, watch)
+
+    def _receive(self, request_iterator, context, watch: Watched) -> node_pb2.SendReply:
         last = None
         try:
             for head, tensor in frames.read_tensors(request_iterator,
-                                                    lambda h: self._admit(h, context)):
+                                                    lambda h: self._admit(h, context, watch)):
                 last = head.envelope
                 self.stages.deliver(last, tensor, context.is_active)
         except grpc.RpcError:  # the sender's side of the stream broke
@@ -246,6 +276,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except Stopped as e:
             context.abort(grpc.StatusCode.ABORTED, str(e))
+        except Full as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         return node_pb2.SendReply()
 
     def HoldAt(self, request, context):

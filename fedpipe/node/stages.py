@@ -95,6 +95,11 @@ RELEASE_JOIN = timeouts.THREAD_JOIN
 """Seconds a release waits for the stage's thread to end before it frees the memory anyway."""
 
 
+def inbox_job(inbox: tuple["StageSlot", int]) -> str:
+    """The job of a stage's mailbox key (:attr:`Stage.inbox`), for the mailbox's per-job cap."""
+    return inbox[0].job_id
+
+
 class StageSlot(NamedTuple):
     """A stage of a job on this node: the key of the registry and the mailbox."""
 
@@ -624,10 +629,9 @@ class StageRegistry:
         if not stage.stop.is_set():
             self._report(stage, tracker_pb2.StageReport.STATUS_CHECKPOINT, step=snap.step)
 
-    def keep_snapshot(self, stream: Iterator[bytes],
-                      admit: Callable[[node_pb2.Envelope], None] | None = None) -> None:
+    def keep_snapshot(self, stream: Iterator[bytes]) -> None:
         """Keep a buddy's snapshot sent by ``PutSnapshot`` (or the job's client's, restoring
-        a saved checkpoint); ``admit(envelope)`` may refuse it by raising.
+        a saved checkpoint).
 
         Raises:
             WireError: a malformed, truncated or oversized snapshot, or one whose
@@ -753,6 +757,11 @@ class StageRegistry:
                 s.stop.set()
         self.shipper.shutdown(wait=False, cancel_futures=True)
 
+    def runs(self, job_id: str) -> bool:
+        """Whether a stage of ``job_id`` runs here (loaded and not stopped)."""
+        with self.lock:
+            return any(s.job_id == job_id and not s.stop.is_set() for s in self.stages.values())
+
     def get(self, slot: StageSlot) -> Stage:
         """The loaded stage (running or not).
 
@@ -808,6 +817,8 @@ class StageRegistry:
             NoSuchStage: the stage was released meanwhile.
             KeyError: the stage already has that tensor.
             Stopped: the stage stopped or ``active()`` turned false while waiting.
+            Full: the job has as many tensors waiting on this node as one job may
+                (:class:`~fedpipe.node.mailbox.Mailbox`).
         """
         if env.kind == Kind.PROBE:
             return  # a link measurement: it only had to arrive

@@ -94,7 +94,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., holds: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "lease_seconds", "heartbeat_seconds", "drop", "drop_jobs", "drain", "drained")
+    __slots__ = ("known", "lease_seconds", "heartbeat_seconds", "drop", "drop_jobs", "drain", "drained", "revoked")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class HeartbeatReply(_message.Message):
     DROP_JOBS_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
     known: bool
     lease_seconds: float
     heartbeat_seconds: float
@@ -109,7 +110,18 @@ class HeartbeatReply(_message.Message):
     drop_jobs: _containers.RepeatedScalarFieldContainer[str]
     drain: bool
     drained: bool
-    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., drop_jobs: _Optional[_Iterable[str]] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ...) -> None: ...
+    revoked: _containers.RepeatedCompositeFieldContainer[RevokedCert]
+    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., drop_jobs: _Optional[_Iterable[str]] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ..., revoked: _Optional[_Iterable[_Union[RevokedCert, _Mapping]]] = ...) -> None: ...
+
+class RevokedCert(_message.Message):
+    __slots__ = ("serial", "name", "revoked_at")
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    serial: str
+    name: str
+    revoked_at: float
+    def __init__(self, serial: _Optional[str] = ..., name: _Optional[str] = ..., revoked_at: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered", "draining")

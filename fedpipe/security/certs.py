@@ -40,6 +40,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ..proto import tracker_pb2
+
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
 REVOKED = "revoked.json"
@@ -124,6 +126,22 @@ class DenyList:
         """The file's JSON form; serials are strings, since they exceed JSON's safe integers."""
         return {"revoked": [{"serial": str(e.serial), "name": e.name,
                              "revoked_at": e.revoked_at} for e in self.entries]}
+
+    def to_proto(self) -> list[tracker_pb2.RevokedCert]:
+        """The list as the tracker serves it in each ``HeartbeatReply.revoked``."""
+        return [tracker_pb2.RevokedCert(serial=str(e.serial), name=e.name,
+                                        revoked_at=e.revoked_at) for e in self.entries]
+
+    @classmethod
+    def from_proto(cls, revoked: Iterable[tracker_pb2.RevokedCert]) -> "DenyList":
+        """Parse :meth:`to_proto`'s form. Raises :class:`CertError` naming a bad serial."""
+        entries = []
+        for r in revoked:
+            if not r.serial.isdigit() or len(r.serial) > 50:  # X.509: at most 20 bytes
+                raise CertError(f"malformed deny list: serial {r.serial[:60]!r} of {r.name!r} "
+                                "is not a decimal certificate serial")
+            entries.append(RevokedEntry(int(r.serial), r.name, r.revoked_at))
+        return cls(tuple(entries))
 
     @classmethod
     def from_json(cls, obj: dict) -> "DenyList":

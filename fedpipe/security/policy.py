@@ -205,6 +205,19 @@ def require_owner(identity: Identity | None, owner: str, *, job_id: str = "") ->
                            + (f" (owner: {owner!r})" if owner else " (it has no owner)"))
 
 
+def require_assigned(identity: Identity | None, assigned: Collection[str], *,
+                     job_id: str = "") -> None:
+    """Only a node that a plan of the job assigned (``assigned``: node names) may move its
+    checkpoint snapshots (PutSnapshot to its buddy, FetchSnapshot to restore).
+
+    Raises:
+        PermissionDenied: a node not assigned to the job, or any other role, naming the job.
+    """
+    if identity is None or (identity.role is NODE and identity.name in assigned):
+        return
+    raise PermissionDenied(f"{identity} is not assigned to job {job_id or '?'}")
+
+
 def require_owner_or_assigned(identity: Identity | None, owner: str,
                               assigned: Collection[str], *, job_id: str = "") -> None:
     """A job's own client, or a node assigned to it (``assigned``: node names), may fetch its state.

@@ -108,6 +108,8 @@ class TlsConfig:
     ca_pem: bytes = field(repr=False)
     cert_pem: bytes = field(repr=False)
     key_pem: bytes = field(repr=False)
+    # the one Authenticator of this configuration, made on first use (see authenticator())
+    _shared: list = field(default_factory=list, repr=False, compare=False, hash=False)
 
     @property
     def name(self) -> str:
@@ -176,8 +178,17 @@ class TlsConfig:
         return grpc.ssl_channel_credentials(self.ca_pem, self.key_pem, self.cert_pem)
 
     def authenticator(self) -> "Authenticator":
-        """An :class:`Authenticator` for this directory's CA and deny list."""
-        return Authenticator(certs.load_cert(self.ca_pem), deny_file=self.directory / certs.REVOKED)
+        """The :class:`Authenticator` for this directory's CA and deny list: one per
+        configuration, shared by this process's server and signature checks, so a deny list
+        the tracker serves (:meth:`Authenticator.set_deny_list`) applies to all of them."""
+        with _SHARED_LOCK:
+            if not self._shared:
+                self._shared.append(Authenticator(certs.load_cert(self.ca_pem),
+                                                  deny_file=self.directory / certs.REVOKED))
+            return self._shared[0]
+
+
+_SHARED_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -205,11 +216,11 @@ class Authenticator:
     def __init__(self, ca: x509.Certificate, *, deny_file: pathlib.Path | None = None):
         self.ca = ca
         self._deny_file = deny_file
-        self._file_serials: frozenset[int] = frozenset()
+        self._file_list = DenyList()
         self._file_version: tuple[int, int, int] | None = None
         self._file_error: str | None = None
         self._next_look = 0.0
-        self._pushed: frozenset[int] = frozenset()
+        self._pushed = DenyList()
         self._verified: dict[bytes, _Verified] = {}
         self._lock = threading.Lock()
         self._reload()
@@ -217,8 +228,22 @@ class Authenticator:
             raise CertError(self._file_error)
 
     def set_deny_list(self, deny: DenyList) -> None:
-        """Refuse these certificates too (replaces the list given before, not the file's)."""
-        self._pushed = deny.serials
+        """Refuse these certificates too (replaces the list given before, not the file's).
+
+        A node calls it with the list each heartbeat reply carries, so a certificate
+        revoked at the tracker is refused on every server of the swarm.
+        """
+        self._pushed = deny
+
+    def deny_list(self) -> DenyList:
+        """Every certificate refused now: the file's and the one last given, the file's first.
+
+        Raises:
+            DenyListUnreadable: as :meth:`revoked_serials`.
+        """
+        self.revoked_serials()
+        pushed = [e for e in self._pushed.entries if e.serial not in self._file_list.serials]
+        return DenyList(self._file_list.entries + tuple(pushed))
 
     def revoked_serials(self) -> frozenset[int]:
         """Serial numbers refused now.
@@ -231,7 +256,7 @@ class Authenticator:
             self._reload()
         if self._file_error is not None:
             raise DenyListUnreadable(self._file_error)
-        return self._file_serials | self._pushed
+        return self._file_list.serials | self._pushed.serials
 
     def _reload(self) -> None:
         with self._lock:
@@ -248,7 +273,7 @@ class Authenticator:
             if version == self._file_version:
                 return
             try:
-                self._file_serials = certs.load_revoked(self._deny_file.parent).serials
+                self._file_list = certs.load_revoked(self._deny_file.parent)
                 self._file_error = None
             except CertError as e:
                 self._file_error = f"this server cannot read its deny list: {e}"

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -118,7 +119,10 @@ class LocalSwarm:
             and issue certificates there (tracker ``tracker``, nodes ``node0``...,
             client ``client``, admin ``admin``, all for 127.0.0.1); every process
             gets ``--tls-dir``, :meth:`client` uses ``client``'s and the swarm's
-            own calls ``admin``'s.
+            own calls ``admin``'s. Each node gets a directory of its own
+            (``workdir/tls-nodeI``: the CA's certificate and its own pair), as on a
+            real machine, so it learns revocations (``certs.revoke(swarm.tls_dir, ...)``)
+            from the tracker's heartbeat replies, not from the CA's ``revoked.json``.
 
     Raises:
         RuntimeError: a process exited or did not come up in time (the message
@@ -233,11 +237,19 @@ class LocalSwarm:
     def add_node(self, *extra: str) -> subprocess.Popen:
         """Start one more node process with ``extra`` arguments."""
         i = len(self.nodes)
-        if self.tls_dir is not None and not (self.tls_dir / f"node{i}.crt").exists():
-            certs.issue(self.tls_dir, certs.Role.NODE, f"node{i}")
+        tls_args: list[str] = []
+        if self.tls_dir is not None:
+            if not (self.tls_dir / f"node{i}.crt").exists():
+                certs.issue(self.tls_dir, certs.Role.NODE, f"node{i}")
+            own = self.workdir / f"tls-node{i}"
+            if not own.exists():
+                own.mkdir(mode=0o700)
+                for name in (certs.CA_CERT, f"node{i}.crt", f"node{i}.key"):
+                    shutil.copy2(self.tls_dir / name, own / name)
+            tls_args = ["--tls-dir", str(own)]
         proc = self._spawn(f"node{i}", ["node", "--tracker", self.tracker, "--host", "127.0.0.1",
                                         "--port", "0", "--name", f"node{i}", "--device", "cpu",
-                                        "--threads", str(self.threads), *self._tls_args(),
+                                        "--threads", str(self.threads), *tls_args,
                                         *self.node_args, *extra])
         self.nodes.append(proc)
         return proc

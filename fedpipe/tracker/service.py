@@ -203,12 +203,14 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         if known and request.draining and not request.leaving:
             elastic.drain(request.node_id)  # a node's SIGTERM, or told so before a restart
         drop, drop_jobs = self.tracker.jobs.reconcile(request.node_id, list(request.holds))
-        # the lease the registry just held the node to (it moves only as nodes join or go)
+        # the lease the registry just held the node to (it moves only as nodes join or go),
+        # and the swarm's deny list, whole: the node refuses these on every call it serves
+        revoked = self.verifier.deny_list().to_proto() if self.verifier is not None else []
         return S.HeartbeatReply(known=known, lease_seconds=r.lease_seconds,
                                 heartbeat_seconds=r.heartbeat_seconds, drop=drop,
                                 drop_jobs=drop_jobs,
                                 drain=request.node_id in elastic.draining,
-                                drained=elastic.drained(request.node_id))
+                                drained=elastic.drained(request.node_id), revoked=revoked)
 
     @_unary
     def ListNodes(self, request, context):
