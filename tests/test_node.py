@@ -254,11 +254,12 @@ def test_checkpoints_go_to_the_buddy_and_a_stage_resumes_from_either_copy(nodes)
     for n in nodes:  # every checkpoint but the last step's, acknowledged once the buddy has it
         acks = [r.step for r in n.wait_for(R.STATUS_CHECKPOINT, 2)]
         assert acks == [2, 4], acks
-    # each node keeps its own stage's snapshots and its buddy's (the other stage's)
+    # each node keeps its buddy's snapshots (the other stage's), and its own stage's newest
+    # two: the last checkpoint and the final state after the last step (for Job.save)
     a, b = (n.service.stages.snapshots for n in nodes)
     from fedpipe.spec import StageKey
-    assert a.steps("job", StageKey(0, 0)) == [2, 4] == b.steps("job", StageKey(0, 0))
-    assert b.steps("job", StageKey(0, 1)) == [2, 4] == a.steps("job", StageKey(0, 1))
+    assert b.steps("job", StageKey(0, 0)) == [2, 4] == a.steps("job", StageKey(0, 1))
+    assert a.steps("job", StageKey(0, 0)) == [4, 6] == b.steps("job", StageKey(0, 1))
     # a new epoch of stage 1, loaded on node a (its buddy), resumes from the step-4 snapshot
     # fetched from node b, and takes only epoch-1 tensors
     plan.epoch = 1
