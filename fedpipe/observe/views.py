@@ -398,9 +398,11 @@ def _stage_time_view(t: StageTime | None) -> dict | None:
 
 
 def recovery_view(rec: tracker_pb2.Recovery) -> dict:
-    """One recovery: when, who was lost, the checkpoint, the steps recomputed, and the
-    seconds it took to detect, replan and restore."""
-    return {"time": rec.time, "lost": rec.lost, "checkpoint_step": rec.checkpoint_step,
+    """One recovery: when, its cause ("loss", "drain", "rebalance", or the client's), who
+    was lost or moved, the checkpoint, the steps recomputed, and the seconds it took to
+    detect, replan and restore."""
+    return {"time": rec.time, "cause": rec.cause or "loss", "lost": rec.lost,
+            "checkpoint_step": rec.checkpoint_step,
             "steps_recomputed": rec.steps_recomputed, "detect_seconds": rec.detect_seconds,
             "replan_seconds": rec.replan_seconds, "restore_seconds": rec.restore_seconds,
             "epoch": rec.epoch,

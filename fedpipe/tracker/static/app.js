@@ -155,13 +155,13 @@ function renderJob(job) {
     marks.map((t) => t - t0));
   renderPlan(job);
   fill($("recoveries").tBodies[0], job.recoveries.map((r) => el("tr", {},
-    el("td", {}, fmtTime(r.time)), el("td", {}, r.lost),
+    el("td", {}, fmtTime(r.time)), el("td", {}, r.cause), el("td", {}, r.lost),
     el("td", { class: "num" }, r.checkpoint_step), el("td", { class: "num" }, r.steps_recomputed),
     el("td", { class: "num" }, fmt(r.detect_seconds, 2)),
     el("td", { class: "num" }, fmt(r.replan_seconds, 2)),
     el("td", { class: "num" }, fmt(r.restore_seconds, 2)))));
   if (!job.recoveries.length) {
-    fill($("recoveries").tBodies[0], [el("tr", {}, el("td", { colspan: 7, class: "muted" }, "none"))]);
+    fill($("recoveries").tBodies[0], [el("tr", {}, el("td", { colspan: 8, class: "muted" }, "none"))]);
   }
   fill($("events").tBodies[0], job.events.slice(-50).reverse().map((e) => el("tr", {},
     el("td", {}, fmtTime(e.time)), el("td", { class: e.state }, e.state),
