@@ -31,7 +31,10 @@ machine is shared, and the figures are only as good as its load allows.
   accuracy of both (target: within 1 point),
   average throughput over undisturbed (target >= 70 %), and the throughput
   over time (10 s bins), also written to ``--out`` as ``elastic-churn.csv`` and
-  ``elastic-churn.json`` (with the events), for a plot.
+  ``elastic-churn.json`` (with the events); ``--plot FILE.png`` draws it
+  (:func:`fedpipe.observe.plots.plot_throughput_timeline`: joins, drains and
+  kills as vertical lines, the undisturbed run's throughput while training as a
+  horizontal line), as in the README's ``docs/elastic-churn.png``.
 - ``replica``: 3 nodes, the digits MLP (hidden 32) in two replica groups of one
   stage each with ``min_replicas=1``, under all-reduce and under DiLoCo (4
   inner steps); at step ``--kill-at`` the node of group 1 is killed with
@@ -45,8 +48,9 @@ machine is shared, and the figures are only as good as its load allows.
   small MLP's final loss moves by 4-30 % whenever a few steps see half their
   batch, disturbed or not (see ``tests/test_elastic_replicas.py``).
 
-    PYTHONPATH=. python benchmarks/elastic.py [join|drain|churn|replica|all] [--quick] [--minutes M]
-                                              [--seed S] [--out DIR]
+    PYTHONPATH=. python benchmarks/elastic.py [join|drain|churn|replica|all] [--quick]
+                                              [--minutes M] [--seed S] [--out DIR]
+                                              [--plot FILE.png]
 
 ``all`` (default) takes about 5 + ``2 × --minutes`` minutes on a 2-core machine;
 ``--quick`` shortens every job.
@@ -75,6 +79,7 @@ except ImportError:  # not installed: use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fedpipe
 from fedpipe.examples import digits  # noqa: E402
+from fedpipe.observe.plots import plot_throughput_timeline  # noqa: E402
 from fedpipe.proto import tracker_pb2  # noqa: E402
 from fedpipe.spec import TERMINAL, PlanView, StageKey, state_name  # noqa: E402
 from fedpipe.testing import LocalSwarm  # noqa: E402
@@ -417,11 +422,21 @@ def section_churn(args) -> dict:
         (out / "elastic-churn.json").write_text(json.dumps({
             "bin_seconds": BIN, "throughput": series, "events": events,
             "undisturbed_samples_per_second": tp_ref_total,
+            "undisturbed_training_samples_per_second": tp_ref,
             "samples_per_second": tp, "accuracy": acc, "undisturbed_accuracy": ref_acc,
             "recoveries": [{"cause": r.cause, "step": r.checkpoint_step,
                             "recomputed": r.steps_recomputed} for r in info.recoveries],
             "load_average": os.getloadavg()}, indent=1))
         print(f"  wrote {out / 'elastic-churn.csv'} and {out / 'elastic-churn.json'}")
+        if args.plot:
+            # "drain failed: <why>" is drawn as one kind; the JSON keeps the why
+            marks = [(e["t"], e["event"].split(":")[0]) for e in events]
+            plot_throughput_timeline(
+                series, args.plot, marks, bin_seconds=BIN, reference=tp_ref,
+                reference_label="undisturbed run, while training",
+                title=f"churn: {steps} steps, 4-6 nodes; accuracy {acc:.4f} vs {ref_acc:.4f}, "
+                      f"throughput {100 * tp / tp_ref_total:.0f} % of undisturbed")
+            print(f"  drew {args.plot}")
         return {"accuracy": acc, "undisturbed_accuracy": ref_acc, "ratio": tp / tp_ref_total,
                 "state": state_name(info.state)}
 
@@ -438,6 +453,8 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=12,
                    help="replica: the step at which group 1's node is killed")
     p.add_argument("--out", default="elastic-out", help="where churn writes its CSV and JSON")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="churn: also draw its throughput over time, with the events, to FILE")
     args = p.parse_args()
     print(f"benchmarks/elastic.py {args.section}{' --quick' if args.quick else ''} "
           f"({load()}; {os.cpu_count()} cores)")

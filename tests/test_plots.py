@@ -197,3 +197,39 @@ def test_a_lost_node_shows_why_in_the_swarm_view_and_status(store):
     console = Console(width=160, record=True, color_system=None)
     status.run_status(s, console=console)
     assert "lost: no heartbeat for" in console.export_text()
+
+
+def test_throughput_timeline_draws_the_bins_events_and_baseline_with_a_legend(tmp_path):
+    series = [(0.0, 100.0), (10.0, 120.0), (20.0, 40.0), (40.0, 110.0)]  # 30 s: no bin
+    events = [(12.5, "join"), (21.0, "kill -9"), (33.0, "drain"), (45.0, "join"),
+              (47.0, "drain failed")]
+    out = tmp_path / "churn.png"
+    fig = plots.plot_throughput_timeline(series, out, events, bin_seconds=10.0,
+                                         reference=115.0, reference_label="undisturbed")
+    (ax,) = fig.axes
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == \
+        ("throughput", "seconds since submit", "samples/s")
+    curve, ref, *marks = ax.lines
+    x, y = curve.get_data()
+    assert list(x) == [0.0, 10.0, 20.0, 40.0, 50.0]  # the last bin closed at its end
+    assert list(y) == [100.0, 120.0, 40.0, 110.0, 110.0]
+    assert curve.get_drawstyle() == "steps-post"
+    assert list(ref.get_ydata()) == [115.0, 115.0]
+    assert [m.get_xdata()[0] for m in marks] == [t for t, _ in events]
+    colors = {kind: m.get_color() for m, (_, kind) in zip(marks, events)}
+    assert len(set(colors.values())) == 4  # each kind its own colour
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["useful samples/s (10 s bins)", "undisturbed (115 samples/s)",
+                      "join", "kill -9", "drain", "drain failed"]  # one entry per kind
+    assert ax.get_ylim()[0] == 0
+    assert png_size(out) == (1100, 440) and out.stat().st_size > 10_000
+
+
+def test_a_throughput_timeline_without_bins_or_out_of_order_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no throughput bins"):
+        plots.plot_throughput_timeline([], tmp_path / "empty.png", bin_seconds=10.0)
+    with pytest.raises(ValueError, match="ascending"):
+        plots.throughput_timeline_figure([(10.0, 1.0), (0.0, 2.0)], bin_seconds=10.0)
+    with pytest.raises(ValueError, match="bin_seconds"):
+        plots.throughput_timeline_figure([(0.0, 1.0)], bin_seconds=0)
+    assert not (tmp_path / "empty.png").exists()

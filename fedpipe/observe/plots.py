@@ -161,3 +161,72 @@ def plan_figure(layout: PlanLayout, title: str = "") -> Figure:
 def draw_plan(layout: PlanLayout, path: str | Path, title: str = "") -> Figure:
     """:func:`plan_figure`, saved to ``path`` (``fedpipe plan ... --draw FILE``)."""
     return _save(plan_figure(layout, title), path)
+
+
+TIMELINE_XLABEL = "seconds since submit"
+EVENT_STYLES = {"join": ("tab:green", "-"), "drain": ("tab:orange", "--"),
+                "kill -9": ("tab:red", ":")}
+"""Colour and line style of each membership event on a throughput timeline; any
+other kind (e.g. ``"drain failed"``) is drawn grey, dash-dotted."""
+
+
+def throughput_timeline_figure(series: Sequence[tuple[float, float]],
+                               events: Sequence[tuple[float, str]] = (), *,
+                               bin_seconds: float, reference: float | None = None,
+                               reference_label: str = "undisturbed run",
+                               title: str = "") -> Figure:
+    """Throughput over time in bins, membership events as vertical lines (one
+    legend entry per kind), and a baseline's throughput as a horizontal line.
+
+    Drawn for ``benchmarks/elastic.py churn --plot FILE``: each bin's useful
+    samples/s is held flat across the bin (a step curve), since it is an
+    average over the bin, not a sample at its start.
+
+    Args:
+        series: ``(bin start, samples/s)``, bin starts in seconds since submit,
+            ascending; bins without a measurement may be missing.
+        events: ``(seconds since submit, kind)``; kinds in :data:`EVENT_STYLES`
+            get their colour, others grey.
+        bin_seconds: each bin's width, seconds (> 0).
+        reference: the baseline's samples/s, or None for no line.
+        reference_label: the baseline's legend text (its value is appended).
+        title: the axes' title (default :data:`THROUGHPUT_TITLE`).
+
+    Raises:
+        ValueError: no bins, a bin width <= 0, or bin starts out of order.
+    """
+    if not series:
+        raise ValueError("no throughput bins: nothing to plot")
+    if bin_seconds <= 0:
+        raise ValueError(f"bin_seconds must be > 0, got {bin_seconds}")
+    starts = [t for t, _ in series]
+    if starts != sorted(starts):
+        raise ValueError("throughput bins must be in ascending order of start time")
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    ax = fig.subplots()
+    # one extra point closes the last bin, so it is drawn as wide as the others
+    xs = starts + [starts[-1] + bin_seconds]
+    ys = [v for _, v in series] + [series[-1][1]]
+    ax.plot(xs, ys, drawstyle="steps-post", color="tab:blue",
+            label=f"useful samples/s ({bin_seconds:g} s bins)")
+    if reference is not None:
+        ax.axhline(reference, color="0.3", linestyle="-.", linewidth=1,
+                   label=f"{reference_label} ({reference:.0f} samples/s)")
+    seen: set[str] = set()
+    for t, kind in events:
+        color, style = EVENT_STYLES.get(kind, ("0.5", "-."))
+        ax.axvline(t, color=color, linestyle=style, linewidth=1.5,
+                   label=None if kind in seen else kind)
+        seen.add(kind)
+    ax.set(title=title or THROUGHPUT_TITLE, xlabel=TIMELINE_XLABEL, ylabel="samples/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    # outside the axes: a legend inside would hide some bin or event
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    return fig
+
+
+def plot_throughput_timeline(series: Sequence[tuple[float, float]], path: str | Path,
+                             events: Sequence[tuple[float, str]] = (), **kw) -> Figure:
+    """:func:`throughput_timeline_figure`, saved to ``path``."""
+    return _save(throughput_timeline_figure(series, events, **kw), path)
