@@ -258,8 +258,11 @@ class NodeDaemon:
     def _ask_drain(self) -> None:
         """Tell the tracker at once (the heartbeats say it too, should this call fail)."""
         try:
-            self.tracker.DrainNode(tracker_pb2.DrainNodeRequest(node=self.node_id or self.name),
-                                   timeout=timeouts.CONTROL_RPC)
+            reply = self.tracker.DrainNode(
+                tracker_pb2.DrainNodeRequest(node=self.node_id or self.name),
+                timeout=timeouts.CONTROL_RPC)
+            if reply.drained:  # no job needs this node: exit now, not a heartbeat later
+                self.drained.set()
         except grpc.RpcError as e:
             log.warning("could not ask the tracker to drain this node (%s); the heartbeats "
                         "say it", e.details())

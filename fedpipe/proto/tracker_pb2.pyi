@@ -474,9 +474,11 @@ class DrainNodeRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ...) -> None: ...
 
 class DrainNodeReply(_message.Message):
-    __slots__ = ("node", "jobs")
+    __slots__ = ("node", "jobs", "drained")
     NODE_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     jobs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+    drained: bool
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., jobs: _Optional[_Iterable[str]] = ..., drained: _Optional[bool] = ...) -> None: ...

@@ -225,7 +225,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         if identity is not None and identity.role is Role.NODE:
             require_self(identity, node.name)  # a node drains only itself
         node, jobs = self.tracker.elastic.drain(node.node_id)
-        return S.DrainNodeReply(node=node, jobs=jobs)
+        return S.DrainNodeReply(node=node, jobs=jobs,
+                                drained=self.tracker.elastic.drained(node.node_id))
 
     @_unary
     def SubmitJob(self, request, context):
