@@ -405,6 +405,11 @@ NODE_TROUBLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PR
 """Feed errors that mean a node is gone or its stage moved on, not that the data is bad:
 the feed waits for the job to recover (or end) instead of giving up."""
 RECOVERY_POLL = 0.05
+FEED_BUSY_ATTEMPTS = 30
+FEED_BUSY_MAX_DELAY = 4.0
+"""A feed call refused with RESOURCE_EXHAUSTED (the node is busy: its data-plane
+slots or its mailbox are full) is tried again up to this many times in all, backing
+off from 0.2 s to this many seconds apart (about 100 s in all), before the job fails."""
 AFTER_FEED_POLL = 0.25
 """Seconds between looks at a job the feed has given every step to (it may still rewind)."""
 """Seconds between looks at a job whose feed paused (recovery, or the kept-batch bound)."""
@@ -776,10 +781,16 @@ class Job:
                                       kind=kind, step=step, microbatch=mb, batch_size=batch_size,
                                       epoch=epoch)
                     for mb in range(m)]
-            rpc.send(self.client.node(a.address), itertools.chain.from_iterable(
-                frames.encode_frames(piece, envelope=env)
-                for env, piece in zip(envs, torch.tensor_split(t, m))),
-                timeout=timeouts.FEED_RPC)
+            def call(a=a, envs=envs, t=t) -> None:  # a fresh stream of frames each try
+                rpc.send(self.client.node(a.address), itertools.chain.from_iterable(
+                    frames.encode_frames(piece, envelope=env)
+                    for env, piece in zip(envs, torch.tensor_split(t, m))),
+                    timeout=timeouts.FEED_RPC)
+            # RESOURCE_EXHAUSTED is the node's back-pressure (its data-plane slots are
+            # taken, or its mailbox full): wait and send again, a bounded number of times
+            net.retry(call, f"job {self.id}: feeding step {step} to {a.address}",
+                      attempts=FEED_BUSY_ATTEMPTS, max_delay=FEED_BUSY_MAX_DELAY,
+                      stop=self._halted.is_set, codes=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
 
     def _info(self) -> tracker_pb2.JobInfo:
         """The job's info; while the tracker is unreachable (restarting), ask again

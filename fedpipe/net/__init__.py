@@ -43,7 +43,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..proto import node_pb2, tracker_pb2
-from ..security import AuthInterceptor, TlsConfig, identity_of
+from ..security import AuthInterceptor, Role, TlsConfig, identity_of
 from . import timeouts
 from .decode import ParseRequests
 
@@ -79,7 +79,19 @@ PEER_DATA_CALLS = 24
 """The most data-plane calls one caller (a certificate's identity; without TLS, a
 connection) may run at once on one server, so one caller's idle streams never take all
 :data:`DATA_CALLS`. A node opens one Send stream per stage and peer it sends to; a client
-one feed per job and replica group and up to two watches per job, for at most 8 jobs."""
+one feed per job and replica group and up to two watches per job, for at most 8 jobs.
+Callers whose certificate is not a node's get :data:`CLIENT_DATA_CALLS` instead."""
+CLIENT_DATA_CALLS = 8
+"""The most data-plane calls one client (or admin) certificate may run at once on one
+node, so that a few clients' idle streams cannot fill a node's :data:`DATA_CALLS` (six
+such clients are needed, and a client has at most 8 jobs). A client needs one call at a
+time per job on a node: a job's feed sends its steps one call after another, and fetches
+state or puts snapshots only outside that loop; a refused feed call is retried as
+back-pressure (:mod:`fedpipe.client.job`)."""
+TRACKER_CLIENT_DATA_CALLS = 16
+"""The most WatchJob streams one client certificate may hold on the tracker: two per job
+(its feeder's watch and one waiter's, see :data:`fedpipe.tracker.service.WATCHES_PER_JOB`)
+for each of its at most 8 jobs."""
 
 
 def _method(service, name: str) -> str:
@@ -159,15 +171,27 @@ class DataCallLimit(grpc.ServerInterceptor):
         limit: slots, >= 1.
         per_peer: slots one caller may hold, >= 1; at ``limit`` or above, no
             per-caller cap.
+        per_client: slots one caller with a certificate of another role than
+            ``node`` (a client, an admin) may hold, >= 1; None: ``per_peer``. Nodes
+            hold one long-lived stream per stage and peer (:mod:`fedpipe.node.peers`),
+            a client one call per job at a time, so clients get fewer and a few of
+            them cannot take every slot.
+
+    Raises:
+        ValueError: a limit below 1.
     """
 
-    def __init__(self, methods: Collection[str], limit: int, per_peer: int | None = None):
+    def __init__(self, methods: Collection[str], limit: int, per_peer: int | None = None,
+                 per_client: int | None = None):
         if limit < 1:
             raise ValueError(f"a data-call limit must be >= 1, got {limit}")
         per_peer = limit if per_peer is None else per_peer
-        if per_peer < 1:
-            raise ValueError(f"a per-peer data-call limit must be >= 1, got {per_peer}")
+        per_client = per_peer if per_client is None else per_client
+        if min(per_peer, per_client) < 1:
+            raise ValueError(f"a per-peer data-call limit must be >= 1, got "
+                             f"{min(per_peer, per_client)}")
         self.methods, self.limit, self.per_peer = frozenset(methods), limit, per_peer
+        self.per_client = per_client
         self._lock = threading.Lock()
         self._total = 0
         self._held: dict[str, int] = {}  # caller -> slots held
@@ -195,15 +219,22 @@ class DataCallLimit(grpc.ServerInterceptor):
                 return handler._replace(**{shape: self._guard(method, behavior)})
         return handler
 
-    def _take(self, method: str, peer: str) -> str | None:
-        """Take a slot for ``peer``; None, or why it is refused."""
+    def _cap(self, context: grpc.ServicerContext) -> tuple[int, str]:
+        """The slots the call's caller may hold, and the constant that sets it."""
+        identity = identity_of(context)
+        if identity is not None and identity.role != Role.NODE:
+            return self.per_client, "fedpipe.net.CLIENT_DATA_CALLS"
+        return self.per_peer, "fedpipe.net.PEER_DATA_CALLS"
+
+    def _take(self, method: str, peer: str, cap: tuple[int, str]) -> str | None:
+        """Take a slot for ``peer``, who may hold ``cap[0]``; None, or why it is refused."""
+        most, named = cap
         with self._lock:
             mine = self._held.get(peer, 0)
-            if self.per_peer < self.limit and mine >= self.per_peer:
+            if most < self.limit and mine >= most:
                 return (f"{method} refused: {peer} already has {mine} data-plane calls open "
                         f"on this server, the most one peer may have at once "
-                        f"({self.per_peer}, fedpipe.net.PEER_DATA_CALLS); try again when "
-                        f"one ends")
+                        f"({most}, {named}); try again when one ends")
             if self._total >= self.limit:
                 return (f"{method} refused: this server already runs {self.limit} "
                         f"data-plane calls, the most it takes at once (so control "
@@ -225,7 +256,7 @@ class DataCallLimit(grpc.ServerInterceptor):
     def _guard(self, method: str, behavior: Callable) -> Callable:
         def guarded(request, context):
             peer = self.peer_of(context)
-            refused = self._take(method, peer)
+            refused = self._take(method, peer, self._cap(context))
             if refused is not None:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
             # released when the RPC terminates, also if it is cancelled before
@@ -290,7 +321,7 @@ class Server(grpc.Server):
 
 def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] = DATA_METHODS,
            data_calls: int | None = None, peer_calls: int = PEER_DATA_CALLS,
-           tls: TlsConfig | None = None) -> Server:
+           client_calls: int = CLIENT_DATA_CALLS, tls: TlsConfig | None = None) -> Server:
     """A thread-pool gRPC server with fedpipe's options; add servicers, then :func:`bind`.
 
     Every request is parsed by :class:`~fedpipe.net.decode.ParseRequests` (one that
@@ -309,6 +340,7 @@ def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] =
             Default: :data:`DATA_CALLS` of :data:`SERVER_THREADS`, in proportion.
         peer_calls: the most ``data_methods`` calls one caller runs at once (see
             :class:`DataCallLimit`; at ``data_calls`` or above, no per-caller cap).
+        client_calls: the same for a caller whose certificate is not a node's.
 
     Raises:
         ValueError: ``data_calls`` leaves no thread for control calls.
@@ -321,7 +353,8 @@ def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] =
     auth = AuthInterceptor(tls.authenticator() if tls is not None else None)
     inner = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                         interceptors=[ParseRequests(), auth,
-                                      DataCallLimit(data_methods, data_calls, peer_calls)],
+                                      DataCallLimit(data_methods, data_calls, peer_calls,
+                                                    client_calls)],
                         options=_SERVER_OPTIONS)
     return Server(inner, tls)
 
@@ -429,11 +462,14 @@ def check_plaintext(host: str, tls: TlsConfig | None, insecure: bool, what: str)
 
 def retry(call: Callable[[], T], what: str, *, attempts: int | None = None,
           first_delay: float = 0.2, max_delay: float = 10.0,
-          stop: Callable[[], bool] = lambda: False) -> T:
+          stop: Callable[[], bool] = lambda: False,
+          codes: Collection[grpc.StatusCode] = (grpc.StatusCode.UNAVAILABLE,
+                                                grpc.StatusCode.DEADLINE_EXCEEDED)) -> T:
     """Call ``call()`` until it succeeds, with exponential backoff and jitter.
 
-    Retries on ``grpc.RpcError`` with status UNAVAILABLE or DEADLINE_EXCEEDED,
-    logging each failure with ``what`` and the reason. Other errors propagate.
+    Retries on ``grpc.RpcError`` with a status in ``codes`` (UNAVAILABLE or
+    DEADLINE_EXCEEDED unless told), logging each failure with ``what`` and the
+    reason. Other errors propagate.
 
     Args:
         attempts: give up after this many calls (None: never).
@@ -449,7 +485,7 @@ def retry(call: Callable[[], T], what: str, *, attempts: int | None = None,
             return call()
         except grpc.RpcError as e:
             n += 1
-            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if e.code() not in codes:
                 raise
             if (attempts is not None and n >= attempts) or stop():
                 raise

@@ -28,6 +28,7 @@ from .nodes import GrpcNodeCalls
 from .registry import HEARTBEAT_RATE
 from .scheduler import Tracker
 from .store import SqliteStore
+from .watches import WatchSlots
 
 log = logging.getLogger("fedpipe.tracker")
 S = tracker_pb2
@@ -114,6 +115,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         self._names: dict[str, str] = {}  # node_id -> name; ids are never reused
         self._names_lock = threading.Lock()
         self._registering = threading.BoundedSemaphore(MAX_REGISTERING)
+        self.watches = WatchSlots()
 
     def _node_name(self, node_id: str) -> str | None:
         """The registered name of ``node_id`` (None: no such node)."""
@@ -262,6 +264,13 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     @_stream
     def WatchJob(self, request, context):
         self._owned(context, request.job_id)
+        caller = net.DataCallLimit.peer_of(context)
+        refused = self.watches.take(request.job_id, caller)
+        if refused is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        release = functools.partial(self.watches.give, request.job_id, caller)
+        if not context.add_callback(release):
+            release()
         stopping = self.tracker.stop_event
         if request.feeder:  # the stream is the feeding client's presence (see .clients)
             feeders = self.tracker.feeders
@@ -327,7 +336,11 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
     service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(tls=tls), lease=lease,
                                      link_refresh=link_refresh, heartbeat_rate=rate), tls,
                              max_job_bytes=max_job_bytes)
-    srv = net.server(tls=tls)
+    # twice a node's threads: WatchJob streams are idle most of their life, and six
+    # clients with every job watched twice (TRACKER_CLIENT_DATA_CALLS) are needed to
+    # take every data-plane slot
+    srv = net.server(2 * net.SERVER_THREADS, tls=tls,
+                     client_calls=net.TRACKER_CLIENT_DATA_CALLS)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
     real = net.bind(srv, host, port)
     srv.start()
