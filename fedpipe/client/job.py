@@ -393,6 +393,10 @@ class _FeedHalted(Exception):
     """The client was closed while it fed the job, or another client took the job over."""
 
 
+class TrackerBusy(RuntimeError):
+    """The tracker refused a call with RESOURCE_EXHAUSTED; the message says which limit."""
+
+
 class _Replan(Exception):
     """The job started a new plan epoch (a recovery): feed it from its resume step."""
 
@@ -592,6 +596,8 @@ class Job:
         Raises:
             JobFailed: the job ended FAILED or CANCELLED.
             TimeoutError: it did not end within ``timeout`` seconds.
+            TrackerBusy: the tracker refused the watch (this client holds too many
+                watches of the job, or the tracker all it takes).
         """
         from tqdm.auto import tqdm
 
@@ -618,6 +624,9 @@ class Job:
                     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                         raise TimeoutError(f"job {self.id} did not finish within {timeout} s"
                                            ) from None
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise TrackerBusy(f"the tracker refused to watch job {self.id}: "
+                                          f"{e.details()}") from None
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         raise
                     log.warning("lost the tracker (%s); watching job %s again", e.details(),

@@ -264,13 +264,14 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     @_stream
     def WatchJob(self, request, context):
         self._owned(context, request.job_id)
-        caller = net.DataCallLimit.peer_of(context)
-        refused = self.watches.take(request.job_id, caller)
-        if refused is not None:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
-        release = functools.partial(self.watches.give, request.job_id, caller)
-        if not context.add_callback(release):
-            release()
+        identity = identity_of(context)
+        if identity is not None:  # without TLS a caller is a connection: any number
+            refused = self.watches.take(request.job_id, identity.uri)
+            if refused is not None:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+            release = functools.partial(self.watches.give, request.job_id, identity.uri)
+            if not context.add_callback(release):
+                release()
         stopping = self.tracker.stop_event
         if request.feeder:  # the stream is the feeding client's presence (see .clients)
             feeders = self.tracker.feeders
@@ -336,11 +337,7 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
     service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(tls=tls), lease=lease,
                                      link_refresh=link_refresh, heartbeat_rate=rate), tls,
                              max_job_bytes=max_job_bytes)
-    # twice a node's threads: WatchJob streams are idle most of their life, and six
-    # clients with every job watched twice (TRACKER_CLIENT_DATA_CALLS) are needed to
-    # take every data-plane slot
-    srv = net.server(2 * net.SERVER_THREADS, tls=tls,
-                     client_calls=net.TRACKER_CLIENT_DATA_CALLS)
+    srv = net.server(tls=tls, client_calls=net.TRACKER_CLIENT_DATA_CALLS)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
     real = net.bind(srv, host, port)
     srv.start()
