@@ -90,3 +90,15 @@ def test_retry_treats_the_given_codes_as_transient_and_gives_up_after_its_attemp
         net.retry(lambda: n.append(1) or (_ for _ in ()).throw(_Busy()), "t", attempts=3,
                   first_delay=0.01, codes=codes)
     assert len(n) == 3
+
+
+def test_a_corrupt_or_too_deep_checkpoint_is_a_checkpoint_error_naming_the_folder(tmp_path):
+    from fedpipe.client import checkpoints
+    (tmp_path / checkpoints.META).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(checkpoints.CheckpointError, match=str(tmp_path)):
+        checkpoints.read(tmp_path)
+    (tmp_path / checkpoints.META).write_text('{"format": "%s", "step": 1, "stages": []}'
+                                             % checkpoints.FORMAT)
+    (tmp_path / checkpoints.TENSORS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(checkpoints.CheckpointError, match=str(tmp_path)):
+        checkpoints.read(tmp_path)

@@ -110,6 +110,7 @@ def read(path: str | os.PathLike) -> SavedCheckpoint:
         CheckpointError: no complete checkpoint there, or a file that does not
             hold what the metadata names.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(path)
@@ -131,7 +132,8 @@ def read(path: str | os.PathLike) -> SavedCheckpoint:
             snapshots[key] = Snapshot(int(meta["step"]), skeleton=st["skeleton"], tensors={
                 name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)})
             layers[key] = (int(st["layer_start"]), int(st["layer_end"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, SafetensorError) as e:
+        # RecursionError: a checkpoint.json nested too deep for json
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"cannot read the checkpoint in {folder}: {e}") from None
