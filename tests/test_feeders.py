@@ -129,3 +129,27 @@ def test_a_job_no_client_ever_fed_is_never_parked():
     clock.advance(100)
     tracker.tick()
     assert state_name(tracker.jobs.get(job).state) == "RUNNING"
+
+
+def test_a_job_no_client_ever_watched_fails_at_its_client_timeout_after_submission():
+    tracker, nodes, clock = make_tracker(lease=3600.0)
+    join(tracker, 2)
+    job = tracker.jobs.submit(submission(steps=10, stages=2, client_timeout=30.0))
+    tracker.feeders.submitted(job)  # as SubmitJob does; its client never watches it
+    tracker.tick()
+    assert state_name(tracker.jobs.get(job).state) == "RUNNING"  # not parked: never fed
+    clock.advance(29.0)
+    tracker.tick()
+    assert state_name(tracker.jobs.get(job).state) == "RUNNING"
+    clock.advance(2.0)
+    tracker.tick()
+    info = tracker.jobs.get(job)
+    assert state_name(info.state) == "FAILED"
+    assert "no client watched the job" in info.reason and "30 s" in info.reason
+    # a job whose client does watch it in time is not failed for it
+    other = tracker.jobs.submit(submission(steps=10, stages=2, client_timeout=30.0))
+    tracker.feeders.submitted(other)
+    tracker.feeders.attach(other, "B", take_over=False)
+    clock.advance(60.0)
+    tracker.tick()
+    assert state_name(tracker.jobs.get(other).state) != "FAILED"

@@ -25,8 +25,10 @@ The rules (:meth:`Feeders.sweep`, run by the scheduler every tick):
 Which feeder a job has is kept in memory. After a tracker restart every
 non-terminal job counts as having lost its feeder at start-up, with
 :data:`~fedpipe.net.timeouts.CLIENT_REATTACH` seconds to watch again, and a
-WAITING job waits a full ``client_timeout`` again. Otherwise a job no feeder ever
-attached to (submitted by hand over gRPC) is never parked.
+WAITING job waits a full ``client_timeout`` again. A job no feeder ever attached to
+(its client died between SubmitJob and its first watch, or it was submitted by hand
+over gRPC) is not parked, but it fails once ``client_timeout`` has passed since its
+submission, so it cannot hold nodes and one of its owner's job slots for ever.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class Feeders:
         self._lock = threading.Lock()
         self._feeder: dict[str, str] = {}   # job -> the feeder attached now
         self._gone: dict[str, float] = {}   # job -> when its last feeder left (armed jobs)
+        self._unfed: dict[str, float] = {}  # job -> when it was submitted, until a feeder comes
         now = clock()
         for job_id in jobs.store.jobs_in(S.JOB_STATE_PENDING, S.JOB_STATE_PLANNING,
                                          S.JOB_STATE_DEPLOYING, S.JOB_STATE_RUNNING,
@@ -101,6 +104,14 @@ class Feeders:
         with self._lock:
             self._feeder[job_id] = feeder
             self._gone.pop(job_id, None)
+            self._unfed.pop(job_id, None)
+
+    def submitted(self, job_id: str) -> None:
+        """``job_id`` was just submitted: it fails unless a feeder attaches within its
+        ``client_timeout``."""
+        with self._lock:
+            if job_id not in self._feeder:
+                self._unfed[job_id] = self.clock()
 
     def detach(self, job_id: str, feeder: str) -> None:
         """``feeder``'s stream ended (closed, the client died, or its link did)."""
@@ -116,7 +127,20 @@ class Feeders:
         whose feeder is gone past their ``client_timeout``."""
         now = self.clock()
         with self._lock:
-            gone = dict(self._gone)
+            gone, unfed = dict(self._gone), dict(self._unfed)
+        for job_id, since in unfed.items():
+            try:
+                job = self.jobs.get(job_id)
+                timeout = JobSpec.from_proto(self.jobs.store.spec(job_id).config).client_timeout
+            except Exception:  # noqa: BLE001 — a job deleted under us: forget it
+                job = None
+            if job is None or job.state in TERMINAL:
+                with self._lock:
+                    self._unfed.pop(job_id, None)
+            elif now - since > timeout:
+                self.jobs.fail_for_client(
+                    job_id, f"no client watched the job to feed it within its client_timeout "
+                            f"of {timeout:.0f} s after its submission", only_from={job.state})
         for job_id, since in gone.items():
             try:
                 job = self.jobs.get(job_id)

@@ -247,7 +247,9 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
                        config=request.config, layers=request.layers)
         with self._submit_lock:
             self._admit_job(request)
-            return S.SubmitJobReply(job_id=self.tracker.jobs.submit(request))
+            job_id = self.tracker.jobs.submit(request)
+        self.tracker.feeders.submitted(job_id)
+        return S.SubmitJobReply(job_id=job_id)
 
     @_unary
     def GetJob(self, request, context):
