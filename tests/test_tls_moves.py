@@ -19,13 +19,18 @@ from __future__ import annotations
 import re
 import time
 
+import grpc
 import pytest
 import torch
 from torch import nn
 
 import fedpipe
+from fedpipe import net
+from fedpipe.client import Client
 from fedpipe.examples import digits
-from fedpipe.proto import node_pb2, tracker_pb2
+from fedpipe.net import timeouts
+from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2
+from fedpipe.security import TlsConfig
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames
@@ -97,6 +102,12 @@ def finish_exact(client, model, job, data) -> tracker_pb2.JobInfo:
     return info(client, job)
 
 
+def refusals(swarm, job_id: str) -> list[str]:
+    """Every snapshot fetch of the job that a holder refused for want of an assignment."""
+    return [line for p in swarm.nodes for line in swarm.log(p).splitlines()
+            if f"is not assigned to job {job_id}" in line]
+
+
 def fetches(swarm, job_id: str) -> list[tuple[int, int, int, str]]:
     """(step, stage, replica, source address) of every snapshot any node fetched for the job."""
     return [(int(m[1]), int(m[3]), int(m[4]), m[5]) for p in swarm.nodes
@@ -124,6 +135,7 @@ def test_kill_9_of_a_stage_node_recovers_onto_the_spare_from_the_buddys_snapshot
     got = [(step, src) for step, stage, _, src in fetches(swarm, job.id) if stage == 1]
     assert [step for step, _ in got] == [rec.checkpoint_step], got
     assert got[0][1] != victim.address
+    assert not refusals(swarm, job.id)
 
 
 def test_a_drain_hands_the_stage_over_to_a_node_no_plan_named(swarm):
@@ -133,9 +145,13 @@ def test_a_drain_hands_the_stage_over_to_a_node_no_plan_named(swarm):
     victim = before[StageKey(0, 1)]
     proc = swarm.nodes[swarm.node_index(victim.node_name)]
     swarm.faulted.add(proc)  # its exit is expected
-    inj = swarm.inject(job.id).at_step(3, "drain", lambda: client.drain(victim.node_name))
+    admin = Client(swarm.tracker, tls=swarm.admin_tls)  # only the operator drains others
+    inj = swarm.inject(job.id).at_step(3, "drain", lambda: admin.drain(victim.node_name))
     inj.start()
-    final = finish_exact(client, model, job, data)
+    try:
+        final = finish_exact(client, model, job, data)
+    finally:
+        admin.close()
     inj.stop()
     assert [r.cause for r in final.recoveries] == ["drain"], final.recoveries
     h = final.recoveries[0]
@@ -147,6 +163,7 @@ def test_a_drain_hands_the_stage_over_to_a_node_no_plan_named(swarm):
     # (or its buddy), which never saw a plan naming the new node
     got = [(step, src) for step, stage, _, src in fetches(swarm, job.id) if stage == 1]
     assert [step for step, _ in got] == [h.checkpoint_step], got
+    assert not refusals(swarm, job.id)
     assert proc.wait(timeout=30) == 0
 
 
@@ -173,6 +190,7 @@ def test_a_lost_replica_group_heals_on_a_spare_from_its_donor(swarm):
     # the rebuilt group took its state from the donor, a node whose plans never named it
     got = [(stage, replica, src) for _, stage, replica, src in fetches(swarm, job.id)]
     assert got == [(0, 1, donor.address)], got
+    assert not refusals(swarm, job.id)
     # all-reduce after the join: the rebuilt group ends with exactly the donor's weights
     g0, g1 = (group_state(client, job, final, g) for g in (0, 1))
     assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
@@ -185,3 +203,23 @@ def group_state(client, job, final: tracker_pb2.JobInfo, replica: int) -> dict:
     stream = client.node(a.address).FetchState(
         node_pb2.FetchStateRequest(job_id=job.id, replica=a.replica, stage=a.stage), timeout=60)
     return {head.name: t for head, t in frames.read_tensors(stream)}
+
+
+def test_only_the_tracker_may_tell_a_node_who_is_assigned_to_a_job(swarm):
+    """A node cannot assign itself (or a peer) to a job to be served its state."""
+    node = swarm.client().nodes()[0]
+    request = node_pb2.AssignJobRequest(job_id="j-any", epoch=1, owner="client",
+                                        node_names=["rogue"])
+    for tls in (swarm.issue("node", "rogue"), TlsConfig.load(swarm.tls_dir, "client")):
+        with net.channel(node.address, tls=tls) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                node_pb2_grpc.NodeStub(ch).AssignJob(request, timeout=timeouts.CONTROL_RPC)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+        assert "wrong role for /fedpipe.v1.Node/AssignJob" in e.value.details()
+        assert "(allowed: tracker)" in e.value.details()
+    with net.channel(node.address, tls=TlsConfig.load(swarm.tls_dir, "tracker")) as ch:
+        with pytest.raises(grpc.RpcError) as e:  # the tracker is heard, and bad input named
+            node_pb2_grpc.NodeStub(ch).AssignJob(node_pb2.AssignJobRequest(),
+                                                 timeout=timeouts.CONTROL_RPC)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == "AssignJob names no job"

@@ -713,6 +713,8 @@ class Jobs:
         config = job.to_proto()
         # the owner and the client's signature travel with the code: nodes check them
         signed = self.store.spec(job_id)
+        if resume_step:  # state moves: its holders must serve the new plan's nodes
+            self.assign(job_id, plan, {s for key in view.stages for s in sources(key)})
 
         def load(a: node_pb2.StageAssignment) -> None:
             key = StageKey(a.replica, a.stage)
@@ -735,6 +737,34 @@ class Jobs:
                 failures[key] = f"{stage_name(key)} on {view[key].node_name} could not be " \
                                 f"loaded: {detail}"
         return failures
+
+    def assign(self, job_id: str, plan: node_pb2.Plan, holders: set[str]) -> None:
+        """Tell the nodes at ``holders`` (addresses of nodes that may hold the job's
+        snapshots or state) which nodes ``plan`` assigns, before its LoadStage calls.
+
+        Under TLS a node serves a job's state only to nodes a plan it was told of
+        assigned (:func:`fedpipe.security.policy.require_owner_or_assigned`); a
+        recovery's spare, a drain's or rebalance's new node and a healed replica
+        group's nodes were in no plan the holders saw. The word comes from the
+        tracker (AssignJob admits no other role), never from the fetching node.
+        All at once, each within ``CONTROL_RPC`` seconds; a holder that cannot be
+        reached is skipped (it is lost, and its stages' fetches go elsewhere).
+        """
+        if not holders:
+            return
+        request = node_pb2.AssignJobRequest(
+            job_id=job_id, epoch=plan.epoch, owner=self.store.spec(job_id).owner,
+            node_names=sorted({a.node_name for a in plan.stages}))
+
+        def tell(address: str) -> None:
+            try:
+                self.nodes.assign_job(address, request)
+            except NodeCallError as e:
+                log.info("job %s: could not tell %s of plan epoch %d's nodes: %s", job_id,
+                         address, plan.epoch, e)
+
+        with futures.ThreadPoolExecutor(len(holders)) as pool:
+            list(pool.map(tell, sorted(holders)))
 
     def report(self, report: tracker_pb2.StageReport) -> None:
         """A node's word on one of its stages: a step done, all steps done, or failed.
