@@ -43,7 +43,8 @@ class FakeNodes:
         self.pings: list[str] = []
         self.holds: list[tuple[str, node_pb2.HoldAtRequest]] = []
         self.done: dict[str, int] = {}  # address -> steps its stages have done (for HoldAt)
-        self.assigns: list[tuple[str, node_pb2.AssignJobRequest]] = []
+        # (address, request, LoadStage calls made before it)
+        self.assigns: list[tuple[str, node_pb2.AssignJobRequest, int]] = []
 
     def _alive(self, address):
         if address in self.dead:
@@ -75,7 +76,7 @@ class FakeNodes:
 
     def assign_job(self, address, request):
         self._alive(address)
-        self.assigns.append((address, request))
+        self.assigns.append((address, request, len(self.loads)))
 
     def measure_links(self, address, request):
         self.measured.append(address)

@@ -23,7 +23,9 @@ a peer reported it) moves each active job using it to RECOVERING: a new plan
 older ones), and the job rewinds to its last complete checkpoint ``K`` (the
 step every stage has acknowledged a snapshot of, kept on its node and a buddy).
 The scheduler then calls :meth:`~Jobs.resume`: the lost nodes' stages move to
-live nodes (:func:`~.replan.substitute`: survivors keep theirs), every stage is
+live nodes (:func:`~.replan.substitute`: survivors keep theirs), the nodes that
+may hold the snapshots learn the new plan's nodes (:meth:`~Jobs.assign`: under
+TLS they serve state only to nodes assigned to the job), every stage is
 loaded for the new epoch at step ``K`` and restores its snapshot (its own or
 its buddy's), and the job is RUNNING again. The client rewinds its feed to
 ``K``. A loss during recovery starts it again; a job that no longer fits
