@@ -58,7 +58,8 @@ def swarm():
 def spare_again(swarm):
     """After each test (passed or not), start a node for each one killed or drained."""
     yield
-    alive = sum(p.poll() is None for p in swarm.nodes)
+    # a drained node that a failed test left running is on its way out: not a spare
+    alive = sum(p.poll() is None and p not in swarm.faulted for p in swarm.nodes)
     for _ in range(NODES - alive):
         swarm.add_node()
     swarm.wait_for_nodes(NODES)
