@@ -749,9 +749,11 @@ class Jobs:
         recovery's spare, a drain's or rebalance's new node and a healed replica
         group's nodes were in no plan the holders saw. The word comes from the
         tracker (AssignJob admits no other role), never from the fetching node.
-        All at once, each within ``CONTROL_RPC`` seconds; a holder that cannot be
-        reached is skipped (it is lost, and its stages' fetches go elsewhere).
+        All at once, each within ``CONTROL_RPC`` seconds; a lost holder is not asked
+        (a paused one would hold the loads up for that long) and one that cannot be
+        reached is skipped: the stages' fetches go elsewhere.
         """
+        holders = holders & {n.address for n in self.store.nodes()}
         if not holders:
             return
         request = node_pb2.AssignJobRequest(
