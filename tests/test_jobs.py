@@ -167,6 +167,36 @@ def test_a_lost_node_moves_the_job_to_recovering_then_its_stages_to_a_spare():
     assert tracker.jobs.get(job).step == 6
 
 
+def test_before_a_recovery_loads_a_stage_every_snapshot_holder_learns_the_new_plans_nodes():
+    """Under TLS a holder serves a job's snapshots only to nodes it knows are assigned:
+    the tracker names the new plan's nodes (the spare among them) to every node of the
+    old and new plans that a stage may fetch from, before any LoadStage of the epoch."""
+    tracker, nodes, clock = make_tracker(lease=10.0)
+    join(tracker, 3)
+    job = tracker.jobs.submit(submission(steps=20, stages=2, checkpoint_every=5))
+    tracker.tick()
+    before = PlanView(tracker.jobs.get(job).plan)
+    assert not nodes.assigns  # a first deploy moves no state
+    report(tracker, job, StageKey(0, 1), R.STATUS_STEP, step=5, loss=1.0, samples=8,
+           seconds=0.1)
+    ack_checkpoint(tracker, job, 5)
+    lose(tracker, clock, before[StageKey(0, 0)].node_id)
+    nodes.loads.clear()
+    tracker.tick()
+    info = tracker.jobs.get(job)
+    assert state_name(info.state) == "RUNNING", info.reason
+    after = PlanView(info.plan)
+    lost = before[StageKey(0, 0)].address  # a lost holder is not asked
+    holders = (before.addresses() | after.addresses()) - {lost}
+    assert {address for address, _, _ in nodes.assigns} == holders
+    for _, request, loads_before in nodes.assigns:
+        assert loads_before == 0
+        assert (request.job_id, request.epoch, request.owner) == (
+            job, 1, tracker.store.spec(job).owner)
+        assert sorted(request.node_names) == sorted(a.node_name for a in info.plan.stages)
+    assert before[StageKey(0, 0)].node_name not in nodes.assigns[0][1].node_names
+
+
 def test_a_checkpoint_is_complete_only_once_every_stage_acknowledged_it():
     tracker, _, _ = make_tracker()
     join(tracker, 2)

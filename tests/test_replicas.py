@@ -351,6 +351,11 @@ def test_the_tracker_drops_a_lost_group_heals_it_on_the_spare_and_joins_it_where
     assert load.snapshot_sources == [plan[K(0, 0)].address]  # the donor
     new = PlanView(tracker.jobs.get(job).plan)
     assert new[K(1, 0)].node_id not in {lost, plan[K(0, 0)].node_id}
+    # before the load, the donor was told the plan that names the joining node (under
+    # TLS it serves its state only to nodes it knows are assigned)
+    ((donor, told, loads_before),) = nodes.assigns
+    assert (donor, loads_before) == (plan[K(0, 0)].address, 0)
+    assert sorted(told.node_names) == sorted(a.node_name for a in new.stages.values())
     info = tracker.jobs.replicas.annotate(tracker.jobs.get(job))
     assert info.epoch == 0 and {(m.replica, m.since) for m in info.replica_members} == \
         {(0, 0), (1, 8)}

@@ -51,6 +51,8 @@ EXPECTED = {
     "/fedpipe.v1.Node/Ping": {"node", "tracker"},
     "/fedpipe.v1.Node/MeasureLinks": {"tracker"},
     "/fedpipe.v1.Node/HoldAt": {"tracker"},
+    # who a new plan epoch assigns: the control plane's word only, never a node's
+    "/fedpipe.v1.Node/AssignJob": {"tracker"},
 }
 CALLERS = {"tracker": "t", "node": "n1", "client": "alice", "admin": "op"}
 CHAT = "/fedpipe.test.Echo/Chat"

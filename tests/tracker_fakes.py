@@ -43,6 +43,8 @@ class FakeNodes:
         self.pings: list[str] = []
         self.holds: list[tuple[str, node_pb2.HoldAtRequest]] = []
         self.done: dict[str, int] = {}  # address -> steps its stages have done (for HoldAt)
+        # (address, request, LoadStage calls made before it)
+        self.assigns: list[tuple[str, node_pb2.AssignJobRequest, int]] = []
 
     def _alive(self, address):
         if address in self.dead:
@@ -71,6 +73,10 @@ class FakeNodes:
         self.holds.append((address, request))
         done = self.done.get(address, 0)
         return node_pb2.HoldAtReply(accepted=request.step == 0 or done < request.step, done=done)
+
+    def assign_job(self, address, request):
+        self._alive(address)
+        self.assigns.append((address, request, len(self.loads)))
 
     def measure_links(self, address, request):
         self.measured.append(address)

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import grpc
 import torch
@@ -49,12 +49,13 @@ loaded go first; a forgotten job's calls are refused as if it had no owner)."""
 
 @dataclass
 class JobAccess:
-    """Who may act on one job on this node, as its LoadStage calls said.
+    """Who may act on one job on this node, as the tracker said (LoadStage, AssignJob).
 
     Attributes:
         owner: the name of the client that submitted it ("" without TLS).
         nodes: the names of every node any of its plans assigned (all epochs: state
-            moves from a node of an older plan to one of a newer).
+            moves from a node of an older plan to one of a newer, and the tracker names
+            a new plan's nodes to the old plan's before they fetch, see AssignJob).
     """
 
     owner: str
@@ -137,11 +138,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(e.code, str(e))
 
     # -- identity checks (policy.py's require_*, with this node's knowledge) --
-    def _learn(self, request: node_pb2.LoadStageRequest) -> None:
+    def _learn(self, job_id: str, owner: str, names: Iterable[str]) -> None:
+        """Remember that the tracker assigned the nodes ``names`` to ``job_id`` (of ``owner``)."""
         with self._jobs_lock:
-            access = self._jobs.pop(request.job_id, None) or JobAccess(request.owner)
-            access.nodes.update(a.node_name for a in request.plan.stages)
-            self._jobs[request.job_id] = access
+            access = self._jobs.pop(job_id, None) or JobAccess(owner)
+            access.nodes.update(names)
+            self._jobs[job_id] = access
             while len(self._jobs) > KNOWN_JOBS:
                 self._jobs.popitem(last=False)
 
@@ -186,7 +188,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"refusing pickled model code from {context.peer()}: start the node "
                           "with --trust-code to accept code from non-loopback peers")
-        self._learn(request)
+        self._learn(request.job_id, request.owner, (a.node_name for a in request.plan.stages))
         try:
             self.stages.load(request)
         except StageExists as e:
@@ -283,6 +285,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
     def HoldAt(self, request, context):
         accepted, done = self.stages.hold(request.job_id, request.epoch, request.step)
         return node_pb2.HoldAtReply(accepted=accepted, done=done)
+
+    def AssignJob(self, request, context):
+        # the policy admits only the tracker: a node's word on its own assignment never counts
+        if not request.job_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "AssignJob names no job")
+        self._learn(request.job_id, request.owner, request.node_names)
+        log.info("job %s: plan epoch %d assigns %s", request.job_id, request.epoch,
+                 ", ".join(sorted(set(request.node_names))))
+        return node_pb2.AssignJobReply()
 
     # -- link measurement ---------------------------------------------------
     def Ping(self, request, context):

@@ -504,6 +504,9 @@ class StageRegistry:
                 break
             except (grpc.RpcError, WireError) as e:
                 detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+                log.info("could not fetch the step %d snapshot of job %s stage %d (replica %d) "
+                         "from %s: %s", stage.start, stage.job_id, stage.key.stage,
+                         stage.key.replica, address, detail)
                 tried.append(f"{address}: {detail}")
                 snap = None
         if snap is None:

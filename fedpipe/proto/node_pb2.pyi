@@ -332,3 +332,19 @@ class HoldAtReply(_message.Message):
     accepted: bool
     done: int
     def __init__(self, accepted: _Optional[bool] = ..., done: _Optional[int] = ...) -> None: ...
+
+class AssignJobRequest(_message.Message):
+    __slots__ = ("job_id", "epoch", "owner", "node_names")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    owner: str
+    node_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., owner: _Optional[str] = ..., node_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AssignJobReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -84,6 +84,11 @@ class NodeStub:
                 request_serializer=fedpipe_dot_v1_dot_node__pb2.HoldAtRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_v1_dot_node__pb2.HoldAtReply.FromString,
                 _registered_method=True)
+        self.AssignJob = channel.unary_unary(
+                '/fedpipe.v1.Node/AssignJob',
+                request_serializer=fedpipe_dot_v1_dot_node__pb2.AssignJobRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_node__pb2.AssignJobReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -158,6 +163,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AssignJob(self, request, context):
+        """The nodes a new plan epoch of a job assigns (tracker only; see AssignJobRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +222,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.HoldAt,
                     request_deserializer=fedpipe_dot_v1_dot_node__pb2.HoldAtRequest.FromString,
                     response_serializer=fedpipe_dot_v1_dot_node__pb2.HoldAtReply.SerializeToString,
+            ),
+            'AssignJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.AssignJob,
+                    request_deserializer=fedpipe_dot_v1_dot_node__pb2.AssignJobRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_node__pb2.AssignJobReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -482,6 +499,33 @@ class Node:
             '/fedpipe.v1.Node/HoldAt',
             fedpipe_dot_v1_dot_node__pb2.HoldAtRequest.SerializeToString,
             fedpipe_dot_v1_dot_node__pb2.HoldAtReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AssignJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Node/AssignJob',
+            fedpipe_dot_v1_dot_node__pb2.AssignJobRequest.SerializeToString,
+            fedpipe_dot_v1_dot_node__pb2.AssignJobReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -133,6 +133,9 @@ POLICY: Mapping[str, Rule] = {
         "MeasureLinks": Rule(_roles(TRACKER)),
         # a drain's or a migration's cut at a step boundary
         "HoldAt": Rule(_roles(TRACKER)),
+        # who a new plan epoch assigns, told to the nodes holding the job's state: only the
+        # control plane's word counts, never a node's about itself
+        "AssignJob": Rule(_roles(TRACKER)),
     }),
     **_methods(health_pb2.DESCRIPTOR, "Health", {
         "Check": Rule(public=True), "List": Rule(public=True), "Watch": Rule(public=True),

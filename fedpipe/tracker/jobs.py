@@ -23,7 +23,9 @@ a peer reported it) moves each active job using it to RECOVERING: a new plan
 older ones), and the job rewinds to its last complete checkpoint ``K`` (the
 step every stage has acknowledged a snapshot of, kept on its node and a buddy).
 The scheduler then calls :meth:`~Jobs.resume`: the lost nodes' stages move to
-live nodes (:func:`~.replan.substitute`: survivors keep theirs), every stage is
+live nodes (:func:`~.replan.substitute`: survivors keep theirs), the nodes that
+may hold the snapshots learn the new plan's nodes (:meth:`~Jobs.assign`: under
+TLS they serve state only to nodes assigned to the job), every stage is
 loaded for the new epoch at step ``K`` and restores its snapshot (its own or
 its buddy's), and the job is RUNNING again. The client rewinds its feed to
 ``K``. A loss during recovery starts it again; a job that no longer fits
@@ -713,6 +715,8 @@ class Jobs:
         config = job.to_proto()
         # the owner and the client's signature travel with the code: nodes check them
         signed = self.store.spec(job_id)
+        if resume_step:  # state moves: its holders must serve the new plan's nodes
+            self.assign(job_id, plan, {s for key in view.stages for s in sources(key)})
 
         def load(a: node_pb2.StageAssignment) -> None:
             key = StageKey(a.replica, a.stage)
@@ -735,6 +739,36 @@ class Jobs:
                 failures[key] = f"{stage_name(key)} on {view[key].node_name} could not be " \
                                 f"loaded: {detail}"
         return failures
+
+    def assign(self, job_id: str, plan: node_pb2.Plan, holders: set[str]) -> None:
+        """Tell the nodes at ``holders`` (addresses of nodes that may hold the job's
+        snapshots or state) which nodes ``plan`` assigns, before its LoadStage calls.
+
+        Under TLS a node serves a job's state only to nodes a plan it was told of
+        assigned (:func:`fedpipe.security.policy.require_owner_or_assigned`); a
+        recovery's spare, a drain's or rebalance's new node and a healed replica
+        group's nodes were in no plan the holders saw. The word comes from the
+        tracker (AssignJob admits no other role), never from the fetching node.
+        All at once, each within ``CONTROL_RPC`` seconds; a lost holder is not asked
+        (a paused one would hold the loads up for that long) and one that cannot be
+        reached is skipped: the stages' fetches go elsewhere.
+        """
+        holders = holders & {n.address for n in self.store.nodes()}
+        if not holders:
+            return
+        request = node_pb2.AssignJobRequest(
+            job_id=job_id, epoch=plan.epoch, owner=self.store.spec(job_id).owner,
+            node_names=sorted({a.node_name for a in plan.stages}))
+
+        def tell(address: str) -> None:
+            try:
+                self.nodes.assign_job(address, request)
+            except NodeCallError as e:
+                log.info("job %s: could not tell %s of plan epoch %d's nodes: %s", job_id,
+                         address, plan.epoch, e)
+
+        with futures.ThreadPoolExecutor(len(holders)) as pool:
+            list(pool.map(tell, sorted(holders)))
 
     def report(self, report: tracker_pb2.StageReport) -> None:
         """A node's word on one of its stages: a step done, all steps done, or failed.

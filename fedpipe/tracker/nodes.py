@@ -46,6 +46,10 @@ class NodeCalls(Protocol):
     def hold_at(self, address: str, request: node_pb2.HoldAtRequest) -> node_pb2.HoldAtReply:
         """Ask a job's stages on the node to stop at a step boundary (a hand-over cut)."""
 
+    def assign_job(self, address: str, request: node_pb2.AssignJobRequest) -> None:
+        """Tell the node which nodes a new plan epoch of a job assigns (so it serves them
+        the job's state it holds)."""
+
     def measure_links(self, address: str, request: node_pb2.MeasureLinksRequest
                       ) -> node_pb2.MeasureLinksReply:
         """Measure the node's links to ``request.peers``."""
@@ -100,6 +104,9 @@ class GrpcNodeCalls:
 
     def hold_at(self, address, request):
         return self._call(self._stub(address).HoldAt, request, timeouts.CONTROL_RPC)
+
+    def assign_job(self, address, request):
+        self._call(self._stub(address).AssignJob, request, timeouts.CONTROL_RPC)
 
     def measure_links(self, address, request):
         # a channel of its own: the measurer visits every node in turn, and through the

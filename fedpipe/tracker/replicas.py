@@ -286,6 +286,8 @@ class JobsLike(Protocol):
 
     def clock(self) -> float: ...
 
+    def assign(self, job_id: str, plan: node_pb2.Plan, holders: set[str]) -> None: ...
+
 
 @dataclass
 class _Ready:
@@ -563,6 +565,8 @@ class ElasticReplicas:
         why a stage could not be loaded ("": all were); then the group is dropped again."""
         view = PlanView(job.plan)
         signed = self.jobs.store.spec(job.job_id)  # its config as the stages run it
+        donors = {view[StageKey(donor, a.stage)].address for a in view.chain(replica)}
+        self.jobs.assign(job.job_id, job.plan, donors)  # so they serve the joining nodes
         failed = []
         for a in view.chain(replica):
             source = view[StageKey(donor, a.stage)].address
