@@ -284,17 +284,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
         # buffered: a node of the job's plans, or its own client
         if identity is not None and identity.role is Role.CLIENT:
             self._require_owner(context, env.job_id)
-        else:
-            self._require_assigned(context, env.job_id)
-        limit = self.stages.admit(env)  # raises what Send maps to a status
-        if identity is not None and identity.role is Role.CLIENT:
             stage = self.stages.get(StageSlot(env.job_id, env.replica, env.stage))
             try:  # inputs to the first stage, targets to the last
                 require_feeds_stage(identity, env.kind, env.stage, stage.n_stages,
                                     job_id=env.job_id)
             except SecurityError as e:
                 context.abort(e.code, str(e))
-        return limit
+        else:
+            self._require_assigned(context, env.job_id)
+        return self.stages.admit(env)  # raises what Send maps to a status
 
     def Send(self, request_iterator, context):
         with self.streams.open(context, "Send") as watch:

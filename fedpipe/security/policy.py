@@ -234,7 +234,8 @@ def require_feeds_stage(identity: Identity | None, kind: int, stage: int, n_stag
     """
     if identity is None or identity.role is not CLIENT:
         return
-    wanted = {node_pb2.KIND_INPUT: 0, node_pb2.KIND_TARGET: n_stages - 1}.get(kind)
+    wanted = (0 if kind == node_pb2.KIND_INPUT else
+              n_stages - 1 if kind == node_pb2.KIND_TARGET else None)
     if wanted == stage:
         return
     name = node_pb2.Kind.Name(kind) if kind in node_pb2.Kind.values() else f"kind {kind}"
