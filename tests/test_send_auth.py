@@ -23,7 +23,7 @@ from torch import nn
 import fedpipe
 from fedpipe import net
 from fedpipe.node.service import NodeService
-from fedpipe.proto import node_pb2
+from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.runtime import checkpoint
 from fedpipe.security import DenyList, TlsConfig, certs
 from fedpipe.spec import JobSpec, Kind, StageKey
@@ -40,6 +40,7 @@ def swarm(tmp_path_factory):
     d = tmp_path_factory.mktemp("tls")
     certs.make_ca(d)
     for role, name in (("node", "n0"), ("node", "n1"), ("node", "stray"), ("node", "probe"),
+                       ("node", "joiner"),
                        ("client", "alice"), ("client", "bob")):
         certs.issue(d, role, name, hosts=["127.0.0.1"])
     tls = TlsConfig.load(d, "n0")
@@ -181,3 +182,17 @@ def test_an_open_stream_ends_at_its_next_message_once_its_certificate_is_revoked
     q.put(None)
     assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
     assert "Send stream ended: its certificate was revoked" in e.value.details()
+
+
+def test_a_quorum_reply_with_a_newer_plan_admits_a_joining_groups_nodes(swarm):
+    _, service, stub = swarm
+    send = lambda: rpc.send(stub("joiner"), tensor(Kind.REDUCE, 0), timeout=RPC)  # noqa: E731
+    assert refusal(send)[0] is grpc.StatusCode.PERMISSION_DENIED
+    newer = node_pb2.Plan(stages=[node_pb2.StageAssignment(replica=3, stage=0,
+                                                           node_name="joiner")])
+    quorum = service._learning(lambda request: tracker_pb2.ReplicaQuorumReply(plan=newer))
+    assert quorum is not None
+    quorum(tracker_pb2.ReplicaQuorumRequest(job_id=JOB, replica=0, stage=0))
+    code, details = refusal(send)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT, details  # past identity, to the envelope
+    assert StageKey(3, 0) in service._access(JOB).keys

@@ -123,7 +123,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             Mailbox(input_capacity, bounded=BOUNDED_KINDS, job_cap=job_tensors,
                     job_of=inbox_job),
             lambda: StagePeers(self.channels, self._shaper, metrics), report, self.channels,
-            metrics=metrics, quorum=quorum)
+            metrics=metrics, quorum=self._learning(quorum))
         self.streams = StreamWatch(self.stages.runs, idle_stream,
                                    revoked_serials=self.verifier.revoked_serials
                                    if self.verifier is not None else None)
@@ -157,13 +157,37 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     # -- identity checks (policy.py's require_*, with this node's knowledge) --
     def _learn(self, request: node_pb2.LoadStageRequest) -> None:
+        self._learn_plan(request.job_id, request.plan, request.owner)
+
+    def _learn_plan(self, job_id: str, plan: node_pb2.Plan, owner: str | None = None) -> None:
+        """Remember ``plan``'s nodes and stage keys as ``job_id``'s (``owner``: its client,
+        taken for a job not known yet)."""
         with self._jobs_lock:
-            access = self._jobs.pop(request.job_id, None) or JobAccess(request.owner)
-            access.nodes.update(a.node_name for a in request.plan.stages)
-            access.keys.update(StageKey(a.replica, a.stage) for a in request.plan.stages)
-            self._jobs[request.job_id] = access
+            access = self._jobs.pop(job_id, None) or JobAccess(owner or "")
+            access.nodes.update(a.node_name for a in plan.stages)
+            access.keys.update(StageKey(a.replica, a.stage) for a in plan.stages)
+            self._jobs[job_id] = access
             while len(self._jobs) > KNOWN_JOBS:
                 self._jobs.popitem(last=False)
+
+    def _learning(self, quorum: Callable[[tracker_pb2.ReplicaQuorumRequest],
+                                         tracker_pb2.ReplicaQuorumReply] | None
+                  ) -> Callable[[tracker_pb2.ReplicaQuorumRequest],
+                                tracker_pb2.ReplicaQuorumReply] | None:
+        """``quorum``, learning the newer plan a reply carries: a replica group that joins
+        an elastic job is loaded on its own nodes only, and this node's stages first hear
+        of it here (then they send it their sums and it fetches their snapshots)."""
+        if quorum is None:
+            return None
+        call = quorum
+
+        def learning(request: tracker_pb2.ReplicaQuorumRequest
+                     ) -> tracker_pb2.ReplicaQuorumReply:
+            reply = call(request)
+            if reply.HasField("plan"):
+                self._learn_plan(request.job_id, reply.plan)
+            return reply
+        return learning
 
     def _access(self, job_id: str) -> JobAccess:
         with self._jobs_lock:
