@@ -90,8 +90,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
             job running here, before it is closed (:class:`~fedpipe.node.streams.StreamWatch`).
         job_snapshot_bytes: the most bytes one job's snapshots may take on this node, its
             own stages' and those sent by PutSnapshot together; a PutSnapshot past it is
-            refused with RESOURCE_EXHAUSTED (None: :data:`JOB_SNAPSHOT_BYTES`, at most a
-            quarter of ``resources.memory_bytes``).
+            refused with RESOURCE_EXHAUSTED (None: :data:`JOB_SNAPSHOT_BYTES`, at most
+            half of ``resources.memory_bytes``).
         quorum: one ReplicaQuorum call to the tracker (elastic replica groups; None:
             this node cannot run stages of elastic jobs).
     """
@@ -110,7 +110,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.trust_code = trust_code
         if job_snapshot_bytes is None:
             job_snapshot_bytes = min(JOB_SNAPSHOT_BYTES,
-                                     resources.memory_bytes // 4 or JOB_SNAPSHOT_BYTES)
+                                     resources.memory_bytes // 2 or JOB_SNAPSHOT_BYTES)
         self.job_snapshot_bytes = job_snapshot_bytes
         self.tls = tls
         # checks job signatures against the swarm CA and deny list (None: no TLS)
