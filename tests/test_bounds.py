@@ -207,3 +207,52 @@ def test_every_channel_and_server_gets_keepalive():
         assert given["grpc.keepalive_timeout_ms"] == round(
             net.timeouts.KEEPALIVE_TIMEOUT * 1000)
         assert given["grpc.keepalive_permit_without_calls"] == 1
+
+
+def test_a_watched_stream_ends_at_its_next_message_once_its_caller_is_revoked():
+    from fedpipe.security.certs import Identity, Role
+    from fedpipe.security.errors import DenyListUnreadable
+    from fedpipe.security.interceptor import _ATTR
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def peer(self):
+            return "ipv4:127.0.0.1:1"
+
+        def abort(self, code, details):
+            raise Aborted(code, details)
+
+    revoked: set[int] = set()
+    broken: list[str] = []
+
+    def serials() -> frozenset[int]:
+        if broken:
+            raise DenyListUnreadable(broken[0])
+        return frozenset(revoked)
+
+    watch = StreamWatch(lambda job: True, idle=60, interval=3600, revoked_serials=serials)
+    try:
+        ctx, other = Context(), Context()
+        setattr(ctx, _ATTR, Identity(Role.NODE, "n1", 7))
+        setattr(other, _ATTR, Identity(Role.NODE, "n2", 8))
+        with watch.open(ctx, "Send") as w, watch.open(other, "Send") as w2:
+            it, it2 = w.track(iter(range(10))), w2.track(iter(range(10)))
+            assert [next(it), next(it2)] == [0, 0]
+            revoked.add(7)
+            with pytest.raises(Aborted) as e:
+                next(it)
+            assert e.value.args == (grpc.StatusCode.UNAUTHENTICATED,
+                                    "Send stream ended: its certificate was revoked")
+            assert next(it2) == 1  # others' streams go on
+            broken.append("this server cannot read its deny list: bad JSON")
+            with pytest.raises(Aborted) as e:
+                next(it2)
+            assert e.value.args[0] is grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(Aborted):  # a stream opened after the revocation ends at once
+            broken.clear()
+            with watch.open(ctx, "FetchState"):
+                pass
+    finally:
+        watch.close()

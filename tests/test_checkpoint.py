@@ -89,3 +89,34 @@ def test_state_that_is_not_data_is_refused():
 
     with pytest.raises(TypeError, match="odd/f"):
         checkpoint.take({"odd": Odd()}, step=0)
+
+
+def _skeleton_only(meta: bytes) -> list[bytes]:
+    from fedpipe.wire import frames as wire_frames
+    return list(wire_frames.encode_frames(torch.frombuffer(bytearray(meta), dtype=torch.uint8),
+                                          name=checkpoint.SKELETON))
+
+
+@pytest.mark.parametrize("meta, match", [
+    (b'{"step": 1, "skeleton": {"module": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+     "nested deeper"),
+    (b'{"step": 1, "skeleton": {"module": ' + b'{"$l": [' * 400 + b"1" + b"]}" * 400 + b"}}",
+     "nested deeper"),
+    (b'{"step": 1, "skeleton": [["module", 1]]}', "want"),  # pairs, not a mapping
+    (b'{"step": "1", "skeleton": {}}', "want"),
+    (b'[1, 2]', "want"),
+    (b'{"step": 1, "skeleton": {"module": {"$t": 5}}}', "not a string"),
+])
+def test_a_malformed_skeleton_is_a_wire_error(meta, match):
+    with pytest.raises(WireError, match=match):
+        checkpoint.from_frames(_skeleton_only(meta), max_bytes=2**20)
+
+
+def test_an_oversized_snapshot_is_refused_on_a_header():
+    model, opt, sched = make()
+    snap = checkpoint.take(parts(model, opt, sched), step=0)
+    frames = list(checkpoint.to_frames(snap))
+    with pytest.raises(checkpoint.SnapshotTooLarge, match="limit of 100 bytes"):
+        checkpoint.from_frames(frames, max_bytes=100)
+    _, back = checkpoint.from_frames(frames, max_bytes=snap.nbytes)  # exactly fits
+    assert set(back.tensors) == set(snap.tensors)

@@ -575,3 +575,22 @@ def test_a_tls_config_shares_one_authenticator_so_a_pushed_deny_list_reaches_eve
         cfg.authenticator().authenticate(_auth_context(alice))
     names = [e.name for e in cfg.authenticator().deny_list().entries]
     assert names[-1] == "alice" and "gone" in names  # the file's, then the pushed
+
+
+def test_a_client_feeds_inputs_to_the_first_stage_and_targets_to_the_last():
+    alice, n1 = Identity(Role.CLIENT, "alice", 3), Identity(Role.NODE, "n1", 1)
+    inp, tgt, act = node_pb2.KIND_INPUT, node_pb2.KIND_TARGET, node_pb2.KIND_ACTIVATION
+    policy.require_feeds_stage(alice, inp, 0, 3, job_id="j1")
+    policy.require_feeds_stage(alice, tgt, 2, 3, job_id="j1")
+    policy.require_feeds_stage(alice, inp, 0, 1, job_id="j1")  # one stage takes both
+    policy.require_feeds_stage(alice, tgt, 0, 1, job_id="j1")
+    for kind, stage, says in ((inp, 1, "KIND_INPUT to stage 1 of job j1: a client feeds only "
+                                        "stage 0"),
+                              (tgt, 0, "KIND_TARGET to stage 0 of job j1: a client feeds only "
+                                       "stage 2"),
+                              (act, 1, "KIND_ACTIVATION to stage 1 of job j1: a client feeds "
+                                       "no stage")):
+        with pytest.raises(PermissionDenied, match=f"^client 'alice' may not send {says}"):
+            policy.require_feeds_stage(alice, kind, stage, 3, job_id="j1")
+    for who in (n1, None):  # stages send each other any kind; no TLS: loopback rules
+        policy.require_feeds_stage(who, act, 1, 3, job_id="j1")

@@ -25,7 +25,8 @@ from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..runtime import checkpoint
 from ..security import SecurityError, TlsConfig, identity_of
 from ..security.certs import Role
-from ..security.policy import require_assigned, require_owner, require_owner_or_assigned
+from ..security.policy import (require_assigned, require_feeds_stage, require_owner,
+                               require_owner_or_assigned)
 from ..security.signing import verify_job
 from ..spec import StageKey
 from ..wire import WireError, frames
@@ -34,14 +35,18 @@ from .mailbox import JOB_TENSORS, Full, Mailbox, Stopped
 from .streams import StreamWatch, Watched
 from .peers import (MAX_PINGS, MAX_PROBE_BYTES, MAX_PROBE_SECONDS, PROBE_BYTES, PROBE_PINGS,
                     PROBE_SECONDS, ChannelPool, Shaper, StagePeers, measure_link)
-from .stages import (BOUNDED_KINDS, BadEnvelope, NoSuchStage, StageExists, StageLoadError,
-                     StageRegistry, StageSlot, StaleEpoch, inbox_job)
+from .stages import (BOUNDED_KINDS, MAX_SNAPSHOT_BYTES, BadEnvelope, NoSuchStage, StageExists,
+                     StageLoadError, StageRegistry, StageSlot, StaleEpoch, inbox_job)
 
 log = logging.getLogger(__name__)
 
 MAX_MEASURE_PEERS = 4096
 """The most peers one MeasureLinks call may ask a node to probe (each probe sends up to
 ``MAX_PROBE_BYTES``, so this bounds what one request can make a node send)."""
+JOB_SNAPSHOT_BYTES = 4 * MAX_SNAPSHOT_BYTES
+"""Default of the most bytes one job's kept snapshots may take on a node: room for
+:data:`~fedpipe.spec.SNAPSHOTS_KEPT` (2) snapshots of two stages at the largest snapshot
+size, or many more of small stages; a buddy's made-up or flooding PutSnapshots stop there."""
 KNOWN_JOBS = 1024
 """Jobs whose owner and nodes a node remembers for its identity checks (the least recently
 loaded go first; a forgotten job's calls are refused as if it had no owner)."""
@@ -56,10 +61,13 @@ class JobAccess:
         nodes: the names of every node any of its plans assigned (all epochs: state
             moves from a node of an older plan to one of a newer, and the tracker names
             a new plan's nodes to the old plan's before they fetch, see AssignJob).
+        keys: every stage key (replica group, position) of its plans: the only ones
+            a snapshot may be kept under here.
     """
 
     owner: str
     nodes: set[str] = field(default_factory=set)
+    keys: set[StageKey] = field(default_factory=set)
 
 
 class NodeService(node_pb2_grpc.NodeServicer):
@@ -81,6 +89,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         tls: this node's certificate, for mutual TLS to its peers (None: plaintext).
         idle_stream: seconds a data-plane stream may carry nothing while it serves no
             job running here, before it is closed (:class:`~fedpipe.node.streams.StreamWatch`).
+        job_snapshot_bytes: the most bytes one job's snapshots may take on this node, its
+            own stages' and those sent by PutSnapshot together; a PutSnapshot past it is
+            refused with RESOURCE_EXHAUSTED (None: :data:`JOB_SNAPSHOT_BYTES`, at most
+            half of ``resources.memory_bytes``).
         quorum: one ReplicaQuorum call to the tracker (elastic replica groups; None:
             this node cannot run stages of elastic jobs).
     """
@@ -91,11 +103,16 @@ class NodeService(node_pb2_grpc.NodeServicer):
                  links: LinkProfile | None = None,
                  metrics: NodeMetrics | None = None, tls: TlsConfig | None = None,
                  idle_stream: float = timeouts.IDLE_STREAM,
+                 job_snapshot_bytes: int | None = None,
                  quorum: Callable[[tracker_pb2.ReplicaQuorumRequest],
                                   tracker_pb2.ReplicaQuorumReply] | None = None):
         self.node_id, self.name, self.resources = node_id, name, resources
         self.links = links
         self.trust_code = trust_code
+        if job_snapshot_bytes is None:
+            job_snapshot_bytes = min(JOB_SNAPSHOT_BYTES,
+                                     resources.memory_bytes // 2 or JOB_SNAPSHOT_BYTES)
+        self.job_snapshot_bytes = job_snapshot_bytes
         self.tls = tls
         # checks job signatures against the swarm CA and deny list (None: no TLS)
         self.verifier = tls.authenticator() if tls is not None else None
@@ -107,8 +124,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
             Mailbox(input_capacity, bounded=BOUNDED_KINDS, job_cap=job_tensors,
                     job_of=inbox_job),
             lambda: StagePeers(self.channels, self._shaper, metrics), report, self.channels,
-            metrics=metrics, quorum=quorum)
-        self.streams = StreamWatch(self.stages.runs, idle_stream)
+            metrics=metrics, quorum=self._learning(quorum))
+        self.streams = StreamWatch(self.stages.runs, idle_stream,
+                                   revoked_serials=self.verifier.revoked_serials
+                                   if self.verifier is not None else None)
 
     def _shaper(self, peer_name: str) -> Shaper | None:
         return self.links.shaper(self.name, peer_name) if self.links else None
@@ -138,14 +157,41 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(e.code, str(e))
 
     # -- identity checks (policy.py's require_*, with this node's knowledge) --
-    def _learn(self, job_id: str, owner: str, names: Iterable[str]) -> None:
-        """Remember that the tracker assigned the nodes ``names`` to ``job_id`` (of ``owner``)."""
+    def _learn(self, job_id: str, owner: str | None, names: Iterable[str],
+               keys: Iterable[StageKey] = ()) -> None:
+        """Remember that the tracker assigned the nodes ``names`` and stage ``keys`` to
+        ``job_id`` (``owner``: its client, taken for a job not known yet)."""
         with self._jobs_lock:
-            access = self._jobs.pop(job_id, None) or JobAccess(owner)
+            access = self._jobs.pop(job_id, None) or JobAccess(owner or "")
             access.nodes.update(names)
+            access.keys.update(keys)
             self._jobs[job_id] = access
             while len(self._jobs) > KNOWN_JOBS:
                 self._jobs.popitem(last=False)
+
+    def _learn_plan(self, job_id: str, plan: node_pb2.Plan, owner: str | None = None) -> None:
+        """Remember ``plan``'s nodes and stage keys as ``job_id``'s."""
+        self._learn(job_id, owner, (a.node_name for a in plan.stages),
+                    (StageKey(a.replica, a.stage) for a in plan.stages))
+
+    def _learning(self, quorum: Callable[[tracker_pb2.ReplicaQuorumRequest],
+                                         tracker_pb2.ReplicaQuorumReply] | None
+                  ) -> Callable[[tracker_pb2.ReplicaQuorumRequest],
+                                tracker_pb2.ReplicaQuorumReply] | None:
+        """``quorum``, learning the newer plan a reply carries: a replica group that joins
+        an elastic job is loaded on its own nodes only, and this node's stages first hear
+        of it here (then they send it their sums and it fetches their snapshots)."""
+        if quorum is None:
+            return None
+        call = quorum
+
+        def learning(request: tracker_pb2.ReplicaQuorumRequest
+                     ) -> tracker_pb2.ReplicaQuorumReply:
+            reply = call(request)
+            if reply.HasField("plan"):
+                self._learn_plan(request.job_id, reply.plan)
+            return reply
+        return learning
 
     def _access(self, job_id: str) -> JobAccess:
         with self._jobs_lock:
@@ -159,7 +205,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(e.code, str(e))
 
     def _require_assigned(self, context, job_id: str) -> None:
-        """Only a node of the job's plans may move its snapshots; aborts otherwise."""
+        """Only a node of the job's plans may send its stages tensors or move its snapshots;
+        aborts otherwise."""
         try:
             require_assigned(identity_of(context), self._access(job_id).nodes, job_id=job_id)
         except SecurityError as e:
@@ -188,7 +235,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"refusing pickled model code from {context.peer()}: start the node "
                           "with --trust-code to accept code from non-loopback peers")
-        self._learn(request.job_id, request.owner, (a.node_name for a in request.plan.stages))
+        self._learn_plan(request.job_id, request.plan, request.owner)
         try:
             self.stages.load(request)
         except StageExists as e:
@@ -222,10 +269,22 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 head = None if first is None else peek_header(first)
                 if first is None or head is None:
                     raise WireError("a snapshot stream must start with a header frame")
-                watch.belongs_to(head.envelope.job_id)
+                env = head.envelope
+                watch.belongs_to(env.job_id)
                 # before a byte of the snapshot is buffered
-                self._require_owner_or_assigned(context, head.envelope.job_id)
-                self.stages.keep_snapshot(itertools.chain([first], stream))
+                self._require_owner_or_assigned(context, env.job_id)
+                key = StageKey(env.replica, env.stage)
+                if key not in self._access(env.job_id).keys:
+                    raise WireError(f"job {env.job_id!r} has no stage {env.stage} of replica "
+                                    f"group {env.replica} in any plan this node knows")
+                limit = self.stages.snapshots.room(env.job_id, key, self.job_snapshot_bytes)
+                self.stages.keep_snapshot(itertools.chain([first], stream),
+                                          min(limit, MAX_SNAPSHOT_BYTES))
+            except checkpoint.SnapshotTooLarge as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"snapshot refused: {e} (a snapshot may take at most "
+                              f"{MAX_SNAPSHOT_BYTES} bytes, one job's kept snapshots "
+                              f"{self.job_snapshot_bytes} bytes on this node)")
             except WireError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed snapshot: {e}")
             except NoSuchStage as e:
@@ -244,12 +303,24 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     # -- data plane ---------------------------------------------------------
     def _admit(self, head: node_pb2.Frame, context, watch: Watched) -> int:
-        if head.envelope.kind != node_pb2.KIND_PROBE:
-            watch.belongs_to(head.envelope.job_id)
+        env = head.envelope
+        if env.kind == node_pb2.KIND_PROBE:  # a link probe is no job's
+            return self.stages.admit(env)
+        watch.belongs_to(env.job_id)
         identity = identity_of(context)
-        if identity is not None and identity.role is Role.CLIENT:  # a client feeds its own job
-            self._require_owner(context, head.envelope.job_id)
-        return self.stages.admit(head.envelope)  # raises what Send maps to a status
+        # who may send is checked before the stage is looked up or a payload byte is
+        # buffered: a node of the job's plans, or its own client
+        if identity is not None and identity.role is Role.CLIENT:
+            self._require_owner(context, env.job_id)
+            stage = self.stages.get(StageSlot(env.job_id, env.replica, env.stage))
+            try:  # inputs to the first stage, targets to the last
+                require_feeds_stage(identity, env.kind, env.stage, stage.n_stages,
+                                    job_id=env.job_id)
+            except SecurityError as e:
+                context.abort(e.code, str(e))
+        else:
+            self._require_assigned(context, env.job_id)
+        return self.stages.admit(env)  # raises what Send maps to a status
 
     def Send(self, request_iterator, context):
         with self.streams.open(context, "Send") as watch:

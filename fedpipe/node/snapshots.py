@@ -40,6 +40,18 @@ class SnapshotStore:
         with self._lock:
             return list(self._snaps.get((job_id, key), ()))
 
+    def room(self, job_id: str, key: StageKey, budget: int) -> int:
+        """Bytes one more snapshot of stage ``key`` may take while ``job_id``'s kept
+        snapshots stay within ``budget`` bytes (the one that snapshot would push out,
+        the stage's oldest when :attr:`keep` are kept, does not count); 0 at or past it."""
+        with self._lock:
+            held = sum(s.nbytes for (job, _), steps in self._snaps.items() if job == job_id
+                       for s in steps.values())
+            steps = self._snaps.get((job_id, key), OrderedDict())
+            if len(steps) >= self.keep:
+                held -= next(iter(steps.values())).nbytes
+        return max(0, budget - held)
+
     def drop_job(self, job_id: str) -> None:
         """Forget every snapshot of ``job_id``."""
         with self._lock:

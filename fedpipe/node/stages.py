@@ -87,8 +87,9 @@ class StaleEpoch(Exception):
     """A message of another plan epoch than the stage's: from before a recovery, never taken."""
 
 
-MAX_SNAPSHOT_BYTES = codecs.MAX_TENSOR_BYTES
-"""Largest snapshot a node accepts from a buddy or a restore source, bytes."""
+MAX_SNAPSHOT_BYTES = 4 * 2**30
+"""Largest snapshot a node accepts from a buddy or a restore source, bytes: a stage of
+about 250 M float32 parameters with AdamW's two moments (16 bytes a parameter)."""
 HOLD_RECHECK = 0.2
 """Seconds a stage holding at a hand-over cut waits before it looks at its stop event again."""
 RELEASE_JOIN = timeouts.THREAD_JOIN
@@ -632,16 +633,18 @@ class StageRegistry:
         if not stage.stop.is_set():
             self._report(stage, tracker_pb2.StageReport.STATUS_CHECKPOINT, step=snap.step)
 
-    def keep_snapshot(self, stream: Iterator[bytes]) -> None:
+    def keep_snapshot(self, stream: Iterator[bytes], max_bytes: int = MAX_SNAPSHOT_BYTES
+                      ) -> None:
         """Keep a buddy's snapshot sent by ``PutSnapshot`` (or the job's client's, restoring
-        a saved checkpoint).
+        a saved checkpoint), of at most ``max_bytes``.
 
         Raises:
-            WireError: a malformed, truncated or oversized snapshot, or one whose
-                envelope is not a snapshot's.
+            SnapshotTooLarge: the snapshot's tensors would take more than ``max_bytes``.
+            WireError: a malformed or truncated snapshot, or one whose envelope is not a
+                snapshot's.
             NoSuchStage: this node holds no stage of that job (it is no buddy of it).
         """
-        first, snap = checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)
+        first, snap = checkpoint.from_frames(stream, max_bytes)
         env = first.envelope
         if env.kind != Kind.SNAPSHOT or env.step != snap.step:
             raise WireError(f"a snapshot stream needs a KIND_SNAPSHOT envelope of its step "

@@ -14,6 +14,11 @@ outer steps on purpose. A peer that died behind one is found by the
 connection's keepalive (:data:`fedpipe.net.timeouts.KEEPALIVE_TIME`).
 
 A cancelled call ends on the caller's side with CANCELLED; the node logs why.
+
+With TLS a stream also ends when its caller's certificate is revoked while it is
+open: TLS and the interceptor check the certificate once, when the call
+starts, so each message a stream carries looks up the caller's serial in the
+deny list again (a set lookup) and the call ends with UNAUTHENTICATED.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from typing import Callable, Iterator, TypeVar
 import grpc
 
 from ..net import timeouts
+from ..security import SecurityError, identity_of
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +39,18 @@ T = TypeVar("T")
 
 
 class Watched:
-    """One open stream: its call, the job it belongs to ("" not yet known), its last message."""
+    """One open stream: its call, the job it belongs to ("" not yet known), its last message.
 
-    def __init__(self, context: grpc.ServicerContext, method: str, job_id: str = ""):
+    Args:
+        revoked: whether the caller's certificate is revoked now (None: no TLS); it may
+            raise :class:`~fedpipe.security.SecurityError` (a deny list it cannot read).
+    """
+
+    def __init__(self, context: grpc.ServicerContext, method: str, job_id: str = "",
+                 revoked: Callable[[], bool] | None = None):
         self.context, self.method, self.job_id = context, method, job_id
         self.last = time.monotonic()
+        self._revoked = revoked
 
     def touch(self) -> None:
         """A message went by now."""
@@ -47,9 +60,23 @@ class Watched:
         """The stream carries ``job_id``'s tensors."""
         self.job_id = job_id
 
+    def check(self) -> None:
+        """End the call (UNAUTHENTICATED) if the caller's certificate has been revoked."""
+        if self._revoked is None:
+            return
+        try:
+            if not self._revoked():
+                return
+            code, why = grpc.StatusCode.UNAUTHENTICATED, "its certificate was revoked"
+        except SecurityError as e:
+            code, why = e.code, str(e)
+        log.warning("ending a %s stream from %s: %s", self.method, self.context.peer(), why)
+        self.context.abort(code, f"{self.method} stream ended: {why}")
+
     def track(self, messages: Iterator[T]) -> Iterator[T]:
-        """``messages``, touching the stream at each."""
+        """``messages``, touching the stream at each and checking the caller is not revoked."""
         for m in messages:
+            self.check()
             self.touch()
             yield m
 
@@ -62,10 +89,14 @@ class StreamWatch:
         idle: seconds a stream may carry nothing while it serves no running job.
         interval: seconds between the reaper's looks (default: a quarter of ``idle``,
             at most 1 s), so a stream ends within ``idle + interval``.
+        revoked_serials: the certificate serials refused now (the server's
+            :meth:`~fedpipe.security.tls.Authenticator.revoked_serials`; None: no TLS).
     """
 
     def __init__(self, runs: Callable[[str], bool], idle: float = timeouts.IDLE_STREAM,
-                 interval: float | None = None):
+                 interval: float | None = None,
+                 revoked_serials: Callable[[], frozenset[int]] | None = None):
+        self.revoked_serials = revoked_serials
         if not idle > 0:
             raise ValueError(f"idle must be > 0 seconds, got {idle}")
         self.runs, self.idle = runs, idle
@@ -81,7 +112,14 @@ class StreamWatch:
     def open(self, context: grpc.ServicerContext, method: str,
              job_id: str = "") -> Iterator[Watched]:
         """Watch the current call for as long as the block runs."""
-        w = Watched(context, method, job_id)
+        revoked = None
+        identity = identity_of(context) if self.revoked_serials is not None else None
+        if identity is not None:
+            serials, serial = self.revoked_serials, identity.serial
+            assert serials is not None
+            revoked = lambda: serial in serials()  # noqa: E731
+        w = Watched(context, method, job_id, revoked)
+        w.check()  # revoked between the interceptor's look and now
         with self._lock:
             self._open.add(w)
         try:

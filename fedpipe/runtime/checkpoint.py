@@ -23,13 +23,20 @@ from typing import Any, Iterable, Iterator, Mapping, Protocol
 import torch
 
 from ..proto import node_pb2
-from ..wire import frames
+from ..wire import codecs, frames
 from ..wire.codecs import WireError
 
 SKELETON = "__skeleton__"
 """Name of the tensor (uint8, JSON text) that carries a snapshot's non-tensor state."""
 MAX_SKELETON_BYTES = 64 * 2**20
 """Largest skeleton a decoder accepts, bytes."""
+MAX_SKELETON_DEPTH = 256
+"""Deepest nesting a decoder accepts in a skeleton (a state dict's tree takes about three
+levels per dict level, :func:`_flatten`; real ones stay under 30)."""
+
+
+class SnapshotTooLarge(WireError):
+    """A snapshot's tensors would take more than the receiver's limit (refused on a header)."""
 
 
 class Checkpointable(Protocol):
@@ -155,8 +162,9 @@ def from_frames(stream: Iterable[bytes], max_bytes: int) -> tuple[node_pb2.Frame
 
     Raises:
         WireError: a malformed or truncated stream (no skeleton, a tensor the
-            skeleton does not name or names twice, a tensor missing, over
-            ``max_bytes``, bad JSON).
+            skeleton does not name or names twice, a tensor missing, bad JSON, a
+            skeleton of another shape or nested deeper than :data:`MAX_SKELETON_DEPTH`).
+        SnapshotTooLarge: a tensor's header would take the snapshot over ``max_bytes``.
     """
     first: node_pb2.Frame | None = None
     snap: Snapshot | None = None
@@ -165,18 +173,19 @@ def from_frames(stream: Iterable[bytes], max_bytes: int) -> tuple[node_pb2.Frame
     def admit(head: node_pb2.Frame) -> int:
         if head.name == SKELETON:
             return MAX_SKELETON_BYTES
-        return max(0, max_bytes - total)
+        need = codecs.check_header(head.tensor)
+        if need > max_bytes - total:  # refused on its header, before its payload is read
+            raise SnapshotTooLarge(f"snapshot tensor {head.name!r} of {need} bytes would take "
+                                   f"the snapshot past its limit of {max_bytes} bytes "
+                                   f"({total} bytes so far)")
+        return max_bytes - total
 
     for head, t in frames.read_tensors(stream, admit):
         if first is None:
             if head.name != SKELETON or t.dtype != torch.uint8:
                 raise WireError("a snapshot stream must start with its skeleton")
             first = head
-            try:
-                meta = json.loads(bytes(t.numpy()).decode())
-                snap = Snapshot(int(meta["step"]), skeleton=dict(meta["skeleton"]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise WireError(f"bad snapshot skeleton: {e}") from None
+            snap = _read_skeleton(bytes(t.numpy()))
             continue
         assert snap is not None
         if head.name in snap.tensors:
@@ -185,8 +194,7 @@ def from_frames(stream: Iterable[bytes], max_bytes: int) -> tuple[node_pb2.Frame
         snap.tensors[head.name] = t
     if first is None or snap is None:
         raise WireError("empty snapshot stream")
-    named: set[str] = set()
-    _collect_paths(snap.skeleton, named)
+    named = _collect_paths(snap.skeleton)
     if named != set(snap.tensors):
         missing, extra = sorted(named - set(snap.tensors)), sorted(set(snap.tensors) - named)
         raise WireError(f"truncated or inconsistent snapshot of step {snap.step}: missing "
@@ -194,12 +202,54 @@ def from_frames(stream: Iterable[bytes], max_bytes: int) -> tuple[node_pb2.Frame
     return first, snap
 
 
-def _collect_paths(node: Any, out: set[str]) -> None:
-    if isinstance(node, dict):
-        if "$t" in node:
-            out.add(node["$t"])
-        for v in node.values():
-            _collect_paths(v, out)
-    elif isinstance(node, list):
-        for v in node:
-            _collect_paths(v, out)
+def _read_skeleton(raw: bytes) -> Snapshot:
+    """The empty snapshot a skeleton frame describes: ``{"step": int, "skeleton": {part: tree}}``.
+
+    Raises:
+        WireError: not JSON, another shape (a list of pairs is not a mapping), or
+            nested deeper than :data:`MAX_SKELETON_DEPTH`.
+    """
+    try:
+        meta = json.loads(raw.decode())
+    except RecursionError:  # the C decoder's own depth limit, below ours only on odd builds
+        raise WireError(f"bad snapshot skeleton: nested deeper than {MAX_SKELETON_DEPTH} "
+                        "levels") from None
+    except ValueError as e:
+        raise WireError(f"bad snapshot skeleton: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("skeleton"), dict) \
+            or type(meta.get("step")) is not int:
+        raise WireError('bad snapshot skeleton: want {"step": int, "skeleton": {part: tree}}, '
+                        f"got a {type(meta).__name__}"
+                        + (f" with keys {sorted(map(str, meta))[:5]}" if isinstance(meta, dict)
+                           else ""))
+    snap = Snapshot(meta["step"], skeleton=meta["skeleton"])
+    _collect_paths(snap.skeleton)  # depth and leaf checks now, before any tensor is read
+    return snap
+
+
+def _collect_paths(root: Any) -> set[str]:
+    """The tensor names a skeleton refers to (its ``{"$t": name}`` leaves).
+
+    Iterative, so a deep tree cannot exhaust the interpreter's stack.
+
+    Raises:
+        WireError: nested deeper than :data:`MAX_SKELETON_DEPTH`, or a ``$t`` leaf
+            whose name is not a string.
+    """
+    out: set[str] = set()
+    todo: list[tuple[Any, int]] = [(root, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > MAX_SKELETON_DEPTH:
+            raise WireError(f"bad snapshot skeleton: nested deeper than {MAX_SKELETON_DEPTH} "
+                            "levels")
+        if isinstance(node, dict):
+            if "$t" in node:
+                if not isinstance(node["$t"], str):
+                    raise WireError(f"bad snapshot skeleton: a tensor leaf names "
+                                    f"{type(node['$t']).__name__} {node['$t']!r}, not a string")
+                out.add(node["$t"])
+            todo.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            todo.extend((v, depth + 1) for v in node)
+    return out

@@ -119,7 +119,9 @@ POLICY: Mapping[str, Rule] = {
         # the tracker stops a job's stages; its own client releases them at the end
         "StopJob": Rule(_roles(TRACKER, CLIENT), service_check="require_owner(identity, owner)"),
         "Send": Rule(_roles(NODE, CLIENT), message_check=check_send_kind,
-                     service_check="clients: require_owner(identity, owner)"),
+                     service_check="clients: require_owner(identity, owner) and "
+                                   "require_feeds_stage(...); nodes: require_assigned("
+                                   "identity, nodes)"),
         # state moves between nodes (checkpoints, drains, healing) and to the job's client
         "FetchState": Rule(_roles(CLIENT, NODE), service_check="require_owner_or_assigned("
                                                               "identity, owner, nodes)"),
@@ -210,8 +212,9 @@ def require_owner(identity: Identity | None, owner: str, *, job_id: str = "") ->
 
 def require_assigned(identity: Identity | None, assigned: Collection[str], *,
                      job_id: str = "") -> None:
-    """Only a node that a plan of the job assigned (``assigned``: node names) may move its
-    checkpoint snapshots (PutSnapshot to its buddy, FetchSnapshot to restore).
+    """Only a node that a plan of the job assigned (``assigned``: node names) may send
+    its stages tensors or move its checkpoint snapshots (PutSnapshot to its buddy,
+    FetchSnapshot to restore).
 
     Raises:
         PermissionDenied: a node not assigned to the job, or any other role, naming the job.
@@ -219,6 +222,29 @@ def require_assigned(identity: Identity | None, assigned: Collection[str], *,
     if identity is None or (identity.role is NODE and identity.name in assigned):
         return
     raise PermissionDenied(f"{identity} is not assigned to job {job_id or '?'}")
+
+
+def require_feeds_stage(identity: Identity | None, kind: int, stage: int, n_stages: int, *,
+                        job_id: str = "") -> None:
+    """A client feeds only the stage that consumes what it sends: inputs the first stage of
+    the pipeline, targets the last (stage indices ``0 .. n_stages-1`` of the plan).
+
+    Nodes (and callers without TLS) pass: stages send each other activations and gradients.
+
+    Raises:
+        PermissionDenied: a client sending inputs past the first stage, targets to another
+            than the last, or any other kind; the message names the job and stage.
+    """
+    if identity is None or identity.role is not CLIENT:
+        return
+    wanted = (0 if kind == node_pb2.KIND_INPUT else
+              n_stages - 1 if kind == node_pb2.KIND_TARGET else None)
+    if wanted == stage:
+        return
+    name = node_pb2.Kind.Name(kind) if kind in node_pb2.Kind.values() else f"kind {kind}"
+    where = "no stage" if wanted is None else f"only stage {wanted}"
+    raise PermissionDenied(f"{identity} may not send {name} to stage {stage} of job "
+                           f"{job_id or '?'}: a client feeds {where} with it")
 
 
 def require_owner_or_assigned(identity: Identity | None, owner: str,
