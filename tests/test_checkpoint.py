@@ -120,3 +120,21 @@ def test_an_oversized_snapshot_is_refused_on_a_header():
         checkpoint.from_frames(frames, max_bytes=100)
     _, back = checkpoint.from_frames(frames, max_bytes=snap.nbytes)  # exactly fits
     assert set(back.tensors) == set(snap.tensors)
+
+
+def test_a_node_keeps_the_last_complete_checkpoint_however_many_newer_come():
+    from fedpipe.node.snapshots import SnapshotStore
+    from fedpipe.spec import StageKey
+    model, opt, sched = make()
+    store, key = SnapshotStore(keep=2), StageKey(0, 0)
+    store.put("job", key, checkpoint.take(parts(model, opt, sched), step=100))
+    store.protect("job", 100)  # the tracker: 100 is the last complete checkpoint
+    for step in (200, 300, 400):  # checkpoints the tracker never completes
+        store.put("job", key, checkpoint.take(parts(model, opt, sched), step=step))
+    assert store.steps("job", key) == [100, 300, 400]
+    store.protect("job", 300)  # once a newer one completes, the old one may go
+    assert store.steps("job", key) == [300, 400]
+    store.put("other", key, checkpoint.take(parts(model, opt, sched), step=1))
+    store.put("other", key, checkpoint.take(parts(model, opt, sched), step=2))
+    store.put("other", key, checkpoint.take(parts(model, opt, sched), step=3))
+    assert store.steps("other", key) == [2, 3]  # another job: the newest two, as before

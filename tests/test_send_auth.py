@@ -62,11 +62,11 @@ def swarm(tmp_path_factory):
         request = node_pb2.LoadStageRequest(
             job_id=JOB, replica=0, stage=i, plan=plan, config=spec.to_proto(), owner="alice",
             layers=[cloudpickle.dumps(nn.Linear(4, 4))])
-        service._learn(request)  # what LoadStage learns, without the tracker's signature
+        service._learn_plan(JOB, plan, "alice")  # what LoadStage learns, without the tracker's signature
         service.stages.load(request)
     later = node_pb2.LoadStageRequest(job_id=JOB, owner="alice", plan=node_pb2.Plan(stages=[
         node_pb2.StageAssignment(replica=0, stage=1, node_id="n1", node_name="n1")]))
-    service._learn(later)
+    service._learn_plan(JOB, later.plan, "alice")
     channels: dict[str, grpc.Channel] = {}
 
     def stub(name: str) -> rpc.NodeStub:

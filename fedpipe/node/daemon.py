@@ -200,6 +200,8 @@ class NodeDaemon:
                     self.drained.set()
                 if reply.drop or reply.drop_jobs:
                     self.service.stages.drop(list(reply.drop), list(reply.drop_jobs))
+                for job_id, step in reply.checkpoints.items():
+                    self.service.stages.snapshots.protect(job_id, step)
                 self._take_deny_list(reply)
                 if reply.known:
                     self._lease_from(reply)

@@ -94,7 +94,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., holds: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "lease_seconds", "heartbeat_seconds", "drop", "drop_jobs", "drain", "drained", "revoked")
+    __slots__ = ("known", "lease_seconds", "heartbeat_seconds", "drop", "drop_jobs", "drain", "drained", "revoked", "checkpoints")
+    class CheckpointsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +110,7 @@ class HeartbeatReply(_message.Message):
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     REVOKED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     lease_seconds: float
     heartbeat_seconds: float
@@ -111,7 +119,8 @@ class HeartbeatReply(_message.Message):
     drain: bool
     drained: bool
     revoked: _containers.RepeatedCompositeFieldContainer[RevokedCert]
-    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., drop_jobs: _Optional[_Iterable[str]] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ..., revoked: _Optional[_Iterable[_Union[RevokedCert, _Mapping]]] = ...) -> None: ...
+    checkpoints: _containers.ScalarMap[str, int]
+    def __init__(self, known: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., drop_jobs: _Optional[_Iterable[str]] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ..., revoked: _Optional[_Iterable[_Union[RevokedCert, _Mapping]]] = ..., checkpoints: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RevokedCert(_message.Message):
     __slots__ = ("serial", "name", "revoked_at")

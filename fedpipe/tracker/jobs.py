@@ -629,6 +629,19 @@ class Jobs:
                     stages.append(ref)
         return stages, sorted(jobs)
 
+    def checkpoints(self, holds: list[tracker_pb2.StageRef]) -> dict[str, int]:
+        """The last complete checkpoint of each active job in ``holds`` (a node's holdings):
+        the node must keep that snapshot, however many newer ones it takes meanwhile."""
+        steps = {}
+        for job_id in {ref.job_id for ref in holds}:
+            try:
+                job = self.store.job(job_id)
+            except KeyError:
+                continue
+            if job.state not in TERMINAL:
+                steps[job_id] = job.checkpoint_step
+        return steps
+
     def pending(self) -> list[str]:
         """Ids of PENDING jobs, oldest first."""
         return self.store.jobs_in(S.JOB_STATE_PENDING)

@@ -212,7 +212,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
                                 heartbeat_seconds=r.heartbeat_seconds, drop=drop,
                                 drop_jobs=drop_jobs,
                                 drain=request.node_id in elastic.draining,
-                                drained=elastic.drained(request.node_id), revoked=revoked)
+                                drained=elastic.drained(request.node_id), revoked=revoked,
+                                checkpoints=self.tracker.jobs.checkpoints(list(request.holds)))
 
     @_unary
     def ListNodes(self, request, context):
