@@ -66,7 +66,8 @@ def submit(client, data, min_replicas, sync="allreduce"):
     model = digits.make_model(hidden=32)
     job = client.submit(model, LOSS, SGD, data, steps=STEPS, microbatches=2, stages=1,
                         replicas=2, replica_sync=sync, compression="none",
-                        checkpoint_every=EVERY, min_replicas=min_replicas)
+                        checkpoint_every=EVERY, min_replicas=min_replicas,
+                        rebalance="never")  # no migration onto the spare: only the heal
     return model, job
 
 

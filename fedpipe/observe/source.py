@@ -13,6 +13,7 @@ pick them up (:func:`stage_times_of`).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Protocol, Sequence, runtime_checkable
 
 import grpc
@@ -109,9 +110,11 @@ class GrpcSource:
             raise
 
     def events(self, job_id: str, after_seq: int) -> list[tracker_pb2.JobEvent]:
-        # WatchJob streams a running job's events for ever: read until the
-        # stream stays quiet for ``catch_up`` seconds (or ends, for a finished job)
+        # WatchJob streams a running job's events for ever: read until the stream
+        # stays quiet for ``catch_up`` seconds (or ends, for a finished job), or
+        # brings an event from after this call began (a busy job is never quiet)
         out: list[tracker_pb2.JobEvent] = []
+        began = time.time()
         while True:
             got = 0
             try:
@@ -125,7 +128,7 @@ class GrpcSource:
                     raise KeyError(job_id) from None
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
-            if not got:
+            if not got or out[-1].time >= began:
                 return out
 
 
