@@ -27,7 +27,7 @@ plain all-reduce job.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -70,6 +70,51 @@ def _peer_failed(handler: Callable[[str], None] | None, error: StageError) -> No
 class _Superseded(Exception):
     def __init__(self, quorum: Quorum):
         self.quorum = quorum
+
+
+_T = TypeVar("_T")
+
+
+class _Member(Protocol):
+    me: StageKey
+    ask: AskQuorum
+    quorum: Quorum | None
+    retries: int
+
+
+def _commit(sync: _Member, step: int, what: str, done: str,
+            compute: Callable[[Quorum], _T]) -> tuple[_T, Quorum]:
+    """Run ``compute`` over the members the tracker names for ``step`` until the tracker
+    commits ``step`` under the members it ran over; returns its result and that quorum
+    (also kept in ``sync.quorum``). ``compute`` raises :class:`_Superseded` when the
+    members changed under it; it is then run again over the new ones.
+
+    Raises:
+        GroupDropped: ``sync``'s group is no longer in the job.
+        StageError: ``what`` (e.g. "step 7") was committed under another replica epoch
+            than the one this stage ``done`` it under (e.g. "summed it").
+    """
+    version = sync.quorum.version if sync.quorum is not None else -1
+    q = sync.ask(step, version, False, 0.0)
+    while True:
+        if q.dropped:
+            raise GroupDropped(f"replica group {sync.me.replica} was dropped from the job "
+                               f"(replica epoch {q.version})")
+        try:
+            result = compute(q)
+        except _Superseded as e:
+            q, sync.retries = e.quorum, sync.retries + 1
+            continue
+        answer = q
+        while not (answer.committed or answer.dropped) and answer.version == q.version:
+            answer = sync.ask(step, q.version, True, timeouts.QUORUM_COMMIT_WAIT)
+        if answer.committed and answer.version == q.version:
+            sync.quorum = answer
+            return result, q
+        if answer.committed:
+            raise StageError(f"{what} committed under replica epoch {answer.version} "
+                             f"while this stage {done} under {q.version}")
+        q, sync.retries = answer, sync.retries + 1
 
 
 class ElasticGradientSync:
@@ -126,31 +171,15 @@ class ElasticGradientSync:
             GroupDropped: this stage's group is no longer in the job.
             StageError: a send failed, or the tracker answered out of turn.
         """
-        version = self.quorum.version if self.quorum is not None else -1
-        q = self.ask(step, version, False, 0.0)
         n, batch = self.samples()
-        while True:
-            if q.dropped:
-                raise GroupDropped(f"replica group {self.me.replica} was dropped from the job "
-                                   f"(replica epoch {q.version})")
+
+        def reduce(q: Quorum) -> list[tuple[torch.Tensor, float]]:
             if q.version > MAX_VERSION:
                 raise StageError(f"replica epoch {q.version} is past {MAX_VERSION}: the ring "
                                  f"tags no longer fit")
-            try:
-                sums = self._reduce(step, q, n)
-            except _Superseded as e:
-                q, self.retries = e.quorum, self.retries + 1
-                continue
-            answer = q
-            while not (answer.committed or answer.dropped) and answer.version == q.version:
-                answer = self.ask(step, q.version, True, timeouts.QUORUM_COMMIT_WAIT)
-            if answer.committed and answer.version == q.version:
-                break
-            if answer.committed:
-                raise StageError(f"step {step} committed under replica epoch {answer.version} "
-                                 f"while this stage summed it under {q.version}")
-            q, self.retries = answer, self.retries + 1
-        self.quorum = answer
+            return self._reduce(step, q, n)
+
+        sums, q = _commit(self, step, f"step {step}", "summed it", reduce)
         for (_, _, params), (total, count) in zip(self._mine(q.members), sums):
             scale = None if count == batch else batch / count
             offset = 0
@@ -290,27 +319,9 @@ class ElasticOuterSync(OuterSync):
                ) -> list[torch.Tensor]:
         """Outer step ``k`` after inner step ``step``: the members' mean of each segment,
         once committed (``own``: this stage's ``(sent, seen)`` pseudo-gradients)."""
-        version = self.quorum.version if self.quorum is not None else -1
-        q = self.ask(step, version, False, 0.0)
-        while True:
-            if q.dropped:
-                raise GroupDropped(f"replica group {self.me.replica} was dropped from the job "
-                                   f"(replica epoch {q.version})")
-            try:
-                means = [self._mean(k, i, q, sent, seen) for i, (sent, seen) in enumerate(own)]
-            except _Superseded as e:
-                q, self.retries = e.quorum, self.retries + 1
-                continue
-            answer = q
-            while not (answer.committed or answer.dropped) and answer.version == q.version:
-                answer = self.ask(step, q.version, True, timeouts.QUORUM_COMMIT_WAIT)
-            if answer.committed and answer.version == q.version:
-                break
-            if answer.committed:
-                raise StageError(f"outer step after step {step} committed under replica epoch "
-                                 f"{answer.version} while this stage averaged under {q.version}")
-            q, self.retries = answer, self.retries + 1
-        self.quorum = answer
+        means, _ = _commit(
+            self, step, f"outer step after step {step}", "averaged",
+            lambda q: [self._mean(k, i, q, sent, seen) for i, (sent, seen) in enumerate(own)])
         return means
 
     def _mean(self, k: int, i: int, q: Quorum, sent: torch.Tensor,
