@@ -62,7 +62,8 @@ def swarm(tmp_path_factory):
         request = node_pb2.LoadStageRequest(
             job_id=JOB, replica=0, stage=i, plan=plan, config=spec.to_proto(), owner="alice",
             layers=[cloudpickle.dumps(nn.Linear(4, 4))])
-        service._learn_plan(JOB, plan, "alice")  # what LoadStage learns, without the tracker's signature
+        # what LoadStage learns, without the tracker's signature
+        service._learn_plan(JOB, plan, "alice")
         service.stages.load(request)
     later = node_pb2.LoadStageRequest(job_id=JOB, owner="alice", plan=node_pb2.Plan(stages=[
         node_pb2.StageAssignment(replica=0, stage=1, node_id="n1", node_name="n1")]))
