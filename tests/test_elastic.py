@@ -21,7 +21,7 @@ from fedpipe.examples import digits
 from fedpipe.proto import tracker_pb2
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
-from reference import max_relative_difference, single_process
+from reference import digit_batches, job_info, max_relative_difference, single_process
 
 pytestmark = pytest.mark.timeout(300)
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -38,20 +38,10 @@ def swarm():
         yield s
 
 
-def batches(n=STEPS, batch=32):
-    x, y, _, _ = digits.load()
-    gen = digits.batches(x, y, batch)
-    return [next(gen) for _ in range(n)]
-
-
-def info(client, job):
-    return client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10)
-
-
 def holder(client, job, stage):
     """The assignment of ``stage`` of group 0 once the job runs."""
     deadline = time.monotonic() + 120
-    while (now := info(client, job)).state != tracker_pb2.JOB_STATE_RUNNING:
+    while (now := job_info(client, job)).state != tracker_pb2.JOB_STATE_RUNNING:
         assert time.monotonic() < deadline and now.state in (
             tracker_pb2.JOB_STATE_PENDING, tracker_pb2.JOB_STATE_PLANNING,
             tracker_pb2.JOB_STATE_DEPLOYING), now.reason
@@ -75,7 +65,7 @@ def finish_exact(client, model, job, data) -> tracker_pb2.JobInfo:
     want = single_process(model, LOSS, SGD, data)
     assert max_relative_difference(got, want) <= 1e-5
     job.release()
-    return info(client, job)
+    return job_info(client, job)
 
 
 def replace_gone(swarm, n=4):
@@ -92,7 +82,7 @@ def the_handover(final: tracker_pb2.JobInfo, cause: str) -> tracker_pb2.Recovery
 
 
 def test_fedpipe_drain_mid_job_moves_the_stage_with_no_step_recomputed(swarm):
-    client, data = swarm.client(), batches()
+    client, data = swarm.client(), digit_batches(STEPS)
     model, job = submit(client, data)
     victim = holder(client, job, 1)
     proc = swarm.nodes[swarm.node_index(victim.node_name)]
@@ -111,7 +101,7 @@ def test_fedpipe_drain_mid_job_moves_the_stage_with_no_step_recomputed(swarm):
 
 
 def test_sigterm_drains_a_node_which_then_exits(swarm):
-    client, data = swarm.client(), batches()
+    client, data = swarm.client(), digit_batches(STEPS)
     model, job = submit(client, data, schedule="gpipe")
     victim = holder(client, job, 2)
     proc = swarm.nodes[swarm.node_index(victim.node_name)]
@@ -128,7 +118,7 @@ def test_sigterm_drains_a_node_which_then_exits(swarm):
 
 
 def test_a_draining_node_takes_no_new_work(swarm):
-    client, data = swarm.client(), batches()
+    client, data = swarm.client(), digit_batches(STEPS)
     idle = client.nodes()[-1]
     proc = swarm.nodes[swarm.node_index(idle.name)]
     swarm.faulted.add(proc)
@@ -140,7 +130,7 @@ def test_a_draining_node_takes_no_new_work(swarm):
     assert not any(v for k, v in flags.items() if k != idle.name)
     model, job = submit(client, data)
     holder(client, job, 0)
-    assert idle.node_id not in PlanView(info(client, job).plan).node_ids()
+    assert idle.node_id not in PlanView(job_info(client, job).plan).node_ids()
     job.cancel()
     assert proc.wait(timeout=30) == 0  # it ran nothing: it leaves at its next heartbeat
     replace_gone(swarm)
@@ -154,7 +144,7 @@ JOIN_STEPS = 80
 
 def test_a_node_joining_mid_job_takes_a_stage_when_it_pays_and_weights_stay_exact():
     with LocalSwarm(n_nodes=2, lease=5.0, link_profile=SLOW) as swarm:
-        client, data = swarm.client(), batches(JOIN_STEPS)
+        client, data = swarm.client(), digit_batches(JOIN_STEPS)
         model, job = submit(client, data, stages=2, rebalance="auto", steps=JOIN_STEPS)
         slow = holder(client, job, 1) if holder(client, job, 1).node_name == "node1" \
             else holder(client, job, 0)

@@ -18,11 +18,11 @@ from torch import nn
 
 import fedpipe
 from fedpipe.examples import digits
-from fedpipe.proto import node_pb2, tracker_pb2
+from fedpipe.proto import node_pb2
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames
-from reference import max_relative_difference, single_process
+from reference import digit_batches, job_info, max_relative_difference, single_process
 
 pytestmark = pytest.mark.timeout(300)
 # a setting in which a few half batches move the held-out loss by < 1 % (checked against
@@ -49,16 +49,6 @@ def spare_again(swarm):
     swarm.wait_for_nodes(3)
 
 
-def batches(n=STEPS, batch=32):
-    x, y, _, _ = digits.load()
-    gen = digits.batches(x, y, batch)
-    return [next(gen) for _ in range(n)]
-
-
-def info(client, job):
-    return client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10)
-
-
 DILOCO = fedpipe.DiLoCo(inner_steps=4, outer_lr=0.7, outer_momentum=0.9)
 
 
@@ -73,7 +63,7 @@ def submit(client, data, min_replicas, sync="allreduce"):
 
 def group_state(client, job, replica):
     """The weights of replica group ``replica`` (one stage), fetched from its node."""
-    (a,) = PlanView(info(client, job).plan).chain(replica)
+    (a,) = PlanView(job_info(client, job).plan).chain(replica)
     stream = client.node(a.address).FetchState(
         node_pb2.FetchStateRequest(job_id=job.id, replica=a.replica, stage=a.stage), timeout=60)
     return {head.name: t for head, t in frames.read_tensors(stream)}
@@ -89,7 +79,7 @@ def held_out_loss(model, state):
 
 @pytest.mark.parametrize("sync", ["allreduce", "diloco"])
 def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exactly(swarm, sync):
-    client, data = swarm.client(), batches()
+    client, data = swarm.client(), digit_batches(STEPS)
     if sync == "diloco":  # the undisturbed run, to compare the final loss with
         model, job = submit(client, data, min_replicas=1, sync=DILOCO)
         assert job.wait(timeout=240, progress=False).state == "SUCCEEDED"
@@ -98,11 +88,11 @@ def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exac
     model, job = submit(client, data, min_replicas=1, sync=DILOCO if sync == "diloco" else sync)
     inj = swarm.inject(job.id)
     inj.at_step(KILL_AT, "kill group 1", lambda: swarm.kill(
-        PlanView(info(client, job).plan)[StageKey(1, 0)].address)).start()
+        PlanView(job_info(client, job).plan)[StageKey(1, 0)].address)).start()
     status = job.wait(timeout=240, progress=False)
     inj.stop()
     assert status.state == "SUCCEEDED" and [f.name for f in inj.fired] == ["kill group 1"]
-    final = info(client, job)
+    final = job_info(client, job)
     assert final.epoch == 0 and not final.recoveries  # never rewound
     reasons = [ev.reason for ev in job.events()]
     assert any("replica group(s) 1 dropped" in r for r in reasons), reasons
@@ -129,15 +119,15 @@ def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exac
 
 
 def test_below_min_replicas_the_job_rewinds_and_ends_exact(swarm):
-    client, data = swarm.client(), batches()
+    client, data = swarm.client(), digit_batches(STEPS)
     model, job = submit(client, data, min_replicas=2)
     inj = swarm.inject(job.id)
     inj.at_step(KILL_AT, "kill group 1", lambda: swarm.kill(
-        PlanView(info(client, job).plan)[StageKey(1, 0)].address)).start()
+        PlanView(job_info(client, job).plan)[StageKey(1, 0)].address)).start()
     status = job.wait(timeout=240, progress=False)
     inj.stop()
     assert status.state == "SUCCEEDED"
-    final = info(client, job)
+    final = job_info(client, job)
     assert final.epoch == 1 and len(final.recoveries) == 1
     assert final.recoveries[0].checkpoint_step % EVERY == 0
     want = single_process(model, LOSS, SGD, data)

@@ -14,10 +14,9 @@ from torch import nn
 
 import fedpipe
 from fedpipe.examples import digits
-from fedpipe.proto import tracker_pb2
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
-from reference import max_relative_difference, single_process
+from reference import digit_batches, job_info, max_relative_difference, single_process
 
 pytestmark = pytest.mark.timeout(240)
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -32,19 +31,9 @@ def swarm():
         yield s
 
 
-def batches(n=STEPS, batch=32):
-    x, y, _, _ = digits.load()
-    gen = digits.batches(x, y, batch)
-    return [next(gen) for _ in range(n)]
-
-
-def info(client, job):
-    return client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10)
-
-
 def holder(client, job, stage):
     """The address of the node running ``stage`` of group 0 now."""
-    return PlanView(info(client, job).plan)[StageKey(0, stage)].address
+    return PlanView(job_info(client, job).plan)[StageKey(0, stage)].address
 
 
 def submit(client, data, schedule="1f1b"):
@@ -71,12 +60,12 @@ def check_exact(client, model, job, data):
     want = single_process(model, LOSS, SGD, data)
     assert max_relative_difference(got, want) <= 1e-5
     job.release()
-    return info(client, job)
+    return job_info(client, job)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_kill_9_of_a_middle_stage_node_recovers_exactly(swarm, schedule):
-    client, data = swarm.client(), batches()
+    client, data = swarm.client(), digit_batches(STEPS)
     model, job = submit(client, data, schedule)
     inj = swarm.inject(job.id)
     inj.at_step(7, "kill stage 1", lambda: swarm.kill(holder(client, job, 1))).start()
@@ -91,7 +80,7 @@ def test_kill_9_of_a_middle_stage_node_recovers_exactly(swarm, schedule):
 
 
 def test_two_losses_in_one_job_recover_exactly(swarm):
-    client, data = swarm.client(), batches()
+    client, data = swarm.client(), digit_batches(STEPS)
     model, job = submit(client, data)
     inj = swarm.inject(job.id)
     inj.at_step(4, "kill stage 1", lambda: swarm.kill(holder(client, job, 1)))
@@ -104,7 +93,7 @@ def test_two_losses_in_one_job_recover_exactly(swarm):
 
 
 def test_a_tracker_killed_mid_job_restarts_and_the_job_succeeds(swarm):
-    client, data = swarm.client(), batches()
+    client, data = swarm.client(), digit_batches(STEPS)
     model, job = submit(client, data)
     inj = swarm.inject(job.id)
     inj.at_step(5, "kill the tracker", swarm.restart_tracker).start()

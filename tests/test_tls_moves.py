@@ -34,7 +34,7 @@ from fedpipe.security import TlsConfig
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames
-from reference import max_relative_difference, single_process
+from reference import digit_batches, job_info, max_relative_difference, single_process
 
 pytestmark = pytest.mark.timeout(300)
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -65,20 +65,10 @@ def spare_again(swarm):
     swarm.wait_for_nodes(NODES)
 
 
-def batches(n=STEPS, batch=32):
-    x, y, _, _ = digits.load()
-    gen = digits.batches(x, y, batch)
-    return [next(gen) for _ in range(n)]
-
-
-def info(client, job):
-    return client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10)
-
-
 def running_plan(client, job) -> PlanView:
     """The job's plan once it runs."""
     deadline = time.monotonic() + 120
-    while (now := info(client, job)).state != tracker_pb2.JOB_STATE_RUNNING:
+    while (now := job_info(client, job)).state != tracker_pb2.JOB_STATE_RUNNING:
         assert time.monotonic() < deadline and now.state in (
             tracker_pb2.JOB_STATE_PENDING, tracker_pb2.JOB_STATE_PLANNING,
             tracker_pb2.JOB_STATE_DEPLOYING), now.reason
@@ -100,7 +90,7 @@ def finish_exact(client, model, job, data) -> tracker_pb2.JobInfo:
     want = single_process(model, LOSS, SGD, data)
     assert max_relative_difference(job.state_dict(), want) <= 1e-5
     job.release()
-    return info(client, job)
+    return job_info(client, job)
 
 
 def refusals(swarm, job_id: str) -> list[str]:
@@ -116,7 +106,7 @@ def fetches(swarm, job_id: str) -> list[tuple[int, int, int, str]]:
 
 
 def test_kill_9_of_a_stage_node_recovers_onto_the_spare_from_the_buddys_snapshot(swarm):
-    client, data = swarm.client(), batches()
+    client, data = swarm.client(), digit_batches(STEPS)
     model, job = submit(client, data, stages=3, replicas=1, schedule="1f1b")
     before = running_plan(client, job)
     spare = {n.name for n in client.nodes()} - {a.node_name for a in before.stages.values()}
@@ -140,7 +130,7 @@ def test_kill_9_of_a_stage_node_recovers_onto_the_spare_from_the_buddys_snapshot
 
 
 def test_a_drain_hands_the_stage_over_to_a_node_no_plan_named(swarm):
-    client, data = swarm.client(), batches()
+    client, data = swarm.client(), digit_batches(STEPS)
     model, job = submit(client, data, stages=3, replicas=1, schedule="gpipe")
     before = running_plan(client, job)
     victim = before[StageKey(0, 1)]
@@ -169,7 +159,7 @@ def test_a_drain_hands_the_stage_over_to_a_node_no_plan_named(swarm):
 
 
 def test_a_lost_replica_group_heals_on_a_spare_from_its_donor(swarm):
-    client, data = swarm.client(), batches(HEAL_STEPS)
+    client, data = swarm.client(), digit_batches(HEAL_STEPS)
     torch.manual_seed(0)
     model = digits.make_model(hidden=32)
     job = client.submit(model, LOSS, SGD, data, steps=HEAL_STEPS, microbatches=2, stages=1,
@@ -184,7 +174,7 @@ def test_a_lost_replica_group_heals_on_a_spare_from_its_donor(swarm):
     assert status.state == "SUCCEEDED", status.reason
     reasons = [ev.reason for ev in job.events()]
     assert any("replica group 1 joins at step" in r for r in reasons), reasons
-    final = info(client, job)
+    final = job_info(client, job)
     assert final.epoch == 0 and not final.recoveries  # healed, never rewound
     healed = PlanView(final.plan)[StageKey(1, 0)]
     assert healed.node_name not in {a.node_name for a in before.stages.values()}
