@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 import grpc
@@ -463,9 +464,14 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent()
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, so a closed pipe is caught below, not at exit
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `fedpipe status --json | head`: the reader left, say nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except grpc.RpcError as e:  # a refusal or an unreachable peer, said in one line
         if args.verbose:
             raise

@@ -66,3 +66,17 @@ def test_plan_and_status_for_a_live_swarm(swarm, tmp_path):
     assert "latency" in status.stdout  # and one row per directed link
     assert len(re.findall(r"^ *node\d +node\d +[\d.]+ +[\d.]+ [µm]?s ", status.stdout,
                           re.M)) == 6
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback():
+    # `fedpipe plan --json | head -0`: the reader has left before anything is written
+    cmd = [sys.executable, "-m", "fedpipe", "plan", "--cluster",
+           str(ROOT / "benchmarks/clusters/S2.json"), "--model",
+           str(ROOT / "benchmarks/models/uneven16.json"), "--json"]
+    writer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=child_env())
+    assert writer.stdout is not None and writer.stderr is not None
+    writer.stdout.close()
+    err = writer.stderr.read().decode()
+    assert writer.wait(timeout=100) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
