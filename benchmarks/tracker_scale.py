@@ -166,6 +166,7 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
             counts["unregistered"] += 1
 
     latencies: list[float] = []
+    stamps: list[float] = []  # when each beat in the window was sent (time.time())
     if os.environ.get("TRACKER_SCALE_DEBUG"):
         async def report():
             seen = 0
@@ -202,6 +203,7 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
                     del recent_lat[:50_000]
                 if window[0] and window[0] <= now <= window[1]:
                     latencies.append(took)
+                    stamps.append(now)
                     counts["heartbeats"] += 1
                 if not reply.known:
                     counts["unknown"] += 1
@@ -211,6 +213,7 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
             await asyncio.sleep(max(0.0, due - time.monotonic()))
 
     control_latencies: list[float] = []
+    control_stamps: list[float] = []
 
     async def probe_control() -> None:
         """The same call to a server that does nothing else: the latency this machine's
@@ -229,6 +232,7 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
                     counts["control_errors"] = counts.get("control_errors", 0) + 1
                 else:
                     control_latencies.append(time.perf_counter() - t)
+                    control_stamps.append(time.time() - (time.perf_counter() - t))
                 n += 1
                 await asyncio.sleep(max(0.0, t0 + n / control_rate - time.monotonic()))
 
@@ -239,7 +243,8 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
         await asyncio.sleep(0.2)
     results.put(("registered", g, time.time() - t0, sum(1 for i in ids if i)))
     await asyncio.gather(*fakes, control_task)
-    results.put(("done", g, latencies, counts, interval[0], lease[0], control_latencies))
+    results.put(("done", g, latencies, counts, interval[0], lease[0], control_latencies,
+                 stamps, control_stamps))
     await channel.close()
     await server.stop(None)
 
@@ -282,6 +287,29 @@ def lease_misses(log_text: str) -> int:
     return one + sum(int(k) for k in re.findall(r"(\d+) nodes missed their lease", log_text))
 
 
+def tail_summary(stamps: list[float], latencies: list[float], start: float,
+                 trace: list[tuple[float, float, str]], path: Path, slow: float = 0.050) -> str:
+    """Write every call of ``trace`` (seconds from ``start`` it was sent, latency in ms, the
+    generator or control probe that sent it) to ``path``, and say whether the beats slower
+    than ``slow`` seconds come in bursts: how many 1 s slices hold them, and the share of
+    them in the 5 worst slices."""
+    with open(path, "w") as f:
+        for t, took, who in sorted(trace):
+            f.write(f"{t - start:.4f}\t{took * 1e3:.2f}\t{who}\n")
+    slices: dict[int, int] = {}
+    for t, took in zip(stamps, latencies):
+        if took > slow:
+            slices[int(t - start)] = slices.get(int(t - start), 0) + 1
+    n = sum(slices.values())
+    worst = sorted(slices.items(), key=lambda kv: -kv[1])[:5]
+    in_worst = sum(k for _, k in worst)
+    return (f"beats over {slow * 1e3:.0f} ms: {n} of {len(latencies)} "
+            f"({n / max(1, len(latencies)):.2%}), in {len(slices)} one-second slices; the 5 "
+            f"worst slices (s from the window's start: beats) "
+            f"{', '.join(f'{s}: {k}' for s, k in sorted(worst))} hold "
+            f"{in_worst / max(1, n):.0%} of them; every beat in {path}")
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -303,6 +331,9 @@ def main() -> int:
     ap.add_argument("--heartbeat-rate", type=float, default=None,
                     help="the tracker's --heartbeat-rate (default: the tracker's own, "
                          "fedpipe.tracker.registry.HEARTBEAT_RATE)")
+    ap.add_argument("--py-spy", default=None, metavar="PATH",
+                    help="a py-spy executable: sample the tracker (--gil --nonblocking) over "
+                         "the window into tracker-gil.txt in the run's log directory")
     args = ap.parse_args()
     rows = [run(n, args) for n in args.nodes]
     print()
@@ -432,6 +463,13 @@ def run(n: int, args) -> dict:
         start = time.time() + 2.0
         window[0], window[1] = start, start + args.seconds
         time.sleep(max(0.0, start - time.time()))
+        spy = None
+        if args.py_spy:  # sample what holds the tracker's GIL over the window
+            spy = subprocess.Popen(
+                [args.py_spy, "record", "--pid", str(tproc.pid), "--gil", "--nonblocking",
+                 "--rate", "250", "--format", "raw", "--duration", str(round(args.seconds)),
+                 "-o", str(work / "tracker-gil.txt")], stdout=subprocess.DEVNULL,
+                stderr=open(work / "py-spy.log", "w"))
         cpu0 = tps.cpu_times()
         gen0 = [psutil.Process(p.pid).cpu_times() for p in procs]
         wall0 = time.time()
@@ -452,11 +490,16 @@ def run(n: int, args) -> dict:
         job_thread.join(150)
         window[2] = time.time()
 
-        latencies, counts, told, floor = [], {}, (0.0, 0.0), []
+        latencies, counts, told, floor, stamps = [], {}, (0.0, 0.0), [], []
+        trace: list[tuple[float, float, str]] = []  # (sent, latency, who) of every call
         for _ in procs:
-            _, g, lat, c, interval, lease, control_lat = results.get(timeout=120)
+            _, g, lat, c, interval, lease, control_lat, sent, control_sent = \
+                results.get(timeout=120)
             told = max(told, (interval, lease))
             latencies += lat
+            stamps += sent
+            trace += [(t, took, f"g{g}") for t, took in zip(sent, lat)]
+            trace += [(t, took, f"control{g}") for t, took in zip(control_sent, control_lat)]
             floor += control_lat
             for k, v in c.items():
                 counts[k] = counts.get(k, 0) + v
@@ -485,6 +528,11 @@ def run(n: int, args) -> dict:
               f"in the window / heartbeats); RSS {rss / 2**20:.0f} MiB")
         print(f"load generators CPU: {g_cpu:.1f} s = {100 * g_cpu / wall / cores:.0f}% of the "
               f"{cores} cores")
+        print(tail_summary(stamps, latencies, wall0, trace, work / "beats.tsv"))
+        if spy is not None:
+            spy.wait(30)
+            print(f"py-spy (samples holding the tracker's GIL, in the window): "
+                  f"{work / 'tracker-gil.txt'}")
         misses = lease_misses(log_text)
         print(f"nodes marked lost: {len(lost)} {lost[:5]}; nodes whose lease ran out during "
               f"the run (tracker log): {misses}  "

@@ -443,12 +443,17 @@ class Elastic:
         if spec.rebalance != "auto" or job.state != S.JOB_STATE_RUNNING:
             return False
         used = PlanView(job.plan).node_ids()
-        nodes = [n for n in self.usable(self.store.nodes())
-                 if n.node_id in used or not self.unmeasured(n.node_id)]
+        live = self.store.nodes()  # read once: O(n) rows, each a message to build
+        usable = self.usable(live)
+        nodes = [n for n in usable if n.node_id in used] + self.candidates(
+            [n for n in usable if n.node_id not in used and not self.unmeasured(n.node_id)])
+        nodes.sort(key=lambda n: (n.registered, n.node_id))  # the store's order
         profile, config = model_profile(request.profile), train_config(spec)
-        cluster = cluster_view(nodes + [n for n in self.store.nodes()
-                                        if n.node_id in self.draining], self.store.links())
-        flops = {n.node_id: n.resources.flops for n in self.store.nodes()}
+        with self._lock:
+            draining = [n for n in live if n.node_id in self.draining]
+        among = nodes + draining
+        cluster = cluster_view(among, self.store.links_among(n.node_id for n in among))
+        flops = {n.node_id: n.resources.flops for n in live}
         self._remeasure(job, profile, flops)
 
         def speed(node_id: str) -> float:

@@ -66,6 +66,7 @@ from .calibration import Calibration
 from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
 from .nodes import NodeCallError, NodeCalls
+from .planning import Planner
 from .replan import substitute
 from .replicas import ElasticReplicas
 from .store import Store
@@ -191,6 +192,9 @@ class Jobs:
         """Elastic replica groups: drops, per-step quorums, heals (:mod:`.replicas`)."""
         self.calibration = Calibration()
         """The cost model fitted from the stages' step times: plans and replans use it."""
+        self.planner = Planner()
+        """Makes plans (:mod:`.planning`): in-process here; the tracker's server gives it a
+        worker process, so planning does not hold the GIL its heartbeats need."""
 
     def notify(self) -> None:
         """Wake the scheduler and every watcher."""
@@ -669,12 +673,7 @@ class Jobs:
         try:
             probed, profile = cluster_view(nodes, links), model_profile(request.profile)
             cluster = self.calibration.cluster(probed)
-            job = JobSpec.from_proto(request.config)
-            plan = planner.make_plan(cluster, profile, train_config(job))
-            if job.replica_sync == "auto":
-                job = job.with_(replica_sync=planner.choose_replica_sync(plan))
-                if job.replica_sync == "diloco":  # plan again, paying the sync 1/H
-                    plan = planner.make_plan(cluster, profile, train_config(job))
+            plan, job = self.planner.plan(cluster, profile, JobSpec.from_proto(request.config))
             plan = dataclasses.replace(plan, calibrated=self.calibration.covers(plan, probed))
             self.calibration.planned(job_id, self.store.job(job_id).epoch, plan, probed, profile,
                                      train_config(job))
@@ -862,7 +861,7 @@ class Jobs:
         """Set a replanned ``plan``'s predicted step time from the calibrated cost model,
         and remember it for the next fit (a failure keeps the old prediction)."""
         try:
-            probed = cluster_view(nodes, self.store.links())
+            probed = cluster_view(nodes, self.store.links_among(n.node_id for n in nodes))
             new = self.calibration.predict(plan_from_message(plan), probed, profile, config)
             plan.predicted_step_seconds, plan.sync_seconds = (new.predicted_step_seconds,
                                                               new.sync_seconds)

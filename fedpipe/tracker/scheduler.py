@@ -38,6 +38,7 @@ from .jobs import Jobs
 from .links import LinkMeasurer
 from .errors import FailedPrecondition
 from .nodes import NodeCallError, NodeCalls
+from .planning import Planner
 from .registry import HEARTBEAT_RATE, Registry, validate_node
 from .store import Store
 
@@ -90,18 +91,23 @@ class Tracker:
             the caller drives :meth:`tick` and :meth:`measure_links`).
         heartbeat_rate: the most heartbeats per second asked of all nodes together
             (:data:`~.registry.HEARTBEAT_RATE`).
+        plan_processes: worker processes that make plans (:mod:`.planning`; 0: on the
+            scheduler thread, holding the GIL for as long as a plan takes).
     """
 
     def __init__(self, store: Store, nodes: NodeCalls, *, lease: float = 10.0,
                  link_refresh: float = 300.0, link_wait: float = 30.0,
                  clock: Callable[[], float] = time.time, background: bool = True,
                  heartbeat_rate: float = HEARTBEAT_RATE,
-                 rebalance_threshold: float = REBALANCE_THRESHOLD):
+                 rebalance_threshold: float = REBALANCE_THRESHOLD, plan_processes: int = 0):
         self.store, self.nodes, self.clock = store, nodes, clock
         self.lease, self.link_refresh, self.link_wait = lease, link_refresh, link_wait
         self.jobs = Jobs(store, nodes, clock)
+        self.jobs.planner = Planner(plan_processes)
+        self.jobs.planner.start()
         self.elastic = Elastic(self.jobs, threshold=rebalance_threshold)
         self.elastic.unmeasured = lambda node_id: self.links.waiting([node_id])
+        self.elastic.candidates = lambda nodes: candidates(nodes)  # PLAN_CANDIDATES read late
         self.links = LinkMeasurer(store, nodes, clock)
         # nodes that were live when the tracker stopped get a fresh lease, not a lost verdict
         self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive,
@@ -162,6 +168,7 @@ class Tracker:
         for th in self.threads:
             th.join(timeout=timeouts.THREAD_JOIN)
         self.registry.flush()
+        self.jobs.planner.close()
         close = getattr(self.nodes, "close", None)
         if close is not None:
             close()
@@ -176,7 +183,7 @@ class Tracker:
         self.elastic.tick()
         for job_id in self.jobs.recovering():
             self.jobs.resume(job_id, self.store.nodes())
-        self.jobs.replicas.heal_all(self.store.nodes())
+        self.jobs.replicas.heal_all(self.store.nodes)  # read only if a job needs it
         for job_id in self.jobs.pending():
             nodes = self.elastic.usable(self.store.nodes())
             if not nodes:

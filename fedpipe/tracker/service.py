@@ -46,6 +46,10 @@ tracker restart) would take every thread and starve heartbeats into lost leases;
 excess is refused with UNAVAILABLE, which nodes retry with backoff
 (:func:`fedpipe.net.retry`)."""
 
+PLAN_PROCESSES = 1
+"""Worker processes that make the tracker's plans (:mod:`.planning`): planning in the
+tracker's own process holds the GIL about 90 ms per job, and heartbeats wait that long."""
+
 STATUS: dict[type[errors.TrackerError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
@@ -338,7 +342,8 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
     net.check_plaintext(host, tls, insecure, "the tracker")
     rate = HEARTBEAT_RATE if heartbeat_rate is None else heartbeat_rate
     service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(tls=tls), lease=lease,
-                                     link_refresh=link_refresh, heartbeat_rate=rate), tls,
+                                     link_refresh=link_refresh, heartbeat_rate=rate,
+                                     plan_processes=PLAN_PROCESSES), tls,
                              max_job_bytes=max_job_bytes)
     srv = net.server(tls=tls, client_calls=net.TRACKER_CLIENT_DATA_CALLS)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
