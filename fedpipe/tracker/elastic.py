@@ -443,7 +443,7 @@ class Elastic:
         if spec.rebalance != "auto" or job.state != S.JOB_STATE_RUNNING:
             return False
         used = PlanView(job.plan).node_ids()
-        live = self.store.nodes()  # read once: O(n) rows, each a message to build
+        live = self.jobs.live_nodes()  # read once (the registry's, in memory)
         usable = self.usable(live)
         nodes = [n for n in usable if n.node_id in used] + self.candidates(
             [n for n in usable if n.node_id not in used and not self.unmeasured(n.node_id)])

@@ -175,6 +175,9 @@ class Jobs:
         self._ended: dict[str, float] = {}  # job -> when it reached a terminal state
         self._lock = threading.RLock()  # recovery bookkeeping
         self.declare_lost: Callable[[str, str], bool] | None = None
+        self.live_nodes: Callable[[], list[tracker_pb2.NodeInfo]] = store.nodes
+        """The live nodes, oldest first; the tracker sets it to the registry's copy in memory
+        (:meth:`~.registry.Registry.nodes`: shared messages, read only)."""
         """Marks a node lost now with a reason (the registry's); set by the tracker."""
         self.retention = RETENTION
         # job -> (epoch, stage -> its last STAGE_TIME_WINDOW (compute, wait, send) splits);
@@ -252,7 +255,7 @@ class Jobs:
                 activations).
         """
         spec = validate(request)
-        nodes = self.store.nodes()
+        nodes = self.live_nodes()
         if nodes:
             need = planner.stage_memory_bytes(model_profile(request.profile), 0,
                                               len(request.layers), train_config(spec), 0, 1)
@@ -491,7 +494,7 @@ class Jobs:
                 if key in new.stages:
                     self._suspect(self.get(job_id), tracker_pb2.StageReport(
                         peer=new[key].address))
-            gone = new.node_ids() - {n.node_id for n in self.store.nodes()}
+            gone = new.node_ids() - {n.node_id for n in self.live_nodes()}
             if gone or self.get(job_id).epoch != job.epoch:
                 return  # a node of the new plan was lost meanwhile: the next attempt replans
             if step > 0 and all("no snapshot" in f for f in failures.values()):
@@ -765,7 +768,7 @@ class Jobs:
         (a paused one would hold the loads up for that long) and one that cannot be
         reached is skipped: the stages' fetches go elsewhere.
         """
-        holders = holders & {n.address for n in self.store.nodes()}
+        holders = holders & {n.address for n in self.live_nodes()}
         if not holders:
             return
         request = node_pb2.AssignJobRequest(

@@ -61,7 +61,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..proto import tracker_pb2
+from ..proto import node_pb2, tracker_pb2
 from ..spec import PROTOCOL_VERSION
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from .store import NodeRecord, Store, new_id
@@ -149,6 +149,7 @@ class _Incarnation:
     boot_id: str
     versions: tracker_pb2.Versions
     registered: float
+    resources: node_pb2.Resources
     fenced: bool = False
 
 
@@ -215,6 +216,7 @@ class Registry:
         self._heap: list[tuple[float, str]] = []
         self._flushed = clock()
         self._revived = 0  # lost nodes revived by a heartbeat since the last expire()
+        self._view: list[tracker_pb2.NodeInfo] | None = None  # nodes(), until the set changes
         now = clock()
         store.renew_all(now)
         records = store.node_records(include_lost=True)
@@ -223,7 +225,7 @@ class Registry:
         for r in records:
             i = r.info
             self._remember(i.node_id, _Incarnation(i.name, i.address, r.boot_id, r.versions,
-                                                   i.registered, r.fenced))
+                                                   i.registered, i.resources, r.fenced))
             if i.alive:
                 self._live(i.node_id, now, lease)
 
@@ -237,6 +239,7 @@ class Registry:
         lease = self.lease_seconds if lease is None else lease
         until = now + lease
         self._until[node_id] = (until, lease)
+        self._view = None
         if node_id not in self._due:
             self._due[node_id] = until
             heapq.heappush(self._heap, (until, node_id))
@@ -244,6 +247,7 @@ class Registry:
     def _dead(self, node_id: str) -> None:
         """Under ``_lock``: ``node_id`` is no longer alive (its heap entry goes stale)."""
         self._until.pop(node_id, None)
+        self._view = None
         self._dirty.pop(node_id, None)
         self._due.pop(node_id, None)
 
@@ -269,6 +273,26 @@ class Registry:
     def live_count(self) -> int:
         """How many nodes are alive."""
         return len(self._until)
+
+    def nodes(self) -> list[tracker_pb2.NodeInfo]:
+        """The live nodes, as ``store.nodes()`` lists them (oldest registration first, ties
+        by node id) but from memory: no store read, and O(1) until a node registers or is
+        lost (then O(n log n) once). At 10,000 nodes ``store.nodes()`` takes about 70 ms
+        of CPU holding the GIL (it builds a message per row); the scheduler asks on every
+        tick a job is pending, so heartbeats would wait that long.
+
+        The messages are shared between callers: read them, do not change them (copy
+        first). ``last_heartbeat`` is not kept here (0); ``store.nodes()`` has it, as of
+        the last batch written (:data:`PERSIST_EVERY`).
+        """
+        with self._lock:
+            if self._view is None:
+                live = sorted(((self._nodes[i].registered, i) for i in self._until))
+                self._view = [tracker_pb2.NodeInfo(
+                    node_id=i, name=self._nodes[i].name, address=self._nodes[i].address,
+                    resources=self._nodes[i].resources, alive=True,
+                    registered=self._nodes[i].registered) for _, i in live]
+            return list(self._view)
 
     def info(self, node_id: str) -> tuple[str, str, float]:
         """``(name, address, registered)`` of a known incarnation. KeyError if unknown."""
@@ -330,6 +354,7 @@ class Registry:
                 self.store.renew_node(node_id, request.resources, request.versions, now)
                 with self._lock:
                     self._nodes[node_id].versions = request.versions
+                    self._nodes[node_id].resources = request.resources
                     self._live(node_id, now)
             else:
                 node_id = new_id()
@@ -337,7 +362,7 @@ class Registry:
                                     request.versions, now)
                 with self._lock:
                     self._remember(node_id, _Incarnation(name, address, boot, request.versions,
-                                                         now))
+                                                         now, request.resources))
                     self._live(node_id, now)
         v = request.versions
         log.info("node %s (%s) registered at %s: fedpipe %s, protocol %d, python %s, torch %s, "

@@ -113,6 +113,7 @@ class Tracker:
         self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive,
                                  rate=heartbeat_rate)
         self.jobs.declare_lost = self.registry.declare_lost
+        self.jobs.live_nodes = self.registry.nodes
         for n in store.nodes():
             self.links.add(n.node_id, n.name, n.address, n.registered)
         self.stop_event = threading.Event()
@@ -181,11 +182,12 @@ class Tracker:
         self.registry.flush_if_due()
         self.feeders.sweep()
         self.elastic.tick()
+        # the live nodes from the registry's memory (store.nodes() builds a message per row)
         for job_id in self.jobs.recovering():
-            self.jobs.resume(job_id, self.store.nodes())
-        self.jobs.replicas.heal_all(self.store.nodes)  # read only if a job needs it
+            self.jobs.resume(job_id, self.registry.nodes())
+        self.jobs.replicas.heal_all(self.registry.nodes)  # read only if a job needs it
         for job_id in self.jobs.pending():
-            nodes = self.elastic.usable(self.store.nodes())
+            nodes = self.elastic.usable(self.registry.nodes())
             if not nodes:
                 self.jobs.expire_pending(job_id)
                 continue
