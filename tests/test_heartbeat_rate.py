@@ -313,3 +313,24 @@ def test_a_scheduler_tick_reads_no_node_list_from_the_store_with_or_without_a_pe
     tracker.tick()  # plans and deploys the job over the registry's nodes
     assert tracker.jobs.get(job_id).state == tracker_pb2.JOB_STATE_RUNNING
     assert store.reads == 0
+
+
+def test_the_heap_is_frozen_as_the_swarm_grows_by_a_quarter_not_on_every_tick():
+    import gc
+
+    from fedpipe.tracker.scheduler import FREEZE_LEAST
+
+    tracker, _ = rated(rate=100.0)
+    try:
+        register(tracker, FREEZE_LEAST - 1)
+        assert not tracker.freeze_heap()  # fewer than FREEZE_LEAST new nodes
+        register(tracker, 1, first=FREEZE_LEAST - 1)
+        assert tracker.freeze_heap()
+        assert gc.get_freeze_count() > 0
+        register(tracker, 20, first=FREEZE_LEAST)  # 120 live: not 1.25x the 100 frozen at
+        assert not tracker.freeze_heap()
+        register(tracker, 130, first=FREEZE_LEAST + 20)
+        assert tracker.freeze_heap()
+        assert tracker.freeze_heap(force=True)
+    finally:
+        gc.unfreeze()  # the test process's heap is not a tracker's

@@ -53,6 +53,7 @@ O(1) and no SQLite commit, and 10,000 nodes fit in one tracker.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import math
@@ -151,6 +152,15 @@ class _Incarnation:
     registered: float
     resources: node_pb2.Resources
     fenced: bool = False
+    info: tracker_pb2.NodeInfo = dataclasses.field(default_factory=tracker_pb2.NodeInfo)
+    """The node as :meth:`Registry.nodes` lists it while it is live: built when it registers
+    (:meth:`describe`), not on every listing."""
+
+    def describe(self, node_id: str) -> None:
+        """Build :attr:`info` from the fields above."""
+        self.info = tracker_pb2.NodeInfo(node_id=node_id, name=self.name, address=self.address,
+                                         resources=self.resources, alive=True,
+                                         registered=self.registered)
 
 
 class Registry:
@@ -230,6 +240,7 @@ class Registry:
                 self._live(i.node_id, now, lease)
 
     def _remember(self, node_id: str, inc: _Incarnation) -> None:
+        inc.describe(node_id)
         self._nodes[node_id] = inc
         self._by_address.setdefault(inc.address, set()).add(node_id)
 
@@ -276,10 +287,12 @@ class Registry:
 
     def nodes(self) -> list[tracker_pb2.NodeInfo]:
         """The live nodes, as ``store.nodes()`` lists them (oldest registration first, ties
-        by node id) but from memory: no store read, and O(1) until a node registers or is
-        lost (then O(n log n) once). At 10,000 nodes ``store.nodes()`` takes about 70 ms
-        of CPU holding the GIL (it builds a message per row); the scheduler asks on every
-        tick a job is pending, so heartbeats would wait that long.
+        by node id) but from memory: no store read. O(n) to copy the list; a node that
+        registers or is lost makes the next call sort the live nodes' ids once (a few ms
+        at 10,000); each node's message is built when it registers. At 10,000 nodes
+        ``store.nodes()`` takes about 70 ms of CPU holding the GIL (it builds a message
+        per row); the scheduler asks on every tick a job is pending, and heartbeats would
+        wait that long.
 
         The messages are shared between callers: read them, do not change them (copy
         first). ``last_heartbeat`` is not kept here (0); ``store.nodes()`` has it, as of
@@ -287,11 +300,8 @@ class Registry:
         """
         with self._lock:
             if self._view is None:
-                live = sorted(((self._nodes[i].registered, i) for i in self._until))
-                self._view = [tracker_pb2.NodeInfo(
-                    node_id=i, name=self._nodes[i].name, address=self._nodes[i].address,
-                    resources=self._nodes[i].resources, alive=True,
-                    registered=self._nodes[i].registered) for _, i in live]
+                live = sorted((self._nodes[i].registered, i) for i in self._until)
+                self._view = [self._nodes[i].info for _, i in live]
             return list(self._view)
 
     def info(self, node_id: str) -> tuple[str, str, float]:
@@ -355,6 +365,7 @@ class Registry:
                 with self._lock:
                     self._nodes[node_id].versions = request.versions
                     self._nodes[node_id].resources = request.resources
+                    self._nodes[node_id].describe(node_id)
                     self._live(node_id, now)
             else:
                 node_id = new_id()
