@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import multiprocessing as mp
 import os
 import random
@@ -166,6 +167,7 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
             counts["unregistered"] += 1
 
     latencies: list[float] = []
+    stamps: list[float] = []  # when each beat in the window was sent (time.time())
     if os.environ.get("TRACKER_SCALE_DEBUG"):
         async def report():
             seen = 0
@@ -202,6 +204,7 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
                     del recent_lat[:50_000]
                 if window[0] and window[0] <= now <= window[1]:
                     latencies.append(took)
+                    stamps.append(now)
                     counts["heartbeats"] += 1
                 if not reply.known:
                     counts["unknown"] += 1
@@ -211,6 +214,7 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
             await asyncio.sleep(max(0.0, due - time.monotonic()))
 
     control_latencies: list[float] = []
+    control_stamps: list[float] = []
 
     async def probe_control() -> None:
         """The same call to a server that does nothing else: the latency this machine's
@@ -229,6 +233,7 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
                     counts["control_errors"] = counts.get("control_errors", 0) + 1
                 else:
                     control_latencies.append(time.perf_counter() - t)
+                    control_stamps.append(time.time() - (time.perf_counter() - t))
                 n += 1
                 await asyncio.sleep(max(0.0, t0 + n / control_rate - time.monotonic()))
 
@@ -237,30 +242,42 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
     fakes = [asyncio.ensure_future(live(i)) for i in range(count)]
     while sum(1 for i in ids if i) + counts["unregistered"] < count:
         await asyncio.sleep(0.2)
+    # this process's own collector pauses would delay every beat in flight and count
+    # against the tracker: what registration left is long-lived, out of its reach
+    gc.collect()
+    gc.freeze()
     results.put(("registered", g, time.time() - t0, sum(1 for i in ids if i)))
     await asyncio.gather(*fakes, control_task)
-    results.put(("done", g, latencies, counts, interval[0], lease[0], control_latencies))
+    results.put(("done", g, latencies, counts, interval[0], lease[0], control_latencies,
+                 stamps, control_stamps))
     await channel.close()
     await server.stop(None)
 
 
 # -- the conductor -----------------------------------------------------------------------
 
-def submit_job(client, delay: float, out: dict) -> None:
-    """After ``delay`` seconds, submit the digits MLP on 2 stages; time submit to RUNNING into
-    ``out["to_running"]``, its nodes into ``out["placed"]``, how it ended into ``out["end"]``."""
+def prepare_job() -> tuple:
+    """The small job's parts (the digits MLP, its loss, optimizer and batches), made before
+    the window: importing torch and sklearn and loading the data take this process a few
+    seconds of CPU, which would otherwise land in the window as the benchmark's own load."""
     import torch
     from torch import nn
 
     import fedpipe
     from fedpipe.examples import digits
 
-    time.sleep(delay)
     x, y, _, _ = digits.load()
+    return (digits.make_model(hidden=32), nn.functional.cross_entropy,
+            fedpipe.optimizer(torch.optim.AdamW, lr=3e-3), digits.batches(x, y, 32))
+
+
+def submit_job(client, parts: tuple, delay: float, out: dict) -> None:
+    """After ``delay`` seconds, submit the job of ``parts`` (:func:`prepare_job`) on 2 stages;
+    time submit to RUNNING into ``out["to_running"]``, its nodes into ``out["placed"]``, how
+    it ended into ``out["end"]``."""
+    time.sleep(delay)
     t = time.time()
-    job = client.submit(digits.make_model(hidden=32), nn.functional.cross_entropy,
-                        fedpipe.optimizer(torch.optim.AdamW, lr=3e-3), digits.batches(x, y, 32),
-                        steps=5, microbatches=2, stages=2, replicas=1)
+    job = client.submit(*parts, steps=5, microbatches=2, stages=2, replicas=1)
     while time.time() - t < 120:
         status = job.status()
         if status.state in ("RUNNING", "SUCCEEDED") or status.step > 0:
@@ -280,6 +297,29 @@ def lease_misses(log_text: str) -> int:
     """Nodes the tracker's log says missed their lease (one line each, or one line for many)."""
     one = len(re.findall(r"node \S+ missed its lease", log_text))
     return one + sum(int(k) for k in re.findall(r"(\d+) nodes missed their lease", log_text))
+
+
+def tail_summary(stamps: list[float], latencies: list[float], start: float,
+                 trace: list[tuple[float, float, str]], path: Path, slow: float = 0.050) -> str:
+    """Write every call of ``trace`` (seconds from ``start`` it was sent, latency in ms, the
+    generator or control probe that sent it) to ``path``, and say whether the beats slower
+    than ``slow`` seconds come in bursts: how many 1 s slices hold them, and the share of
+    them in the 5 worst slices."""
+    with open(path, "w") as f:
+        for t, took, who in sorted(trace):
+            f.write(f"{t - start:.4f}\t{took * 1e3:.2f}\t{who}\n")
+    slices: dict[int, int] = {}
+    for t, took in zip(stamps, latencies):
+        if took > slow:
+            slices[int(t - start)] = slices.get(int(t - start), 0) + 1
+    n = sum(slices.values())
+    worst = sorted(slices.items(), key=lambda kv: -kv[1])[:5]
+    in_worst = sum(k for _, k in worst)
+    return (f"beats over {slow * 1e3:.0f} ms: {n} of {len(latencies)} "
+            f"({n / max(1, len(latencies)):.2%}), in {len(slices)} one-second slices; the 5 "
+            f"worst slices (s from the window's start: beats) "
+            f"{', '.join(f'{s}: {k}' for s, k in sorted(worst))} hold "
+            f"{in_worst / max(1, n):.0%} of them; every beat in {path}")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -303,6 +343,14 @@ def main() -> int:
     ap.add_argument("--heartbeat-rate", type=float, default=None,
                     help="the tracker's --heartbeat-rate (default: the tracker's own, "
                          "fedpipe.tracker.registry.HEARTBEAT_RATE)")
+    ap.add_argument("--link-refresh", type=float, default=None,
+                    help="the tracker's --link-refresh, s (default: the tracker's, 300 s, whose "
+                         "first round starts after the window of a short run; 30 at 1,000 "
+                         "nodes puts rounds in the window at the pace of 10,000 nodes' "
+                         "default: one MeasureLinks call each 27 ms)")
+    ap.add_argument("--py-spy", default=None, metavar="PATH",
+                    help="a py-spy executable: sample the tracker (--gil --nonblocking) over "
+                         "the window into tracker-gil.txt in the run's log directory")
     args = ap.parse_args()
     rows = [run(n, args) for n in args.nodes]
     print()
@@ -355,6 +403,8 @@ def run(n: int, args) -> dict:
         cmd += ["--lease", str(args.lease)]
     if args.heartbeat_rate:
         cmd += ["--heartbeat-rate", str(args.heartbeat_rate)]
+    if args.link_refresh:
+        cmd += ["--link-refresh", str(args.link_refresh)]
     tproc = subprocess.Popen(cmd, stdout=tlog, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     procs: list = []
     control_proc = None
@@ -429,15 +479,23 @@ def run(n: int, args) -> dict:
                 raise RuntimeError("the real nodes did not register")
             time.sleep(0.5)
 
+        parts = prepare_job()
         start = time.time() + 2.0
         window[0], window[1] = start, start + args.seconds
         time.sleep(max(0.0, start - time.time()))
+        spy = None
+        if args.py_spy:  # sample what holds the tracker's GIL over the window
+            spy = subprocess.Popen(
+                [args.py_spy, "record", "--pid", str(tproc.pid), "--gil", "--nonblocking",
+                 "--rate", "250", "--format", "raw", "--duration", str(round(args.seconds)),
+                 "-o", str(work / "tracker-gil.txt")], stdout=subprocess.DEVNULL,
+                stderr=open(work / "py-spy.log", "w"))
         cpu0 = tps.cpu_times()
         gen0 = [psutil.Process(p.pid).cpu_times() for p in procs]
         wall0 = time.time()
 
         submitted: dict = {}
-        job_thread = threading.Thread(target=submit_job, args=(client, args.seconds / 2,
+        job_thread = threading.Thread(target=submit_job, args=(client, parts, args.seconds / 2,
                                                                submitted), daemon=True)
         job_thread.start()
         time.sleep(max(0.0, window[1] - time.time()))
@@ -452,11 +510,16 @@ def run(n: int, args) -> dict:
         job_thread.join(150)
         window[2] = time.time()
 
-        latencies, counts, told, floor = [], {}, (0.0, 0.0), []
+        latencies, counts, told, floor, stamps = [], {}, (0.0, 0.0), [], []
+        trace: list[tuple[float, float, str]] = []  # (sent, latency, who) of every call
         for _ in procs:
-            _, g, lat, c, interval, lease, control_lat = results.get(timeout=120)
+            _, g, lat, c, interval, lease, control_lat, sent, control_sent = \
+                results.get(timeout=120)
             told = max(told, (interval, lease))
             latencies += lat
+            stamps += sent
+            trace += [(t, took, f"g{g}") for t, took in zip(sent, lat)]
+            trace += [(t, took, f"control{g}") for t, took in zip(control_sent, control_lat)]
             floor += control_lat
             for k, v in c.items():
                 counts[k] = counts.get(k, 0) + v
@@ -466,7 +529,8 @@ def run(n: int, args) -> dict:
         cores = os.cpu_count() or 1
         beats = counts.get("heartbeats", 0)
         print(f"nodes: {n} fake + 2 real, {args.generators} generators, "
-              f"window {wall:.1f} s")
+              f"window {wall:.1f} s; pids: tracker {tproc.pid}, generators "
+              f"{[p.pid for p in procs]}, control {control_proc.pid}")
         print(f"heartbeat interval {told[0]:.1f} s, lease {told[1]:.0f} s (as the tracker "
               f"set them last); registrations refused UNAVAILABLE and retried "
               f"{counts.get('register_refused', 0)}, failed otherwise "
@@ -485,6 +549,11 @@ def run(n: int, args) -> dict:
               f"in the window / heartbeats); RSS {rss / 2**20:.0f} MiB")
         print(f"load generators CPU: {g_cpu:.1f} s = {100 * g_cpu / wall / cores:.0f}% of the "
               f"{cores} cores")
+        print(tail_summary(stamps, latencies, wall0, trace, work / "beats.tsv"))
+        if spy is not None:
+            spy.wait(30)
+            print(f"py-spy (samples holding the tracker's GIL, in the window): "
+                  f"{work / 'tracker-gil.txt'}")
         misses = lease_misses(log_text)
         print(f"nodes marked lost: {len(lost)} {lost[:5]}; nodes whose lease ran out during "
               f"the run (tracker log): {misses}  "

@@ -43,12 +43,13 @@ def cmd_tracker(args) -> int:
     srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh,
                                tls=tls, insecure=args.insecure,
                                max_job_bytes=args.max_job_bytes,
-                               heartbeat_rate=args.heartbeat_rate)
+                               heartbeat_rate=args.heartbeat_rate, freeze_heap=True)
     print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db}"
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'})", flush=True)
     if args.retention is not None:
         service.tracker.jobs.retention = args.retention
     service.tracker.elastic.threshold = args.rebalance_threshold
+    service.tracker.freeze_heap(force=True)  # imports and the state loaded: long-lived
     served = _observe_tracker(service.tracker, args)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

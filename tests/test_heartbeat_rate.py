@@ -245,3 +245,92 @@ def test_links_among_some_nodes_are_those_with_both_ends_among_them_latest_first
     assert among == [m for m in store.links() if {m.src_id, m.dst_id} <= {"n1", "n2", "n4"}]
     assert next(m for m in among if m.src_id == "n2" and m.dst_id == "n1").bandwidth == 5.0
     assert store.links_among([]) == []
+
+
+def _bare(nodes: list[tracker_pb2.NodeInfo]) -> list[bytes]:
+    """The messages without last_heartbeat (the registry's copy does not keep it)."""
+    out = []
+    for n in nodes:
+        m = tracker_pb2.NodeInfo()
+        m.CopyFrom(n)
+        m.last_heartbeat = 0.0
+        out.append(m.SerializeToString())
+    return out
+
+
+def test_the_registrys_live_nodes_are_the_stores_through_joins_losses_renewals_and_a_restart(
+        tmp_path):
+    path = str(tmp_path / "t.db")
+    store = SqliteStore(path)
+    tracker, clock = rated(rate=100.0, lease=8.0, store=store)
+    ids = register(tracker, 6)
+    r = tracker.registry
+    assert _bare(r.nodes()) == _bare(store.nodes())
+    assert r.leave(ids[2])
+    assert _bare(r.nodes()) == _bare(store.nodes())
+    # the same incarnation registers again with more memory: the copy follows
+    again = registration("n4", 7004, memory=2**34)
+    assert tracker.register(again) == ids[4]
+    assert [n.resources.memory_bytes for n in r.nodes() if n.node_id == ids[4]] == [2**34]
+    clock.advance(9.0)
+    for i in ids[:2]:
+        assert r.heartbeat(i)
+    assert r.expire() == {ids[3], ids[4], ids[5]}
+    assert _bare(r.nodes()) == _bare(store.nodes())
+    tracker.close()
+    store.close()
+    store = SqliteStore(path)
+    restarted, _ = rated(rate=100.0, lease=8.0, store=store, clock=clock)
+    assert _bare(restarted.registry.nodes()) == _bare(store.nodes())
+    store.close()
+
+
+class CountingStore(MemoryStore):
+    """A store that counts the reads of every node (O(n) each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def node_records(self, include_lost=False):
+        self.reads += 1
+        return super().node_records(include_lost)
+
+
+def test_a_scheduler_tick_reads_no_node_list_from_the_store_with_or_without_a_pending_job():
+    from tracker_fakes import submission
+
+    store = CountingStore()
+    tracker, clock = rated(rate=100.0, store=store)
+    register(tracker, 20)
+    tracker.measure_links()
+    store.reads = 0
+    for _ in range(3):  # nothing pending: O(due leases), no node list
+        tracker.tick()
+        clock.advance(1.0)
+    assert store.reads == 0
+    job_id = tracker.jobs.submit(submission())
+    tracker.tick()  # plans and deploys the job over the registry's nodes
+    assert tracker.jobs.get(job_id).state == tracker_pb2.JOB_STATE_RUNNING
+    assert store.reads == 0
+
+
+def test_the_heap_is_frozen_as_the_swarm_grows_by_a_quarter_not_on_every_tick():
+    import gc
+
+    from fedpipe.tracker.scheduler import FREEZE_LEAST
+
+    tracker, _ = rated(rate=100.0)
+    try:
+        register(tracker, FREEZE_LEAST - 1)
+        assert not tracker.freeze_heap()  # fewer than FREEZE_LEAST new nodes
+        register(tracker, 1, first=FREEZE_LEAST - 1)
+        assert tracker.freeze_heap()
+        assert gc.get_freeze_count() > 0
+        register(tracker, 20, first=FREEZE_LEAST)  # 120 live: not 1.25x the 100 frozen at
+        assert not tracker.freeze_heap()
+        register(tracker, 130, first=FREEZE_LEAST + 20)
+        assert tracker.freeze_heap()
+        assert tracker.freeze_heap(force=True)
+    finally:
+        gc.unfreeze()  # the test process's heap is not a tracker's

@@ -239,9 +239,11 @@ class Elastic:
         Raises:
             NotFound: none.
         """
-        for n in self.store.nodes():
+        for n in self.jobs.live_nodes():  # shared messages: the caller gets a copy
             if node in (n.node_id, n.name):
-                return n
+                found = tracker_pb2.NodeInfo()
+                found.CopyFrom(n)
+                return found
         raise NotFound(f"no live node {node!r} (give its name or id)")
 
     def drain(self, node: str) -> tuple[tracker_pb2.NodeInfo, list[str]]:
@@ -389,7 +391,7 @@ class Elastic:
             found = self._targets.pop(job_id, None)
         if found is None:
             return None
-        live = {n.node_id for n in self.usable(self.store.nodes())}
+        live = {n.node_id for n in self.usable(self.jobs.live_nodes())}
         return found if PlanView(found[0]).node_ids() <= live else None
 
     def tick(self) -> None:
@@ -412,7 +414,7 @@ class Elastic:
             for job_id in self._jobs_using(node_id):
                 if self.store.job(job_id).state == S.JOB_STATE_RUNNING \
                         and job_id not in self.pending:
-                    names = {n.name for n in self.store.nodes() if n.node_id == node_id}
+                    names = {n.name for n in self.jobs.live_nodes() if n.node_id == node_id}
                     self.handover(job_id, "drain", names)
 
     # -- joins and slow nodes ---------------------------------------------------
@@ -443,12 +445,17 @@ class Elastic:
         if spec.rebalance != "auto" or job.state != S.JOB_STATE_RUNNING:
             return False
         used = PlanView(job.plan).node_ids()
-        nodes = [n for n in self.usable(self.store.nodes())
-                 if n.node_id in used or not self.unmeasured(n.node_id)]
+        live = self.jobs.live_nodes()  # read once (the registry's, in memory)
+        usable = self.usable(live)
+        nodes = [n for n in usable if n.node_id in used] + self.candidates(
+            [n for n in usable if n.node_id not in used and not self.unmeasured(n.node_id)])
+        nodes.sort(key=lambda n: (n.registered, n.node_id))  # the store's order
         profile, config = model_profile(request.profile), train_config(spec)
-        cluster = cluster_view(nodes + [n for n in self.store.nodes()
-                                        if n.node_id in self.draining], self.store.links())
-        flops = {n.node_id: n.resources.flops for n in self.store.nodes()}
+        with self._lock:
+            draining = [n for n in live if n.node_id in self.draining]
+        among = nodes + draining
+        cluster = cluster_view(among, self.store.links_among(n.node_id for n in among))
+        flops = {n.node_id: n.resources.flops for n in live}
         self._remeasure(job, profile, flops)
 
         def speed(node_id: str) -> float:

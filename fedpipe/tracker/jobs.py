@@ -66,6 +66,7 @@ from .calibration import Calibration
 from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
 from .nodes import NodeCallError, NodeCalls
+from .planning import Planner
 from .replan import substitute
 from .replicas import ElasticReplicas
 from .store import Store
@@ -174,6 +175,9 @@ class Jobs:
         self._ended: dict[str, float] = {}  # job -> when it reached a terminal state
         self._lock = threading.RLock()  # recovery bookkeeping
         self.declare_lost: Callable[[str, str], bool] | None = None
+        self.live_nodes: Callable[[], list[tracker_pb2.NodeInfo]] = store.nodes
+        """The live nodes, oldest first; the tracker sets it to the registry's copy in memory
+        (:meth:`~.registry.Registry.nodes`: shared messages, read only)."""
         """Marks a node lost now with a reason (the registry's); set by the tracker."""
         self.retention = RETENTION
         # job -> (epoch, stage -> its last STAGE_TIME_WINDOW (compute, wait, send) splits);
@@ -191,6 +195,9 @@ class Jobs:
         """Elastic replica groups: drops, per-step quorums, heals (:mod:`.replicas`)."""
         self.calibration = Calibration()
         """The cost model fitted from the stages' step times: plans and replans use it."""
+        self.planner = Planner()
+        """Makes plans (:mod:`.planning`): in-process here; the tracker's server gives it a
+        worker process, so planning does not hold the GIL its heartbeats need."""
 
     def notify(self) -> None:
         """Wake the scheduler and every watcher."""
@@ -248,7 +255,7 @@ class Jobs:
                 activations).
         """
         spec = validate(request)
-        nodes = self.store.nodes()
+        nodes = self.live_nodes()
         if nodes:
             need = planner.stage_memory_bytes(model_profile(request.profile), 0,
                                               len(request.layers), train_config(spec), 0, 1)
@@ -487,7 +494,7 @@ class Jobs:
                 if key in new.stages:
                     self._suspect(self.get(job_id), tracker_pb2.StageReport(
                         peer=new[key].address))
-            gone = new.node_ids() - {n.node_id for n in self.store.nodes()}
+            gone = new.node_ids() - {n.node_id for n in self.live_nodes()}
             if gone or self.get(job_id).epoch != job.epoch:
                 return  # a node of the new plan was lost meanwhile: the next attempt replans
             if step > 0 and all("no snapshot" in f for f in failures.values()):
@@ -669,12 +676,7 @@ class Jobs:
         try:
             probed, profile = cluster_view(nodes, links), model_profile(request.profile)
             cluster = self.calibration.cluster(probed)
-            job = JobSpec.from_proto(request.config)
-            plan = planner.make_plan(cluster, profile, train_config(job))
-            if job.replica_sync == "auto":
-                job = job.with_(replica_sync=planner.choose_replica_sync(plan))
-                if job.replica_sync == "diloco":  # plan again, paying the sync 1/H
-                    plan = planner.make_plan(cluster, profile, train_config(job))
+            plan, job = self.planner.plan(cluster, profile, JobSpec.from_proto(request.config))
             plan = dataclasses.replace(plan, calibrated=self.calibration.covers(plan, probed))
             self.calibration.planned(job_id, self.store.job(job_id).epoch, plan, probed, profile,
                                      train_config(job))
@@ -766,7 +768,7 @@ class Jobs:
         (a paused one would hold the loads up for that long) and one that cannot be
         reached is skipped: the stages' fetches go elsewhere.
         """
-        holders = holders & {n.address for n in self.store.nodes()}
+        holders = holders & {n.address for n in self.live_nodes()}
         if not holders:
             return
         request = node_pb2.AssignJobRequest(
@@ -862,7 +864,7 @@ class Jobs:
         """Set a replanned ``plan``'s predicted step time from the calibrated cost model,
         and remember it for the next fit (a failure keeps the old prediction)."""
         try:
-            probed = cluster_view(nodes, self.store.links())
+            probed = cluster_view(nodes, self.store.links_among(n.node_id for n in nodes))
             new = self.calibration.predict(plan_from_message(plan), probed, profile, config)
             plan.predicted_step_seconds, plan.sync_seconds = (new.predicted_step_seconds,
                                                               new.sync_seconds)

@@ -48,7 +48,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from .. import planner
 from ..net import timeouts
@@ -466,13 +466,16 @@ class ElasticReplicas:
         return reply
 
     # -- healing -------------------------------------------------------------
-    def heal_all(self, nodes: list[tracker_pb2.NodeInfo]) -> None:
+    def heal_all(self, nodes: Callable[[], list[tracker_pb2.NodeInfo]]) -> None:
         """:meth:`heal` every elastic job that runs without some of its groups (the
-        scheduler calls it every round)."""
+        scheduler calls it every round). ``nodes`` reads the live nodes, O(n): it is called
+        only when a job has a group to rebuild, so a round with none stays O(jobs)."""
         with self._lock:
             jobs = [j for j, (_, rs) in self._sets.items() if rs.dropped()]
-        for job_id in jobs:
-            self.heal(job_id, nodes)
+        if jobs:
+            live = nodes()
+            for job_id in jobs:
+                self.heal(job_id, live)
 
     def heal(self, job_id: str, nodes: list[tracker_pb2.NodeInfo]) -> None:
         """Rebuild the job's dropped groups on spare live nodes (nodes no live group uses):

@@ -24,6 +24,7 @@ so tests can drive them without threads.
 """
 from __future__ import annotations
 
+import gc
 import heapq
 import logging
 import threading
@@ -38,6 +39,7 @@ from .jobs import Jobs
 from .links import LinkMeasurer
 from .errors import FailedPrecondition
 from .nodes import NodeCallError, NodeCalls
+from .planning import Planner
 from .registry import HEARTBEAT_RATE, Registry, validate_node
 from .store import Store
 
@@ -49,6 +51,10 @@ and at least 4 times per lease so an expired lease is noticed within a quarter o
 REFRESH_SPREAD = 0.9
 """Part of ``link_refresh`` a round of re-measurements is spread over (the rest is slack,
 so a round ends before the next is due)."""
+FREEZE_GROWTH = 1.25
+"""The live swarm grows by this factor (and by :data:`FREEZE_LEAST` nodes) between two
+freezes of the heap (:meth:`Tracker.freeze_heap`)."""
+FREEZE_LEAST = 100
 PLAN_CANDIDATES = 256
 """Most nodes a job is planned over: the planner's link matrices grow as the square of the
 nodes it is given, and a swarm of 10,000 would make them 800 MB."""
@@ -90,23 +96,32 @@ class Tracker:
             the caller drives :meth:`tick` and :meth:`measure_links`).
         heartbeat_rate: the most heartbeats per second asked of all nodes together
             (:data:`~.registry.HEARTBEAT_RATE`).
+        plan_processes: worker processes that make plans (:mod:`.planning`; 0: on the
+            scheduler thread, holding the GIL for as long as a plan takes).
+        freeze_heap: call :meth:`freeze_heap` every tick, as a tracker process should
+            (``gc.freeze`` is process-wide: not for a tracker inside another program).
     """
 
     def __init__(self, store: Store, nodes: NodeCalls, *, lease: float = 10.0,
                  link_refresh: float = 300.0, link_wait: float = 30.0,
                  clock: Callable[[], float] = time.time, background: bool = True,
                  heartbeat_rate: float = HEARTBEAT_RATE,
-                 rebalance_threshold: float = REBALANCE_THRESHOLD):
+                 rebalance_threshold: float = REBALANCE_THRESHOLD, plan_processes: int = 0,
+                 freeze_heap: bool = False):
         self.store, self.nodes, self.clock = store, nodes, clock
         self.lease, self.link_refresh, self.link_wait = lease, link_refresh, link_wait
         self.jobs = Jobs(store, nodes, clock)
+        self.jobs.planner = Planner(plan_processes)
+        self.jobs.planner.start()
         self.elastic = Elastic(self.jobs, threshold=rebalance_threshold)
         self.elastic.unmeasured = lambda node_id: self.links.waiting([node_id])
+        self.elastic.candidates = lambda nodes: candidates(nodes)  # PLAN_CANDIDATES read late
         self.links = LinkMeasurer(store, nodes, clock)
         # nodes that were live when the tracker stopped get a fresh lease, not a lost verdict
         self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive,
                                  rate=heartbeat_rate)
         self.jobs.declare_lost = self.registry.declare_lost
+        self.jobs.live_nodes = self.registry.nodes
         for n in store.nodes():
             self.links.add(n.node_id, n.name, n.address, n.registered)
         self.stop_event = threading.Event()
@@ -114,6 +129,8 @@ class Tracker:
         self.jobs.recover()
         self.feeders = Feeders(self.jobs, clock)  # after recover(): it arms the jobs left
         self.threads: list[threading.Thread] = []
+        self._frozen_at = 0  # live nodes at the last freeze_heap()
+        self.freezes = freeze_heap
         if background:
             self.threads = [threading.Thread(target=self._scheduler, name="scheduler",
                                              daemon=True),
@@ -162,6 +179,7 @@ class Tracker:
         for th in self.threads:
             th.join(timeout=timeouts.THREAD_JOIN)
         self.registry.flush()
+        self.jobs.planner.close()
         close = getattr(self.nodes, "close", None)
         if close is not None:
             close()
@@ -172,13 +190,16 @@ class Tracker:
         recovering each RECOVERING job, then time out, wait or start each PENDING job."""
         self.registry.expire()
         self.registry.flush_if_due()
+        if self.freezes:
+            self.freeze_heap()
         self.feeders.sweep()
         self.elastic.tick()
+        # the live nodes from the registry's memory (store.nodes() builds a message per row)
         for job_id in self.jobs.recovering():
-            self.jobs.resume(job_id, self.store.nodes())
-        self.jobs.replicas.heal_all(self.store.nodes())
+            self.jobs.resume(job_id, self.registry.nodes())
+        self.jobs.replicas.heal_all(self.registry.nodes)  # read only if a job needs it
         for job_id in self.jobs.pending():
-            nodes = self.elastic.usable(self.store.nodes())
+            nodes = self.elastic.usable(self.registry.nodes())
             if not nodes:
                 self.jobs.expire_pending(job_id)
                 continue
@@ -188,6 +209,27 @@ class Tracker:
                 continue  # the links of nodes that just joined are being measured
             # the planner uses only the links among the candidates (cluster_view)
             self.jobs.start(job_id, chosen, self.store.links_among(n.node_id for n in chosen))
+
+    def freeze_heap(self, force: bool = False) -> bool:
+        """Move the objects alive now out of the garbage collector's reach (``gc.freeze``)
+        once the live swarm has grown by :data:`FREEZE_GROWTH` since the last time (or
+        ``force``); True if it did. O(1).
+
+        A full collection walks every tracked object holding the GIL: at 10,000 nodes
+        (registry, link measurer, imports) about 50 ms, every few tens of seconds, in
+        which no heartbeat is answered. What registered nodes leave in memory lives as
+        long as they do, so the collector need not walk it; the young generations are
+        collected first, so fresh cyclic garbage is not frozen with it. Frozen objects are
+        still freed by reference counting; only a reference cycle among them would stay.
+        """
+        live = self.registry.live_count()
+        if not force and (live < FREEZE_GROWTH * self._frozen_at or
+                          live < self._frozen_at + FREEZE_LEAST):
+            return False
+        gc.collect(1)
+        gc.freeze()
+        self._frozen_at = live
+        return True
 
     def _scheduler(self) -> None:
         while not self.stop_event.is_set():

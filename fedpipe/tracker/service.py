@@ -46,6 +46,10 @@ tracker restart) would take every thread and starve heartbeats into lost leases;
 excess is refused with UNAVAILABLE, which nodes retry with backoff
 (:func:`fedpipe.net.retry`)."""
 
+PLAN_PROCESSES = 1
+"""Worker processes that make the tracker's plans (:mod:`.planning`): planning in the
+tracker's own process holds the GIL about 90 ms per job, and heartbeats wait that long."""
+
 STATUS: dict[type[errors.TrackerError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
@@ -315,8 +319,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
 
 def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: float = 300.0,
           *, tls: TlsConfig | None = None, insecure: bool = False,
-          max_job_bytes: int = MAX_JOB_BYTES, heartbeat_rate: float | None = None
-          ) -> tuple[grpc.Server, TrackerService, int]:
+          max_job_bytes: int = MAX_JOB_BYTES, heartbeat_rate: float | None = None,
+          freeze_heap: bool = False) -> tuple[grpc.Server, TrackerService, int]:
     """Start a tracker server on the SQLite file ``db``; returns ``(server, service, port)``.
 
     Args:
@@ -329,6 +333,9 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
         heartbeat_rate: the most heartbeats per second asked of the whole swarm (None:
             :data:`~fedpipe.tracker.registry.HEARTBEAT_RATE`); a larger swarm is told
             a longer interval and lease.
+        freeze_heap: keep the objects that registered nodes leave out of the garbage
+            collector's full passes (:meth:`~.scheduler.Tracker.freeze_heap`); for a
+            process that is only a tracker (``fedpipe tracker``).
 
     Raises:
         ValueError: plaintext on a non-loopback ``host`` without ``insecure``.
@@ -338,7 +345,9 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
     net.check_plaintext(host, tls, insecure, "the tracker")
     rate = HEARTBEAT_RATE if heartbeat_rate is None else heartbeat_rate
     service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(tls=tls), lease=lease,
-                                     link_refresh=link_refresh, heartbeat_rate=rate), tls,
+                                     link_refresh=link_refresh, heartbeat_rate=rate,
+                                     plan_processes=PLAN_PROCESSES,
+                                     freeze_heap=freeze_heap), tls,
                              max_job_bytes=max_job_bytes)
     srv = net.server(tls=tls, client_calls=net.TRACKER_CLIENT_DATA_CALLS)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
