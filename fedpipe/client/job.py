@@ -18,7 +18,7 @@ from .. import net
 from ..proto import node_pb2, tracker_pb2, tracker_pb2_grpc
 from ..net import timeouts
 from ..observe.source import GrpcSource
-from ..observe.views import StepRecord, step_records
+from ..observe.views import StepRecord, recovery_headline, step_records
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..security import TlsConfig
 from ..security.explain import explained
@@ -65,10 +65,7 @@ class JobStatus:
     def __str__(self) -> str:
         text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
         for r in self.recoveries:
-            what = {"loss": f"recovered from the loss of {r.lost}",
-                    "drain": f"handed over from draining {r.lost}",
-                    "rebalance": f"migrated to {r.lost}"}.get(r.cause, f"recovered from {r.cause}")
-            text += (f"\n  {what}: rewound to step "
+            text += (f"\n  {recovery_headline(r)}: rewound to step "
                      f"{r.checkpoint_step}, {r.steps_recomputed} steps recomputed, "
                      f"{r.detect_seconds + r.replan_seconds + r.restore_seconds:.1f} s "
                      f"(detect {r.detect_seconds:.1f}, replan {r.replan_seconds:.1f}, "
