@@ -226,7 +226,8 @@ class Client:
                 checkpoint's step with its weights, optimizer, LR schedule and
                 DiLoCo state. ``data`` is still given from its start; the steps
                 done are skipped. The new plan must split the layers as the
-                checkpoint's did (same stages and replica groups).
+                checkpoint's did (same stages and replica groups): ``stages`` and
+                ``replicas`` are taken from the checkpoint (0) or must equal its.
             checkpoint_dir: keep the newest complete checkpoints in this folder
                 (pulled from the nodes as each completes), so the job can be
                 resumed (``resume_from=checkpoint_dir``) even if every node and
@@ -243,8 +244,9 @@ class Client:
             TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
                 bad optimizer or lr_scheduler.
             fedpipe.spec.JobSpecError: a bad setting (a ValueError; ``field`` names it).
-            ValueError: empty data, a batch too small for the microbatches, or
-                an lr_scheduler whose arguments do not fit it or the optimizer.
+            ValueError: empty data, a batch too small for the microbatches, an
+                lr_scheduler whose arguments do not fit it or the optimizer, or
+                ``stages`` or ``replicas`` other than ``resume_from``'s checkpoint's.
             fedpipe.client.checkpoints.CheckpointError: ``resume_from`` holds no
                 readable checkpoint, or one at or past ``steps``.
             grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
@@ -276,6 +278,13 @@ class Client:
                 raise checkpoints.CheckpointError(
                     f"the checkpoint in {resume_from} is after step {restore.step}; the job "
                     f"has only {steps} steps")
+            for name, asked, saved in (("stages", stages, restore.depth),
+                                       ("replicas", replicas, restore.replicas)):
+                if asked and asked != saved:
+                    raise ValueError(f"{name}={asked} disagrees with the checkpoint in "
+                                     f"{resume_from}, which has {name}={saved}: resume_from "
+                                     f"needs the split it was saved in (give {name}={saved} "
+                                     f"or 0)")
             stages, replicas = restore.depth, restore.replicas  # the split it was saved in
         job_spec = JobSpec(steps=steps, microbatches=microbatches, schedule=schedule,
                            optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
