@@ -12,12 +12,13 @@ Under DiLoCo the disturbed run is held to an exact single-process replay of
 DiLoCo over the groups that were there (1e-5): the survivor's log says which
 outer steps it took alone and from which step it trained on the whole batch,
 the job's events when the lost group joined again. Its final loss is not held
-to the issue's 2 % band: this DiLoCo setting (outer lr 0.7, Nesterov 0.9 over
-4 inner steps) amplifies any small change of the trajectory. In-process
-replays over 6 data orders and 5 drop timings (64 steps), a lost group moved
-the final loss by up to 5.6 % (sd 2.7 %), and a 1e-6 change of the initial
-weights alone moved it by up to 0.8 % (6.3 % at 96 steps); under all-reduce
-the same losses move it by at most 0.6 %. See ``benchmarks/elastic.py replica``.
+to the issue's 2 % band: an outer step over one group (one full-batch local
+trajectory in place of the mean of two half-batch ones) is amplified by this
+setting's outer Nesterov momentum (0.9, lr 0.7, 4 inner steps). In
+in-process replays over 6 data orders and 5 drop timings (64 steps) a lost
+group moved the final loss by up to 5.6 % (sd 2.7 %; 13 of 30 within 2 %);
+under all-reduce the same losses move it by at most 0.6 %. See
+``benchmarks/elastic.py replica`` and the README.
 """
 from __future__ import annotations
 
