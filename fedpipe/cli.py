@@ -73,7 +73,7 @@ def _observe_tracker(tracker, args) -> list:
     from .observe.source import Histories
     from .tracker.http import TrackerSource, start_http
 
-    source = TrackerSource(tracker.store, tracker.jobs)
+    source = TrackerSource(tracker.store, tracker.jobs, tracker.feeders)
     histories = Histories(source)  # shared, so each event is read once
     registry = tracker_registry(source, histories)
     served = []

@@ -34,3 +34,74 @@ def job_info(client, job):
     """The tracker's JobInfo of ``job`` now."""
     from fedpipe.proto import tracker_pb2
     return client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10)
+
+
+def diloco_single_process(model, loss_fn, spec, batches, config, *, groups: int = 2,
+                          microbatches: int = 1, fed=None, members=None, joins=None,
+                          lr_scheduler=None) -> list[dict]:
+    """DiLoCo over ``groups`` replica groups of equal share, in one process, as an elastic
+    job runs it (:class:`fedpipe.runtime.elastic.ElasticOuterSync`); each group's final
+    state_dict.
+
+    Args:
+        fed: ``fed(step)``: the groups the client fed at ``step`` (it shards the batch over
+            them in equal parts, group order); default: all.
+        members: ``members(k)``: the groups outer step ``k`` averages over; default: all.
+        joins: ``{group: step}``: before ``step`` the group takes group 0's whole state
+            (weights, inner optimizer and schedule, outer weights and momentum).
+        lr_scheduler: a :func:`fedpipe.lr_scheduler` of the inner optimizer, or None.
+
+    Each group's microbatch losses are scaled by ``n_m / B`` and its summed gradient by
+    ``B / n`` (the mean loss over its shard), as the runner and ``rescale_gradients`` do;
+    the outer gradient is the members' equally weighted mean pseudo-gradient, applied by
+    SGD with Nesterov momentum; an outer step follows every H-th inner step and the last.
+    """
+    import torch
+    from fedpipe.client.job import _shard
+
+    every = range(groups)
+    fed = fed or (lambda step: list(every))
+    members = members or (lambda k: list(every))
+    joins = joins or {}
+    models = [copy.deepcopy(model) for _ in every]
+    opts = [spec.build(m.parameters()) for m in models]
+    scheds = [lr_scheduler.build(o) if lr_scheduler else None for o in opts]
+    outer_weights = [p.detach().clone() for p in model.parameters()]
+    momentum = config.outer_momentum
+    outer = torch.optim.SGD(outer_weights, lr=config.outer_lr, momentum=momentum,
+                            nesterov=momentum > 0)
+    k = 0
+    for step, (x, y) in enumerate(batches):
+        for g, at in joins.items():
+            if at == step:
+                models[g].load_state_dict(models[0].state_dict())
+                opts[g].load_state_dict(copy.deepcopy(opts[0].state_dict()))
+                if scheds[g] is not None:
+                    scheds[g].load_state_dict(scheds[0].state_dict())
+        now = fed(step)
+        for g, (xs, ys) in zip(now, _shard(x, y, [1] * len(now))):
+            opts[g].zero_grad()
+            for xm, ym in zip(xs.tensor_split(microbatches), ys.tensor_split(microbatches)):
+                (loss_fn(models[g](xm), ym) * (xm.shape[0] / x.shape[0])).backward()
+            for p in models[g].parameters():
+                p.grad.mul_(x.shape[0] / xs.shape[0])
+            opts[g].step()
+            if scheds[g] is not None:
+                scheds[g].step()
+        if (step + 1) % config.inner_steps and step != len(batches) - 1:
+            continue
+        who = sorted(members(k))
+        with torch.no_grad():
+            for i, glob in enumerate(outer_weights):
+                total = torch.zeros_like(glob)
+                for g in who:
+                    total.add_(glob - list(models[g].parameters())[i], alpha=1 / groups)
+                glob.grad = total.div_(len(who) / groups)
+        outer.step()
+        outer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for g in who:
+                for p, glob in zip(models[g].parameters(), outer_weights):
+                    p.copy_(glob)
+        k += 1
+    return [m.state_dict() for m in models]

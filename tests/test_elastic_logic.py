@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from fedpipe.observe.views import recovery_what
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.spec import PlanView, StageKey, state_name
 from fedpipe.tracker.elastic import move_seconds
@@ -76,6 +77,9 @@ def test_a_drain_cuts_the_job_at_the_next_step_boundary_and_hands_over_from_ther
                                   f"checkpoint step 4 (0 steps to recompute)")
     (rec,) = info.recoveries
     assert (rec.cause, rec.checkpoint_step, rec.steps_recomputed) == ("drain", 4, 0)
+    to = PlanView(info.plan)[StageKey(0, 1)].node_name
+    assert (rec.lost, rec.moved_from, rec.moved_to) == (victim.node_name, victim.node_name, to)
+    assert recovery_what(rec) == f"drained {victim.node_name}; moved {victim.node_name} -> {to}"
     # the new epoch's stages resume at the cut; the survivor kept its stage
     loads = [r for r in nodes.loads if r.plan.epoch == info.epoch]
     assert {r.resume_step for r in loads} == {4} and len(loads) == 2
@@ -157,6 +161,11 @@ def test_a_node_slower_than_it_said_is_remeasured_and_its_stage_moves_to_a_spare
         PlanView(info.plan)[StageKey(0, 1)].node_id == PlanView(h.target)[StageKey(0, 1)].node_id
     (rec,) = info.recoveries
     assert (rec.cause, rec.steps_recomputed) == ("rebalance", 0) and rec.bytes_moved > 0
+    # the record says what happened: nothing was lost, the slow node's stage moved
+    spare = PlanView(info.plan)[StageKey(0, 1)].node_name
+    assert (rec.lost, rec.moved_from, rec.moved_to) == ("", slow.node_name, spare)
+    assert recovery_what(rec) == f"moved {slow.node_name} -> {spare}"
+    assert info.reason.startswith(f"migrated from {slow.node_name} to {spare}: ")
 
 
 def test_rebalance_never_keeps_the_plan_and_a_small_gain_does_not_move():

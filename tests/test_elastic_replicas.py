@@ -6,11 +6,24 @@ DiLoCo, compression "none"), on a swarm of three nodes: the third is the spare
 a lost group is rebuilt on. An undisturbed all-reduce job equals
 single-process training on the same batches (``tests/test_recovery.py`` and
 the equivalence tests hold it to 1e-5), so that is the undisturbed run its
-final loss is compared with; under DiLoCo the same job runs undisturbed first.
+final loss is compared with.
+
+Under DiLoCo the disturbed run is held to an exact single-process replay of
+DiLoCo over the groups that were there (1e-5): the survivor's log says which
+outer steps it took alone and from which step it trained on the whole batch,
+the job's events when the lost group joined again. Its final loss is not held
+to the issue's 2 % band: an outer step over one group (one full-batch local
+trajectory in place of the mean of two half-batch ones) is amplified by this
+setting's outer Nesterov momentum (0.9, lr 0.7, 4 inner steps). In
+in-process replays over 6 data orders and 5 drop timings (64 steps) a lost
+group moved the final loss by up to 5.6 % (sd 2.7 %; 13 of 30 within 2 %);
+under all-reduce the same losses move it by at most 0.6 %. See
+``benchmarks/elastic.py replica`` and the README.
 """
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -22,7 +35,8 @@ from fedpipe.proto import node_pb2
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames
-from reference import digit_batches, job_info, max_relative_difference, single_process
+from reference import (digit_batches, diloco_single_process, job_info,
+                       max_relative_difference, single_process)
 
 pytestmark = pytest.mark.timeout(300)
 # a setting in which a few half batches move the held-out loss by < 1 % (checked against
@@ -69,6 +83,30 @@ def group_state(client, job, replica):
     return {head.name: t for head, t in frames.read_tensors(stream)}
 
 
+OUTER_ALONE = re.compile(r"replica group 0 stage 0: outer step (\d+) \(after step \d+\) over "
+                         r"replica groups \[([\d, ]*)\] of 2")
+SAMPLES = re.compile(r"replica group 0 stage 0: step (\d+) trains on (\d+) of the batch's (\d+) ")
+JOINS = re.compile(r"replica group 1 joins at step (\d+)")
+
+
+def diloco_replay(model, data, log: str, reasons: list[str], microbatches: int) -> dict:
+    """Group 0's final weights by single-process DiLoCo over the groups that were there,
+    as group 0's node ``log`` (of this job only) and the job's event ``reasons`` tell."""
+    alone = {int(k): [int(g) for g in groups.split(",")]
+             for k, groups in OUTER_ALONE.findall(log)}
+    changes = [(int(step), int(n) < int(batch)) for step, n, batch in SAMPLES.findall(log)]
+    joined = [int(m.group(1)) for r in reasons if (m := JOINS.search(r))]
+    assert alone and len(joined) == 1, (alone, joined)  # disturbed, and healed once
+
+    def fed(step: int) -> list[int]:
+        shared = next((half for at, half in reversed(changes) if at <= step), True)
+        return [0, 1] if shared else [0]
+
+    return diloco_single_process(model, LOSS, SGD, data, DILOCO, microbatches=microbatches,
+                                 fed=fed, members=lambda k: alone.get(k, [0, 1]),
+                                 joins={1: joined[0]})[0]
+
+
 def held_out_loss(model, state):
     _, _, x, y = digits.load()
     model = copy.deepcopy(model)
@@ -80,11 +118,7 @@ def held_out_loss(model, state):
 @pytest.mark.parametrize("sync", ["allreduce", "diloco"])
 def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exactly(swarm, sync):
     client, data = swarm.client(), digit_batches(STEPS)
-    if sync == "diloco":  # the undisturbed run, to compare the final loss with
-        model, job = submit(client, data, min_replicas=1, sync=DILOCO)
-        assert job.wait(timeout=240, progress=False).state == "SUCCEEDED"
-        undisturbed = job.state_dict()
-        job.release()
+    marks = [len(swarm.log(p)) for p in swarm.nodes]
     model, job = submit(client, data, min_replicas=1, sync=DILOCO if sync == "diloco" else sync)
     inj = swarm.inject(job.id)
     inj.at_step(KILL_AT, "kill group 1", lambda: swarm.kill(
@@ -105,15 +139,16 @@ def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exac
     assert all(torch.equal(g0[k], g1[k]) for k in g0)
     if sync == "allreduce":
         undisturbed = single_process(model, LOSS, SGD, data)
-    got, want = held_out_loss(model, g0), held_out_loss(model, undisturbed)
-    if sync == "allreduce":
+        got, want = held_out_loss(model, g0), held_out_loss(model, undisturbed)
         assert abs(got - want) <= 0.02 * want, (got, want)
     else:
-        # DiLoCo: outer steps averaged over one group move the run off the undisturbed
-        # one by about 2 % here (2.2 % in two runs, 7.7 % lower in benchmarks/elastic.py
-        # replica), so the issue's 2 % band is not held; the test asserts that training
-        # went on (the loss fell well below the untrained model's) and the benchmark
-        # reports the gap
+        # exactly DiLoCo over the groups present (module docstring); the loss fell
+        node = swarm.node_index(PlanView(final.plan)[StageKey(0, 0)].address)
+        log = swarm.log(swarm.nodes[node])[marks[node]:]
+        replay = diloco_replay(model, data, log, reasons,
+                               PlanView(final.plan, 2).microbatches(0))
+        assert max_relative_difference(g0, replay) <= 1e-5
+        got = held_out_loss(model, g0)
         assert got < 0.5 * held_out_loss(model, model.state_dict()), got
     job.release()
 

@@ -8,8 +8,9 @@ import pytest
 
 from fedpipe.net import timeouts
 from fedpipe.proto import tracker_pb2
-from fedpipe.spec import PlanView, state_name
+from fedpipe.spec import JobSpec, PlanView, state_name
 from fedpipe.tracker import errors
+from fedpipe.tracker.http import TrackerSource
 from tracker_fakes import join, make_tracker, submission
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,6 +66,25 @@ def test_a_running_job_whose_client_left_waits_for_it_with_its_stages_stopped():
     holds = [S.StageRef(job_id=job, replica=0, stage=s, epoch=epoch) for s in (0, 1)]
     for node_id in PlanView(info.plan).node_ids():
         assert tracker.jobs.reconcile(node_id, holds) == ([], [])
+
+
+def test_a_waiting_jobs_reason_counts_down_its_time_left_when_shown():
+    tracker, nodes, clock, job = running_job()
+    timeout = JobSpec.from_proto(tracker.store.spec(job).config).client_timeout
+    tracker.feeders.detach(job, "A")
+    clock.advance(timeouts.CLIENT_GRACE + 1)
+    tracker.tick()
+    info = tracker.jobs.get(job)
+    assert state_name(info.state) == "WAITING"
+    assert "fails in" not in info.reason  # as stored (and in the job's events): no countdown
+    source = TrackerSource(tracker.store, tracker.jobs, tracker.feeders)  # the dashboard's
+    for waited in (timeouts.CLIENT_GRACE + 1, timeouts.CLIENT_GRACE + 101):
+        for shown in (tracker.feeders.shown(tracker.jobs.get(job)), source.job(job)):
+            assert shown.reason.endswith(f"; the job fails in {timeout - waited:.0f} s unless "
+                                         f"a client resumes it"), shown.reason
+        clock.advance(100)
+    tracker.feeders.attach(job, "B", take_over=False)  # back: nothing counts down
+    assert "fails in" not in tracker.feeders.shown(tracker.jobs.get(job)).reason
 
 
 def test_the_client_coming_back_resumes_the_job_at_its_checkpoint():

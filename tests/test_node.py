@@ -7,8 +7,10 @@ inputs as the client would, and collect the stage reports the node sends.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
+import time
 
 import cloudpickle
 import grpc
@@ -224,6 +226,25 @@ def test_stages_talking_to_one_peer_share_its_channel(nodes):
     b.flush()  # the channel still works for the stage that holds it
     b.close()
     assert pool.addresses() == set()
+
+
+def test_closing_a_sender_with_an_open_stream_logs_no_error(nodes, caplog):
+    """A drain or stop closes its senders, cancelling their open streams: that is a clean
+    end, not an error (it was logged as ``Exception in callback PeerSender._ended``)."""
+    peers = StagePeers(ChannelPool())
+    sender = peers.sender(node_pb2.StageAssignment(address=nodes[1].address, node_name="b"))
+    sender.submit(node_pb2.Envelope(kind=Kind.PROBE), torch.zeros(4), "raw")
+    sender.encoder.submit(lambda: None).result()  # the stream is open
+    call = sender.stream.call
+    with caplog.at_level(logging.DEBUG):
+        peers.close()
+        deadline = time.monotonic() + 10
+        while not call.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the done callbacks run on gRPC's thread
+    assert call.cancelled()
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert sender.error is None
 
 
 def test_measure_links_borrows_a_channel_and_gives_it_back(nodes):

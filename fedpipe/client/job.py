@@ -18,7 +18,7 @@ from .. import net
 from ..proto import node_pb2, tracker_pb2, tracker_pb2_grpc
 from ..net import timeouts
 from ..observe.source import GrpcSource
-from ..observe.views import StepRecord, step_records
+from ..observe.views import StepRecord, recovery_headline, step_records
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..security import TlsConfig
 from ..security.explain import explained
@@ -65,10 +65,7 @@ class JobStatus:
     def __str__(self) -> str:
         text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
         for r in self.recoveries:
-            what = {"loss": f"recovered from the loss of {r.lost}",
-                    "drain": f"handed over from draining {r.lost}",
-                    "rebalance": f"migrated to {r.lost}"}.get(r.cause, f"recovered from {r.cause}")
-            text += (f"\n  {what}: rewound to step "
+            text += (f"\n  {recovery_headline(r)}: rewound to step "
                      f"{r.checkpoint_step}, {r.steps_recomputed} steps recomputed, "
                      f"{r.detect_seconds + r.replan_seconds + r.restore_seconds:.1f} s "
                      f"(detect {r.detect_seconds:.1f}, replan {r.replan_seconds:.1f}, "
@@ -229,7 +226,8 @@ class Client:
                 checkpoint's step with its weights, optimizer, LR schedule and
                 DiLoCo state. ``data`` is still given from its start; the steps
                 done are skipped. The new plan must split the layers as the
-                checkpoint's did (same stages and replica groups).
+                checkpoint's did (same stages and replica groups): ``stages`` and
+                ``replicas`` are taken from the checkpoint (0) or must equal its.
             checkpoint_dir: keep the newest complete checkpoints in this folder
                 (pulled from the nodes as each completes), so the job can be
                 resumed (``resume_from=checkpoint_dir``) even if every node and
@@ -246,8 +244,9 @@ class Client:
             TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
                 bad optimizer or lr_scheduler.
             fedpipe.spec.JobSpecError: a bad setting (a ValueError; ``field`` names it).
-            ValueError: empty data, a batch too small for the microbatches, or
-                an lr_scheduler whose arguments do not fit it or the optimizer.
+            ValueError: empty data, a batch too small for the microbatches, an
+                lr_scheduler whose arguments do not fit it or the optimizer, or
+                ``stages`` or ``replicas`` other than ``resume_from``'s checkpoint's.
             fedpipe.client.checkpoints.CheckpointError: ``resume_from`` holds no
                 readable checkpoint, or one at or past ``steps``.
             grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
@@ -279,6 +278,13 @@ class Client:
                 raise checkpoints.CheckpointError(
                     f"the checkpoint in {resume_from} is after step {restore.step}; the job "
                     f"has only {steps} steps")
+            for name, asked, saved in (("stages", stages, restore.depth),
+                                       ("replicas", replicas, restore.replicas)):
+                if asked and asked != saved:
+                    raise ValueError(f"{name}={asked} disagrees with the checkpoint in "
+                                     f"{resume_from}, which has {name}={saved}: resume_from "
+                                     f"needs the split it was saved in (give {name}={saved} "
+                                     f"or 0)")
             stages, replicas = restore.depth, restore.replicas  # the split it was saved in
         job_spec = JobSpec(steps=steps, microbatches=microbatches, schedule=schedule,
                            optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),

@@ -196,8 +196,14 @@ class PeerSender:
             self.error = self.error or e
 
     def _ended(self, call: grpc.Future) -> None:
-        if call.exception() is not None:
-            self.error = self.error or call.exception()
+        """The stream's end (its done callback; :meth:`flush` waits in it): keep its error.
+        A stream :meth:`close` cancelled ended cleanly."""
+        try:
+            error = call.exception()
+        except grpc.FutureCancelledError:
+            return
+        if error is not None:
+            self.error = self.error or error
 
     def _close_stream(self) -> grpc.Future | None:
         """End the open stream (after every tensor queued on the encoder); return its call."""

@@ -17,7 +17,7 @@ from matplotlib.patches import FancyBboxPatch
 
 from ..spec import state_name
 from .source import JobSource
-from .views import PlanLayout, StepRecord, latest_per_step, step_records
+from .views import PlanLayout, StepRecord, latest_per_step, recovery_what, step_records
 
 LOSS_TITLE = "loss"
 THROUGHPUT_TITLE = "throughput"
@@ -82,7 +82,7 @@ def plot_job(source: JobSource, job_id: str, path: str | Path) -> Figure:
     """
     info = source.job(job_id)
     records = step_records(source.events(job_id, 0))
-    marks = [(r.time, f"lost {r.lost}") for r in info.recoveries]
+    marks = [(r.time, recovery_what(r)) for r in info.recoveries]
     return plot_history(records, path, marks=marks,
                         title=f"job {job_id} ({info.name}): {state_name(info.state)}, "
                               f"step {info.step}/{info.steps}")

@@ -141,10 +141,11 @@ def job_renderable(job: dict) -> RenderableType:
                               style="dim"))
     if job["recoveries"]:
         t = Table(title="recoveries", box=box.SIMPLE_HEAD, title_justify="left")
-        for col in ("time", "lost", "checkpoint", "recomputed", "detect", "replan", "restore"):
+        for col in ("time", "cause", "nodes", "checkpoint", "recomputed", "detect", "replan",
+                    "restore"):
             t.add_column(col)
         for r in job["recoveries"]:
-            t.add_row(_clock(r["time"]), r["lost"], str(r["checkpoint_step"]),
+            t.add_row(_clock(r["time"]), r["cause"], r["what"], str(r["checkpoint_step"]),
                       str(r["steps_recomputed"]), _s(r["detect_seconds"]),
                       _s(r["replan_seconds"]), _s(r["restore_seconds"]))
         parts.append(t)

@@ -397,11 +397,34 @@ def _stage_time_view(t: StageTime | None) -> dict | None:
     return None if t is None else {"compute": t.compute, "wait": t.wait, "send": t.send}
 
 
+def recovery_what(rec: tracker_pb2.Recovery) -> str:
+    """What a recovery did to the nodes, in words: ``"lost node1; moved node1 -> node3"``,
+    ``"drained node1; moved node1 -> node2"``, ``"moved node1 -> node2"`` (a rebalance
+    loses nothing), or ``"lost the client"``."""
+    lost = {"drain": "drained"}.get(rec.cause, "lost")
+    parts = [f"{lost} {rec.lost}"] if rec.lost else []
+    if rec.moved_from or rec.moved_to:
+        parts.append(f"moved {rec.moved_from or '-'} -> {rec.moved_to or '-'}")
+    return "; ".join(parts)
+
+
+def recovery_headline(rec: tracker_pb2.Recovery) -> str:
+    """A recovery in a sentence, as a job's reason and ``JobStatus`` start it:
+    ``"recovered from the loss of node1"``, ``"handed over from draining node1"``,
+    ``"migrated from node1 to node2"``."""
+    return {"loss": f"recovered from the loss of {rec.lost}",
+            "drain": f"handed over from draining {rec.lost}",
+            "rebalance": f"migrated from {rec.moved_from or '-'} to {rec.moved_to or '-'}"
+            }.get(rec.cause, f"recovered from {rec.cause}")
+
+
 def recovery_view(rec: tracker_pb2.Recovery) -> dict:
     """One recovery: when, its cause ("loss", "drain", "rebalance", or the client's), who
-    was lost or moved, the checkpoint, the steps recomputed, and the seconds it took to
-    detect, replan and restore."""
+    was lost (``lost``; "" for a rebalance), the nodes stages moved from and to, both in
+    words (``what``, :func:`recovery_what`), the checkpoint, the steps recomputed, and the
+    seconds it took to detect, replan and restore."""
     return {"time": rec.time, "cause": rec.cause or "loss", "lost": rec.lost,
+            "moved_from": rec.moved_from, "moved_to": rec.moved_to, "what": recovery_what(rec),
             "checkpoint_step": rec.checkpoint_step,
             "steps_recomputed": rec.steps_recomputed, "detect_seconds": rec.detect_seconds,
             "replan_seconds": rec.replan_seconds, "restore_seconds": rec.restore_seconds,

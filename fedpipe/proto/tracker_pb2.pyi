@@ -343,7 +343,7 @@ class StageTiming(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., predicted_compute_seconds: _Optional[float] = ...) -> None: ...
 
 class Recovery(_message.Message):
-    __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch", "cause", "bytes_moved")
+    __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch", "cause", "bytes_moved", "moved_from", "moved_to")
     TIME_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +354,8 @@ class Recovery(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FROM_FIELD_NUMBER: _ClassVar[int]
+    MOVED_TO_FIELD_NUMBER: _ClassVar[int]
     time: float
     lost: str
     checkpoint_step: int
@@ -364,7 +366,9 @@ class Recovery(_message.Message):
     epoch: int
     cause: str
     bytes_moved: int
-    def __init__(self, time: _Optional[float] = ..., lost: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., steps_recomputed: _Optional[int] = ..., detect_seconds: _Optional[float] = ..., replan_seconds: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., cause: _Optional[str] = ..., bytes_moved: _Optional[int] = ...) -> None: ...
+    moved_from: str
+    moved_to: str
+    def __init__(self, time: _Optional[float] = ..., lost: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., steps_recomputed: _Optional[int] = ..., detect_seconds: _Optional[float] = ..., replan_seconds: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., cause: _Optional[str] = ..., bytes_moved: _Optional[int] = ..., moved_from: _Optional[str] = ..., moved_to: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

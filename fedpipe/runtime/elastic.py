@@ -27,6 +27,7 @@ plain all-reduce job.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
@@ -36,6 +37,8 @@ from ..spec import DiLoCo, Kind, Quorum, StageKey
 from .allreduce import Held, StageSpan, held_segments, ring_allreduce
 from .diloco import OuterSync, _flat, _unflat
 from .stage import StageError, Transport
+
+log = logging.getLogger("fedpipe.elastic")
 
 VERSION_TAGS = 1 << 16
 """Message tags of one quorum version: ring tags are ``version * VERSION_TAGS + tag``."""
@@ -252,7 +255,18 @@ class ElasticOuterSync(OuterSync):
 
     The inner steps are rescaled by ``B / n`` (global batch over the samples
     the group trained on: the client re-shards the batch over the live groups,
-    so a group's share changes when one drops) instead of the plan's share.
+    so a group's share changes when one drops) instead of the plan's share:
+    each inner step is that of the mean loss over the samples the group had.
+    So every sample of the global batch is still trained on (unlike DiLoCo
+    with a data shard per replica, where a lost replica's shard is skipped),
+    and with H = 1, inner SGD, outer lr 1 and no momentum a lone survivor's
+    outer step is still the synchronous step on the whole batch.
+
+    Two INFO log lines say what the outer steps were taken over (an exact
+    single-process replay of a disturbed run needs nothing else, see
+    ``tests/test_elastic_replicas.py``): an outer step averaged over fewer
+    groups than the plan has, and a change of the samples the stage trains
+    on per step.
 
     Args:
         module, me, stages, config, shares, transport, last_step: as
@@ -273,10 +287,17 @@ class ElasticOuterSync(OuterSync):
         self.quorum: Quorum | None = None
         self.retries = 0
         self._inner = 0
+        self._groups = len({s.key.replica for s in stages})
+        self._samples: int | None = None  # the samples of the last inner step
 
     def rescale_gradients(self, step: int) -> None:
         """``before_update`` hook: scale the gradients by ``B / n`` (class docstring)."""
         n, batch = self.samples()
+        if self._samples is not None and n != self._samples:
+            log.info("replica group %d stage %d: step %d trains on %d of the batch's %d "
+                     "samples (was %d)", self.me.replica, self.me.stage, step, n, batch,
+                     self._samples)
+        self._samples = n
         if n and n != batch:
             for p in self.module.parameters():
                 if p.grad is not None:
@@ -319,9 +340,13 @@ class ElasticOuterSync(OuterSync):
                ) -> list[torch.Tensor]:
         """Outer step ``k`` after inner step ``step``: the members' mean of each segment,
         once committed (``own``: this stage's ``(sent, seen)`` pseudo-gradients)."""
-        means, _ = _commit(
+        means, q = _commit(
             self, step, f"outer step after step {step}", "averaged",
             lambda q: [self._mean(k, i, q, sent, seen) for i, (sent, seen) in enumerate(own)])
+        if len(q.members) < self._groups:
+            log.info("replica group %d stage %d: outer step %d (after step %d) over replica "
+                     "groups %s of %d", self.me.replica, self.me.stage, k, step,
+                     list(q.members), self._groups)
         return means
 
     def _mean(self, k: int, i: int, q: Quorum, sent: torch.Tensor,

@@ -158,6 +158,26 @@ class Feeders:
                             f"{timeout:.0f} s (gone for {waited:.0f} s, the job was "
                             f"{state_name(job.state)})", only_from={job.state})
             elif job.state == S.JOB_STATE_RUNNING and now - since > self.grace:
+                # the time left is shown when the job is read (shown()), not frozen here
                 self.jobs.park(job_id, f"waiting for the client (gone since step {job.step}; "
-                                       f"the job fails in {timeout - (now - since):.0f} s "
-                                       f"unless a client resumes it)")
+                                       f"client_timeout {timeout:.0f} s)")
+
+    def left(self, job_id: str) -> float | None:
+        """Seconds before ``job_id`` fails for want of a client (its ``client_timeout`` from
+        when its last feeder left, or from its submission if none came); None while a
+        feeder is attached."""
+        with self._lock:
+            since = self._gone.get(job_id, self._unfed.get(job_id))
+        if since is None:
+            return None
+        timeout = JobSpec.from_proto(self.jobs.store.spec(job_id).config).client_timeout
+        return max(0.0, since + timeout - self.clock())
+
+    def shown(self, job: tracker_pb2.JobInfo) -> tracker_pb2.JobInfo:
+        """``job`` as GetJob and the dashboard show it: a WAITING job's reason ends with the
+        seconds it has left, counted now (:meth:`left`)."""
+        if job.state == WAITING:
+            left = self.left(job.job_id)
+            if left is not None:
+                job.reason += f"; the job fails in {left:.0f} s unless a client resumes it"
+        return job

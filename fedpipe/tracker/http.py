@@ -56,6 +56,7 @@ from ..planner.protoio import cluster_view, model_profile, train_config
 from ..planner.types import ClusterView
 from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec
+from .clients import Feeders
 from .jobs import Jobs
 from .store import Store
 
@@ -79,10 +80,12 @@ class TrackerSource:
     Args:
         store: the tracker's store.
         jobs: the tracker's :class:`~fedpipe.tracker.jobs.Jobs`.
+        feeders: the tracker's :class:`~fedpipe.tracker.clients.Feeders`, which count
+            down a WAITING job's time left as it is shown (None: reasons as stored).
     """
 
-    def __init__(self, store: Store, jobs: Jobs):
-        self.store, self.jobs = store, jobs
+    def __init__(self, store: Store, jobs: Jobs, feeders: Feeders | None = None):
+        self.store, self.jobs, self.feeders = store, jobs, feeders
 
     def nodes(self, include_lost: bool = False) -> list[tracker_pb2.NodeInfo]:
         return self.store.nodes(include_lost)
@@ -91,7 +94,8 @@ class TrackerSource:
         return self.store.links()
 
     def job(self, job_id: str) -> tracker_pb2.JobInfo:
-        return self.store.job(job_id)
+        job = self.store.job(job_id)
+        return self.feeders.shown(job) if self.feeders is not None else job
 
     def events(self, job_id: str, after_seq: int) -> list[tracker_pb2.JobEvent]:
         return self.store.events(job_id, after_seq)

@@ -61,13 +61,13 @@ from ..proto import node_pb2, tracker_pb2
 from ..spec import ACTIVE, TERMINAL, WAITING, JobSpec, JobSpecError, PlanView, StageKey, \
     state_name
 from ..net import timeouts
-from ..observe.views import StageTime, plan_from_message
+from ..observe.views import StageTime, plan_from_message, recovery_headline
 from .calibration import Calibration
 from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
 from .nodes import NodeCallError, NodeCalls
 from .planning import Planner
-from .replan import substitute
+from .replan import moves, substitute
 from .replicas import ElasticReplicas
 from .store import Store
 
@@ -513,17 +513,16 @@ class Jobs:
         now = self.clock()
         fields = tracker_pb2.JobInfo()
         fields.CopyFrom(self.get(job_id))
-        fields.recoveries.append(tracker_pb2.Recovery(
-            time=rec.declared, lost=", ".join(sorted(rec.lost)), checkpoint_step=step,
-            steps_recomputed=max(0, rec.from_step - step),
+        moved_from, moved_to = moves(rec.old_plan, plan)
+        record = tracker_pb2.Recovery(
+            time=rec.declared, lost="" if rec.cause == "rebalance" else ", ".join(sorted(rec.lost)),
+            checkpoint_step=step, steps_recomputed=max(0, rec.from_step - step),
             detect_seconds=max(0.0, rec.declared - rec.reported),
             replan_seconds=t_restore - t_replan + (t_replan - rec.declared),
             restore_seconds=now - t_restore, epoch=job.epoch, cause=rec.cause,
-            bytes_moved=bytes_moved))
-        names = ', '.join(sorted(rec.lost))
-        what = {"loss": f"recovered from the loss of {names}",
-                "drain": f"handed over from draining {names}",
-                "rebalance": f"migrated to {names}"}.get(rec.cause, f"recovered from {rec.cause}")
+            bytes_moved=bytes_moved, moved_from=moved_from, moved_to=moved_to)
+        fields.recoveries.append(record)
+        what = recovery_headline(record)
         reason = (f"{what}: resumed at "
                   f"checkpoint step {step} ({max(0, rec.from_step - step)} steps to recompute) "
                   f"on {plan.summary}")

@@ -75,3 +75,14 @@ def moved(before: node_pb2.Plan, after: node_pb2.Plan) -> list[StageKey]:
     old = PlanView(before)
     return [k for k, a in sorted(PlanView(after).stages.items())
             if old.get(k) is None or old[k].node_id != a.node_id]
+
+
+def moves(before: node_pb2.Plan, after: node_pb2.Plan) -> tuple[str, str]:
+    """``(from, to)``: the names of the nodes the :func:`moved` stages left and went to,
+    each sorted and joined by ", " ("" when none moved; a stage new to ``after`` has no
+    "from")."""
+    old, new = PlanView(before), PlanView(after)
+    keys = moved(before, after)
+    left = sorted({old[k].node_name for k in keys if old.get(k) is not None})
+    went = sorted({new[k].node_name for k in keys})
+    return ", ".join(left), ", ".join(went)

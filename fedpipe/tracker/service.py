@@ -261,7 +261,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         self._owned(context, request.job_id)
         job = self.tracker.jobs.replicas.annotate(self.tracker.jobs.info(request.job_id))
         job.feeder = self.tracker.feeders.feeder(request.job_id)
-        return job
+        return self.tracker.feeders.shown(job)
 
     @_unary
     def CancelJob(self, request, context):

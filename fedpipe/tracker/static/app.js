@@ -155,7 +155,7 @@ function renderJob(job) {
     marks.map((t) => t - t0));
   renderPlan(job);
   fill($("recoveries").tBodies[0], job.recoveries.map((r) => el("tr", {},
-    el("td", {}, fmtTime(r.time)), el("td", {}, r.cause), el("td", {}, r.lost),
+    el("td", {}, fmtTime(r.time)), el("td", {}, r.cause), el("td", {}, r.what),
     el("td", { class: "num" }, r.checkpoint_step), el("td", { class: "num" }, r.steps_recomputed),
     el("td", { class: "num" }, fmt(r.detect_seconds, 2)),
     el("td", { class: "num" }, fmt(r.replan_seconds, 2)),
