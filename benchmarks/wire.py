@@ -18,6 +18,8 @@ What each transport includes:
   fedpipe sends (fedpipe's own frames for the tensor, built once); the
   receiver holds every message until the stream ends and answers their total
   length.
+* ``raw stream x8``: the same, for 8 tensors' messages in one stream (the
+  figure is per tensor: a stream's time / 8).
 * ``fedpipe call``: from the torch tensor, ``frames.encode_frames(t, "raw")``
   (codec, wire frames: protos/fedpipe/v1/FRAMES.md) sent by ``rpc.send`` (one
   ``Send`` call; unary when one frame) as the client's feed and link probes
@@ -25,17 +27,20 @@ What each transport includes:
   ``frames.read_tensors`` (validate each frame and header, reassemble,
   decode) and so holds a writable torch tensor of the sent shape and dtype,
   whose size it checks: the node's receive path minus the mailbox.
-* ``fedpipe stream``: the same tensor through ``PeerSender.submit`` then
-  ``flush`` (how stages send: frames queued into a client stream, which
-  ``flush`` ends and waits for the reply) into the same ``Send``.
+* ``fedpipe stream x8``: 8 tensors through ``PeerSender.submit``, then
+  ``flush`` (how stages send: a tensor's frames are queued into a client
+  stream that stays open between tensors; ``flush`` ends it and waits for the
+  reply) into the same ``Send``; per tensor, as ``raw stream x8``.
 
 Transports take turns in short rounds (the order reversed every other round),
 so a busy machine slows them alike. Per round a transport makes ``--count``
 transfers (fewer for small sizes would be noise: see ``_count``); its figure
 is payload MB (1e6 bytes) / median transfer time. The ratio of a round is a
-fedpipe transport's figure over the faster of raw unary and raw stream *in
-that round*; the report gives the median ratio over rounds and its
-interquartile range, with the load average before and after each size.
+fedpipe transport's figure over the faster of raw unary and the raw stream of
+the same shape (``raw stream`` for ``fedpipe call``, ``raw stream x8`` for
+``fedpipe stream x8``) *in that round*; the report gives the median ratio
+over rounds and its interquartile range, with the load average before and
+after each size.
 
     python benchmarks/wire.py            # ~1 min
     python benchmarks/wire.py --quick    # ~20 s
@@ -60,9 +65,13 @@ if str(ROOT) not in sys.path:  # for ``benchmarks.codecs`` (and fedpipe, if not 
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"64 KiB": 64 * KiB, "1 MiB": MiB, "16 MiB": 16 * MiB}
-RAW = ["raw unary", "raw stream"]
-FEDPIPE = ["fedpipe call", "fedpipe stream"]
-TRANSPORTS = RAW + FEDPIPE
+BURST = 8
+"""Tensors per stream in the long-lived-stream transports."""
+RAW = ["raw unary", "raw stream", f"raw stream x{BURST}"]
+FEDPIPE = {"fedpipe call": ["raw unary", "raw stream"],
+           f"fedpipe stream x{BURST}": ["raw unary", f"raw stream x{BURST}"]}
+"""Each fedpipe transport, and the raw transports whose faster one is its baseline."""
+TRANSPORTS = RAW + list(FEDPIPE)
 TARGETS = {"1 MiB": 0.8, "16 MiB": 0.9}  # fedpipe >= TARGET x the faster raw-bytes gRPC
 
 
@@ -154,9 +163,10 @@ def send(port: int) -> None:
             def once():
                 rpc.send(stub, frames.encode_frames(tensor, envelope=env), timeout=60)
             return once
-        if transport == "fedpipe stream":
+        if transport == f"fedpipe stream x{BURST}":
             def once():
-                peer.submit(env, tensor, "raw")
+                for _ in range(BURST):
+                    peer.submit(env, tensor, "raw")
                 peer.flush()
             return once
         if transport == "raw unary":
@@ -166,11 +176,12 @@ def send(port: int) -> None:
                 n = struct.unpack("<Q", raw_unary(whole, timeout=60))[0]
                 assert n == len(whole), n
             return once
-        if transport == "raw stream":
-            total = sum(map(len, prebuilt))
+        if transport.startswith("raw stream"):
+            burst = prebuilt * (BURST if transport.endswith(f"x{BURST}") else 1)
+            total = sum(map(len, burst))
 
             def once():
-                n = struct.unpack("<Q", raw_stream(iter(prebuilt), timeout=60))[0]
+                n = struct.unpack("<Q", raw_stream(iter(burst), timeout=60))[0]
                 assert n == total, n
             return once
         raise ValueError(transport)
@@ -259,8 +270,9 @@ def measure(pair: Pair, nbytes: int, rounds: int, count: int) -> dict[str, list[
     for r in range(rounds):
         order = TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1]
         for transport in order:
-            times = pair.run(transport, nbytes, _count(nbytes, count))
-            mbps[transport].append(nbytes / statistics.median(times) / 1e6)
+            per = BURST if transport.endswith(f"x{BURST}") else 1  # tensors per call
+            times = pair.run(transport, nbytes, max(1, _count(nbytes, count) // per))
+            mbps[transport].append(per * nbytes / statistics.median(times) / 1e6)
     return mbps
 
 
@@ -268,16 +280,16 @@ def report(size: str, mbps: dict[str, list[float]], load: tuple[str, str]) -> li
     """Print one size's table; return its verdict lines."""
     n = len(mbps[RAW[0]])
     print(f"\n{size}: {n} rounds; load average before {load[0]}, after {load[1]}")
-    print(f"  {'transport':<15} {'MB/s median':>11} {'(IQR)':>17}")
+    print(f"  {'transport':<17} {'MB/s median':>11} {'(IQR)':>17}")
     for t in TRANSPORTS:
         q1, q2, q3 = quartiles(mbps[t])
-        print(f"  {t:<15} {q2:>11.0f} {f'({q1:.0f}-{q3:.0f})':>17}")
-    base = [max(u, s) for u, s in zip(mbps["raw unary"], mbps["raw stream"])]
+        print(f"  {t:<17} {q2:>11.0f} {f'({q1:.0f}-{q3:.0f})':>17}")
     verdicts = []
-    for t in FEDPIPE:
-        ratios = [f / b for f, b in zip(mbps[t], base)]
+    for t, raws in FEDPIPE.items():
+        ratios = [f / max(b) for f, *b in zip(mbps[t], *(mbps[r] for r in raws))]
         q1, q2, q3 = quartiles(ratios)
-        line = f"  {t:<15} / faster raw: median {q2:.2f}x (IQR {q1:.2f}-{q3:.2f})"
+        line = (f"  {t:<17} / faster of {' and '.join(raws)}: median {q2:.2f}x "
+                f"(IQR {q1:.2f}-{q3:.2f})")
         if size in TARGETS:
             target = TARGETS[size]
             line += (f", target {target}x: " + ("met" if q2 >= target
@@ -291,7 +303,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds")
     ap.add_argument("--rounds", type=int, help="rounds per size (default 21, quick 9)")
-    ap.add_argument("--count", type=int, default=5,
+    ap.add_argument("--count", type=int, default=8,
                     help="transfers per transport and round at 16 MiB (more when smaller)")
     ap.add_argument("--malloc", choices=["tuned", "defaults"], default="tuned",
                     help="tuned: fedpipe.net.tune_malloc() as fedpipe node does; "
