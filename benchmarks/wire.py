@@ -40,7 +40,9 @@ fedpipe transport's figure over the faster of raw unary and the raw stream of
 the same shape (``raw stream`` for ``fedpipe call``, ``raw stream x8`` for
 ``fedpipe stream x8``) *in that round*; the report gives the median ratio
 over rounds and its interquartile range, with the load average before and
-after each size.
+after each size. CPU ms/tensor is the CPU time both processes used (all
+threads, gRPC's included), per tensor: less noisy than wall time on a
+shared machine, and what a busy one runs out of.
 
     python benchmarks/wire.py            # ~1 min
     python benchmarks/wire.py --quick    # ~20 s
@@ -195,15 +197,24 @@ def send(port: int) -> None:
             for _ in range(3):  # warm up: first allocations
                 cache[key]()
         once, times = cache[key], []
+        cpu = _cpu_seconds(os.getpid())
         for _ in range(cmd["count"]):
             start = time.perf_counter()
             once()
             times.append(time.perf_counter() - start)
-        print(json.dumps({"times": times}), flush=True)
+        print(json.dumps({"times": times, "cpu": _cpu_seconds(os.getpid()) - cpu}), flush=True)
 
 
 # ---------------------------------------------------------------------------
 # orchestrator
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc;
+    the kernel counts in ticks, 10 ms)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Pair:
@@ -228,8 +239,9 @@ class Pair:
         self.procs.append(p)
         return p
 
-    def run(self, transport: str, nbytes: int, count: int) -> list[float]:
-        """Seconds of each of ``count`` transfers."""
+    def run(self, transport: str, nbytes: int, count: int) -> tuple[list[float], float]:
+        """Seconds of each of ``count`` transfers, and the CPU seconds both processes used."""
+        receiver = _cpu_seconds(self.procs[0].pid)
         self.sender.stdin.write(json.dumps({"transport": transport, "nbytes": nbytes,
                                             "count": count}) + "\n")
         self.sender.stdin.flush()
@@ -237,7 +249,8 @@ class Pair:
         if not line:
             raise RuntimeError(f"the sender died during {transport} {nbytes} B "
                                f"(see its stderr above)")
-        return json.loads(line)["times"]
+        out = json.loads(line)
+        return out["times"], out["cpu"] + _cpu_seconds(self.procs[0].pid) - receiver
 
     def close(self) -> None:
         for p in reversed(self.procs):  # the sender first, so it does not see its peer go
@@ -264,26 +277,33 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def measure(pair: Pair, nbytes: int, rounds: int, count: int) -> dict[str, list[float]]:
-    """MB/s of each transport in each round (lists in round order)."""
+def measure(pair: Pair, nbytes: int, rounds: int, count: int
+            ) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """MB/s of each transport in each round (lists in round order), and its CPU
+    milliseconds per tensor (sender and receiver together, over all rounds)."""
     mbps: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    cpu = {t: 0.0 for t in TRANSPORTS}
+    tensors = {t: 0 for t in TRANSPORTS}
     for r in range(rounds):
         order = TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1]
         for transport in order:
             per = BURST if transport.endswith(f"x{BURST}") else 1  # tensors per call
-            times = pair.run(transport, nbytes, max(1, _count(nbytes, count) // per))
+            times, used = pair.run(transport, nbytes, max(1, _count(nbytes, count) // per))
             mbps[transport].append(per * nbytes / statistics.median(times) / 1e6)
-    return mbps
+            cpu[transport] += used
+            tensors[transport] += per * len(times)
+    return mbps, {t: 1e3 * cpu[t] / tensors[t] for t in TRANSPORTS}
 
 
-def report(size: str, mbps: dict[str, list[float]], load: tuple[str, str]) -> list[str]:
+def report(size: str, mbps: dict[str, list[float]], cpu: dict[str, float],
+           load: tuple[str, str]) -> list[str]:
     """Print one size's table; return its verdict lines."""
     n = len(mbps[RAW[0]])
     print(f"\n{size}: {n} rounds; load average before {load[0]}, after {load[1]}")
-    print(f"  {'transport':<17} {'MB/s median':>11} {'(IQR)':>17}")
+    print(f"  {'transport':<17} {'MB/s median':>11} {'(IQR)':>17} {'CPU ms/tensor':>14}")
     for t in TRANSPORTS:
         q1, q2, q3 = quartiles(mbps[t])
-        print(f"  {t:<17} {q2:>11.0f} {f'({q1:.0f}-{q3:.0f})':>17}")
+        print(f"  {t:<17} {q2:>11.0f} {f'({q1:.0f}-{q3:.0f})':>17} {cpu[t]:>14.2f}")
     verdicts = []
     for t, raws in FEDPIPE.items():
         ratios = [f / max(b) for f, *b in zip(mbps[t], *(mbps[r] for r in raws))]
@@ -333,8 +353,8 @@ def main() -> None:
     try:
         for size in args.sizes:
             before = _load()
-            mbps = measure(pair, SIZES[size], rounds, args.count)
-            verdicts += report(size, mbps, (before, _load()))
+            mbps, cpu = measure(pair, SIZES[size], rounds, args.count)
+            verdicts += report(size, mbps, cpu, (before, _load()))
     finally:
         pair.close()
     print("\nTargets: fedpipe >= " + ", ".join(f"{t}x at {s}" for s, t in TARGETS.items())
