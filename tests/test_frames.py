@@ -2,6 +2,7 @@
 truncated or oversized frames refused by name before anything of a declared size is held."""
 from __future__ import annotations
 
+import os
 import struct
 import tracemalloc
 
@@ -145,20 +146,36 @@ def test_a_header_over_the_limit_is_refused_before_its_payload_is_read():
     assert read == []
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
 def test_memory_held_follows_the_bytes_received_not_the_size_declared():
     """A 1 GiB tensor declared within the limit, of which 64 KiB arrive: the reader holds
-    about what arrived when the stream ends short."""
+    about what arrived, in Python objects and in resident memory (its payload buffer is
+    reserved, not touched), when the stream ends short."""
     declared = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, codec=tensor_pb2.CODEC_RAW,
                                  shape=[2**30], encoded_bytes=2**30, payload_bytes=2**30)
-    stream = [head(declared)] + [format.pack_more(b"\0" * 2**14)] * 4
+    held = []
+
+    def stream():
+        yield head(declared)
+        for _ in range(4):
+            yield format.pack_more(b"\1" * 2**14)
+        held.append(_resident_bytes() - before)  # the four pieces are in the buffer
+
+    before = _resident_bytes()
     tracemalloc.start()
     try:
         with pytest.raises(WireError, match="ended after 65536 payload bytes"):
-            list(frames.read_tensors(stream))
+            list(frames.read_tensors(stream()))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 2**20, peak
+    assert held[0] < 16 * 2**20, held
 
 
 def test_pack_head_refuses_payload_in_the_header_and_oversized_headers():

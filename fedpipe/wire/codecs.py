@@ -132,7 +132,8 @@ class _Header(NamedTuple):
     numel: int
 
 
-def _view(buf: bytearray, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+def _view(buf: bytearray | memoryview, dtype: torch.dtype, count: int,
+          offset: int = 0) -> torch.Tensor:
     """``count`` values of ``dtype`` at byte ``offset`` of ``buf``, without a copy."""
     if count == 0:
         return torch.empty(0, dtype=dtype)
@@ -287,7 +288,7 @@ class Codec:
     lossy: bool
     encode: Callable[[torch.Tensor, CodecSpec], tuple[list[torch.Tensor], dict]]
     size: Callable[[_Header], int]
-    decode: Callable[[bytearray, _Header], torch.Tensor]
+    decode: Callable[[bytearray | memoryview, _Header], torch.Tensor]
     fields: tuple[str, ...] = ()
 
 
@@ -408,8 +409,9 @@ def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = N
 
     ``payload``, if given, is used instead of ``msg.payload`` (a receiver that
     reassembled the pieces of a chunked tensor passes them here, which saves
-    copying them into the message and out again). A ``bytearray`` is decoded in
-    place: for raw payloads the returned tensor shares its memory.
+    copying them into the message and out again). A ``bytearray`` or a
+    writable ``memoryview`` is decoded in place: for raw payloads the returned
+    tensor shares its memory.
 
     Raises:
         WireError: for any malformed message, naming the field and numbers:
@@ -429,7 +431,7 @@ def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = N
     if msg.zstd:
         buf = _unzstd(payload, size)
     else:
-        buf = payload if type(payload) is bytearray else bytearray(payload)
+        buf = payload if _writable(payload) else bytearray(payload)
     if len(buf) != size:
         raise WireError(f"payload is {len(buf)} bytes but encoded_bytes is {size}")
     try:
@@ -437,6 +439,11 @@ def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = N
     except (RuntimeError, IndexError, OverflowError, MemoryError) as e:  # defence in depth
         raise WireError(f"cannot decode {impl.name} payload: {e}") from e
     return flat.view(tuple(msg.shape))
+
+
+def _writable(payload: bytes | bytearray | memoryview) -> bool:
+    """Whether ``payload`` may be decoded in place (a bytearray or a writable memoryview)."""
+    return type(payload) is bytearray or (type(payload) is memoryview and not payload.readonly)
 
 
 def check_header(msg: pb.Tensor, max_bytes: int = MAX_TENSOR_BYTES) -> int:
