@@ -24,9 +24,11 @@ What each transport includes:
   (codec, wire frames: protos/fedpipe/v1/FRAMES.md) sent by ``rpc.send`` (one
   ``Send`` call; unary when one frame) as the client's feed and link probes
   send, into a real ``fedpipe.v1.Node`` ``Send`` that runs
-  ``frames.read_tensors`` (validate each frame and header, reassemble,
-  decode) and so holds a writable torch tensor of the sent shape and dtype,
-  whose size it checks: the node's receive path minus the mailbox.
+  ``frames.read_tensors(..., in_place=True)`` as the node does (validate each
+  frame and header, reassemble the pieces into one buffer, decode; a tensor
+  of one frame is decoded where it lies in the message) and so holds a
+  writable, contiguous torch tensor of the sent shape and dtype, whose size
+  it checks: the node's receive path minus the mailbox.
 * ``fedpipe stream x8``: 8 tensors through ``PeerSender.submit``, then
   ``flush`` (how stages send: a tensor's frames are queued into a client
   stream that stays open between tensors; ``flush`` ends it and waits for the
@@ -105,7 +107,7 @@ def serve() -> None:
 
         def Send(self, request_iterator, context):
             try:
-                for head, tensor in frames.read_tensors(request_iterator):
+                for head, tensor in frames.read_tensors(request_iterator, in_place=True):
                     got = tensor.numel() * tensor.element_size()
                     if got != head.envelope.batch_size or not tensor.is_contiguous():
                         context.abort(grpc.StatusCode.DATA_LOSS,

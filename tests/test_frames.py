@@ -6,6 +6,7 @@ import os
 import struct
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +79,50 @@ def test_a_single_frame_payload_is_copied_out_of_the_message():
     ((_, back),) = frames.read_tensors(stream)
     back.zero_()
     assert stream[0].endswith(t.numpy().tobytes())  # the received message is untouched
+
+
+def _address(buf) -> int:
+    """Where ``buf``'s bytes are in memory."""
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("name_len", range(0, 40, 3))
+def test_a_head_frames_payload_starts_aligned_whatever_the_header_length(name_len):
+    t = torch.arange(6, dtype=torch.float64)
+    (frame,) = frames.encode_frames(t, envelope=env(), name="n" * name_len)
+    h, piece = format.unpack(frame)
+    assert (len(frame) - len(piece)) % format.PAYLOAD_ALIGN == 0
+    assert h.name == "n" * name_len and h.pad == bytes(len(h.pad))  # pad: zeros, ignored
+    assert bytes(piece) == t.numpy().tobytes()
+
+
+def test_in_place_a_one_frame_tensor_is_decoded_over_the_frame_and_a_longer_one_copied():
+    t = torch.randn(1000, dtype=torch.float64)
+    (frame,) = frames.encode_frames(t, envelope=env())
+    ((h, back),) = frames.read_tensors([frame], in_place=True)
+    start = _address(frame)
+    assert start <= back.data_ptr() < start + len(frame)  # no copy: the frame's memory
+    assert back.data_ptr() % 16 == 0 and torch.equal(back, t) and h.envelope.job_id == "j"
+    back += 1  # writable
+    assert torch.equal(back, t + 1)
+    stream = list(frames.encode_frames(t, chunk_bytes=3000))
+    ((_, long),) = frames.read_tensors(stream, in_place=True)
+    assert torch.equal(long, t) and not any(
+        _address(f) <= long.data_ptr() < _address(f) + len(f) for f in stream)
+
+
+def test_in_place_a_misaligned_payload_is_copied_out_aligned():
+    """A sender that does not pad (as FRAMES.md lets it): the float64s would sit at an odd
+    address in the frame, so they are copied out instead."""
+    t = torch.randn(4, dtype=torch.float64)
+    header = node_pb2.Frame(tensor=tensor_pb2.Tensor(
+        dtype=tensor_pb2.DTYPE_FLOAT64, codec=tensor_pb2.CODEC_RAW, shape=[4],
+        encoded_bytes=32, payload_bytes=32))
+    for extra in range(8):
+        header.name = "x" * extra
+        frame = raw_head(header) + t.numpy().tobytes()
+        ((_, back),) = frames.read_tensors([frame], in_place=True)
+        assert torch.equal(back, t) and back.data_ptr() % 8 == 0
 
 
 GOOD = head(tensor_pb2.Tensor(shape=[2], encoded_bytes=8, payload_bytes=8, **F32), b"\0" * 8)

@@ -330,7 +330,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         last = None
         try:
             for head, tensor in frames.read_tensors(request_iterator,
-                                                    lambda h: self._admit(h, context, watch)):
+                                                    lambda h: self._admit(h, context, watch),
+                                                    in_place=True):  # gRPC's messages
                 last = head.envelope
                 self.stages.deliver(last, tensor, context.is_active)
         except grpc.RpcError:  # the sender's side of the stream broke

@@ -85,7 +85,7 @@ def _reserve(nbytes: int) -> memoryview:
         WireError: the memory cannot be reserved.
     """
     try:
-        return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
+        return torch.empty(nbytes, dtype=torch.uint8).numpy().data
     except RuntimeError as e:  # the allocator's "can't allocate memory"
         raise WireError(f"cannot reserve {nbytes} bytes for a tensor's payload: {e}") from None
 
@@ -98,8 +98,8 @@ def encode_frames(t: torch.Tensor, codec: str = "raw", **kw) -> Iterator[Frame]:
 
 
 def read_tensors(frames: Iterable[Frame],
-                 admit: Callable[[node_pb2.Frame], int] | None = None
-                 ) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
+                 admit: Callable[[node_pb2.Frame], int] | None = None, *,
+                 in_place: bool = False) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
     """Reassemble and decode the tensors of a wire-frame stream.
 
     Yields ``(header, tensor)`` for each tensor as soon as its last payload
@@ -114,6 +114,12 @@ def read_tensors(frames: Iterable[Frame],
     uninitialized (:func:`_reserve`) and each piece is copied in as it
     arrives: resident memory grows with the bytes received, never with a size
     only declared.
+
+    ``in_place``: the frames are the caller's to give away, read by nothing
+    else (gRPC's received messages are): a raw tensor that arrives in one frame
+    is then decoded in place over that frame's memory, not copied
+    (:func:`fedpipe.wire.codecs.decode`; senders pad the header so that its
+    payload is aligned, see :func:`fedpipe.wire.format.pack_head`).
 
     Raises:
         WireError: a malformed frame or tensor header, a continuation frame
@@ -142,6 +148,11 @@ def read_tensors(frames: Iterable[Frame],
             limit = admit(header) if admit is not None else codecs.MAX_TENSOR_BYTES
             codecs.check_header(header.tensor, limit)
             head, want, size = header, header.tensor.payload_bytes, 0
+            if in_place and len(piece) == want:  # the whole tensor, in memory handed over
+                head = None
+                yield header, codecs.decode(header.tensor, payload=piece, max_bytes=limit,
+                                            in_place=True)
+                continue
             buf = _reserve(want)
         elif head is None:
             raise WireError("a continuation frame without a tensor header before it")
