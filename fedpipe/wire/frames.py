@@ -66,7 +66,11 @@ def to_frames(msg: tensor_pb2.Tensor, *, envelope: node_pb2.Envelope | None = No
     """
     view = memoryview(msg.payload if payload is None else payload).cast("B")
     header = node_pb2.Frame(envelope=envelope, name=name)
-    _copy_header(msg, header.tensor).payload_bytes = len(view)
+    if msg.payload:
+        _copy_header(msg, header.tensor)
+    else:  # the payload travels apart (encode_payload): nothing to leave out
+        header.tensor.CopyFrom(msg)
+    header.tensor.payload_bytes = len(view)
     yield format.pack_head(header, view[:chunk_bytes])
     for off in range(chunk_bytes, len(view), chunk_bytes):
         yield format.pack_more(view[off:off + chunk_bytes])
