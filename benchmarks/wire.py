@@ -22,8 +22,8 @@ What each transport includes:
   figure is per tensor: a stream's time / 8).
 * ``fedpipe call``: from the torch tensor, ``frames.encode_frames(t, "raw")``
   (codec, wire frames: protos/fedpipe/v1/FRAMES.md) sent by ``rpc.send`` (one
-  ``Send`` call; unary when one frame) as the client's feed and link probes
-  send, into a real ``fedpipe.v1.Node`` ``Send`` that runs
+  call: ``SendOne`` for one frame, else a ``Send`` stream) as the client's
+  feed and link probes send, into a real ``fedpipe.v1.Node`` ``Send`` that runs
   ``frames.read_tensors(..., in_place=True)`` as the node does (validate each
   frame and header, reassemble the pieces into one buffer, decode; a tensor
   of one frame is decoded where it lies in the message) and so holds a
@@ -115,6 +115,9 @@ def serve() -> None:
             except WireError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {e}")
             return node_pb2.SendReply()
+
+        def SendOne(self, request, context):  # as the node: Send's one-frame form
+            return self.Send(iter((request,)), context)
 
     def raw_stream(request_iterator, context):
         held = list(request_iterator)  # every message, held until the stream ends

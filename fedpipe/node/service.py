@@ -326,6 +326,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         with self.streams.open(context, "Send") as watch:
             return self._receive(watch.track(request_iterator), context, watch)
 
+    def SendOne(self, request, context):
+        # Send's single-frame form: a unary call (fedpipe.wire.rpc.send)
+        return self.Send(iter((request,)), context)
+
     def _receive(self, request_iterator, context, watch: Watched) -> node_pb2.SendReply:
         last = None
         try:
