@@ -119,6 +119,9 @@ async def _generator(g, count, tracker, versions_bytes, port, window, results, c
                 pass
             return node_pb2.SendReply()
 
+        async def SendOne(self, request, context):
+            return node_pb2.SendReply()
+
     server = grpc.aio.server()
     node_pb2_grpc.add_NodeServicer_to_server(FakeNode(), server)
     server.add_insecure_port(f"0.0.0.0:{port}")

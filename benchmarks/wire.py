@@ -1,42 +1,53 @@
-"""Wire benchmark: fedpipe's tensor transfer beside raw-bytes gRPC and plain TCP.
+"""Wire benchmark: fedpipe's tensor transfer against raw-bytes gRPC, interleaved in one run.
 
-For 64 KiB, 1 MiB and 16 MiB float32 tensors on 127.0.0.1, in one run:
+For 64 KiB, 1 MiB and 16 MiB float32 tensors on 127.0.0.1. One receiver
+process serves every transport on one :func:`fedpipe.net.server`; one sender
+process drives every transport over one :func:`fedpipe.net.channel` (the
+same TCP connection, options and interceptors for all). Both processes set
+malloc as ``fedpipe node`` does (:func:`fedpipe.net.tune_malloc`;
+``--malloc defaults`` leaves glibc's defaults). Each transfer is one call
+whose end is the receiver's reply, timed on the sender.
 
-* ``tcp``: a plain socket; the sender ``sendall``s a length and the bytes, the
-  receiver ``recv_into``s a reused buffer and acks with one byte.
-* ``grpc unary``: one raw ``bytes`` message per transfer (generic handler,
-  identity serializers), the receiver counts the bytes and acks.
-* ``grpc stream``: the same bytes as a client stream of 1 MiB pieces (what
-  fedpipe's chunking would cost if framing were free).
-* ``fedpipe``: PeerSender's encoding and framing for an activation on a fast
-  link (``codecs.encode_payload(t, "raw")``, ``frames.to_frames``: wire frames,
-  protos/fedpipe/v1/FRAMES.md) sent by ``rpc.send`` (as the client's feed and
-  link probes send: one ``Send`` call, unary when the tensor fits one frame)
-  into a real ``fedpipe.v1.Node`` ``Send`` served by ``rpc.add_node_servicer``
-  that runs ``frames.read_tensors`` (validate, reassemble, decode to a torch
-  tensor): the node's receive path minus the mailbox. Each transfer is a call
-  of its own, so its end is acknowledged; PeerSender writes a job's tensors
-  into one long-lived stream instead, which also spares the call set-up per tensor.
+What each transport includes:
 
-The raw senders send prebuilt ``bytes`` (no per-transfer copy on the Python
-side) and the TCP receiver reuses its buffer, so they are ceilings. Every gRPC
-channel and server comes from :mod:`fedpipe.net`, so options match production.
+* ``raw unary``: one raw ``bytes`` message of the tensor's encoded bytes
+  (built once, before timing: no per-transfer copy on the sender); the
+  receiver's handler (identity deserializer) holds the message and answers
+  its length.
+* ``raw stream``: a client stream of prebuilt messages of exactly the sizes
+  fedpipe sends (fedpipe's own frames for the tensor, built once); the
+  receiver holds every message until the stream ends and answers their total
+  length.
+* ``raw stream x8``: the same, for 8 tensors' messages in one stream (the
+  figure is per tensor: a stream's time / 8).
+* ``fedpipe call``: from the torch tensor, ``frames.encode_frames(t, "raw")``
+  (codec, wire frames: protos/fedpipe/v1/FRAMES.md) sent by ``rpc.send`` (one
+  call: ``SendOne`` for one frame, else a ``Send`` stream) as the client's
+  feed and link probes send, into a real ``fedpipe.v1.Node`` ``Send`` that runs
+  ``frames.read_tensors(..., in_place=True)`` as the node does (validate each
+  frame and header, reassemble the pieces into one buffer, decode; a tensor
+  of one frame is decoded where it lies in the message) and so holds a
+  writable, contiguous torch tensor of the sent shape and dtype, whose size
+  it checks: the node's receive path minus the mailbox.
+* ``fedpipe stream x8``: 8 tensors through ``PeerSender.submit``, then
+  ``flush`` (how stages send: a tensor's frames are queued into a client
+  stream that stays open between tensors; ``flush`` ends it and waits for the
+  reply) into the same ``Send``; per tensor, as ``raw stream x8``.
 
-Receiver and sender are separate processes (no shared GIL), started by this
-script with a chosen environment. The whole comparison runs once per malloc
-configuration, all in the same run: glibc's defaults; ``MALLOC_MMAP_THRESHOLD_``
-alone; with ``MALLOC_TRIM_THRESHOLD_``; with ``MALLOC_ARENA_MAX=1`` too ("env
-tuned"); and the tuned values set in-process with ``mallopt()`` at start-up
-(``--quick``: defaults and env tuned only). Configurations and transports
-take turns in rounds, so a busy machine slows them alike. A number is the
-median over transfers of payload MB (1e6 bytes) / wall time of one transfer,
-sender side, end to end including the ack. Page faults are minor faults per
-fedpipe transfer, in the sender and in the receiver.
+Transports take turns in short rounds (the order reversed every other round),
+so a busy machine slows them alike. Per round a transport makes ``--count``
+transfers (fewer for small sizes would be noise: see ``_count``); its figure
+is payload MB (1e6 bytes) / median transfer time. The ratio of a round is a
+fedpipe transport's figure over the faster of raw unary and the raw stream of
+the same shape (``raw stream`` for ``fedpipe call``, ``raw stream x8`` for
+``fedpipe stream x8``) *in that round*; the report gives the median ratio
+over rounds and its interquartile range, with the load average before and
+after each size. CPU ms/tensor is the CPU time both processes used (all
+threads, gRPC's included), per tensor: less noisy than wall time on a
+shared machine, and what a busy one runs out of.
 
-Then the codec table of ``benchmarks/codecs.py``.
-
-    python benchmarks/wire.py            # ~2 min
-    python benchmarks/wire.py --quick    # ~40 s (fewer configurations, shorter)
+    python benchmarks/wire.py            # ~1 min
+    python benchmarks/wire.py --quick    # ~20 s
 """
 from __future__ import annotations
 
@@ -44,7 +55,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import struct
 import subprocess
@@ -59,49 +69,14 @@ if str(ROOT) not in sys.path:  # for ``benchmarks.codecs`` (and fedpipe, if not 
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"64 KiB": 64 * KiB, "1 MiB": MiB, "16 MiB": 16 * MiB}
-TRANSPORTS = ["tcp", "grpc unary", "grpc stream", "fedpipe"]
-RAW_CHUNK = MiB  # pieces of the raw gRPC stream: fedpipe's CHUNK_BYTES
-TARGETS = {"1 MiB": 0.8, "16 MiB": 0.9}  # fedpipe >= TARGET x raw-bytes gRPC
-
-# glibc's malloc: a block above the mmap threshold (128 KiB at start; dynamic,
-# up to 32 MiB) is mmapped and unmapped on free, and free heap above the trim
-# threshold goes back to the kernel, so large messages keep landing on freshly
-# mapped pages, ~2 us of page faults per 4 KiB. The threshold cannot be set
-# above 32 MiB (HEAP_MAX_SIZE / 2 on 64-bit; a larger value is ignored).
-# Setting it explicitly turns the dynamic adjustment off, trim threshold
-# included, so the trim threshold must be raised with it ("env mmap only"
-# shows what happens otherwise). Threads other than the main one allocate from
-# per-thread arenas made of 64 MiB heaps that are unmapped when they empty,
-# whatever the trim threshold: a receiver holding a few copies of a 16 MiB
-# payload overflows one and faults again; one arena (the main, sbrk heap) does not.
-MMAP_TRIM = {"MALLOC_MMAP_THRESHOLD_": str(32 * MiB), "MALLOC_TRIM_THRESHOLD_": str(256 * MiB)}
-TUNED = {**MMAP_TRIM, "MALLOC_ARENA_MAX": "1"}
-_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3,
-            "MALLOC_ARENA_MAX": -8}
-
-
-def configs(full: bool) -> dict[str, dict]:
-    """name -> {"env": MALLOC_* variables, "mallopt": the same, applied in-process}."""
-    out = {"glibc defaults": {"env": {}, "mallopt": {}}}
-    if full:
-        out["env mmap only"] = {"env": {k: MMAP_TRIM[k] for k in ["MALLOC_MMAP_THRESHOLD_"]},
-                                "mallopt": {}}
-        out["env mmap+trim"] = {"env": MMAP_TRIM, "mallopt": {}}
-    out["env tuned"] = {"env": TUNED, "mallopt": {}}
-    if full:
-        out["mallopt tuned"] = {"env": {}, "mallopt": TUNED}
-    return out
-
-
-def apply_mallopt(settings: dict[str, str]) -> None:
-    """Set glibc malloc parameters in this process (like the env variables, but at run time)."""
-    if not settings:
-        return
-    import ctypes
-    libc = ctypes.CDLL("libc.so.6")
-    for name, value in settings.items():
-        if libc.mallopt(_MALLOPT[name], int(value)) != 1:
-            raise OSError(f"mallopt({name}={value}) failed")
+BURST = 8
+"""Tensors per stream in the long-lived-stream transports."""
+RAW = ["raw unary", "raw stream", f"raw stream x{BURST}"]
+FEDPIPE = {"fedpipe call": ["raw unary", "raw stream"],
+           f"fedpipe stream x{BURST}": ["raw unary", f"raw stream x{BURST}"]}
+"""Each fedpipe transport, and the raw transports whose faster one is its baseline."""
+TRANSPORTS = RAW + list(FEDPIPE)
+TARGETS = {"1 MiB": 0.8, "16 MiB": 0.9}  # fedpipe >= TARGET x the faster raw-bytes gRPC
 
 
 def _exit_when_parent_goes() -> None:
@@ -127,23 +102,26 @@ def serve() -> None:
     from fedpipe.wire import WireError, frames, rpc
 
     class BenchNode(node_pb2_grpc.NodeServicer):
-        """``Send`` exactly as the node receives, minus the mailbox: it checks the
-        decoded tensor's size against the envelope (the sender puts it in ``batch_size``)."""
+        """``Send`` as the node receives, minus the mailbox: each tensor is decoded
+        and its size checked against the envelope (the sender puts it in ``batch_size``)."""
 
         def Send(self, request_iterator, context):
             try:
-                for head, tensor in frames.read_tensors(request_iterator):
+                for head, tensor in frames.read_tensors(request_iterator, in_place=True):
                     got = tensor.numel() * tensor.element_size()
-                    if got != head.envelope.batch_size:
+                    if got != head.envelope.batch_size or not tensor.is_contiguous():
                         context.abort(grpc.StatusCode.DATA_LOSS,
                                       f"got {got} bytes, expected {head.envelope.batch_size}")
             except WireError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {e}")
             return node_pb2.SendReply()
 
+        def SendOne(self, request, context):  # as the node: Send's one-frame form
+            return self.Send(iter((request,)), context)
+
     def raw_stream(request_iterator, context):
-        n = sum(len(piece) for piece in request_iterator)
-        return struct.pack("<Q", n)
+        held = list(request_iterator)  # every message, held until the stream ends
+        return struct.pack("<Q", sum(map(len, held)))
 
     def raw_unary(request, context):
         return struct.pack("<Q", len(request))
@@ -153,37 +131,9 @@ def serve() -> None:
     srv.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Raw", {
         "Stream": grpc.stream_unary_rpc_method_handler(raw_stream),
         "Unary": grpc.unary_unary_rpc_method_handler(raw_unary)})])
-    grpc_port = net.bind(srv, "127.0.0.1", 0)
+    port = net.bind(srv, "127.0.0.1", 0)
     srv.start()
-
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def tcp_conn(conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buf = memoryview(bytearray(16 * MiB))
-        with conn:
-            while True:
-                head = conn.recv(8, socket.MSG_WAITALL)
-                if len(head) < 8:
-                    return
-                n = struct.unpack("<Q", head)[0]
-                if n > len(buf):
-                    buf = memoryview(bytearray(n))
-                got = 0
-                while got < n:
-                    k = conn.recv_into(buf[got:n])
-                    if not k:
-                        return
-                    got += k
-                conn.sendall(b"k")
-
-    def tcp_accept() -> None:
-        while True:
-            conn, _ = listener.accept()
-            threading.Thread(target=tcp_conn, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=tcp_accept, daemon=True).start()
-    print(json.dumps({"grpc": grpc_port, "tcp": listener.getsockname()[1]}), flush=True)
+    print(json.dumps({"port": port}), flush=True)
     _exit_when_parent_goes()
     threading.Event().wait()
 
@@ -192,60 +142,54 @@ def serve() -> None:
 # sender process
 
 
-def send(grpc_port: int, tcp_port: int) -> None:
-    import resource
-
+def send(port: int) -> None:
     import torch
 
     from fedpipe import net
+    from fedpipe.node.peers import PeerSender
     from fedpipe.proto import node_pb2
-    from fedpipe.wire import codecs, frames, rpc
+    from fedpipe.wire import frames, rpc
 
     torch.set_num_threads(1)
-    address = f"127.0.0.1:{grpc_port}"
-    fp_channel, raw_channel = net.channel(address), net.channel(address)
-    stub = rpc.NodeStub(fp_channel)
-    raw_unary = raw_channel.unary_unary("/bench.Raw/Unary")  # no serializers: bytes in, bytes out
-    raw_stream = raw_channel.stream_unary("/bench.Raw/Stream")
-    sock = socket.create_connection(("127.0.0.1", tcp_port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    channel = net.channel(f"127.0.0.1:{port}")
+    stub = rpc.NodeStub(channel)
+    peer = PeerSender(f"127.0.0.1:{port}", channel)
+    raw_unary = channel.unary_unary("/bench.Raw/Unary")  # no serializers: bytes in, bytes out
+    raw_stream = channel.stream_unary("/bench.Raw/Stream")
 
     def transfer(transport: str, nbytes: int):
         """A function doing one transfer of ``nbytes``; its data is built here, once."""
         tensor = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(nbytes))
-        payload = tensor.numpy().tobytes()
-        if transport == "fedpipe":
-            env = node_pb2.Envelope(job_id="bench", replica=0, stage=1,
-                                    kind=node_pb2.KIND_ACTIVATION, batch_size=nbytes)
-            # the payload round-trips through the frames unchanged
-            back = [t for _, t in frames.read_tensors(frames.to_frames(codecs.encode(tensor)))]
-            assert len(back) == 1 and torch.equal(back[0], tensor)
-
-            def once():  # PeerSender's encoding and framing, one call per transfer
-                msg, payload = codecs.encode_payload(tensor, "raw")
-                rpc.send(stub, frames.to_frames(msg, payload=payload, envelope=env), timeout=60)
-            return once
-        if transport == "grpc unary":
+        env = node_pb2.Envelope(job_id="bench", replica=0, stage=1,
+                                kind=node_pb2.KIND_ACTIVATION, batch_size=nbytes)
+        prebuilt = list(frames.encode_frames(tensor, envelope=env))
+        # the tensor round-trips through the frames unchanged
+        ((_, back),) = frames.read_tensors(prebuilt)
+        assert torch.equal(back, tensor)
+        if transport == "fedpipe call":
             def once():
-                n = struct.unpack("<Q", raw_unary(payload, timeout=60))[0]
-                assert n == nbytes, n
+                rpc.send(stub, frames.encode_frames(tensor, envelope=env), timeout=60)
             return once
-        if transport == "grpc stream":
-            pieces = [payload[i:i + RAW_CHUNK] for i in range(0, nbytes, RAW_CHUNK)]
-
+        if transport == f"fedpipe stream x{BURST}":
             def once():
-                n = struct.unpack("<Q", raw_stream(iter(pieces), timeout=60))[0]
-                assert n == nbytes, n
+                for _ in range(BURST):
+                    peer.submit(env, tensor, "raw")
+                peer.flush()
             return once
-        if transport == "tcp":
-            view = memoryview(payload)
-            head = struct.pack("<Q", nbytes)
+        if transport == "raw unary":
+            whole = b"".join(prebuilt)
 
             def once():
-                sock.sendall(head)
-                sock.sendall(view)
-                if sock.recv(1) != b"k":
-                    raise ConnectionError("tcp receiver closed")
+                n = struct.unpack("<Q", raw_unary(whole, timeout=60))[0]
+                assert n == len(whole), n
+            return once
+        if transport.startswith("raw stream"):
+            burst = prebuilt * (BURST if transport.endswith(f"x{BURST}") else 1)
+            total = sum(map(len, burst))
+
+            def once():
+                n = struct.unpack("<Q", raw_stream(iter(burst), timeout=60))[0]
+                assert n == total, n
             return once
         raise ValueError(transport)
 
@@ -255,57 +199,44 @@ def send(grpc_port: int, tcp_port: int) -> None:
         key = (cmd["transport"], cmd["nbytes"])
         if key not in cache:
             cache[key] = transfer(*key)
-            for _ in range(3):  # warm up: connection, first allocations
+            for _ in range(3):  # warm up: first allocations
                 cache[key]()
-        once = cache[key]
-        times, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        end = time.perf_counter() + cmd["seconds"]
-        while True:
+        once, times = cache[key], []
+        cpu = _cpu_seconds(os.getpid())
+        for _ in range(cmd["count"]):
             start = time.perf_counter()
             once()
-            now = time.perf_counter()
-            times.append(now - start)
-            if now >= end and len(times) >= 3:
-                break
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        print(json.dumps({"times": times, "faults": faults}), flush=True)
+            times.append(time.perf_counter() - start)
+        print(json.dumps({"times": times, "cpu": _cpu_seconds(os.getpid()) - cpu}), flush=True)
 
 
 # ---------------------------------------------------------------------------
 # orchestrator
 
 
-def _minflt(pid: int) -> int:
-    """Minor page faults of a process so far (Linux; 0 elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[7])
-    except OSError:
-        return 0
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc;
+    the kernel counts in ticks, 10 ms)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Pair:
-    """A receiver and a sender process with one malloc configuration.
+    """The receiver and the sender process."""
 
-    Construction starts the receiver; :meth:`start_sender` (once its ports are
-    known) the sender, so that several pairs start up side by side.
-    """
-
-    def __init__(self, name: str, cfg: dict):
-        self.name, self.procs, self.sender = name, [], None
-        self.env = {k: v for k, v in os.environ.items()
-                    if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-        self.env.update(cfg["env"], OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.args = [sys.executable, __file__, "--mallopt", json.dumps(cfg["mallopt"])]
-        self.receiver = self._start(self.args + ["--role", "serve"], self.env)
-
-    def start_sender(self) -> None:
-        line = self.receiver.stdout.readline()
+    def __init__(self, malloc: str):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        args = [sys.executable, __file__, "--malloc", malloc]
+        self.procs: list[subprocess.Popen] = []
+        receiver = self._start(args + ["--role", "serve"], env)
+        line = receiver.stdout.readline()
         if not line:
-            raise RuntimeError(f"[{self.name}] the receiver did not start (see its stderr above)")
-        ports = json.loads(line)
-        self.sender = self._start(self.args + ["--role", "send", "--grpc-port", str(ports["grpc"]),
-                                               "--tcp-port", str(ports["tcp"])], self.env)
+            raise RuntimeError("the receiver did not start (see its stderr above)")
+        port = json.loads(line)["port"]
+        self.sender = self._start(args + ["--role", "send", "--port", str(port)], env)
 
     def _start(self, args: list[str], env: dict) -> subprocess.Popen:
         p = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -313,18 +244,18 @@ class Pair:
         self.procs.append(p)
         return p
 
-    def run(self, transport: str, nbytes: int, seconds: float) -> dict:
-        before = _minflt(self.receiver.pid)
+    def run(self, transport: str, nbytes: int, count: int) -> tuple[list[float], float]:
+        """Seconds of each of ``count`` transfers, and the CPU seconds both processes used."""
+        receiver = _cpu_seconds(self.procs[0].pid)
         self.sender.stdin.write(json.dumps({"transport": transport, "nbytes": nbytes,
-                                            "seconds": seconds}) + "\n")
+                                            "count": count}) + "\n")
         self.sender.stdin.flush()
         line = self.sender.stdout.readline()
         if not line:
-            raise RuntimeError(f"[{self.name}] the sender died during {transport} {nbytes} B "
+            raise RuntimeError(f"the sender died during {transport} {nbytes} B "
                                f"(see its stderr above)")
         out = json.loads(line)
-        out["receiver_faults"] = _minflt(self.receiver.pid) - before
-        return out
+        return out["times"], out["cpu"] + _cpu_seconds(self.procs[0].pid) - receiver
 
     def close(self) -> None:
         for p in reversed(self.procs):  # the sender first, so it does not see its peer go
@@ -333,119 +264,108 @@ class Pair:
             p.wait()
 
 
-def measure(cfgs: dict[str, dict], seconds: float, rounds: int) -> dict:
-    """{(config, size, transport): {"MBps": median, "n": transfers, faults per transfer}}."""
-    pairs: list[Pair] = []
-    samples: dict = {}
-    try:
-        for name, cfg in cfgs.items():
-            pairs.append(Pair(name, cfg))
-        for pair in pairs:
-            pair.start_sender()
-        for size, nbytes in SIZES.items():
-            for r in range(rounds):  # configurations and transports take turns
-                for pair in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
-                    k = r % len(TRANSPORTS)
-                    for transport in TRANSPORTS[k:] + TRANSPORTS[:k]:
-                        out = pair.run(transport, nbytes, seconds / rounds)
-                        s = samples.setdefault((pair.name, size, transport),
-                                               {"times": [], "faults": 0, "rfaults": 0})
-                        s["times"] += out["times"]
-                        s["faults"] += out["faults"]
-                        s["rfaults"] += out["receiver_faults"]
-            print(f"  measured {size}", file=sys.stderr, flush=True)
-    finally:
-        for pair in pairs:
-            pair.close()
-    results = {}
-    for (name, size, transport), s in samples.items():
-        n = len(s["times"])
-        results[(name, size, transport)] = {
-            "MBps": SIZES[size] / statistics.median(s["times"]) / 1e6, "n": n,
-            "faults": s["faults"] / n, "rfaults": s["rfaults"] / n}
-    return results
-
-
-def print_tables(cfgs: dict[str, dict], res: dict) -> None:
-    for name, cfg in cfgs.items():
-        settings = cfg["env"] or cfg["mallopt"]
-        what = " ".join(f"{k}={v}" for k, v in settings.items()) or "no MALLOC_* settings"
-        how = "environment" if cfg["env"] else "mallopt() at start-up" if cfg["mallopt"] else ""
-        print(f"\n[{name}] {what}" + (f" ({how})" if how else ""))
-        head = (f"{'size':>7} {'tcp':>8} {'grpc un':>8} {'grpc st':>8} {'fedpipe':>8}"
-                f" {'fp/unary':>8} {'fp/strm':>8} {'fp/tcp':>7}  {'n fp':>5}"
-                f" {'faults/xfer s/r':>16}")
-        print("MB/s, median of n transfers; faults: minor page faults per fedpipe transfer, "
-              "sender/receiver")
-        print(head)
-        print("-" * len(head))
-        for size in SIZES:
-            r = {t: res[(name, size, t)] for t in TRANSPORTS}
-            mb = {t: r[t]["MBps"] for t in TRANSPORTS}
-            fp = r["fedpipe"]
-            print(f"{size:>7} {mb['tcp']:>8.0f} {mb['grpc unary']:>8.0f} {mb['grpc stream']:>8.0f} "
-                  f"{mb['fedpipe']:>8.0f} {mb['fedpipe'] / mb['grpc unary']:>8.2f} "
-                  f"{mb['fedpipe'] / mb['grpc stream']:>8.2f} {mb['fedpipe'] / mb['tcp']:>7.2f}  "
-                  f"{fp['n']:>5} {fp['faults']:>8.0f}/{fp['rfaults']:<7.0f}")
-
-    print("\nEffect of the malloc settings (MB/s relative to glibc defaults):")
-    others = [n for n in cfgs if n != "glibc defaults"]
-    head = f"{'size':>7} {'transport':<12}" + "".join(f" {n:>14}" for n in others)
-    print(head)
-    print("-" * len(head))
-    for size in SIZES:
-        for t in TRANSPORTS:
-            base = res[("glibc defaults", size, t)]["MBps"]
-            print(f"{size:>7} {t:<12}" + "".join(f" {res[(n, size, t)]['MBps'] / base:>13.2f}x"
-                                                  for n in others))
-
-    print("\nTargets: fedpipe >= " + ", ".join(f"{t}x at {s}" for s, t in TARGETS.items())
-          + " of raw-bytes gRPC (the faster of unary and stream):")
-    for size, target in TARGETS.items():
-        for name in cfgs:
-            fp = res[(name, size, "fedpipe")]["MBps"]
-            raw = max(res[(name, size, t)]["MBps"] for t in ("grpc unary", "grpc stream"))
-            print(f"  {size:>6} {name:<16} {fp:6.0f} / {raw:6.0f} MB/s = {fp / raw:.2f}x  "
-                  f"{'met' if fp / raw >= target else 'NOT met'}")
+def _count(nbytes: int, count: int) -> int:
+    """Transfers per transport and round: ``count`` at 16 MiB, more for smaller sizes
+    (up to 16x), so each turn lasts a few tens of milliseconds at least."""
+    return count * min(16, max(1, (16 * MiB // nbytes) // 4))
 
 
 def _load() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile) of ``xs``."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def measure(pair: Pair, nbytes: int, rounds: int, count: int
+            ) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """MB/s of each transport in each round (lists in round order), and its CPU
+    milliseconds per tensor (sender and receiver together, over all rounds)."""
+    mbps: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    cpu = {t: 0.0 for t in TRANSPORTS}
+    tensors = {t: 0 for t in TRANSPORTS}
+    for r in range(rounds):
+        order = TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1]
+        for transport in order:
+            per = BURST if transport.endswith(f"x{BURST}") else 1  # tensors per call
+            times, used = pair.run(transport, nbytes, max(1, _count(nbytes, count) // per))
+            mbps[transport].append(per * nbytes / statistics.median(times) / 1e6)
+            cpu[transport] += used
+            tensors[transport] += per * len(times)
+    return mbps, {t: 1e3 * cpu[t] / tensors[t] for t in TRANSPORTS}
+
+
+def report(size: str, mbps: dict[str, list[float]], cpu: dict[str, float],
+           load: tuple[str, str]) -> list[str]:
+    """Print one size's table; return its verdict lines."""
+    n = len(mbps[RAW[0]])
+    print(f"\n{size}: {n} rounds; load average before {load[0]}, after {load[1]}")
+    print(f"  {'transport':<17} {'MB/s median':>11} {'(IQR)':>17} {'CPU ms/tensor':>14}")
+    for t in TRANSPORTS:
+        q1, q2, q3 = quartiles(mbps[t])
+        print(f"  {t:<17} {q2:>11.0f} {f'({q1:.0f}-{q3:.0f})':>17} {cpu[t]:>14.2f}")
+    verdicts = []
+    for t, raws in FEDPIPE.items():
+        ratios = [f / max(b) for f, *b in zip(mbps[t], *(mbps[r] for r in raws))]
+        q1, q2, q3 = quartiles(ratios)
+        line = (f"  {t:<17} / faster of {' and '.join(raws)}: median {q2:.2f}x "
+                f"(IQR {q1:.2f}-{q3:.2f})")
+        if size in TARGETS:
+            target = TARGETS[size]
+            line += (f", target {target}x: " + ("met" if q2 >= target
+                                                 else f"NOT met by {target - q2:.2f}"))
+            verdicts.append(f"{size:>6} {line.strip()}  [load {load[1]}]")
+        print(line)
+    return verdicts
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="shorter run, two malloc configurations")
-    ap.add_argument("--seconds", type=float, help="time per (configuration, size, transport)")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds")
+    ap.add_argument("--rounds", type=int, help="rounds per size (default 21, quick 9)")
+    ap.add_argument("--count", type=int, default=8,
+                    help="transfers per transport and round at 16 MiB (more when smaller)")
+    ap.add_argument("--malloc", choices=["tuned", "defaults"], default="tuned",
+                    help="tuned: fedpipe.net.tune_malloc() as fedpipe node does; "
+                         "defaults: glibc's")
+    ap.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     ap.add_argument("--no-codecs", action="store_true", help="skip the codec table")
     ap.add_argument("--role", choices=["serve", "send"], help=argparse.SUPPRESS)
-    ap.add_argument("--mallopt", default="{}", help=argparse.SUPPRESS)
-    ap.add_argument("--grpc-port", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--tcp-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.role:
-        apply_mallopt(json.loads(args.mallopt))  # before anything big is allocated
-        if args.role == "serve":
-            serve()
-        else:
-            send(args.grpc_port, args.tcp_port)
+        if args.malloc == "tuned":
+            from fedpipe.net import tune_malloc
+            if not tune_malloc():
+                raise SystemExit("tune_malloc() did not apply (not glibc?)")
+        serve() if args.role == "serve" else send(args.port)
         return
 
     # a SIGTERM unwinds like Ctrl-C, so the child processes are killed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    cfgs = configs(full=not args.quick)
-    seconds = args.seconds or (0.6 if args.quick else 1.5)
-    rounds = 2 if args.quick else 4
-    print(f"wire benchmark: {len(cfgs)} malloc configurations x {len(SIZES)} sizes x "
-          f"{len(TRANSPORTS)} transports, {seconds:g} s each in {rounds} rounds; "
-          f"{os.cpu_count()} CPUs, load average {_load()}", flush=True)
-    res = measure(cfgs, seconds, rounds)
-    print_tables(cfgs, res)
-    print(f"load average after: {_load()}")
+    rounds = args.rounds or (9 if args.quick else 21)
+    print(f"wire benchmark: {len(args.sizes)} sizes x {len(TRANSPORTS)} transports, {rounds} "
+          f"interleaved rounds, malloc {args.malloc}; {os.cpu_count()} CPUs, load average "
+          f"{_load()}", flush=True)
+    pair = Pair(args.malloc)
+    verdicts: list[str] = []
+    try:
+        for size in args.sizes:
+            before = _load()
+            mbps, cpu = measure(pair, SIZES[size], rounds, args.count)
+            verdicts += report(size, mbps, cpu, (before, _load()))
+    finally:
+        pair.close()
+    print("\nTargets: fedpipe >= " + ", ".join(f"{t}x at {s}" for s, t in TARGETS.items())
+          + " of the faster raw-bytes gRPC transport, median of per-round ratios:")
+    for v in verdicts:
+        print("  " + v)
 
     if not args.no_codecs:
         from benchmarks.codecs import main as codec_main

@@ -2,9 +2,11 @@
 truncated or oversized frames refused by name before anything of a declared size is held."""
 from __future__ import annotations
 
+import os
 import struct
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,6 +81,50 @@ def test_a_single_frame_payload_is_copied_out_of_the_message():
     assert stream[0].endswith(t.numpy().tobytes())  # the received message is untouched
 
 
+def _address(buf) -> int:
+    """Where ``buf``'s bytes are in memory."""
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("name_len", range(0, 40, 3))
+def test_a_head_frames_payload_starts_aligned_whatever_the_header_length(name_len):
+    t = torch.arange(6, dtype=torch.float64)
+    (frame,) = frames.encode_frames(t, envelope=env(), name="n" * name_len)
+    h, piece = format.unpack(frame)
+    assert (len(frame) - len(piece)) % format.PAYLOAD_ALIGN == 0
+    assert h.name == "n" * name_len and h.pad == bytes(len(h.pad))  # pad: zeros, ignored
+    assert bytes(piece) == t.numpy().tobytes()
+
+
+def test_in_place_a_one_frame_tensor_is_decoded_over_the_frame_and_a_longer_one_copied():
+    t = torch.randn(1000, dtype=torch.float64)
+    (frame,) = frames.encode_frames(t, envelope=env())
+    ((h, back),) = frames.read_tensors([frame], in_place=True)
+    start = _address(frame)
+    assert start <= back.data_ptr() < start + len(frame)  # no copy: the frame's memory
+    assert back.data_ptr() % 16 == 0 and torch.equal(back, t) and h.envelope.job_id == "j"
+    back += 1  # writable
+    assert torch.equal(back, t + 1)
+    stream = list(frames.encode_frames(t, chunk_bytes=3000))
+    ((_, long),) = frames.read_tensors(stream, in_place=True)
+    assert torch.equal(long, t) and not any(
+        _address(f) <= long.data_ptr() < _address(f) + len(f) for f in stream)
+
+
+def test_in_place_a_misaligned_payload_is_copied_out_aligned():
+    """A sender that does not pad (as FRAMES.md lets it): the float64s would sit at an odd
+    address in the frame, so they are copied out instead."""
+    t = torch.randn(4, dtype=torch.float64)
+    header = node_pb2.Frame(tensor=tensor_pb2.Tensor(
+        dtype=tensor_pb2.DTYPE_FLOAT64, codec=tensor_pb2.CODEC_RAW, shape=[4],
+        encoded_bytes=32, payload_bytes=32))
+    for extra in range(8):
+        header.name = "x" * extra
+        frame = raw_head(header) + t.numpy().tobytes()
+        ((_, back),) = frames.read_tensors([frame], in_place=True)
+        assert torch.equal(back, t) and back.data_ptr() % 8 == 0
+
+
 GOOD = head(tensor_pb2.Tensor(shape=[2], encoded_bytes=8, payload_bytes=8, **F32), b"\0" * 8)
 
 
@@ -145,20 +191,36 @@ def test_a_header_over_the_limit_is_refused_before_its_payload_is_read():
     assert read == []
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
 def test_memory_held_follows_the_bytes_received_not_the_size_declared():
     """A 1 GiB tensor declared within the limit, of which 64 KiB arrive: the reader holds
-    about what arrived when the stream ends short."""
+    about what arrived, in Python objects and in resident memory (its payload buffer is
+    reserved, not touched), when the stream ends short."""
     declared = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, codec=tensor_pb2.CODEC_RAW,
                                  shape=[2**30], encoded_bytes=2**30, payload_bytes=2**30)
-    stream = [head(declared)] + [format.pack_more(b"\0" * 2**14)] * 4
+    held = []
+
+    def stream():
+        yield head(declared)
+        for _ in range(4):
+            yield format.pack_more(b"\1" * 2**14)
+        held.append(_resident_bytes() - before)  # the four pieces are in the buffer
+
+    before = _resident_bytes()
     tracemalloc.start()
     try:
         with pytest.raises(WireError, match="ended after 65536 payload bytes"):
-            list(frames.read_tensors(stream))
+            list(frames.read_tensors(stream()))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 2**20, peak
+    assert held[0] < 16 * 2**20, held
 
 
 def test_pack_head_refuses_payload_in_the_header_and_oversized_headers():

@@ -45,6 +45,7 @@ EXPECTED = {
     "/fedpipe.v1.Node/LoadStage": {"tracker"},
     "/fedpipe.v1.Node/StopJob": {"tracker", "client"},
     "/fedpipe.v1.Node/Send": {"node", "client"},
+    "/fedpipe.v1.Node/SendOne": {"node", "client"},
     "/fedpipe.v1.Node/FetchState": {"client", "node"},
     "/fedpipe.v1.Node/PutSnapshot": {"node", "client"},
     "/fedpipe.v1.Node/FetchSnapshot": {"node", "client"},
@@ -235,18 +236,19 @@ def test_a_method_not_in_the_table_is_denied(swarm_dir):
         srv.stop(grace=None)
 
 
-def test_a_client_may_send_only_inputs_and_targets(channels):
+@pytest.mark.parametrize("method", ["/fedpipe.v1.Node/Send", "/fedpipe.v1.Node/SendOne"])
+def test_a_client_may_send_only_inputs_and_targets(channels, method):
     for kind in (node_pb2.KIND_INPUT, node_pb2.KIND_TARGET):
-        assert _call(channels["client"], "/fedpipe.v1.Node/Send", _send_frame(kind))
+        assert _call(channels["client"], method, _send_frame(kind))
     for kind in (node_pb2.KIND_ACTIVATION, node_pb2.KIND_GRADIENT, node_pb2.KIND_OUTER,
                  node_pb2.KIND_REDUCE):
         with pytest.raises(grpc.RpcError) as e:
-            _call(channels["client"], "/fedpipe.v1.Node/Send", _send_frame(kind))
+            _call(channels["client"], method, _send_frame(kind))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert e.value.details() == ("client 'alice' may send only inputs and targets, not "
                                      + node_pb2.Kind.Name(kind))
         # a node sends any kind
-        assert _call(channels["node"], "/fedpipe.v1.Node/Send", _send_frame(kind))
+        assert _call(channels["node"], method, _send_frame(kind))
 
 
 def test_stream_stream_is_checked_message_by_message(channels):

@@ -666,7 +666,7 @@ class Job:
             stream = self.client.node(a.address).FetchState(
                 node_pb2.FetchStateRequest(job_id=self.id, replica=a.replica, stage=a.stage),
                 timeout=timeouts.FETCH_STATE_RPC)
-            for head, t in frames.read_tensors(stream):
+            for head, t in frames.read_tensors(stream, in_place=True):  # gRPC's messages
                 out[head.name] = t
         return out
 

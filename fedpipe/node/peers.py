@@ -9,12 +9,13 @@ touches another's. :func:`measure_link` times a link for the tracker.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import statistics
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import grpc
 import torch
@@ -107,7 +108,8 @@ class ChannelPool:
 
 
 class _Stream(NamedTuple):
-    """An open ``Send`` stream: the queue its frames are read from, and its call."""
+    """An open ``Send`` stream: the queue of its tensors' frames (an iterable of frames
+    per tensor), and its call."""
 
     frames: queue.SimpleQueue
     call: grpc.Future
@@ -118,7 +120,11 @@ class PeerSender:
 
     Tensors are encoded on a background thread (a raw CPU tensor of at most
     :data:`INLINE_BYTES` is framed at once on the caller's thread) and their
-    frames written to one long-lived client stream per peer, so a tensor costs
+    frames written to one long-lived client stream per peer. The frames of a
+    tensor encoded in the background are made one by one as gRPC sends them
+    (each copied from the payload just before gRPC copies it on: hot in cache,
+    and never a whole tensor's worth of frames waiting), so such a tensor must
+    not be changed in place until :meth:`flush`. A tensor costs
     no call set-up and no round trip: over a link of one-way latency ``L``
     tensors follow each other as fast as the link carries them, each arriving
     ``L`` after it was sent, where a blocking call per tensor would pay ``2 L``
@@ -163,15 +169,15 @@ class PeerSender:
         self.check()
         if (codec == "raw" and tensor.device.type == "cpu"
                 and tensor.numel() * tensor.element_size() <= INLINE_BYTES):
-            self._send(envelope, tensor, codec)
+            self._send(envelope, tensor, codec, True)
         else:
-            self.encoder.submit(self._send, envelope, tensor, codec)
+            self.encoder.submit(self._send, envelope, tensor, codec, False)
 
-    def _send(self, envelope, tensor, codec):
+    def _send(self, envelope, tensor, codec, inline):
         with self._stream_lock:
-            self._send_locked(envelope, tensor, codec)
+            self._send_locked(envelope, tensor, codec, inline)
 
-    def _send_locked(self, envelope, tensor, codec):
+    def _send_locked(self, envelope, tensor, codec, inline):
         try:
             if envelope.kind == Kind.GRADIENT:
                 key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
@@ -182,16 +188,22 @@ class PeerSender:
             if self.metrics is not None:
                 self.metrics.sent(self.name, envelope.kind, tensor.numel() * tensor.element_size(),
                                   payload.nbytes)
+            tensor_frames = frames.to_frames(msg, payload=payload, envelope=envelope)
+            head = next(tensor_frames)  # the header is checked here, not in gRPC's thread
+            if inline:  # the caller may reuse the tensor once this returns
+                queued: Iterable[bytes] = [head, *tensor_frames]
+            else:  # its other frames are copied as gRPC asks for them, just before it
+                queued = itertools.chain([head], tensor_frames)  # copies them in turn
             if self.stream is None:
-                frames_out: queue.SimpleQueue = queue.SimpleQueue()
+                tensors_out: queue.SimpleQueue = queue.SimpleQueue()
                 # no deadline: the stream lives as long as the stage sends; the
                 # channel's keepalive notices a peer that is gone
-                call = self.stub.Send.future(iter(frames_out.get, self.END),
-                                             wait_for_ready=True)
+                call = self.stub.Send.future(
+                    itertools.chain.from_iterable(iter(tensors_out.get, self.END)),
+                    wait_for_ready=True)
                 call.add_done_callback(self._ended)
-                self.stream = _Stream(frames_out, call)
-            for frame in frames.to_frames(msg, payload=payload, envelope=envelope):
-                self.stream.frames.put(frame)
+                self.stream = _Stream(tensors_out, call)
+            self.stream.frames.put(queued)
         except Exception as e:  # noqa: BLE001 — kept for the stage thread, which reports it
             self.error = self.error or e
 

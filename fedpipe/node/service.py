@@ -326,11 +326,16 @@ class NodeService(node_pb2_grpc.NodeServicer):
         with self.streams.open(context, "Send") as watch:
             return self._receive(watch.track(request_iterator), context, watch)
 
+    def SendOne(self, request, context):
+        # Send's single-frame form: a unary call (fedpipe.wire.rpc.send)
+        return self.Send(iter((request,)), context)
+
     def _receive(self, request_iterator, context, watch: Watched) -> node_pb2.SendReply:
         last = None
         try:
             for head, tensor in frames.read_tensors(request_iterator,
-                                                    lambda h: self._admit(h, context, watch)):
+                                                    lambda h: self._admit(h, context, watch),
+                                                    in_place=True):  # gRPC's messages
                 last = head.envelope
                 self.stages.deliver(last, tensor, context.is_active)
         except grpc.RpcError:  # the sender's side of the stream broke

@@ -226,16 +226,18 @@ class Envelope(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("envelope", "tensor", "chunk", "name")
+    __slots__ = ("envelope", "tensor", "chunk", "name", "pad")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    PAD_FIELD_NUMBER: _ClassVar[int]
     envelope: Envelope
     tensor: _tensor_pb2.Tensor
     chunk: bytes
     name: str
-    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., chunk: _Optional[bytes] = ..., name: _Optional[str] = ...) -> None: ...
+    pad: bytes
+    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., chunk: _Optional[bytes] = ..., name: _Optional[str] = ..., pad: _Optional[bytes] = ...) -> None: ...
 
 class SendReply(_message.Message):
     __slots__ = ()

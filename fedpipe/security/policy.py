@@ -122,6 +122,8 @@ POLICY: Mapping[str, Rule] = {
                      service_check="clients: require_owner(identity, owner) and "
                                    "require_feeds_stage(...); nodes: require_assigned("
                                    "identity, nodes)"),
+        "SendOne": Rule(_roles(NODE, CLIENT), message_check=check_send_kind,
+                        service_check="as Send"),
         # state moves between nodes (checkpoints, drains, healing) and to the job's client
         "FetchState": Rule(_roles(CLIENT, NODE), service_check="require_owner_or_assigned("
                                                               "identity, owner, nodes)"),

@@ -33,6 +33,7 @@ to ``raw`` (zstd still applies), so any tensor can be sent on any link.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Hashable, NamedTuple
 
@@ -47,6 +48,13 @@ from .format import WireError
 __all__ = ["CODECS", "DTYPES", "MAX_TENSOR_BYTES", "Codec", "ErrorFeedback", "WireError",
            "check_header", "decode", "encode", "encode_payload"]
 
+
+# torch.frombuffer warns, once per process, that a tensor over read-only memory can
+# write to it: decode(in_place=True) means exactly that (see its docstring), so the
+# one warning is taken here, where it would otherwise name a received frame
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 DTYPES: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.DTYPE_FLOAT32, torch.float16: pb.DTYPE_FLOAT16,
@@ -132,7 +140,8 @@ class _Header(NamedTuple):
     numel: int
 
 
-def _view(buf: bytearray, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+def _view(buf: bytearray | memoryview, dtype: torch.dtype, count: int,
+          offset: int = 0) -> torch.Tensor:
     """``count`` values of ``dtype`` at byte ``offset`` of ``buf``, without a copy."""
     if count == 0:
         return torch.empty(0, dtype=dtype)
@@ -287,7 +296,7 @@ class Codec:
     lossy: bool
     encode: Callable[[torch.Tensor, CodecSpec], tuple[list[torch.Tensor], dict]]
     size: Callable[[_Header], int]
-    decode: Callable[[bytearray, _Header], torch.Tensor]
+    decode: Callable[[bytearray | memoryview, _Header], torch.Tensor]
     fields: tuple[str, ...] = ()
 
 
@@ -397,7 +406,7 @@ def _join(parts: list[torch.Tensor]) -> bytes:
 
 
 def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = None,
-           max_bytes: int = MAX_TENSOR_BYTES) -> torch.Tensor:
+           max_bytes: int = MAX_TENSOR_BYTES, in_place: bool = False) -> torch.Tensor:
     """Decode a message into a new, writable CPU tensor of its ``dtype`` and ``shape``.
 
     Every header field is checked before anything of the declared size is
@@ -408,8 +417,13 @@ def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = N
 
     ``payload``, if given, is used instead of ``msg.payload`` (a receiver that
     reassembled the pieces of a chunked tensor passes them here, which saves
-    copying them into the message and out again). A ``bytearray`` is decoded in
-    place: for raw payloads the returned tensor shares its memory.
+    copying them into the message and out again). A ``bytearray`` or a
+    writable ``memoryview`` is decoded in place: for raw payloads the returned
+    tensor shares its memory. So is any ``payload`` with ``in_place``, read-only
+    memory too: the caller hands it over (a gRPC message nothing else reads),
+    and the tensor, writable as torch tensors are, may then write into it. A
+    raw tensor whose data would not be aligned to its element size in that
+    memory is copied out instead.
 
     Raises:
         WireError: for any malformed message, naming the field and numbers:
@@ -426,17 +440,27 @@ def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = N
     if len(payload) != msg.payload_bytes:
         raise WireError(f"payload is {len(payload)} bytes but payload_bytes says "
                         f"{msg.payload_bytes}")
+    buf: bytearray | memoryview
     if msg.zstd:
         buf = _unzstd(payload, size)
+    elif in_place or _writable(payload):
+        buf = memoryview(payload)
     else:
-        buf = payload if type(payload) is bytearray else bytearray(payload)
+        buf = bytearray(payload)
     if len(buf) != size:
         raise WireError(f"payload is {len(buf)} bytes but encoded_bytes is {size}")
     try:
         flat = impl.decode(buf, h)
     except (RuntimeError, IndexError, OverflowError, MemoryError) as e:  # defence in depth
         raise WireError(f"cannot decode {impl.name} payload: {e}") from e
+    if flat.numel() and flat.data_ptr() % flat.element_size():
+        flat = flat.clone()  # borrowed memory, misaligned for the dtype
     return flat.view(tuple(msg.shape))
+
+
+def _writable(payload: bytes | bytearray | memoryview) -> bool:
+    """Whether ``payload`` may be decoded in place (a bytearray or a writable memoryview)."""
+    return type(payload) is bytearray or (type(payload) is memoryview and not payload.readonly)
 
 
 def check_header(msg: pb.Tensor, max_bytes: int = MAX_TENSOR_BYTES) -> int:

@@ -15,7 +15,8 @@ offset  size  field
 4       1     kind: :data:`HEAD` (1) or :data:`MORE` (2)
 5       4     HEAD only: header length ``h``, unsigned little-endian, <= :data:`MAX_HEADER_BYTES`
 9       h     HEAD only: a serialized ``fedpipe.v1.Frame`` (envelope, name, and ``tensor``
-              with ``payload`` empty and ``payload_bytes`` the whole payload's length)
+              with ``payload`` empty and ``payload_bytes`` the whole payload's length;
+              ``pad`` makes 9 + h a multiple of :data:`PAYLOAD_ALIGN`)
 9+h     rest  HEAD: the payload's first piece; MORE (from offset 5): its next piece
 ======  ====  =======================================================================
 
@@ -61,11 +62,23 @@ _HEAD_PREFIX = _PREFIX.pack(MAGIC, VERSION, HEAD)
 
 Buffer = bytes | bytearray | memoryview
 
+PAYLOAD_ALIGN = 16
+"""A HEAD frame's payload starts at a multiple of this many bytes into the frame: its
+header is padded with ``pad`` (a receiver may then decode the payload in place)."""
+# serialized Frames holding only ``pad``, one of each length modulo PAYLOAD_ALIGN (its tag
+# and length take 3 bytes; an empty ``pad`` would not be serialized at all)
+_PADS = {n: node_pb2.Frame(pad=bytes((n - 3) % PAYLOAD_ALIGN or PAYLOAD_ALIGN))
+         .SerializeToString() for n in range(1, PAYLOAD_ALIGN)}
+assert all(len(p) % PAYLOAD_ALIGN == n for n, p in _PADS.items())
+
 
 def pack_head(header: node_pb2.Frame, piece: Buffer = b"") -> bytes:
     """A HEAD frame: ``header`` (tensor header with ``payload`` empty) and the first ``piece``.
 
-    One copy of ``piece`` (into the returned message).
+    One copy of ``piece`` (into the returned message). The header gets a
+    ``pad`` field that makes ``piece`` start at a multiple of
+    :data:`PAYLOAD_ALIGN` bytes into the frame (serialized messages
+    concatenate: the pad is appended to the header's serialization).
 
     Raises:
         WireError: the header is over :data:`MAX_HEADER_BYTES` or carries payload bytes.
@@ -73,6 +86,9 @@ def pack_head(header: node_pb2.Frame, piece: Buffer = b"") -> bytes:
     if header.tensor.payload or header.chunk:
         raise WireError("a frame header must not carry payload bytes: they follow it")
     head = header.SerializeToString()
+    misaligned = (HEAD_PREFIX_BYTES + len(head)) % PAYLOAD_ALIGN
+    if misaligned:
+        head += _PADS[PAYLOAD_ALIGN - misaligned]
     if len(head) > MAX_HEADER_BYTES:
         raise WireError(f"frame header of {len(head)} bytes exceeds the limit of "
                         f"{MAX_HEADER_BYTES}")

@@ -9,9 +9,9 @@ that the pieces add up to the declared ``payload_bytes`` before it decodes.
 
 Frames are raw bytes, so no protobuf runtime copies the payload: the sender
 copies each piece once (into its frame, from the tensor's own memory for raw
-CPU tensors) and the receiver once (the pieces, joined into the tensor's
-buffer, which is decoded in place). gRPC itself copies each message once each
-way, as it does for raw-bytes calls.
+CPU tensors) and the receiver once (each piece, as it arrives, into the
+tensor's buffer, which is decoded in place). gRPC itself copies each message
+once each way, as it does for raw-bytes calls.
 """
 from __future__ import annotations
 
@@ -66,10 +66,32 @@ def to_frames(msg: tensor_pb2.Tensor, *, envelope: node_pb2.Envelope | None = No
     """
     view = memoryview(msg.payload if payload is None else payload).cast("B")
     header = node_pb2.Frame(envelope=envelope, name=name)
-    _copy_header(msg, header.tensor).payload_bytes = len(view)
+    if msg.payload:
+        _copy_header(msg, header.tensor)
+    else:  # the payload travels apart (encode_payload): nothing to leave out
+        header.tensor.CopyFrom(msg)
+    header.tensor.payload_bytes = len(view)
     yield format.pack_head(header, view[:chunk_bytes])
     for off in range(chunk_bytes, len(view), chunk_bytes):
         yield format.pack_more(view[off:off + chunk_bytes])
+
+
+def _reserve(nbytes: int) -> memoryview:
+    """A writable, uninitialized buffer of ``nbytes`` (a checked ``payload_bytes``).
+
+    Memory the pieces are copied into as they arrive. It is not touched here:
+    the operating system maps its pages as they are first written, so a
+    tensor declared large but sent short holds about what arrived (a buffer
+    above glibc's mmap threshold is a fresh mapping; below it, heap the
+    process already holds or extends).
+
+    Raises:
+        WireError: the memory cannot be reserved.
+    """
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8).numpy().data
+    except RuntimeError as e:  # the allocator's "can't allocate memory"
+        raise WireError(f"cannot reserve {nbytes} bytes for a tensor's payload: {e}") from None
 
 
 def encode_frames(t: torch.Tensor, codec: str = "raw", **kw) -> Iterator[Frame]:
@@ -80,8 +102,8 @@ def encode_frames(t: torch.Tensor, codec: str = "raw", **kw) -> Iterator[Frame]:
 
 
 def read_tensors(frames: Iterable[Frame],
-                 admit: Callable[[node_pb2.Frame], int] | None = None
-                 ) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
+                 admit: Callable[[node_pb2.Frame], int] | None = None, *,
+                 in_place: bool = False) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
     """Reassemble and decode the tensors of a wire-frame stream.
 
     Yields ``(header, tensor)`` for each tensor as soon as its last payload
@@ -92,8 +114,16 @@ def read_tensors(frames: Iterable[Frame],
     encoded or decoded (default :data:`fedpipe.wire.codecs.MAX_TENSOR_BYTES`).
     Every field of the frame (:func:`fedpipe.wire.format.unpack`) and of the
     tensor header (:func:`fedpipe.wire.codecs.check_header`) is checked before
-    the payload is buffered; memory held grows with the bytes received, never
-    with a size only declared.
+    the payload is buffered. Then the tensor's ``payload_bytes`` are reserved
+    uninitialized (:func:`_reserve`) and each piece is copied in as it
+    arrives: resident memory grows with the bytes received, never with a size
+    only declared.
+
+    ``in_place``: the frames are the caller's to give away, read by nothing
+    else (gRPC's received messages are): a raw tensor that arrives in one frame
+    is then decoded in place over that frame's memory, not copied
+    (:func:`fedpipe.wire.codecs.decode`; senders pad the header so that its
+    payload is aligned, see :func:`fedpipe.wire.format.pack_head`).
 
     Raises:
         WireError: a malformed frame or tensor header, a continuation frame
@@ -102,18 +132,16 @@ def read_tensors(frames: Iterable[Frame],
             :func:`fedpipe.wire.codecs.decode`).
     """
     head: node_pb2.Frame | None = None
-    parts: list[memoryview] = []
+    buf = memoryview(b"")  # the current tensor's payload, filled in as its pieces arrive
     size = want = 0
     limit = codecs.MAX_TENSOR_BYTES
 
     def finish(first: node_pb2.Frame) -> tuple[node_pb2.Frame, torch.Tensor]:
-        nonlocal parts
+        nonlocal buf
         if size != want:
             raise WireError(f"tensor stream ended after {size} payload bytes, header declared "
                             f"{want}")
-        # the one copy on this side: into a buffer the tensor is decoded in place from
-        payload = parts[0] if len(parts) == 1 else bytearray().join(parts)
-        parts = []
+        payload, buf = buf, memoryview(b"")
         return first, codecs.decode(first.tensor, payload=payload, max_bytes=limit)
 
     for frame in frames:
@@ -123,14 +151,21 @@ def read_tensors(frames: Iterable[Frame],
                 yield finish(head)  # raises: the previous tensor is incomplete
             limit = admit(header) if admit is not None else codecs.MAX_TENSOR_BYTES
             codecs.check_header(header.tensor, limit)
-            head, want, parts, size = header, header.tensor.payload_bytes, [], 0
+            head, want, size = header, header.tensor.payload_bytes, 0
+            if in_place and len(piece) == want:  # the whole tensor, in memory handed over
+                head = None
+                yield header, codecs.decode(header.tensor, payload=piece, max_bytes=limit,
+                                            in_place=True)
+                continue
+            buf = _reserve(want)
         elif head is None:
             raise WireError("a continuation frame without a tensor header before it")
-        size += len(piece)
-        if size > want:
+        if size + len(piece) > want:
             raise WireError(f"tensor stream carries more than the declared {want} payload bytes")
-        if piece:
-            parts.append(piece)
+        # the one copy on this side, while the next pieces travel: into the buffer
+        # the tensor is decoded in place from
+        buf[size:size + len(piece)] = piece
+        size += len(piece)
         if size == want:      # complete: hand it over now, the
             yield finish(head)  # stream may stay open for the next
             head = None

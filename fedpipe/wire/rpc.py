@@ -1,19 +1,20 @@
 """The data-plane RPCs of ``fedpipe.v1.Node`` with identity serializers: wire frames as raw bytes.
 
 ``Send`` and ``PutSnapshot`` take a stream of wire frames
-(:mod:`fedpipe.wire.format`), ``FetchState`` and ``FetchSnapshot`` return one.
+(:mod:`fedpipe.wire.format`), ``SendOne`` one frame, ``FetchState`` and
+``FetchSnapshot`` return a stream of them.
 node.proto declares them with ``fedpipe.v1.Frame`` (the header's type), but
 their messages are frames, not serialized ``Frame``\\ s: the client and the
 server here pass bytes through untouched, so no protobuf runtime copies a
 payload. Every other Node method keeps its protobuf serializers.
 
-* :class:`NodeStub`: the generated stub with the four data-plane methods
+* :class:`NodeStub`: the generated stub with the five data-plane methods
   replaced; use it wherever a node is called.
 * :func:`add_node_servicer`: what ``node_pb2_grpc.add_NodeServicer_to_server``
   does, with the data-plane handlers passing bytes.
-* :func:`send`: one call of ``Send`` for a list of frames, unary when it is
-  one frame (gRPC's wire makes no difference; the Python client spares the
-  thread it starts for every streaming call).
+* :func:`send`: one call for a list of frames: ``SendOne`` when it is one
+  frame, else ``Send`` (the Python client spares the thread it starts for
+  every streaming call, the server the request iterator of a streaming one).
 """
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ from ..proto import node_pb2, node_pb2_grpc
 _NODE = node_pb2.DESCRIPTOR.services_by_name["Node"]
 SERVICE = _NODE.full_name
 DATA_STREAM_IN = frozenset({"Send", "PutSnapshot"})
-"""Methods whose requests are wire frames."""
+"""Methods whose request streams are wire frames."""
+DATA_IN = DATA_STREAM_IN | {"SendOne"}
+"""Methods whose requests are wire frames (``SendOne``: its one request)."""
 DATA_STREAM_OUT = frozenset({"FetchState", "FetchSnapshot"})
 """Methods whose replies are wire frames."""
-DATA_METHODS = frozenset(f"/{SERVICE}/{m}" for m in DATA_STREAM_IN | DATA_STREAM_OUT)
+DATA_METHODS = frozenset(f"/{SERVICE}/{m}" for m in DATA_IN | DATA_STREAM_OUT)
 """Full names of the methods that carry wire frames."""
 SEND = f"/{SERVICE}/Send"
+SEND_ONE = f"/{SERVICE}/SendOne"
 
 
 class NodeStub(node_pb2_grpc.NodeStub):
@@ -42,15 +46,15 @@ class NodeStub(node_pb2_grpc.NodeStub):
     ``Send(frames)`` and ``PutSnapshot(frames)`` take an iterator of frames
     (bytes) and return a ``SendReply``; ``FetchState(request)`` and
     ``FetchSnapshot(request)`` return an iterator of frames, for
-    :func:`fedpipe.wire.frames.read_tensors`. ``send_one(frame)`` is ``Send``
-    as a unary call, for a tensor that fits one frame.
+    :func:`fedpipe.wire.frames.read_tensors`. ``send_one(frame)`` is
+    ``SendOne``: ``Send`` as a unary call, for a tensor that fits one frame.
     """
 
     def __init__(self, channel: grpc.Channel):
         super().__init__(channel)
         reply = node_pb2.SendReply.FromString
         self.Send = channel.stream_unary(SEND, response_deserializer=reply)
-        self.send_one = channel.unary_unary(SEND, response_deserializer=reply)
+        self.send_one = channel.unary_unary(SEND_ONE, response_deserializer=reply)
         self.PutSnapshot = channel.stream_unary(f"/{SERVICE}/PutSnapshot",
                                                 response_deserializer=reply)
         self.FetchState = channel.unary_stream(
@@ -64,8 +68,8 @@ class NodeStub(node_pb2_grpc.NodeStub):
 def send(stub: NodeStub, frames: Iterable[bytes], **kw) -> node_pb2.SendReply:
     """One ``Send`` call carrying ``frames``; ``kw`` (``timeout``, ...) goes to the call.
 
-    A single frame goes as a unary call; more are streamed as ``frames``
-    makes them (the first two are made before the call starts).
+    A single frame goes as a unary call of ``SendOne``; more are streamed as
+    ``frames`` makes them (the first two are made before the call starts).
     """
     it = iter(frames)
     first = list(itertools.islice(it, 2))
@@ -86,7 +90,7 @@ def add_node_servicer(servicer: node_pb2_grpc.NodeServicer, server: grpc.Server)
         behaviour: Callable = getattr(servicer, m.name)
         request = message_factory.GetMessageClass(m.input_type)
         reply = message_factory.GetMessageClass(m.output_type)
-        de = None if m.name in DATA_STREAM_IN else request.FromString
+        de = None if m.name in DATA_IN else request.FromString
         ser = None if m.name in DATA_STREAM_OUT else reply.SerializeToString
         shape = {(False, False): grpc.unary_unary_rpc_method_handler,
                  (False, True): grpc.unary_stream_rpc_method_handler,
