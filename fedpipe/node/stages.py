@@ -45,7 +45,8 @@ from torch import nn
 from ..net import timeouts
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, tracker_pb2
-from ..runtime import checkpoint
+from ..runtime import checkpoint, layerstate
+from ..runtime.checkpoint import LAYOUT
 from ..runtime.allreduce import GradientSync, StageSpan
 from ..runtime.async_stage import AsyncStageRunner
 from ..runtime.clip import GlobalNormClip
@@ -356,7 +357,8 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     if opt is not None and cfg.lr_scheduler:  # stepped after each optimizer step, first
         schedule = cloudpickle.loads(cfg.lr_scheduler).build(opt)
         after.insert(0, lambda step: schedule.step())
-    stage.parts = {"module": module, "optimizer": opt, "lr_scheduler": schedule, "outer": outer}
+    stage.parts = {LAYOUT: layerstate.Layout(module, mine.layer_start), "module": module,
+                   "optimizer": opt, "lr_scheduler": schedule, "outer": outer}
     common = dict(before_update=before, after_update=after)
     microbatches = plan.microbatches(key.replica)
     if cfg.schedule == "async":
@@ -515,7 +517,7 @@ class StageRegistry:
                                  f"(replica {stage.key.replica}) of job {stage.job_id}: tried "
                                  f"{'; '.join(tried) or 'no source'}")
         try:
-            checkpoint.restore(stage.parts, snap)
+            layerstate.restore(stage.parts, snap)  # a client's resplit checkpoint: layer form
         except (WireError, RuntimeError, ValueError, KeyError) as e:
             raise StageLoadError(f"cannot restore stage {stage.key.stage} from its step "
                                  f"{stage.start} snapshot: {e}") from e
