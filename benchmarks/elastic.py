@@ -18,6 +18,18 @@ machine is shared, and the figures are only as good as its load allows.
   throughput before the join and after the migration, their ratio, the steps
   recomputed (0), and the bytes of state that moved; then the same job with
   ``rebalance="never"`` and the same join, as the baseline.
+- ``resplit``: 2 equal nodes and a compute-heavy MLP (8 linear layers of width
+  ``--width``, default 1024) in the stages the planner picks (2), with
+  ``rebalance="auto"``; at step ``--join-at`` an equal node2 joins. Moving whole
+  stages cannot use it; the planner's re-split into 3 stages can, each new stage
+  assembled from the layers of the old stages' snapshots
+  (:mod:`fedpipe.runtime.layerstate`). Nodes are started with ``--host-id ''`` (a
+  machine each), so on a machine with fewer free cores than nodes the planner
+  predicts a gain the cores cannot give: the figures say what this machine gives.
+  Printed: the plans (stage counts), steps recomputed (0), the layers and bytes
+  fetched, throughput before the join and after the last migration, and their
+  ratio; then the same job with ``rebalance="never"`` and the same join, as the
+  baseline.
 - ``drain``: 4 nodes, a 3-stage job; at step ``--drain-at`` the node of stage 1
   is drained (``Client.drain``, as ``fedpipe drain``). Printed: steps lost (the
   hand-over's recomputed steps; target 0), the hand-over's seconds, throughput
@@ -48,7 +60,7 @@ machine is shared, and the figures are only as good as its load allows.
   small MLP's final loss moves by 4-30 % whenever a few steps see half their
   batch, disturbed or not (see ``tests/test_elastic_replicas.py``).
 
-    PYTHONPATH=. python benchmarks/elastic.py [join|drain|churn|replica|all] [--quick]
+    PYTHONPATH=. python benchmarks/elastic.py [join|resplit|drain|churn|replica|all] [--quick]
                                               [--minutes M] [--seed S] [--out DIR]
                                               [--plot FILE.png]
 
@@ -91,7 +103,8 @@ BIN = 10.0               # seconds per throughput bin (churn)
 BATCH, MICRO = 64, 4
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
 LOSS = nn.functional.cross_entropy
-FETCHED = re.compile(r"fetched the step \d+ snapshot of job (\S+) .*: (\d+) tensors, (\d+) bytes")
+FETCHED = re.compile(r"fetched (?:layers \d+-\d+ of )?the step \d+ snapshot of job (\S+) .*: "
+                     r"(\d+) tensors, (\d+) bytes")  # a whole stage's, or a re-split's layers
 
 
 def load() -> str:
@@ -444,11 +457,13 @@ def section_churn(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("section", nargs="?", default="all",
-                   choices=["join", "drain", "churn", "replica", "all"])
+                   choices=["join", "resplit", "drain", "churn", "replica", "all"])
     p.add_argument("--quick", action="store_true", help="shorter jobs (a smoke run)")
     p.add_argument("--minutes", type=float, default=3.0, help="length of the churn run")
     p.add_argument("--slow-kbps", type=float, default=400.0,
                    help="join: node1's emulated bandwidth, kB/s")
+    p.add_argument("--width", type=int, default=1024, help="resplit: the MLP's width")
+    p.add_argument("--join-at", type=int, default=5, help="resplit: the step node2 joins at")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill-at", type=int, default=12,
                    help="replica: the step at which group 1's node is killed")
@@ -458,7 +473,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"benchmarks/elastic.py {args.section}{' --quick' if args.quick else ''} "
           f"({load()}; {os.cpu_count()} cores)")
-    for name in ("join", "drain", "replica", "churn"):
+    for name in ("join", "resplit", "drain", "replica", "churn"):
         if args.section in (name, "all"):
             globals()[f"section_{name}"](args)
 

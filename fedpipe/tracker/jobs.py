@@ -153,7 +153,6 @@ class _StepParts:
     reports: dict[int, tracker_pb2.StageReport] = field(default_factory=dict)
 
 
-
 def snapshot_pieces(old: node_pb2.Plan, new: node_pb2.Plan,
                     sources: Callable[[StageKey], list[str]]
                     ) -> Callable[[StageKey], list[node_pb2.SnapshotPiece]]:
@@ -177,6 +176,7 @@ def snapshot_pieces(old: node_pb2.Plan, new: node_pb2.Plan,
             for o in chain if max(o.layer_start, a.layer_start) < min(o.layer_end, a.layer_end)]
 
     return pieces
+
 
 class Jobs:
     """The job life cycle over a store (see the module docstring).
