@@ -223,6 +223,64 @@ def section_join(args) -> dict:
     return out
 
 
+# -- resplit ------------------------------------------------------------------------
+PIECE = re.compile(r"fetched layers (\d+)-(\d+) of the step \d+ snapshot of job (\S+) .*: "
+                   r"\d+ tensors, (\d+) bytes")
+
+
+def section_resplit(args) -> dict:
+    steps = 120 if args.quick else 300
+    width = args.width
+    batches = data(steps)
+    out = {}
+    print(f"\n== resplit: 2 equal nodes, 8 linear layers of width {width}, stages by the "
+          f"planner; an equal node2 joins at step {args.join_at} of {steps} ({load()})")
+    for mode in ("auto", "never"):
+        with LocalSwarm(n_nodes=2, lease=5.0, node_args=["--host-id", ""]) as swarm:
+            client = swarm.client()
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, width),
+                                  *[nn.Linear(width, width) for _ in range(6)],
+                                  nn.Linear(width, 10))
+            job = client.submit(model, LOSS, SGD, batches, steps=steps, microbatches=MICRO,
+                                replicas=1, schedule="1f1b", compression="none",
+                                checkpoint_every=10, rebalance=mode)
+            joined = threading.Event()
+
+            def on_step(step, swarm=swarm, joined=joined):
+                if step >= args.join_at and not joined.is_set():
+                    joined.set()
+                    swarm.add_node()
+
+            run = watch(client, job, on_step=on_step)
+            info = run.info
+            moved = [r for r in info.recoveries if r.cause == "rebalance"]
+            after_step = (moved[-1].checkpoint_step if moved else args.join_at) + 3
+            before = run.throughput(run.time_at(2), run.time_at(args.join_at))
+            after = run.throughput(run.time_at(after_step), run.trace[-1][0])
+            pieces = [(int(m.group(1)), int(m.group(2)), int(m.group(4))) for p in swarm.nodes
+                      for m in PIECE.finditer(swarm.log(p)) if m.group(3) == job.id]
+            fetched = sum(int(m.group(3)) for p in swarm.nodes  # whole stages and pieces
+                          for m in FETCHED.finditer(swarm.log(p)) if m.group(1) == job.id)
+            tracker_log = swarm.log(swarm.tracker_proc)
+            plans = [len(re.findall(r"layers \d+-\d+", line)) for line in re.findall(
+                rf"job {job.id} (?:DEPLOYING: loading stages|RUNNING: migrated).*", tracker_log)]
+            print(f"  rebalance={mode:5s}: {state_name(info.state)}; stages per plan {plans}; "
+                  f"migrations {len(moved)} (steps recomputed "
+                  f"{sum(r.steps_recomputed for r in moved)}); layers fetched "
+                  f"{[(a, b) for a, b, _ in pieces] or 'as whole stages'}, {fetched} bytes "
+                  f"fetched; "
+                  f"throughput before {before:.0f} samples/s, after {after:.0f} "
+                  f"(x{after / before:.2f}) ({load()})")
+            out[mode] = {"before": before, "after": after, "migrations": len(moved),
+                         "plans": plans, "fetched_bytes": fetched,
+                         "state": state_name(info.state)}
+            job.release()
+    a, n = out["auto"], out["never"]
+    print(f"  after the join, auto / never: x{a['after'] / n['after']:.2f} ({load()})")
+    return out
+
+
 # -- drain --------------------------------------------------------------------------
 def section_drain(args) -> dict:
     steps = 100 if args.quick else 400

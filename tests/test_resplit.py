@@ -32,7 +32,7 @@ from reference import digit_batches, job_info, max_relative_difference, single_p
 pytestmark = pytest.mark.timeout(300)
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.02, momentum=0.9)
 LOSS = nn.functional.cross_entropy
-STEPS, EVERY, HIDDEN, BLOCKS = 160, 4, 1024, 6
+STEPS, EVERY, HIDDEN, BLOCKS = 120, 4, 1024, 6
 PIECE = re.compile(r"fetched layers (\d+)-(\d+) of the step (\d+) snapshot of job (\S+) stage "
                    r"(\d+) \(replica (\d+)\) from \S+: (\d+) tensors, (\d+) bytes")
 
