@@ -17,6 +17,7 @@ machines, as on real ones; the speed-up itself is measured by
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import pytest
@@ -60,6 +61,22 @@ def running_plan(client, job) -> PlanView:
     return PlanView(now.plan)
 
 
+class Gate:
+    """``data`` whose batch ``stop_at`` waits until :meth:`release`: the job stands there
+    while the joining node starts and has its links measured, however slow the machine."""
+
+    def __init__(self, data: list, stop_at: int):
+        self.data, self.stop_at, self.released = data, stop_at, threading.Event()
+
+    def __iter__(self):
+        yield from self.data[:self.stop_at]
+        self.released.wait(120)
+        yield from self.data[self.stop_at:]
+
+    def release(self) -> None:
+        self.released.set()
+
+
 def ranges(summary: str) -> dict[str, tuple[int, int]]:
     """A plan's one-line summary as node name -> (first layer, last layer + 1)."""
     return {m.group(1): (int(m.group(2)), int(m.group(3)) + 1)
@@ -71,13 +88,17 @@ def test_a_join_re_splits_two_stages_into_three_moving_only_the_layers_that_chan
         client, data = swarm.client(), digit_batches(STEPS, batch=64)
         # first, before the tracker calibrates its cost model on this busy 2-core machine
         # (where, measured, a pipeline does not pay)
-        job = submit(client, data, "auto")
+        gate = Gate(data, 12)
+        job = submit(client, gate, "auto")
         before = running_plan(client, job)
         assert len(before.stages) == 2, before.plan.summary  # the planner uses both nodes
-        inj = swarm.inject(job.id).at_step(2, "join", lambda: swarm.add_node())
-        inj.start()
+        swarm.add_node()  # joins mid-job; the job waits for data at step 12 till it is measured
+        deadline = time.monotonic() + 120
+        while "measured the links of 3 node(s)" not in swarm.log(swarm.tracker_proc):
+            assert time.monotonic() < deadline, "node2 was not measured"
+            time.sleep(0.2)
+        gate.release()
         status = job.wait(timeout=240, progress=False)
-        inj.stop()
         assert status.state == "SUCCEEDED", status.reason
         got = job.state_dict()
         job.release()
