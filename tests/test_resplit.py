@@ -48,7 +48,7 @@ def make_model() -> nn.Sequential:
 
 
 def submit(client, data, rebalance, stages=0):
-    return client.submit(make_model(), LOSS, SGD, data, steps=STEPS, microbatches=4,
+    return client.submit(make_model(), LOSS, SGD, data, steps=STEPS, microbatches=8,
                          schedule="1f1b", compression="none", checkpoint_every=EVERY,
                          rebalance=rebalance, replicas=1, stages=stages)
 
@@ -84,7 +84,10 @@ def ranges(summary: str) -> dict[str, tuple[int, int]]:
 
 
 def test_a_join_re_splits_two_stages_into_three_moving_only_the_layers_that_change_hands():
-    with LocalSwarm(n_nodes=2, lease=5.0, node_args=["--host-id", ""]) as swarm:
+    # the predicted gain of 3 stages over 2 is 6-20 % here, as the nodes' probed FLOP/s
+    # vary with the machine's load: a threshold of 2 % keeps the test off that noise
+    with LocalSwarm(n_nodes=2, lease=5.0, node_args=["--host-id", ""],
+                    tracker_args=["--rebalance-threshold", "0.02"]) as swarm:
         client, data = swarm.client(), digit_batches(STEPS, batch=64)
         # first, before the tracker calibrates its cost model on this busy 2-core machine
         # (where, measured, a pipeline does not pay)
