@@ -18,6 +18,18 @@ machine is shared, and the figures are only as good as its load allows.
   throughput before the join and after the migration, their ratio, the steps
   recomputed (0), and the bytes of state that moved; then the same job with
   ``rebalance="never"`` and the same join, as the baseline.
+- ``resplit``: 2 equal nodes and a compute-heavy MLP (8 linear layers of width
+  ``--width``, default 1024) in the stages the planner picks (2), with
+  ``rebalance="auto"``; at step ``--join-at`` an equal node2 joins. Moving whole
+  stages cannot use it; the planner's re-split into 3 stages can, each new stage
+  assembled from the layers of the old stages' snapshots
+  (:mod:`fedpipe.runtime.layerstate`). Nodes are started with ``--host-id ''`` (a
+  machine each), so on a machine with fewer free cores than nodes the planner
+  predicts a gain the cores cannot give: the figures say what this machine gives.
+  Printed: the plans (stage counts), steps recomputed (0), the layers and bytes
+  fetched, throughput before the join and after the last migration, and their
+  ratio; then the same job with ``rebalance="never"`` and the same join, as the
+  baseline.
 - ``drain``: 4 nodes, a 3-stage job; at step ``--drain-at`` the node of stage 1
   is drained (``Client.drain``, as ``fedpipe drain``). Printed: steps lost (the
   hand-over's recomputed steps; target 0), the hand-over's seconds, throughput
@@ -61,7 +73,7 @@ machine is shared, and the figures are only as good as its load allows.
   it, and by at most 0.2 % with 1 inner step, outer lr 1 and plain inner SGD
   (then DiLoCo is synchronous data parallelism).
 
-    PYTHONPATH=. python benchmarks/elastic.py [join|drain|churn|replica|all] [--quick]
+    PYTHONPATH=. python benchmarks/elastic.py [join|resplit|drain|churn|replica|all] [--quick]
                                               [--minutes M] [--seed S] [--out DIR]
                                               [--plot FILE.png]
 
@@ -104,7 +116,8 @@ BIN = 10.0               # seconds per throughput bin (churn)
 BATCH, MICRO = 64, 4
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
 LOSS = nn.functional.cross_entropy
-FETCHED = re.compile(r"fetched the step \d+ snapshot of job (\S+) .*: (\d+) tensors, (\d+) bytes")
+FETCHED = re.compile(r"fetched (?:layers \d+-\d+ of )?the step \d+ snapshot of job (\S+) .*: "
+                     r"(\d+) tensors, (\d+) bytes")  # a whole stage's, or a re-split's layers
 
 
 def load() -> str:
@@ -217,6 +230,64 @@ def section_join(args) -> dict:
             out[mode] = {"before": before, "after": after, "migrations": len(moved),
                          "recomputed": sum(r.steps_recomputed for r in moved),
                          "fetched_bytes": fetched, "state": state_name(info.state)}
+            job.release()
+    a, n = out["auto"], out["never"]
+    print(f"  after the join, auto / never: x{a['after'] / n['after']:.2f} ({load()})")
+    return out
+
+
+# -- resplit ------------------------------------------------------------------------
+PIECE = re.compile(r"fetched layers (\d+)-(\d+) of the step \d+ snapshot of job (\S+) .*: "
+                   r"\d+ tensors, (\d+) bytes")
+
+
+def section_resplit(args) -> dict:
+    steps = 120 if args.quick else 300
+    width = args.width
+    batches = data(steps)
+    out = {}
+    print(f"\n== resplit: 2 equal nodes, 8 linear layers of width {width}, stages by the "
+          f"planner; an equal node2 joins at step {args.join_at} of {steps} ({load()})")
+    for mode in ("auto", "never"):
+        with LocalSwarm(n_nodes=2, lease=5.0, node_args=["--host-id", ""]) as swarm:
+            client = swarm.client()
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, width),
+                                  *[nn.Linear(width, width) for _ in range(6)],
+                                  nn.Linear(width, 10))
+            job = client.submit(model, LOSS, SGD, batches, steps=steps, microbatches=MICRO,
+                                replicas=1, schedule="1f1b", compression="none",
+                                checkpoint_every=10, rebalance=mode)
+            joined = threading.Event()
+
+            def on_step(step, swarm=swarm, joined=joined):
+                if step >= args.join_at and not joined.is_set():
+                    joined.set()
+                    swarm.add_node()
+
+            run = watch(client, job, on_step=on_step)
+            info = run.info
+            moved = [r for r in info.recoveries if r.cause == "rebalance"]
+            after_step = (moved[-1].checkpoint_step if moved else args.join_at) + 3
+            before = run.throughput(run.time_at(2), run.time_at(args.join_at))
+            after = run.throughput(run.time_at(after_step), run.trace[-1][0])
+            pieces = [(int(m.group(1)), int(m.group(2)), int(m.group(4))) for p in swarm.nodes
+                      for m in PIECE.finditer(swarm.log(p)) if m.group(3) == job.id]
+            fetched = sum(int(m.group(3)) for p in swarm.nodes  # whole stages and pieces
+                          for m in FETCHED.finditer(swarm.log(p)) if m.group(1) == job.id)
+            tracker_log = swarm.log(swarm.tracker_proc)
+            plans = [len(re.findall(r"layers \d+-\d+", line)) for line in re.findall(
+                rf"job {job.id} (?:DEPLOYING: loading stages|RUNNING: migrated).*", tracker_log)]
+            print(f"  rebalance={mode:5s}: {state_name(info.state)}; stages per plan {plans}; "
+                  f"migrations {len(moved)} (steps recomputed "
+                  f"{sum(r.steps_recomputed for r in moved)}); layers fetched "
+                  f"{[(a, b) for a, b, _ in pieces] or 'as whole stages'}, {fetched} bytes "
+                  f"fetched; "
+                  f"throughput before {before:.0f} samples/s, after {after:.0f} "
+                  f"(x{after / before:.2f}) ({load()})")
+            out[mode] = {"before": before, "after": after, "migrations": len(moved),
+                         "plans": plans, "fetched_bytes": fetched,
+                         "state": state_name(info.state)}
             job.release()
     a, n = out["auto"], out["never"]
     print(f"  after the join, auto / never: x{a['after'] / n['after']:.2f} ({load()})")
@@ -472,11 +543,13 @@ def section_churn(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("section", nargs="?", default="all",
-                   choices=["join", "drain", "churn", "replica", "all"])
+                   choices=["join", "resplit", "drain", "churn", "replica", "all"])
     p.add_argument("--quick", action="store_true", help="shorter jobs (a smoke run)")
     p.add_argument("--minutes", type=float, default=3.0, help="length of the churn run")
     p.add_argument("--slow-kbps", type=float, default=400.0,
                    help="join: node1's emulated bandwidth, kB/s")
+    p.add_argument("--width", type=int, default=1024, help="resplit: the MLP's width")
+    p.add_argument("--join-at", type=int, default=5, help="resplit: the step node2 joins at")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill-at", type=int, default=12,
                    help="replica: the step at which group 1's node is killed")
@@ -486,7 +559,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"benchmarks/elastic.py {args.section}{' --quick' if args.quick else ''} "
           f"({load()}; {os.cpu_count()} cores)")
-    for name in ("join", "drain", "replica", "churn"):
+    for name in ("join", "resplit", "drain", "replica", "churn"):
         if args.section in (name, "all"):
             globals()[f"section_{name}"](args)
 

@@ -102,7 +102,8 @@ def cmd_node(args) -> int:
                         trust_code=args.trust_code, memory_limit=args.memory_limit,
                         link_profile=args.link_profile, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host, tls=_tls(args, args.name or None),
-                        insecure=args.insecure, drain_timeout=args.drain_timeout)
+                        insecure=args.insecure, drain_timeout=args.drain_timeout,
+                        host_id=args.host_id)
     daemon.install_signal_handlers()
     print(f"fedpipe node {daemon.name} listening on {daemon.address}", flush=True)
     if daemon.metrics_server is not None:
@@ -360,6 +361,10 @@ def parser() -> argparse.ArgumentParser:
                         "client certificate load")
     n.add_argument("--memory-limit", type=int, default=None,
                    help="advertise at most this many bytes of memory")
+    n.add_argument("--host-id", default=None,
+                   help="the machine whose cores this node shares with other nodes (default: "
+                        "this kernel's boot id; '' for none, e.g. containers with cores of "
+                        "their own)")
     n.add_argument("--link-profile", default=None,
                    help="JSON file of emulated links to peers (bandwidth, latency); see README")
     n.add_argument("--drain-timeout", type=float, default=60.0,

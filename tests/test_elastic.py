@@ -27,8 +27,9 @@ pytestmark = pytest.mark.timeout(300)
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
 LOSS = nn.functional.cross_entropy
 STEPS, EVERY = 24, 8
-FETCHED = re.compile(r"fetched the step (\d+) snapshot of job (\S+) stage (\d+) \(replica (\d+)\) "
-                     r"from \S+: (\d+) tensors, (\d+) bytes")
+FETCHED = re.compile(r"fetched (?:layers (\d+)-(\d+) of )?the step (\d+) snapshot of job (\S+) "
+                     r"stage (\d+) \(replica (\d+)\) from \S+: (\d+) tensors, (\d+) bytes")
+"""A fetched snapshot: a whole stage's, or (a re-split) some layers of one."""
 
 
 @pytest.fixture(scope="module")
@@ -157,16 +158,22 @@ def test_a_node_joining_mid_job_takes_a_stage_when_it_pays_and_weights_stay_exac
         assert h.steps_recomputed == 0
         after = PlanView(final.plan)
         assert {a.node_name for a in after.stages.values()} == {"node0", "node2"}
-        moved = after[StageKey(0, slow.stage)]
-        assert moved.node_name == "node2"
-        # only the moved stage's state changed hands: one snapshot fetched, of that stage,
-        # holding its layers' weights and SGD momentum buffers
-        fetched = [m.groups() for p in swarm.nodes for m in FETCHED.finditer(swarm.log(p))
-                   if m.group(2) == job.id]
-        assert [(int(f[2]), int(f[3])) for f in fetched] == [(slow.stage, 0)]
+        moved = next(a for a in after.stages.values() if a.node_name == "node2")
+        # only the state of the layers node2 took changed hands, fetched by node2 (node0
+        # kept both stages' snapshots, its own and as buddy): the slow node's whole stage,
+        # or the layers of a re-split (the planner may move the boundary too), each with
+        # its layers' weights and SGD momentum buffers, nothing else
+        by = [[m.groups() for m in FETCHED.finditer(swarm.log(p)) if m.group(4) == job.id]
+              for p in swarm.nodes]
+        fetched = by[2]
+        assert fetched and not by[0] and not by[1], by
+        spans = sorted((int(f[0]), int(f[1]) + 1) if f[0] is not None else
+                       (slow.layer_start, slow.layer_end) for f in fetched)
+        assert (spans[0][0], spans[-1][1]) == (moved.layer_start, moved.layer_end)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         layers = list(model)[moved.layer_start:moved.layer_end]
         params = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
-        assert int(fetched[0][5]) == 2 * params  # weights + momentum, nothing else
+        assert sum(int(f[7]) for f in fetched) == 2 * params  # weights + momentum
         assert h.bytes_moved > 0
 
 

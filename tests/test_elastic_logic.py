@@ -134,6 +134,30 @@ def test_a_migration_moves_only_the_state_of_the_stages_that_change_nodes():
     assert move_seconds(before, before, cluster, profile, config) == (0.0, 0)
 
 
+def test_a_re_split_counts_only_the_layers_whose_node_changes():
+    tracker, nodes, clock, ids, job = running(n_layers=6)
+    request = tracker.store.spec(job)
+    profile, config = model_profile(request.profile), train_config(
+        JobSpec.from_proto(request.config))
+    before = tracker.jobs.get(job).plan
+    old = PlanView(before)
+    first, second = old[StageKey(0, 0)], old[StageKey(0, 1)]
+    spare = next(n for n in tracker.store.nodes() if n.node_id not in old.node_ids())
+    # 3 stages: the first keeps its node and a layer fewer, the second its node and the
+    # layer the first gave up, less its own last layer, which goes to the spare
+    cut1, cut2 = first.layer_end - 1, second.layer_end - 1
+    after = node_pb2.Plan(stages=[
+        node_pb2.StageAssignment(stage=0, node_id=first.node_id, layer_start=0, layer_end=cut1),
+        node_pb2.StageAssignment(stage=1, node_id=second.node_id, layer_start=cut1,
+                                 layer_end=cut2),
+        node_pb2.StageAssignment(stage=2, node_id=spare.node_id, layer_start=cut2,
+                                 layer_end=second.layer_end)], replicas=before.replicas)
+    cluster = cluster_view(tracker.store.nodes(), tracker.store.links())
+    _, nbytes = move_seconds(before, after, cluster, profile, config)
+    assert nbytes == (profile.layers[cut1].parameter_bytes
+                      + profile.layers[cut2].parameter_bytes) * config.state_factor
+
+
 def slow_stage_times(tracker, job, key, compute):
     for s in range(1, 6):
         for k in PlanView(tracker.jobs.get(job).plan).stages:
@@ -150,8 +174,9 @@ def test_a_node_slower_than_it_said_is_remeasured_and_its_stage_moves_to_a_spare
     assert tracker.elastic.speed[slow.node_id] < 1e12 / 1.5
     h = tracker.elastic.pending[job]
     assert h.cause == "rebalance" and h.cut == 6
-    assert PlanView(h.target)[StageKey(0, 1)].node_id not in PlanView(plan).node_ids()
-    assert PlanView(h.target)[StageKey(0, 0)].node_id == PlanView(plan)[StageKey(0, 0)].node_id
+    # the slow node leaves the plan: its stage moves to the spare, or the planner's
+    # re-split over the fast nodes predicts a shorter step still
+    assert slow.node_id not in PlanView(h.target).node_ids()
     for key in PlanView(plan).stages:
         report(tracker, job, key, R.STATUS_CHECKPOINT, step=6)
     tracker.tick()
@@ -178,14 +203,27 @@ def test_rebalance_never_keeps_the_plan_and_a_small_gain_does_not_move():
     assert not tracker.elastic.consider(job) and not nodes.holds
 
 
-def test_a_node_that_joins_is_considered_once_its_links_are_measured():
+def test_with_no_spare_node_the_boundary_moves_layers_off_a_slow_node():
     tracker, nodes, clock, ids, job = running(n_nodes=2)
     plan = tracker.jobs.get(job).plan
+    slow = PlanView(plan)[StageKey(0, 1)]
     slow_stage_times(tracker, job, StageKey(0, 1), compute=5.0)
-    assert not tracker.elastic.consider(job)  # no spare node: nowhere to go
-    tracker.register(registration("node9", 7009))  # its links are not measured yet
-    assert not tracker.elastic.consider(job)
-    tracker.measure_links()
-    assert tracker.elastic.consider(job)
-    assert PlanView(tracker.elastic.pending[job].target)[StageKey(0, 1)].node_name == "node9"
-    assert PlanView(plan).node_ids() == PlanView(tracker.jobs.get(job).plan).node_ids()
+    assert tracker.elastic.consider(job)  # a re-split: the same two nodes, 2 stages asked
+    target = PlanView(tracker.elastic.pending[job].target)
+    assert target.node_ids() == PlanView(plan).node_ids() and len(target.stages) == 2
+    mine = next(a for a in target.stages.values() if a.node_id == slow.node_id)
+    assert mine.layer_end - mine.layer_start < slow.layer_end - slow.layer_start
+
+
+def test_a_node_that_joins_is_considered_once_its_links_are_measured():
+    for measured in (False, True):
+        tracker, nodes, clock, ids, job = running(n_nodes=2)
+        plan = tracker.jobs.get(job).plan
+        slow_stage_times(tracker, job, StageKey(0, 1), compute=5.0)
+        tracker.register(registration("node9", 7009))  # its links are not measured yet
+        if measured:
+            tracker.measure_links()
+        assert tracker.elastic.consider(job)
+        names = {a.node_name for a in tracker.elastic.pending[job].target.stages}
+        assert ("node9" in names) == measured, names
+        assert PlanView(plan).node_ids() == PlanView(tracker.jobs.get(job).plan).node_ids()

@@ -103,30 +103,3 @@ def test_a_corrupt_or_too_deep_checkpoint_is_a_checkpoint_error_naming_the_folde
     with pytest.raises(checkpoints.CheckpointError, match=str(tmp_path)):
         checkpoints.read(tmp_path)
 
-
-def test_resume_from_with_stages_or_replicas_other_than_the_checkpoints_is_a_value_error(
-        tmp_path):
-    import torch
-    from torch import nn
-
-    import fedpipe
-    from fedpipe.client import checkpoints
-    from fedpipe.proto import node_pb2
-    from fedpipe.runtime.checkpoint import Snapshot
-    from fedpipe.spec import StageKey
-
-    plan = node_pb2.Plan(stages=[node_pb2.StageAssignment(replica=0, stage=s, layer_start=s,
-                                                          layer_end=s + 1) for s in (0, 1)])
-    snaps = {StageKey(0, s): Snapshot(3, {"module/w": torch.zeros(1)},
-                                      {"module": {"w": {"$t": "module/w"}}}) for s in (0, 1)}
-    checkpoints.write(tmp_path, 3, snaps, plan, steps=10)
-    client = fedpipe.Client("127.0.0.1:1")  # never called: the error comes first
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    sgd = fedpipe.optimizer(torch.optim.SGD, lr=0.1)
-    data = [(torch.zeros(4, 2), torch.zeros(4, 2))]
-    for kw, named in ((dict(stages=3), "stages=3 .* stages=2"),
-                      (dict(replicas=2), "replicas=2 .* replicas=1")):
-        with pytest.raises(ValueError, match=named):
-            client.submit(model, nn.functional.mse_loss, sgd, data, steps=10,
-                          resume_from=tmp_path, **kw)
-    client.close()

@@ -48,9 +48,9 @@ def batches(n: int = STEPS) -> list:
     return [next(gen) for _ in range(n)]
 
 
-def submit(client, data, steps=STEPS, **kw):
+def submit(client, data, steps=STEPS, stages=2, **kw):
     return client.submit(make_model(), LOSS, ADAMW, data, steps=steps, microbatches=2,
-                         stages=2, replicas=1, schedule="gpipe", compression="none",
+                         stages=stages, replicas=1, schedule="gpipe", compression="none",
                          lr_scheduler=SCHEDULE, checkpoint_every=EVERY, **kw)
 
 
@@ -181,6 +181,23 @@ def test_save_then_resume_from_continues_bit_for_bit(swarm, undisturbed, tmp_pat
         second = submit(client, data, resume_from=folder)  # the data from its start
         status = second.wait(timeout=180, progress=False)
         assert status.step == STEPS
+        assert_equal(second.state_dict(), undisturbed)
+        second.release()
+
+
+def test_a_checkpoint_saved_in_two_stages_resumes_in_one_exactly(swarm, undisturbed, tmp_path):
+    """resume_from with another split: the one stage is assembled from the two saved
+    stages' layers (weights, AdamW moments, LR schedule), and ends as the 2-stage job."""
+    data = batches()
+    with swarm.client() as client:
+        first = submit(client, data[:4], steps=4)
+        first.wait(timeout=180, progress=False)
+        folder = Path(first.save(tmp_path / "ck"))
+        first.release()
+        assert checkpoints.read(folder).depth == 2
+        second = submit(client, data, resume_from=folder, stages=1)
+        status = second.wait(timeout=180, progress=False)
+        assert status.step == STEPS and len(status.plan.stages) == 1
         assert_equal(second.state_dict(), undisturbed)
         second.release()
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from ..proto import node_pb2
+from ..runtime import layerstate
 from ..runtime.checkpoint import Snapshot
 from ..spec import StageKey
 
@@ -67,6 +68,31 @@ class SavedCheckpoint:
     def replicas(self) -> int:
         """Replica groups."""
         return 1 + max(k.replica for k in self.snapshots)
+
+    def for_stage(self, key: StageKey, start: int, end: int) -> Snapshot:
+        """The snapshot that restores stage ``key`` of a plan holding layers ``[start, end)``:
+        the saved one if the checkpoint's stage ``key`` held the same layers, else the
+        pieces of its replica group's stages that held them, in layer form
+        (:mod:`fedpipe.runtime.layerstate`; a node assembles its stage from it).
+
+        Raises:
+            CheckpointError: the checkpoint has no replica group ``key.replica``, or its
+                state cannot be split (the message names the part).
+        """
+        if self.layers.get(key) == (start, end):
+            return self.snapshots[key]
+        held = {k: r for k, r in self.layers.items() if k.replica == key.replica}
+        if not held:
+            raise CheckpointError(f"the checkpoint has {self.replicas} replica group(s), none "
+                                  f"for group {key.replica} of the new plan")
+        try:
+            return layerstate.merge([layerstate.split(self.snapshots[k], max(a, start),
+                                                      min(b, end))
+                                     for k, (a, b) in sorted(held.items())
+                                     if max(a, start) < min(b, end)])
+        except layerstate.SplitError as e:
+            raise CheckpointError(f"cannot re-split the checkpoint for layers {start}-{end - 1} "
+                                  f"of stage {key.stage}: {e}") from None
 
 
 def _prefix(key: StageKey) -> str:

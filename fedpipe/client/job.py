@@ -225,9 +225,10 @@ class Client:
                 ``checkpoint_dir``: its newest): the job starts after that
                 checkpoint's step with its weights, optimizer, LR schedule and
                 DiLoCo state. ``data`` is still given from its start; the steps
-                done are skipped. The new plan must split the layers as the
-                checkpoint's did (same stages and replica groups): ``stages`` and
-                ``replicas`` are taken from the checkpoint (0) or must equal its.
+                done are skipped. ``stages`` and ``replicas`` default to the
+                checkpoint's; a plan that splits the layers otherwise restores
+                each stage from the saved stages that held its layers
+                (:mod:`fedpipe.runtime.layerstate`), exactly.
             checkpoint_dir: keep the newest complete checkpoints in this folder
                 (pulled from the nodes as each completes), so the job can be
                 resumed (``resume_from=checkpoint_dir``) even if every node and
@@ -278,14 +279,9 @@ class Client:
                 raise checkpoints.CheckpointError(
                     f"the checkpoint in {resume_from} is after step {restore.step}; the job "
                     f"has only {steps} steps")
-            for name, asked, saved in (("stages", stages, restore.depth),
-                                       ("replicas", replicas, restore.replicas)):
-                if asked and asked != saved:
-                    raise ValueError(f"{name}={asked} disagrees with the checkpoint in "
-                                     f"{resume_from}, which has {name}={saved}: resume_from "
-                                     f"needs the split it was saved in (give {name}={saved} "
-                                     f"or 0)")
-            stages, replicas = restore.depth, restore.replicas  # the split it was saved in
+            # the split it was saved in, unless asked otherwise: either way each new stage
+            # is restored from the saved stages that held its layers
+            stages, replicas = stages or restore.depth, replicas or restore.replicas
         job_spec = JobSpec(steps=steps, microbatches=microbatches, schedule=schedule,
                            optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
                            activation_compression=act_codec, gradient_compression=grad_codec,
@@ -847,17 +843,11 @@ class Job:
         job once it runs there (None if it ended).
 
         Raises:
-            checkpoints.CheckpointError: the plan does not split the layers as the
-                checkpoint did.
+            checkpoints.CheckpointError: as :meth:`~.checkpoints.SavedCheckpoint.for_stage`.
         """
         view = PlanView(info.plan)
-        have = {key: (a.layer_start, a.layer_end) for key, a in view.stages.items()}
-        if have != saved.layers:
-            raise checkpoints.CheckpointError(
-                f"the checkpoint's stages hold layers {sorted(saved.layers.items())} but the "
-                f"job's plan puts them as {sorted(have.items())}: resume_from needs the same "
-                f"split (run it on nodes like the original ones)")
-        for key, snap in saved.snapshots.items():
+        for key, a in sorted(view.stages.items()):
+            snap = saved.for_stage(key, a.layer_start, a.layer_end)
             env = node_pb2.Envelope(job_id=self.id, replica=key.replica, stage=key.stage,
                                     kind=node_pb2.KIND_SNAPSHOT, step=saved.step,
                                     epoch=info.epoch, batch_size=1)

@@ -57,6 +57,9 @@ class NodeDaemon:
         threads: torch intra-op threads.
         trust_code: accept pickled layers from non-loopback peers.
         memory_limit: cap on advertised memory, bytes.
+        host_id: the machine this node shares its cores with other nodes of (the
+            planner's ``host_factors``), instead of the probed one (the boot id);
+            "" for none, as for containers that share a kernel but not cores.
         link_profile: path of an emulated link profile (:mod:`fedpipe.net.emulation`).
         metrics_port: serve Prometheus metrics (:class:`~fedpipe.observe.metrics.NodeMetrics`)
             at ``http://METRICS_HOST:PORT/metrics`` (0: no metrics).
@@ -86,7 +89,7 @@ class NodeDaemon:
                  memory_limit: int | None = None, link_profile: str | None = None,
                  metrics_port: int = 0, metrics_host: str = LOCALHOST,
                  tls: TlsConfig | None = None, insecure: bool = False,
-                 drain_timeout: float = DRAIN_TIMEOUT):
+                 drain_timeout: float = DRAIN_TIMEOUT, host_id: str | None = None):
         net.check_plaintext(host, tls, insecure, "this node")
         if tls is not None:
             if trust_code:
@@ -104,6 +107,8 @@ class NodeDaemon:
             torch.set_num_threads(threads)
         self.tracker_address = tracker
         self.resources = probe(resolve_device(device), memory_limit)
+        if host_id is not None:
+            self.resources.host_id = host_id
         self.stop_event = threading.Event()
         self.drain_timeout = drain_timeout
         self.draining = threading.Event()

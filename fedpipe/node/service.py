@@ -22,7 +22,7 @@ from ..net import timeouts
 from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
-from ..runtime import checkpoint
+from ..runtime import checkpoint, layerstate
 from ..security import SecurityError, TlsConfig, identity_of
 from ..security.certs import Role
 from ..security.policy import (require_assigned, require_feeds_stage, require_owner,
@@ -298,6 +298,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                                         request.step)
         except NoSuchStage as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        if request.layer_end > 0:  # only the layers that change hands
+            try:
+                snap = layerstate.split(snap, request.layer_start, request.layer_end)
+            except layerstate.SplitError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         with self.streams.open(context, "FetchSnapshot", request.job_id) as watch:
             yield from watch.track(checkpoint.to_frames(snap))
 

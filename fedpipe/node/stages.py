@@ -45,7 +45,8 @@ from torch import nn
 from ..net import timeouts
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, tracker_pb2
-from ..runtime import checkpoint
+from ..runtime import checkpoint, layerstate
+from ..runtime.checkpoint import LAYOUT
 from ..runtime.allreduce import GradientSync, StageSpan
 from ..runtime.async_stage import AsyncStageRunner
 from ..runtime.clip import GlobalNormClip
@@ -356,7 +357,8 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     if opt is not None and cfg.lr_scheduler:  # stepped after each optimizer step, first
         schedule = cloudpickle.loads(cfg.lr_scheduler).build(opt)
         after.insert(0, lambda step: schedule.step())
-    stage.parts = {"module": module, "optimizer": opt, "lr_scheduler": schedule, "outer": outer}
+    stage.parts = {LAYOUT: layerstate.Layout(module, mine.layer_start), "module": module,
+                   "optimizer": opt, "lr_scheduler": schedule, "outer": outer}
     common = dict(before_update=before, after_update=after)
     microbatches = plan.microbatches(key.replica)
     if cfg.schedule == "async":
@@ -424,7 +426,8 @@ class StageRegistry:
         try:
             stage = build_stage(request, self.device, self.mailbox, peers, self._elastic)
             if stage.start > 0 and not later:
-                self._restore(stage, list(request.snapshot_sources))
+                self._restore(stage, list(request.snapshot_sources),
+                              list(request.snapshot_pieces))
         except StageLoadError:
             peers.close()
             raise
@@ -477,48 +480,78 @@ class StageRegistry:
                 stage.stop.wait(timeouts.QUORUM_POLL)
         self._run(stage)
 
-    def _restore(self, stage: Stage, sources: list[str]) -> None:
-        """Load the stage's snapshot of ``stage.start``: kept here, else from ``sources``.
+    def _restore(self, stage: Stage, sources: list[str],
+                 pieces: Collection[node_pb2.SnapshotPiece] = ()) -> None:
+        """Load the stage's snapshot of ``stage.start``: kept here, else from ``sources``;
+        or, given ``pieces`` (a plan that splits the layers otherwise), assemble it
+        from those layers of the old stages' snapshots
+        (:mod:`~fedpipe.runtime.layerstate`): each from the copy kept here if there is
+        one, else fetched from its sources, only the layers that change hands.
 
         A corrupt or truncated snapshot is refused by the decoder and the next
         source is tried.
 
         Raises:
-            StageLoadError: no source had a good snapshot of that step.
+            StageLoadError: no source had a good snapshot (or piece) of that step, or
+                the pieces do not make the stage (the message names what is missing).
         """
-        snap = self.snapshots.get(stage.job_id, stage.key, stage.start)
-        tried = []
-        for address in sources if snap is None else []:
-            try:
-                with self.channels.borrow(address) as ch:
-                    stream = rpc.NodeStub(ch).FetchSnapshot(
-                        node_pb2.FetchSnapshotRequest(job_id=stage.job_id,
-                                                      replica=stage.key.replica,
-                                                      stage=stage.key.stage, step=stage.start),
-                        timeout=timeouts.FETCH_STATE_RPC)
-                    _, snap = checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)
-                self.snapshots.put(stage.job_id, stage.key, snap)
-                # the state that changed hands (tests and benchmarks count it from this line)
-                log.info("fetched the step %d snapshot of job %s stage %d (replica %d) from %s: "
-                         "%d tensors, %d bytes", snap.step, stage.job_id, stage.key.stage,
-                         stage.key.replica, address, len(snap.tensors), snap.nbytes)
-                break
-            except (grpc.RpcError, WireError) as e:
-                detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
-                log.info("could not fetch the step %d snapshot of job %s stage %d (replica %d) "
-                         "from %s: %s", stage.start, stage.job_id, stage.key.stage,
-                         stage.key.replica, address, detail)
-                tried.append(f"{address}: {detail}")
-                snap = None
-        if snap is None:
-            raise StageLoadError(f"no snapshot of step {stage.start} for stage {stage.key.stage} "
-                                 f"(replica {stage.key.replica}) of job {stage.job_id}: tried "
-                                 f"{'; '.join(tried) or 'no source'}")
         try:
-            checkpoint.restore(stage.parts, snap)
+            if pieces:
+                snap = layerstate.merge([self._piece(stage, p) for p in pieces])
+            else:
+                snap = self.snapshots.get(stage.job_id, stage.key, stage.start) or \
+                    self._fetch(stage, stage.key, sources)
+            layerstate.restore(stage.parts, snap)  # a resplit's pieces come in layer form
         except (WireError, RuntimeError, ValueError, KeyError) as e:
             raise StageLoadError(f"cannot restore stage {stage.key.stage} from its step "
                                  f"{stage.start} snapshot: {e}") from e
+
+    def _piece(self, stage: Stage, piece: node_pb2.SnapshotPiece) -> checkpoint.Snapshot:
+        """Layers ``[piece.layer_start, piece.layer_end)`` of old stage ``piece``'s
+        snapshot of ``stage.start``, in layer form: from the copy kept here, else fetched."""
+        key = StageKey(piece.replica, piece.stage)
+        kept = self.snapshots.get(stage.job_id, key, stage.start)
+        if kept is not None:
+            return layerstate.split(kept, piece.layer_start, piece.layer_end)
+        return self._fetch(stage, key, list(piece.sources), piece.layer_start, piece.layer_end)
+
+    def _fetch(self, stage: Stage, key: StageKey, sources: list[str], layer_start: int = 0,
+               layer_end: int = 0) -> checkpoint.Snapshot:
+        """Stage ``key``'s snapshot of ``stage.start`` from the first of ``sources`` that
+        has a good one (``layer_end`` > 0: only those layers, in layer form); a whole
+        one of the stage's own key is kept here.
+
+        Raises:
+            StageLoadError: no source had it.
+        """
+        tried = []
+        what = f"layers {layer_start}-{layer_end - 1} of " if layer_end > 0 else ""
+        for address in sources:
+            try:
+                with self.channels.borrow(address) as ch:
+                    stream = rpc.NodeStub(ch).FetchSnapshot(
+                        node_pb2.FetchSnapshotRequest(
+                            job_id=stage.job_id, replica=key.replica, stage=key.stage,
+                            step=stage.start, layer_start=layer_start, layer_end=layer_end),
+                        timeout=timeouts.FETCH_STATE_RPC)
+                    _, snap = checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)
+            except (grpc.RpcError, WireError) as e:
+                detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+                log.info("could not fetch %sthe step %d snapshot of job %s stage %d (replica %d) "
+                         "from %s: %s", what, stage.start, stage.job_id, key.stage,
+                         key.replica, address, detail)
+                tried.append(f"{address}: {detail}")
+                continue
+            if not layer_end:
+                self.snapshots.put(stage.job_id, key, snap)
+            # the state that changed hands (tests and benchmarks count it from this line)
+            log.info("fetched %sthe step %d snapshot of job %s stage %d (replica %d) from %s: "
+                     "%d tensors, %d bytes", what, snap.step, stage.job_id, key.stage,
+                     key.replica, address, len(snap.tensors), snap.nbytes)
+            return snap
+        raise StageLoadError(f"no snapshot of step {stage.start} for stage {key.stage} "
+                             f"(replica {key.replica}) of job {stage.job_id}: tried "
+                             f"{'; '.join(tried) or 'no source'}")
 
     def _report(self, stage: Stage, status: int, **kw) -> None:
         self.report(tracker_pb2.StageReport(job_id=stage.job_id, replica=stage.slot.replica,

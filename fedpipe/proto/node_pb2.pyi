@@ -154,7 +154,7 @@ class ProbeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config", "resume_step", "snapshot_sources", "owner", "job_signature", "client_cert", "layer_digests", "snapshot_wait_seconds")
+    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config", "resume_step", "snapshot_sources", "owner", "job_signature", "client_cert", "layer_digests", "snapshot_wait_seconds", "snapshot_pieces")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class LoadStageRequest(_message.Message):
     CLIENT_CERT_FIELD_NUMBER: _ClassVar[int]
     LAYER_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_PIECES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
@@ -181,11 +182,26 @@ class LoadStageRequest(_message.Message):
     client_cert: bytes
     layer_digests: _containers.RepeatedScalarFieldContainer[bytes]
     snapshot_wait_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., resume_step: _Optional[int] = ..., snapshot_sources: _Optional[_Iterable[str]] = ..., owner: _Optional[str] = ..., job_signature: _Optional[bytes] = ..., client_cert: _Optional[bytes] = ..., layer_digests: _Optional[_Iterable[bytes]] = ..., snapshot_wait_seconds: _Optional[float] = ...) -> None: ...
+    snapshot_pieces: _containers.RepeatedCompositeFieldContainer[SnapshotPiece]
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., resume_step: _Optional[int] = ..., snapshot_sources: _Optional[_Iterable[str]] = ..., owner: _Optional[str] = ..., job_signature: _Optional[bytes] = ..., client_cert: _Optional[bytes] = ..., layer_digests: _Optional[_Iterable[bytes]] = ..., snapshot_wait_seconds: _Optional[float] = ..., snapshot_pieces: _Optional[_Iterable[_Union[SnapshotPiece, _Mapping]]] = ...) -> None: ...
 
 class LoadStageReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SnapshotPiece(_message.Message):
+    __slots__ = ("replica", "stage", "layer_start", "layer_end", "sources")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    stage: int
+    layer_start: int
+    layer_end: int
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StopJobRequest(_message.Message):
     __slots__ = ("job_id", "reason", "release", "before_epoch", "replicas")
@@ -254,16 +270,20 @@ class FetchStateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class FetchSnapshotRequest(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "step")
+    __slots__ = ("job_id", "replica", "stage", "step", "layer_start", "layer_end")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
     step: int
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    layer_start: int
+    layer_end: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class Peer(_message.Message):
     __slots__ = ("node_id", "name", "address")

@@ -26,6 +26,9 @@ from ..proto import node_pb2
 from ..wire import codecs, frames
 from ..wire.codecs import WireError
 
+LAYOUT = "layers"
+"""The part of a stage snapshot that says which layers it holds
+(:class:`fedpipe.runtime.layerstate.Layout`); snapshots taken before it existed lack it."""
 SKELETON = "__skeleton__"
 """Name of the tensor (uint8, JSON text) that carries a snapshot's non-tensor state."""
 MAX_SKELETON_BYTES = 64 * 2**20
@@ -67,15 +70,15 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def _flatten(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _flatten(value: Any, path: str, tensors: dict[str, torch.Tensor], copy: bool = True) -> Any:
     if isinstance(value, torch.Tensor):
-        tensors[path] = value.detach().to("cpu", copy=True)
+        tensors[path] = value.detach().to("cpu", copy=True) if copy else value
         return {"$t": path}
     if isinstance(value, Mapping):
         # keys may be ints (optimizer state by parameter index): keep their type
-        return {"$d": [[k, _flatten(v, f"{path}/{k}", tensors)] for k, v in value.items()]}
+        return {"$d": [[k, _flatten(v, f"{path}/{k}", tensors, copy)] for k, v in value.items()]}
     if isinstance(value, (list, tuple)):
-        items = [_flatten(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+        items = [_flatten(v, f"{path}/{i}", tensors, copy) for i, v in enumerate(value)]
         return {"$l" if isinstance(value, list) else "$u": items}
     if value is None or isinstance(value, (bool, int, str)):
         return value
@@ -122,7 +125,8 @@ def take(parts: Mapping[str, Checkpointable | None], step: int) -> Snapshot:
 
 
 def restore(parts: Mapping[str, Checkpointable | None], snap: Snapshot) -> None:
-    """Load ``snap`` into ``parts`` (each part must be in the snapshot).
+    """Load ``snap`` into ``parts`` (each part must be in the snapshot, but for a
+    :data:`LAYOUT`, which older snapshots lack).
 
     Tensors are moved to each part's device by its own ``load_state_dict``
     (modules and optimizers do so).
@@ -132,7 +136,7 @@ def restore(parts: Mapping[str, Checkpointable | None], snap: Snapshot) -> None:
         RuntimeError: a part refuses the state (torch's own error: shapes differ).
     """
     for name, part in parts.items():
-        if part is None:
+        if part is None or (name == LAYOUT and name not in snap.skeleton):
             continue
         if name not in snap.skeleton:
             raise WireError(f"the step {snap.step} snapshot has no {name!r} state; it has "

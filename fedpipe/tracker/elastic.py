@@ -23,14 +23,17 @@ Three things start a hand-over:
   last checkpoint. Once no job needs it (:meth:`Elastic.drained`) its
   heartbeat reply tells it to exit.
 - **a join**: at each complete checkpoint of a job with ``rebalance="auto"``
-  (:meth:`Elastic.on_checkpoint`), the stages are re-assigned to the nodes
-  that predict the shortest step (:func:`reassign`: each stage keeps its
-  layer range, so a stage's whole state moves with it and nothing else
-  does). The move happens only when the predicted step time falls by at
-  least ``threshold`` (default 10 %) *and* the seconds saved over the
-  ``horizon`` (the job's remaining steps, at most :data:`HORIZON_STEPS`) exceed
-  the seconds of moving the moved stages' state over the measured links
-  (:func:`move_seconds`).
+  (:meth:`Elastic.on_checkpoint`), two candidates are weighed: the stages
+  re-assigned to the nodes that predict the shortest step (:func:`reassign`:
+  each stage keeps its layer range, so a stage's whole state moves with it),
+  and, for a job of one replica group, the planner's own plan over the nodes
+  (:func:`resplit`: it may add a stage or move boundaries; each new stage is
+  then assembled from the layers of the old stages' snapshots,
+  :mod:`fedpipe.runtime.layerstate`). The faster one is taken only when the
+  predicted step time falls by at least ``threshold`` (default 10 %) *and* the
+  seconds saved over the ``horizon`` (the job's remaining steps, at most
+  :data:`HORIZON_STEPS`) exceed the seconds of moving the state of the layers
+  that change nodes over the measured links (:func:`move_seconds`).
 - **a slow node**: a stage whose median compute time
   (:meth:`~.jobs.Jobs.stage_times`) is at least :data:`SLOW_FACTOR` times what
   its node's advertised FLOP/s predict re-measures that node: its speed is
@@ -54,7 +57,7 @@ from typing import Callable
 from .. import planner
 from ..planner.costs import boundary_bytes, compute_seconds, pipeline_estimate, state_bytes, \
     transfer_seconds
-from ..planner.protoio import cluster_view, model_profile, train_config
+from ..planner.protoio import cluster_view, model_profile, plan_message, train_config
 from ..proto import node_pb2, tracker_pb2
 from ..spec import ACTIVE, JobSpec, PlanView, StageKey
 from .errors import NotFound
@@ -132,27 +135,53 @@ def predict_step_seconds(plan: node_pb2.Plan, cluster: planner.ClusterView,
 
 def _moved_state(before: node_pb2.Plan, after: node_pb2.Plan, profile: planner.ModelProfile,
                  config: planner.TrainConfig) -> list[tuple[str, str, float]]:
-    """``(from node, to node, bytes)`` for each stage whose node differs."""
+    """``(from node, to node, bytes)`` for each pair of nodes between which layers change
+    hands: each layer of a stage of ``after`` that its replica group held on another node
+    in ``before`` counts its state (weights and optimizer state), nothing else. A stage
+    that moves whole counts all its layers; a re-split (a boundary that moves, a stage
+    added) only the layers whose node changes (:mod:`fedpipe.runtime.layerstate`)."""
     old = PlanView(before)
-    out = []
+    moved: dict[tuple[str, str], float] = {}
     for key, a in sorted(PlanView(after).stages.items()):
-        prev = old.get(key)
-        if prev is not None and prev.node_id != a.node_id:
-            out.append((prev.node_id, a.node_id,
-                        state_bytes(profile, a.layer_start, a.layer_end,
-                                    replace(config, snapshot_copies=0))))
-    return out
+        for o in old.chain(key.replica) if key.replica in old.replicas else []:
+            lo, hi = max(o.layer_start, a.layer_start), min(o.layer_end, a.layer_end)
+            if lo < hi and o.node_id != a.node_id:
+                pair = (o.node_id, a.node_id)
+                moved[pair] = moved.get(pair, 0.0) + state_bytes(
+                    profile, lo, hi, replace(config, snapshot_copies=0))
+    return [(a, b, n) for (a, b), n in sorted(moved.items())]
 
 
 def move_seconds(before: node_pb2.Plan, after: node_pb2.Plan, cluster: planner.ClusterView,
                  profile: planner.ModelProfile, config: planner.TrainConfig
                  ) -> tuple[float, int]:
-    """Seconds and bytes of moving the state (weights and optimizer state) of the stages
-    that change nodes between two plans, each over its measured link, all at once
-    (the slowest transfer counts): ``(seconds, bytes)``."""
+    """Seconds and bytes of moving the state (weights and optimizer state) of the layers
+    that change nodes between two plans (:func:`_moved_state`), each pair of nodes over
+    its measured link, all at once (the slowest transfer counts): ``(seconds, bytes)``."""
     moves = _moved_state(before, after, profile, config)
     seconds = max((cluster.link(a, b).transfer_seconds(n) for a, b, n in moves), default=0.0)
     return seconds, int(sum(n for _, _, n in moves))
+
+
+def resplit(plan: node_pb2.Plan, spec: JobSpec, cluster: planner.ClusterView,
+            profile: planner.ModelProfile, nodes: list[tracker_pb2.NodeInfo]
+            ) -> node_pb2.Plan | None:
+    """A new plan from the planner over ``cluster`` (its nodes at their current speeds),
+    free to split the layers otherwise than ``plan`` (more or fewer stages, moved
+    boundaries): the candidate a join is weighed by when moving whole stages cannot use
+    the new node. Only for a job of one replica group that is not elastic (replica
+    groups re-form by :mod:`.replicas`); None otherwise, or when the planner finds no
+    plan of one group."""
+    if len(PlanView(plan).replicas) != 1 or spec.elastic:
+        return None
+    try:
+        out = planner.make_plan(cluster, profile, replace(train_config(spec), replicas=1))
+    except planner.PlanError as e:
+        log.info("no re-split plan: %s", e)
+        return None
+    if len(out.groups) != 1:
+        return None
+    return plan_message(out, {n.node_id: n for n in nodes})
 
 
 def _assign(plan: node_pb2.Plan, key: StageKey, node: tracker_pb2.NodeInfo) -> node_pb2.Plan:
@@ -473,6 +502,11 @@ class Elastic:
 
         now_t = predict(job.plan)
         cand = reassign(job.plan, nodes, predict, need)
+        split = resplit(job.plan, spec, replace(cluster, nodes=[
+            replace(n, flops=speed(n.node_id)) for n in cluster.nodes
+            if n.node_id not in self.draining]), profile, nodes)
+        if split is not None and predict(split) < predict(cand):
+            cand = split
         new_t = predict(cand)
         if cand is job.plan or not math.isfinite(new_t) or now_t <= 0:
             return False

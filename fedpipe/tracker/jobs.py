@@ -154,6 +154,31 @@ class _StepParts:
     reports: dict[int, tracker_pb2.StageReport] = field(default_factory=dict)
 
 
+def snapshot_pieces(old: node_pb2.Plan, new: node_pb2.Plan,
+                    sources: Callable[[StageKey], list[str]]
+                    ) -> Callable[[StageKey], list[node_pb2.SnapshotPiece]]:
+    """For each stage of ``new`` whose layers differ from the same stage's in ``old``
+    (the plan its snapshots were taken under), the pieces of the old stages of its
+    replica group that held its layers, each with the places ``sources`` gives for
+    that old stage's snapshot; ``[]`` where the stage keeps its layers (it restores
+    its own snapshot whole)."""
+    old_view, new_view = PlanView(old), PlanView(new)
+
+    def pieces(key: StageKey) -> list[node_pb2.SnapshotPiece]:
+        a, prev = new_view[key], old_view.get(key)
+        if prev is not None and (prev.layer_start, prev.layer_end) == (a.layer_start,
+                                                                      a.layer_end):
+            return []
+        chain = old_view.chain(key.replica) if key.replica in old_view.replicas else []
+        return [node_pb2.SnapshotPiece(
+            replica=o.replica, stage=o.stage, layer_start=max(o.layer_start, a.layer_start),
+            layer_end=min(o.layer_end, a.layer_end), sources=sources(StageKey(o.replica,
+                                                                              o.stage)))
+            for o in chain if max(o.layer_start, a.layer_start) < min(o.layer_end, a.layer_end)]
+
+    return pieces
+
+
 class Jobs:
     """The job life cycle over a store (see the module docstring).
 
@@ -486,8 +511,9 @@ class Jobs:
         self.store.set_plan(job_id, plan)
         t_restore = self.clock()
         step = job.resume_step
-        failures = self._deploy(job_id, plan, spec, resume_step=step,
-                                sources=self._snapshot_sources(rec.old_plan, plan, step, spec))
+        sources = self._snapshot_sources(rec.old_plan, plan, step, spec)
+        failures = self._deploy(job_id, plan, spec, resume_step=step, sources=sources,
+                                pieces=snapshot_pieces(rec.old_plan, plan, sources))
         if failures:
             new = PlanView(plan)
             for key in failures:  # a node that cannot be reached is lost: recovery restarts
@@ -715,10 +741,13 @@ class Jobs:
         self.notify()
 
     def _deploy(self, job_id: str, plan: node_pb2.Plan, job: JobSpec, resume_step: int = 0,
-                sources: Callable[[StageKey], list[str]] = lambda key: []
+                sources: Callable[[StageKey], list[str]] = lambda key: [],
+                pieces: Callable[[StageKey], list[node_pb2.SnapshotPiece]] = lambda key: []
                 ) -> dict[StageKey, str]:
         """Load every stage at once (at ``resume_step``, restoring from a snapshot
-        ``sources(key)`` may hold); return why each stage that failed to load failed.
+        ``sources(key)`` may hold, or from the old stages' ``pieces(key)`` where the
+        plan splits the layers otherwise); return why each stage that failed to load
+        failed.
 
         Results are kept by :class:`~fedpipe.spec.StageKey`, so stage ``s``
         of one replica group never hides stage ``s`` of another.
@@ -739,6 +768,7 @@ class Jobs:
                 layers=self.store.layers(job_id, a.layer_start, a.layer_end),
                 resume_step=resume_step,
                 snapshot_sources=sources(key) if resume_step else [],
+                snapshot_pieces=pieces(key) if resume_step else [],
                 owner=signed.owner, job_signature=signed.job_signature,
                 client_cert=signed.client_cert, layer_digests=signed.layer_digests))
 
