@@ -108,8 +108,9 @@ def test_a_join_re_splits_two_stages_into_three_moving_only_the_layers_that_chan
         final = job_info(client, job)
         # the plans the job ran on, in order: the first, then one per migration (the
         # tracker may migrate again, e.g. when it finds the joined node slower than probed)
-        moves = re.findall(rf"job {job.id} RUNNING: migrated to .*: resumed at checkpoint step "
-                           r"(\d+) \(0 steps to recompute\) on (.*)", swarm.log(swarm.tracker_proc))
+        moves = re.findall(rf"job {job.id} RUNNING: migrated from .* to .*: resumed at "
+                           r"checkpoint step (\d+) \(0 steps to recompute\) on (.*)",
+                           swarm.log(swarm.tracker_proc))
         assert moves and [r.cause for r in final.recoveries] == ["rebalance"] * len(moves)
         assert all(r.steps_recomputed == 0 for r in final.recoveries)
         plans = [ranges(before.plan.summary)] + [ranges(m[1]) for m in moves]

@@ -80,7 +80,9 @@ def submit(client, data, **kw):
     torch.manual_seed(0)
     model = digits.make_model(hidden=32)
     job = client.submit(model, LOSS, SGD, data, steps=STEPS, microbatches=2,
-                        compression="none", checkpoint_every=EVERY, **kw)
+                        compression="none", checkpoint_every=EVERY, rebalance="never", **kw)
+    # rebalance="never": these tests follow one state move each (a re-split over the
+    # survivors afterwards is a rebalance, tests/test_resplit.py)
     return model, job
 
 
