@@ -57,6 +57,29 @@ def test_the_fit_is_a_ratio_of_sums_clamped_and_skips_nodes_without_flop():
     assert "idle" not in got
 
 
+def test_nodes_of_one_machine_and_device_share_one_correction():
+    """Two nodes of one host, one given a small stage whose time is mostly fixed costs:
+    fitted apart they would differ (3.5 against 2.1) and the next plan would shrink the
+    small stage further; pooled they get one. Another device or a machine of its own
+    is fitted apart."""
+    box = "box/cpu/1"
+    got = calibrate.fit_corrections([
+        calibrate.StageSample("small", measured=0.007, flop=0.002, fixed=0.0, hardware=box),
+        calibrate.StageSample("big", measured=0.021, flop=0.010, fixed=0.0, hardware=box),
+        calibrate.StageSample("gpu", measured=0.002, flop=0.010, fixed=0.0,
+                              hardware="box/cuda:0/1"),
+        calibrate.StageSample("alone", measured=0.03, flop=0.010, fixed=0.0)])
+    assert got == pytest.approx({"small": 28 / 12, "big": 28 / 12, "gpu": 0.2, "alone": 3.0})
+    assert calibrate.hardware(NodeSpec("n", GF, 1, host="box")) == box
+    assert calibrate.hardware(NodeSpec("n", GF, 1)) == ""
+    # the tracker's samples carry it from the probed cluster
+    plan, probed, profile, config = two_stage(host="box", host_cores=2)
+    measured = {StageKey(0, 0): 0.01, StageKey(0, 1): 0.05}
+    samples = calibrate.stage_samples(plan, probed, profile, config, measured)
+    assert {s.hardware for s in samples} == {box}
+    assert len(set(calibrate.fit_corrections(samples).values())) == 1
+
+
 def test_nodes_sharing_a_host_beyond_its_cores_compute_that_much_slower():
     nodes = [NodeSpec(f"n{i}", GF, 1, host="box", threads=1, host_cores=2) for i in range(4)]
     nodes += [NodeSpec("big", GF, 1, host="big", threads=8, host_cores=4),

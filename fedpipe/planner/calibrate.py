@@ -11,7 +11,11 @@ SOSP 2019):
 
 * a **correction per node**, ``c = Σ (measured compute − fixed) / Σ flop`` over
   the stages it ran (:func:`fit_corrections`): how many times longer than its
-  probed speed predicts its passes take. The planner then prices the node at
+  probed speed predicts its passes take. Nodes of one machine with the same
+  device and threads are one kind of hardware and get one correction, fitted
+  from all their stages: fitted apart, the node given fewer layers carries a
+  larger share of fixed costs per FLOP, looks slower, and is given fewer
+  layers still at the next plan. The planner then prices the node at
   ``flops / c`` (:func:`fedpipe.planner.protoio.cluster_view`). The host's
   sharing of cores is priced apart (:func:`~fedpipe.planner.costs.host_factors`)
   and divided out, so a correction carries over to a plan that puts more or
@@ -31,7 +35,7 @@ from typing import Iterable, Mapping
 
 from ..spec import StageKey
 from .simulate import simulate, stage_costs
-from .types import ClusterView, ModelProfile, Plan, TrainConfig
+from .types import ClusterView, ModelProfile, NodeSpec, Plan, TrainConfig
 
 MIN_CORRECTION, MAX_CORRECTION = 0.05, 100.0
 """Bounds of a node's correction: a report outside them is a broken clock or a
@@ -50,12 +54,15 @@ class StageSample:
         flop: the model's FLOP-priced part at the node's probed speed, host
             sharing included (:attr:`~fedpipe.planner.simulate.StageCost.flop`).
         fixed: the model's fixed part (:attr:`~fedpipe.planner.simulate.StageCost.fixed`).
+        hardware: what the node runs on, for nodes that share a machine (host,
+            device and threads: :func:`hardware`); "" for a machine of its own.
     """
 
     node_id: str
     measured: float
     flop: float
     fixed: float
+    hardware: str = ""
 
 
 def stage_samples(plan: Plan, probed: ClusterView, profile: ModelProfile, config: TrainConfig,
@@ -83,19 +90,28 @@ def stage_samples(plan: Plan, probed: ClusterView, profile: ModelProfile, config
                 spent[s.node_id] = spent.get(s.node_id, 0.0) + measured.get(StageKey(r, i), 0.0)
         busy = {n: min(1.0, c / step_seconds) for n, c in spent.items()}
     costs = stage_costs(plan, probed, profile, config, busy)
+    spec = {n.node_id: n for n in probed.nodes}
     out = []
     for r, g in enumerate(plan.groups):
         for i, s in enumerate(g.stages):
             key = StageKey(r, i)
             if key in measured:
                 c = costs[key]
-                out.append(StageSample(s.node_id, measured[key], c.flop, c.fixed))
+                out.append(StageSample(s.node_id, measured[key], c.flop, c.fixed,
+                                       hardware(spec[s.node_id])))
     return out
 
 
+def hardware(node: NodeSpec) -> str:
+    """The hardware ``node`` computes on, as the fit pools it: its host, device and
+    threads ("" for a node without a host: a machine of its own)."""
+    return f"{node.host}/{node.device}/{node.threads}" if node.host else ""
+
+
 def fit_corrections(samples: Iterable[StageSample]) -> dict[str, float]:
-    """Per node id, its correction: ``Σ (measured − fixed) / Σ flop`` over its samples,
-    clamped to [:data:`MIN_CORRECTION`, :data:`MAX_CORRECTION`].
+    """Per node id, its correction: ``Σ (measured − fixed) / Σ flop`` over the samples
+    of its hardware (:attr:`StageSample.hardware`; its own where that is ""), clamped to
+    [:data:`MIN_CORRECTION`, :data:`MAX_CORRECTION`].
 
     A ratio of sums, so a stage with more work weighs more and a near-empty
     stage (all fixed cost) cannot swing it. Nodes whose samples have no FLOP
@@ -103,11 +119,13 @@ def fit_corrections(samples: Iterable[StageSample]) -> dict[str, float]:
     """
     num: dict[str, float] = {}
     den: dict[str, float] = {}
+    pool: dict[str, str] = {}
     for s in samples:
-        num[s.node_id] = num.get(s.node_id, 0.0) + max(0.0, s.measured - s.fixed)
-        den[s.node_id] = den.get(s.node_id, 0.0) + s.flop
-    return {n: min(MAX_CORRECTION, max(MIN_CORRECTION, num[n] / den[n]))
-            for n in num if den[n] > 0}
+        k = pool[s.node_id] = s.hardware or f"node {s.node_id}"
+        num[k] = num.get(k, 0.0) + max(0.0, s.measured - s.fixed)
+        den[k] = den.get(k, 0.0) + s.flop
+    return {n: min(MAX_CORRECTION, max(MIN_CORRECTION, num[k] / den[k]))
+            for n, k in pool.items() if den[k] > 0}
 
 
 def corrected(cluster: ClusterView, corrections: Mapping[str, float]) -> ClusterView:
@@ -118,7 +136,7 @@ def corrected(cluster: ClusterView, corrections: Mapping[str, float]) -> Cluster
 
 
 def fit_message(plan: Plan, cluster: ClusterView, profile: ModelProfile, config: TrainConfig,
-                measured_step: float, iterations: int = 30) -> float:
+                measured_step: float, iterations: int = 20) -> float:
     """The per-message cost, seconds, at which :func:`~fedpipe.planner.simulate.simulate`
     of ``plan`` on ``cluster`` (corrected speeds) takes ``measured_step`` seconds.
 

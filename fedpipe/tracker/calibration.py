@@ -11,8 +11,10 @@ memory: a restarted tracker calibrates again from its next jobs. No torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping
@@ -25,6 +27,10 @@ from ..spec import StageKey
 
 SAMPLED_PLANS = 32
 """Plans (job and epoch) whose stage samples the fit uses: the most recently observed."""
+REFIT_SECONDS = 5.0
+"""Least wall time between two fits of one plan: a fit simulates the plan a few dozen
+times (tens of ms of the tracker's CPU, taken from the nodes when they share its
+machine), and a plan's later windows of steps add little to its first."""
 
 
 @dataclass
@@ -54,6 +60,7 @@ class Calibration:
         # (job, epoch) -> its stages' samples and fitted message cost, most recent last
         self._observed: OrderedDict[tuple[str, int],
                                     tuple[list[calibrate.StageSample], float]] = OrderedDict()
+        self._fitted: OrderedDict[tuple[str, int], float] = OrderedDict()  # -> monotonic time
         self._corrections: dict[str, float] = {}
         self._message = base.message
 
@@ -144,16 +151,23 @@ class Calibration:
                 step_seconds: float) -> bool:
         """Fit from a plan's measured step: per stage its compute seconds per step
         (median of recent steps), and the step's wall time, seconds. A later
-        observation of the same plan replaces the earlier. Returns whether the
-        plan was known and fitted.
+        observation of the same plan replaces the earlier; one within
+        :data:`REFIT_SECONDS` of the plan's last fit is skipped. Returns whether
+        the plan was known and fitted now.
 
         Raises:
             KeyError, PlanError: as :func:`~fedpipe.planner.simulate.simulate`.
         """
+        now = time.monotonic()
         with self._lock:
             p = self._planned.get((job_id, epoch))
-        if p is None or not measured or not step_seconds > 0:
-            return False
+            if p is None or not measured or not step_seconds > 0 or \
+                    now - self._fitted.get((job_id, epoch), -math.inf) < REFIT_SECONDS:
+                return False
+            self._fitted.pop((job_id, epoch), None)
+            self._fitted[(job_id, epoch)] = now
+            while len(self._fitted) > 4 * self.max_plans:
+                self._fitted.popitem(last=False)
         samples = calibrate.stage_samples(p.plan, p.probed, p.profile, p.config, measured,
                                           step_seconds)
         own = calibrate.fit_corrections(samples)  # this plan's nodes, from this plan alone

@@ -51,6 +51,7 @@ import logging
 import math
 import statistics
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -81,6 +82,8 @@ STEP_OVERHEAD = 0.02
 counts as slow (a step's fixed costs, which FLOP/s do not predict)."""
 CONSIDER_EVERY = 5
 """Steps between looks for slow nodes and better assignments (also at every checkpoint)."""
+WEIGHED_JOBS = 1024
+"""Jobs whose last weighing of candidates the tracker remembers (the most recent)."""
 CUT_ATTEMPTS = 5
 """Times the tracker moves a cut later when a stage had already passed it."""
 
@@ -250,6 +253,8 @@ class Elastic:
         self.pending: dict[str, Handover] = {}
         self._targets: dict[str, tuple[node_pb2.Plan, int]] = {}  # job -> migration plan, bytes
         self._considering: set[str] = set()
+        self._weighed: OrderedDict[str, tuple] = OrderedDict()
+        """Job id -> what its last weighing of candidates saw (:meth:`_consider`)."""
         self.background = True
         """Consider migrations on a thread of their own (False: only when :meth:`consider`
         is called, as in-process tests do)."""
@@ -491,6 +496,8 @@ class Elastic:
             return self.speed.get(node_id, flops.get(node_id, 1.0))
 
         view = PlanView(job.plan)
+        if not self._changed(job, cluster, speed):
+            return False
 
         def need(a: node_pb2.StageAssignment) -> float:
             return planner.stage_memory_bytes(profile, a.layer_start, a.layer_end, config,
@@ -521,7 +528,30 @@ class Elastic:
             return False
         names = {a.node_name for a in PlanView(cand).stages.values()} - \
             {a.node_name for a in view.stages.values()}
-        return self.handover(job_id, "rebalance", names, cand, nbytes)
+        if self.handover(job_id, "rebalance", names, cand, nbytes):
+            return True
+        with self._lock:  # not started: weigh again at the next look
+            self._weighed.pop(job_id, None)
+        return False
+
+    def _changed(self, job: tracker_pb2.JobInfo, cluster: planner.ClusterView,
+                 speed: Callable[[str], float]) -> bool:
+        """Whether what a weighing of candidates for ``job`` depends on changed since its
+        last one: the plan epoch, the candidate nodes and their speeds, their links, the
+        draining nodes. Weighing plans the job anew (about 0.1 s of the tracker's CPU for
+        a small one); with nothing changed it would find what it found before (the gain
+        over the remaining steps only shrinks), so a look every few steps re-weighs only
+        after a join, a drain, a link refresh or a slow node."""
+        with self._lock:
+            seen = (job.epoch, tuple((n.node_id, speed(n.node_id)) for n in cluster.nodes),
+                    tuple(sorted(cluster.links.items())), frozenset(self.draining))
+            if self._weighed.get(job.job_id) == seen:
+                return False
+            self._weighed.pop(job.job_id, None)
+            self._weighed[job.job_id] = seen
+            while len(self._weighed) > WEIGHED_JOBS:
+                self._weighed.popitem(last=False)
+            return True
 
     def _remeasure(self, job: tracker_pb2.JobInfo, profile: planner.ModelProfile,
                    flops: dict[str, float]) -> None:
