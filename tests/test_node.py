@@ -97,11 +97,20 @@ def load_pipeline(nodes, model, cuts, spec: JobSpec, job_id="job"):
     return plan
 
 
-def feed(first: Node, last: Node, n_stages: int, batches, microbatches: int, job_id="job"):
-    """Send every step's inputs to stage 0 and targets to the last stage, as the client does."""
+def feed(first: Node, last: Node, n_stages: int, batches, microbatches: int, job_id="job",
+         whole: bool = True):
+    """Send every step's inputs to stage 0 and targets to the last stage: as the client
+    does, one tensor of all the step's microbatches per kind (``whole``), or one tensor
+    per microbatch."""
     for step, (x, y) in enumerate(batches):
         for node, stage, kind, t in ((first, 0, Kind.INPUT, x),
                                      (last, n_stages - 1, Kind.TARGET, y)):
+            if whole:
+                env = node_pb2.Envelope(job_id=job_id, replica=0, stage=stage, kind=kind,
+                                        step=step, microbatches=microbatches,
+                                        batch_size=len(x))
+                rpc.send(node.stub, frames.encode_frames(t, envelope=env), timeout=30)
+                continue
             envs = [node_pb2.Envelope(job_id=job_id, replica=0, stage=stage, kind=kind,
                                       step=step, microbatch=m, batch_size=len(x))
                     for m in range(microbatches)]
@@ -156,6 +165,44 @@ def test_two_stage_pipeline_trains_and_every_stage_reports_each_step_once(nodes,
     stage0 = nodes[0].service.stages.get(StageSlot("job", 0, 0))
     stage0.thread.join(10)
     assert nodes[0].service.channels.addresses() == set()
+
+
+def test_a_step_fed_as_one_tensor_per_kind_trains_as_fed_per_microbatch(nodes):
+    """The client's form (Envelope.microbatches: the node cuts the step's tensor) and one
+    tensor per microbatch give the same weights, bit for bit; a tensor that claims more
+    microbatches than the stage runs or than it has rows, or several microbatches of a
+    peer's kind, is refused with INVALID_ARGUMENT and the stage goes on."""
+    steps, m = 3, 4
+    model, batches = mlp(), data(steps)
+    sgd = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    spec = JobSpec(steps=steps, microbatches=m, batch_size=8, optimizer=cloudpickle.dumps(sgd),
+                   loss_fn=cloudpickle.dumps(nn.functional.cross_entropy)).validate()
+    got = {}
+    for job, whole in (("whole", True), ("pieces", False)):
+        load_pipeline(nodes, model, [(0, 2), (2, 3)], spec, job_id=job)
+        if whole:
+            for env, t, why in (
+                    (dict(kind=Kind.INPUT, microbatches=m + 1), torch.zeros(8, 8),
+                     "runs 4 per step"),
+                    (dict(kind=Kind.INPUT, microbatch=1, microbatches=m), torch.zeros(8, 8),
+                     "out of range"),
+                    (dict(kind=Kind.INPUT, microbatches=m), torch.zeros(3, 8), "cannot hold"),
+                    (dict(kind=Kind.GRADIENT, microbatches=m), torch.zeros(8, 16),
+                     "only a client's inputs"),
+                    (dict(kind=Kind.INPUT, microbatches=-1), torch.zeros(8, 8), ">= 0")):
+                with pytest.raises(grpc.RpcError) as e:
+                    rpc.send(nodes[0].stub, frames.encode_frames(t, envelope=node_pb2.Envelope(
+                        job_id=job, stage=0, step=0, batch_size=8, **env)), timeout=30)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, env
+                assert why in e.value.details(), (env, e.value.details())
+        feed(nodes[0], nodes[1], 2, batches, m, job_id=job, whole=whole)
+        for n in nodes:
+            n.wait_for(R.STATUS_DONE, len(got) + 1)
+        got[job] = {**fetch(nodes[0], 0, job), **fetch(nodes[1], 1, job)}
+    assert got["whole"].keys() == got["pieces"].keys()
+    assert all(torch.equal(got["whole"][k], got["pieces"][k]) for k in got["whole"])
+    want = single_process(model, nn.functional.cross_entropy, sgd, batches)
+    assert max_relative_difference(got["whole"], want) <= 1e-5
 
 
 def test_load_errors_map_to_status_codes_and_leave_no_channel(nodes):

@@ -783,20 +783,17 @@ class Job:
 
     def _send_step(self, step: int, batch_size: int, group: GroupFeed, xs: torch.Tensor,
                    ys: torch.Tensor, epoch: int) -> None:
-        """One step's inputs to the group's first stage and targets to its last, one call each
-        carrying all its microbatches."""
-        m = group.microbatches
+        """One step's inputs to the group's first stage and targets to its last: one tensor
+        each, holding all the group's microbatches (the node cuts them as
+        ``torch.tensor_split(t, microbatches)``; ``fedpipe.v1.Envelope.microbatches``)."""
         for a, kind, t in ((group.first, node_pb2.KIND_INPUT, xs),
                            (group.last, node_pb2.KIND_TARGET, ys)):
-            envs = [node_pb2.Envelope(job_id=self.id, replica=a.replica, stage=a.stage,
-                                      kind=kind, step=step, microbatch=mb, batch_size=batch_size,
-                                      epoch=epoch)
-                    for mb in range(m)]
-            def call(a=a, envs=envs, t=t) -> None:  # a fresh stream of frames each try
-                rpc.send(self.client.node(a.address), itertools.chain.from_iterable(
-                    frames.encode_frames(piece, envelope=env)
-                    for env, piece in zip(envs, torch.tensor_split(t, m))),
-                    timeout=timeouts.FEED_RPC)
+            env = node_pb2.Envelope(job_id=self.id, replica=a.replica, stage=a.stage, kind=kind,
+                                    step=step, microbatch=0, microbatches=group.microbatches,
+                                    batch_size=batch_size, epoch=epoch)
+            def call(a=a, env=env, t=t) -> None:  # a fresh stream of frames each try
+                rpc.send(self.client.node(a.address), frames.encode_frames(t, envelope=env),
+                         timeout=timeouts.FEED_RPC)
             # RESOURCE_EXHAUSTED is the node's back-pressure (its data-plane slots are
             # taken, or its mailbox full): wait and send again, a bounded number of times
             net.retry(call, f"job {self.id}: feeding step {step} to {a.address}",

@@ -35,7 +35,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterator, NamedTuple
+from typing import Callable, Collection, Iterator, NamedTuple, Sequence
 
 import cloudpickle
 import grpc
@@ -95,6 +95,22 @@ HOLD_RECHECK = 0.2
 """Seconds a stage holding at a hand-over cut waits before it looks at its stop event again."""
 RELEASE_JOIN = timeouts.THREAD_JOIN
 """Seconds a release waits for the stage's thread to end before it frees the memory anyway."""
+
+
+def microbatches(env: node_pb2.Envelope, tensor: torch.Tensor) -> Sequence[torch.Tensor]:
+    """The microbatches an admitted tensor holds: itself, or with ``env.microbatches`` > 1
+    its ``torch.tensor_split`` into that many pieces along dimension 0 (views), which is
+    how the client cut them (``fedpipe.v1.Envelope.microbatches``).
+
+    Raises:
+        BadEnvelope: the tensor has fewer rows than ``env.microbatches``.
+    """
+    if env.microbatches <= 1:
+        return (tensor,)
+    if tensor.dim() == 0 or tensor.shape[0] < env.microbatches:
+        raise BadEnvelope(f"a tensor of shape {tuple(tensor.shape)} cannot hold "
+                          f"{env.microbatches} microbatches (one row each at least)")
+    return torch.tensor_split(tensor, env.microbatches)
 
 
 def inbox_job(inbox: tuple["StageSlot", int]) -> str:
@@ -845,6 +861,18 @@ class StageRegistry:
         if not 0 <= env.step < stage.steps or env.microbatch < 0:
             raise BadEnvelope(f"step {env.step} / microbatch {env.microbatch} out of range for "
                               f"a job of {stage.steps} steps")
+        if env.microbatches > 1:
+            if env.kind not in BOUNDED_KINDS:
+                raise BadEnvelope(f"microbatches={env.microbatches} on a "
+                                  f"{Kind(env.kind).name.lower()}: only a client's inputs "
+                                  "and targets hold several microbatches")
+            held = stage.runner.microbatches if stage.runner is not None else 0
+            last = env.microbatch + env.microbatches - 1
+            if last >= held:
+                raise BadEnvelope(f"microbatches {env.microbatch}..{last} out of range: stage "
+                                  f"{env.stage} runs {held} per step")
+        elif env.microbatches < 0:
+            raise BadEnvelope(f"envelope microbatches must be >= 0, got {env.microbatches}")
         return codecs.MAX_TENSOR_BYTES
 
     def deliver(self, env: node_pb2.Envelope, tensor: torch.Tensor,
@@ -852,8 +880,12 @@ class StageRegistry:
         """Hand an admitted tensor to its stage's mailbox (probes are dropped);
         for inputs and targets wait for room while ``active()`` and the stage runs.
 
+        A tensor of several microbatches (``env.microbatches`` > 1, a client's
+        inputs or targets) is filed as its pieces (:func:`microbatches`).
+
         Raises:
             NoSuchStage: the stage was released meanwhile.
+            BadEnvelope: the tensor has fewer rows than the microbatches it holds.
             KeyError: the stage already has that tensor.
             Stopped: the stage stopped or ``active()`` turned false while waiting.
             Full: the job has as many tensors waiting on this node as one job may
@@ -866,6 +898,7 @@ class StageRegistry:
         if stage.epoch != env.epoch:  # replaced since the tensor was admitted
             raise StaleEpoch(f"stage {env.stage} of job {env.job_id!r} now runs epoch "
                              f"{stage.epoch}, not {env.epoch}")
-        self.mailbox.put((slot, env.epoch), Kind(env.kind), env.step, env.microbatch, tensor,
-                         env.batch_size,
-                         alive=lambda: active() and not stage.stop.is_set())
+        for i, piece in enumerate(microbatches(env, tensor)):
+            self.mailbox.put((slot, env.epoch), Kind(env.kind), env.step, env.microbatch + i,
+                             piece, env.batch_size,
+                             alive=lambda: active() and not stage.stop.is_set())

@@ -222,7 +222,7 @@ class StopJobReply(_message.Message):
     def __init__(self) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "kind", "step", "microbatch", "batch_size", "epoch")
+    __slots__ = ("job_id", "replica", "stage", "kind", "step", "microbatch", "batch_size", "epoch", "microbatches")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class Envelope(_message.Message):
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
@@ -239,7 +240,8 @@ class Envelope(_message.Message):
     microbatch: int
     batch_size: int
     epoch: int
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    microbatches: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ..., microbatches: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("envelope", "tensor", "chunk", "name", "pad")
