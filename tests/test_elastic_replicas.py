@@ -11,14 +11,16 @@ final loss is compared with.
 Under DiLoCo the disturbed run is held to an exact single-process replay of
 DiLoCo over the groups that were there (1e-5): the survivor's log says which
 outer steps it took alone and from which step it trained on the whole batch,
-the job's events when the lost group joined again. Its final loss is not held
-to the issue's 2 % band: an outer step over one group (one full-batch local
-trajectory in place of the mean of two half-batch ones) is amplified by this
-setting's outer Nesterov momentum (0.9, lr 0.7, 4 inner steps). In
-in-process replays over 6 data orders and 5 drop timings (64 steps) a lost
-group moved the final loss by up to 5.6 % (sd 2.7 %; 13 of 30 within 2 %);
-under all-reduce the same losses move it by at most 0.6 %. See
-``benchmarks/elastic.py replica`` and the README.
+the job's events when the lost group joined again. Both runs are also held to
+the issue's 2 % band of final loss, with an outer SGD of lr 1 and no momentum
+(the mean of the groups' weights every 4 inner steps). With the DiLoCo paper's
+outer Nesterov momentum (0.9, lr 0.7) this small MLP is chaotic: replayed in
+one process over 4 data orders, a group lost for 8 steps moved the final loss
+by 3-11 % at 64 steps and by 3-32 % at 256, and a 1e-6 change of the initial
+weights alone moved an undisturbed run by up to 3.2 % at 96 steps; there the
+band measures the setting, not the recovery. With lr 1 and no momentum the same replays moved it
+by at most 0.8 % for a group lost up to 30 steps (6 data orders).
+``benchmarks/elastic.py replica`` runs both settings.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def spare_again(swarm):
     swarm.wait_for_nodes(3)
 
 
-DILOCO = fedpipe.DiLoCo(inner_steps=4, outer_lr=0.7, outer_momentum=0.9)
+DILOCO = fedpipe.DiLoCo(inner_steps=4, outer_lr=1.0, outer_momentum=0.0)  # see the docstring
 
 
 def submit(client, data, min_replicas, sync="allreduce"):
@@ -139,17 +141,18 @@ def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exac
     assert all(torch.equal(g0[k], g1[k]) for k in g0)
     if sync == "allreduce":
         undisturbed = single_process(model, LOSS, SGD, data)
-        got, want = held_out_loss(model, g0), held_out_loss(model, undisturbed)
-        assert abs(got - want) <= 0.02 * want, (got, want)
     else:
-        # exactly DiLoCo over the groups present (module docstring); the loss fell
+        # exactly DiLoCo over the groups present (module docstring)
         node = swarm.node_index(PlanView(final.plan)[StageKey(0, 0)].address)
         log = swarm.log(swarm.nodes[node])[marks[node]:]
-        replay = diloco_replay(model, data, log, reasons,
-                               PlanView(final.plan, 2).microbatches(0))
+        microbatches = PlanView(final.plan, 2).microbatches(0)
+        replay = diloco_replay(model, data, log, reasons, microbatches)
         assert max_relative_difference(g0, replay) <= 1e-5
-        got = held_out_loss(model, g0)
-        assert got < 0.5 * held_out_loss(model, model.state_dict()), got
+        undisturbed = diloco_single_process(model, LOSS, SGD, data, DILOCO,
+                                            microbatches=microbatches)[0]
+    got, want = held_out_loss(model, g0), held_out_loss(model, undisturbed)
+    assert abs(got - want) <= 0.02 * want, (got, want)
+    assert want < 0.9 * held_out_loss(model, model.state_dict())  # it trained
     job.release()
 
 
