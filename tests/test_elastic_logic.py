@@ -32,6 +32,12 @@ def running(n_nodes=3, **spec):
     return tracker, nodes, clock, ids, job
 
 
+def priced(tracker, job):
+    """The job's model profile and training config, as the tracker's planner prices them."""
+    request = tracker.store.spec(job)
+    return model_profile(request.profile), train_config(JobSpec.from_proto(request.config))
+
+
 def steps(tracker, job, upto, start=1, **kw):
     for s in range(start, upto + 1):
         for key in PlanView(tracker.jobs.get(job).plan).stages:
@@ -117,9 +123,7 @@ def test_a_drain_whose_cut_never_completes_falls_back_to_a_rewind():
 
 def test_a_migration_moves_only_the_state_of_the_stages_that_change_nodes():
     tracker, nodes, clock, ids, job = running(n_layers=6)
-    request = tracker.store.spec(job)
-    profile, config = model_profile(request.profile), train_config(
-        JobSpec.from_proto(request.config))
+    profile, config = priced(tracker, job)
     before = tracker.jobs.get(job).plan
     after = node_pb2.Plan()
     after.CopyFrom(before)
@@ -136,9 +140,7 @@ def test_a_migration_moves_only_the_state_of_the_stages_that_change_nodes():
 
 def test_a_re_split_counts_only_the_layers_whose_node_changes():
     tracker, nodes, clock, ids, job = running(n_layers=6)
-    request = tracker.store.spec(job)
-    profile, config = model_profile(request.profile), train_config(
-        JobSpec.from_proto(request.config))
+    profile, config = priced(tracker, job)
     before = tracker.jobs.get(job).plan
     old = PlanView(before)
     first, second = old[StageKey(0, 0)], old[StageKey(0, 1)]

@@ -54,6 +54,15 @@ def submit(client, data, steps=STEPS, stages=2, **kw):
                          lr_scheduler=SCHEDULE, checkpoint_every=EVERY, **kw)
 
 
+def saved_after(client, data, steps: int, path) -> Path:
+    """Run the job's first ``steps`` steps, save it to ``path`` (Job.save); the folder."""
+    first = submit(client, data[:steps], steps=steps)
+    first.wait(timeout=180, progress=False)
+    folder = Path(first.save(path))
+    first.release()
+    return folder
+
+
 class Gate:
     """Data that gives ``open_for`` batches, then waits (the job stalls there) until
     :meth:`release` (then it runs out)."""
@@ -168,10 +177,7 @@ def test_a_closed_client_detaches_and_a_job_nobody_resumes_fails_at_its_client_t
 def test_save_then_resume_from_continues_bit_for_bit(swarm, undisturbed, tmp_path):
     data = batches()
     with swarm.client() as client:
-        first = submit(client, data[:6], steps=6)
-        first.wait(timeout=180, progress=False)
-        folder = Path(first.save(tmp_path / "ck"))
-        first.release()
+        folder = saved_after(client, data, 6, tmp_path / "ck")
         saved = checkpoints.read(folder)
         assert saved.step == 6 and (folder / "tensors.safetensors").is_file()
         names = {n for snap in saved.snapshots.values() for n in snap.tensors}
@@ -190,10 +196,7 @@ def test_a_checkpoint_saved_in_two_stages_resumes_in_one_exactly(swarm, undistur
     stages' layers (weights, AdamW moments, LR schedule), and ends as the 2-stage job."""
     data = batches()
     with swarm.client() as client:
-        first = submit(client, data[:4], steps=4)
-        first.wait(timeout=180, progress=False)
-        folder = Path(first.save(tmp_path / "ck"))
-        first.release()
+        folder = saved_after(client, data, 4, tmp_path / "ck")
         assert checkpoints.read(folder).depth == 2
         second = submit(client, data, resume_from=folder, stages=1)
         status = second.wait(timeout=180, progress=False)
