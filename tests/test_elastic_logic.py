@@ -216,6 +216,8 @@ def test_with_no_spare_node_the_boundary_moves_layers_off_a_slow_node():
     assert target.node_ids() == PlanView(plan).node_ids() and len(target.stages) == 2
     mine = next(a for a in target.stages.values() if a.node_id == slow.node_id)
     assert mine.layer_end - mine.layer_start < slow.layer_end - slow.layer_start
+    # the hand-over names the nodes whose layers change (both: was empty, "rebalance of :")
+    assert tracker.elastic.pending[job].names == {a.node_name for a in plan.stages}
 
 
 def test_a_node_that_joins_is_considered_once_its_links_are_measured():

@@ -122,7 +122,7 @@ CLIENT_SCRIPT = textwrap.dedent("""
 
 
 def test_a_client_killed_with_kill_9_is_resumed_from_another_process_with_exact_weights(
-        swarm, undisturbed):
+        swarm, undisturbed, tmp_path):
     script = CLIENT_SCRIPT.format(tests=str(ROOT / "tests"), tracker=swarm.tracker, open_for=5)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -139,10 +139,12 @@ def test_a_client_killed_with_kill_9_is_resumed_from_another_process_with_exact_
             assert time.monotonic() - killed < 15  # found by the stream's end, not a lease
             assert status.reason.startswith("waiting for the client"), status.reason
             assert status.checkpoint_step == 4
-            job.resume(batches())
+            keep = tmp_path / "checkpoints"  # the resuming client keeps them from now on
+            job.resume(batches(), checkpoint_dir=keep)
             status = job.wait(timeout=180, progress=False)
             assert status.step == STEPS
             assert_equal(job.state_dict(), undisturbed)
+            assert checkpoints.latest(keep).name == f"step-{STEPS:08d}"  # the final state
             assert any(r.lost == "the client" for r in status.recoveries)
             job.release()
     finally:

@@ -476,7 +476,8 @@ class Job:
         self._follower.start()
         self._feeder.start()
 
-    def resume(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> "Job":
+    def resume(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+               checkpoint_dir: str | os.PathLike | None = None) -> "Job":
         """Feed this job again, from this client: take it over from a client that is
         gone (or still there: it stops feeding), rewind it to its last complete
         checkpoint (a WAITING job's is where it stopped) and feed it from there.
@@ -486,6 +487,9 @@ class Job:
                 order as the first client gave; the steps before the job's
                 resume step are drawn and skipped (a DataLoader re-iterates as
                 ``for epoch: for batch in loader`` would).
+            checkpoint_dir: keep the job's complete checkpoints in this folder from
+                now on, as ``submit(checkpoint_dir=...)`` does (give the first
+                client's folder to go on filling it); None: keep none here.
 
         Returns:
             self, being fed (:meth:`wait` for it).
@@ -494,6 +498,8 @@ class Job:
             RuntimeError: this Job feeds the job already.
             ValueError: the client is closed.
         """
+        if checkpoint_dir is not None:
+            self._checkpoint_dir = checkpoint_dir
         self._start_feed(_cycle(data), take_over=True)
         return self
 

@@ -526,8 +526,9 @@ class Elastic:
                  100 * gain, nbytes, cost, saved, min(left, self.horizon))
         if gain < self.threshold or saved <= cost:
             return False
-        names = {a.node_name for a in PlanView(cand).stages.values()} - \
-            {a.node_name for a in view.stages.values()}
+        held = {k: (a.node_id, a.layer_start, a.layer_end) for k, a in view.stages.items()}
+        names = {a.node_name for k, a in PlanView(cand).stages.items()  # whose layers change:
+                 if held.get(k) != (a.node_id, a.layer_start, a.layer_end)}  # a swap names both
         if self.handover(job_id, "rebalance", names, cand, nbytes):
             return True
         with self._lock:  # not started: weigh again at the next look
