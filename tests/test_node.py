@@ -98,11 +98,11 @@ def load_pipeline(nodes, model, cuts, spec: JobSpec, job_id="job"):
 
 
 def feed(first: Node, last: Node, n_stages: int, batches, microbatches: int, job_id="job",
-         whole: bool = True):
+         whole: bool = True, first_step: int = 0):
     """Send every step's inputs to stage 0 and targets to the last stage: as the client
     does, one tensor of all the step's microbatches per kind (``whole``), or one tensor
-    per microbatch."""
-    for step, (x, y) in enumerate(batches):
+    per microbatch; ``batches`` are steps ``first_step``, ``first_step + 1``, ..."""
+    for step, (x, y) in enumerate(batches, first_step):
         for node, stage, kind, t in ((first, 0, Kind.INPUT, x),
                                      (last, n_stages - 1, Kind.TARGET, y)):
             if whole:
@@ -189,7 +189,9 @@ def test_a_step_fed_as_one_tensor_per_kind_trains_as_fed_per_microbatch(nodes):
                     (dict(kind=Kind.INPUT, microbatches=m), torch.zeros(3, 8), "cannot hold"),
                     (dict(kind=Kind.GRADIENT, microbatches=m), torch.zeros(8, 16),
                      "only a client's inputs"),
-                    (dict(kind=Kind.INPUT, microbatches=-1), torch.zeros(8, 8), ">= 0")):
+                    (dict(kind=Kind.INPUT, microbatches=-1), torch.zeros(8, 8), ">= 0"),
+                    (dict(kind=Kind.INPUT, microbatch=m), torch.zeros(2, 8), "out of range"),
+                    (dict(kind=Kind.TARGET, microbatches=m), torch.zeros(8), "go to stage 1")):
                 with pytest.raises(grpc.RpcError) as e:
                     rpc.send(nodes[0].stub, frames.encode_frames(t, envelope=node_pb2.Envelope(
                         job_id=job, stage=0, step=0, batch_size=8, **env)), timeout=30)
@@ -203,6 +205,39 @@ def test_a_step_fed_as_one_tensor_per_kind_trains_as_fed_per_microbatch(nodes):
     assert all(torch.equal(got["whole"][k], got["pieces"][k]) for k in got["whole"])
     want = single_process(model, nn.functional.cross_entropy, sgd, batches)
     assert max_relative_difference(got["whole"], want) <= 1e-5
+
+
+def test_a_step_refused_in_part_leaves_none_of_its_microbatches_behind(nodes):
+    """Microbatch 2 of step 0 came alone; the whole step then collides with it and is
+    refused (ALREADY_EXISTS) with nothing of it filed, so the other three can still be
+    sent one by one, and the job ends exactly as one process trains."""
+    steps, m = 2, 4
+    model, batches = mlp(), data(steps)
+    sgd = fedpipe.optimizer(torch.optim.SGD, lr=0.1)
+    spec = JobSpec(steps=steps, microbatches=m, batch_size=8, optimizer=cloudpickle.dumps(sgd),
+                   loss_fn=cloudpickle.dumps(nn.functional.cross_entropy)).validate()
+    load_pipeline(nodes, model, [(0, 2), (2, 3)], spec)
+    (x, y), pieces = batches[0], torch.tensor_split(batches[0][0], m)
+
+    def send_input(t, **env):
+        rpc.send(nodes[0].stub, frames.encode_frames(t, envelope=node_pb2.Envelope(
+            job_id="job", stage=0, kind=Kind.INPUT, step=0, batch_size=8, **env)), timeout=30)
+
+    send_input(pieces[2], microbatch=2)
+    with pytest.raises(grpc.RpcError) as e:
+        send_input(x, microbatches=m)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    for i in (0, 1, 3):
+        send_input(pieces[i], microbatch=i)
+    rpc.send(nodes[1].stub, frames.encode_frames(y, envelope=node_pb2.Envelope(
+        job_id="job", stage=1, kind=Kind.TARGET, step=0, microbatches=m, batch_size=8)),
+        timeout=30)
+    feed(nodes[0], nodes[1], 2, batches[1:], m, first_step=1)
+    for n in nodes:
+        n.wait_for(R.STATUS_DONE, 1)
+    got = {**fetch(nodes[0], 0), **fetch(nodes[1], 1)}
+    want = single_process(model, nn.functional.cross_entropy, sgd, batches)
+    assert max_relative_difference(got, want) <= 1e-5
 
 
 def test_load_errors_map_to_status_codes_and_leave_no_channel(nodes):

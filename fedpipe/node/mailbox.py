@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
 
@@ -96,6 +96,31 @@ class Mailbox:
             self._jobs[job] += 1
             self._items[key] = (tensor, batch)
             self._cond.notify_all()
+
+    def put_all(self, slot: Hashable, kind: Kind, step: int, first: int,
+                tensors: Sequence[torch.Tensor], batch: int,
+                alive: Callable[[], bool] = lambda: True) -> None:
+        """Store ``tensors`` as microbatches ``first``, ``first + 1``, ... of ``step``, each
+        as :meth:`put` does; none is stored when one of them would be a duplicate or
+        past the job's cap (so a refused message leaves nothing behind, and the sender
+        may send it again).
+
+        Raises:
+            Stopped, KeyError, Full: as :meth:`put`.
+        """
+        job = self.job_of(slot)
+        with self._cond:
+            for i in range(len(tensors)):
+                if _Key(slot, kind, step, first + i) in self._items:
+                    raise KeyError(f"duplicate {_name(kind)} for step {step} microbatch "
+                                   f"{first + i}")
+            if self._jobs[job] + len(tensors) > self.job_cap:
+                raise Full(f"refused {len(tensors)} {_name(kind)}s for step {step}: job {job} "
+                           f"already has {self._jobs[job]} tensors waiting on this node, of "
+                           f"the most one job may ({self.job_cap}, "
+                           "fedpipe.node.mailbox.JOB_TENSORS)")
+        for i, t in enumerate(tensors):
+            self.put(slot, kind, step, first + i, t, batch, alive)
 
     def get(self, slot: Hashable, kind: Kind, step: int, mb: int,
             stopped: Callable[[], bool], timeout: float | None = None) -> tuple[torch.Tensor, int]:

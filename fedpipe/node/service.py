@@ -311,6 +311,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         env = head.envelope
         if env.kind == node_pb2.KIND_PROBE:  # a link probe is no job's
             return self.stages.admit(env)
+        shape = tuple(head.tensor.shape)
         watch.belongs_to(env.job_id)
         identity = identity_of(context)
         # who may send is checked before the stage is looked up or a payload byte is
@@ -325,7 +326,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 context.abort(e.code, str(e))
         else:
             self._require_assigned(context, env.job_id)
-        return self.stages.admit(env)  # raises what Send maps to a status
+        return self.stages.admit(env, shape)  # raises what Send maps to a status
 
     def Send(self, request_iterator, context):
         with self.streams.open(context, "Send") as watch:

@@ -98,18 +98,12 @@ RELEASE_JOIN = timeouts.THREAD_JOIN
 
 
 def microbatches(env: node_pb2.Envelope, tensor: torch.Tensor) -> Sequence[torch.Tensor]:
-    """The microbatches an admitted tensor holds: itself, or with ``env.microbatches`` > 1
-    its ``torch.tensor_split`` into that many pieces along dimension 0 (views), which is
-    how the client cut them (``fedpipe.v1.Envelope.microbatches``).
-
-    Raises:
-        BadEnvelope: the tensor has fewer rows than ``env.microbatches``.
-    """
+    """The microbatches an admitted tensor holds (:meth:`StageRegistry.admit` checked
+    that it has the rows): itself, or with ``env.microbatches`` > 1 its
+    ``torch.tensor_split`` into that many pieces along dimension 0 (views), which is
+    how the client cut them (``fedpipe.v1.Envelope.microbatches``)."""
     if env.microbatches <= 1:
         return (tensor,)
-    if tensor.dim() == 0 or tensor.shape[0] < env.microbatches:
-        raise BadEnvelope(f"a tensor of shape {tuple(tensor.shape)} cannot hold "
-                          f"{env.microbatches} microbatches (one row each at least)")
     return torch.tensor_split(tensor, env.microbatches)
 
 
@@ -831,19 +825,21 @@ class StageRegistry:
         return stage
 
     # -- data plane ----------------------------------------------------------
-    def admit(self, env: node_pb2.Envelope) -> int:
-        """Check a tensor's envelope before its payload is buffered; return its size
-        limit in bytes.
+    def admit(self, env: node_pb2.Envelope, shape: Sequence[int] = ()) -> int:
+        """Check a tensor's envelope, and its ``shape`` as its header gives it, before its
+        payload is buffered; return its size limit in bytes.
 
         A probe may be at most :data:`~fedpipe.node.peers.MAX_PROBE_BYTES`; a
         stage's tensor needs a running stage, a known kind, a positive batch
         size, and a step and microbatch index the stage will ask for (others
-        would sit in its bounded inbox for ever).
+        would sit in its bounded inbox for ever): inputs only for a first stage,
+        targets only for a last, their microbatches within the stage's per step,
+        and a tensor of several of them (``env.microbatches``) a row for each.
 
         Raises:
             NoSuchStage: no running stage of the envelope's job, group and position.
             BadEnvelope: an unknown kind, a batch size below 1, a step or
-                microbatch out of range.
+                microbatch out of range, inputs or targets for the wrong stage.
         """
         if env.kind == Kind.PROBE:
             return MAX_PROBE_BYTES
@@ -861,18 +857,27 @@ class StageRegistry:
         if not 0 <= env.step < stage.steps or env.microbatch < 0:
             raise BadEnvelope(f"step {env.step} / microbatch {env.microbatch} out of range for "
                               f"a job of {stage.steps} steps")
-        if env.microbatches > 1:
-            if env.kind not in BOUNDED_KINDS:
-                raise BadEnvelope(f"microbatches={env.microbatches} on a "
+        if env.microbatches < 0:
+            raise BadEnvelope(f"envelope microbatches must be >= 0, got {env.microbatches}")
+        if env.kind not in BOUNDED_KINDS:
+            if env.microbatches > 1:
+                raise BadEnvelope(f"microbatches={env.microbatches} on a tensor of kind "
                                   f"{Kind(env.kind).name.lower()}: only a client's inputs "
                                   "and targets hold several microbatches")
-            held = stage.runner.microbatches if stage.runner is not None else 0
-            last = env.microbatch + env.microbatches - 1
-            if last >= held:
-                raise BadEnvelope(f"microbatches {env.microbatch}..{last} out of range: stage "
-                                  f"{env.stage} runs {held} per step")
-        elif env.microbatches < 0:
-            raise BadEnvelope(f"envelope microbatches must be >= 0, got {env.microbatches}")
+            return codecs.MAX_TENSOR_BYTES
+        end = stage.n_stages - 1 if env.kind == Kind.TARGET else 0
+        if env.stage != end:
+            raise BadEnvelope(f"{Kind(env.kind).name.lower()}s go to stage {end} of job "
+                              f"{env.job_id!r}, not stage {env.stage}")
+        count = max(1, env.microbatches)
+        held = stage.runner.microbatches if stage.runner is not None else 0
+        last = env.microbatch + count - 1
+        if last >= held:
+            raise BadEnvelope(f"microbatches {env.microbatch}..{last} out of range: stage "
+                              f"{env.stage} runs {held} per step")
+        if count > 1 and (not shape or shape[0] < count):
+            raise BadEnvelope(f"a tensor of shape {tuple(shape)} cannot hold {count} "
+                              "microbatches (one row each at least)")
         return codecs.MAX_TENSOR_BYTES
 
     def deliver(self, env: node_pb2.Envelope, tensor: torch.Tensor,
@@ -881,12 +886,11 @@ class StageRegistry:
         for inputs and targets wait for room while ``active()`` and the stage runs.
 
         A tensor of several microbatches (``env.microbatches`` > 1, a client's
-        inputs or targets) is filed as its pieces (:func:`microbatches`).
+        inputs or targets) is filed as its pieces (:func:`microbatches`), all or none.
 
         Raises:
             NoSuchStage: the stage was released meanwhile.
-            BadEnvelope: the tensor has fewer rows than the microbatches it holds.
-            KeyError: the stage already has that tensor.
+            KeyError: the stage already has that tensor (or one of its pieces).
             Stopped: the stage stopped or ``active()`` turned false while waiting.
             Full: the job has as many tensors waiting on this node as one job may
                 (:class:`~fedpipe.node.mailbox.Mailbox`).
@@ -898,7 +902,6 @@ class StageRegistry:
         if stage.epoch != env.epoch:  # replaced since the tensor was admitted
             raise StaleEpoch(f"stage {env.stage} of job {env.job_id!r} now runs epoch "
                              f"{stage.epoch}, not {env.epoch}")
-        for i, piece in enumerate(microbatches(env, tensor)):
-            self.mailbox.put((slot, env.epoch), Kind(env.kind), env.step, env.microbatch + i,
-                             piece, env.batch_size,
+        self.mailbox.put_all((slot, env.epoch), Kind(env.kind), env.step, env.microbatch,
+                             microbatches(env, tensor), env.batch_size,
                              alive=lambda: active() and not stage.stop.is_set())

@@ -99,6 +99,7 @@ class Handover:
     deadline: float              # when it is given up (clock seconds)
     target: node_pb2.Plan | None = None  # the plan to move to (None: substitute)
     bytes_moved: int = 0         # state bytes of the stages that change hands
+    completing: bool = False     # its cut is complete and the new epoch is being begun
 
 
 def predict_step_seconds(plan: node_pb2.Plan, cluster: planner.ClusterView,
@@ -349,7 +350,8 @@ class Elastic:
         job = self.store.job(job_id)
         with self._lock:
             if job.state != S.JOB_STATE_RUNNING or job_id in self.pending:
-                if job_id in self.pending and cause == "drain":
+                if job_id in self.pending and cause == "drain" and \
+                        not self.pending[job_id].completing:
                     h = self.pending[job_id]  # a drain joins a rebalance's cut, as a drain
                     h.cause, h.target, h.names = "drain", None, h.names | names
                 return False
@@ -394,15 +396,20 @@ class Elastic:
         else (at a plain checkpoint) consider a migration in the background."""
         with self._lock:
             h = self.pending.get(job_id)
-            ready = h is not None and h.cut == step
+            ready = h is not None and h.cut == step and not h.completing
             if ready:
-                del self.pending[job_id]
+                assert h is not None
+                h.completing = True  # once; it stays pending until the job left RUNNING,
+                if h.target is not None:  # or a tick would see the drained node still in use
+                    self._targets[job_id] = (h.target, h.bytes_moved)
         if ready:
             assert h is not None
-            with self._lock:
-                if h.target is not None:
-                    self._targets[job_id] = (h.target, h.bytes_moved)
-            self.jobs.begin_recovery(job_id, h.names, h.cause, cause=h.cause)
+            try:
+                self.jobs.begin_recovery(job_id, h.names, h.cause, cause=h.cause)
+            finally:
+                with self._lock:
+                    if self.pending.get(job_id) is h:
+                        del self.pending[job_id]
         elif h is None and self.background and job_id not in self._considering:
             threading.Thread(target=self.consider, args=(job_id,), name=f"rebalance-{job_id}",
                              daemon=True).start()
