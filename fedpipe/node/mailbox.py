@@ -87,10 +87,7 @@ class Mailbox:
             if key in self._items:
                 raise KeyError(f"duplicate {_name(kind)} for step {step} microbatch {mb}")
             if self._jobs[job] >= self.job_cap:
-                raise Full(f"refused a {_name(kind)} for step {step} microbatch {mb}: job "
-                           f"{job} already has {self._jobs[job]} tensors waiting on this node, "
-                           f"the most one job may ({self.job_cap}, "
-                           f"fedpipe.node.mailbox.JOB_TENSORS)")
+                raise Full(self._refusal(job, kind, step, mb))
             if kind in self.bounded:
                 self._counts[(slot, kind)] += 1
             self._jobs[job] += 1
@@ -115,10 +112,7 @@ class Mailbox:
                     raise KeyError(f"duplicate {_name(kind)} for step {step} microbatch "
                                    f"{first + i}")
             if self._jobs[job] + len(tensors) > self.job_cap:
-                raise Full(f"refused {len(tensors)} {_name(kind)}s for step {step}: job {job} "
-                           f"already has {self._jobs[job]} tensors waiting on this node, of "
-                           f"the most one job may ({self.job_cap}, "
-                           "fedpipe.node.mailbox.JOB_TENSORS)")
+                raise Full(self._refusal(job, kind, step, first))
         for i, t in enumerate(tensors):
             self.put(slot, kind, step, first + i, t, batch, alive)
 
@@ -157,6 +151,12 @@ class Mailbox:
                 del self._counts[key]
             self._cond.notify_all()
 
+
+    def _refusal(self, job: Hashable, kind: Kind, step: int, mb: int) -> str:
+        """Why a tensor of ``job`` is refused at the job's cap (under the lock)."""
+        return (f"refused a {_name(kind)} for step {step} microbatch {mb}: job {job} already "
+                f"has {self._jobs[job]} tensors waiting on this node, the most one job may "
+                f"({self.job_cap}, fedpipe.node.mailbox.JOB_TENSORS)")
 
     def _forget(self, job: Hashable) -> None:
         """One tensor of ``job`` left (under the lock)."""
