@@ -15,9 +15,10 @@ from typing import Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
+from ..recovery_text import recovery_what
 from ..spec import state_name
 from .source import JobSource
-from .views import PlanLayout, StepRecord, latest_per_step, recovery_what, step_records
+from .views import PlanLayout, StepRecord, latest_per_step, step_records
 
 LOSS_TITLE = "loss"
 THROUGHPUT_TITLE = "throughput"

@@ -4,8 +4,11 @@ Inputs are the protocol's messages (``NodeInfo``, ``LinkMeasurement``,
 ``JobInfo``, ``JobEvent``, ``Plan``) and the planner's dataclasses; outputs are
 dataclasses (:class:`StepRecord`, :class:`PlanLayout`) and the JSON-shaped
 dicts of the tracker's HTTP API (``*_view`` functions; the API is documented in
-``docs/metrics.md``). Nothing here does I/O or imports torch, so the tracker
-can use it.
+``docs/metrics.md``). Nothing here does I/O or imports torch. The tracker's
+HTTP server uses it; the tracker's core does not (a plan's conversion lives in
+:mod:`fedpipe.planner.protoio`, a stage's step split in
+:class:`fedpipe.planner.types.StageTime`, a recovery's words in
+:mod:`fedpipe.recovery_text`; all three are re-exported here for the views).
 
 Units: seconds, bytes, bytes/s, FLOP/s; times are seconds since the epoch.
 Numbers that are not finite (a diverged loss) become ``None`` in the JSON views,
@@ -21,29 +24,15 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from .. import planner
+from ..planner.protoio import plan_from_message
 from ..planner.simulate import stage_costs
+from ..planner.types import StageTime
 from ..proto import node_pb2, tracker_pb2
+from ..recovery_text import recovery_headline, recovery_what
 from ..spec import ACTIVE, TERMINAL, PlanView, StageKey, state_name
 
 # ---------------------------------------------------------------------------
 # Steps
-
-
-@dataclass(frozen=True)
-class StageTime:
-    """How one stage spent one step, seconds: computing (forward, backward,
-    optimizer), waiting for tensors from peers, and handing tensors to its senders."""
-
-    replica: int
-    stage: int
-    compute: float
-    wait: float
-    send: float
-
-    @property
-    def total(self) -> float:
-        """compute + wait + send, seconds."""
-        return self.compute + self.wait + self.send
 
 
 @dataclass(frozen=True)
@@ -225,20 +214,6 @@ class PlanLayout:
         return [b for g in self.groups for b in g]
 
 
-def plan_from_message(msg: node_pb2.Plan) -> planner.Plan:
-    """The planner's :class:`~fedpipe.planner.Plan` of a job's plan message."""
-    view = PlanView(msg)
-    groups = []
-    for r, chain in zip(view.replicas, view.chains()):
-        info = msg.replicas[r] if r < len(msg.replicas) else node_pb2.ReplicaInfo()
-        groups.append(planner.ReplicaGroup(
-            [planner.StagePlan(a.node_id, a.layer_start, a.layer_end, a.activation_codec,
-                               a.gradient_codec) for a in chain],
-            info.microbatches, info.samples, info.predicted_seconds))
-    return planner.Plan(groups, msg.predicted_step_seconds, sync_seconds=msg.sync_seconds,
-                        calibrated=msg.calibrated)
-
-
 def predicted_stage_seconds(plan: planner.Plan, cluster: planner.ClusterView,
                             profile: planner.ModelProfile, config: planner.TrainConfig
                             ) -> dict[StageKey, tuple[float, float]]:
@@ -397,27 +372,6 @@ def _stage_time_view(t: StageTime | None) -> dict | None:
     return None if t is None else {"compute": t.compute, "wait": t.wait, "send": t.send}
 
 
-def recovery_what(rec: tracker_pb2.Recovery) -> str:
-    """What a recovery did to the nodes, in words: ``"lost node1; moved node1 -> node3"``,
-    ``"drained node1; moved node1 -> node2"``, ``"moved node1 -> node2"`` (a rebalance
-    loses nothing), or ``"lost the client"``."""
-    lost = {"drain": "drained"}.get(rec.cause, "lost")
-    parts = [f"{lost} {rec.lost}"] if rec.lost else []
-    if rec.moved_from or rec.moved_to:
-        parts.append(f"moved {rec.moved_from or '-'} -> {rec.moved_to or '-'}")
-    return "; ".join(parts)
-
-
-def recovery_headline(rec: tracker_pb2.Recovery) -> str:
-    """A recovery in a sentence, as a job's reason and ``JobStatus`` start it:
-    ``"recovered from the loss of node1"``, ``"handed over from draining node1"``,
-    ``"migrated from node1 to node2"``."""
-    return {"loss": f"recovered from the loss of {rec.lost}",
-            "drain": f"handed over from draining {rec.lost}",
-            "rebalance": f"migrated from {rec.moved_from or '-'} to {rec.moved_to or '-'}"
-            }.get(rec.cause, f"recovered from {rec.cause}")
-
-
 def recovery_view(rec: tracker_pb2.Recovery) -> dict:
     """One recovery: when, its cause ("loss", "drain", "rebalance", or the client's), who
     was lost (``lost``; "" for a rebalance), the nodes stages moved from and to, both in
@@ -507,5 +461,6 @@ def job_view(info: tracker_pb2.JobInfo, history: History, layout: PlanLayout | N
 __all__ = ["History", "PlanLayout", "StageBox", "StageTime", "StepRecord", "is_step_event",
            "is_checkpoint_event", "job_summary", "job_view", "latest_per_step", "layout_view",
            "measured_step_seconds", "node_view", "plan_from_message", "plan_layout",
-           "predicted_stage_seconds", "record_view", "recovery_view", "stage_timings",
+           "predicted_stage_seconds", "record_view", "recovery_headline", "recovery_view",
+           "recovery_what", "stage_timings",
            "step_records", "swarm_view"]

@@ -1,19 +1,9 @@
-"""What the planner knows of the wire codecs: names, wire sizes, encode costs.
+"""How the planner prices and picks codecs: their costs, the "auto" ladders, the choice per link.
 
-Pure data: this module does not import ``fedpipe.wire``. Specs follow the
-wire's grammar ``NAME[:PARAM][+zstd[:LEVEL]]`` (e.g. "int8", "int8+zstd",
-"topk:0.01"). Sizes are fractions of the float32 tensor; costs are encode +
-decode seconds per byte of the uncompressed tensor:
-
-======================  ===========  ==================
-codec                   wire / fp32  encode+decode
-======================  ===========  ==================
-raw                     1.0          free
-fp16, bf16              0.5          ~1 GB/s
-int8                    ~0.27        ~1 GB/s
-int8+zstd               ~0.15        ~0.3 GB/s (ReLU activations)
-topk:F (gradients)      2·F          ~1 GB/s
-======================  ===========  ==================
+Specs follow the wire's grammar ``NAME[:PARAM][+zstd[:LEVEL]]`` (e.g. "int8",
+"int8+zstd", "topk:0.01"). Each codec's sizes and encode + decode costs are
+read from :data:`fedpipe.wire.codecmodel.MODELS` (their one home, torch-free,
+with the table of figures); this module keeps none of its own.
 
 Top-k is never used for activations.
 """
@@ -23,14 +13,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..spec import SpecError, parse_codec
+from ..wire.codecmodel import model
 from .types import PlanError, TrainConfig
-
-# name -> (wire bytes per float32 byte, encode+decode seconds per tensor byte)
-_BASE = {"raw": (1.0, 0.0), "fp16": (0.5, 1e-9), "bf16": (0.5, 1e-9), "int8": (0.27, 1e-9)}
-# zstd after a codec: wire-size factor on its output, and its extra seconds per tensor byte
-_ZSTD_SHRINK = {"int8": 0.15 / 0.27, "topk": 0.9}
-_ZSTD_DEFAULT_SHRINK = 0.9
-_ZSTD_SECONDS_PER_BYTE = 1 / 0.3e9 - 1e-9
 
 AUTO_ACTIVATION = ("raw", "bf16", "int8", "int8+zstd")
 """Codecs "auto" may give activations, weakest (most faithful) first."""
@@ -82,15 +66,9 @@ def codec_cost(spec: str) -> CodecCost:
         parsed = parse_codec(spec)
     except SpecError as e:
         raise PlanError(f"unknown codec: {e}") from None
-    name = parsed.name
-    if name == "topk":  # k values and k indices of 4 bytes each
-        factor, seconds = min(1.0, 2 * parsed.fraction), 1e-9
-    else:
-        factor, seconds = _BASE[name]
-    if parsed.zstd_level is not None:
-        factor *= _ZSTD_SHRINK.get(name, _ZSTD_DEFAULT_SHRINK)
-        seconds += _ZSTD_SECONDS_PER_BYTE
-    return CodecCost(spec, factor, seconds, gradients_only=parsed.gradients_only)
+    m = model(parsed)
+    return CodecCost(spec, m.wire_factor(parsed), m.cpu_seconds_per_byte(parsed),
+                     gradients_only=parsed.gradients_only)
 
 
 def _resolve(policy: str, auto: tuple[str, ...], kind: str) -> tuple[str, ...]:

@@ -3,7 +3,9 @@
 The counterpart of :mod:`~fedpipe.planner.jsonio` for protobuf: the tracker
 turns its registry and a submission into a :class:`~fedpipe.planner.ClusterView`,
 a :class:`~fedpipe.planner.ModelProfile` and a :class:`~fedpipe.planner.TrainConfig`,
-and the planner's :class:`~fedpipe.planner.Plan` back into a ``fedpipe.v1.Plan``.
+and the planner's :class:`~fedpipe.planner.Plan` to a ``fedpipe.v1.Plan``
+(:func:`plan_message`) and back (:func:`plan_from_message`). The one home of
+that conversion: the tracker and the dashboard both read it from here.
 No I/O and no torch, like the rest of the planner.
 """
 from __future__ import annotations
@@ -13,8 +15,9 @@ import statistics
 from typing import Sequence
 
 from ..proto import node_pb2, tracker_pb2
-from ..spec import SNAPSHOTS_KEPT, JobSpec
-from .types import ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, TrainConfig
+from ..spec import SNAPSHOTS_KEPT, JobSpec, PlanView
+from .types import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, ReplicaGroup,
+                    StagePlan, TrainConfig)
 
 
 def site_of(address: str) -> str:
@@ -175,3 +178,19 @@ def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2
             parts.append(f"{group_tag}{n.name}: layers {s.layer_start}-{s.layer_end - 1}")
     msg.summary = "; ".join(parts)
     return msg
+
+
+def plan_from_message(msg: node_pb2.Plan) -> Plan:
+    """The planner's :class:`~fedpipe.planner.Plan` of a job's plan message: the
+    inverse of :func:`plan_message` (node names, addresses and the summary stay
+    in the message)."""
+    view = PlanView(msg)
+    groups = []
+    for r, chain in zip(view.replicas, view.chains()):
+        info = msg.replicas[r] if r < len(msg.replicas) else node_pb2.ReplicaInfo()
+        groups.append(ReplicaGroup(
+            [StagePlan(a.node_id, a.layer_start, a.layer_end, a.activation_codec,
+                       a.gradient_codec) for a in chain],
+            info.microbatches, info.samples, info.predicted_seconds))
+    return Plan(groups, msg.predicted_step_seconds, sync_seconds=msg.sync_seconds,
+                calibrated=msg.calibrated)

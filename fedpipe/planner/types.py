@@ -279,6 +279,28 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class StageTime:
+    """How one stage spent one step, seconds: computing (forward, backward,
+    optimizer), waiting for tensors from peers, and handing tensors to its senders.
+
+    What a stage reports (``StepReport``) and the tracker keeps per plan epoch:
+    the measured counterpart of the simulator's per-stage prices
+    (:func:`fedpipe.planner.simulate.stage_costs`), shown by the dashboard.
+    """
+
+    replica: int
+    stage: int
+    compute: float
+    wait: float
+    send: float
+
+    @property
+    def total(self) -> float:
+        """compute + wait + send, seconds."""
+        return self.compute + self.wait + self.send
+
+
+@dataclass(frozen=True)
 class SearchOptions:
     """Bounds of the planner's local search.
 

@@ -56,12 +56,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from .. import planner
-from ..planner.protoio import cluster_view, model_profile, plan_message, train_config
+from ..planner.protoio import cluster_view, model_profile, plan_from_message, plan_message, \
+    train_config
+from ..planner.types import StageTime
 from ..proto import node_pb2, tracker_pb2
 from ..spec import ACTIVE, TERMINAL, WAITING, JobSpec, JobSpecError, PlanView, StageKey, \
     state_name
 from ..net import timeouts
-from ..observe.views import StageTime, plan_from_message, recovery_headline
+from ..recovery_text import recovery_headline
 from .calibration import Calibration
 from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted

@@ -1,6 +1,9 @@
 """Tensor codecs: torch.Tensor <-> fedpipe.v1.Tensor message.
 
-Each codec is a pair of pure functions registered by name in :data:`CODECS`.
+Each codec is a pair of pure functions registered by name in :data:`CODECS`;
+its sizes and costs (what the planner prices a link with) are its row of
+:data:`fedpipe.wire.codecmodel.MODELS`, which also gives the exact output
+lengths checked here.
 A message names its own codec and parameters, so a receiver needs no
 out-of-band knowledge. Decoders validate every header field against the
 payload before they allocate.
@@ -35,7 +38,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +46,7 @@ import zstandard
 
 from ..proto import tensor_pb2 as pb
 from ..spec import CODEC_PARAMS, CodecSpec, parse_codec
+from .codecmodel import MODELS, Layout, index_bytes, int8_blocks
 from .format import WireError
 
 __all__ = ["CODECS", "DTYPES", "MAX_TENSOR_BYTES", "Codec", "ErrorFeedback", "WireError",
@@ -153,36 +157,44 @@ def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
     return F.pad(flat, (0, -flat.numel() % block)).view(-1, block)
 
 
+Buffer = bytearray | memoryview
+Encoded = tuple[list[torch.Tensor], dict[str, Any]]
+"""What a codec's encode function returns: the output's parts and the header fields to set."""
+
+
 # raw ----------------------------------------------------------------------
 
-def _raw_encode(flat, spec):
+def _raw_encode(flat: torch.Tensor, spec: CodecSpec) -> Encoded:
     return [flat], {}
 
 
-def _raw_size(h):
-    return h.numel * h.dtype.itemsize
+def _raw_size(h: _Header) -> int:
+    return MODELS["raw"].encoded_bytes(Layout(h.numel, h.dtype.itemsize))
 
 
-def _raw_decode(buf, h):
+def _raw_decode(buf: Buffer, h: _Header) -> torch.Tensor:
     return _view(buf, h.dtype, h.numel)
 
 
 # fp16, bf16: a cast to a 2-byte float, saturated ---------------------------
 
-def _cast_codec(wire: torch.dtype):
-    """Encode, size and decode functions of a codec that casts to ``wire``."""
+def _cast_codec(name: str, wire: torch.dtype) -> tuple[
+        Callable[[torch.Tensor, CodecSpec], Encoded], Callable[[_Header], int],
+        Callable[[Buffer, _Header], torch.Tensor]]:
+    """Encode, size and decode functions of codec ``name``, which casts to ``wire``."""
     fmax = torch.finfo(wire).max
+    layout = MODELS[name].encoded_bytes
 
-    def encode(flat, spec):
+    def encode(flat: torch.Tensor, spec: CodecSpec) -> Encoded:
         # Out-of-range values become ±inf in the cast; clamping the result
         # saturates them to ±fmax (NaN stays NaN). Same as clamping first, and
         # exact even for sources (bf16) that cannot represent fmax.
         return [flat.to(wire, copy=True).clamp_(-fmax, fmax)], {}
 
-    def size(h):
-        return h.numel * wire.itemsize
+    def size(h: _Header) -> int:
+        return layout(Layout(h.numel, wire.itemsize))
 
-    def decode(buf, h):
+    def decode(buf: Buffer, h: _Header) -> torch.Tensor:
         return _view(buf, wire, h.numel).to(h.dtype)
 
     return encode, size, decode
@@ -190,7 +202,7 @@ def _cast_codec(wire: torch.dtype):
 
 # int8: blockwise absmax quantisation --------------------------------------
 
-def _int8_encode(flat, spec):
+def _int8_encode(flat: torch.Tensor, spec: CodecSpec) -> Encoded:
     """Blockwise absmax: per block of B values, scale = max|x|/127, q = round(x/scale).
 
     Source: Dettmers et al., "8-bit Optimizers via Block-wise Quantization"
@@ -204,17 +216,18 @@ def _int8_encode(flat, spec):
     return [scales, q.view(-1)[:flat.numel()]], {"block_size": spec.block_size}
 
 
-def _int8_blocks(h) -> int:
+def _int8_blocks(h: _Header) -> int:
     if not 16 <= h.msg.block_size <= 65536:
         raise WireError(f"int8 block_size must be in [16, 65536], got {h.msg.block_size}")
-    return -(-h.numel // h.msg.block_size)
+    return int8_blocks(h.numel, h.msg.block_size)
 
 
-def _int8_size(h):
-    return 4 * _int8_blocks(h) + h.numel
+def _int8_size(h: _Header) -> int:
+    _int8_blocks(h)
+    return MODELS["int8"].encoded_bytes(Layout(h.numel, block_size=h.msg.block_size))
 
 
-def _int8_decode(buf, h):
+def _int8_decode(buf: Buffer, h: _Header) -> torch.Tensor:
     nblocks = _int8_blocks(h)
     scales = _view(buf, torch.float32, nblocks)
     q = _view(buf, torch.int8, h.numel, offset=4 * nblocks)
@@ -224,11 +237,14 @@ def _int8_decode(buf, h):
 
 # topk: sparsification ------------------------------------------------------
 
+_INDEX_DTYPES = {4: torch.int32, 8: torch.int64}
+
+
 def _index_dtype(numel: int) -> torch.dtype:
-    return torch.int32 if numel < 2**31 else torch.int64
+    return _INDEX_DTYPES[index_bytes(numel)]
 
 
-def _topk_encode(flat, spec):
+def _topk_encode(flat: torch.Tensor, spec: CodecSpec) -> Encoded:
     """Keep the k largest-magnitude entries (flat indices ascending, exact values).
 
     Source: Stich et al., "Sparsified SGD with Memory" (2018); Lin et al.,
@@ -240,20 +256,21 @@ def _topk_encode(flat, spec):
             {"k": k, "value_dtype": DTYPES[flat.dtype]})
 
 
-def _topk_value_dtype(h) -> torch.dtype:
+def _topk_value_dtype(h: _Header) -> torch.dtype:
     dtype = TORCH_DTYPES.get(h.msg.value_dtype)
     if dtype is None or not dtype.is_floating_point:
         raise WireError(f"topk value_dtype code {h.msg.value_dtype} is not a floating dtype")
     return dtype
 
 
-def _topk_size(h):
+def _topk_size(h: _Header) -> int:
     if h.msg.k > h.numel:
         raise WireError(f"topk k={h.msg.k} exceeds the tensor's {h.numel} elements")
-    return h.msg.k * (_index_dtype(h.numel).itemsize + _topk_value_dtype(h).itemsize)
+    return MODELS["topk"].encoded_bytes(Layout(h.numel, _topk_value_dtype(h).itemsize,
+                                               k=h.msg.k))
 
 
-def _topk_decode(buf, h):
+def _topk_decode(buf: Buffer, h: _Header) -> torch.Tensor:
     k, index_dtype = h.msg.k, _index_dtype(h.numel)
     index = _view(buf, index_dtype, k).long()
     if k and not (0 <= index[0] and index[-1] < h.numel):
@@ -279,13 +296,13 @@ class Codec:
     """One registered codec: pure functions over flat (1-D, contiguous) tensors.
 
     Attributes:
-        name: the name in spec strings.
+        name: the name in spec strings (and in :data:`~fedpipe.wire.codecmodel.MODELS`).
         code: its ``fedpipe.v1.Codec`` enum value.
-        lossy: floating tensors only; other dtypes fall back to raw.
         encode: ``(flat, spec) -> (parts, fields)``: tensors whose bytes,
             concatenated, are the codec output, and the header fields to set.
         size: ``(header) -> int``: the codec output's length in bytes implied
-            by the header; validates the codec's header fields (WireError).
+            by the header (its model's ``encoded_bytes``); validates the
+            codec's header fields (WireError).
         decode: ``(buf, header) -> flat``: the 1-D tensor of ``header.dtype``
             from a buffer of exactly ``size(header)`` bytes (WireError on bad
             content).
@@ -293,26 +310,30 @@ class Codec:
     """
     name: str
     code: pb.Codec
-    lossy: bool
-    encode: Callable[[torch.Tensor, CodecSpec], tuple[list[torch.Tensor], dict]]
+    encode: Callable[[torch.Tensor, CodecSpec], Encoded]
     size: Callable[[_Header], int]
-    decode: Callable[[bytearray | memoryview, _Header], torch.Tensor]
+    decode: Callable[[Buffer, _Header], torch.Tensor]
     fields: tuple[str, ...] = ()
+
+    @property
+    def lossy(self) -> bool:
+        """Floating tensors only; other dtypes fall back to raw (its model's ``lossy``)."""
+        return MODELS[self.name].lossy
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (
-    Codec("raw", pb.CODEC_RAW, False, _raw_encode, _raw_size, _raw_decode),
-    Codec("fp16", pb.CODEC_FP16, True, *_cast_codec(torch.float16)),
-    Codec("bf16", pb.CODEC_BF16, True, *_cast_codec(torch.bfloat16)),
-    Codec("int8", pb.CODEC_INT8, True, _int8_encode, _int8_size, _int8_decode,
+    Codec("raw", pb.CODEC_RAW, _raw_encode, _raw_size, _raw_decode),
+    Codec("fp16", pb.CODEC_FP16, *_cast_codec("fp16", torch.float16)),
+    Codec("bf16", pb.CODEC_BF16, *_cast_codec("bf16", torch.bfloat16)),
+    Codec("int8", pb.CODEC_INT8, _int8_encode, _int8_size, _int8_decode,
           fields=("block_size",)),
-    Codec("topk", pb.CODEC_TOPK, True, _topk_encode, _topk_size, _topk_decode,
+    Codec("topk", pb.CODEC_TOPK, _topk_encode, _topk_size, _topk_decode,
           fields=("k", "value_dtype")),
 )}
 _BY_CODE: dict[int, Codec] = {c.code: c for c in CODECS.values()}
 _PARAM_FIELDS = ("block_size", "k", "value_dtype")
 
-_missing = sorted(set(CODEC_PARAMS) ^ set(CODECS))
+_missing = sorted((set(CODEC_PARAMS) | set(MODELS)) ^ set(CODECS))
 _missing += [pb.Codec.Name(v) for v in pb.Codec.values() if v and v not in _BY_CODE]
 _missing += [pb.DType.Name(v) for v in pb.DType.values() if v and v not in TORCH_DTYPES]
 if _missing:

@@ -1,0 +1,153 @@
+"""Each codec's size and CPU cost: the one table the wire and the planner read. No torch.
+
+A codec is described here once, by name, and implemented in
+:mod:`fedpipe.wire.codecs` (torch). Adding a codec is a row of :data:`MODELS`,
+its name in the grammar (:data:`fedpipe.spec.CODEC_PARAMS`) and its functions
+in :data:`fedpipe.wire.codecs.CODECS`; an import-time check refuses a codec
+missing from any of the three.
+
+Two sizes per codec:
+
+* ``encoded_bytes(layout)``: the exact length of the codec's output before
+  zstd, from what its header says (:class:`Layout`). The wire checks every
+  message's ``encoded_bytes`` against it.
+* ``fp32_ratio(spec)``: the planner's estimate of wire bytes per byte of a
+  float32 tensor, and ``zstd_ratio``, what zstd is expected to leave of the
+  codec's output. The planner prices a link with these
+  (:mod:`fedpipe.planner.codecs`), and ``seconds_per_byte``, the codec's encode
+  + decode seconds per byte of the uncompressed tensor:
+
+======================  ===========  ==================
+codec                   wire / fp32  encode+decode
+======================  ===========  ==================
+raw                     1.0          free
+fp16, bf16              0.5          ~1 GB/s
+int8                    ~0.27        ~1 GB/s
+int8+zstd               ~0.15        ~0.3 GB/s (ReLU activations)
+topk:F (gradients)      2·F          ~1 GB/s
+======================  ===========  ==================
+
+zstd after any codec adds :data:`ZSTD_SECONDS_PER_BYTE`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from ..spec import CODEC_PARAMS, CodecSpec
+
+__all__ = ["MODELS", "ZSTD_SECONDS_PER_BYTE", "CodecModel", "Layout", "index_bytes",
+           "int8_blocks", "model"]
+
+_GB_PER_S = 1e-9
+"""Seconds per byte of a pass at 1 GB/s: encode + decode of the cheap codecs."""
+ZSTD_SECONDS_PER_BYTE = 1 / 0.3e9 - _GB_PER_S
+"""What zstd (level 1) adds to a codec's encode + decode, seconds per tensor byte: int8+zstd
+ran at ~0.3 GB/s on ReLU activations, int8 alone at ~1 GB/s."""
+ZSTD_RATIO = 0.9
+"""What zstd leaves of a codec's output by default: dense floats barely compress."""
+
+
+class Layout(NamedTuple):
+    """What the length of a codec's output depends on, as its header says.
+
+    Attributes:
+        numel: elements of the tensor.
+        itemsize: bytes per value the codec carries: the tensor's dtype for raw,
+            topk's ``value_dtype``; unused by the other codecs.
+        block_size: int8's values per scale.
+        k: topk's entries kept.
+    """
+
+    numel: int
+    itemsize: int = 4
+    block_size: int = 0
+    k: int = 0
+
+
+def index_bytes(numel: int) -> int:
+    """Bytes of one topk index in a tensor of ``numel`` elements: int32 below 2**31, else int64."""
+    return 4 if numel < 2**31 else 8
+
+
+def int8_blocks(numel: int, block_size: int) -> int:
+    """int8's scale blocks over ``numel`` values: ⌈numel / block_size⌉."""
+    return -(-numel // block_size)
+
+
+def _raw_bytes(lay: Layout) -> int:
+    return lay.numel * lay.itemsize
+
+
+def _two_byte_bytes(lay: Layout) -> int:
+    return 2 * lay.numel
+
+
+def _int8_bytes(lay: Layout) -> int:  # float32 scales, then one int8 per value
+    return 4 * int8_blocks(lay.numel, lay.block_size) + lay.numel
+
+
+def _topk_bytes(lay: Layout) -> int:  # k indices, then k values
+    return lay.k * (index_bytes(lay.numel) + lay.itemsize)
+
+
+def _ratio(r: float) -> Callable[[CodecSpec], float]:
+    return lambda spec: r
+
+
+def _topk_ratio(spec: CodecSpec) -> float:
+    return min(1.0, 2 * spec.fraction)  # a 4-byte value and a 4-byte index per kept entry
+
+
+@dataclass(frozen=True)
+class CodecModel:
+    """One codec's sizes and costs (see the module's table).
+
+    Attributes:
+        name: the codec's name in spec strings.
+        lossy: it changes values, so it applies to floating tensors only (a
+            tensor of another dtype is sent raw).
+        encoded_bytes: the exact length in bytes of its output before zstd.
+        fp32_ratio: the planner's estimate of its output's bytes per float32
+            tensor byte, before zstd.
+        seconds_per_byte: encode + decode seconds per byte of the tensor.
+        zstd_ratio: what zstd is expected to leave of its output.
+    """
+
+    name: str
+    lossy: bool
+    encoded_bytes: Callable[[Layout], int]
+    fp32_ratio: Callable[[CodecSpec], float]
+    seconds_per_byte: float
+    zstd_ratio: float = ZSTD_RATIO
+
+    def wire_factor(self, spec: CodecSpec) -> float:
+        """Estimated wire bytes per float32 tensor byte under ``spec``, zstd included."""
+        factor = self.fp32_ratio(spec)
+        return factor * self.zstd_ratio if spec.zstd_level is not None else factor
+
+    def cpu_seconds_per_byte(self, spec: CodecSpec) -> float:
+        """Encode + decode seconds per tensor byte under ``spec``, zstd included."""
+        extra = ZSTD_SECONDS_PER_BYTE if spec.zstd_level is not None else 0.0
+        return self.seconds_per_byte + extra
+
+
+MODELS: dict[str, CodecModel] = {m.name: m for m in (
+    CodecModel("raw", False, _raw_bytes, _ratio(1.0), 0.0),
+    CodecModel("fp16", True, _two_byte_bytes, _ratio(0.5), _GB_PER_S),
+    CodecModel("bf16", True, _two_byte_bytes, _ratio(0.5), _GB_PER_S),
+    # exact: 1/4 + 1/block_size (0.258 at the default 128); zstd takes ReLU
+    # activations' int8 codes to ~0.15 of float32
+    CodecModel("int8", True, _int8_bytes, _ratio(0.27), _GB_PER_S, zstd_ratio=0.15 / 0.27),
+    CodecModel("topk", True, _topk_bytes, _topk_ratio, _GB_PER_S),
+)}
+"""Every codec's model, by name."""
+
+if set(MODELS) != set(CODEC_PARAMS):
+    raise ImportError(f"fedpipe.wire.codecmodel and fedpipe.spec.CODEC_PARAMS disagree on the "
+                      f"codecs: {sorted(set(MODELS) ^ set(CODEC_PARAMS))}")
+
+
+def model(spec: CodecSpec) -> CodecModel:
+    """The model of the codec ``spec`` names (a parsed spec names a known codec)."""
+    return MODELS[spec.name]
