@@ -9,7 +9,7 @@ Every server comes from :func:`server`, which also
 - refuses to share its port (gRPC sets ``SO_REUSEPORT`` on Linux by default,
   so a second server on a held port would start and the kernel would split
   connections between the two);
-- keeps threads for control calls: data-plane streams (:data:`DATA_METHODS`)
+- keeps threads for control calls: data-plane streams (:data:`STREAMING_METHODS`)
   may hold at most :data:`DATA_CALLS` of its :data:`SERVER_THREADS` threads,
   so a swarm's worth of open streams never stops a node answering Ping or the
   tracker taking heartbeats, and one caller at most :data:`PEER_DATA_CALLS`, so
@@ -72,7 +72,7 @@ _SERVER_OPTIONS = _OPTIONS + [
 SERVER_THREADS = 64
 """Threads of a server's pool: the most calls it runs at once."""
 DATA_CALLS = 48
-"""The most data-plane calls (:data:`DATA_METHODS`) a server runs at once; the other
+"""The most data-plane calls (:data:`STREAMING_METHODS`) a server runs at once; the other
 ``SERVER_THREADS - DATA_CALLS`` threads are kept for control calls. A node holds one
 inbound stream per neighbouring stage and peer replica, so 48 leave room for many stages."""
 PEER_DATA_CALLS = 24
@@ -94,20 +94,17 @@ TRACKER_CLIENT_DATA_CALLS = 16
 for each of its at most 8 jobs."""
 
 
-def _method(service, name: str) -> str:
-    return f"/{service.full_name}/{service.methods_by_name[name].name}"
-
-
-_NODE = node_pb2.DESCRIPTOR.services_by_name["Node"]
-_TRACKER = tracker_pb2.DESCRIPTOR.services_by_name["Tracker"]
-DATA_METHODS = frozenset({
-    _method(_NODE, "Send"),          # tensors from peers and the client's feed
-    _method(_NODE, "FetchState"),    # a stage's weights to a client
-    _method(_NODE, "PutSnapshot"),   # a checkpoint snapshot to its buddy
-    _method(_NODE, "FetchSnapshot"),  # a snapshot to the node restoring a stage
-    _method(_TRACKER, "WatchJob"),   # a job's events, for as long as it runs
-})
-"""Full gRPC method names of the long-lived data-plane calls, which :func:`server` caps."""
+STREAMING_METHODS = frozenset(
+    f"/{service.full_name}/{m.name}"
+    for proto in (node_pb2, tracker_pb2) for service in proto.DESCRIPTOR.services_by_name.values()
+    for m in service.methods if m.client_streaming or m.server_streaming)
+"""Full gRPC method names of the streaming calls, the long-lived data-plane calls that
+:func:`server` caps: a node's ``Send`` (tensors from peers and the client's feed),
+``FetchState`` (a stage's weights to a client), ``PutSnapshot`` (a checkpoint snapshot to
+its buddy) and ``FetchSnapshot`` (a snapshot to the node restoring a stage), and the
+tracker's ``WatchJob`` (a job's events, for as long as it runs). Not the methods whose
+messages are wire frames: those are :data:`fedpipe.wire.rpc.FRAME_METHODS` (the unary
+``SendOne`` is one of them, and is not capped)."""
 
 T = TypeVar("T")
 
@@ -319,7 +316,8 @@ class Server(grpc.Server):
         return self._inner.wait_for_termination(timeout)
 
 
-def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] = DATA_METHODS,
+def server(max_workers: int = SERVER_THREADS, *,
+           data_methods: Collection[str] = STREAMING_METHODS,
            data_calls: int | None = None, peer_calls: int = PEER_DATA_CALLS,
            client_calls: int = CLIENT_DATA_CALLS, tls: TlsConfig | None = None) -> Server:
     """A thread-pool gRPC server with fedpipe's options; add servicers, then :func:`bind`.
@@ -334,7 +332,7 @@ def server(max_workers: int = SERVER_THREADS, *, data_methods: Collection[str] =
             the policy table is enforced. None: plaintext, every call admitted
             with no identity.
         max_workers: threads, the most calls it runs at once.
-        data_methods: full names of the data-plane methods (long-lived streams).
+        data_methods: full names of the data-plane methods (long-lived streams), capped.
         data_calls: the most ``data_methods`` calls it runs at once (see
             :class:`DataCallLimit`); the other threads are kept for control calls.
             Default: :data:`DATA_CALLS` of :data:`SERVER_THREADS`, in proportion.

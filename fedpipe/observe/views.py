@@ -29,7 +29,7 @@ from ..planner.simulate import stage_costs
 from ..planner.types import StageTime
 from ..proto import node_pb2, tracker_pb2
 from ..recovery_text import recovery_headline, recovery_what
-from ..spec import ACTIVE, TERMINAL, PlanView, StageKey, state_name
+from ..spec import ACTIVE, TERMINAL, StageKey, state_name
 
 # ---------------------------------------------------------------------------
 # Steps

@@ -4,7 +4,7 @@ Every method is found from the generated service descriptors
 (``fedpipe.v1.Tracker`` in :mod:`fedpipe.proto.tracker_pb2`, ``fedpipe.v1.Node``
 in :mod:`fedpipe.proto.node_pb2`); the data-plane methods whose requests are
 wire frames, not protobuf (``Send``, ``SendOne``, ``PutSnapshot``:
-:data:`fedpipe.wire.rpc.DATA_IN`, contract
+:data:`fedpipe.wire.rpc.FRAMES_IN`, contract
 ``protos/fedpipe/v1/FRAMES.md``), get frame sequences. Calls go over gRPC as
 raw bytes, so nothing on the client side checks or fixes what is sent.
 
@@ -130,7 +130,7 @@ class Method:
 
 def methods(service: _descriptor.ServiceDescriptor) -> list[Method]:
     """Every RPC of ``service`` (a generated service descriptor), in declaration order."""
-    frames_in = rpc.DATA_IN if service.full_name == rpc.SERVICE else frozenset()
+    frames_in = rpc.FRAMES_IN if service.full_name == rpc.SERVICE else frozenset()
     return [Method(f"/{service.full_name}/{m.name}", m.input_type, m.client_streaming,
                    m.server_streaming, m.name in frames_in) for m in service.methods]
 

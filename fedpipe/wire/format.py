@@ -1,7 +1,7 @@
 """The data plane's frame format: one gRPC message <-> (header, payload piece). No torch.
 
 The data-plane methods (``Send``, ``PutSnapshot`` requests; ``FetchState``,
-``FetchSnapshot`` replies; :data:`fedpipe.wire.rpc.DATA_METHODS`) carry raw
+``FetchSnapshot`` replies; :data:`fedpipe.wire.rpc.FRAME_METHODS`) carry raw
 bytes, not protobuf messages: protobuf would copy a tensor's payload on every
 serialization and parse. Each gRPC message is one *frame*, a fixed prefix and
 then either a header and the first payload piece (HEAD) or only payload bytes

@@ -28,14 +28,15 @@ from ..proto import node_pb2, node_pb2_grpc
 
 _NODE = node_pb2.DESCRIPTOR.services_by_name["Node"]
 SERVICE = _NODE.full_name
-DATA_STREAM_IN = frozenset({"Send", "PutSnapshot"})
-"""Methods whose request streams are wire frames."""
-DATA_IN = DATA_STREAM_IN | {"SendOne"}
-"""Methods whose requests are wire frames (``SendOne``: its one request)."""
-DATA_STREAM_OUT = frozenset({"FetchState", "FetchSnapshot"})
-"""Methods whose replies are wire frames."""
-DATA_METHODS = frozenset(f"/{SERVICE}/{m}" for m in DATA_IN | DATA_STREAM_OUT)
-"""Full names of the methods that carry wire frames."""
+FRAME_STREAMS_IN = frozenset({"Send", "PutSnapshot"})
+"""Node methods whose request streams are wire frames."""
+FRAMES_IN = FRAME_STREAMS_IN | {"SendOne"}
+"""Node methods whose requests are wire frames (``SendOne``: its one request)."""
+FRAMES_OUT = frozenset({"FetchState", "FetchSnapshot"})
+"""Node methods whose replies are wire frames."""
+FRAME_METHODS = frozenset(f"/{SERVICE}/{m}" for m in FRAMES_IN | FRAMES_OUT)
+"""Full names of the methods that carry wire frames (bytes, no protobuf serializer).
+Not the set a server caps: that is :data:`fedpipe.net.STREAMING_METHODS`."""
 SEND = f"/{SERVICE}/Send"
 SEND_ONE = f"/{SERVICE}/SendOne"
 
@@ -90,8 +91,8 @@ def add_node_servicer(servicer: node_pb2_grpc.NodeServicer, server: grpc.Server)
         behaviour: Callable = getattr(servicer, m.name)
         request = message_factory.GetMessageClass(m.input_type)
         reply = message_factory.GetMessageClass(m.output_type)
-        de = None if m.name in DATA_IN else request.FromString
-        ser = None if m.name in DATA_STREAM_OUT else reply.SerializeToString
+        de = None if m.name in FRAMES_IN else request.FromString
+        ser = None if m.name in FRAMES_OUT else reply.SerializeToString
         shape = {(False, False): grpc.unary_unary_rpc_method_handler,
                  (False, True): grpc.unary_stream_rpc_method_handler,
                  (True, False): grpc.stream_unary_rpc_method_handler,
