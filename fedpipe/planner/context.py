@@ -118,7 +118,8 @@ class PlanContext:
         inner = self.boundary[1:self.L]
         x = float(np.median(inner)) if inner.size else float(self.profile.input_bytes * self.mb)
         one_way = x / self.bw + self.lat
-        return one_way + one_way.T
+        both: np.ndarray = one_way + one_way.T
+        return both
 
 
 def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -> None:

@@ -45,13 +45,17 @@ from .evaluate import Evaluator, Split, allocate_microbatches, build_plan, polis
 from .partition import GroupSolution, stage_costs, describe
 from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
 
+ChainSplit = tuple[float, tuple[int, ...], list[tuple[int, int, int]]]
+"""A chain's least bottleneck (seconds per microbatch), its nodes in order, and its
+stages as ``(position, layer_start, layer_end)``."""
+
 MAX_NODES = 8
 MAX_RING_ORDERS = 4
 """Groupings of up to this many groups are scored in every ring order."""
 
 
 def _chains_minmax(ctx: PlanContext
-                   ) -> dict[frozenset[int], list[tuple[float, tuple[int, ...], list]]]:
+                   ) -> dict[frozenset[int], list[ChainSplit]]:
     """Every ordered chain's least bottleneck (seconds per microbatch) and the
     split that gives it (``(position, layer_start, layer_end)`` per stage),
     grouped by node set.
@@ -73,13 +77,14 @@ def _chains_minmax(ctx: PlanContext
         return mats[key]
 
     twin = twins(ctx)
-    out: dict[frozenset[int], list[tuple[float, tuple[int, ...], list]]] = {}
+    out: dict[frozenset[int], list[ChainSplit]] = {}
     max_len = min(n, L) if not ctx.config.stages else ctx.config.stages
     rows = np.arange(L + 1)
 
     def visit(suffix: tuple[int, ...], row: np.ndarray, arg: list[np.ndarray]) -> None:
         if math.isfinite(row[0]) and (not ctx.config.stages or len(suffix) == ctx.config.stages):
-            stages, k = [], 0
+            stages: list[tuple[int, int, int]] = []
+            k = 0
             for pos in range(len(suffix)):
                 j = int(arg[pos][k]) if pos < len(suffix) - 1 else L
                 stages.append((pos, k, j))
@@ -127,7 +132,8 @@ def twins(ctx: PlanContext) -> list[int]:
 def _set_partitions(items: Sequence[int]) -> Iterator[tuple[list[list[int]], list[int]]]:
     """Every way to put each item into one of several unordered blocks or leave
     it out: yields ``(blocks, left_out)``."""
-    def rec(i: int, blocks: list[list[int]], out: list[int]):
+    def rec(i: int, blocks: list[list[int]], out: list[int]
+            ) -> Iterator[tuple[list[list[int]], list[int]]]:
         if i == len(items):
             if blocks:
                 yield [list(b) for b in blocks], list(out)

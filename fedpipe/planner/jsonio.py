@@ -15,12 +15,16 @@ from typing import Any
 from .types import (ClusterView, DEFAULT_LINK, LayerProfile, Link, ModelProfile, NodeSpec, Plan,
                     ReplicaGroup, StagePlan, TrainConfig)
 
+JsonObject = dict[str, Any]
+"""A JSON object as :func:`json.loads` gives it."""
+
 
 class JsonFormatError(ValueError):
     """A JSON object does not follow the planner's format: the message says where and why."""
 
 
-def _number(obj: dict, keys: dict[str, float], where: str, default: float | None = None) -> float:
+def _number(obj: JsonObject, keys: dict[str, float], where: str,
+            default: float | None = None) -> float:
     """The value of the first of ``keys`` present, times its unit factor."""
     for key, factor in keys.items():
         if key in obj:
@@ -33,7 +37,7 @@ def _number(obj: dict, keys: dict[str, float], where: str, default: float | None
     return default
 
 
-def link_from_json(obj: dict, where: str = "link") -> Link:
+def link_from_json(obj: JsonObject, where: str = "link") -> Link:
     """A :class:`Link` from ``{"bandwidth"|"gbps"|"mbps": ..., "latency_s"|"latency_ms": ...}``.
 
     Raises:
@@ -47,7 +51,7 @@ def link_from_json(obj: dict, where: str = "link") -> Link:
     return Link(bw, _number(obj, {"latency_s": 1.0, "latency_ms": 1e-3}, where, 0.0))
 
 
-def _link_json(link: Link) -> dict:
+def _link_json(link: Link) -> JsonObject:
     return {"bandwidth": link.bandwidth, "latency_s": link.latency}
 
 
@@ -68,7 +72,7 @@ def _pairs(entries: Any, where: str) -> dict[tuple[str, str], Link]:
     return out
 
 
-def cluster_from_json(obj: dict) -> ClusterView:
+def cluster_from_json(obj: JsonObject) -> ClusterView:
     """A :class:`ClusterView` from its JSON form (see ``docs/planner.md``).
 
     Keys: ``nodes`` (list of ``{"id", "flops"|"tflops", "memory_bytes"|"memory_gb",
@@ -112,9 +116,9 @@ def cluster_from_json(obj: dict) -> ClusterView:
     return ClusterView(nodes, _pairs(obj.get("links", []), "links"), default, site_links)
 
 
-def cluster_to_json(cluster: ClusterView) -> dict:
+def cluster_to_json(cluster: ClusterView) -> JsonObject:
     """The JSON form of a cluster (every link listed one way, bytes/s and seconds)."""
-    def pairs(links: dict[tuple[str, str], Link]) -> list[dict]:
+    def pairs(links: dict[tuple[str, str], Link]) -> list[JsonObject]:
         return [{"from": a, "to": b, **_link_json(lk), "symmetric": False}
                 for (a, b), lk in links.items()]
 
@@ -124,7 +128,7 @@ def cluster_to_json(cluster: ClusterView) -> dict:
             "site_links": pairs(cluster.site_links), "links": pairs(cluster.links)}
 
 
-def profile_from_json(obj: dict) -> ModelProfile:
+def profile_from_json(obj: JsonObject) -> ModelProfile:
     """A :class:`ModelProfile` from ``{"layers": [{"name", "flops", "activation_bytes",
     "parameter_bytes", "count"}], "input_bytes", "element_bytes"}``.
 
@@ -151,7 +155,7 @@ def profile_from_json(obj: dict) -> ModelProfile:
     return ModelProfile(layers, int(obj.get("input_bytes", 0)), int(obj.get("element_bytes", 4)))
 
 
-def profile_to_json(profile: ModelProfile) -> dict:
+def profile_to_json(profile: ModelProfile) -> JsonObject:
     """The JSON form of a profile (one entry per layer)."""
     return {"input_bytes": profile.input_bytes, "element_bytes": profile.element_bytes,
             "layers": [{"name": la.name, "flops": la.flops, "activation_bytes": la.activation_bytes,
@@ -162,7 +166,7 @@ _CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "state_factor", "stage
                 "compression", "activation_compression", "gradient_compression", "sync_every")
 
 
-def config_from_json(obj: dict) -> TrainConfig:
+def config_from_json(obj: JsonObject) -> TrainConfig:
     """A :class:`TrainConfig` from an object with its field names as keys.
 
     Raises:
@@ -176,12 +180,12 @@ def config_from_json(obj: dict) -> TrainConfig:
     return TrainConfig(**obj)
 
 
-def config_to_json(config: TrainConfig) -> dict:
+def config_to_json(config: TrainConfig) -> JsonObject:
     """The JSON form of a config."""
     return {k: getattr(config, k) for k in _CONFIG_KEYS if getattr(config, k) is not None}
 
 
-def plan_to_json(plan: Plan) -> dict:
+def plan_to_json(plan: Plan) -> JsonObject:
     """The JSON form of a plan: its fields, groups and stages as nested objects."""
     return {
         "predicted_step_seconds": plan.predicted_step_seconds,
@@ -198,7 +202,7 @@ def plan_to_json(plan: Plan) -> dict:
     }
 
 
-def plan_from_json(obj: dict) -> Plan:
+def plan_from_json(obj: JsonObject) -> Plan:
     """The :class:`Plan` of :func:`plan_to_json`'s output.
 
     Raises:

@@ -89,7 +89,8 @@ def _in_flight_bound(ctx: PlanContext, m: int, i: int, n: int) -> np.ndarray | i
     if ctx.config.schedule == "gpipe":
         return m
     later = np.minimum(n - 1 - i, ctx.L - np.arange(ctx.L + 1))
-    return np.minimum(m, 1 + np.maximum(later, 0))
+    bound: np.ndarray = np.minimum(m, 1 + np.maximum(later, 0))
+    return bound
 
 
 def stage_costs(ctx: PlanContext, node: int, nxt: int | None,
@@ -179,7 +180,9 @@ def solve_chain(ctx: PlanContext, chain: Sequence[int], microbatches: int,
     return _min_sigma(ctx, chain, microbatches, W, mats, taus, rewards * taus, exact)
 
 
-def _min_sigma(ctx, chain, m, W, mats, taus, rewards, exact) -> GroupSolution | None:
+def _min_sigma(ctx: PlanContext, chain: Sequence[int], m: int, W: int,
+               mats: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]], taus: np.ndarray,
+               rewards: np.ndarray, exact: bool) -> GroupSolution | None:
     """Second pass: for each threshold ``taus[t]``, the split with the least
     ``sigma - rewards[t] · stages`` whose stages all cost at most the threshold;
     returns the best (see :func:`solve_chain`)."""
@@ -232,7 +235,8 @@ def _min_sigma(ctx, chain, m, W, mats, taus, rewards, exact) -> GroupSolution | 
     return found
 
 
-def _trace(args, t: int, i0: int) -> tuple[tuple[int, int, int], ...]:
+def _trace(args: Sequence[tuple[np.ndarray, np.ndarray]], t: int, i0: int
+           ) -> tuple[tuple[int, int, int], ...]:
     """Follow the second pass's choices for threshold ``t`` from chain position
     ``i0``, layer 0: the stages as ``(position, layer_start, layer_end)``."""
     stages = []

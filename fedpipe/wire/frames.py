@@ -15,7 +15,7 @@ once each way, as it does for raw-bytes calls.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -94,7 +94,7 @@ def _reserve(nbytes: int) -> memoryview:
         raise WireError(f"cannot reserve {nbytes} bytes for a tensor's payload: {e}") from None
 
 
-def encode_frames(t: torch.Tensor, codec: str = "raw", **kw) -> Iterator[Frame]:
+def encode_frames(t: torch.Tensor, codec: str = "raw", **kw: Any) -> Iterator[Frame]:
     """Encode ``t`` with ``codec`` (:func:`fedpipe.wire.codecs.encode_payload`) and
     split it; ``kw`` (``envelope``, ``name``, ``chunk_bytes``) goes to :func:`to_frames`."""
     msg, payload = codecs.encode_payload(t, codec)

@@ -19,7 +19,7 @@ payload. Every other Node method keeps its protobuf serializers.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import grpc
 from google.protobuf import message_factory
@@ -52,7 +52,7 @@ class NodeStub(node_pb2_grpc.NodeStub):
     """
 
     def __init__(self, channel: grpc.Channel):
-        super().__init__(channel)
+        super().__init__(channel)  # type: ignore[no-untyped-call]  # generated, untyped
         reply = node_pb2.SendReply.FromString
         self.Send = channel.stream_unary(SEND, response_deserializer=reply)
         self.send_one = channel.unary_unary(SEND_ONE, response_deserializer=reply)
@@ -66,7 +66,7 @@ class NodeStub(node_pb2_grpc.NodeStub):
             request_serializer=node_pb2.FetchSnapshotRequest.SerializeToString)
 
 
-def send(stub: NodeStub, frames: Iterable[bytes], **kw) -> node_pb2.SendReply:
+def send(stub: NodeStub, frames: Iterable[bytes], **kw: Any) -> node_pb2.SendReply:
     """One ``Send`` call carrying ``frames``; ``kw`` (``timeout``, ...) goes to the call.
 
     A single frame goes as a unary call of ``SendOne``; more are streamed as
@@ -74,9 +74,12 @@ def send(stub: NodeStub, frames: Iterable[bytes], **kw) -> node_pb2.SendReply:
     """
     it = iter(frames)
     first = list(itertools.islice(it, 2))
+    reply: node_pb2.SendReply  # grpc's calls are untyped
     if len(first) == 1:
-        return stub.send_one(first[0], **kw)
-    return stub.Send(itertools.chain(first, it), **kw)
+        reply = stub.send_one(first[0], **kw)
+    else:
+        reply = stub.Send(itertools.chain(first, it), **kw)
+    return reply
 
 
 def add_node_servicer(servicer: node_pb2_grpc.NodeServicer, server: grpc.Server) -> None:
@@ -88,7 +91,7 @@ def add_node_servicer(servicer: node_pb2_grpc.NodeServicer, server: grpc.Server)
     """
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for m in _NODE.methods:
-        behaviour: Callable = getattr(servicer, m.name)
+        behaviour: Callable[..., Any] = getattr(servicer, m.name)
         request = message_factory.GetMessageClass(m.input_type)
         reply = message_factory.GetMessageClass(m.output_type)
         de = None if m.name in FRAMES_IN else request.FromString
