@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector,
                                ProcessCollector)
@@ -265,16 +265,7 @@ class SwarmCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         f = {d.name: self._family(d.name) for d in METRICS if d.exporter == "tracker"}
-        nodes = self.source.nodes(include_lost=True)
-        names = {n.node_id: n.name for n in nodes}
-        for n in nodes:
-            f["fedpipe_node_alive"].add_metric([n.node_id, n.name], 1.0 if n.alive else 0.0)
-            f["fedpipe_node_flops"].add_metric([n.node_id, n.name, n.resources.device],
-                                               n.resources.flops)
-            f["fedpipe_node_memory_bytes"].add_metric([n.node_id, n.name],
-                                                      n.resources.memory_bytes)
-            f["fedpipe_node_last_heartbeat_timestamp_seconds"].add_metric(
-                [n.node_id, n.name], n.last_heartbeat)
+        names = self._nodes(f)
         for m in self.source.links():
             pair = [names.get(m.src_id, m.src_id), names.get(m.dst_id, m.dst_id)]
             f["fedpipe_link_bandwidth_bytes_per_second"].add_metric(pair, m.bandwidth)
@@ -290,34 +281,50 @@ class SwarmCollector(Collector):
                 info = self.source.job(job_id)
             except KeyError:  # gone between the two reads
                 continue
-            history = self.histories.get(job_id)
-            f["fedpipe_job_state"].add_metric([job_id, info.name, state_name(info.state)], 1.0)
-            f["fedpipe_job_step"].add_metric([job_id], info.step)
-            f["fedpipe_job_steps"].add_metric([job_id], info.steps)
-            if info.step:
-                f["fedpipe_job_loss"].add_metric([job_id], info.loss)
-            if history.last is not None:
-                f["fedpipe_job_samples_per_second"].add_metric(
-                    [job_id], history.last.samples_per_second)
-            f["fedpipe_job_recoveries_total"].add_metric([job_id], len(info.recoveries))
-            if info.plan.predicted_step_seconds:
-                f["fedpipe_job_step_seconds"].add_metric([job_id, "predicted"],
-                                                         info.plan.predicted_step_seconds)
-            measured = measured_step_seconds(history.records)
-            if measured is not None:
-                f["fedpipe_job_step_seconds"].add_metric([job_id, "measured"], measured)
-            for t in stage_times_of(self.source, job_id):
-                for part, seconds in zip(PARTS, (t.compute, t.wait, t.send)):
-                    f["fedpipe_job_stage_step_seconds"].add_metric(
-                        [job_id, str(t.replica), str(t.stage), part], seconds)
-            view = PlanView(info.plan)
-            for chain in view.chains():
-                for a, b in zip(chain, chain[1:]):
-                    f["fedpipe_link_codec_info"].add_metric(
-                        [job_id, a.node_name, b.node_name, "activation", a.activation_codec], 1)
-                    f["fedpipe_link_codec_info"].add_metric(
-                        [job_id, b.node_name, a.node_name, "gradient", b.gradient_codec], 1)
+            self._job(f, job_id, info)
         yield from f.values()
+
+    def _nodes(self, f: dict[str, Any]) -> dict[str, str]:
+        """Add every node's series to ``f``; returns node names by id."""
+        nodes = self.source.nodes(include_lost=True)
+        for n in nodes:
+            f["fedpipe_node_alive"].add_metric([n.node_id, n.name], 1.0 if n.alive else 0.0)
+            f["fedpipe_node_flops"].add_metric([n.node_id, n.name, n.resources.device],
+                                               n.resources.flops)
+            f["fedpipe_node_memory_bytes"].add_metric([n.node_id, n.name],
+                                                      n.resources.memory_bytes)
+            f["fedpipe_node_last_heartbeat_timestamp_seconds"].add_metric(
+                [n.node_id, n.name], n.last_heartbeat)
+        return {n.node_id: n.name for n in nodes}
+
+    def _job(self, f: dict[str, Any], job_id: str, info: tracker_pb2.JobInfo) -> None:
+        """Add an active job's series to ``f``: progress, step times, stages, codecs."""
+        history = self.histories.get(job_id)
+        f["fedpipe_job_state"].add_metric([job_id, info.name, state_name(info.state)], 1.0)
+        f["fedpipe_job_step"].add_metric([job_id], info.step)
+        f["fedpipe_job_steps"].add_metric([job_id], info.steps)
+        if info.step:
+            f["fedpipe_job_loss"].add_metric([job_id], info.loss)
+        if history.last is not None:
+            f["fedpipe_job_samples_per_second"].add_metric(
+                [job_id], history.last.samples_per_second)
+        f["fedpipe_job_recoveries_total"].add_metric([job_id], len(info.recoveries))
+        if info.plan.predicted_step_seconds:
+            f["fedpipe_job_step_seconds"].add_metric([job_id, "predicted"],
+                                                     info.plan.predicted_step_seconds)
+        measured = measured_step_seconds(history.records)
+        if measured is not None:
+            f["fedpipe_job_step_seconds"].add_metric([job_id, "measured"], measured)
+        for t in stage_times_of(self.source, job_id):
+            for part, seconds in zip(PARTS, (t.compute, t.wait, t.send)):
+                f["fedpipe_job_stage_step_seconds"].add_metric(
+                    [job_id, str(t.replica), str(t.stage), part], seconds)
+        for chain in PlanView(info.plan).chains():
+            for a, b in zip(chain, chain[1:]):
+                f["fedpipe_link_codec_info"].add_metric(
+                    [job_id, a.node_name, b.node_name, "activation", a.activation_codec], 1)
+                f["fedpipe_link_codec_info"].add_metric(
+                    [job_id, b.node_name, a.node_name, "gradient", b.gradient_codec], 1)
 
 
 def tracker_registry(source: Source, histories: Histories | None = None) -> CollectorRegistry:

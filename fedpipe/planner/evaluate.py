@@ -282,6 +282,32 @@ POLISH_MAX_STAGES = 24
 """Plans with more stages than this (all groups together) are not polished."""
 
 
+def _polish_moves(splits: Sequence[Split], micro: Sequence[int], best: Plan
+                  ) -> list[tuple[list[int], list[Split], list[int]]]:
+    """:func:`polish`'s tries from ``splits``: each (the groups it changes, every group's
+    split, microbatches per group). First every stage boundary shifted by one layer, then
+    one microbatch moved from the slowest group of ``best`` to its fastest."""
+    tries: list[tuple[list[int], list[Split], list[int]]] = []
+    for g, (nodes, ranges) in enumerate(splits):
+        for b in range(len(ranges) - 1):
+            for delta in (-1, 1):
+                cut = ranges[b][1] + delta
+                if ranges[b][0] < cut < ranges[b + 1][1]:
+                    cand = list(splits)
+                    cand[g] = (nodes, [*ranges[:b], (ranges[b][0], cut),
+                                       (cut, ranges[b + 1][1]), *ranges[b + 2:]])
+                    tries.append(([g], cand, list(micro)))
+    if len(splits) > 1:
+        times = [grp.predicted_seconds for grp in best.groups]
+        slow, fast = times.index(max(times)), times.index(min(times))
+        if micro[slow] > 1:
+            moved = list(micro)
+            moved[slow] -= 1
+            moved[fast] += 1
+            tries.append((list(range(len(splits))), list(splits), moved))
+    return tries
+
+
 def polish(ctx: PlanContext, groups: Sequence[Split], micro: Sequence[int], rounds: int = 10,
            deadline: float = math.inf) -> Plan:
     """:func:`build_plan`, then hill climbing on the simulator's step time.
@@ -304,25 +330,7 @@ def polish(ctx: PlanContext, groups: Sequence[Split], micro: Sequence[int], roun
 
     for _ in range(rounds):
         improved = False
-        # each try: (the groups it changes, every group's split, microbatches per group)
-        tries: list[tuple[list[int], list[Split], list[int]]] = []
-        for g, (nodes, ranges) in enumerate(splits):
-            for b in range(len(ranges) - 1):
-                for delta in (-1, 1):
-                    cut = ranges[b][1] + delta
-                    if ranges[b][0] < cut < ranges[b + 1][1]:
-                        cand = list(splits)
-                        cand[g] = (nodes, [*ranges[:b], (ranges[b][0], cut),
-                                           (cut, ranges[b + 1][1]), *ranges[b + 2:]])
-                        tries.append(([g], cand, micro))
-        if len(splits) > 1:
-            times = [grp.predicted_seconds for grp in best.groups]
-            slow, fast = times.index(max(times)), times.index(min(times))
-            if micro[slow] > 1:
-                moved = list(micro)
-                moved[slow] -= 1
-                moved[fast] += 1
-                tries.append((list(range(len(splits))), list(splits), moved))
+        tries = _polish_moves(splits, micro, best)
         for changed, cand, m in tries:
             if time.perf_counter() > deadline:
                 return best

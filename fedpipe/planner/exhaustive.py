@@ -165,11 +165,29 @@ def exhaustive_plan(cluster: ClusterView, profile: ModelProfile, config: TrainCo
     if len(cluster.nodes) > MAX_NODES:
         raise ValueError(f"brute force takes at most {MAX_NODES} nodes, got {len(cluster.nodes)}")
     ctx = PlanContext(cluster, profile, config)
-    M = ctx.M
-    # 1-2: per node subset, the orders whose min-max split is best for some
-    # microbatch count or whose bottleneck is among the least, split again by
-    # the full program; keep every split that is best for some count
     ev = Evaluator(ctx, window=1, exact_up_to=0)
+    kept = _kept_splits(ctx, ev, orders_per_subset, described)
+    scored = _top_groupings(ctx, ev, kept, top_k)
+    # 4: the best few, split again and simulated
+    # (simulated step seconds, rank as a tie-break, splits, microbatches per group)
+    plans: list[tuple[float, int, list[Split], tuple[int, ...]]] = []
+    for _, grouping in scored[:top_k]:
+        cand = ev.estimate(grouping, refine=True)
+        if cand is not None:
+            groups: list[Split] = [(s.nodes, s.ranges) for s in cand.solutions]
+            plans.append((build_plan(ctx, groups, cand.microbatches).predicted_step_seconds,
+                          len(plans), groups, cand.microbatches))
+    plans.sort()
+    return min((polish(ctx, groups, micro) for _, _, groups, micro in plans[:polished]),
+               key=lambda p: p.predicted_step_seconds)
+
+
+def _kept_splits(ctx: PlanContext, ev: Evaluator, orders_per_subset: int, described: int
+                 ) -> dict[frozenset[int], list[GroupSolution]]:
+    """Steps 1-2: per node subset, the orders whose min-max split is best for some
+    microbatch count or whose bottleneck is among the least, split again by the
+    full program; kept: every split that is best for some count."""
+    M = ctx.M
     kept: dict[frozenset[int], list[GroupSolution]] = {}
     for key, chains in _chains_minmax(ctx).items():
         first = [describe(ctx, chain, stages, M) for _, chain, stages in sorted(chains)[:described]]
@@ -178,13 +196,27 @@ def exhaustive_plan(cluster: ClusterView, profile: ModelProfile, config: TrainCo
         sols = first + [s for s in (ev.solve(c, M) for c in sorted(picks)) if s is not None]
         best = {id(min(sols, key=lambda s: s.seconds(m))) for m in range(1, M + 1)}
         kept[key] = [s for s in sols if id(s) in best]
-    # 3: every grouping, scored analytically; keep the top_k (a max-heap of the
-    # negated scores); a grouping whose slowest group alone cannot make the
-    # top_k is skipped, and ring orders are tried only when the all-reduce shows
-    top: list[tuple[float, int, tuple[tuple[int, ...], ...]]] = []
+    return kept
+
+
+Grouping = tuple[tuple[int, ...], ...]
+"""Replica groups as their chains of node indices."""
+
+
+def _top_groupings(ctx: PlanContext, ev: Evaluator, kept: dict[frozenset[int], list[GroupSolution]],
+                   top_k: int) -> list[tuple[float, Grouping]]:
+    """Step 3: every grouping, scored analytically; the ``top_k`` best as ``(score,
+    grouping)``, best first. A grouping whose slowest group alone cannot make the
+    top_k is skipped, and ring orders are tried only when the all-reduce shows.
+
+    Raises:
+        PlanError: no grouping fits the nodes' memory.
+    """
+    M = ctx.M
+    top: list[tuple[float, int, Grouping]] = []  # a max-heap of the negated scores
     counter = itertools.count()
 
-    def offer(score: float, chains: tuple[tuple[int, ...], ...]) -> None:
+    def offer(score: float, chains: Grouping) -> None:
         item = (-score, next(counter), chains)
         if len(top) < top_k:
             heapq.heappush(top, item)
@@ -192,7 +224,7 @@ def exhaustive_plan(cluster: ClusterView, profile: ModelProfile, config: TrainCo
             heapq.heapreplace(top, item)
 
     for blocks, _ in _set_partitions(list(range(ctx.n))):
-        if len(blocks) > M or config.replicas not in (0, len(blocks)) \
+        if len(blocks) > M or ctx.config.replicas not in (0, len(blocks)) \
                 or any(not kept.get(frozenset(b)) for b in blocks):
             continue
         for combo in itertools.product(*(kept[frozenset(b)] for b in blocks)):
@@ -213,16 +245,4 @@ def exhaustive_plan(cluster: ClusterView, profile: ModelProfile, config: TrainCo
                           tuple(s.nodes for s in sols))
     if not top:
         raise PlanError("brute force: no grouping fits the nodes' memory")
-    scored = sorted((-neg, chains) for neg, _, chains in top)
-    # 4: the best few, split again and simulated
-    # (simulated step seconds, rank as a tie-break, splits, microbatches per group)
-    plans: list[tuple[float, int, list[Split], tuple[int, ...]]] = []
-    for _, grouping in scored[:top_k]:
-        cand = ev.estimate(grouping, refine=True)
-        if cand is not None:
-            groups: list[Split] = [(s.nodes, s.ranges) for s in cand.solutions]
-            plans.append((build_plan(ctx, groups, cand.microbatches).predicted_step_seconds,
-                          len(plans), groups, cand.microbatches))
-    plans.sort()
-    return min((polish(ctx, groups, micro) for _, _, groups, micro in plans[:polished]),
-               key=lambda p: p.predicted_step_seconds)
+    return sorted((-neg, chains) for neg, _, chains in top)
