@@ -3,7 +3,7 @@
 Nothing here does I/O (except :mod:`~fedpipe.planner.jsonio`, which only
 converts JSON-shaped objects) or imports torch; see :func:`make_plan`.
 
-Modules: ``types`` (dataclasses), ``codecs`` (codec names and sizes), ``costs``
+Modules: ``types`` (dataclasses), ``codecs`` (codec prices and choices), ``costs``
 (the cost model), ``context`` (precomputed arrays), ``partition`` (the min-max
 layer split), ``ordering`` (bottleneck path, locality order), ``grouping``
 (replica groups), ``evaluate`` (estimate and plan building), ``simulate`` (the

@@ -1,7 +1,8 @@
 """The wire format: tensors <-> frames (:mod:`.format`, :mod:`.frames`), codecs, data-plane RPCs.
 
 Names are imported on first use (PEP 562), so ``fedpipe.wire.format`` (the
-frame prefix and header, no torch) loads without torch, for the tracker and the
+frame prefix and header) and ``fedpipe.wire.codecmodel`` (each codec's sizes
+and costs, which the planner reads) load without torch, for the tracker and the
 security layer; ``fedpipe.wire.WireError`` and the codec names load
 :mod:`.codecs` (and torch) when first asked for.
 """
