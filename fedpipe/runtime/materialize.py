@@ -321,3 +321,20 @@ def meta_profile(model: Sequence[nn.Module], sample: torch.Tensor) -> ModelProfi
         x = y
     return ModelProfile(layers=layers, input_bytes=_nbytes(sample) // n,
                         element_bytes=element_bytes)
+
+
+def sum_tied_gradients(layers: Sequence[nn.Module], ties: Sequence[TiedGroup]) -> None:
+    """Give every copy of a tied parameter the sum of the copies' gradients (a copy
+    without a gradient counts as zero), in place, before the optimizer step: each copy
+    then moves as the one tied parameter would, so the copies stay equal (Megatron-LM's
+    embedding all-reduce, here in one process; across stages it is an all-reduce of
+    these gradients between the copies' nodes). A gradient clip must count a group
+    once."""
+    for group in ties:
+        params = [_source_tensor(layers[i], name, i) for i, name in group]
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            continue
+        total = torch.stack(grads).sum(0)
+        for p in params:
+            p.grad = total.clone()
