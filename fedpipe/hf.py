@@ -166,7 +166,7 @@ class HFInit:
     ``transformers``' ``initialize_weights`` does; draws from the forked, seeded global
     RNG. Picklable: the model's class and its config."""
 
-    def __init__(self, model_class: type, config: Any):
+    def __init__(self, model_class: Any, config: Any):
         self.model_class = model_class
         self.config = config
 
@@ -220,8 +220,9 @@ def _copy_head(lm_head: nn.Linear) -> nn.Linear:
     return head
 
 
-def sequential(model: nn.Module) -> HFLayers:
-    """Split a ``transformers`` causal LM into fedpipe layers (see the module docstring).
+def sequential(model: Any) -> HFLayers:
+    """Split a ``transformers`` causal LM (a ``PreTrainedModel`` with ``lm_head``) into
+    fedpipe layers (see the module docstring).
 
     The model is taken apart, not copied: use the returned layers, not the model,
     afterwards. A tied head gets its own copy of the embedding's weight.

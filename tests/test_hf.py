@@ -24,7 +24,7 @@ from fedpipe.runtime.materialize import (  # noqa: E402
     sum_tied_gradients,
     uninitializable,
 )
-from fedpipe.runtime.weights import load_layers  # noqa: E402
+from fedpipe.runtime.weights import WeightFiles, load_layers  # noqa: E402
 
 VOCAB, SEQ = 256, 16
 
@@ -217,6 +217,8 @@ def test_a_save_pretrained_directory_loads_into_a_meta_stage(build, tmp_path):
     model = build(dtype=torch.float32).eval()
     model.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
+    tied = model.config.tie_word_embeddings
+    assert ("lm_head.weight" in WeightFiles(tmp_path)) != tied  # a tied head is stored once
     with torch.device("meta"):
         adapted = sequential(build(dtype=torch.float32))
     layers = materialize(adapted.layers, seed=1, init_fn=adapted.init_fn,
@@ -240,9 +242,10 @@ def test_the_layers_save_back_to_a_checkpoint_from_pretrained_loads(tmp_path):
     torch.testing.assert_close(loaded(x).logits, layers(x), rtol=0, atol=1e-5)
 
 
-def test_the_meta_profile_of_the_layers_allocates_nothing_and_counts_attention():
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_the_meta_profile_of_the_layers_allocates_nothing_and_counts_attention(attn):
     with torch.device("meta"):
-        adapted = sequential(_gpt2(dtype=torch.float32))
+        adapted = sequential(_gpt2(dtype=torch.float32, attn_implementation=attn))
     prof = meta_profile(adapted.layers, torch.zeros(2, SEQ, dtype=torch.int64))
     assert [la.name for la in prof.layers] == ["0:Embeddings", "1:Block", "2:Block", "3:Block",
                                                "4:Head"]
