@@ -3,7 +3,9 @@ meta models, checkpoints in and out. Real ``transformers`` classes, tiny configs
 from __future__ import annotations
 
 import copy
+import pickle
 
+import cloudpickle
 import pytest
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from fedpipe.runtime.materialize import (  # noqa: E402
     materialize,
     materialize_layers,
     meta_profile,
+    norm_parameters,
     sum_tied_gradients,
     uninitializable,
 )
@@ -162,6 +165,23 @@ def test_tied_copies_with_summed_gradients_train_as_the_tied_model():
                                rtol=0, atol=1e-5)
 
 
+def test_a_tied_parameter_counts_once_in_the_clipped_global_norm():
+    model = _gpt2()
+    adapted = sequential(copy.deepcopy(model))
+    layers, ties = adapted.layers, adapted.tied_parameters
+    x, y = _text_batches()[0]
+    torch.manual_seed(1)
+    lm_loss(model(x).logits, y).backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    torch.manual_seed(1)
+    lm_loss(layers(x), y).backward()
+    sum_tied_gradients(layers, ties)
+    stages = [{0: layers[0], 1: layers[1]}, {i: layers[i] for i in range(2, len(layers))}]
+    squares = [sum(p.grad.pow(2).sum() for p in norm_parameters(s, ties)) for s in stages]
+    torch.testing.assert_close(sum(squares).sqrt(), want, rtol=1e-12, atol=0)
+    assert len(norm_parameters(stages[1], ties)) == len(list(layers[2:].parameters())) - 1
+
+
 def test_without_the_sum_the_tied_copies_drift_apart():
     adapted = sequential(_gpt2())
     layers = adapted.layers
@@ -184,8 +204,14 @@ def test_a_meta_model_is_made_alike_whole_and_stage_by_stage(build):
     whole = materialize(layers, seed=4, init_fn=adapted.init_fn, ties=adapted.tied_parameters)
     again = meta()
     last = len(whole) - 1
-    alone = materialize_layers(list(again.layers), [2, last], seed=4, init_fn=again.init_fn,
+    # what a node gets: its layers and the tie's source, pickled on meta (a few KiB each)
+    sent = {i: cloudpickle.dumps(again.layers[i]) for i in (0, 2, last)}
+    assert max(map(len, sent.values())) < 16 * 1024
+    node = {i: pickle.loads(b) for i, b in sent.items()}
+    init_fn = pickle.loads(cloudpickle.dumps(again.init_fn))
+    alone = materialize_layers(node, [2, last], seed=4, init_fn=init_fn,
                                ties=again.tied_parameters)
+    assert node[0].tokens.weight.is_meta  # the source was made on the side, not in place
     for got, i in zip(alone, (2, last)):
         for key, t in whole[i].state_dict().items():
             assert torch.equal(got.state_dict()[key], t), (i, key)

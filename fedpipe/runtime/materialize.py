@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -142,11 +142,18 @@ def materialize_layer(layer: nn.Module, index: int, seed: int, device: torch.dev
     return layer.to(device)
 
 
-def materialize_layers(layers: Sequence[nn.Module], indices: Sequence[int], seed: int,
+Layers = Mapping[int, nn.Module] | Sequence[nn.Module]
+"""Meta layers by global layer index: the whole model, or a node's own layers plus the
+sources of its tied copies (``{index: layer}``)."""
+
+
+def materialize_layers(layers: Layers, indices: Sequence[int], seed: int,
                        device: torch.device | str = "cpu", init_fn: InitFn | None = None,
                        ties: Sequence[TiedGroup] = ()) -> list[nn.Module]:
-    """What a node calls for its stage: layers ``indices`` of the meta model ``layers``,
-    made on ``device`` (:func:`materialize_layer`), in place, returned in order.
+    """What a node calls for its stage: layers ``indices`` of the meta model ``layers``
+    (the whole model, or a mapping holding at least ``indices`` and the sources of their
+    tied copies), made on ``device`` (:func:`materialize_layer`), in place, returned in
+    order.
 
     A tied copy whose source is in another layer is set to the source's value: the
     source's layer is initialized with its own seed (a temporary copy when it is not
@@ -323,7 +330,7 @@ def meta_profile(model: Sequence[nn.Module], sample: torch.Tensor) -> ModelProfi
                         element_bytes=element_bytes)
 
 
-def sum_tied_gradients(layers: Sequence[nn.Module], ties: Sequence[TiedGroup]) -> None:
+def sum_tied_gradients(layers: Layers, ties: Sequence[TiedGroup]) -> None:
     """Give every copy of a tied parameter the sum of the copies' gradients (a copy
     without a gradient counts as zero), in place, before the optimizer step: each copy
     then moves as the one tied parameter would, so the copies stay equal (Megatron-LM's
@@ -338,3 +345,14 @@ def sum_tied_gradients(layers: Sequence[nn.Module], ties: Sequence[TiedGroup]) -
         total = torch.stack(grads).sum(0)
         for p in params:
             p.grad = total.clone()
+
+
+def norm_parameters(layers: Mapping[int, nn.Module], ties: Sequence[TiedGroup]
+                    ) -> list[nn.Parameter]:
+    """The parameters of ``layers`` (a stage's, by global index) that count in a global
+    gradient norm: a tied group counts once, at its source (the copies' gradients are
+    equal after :func:`sum_tied_gradients`), so the stages' sums of squares add up to
+    the tied model's norm."""
+    copies = set(_tie_sources(ties))
+    return [p for i, layer in layers.items() for name, p in layer.named_parameters()
+            if (i, name) not in copies]
