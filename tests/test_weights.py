@@ -11,6 +11,7 @@ from torch import nn
 from fedpipe.runtime.materialize import materialize, materialize_layers
 from fedpipe.runtime.weights import (
     INDEX_NAME,
+    ShardWriter,
     WeightFiles,
     WeightsError,
     check_weights,
@@ -123,3 +124,17 @@ def test_a_digest_from_the_files_equals_the_digest_of_the_loaded_layer(tmp_path)
 def test_two_tensors_with_one_name_are_refused(tmp_path):
     with pytest.raises(WeightsError, match="a name already written"):
         save_layers(_model(), tmp_path, names=lambda i, k: (k,))
+
+
+def test_layers_streamed_stage_by_stage_make_the_same_checkpoint(tmp_path):
+    model = _model()
+    save_layers(model, tmp_path / "whole", max_shard_bytes=1500)
+    writer = ShardWriter(tmp_path / "streamed", max_shard_bytes=1500)
+    for stage in ([3, 4], [0, 1, 2]):  # stages in any order, each layer once
+        for i in stage:
+            writer.add(i, {k: v.clone() for k, v in model[i].state_dict().items()})
+    writer.close()
+    assert not list((tmp_path / "streamed").glob("*.partial"))
+    with WeightFiles(tmp_path / "whole") as a, WeightFiles(tmp_path / "streamed") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(torch.equal(a.tensor(k), b.tensor(k)) for k in a.keys())

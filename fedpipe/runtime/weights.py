@@ -201,55 +201,84 @@ def layer_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _shards(model: Sequence[nn.Module], max_shard_bytes: int) -> list[list[int]]:
-    """Consecutive layers per shard; a layer is never split, so a stage's slice is
-    whole shards plus at most two partial ones."""
-    shards: list[list[int]] = [[]]
-    size = 0
-    for i, layer in enumerate(model):
-        nbytes = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(i)
-        size += nbytes
-    return shards
+class ShardWriter:
+    """Writes layers as they come (a stage at a time, from a node or a stream) into a
+    safetensors directory in Hugging Face's layout, holding at most one shard in memory.
+
+    Each layer's tensors go under their first file name (``names(i, key)[0]``); a layer
+    is never split between shards. :meth:`close` gives the shards their final names:
+    ``model.safetensors`` when there is one, else ``model-0000k-of-0000n.safetensors``
+    and ``model.safetensors.index.json``.
+
+    Raises:
+        WeightsError: two tensors would get one name.
+    """
+
+    def __init__(self, path: str | Path, names: KeyMap = sequential_keys,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 skip: Callable[[int, str], bool] = lambda i, k: False):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._names, self._skip, self._max = names, skip, max_shard_bytes
+        self._shard: dict[str, torch.Tensor] = {}
+        self._shard_bytes = 0
+        self._written: list[tuple[Path, list[str]]] = []
+        self._seen: set[str] = set()
+        self.total_bytes = 0
+
+    def add(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Add layer ``index``'s tensors (its state_dict keys -> tensors)."""
+        kept = {}
+        for key, t in tensors.items():
+            if self._skip(index, key):
+                continue
+            name = self._names(index, key)[0]
+            if name in self._seen:
+                raise WeightsError(f"layer {index}: {key!r} would be saved as {name!r}, "
+                                   "a name already written")
+            self._seen.add(name)
+            kept[name] = t.detach().to("cpu").contiguous()
+        nbytes = sum(t.numel() * t.element_size() for t in kept.values())
+        if self._shard and self._shard_bytes + nbytes > self._max:
+            self._flush()
+        self._shard.update(kept)
+        self._shard_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        file = self.path / f".shard-{len(self._written):05d}.safetensors.partial"
+        save_file(self._shard, str(file), metadata={"format": "pt"})
+        self._written.append((file, list(self._shard)))
+        self._shard, self._shard_bytes = {}, 0
+
+    def close(self) -> Path:
+        """Write the last shard, name the shards, write the index; returns the directory."""
+        if self._shard or not self._written:
+            self._flush()
+        n = len(self._written)
+        if n == 1:
+            self._written[0][0].rename(self.path / SINGLE_NAME)
+            return self.path
+        weight_map: dict[str, str] = {}
+        for k, (file, keys) in enumerate(self._written):
+            final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            file.rename(self.path / final)
+            weight_map.update((key, final) for key in keys)
+        (self.path / INDEX_NAME).write_text(json.dumps(
+            {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2))
+        return self.path
 
 
 def save_layers(model: Sequence[nn.Module], path: str | Path, names: KeyMap = sequential_keys,
                 max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                 skip: Callable[[int, str], bool] = lambda i, k: False) -> Path:
-    """Write the layers' weights under their first file name (``names(i, key)[0]``) as
-    safetensors in directory ``path``: ``model.safetensors`` when one shard is enough,
-    else ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``
-    (Hugging Face's layout). ``skip(i, key)`` leaves a tensor out (a tied copy).
-    Holds one shard in memory at a time. Returns ``path``.
+    """Write every layer's state_dict with a :class:`ShardWriter` (``skip(i, key)``
+    leaves a tensor out: a tied copy). Returns ``path``.
 
     Raises:
         WeightsError: two tensors would get one name.
     """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    groups = _shards(model, max_shard_bytes)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for k, group in enumerate(groups):
-        file = SINGLE_NAME if len(groups) == 1 else \
-            f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard: dict[str, torch.Tensor] = {}
-        for i in group:
-            for key, t in model[i].state_dict().items():
-                if skip(i, key):
-                    continue
-                name = names(i, key)[0]
-                if name in weight_map or name in shard:
-                    raise WeightsError(f"layer {i}: {key!r} would be saved as {name!r}, "
-                                       "a name already written")
-                shard[name] = t.detach().to("cpu").contiguous()
-                total += t.numel() * t.element_size()
-        save_file(shard, str(path / file), metadata={"format": "pt"})
-        weight_map.update((name, file) for name in shard)
-    if len(groups) > 1:
-        (path / INDEX_NAME).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return path
+    writer = ShardWriter(path, names, max_shard_bytes, skip)
+    for i, layer in enumerate(model):
+        writer.add(i, layer.state_dict())
+    return writer.close()
