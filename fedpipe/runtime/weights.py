@@ -12,6 +12,10 @@ found wins. :func:`sequential_keys` is an ``nn.Sequential``'s own (``"3.weight"`
 :mod:`fedpipe.hf` gives a Hugging Face checkpoint's, with the tied head falling back
 to the input embedding's name.
 
+Writing: :class:`ShardWriter` takes layers as they come (a stage at a time, from the
+nodes) and holds one shard at most, so a big save needs no big client;
+:func:`save_layers` writes a whole model with it.
+
 Digests (job signing): :func:`layer_digest` hashes a layer's tensors in key order,
 each as its key, dtype, shape and bytes, so the client can digest a layer from the
 files and the node from what it loaded, and both agree.
