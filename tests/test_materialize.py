@@ -209,3 +209,11 @@ def test_the_meta_profile_refuses_real_weights_and_tuple_outputs():
 
     with pytest.raises(TypeError, match="layer 0 \\(Pair\\)"):
         meta_profile(nn.Sequential(Pair()), torch.zeros(1, 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_layer_made_on_a_gpu_has_the_weights_made_on_the_cpu():
+    (on_gpu,) = materialize_layers(list(_meta_mixed()), [3], seed=2, device="cuda")
+    (on_cpu,) = materialize_layers(list(_meta_mixed()), [3], seed=2)
+    assert on_gpu.weight.is_cuda
+    assert torch.equal(on_gpu.weight.cpu(), on_cpu.weight)
