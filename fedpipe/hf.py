@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .runtime.materialize import TiedGroup, _children_first
+from .runtime.materialize import TiedGroup, children_first
 from .runtime.weights import DEFAULT_SHARD_BYTES, save_layers
 
 
@@ -174,7 +174,7 @@ class HFInit:
         host = self.model_class.__new__(self.model_class)
         nn.Module.__init__(host)
         host.config = self.config
-        for module in _children_first(layer):
+        for module in children_first(layer):
             host._init_weights(module)
 
 

@@ -76,9 +76,10 @@ def layer_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def _children_first(module: nn.Module) -> Iterator[nn.Module]:
+def children_first(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its submodules, each after its children (post-order)."""
     for child in module.children():
-        yield from _children_first(child)
+        yield from children_first(child)
     yield module
 
 
@@ -101,7 +102,7 @@ def initialize(layer: nn.Module, index: int, seed: int, init_fn: InitFn | None =
     s = layer_seed(seed, index)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(s)
-        for module in _children_first(layer):
+        for module in children_first(layer):
             _reset_module(module)
         if init_fn is not None:
             init_fn(layer, index, torch.Generator().manual_seed(s))
