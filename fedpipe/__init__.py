@@ -2,7 +2,7 @@
 
 Public API (imported lazily, so ``fedpipe.planner`` and ``fedpipe.wire`` stay light):
 ``Client``, ``Job``, ``OptimizerSpec``, ``optimizer``, ``LRSchedulerSpec``, ``lr_scheduler``,
-``DiLoCo``, ``JobSpec``, ``LocalSwarm``.
+``DiLoCo``, ``JobSpec``, ``LocalSwarm``, ``materialize``.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ _LAZY = {
     "LRSchedulerSpec": "fedpipe.runtime.optim",
     "lr_scheduler": "fedpipe.runtime.optim",
     "LocalSwarm": "fedpipe.testing",
+    "materialize": "fedpipe.runtime.materialize",
 }
 
 
