@@ -85,7 +85,16 @@ def new_id() -> str:
 
 
 class Store(abc.ABC):
-    """Everything the tracker knows. Every method is safe to call from several threads."""
+    """Everything the tracker knows. Every method is safe to call from several threads.
+
+    Every method may also raise :class:`StoreUnavailable` (a database backend that
+    cannot be reached).
+
+    Attributes:
+        where: the store in words, for logs and errors (never with a password).
+    """
+
+    where: str = "a tracker store"
 
     # -- nodes --------------------------------------------------------------
     @abc.abstractmethod

@@ -29,6 +29,8 @@ class _Job:
 class MemoryStore(Store):
     """The tracker's state in dicts: fast, and gone when the process ends."""
 
+    where = "memory (nothing is kept when the tracker exits)"
+
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._nodes: dict[str, NodeRecord] = {}

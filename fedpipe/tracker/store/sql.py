@@ -80,7 +80,7 @@ class SqlStore(Store):
     """
 
     def __init__(self, conn: Connection):
-        self.conn = conn
+        self.conn, self.where = conn, conn.where
         self.lock = threading.RLock()
         self._depth = 0  # methods of this store running now in this thread's call
         try:
