@@ -38,8 +38,8 @@ MEMORY = "memory:"
 
 def open_store(target: str) -> Store:
     """The store ``target`` names: ``postgresql://...`` (or ``postgres://...``) a
-    :class:`PostgresStore`, ``sqlite://PATH`` (``sqlite:///abs/path``) or a plain path a :class:`SqliteStore`,
-    ``memory:`` a :class:`MemoryStore`.
+    :class:`PostgresStore`; ``sqlite://PATH`` (``sqlite:///abs/path``) or a plain path a
+    :class:`SqliteStore`; ``memory:`` a :class:`MemoryStore`.
 
     Raises:
         StoreConfigError: an unknown scheme, or a malformed URL.

@@ -279,6 +279,12 @@ def thinned(step_seqs: list[int]) -> list[int]:
     return step_seqs[:len(step_seqs) // 2][1::2]
 
 
+def job_state(state: int) -> tracker_pb2.JobState:
+    """``state`` as the type protobuf's stubs give a job-state field (the enum's class;
+    the interface takes plain ints, as the messages hold them)."""
+    return state  # type: ignore[return-value]
+
+
 def nan_if_none(value: float | None) -> float:
     """A loss read back from SQL: SQLite keeps NaN as NULL, its only way to store a
     diverged step's loss."""

@@ -189,7 +189,7 @@ class MemoryStore(Store):
             if j is None or j.info.state in TERMINAL or (only_from and
                                                          j.info.state not in only_from):
                 return False
-            j.info.state, j.info.reason = state, reason
+            j.info.state, j.info.reason = base.job_state(state), reason
             self._event(job_id, now, state=state, reason=reason)
             if state in TERMINAL:
                 j.layers = []

@@ -103,13 +103,13 @@ class PostgresConnection(Connection):
         return sql.replace("%", "%%").replace("?", "%s")
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Cursor:
-        return _Result(self.pg.execute(self._sql(sql), tuple(args)))  # type: ignore[call-overload]
+        return _Result(self.pg.execute(self._sql(sql), tuple(args)))
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         rows = list(rows)
         if rows:
             with self.pg.cursor() as cur:
-                cur.executemany(self._sql(sql), rows)  # type: ignore[arg-type]
+                cur.executemany(self._sql(sql), rows)
 
     def begin(self) -> None:
         self.pg.execute("BEGIN")

@@ -295,7 +295,7 @@ class SqlStore(Store):
             return False
         self._x("UPDATE jobs SET state=?, reason=?, updated=? WHERE job_id=?",
                 (state, reason, now, job_id))
-        self._event(job_id, now, tracker_pb2.JobEvent(state=state, reason=reason))
+        self._event(job_id, now, tracker_pb2.JobEvent(state=base.job_state(state), reason=reason))
         if state in TERMINAL:
             self._x("DELETE FROM job_layers WHERE job_id=?", (job_id,))
         return True
