@@ -36,7 +36,10 @@ def pg_bin() -> Path:
         FileNotFoundError: no PostgreSQL server is installed (the message says how to).
     """
     if os.environ.get("FEDPIPE_PG_BIN"):
-        return Path(os.environ["FEDPIPE_PG_BIN"])
+        given = Path(os.environ["FEDPIPE_PG_BIN"])
+        if not (given / "initdb").exists():
+            raise FileNotFoundError(f"FEDPIPE_PG_BIN={given} holds no initdb")
+        return given
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
                    key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
     if found:
@@ -129,10 +132,13 @@ class PgServer:
 def postgres_server():
     """One scratch PostgreSQL server for the whole session; fails (never skips) without
     the server package."""
+    missing = None
     try:
         server = PgServer()
     except FileNotFoundError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        missing = str(exc)
+    if missing is not None:
+        pytest.fail(missing, pytrace=False)
     try:
         yield server
     finally:

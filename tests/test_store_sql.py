@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 import torch
 from pg_server import postgres_server  # noqa: F401 — the session's PostgreSQL (a fixture)
 from torch import nn
@@ -140,6 +141,10 @@ def test_a_postgres_store_survives_its_server_dropping_the_connection(request):
             assert store.heartbeat("a", now=5.0)
         assert store.conn.pg.info.backend_pid != pid
     assert store.nodes()[0].last_heartbeat == 5.0
+    store.close()
+    store = PostgresStore(url + "?keepalives_idle=7")  # the URL's own settings win
+    given = conninfo_to_dict(store.conn.conninfo)
+    assert (given["keepalives_idle"], given["tcp_user_timeout"]) == ("7", "10000")
     store.close()
     with pytest.raises(StoreUnavailable, match='database "nope" does not exist'):
         PostgresStore(server.url("nope"))

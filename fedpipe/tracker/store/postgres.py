@@ -26,6 +26,13 @@ CONNECT_TIMEOUT = 10
 """Seconds to wait for the database to answer a new connection (libpq's
 ``connect_timeout``; a URL that sets its own wins)."""
 
+LINK_CHECKS = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+               "keepalives_count": 3, "tcp_user_timeout": 10_000}
+"""libpq settings, where the URL sets none of its own, so that a cut network breaks the
+connection within about 10 s instead of the kernel's two hours: keepalive probes on an
+idle connection (seconds) and a bound on unacknowledged sends (``tcp_user_timeout``,
+milliseconds). The store then reconnects, or says the database is unavailable."""
+
 SCHEMA_LOCK = 0x66656470  # "fedp"
 """The advisory-lock key trackers hold while they migrate a database's schema."""
 
@@ -84,13 +91,16 @@ class PostgresConnection(Connection):
 
     def __init__(self, url: str, connect_timeout: int = CONNECT_TIMEOUT):
         self.where = describe(url)
-        self.url, self.connect_timeout = url, connect_timeout
+        given = conninfo.conninfo_to_dict(url)
+        defaults = {"connect_timeout": connect_timeout, **LINK_CHECKS}
+        self.url = url
+        self.conninfo = conninfo.make_conninfo(
+            url, **{k: v for k, v in defaults.items() if k not in given})
         self.pg = self._connect()
 
     def _connect(self) -> psycopg.Connection[Any]:
         try:
-            return psycopg.connect(self.url, autocommit=True,
-                                   connect_timeout=self.connect_timeout)
+            return psycopg.connect(self.conninfo, autocommit=True)
         except psycopg.ProgrammingError as exc:
             raise StoreConfigError(f"bad PostgreSQL URL for {self.where}: {exc}") from exc
         except psycopg.OperationalError as exc:

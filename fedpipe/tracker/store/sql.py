@@ -12,6 +12,10 @@ method runs once more on a new connection: a read, or a write that had not
 reached its commit (the database dropped that transaction), is safe to repeat.
 A write whose commit was cut off raises :class:`~.base.StoreUnavailable`: it
 may or may not have been kept, and a blind repeat could apply it twice.
+
+Every write goes through :meth:`SqlStore._once`: the one place a check that must hold
+for each write (a leader's fencing epoch, when several trackers share a PostgreSQL
+database) would go, inside the write's own transaction.
 """
 from __future__ import annotations
 
