@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent import futures
 from typing import Any, Sequence
 
 import psycopg
@@ -21,8 +22,8 @@ import fedpipe
 from fedpipe.examples import digits
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.testing import LocalSwarm, child_env, free_port
-from fedpipe.tracker.store import (MemoryStore, PostgresStore, SqliteStore, StoreConfigError,
-                                   StoreUnavailable, open_store)
+from fedpipe.tracker.store import (SCHEMA_VERSION, MemoryStore, PostgresStore, SqliteStore,
+                                   StoreConfigError, StoreUnavailable, open_store)
 from fedpipe.tracker.store.connection import Cursor
 from fedpipe.tracker.store.sql import SqlStore
 from fedpipe.tracker.store.sqlite import SqliteConnection
@@ -123,6 +124,12 @@ def test_open_store_picks_the_backend_from_the_argument(tmp_path):
         assert isinstance(s, SqliteStore) and s.where.startswith("SQLite database /")
         s.close()
     assert (tmp_path / "a.db").exists() and (tmp_path / "b.db").exists()
+    (tmp_path / "notes.txt").write_text("not a database, " * 512)
+    with pytest.raises(StoreConfigError, match="cannot open SQLite database .*notes.txt: file "
+                                               "is not a database"):
+        open_store(str(tmp_path / "notes.txt"))
+    with pytest.raises(StoreConfigError, match="cannot open SQLite database /nonexistent/"):
+        open_store("/nonexistent/dir/t.db")
 
 
 @pytest.mark.processes
@@ -148,6 +155,17 @@ def test_a_postgres_store_survives_its_server_dropping_the_connection(request):
     store.close()
     with pytest.raises(StoreUnavailable, match='database "nope" does not exist'):
         PostgresStore(server.url("nope"))
+
+
+@pytest.mark.processes
+def test_trackers_opening_one_new_database_together_migrate_it_once(request):
+    url = request.getfixturevalue("postgres_server").new_database()
+    with futures.ThreadPoolExecutor(4) as pool:
+        stores = list(pool.map(lambda _: PostgresStore(url), range(4)))
+    rows = stores[0].conn.execute("SELECT version FROM schema_version ORDER BY version")
+    assert rows.fetchall() == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
+    for s in stores:
+        s.close()
 
 
 @pytest.mark.processes

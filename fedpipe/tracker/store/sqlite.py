@@ -89,4 +89,4 @@ class SqliteStore(SqlStore):
         try:
             super().__init__(conn)
         except sqlite3.DatabaseError as exc:
-            raise StoreConfigError(f"{conn.where} is not a tracker database: {exc}") from exc
+            raise StoreConfigError(f"cannot use {conn.where}: {exc}") from exc
