@@ -181,6 +181,27 @@ def test_steps_keep_their_loss_even_nan_and_events_are_ordered_across_jobs(store
     assert {e.seq for e in store.events(a, 0)}.isdisjoint(e.seq for e in store.events(b, 0))
 
 
+def test_recovery_fields_are_replaced_the_step_rewound_and_the_event_logged(store):
+    job = store.add_job(submission(), "q", now=1.0)
+    store.record_step(job, 7, 0.5, 10.0, now=2.0)
+    first = S.JobInfo(epoch=1, checkpoint_step=4, resume_step=4)
+    first.recoveries.add().CopyFrom(S.Recovery(epoch=1, lost="node b"))
+    store.set_recovery(job, first, now=3.0, rewind_to=4, event=S.JobEvent(
+        state=S.JOB_STATE_RECOVERING, reason="recovering", epoch=1, seq=99, time=99.0))
+    info = store.job(job)
+    assert (info.epoch, info.checkpoint_step, info.resume_step, info.step) == (1, 4, 4, 4)
+    assert [r.lost for r in info.recoveries] == ["node b"]
+    ev = store.events(job, 0)[-1]
+    assert (ev.reason, ev.epoch, ev.time) == ("recovering", 1, 3.0) and ev.seq != 99
+    store.set_recovery(job, S.JobInfo(epoch=2, checkpoint_step=6), now=4.0)
+    info = store.job(job)
+    assert (info.epoch, info.checkpoint_step, info.resume_step, list(info.recoveries)) == \
+        (2, 6, 0, [])  # replaced, not merged
+    assert info.step == 4 and len(store.events(job, 0)) == 3
+    store.set_recovery("nope", first, now=5.0, event=S.JobEvent(reason="x"))
+    assert store.events("nope", 0) == []  # an unknown job is ignored
+
+
 def test_a_jobs_step_log_stays_bounded_keeping_the_newest_steps_and_other_events(
         store, monkeypatch):
     from fedpipe.tracker.store import base as module

@@ -238,8 +238,6 @@ class Store(abc.ABC):
         """Release the backend's resources."""
 
 
-
-
 RECOVERY_FIELDS = ("epoch", "checkpoint_step", "resume_step", "recoveries")
 """The ``JobInfo`` fields :meth:`Store.set_recovery` keeps."""
 

@@ -351,8 +351,9 @@ class SqlStore(Store):
     def set_recovery(self, job_id: str, fields: tracker_pb2.JobInfo, now: float, *,
                      rewind_to: int | None = None, event: tracker_pb2.JobEvent | None = None
                      ) -> None:
-        self._x("UPDATE jobs SET recovery=?, updated=? WHERE job_id=?",
-                (recovery_only(fields).SerializeToString(), now, job_id))
+        if not self._count("UPDATE jobs SET recovery=?, updated=? WHERE job_id=?",
+                           (recovery_only(fields).SerializeToString(), now, job_id)):
+            return  # an unknown job: no event of no job
         if rewind_to is not None:
             self._x("UPDATE jobs SET step=? WHERE job_id=?", (rewind_to, job_id))
         if event is not None:
