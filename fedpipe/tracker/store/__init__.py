@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import (COMPACT_EVERY, MAX_STEP_EVENTS, NodeRecord, SchemaTooNew, Store,
-                   StoreConfigError, StoreError, StoreUnavailable, new_id)
+# the step log's bounds (MAX_STEP_EVENTS, COMPACT_EVERY) are base's: set them there
+from .base import (NodeRecord, SchemaTooNew, Store, StoreConfigError, StoreError,
+                   StoreUnavailable, new_id)
 from .memory import MemoryStore
 from .migrations import SCHEMA_VERSION
 from .sqlite import SqliteStore
@@ -27,7 +28,7 @@ from .sqlite import SqliteStore
 if TYPE_CHECKING:
     from .postgres import PostgresStore
 
-__all__ = ["COMPACT_EVERY", "MAX_STEP_EVENTS", "MemoryStore", "NodeRecord", "PostgresStore",
+__all__ = ["MemoryStore", "NodeRecord", "PostgresStore",
            "SCHEMA_VERSION", "SchemaTooNew", "SqliteStore", "Store", "StoreConfigError",
            "StoreError", "StoreUnavailable", "new_id", "open_store"]
 
