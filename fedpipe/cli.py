@@ -38,7 +38,6 @@ def cmd_tracker(args) -> int:
 
     from .net import timeouts
     from .tracker.service import serve
-
     from .tracker.store import StoreError
 
     tls = _tls(args, "tracker")
