@@ -38,13 +38,18 @@ def cmd_tracker(args) -> int:
 
     from .net import timeouts
     from .tracker.service import serve
+    from .tracker.store import StoreError
 
     tls = _tls(args, "tracker")
-    srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh,
-                               tls=tls, insecure=args.insecure,
-                               max_job_bytes=args.max_job_bytes,
-                               heartbeat_rate=args.heartbeat_rate, freeze_heap=True)
-    print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db}"
+    try:
+        srv, service, port = serve(args.host, args.port, args.store or args.db, args.lease,
+                                   args.link_refresh, tls=tls, insecure=args.insecure,
+                                   max_job_bytes=args.max_job_bytes,
+                                   heartbeat_rate=args.heartbeat_rate, freeze_heap=True)
+    except StoreError as e:
+        print(f"fedpipe tracker: {e}", file=sys.stderr)
+        return 2
+    print(f"fedpipe tracker listening on {args.host}:{port} ({service.store.where}"
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'})", flush=True)
     if args.retention is not None:
         service.tracker.jobs.retention = args.retention
@@ -318,7 +323,13 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tracker", help="run the tracker (control plane)")
     t.add_argument("--host", default="0.0.0.0")
     t.add_argument("--port", type=int, default=7070)
-    t.add_argument("--db", default="fedpipe-tracker.db", help="SQLite file for the tracker's state")
+    where = t.add_mutually_exclusive_group()
+    where.add_argument("--db", default="fedpipe-tracker.db",
+                       help="SQLite file for the tracker's state")
+    where.add_argument("--store", default=None, metavar="URL",
+                       help="the tracker's state elsewhere: postgresql://USER@HOST:PORT/DBNAME "
+                            "(the database must exist; its tables are made and migrated), "
+                            "or memory: (lost at exit)")
     t.add_argument("--lease", type=float, default=10.0,
                    help="seconds a node may go without a heartbeat before it is marked lost, "
                         "in a swarm below --heartbeat-rate * lease / 4 nodes (longer above)")

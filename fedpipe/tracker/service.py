@@ -27,7 +27,7 @@ from . import errors
 from .nodes import GrpcNodeCalls
 from .registry import HEARTBEAT_RATE
 from .scheduler import Tracker
-from .store import SqliteStore
+from .store import open_store
 from .watches import WatchSlots
 
 log = logging.getLogger("fedpipe.tracker")
@@ -321,9 +321,11 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
           *, tls: TlsConfig | None = None, insecure: bool = False,
           max_job_bytes: int = MAX_JOB_BYTES, heartbeat_rate: float | None = None,
           freeze_heap: bool = False) -> tuple[grpc.Server, TrackerService, int]:
-    """Start a tracker server on the SQLite file ``db``; returns ``(server, service, port)``.
+    """Start a tracker server on the store ``db``; returns ``(server, service, port)``.
 
     Args:
+        db: a SQLite file, or a store URL (``postgresql://...``, see
+            :func:`~fedpipe.tracker.store.open_store`).
         tls: the tracker's certificate (role tracker): the server takes only mutual
             TLS and enforces the policy table, and the tracker's calls to nodes
             show this certificate. None: plaintext.
@@ -340,11 +342,12 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
     Raises:
         ValueError: plaintext on a non-loopback ``host`` without ``insecure``.
         OSError: the port cannot be bound.
-        sqlite3.Error: the database cannot be opened.
+        StoreError: the store cannot be opened (a bad URL, an unreachable database, a
+            schema newer than this fedpipe; :mod:`fedpipe.tracker.store`).
     """
     net.check_plaintext(host, tls, insecure, "the tracker")
     rate = HEARTBEAT_RATE if heartbeat_rate is None else heartbeat_rate
-    service = TrackerService(Tracker(SqliteStore(db), GrpcNodeCalls(tls=tls), lease=lease,
+    service = TrackerService(Tracker(open_store(db), GrpcNodeCalls(tls=tls), lease=lease,
                                      link_refresh=link_refresh, heartbeat_rate=rate,
                                      plan_processes=PLAN_PROCESSES,
                                      freeze_heap=freeze_heap), tls,
