@@ -57,7 +57,8 @@ from ..planner.types import ClusterView
 from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec
 from .clients import Feeders
-from .jobs import Jobs
+from .calibration import Calibration
+from .stagetimes import StageTimes
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker.http")
@@ -74,18 +75,22 @@ MAX_JOBS = 1000
 
 class TrackerSource:
     """The running tracker's state as a :class:`~fedpipe.observe.source.Source`: its
-    store, plus the stage times its job life cycle keeps in memory
+    store, plus the stage times it keeps in memory
     (:class:`~fedpipe.observe.source.StageTimeSource`).
 
     Args:
         store: the tracker's store.
-        jobs: the tracker's :class:`~fedpipe.tracker.jobs.Jobs`.
+        stage_times: the stage times the tracker keeps in memory
+            (:class:`~fedpipe.tracker.stagetimes.StageTimes`).
+        calibration: the tracker's calibrated cost model.
         feeders: the tracker's :class:`~fedpipe.tracker.clients.Feeders`, which count
             down a WAITING job's time left as it is shown (None: reasons as stored).
     """
 
-    def __init__(self, store: Store, jobs: Jobs, feeders: Feeders | None = None):
-        self.store, self.jobs, self.feeders = store, jobs, feeders
+    def __init__(self, store: Store, stage_times: StageTimes, calibration: Calibration,
+                 feeders: Feeders | None = None):
+        self.store, self.times, self.feeders = store, stage_times, feeders
+        self.calibration = calibration
 
     def nodes(self, include_lost: bool = False) -> list[tracker_pb2.NodeInfo]:
         return self.store.nodes(include_lost)
@@ -107,11 +112,11 @@ class TrackerSource:
         return self.store.spec(job_id)
 
     def stage_times(self, job_id: str) -> list[StageTime]:
-        return self.jobs.stage_times(job_id)
+        return self.times.of(job_id)
 
     def cluster(self, nodes: list[tracker_pb2.NodeInfo]) -> ClusterView:
         """The planner's view of ``nodes`` as the tracker plans on it: calibrated."""
-        return self.jobs.calibration.cluster(cluster_view(nodes, self.store.links()))
+        return self.calibration.cluster(cluster_view(nodes, self.store.links()))
 
 
 class BadRequest(ValueError):
