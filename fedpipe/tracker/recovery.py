@@ -296,7 +296,7 @@ class Recovery:
         ``rewind_to``): a DEPLOYING, RUNNING or WAITING job recovers in a new epoch
         from that checkpoint (default: its last complete one), which only the new
         feeder feeds. A RECOVERING job is left to its recovery, unless ``restored``."""
-        states = {S.JOB_STATE_DEPLOYING, S.JOB_STATE_RUNNING, S.JOB_STATE_WAITING}
+        states: set[int] = {S.JOB_STATE_DEPLOYING, S.JOB_STATE_RUNNING, S.JOB_STATE_WAITING}
         if restored:
             states.add(S.JOB_STATE_RECOVERING)
         with self.records.lock:
