@@ -4,7 +4,7 @@ Pure functions over plan messages (no I/O): :mod:`.rebalance` calls them at a jo
 checkpoints to decide whether moving its stages pays.
 
 - :func:`predict_step_seconds`: a plan's step time at the nodes' current speeds
-  (:func:`fedpipe.planner.costs.pipeline_step_seconds`, the planner's own estimate);
+  (:func:`fedpipe.planner.costs.chain_costs`: priced as the planner prices a chain);
 - :func:`reassign`: the stages moved whole to the nodes that predict the shortest step;
 - :func:`resplit`: the planner's own plan over the nodes (a job of one replica group);
 - :func:`move_seconds`: the seconds and bytes of moving the layers that change nodes.
@@ -19,8 +19,7 @@ from dataclasses import replace
 from typing import Callable
 
 from .. import planner
-from ..planner.costs import boundary_bytes, compute_seconds, pipeline_estimate, state_bytes, \
-    transfer_seconds
+from ..planner.costs import chain_costs, compute_seconds, state_bytes
 from ..planner.protoio import plan_message, train_config
 from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec, PlanView, StageKey
@@ -31,35 +30,23 @@ log = logging.getLogger("fedpipe.tracker")
 def predict_step_seconds(plan: node_pb2.Plan, cluster: planner.ClusterView,
                          profile: planner.ModelProfile, schedule: str,
                          speed: Callable[[str], float]) -> float:
-    """Predicted seconds of one step of ``plan``: the slowest replica group's
-    ``sigma + (m - 1) · period`` (:func:`~fedpipe.planner.costs.pipeline_estimate`),
-    with node ``n`` computing at ``speed(n)`` FLOP/s and the links of ``cluster``.
+    """Predicted seconds of one step of ``plan``: the slowest replica group's analytic
+    step (:meth:`~fedpipe.planner.costs.ChainCosts.step_seconds` of the planner's own
+    :func:`~fedpipe.planner.costs.chain_costs`), with node ``n`` computing at
+    ``speed(n)`` FLOP/s and the links of ``cluster``.
     """
     view = PlanView(plan)
     worst = 0.0
     for g, chain in enumerate(view.chains()):
         m = view.microbatches(g)
         samples = view.share(g) / max(1, m)
-        fw, bw, ab, at, gb, gt = [], [], [], [], [], []
-        for i, a in enumerate(chain):
-            f, b = compute_seconds(profile, a.layer_start, a.layer_end,
+
+        def passes(a, samples=samples):
+            return compute_seconds(profile, a.layer_start, a.layer_end,
                                    max(speed(a.node_id), 1.0), samples)
-            fw.append(f)
-            bw.append(b)
-            if i + 1 < len(chain):
-                nxt = chain[i + 1]
-                nbytes = boundary_bytes(profile, a.layer_end, samples)
-                busy, lat = transfer_seconds(cluster.link(a.node_id, nxt.node_id), nbytes,
-                                             a.activation_codec or "raw")
-                ab.append(busy)
-                at.append(busy + lat)
-                busy, lat = transfer_seconds(cluster.link(nxt.node_id, a.node_id), nbytes,
-                                             nxt.gradient_codec or "raw")
-                gb.append(busy)
-                gt.append(busy + lat)
-        sigma, period = pipeline_estimate(fw, bw, ab, at, gb, gt, m,
-                                          "gpipe" if schedule == "gpipe" else "1f1b")
-        worst = max(worst, sigma + (m - 1) * period)
+
+        costs = chain_costs(profile, chain, samples, passes, cluster.link)
+        worst = max(worst, costs.step_seconds(m, schedule))
     return worst
 
 
