@@ -17,7 +17,8 @@ job lives in the module of its concern, each written once with its reason:
 
 - submission, cancellation, a PENDING job's timeout, a tracker restart: here;
 - planning and loading the stages (PLANNING, DEPLOYING, RUNNING): :mod:`.deploy`;
-- a node's reports (steps, checkpoints, a stage done or failed): :mod:`.progress`;
+- a node's reports (steps, checkpoints, a stage done or failed): :mod:`.progress`,
+  which also streams a job's events to its watchers;
 - nodes lost, hand-overs, the client's absence (RECOVERING, WAITING): :mod:`.recovery`;
 - what nodes keep of ended jobs: :mod:`.retention`.
 
@@ -49,9 +50,6 @@ S = tracker_pb2
 RESTARTED = ("the tracker restarted while the job was being planned or deployed; "
              "submit it again")
 """Why a job found PLANNING or DEPLOYING at start-up failed: its deploy was cut short."""
-WATCH_RECHECK = 0.5
-"""Seconds a watcher waits for a notification before it reads the job's events again
-(every change notifies; this bounds the delay should one be missed)."""
 
 _ENDS = frozenset({S.JOB_STATE_FAILED, S.JOB_STATE_CANCELLED})
 TRANSITIONS: Mapping[int, frozenset[int]] = {
@@ -266,25 +264,3 @@ class Jobs:
             self.fail(job_id, f"no node registered within {timeout:.0f} s")
             return True
         return False
-
-    def watch(self, job_id: str, after_seq: int, active: Callable[[], bool]
-              ) -> Iterable[tracker_pb2.JobEvent]:
-        """The job's events after ``after_seq``, then each new one, until it ends.
-
-        Stops when the job is terminal and its events are all given, or when
-        ``active()`` turns false (the watcher left, the tracker stops).
-
-        Raises:
-            NotFound: no such job (at the first ``next``).
-        """
-        self.get(job_id)
-        seq = after_seq
-        while active():
-            events = self.store.events(job_id, seq)
-            for ev in events:
-                yield ev
-                seq = ev.seq
-            if not events:
-                if self.store.job(job_id).state in TERMINAL:
-                    return
-                self.wait(WATCH_RECHECK)

@@ -15,6 +15,7 @@
 
 Each recorded step and each complete checkpoint is told to a
 :class:`StepListener` (the :mod:`.rebalance` hand-overs and migrations).
+:meth:`Progress.watch` streams a job's events (``WatchJob``) until it ends.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import logging
 import statistics
 import time
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from .. import planner
 from ..proto import tracker_pb2
@@ -37,6 +38,10 @@ from .tallies import Tallies
 log = logging.getLogger("fedpipe.tracker")
 S = tracker_pb2
 R = tracker_pb2.StageReport
+
+WATCH_RECHECK = 0.5
+"""Seconds a watcher waits for a notification before it reads the job's events again
+(every change notifies; this bounds the delay should one be missed)."""
 
 
 class StepListener(Protocol):
@@ -213,3 +218,25 @@ class Progress:
                                 predicted_compute_seconds=predicted.get(
                                     StageKey(t.replica, t.stage), 0.0))
         return job
+
+    def watch(self, job_id: str, after_seq: int, active: Callable[[], bool]
+              ) -> Iterator[tracker_pb2.JobEvent]:
+        """The job's events after ``after_seq``, then each new one, until it ends.
+
+        Stops when the job is terminal and its events are all given, or when
+        ``active()`` turns false (the watcher left, the tracker stops).
+
+        Raises:
+            NotFound: no such job (at the first ``next``).
+        """
+        self.jobs.get(job_id)
+        seq = after_seq
+        while active():
+            events = self.store.events(job_id, seq)
+            for ev in events:
+                yield ev
+                seq = ev.seq
+            if not events:
+                if self.store.job(job_id).state in TERMINAL:
+                    return
+                self.jobs.wait(WATCH_RECHECK)

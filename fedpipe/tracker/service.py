@@ -183,7 +183,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
             feeders = self.tracker.feeders
             feeders.attach(request.job_id, request.feeder, request.take_over)
             context.add_callback(lambda: feeders.detach(request.job_id, request.feeder))
-        yield from self.tracker.jobs.watch(
+        yield from self.tracker.progress.watch(
             request.job_id, request.after_seq,
             active=lambda: context.is_active() and not stopping.is_set())
 
