@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from ..spec import Action, SpecError, StageKey, schedule_order
-from .costs import (boundary_bytes, host_factors, optimizer_seconds, pass_seconds,
-                    schedule_sync, sync_per_step, sync_segments, transfer_seconds)
+from .costs import (chain_costs, host_factors, optimizer_seconds, pass_seconds, schedule_sync,
+                    sync_per_step, sync_segments)
 from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
 
 
@@ -269,28 +269,17 @@ def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     for g, (m, samples) in zip(plan.groups, group_shares(plan, config)):
         mb = samples / m
         st = g.stages
-        fwd, bwd, opt, ab, al, gb, gl = [], [], [], [], [], [], []
-        for i, s in enumerate(st):
-            f, b = pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
+
+        def passes(s, mb=mb):
+            return pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
                                 over, host[s.node_id])
-            fwd.append(f)
-            bwd.append(b)
-            opt.append(optimizer_seconds(profile, s.layer_start, s.layer_end, over,
-                                         host[s.node_id]))
-            if i + 1 < len(st):
-                x = boundary_bytes(profile, s.layer_end, mb)
-                nxt = st[i + 1]
-                busy, lat = transfer_seconds(cluster.link(s.node_id, nxt.node_id), x,
-                                             s.activation_codec, profile.element_bytes,
-                                             over.message)
-                ab.append(busy)
-                al.append(lat)
-                busy, lat = transfer_seconds(cluster.link(nxt.node_id, s.node_id), x,
-                                             nxt.gradient_codec, profile.element_bytes,
-                                             over.message)
-                gb.append(busy)
-                gl.append(lat)
-        tl = simulate_group(fwd, bwd, ab, al, gb, gl, m, config.schedule, opt)
+
+        costs = chain_costs(profile, st, mb, passes, cluster.link, over.message)
+        fwd, bwd = costs.forward, costs.backward
+        opt = [optimizer_seconds(profile, s.layer_start, s.layer_end, over, host[s.node_id])
+               for s in st]
+        tl = simulate_group(fwd, bwd, costs.act_busy, costs.act_latency, costs.grad_busy,
+                            costs.grad_latency, m, config.schedule, opt)
         for s, f, b, o in zip(st, fwd, bwd, opt):
             compute[s.node_id] = compute.get(s.node_id, 0.0) + m * (f + b) + o
         group_seconds.append(tl.finish)
@@ -356,25 +345,21 @@ def stage_costs(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     out: dict[StageKey, StageCost] = {}
     for r, (g, (m, samples)) in enumerate(zip(plan.groups, group_shares(plan, config))):
         mb = samples / m
+
+        def passes(s, mb=mb):
+            return pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
+                                over, host[s.node_id])
+
+        costs = chain_costs(profile, g.stages, mb, passes, cluster.link, over.message)
         for i, s in enumerate(g.stages):
-            h = host[s.node_id]
-            f, b = pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
-                                over, h)
             fixed = 2 * m * over.microbatch
-            fixed += optimizer_seconds(profile, s.layer_start, s.layer_end, over, h)
+            fixed += optimizer_seconds(profile, s.layer_start, s.layer_end, over, host[s.node_id])
             send = 0.0
             if i + 1 < len(g.stages):
-                link, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i + 1].node_id),
-                                           boundary_bytes(profile, s.layer_end, mb),
-                                           s.activation_codec, profile.element_bytes,
-                                           over.message)
-                send += m * link
+                send += m * costs.act_busy[i]
             if i > 0:
-                link, _ = transfer_seconds(cluster.link(s.node_id, g.stages[i - 1].node_id),
-                                           boundary_bytes(profile, s.layer_start, mb),
-                                           s.gradient_codec, profile.element_bytes,
-                                           over.message)
-                send += m * link
+                send += m * costs.grad_busy[i - 1]
+            f, b = costs.forward[i], costs.backward[i]
             out[StageKey(r, i)] = StageCost(m * (f + b) - 2 * m * over.microbatch,
                                             fixed, send)
     return out
