@@ -14,9 +14,10 @@ from torch import nn
 
 import fedpipe
 from fedpipe.node import probe
+from fedpipe.node.admission import BOUNDED_KINDS
 from fedpipe.node.mailbox import Mailbox
 from fedpipe.node.peers import ChannelPool, StagePeers
-from fedpipe.node.stages import BOUNDED_KINDS, StageTransport, build_stage
+from fedpipe.node.wiring import StageTransport, build_stage
 from fedpipe.proto import node_pb2
 from fedpipe.runtime import checkpoint
 from fedpipe.spec import JobSpec, Kind
