@@ -92,7 +92,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
 }
 """The status code of each domain error (a subclass takes its nearest mapped base's)."""
 
-DOMAIN_ERRORS = tuple(STATUS)
+MAPPED: tuple[type[Exception], ...] = (*STATUS, SecurityError)
 """What :func:`maps_errors` answers with a status; anything else propagates as is."""
 
 
@@ -120,7 +120,7 @@ def maps_errors(method: F) -> F:
         def streaming(self, request, context):
             try:
                 yield from method(self, request, context)
-            except (*DOMAIN_ERRORS, SecurityError) as e:
+            except MAPPED as e:
                 context.abort(status_of(e), str(e))
         streaming.maps_errors = True  # type: ignore[attr-defined]
         return streaming  # type: ignore[return-value]
@@ -129,7 +129,7 @@ def maps_errors(method: F) -> F:
     def unary(self, request, context):
         try:
             return method(self, request, context)
-        except (*DOMAIN_ERRORS, SecurityError) as e:
+        except MAPPED as e:
             context.abort(status_of(e), str(e))
     unary.maps_errors = True  # type: ignore[attr-defined]
     return unary  # type: ignore[return-value]

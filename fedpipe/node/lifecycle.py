@@ -113,7 +113,7 @@ class Stage:
     slot: StageSlot
     n_stages: int
     layer_start: int
-    module: nn.Module
+    module: nn.Sequential
     steps: int
     peers: StagePeers
     runner: StageRunnerBase | None = None

@@ -37,7 +37,8 @@ class StageReporter:
                  metrics: NodeMetrics | None = None):
         self.node_id, self.send, self.metrics = node_id, report, metrics
 
-    def report(self, stage: Reported, status: int, **fields: Any) -> None:
+    def report(self, stage: Reported, status: tracker_pb2.StageReport.Status,
+               **fields: Any) -> None:
         """One StageReport of ``stage`` with ``status`` (a ``StageReport.STATUS_*``) and
         ``fields`` (step, error, peer, ...)."""
         self.send(tracker_pb2.StageReport(job_id=stage.job_id, replica=stage.slot.replica,

@@ -79,7 +79,8 @@ class SnapshotStore:
     def get(self, job_id: str, key: StageKey, step: int) -> Snapshot | None:
         """The snapshot of stage ``key`` at ``step``, or None."""
         with self._lock:
-            return self._snaps.get((job_id, key), {}).get(step)
+            steps = self._snaps.get((job_id, key))
+            return steps.get(step) if steps is not None else None
 
     def steps(self, job_id: str, key: StageKey) -> list[int]:
         """The steps held for stage ``key``, oldest first."""
@@ -155,7 +156,7 @@ class Checkpoints:
             if stage.plan is not None else None
         if buddy is not None:
             env = node_pb2.Envelope(job_id=stage.job_id, replica=stage.key.replica,
-                                    stage=stage.key.stage, kind=Kind.SNAPSHOT, step=snap.step,
+                                    stage=stage.key.stage, kind=Kind.SNAPSHOT.value, step=snap.step,
                                     epoch=stage.epoch, batch_size=1)
             try:
                 with self.channels.borrow(buddy.address) as ch:

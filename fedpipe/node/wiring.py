@@ -74,6 +74,9 @@ class StageTransport:
     def send(self, kind: Kind, step: int, microbatch: int, tensor: torch.Tensor,
              batch_size: int) -> None:
         peer, codec = self.routes[kind]
+        if peer is None:  # a runner's bug: a first stage sends no gradient, a last no activation
+            raise StageError(f"stage {self.stage.key.stage} has no neighbour to send "
+                             f"{Kind(kind).name.lower()}s to")
         self._submit(peer, kind, step, microbatch, tensor, batch_size, codec)
 
     def send_to(self, peer: StageKey, kind: Kind, step: int, tag: int, tensor: torch.Tensor,
@@ -83,8 +86,8 @@ class StageTransport:
     def _submit(self, peer: node_pb2.StageAssignment, kind: Kind, step: int, tag: int,
                 tensor: torch.Tensor, batch_size: int, codec: str) -> None:
         env = node_pb2.Envelope(job_id=self.stage.job_id, replica=peer.replica,
-                                stage=peer.stage, kind=kind, step=step, microbatch=tag,
-                                batch_size=batch_size, epoch=self.stage.epoch)
+                                stage=peer.stage, kind=Kind(kind).value, step=step,
+                                microbatch=tag, batch_size=batch_size, epoch=self.stage.epoch)
         self.stage.peers.sender(peer).submit(env, tensor, codec)
 
 
