@@ -78,7 +78,7 @@ def test_a_stage_receives_its_tensors_on_its_own_device(pool, device):
         stage = build_stage(request(), torch.device(device), mailbox, peers)
         assert {p.device.type for p in stage.module.parameters()} == {device}
         assert stage.plan is not None
-        transport = StageTransport(stage, mailbox, torch.device(device), stage.plan)
+        transport = StageTransport(stage, mailbox, torch.device(device))
         arrived = torch.randn(4, 16)  # as the wire decodes it: a CPU tensor
         mailbox.put(stage.inbox, Kind.ACTIVATION, 0, 1, arrived, 8)
         got, batch = transport.recv(Kind.ACTIVATION, 0, 1, timeout=5)

@@ -31,7 +31,7 @@ from .running import StageLoop
 from .snapshots import MAX_SNAPSHOT_BYTES, Checkpoints, SnapshotDesk, SnapshotStore
 from .stages import StageBuilder, StageRegistry
 from .streams import StreamWatch
-from .wiring import ElasticHooks, StageTransport, build_stage
+from .wiring import ElasticHooks, build_stage
 
 JOB_SNAPSHOT_BYTES = 4 * MAX_SNAPSHOT_BYTES
 """Default of the most bytes one job's kept snapshots may take on a node: room for
@@ -134,10 +134,10 @@ def stage_builder(device: torch.device, mailbox: Mailbox, node_id: Callable[[], 
         reporter.report(stage, tracker_pb2.StageReport.STATUS_SUSPECT, peer=address,
                         error=f"a replica sync send to {address} failed")
 
-    def elastic(stage: Stage, transport: StageTransport) -> ElasticHooks:
+    def elastic(stage: Stage) -> ElasticHooks:
         if quorum is None:
             raise ValueError("an elastic job's stage needs a node that reaches a tracker")
-        return ElasticHooks(stage, transport, quorum, node_id, keep, suspect)
+        return ElasticHooks(stage, quorum, node_id, keep, suspect)
 
     def build(request: node_pb2.LoadStageRequest, peers: StagePeers) -> Stage:
         return build_stage(request, device, mailbox, peers, elastic)

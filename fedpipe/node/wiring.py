@@ -35,22 +35,31 @@ class StageTransport:
     """:class:`~fedpipe.runtime.stage.Transport` over the node's mailbox and a stage's peers.
 
     Args:
-        stage: the stage (its slot, state and peers).
+        stage: the stage (its slot, state, peers, and plan: to find peers and the codecs
+            of this stage's links).
         mailbox: where the node puts what arrives for its stages.
         device: where received tensors go.
-        plan: the job's plan, to find peers and the codecs of this stage's links.
+        foreign_failed: elastic replica groups: called with the address of another
+            group's stage a send failed to, instead of failing this stage (None: every
+            failure fails it).
     """
 
-    def __init__(self, stage: Stage, mailbox: Mailbox, device: torch.device, plan: PlanView):
-        self.stage, self.mailbox, self.device, self.plan = stage, mailbox, device, plan
-        mine = plan[stage.key]
-        prev, nxt = plan.neighbours(stage.key)
+    def __init__(self, stage: Stage, mailbox: Mailbox, device: torch.device,
+                 foreign_failed: Callable[[str], None] | None = None):
+        self.stage, self.mailbox, self.device = stage, mailbox, device
+        self.foreign_failed = foreign_failed
+        mine = self.plan[stage.key]
+        prev, nxt = self.plan.neighbours(stage.key)
         # the plan gives each stage the codecs of what it sends
         self.routes = {Kind.ACTIVATION: (nxt, mine.activation_codec or "raw"),
                        Kind.GRADIENT: (prev, mine.gradient_codec or "raw")}
-        self.foreign_failed: Callable[[str], None] | None = None
-        """Elastic replica groups: called with the address of another group's stage a
-        send failed to, instead of failing this stage (None: every failure fails it)."""
+
+    @property
+    def plan(self) -> PlanView:
+        """The stage's plan now (an elastic job's changes with its membership)."""
+        if self.stage.plan is None:
+            raise StageError(f"stage {self.stage.key.stage} was released")
+        return self.stage.plan
 
     def recv(self, kind: Kind, step: int, tag: int,
              timeout: float | None = None) -> tuple[torch.Tensor, int]:
@@ -97,24 +106,22 @@ class ElasticHooks:
     membership changed, and keeps its state for a joining group when told to.
 
     Args:
-        stage: the stage.
-        transport: the stage's transport (its plan is replaced with the tracker's).
+        stage: the stage (its plan is replaced with the tracker's when it changed).
         quorum: one ReplicaQuorum call to the tracker.
         node_id: returns this node's id.
         keep: keeps a snapshot on this node, under a stage key.
         suspect: reports a peer a send failed to (the tracker pings it).
     """
 
-    def __init__(self, stage: Stage, transport: StageTransport,
+    def __init__(self, stage: Stage,
                  quorum: Callable[[tracker_pb2.ReplicaQuorumRequest],
                                   tracker_pb2.ReplicaQuorumReply],
                  node_id: Callable[[], str],
                  keep: Callable[[str, StageKey, checkpoint.Snapshot], None],
                  suspect: Callable[[Stage, str], None]):
-        self.stage, self.transport, self.quorum = stage, transport, quorum
+        self.stage, self.quorum = stage, quorum
         self.node_id, self.keep, self.suspect = node_id, keep, suspect
         self.donate: tuple[int, ...] = ()
-        transport.foreign_failed = self.peer_failed
 
     def ask(self, step: int, version: int, reduced: bool, wait: float) -> Quorum:
         """As :class:`~fedpipe.runtime.elastic.AskQuorum`."""
@@ -123,9 +130,8 @@ class ElasticHooks:
             job_id=st.job_id, epoch=st.epoch, replica=st.key.replica, stage=st.key.stage,
             node_id=self.node_id(), step=step, version=version, reduced=reduced,
             wait_seconds=wait))
-        if reply.plan.stages:  # the membership changed: a joining group's nodes are new
-            st.plan = self.transport.plan = PlanView(reply.plan, self.transport.plan
-                                                     .job_microbatches)
+        if reply.plan.stages and st.plan is not None:  # the membership changed: a joining
+            st.plan = PlanView(reply.plan, st.plan.job_microbatches)  # group's nodes are new
         q = Quorum(reply.step, reply.version, tuple(reply.members), reply.committed,
                    reply.dropped, tuple(reply.donate_to))
         if q.committed:
@@ -150,7 +156,7 @@ class ElasticHooks:
             self.donate = ()
 
 
-ElasticFactory = Callable[[Stage, StageTransport], ElasticHooks]
+ElasticFactory = Callable[[Stage], ElasticHooks]
 """Makes a stage's :class:`ElasticHooks` (a node that reaches a tracker has one)."""
 
 
@@ -193,17 +199,16 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     stage = Stage(StageSlot(request.job_id, *key), n_stages, mine.layer_start, module,
                   cfg.steps, peers, epoch=request.plan.epoch, start=request.resume_step,
                   checkpoint_every=cfg.checkpoint_every, plan=plan)
+    hooks = elastic(stage) if len(plan.replicas) > 1 and cfg.elastic and elastic else None
     # one timed transport for the runner and the syncs, so their waiting counts too
-    inner = StageTransport(stage, mailbox, device, plan)
-    transport = TimedTransport(inner)
+    transport = TimedTransport(StageTransport(stage, mailbox, device,
+                                              hooks.peer_failed if hooks else None))
     before: list[StepHook] = []
     after: list[StepHook] = []
     spans = [StageSpan(k, a.layer_start, a.layer_end) for k, a in plan.stages.items()]
     outer: OuterSync | None = None
     schedule = None
     shares = [plan.share(g) for g in range(len(plan.replicas))]
-    hooks = elastic(stage, inner) if len(plan.replicas) > 1 and cfg.elastic and elastic \
-        else None
 
     def samples() -> tuple[int, int]:
         return stage.runner.step_samples if stage.runner is not None else (0, 1)
