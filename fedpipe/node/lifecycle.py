@@ -3,15 +3,13 @@
 Life cycle of one stage (:data:`TRANSITIONS`; every move goes through
 :meth:`Stage.move`, which checks the table and records the reason)::
 
-                 ┌──────────────> RESTORING ─────────┐ (its snapshot of resume_step)
-    LOADING ─────┤                    │              v
-                 └──────────────────────────────> RUNNING <──> HELD (at a hand-over cut)
-                                      │              │          │
-                                      v              v          │
-                                    FAILED <──── (a step raised)│
-                                    STOPPED <────────┴──────────┘ (StopJob, drop, shutdown)
-                                    DONE <────── (ran every step)
-    DONE | FAILED | STOPPED ──> RELEASED (forgotten, memory freed; final)
+    LOADING   -> RESTORING | RUNNING | STOPPED   (built from its LoadStage request)
+    RESTORING -> RUNNING | FAILED | STOPPED      (its snapshot of resume_step)
+    RUNNING   -> HELD | DONE | FAILED | STOPPED  (a report per step, a snapshot
+                                                 every checkpoint_every steps)
+    HELD      -> RUNNING | STOPPED               (at a hand-over cut, until it moves on)
+    DONE | FAILED | STOPPED -> RELEASED          (StopJob with release, or the
+                                                 tracker's drop; final)
 
 A stage is *live* while LOADING, RESTORING, RUNNING or HELD: it takes tensors
 and counts as running its job. It has *ended* once DONE, FAILED or STOPPED:
