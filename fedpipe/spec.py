@@ -357,6 +357,75 @@ class JobSpecError(SpecError):
         self.field = field_name
 
 
+WEIGHT_SOURCES = ("", "seed", "files", "stream")
+"""Where a job's initial weights come from (:class:`WeightsSpec`)."""
+
+
+@dataclass(frozen=True)
+class WeightsSpec:
+    """Where each stage gets its initial weights; the tracker never holds a weight.
+
+    Attributes:
+        source: "" the pickled layers carry their weights (a job built by hand);
+            "seed": the layers are pickled on the meta device and each node makes its
+            own from ``(seed, layer index)`` (:mod:`fedpipe.runtime.materialize`);
+            "files": each node reads its layers' tensors from ``path``
+            (:mod:`fedpipe.runtime.weights`), and one that cannot read it gets them
+            streamed by the client (``PutWeights``); "stream": the client streams each
+            stage's layers to its node.
+        seed: "seed": the job's seed.
+        init_fn: "seed": a cloudpickled ``init_fn(layer, index, generator)``, or b"".
+        path: "files": a safetensors file or a Hugging Face sharded directory.
+        digests: "files", "stream": :func:`fedpipe.runtime.weights.layer_digest` (hex)
+            of every layer, in order: the node checks what it loads against them, and
+            the job's signature covers them.
+        names: "files": a cloudpickled ``fedpipe.runtime.weights.KeyMap`` (the file's
+            names of each layer's tensors), or b"" for an ``nn.Sequential``'s own.
+    """
+
+    source: str = ""
+    seed: int = 0
+    init_fn: bytes = b""
+    path: str = ""
+    digests: tuple[str, ...] = ()
+    names: bytes = b""
+
+    @property
+    def on_meta(self) -> bool:
+        """Whether the job's layers are pickled without weights."""
+        return bool(self.source)
+
+    def validate(self, n_layers: int | None = None) -> "WeightsSpec":
+        """Check the fields; return self.
+
+        Raises:
+            JobSpecError: an unknown source, a "files" job without a path, or digests
+                that are not one per layer.
+        """
+        if self.source not in WEIGHT_SOURCES:
+            raise JobSpecError("weights", f"source must be one of {list(WEIGHT_SOURCES)}, "
+                                          f"got {self.source!r}")
+        if self.source == "files" and not self.path:
+            raise JobSpecError("weights", "weights from files need a path")
+        if self.source in ("files", "stream") and n_layers is not None \
+                and len(self.digests) != n_layers:
+            raise JobSpecError("weights", f"{len(self.digests)} layer digests for "
+                                          f"{n_layers} layers")
+        return self
+
+    def to_proto(self) -> node_pb2.WeightsConfig:
+        """The ``fedpipe.v1.WeightsConfig`` message."""
+        return node_pb2.WeightsConfig(source=self.source, seed=self.seed, init_fn=self.init_fn,
+                                      path=self.path, digests=list(self.digests),
+                                      names=self.names)
+
+    @classmethod
+    def from_proto(cls, msg: node_pb2.WeightsConfig) -> "WeightsSpec":
+        """The spec in a ``WeightsConfig`` (unset: the layers carry their weights)."""
+        return cls(source=msg.source, seed=msg.seed, init_fn=msg.init_fn, path=msg.path,
+                   digests=tuple(msg.digests), names=msg.names)
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What a job asks for: the configuration the client submits and every stage runs by.
@@ -393,6 +462,7 @@ class JobSpec:
             rewinding (:mod:`fedpipe.tracker.replicas`); below it, the job rewinds
             to its last complete checkpoint. 0 (the default): every loss rewinds.
             At most ``replicas`` when that is set.
+        weights: where the stages' initial weights come from (:class:`WeightsSpec`).
     """
 
     steps: int
@@ -414,6 +484,7 @@ class JobSpec:
     client_timeout: float = CLIENT_TIMEOUT
     rebalance: str = "auto"
     min_replicas: int = 0
+    weights: WeightsSpec = field(default_factory=WeightsSpec)
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -467,6 +538,7 @@ class JobSpec:
              f"must be >= 0 (0: every loss rewinds), got {self.min_replicas}")
         need(not self.replicas or self.min_replicas <= self.replicas, "min_replicas",
              f"{self.min_replicas} is more than the {self.replicas} replica groups asked for")
+        self.weights.validate(n_layers)
         return self
 
     @property
@@ -485,11 +557,13 @@ class JobSpec:
 
     def to_proto(self) -> node_pb2.JobConfig:
         """The ``fedpipe.v1.JobConfig`` message."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "diloco"}
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("diloco", "weights")}
         o = self.diloco
         return node_pb2.JobConfig(**d, outer_every=o.inner_steps, outer_lr=o.outer_lr,
                                   outer_momentum=o.outer_momentum,
-                                  outer_compression=o.compression)
+                                  outer_compression=o.compression,
+                                  weights=self.weights.to_proto())
 
     @classmethod
     def from_proto(cls, msg: node_pb2.JobConfig) -> "JobSpec":
@@ -521,13 +595,16 @@ class JobSpec:
                    diloco=outer, checkpoint_every=msg.checkpoint_every,
                    client_timeout=msg.client_timeout or CLIENT_TIMEOUT,
                    rebalance=msg.rebalance or "auto",
-                   min_replicas=msg.min_replicas)
+                   min_replicas=msg.min_replicas,
+                   weights=WeightsSpec.from_proto(msg.weights))
 
     def summary(self) -> dict:
         """The settings as plain values (no pickles), for logs and status pages."""
         d = asdict(self)
         for k in ("optimizer", "loss_fn", "lr_scheduler"):
             d[k] = len(d[k])
+        d["weights"] = {"source": self.weights.source, "seed": self.weights.seed,
+                        "path": self.weights.path}
         return d
 
 
@@ -547,6 +624,7 @@ class Kind(enum.IntEnum):
     OUTER = node_pb2.KIND_OUTER
     NORM = node_pb2.KIND_NORM
     SNAPSHOT = node_pb2.KIND_SNAPSHOT
+    WEIGHTS = node_pb2.KIND_WEIGHTS
 
 
 SNAPSHOTS_KEPT = 2

@@ -96,3 +96,8 @@ IDLE_STREAM = _seconds("IDLE_STREAM", 30.0)
 nothing for this long while it belongs to no running job on that node (none named yet, or
 its job's stages there have ended) is closed. A running job's streams are never cut for
 idling (they idle between DiLoCo outer steps on purpose); keepalive finds dead ones."""
+WEIGHTS_WAIT = _seconds("WEIGHTS_WAIT", 600.0)
+"""A stage whose initial weights the client streams (PutWeights) waits this long for them,
+then fails (the client is gone, or cannot reach the node)."""
+PUT_WEIGHTS_RPC = _seconds("PUT_WEIGHTS_RPC", 1800.0)
+"""Deadline of one PutWeights call: a stage's weights, streamed by the client."""

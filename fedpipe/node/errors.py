@@ -20,6 +20,7 @@ import grpc
 
 from ..runtime.checkpoint import SnapshotTooLarge
 from ..runtime.layerstate import SplitError
+from ..runtime.weights import WeightsError
 from ..security import SecurityError
 from ..wire import WireError
 
@@ -53,6 +54,11 @@ class NoSuchSnapshot(NodeError):
     """No snapshot of that stage and step is kept on this node."""
 
 
+class HasWeights(NodeError):
+    """PutWeights for a stage that has its initial weights (it made or read them itself,
+    restores a snapshot, or another stream already gave them)."""
+
+
 class StageExists(NodeError):
     """That stage of that job is already loaded on this node."""
 
@@ -83,6 +89,8 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     NoSuchStage: grpc.StatusCode.NOT_FOUND,
     NoSuchSnapshot: grpc.StatusCode.NOT_FOUND,
     StageExists: grpc.StatusCode.ALREADY_EXISTS,
+    HasWeights: grpc.StatusCode.ALREADY_EXISTS,
+    WeightsError: grpc.StatusCode.INVALID_ARGUMENT,
     Duplicate: grpc.StatusCode.ALREADY_EXISTS,
     StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
     SplitError: grpc.StatusCode.FAILED_PRECONDITION,

@@ -3,7 +3,10 @@
 Life cycle of one stage (:data:`TRANSITIONS`; every move goes through
 :meth:`Stage.move`, which checks the table and records the reason)::
 
-    LOADING   -> RESTORING | RUNNING | STOPPED   (built from its LoadStage request)
+    LOADING   -> AWAITING_WEIGHTS | RESTORING | RUNNING | STOPPED
+                                                (built from its LoadStage request)
+    AWAITING_WEIGHTS -> RUNNING | FAILED | STOPPED  (its initial weights, streamed by the
+                                                 client: :mod:`~fedpipe.node.initial`)
     RESTORING -> RUNNING | FAILED | STOPPED      (its snapshot of resume_step)
     RUNNING   -> HELD | DONE | FAILED | STOPPED  (a report per step, a snapshot
                                                  every checkpoint_every steps)
@@ -11,7 +14,7 @@ Life cycle of one stage (:data:`TRANSITIONS`; every move goes through
     DONE | FAILED | STOPPED -> RELEASED          (StopJob with release, or the
                                                  tracker's drop; final)
 
-A stage is *live* while LOADING, RESTORING, RUNNING or HELD: it takes tensors
+A stage is *live* while LOADING, AWAITING_WEIGHTS, RESTORING, RUNNING or HELD: it takes tensors
 and counts as running its job. It has *ended* once DONE, FAILED or STOPPED:
 it takes nothing more, and is kept for its weights until released.
 
@@ -35,6 +38,7 @@ from torch import nn
 from ..runtime import checkpoint
 from ..runtime.stage import StageRunnerBase
 from ..spec import PlanView, StageKey
+from .initial import Pending
 from .peers import StagePeers
 
 log = logging.getLogger(__name__)
@@ -45,6 +49,9 @@ class StageState(enum.Enum):
 
     LOADING = "loading"
     """Built from its LoadStage request; not stepping yet."""
+    AWAITING_WEIGHTS = "awaiting weights"
+    """Built on the meta device's shapes; waits for the client to stream its initial
+    weights (a job whose weights never pass through the tracker)."""
     RESTORING = "restoring"
     """Its snapshot of the resume step is being loaded (on the load call, or on its
     thread for a joining replica group, which waits for its donor)."""
@@ -67,13 +74,15 @@ class StageState(enum.Enum):
 S = StageState
 TRANSITIONS: frozenset[tuple[StageState, StageState]] = frozenset({
     (S.LOADING, S.RESTORING), (S.LOADING, S.RUNNING), (S.LOADING, S.STOPPED),
+    (S.LOADING, S.AWAITING_WEIGHTS), (S.AWAITING_WEIGHTS, S.RUNNING),
+    (S.AWAITING_WEIGHTS, S.FAILED), (S.AWAITING_WEIGHTS, S.STOPPED),
     (S.RESTORING, S.RUNNING), (S.RESTORING, S.FAILED), (S.RESTORING, S.STOPPED),
     (S.RUNNING, S.HELD), (S.HELD, S.RUNNING),
     (S.RUNNING, S.DONE), (S.RUNNING, S.FAILED), (S.RUNNING, S.STOPPED), (S.HELD, S.STOPPED),
     (S.DONE, S.RELEASED), (S.FAILED, S.RELEASED), (S.STOPPED, S.RELEASED),
 })
 """Every allowed move ``(from, to)`` of a stage; no other is made."""
-LIVE = frozenset({S.LOADING, S.RESTORING, S.RUNNING, S.HELD})
+LIVE = frozenset({S.LOADING, S.AWAITING_WEIGHTS, S.RESTORING, S.RUNNING, S.HELD})
 """States in which a stage takes tensors and counts as running its job."""
 ENDED = frozenset({S.DONE, S.FAILED, S.STOPPED, S.RELEASED})
 """States after which a stage steps no more."""
@@ -122,6 +131,9 @@ class Stage:
     plan: PlanView | None = None
     parts: dict[str, checkpoint.Checkpointable | None] = field(default_factory=dict)
     """What a checkpoint snapshots: module, optimizer, LR schedule, DiLoCo outer state."""
+    pending: Pending | None = None
+    """Its layers waiting for the client's stream of their initial weights (None: it has
+    them, or restores a snapshot)."""
     done: int = 0
     """Steps done (the stage's step boundary it last crossed)."""
     hold_at: int = 0

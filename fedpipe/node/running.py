@@ -51,7 +51,10 @@ class StageLoop:
         """Start ``stage``'s thread. With ``wait`` > 0 (a joining group's stage) it first
         restores from ``sources`` on that thread, asking again for up to ``wait`` s."""
         name = f"stage-{stage.slot.replica}.{stage.slot.stage}"
-        if wait > 0:
+        if stage.pending is not None:
+            stage.thread = threading.Thread(target=self._await_weights_then_run, name=name,
+                                            args=(stage, timeouts.WEIGHTS_WAIT), daemon=True)
+        elif wait > 0:
             stage.thread = threading.Thread(target=self._restore_then_run, name=name,
                                             args=(stage, list(sources), wait), daemon=True)
         elif stage.move(StageState.RUNNING, "loaded" if stage.start == 0 else
@@ -87,6 +90,29 @@ class StageLoop:
                 stage.wait_ended(timeouts.QUORUM_POLL)
         if stage.move(StageState.RUNNING, f"restored its donor's step {stage.start} snapshot",
                       strict=False):
+            self._run(stage)
+        else:
+            self._ended(stage)
+
+    def _await_weights_then_run(self, stage: Stage, wait: float) -> None:
+        """A stage whose initial weights the client streams (:mod:`~fedpipe.node.initial`):
+        wait up to ``wait`` s for them (PutWeights), then run; report a stage that
+        never got them."""
+        assert stage.pending is not None
+        if not stage.move(StageState.AWAITING_WEIGHTS, "waits for its initial weights from "
+                          "the client", strict=False):
+            return self._ended(stage)
+        deadline = time.monotonic() + wait
+        while not stage.pending.arrived.wait(timeouts.QUORUM_POLL):
+            if not stage.live:
+                return self._ended(stage)
+            if time.monotonic() > deadline:
+                error = f"its initial weights did not come from the client within {wait:.0f} s"
+                if stage.move(StageState.FAILED, error, strict=False):
+                    self.reporter.report(stage, R.STATUS_FAILED, error=error)
+                return self._ended(stage)
+        stage.pending = None  # the layers hold them now
+        if stage.move(StageState.RUNNING, "got its initial weights", strict=False):
             self._run(stage)
         else:
             self._ended(stage)

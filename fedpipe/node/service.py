@@ -26,6 +26,7 @@ from ..wire import frames
 from ..runtime import checkpoint
 from .access import Quorum
 from .errors import InvalidRequest, maps_errors
+from .initial import WeightsDesk
 from .lifecycle import StageSlot
 from .mailbox import JOB_TENSORS
 from .parts import NodeParts, build_parts
@@ -67,6 +68,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.stages, self.data, self.desk = parts.stages, parts.data, parts.desk
         self.access, self.streams, self.channels = parts.access, parts.streams, parts.channels
         self.verifier = parts.access.verifier
+        self.weights = WeightsDesk(self.stages.get)
 
     def stop_all(self) -> None:
         """Stop every stage (node shutdown)."""
@@ -109,6 +111,17 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 watch.belongs_to(env.job_id)
                 self.access.check_snapshot(identity_of(context), env)
             self.desk.receive(watch.track(request_iterator), check)
+        return node_pb2.SendReply()
+
+    @maps_errors
+    def PutWeights(self, request_iterator, context):
+        with self.streams.open(context, "PutWeights") as watch:
+            identity = identity_of(context)
+
+            def check(env: node_pb2.Envelope) -> None:
+                watch.belongs_to(env.job_id)
+                self.access.require_owner(identity, env.job_id)
+            self.weights.receive(watch.track(request_iterator), check)
         return node_pb2.SendReply()
 
     @maps_errors

@@ -24,6 +24,7 @@ from ..runtime.elastic import AskQuorum, ElasticGradientSync, ElasticOuterSync
 from ..runtime.stage import StageError, StepHook, SyncStageRunner, TimedTransport
 from ..spec import JobSpec, Kind, PlanView, Quorum, StageKey
 from .errors import StageLoadError
+from .initial import make_layers
 from .lifecycle import Stage, StageSlot
 from .mailbox import Mailbox
 from .peers import StagePeers
@@ -188,8 +189,8 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     if mine is None:
         raise ValueError(f"the plan has no stage {key.stage} in replica group {key.replica}")
     n_stages = plan.depth(key.replica)
-    layers = [cloudpickle.loads(blob) for blob in request.layers]
-    module = nn.Sequential(*layers).to(device)
+    layers, pending = make_layers(request, cfg.weights, mine.layer_start, device)
+    module = nn.Sequential(*layers)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = cloudpickle.loads(cfg.optimizer).build(params) if params else None
     last = key.stage == n_stages - 1
@@ -198,7 +199,7 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
         raise ValueError(f"resume_step must be in [0, {cfg.steps}), got {request.resume_step}")
     stage = Stage(StageSlot(request.job_id, *key), n_stages, mine.layer_start, module,
                   cfg.steps, peers, epoch=request.plan.epoch, start=request.resume_step,
-                  checkpoint_every=cfg.checkpoint_every, plan=plan)
+                  checkpoint_every=cfg.checkpoint_every, plan=plan, pending=pending)
     hooks = elastic(stage) if len(plan.replicas) > 1 and cfg.elastic and elastic else None
     # one timed transport for the runner and the syncs, so their waiting counts too
     transport = TimedTransport(StageTransport(stage, mailbox, device,

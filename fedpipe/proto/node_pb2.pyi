@@ -20,6 +20,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KIND_OUTER: _ClassVar[Kind]
     KIND_NORM: _ClassVar[Kind]
     KIND_SNAPSHOT: _ClassVar[Kind]
+    KIND_WEIGHTS: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 KIND_INPUT: Kind
 KIND_TARGET: Kind
@@ -30,6 +31,7 @@ KIND_REDUCE: Kind
 KIND_OUTER: Kind
 KIND_NORM: Kind
 KIND_SNAPSHOT: Kind
+KIND_WEIGHTS: Kind
 
 class Resources(_message.Message):
     __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname", "host_id", "host_cores")
@@ -102,7 +104,7 @@ class Plan(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., calibrated: _Optional[bool] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every", "client_timeout", "rebalance", "min_replicas")
+    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every", "client_timeout", "rebalance", "min_replicas", "weights")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +127,7 @@ class JobConfig(_message.Message):
     CLIENT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     REBALANCE_FIELD_NUMBER: _ClassVar[int]
     MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     microbatches: int
     schedule: str
@@ -147,7 +150,24 @@ class JobConfig(_message.Message):
     client_timeout: float
     rebalance: str
     min_replicas: int
-    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., client_timeout: _Optional[float] = ..., rebalance: _Optional[str] = ..., min_replicas: _Optional[int] = ...) -> None: ...
+    weights: WeightsConfig
+    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., client_timeout: _Optional[float] = ..., rebalance: _Optional[str] = ..., min_replicas: _Optional[int] = ..., weights: _Optional[_Union[WeightsConfig, _Mapping]] = ...) -> None: ...
+
+class WeightsConfig(_message.Message):
+    __slots__ = ("source", "seed", "init_fn", "path", "digests", "names")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    INIT_FN_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    seed: int
+    init_fn: bytes
+    path: str
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    names: bytes
+    def __init__(self, source: _Optional[str] = ..., seed: _Optional[int] = ..., init_fn: _Optional[bytes] = ..., path: _Optional[str] = ..., digests: _Optional[_Iterable[str]] = ..., names: _Optional[bytes] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ()

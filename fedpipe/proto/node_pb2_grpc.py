@@ -74,6 +74,11 @@ class NodeStub:
                 request_serializer=fedpipe_dot_v1_dot_node__pb2.FetchSnapshotRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_v1_dot_node__pb2.Frame.FromString,
                 _registered_method=True)
+        self.PutWeights = channel.stream_unary(
+                '/fedpipe.v1.Node/PutWeights',
+                request_serializer=fedpipe_dot_v1_dot_node__pb2.Frame.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_node__pb2.SendReply.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/fedpipe.v1.Node/Ping',
                 request_serializer=fedpipe_dot_v1_dot_node__pb2.PingRequest.SerializeToString,
@@ -156,6 +161,16 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutWeights(self, request_iterator, context):
+        """A stage's initial weights from the client (envelope: KIND_WEIGHTS, job, replica, stage,
+        epoch; then one named tensor per state_dict entry of each of its layers), for a job
+        whose weights stream (WeightsConfig): they never pass through the tracker. ALREADY_EXISTS
+        when the stage has its weights already (it read them from the job's files).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ping(self, request, context):
         """A small round trip, for latency measurements.
         """
@@ -225,6 +240,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.FetchSnapshot,
                     request_deserializer=fedpipe_dot_v1_dot_node__pb2.FetchSnapshotRequest.FromString,
                     response_serializer=fedpipe_dot_v1_dot_node__pb2.Frame.SerializeToString,
+            ),
+            'PutWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutWeights,
+                    request_deserializer=fedpipe_dot_v1_dot_node__pb2.Frame.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_node__pb2.SendReply.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
@@ -463,6 +483,33 @@ class Node:
             '/fedpipe.v1.Node/FetchSnapshot',
             fedpipe_dot_v1_dot_node__pb2.FetchSnapshotRequest.SerializeToString,
             fedpipe_dot_v1_dot_node__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fedpipe.v1.Node/PutWeights',
+            fedpipe_dot_v1_dot_node__pb2.Frame.SerializeToString,
+            fedpipe_dot_v1_dot_node__pb2.SendReply.FromString,
             options,
             channel_credentials,
             insecure,

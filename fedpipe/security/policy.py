@@ -133,6 +133,9 @@ POLICY: Mapping[str, Rule] = {
                                                                "identity, owner, nodes)"),
         "FetchSnapshot": Rule(_roles(NODE, CLIENT), service_check="require_owner_or_assigned("
                                                                  "identity, owner, nodes)"),
+        # a stage's initial weights, from the job's own client straight to the stage's node
+        # (weights never pass through the tracker)
+        "PutWeights": Rule(_roles(CLIENT), service_check="require_owner(identity, owner)"),
         "Ping": Rule(_roles(NODE, TRACKER)),
         "MeasureLinks": Rule(_roles(TRACKER)),
         # a drain's or a migration's cut at a step boundary

@@ -7,8 +7,12 @@ cloudpickled). The client signs, with the key of its certificate (ECDSA P-256,
 SHA-256; FIPS 186-5), the digest of::
 
     DOMAIN, owner, the number of layers, SHA-256 of each layer,
-    SHA-256 of each code-carrying config field
+    SHA-256 of each code-carrying config field,
+    SHA-256 of the config's ``weights`` (seed and init_fn, or each layer's weight digest)
 
+A job whose weights do not travel with its code (issue 22: a meta-device job, or
+weights streamed or read from files) thus has what every node loads signed: its code
+and, per layer, the digest its node checks the tensors against.
 (each part length-prefixed, so no two jobs share a message). The per-layer
 digests travel with the job (``layer_digests``), so a node that receives only its
 stage's layers can check the signature over the whole job and that its own
@@ -63,6 +67,8 @@ def job_message(owner: str, digests: Sequence[bytes], config: node_pb2.JobConfig
         _part(h, d)
     for name in CODE_FIELDS:
         _part(h, hashlib.sha256(getattr(config, name)).digest())
+    # where the weights come from: the seed and init_fn, or each layer's weight digest
+    _part(h, hashlib.sha256(config.weights.SerializeToString(deterministic=True)).digest())
     return h.digest()
 
 
