@@ -48,6 +48,7 @@ EXPECTED = {
     "/fedpipe.v1.Node/SendOne": {"node", "client"},
     "/fedpipe.v1.Node/FetchState": {"client", "node"},
     "/fedpipe.v1.Node/PutSnapshot": {"node", "client"},
+    "/fedpipe.v1.Node/PutWeights": {"client"},
     "/fedpipe.v1.Node/FetchSnapshot": {"node", "client"},
     "/fedpipe.v1.Node/Ping": {"node", "tracker"},
     "/fedpipe.v1.Node/MeasureLinks": {"tracker"},
