@@ -121,6 +121,28 @@ def readable(path: str) -> bool:
     return bool(path) and os.access(path, os.R_OK) and os.path.exists(path)
 
 
+def allocate(layer: nn.Module, device: torch.device) -> nn.Module:
+    """Give ``layer``'s meta parameters and buffers storage on ``device`` (contents
+    undefined: a stream fills them), keeping the others (a non-persistent buffer the
+    client pickled with its value) and each tensor's sharing within the layer; in place."""
+    made: dict[int, torch.Tensor] = {}
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=t.requires_grad)
+            made[id(t)] = new
+        return made[id(t)]
+
+    for module in layer.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in slots.items():
+                if t is not None:
+                    slots[name] = real(t)  # type: ignore[assignment]
+    return layer
+
+
 def make_layers(request: node_pb2.LoadStageRequest, weights: WeightsSpec, first: int,
                 device: torch.device) -> tuple[list[nn.Module], Pending | None]:
     """The stage's layers (global indices ``first``, ``first + 1``, ...) on ``device``,
@@ -135,14 +157,19 @@ def make_layers(request: node_pb2.LoadStageRequest, weights: WeightsSpec, first:
     if not weights.on_meta:  # the layers carry their weights
         return [layer.to(device) for layer in layers], None
     indices = list(range(first, first + len(layers)))
-    init_fn = cloudpickle.loads(weights.init_fn) if weights.init_fn else None
-    # storage for every source, made from the seed: a file or a stream then overwrites
-    # the state_dict, and a buffer outside it is still what the layer's own init makes
-    made = materialize_layers(dict(zip(indices, layers)), indices, weights.seed, device,
-                              init_fn)
+    if weights.source == "stream":  # a model the client holds: only its state_dict is meta
+        made = [allocate(layer, device) for layer in layers]
+    else:
+        # storage made from the seed for "files" too: the files then overwrite the
+        # state_dict, and a buffer outside it is what the layer's own init makes
+        init_fn = cloudpickle.loads(weights.init_fn) if weights.init_fn else None
+        made = materialize_layers(dict(zip(indices, layers)), indices, weights.seed, device,
+                                  init_fn)
     if weights.source == "seed" or not needs_initial(request):
         return made, None
     mine = dict(zip(indices, made))
+    if not any(layer.state_dict() for layer in made):  # nothing to stream (activations only)
+        return made, None
     if weights.source == "files" and readable(weights.path):
         names = cloudpickle.loads(weights.names) if weights.names else sequential_keys
         load_layers(weights.path, mine, names)

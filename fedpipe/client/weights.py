@@ -1,0 +1,216 @@
+"""What a client sends of a model: code to the tracker, weights straight to the nodes.
+
+A job's layers go to the tracker as code only: each layer pickled with its
+``state_dict`` tensors on the meta device, a few KiB a layer, whatever the model's
+size (issue 22). Where the weights come from (:class:`~fedpipe.spec.WeightsSpec`):
+
+- a model built under ``torch.device("meta")``: each node makes its own layers from
+  the job's ``seed`` (and ``init_fn``), exactly as ``fedpipe.materialize(model, seed)``
+  does in one process. A layer with a tensor nothing initializes is refused here,
+  named (:func:`~fedpipe.runtime.materialize.check_initializable`);
+- ``weights=PATH`` (a safetensors file or a Hugging Face sharded directory): names
+  and shapes are checked against the model here, reading only headers; each node
+  reads its own layers' tensors from PATH if it can, else the client streams them;
+- a model with its weights (the API before meta jobs): the client streams each
+  stage's layers to that stage's node (``PutWeights``).
+
+The job's config carries each layer's weight digest
+(:func:`~fedpipe.runtime.weights.layer_digest`, signed with the job under TLS); a
+node checks what it loads against it. :class:`WeightStreamer` streams every stage
+of a plan epoch that starts from the job's start (the first deploy, and a recovery
+before the first checkpoint: the client still holds the model or can read PATH, so
+the tracker never needs a weight); a stage that has its weights answers
+ALREADY_EXISTS and is skipped.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from torch import nn
+
+from ..net import timeouts
+from ..planner.types import ModelProfile
+from ..proto import node_pb2, tracker_pb2
+from ..runtime.materialize import InitFn, MaterializeError, check_initializable, meta_profile
+from ..runtime.weights import (KeyMap, WeightFiles, check_weights, layer_digest, layer_tensors,
+                               sequential_keys)
+from ..spec import PlanView, StageKey, WeightsSpec
+from ..wire import frames, rpc
+from .packaging import dumps
+from .profile import profile_model
+
+TensorsOf = Callable[[int], Mapping[str, torch.Tensor]]
+"""Layer index -> its ``state_dict`` tensors (what a node loads)."""
+
+
+@dataclass(frozen=True)
+class ModelCode:
+    """A model as a job sends it.
+
+    Attributes:
+        layers: each layer cloudpickled with its state_dict on the meta device.
+        weights: where the nodes get the weights.
+        profile: the planner's per-layer costs.
+        tensors: a layer's tensors for streaming (None: every node makes its own).
+    """
+
+    layers: list[bytes]
+    weights: WeightsSpec
+    profile: tracker_pb2.ModelProfile
+    tensors: TensorsOf | None
+
+
+def _on_meta(layer: nn.Module) -> list[bool]:
+    return [t.is_meta for t in (*layer.parameters(), *layer.buffers())]
+
+
+def meta_copy(layer: nn.Module) -> nn.Module:
+    """A copy of ``layer`` whose state_dict tensors are on the meta device (sharing kept);
+    its other buffers keep their values. The layer itself is not touched."""
+    memo: dict[int, object] = {}
+    for t in layer.state_dict(keep_vars=True).values():
+        if id(t) in memo:
+            continue
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) \
+            if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(layer, memo)  # type: ignore[arg-type]
+
+
+def profile_message(p: ModelProfile) -> tracker_pb2.ModelProfile:
+    """The planner's profile as the tracker takes it."""
+    return tracker_pb2.ModelProfile(input_bytes=p.input_bytes, layers=[
+        tracker_pb2.LayerProfile(name=x.name, flops=x.flops, activation_bytes=x.activation_bytes,
+                                 parameter_bytes=x.parameter_bytes) for x in p.layers])
+
+
+def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
+            init_fn: InitFn | None = None, weights: str | os.PathLike | None = None,
+            names: KeyMap | None = None) -> ModelCode:
+    """The job's code, weight source and profile for ``model`` (see the module docstring).
+
+    Args:
+        model: the layers; all on the meta device, or all with their weights.
+        sample: a batch of inputs (its shape and dtype profile a meta model).
+        seed, init_fn: a meta model's initialization (without ``weights``).
+        weights: a safetensors file or sharded directory the weights start from.
+        names: the file's names for each layer's tensors (default: ``"3.weight"``).
+
+    Raises:
+        TypeError: some layers on the meta device and others not (naming the first).
+        MaterializeError: a meta layer's tensor nothing initializes, named.
+        WeightsError: the files lack a tensor of a layer, or hold another shape.
+    """
+    meta = [_on_meta(layer) for layer in model]
+    on_meta = [any(m) for m in meta]
+    if any(on_meta):  # then every layer with tensors must have them all on meta
+        for i, m in enumerate(meta):
+            if m and not all(m):
+                raise TypeError(f"layer {i} ({type(model[i]).__name__}) has tensors off the "
+                                "meta device while others are on it: build the whole model "
+                                "under torch.device('meta'), or with its weights")
+    keys = names or sequential_keys
+    if weights is not None:
+        path = Path(weights).resolve()
+        code = [meta_copy(layer) for layer in model] if not any(on_meta) else list(model)
+        with WeightFiles(path) as files:
+            check_weights(files, code, keys)
+            digests = tuple(layer_digest(layer_tensors(files, i, layer, keys))
+                            for i, layer in enumerate(code))
+        spec = WeightsSpec(source="files", path=str(path), digests=digests,
+                           names=dumps(names) if names is not None else b"", seed=seed,
+                           init_fn=dumps(init_fn) if init_fn is not None else b"")
+
+        def from_files(i: int) -> Mapping[str, torch.Tensor]:
+            with WeightFiles(path) as files:
+                return layer_tensors(files, i, code[i], keys)
+        return ModelCode([dumps(layer) for layer in code], spec,
+                         profile_message(meta_profile(_meta_only(code), sample)), from_files)
+    if any(on_meta):
+        check_initializable(list(model), init_fn)
+        spec = WeightsSpec(source="seed", seed=seed,
+                           init_fn=dumps(init_fn) if init_fn is not None else b"")
+        return ModelCode([dumps(layer) for layer in model], spec,
+                         profile_message(meta_profile(list(model), sample)), None)
+    profile = profile_model(model, sample)
+    spec = WeightsSpec(source="stream",
+                       digests=tuple(layer_digest(layer.state_dict()) for layer in model))
+    return ModelCode([dumps(meta_copy(layer)) for layer in model], spec, profile,
+                     lambda i: model[i].state_dict())
+
+
+def _meta_only(layers: list[nn.Module]) -> list[nn.Module]:
+    """The layers with every tensor on meta (what meta_profile takes)."""
+    return [layer if all(_on_meta(layer)) else copy.deepcopy(layer).to("meta")
+            for layer in layers]
+
+
+def weight_frames(envelope: node_pb2.Envelope, start: int, end: int, tensors: TensorsOf
+                  ) -> Iterator[node_pb2.Frame]:
+    """The PutWeights stream of layers ``[start, end)``: the envelope on the first frame,
+    each tensor named ``"LAYER.KEY"``, one layer read at a time."""
+    env: node_pb2.Envelope | None = envelope
+    for i in range(start, end):
+        for key, t in tensors(i).items():
+            yield from frames.encode_frames(t.detach().to("cpu").contiguous(),
+                                            name=f"{i}.{key}", envelope=env)
+            env = None
+
+
+class WeightStreamer:
+    """Streams each stage's initial weights to its node (``PutWeights``).
+
+    Args:
+        job_id: the job.
+        tensors: a layer's state_dict tensors.
+        node: the stub of the node at an address.
+    """
+
+    def __init__(self, job_id: str, tensors: TensorsOf,
+                 node: Callable[[str], rpc.NodeStub]):
+        self.job_id, self.tensors, self.node = job_id, tensors, node
+
+    def stream(self, info: tracker_pb2.JobInfo) -> list[StageKey]:
+        """Stream every stage of ``info``'s plan its layers, all at once, if the epoch
+        starts from the job's start (``resume_step`` 0); returns the stages that took
+        them (one that has its weights answers ALREADY_EXISTS and is skipped).
+
+        Raises:
+            grpc.RpcError: a node refused them (a digest that differs: INVALID_ARGUMENT),
+                or is gone (the feed then waits for the job's recovery).
+        """
+        if info.resume_step != 0:
+            return []
+        view = PlanView(info.plan)
+
+        def put(key: StageKey) -> bool:
+            a = view[key]
+            if a.layer_end <= a.layer_start or \
+                    not any(self.tensors(i) for i in range(a.layer_start, a.layer_end)):
+                return False
+            env = node_pb2.Envelope(job_id=self.job_id, replica=key.replica, stage=key.stage,
+                                    kind=node_pb2.KIND_WEIGHTS, epoch=info.epoch)
+            try:
+                self.node(a.address).PutWeights(
+                    weight_frames(env, a.layer_start, a.layer_end, self.tensors),
+                    timeout=timeouts.PUT_WEIGHTS_RPC)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    return False
+                raise
+            return True
+
+        keys = sorted(view.stages)
+        with futures.ThreadPoolExecutor(max(1, len(keys))) as pool:
+            done = list(pool.map(put, keys))
+        return [k for k, took in zip(keys, done) if took]
+
+
+__all__ = ["ModelCode", "WeightStreamer", "meta_copy", "package", "MaterializeError"]
