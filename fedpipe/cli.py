@@ -350,7 +350,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--http-port", type=int, default=0,
                    help="serve the dashboard and its JSON API on this port (0: off)")
     t.add_argument("--max-job-bytes", type=int, default=128 * 2**20,
-                   help="the most bytes of layers a submitted job may carry")
+                   help="the most bytes of layer code a submitted job may carry (weights "
+                        "never pass through the tracker)")
     t.add_argument("--http-host", default=LOCALHOST,
                    help="address the dashboard binds (it has no authentication)")
     metrics_args(t)

@@ -22,7 +22,9 @@ S = tracker_pb2
 
 MAX_JOB_BYTES = 128 * 2**20
 """The most bytes of layers a submitted job may carry (they are stored in the tracker's
-database and sent to nodes); ``fedpipe tracker --max-job-bytes`` changes it."""
+database and sent to nodes); ``fedpipe tracker --max-job-bytes`` changes it. A client
+sends code only (each layer pickled on the meta device, :mod:`fedpipe.client.weights`):
+the weights go from the client or the files straight to the nodes, so this bounds code."""
 MAX_JOBS_PER_OWNER = 8
 """The most jobs one client (certificate) may have pending or running at once; more are
 refused with RESOURCE_EXHAUSTED and the count, so one client cannot flood the tracker."""
