@@ -24,15 +24,21 @@ from ..security import TlsConfig
 from ..security.explain import explained
 from ..security.signing import sign_job
 from ..security.tls import resolve as resolve_tls
-from ..spec import CLIENT_TIMEOUT, REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, \
-    StageKey, state_name
+from ..spec import CLIENT_TIMEOUT, REPLICA_SYNCS, DiLoCo, JobSpec, PlanView, StageKey, \
+    state_name
 from ..runtime import checkpoint
 from ..wire import frames, rpc
 from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
-from .elastic import ElasticFeed
+from .feed import FEED_KEEP_CHECKPOINTS, ChannelNodes, Feed, GroupFeed, cycle, shard
 from .packaging import dumps, pack_layers
 from .profile import profile_model
+from .watch import RETRYABLE, Halted, JobWatch
+
+# kept for callers of the names these had before the feed moved to .feed
+_shard, _cycle, _FeedHalted = shard, cycle, Halted
+__all__ = ["Client", "Job", "JobFailed", "JobStatus", "TrackerBusy", "GroupFeed",
+           "FEED_KEEP_CHECKPOINTS"]
 
 log = logging.getLogger("fedpipe.client")
 S = tracker_pb2
@@ -40,6 +46,10 @@ S = tracker_pb2
 
 class JobFailed(RuntimeError):
     """The job ended FAILED or CANCELLED; the message is the tracker's reason."""
+
+
+class TrackerBusy(RuntimeError):
+    """The tracker refused a call with RESOURCE_EXHAUSTED; the message says which limit."""
 
 
 @dataclass
@@ -291,7 +301,7 @@ class Client:
                            clip_grad_norm=clip_grad_norm, checkpoint_every=checkpoint_every,
                            client_timeout=client_timeout, rebalance=rebalance,
                            min_replicas=min_replicas, batch_size=microbatches).validate(len(layers))
-        batches = _cycle(data)
+        batches = cycle(data)
         try:
             first = next(batches)
         except StopIteration:
@@ -341,84 +351,6 @@ def _compression(compression: str | dict[str, str]) -> tuple[str, str]:
     return act, grad
 
 
-def _shard(x: torch.Tensor, y: torch.Tensor, shares: list[int]):
-    """Split a batch along dim 0 in proportion to ``shares``."""
-    n, total = x.shape[0], sum(shares)
-    cuts, acc = [], 0
-    for s in shares[:-1]:
-        acc += s
-        cuts.append(round(n * acc / total))
-    return list(zip(torch.tensor_split(x, cuts), torch.tensor_split(y, cuts)))
-
-
-def _cycle(data: Iterable) -> Iterator:
-    """Batches of ``data``, starting over when it runs out (if it can be iterated again).
-
-    Each pass calls ``iter(data)`` once, as ``for epoch: for batch in data`` does:
-    a DataLoader draws its shuffle's seed in ``iter()``, so one call more per epoch
-    would shift a seeded shuffle. A one-shot iterator is not started over.
-    """
-    once = isinstance(data, Iterator)
-    while True:
-        n = 0
-        for batch in data:
-            n += 1
-            yield batch
-        if n == 0 or once:
-            return
-
-
-@dataclass(frozen=True)
-class GroupFeed:
-    """Where and how one replica group takes its share of each batch.
-
-    Attributes:
-        first: the group's first stage (takes the inputs).
-        last: its last stage (takes the targets).
-        microbatches: microbatches per step in this group.
-        share: the group's planned share of each batch, in samples (relative).
-    """
-
-    first: node_pb2.StageAssignment
-    last: node_pb2.StageAssignment
-    microbatches: int
-    share: int
-
-    @classmethod
-    def of(cls, view: PlanView) -> list["GroupFeed"]:
-        """One per replica group of ``view``, in group order."""
-        return [cls(chain[0], chain[-1], view.microbatches(r), view.share(r))
-                for r, chain in zip(view.replicas, view.chains())]
-
-
-class _FeedHalted(Exception):
-    """The client was closed while it fed the job, or another client took the job over."""
-
-
-class TrackerBusy(RuntimeError):
-    """The tracker refused a call with RESOURCE_EXHAUSTED; the message says which limit."""
-
-
-class _Replan(Exception):
-    """The job started a new plan epoch (a recovery): feed it from its resume step."""
-
-
-FEED_KEEP_CHECKPOINTS = 3
-"""The feed keeps the batches of at most this many checkpoint intervals (see :class:`Job`)."""
-NODE_TROUBLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
-                          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED,
-                          grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
-"""Feed errors that mean a node is gone or its stage moved on, not that the data is bad:
-the feed waits for the job to recover (or end) instead of giving up."""
-RECOVERY_POLL = 0.05
-FEED_BUSY_ATTEMPTS = 30
-FEED_BUSY_MAX_DELAY = 4.0
-"""A feed call refused with RESOURCE_EXHAUSTED (the node is busy: its data-plane
-slots or its mailbox are full) is tried again up to this many times in all, backing
-off from 0.2 s to this many seconds apart (about 100 s in all), before the job fails."""
-AFTER_FEED_POLL = 0.25
-"""Seconds between looks at a job the feed has given every step to (it may still rewind)."""
-"""Seconds between looks at a job whose feed paused (recovery, or the kept-batch bound)."""
 
 class Job:
     """A submitted job: its status, progress, and trained weights.
@@ -455,26 +387,48 @@ class Job:
         self._follower: threading.Thread | None = None
         self._feeder_id = os.urandom(8).hex()
         self._halted = threading.Event()
-        self._started = threading.Event()  # the job ran (or ended): the feed may begin
-        self._superseded = False  # another client took the job over
-        self._watch: grpc.Call | None = None  # the feeder's watch
-        self._fed = self._steps = 0  # steps fed in full, of how many
+        self._watch: JobWatch | None = None  # the feeder's watch, while this Job feeds
 
     def _start_feed(self, batches: Iterator, *, take_over: bool = False,
                     restore: checkpoints.SavedCheckpoint | None = None) -> None:
-        """Start the feeder's watch and the feed of ``batches`` (from the job's first step)."""
+        """Open the feeder's watch (a refusal is raised here, before any thread starts),
+        then start its thread and the feed of ``batches`` (from the job's first step).
+
+        Raises:
+            RuntimeError: this Job feeds the job already.
+            ValueError: the client is closed.
+            grpc.RpcError: the tracker refused the watch (:meth:`.JobWatch.open`).
+        """
         if self._feeder is not None:
             raise RuntimeError(f"job {self.id} is being fed by this Job already")
-        self._follower = threading.Thread(target=self._follow, args=(take_over,),
-                                          name=f"watch-{self.id}", daemon=True)
-        self._feeder = threading.Thread(target=self._feed, args=(batches, restore),
+        self._check_open()
+        self._halted.clear()  # a resume refused earlier left it set
+        watch = JobWatch(self.client.stub, self.id, self._feeder_id, take_over=take_over,
+                         on_event=self._on_event, halted=self._halted)
+        watch.open()
+        feed = Feed(self.id, self.client.stub, ChannelNodes(self.client), watch, batches,
+                    microbatches=self.microbatches, restore=restore)
+        self._watch = watch
+        self._follower = threading.Thread(target=watch.run, name=f"watch-{self.id}",
+                                          daemon=True)
+        self._feeder = threading.Thread(target=self._run_feed, args=(feed,),
                                         name=f"feed-{self.id}", daemon=True)
+        try:
+            self._check_open(add=True)
+        except ValueError:
+            watch.halt()
+            raise
+        self._follower.start()
+        self._feeder.start()
+
+    def _check_open(self, add: bool = False) -> None:
+        """Raise ValueError if the client is closed; else, with ``add``, count this Job
+        among the jobs it feeds (closing it halts their feeds)."""
         with self.client._lock:
             if self.client._closed:
                 raise ValueError(f"client of tracker {self.client.address} is closed")
-            self.client._feeding.add(self)
-        self._follower.start()
-        self._feeder.start()
+            if add:
+                self.client._feeding.add(self)
 
     def resume(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
                checkpoint_dir: str | os.PathLike | None = None) -> "Job":
@@ -500,7 +454,7 @@ class Job:
         """
         if checkpoint_dir is not None:
             self._checkpoint_dir = checkpoint_dir
-        self._start_feed(_cycle(data), take_over=True)
+        self._start_feed(cycle(data), take_over=True)
         return self
 
     def save(self, path: str | os.PathLike) -> str:
@@ -606,9 +560,13 @@ class Job:
             TimeoutError: it did not end within ``timeout`` seconds.
             TrackerBusy: the tracker refused the watch (this client holds too many
                 watches of the job, or the tracker all it takes).
+            grpc.RpcError: the tracker refused this client's watch of the job
+                (PERMISSION_DENIED: another client's job; :mod:`.watch`).
         """
         from tqdm.auto import tqdm
 
+        if self._watch is not None and self._watch.error is not None:
+            raise self._watch.error  # the tracker refused this client's feeder's watch
         status = self.status()
         bar = tqdm(total=status.steps, desc=f"job {self.id}", unit="step", disable=not progress)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -699,55 +657,24 @@ class Job:
                 log.warning("could not release job %s on %s: %s", self.id, address, e.details())
 
     # -- data feeding -------------------------------------------------------
+    # -- data feeding -------------------------------------------------------
     def _halt_feed(self) -> None:
         """Make the feeder stop at once (its client is closing): its watch ends, so the
         job waits for a client."""
+        if self._watch is not None:
+            self._watch.halt()
         self._halted.set()
-        self._started.set()
-        watch = self._watch
-        if watch is not None:
-            watch.cancel()
 
     def _join_feed(self, timeout: float) -> None:
         for thread in (self._feeder, self._follower):
             if thread is not None:
                 thread.join(timeout)
 
-    def _follow(self, take_over: bool) -> None:
-        """Hold the feeder's watch of the job (the tracker's sign that this client is
-        there, :mod:`fedpipe.tracker.clients`) until the job ends or the feed stops;
-        watch again after losing the tracker. Lets the feed start once the job runs,
-        and keeps each complete checkpoint in ``checkpoint_dir``."""
-        seq = 0
-        while not self._halted.is_set():
-            call = self.client.stub.WatchJob(S.WatchJobRequest(
-                job_id=self.id, after_seq=seq, feeder=self._feeder_id, take_over=take_over))
-            self._watch = call
-            if self._halted.is_set():
-                call.cancel()
-                return
-            try:
-                for ev in call:
-                    seq, take_over = ev.seq, False  # attached: a re-watch takes nothing over
-                    if ev.state == S.JOB_STATE_RUNNING or ev.state in TERMINAL:
-                        self._started.set()
-                    if self._checkpoint_dir is not None and (
-                            ev.checkpoint_step or ev.state == S.JOB_STATE_SUCCEEDED):
-                        self._keep_checkpoint()
-                self._started.set()
-                return  # the job ended
-            except grpc.RpcError as e:
-                if self._halted.is_set():
-                    return
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # taken over
-                    log.warning("job %s: %s; this client stops feeding it", self.id,
-                                e.details())
-                    self._superseded = True
-                    self._halt_feed()
-                    return
-                log.warning("job %s: lost the tracker (%s: %s); watching again", self.id,
-                            e.code().name, e.details())
-                time.sleep(timeouts.WATCH_RESUME)
+    def _on_event(self, ev: tracker_pb2.JobEvent) -> None:
+        """On the watch thread: keep each complete checkpoint in ``checkpoint_dir``."""
+        if self._checkpoint_dir is not None and (
+                ev.checkpoint_step or ev.state == S.JOB_STATE_SUCCEEDED):
+            self._keep_checkpoint()
 
     def _keep_checkpoint(self) -> None:
         """Pull the job's newest complete checkpoint into ``checkpoint_dir`` if it is
@@ -767,223 +694,58 @@ class Job:
             log.warning("job %s: could not keep its checkpoint in %s: %s", self.id,
                         self._checkpoint_dir, e)
 
-    def _next_batch(self, batches: Iterator, groups: list[GroupFeed]) -> tuple:
-        """The next batch whose every group's share holds at least one sample per microbatch.
-
-        Smaller batches (a data set's short last batch, say) are skipped with
-        a warning: an empty microbatch has no loss to scale.
-        """
-        while True:
-            x, y = next(batches)
-            shards = _shard(x, y, [g.share for g in groups])
-            if all(xs.shape[0] >= g.microbatches for g, (xs, _) in zip(groups, shards)):
-                return x, y, shards
-            log.warning("job %s: skipping a batch of %d samples, too few for %s microbatches",
-                        self.id, x.shape[0], "+".join(str(g.microbatches) for g in groups))
-
-    def _wait_running(self) -> None:
-        """Wait until the feeder's watch has seen the job run (or end)."""
-        self._started.wait()
-        if self._halted.is_set():
-            raise _FeedHalted
-
-    def _send_step(self, step: int, batch_size: int, group: GroupFeed, xs: torch.Tensor,
-                   ys: torch.Tensor, epoch: int) -> None:
-        """One step's inputs to the group's first stage and targets to its last: one tensor
-        each, holding all the group's microbatches (the node cuts them as
-        ``torch.tensor_split(t, microbatches)``; ``fedpipe.v1.Envelope.microbatches``)."""
-        for a, kind, t in ((group.first, node_pb2.KIND_INPUT, xs),
-                           (group.last, node_pb2.KIND_TARGET, ys)):
-            env = node_pb2.Envelope(job_id=self.id, replica=a.replica, stage=a.stage, kind=kind,
-                                    step=step, microbatch=0, microbatches=group.microbatches,
-                                    batch_size=batch_size, epoch=epoch)
-            def call(a=a, env=env, t=t) -> None:  # a fresh stream of frames each try
-                rpc.send(self.client.node(a.address), frames.encode_frames(t, envelope=env),
-                         timeout=timeouts.FEED_RPC)
-            # RESOURCE_EXHAUSTED is the node's back-pressure (its data-plane slots are
-            # taken, or its mailbox full): wait and send again, a bounded number of times
-            net.retry(call, f"job {self.id}: feeding step {step} to {a.address}",
-                      attempts=FEED_BUSY_ATTEMPTS, max_delay=FEED_BUSY_MAX_DELAY,
-                      stop=self._halted.is_set, codes=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
-
     def _info(self) -> tracker_pb2.JobInfo:
-        """The job's info; while the tracker is unreachable (restarting), ask again
-        until it answers, at most :data:`~fedpipe.net.timeouts.RECONNECT_BACKOFF_MAX`
-        apart, so the feed goes on as soon as the tracker is back."""
+        """The job's info, asked again while the tracker is unreachable (restarting), at
+        most :data:`~fedpipe.net.timeouts.RECONNECT_BACKOFF_MAX` apart.
+
+        Raises:
+            grpc.RpcError: a refusal that cannot pass (:data:`.watch.RETRYABLE`).
+        """
         return net.retry(lambda: self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
                                                          timeout=timeouts.CONTROL_RPC),
-                         f"asking the tracker about job {self.id}",
+                         f"asking the tracker about job {self.id}", codes=RETRYABLE,
                          max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self._halted.is_set)
 
-    def _await_epoch(self, after: int, poll: float) -> tracker_pb2.JobInfo | None:
-        """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended)
-        on that epoch's plan, with this client as its feeder, looking every ``poll``
-        seconds; None if it ends first.
-
-        Raises:
-            _FeedHalted: the client closed, or another client took the job over.
-        """
-        while not self._halted.is_set():
-            info = self._info()
-            if info.state in TERMINAL:
-                return None
-            if info.feeder != self._feeder_id:
-                if info.feeder:
-                    self._superseded = True  # another client took the job over
-                    raise _FeedHalted
-                time.sleep(poll)  # this client's watch is not attached (yet, or again)
-                continue
-            if info.state == S.JOB_STATE_RUNNING and info.epoch > after \
-                    and info.plan.epoch == info.epoch:
-                return info
-            time.sleep(poll)
-        raise _FeedHalted
-
-    def _restore(self, info: tracker_pb2.JobInfo, saved: checkpoints.SavedCheckpoint
-                 ) -> tracker_pb2.JobInfo | None:
-        """Put each stage's snapshot of a saved checkpoint on the node that runs it,
-        then have the job restore it (RestoreJob: a new epoch at its step); return the
-        job once it runs there (None if it ended).
-
-        Raises:
-            checkpoints.CheckpointError: as :meth:`~.checkpoints.SavedCheckpoint.for_stage`.
-        """
-        view = PlanView(info.plan)
-        for key, a in sorted(view.stages.items()):
-            snap = saved.for_stage(key, a.layer_start, a.layer_end)
-            env = node_pb2.Envelope(job_id=self.id, replica=key.replica, stage=key.stage,
-                                    kind=node_pb2.KIND_SNAPSHOT, step=saved.step,
-                                    epoch=info.epoch, batch_size=1)
-            self.client.node(view[key].address).PutSnapshot(
-                checkpoint.to_frames(snap, env), timeout=timeouts.FETCH_STATE_RPC)
-        self.client.stub.RestoreJob(S.RestoreJobRequest(job_id=self.id, step=saved.step),
-                                    timeout=timeouts.CONTROL_RPC)
-        return self._await_epoch(info.epoch, RECOVERY_POLL)
-
-    def _feed(self, batches: Iterator, restore: checkpoints.SavedCheckpoint | None) -> None:
+    def _run_feed(self, feed: Feed) -> None:
+        """The feed thread's body: feed, then turn what ended the feed into the job's fate
+        (:attr:`feed_error`)."""
         try:
-            self._wait_running()
-            info = self._await_epoch(-1, RECOVERY_POLL)  # running now, not only once
-            if info is not None and restore is not None:
-                info = self._restore(info, restore)
-            if info is None:
-                return
-            kept: dict[int, tuple] = {}  # step -> (x, y), since the second-newest checkpoint
-            drawn = 0  # batches drawn from the data (the steps before it are behind us)
-            step = info.resume_step
-            while True:  # one round per plan epoch
-                groups = GroupFeed.of(PlanView(info.plan, self.microbatches))
-                elastic = ElasticFeed(self.client.stub, self.id, info) \
-                    if ElasticFeed.applies(info) else None
-                try:
-                    while step < info.steps:
-                        if self._halted.is_set():
-                            raise _FeedHalted
-                        if elastic is not None:  # the live groups only, and any that join
-                            groups = self._elastic_groups(elastic, step)
-                        if step not in kept:
-                            self._bound(kept, info)
-                            while drawn < step:  # a resumed job: skip the steps done
-                                self._next_batch(batches, groups)
-                                drawn += 1
-                            x, y, _ = self._next_batch(batches, groups)
-                            kept[step], drawn = (x, y), drawn + 1
-                        x, y = kept[step]
-                        for group, (xs, ys) in zip(groups, _shard(x, y, [g.share for g in groups])):
-                            try:
-                                self._send_step(step, x.shape[0], group, xs, ys, info.epoch)
-                            except grpc.RpcError as e:
-                                if elastic is None or e.code() not in NODE_TROUBLE or \
-                                        not elastic.dropped(group.first.replica, info.epoch,
-                                                            self._halted.is_set):
-                                    raise
-                                log.info("job %s: replica group %d was dropped; feeding the "
-                                         "others", self.id, group.first.replica)
-                        step += 1
-                        self._fed, self._steps = step, info.steps
-                    # every step fed: stay until the job ends, and feed it again if it rewinds
-                    resumed = self._await_epoch(info.epoch, AFTER_FEED_POLL)
-                except _Replan:  # an elastic job rewound (fewer than min_replicas groups left)
-                    resumed = self._await_epoch(info.epoch, RECOVERY_POLL)
-                except grpc.RpcError as e:
-                    if e.code() not in NODE_TROUBLE:
-                        raise
-                    # a node of the job is gone, or the job moved to a new epoch without
-                    # it: once the job runs again, feed it from its resume step
-                    log.info("job %s: feeding step %d failed (%s: %s); waiting for the job to "
-                             "recover", self.id, step, e.code().name, e.details())
-                    resumed = self._await_epoch(info.epoch, RECOVERY_POLL)
-                if resumed is None:
-                    return
-                info, step = resumed, resumed.resume_step
-                if step not in kept and step < drawn:
-                    raise RuntimeError(f"job {self.id} rewound to step {step}, but the feed "
-                                       f"kept batches from step {min(kept, default=drawn)} only")
-                log.info("job %s recovered (epoch %d): feeding again from step %d", self.id,
-                         info.epoch, step)
+            feed.run()
         except BaseException as e:  # noqa: BLE001 — kept in feed_error, surfaced by wait()
-            if self._superseded:
-                self.feed_error = _FeedHalted("another client took the job over")
-            elif self._halted.is_set():  # the client closed: the job waits for a client
-                self.feed_error = _FeedHalted(
-                    "the client was closed before it fed every step; the job waits for a "
-                    "client to resume it (Client(addr).job(id).resume(data))")
-            elif isinstance(e, StopIteration):
-                self.feed_error = ValueError("data ran out before the last step")
-                try:  # the finished steps' weights stay on the nodes: state_dict() works
-                    self.client.stub.CancelJob(S.CancelJobRequest(
-                        job_id=self.id, keep_weights=True,
-                        reason=f"the client's data ran out after step {self._fed} of "
-                               f"{self._steps}; the weights of the finished steps are kept "
-                               f"(state_dict())"), timeout=timeouts.CONTROL_RPC)
-                except grpc.RpcError as err:
-                    log.error("could not end job %s: %s", self.id, err.details())
-            elif isinstance(e, grpc.RpcError):
-                log.error("feeding job %s failed: %s", self.id, e.details())
-                self._give_up(e, f"the client could not feed data: {e.code().name}: "
-                                 f"{e.details()}")
-            else:
-                log.exception("feeding job %s failed", self.id)
-                self._give_up(e, f"the client could not feed data: {e}")
+            self._feed_ended(feed, e)
         finally:
             with self.client._lock:
                 self.client._feeding.discard(self)
 
-    def _elastic_groups(self, elastic: ElasticFeed, step: int) -> list[GroupFeed]:
-        """The groups to feed at ``step`` of an elastic job (:mod:`.elastic`).
-
-        Raises:
-            _Replan: the job rewound meanwhile.
-        """
-        live, now = elastic.members(step)
-        if not live:
-            raise _Replan
-        view = PlanView(now.plan, self.microbatches)
-        return [g for g in GroupFeed.of(view) if g.first.replica in live]
-
-    def _bound(self, kept: dict[int, tuple], info: tracker_pb2.JobInfo) -> None:
-        """Forget kept batches from before the checkpoint one interval older than the last
-        complete one (a rewind goes back at most that far: the nodes keep those two
-        snapshots); at the bound (:data:`FEED_KEEP_CHECKPOINTS` checkpoint intervals)
-        wait for the next checkpoint to complete (or the job to move on: a recovery,
-        its end). The floor follows from the last complete checkpoint alone, so
-        checkpoints that complete faster than the feed looks (a burst after a tracker
-        restart) still free what they should."""
-        every = max(1, info.checkpoint_every or info.steps)
-        limit = FEED_KEEP_CHECKPOINTS * every
-        while True:
-            if len(kept) < limit and len(kept) % every:
-                return  # between checkpoints: no need to ask the tracker
-            now = self._info()
-            floor = max(0, now.checkpoint_step - every)
-            for s in [s for s in kept if s < floor]:
-                del kept[s]
-            if len(kept) < limit or now.state != S.JOB_STATE_RUNNING or \
-                    now.epoch != info.epoch:
-                return
-            if self._halted.is_set():
-                raise _FeedHalted
-            time.sleep(RECOVERY_POLL)
+    def _feed_ended(self, feed: Feed, e: BaseException) -> None:
+        """Keep why the feed ended in :attr:`feed_error`; cancel the job if nobody else
+        can feed it."""
+        watch = feed.watch
+        if watch.superseded:
+            self.feed_error = Halted("another client took the job over")
+        elif watch.error is not None:  # the tracker refused the watch: raised by wait()
+            self.feed_error = watch.error
+        elif self._halted.is_set():  # the client closed: the job waits for a client
+            self.feed_error = Halted(
+                "the client was closed before it fed every step; the job waits for a "
+                "client to resume it (Client(addr).job(id).resume(data))")
+        elif isinstance(e, StopIteration):
+            self.feed_error = ValueError("data ran out before the last step")
+            try:  # the finished steps' weights stay on the nodes: state_dict() works
+                self.client.stub.CancelJob(S.CancelJobRequest(
+                    job_id=self.id, keep_weights=True,
+                    reason=f"the client's data ran out after step {feed.fed} of "
+                           f"{feed.steps}; the weights of the finished steps are kept "
+                           f"(state_dict())"), timeout=timeouts.CONTROL_RPC)
+            except grpc.RpcError as err:
+                log.error("could not end job %s: %s", self.id, err.details())
+        elif isinstance(e, grpc.RpcError):
+            log.error("feeding job %s failed: %s", self.id, e.details())
+            self._give_up(e, f"the client could not feed data: {e.code().name}: "
+                             f"{e.details()}")
+        else:
+            log.error("feeding job %s failed", self.id, exc_info=e)
+            self._give_up(e, f"the client could not feed data: {e}")
 
     def _give_up(self, error: BaseException, reason: str) -> None:
         """Keep the feed's ``error`` and cancel the job with ``reason``: a job nobody feeds
