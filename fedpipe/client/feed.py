@@ -29,6 +29,7 @@ on the tracker and the nodes go through :class:`FeedTracker` and
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -380,7 +381,7 @@ class Feed:
                                     epoch=epoch)
             # RESOURCE_EXHAUSTED is the node's back-pressure (its data-plane slots are
             # taken, or its mailbox full): wait and send again, a bounded number of times
-            net.retry(lambda a=a, env=env, t=t: self.nodes.send(a.address, env, t),
+            net.retry(functools.partial(self.nodes.send, a.address, env, t),
                       f"job {self.job_id}: feeding step {step} to {a.address}",
                       attempts=FEED_BUSY_ATTEMPTS, max_delay=FEED_BUSY_MAX_DELAY,
                       stop=self.halted.is_set, codes=(grpc.StatusCode.RESOURCE_EXHAUSTED,))

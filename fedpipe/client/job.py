@@ -1,43 +1,43 @@
-"""The Python client: submit a model, feed its data, watch it, collect its weights."""
+"""The user's handle on a job: its status, progress, weights and checkpoints.
+
+A :class:`Job` that feeds its job runs two threads: the feeder's watch
+(:mod:`.watch`, the one source of the job's state) and the feed (:mod:`.feed`, what
+is sent each step). ``Job`` starts them, ends them when its client closes, and turns
+what ended the feed into the job's fate (:attr:`Job.feed_error`).
+"""
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import grpc
 import torch
 from torch import nn
 
 from .. import net
-from ..proto import node_pb2, tracker_pb2, tracker_pb2_grpc
 from ..net import timeouts
 from ..observe.source import GrpcSource
 from ..observe.views import StepRecord, recovery_headline, step_records
-from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
-from ..security import TlsConfig
-from ..security.explain import explained
-from ..security.signing import sign_job
-from ..security.tls import resolve as resolve_tls
-from ..spec import CLIENT_TIMEOUT, REPLICA_SYNCS, DiLoCo, JobSpec, PlanView, StageKey, \
-    state_name
+from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint
-from ..wire import frames, rpc
+from ..spec import JobSpec, PlanView, StageKey, state_name
+from ..wire import frames
 from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
-from .feed import FEED_KEEP_CHECKPOINTS, ChannelNodes, Feed, GroupFeed, cycle, shard
-from .packaging import dumps, pack_layers
-from .profile import profile_model
+from .feed import FEED_KEEP_CHECKPOINTS, Batch, ChannelNodes, Feed, GroupFeed, cycle, shard
 from .watch import RETRYABLE, Halted, JobWatch
+
+if TYPE_CHECKING:
+    from .client import Client
 
 # kept for callers of the names these had before the feed moved to .feed
 _shard, _cycle, _FeedHalted = shard, cycle, Halted
-__all__ = ["Client", "Job", "JobFailed", "JobStatus", "TrackerBusy", "GroupFeed",
+__all__ = ["Job", "JobFailed", "JobStatus", "TrackerBusy", "GroupFeed",
            "FEED_KEEP_CHECKPOINTS"]
 
 log = logging.getLogger("fedpipe.client")
@@ -81,275 +81,6 @@ class JobStatus:
                      f"(detect {r.detect_seconds:.1f}, replan {r.replan_seconds:.1f}, "
                      f"restore {r.restore_seconds:.1f})")
         return text
-
-
-class Client:
-    """Talks to a tracker at ``HOST:PORT``, and to the nodes of its jobs.
-
-    The client owns its channels: one to the tracker and one per node address
-    it has talked to (made on first use, then reused), all closed by
-    :meth:`close`. Use it as a context manager::
-
-        with fedpipe.Client("tracker:7070") as client:
-            job = client.submit(...)
-            job.wait()
-
-    Closing a client whose job is still being fed ends the feed and detaches
-    from the job: the job stops at its last complete checkpoint and waits, in
-    state WAITING, up to its ``client_timeout`` for a client to resume it
-    (``Client(addr).job(ID).resume(data)``); :meth:`Job.cancel` cancels it.
-
-    A call refused for TLS reasons fails with a one-line reason instead of
-    gRPC's bare "UNAVAILABLE: Socket closed": no certificate, another CA's, an
-    expired one, or the wrong role for the method
-    (:mod:`fedpipe.security.explain`); the status code stays gRPC's.
-
-    Args:
-        tracker: the tracker's ``HOST:PORT``.
-        tls: mutual TLS: a :class:`fedpipe.security.TlsConfig` (a certificate
-            with role client, or admin for the operator), or a TLS directory
-            holding one certificate with its key. None: ``$FEDPIPE_TLS_DIR`` if
-            set, else plaintext.
-
-    Raises:
-        fedpipe.security.CertError: an unusable TLS directory or certificate.
-    """
-
-    def __init__(self, tracker: str, tls: TlsConfig | str | os.PathLike | None = None):
-        self.address = tracker
-        self.tls = resolve_tls(tls)
-        self.channel = explained(net.channel(tracker, tls=self.tls), tracker, self.tls)
-        self.stub = tracker_pb2_grpc.TrackerStub(self.channel)
-        self._lock = threading.Lock()
-        self._nodes: dict[str, tuple[grpc.Channel, rpc.NodeStub]] = {}
-        self._feeding: set[Job] = set()
-        self._closed = False
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def node(self, address: str) -> rpc.NodeStub:
-        """The stub of the node at ``address``, on this client's one channel to it.
-
-        Raises:
-            ValueError: the client is closed.
-        """
-        with self._lock:
-            if self._closed:
-                raise ValueError(f"client of tracker {self.address} is closed")
-            if address not in self._nodes:
-                ch = explained(net.channel(address, tls=self.tls), address, self.tls)
-                self._nodes[address] = (ch, rpc.NodeStub(ch))
-            return self._nodes[address][1]
-
-    def close(self) -> None:
-        """Stop feeding this client's jobs (they wait for a client, see above) and close
-        every channel.
-
-        Idempotent. Calls made after it raise ValueError.
-        """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            feeding, nodes = list(self._feeding), list(self._nodes.values())
-        for job in feeding:
-            job._halt_feed()
-        for ch, _ in nodes:  # ends the feed's Sends in flight
-            ch.close()
-        for job in feeding:
-            job._join_feed(timeouts.THREAD_JOIN)
-        self.channel.close()
-
-    def nodes(self) -> list[tracker_pb2.NodeInfo]:
-        """The live nodes, in registration order."""
-        return list(self.stub.ListNodes(S.ListNodesRequest(), timeout=timeouts.CONTROL_RPC).nodes)
-
-    def drain(self, node: str) -> tracker_pb2.DrainNodeReply:
-        """Drain ``node`` (its name or id): its stages move to other nodes at the next step
-        boundary with their current state (no step is lost), it takes no new work, and it
-        exits once nothing needs it (see ``fedpipe drain``). Under TLS only an admin may.
-
-        Raises:
-            grpc.RpcError: NOT_FOUND for an unknown node, PERMISSION_DENIED for a caller
-                that is not an admin.
-        """
-        return self.stub.DrainNode(S.DrainNodeRequest(node=node), timeout=timeouts.CONTROL_RPC)
-
-    def submit(self, model: nn.Sequential,
-               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-               optimizer: OptimizerSpec, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-               steps: int, microbatches: int = 1, schedule: str = "gpipe",
-               stages: int = 0, replicas: int = 0, compression: str | dict[str, str] = "auto",
-               max_staleness: int = 1, replica_sync: str | DiLoCo = "auto", name: str = "",
-               pending_timeout: float | None = None, lr_scheduler: LRSchedulerSpec | None = None,
-               clip_grad_norm: float = 0.0, checkpoint_every: int = 0,
-               client_timeout: float = CLIENT_TIMEOUT,
-               resume_from: str | os.PathLike | None = None,
-               checkpoint_dir: str | os.PathLike | None = None,
-               rebalance: str = "auto",
-               min_replicas: int = 0) -> "Job":
-        """Submit a training job and start feeding it.
-
-        Args:
-            model: an ``nn.Sequential``; each child is a unit a stage can hold and
-                must map one tensor to one tensor.
-            loss_fn: ``loss_fn(output, target)``, averaging over the batch.
-            optimizer: from :func:`fedpipe.optimizer`; built per stage.
-            data: (input, target) batches, inputs of shape (B, ...); re-iterated
-                if it runs out before ``steps`` batches.
-            steps: optimizer steps, one batch each.
-            microbatches: each batch is split into this many along dim 0.
-            schedule: "gpipe" or "1f1b" (synchronous), or "async" (PipeDream-style,
-                no flush, weight stashing).
-            max_staleness: async only: weight versions a stage may run ahead of
-                the versions its gradients come back for (0 equals "1f1b").
-            stages: pipeline depth (0: the planner chooses from the nodes' speeds and links).
-            replicas: data-parallel replica groups (0: the planner chooses).
-            compression: "auto" (the planner picks each link's codec from its
-                bandwidth), "none", a codec spec such as "int8+zstd", or a dict
-                ``{"activations": ..., "gradients": ...}`` to set them apart
-                (top-k is for gradients only).
-            replica_sync: how replica groups (if the plan has several) agree:
-                "allreduce" (gradients summed every step), "diloco" or a
-                :class:`fedpipe.DiLoCo` (outer steps every H inner steps), or
-                "auto" (the plan picks from the links between groups).
-            pending_timeout: fail the job if no node takes it within this many seconds.
-            checkpoint_every: steps between checkpoints (each stage snapshots its
-                state, kept on its node and a buddy node; a lost node makes the
-                job rewind to the last complete one). 0: the tracker picks it so
-                that a recovery recomputes about 30 s of training, from the
-                predicted step time.
-            lr_scheduler: from :func:`fedpipe.lr_scheduler`; built over each
-                stage's optimizer and stepped after every optimizer step.
-            clip_grad_norm: clip the gradients to this global L2 norm before each
-                optimizer step, as :func:`torch.nn.utils.clip_grad_norm_` on the
-                whole model would (:mod:`fedpipe.runtime.clip`); 0: no clipping.
-            client_timeout: seconds the job waits for a client once this one is
-                gone (closed, crashed, cut off), in state WAITING with the reason
-                "waiting for the client"; then it fails.
-            resume_from: a checkpoint folder written by :meth:`Job.save` (or a
-                ``checkpoint_dir``: its newest): the job starts after that
-                checkpoint's step with its weights, optimizer, LR schedule and
-                DiLoCo state. ``data`` is still given from its start; the steps
-                done are skipped. ``stages`` and ``replicas`` default to the
-                checkpoint's; a plan that splits the layers otherwise restores
-                each stage from the saved stages that held its layers
-                (:mod:`fedpipe.runtime.layerstate`), exactly.
-            checkpoint_dir: keep the newest complete checkpoints in this folder
-                (pulled from the nodes as each completes), so the job can be
-                resumed (``resume_from=checkpoint_dir``) even if every node and
-                the tracker are lost.
-            rebalance: "auto": the tracker may move stages to a better plan at a
-                step boundary (a node joined, or one runs slower than it said) when the
-                predicted gain pays for moving the state; "never": only drains and
-                losses move stages.
-            min_replicas: elastic replica groups (README, "Replica groups as the
-                unit of failure"): while this many groups are live, a lost node
-                drops only its group; below it the job rewinds. 0: every loss rewinds.
-
-        Raises:
-            TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
-                bad optimizer or lr_scheduler.
-            fedpipe.spec.JobSpecError: a bad setting (a ValueError; ``field`` names it).
-            ValueError: empty data, a batch too small for the microbatches, an
-                lr_scheduler whose arguments do not fit it or the optimizer, or
-                ``stages`` or ``replicas`` other than ``resume_from``'s checkpoint's.
-            fedpipe.client.checkpoints.CheckpointError: ``resume_from`` holds no
-                readable checkpoint, or one at or past ``steps``.
-            grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
-                with the memory figures) or is unreachable.
-        """
-        layers = pack_layers(model)
-        if not isinstance(optimizer, OptimizerSpec):
-            raise TypeError("optimizer must come from fedpipe.optimizer(torch.optim.X, ...)")
-        if lr_scheduler is not None:
-            if not isinstance(lr_scheduler, LRSchedulerSpec):
-                raise TypeError("lr_scheduler must come from "
-                                "fedpipe.lr_scheduler(torch.optim.lr_scheduler.X, ...)")
-            lr_scheduler.check(optimizer)
-        act_codec, grad_codec = _compression(compression)
-        if isinstance(replica_sync, str):
-            if replica_sync not in REPLICA_SYNCS:
-                raise ValueError(f"replica_sync must be one of {list(REPLICA_SYNCS)} or a "
-                                 f"fedpipe.DiLoCo, got {replica_sync!r}")
-            outer = DiLoCo()
-        elif isinstance(replica_sync, DiLoCo):
-            outer, replica_sync = replica_sync, "diloco"
-        else:
-            raise TypeError(f"replica_sync must be a string or fedpipe.DiLoCo, got "
-                            f"{type(replica_sync).__name__}")
-        restore = None
-        if resume_from is not None:
-            restore = checkpoints.read(resume_from)
-            if restore.step >= steps:
-                raise checkpoints.CheckpointError(
-                    f"the checkpoint in {resume_from} is after step {restore.step}; the job "
-                    f"has only {steps} steps")
-            # the split it was saved in, unless asked otherwise: either way each new stage
-            # is restored from the saved stages that held its layers
-            stages, replicas = stages or restore.depth, replicas or restore.replicas
-        job_spec = JobSpec(steps=steps, microbatches=microbatches, schedule=schedule,
-                           optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
-                           activation_compression=act_codec, gradient_compression=grad_codec,
-                           stages=stages, replicas=replicas, max_staleness=max_staleness,
-                           replica_sync=replica_sync, diloco=outer,
-                           lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"",
-                           clip_grad_norm=clip_grad_norm, checkpoint_every=checkpoint_every,
-                           client_timeout=client_timeout, rebalance=rebalance,
-                           min_replicas=min_replicas, batch_size=microbatches).validate(len(layers))
-        batches = cycle(data)
-        try:
-            first = next(batches)
-        except StopIteration:
-            raise ValueError("data yielded no batch") from None
-        x0, _ = first
-        if x0.shape[0] < microbatches:
-            raise ValueError(f"batch of {x0.shape[0]} samples cannot be split into "
-                             f"{microbatches} microbatches")
-        job_spec = job_spec.with_(batch_size=x0.shape[0])
-        profile = profile_model(model, x0)
-        config = job_spec.to_proto()
-        req = S.SubmitJobRequest(name=name or type(model).__name__, layers=layers,
-                                 config=config, profile=profile,
-                                 pending_timeout=pending_timeout or 0.0)
-        if self.tls is not None:  # the tracker and every node check it before unpickling
-            signed = sign_job(self.tls, layers, config)
-            req.owner, req.job_signature = signed.owner, signed.job_signature
-            req.client_cert = signed.client_cert
-            req.layer_digests.extend(signed.layer_digests)
-        job_id = self.stub.SubmitJob(req, timeout=timeouts.SUBMIT_RPC).job_id
-        job = Job(self, job_id, model, microbatches, spec=job_spec,
-                  checkpoint_dir=checkpoint_dir)
-        job._start_feed(itertools.chain([first], batches), restore=restore)
-        return job
-
-    def job(self, job_id: str) -> "Job":
-        """Attach to an existing job: to watch it, fetch its weights, save it, cancel
-        it, or feed it again (:meth:`Job.resume`)."""
-        return Job(self, job_id)
-
-
-def _compression(compression: str | dict[str, str]) -> tuple[str, str]:
-    """(activation, gradient) compression from the ``compression`` argument.
-
-    Raises:
-        ValueError: unknown keys (codec specs are checked by :meth:`JobSpec.validate`).
-    """
-    if isinstance(compression, str):
-        act = grad = compression
-    else:
-        unknown = set(compression) - {"activations", "gradients"}
-        if unknown:
-            raise ValueError(f"compression keys must be 'activations' and 'gradients', "
-                             f"got {sorted(unknown)}")
-        act = compression.get("activations", "auto")
-        grad = compression.get("gradients", "auto")
-    return act, grad
-
 
 
 class Job:
@@ -430,7 +161,7 @@ class Job:
             if add:
                 self.client._feeding.add(self)
 
-    def resume(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+    def resume(self, data: Iterable[Batch], *,
                checkpoint_dir: str | os.PathLike | None = None) -> "Job":
         """Feed this job again, from this client: take it over from a client that is
         gone (or still there: it stops feeding), rewind it to its last complete
