@@ -87,6 +87,11 @@ class FakeTracker:
         self.cancelled: list[S.CancelJobRequest] = []
 
     # -- the calls --------------------------------------------------------
+    def SubmitJob(self, request: S.SubmitJobRequest, timeout: float | None = None
+                  ) -> S.SubmitJobReply:
+        self.submitted = request
+        return S.SubmitJobReply(job_id=self.info.job_id)
+
     def WatchJob(self, request: S.WatchJobRequest) -> FakeStream:
         stream = FakeStream()
         with self.lock:

@@ -305,3 +305,38 @@ def test_a_refused_resume_raises_before_any_thread_starts():
         assert len(tracker.watch_requests) == 1 and tracker.watch_requests[0].take_over
     finally:
         client.close()
+
+
+def test_a_submit_whose_watch_is_refused_raises_and_cancels_the_job():
+    from torch import nn
+
+    import fedpipe
+
+    client = Client("127.0.0.1:1")
+    tracker = FakeTracker(watch_errors=[FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                     "too many watches")])
+    client.stub = tracker
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            client.submit(nn.Sequential(nn.Linear(3, 2)), nn.functional.mse_loss,
+                          fedpipe.optimizer(torch.optim.SGD, lr=0.1),
+                          [(torch.randn(4, 3), torch.randn(4, 2))], steps=2)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert tracker.submitted.config.steps == 2
+        assert [c.reason for c in tracker.cancelled] == [
+            "the client could not start feeding it: RESOURCE_EXHAUSTED: too many watches"]
+        assert not client._feeding
+    finally:
+        client.close()
+
+
+def test_a_watch_of_a_job_that_ended_reads_its_events_once_and_stops():
+    tracker = FakeTracker(steps=3)
+    tracker.move(S.JOB_STATE_SUCCEEDED)
+    seen: list = []
+    watch = JobWatch(tracker, "j", "me", on_event=seen.append)
+    watch.open()
+    watch.run()
+    assert [e.state for e in seen] == [S.JOB_STATE_PENDING, S.JOB_STATE_SUCCEEDED]
+    assert len(tracker.watch_requests) == 1
+    assert watch.await_epoch(-1, 0.05) is None  # it ended: nothing to feed

@@ -231,7 +231,11 @@ class Client:
                                   profile_model(model, x0), given.lifetime.pending_timeout)
         job = Job(self, job_id, model, microbatches, spec=job_spec,
                   checkpoint_dir=checkpoint_dir)
-        job._start_feed(itertools.chain([first], batches), restore=restore)
+        try:
+            job._start_feed(itertools.chain([first], batches), restore=restore)
+        except (grpc.RpcError, ValueError) as e:  # refused or closed: nobody would feed it
+            _cancel_quietly(job, f"the client could not start feeding it: {e}")
+            raise
         return job
 
     def _submit_job(self, name: str, layers: list[bytes], job_spec: JobSpec,
@@ -292,3 +296,11 @@ def _resumed(knobs: Knobs, restore: checkpoints.SavedCheckpoint,
                                      stages=knobs.placement.stages or restore.depth),
                    replicas=replace(knobs.replicas,
                                     groups=knobs.replicas.groups or restore.replicas))
+
+
+def _cancel_quietly(job: Job, reason: str) -> None:
+    """Cancel ``job`` (best effort: a failure is logged)."""
+    try:
+        job.cancel(reason)
+    except (grpc.RpcError, ValueError) as e:
+        log.warning("could not cancel job %s: %s", job.id, e)

@@ -97,6 +97,7 @@ class JobWatch:
         self._started = False  # the job ran (or ended): the feed may begin
         self._call: EventStream | None = None  # the open stream, None while it is down
         self._first: list[S.JobEvent] = []  # events read by open(), given to run()
+        self._ended = False  # the stream open() read ended: the job is over
 
     # -- the stream ---------------------------------------------------------
     @property
@@ -118,6 +119,7 @@ class JobWatch:
             self._first.append(next(call))
         except StopIteration:
             self._record_end()
+            self._ended = True
         except grpc.RpcError as e:
             self._call = None
             if e.code() not in RETRYABLE:
@@ -128,7 +130,7 @@ class JobWatch:
         """Hold the stream until the job ends or the feed halts; watch again after a
         failure that can pass; end on any other (kept in :attr:`error`). The body of
         the watch thread."""
-        while not self.halted.is_set():
+        while not self.halted.is_set() and not self._ended:
             call = self._call or self._connect()
             if self.halted.is_set():
                 call.cancel()
