@@ -139,16 +139,16 @@ class Job:
         watch.open()
         feed = Feed(self.id, self.client.stub, ChannelNodes(self.client), watch, batches,
                     microbatches=self.microbatches, restore=restore)
-        self._watch = watch
-        self._follower = threading.Thread(target=watch.run, name=f"watch-{self.id}",
-                                          daemon=True)
-        self._feeder = threading.Thread(target=self._run_feed, args=(feed,),
-                                        name=f"feed-{self.id}", daemon=True)
         try:
             self._check_open(add=True)
         except ValueError:
             watch.halt()
             raise
+        self._watch = watch
+        self._follower = threading.Thread(target=watch.run, name=f"watch-{self.id}",
+                                          daemon=True)
+        self._feeder = threading.Thread(target=self._run_feed, args=(feed,),
+                                        name=f"feed-{self.id}", daemon=True)
         self._follower.start()
         self._feeder.start()
 
@@ -182,6 +182,9 @@ class Job:
         Raises:
             RuntimeError: this Job feeds the job already.
             ValueError: the client is closed.
+            grpc.RpcError: the tracker refused to let this client feed the job
+                (PERMISSION_DENIED: another client's job; NOT_FOUND), raised at once,
+                before any thread starts (:mod:`.watch`).
         """
         if checkpoint_dir is not None:
             self._checkpoint_dir = checkpoint_dir
