@@ -135,17 +135,20 @@ class FakeTracker:
         return S.JoinReplicaReply(accepted=False, reason="not in this fake")
 
     # -- what the test does --------------------------------------------------
-    def move(self, state: int, *, reason: str = "", checkpoint_step: int = 0,
+    def move(self, state: int, *, reason: str = "", checkpoint_step: int = 0, step: int = 0,
              **fields) -> None:
-        """Change the job (``fields`` of its JobInfo) and push the event."""
+        """Change the job (``fields`` of its JobInfo) and push the event (a step's, with
+        ``step``)."""
         with self.lock:
             self.info.state = state
             for k, v in fields.items():
                 setattr(self.info, k, v)
             if checkpoint_step:
                 self.info.checkpoint_step = checkpoint_step
+            if step:
+                self.info.step = step
             ev = S.JobEvent(seq=len(self.events) + 1, state=state, reason=reason,
-                            checkpoint_step=checkpoint_step, epoch=self.info.epoch)
+                            checkpoint_step=checkpoint_step, epoch=self.info.epoch, step=step)
             self.events.append(ev)
             for s in self.streams:
                 s.q.put(ev)

@@ -202,6 +202,10 @@ def test_the_watch_wakes_the_feed_on_events_instead_of_polling_the_tracker():
     waiter.start()
     time.sleep(0.6)  # PENDING: no event for a while
     assert waiter.is_alive() and tracker.get_calls <= 2  # not every 50 ms
+    for step in range(1, 30):  # steps' events (of an epoch it does not wait for) wake nobody
+        tracker.move(S.JOB_STATE_PENDING, step=step)
+    time.sleep(0.1)
+    assert waiter.is_alive() and tracker.get_calls <= 2
     tracker.run(epoch=1)
     waiter.join(5)
     assert got[0].epoch == 1 and got[0].state == S.JOB_STATE_RUNNING

@@ -93,7 +93,7 @@ class JobWatch:
         self._take_over, self._on_event = take_over, on_event
         self._changed = threading.Condition()
         self._seq = 0  # the last event seen
-        self._version = 0  # grows at every event and every change of the stream
+        self._version = 0  # grows at every state or checkpoint event and stream change
         self._started = False  # the job ran (or ended): the feed may begin
         self._call: EventStream | None = None  # the open stream, None while it is down
         self._first: list[S.JobEvent] = []  # events read by open(), given to run()
@@ -175,10 +175,11 @@ class JobWatch:
     def _record(self, ev: S.JobEvent) -> None:
         with self._changed:
             self._seq, self._take_over = ev.seq, False  # attached: a re-watch takes nothing over
-            self._version += 1
             if ev.state == S.JOB_STATE_RUNNING or ev.state in TERMINAL:
                 self._started = True
-            self._changed.notify_all()
+            if not ev.step or ev.checkpoint_step:  # a step's own event changes no wait
+                self._version += 1
+                self._changed.notify_all()
         if self._on_event is not None:
             self._on_event(ev)
 
@@ -217,8 +218,8 @@ class JobWatch:
             raise Halted
 
     def wait_event(self, poll: float) -> None:
-        """Wait for the next event (at most :data:`LIVE_RECHECK` s), or ``poll`` s while
-        the stream is down."""
+        """Wait for the next state change or complete checkpoint (not a mere step), at
+        most :data:`LIVE_RECHECK` s, or ``poll`` s while the stream is down."""
         with self._changed:
             self._wait_change(self._version, poll)
 
@@ -239,7 +240,8 @@ class JobWatch:
     def await_epoch(self, after: int, poll: float) -> S.JobInfo | None:
         """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended) on
         that epoch's plan, with this feed as its feeder; None if it ends first. Wakes on
-        each event; looks every ``poll`` seconds only while the stream is down.
+        each state or checkpoint event (steps' events change nothing it waits for);
+        looks every ``poll`` seconds only while the stream is down.
 
         Raises:
             Halted: the feed must stop, or another client took the job over.
