@@ -45,7 +45,7 @@ from ..runtime import checkpoint
 from ..spec import PlanView
 from ..wire import frames, rpc
 from . import checkpoints
-from .elastic import ElasticFeed
+from .elastic import ElasticFeed, ElasticTracker
 from .watch import Halted, JobWatch
 
 log = logging.getLogger("fedpipe.client")
@@ -72,19 +72,12 @@ slots or its mailbox are full) is tried again up to this many times in all, back
 off from 0.2 s to this many seconds apart (about 100 s in all), before the job fails."""
 
 
-class FeedTracker(Protocol):
-    """The tracker calls the feed makes besides the watch's (a ``TrackerStub``, or a fake)."""
+class FeedTracker(ElasticTracker, Protocol):
+    """The tracker calls the feed makes besides the watch's (a ``TrackerStub``, or a fake):
+    RestoreJob, and an elastic job's GetJob and JoinReplica."""
 
     def RestoreJob(self, request: S.RestoreJobRequest, timeout: float | None = None
                    ) -> S.JobInfo: ...
-
-    def CancelJob(self, request: S.CancelJobRequest, timeout: float | None = None
-                  ) -> S.JobInfo: ...
-
-    def GetJob(self, request: S.GetJobRequest, timeout: float | None = None) -> S.JobInfo: ...
-
-    def JoinReplica(self, request: S.JoinReplicaRequest, timeout: float | None = None
-                    ) -> S.JoinReplicaReply: ...
 
 
 class NodeLink(Protocol):
