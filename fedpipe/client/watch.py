@@ -149,8 +149,8 @@ class JobWatch:
                     return
                 log.warning("job %s: lost the tracker (%s: %s); watching again", self.job_id,
                             e.code().name, e.details())
-                self.halted.wait(timeouts.WATCH_RESUME)
                 self._notify()  # the stream is down: waiters fall back to polling
+                self.halted.wait(timeouts.WATCH_RESUME)
 
     def halt(self) -> None:
         """End the stream and wake every waiter (the client closes, or the feed ended)."""
