@@ -15,6 +15,21 @@ def single_process(model, loss_fn, spec, batches) -> dict:
     return model.state_dict()
 
 
+def microbatched(model, loss_fn, spec, batches, microbatches: int) -> dict:
+    """A copy of ``model`` trained as a synchronous pipeline computes, op for op: each
+    batch split in ``microbatches`` (``tensor_split``), each microbatch's loss scaled by
+    ``n / B`` and its gradients accumulated in order, then one optimizer step. Equal bit
+    for bit to a pipeline's weights (the stages run the same ops in the same order)."""
+    model = copy.deepcopy(model)
+    opt = spec.build(model.parameters())
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
+            (loss_fn(model(xm), ym).reshape(()) * (xm.shape[0] / x.shape[0])).backward()
+        opt.step()
+    return model.state_dict()
+
+
 def max_relative_difference(a: dict, b: dict) -> float:
     """Per tensor max|a - b| / max|b|, the worst over the state dicts (same keys)."""
     assert a.keys() == b.keys()

@@ -24,7 +24,9 @@ from torch import nn
 from .. import net
 from ..net import timeouts
 from ..proto import tracker_pb2, tracker_pb2_grpc
+from ..runtime.materialize import InitFn
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
+from ..runtime.weights import KeyMap
 from ..security import TlsConfig
 from ..security.explain import explained
 from ..security.signing import sign_job
@@ -34,8 +36,8 @@ from ..wire import rpc
 from . import checkpoints
 from .feed import Batch, cycle
 from .job import Job
-from .packaging import dumps, pack_layers
-from .profile import profile_model
+from .packaging import check_sequential, dumps
+from .weights import package
 
 log = logging.getLogger("fedpipe.client")
 S = tracker_pb2
@@ -148,12 +150,17 @@ class Client:
                lifetime: Lifetime | None = None,
                resume_from: str | os.PathLike | None = None,
                checkpoint_dir: str | os.PathLike | None = None,
+               weights: str | os.PathLike | None = None, seed: int = 0,
+               init_fn: InitFn | None = None, weight_names: KeyMap | None = None,
                **knobs: Any) -> Job:
         """Submit a training job and start feeding it.
 
         Args:
             model: an ``nn.Sequential``; each child is a unit a stage can hold and
-                must map one tensor to one tensor.
+                must map one tensor to one tensor. Built with its weights, or under
+                ``torch.device("meta")`` (no weights held here: each node makes its
+                own layers from ``seed``, or reads them from ``weights``). Either
+                way the tracker gets code only (:mod:`fedpipe.client.weights`).
             loss_fn: ``loss_fn(output, target)``, averaging over the batch.
             optimizer: from :func:`fedpipe.optimizer`; built per stage.
             data: (input, target) batches, inputs of shape (B, ...); re-iterated
@@ -182,6 +189,16 @@ class Client:
                 (pulled from the nodes as each completes), so the job can be
                 resumed (``resume_from=checkpoint_dir``) even if every node and
                 the tracker are lost.
+            weights: a safetensors file or a Hugging Face sharded directory the
+                weights start from (names checked against ``model`` here; each node
+                reads its layers' tensors if it can read the path, else this client
+                streams them to it).
+            seed: a meta model's seed: layer ``i`` is initialized from ``(seed, i)``,
+                as ``fedpipe.materialize(model, seed, init_fn)`` does in one process.
+            init_fn: ``init_fn(layer, index, generator)`` run after each meta layer's
+                ``reset_parameters()`` (e.g. :func:`fedpipe.hf.init_fn`).
+            weight_names: ``names(layer_index, key)``: the file names of a layer's
+                tensors in ``weights`` (default ``"3.weight"``, an nn.Sequential's).
             knobs: the flat keywords, one per knob of the groups above
                 (:data:`fedpipe.spec.FLAT_KNOBS`): ``microbatches``, ``schedule``,
                 ``max_staleness``, ``lr_scheduler``, ``clip_grad_norm``,
@@ -190,6 +207,10 @@ class Client:
                 ``client_timeout``; each documented at its group.
 
         Raises:
+            fedpipe.runtime.materialize.MaterializeError: a meta layer has a tensor
+                nothing initializes (named; a ValueError).
+            fedpipe.runtime.weights.WeightsError: ``weights`` lacks a layer's tensor or
+                holds another shape (named; a ValueError).
             TypeError: not an nn.Sequential, a layer not tensor-to-tensor, a bad
                 optimizer or lr_scheduler, an unknown keyword, or a knob given both
                 in its group and as a flat keyword.
@@ -202,7 +223,7 @@ class Client:
             grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
                 with the memory figures) or is unreachable.
         """
-        layers = pack_layers(model)
+        n_layers = len(check_sequential(model))
         if knobs.get("pending_timeout", 0.0) is None:
             knobs["pending_timeout"] = 0.0  # None: no limit, as before the groups
         given = Knobs.gather({"training": training, "compression": compression,
@@ -216,7 +237,7 @@ class Client:
         microbatches = given.training.microbatches
         job_spec = given.job_spec(
             steps=steps, optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
-            lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"").validate(len(layers))
+            lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"").validate(n_layers)
         batches = cycle(data)
         try:
             first = next(batches)
@@ -226,11 +247,14 @@ class Client:
         if x0.shape[0] < microbatches:
             raise ValueError(f"batch of {x0.shape[0]} samples cannot be split into "
                              f"{microbatches} microbatches")
-        job_spec = job_spec.with_(batch_size=x0.shape[0])
-        job_id = self._submit_job(name or type(model).__name__, layers, job_spec,
-                                  profile_model(model, x0), given.lifetime.pending_timeout)
+        code = package(model, x0, seed=seed, init_fn=init_fn, weights=weights,
+                       names=weight_names)
+        job_spec = job_spec.with_(batch_size=x0.shape[0], weights=code.weights)
+        job_spec.validate(n_layers)
+        job_id = self._submit_job(name or type(model).__name__, code.layers, job_spec,
+                                  code.profile, given.lifetime.pending_timeout)
         job = Job(self, job_id, model, microbatches, spec=job_spec,
-                  checkpoint_dir=checkpoint_dir)
+                  checkpoint_dir=checkpoint_dir, weights=code.tensors)
         try:
             job._start_feed(itertools.chain([first], batches), restore=restore)
         except (grpc.RpcError, ValueError) as e:  # refused or closed: nobody would feed it

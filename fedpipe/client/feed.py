@@ -47,6 +47,7 @@ from ..wire import frames, rpc
 from . import checkpoints
 from .elastic import ElasticFeed, ElasticTracker
 from .watch import Halted, JobWatch
+from .weights import WeightStreamer
 
 log = logging.getLogger("fedpipe.client")
 
@@ -247,12 +248,17 @@ class Feed:
             leaves them unset).
         restore: a saved checkpoint to put on the stages before the first step
             (``submit(resume_from=...)``).
+        weights: streams the initial weights to each stage of an epoch that starts
+            from the job's start (a job whose weights the client holds or reads);
+            None: the nodes make or read their own.
     """
 
     def __init__(self, job_id: str, tracker: FeedTracker, nodes: NodeLink, watch: JobWatch,
                  batches: Iterator[Batch], *, microbatches: int = 1,
-                 restore: checkpoints.SavedCheckpoint | None = None):
+                 restore: checkpoints.SavedCheckpoint | None = None,
+                 weights: WeightStreamer | None = None):
         self.job_id, self.tracker, self.nodes, self.watch = job_id, tracker, nodes, watch
+        self.weights = weights
         self.microbatches, self.restore = microbatches, restore
         self.kept = KeptBatches(batches, job_id)
         self.fed = self.steps = 0  # steps fed in full, of how many
@@ -281,6 +287,8 @@ class Feed:
         """Feed one plan epoch from its resume step; the next epoch's info once the job
         rewinds (None: it ended)."""
         try:
+            if self.weights is not None:  # before any input: the stages wait for them
+                self.weights.stream(info)
             self._steps(info)
             # every step fed: stay until the job ends, and feed it again if it rewinds
             resumed = self.watch.await_epoch(info.epoch, AFTER_FEED_POLL)

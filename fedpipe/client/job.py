@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator
 
+import cloudpickle
 import grpc
 import torch
 from torch import nn
@@ -25,12 +26,14 @@ from ..observe.source import GrpcSource
 from ..observe.views import StepRecord, recovery_headline, step_records
 from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint
+from ..runtime.materialize import materialize
 from ..spec import JobSpec, PlanView, StageKey, state_name
 from ..wire import frames
 from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
 from .feed import FEED_KEEP_CHECKPOINTS, Batch, ChannelNodes, Feed, GroupFeed, cycle, shard
 from .watch import RETRYABLE, Halted, JobWatch
+from .weights import TensorsOf, WeightStreamer
 
 if TYPE_CHECKING:
     from .client import Client
@@ -107,8 +110,10 @@ class Job:
 
     def __init__(self, client: Client, job_id: str, model: nn.Sequential | None = None,
                  microbatches: int = 1, *, spec: JobSpec | None = None,
-                 checkpoint_dir: str | os.PathLike | None = None):
+                 checkpoint_dir: str | os.PathLike | None = None,
+                 weights: TensorsOf | None = None):
         self.client, self.id, self._model = client, job_id, model
+        self._weights = weights  # each layer's initial tensors, for stages that await them
         self.microbatches = microbatches
         self.feed_error: BaseException | None = None
         self._spec = spec
@@ -137,8 +142,10 @@ class Job:
         watch = JobWatch(self.client.stub, self.id, self._feeder_id, take_over=take_over,
                          on_event=self._on_event, halted=self._halted)
         watch.open()
+        streamer = WeightStreamer(self.id, self._weights, self.client.node) \
+            if self._weights is not None else None
         feed = Feed(self.id, self.client.stub, ChannelNodes(self.client), watch, batches,
-                    microbatches=self.microbatches, restore=restore)
+                    microbatches=self.microbatches, restore=restore, weights=streamer)
         try:
             self._check_open(add=True)
         except ValueError:
@@ -373,6 +380,10 @@ class Job:
         if self._model is None:
             raise RuntimeError("this Job was attached by id; use state_dict() instead")
         model = copy.deepcopy(self._model)
+        if any(t.is_meta for t in model.state_dict().values()):  # a meta job's model
+            w = self._spec.weights if self._spec is not None else None
+            materialize(model, w.seed if w else 0,
+                        cloudpickle.loads(w.init_fn) if w and w.init_fn else None)
         model.load_state_dict(self.state_dict())
         return model
 

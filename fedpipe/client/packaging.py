@@ -71,9 +71,18 @@ def pack_layers(model: nn.Module) -> list[bytes]:
     Raises:
         TypeError: ``model`` is not an ``nn.Sequential`` or has no children.
     """
+    return [dumps(layer) for layer in check_sequential(model)]
+
+
+def check_sequential(model: nn.Module) -> nn.Sequential:
+    """``model``, if it is a non-empty ``nn.Sequential`` (its children are the layers).
+
+    Raises:
+        TypeError: it is not, or it has no children.
+    """
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"model must be a torch.nn.Sequential whose children are the pipeline's "
                         f"layers, got {type(model).__name__}")
     if len(model) == 0:
         raise TypeError("model is an empty nn.Sequential")
-    return [dumps(layer) for layer in model]
+    return model

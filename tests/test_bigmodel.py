@@ -1,0 +1,118 @@
+"""Models larger than the client: meta-device jobs and weights that never pass through the
+tracker (issue 22), against single-process training, bit for bit.
+
+Real processes: a tracker and 3 nodes on 127.0.0.1 (the session swarm). Three ways in:
+- a model built under ``torch.device("meta")``: each node makes its own layers from the
+  job's seed; the reference is ``fedpipe.materialize(model, seed)`` trained in one process;
+- a model with its weights (the API before meta jobs): the client streams each stage's
+  layers to its node (``PutWeights``);
+- ``weights=PATH`` (a safetensors file): the nodes read their own layers' tensors.
+In each case the tracker stores only code: each layer pickled on the meta device.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fedpipe
+from fedpipe.client.weights import package
+from fedpipe.runtime.materialize import MaterializeError
+from fedpipe.runtime.weights import WeightsError, save_layers
+from reference import digit_batches, microbatched
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
+STEPS, BATCH, MICROBATCHES = 4, 32, 4
+SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+LOSS = nn.functional.cross_entropy
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 48), nn.Tanh(),
+                         nn.Linear(48, 10))
+
+
+def _train(swarm, model, **kw) -> tuple[dict, nn.Sequential]:
+    batches = digit_batches(STEPS, BATCH)
+    job = swarm.client().submit(model, LOSS, SGD, batches, steps=STEPS,
+                                microbatches=MICROBATCHES, schedule="1f1b", stages=3,
+                                compression="none", **kw)
+    status = job.wait(timeout=180, progress=False)
+    assert status.state == "SUCCEEDED" and status.step == STEPS, status
+    assert len({a.node_id for a in status.plan.stages}) == 3, "expected a 3-stage pipeline"
+    got, trained = job.state_dict(), job.model()
+    job.release()
+    return got, trained
+
+
+def _bit_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_a_meta_job_trains_as_its_materialized_model_does_in_one_process(swarm):
+    with torch.device("meta"):
+        model = mlp()
+    reference = fedpipe.materialize(copy.deepcopy(model), seed=7)
+    expected = microbatched(reference, LOSS, SGD, digit_batches(STEPS, BATCH), MICROBATCHES)
+    assert all(t.is_meta for t in model.state_dict().values())  # the client holds none
+    got, trained = _train(swarm, model, seed=7)
+    _bit_equal(got, expected)
+    _bit_equal(trained.state_dict(), expected)  # Job.model() of a meta job
+
+
+def test_another_seed_makes_other_weights():
+    with torch.device("meta"):
+        model = mlp()
+    a = fedpipe.materialize(copy.deepcopy(model), seed=1).state_dict()
+    b = fedpipe.materialize(copy.deepcopy(model), seed=2).state_dict()
+    assert not torch.equal(a["0.weight"], b["0.weight"])
+
+
+def test_a_model_with_weights_is_streamed_to_the_nodes_and_trains_bit_equal(swarm):
+    torch.manual_seed(3)
+    model = mlp()
+    expected = microbatched(model, LOSS, SGD, digit_batches(STEPS, BATCH), MICROBATCHES)
+    code = package(model, torch.zeros(BATCH, 64))
+    assert code.weights.source == "stream"
+    assert sum(map(len, code.layers)) < 8 * 1024  # code only: a few KiB, no weights
+    got, _ = _train(swarm, model)
+    _bit_equal(got, expected)
+
+
+def test_weights_from_a_safetensors_file_are_read_by_the_nodes(swarm, tmp_path):
+    torch.manual_seed(4)
+    real = mlp()
+    path = save_layers(list(real), tmp_path / "w")
+    with torch.device("meta"):
+        model = mlp()
+    expected = microbatched(real, LOSS, SGD, digit_batches(STEPS, BATCH), MICROBATCHES)
+    got, _ = _train(swarm, model, weights=path)
+    _bit_equal(got, expected)
+
+
+def test_a_meta_layer_nothing_initializes_is_refused_at_submit_naming_it(swarm):
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.empty(10))
+
+        def forward(self, x):
+            return x * self.s
+
+    with torch.device("meta"):
+        model = nn.Sequential(*mlp(), Scale())
+    with pytest.raises(MaterializeError, match=r"layer 5 \(Scale\).*\bs\b"):
+        swarm.client().submit(model, LOSS, SGD, digit_batches(1, BATCH), steps=1)
+
+
+def test_weights_that_do_not_fit_the_model_are_refused_at_submit(swarm, tmp_path):
+    path = save_layers(list(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))),
+                       tmp_path / "w")
+    with torch.device("meta"):
+        model = mlp()
+    with pytest.raises(WeightsError, match="layer 0"):
+        swarm.client().submit(model, LOSS, SGD, digit_batches(1, BATCH), steps=1, weights=path)
