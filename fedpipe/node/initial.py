@@ -30,7 +30,6 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import cloudpickle
 import torch
@@ -44,9 +43,7 @@ from ..spec import WeightsSpec
 from ..wire import WireError, frames
 from ..wire.format import peek_header
 from .errors import HasWeights, StaleEpoch
-
-if TYPE_CHECKING:  # lifecycle's Stage holds a Pending: imported at run time it is a cycle
-    from .lifecycle import Stage, StageSlot
+from .lifecycle import Stage, StageSlot
 
 
 class WeightsRefused(WeightsError):

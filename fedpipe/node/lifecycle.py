@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -38,8 +38,10 @@ from torch import nn
 from ..runtime import checkpoint
 from ..runtime.stage import StageRunnerBase
 from ..spec import PlanView, StageKey
-from .initial import Pending
 from .peers import StagePeers
+
+if TYPE_CHECKING:  # initial.py takes a Stage's slot: imported at run time it is a cycle
+    from .initial import Pending
 
 log = logging.getLogger(__name__)
 

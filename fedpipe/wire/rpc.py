@@ -1,6 +1,6 @@
 """The data-plane RPCs of ``fedpipe.v1.Node`` with identity serializers: wire frames as raw bytes.
 
-``Send`` and ``PutSnapshot`` take a stream of wire frames
+``Send``, ``PutSnapshot`` and ``PutWeights`` take a stream of wire frames
 (:mod:`fedpipe.wire.format`), ``SendOne`` one frame, ``FetchState`` and
 ``FetchSnapshot`` return a stream of them.
 node.proto declares them with ``fedpipe.v1.Frame`` (the header's type), but
@@ -28,7 +28,7 @@ from ..proto import node_pb2, node_pb2_grpc
 
 _NODE = node_pb2.DESCRIPTOR.services_by_name["Node"]
 SERVICE = _NODE.full_name
-FRAME_STREAMS_IN = frozenset({"Send", "PutSnapshot"})
+FRAME_STREAMS_IN = frozenset({"Send", "PutSnapshot", "PutWeights"})
 """Node methods whose request streams are wire frames."""
 FRAMES_IN = FRAME_STREAMS_IN | {"SendOne"}
 """Node methods whose requests are wire frames (``SendOne``: its one request)."""
@@ -44,7 +44,8 @@ SEND_ONE = f"/{SERVICE}/SendOne"
 class NodeStub(node_pb2_grpc.NodeStub):
     """``fedpipe.v1.Node``'s stub, its data-plane methods passing wire frames as bytes.
 
-    ``Send(frames)`` and ``PutSnapshot(frames)`` take an iterator of frames
+    ``Send(frames)``, ``PutSnapshot(frames)`` and ``PutWeights(frames)`` take an iterator
+    of frames
     (bytes) and return a ``SendReply``; ``FetchState(request)`` and
     ``FetchSnapshot(request)`` return an iterator of frames, for
     :func:`fedpipe.wire.frames.read_tensors`. ``send_one(frame)`` is
@@ -58,6 +59,8 @@ class NodeStub(node_pb2_grpc.NodeStub):
         self.send_one = channel.unary_unary(SEND_ONE, response_deserializer=reply)
         self.PutSnapshot = channel.stream_unary(f"/{SERVICE}/PutSnapshot",
                                                 response_deserializer=reply)
+        self.PutWeights = channel.stream_unary(f"/{SERVICE}/PutWeights",
+                                               response_deserializer=reply)
         self.FetchState = channel.unary_stream(
             f"/{SERVICE}/FetchState",
             request_serializer=node_pb2.FetchStateRequest.SerializeToString)
