@@ -81,7 +81,7 @@ def meta_copy(layer: nn.Module) -> nn.Module:
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) \
             if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(layer, memo)  # type: ignore[arg-type]
+    return copy.deepcopy(layer, memo)
 
 
 def profile_message(p: ModelProfile) -> tracker_pb2.ModelProfile:
@@ -153,7 +153,7 @@ def _meta_only(layers: list[nn.Module]) -> list[nn.Module]:
 
 
 def weight_frames(envelope: node_pb2.Envelope, start: int, end: int, tensors: TensorsOf
-                  ) -> Iterator[node_pb2.Frame]:
+                  ) -> Iterator[bytes]:
     """The PutWeights stream of layers ``[start, end)``: the envelope on the first frame,
     each tensor named ``"LAYER.KEY"``, one layer read at a time."""
     env: node_pb2.Envelope | None = envelope
