@@ -24,9 +24,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 PROCESSES = "processes"
 """The marker of a test that starts processes (registered in pyproject.toml)."""
 
-_HELPERS = frozenset({"fc-list"})
-"""Programs a library runs for a moment on first use, not a test's own processes:
-matplotlib asks fc-list for the system's fonts when it builds its font cache."""
+_HELPERS = frozenset({"fc-list", "uname"})
+"""Programs a library runs for a moment, once, not a test's own processes: matplotlib
+asks fc-list for the system's fonts when it builds its font cache, and
+``platform.processor()`` (a node's description of its CPU) asks ``uname -p``."""
 
 _current: list[pytest.Item] = []  # the test being set up, run or torn down
 
