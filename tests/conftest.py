@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import multiprocessing.process
 import os
+import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +32,8 @@ asks fc-list for the system's fonts when it builds its font cache, and
 ``platform.processor()`` (a node's description of its CPU) asks ``uname -p``."""
 
 _current: list[pytest.Item] = []  # the test being set up, run or torn down
+_WHOLE_MODULE = re.compile(r"^pytestmark = .*\bpytest\.mark\.processes\b", re.MULTILINE)
+"""A module all of whose tests start processes (its ``pytestmark`` line says so)."""
 
 
 class UnmarkedProcess(AssertionError):
@@ -94,6 +98,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         fn = getattr(owner, name, None)
         if fn is not None and hasattr(fn, "__fedpipe_guard__"):
             setattr(owner, name, fn.__fedpipe_guard__)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m "not processes"`` (``make test-fast``), do not even import a module whose
+    tests are all marked: every test of it would be deselected, and importing the 18 such
+    modules costs seconds of the fast run."""
+    if (collection_path.suffix == ".py" and collection_path.name.startswith("test_")
+            and config.option.markexpr.split() == ["not", PROCESSES]
+            and _WHOLE_MODULE.search(collection_path.read_text(errors="replace"))):
+        return True
+    return None
 
 
 @pytest.hookimpl(wrapper=True)
