@@ -47,14 +47,7 @@ def _check(what: str, argv: object = None) -> None:
     """
     if not _current or _current[-1].get_closest_marker(PROCESSES) is not None:
         return
-    if isinstance(argv, (list, tuple)) and argv:
-        program = os.path.basename(os.fspath(argv[0]))
-    elif isinstance(argv, (str, bytes, os.PathLike)):
-        program = os.path.basename(os.fspath(argv).split()[0]) if os.fspath(argv) else ""
-    else:
-        program = ""
-    if isinstance(program, bytes):
-        program = program.decode(errors="replace")
+    program = _program(argv)
     if program in _HELPERS:
         return
     raise UnmarkedProcess(
@@ -62,6 +55,18 @@ def _check(what: str, argv: object = None) -> None:
         f"{' ' + program if program else ''}) but is not marked "
         f"@pytest.mark.{PROCESSES}: mark it (or its module: pytestmark), so that "
         f"`make test-fast` leaves it out")
+
+
+def _program(argv: object) -> str:
+    """The program's file name in ``argv`` (a list, or a shell command line); "" if none."""
+    if isinstance(argv, (list, tuple)):
+        first = argv[0] if argv else ""
+    elif isinstance(argv, (str, bytes, os.PathLike)):
+        first = (os.fspath(argv).split() or [""])[0]
+    else:
+        return ""
+    name = os.path.basename(os.fspath(first))
+    return name.decode(errors="replace") if isinstance(name, bytes) else name
 
 
 def _guarded(fn, what: str, argv_at: int | None = None):
