@@ -25,7 +25,7 @@ from fedpipe.spec import JobSpec
 from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames, rpc
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.processes]
 RPC = timeouts.CONTROL_RPC
 
 
