@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from dataclasses import replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 import torch
@@ -24,7 +24,7 @@ from torch import nn
 from .. import net
 from ..net import timeouts
 from ..proto import tracker_pb2, tracker_pb2_grpc
-from ..runtime.materialize import InitFn
+from ..runtime.materialize import InitFn, TiedGroup
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..runtime.weights import KeyMap
 from ..security import TlsConfig
@@ -152,7 +152,7 @@ class Client:
                checkpoint_dir: str | os.PathLike | None = None,
                weights: str | os.PathLike | None = None, seed: int = 0,
                init_fn: InitFn | None = None, weight_names: KeyMap | None = None,
-               **knobs: Any) -> Job:
+               ties: Sequence[TiedGroup] = (), **knobs: Any) -> Job:
         """Submit a training job and start feeding it.
 
         Args:
@@ -199,6 +199,11 @@ class Client:
                 ``reset_parameters()`` (e.g. :func:`fedpipe.hf.init_fn`).
             weight_names: ``names(layer_index, key)``: the file names of a layer's
                 tensors in ``weights`` (default ``"3.weight"``, an nn.Sequential's).
+            ties: tied parameters across layers (an LM's input embedding and head),
+                each a group of ``(layer, parameter name)`` copies that start equal and
+                whose gradients are summed before every optimizer step, as
+                :attr:`fedpipe.hf.HFLayers.tied_parameters` gives them. Synchronous
+                schedules only.
             knobs: the flat keywords, one per knob of the groups above
                 (:data:`fedpipe.spec.FLAT_KNOBS`): ``microbatches``, ``schedule``,
                 ``max_staleness``, ``lr_scheduler``, ``clip_grad_norm``,
@@ -248,7 +253,7 @@ class Client:
             raise ValueError(f"batch of {x0.shape[0]} samples cannot be split into "
                              f"{microbatches} microbatches")
         code = package(model, x0, seed=seed, init_fn=init_fn, weights=weights,
-                       names=weight_names)
+                       names=weight_names, ties=ties)
         job_spec = job_spec.with_(batch_size=x0.shape[0], weights=code.weights)
         job_spec.validate(n_layers)
         job_id = self._submit_job(name or type(model).__name__, code.layers, job_spec,

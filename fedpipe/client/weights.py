@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +38,8 @@ from torch import nn
 from ..net import timeouts
 from ..planner.types import ModelProfile
 from ..proto import node_pb2, tracker_pb2
-from ..runtime.materialize import InitFn, MaterializeError, check_initializable, meta_profile
+from ..runtime.materialize import (InitFn, MaterializeError, TiedGroup, check_initializable,
+                                   meta_profile, shared_across_layers)
 from ..runtime.weights import (KeyMap, WeightFiles, check_weights, layer_digest, layer_tensors,
                                sequential_keys)
 from ..spec import PlanView, StageKey, WeightsSpec
@@ -93,7 +94,7 @@ def profile_message(p: ModelProfile) -> tracker_pb2.ModelProfile:
 
 def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
             init_fn: InitFn | None = None, weights: str | os.PathLike | None = None,
-            names: KeyMap | None = None) -> ModelCode:
+            names: KeyMap | None = None, ties: Sequence[TiedGroup] = ()) -> ModelCode:
     """The job's code, weight source and profile for ``model`` (see the module docstring).
 
     Args:
@@ -102,10 +103,13 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
         seed, init_fn: a meta model's initialization (without ``weights``).
         weights: a safetensors file or sharded directory the weights start from.
         names: the file's names for each layer's tensors (default: ``"3.weight"``).
+        ties: tied parameters, ``(layer, name)`` copies a group, the first the source
+            (:attr:`fedpipe.hf.HFLayers.tied_parameters`).
 
     Raises:
         TypeError: some layers on the meta device and others not (naming the first).
-        MaterializeError: a meta layer's tensor nothing initializes, named.
+        MaterializeError: a meta layer's tensor nothing initializes, named; or a
+            parameter shared by two layers that no tie names (naming both).
         WeightsError: the files lack a tensor of a layer, or hold another shape.
     """
     meta = [_on_meta(layer) for layer in model]
@@ -116,6 +120,14 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
                 raise TypeError(f"layer {i} ({type(model[i]).__name__}) has tensors off the "
                                 "meta device while others are on it: build the whole model "
                                 "under torch.device('meta'), or with its weights")
+    tied = {member for group in ties for member in group}
+    for first, later in shared_across_layers(list(model)):
+        if first not in tied or later not in tied:
+            raise MaterializeError(
+                f"layer {first[0]}'s {first[1]!r} is also layer {later[0]}'s {later[1]!r}: "
+                "one tensor cannot span two stages; keep a copy in each and name them a tie "
+                "(ties=), as fedpipe.hf.sequential does")
+    ties = tuple(tuple(sorted(group)) for group in ties)
     keys = names or sequential_keys
     if weights is not None:
         path = Path(weights).resolve()
@@ -126,7 +138,8 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
                             for i, layer in enumerate(code))
         spec = WeightsSpec(source="files", path=str(path), digests=digests,
                            names=dumps(names) if names is not None else b"", seed=seed,
-                           init_fn=dumps(init_fn) if init_fn is not None else b"")
+                           init_fn=dumps(init_fn) if init_fn is not None else b"",
+                           ties=ties, tie_sources=_tie_sources(code, ties))
 
         def from_files(i: int) -> Mapping[str, torch.Tensor]:
             with WeightFiles(path) as files:
@@ -134,16 +147,25 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
         return ModelCode([dumps(layer) for layer in code], spec,
                          profile_message(meta_profile(_meta_only(code), sample)), from_files)
     if any(on_meta):
-        check_initializable(list(model), init_fn)
+        check_initializable(list(model), init_fn, ties)
         spec = WeightsSpec(source="seed", seed=seed,
-                           init_fn=dumps(init_fn) if init_fn is not None else b"")
+                           init_fn=dumps(init_fn) if init_fn is not None else b"",
+                           ties=ties, tie_sources=_tie_sources(list(model), ties))
         return ModelCode([dumps(layer) for layer in model], spec,
                          profile_message(meta_profile(list(model), sample)), None)
     profile = profile_model(model, sample)
-    spec = WeightsSpec(source="stream",
+    spec = WeightsSpec(source="stream", ties=ties,
                        digests=tuple(layer_digest(layer.state_dict()) for layer in model))
     return ModelCode([dumps(meta_copy(layer)) for layer in model], spec, profile,
                      lambda i: model[i].state_dict())
+
+
+def _tie_sources(layers: Sequence[nn.Module], ties: Sequence[TiedGroup]
+                 ) -> tuple[tuple[int, bytes], ...]:
+    """Each tie's source layer as code, for the nodes that make a copy of it."""
+    sources = sorted({group[0][0] for group in ties})
+    return tuple((i, dumps(layers[i] if all(_on_meta(layers[i])) else meta_copy(layers[i])))
+                 for i in sources)
 
 
 def _meta_only(layers: list[nn.Module]) -> list[nn.Module]:

@@ -23,7 +23,7 @@ from .mailbox import Mailbox
 from .peers import MAX_PROBE_BYTES
 from .reports import StageReporter
 
-STAGE_KINDS = frozenset(Kind) - {Kind.PROBE, Kind.SNAPSHOT}
+STAGE_KINDS = frozenset(Kind) - {Kind.PROBE, Kind.SNAPSHOT, Kind.WEIGHTS}
 """Kinds of tensor a stage takes from its mailbox."""
 BOUNDED_KINDS = (Kind.INPUT, Kind.TARGET)
 """Kinds a client may send far ahead: their inbox is bounded (backpressure)."""

@@ -160,8 +160,11 @@ def make_layers(request: node_pb2.LoadStageRequest, weights: WeightsSpec, first:
         # storage made from the seed for "files" too: the files then overwrite the
         # state_dict, and a buffer outside it is what the layer's own init makes
         init_fn = cloudpickle.loads(weights.init_fn) if weights.init_fn else None
-        made = materialize_layers(dict(zip(indices, layers)), indices, weights.seed, device,
-                                  init_fn)
+        known = {i: cloudpickle.loads(code) for i, code in weights.tie_sources
+                 if i not in indices}  # the sources of tied copies held here
+        known.update(zip(indices, layers))
+        made = materialize_layers(known, indices, weights.seed, device, init_fn,
+                                  weights.ties)
     if weights.source == "seed" or not needs_initial(request):
         return made, None
     mine = dict(zip(indices, made))

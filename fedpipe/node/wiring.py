@@ -21,6 +21,7 @@ from ..runtime.async_stage import AsyncStageRunner
 from ..runtime.clip import GlobalNormClip
 from ..runtime.diloco import OuterSync
 from ..runtime.elastic import AskQuorum, ElasticGradientSync, ElasticOuterSync
+from ..runtime.ties import TiedGradients, norm_params
 from ..runtime.stage import StageError, StepHook, SyncStageRunner, TimedTransport
 from ..spec import JobSpec, Kind, PlanView, Quorum, StageKey
 from .errors import StageLoadError
@@ -230,8 +231,13 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
         after.append(hooks.after_update)
     elif len(plan.replicas) > 1:
         before.append(GradientSync(module, key, spans, transport))
+    ties = cfg.weights.ties
+    by_index = {mine.layer_start + k: layer for k, layer in enumerate(module)}
+    if ties:  # each tied copy's gradient becomes the sum of all copies', then any clip
+        before.append(TiedGradients(by_index, key, ties, spans, transport))
     if cfg.clip_grad_norm:  # after the gradient sync; every stage of the group takes part
-        before.append(GlobalNormClip(params, cfg.clip_grad_norm, key.stage,
+        before.append(GlobalNormClip(norm_params(by_index, ties) if ties else params,
+                                     cfg.clip_grad_norm, key.stage,
                                      {s: StageKey(key.replica, s) for s in range(n_stages)
                                       if s != key.stage}, transport))
     if opt is not None and cfg.lr_scheduler:  # stepped after each optimizer step, first

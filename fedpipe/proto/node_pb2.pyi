@@ -21,6 +21,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KIND_NORM: _ClassVar[Kind]
     KIND_SNAPSHOT: _ClassVar[Kind]
     KIND_WEIGHTS: _ClassVar[Kind]
+    KIND_TIED: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 KIND_INPUT: Kind
 KIND_TARGET: Kind
@@ -32,6 +33,7 @@ KIND_OUTER: Kind
 KIND_NORM: Kind
 KIND_SNAPSHOT: Kind
 KIND_WEIGHTS: Kind
+KIND_TIED: Kind
 
 class Resources(_message.Message):
     __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname", "host_id", "host_cores")
@@ -154,20 +156,45 @@ class JobConfig(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., client_timeout: _Optional[float] = ..., rebalance: _Optional[str] = ..., min_replicas: _Optional[int] = ..., weights: _Optional[_Union[WeightsConfig, _Mapping]] = ...) -> None: ...
 
 class WeightsConfig(_message.Message):
-    __slots__ = ("source", "seed", "init_fn", "path", "digests", "names")
+    __slots__ = ("source", "seed", "init_fn", "path", "digests", "names", "ties", "tie_sources")
+    class TieSourcesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: bytes
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     INIT_FN_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    TIES_FIELD_NUMBER: _ClassVar[int]
+    TIE_SOURCES_FIELD_NUMBER: _ClassVar[int]
     source: str
     seed: int
     init_fn: bytes
     path: str
     digests: _containers.RepeatedScalarFieldContainer[str]
     names: bytes
-    def __init__(self, source: _Optional[str] = ..., seed: _Optional[int] = ..., init_fn: _Optional[bytes] = ..., path: _Optional[str] = ..., digests: _Optional[_Iterable[str]] = ..., names: _Optional[bytes] = ...) -> None: ...
+    ties: _containers.RepeatedCompositeFieldContainer[TiedGroup]
+    tie_sources: _containers.ScalarMap[int, bytes]
+    def __init__(self, source: _Optional[str] = ..., seed: _Optional[int] = ..., init_fn: _Optional[bytes] = ..., path: _Optional[str] = ..., digests: _Optional[_Iterable[str]] = ..., names: _Optional[bytes] = ..., ties: _Optional[_Iterable[_Union[TiedGroup, _Mapping]]] = ..., tie_sources: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
+
+class TiedGroup(_message.Message):
+    __slots__ = ("copies",)
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    copies: _containers.RepeatedCompositeFieldContainer[TiedCopy]
+    def __init__(self, copies: _Optional[_Iterable[_Union[TiedCopy, _Mapping]]] = ...) -> None: ...
+
+class TiedCopy(_message.Message):
+    __slots__ = ("layer", "name")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    name: str
+    def __init__(self, layer: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ()

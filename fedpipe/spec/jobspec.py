@@ -171,6 +171,10 @@ class JobSpec:
         need(not self.replicas or self.min_replicas <= self.replicas, "min_replicas",
              f"{self.min_replicas} is more than the {self.replicas} replica groups asked for")
         self.weights.validate(n_layers)
+        need(not (self.weights.ties and self.schedule == "async"), "schedule",
+             "tied parameters need a synchronous schedule: under \"async\" each stage "
+             "updates its copy with gradients of other weight versions, so the copies "
+             "would drift apart")
         return self
 
     @property

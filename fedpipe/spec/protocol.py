@@ -19,6 +19,7 @@ class Kind(enum.IntEnum):
     NORM = node_pb2.KIND_NORM
     SNAPSHOT = node_pb2.KIND_SNAPSHOT
     WEIGHTS = node_pb2.KIND_WEIGHTS
+    TIED = node_pb2.KIND_TIED
 
 
 SNAPSHOTS_KEPT = 2

@@ -31,6 +31,11 @@ class WeightsSpec:
             the job's signature covers them.
         names: "files": a cloudpickled ``fedpipe.runtime.weights.KeyMap`` (the file's
             names of each layer's tensors), or b"" for an ``nn.Sequential``'s own.
+        ties: the model's tied parameters: groups of ``(layer index, parameter name)``
+            copies, the first the source (:attr:`fedpipe.hf.HFLayers.tied_parameters`).
+            Their gradients are summed before every optimizer step.
+        tie_sources: ``(layer index, that layer's code pickled on meta)`` for each source
+            layer of a tie: a node holding a copy makes the source's seeded values.
     """
 
     source: str = ""
@@ -39,6 +44,8 @@ class WeightsSpec:
     path: str = ""
     digests: tuple[str, ...] = ()
     names: bytes = b""
+    ties: tuple[tuple[tuple[int, str], ...], ...] = ()
+    tie_sources: tuple[tuple[int, bytes], ...] = ()
 
     @property
     def on_meta(self) -> bool:
@@ -57,6 +64,11 @@ class WeightsSpec:
                                           f"got {self.source!r}")
         if self.source == "files" and not self.path:
             raise JobSpecError("weights", "weights from files need a path")
+        for group in self.ties:
+            if len(group) < 2 or len({layer for layer, _ in group}) != len(group) or any(
+                    n_layers is not None and not 0 <= layer < n_layers for layer, _ in group):
+                raise JobSpecError("ties", f"a tie needs copies in 2 or more different "
+                                           f"layers of the model, got {list(group)}")
         if self.source in ("files", "stream") and n_layers is not None \
                 and len(self.digests) != n_layers:
             raise JobSpecError("weights", f"{len(self.digests)} layer digests for "
@@ -67,10 +79,16 @@ class WeightsSpec:
         """The ``fedpipe.v1.WeightsConfig`` message."""
         return node_pb2.WeightsConfig(source=self.source, seed=self.seed, init_fn=self.init_fn,
                                       path=self.path, digests=list(self.digests),
-                                      names=self.names)
+                                      names=self.names, ties=[
+                                          node_pb2.TiedGroup(copies=[
+                                              node_pb2.TiedCopy(layer=i, name=n) for i, n in g])
+                                          for g in self.ties],
+                                      tie_sources=dict(self.tie_sources))
 
     @classmethod
     def from_proto(cls, msg: node_pb2.WeightsConfig) -> "WeightsSpec":
         """The spec in a ``WeightsConfig`` (unset: the layers carry their weights)."""
         return cls(source=msg.source, seed=msg.seed, init_fn=msg.init_fn, path=msg.path,
-                   digests=tuple(msg.digests), names=msg.names)
+                   digests=tuple(msg.digests), names=msg.names,
+                   ties=tuple(tuple((c.layer, c.name) for c in g.copies) for g in msg.ties),
+                   tie_sources=tuple(sorted(msg.tie_sources.items())))
