@@ -127,7 +127,7 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
                 f"layer {first[0]}'s {first[1]!r} is also layer {later[0]}'s {later[1]!r}: "
                 "one tensor cannot span two stages; keep a copy in each and name them a tie "
                 "(ties=), as fedpipe.hf.sequential does")
-    ties = tuple(tuple(sorted(group)) for group in ties)
+    groups = tuple(tuple(sorted(group)) for group in ties)  # the source first
     keys = names or sequential_keys
     if weights is not None:
         path = Path(weights).resolve()
@@ -139,7 +139,7 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
         spec = WeightsSpec(source="files", path=str(path), digests=digests,
                            names=dumps(names) if names is not None else b"", seed=seed,
                            init_fn=dumps(init_fn) if init_fn is not None else b"",
-                           ties=ties, tie_sources=_tie_sources(code, ties))
+                           ties=groups, tie_sources=_tie_sources(code, groups))
 
         def from_files(i: int) -> Mapping[str, torch.Tensor]:
             with WeightFiles(path) as files:
@@ -147,14 +147,14 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
         return ModelCode([dumps(layer) for layer in code], spec,
                          profile_message(meta_profile(_meta_only(code), sample)), from_files)
     if any(on_meta):
-        check_initializable(list(model), init_fn, ties)
+        check_initializable(list(model), init_fn, groups)
         spec = WeightsSpec(source="seed", seed=seed,
                            init_fn=dumps(init_fn) if init_fn is not None else b"",
-                           ties=ties, tie_sources=_tie_sources(list(model), ties))
+                           ties=groups, tie_sources=_tie_sources(list(model), groups))
         return ModelCode([dumps(layer) for layer in model], spec,
                          profile_message(meta_profile(list(model), sample)), None)
     profile = profile_model(model, sample)
-    spec = WeightsSpec(source="stream", ties=ties,
+    spec = WeightsSpec(source="stream", ties=groups,
                        digests=tuple(layer_digest(layer.state_dict()) for layer in model))
     return ModelCode([dumps(meta_copy(layer)) for layer in model], spec, profile,
                      lambda i: model[i].state_dict())

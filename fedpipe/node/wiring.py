@@ -21,7 +21,8 @@ from ..runtime.async_stage import AsyncStageRunner
 from ..runtime.clip import GlobalNormClip
 from ..runtime.diloco import OuterSync
 from ..runtime.elastic import AskQuorum, ElasticGradientSync, ElasticOuterSync
-from ..runtime.ties import TiedGradients, norm_params
+from ..runtime.materialize import norm_parameters
+from ..runtime.ties import TiedGradients
 from ..runtime.stage import StageError, StepHook, SyncStageRunner, TimedTransport
 from ..spec import JobSpec, Kind, PlanView, Quorum, StageKey
 from .errors import StageLoadError
@@ -236,7 +237,8 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     if ties:  # each tied copy's gradient becomes the sum of all copies', then any clip
         before.append(TiedGradients(by_index, key, ties, spans, transport))
     if cfg.clip_grad_norm:  # after the gradient sync; every stage of the group takes part
-        before.append(GlobalNormClip(norm_params(by_index, ties) if ties else params,
+        before.append(GlobalNormClip([p for p in norm_parameters(by_index, ties) if p.requires_grad]
+                                     if ties else params,
                                      cfg.clip_grad_norm, key.stage,
                                      {s: StageKey(key.replica, s) for s in range(n_stages)
                                       if s != key.stage}, transport))

@@ -98,11 +98,3 @@ class TiedGradients:
             for p in params:
                 p.grad = total.clone()
 
-
-def norm_params(layers: Mapping[int, nn.Module], ties: Sequence[TiedCopies]
-                ) -> list[nn.Parameter]:
-    """The trainable parameters of ``layers`` that count in a global gradient norm: a tie
-    counts once, at its source (the copies' gradients are equal after the sum)."""
-    copies = {member for group in ties for member in sorted(group)[1:]}
-    return [p for i, layer in layers.items() for name, p in layer.named_parameters()
-            if p.requires_grad and (i, name) not in copies]
