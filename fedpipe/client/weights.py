@@ -153,11 +153,21 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
                            ties=groups, tie_sources=_tie_sources(list(model), groups))
         return ModelCode([dumps(layer) for layer in model], spec,
                          profile_message(meta_profile(list(model), sample)), None)
-    profile = profile_model(model, sample)
+    code = [meta_copy(layer) for layer in model]
     spec = WeightsSpec(source="stream", ties=groups,
                        digests=tuple(layer_digest(layer.state_dict()) for layer in model))
-    return ModelCode([dumps(meta_copy(layer)) for layer in model], spec, profile,
+    return ModelCode([dumps(layer) for layer in code], spec, _profile(model, code, sample),
                      lambda i: model[i].state_dict())
+
+
+def _profile(model: nn.Sequential, code: list[nn.Module], sample: torch.Tensor
+             ) -> tracker_pb2.ModelProfile:
+    """A model's profile, on meta tensors where its layers run there (no copy of the
+    weights: the same FLOP and bytes, shapes being all they depend on), else on a copy."""
+    try:
+        return profile_message(meta_profile(_meta_only(code), sample))
+    except (RuntimeError, NotImplementedError, MaterializeError):  # a layer makes a CPU
+        return profile_model(model, sample)  # tensor of its own, say: run it for real
 
 
 def _tie_sources(layers: Sequence[nn.Module], ties: Sequence[TiedGroup]
