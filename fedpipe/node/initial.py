@@ -59,10 +59,14 @@ class Pending:
         layers: global layer index -> the stage's layer (materialized, storage only).
         digests: the job's digest of every layer (hex), by global index.
         arrived: set once every layer is loaded and checked.
+        loaded: called once the weights are in, before :attr:`arrived` is set: what the
+            stage derived from its weights when it was built takes them again (the
+            DiLoCo outer weights, :meth:`~fedpipe.runtime.diloco.OuterSync.anchor`).
     """
 
     layers: dict[int, nn.Module]
     digests: Sequence[str]
+    loaded: list[Callable[[], None]] = field(default_factory=list)
     arrived: threading.Event = field(default_factory=threading.Event)
     _taking: threading.Lock = field(default_factory=threading.Lock)
 
@@ -91,6 +95,8 @@ class Pending:
             for i, tensors_i in by_layer.items():
                 check_digest(i, tensors_i, self.digests)
                 load_layer(self.layers[i], i, tensors_i)
+            for hook in self.loaded:
+                hook()
             self.arrived.set()
         finally:
             self._taking.release()

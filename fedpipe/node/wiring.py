@@ -182,6 +182,25 @@ def build_stage(request: node_pb2.LoadStageRequest, device: torch.device, mailbo
             from e
 
 
+def _tie_and_clip(cfg: JobSpec, key: StageKey, n_stages: int, by_index: dict[int, nn.Module],
+                  params: list[nn.Parameter], spans: list[StageSpan], transport: TimedTransport
+                  ) -> list[StepHook]:
+    """The before-update hooks after the replica sync: each tied copy's gradient becomes
+    the sum of all copies' (:mod:`fedpipe.runtime.ties`), then the clip to the global
+    norm, in which every stage of the group takes part and a tie counts once."""
+    hooks: list[StepHook] = []
+    ties = cfg.weights.ties
+    if ties:
+        hooks.append(TiedGradients(by_index, key, ties, spans, transport))
+    if cfg.clip_grad_norm:
+        counted = [p for p in norm_parameters(by_index, ties) if p.requires_grad] \
+            if ties else params
+        hooks.append(GlobalNormClip(counted, cfg.clip_grad_norm, key.stage,
+                                    {s: StageKey(key.replica, s) for s in range(n_stages)
+                                     if s != key.stage}, transport))
+    return hooks
+
+
 def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Mailbox,
            peers: StagePeers, elastic: ElasticFactory | None) -> Stage:
     cfg = JobSpec.from_proto(request.config).validate()  # before unpickling anything
@@ -232,19 +251,13 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
         after.append(hooks.after_update)
     elif len(plan.replicas) > 1:
         before.append(GradientSync(module, key, spans, transport))
-    ties = cfg.weights.ties
     by_index = {mine.layer_start + k: layer for k, layer in enumerate(module)}
-    if ties:  # each tied copy's gradient becomes the sum of all copies', then any clip
-        before.append(TiedGradients(by_index, key, ties, spans, transport))
-    if cfg.clip_grad_norm:  # after the gradient sync; every stage of the group takes part
-        before.append(GlobalNormClip([p for p in norm_parameters(by_index, ties) if p.requires_grad]
-                                     if ties else params,
-                                     cfg.clip_grad_norm, key.stage,
-                                     {s: StageKey(key.replica, s) for s in range(n_stages)
-                                      if s != key.stage}, transport))
+    before += _tie_and_clip(cfg, key, n_stages, by_index, params, spans, transport)
     if opt is not None and cfg.lr_scheduler:  # stepped after each optimizer step, first
         schedule = cloudpickle.loads(cfg.lr_scheduler).build(opt)
         after.insert(0, lambda step: schedule.step())
+    if pending is not None and outer is not None:  # its outer weights: the streamed ones
+        pending.loaded.append(outer.anchor)
     stage.parts = {LAYOUT: layerstate.Layout(module, mine.layer_start), "module": module,
                    "optimizer": opt, "lr_scheduler": schedule, "outer": outer}
     common = dict(before_update=before, after_update=after)

@@ -160,6 +160,15 @@ class OuterSync:
         self.late_applied = 0
         self.missed = 0
 
+    def anchor(self) -> None:
+        """Take the module's weights now as the outer (global) weights: a stage whose
+        initial weights arrived after it was built (streamed by the client,
+        :mod:`fedpipe.node.initial`) calls it before its first step."""
+        with torch.no_grad():
+            for globals_, (_, _, params) in zip(self.globals, self.mine):
+                for g, p in zip(globals_, params):
+                    g.copy_(p.detach())
+
     def state_dict(self) -> dict:
         """What a checkpoint keeps: the outer (global) weights, the outer optimizer's
         momentum, the index of the next outer step and the codec's error-feedback
