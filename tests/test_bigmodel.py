@@ -12,6 +12,7 @@ In each case the tracker stores only code: each layer pickled on the meta device
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -116,3 +117,38 @@ def test_weights_that_do_not_fit_the_model_are_refused_at_submit(swarm, tmp_path
         model = mlp()
     with pytest.raises(WeightsError, match="layer 0"):
         swarm.client().submit(model, LOSS, SGD, digit_batches(1, BATCH), steps=1, weights=path)
+
+
+def test_a_streamed_job_taken_over_before_its_first_checkpoint_gets_its_weights_again(swarm):
+    """Client A streams the weights, feeds 2 steps and goes; the job parks at its start (no
+    checkpoint yet). Client B, attached by id, resumes it with the model: the rewound stages
+    wait for their weights and B streams them, so the job ends as if nothing happened."""
+    import threading
+
+    torch.manual_seed(6)
+    model = mlp()
+    batches = digit_batches(STEPS, BATCH)
+    expected = microbatched(model, LOSS, SGD, batches, MICROBATCHES)
+    gate = threading.Event()
+
+    def first_two():
+        yield from batches[:2]
+        gate.wait(120)  # the feed stops here until A is gone
+        yield from batches[2:]
+
+    a = swarm.client()
+    job = a.submit(model, LOSS, SGD, first_two(), steps=STEPS, microbatches=MICROBATCHES,
+                   schedule="1f1b", stages=3, compression="none", checkpoint_every=STEPS - 1)
+    deadline = time.monotonic() + 60
+    while job.status().step < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    a.close()
+    gate.set()
+    b = swarm.client()
+    resumed = b.job(job.id).resume(batches, model=model)
+    status = resumed.wait(timeout=180, progress=False)
+    assert status.state == "SUCCEEDED", status
+    assert [r.checkpoint_step for r in status.recoveries] == [0]
+    got = resumed.state_dict()
+    resumed.release()
+    _bit_equal(got, expected)

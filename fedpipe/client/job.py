@@ -33,7 +33,7 @@ from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
 from .feed import FEED_KEEP_CHECKPOINTS, Batch, ChannelNodes, Feed, GroupFeed, cycle, shard
 from .watch import RETRYABLE, Halted, JobWatch
-from .weights import TensorsOf, WeightStreamer
+from .weights import TensorsOf, WeightStreamer, streamed
 
 if TYPE_CHECKING:
     from .client import Client
@@ -169,7 +169,8 @@ class Job:
                 self.client._feeding.add(self)
 
     def resume(self, data: Iterable[Batch], *,
-               checkpoint_dir: str | os.PathLike | None = None) -> "Job":
+               checkpoint_dir: str | os.PathLike | None = None,
+               model: nn.Sequential | None = None) -> "Job":
         """Feed this job again, from this client: take it over from a client that is
         gone (or still there: it stops feeding), rewind it to its last complete
         checkpoint (a WAITING job's is where it stopped) and feed it from there.
@@ -182,6 +183,12 @@ class Job:
             checkpoint_dir: keep the job's complete checkpoints in this folder from
                 now on, as ``submit(checkpoint_dir=...)`` does (give the first
                 client's folder to go on filling it); None: keep none here.
+            model: the model as submitted, with its weights, for a job whose weights
+                the client streams (``submit`` of a model with its weights, or of
+                ``weights=`` a path some node cannot read): if the job rewinds to its
+                start (no checkpoint yet), its stages wait for these weights. A meta
+                job's nodes make their own; attached by id without it, such stages
+                fail after ``fedpipe.net.timeouts.WEIGHTS_WAIT`` s.
 
         Returns:
             self, being fed (:meth:`wait` for it).
@@ -195,6 +202,9 @@ class Job:
         """
         if checkpoint_dir is not None:
             self._checkpoint_dir = checkpoint_dir
+        if model is not None:
+            self._model = model
+            self._weights = streamed(model)
         self._start_feed(cycle(data), take_over=True)
         return self
 

@@ -157,7 +157,12 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
     spec = WeightsSpec(source="stream", ties=groups,
                        digests=tuple(layer_digest(layer.state_dict()) for layer in model))
     return ModelCode([dumps(layer) for layer in code], spec, _profile(model, code, sample),
-                     lambda i: model[i].state_dict())
+                     streamed(model))
+
+
+def streamed(model: nn.Sequential) -> TensorsOf:
+    """A model's layers' tensors, as a :class:`WeightStreamer` streams them."""
+    return lambda i: model[i].state_dict()
 
 
 def _profile(model: nn.Sequential, code: list[nn.Module], sample: torch.Tensor
