@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from ...proto import node_pb2
+from ...proto import node_pb2, tensor_pb2
 from ...wire import codecs, format
 from ...wire.format import WireError
 
@@ -185,7 +185,7 @@ def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int) -> torch.T
     msg = header.tensor
     codecs.check_header(msg, limit)
     try:
-        if msg.codec == codecs.pb.CODEC_RAW and not msg.zstd:
+        if msg.codec == tensor_pb2.CODEC_RAW and not msg.zstd:
             out = torch.empty(tuple(msg.shape), dtype=codecs.TORCH_DTYPES[msg.dtype])
             if out.numel():
                 conn.read_into(out.view(-1).view(torch.uint8).numpy().data)

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 
-from ...proto import node_pb2
+from ...proto import node_pb2, tensor_pb2
 from ...security import Identity
 from ...wire import codecs, format
 from ...wire.format import WireError
@@ -69,6 +69,8 @@ class Timeouts:
     backoff_min: float = 0.05
     backoff_max: float = 1.0
 
+
+DEFAULT_TIMEOUTS = Timeouts()
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
@@ -163,7 +165,7 @@ class Link:
     def __init__(self, name: str, role: str, peer: str, receiver: Receiver, *,
                  events: LinkEvents | None = None, dial: Dial | None = None,
                  window_bytes: int = WINDOW_BYTES, window_messages: int = WINDOW_MESSAGES,
-                 timeouts: Timeouts = Timeouts()):
+                 timeouts: Timeouts = DEFAULT_TIMEOUTS):
         self.name, self.role, self.peer_name = name, role, peer
         self.receiver, self.events = receiver, events or _Quiet()
         self.dial, self.timeouts = dial, timeouts
@@ -221,9 +223,10 @@ class Link:
         msg, payload = codecs.encode_payload(tensor, codec)
         return self.send_encoded(msg, payload, envelope=envelope, name=name)
 
-    def send_encoded(self, msg: codecs.pb.Tensor, payload: memoryview, *,
+    def send_encoded(self, msg: tensor_pb2.Tensor, payload: memoryview, *,
                      envelope: node_pb2.Envelope | None = None, name: str = "") -> int:
-        """:meth:`send` of a tensor already encoded (:func:`~fedpipe.wire.codecs.encode_payload`)."""
+        """:meth:`send` of a tensor already encoded
+        (:func:`~fedpipe.wire.codecs.encode_payload`)."""
         self.check()
         header = node_pb2.Frame(envelope=envelope, name=name)
         header.tensor.CopyFrom(msg)

@@ -173,10 +173,12 @@ class Preface:
         if unknown:
             raise WireError(f"preface has unknown fields {unknown}")
         for name, value in fields.items():
-            want = int if known[name] in (int, "int") else str
-            if type(value) is not want or (want is int and value < 0):
-                raise WireError(f"preface field {name!r} is {value!r}, not a "
-                                f"{'non-negative integer' if want is int else 'string'}")
+            if known[name] in (int, "int"):
+                if type(value) is not int or value < 0:
+                    raise WireError(f"preface field {name!r} is {value!r}, not a "
+                                    "non-negative integer")
+            elif type(value) is not str:
+                raise WireError(f"preface field {name!r} is {value!r}, not a string")
         try:
             preface = cls(**fields)
         except TypeError as e:

@@ -30,7 +30,8 @@ from .. import timeouts as net_timeouts
 from . import records
 from .connection import Connection
 from .credits import LinkFailed
-from .link import Link, LinkEvents, Peer, Receiver, Timeouts
+from .link import (DEFAULT_TIMEOUTS, WINDOW_BYTES, WINDOW_MESSAGES, Link, LinkEvents, Peer,
+                   Receiver, Timeouts)
 from .records import Code, Preface, RecordType
 
 log = logging.getLogger(__name__)
@@ -130,12 +131,12 @@ class DataPlane:
 
     def __init__(self, name: str, receiver: Receiver, *, role: str = "node",
                  host: str = "127.0.0.1", port: int = 0, tls: TlsConfig | None = None,
-                 events: LinkEvents | None = None, timeouts: Timeouts = Timeouts(),
+                 events: LinkEvents | None = None, timeouts: Timeouts = DEFAULT_TIMEOUTS,
                  window_bytes: int | None = None, window_messages: int | None = None):
         self.name, self.role, self.receiver, self.events = name, role, receiver, events
         self.timeouts = timeouts
-        self._window = {k: v for k, v in (("window_bytes", window_bytes),
-                                          ("window_messages", window_messages)) if v}
+        self.window_bytes = window_bytes or WINDOW_BYTES
+        self.window_messages = window_messages or WINDOW_MESSAGES
         self._server_ctx = server_context(tls) if tls is not None else None
         self._client_ctx = client_context(tls) if tls is not None else None
         self._auth = tls.authenticator() if tls is not None else None
@@ -155,7 +156,8 @@ class DataPlane:
 
     def _new_link(self, peer: str, dial: bool, address: str = "") -> Link:
         link = Link(self.name, self.role, peer, self.receiver, events=self.events,
-                    timeouts=self.timeouts, **self._window)
+                    timeouts=self.timeouts, window_bytes=self.window_bytes,
+                    window_messages=self.window_messages)
         if dial:
             link.dial = lambda: self._dial(address, link)
         return link
