@@ -148,12 +148,13 @@ class Connection:
 
 
 def read_head(conn: Connection) -> node_pb2.Frame:
-    """Read a TENSOR record's HEAD wire frame (its payload not yet) and check it as a
-    receiver on gRPC does (``protos/fedpipe/v1/FRAMES.md``, checks 1-5 against
-    :data:`~fedpipe.wire.codecs.MAX_TENSOR_BYTES`); nothing is reserved yet.
+    """Read a TENSOR record's HEAD wire frame (its payload not yet) and check the frame as
+    a receiver on gRPC does (``protos/fedpipe/v1/FRAMES.md``, checks 1-4); the tensor
+    header's fields are checked by :func:`read_tensor` or :func:`skip_payload`, once the
+    receiver's limit is known. Nothing is reserved.
 
     Raises:
-        WireError: a malformed frame or tensor header, naming the field.
+        WireError: a malformed frame, naming the field.
     """
     prefix = conn.read_exact(format.HEAD_PREFIX_BYTES)
     if prefix[:3] != format.MAGIC or prefix[3] != format.VERSION or prefix[4] != format.HEAD:
@@ -166,8 +167,18 @@ def read_head(conn: Connection) -> node_pb2.Frame:
                         f"{format.MAX_HEADER_BYTES}")
     header, _ = format.unpack(prefix + conn.read_exact(size))
     assert header is not None  # a HEAD frame
-    codecs.check_header(header.tensor)
     return header
+
+
+def skip_payload(conn: Connection, header: node_pb2.Frame) -> None:
+    """Read and drop the payload of a tensor that is not taken (refused, or a duplicate),
+    after checking its header (so ``payload_bytes`` is within bounds).
+
+    Raises:
+        WireError: a malformed tensor header. Closed, OSError: the connection broke.
+    """
+    codecs.check_header(header.tensor)
+    conn.skip(header.tensor.payload_bytes)
 
 
 def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int) -> torch.Tensor:

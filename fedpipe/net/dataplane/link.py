@@ -38,7 +38,7 @@ from ...security import Identity
 from ...wire import codecs, format
 from ...wire.format import WireError
 from . import records
-from .connection import Closed, Connection, read_head, read_tensor
+from .connection import Closed, Connection, read_head, read_tensor, skip_payload
 from .credits import Credits, LinkFailed
 from .records import Code, Preface, RecordType
 
@@ -421,12 +421,12 @@ class Link:
         return code, conn.read_exact(size).decode(errors="replace")
 
     def _on_tensor(self, conn: Connection, seq: int) -> None:
-        header = read_head(conn)  # checked before anything is reserved
+        header = read_head(conn)
         nbytes = header.tensor.payload_bytes
         if seq != self.expected:
             if seq > self.expected:
                 raise WireError(f"tensor sequence number {seq} skips {self.expected}")
-            conn.skip(nbytes)  # resent, but delivered before: refused by its number
+            skip_payload(conn, header)  # resent, but delivered before: refused by its number
             self.duplicates += 1
             log.info("refused a duplicate tensor %d from %s (%s)", seq, self.peer_name,
                      _describe(header))
@@ -435,10 +435,10 @@ class Link:
         try:
             limit = self.receiver.admit(self.peer, header)
         except Refused as e:
-            conn.skip(nbytes)
+            skip_payload(conn, header)
             self._done(seq, nbytes, e)
             return
-        tensor = read_tensor(conn, header, limit)
+        tensor = read_tensor(conn, header, limit)  # every field checked, then reserved
         try:
             self.receiver.deliver(self.peer, header, tensor)
         except Refused as e:
