@@ -1,4 +1,4 @@
-"""Socket data plane benchmark: fedpipe.net.dataplane against raw TCP and gRPC, interleaved in one run.
+"""Socket data plane benchmark: fedpipe.net.dataplane vs raw TCP and gRPC, interleaved in one run.
 
 64 KiB, 1 MiB and 16 MiB float32 tensors on 127.0.0.1, between two processes
 (a receiver serving every transport, a sender driving them), both with
@@ -162,102 +162,112 @@ def serve(tls_dir: str) -> None:
 # sender process
 
 
-def send(ports: dict[str, int], tls_dir: str) -> None:
-    import torch
+class Sender:
+    """The sender's connections, one per transport, and a function per transport that
+    makes one transfer of a tensor (its data built once, before timing)."""
 
-    from fedpipe import net
-    from fedpipe.net.dataplane import DataPlane
-    from fedpipe.node.peers import PeerSender
-    from fedpipe.proto import node_pb2
-    from fedpipe.wire import frames, rpc
+    def __init__(self, ports: dict[str, int], tls_dir: str):
+        import torch
 
-    class Nothing:
-        def admit(self, peer: Any, header: Any) -> int:
-            raise AssertionError("the receiver sends nothing back")
+        from fedpipe import net
+        from fedpipe.net.dataplane import DataPlane
+        from fedpipe.node.peers import PeerSender
+        from fedpipe.wire import rpc
 
-        def deliver(self, peer: Any, header: Any, tensor: Any) -> None:
-            raise AssertionError("the receiver sends nothing back")
+        class Nothing:
+            def admit(self, peer: Any, header: Any) -> int:
+                raise AssertionError("the receiver sends nothing back")
 
-    torch.set_num_threads(1)
-    channel = net.channel(f"127.0.0.1:{ports['grpc']}")
-    stub = rpc.NodeStub(channel)
-    peer = PeerSender(f"127.0.0.1:{ports['grpc']}", channel)
-    grpc_raw = channel.unary_unary("/bench.Raw/Unary")
-    plane = DataPlane("sender", Nothing())
-    tls_plane = DataPlane("sender", Nothing(), tls=_tls(tls_dir, "sender"))
-    link = plane.link("receiver", f"127.0.0.1:{ports['data']}")
-    tls_link = tls_plane.link("receiver", f"127.0.0.1:{ports['tls']}")
-    raw = socket.create_connection(("127.0.0.1", ports["raw"]))
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            def deliver(self, peer: Any, header: Any, tensor: Any) -> None:
+                raise AssertionError("the receiver sends nothing back")
 
-    def transfer(transport: str, nbytes: int) -> Callable[[], None]:
+        torch.set_num_threads(1)
+        channel = net.channel(f"127.0.0.1:{ports['grpc']}")
+        self.stub = rpc.NodeStub(channel)
+        self.peer = PeerSender(f"127.0.0.1:{ports['grpc']}", channel)
+        self.grpc_raw = channel.unary_unary("/bench.Raw/Unary")
+        self.planes = [DataPlane("sender", Nothing()),
+                       DataPlane("sender", Nothing(), tls=_tls(tls_dir, "sender"))]
+        self.link = self.planes[0].link("receiver", f"127.0.0.1:{ports['data']}")
+        self.tls_link = self.planes[1].link("receiver", f"127.0.0.1:{ports['tls']}")
+        self.raw = socket.create_connection(("127.0.0.1", ports["raw"]))
+        self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def transfer(self, transport: str, nbytes: int) -> Callable[[], None]:
+        import torch
+
+        from fedpipe.proto import node_pb2
+        from fedpipe.wire import frames, rpc
+
         tensor = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(nbytes))
         env = node_pb2.Envelope(job_id="bench", replica=0, stage=1,
                                 kind=node_pb2.KIND_ACTIVATION, batch_size=nbytes)
+        burst = _per(transport)
         if transport == "raw tcp":
             prebuilt = memoryview(struct.pack("<Q", nbytes) + tensor.numpy().tobytes())
 
             def once() -> None:
-                raw.sendall(prebuilt)
-                assert raw.recv(1) == b"k"
-            return once
-        if transport.startswith("dataplane"):
-            use = tls_link if transport.endswith("tls") else link
-            burst = BURST if transport.endswith(f"x{BURST}") else 1
+                self.raw.sendall(prebuilt)
+                assert self.raw.recv(1) == b"k"
+        elif transport.startswith("dataplane"):
+            use = self.tls_link if transport.endswith("tls") else self.link
 
             def once() -> None:
                 for _ in range(burst):
                     use.send(tensor, envelope=env)
                 use.flush()
-            return once
-        if transport == "grpc raw":
+        elif transport == "grpc raw":
             whole = b"".join(frames.encode_frames(tensor, envelope=env))
 
             def once() -> None:
-                assert struct.unpack("<Q", grpc_raw(whole, timeout=60))[0] == len(whole)
-            return once
-        if transport == "grpc call":
+                assert struct.unpack("<Q", self.grpc_raw(whole, timeout=60))[0] == len(whole)
+        elif transport == "grpc call":
             def once() -> None:
-                rpc.send(stub, frames.encode_frames(tensor, envelope=env), timeout=60)
-            return once
-        if transport == f"grpc stream x{BURST}":
+                rpc.send(self.stub, frames.encode_frames(tensor, envelope=env), timeout=60)
+        else:
             def once() -> None:
-                for _ in range(BURST):
-                    peer.submit(env, tensor, "raw")
-                peer.flush()
-            return once
-        raise ValueError(transport)
+                for _ in range(burst):
+                    self.peer.submit(env, tensor, "raw")
+                self.peer.flush()
+        return once
 
-    def stream(transport: str, nbytes: int, count: int) -> None:
+    def stream(self, transport: str, nbytes: int, count: int) -> None:
         """``count`` tensors streamed, one flush at the end (the CPU-per-message figure)."""
+        import torch
+
+        from fedpipe.proto import node_pb2
+
         tensor = torch.randn(nbytes // 4)
         env = node_pb2.Envelope(job_id="bench", stage=1, kind=node_pb2.KIND_ACTIVATION,
                                 batch_size=nbytes)
         if transport == "dataplane":
             for _ in range(count):
-                link.send(tensor, envelope=env)
-            link.flush()
+                self.link.send(tensor, envelope=env)
+            self.link.flush()
         else:
             for _ in range(count):
-                peer.submit(env, tensor, "raw")
-            peer.flush()
+                self.peer.submit(env, tensor, "raw")
+            self.peer.flush()
 
+
+def send(ports: dict[str, int], tls_dir: str) -> None:
+    """The sender process: one JSON command per line on stdin, one JSON answer each."""
+    sender = Sender(ports, tls_dir)
     cache: dict[tuple[str, int], Callable[[], None]] = {}
     for line in sys.stdin:
         cmd = json.loads(line)
+        key = (cmd["transport"], cmd["nbytes"])
+        if not cmd.get("stream") and key not in cache:
+            cache[key] = sender.transfer(*key)
+            for _ in range(3):  # warm up: first allocations
+                cache[key]()
         cpu = _cpu_seconds(os.getpid())
+        times = []
         if cmd.get("stream"):
             start = time.perf_counter()
-            stream(cmd["transport"], cmd["nbytes"], cmd["count"])
-            times = [time.perf_counter() - start]
+            sender.stream(cmd["transport"], cmd["nbytes"], cmd["count"])
+            times.append(time.perf_counter() - start)
         else:
-            key = (cmd["transport"], cmd["nbytes"])
-            if key not in cache:
-                cache[key] = transfer(*key)
-                for _ in range(3):
-                    cache[key]()
-                cpu = _cpu_seconds(os.getpid())
-            times = []
             for _ in range(cmd["count"]):
                 t0 = time.perf_counter()
                 cache[key]()

@@ -423,3 +423,47 @@ def test_tls_refuses_a_preface_that_names_another_node(tls_dir):
         with DataPlane("c", Inbox(), tls=TlsConfig.load(d, "a"), timeouts=FAST) as c:
             with pytest.raises(LinkFailed, match="certificate"):
                 c.link("b", b.address)
+
+
+# -- hostile byte streams ------------------------------------------------------------------------
+
+def test_hostile_frame_sequences_after_a_preface_neither_crash_nor_hang_the_listener():
+    """fedpipe.testing.fuzz's hostile wire-frame sequences, each as the content of TENSOR
+    records on a fresh connection: every connection ends (GOAWAY, or its end of stream),
+    no reader thread raises, and the listener serves a good peer after all of them."""
+    import random
+
+    from fedpipe.testing.fuzz import Frames, Values
+
+    crashes: list[BaseException] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: crashes.append(args.exc_value)
+    inbox = Inbox(limit=1 << 20)
+    try:
+        with DataPlane("b", inbox, timeouts=FAST) as b:
+            rng = random.Random(24)
+            frames = Frames(Values(rng))
+            for i in range(300):
+                conn = _raw_dial(b.port, name=f"m{i % 7}")
+                seq = [records.pack(RecordType.TENSOR, 0) + f for f in frames.one()]
+                if rng.random() < 0.2:  # a record of another kind, or garbage, in between
+                    seq.insert(rng.randrange(len(seq) + 1),
+                               rng.choice((records.pack(RecordType.PREFACE, 10),
+                                           records.pack(RecordType.ACK, 2**64 - 1),
+                                           rng.randbytes(rng.randint(1, 40)))))
+                try:
+                    conn.write(b"".join(seq))
+                    conn.sock.shutdown(socket.SHUT_WR)
+                    while conn.sock.recv(65536):  # until the listener closes it
+                        pass
+                except OSError:
+                    pass  # reset: refused
+                conn.close()
+            with DataPlane("a", Inbox(), timeouts=FAST) as a:
+                a.link("b", b.address).send(torch.ones(4), envelope=env(0))
+                with inbox.cond:  # (the hostile peers' sane tensors were delivered too)
+                    assert inbox.cond.wait_for(
+                        lambda: any(peer == "a" for _, _, peer in inbox.got), 20)
+    finally:
+        threading.excepthook = hook
+    assert not crashes, crashes[:3]

@@ -12,6 +12,26 @@ Contract: ``protos/fedpipe/v1/FRAMES.md``, "Connections".
 * :mod:`.link`: one peer's state across connections: sequence numbers, resume,
   duplicates, acknowledgements.
 * :mod:`.server`: :class:`DataPlane`, a process's listener and links.
+
+Plugging it into a node (the seam; nothing in fedpipe.node uses it yet):
+
+* the node builds one ``DataPlane(name, receiver, host=, port=--data-port, tls=,
+  events=)`` next to its gRPC server; ``receiver`` adapts the node's ``Send``:
+  ``admit(peer, header)`` runs the checks of ``NodeService._admit`` with
+  ``peer.identity`` in place of ``identity_of(context)``, ``deliver(peer, header,
+  tensor)`` is ``StageRegistry.deliver``; domain errors become ``Refused(Code.X,
+  message)`` with the code the node's error table gives them on gRPC.
+  ``events.lost``/``failed`` feed ``StageRegistry.suspect``.
+* a peer link holds a :class:`Link` (``plane.link(peer.node_name, data_address)``)
+  instead of a channel: ``PeerSender.submit(envelope, tensor, codec)`` becomes
+  ``codecs.encode_payload`` (with the sender's error feedback for gradients) and
+  ``link.send_encoded(msg, payload, envelope=envelope)`` on the stage's own thread;
+  ``flush()`` is ``link.flush()``; ``check()`` is ``link.check()``, its
+  ``PeerRefused``/``LinkFailed`` mapped to ``StageError(peer=...)``. ``rpc.send``
+  of one tensor (``SendOne``: probes, a client's feed) is ``link.send`` then
+  ``link.flush``.
+* a raw CPU tensor is sent from its own memory and kept until acknowledged, so a
+  stage must not change it in place before ``flush`` (copy it where it would).
 """
 from .credits import LinkFailed
 from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts

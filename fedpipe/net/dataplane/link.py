@@ -104,7 +104,12 @@ class PeerRefused(WireError):
 
 
 class Receiver(Protocol):
-    """Where a link's received tensors go (the node: its admission checks and mailbox)."""
+    """Where a link's received tensors go (the node: its admission checks and mailbox).
+
+    Both methods run on the link's reader thread. They must not send on the same link
+    (a send may wait for credit that only this reader brings back): hand the tensor to
+    another thread first, as a node's mailbox does.
+    """
 
     def admit(self, peer: Peer, header: node_pb2.Frame) -> int:
         """Check a tensor's header before its payload is read; return its size limit in
@@ -320,7 +325,8 @@ class Link:
                 self.peer = peer
                 if theirs.session != self.peer_session:  # a new peer, or one restarted
                     self.peer_session, self.expected = theirs.session, theirs.base
-                self._unacked, self._ack_due, self._control = [0, 0], False, []
+                # the preface said what was delivered; refusals still queued go out below
+                self._unacked, self._ack_due = [0, 0], False
                 if theirs.resume_session == self.session:
                     self._forget_below(theirs.resume)
                 self.credits.regrant(theirs.window_bytes, theirs.window_messages)
