@@ -178,6 +178,9 @@ class Link:
         self.session = secrets.token_hex(8)
         self.peer: Peer | None = None
         self._wlock = threading.Lock()      # one record at a time on the stream
+        # one reader at a time: a replaced connection's reader may still be delivering
+        # a tensor; the next one waits for it, so a tensor is never delivered twice
+        self._reader = threading.Lock()
         self._state = threading.Condition()  # everything below
         self.conn: Connection | None = None
         self.closed = False
@@ -316,8 +319,8 @@ class Link:
         with self._state:
             old, self.conn = self.conn, None
         if old is not None:
-            old.close()  # a writer stuck on it returns, and lets go of the write lock
-        with self._wlock:
+            old.close()  # a writer or reader stuck on it returns, and lets go of its lock
+        with self._reader, self._wlock:
             with self._state:
                 if self.closed or self.credits.failed is not None:
                     conn.close()
@@ -364,6 +367,8 @@ class Link:
             first = self.credits.failed is None and not self.closed
             self._state.notify_all()
         self.credits.fail(why)
+        with self._state:
+            self.retained.clear()  # nothing will be resent: let the tensors go
         if conn is not None:
             conn.close()
         if first:
@@ -379,9 +384,14 @@ class Link:
     def read(self, conn: Connection) -> None:
         """Read ``conn`` until it breaks (the reader thread's loop); a protocol error or a
         GOAWAY fails the link. Returns when the connection is gone."""
+        with self._reader:
+            self._read_all(conn)
+
+    def _read_all(self, conn: Connection) -> None:
         try:
-            while True:
+            while not conn.closed:
                 self._read_record(conn)
+            raise Closed("the connection was replaced")
         except (Closed, OSError) as e:
             self._broken(conn, str(e) or type(e).__name__)
         except WireError as e:  # the peer broke the protocol: tell it why, give it up
