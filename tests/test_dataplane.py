@@ -467,3 +467,25 @@ def test_hostile_frame_sequences_after_a_preface_neither_crash_nor_hang_the_list
     finally:
         threading.excepthook = hook
     assert not crashes, crashes[:3]
+
+
+def test_a_tensor_resent_while_the_old_connection_still_delivers_it_is_refused_as_a_duplicate():
+    release = threading.Event()
+
+    class Stuck(Inbox):
+        def deliver(self, peer, header, tensor):
+            release.wait(10)  # a mailbox with no room yet
+            super().deliver(peer, header, tensor)
+    inbox = Stuck()
+    with DataPlane("a", Inbox(), timeouts=FAST) as a, DataPlane("b", inbox, timeouts=FAST) as b:
+        link = a.link("b", b.address)
+        link.send(torch.ones(8), envelope=env(0))
+        time.sleep(0.3)  # b's reader is in deliver; nothing was acknowledged
+        first = link.conn
+        first.close()  # cut: a redials, and its preface says b expects tensor 0 again
+        assert link.wait_up(5) and link.conn is not first
+        time.sleep(0.3)
+        release.set()
+        link.flush(10)
+        accepted = b.links()[0]
+    assert inbox.steps() == [0] and accepted.duplicates == 1
