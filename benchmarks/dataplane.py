@@ -10,11 +10,12 @@ Transports:
 * ``raw tcp``: the baseline (issue 24). One ``sendall`` of a prebuilt buffer
   (an 8-byte length, then the bytes) into a preallocated buffer the receiver
   fills with ``recv_into``; it answers one byte.
-* ``dataplane``: :meth:`Link.send` of the torch tensor (a header and the
-  tensor's own memory by ``sendmsg``), then :meth:`Link.flush` (a SYNC
-  answered by an ACK once the receiver holds it): the receiver reads it into a
-  ``torch.empty`` of the header's shape and checks its size.
-* ``dataplane x8``: 8 sends, then one flush (how a stage streams); per tensor.
+* ``dataplane``: :meth:`Link.send` of the torch tensor with ``flush=True`` (a
+  header, the tensor's own memory and a SYNC in one ``sendmsg``; it returns
+  on the ACK the receiver sends once it holds the tensor): the receiver reads
+  it into a ``torch.empty`` of the header's shape and checks its size.
+* ``dataplane x8``: 8 sends, the last with ``flush=True`` (how a stage streams
+  and then flushes); per tensor.
 * ``dataplane tls``: ``dataplane`` over mutual TLS (certificates made for the run).
 * ``grpc raw``: one raw-bytes unary gRPC call of a prebuilt message.
 * ``grpc call``: today's gRPC data plane, ``rpc.send`` of ``frames.encode_frames``
@@ -212,10 +213,9 @@ class Sender:
         elif transport.startswith("dataplane"):
             use = self.tls_link if transport.endswith("tls") else self.link
 
-            def once() -> None:
-                for _ in range(burst):
-                    use.send(tensor, envelope=env)
-                use.flush()
+            def once() -> None:  # the last send waits for the receiver's ACK
+                for i in range(burst):
+                    use.send(tensor, envelope=env, flush=i == burst - 1)
         elif transport == "grpc raw":
             whole = b"".join(frames.encode_frames(tensor, envelope=env))
 

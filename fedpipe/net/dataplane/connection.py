@@ -35,6 +35,9 @@ READ_AHEAD = 256 * 1024
 _SCRATCH = 1 << 20
 """Largest piece of a refused tensor's payload read at once while it is skipped, bytes."""
 
+_JOIN_TLS = 16 * 1024
+"""Over TLS, a record this small (a TLS record's payload) is joined into one write."""
+
 Buffer = bytes | bytearray | memoryview
 
 
@@ -46,6 +49,8 @@ def _send_all(sock: socket.socket, parts: Sequence[Buffer]) -> None:
     """Write ``parts`` in order, whole: ``sendmsg`` (gathering, no copy) where the socket
     has it, else ``sendall`` of each part (TLS)."""
     if isinstance(sock, ssl.SSLSocket):
+        if sum(map(len, parts)) <= _JOIN_TLS:  # one TLS record beats a copy this small
+            parts = [b"".join(parts)]
         for p in parts:
             sock.sendall(p)
         return

@@ -216,12 +216,14 @@ class Link:
             raise LinkFailed(f"link to {self.peer_name}: {self.credits.failed}")
 
     def send(self, tensor: torch.Tensor, *, envelope: node_pb2.Envelope | None = None,
-             name: str = "", codec: str = "raw") -> int:
+             name: str = "", codec: str = "raw", flush: bool = False) -> int:
         """Send ``tensor`` (encoded with ``codec``) with its ``envelope`` or ``name``.
 
         A raw CPU tensor is written from its own memory: it must not be changed
         in place until the peer acknowledged it (:meth:`flush`). Blocks while the
         peer's credit is used up. Returns the tensor's sequence number.
+        ``flush``: then wait as :meth:`flush` does, its SYNC written with the
+        tensor (one write; what ``SendOne`` is on gRPC: one tensor, answered).
 
         Raises:
             PeerRefused: the peer refused a tensor sent earlier.
@@ -229,10 +231,11 @@ class Link:
             WireError: the tensor cannot be encoded.
         """
         msg, payload = codecs.encode_payload(tensor, codec)
-        return self.send_encoded(msg, payload, envelope=envelope, name=name)
+        return self.send_encoded(msg, payload, envelope=envelope, name=name, flush=flush)
 
     def send_encoded(self, msg: tensor_pb2.Tensor, payload: memoryview, *,
-                     envelope: node_pb2.Envelope | None = None, name: str = "") -> int:
+                     envelope: node_pb2.Envelope | None = None, name: str = "",
+                     flush: bool = False) -> int:
         """:meth:`send` of a tensor already encoded
         (:func:`~fedpipe.wire.codecs.encode_payload`)."""
         self.check()
@@ -251,8 +254,11 @@ class Link:
                 self.retained.append(out)
                 conn = self.conn
             if conn is not None:  # else the tensor goes when the link resumes
-                self._write(conn, out.head, out.payload)
+                sync = (records.pack(RecordType.SYNC, seq + 1),) if flush else ()
+                self._write(conn, out.head, out.payload, *sync)
         self._drain()
+        if flush:
+            self._wait_idle(None)
         return seq
 
     def flush(self, timeout: float | None = None) -> None:
@@ -263,8 +269,11 @@ class Link:
             LinkFailed: the link failed, or ``timeout`` (default: the credit
                 timeout) passed first.
         """
-        timeout = self.timeouts.credit if timeout is None else timeout
         self._sync()
+        self._wait_idle(timeout)
+
+    def _wait_idle(self, timeout: float | None) -> None:
+        timeout = self.timeouts.credit if timeout is None else timeout
         if not self.credits.wait_idle(timeout):
             self.credits.fail(f"{self.credits.messages_out} tensors unacknowledged by "
                               f"{self.peer_name} after {timeout} s")
