@@ -488,3 +488,20 @@ def test_a_tensor_resent_while_the_old_connection_still_delivers_it_is_refused_a
         link.flush(10)
         accepted = b.links()[0]
     assert inbox.steps() == [0] and accepted.duplicates == 1
+
+
+def test_the_accepting_side_gives_a_link_up_when_its_dialer_does_not_come_back():
+    rec, events = _events()
+    quick = Timeouts(credit=5.0, resume=0.5, handshake=1.0, backoff_min=0.02, backoff_max=0.1)
+    with DataPlane("b", Inbox(), timeouts=quick, events=events) as b:
+        a = DataPlane("a", Inbox(), timeouts=quick)
+        a.link("b", b.address).send(torch.ones(4), envelope=env(0), flush=True)
+        accepted = b.links()[0]
+        a.close()  # gone, and it does not dial again
+        deadline = time.monotonic() + 5
+        while not rec.failed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rec.lost and rec.failed and rec.failed[0][0] == "a"
+        assert "did not reconnect" in rec.failed[0][1]
+        with pytest.raises(LinkFailed):
+            accepted.send(torch.ones(1), envelope=env(1))
