@@ -304,12 +304,12 @@ def test_a_duplicate_sequence_number_is_refused(pair):
 def test_hostile_headers_are_refused_before_anything_is_reserved(monkeypatch, why,
                                                                   tensor_fields, message):
     reserved = []
-    real_empty = torch.empty
+    real = connection.reserve
 
-    def empty(*args, **kw):
-        reserved.append(args)
-        return real_empty(*args, **kw)
-    monkeypatch.setattr(connection.torch, "empty", empty)
+    def reserve(nbytes):
+        reserved.append(nbytes)
+        return real(nbytes)
+    monkeypatch.setattr(connection, "reserve", reserve)
     inbox = Inbox(limit=1024)
     with DataPlane("b", inbox, timeouts=FAST) as b:
         conn = _raw_dial(b.port)

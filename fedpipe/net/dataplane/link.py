@@ -405,18 +405,25 @@ class Link:
             self._broken(conn, str(e) or type(e).__name__)
         except WireError as e:  # the peer broke the protocol: tell it why, give it up
             log.warning("data link from %s: %s", self.peer_name, e)
-            # best effort, and never behind a writer stuck on a peer that stopped reading
-            if self._wlock.acquire(timeout=self.timeouts.handshake):
-                try:
-                    conn.write(records.pack_text(RecordType.GOAWAY, 0, Code.INVALID_ARGUMENT,
-                                                 str(e)))
-                except OSError:
-                    pass
-                finally:
-                    self._wlock.release()
+            self._goaway(conn, Code.INVALID_ARGUMENT, str(e))
             self.fail(f"protocol error: {e}")
         except _GoAway as e:
             self.fail(f"the peer ended the link: {e}")
+        except Exception as e:  # noqa: BLE001 — a bug here must end the link, not hang it
+            log.exception("data link from %s", self.peer_name)
+            self._goaway(conn, Code.INTERNAL, f"the receiver failed: {e!r}")
+            self.fail(f"the reader failed: {e!r}")
+
+    def _goaway(self, conn: Connection, code: Code, why: str) -> None:
+        """Tell the peer why the link ends: best effort, and never behind a writer stuck
+        on a peer that stopped reading."""
+        if self._wlock.acquire(timeout=self.timeouts.handshake):
+            try:
+                conn.write(records.pack_text(RecordType.GOAWAY, 0, code, why))
+            except OSError:
+                pass
+            finally:
+                self._wlock.release()
 
     def _read_record(self, conn: Connection) -> None:
         kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
