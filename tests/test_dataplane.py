@@ -482,7 +482,10 @@ def test_a_tensor_resent_while_the_old_connection_still_delivers_it_is_refused_a
         time.sleep(0.3)  # b's reader is in deliver; nothing was acknowledged
         first = link.conn
         first.close()  # cut: a redials, and its preface says b expects tensor 0 again
-        assert link.wait_up(5) and link.conn is not first
+        deadline = time.monotonic() + 5
+        while (link.conn is None or link.conn is first) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.conn is not None and link.conn is not first  # redialed
         time.sleep(0.3)
         release.set()
         link.flush(10)
