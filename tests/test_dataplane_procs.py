@@ -123,5 +123,6 @@ def test_a_killed_peer_is_reported_at_once_and_its_link_fails_after_the_resume_w
         stop.set()
         assert not th.is_alive()
     assert lost and lost[0] - killed < 1.0  # the broken connection, reported at once
-    assert failed and 0.9 <= failed[0] - killed < 5.0  # no redial answered within 1 s
+    # no redial answered within 1 s (it gives up when the next pause would pass that)
+    assert failed and 0.7 <= failed[0] - killed < 5.0
     assert errors and "child" in str(errors[0])
