@@ -38,8 +38,8 @@ from typing import Callable, NamedTuple
 
 from ..spec import CODEC_PARAMS, CodecSpec
 
-__all__ = ["HADAMARD_BITS", "MODELS", "hadamard_block_problem", "ZSTD_SECONDS_PER_BYTE", "CodecModel", "Layout",
-           "index_bytes", "int8_blocks", "model"]
+__all__ = ["HADAMARD_BITS", "MODELS", "ZSTD_SECONDS_PER_BYTE", "CodecModel", "Layout",
+           "hadamard_block_problem", "index_bytes", "int8_blocks", "model"]
 
 _GB_PER_S = 1e-9
 """Seconds per byte of a pass at 1 GB/s: encode + decode of the cheap codecs."""

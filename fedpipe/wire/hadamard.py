@@ -64,7 +64,7 @@ def _cpu_matrix(block: int) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < block:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h * (block ** -0.5)
+    return h.mul_(block ** -0.5)
 
 
 def signs(block: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -82,7 +82,8 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     """
     n, b = x.shape
     if b <= _DENSE:
-        return x @ _cpu_matrix(b).to(x.device)
+        out: torch.Tensor = x @ _cpu_matrix(b).to(x.device)
+        return out
     a = b // _DENSE
     y = x.reshape(n, a, _DENSE) @ _cpu_matrix(_DENSE).to(x.device)
     return (_cpu_matrix(a).to(x.device) @ y).reshape(n, b)
