@@ -75,6 +75,7 @@ CONFIGS = {c.name: c for c in (
     Config("int8+zstd", "int8+zstd", "int8+zstd"),
     Config("had4", "had4", "had4"),
     Config("had2", "had2", "had2"),
+    Config("had4/had2", "had4", "had2"),   # 2-bit costs activations more than gradients
     Config("int8/topk", "int8", "topk:0.1"),
 )}
 
@@ -377,7 +378,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "--quick 60)")
     ap.add_argument("--seeds", type=int, default=0, help="seeds (default 3; --quick 1)")
     ap.add_argument("--swarm-steps", type=int, default=0, help="steps per swarm job "
-                    "(default 20; --quick 8)")
+                    "(default 20; --quick 7)")
     ap.add_argument("--swarm-configs", default="", help="configurations whose step time the "
                     f"swarm measures (default all; --quick {','.join(QUICK_SWARM)})")
     ap.add_argument("--configs", default=",".join(CONFIGS),
@@ -389,7 +390,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def setup_of(args: argparse.Namespace) -> Setup:
     if args.quick:
-        return Setup(d=32, seq=32, batch=16, budget=args.budget or 60, eval_every=10,
+        return Setup(d=32, seq=32, batch=16, budget=args.budget or 50, eval_every=10,
                      seeds=args.seeds or 1, held_windows=64)
     return Setup(budget=args.budget or 1000, seeds=args.seeds or 3)
 
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     conv = converge(setup, configs, log=lambda s: print(s, flush=True))
     shaped, floor = {c.name: math.nan for c in configs}, math.nan
     if not args.no_swarm:
-        steps = args.swarm_steps or (8 if args.quick else 20)
+        steps = args.swarm_steps or (7 if args.quick else 20)
         names = args.swarm_configs or (",".join(QUICK_SWARM) if args.quick else args.configs)
         timed = [CONFIGS[n] for n in names.split(",")]
         t0 = time.monotonic()
