@@ -375,7 +375,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "12: raw fp32 activations take ~10x a stage's compute; --quick 2)")
     ap.add_argument("--latency-ms", type=float, default=5.0, help="one-way link latency, ms")
     ap.add_argument("--budget", type=int, default=0, help="training steps (default 1000; "
-                    "--quick 60)")
+                    "--quick 50)")
     ap.add_argument("--seeds", type=int, default=0, help="seeds (default 3; --quick 1)")
     ap.add_argument("--swarm-steps", type=int, default=0, help="steps per swarm job "
                     "(default 20; --quick 7)")
