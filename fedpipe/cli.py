@@ -38,17 +38,21 @@ def cmd_tracker(args) -> int:
 
     from .net import timeouts
     from .tracker.service import serve
+    from .tracker.store import StoreError
 
     tls = _tls(args, "tracker")
-    srv, service, port = serve(args.host, args.port, args.db, args.lease, args.link_refresh,
-                               tls=tls, insecure=args.insecure,
-                               max_job_bytes=args.max_job_bytes,
-                               heartbeat_rate=args.heartbeat_rate, freeze_heap=True)
-    print(f"fedpipe tracker listening on {args.host}:{port} (db {args.db}"
+    try:
+        srv, service, port = serve(args.host, args.port, args.store or args.db, args.lease,
+                                   args.link_refresh, tls=tls, insecure=args.insecure,
+                                   max_job_bytes=args.max_job_bytes,
+                                   heartbeat_rate=args.heartbeat_rate, freeze_heap=True,
+                                   retention=args.retention,
+                                   rebalance_threshold=args.rebalance_threshold)
+    except StoreError as e:
+        print(f"fedpipe tracker: {e}", file=sys.stderr)
+        return 2
+    print(f"fedpipe tracker listening on {args.host}:{port} ({service.store.where}"
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'})", flush=True)
-    if args.retention is not None:
-        service.tracker.jobs.retention = args.retention
-    service.tracker.elastic.threshold = args.rebalance_threshold
     service.tracker.freeze_heap(force=True)  # imports and the state loaded: long-lived
     served = _observe_tracker(service.tracker, args)
     done = threading.Event()
@@ -73,7 +77,8 @@ def _observe_tracker(tracker, args) -> list:
     from .observe.source import Histories
     from .tracker.http import TrackerSource, start_http
 
-    source = TrackerSource(tracker.store, tracker.jobs, tracker.feeders)
+    source = TrackerSource(tracker.store, tracker.stage_times, tracker.calibration,
+                           tracker.feeders)
     histories = Histories(source)  # shared, so each event is read once
     registry = tracker_registry(source, histories)
     served = []
@@ -318,7 +323,13 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tracker", help="run the tracker (control plane)")
     t.add_argument("--host", default="0.0.0.0")
     t.add_argument("--port", type=int, default=7070)
-    t.add_argument("--db", default="fedpipe-tracker.db", help="SQLite file for the tracker's state")
+    where = t.add_mutually_exclusive_group()
+    where.add_argument("--db", default="fedpipe-tracker.db",
+                       help="SQLite file for the tracker's state")
+    where.add_argument("--store", default=None, metavar="URL",
+                       help="the tracker's state elsewhere: postgresql://USER@HOST:PORT/DBNAME "
+                            "(the database must exist; its tables are made and migrated), "
+                            "or memory: (lost at exit)")
     t.add_argument("--lease", type=float, default=10.0,
                    help="seconds a node may go without a heartbeat before it is marked lost, "
                         "in a swarm below --heartbeat-rate * lease / 4 nodes (longer above)")
@@ -329,7 +340,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--retention", type=float, default=None,
                    help="seconds an ended job's stages keep their weights on the nodes "
                         "(for state_dict()) unless released sooner (default: "
-                        "fedpipe.tracker.jobs.RETENTION, 10 minutes)")
+                        "fedpipe.tracker.retention.RETENTION, 10 minutes)")
     t.add_argument("--rebalance-threshold", type=_fraction, default=0.10,
                    help="least fall of a running job's predicted step time (a fraction, "
                         "default 0.10) for which it migrates to a better assignment of "

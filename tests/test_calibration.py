@@ -19,7 +19,7 @@ from fedpipe.planner.types import (ClusterView, LayerProfile, ModelProfile, Node
 from fedpipe.proto import tracker_pb2
 from fedpipe.spec import JobSpec, PlanView, StageKey, state_name
 from fedpipe.tracker.calibration import Calibration
-from fedpipe.tracker.jobs import STAGE_TIME_WINDOW
+from fedpipe.tracker.stagetimes import STAGE_TIME_WINDOW
 from tracker_fakes import join, make_tracker, submission
 
 pytestmark = pytest.mark.timeout(60)
@@ -152,7 +152,7 @@ def feed_steps(tracker, job, steps, compute, wait=0.002, send=0.001, epoch=0):
     view = PlanView(info.plan)
     for step in steps:
         for key in sorted(view.stages):
-            tracker.jobs.report(R(job_id=job, replica=key.replica, stage=key.stage,
+            tracker.progress.report(R(job_id=job, replica=key.replica, stage=key.stage,
                                   node_id=view[key].node_id, status=R.STATUS_STEP, step=step,
                                   loss=1.0, samples=8, seconds=compute[key] + wait + send,
                                   compute_seconds=compute[key], wait_seconds=wait,
@@ -175,32 +175,32 @@ def test_the_tracker_fits_from_reports_and_a_replan_uses_the_calibrated_predicti
     info = tracker.jobs.get(job)
     assert not info.plan.calibrated
     first = info.plan.predicted_step_seconds
-    predicted = tracker.jobs.calibration.predicted(job, 0)
+    predicted = tracker.calibration.predicted(job, 0)
     assert set(predicted) == {StageKey(0, 0), StageKey(0, 1)}
     # the stages take 5x the predicted compute: once a window past warm-up is in, the
     # tracker has fitted a correction for both nodes, and predicts what they measured
     slow = {k: 5 * v for k, v in predicted.items()}
     feed_steps(tracker, job, range(1, 2 * STAGE_TIME_WINDOW), slow)
-    assert tracker.jobs.calibration.corrections() == {}  # the warm-up window is not fitted
+    assert tracker.calibration.corrections() == {}  # the warm-up window is not fitted
     feed_steps(tracker, job, [2 * STAGE_TIME_WINDOW], slow)
     used = PlanView(info.plan).node_ids()
-    corr = tracker.jobs.calibration.corrections()
+    corr = tracker.calibration.corrections()
     assert set(corr) == used and all(5.0 < c < 6.0 for c in corr.values()), corr
     request = tracker.store.spec(job)
     profile, config = model_profile(request.profile), train_config(
         JobSpec.from_proto(request.config))
     probed = cluster_view(tracker.store.nodes(), tracker.store.links())
-    again = stage_costs(plan_from_message(info.plan), tracker.jobs.calibration.cluster(probed),
+    again = stage_costs(plan_from_message(info.plan), tracker.calibration.cluster(probed),
                         profile, config)
     assert {k: c.compute for k, c in again.items()} == pytest.approx(slow)
     # GetJob carries each stage's measured split and its predicted compute
-    timed = tracker.jobs.info(job)
+    timed = tracker.progress.info(job)
     assert {(t.replica, t.stage): (t.compute_seconds, t.predicted_compute_seconds)
             for t in timed.stage_times} == {tuple(k): (slow[k], predicted[k]) for k in slow}
     # a node is lost; the replan moves its stage to the spare and predicts the step
     # with the calibrated model, not the first plan's figure
     for key in PlanView(info.plan).stages:
-        tracker.jobs.report(R(job_id=job, replica=key.replica, stage=key.stage,
+        tracker.progress.report(R(job_id=job, replica=key.replica, stage=key.stage,
                               node_id=PlanView(info.plan)[key].node_id,
                               status=R.STATUS_CHECKPOINT, step=10))
     lost = sorted(used)[0]
@@ -215,7 +215,7 @@ def test_the_tracker_fits_from_reports_and_a_replan_uses_the_calibrated_predicti
     # the spare never ran: its correction is its peers' median, so the plan is not yet
     # called calibrated, but it is priced on the calibrated model
     assert not after.plan.calibrated and after.plan.epoch == 1
-    want = tracker.jobs.calibration.predict(
+    want = tracker.calibration.predict(
         plan_from_message(after.plan), cluster_view(tracker.store.nodes(), tracker.store.links()),
         profile, config)
     assert after.plan.predicted_step_seconds == pytest.approx(want.predicted_step_seconds)
@@ -229,7 +229,7 @@ def test_a_later_job_on_the_same_nodes_is_planned_on_the_calibrated_model():
     job = tracker.jobs.submit(heavy(steps=20, stages=2))
     tracker.tick()
     first = tracker.jobs.get(job).plan
-    predicted = tracker.jobs.calibration.predicted(job, 0)
+    predicted = tracker.calibration.predicted(job, 0)
     feed_steps(tracker, job, range(1, 2 * STAGE_TIME_WINDOW + 1),
                {k: 3 * v for k, v in predicted.items()})
     second = tracker.jobs.submit(heavy(steps=20, stages=2))
@@ -244,7 +244,7 @@ def test_status_shows_each_stage_predicted_against_measured_and_the_step_error()
     join(tracker, 2)
     job = tracker.jobs.submit(submission(steps=20, stages=2))
     tracker.tick()
-    predicted = tracker.jobs.calibration.predicted(job, 0)
+    predicted = tracker.calibration.predicted(job, 0)
     measured = {k: 1.5 * v for k, v in predicted.items()}
     for step in range(1, 8):
         clock.advance(0.25)
@@ -252,7 +252,7 @@ def test_status_shows_each_stage_predicted_against_measured_and_the_step_error()
 
     class Source:  # what GetJob serves, as fedpipe status reads it over gRPC
         def job(self, job_id):
-            return tracker.jobs.info(job_id)
+            return tracker.progress.info(job_id)
 
         def events(self, job_id, after_seq):
             return tracker.store.events(job_id, after_seq)

@@ -6,7 +6,7 @@ import pytest
 from fedpipe.observe.views import recovery_what
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.spec import PlanView, StageKey, state_name
-from fedpipe.tracker.elastic import move_seconds
+from fedpipe.tracker.migration import move_seconds
 from fedpipe.planner.protoio import cluster_view, model_profile, train_config
 from fedpipe.spec import JobSpec
 from tracker_fakes import join, make_tracker, registration, submission
@@ -18,13 +18,13 @@ R = tracker_pb2.StageReport
 def report(tracker, job_id, key: StageKey, status, **kw):
     info = tracker.jobs.get(job_id)
     node = PlanView(info.plan)[key].node_id
-    tracker.jobs.report(R(job_id=job_id, replica=key.replica, stage=key.stage, node_id=node,
+    tracker.progress.report(R(job_id=job_id, replica=key.replica, stage=key.stage, node_id=node,
                           status=status, epoch=info.epoch, **kw))
 
 
 def running(n_nodes=3, **spec):
     tracker, nodes, clock = make_tracker()
-    tracker.elastic.background = False
+    tracker.rebalancer.background = False
     ids = join(tracker, n_nodes)
     job = tracker.jobs.submit(submission(steps=20, stages=2, checkpoint_every=10, **spec))
     tracker.tick()
@@ -47,16 +47,16 @@ def steps(tracker, job, upto, start=1, **kw):
 def test_a_draining_node_takes_no_new_work_and_ListNodes_says_it_drains():
     tracker, nodes, clock = make_tracker()
     ids = join(tracker, 3)
-    node, jobs = tracker.elastic.drain("node2")
+    node, jobs = tracker.rebalancer.drain("node2")
     assert node.node_id == ids[2] and node.draining and jobs == []
-    flags = {n.name: n.draining for n in tracker.elastic.annotate(tracker.store.nodes())}
+    flags = {n.name: n.draining for n in tracker.drains.annotate(tracker.store.nodes())}
     assert flags == {"node0": False, "node1": False, "node2": True}
     job = tracker.jobs.submit(submission(steps=5, stages=2))
     tracker.tick()
     assert ids[2] not in PlanView(tracker.jobs.get(job).plan).node_ids()
-    assert tracker.elastic.drained(ids[2])  # nothing needs it: it may exit
+    assert tracker.rebalancer.drained(ids[2])  # nothing needs it: it may exit
     with pytest.raises(Exception, match="no live node 'nodeX'"):
-        tracker.elastic.drain("nodeX")
+        tracker.rebalancer.drain("nodeX")
 
 
 def test_a_drain_cuts_the_job_at_the_next_step_boundary_and_hands_over_from_there():
@@ -64,11 +64,11 @@ def test_a_drain_cuts_the_job_at_the_next_step_boundary_and_hands_over_from_ther
     steps(tracker, job, 3)
     plan = tracker.jobs.get(job).plan
     victim = PlanView(plan)[StageKey(0, 1)]
-    tracker.elastic.drain(victim.node_name)
+    tracker.rebalancer.drain(victim.node_name)
     # every node of the plan is asked to hold its stages after step 4
     cuts = {(a, r.step) for a, r in nodes.holds}
     assert cuts == {(address, 4) for address in PlanView(plan).addresses()}
-    assert not tracker.elastic.drained(victim.node_id)
+    assert not tracker.rebalancer.drained(victim.node_id)
     steps(tracker, job, 4, start=4)
     for key in PlanView(plan).stages:
         report(tracker, job, key, R.STATUS_CHECKPOINT, step=4)
@@ -90,7 +90,7 @@ def test_a_drain_cuts_the_job_at_the_next_step_boundary_and_hands_over_from_ther
     loads = [r for r in nodes.loads if r.plan.epoch == info.epoch]
     assert {r.resume_step for r in loads} == {4} and len(loads) == 2
     assert PlanView(info.plan)[StageKey(0, 0)].node_id == PlanView(plan)[StageKey(0, 0)].node_id
-    assert tracker.elastic.drained(victim.node_id)
+    assert tracker.rebalancer.drained(victim.node_id)
 
 
 def test_a_cut_some_stage_has_passed_moves_later():
@@ -99,16 +99,16 @@ def test_a_cut_some_stage_has_passed_moves_later():
     plan = tracker.jobs.get(job).plan
     first = PlanView(plan)[StageKey(0, 0)].address
     nodes.done[first] = 6  # the tracker's view lags: a stage is already past steps 4 and 5
-    tracker.elastic.drain(PlanView(plan)[StageKey(0, 1)].node_name)
+    tracker.rebalancer.drain(PlanView(plan)[StageKey(0, 1)].node_name)
     asked = [r.step for a, r in nodes.holds if a == first]
-    assert asked == [4, 7] and tracker.elastic.pending[job].cut == 7
+    assert asked == [4, 7] and tracker.rebalancer.pending[job].cut == 7
 
 
 def test_a_drain_whose_cut_never_completes_falls_back_to_a_rewind():
     tracker, nodes, clock, ids, job = running()
     steps(tracker, job, 3)
     victim = PlanView(tracker.jobs.get(job).plan)[StageKey(0, 1)]
-    tracker.elastic.drain(victim.node_name)
+    tracker.rebalancer.drain(victim.node_name)
     for _ in range(13):  # past the hand-over's deadline, the nodes heartbeating
         clock.advance(5)
         for n in ids:
@@ -172,9 +172,9 @@ def test_a_node_slower_than_it_said_is_remeasured_and_its_stage_moves_to_a_spare
     plan = tracker.jobs.get(job).plan
     slow = PlanView(plan)[StageKey(0, 1)]
     slow_stage_times(tracker, job, StageKey(0, 1), compute=5.0)  # it advertised 1 TFLOP/s
-    assert tracker.elastic.consider(job)
-    assert tracker.elastic.speed[slow.node_id] < 1e12 / 1.5
-    h = tracker.elastic.pending[job]
+    assert tracker.rebalancer.consider(job)
+    assert tracker.rebalancer.speed[slow.node_id] < 1e12 / 1.5
+    h = tracker.rebalancer.pending[job]
     assert h.cause == "rebalance" and h.cut == 6
     # the slow node leaves the plan: its stage moves to the spare, or the planner's
     # re-split over the fast nodes predicts a shorter step still
@@ -199,11 +199,11 @@ def test_a_node_slower_than_it_said_is_remeasured_and_its_stage_moves_to_a_spare
 def test_rebalance_never_keeps_the_plan_and_a_small_gain_does_not_move():
     tracker, nodes, clock, ids, job = running(rebalance="never")
     slow_stage_times(tracker, job, StageKey(0, 1), compute=5.0)
-    assert not tracker.elastic.consider(job) and not nodes.holds
+    assert not tracker.rebalancer.consider(job) and not nodes.holds
     # equal nodes and links: no re-assignment predicts a gain
     tracker, nodes, clock, ids, job = running()
     steps(tracker, job, 5)
-    assert not tracker.elastic.consider(job) and not nodes.holds
+    assert not tracker.rebalancer.consider(job) and not nodes.holds
 
 
 def test_with_no_spare_node_the_boundary_moves_layers_off_a_slow_node():
@@ -211,13 +211,13 @@ def test_with_no_spare_node_the_boundary_moves_layers_off_a_slow_node():
     plan = tracker.jobs.get(job).plan
     slow = PlanView(plan)[StageKey(0, 1)]
     slow_stage_times(tracker, job, StageKey(0, 1), compute=5.0)
-    assert tracker.elastic.consider(job)  # a re-split: the same two nodes, 2 stages asked
-    target = PlanView(tracker.elastic.pending[job].target)
+    assert tracker.rebalancer.consider(job)  # a re-split: the same two nodes, 2 stages asked
+    target = PlanView(tracker.rebalancer.pending[job].target)
     assert target.node_ids() == PlanView(plan).node_ids() and len(target.stages) == 2
     mine = next(a for a in target.stages.values() if a.node_id == slow.node_id)
     assert mine.layer_end - mine.layer_start < slow.layer_end - slow.layer_start
     # the hand-over names the nodes whose layers change (both: was empty, "rebalance of :")
-    assert tracker.elastic.pending[job].names == {a.node_name for a in plan.stages}
+    assert tracker.rebalancer.pending[job].names == {a.node_name for a in plan.stages}
 
 
 def test_a_node_that_joins_is_considered_once_its_links_are_measured():
@@ -228,7 +228,7 @@ def test_a_node_that_joins_is_considered_once_its_links_are_measured():
         tracker.register(registration("node9", 7009))  # its links are not measured yet
         if measured:
             tracker.measure_links()
-        assert tracker.elastic.consider(job)
-        names = {a.node_name for a in tracker.elastic.pending[job].target.stages}
+        assert tracker.rebalancer.consider(job)
+        names = {a.node_name for a in tracker.rebalancer.pending[job].target.stages}
         assert ("node9" in names) == measured, names
         assert PlanView(plan).node_ids() == PlanView(tracker.jobs.get(job).plan).node_ids()

@@ -28,7 +28,7 @@ def running_job(**spec):
     info = tracker.jobs.get(job)
     assert state_name(info.state) == "RUNNING"
     for key, a in PlanView(info.plan).stages.items():
-        tracker.jobs.report(R(job_id=job, replica=key.replica, stage=key.stage,
+        tracker.progress.report(R(job_id=job, replica=key.replica, stage=key.stage,
                               node_id=a.node_id, status=R.STATUS_CHECKPOINT, step=4,
                               epoch=info.epoch))
     assert tracker.jobs.get(job).checkpoint_step == 4
@@ -65,7 +65,7 @@ def test_a_running_job_whose_client_left_waits_for_it_with_its_stages_stopped():
     # ...and the nodes keep the stopped stages' snapshots for the resume
     holds = [S.StageRef(job_id=job, replica=0, stage=s, epoch=epoch) for s in (0, 1)]
     for node_id in PlanView(info.plan).node_ids():
-        assert tracker.jobs.reconcile(node_id, holds) == ([], [])
+        assert tracker.retention.reconcile(node_id, holds) == ([], [])
 
 
 def test_a_waiting_jobs_reason_counts_down_its_time_left_when_shown():
@@ -77,7 +77,8 @@ def test_a_waiting_jobs_reason_counts_down_its_time_left_when_shown():
     info = tracker.jobs.get(job)
     assert state_name(info.state) == "WAITING"
     assert "fails in" not in info.reason  # as stored (and in the job's events): no countdown
-    source = TrackerSource(tracker.store, tracker.jobs, tracker.feeders)  # the dashboard's
+    source = TrackerSource(tracker.store, tracker.stage_times, tracker.calibration,
+                           tracker.feeders)  # the dashboard's
     for waited in (timeouts.CLIENT_GRACE + 1, timeouts.CLIENT_GRACE + 101):
         for shown in (tracker.feeders.shown(tracker.jobs.get(job)), source.job(job)):
             assert shown.reason.endswith(f"; the job fails in {timeout - waited:.0f} s unless "

@@ -21,10 +21,9 @@ def rated(rate: float, lease: float = 8.0, store: Store | None = None,
           clock: FakeClock | None = None) -> tuple[Tracker, FakeClock]:
     """A thread-less tracker over fake nodes that asks for at most ``rate`` heartbeats/s."""
     clock = clock or FakeClock()
-    nodes = FakeNodes(clock)
-    tracker = Tracker(store or MemoryStore(), nodes, lease=lease, clock=clock, background=False,
-                      heartbeat_rate=rate)
-    nodes.tracker = tracker
+    store = store or MemoryStore()
+    tracker = Tracker(store, FakeNodes(clock, store), lease=lease, clock=clock,
+                      background=False, heartbeat_rate=rate)
     return tracker, clock
 
 

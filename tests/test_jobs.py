@@ -21,7 +21,7 @@ def states(tracker, job_id) -> list[str]:
 
 def report(tracker, job_id, key: StageKey, status, **kw):
     node = PlanView(tracker.jobs.get(job_id).plan)[key].node_id
-    tracker.jobs.report(R(job_id=job_id, replica=key.replica, stage=key.stage, node_id=node,
+    tracker.progress.report(R(job_id=job_id, replica=key.replica, stage=key.stage, node_id=node,
                           status=status, **kw))
 
 
@@ -327,17 +327,17 @@ def test_reconcile_drops_stale_epochs_moved_stages_and_ended_jobs_after_retentio
     view = PlanView(tracker.jobs.get(job).plan)
     holder = view[StageKey(0, 0)].node_id
     ref = tracker_pb2.StageRef(job_id=job, replica=0, stage=0, epoch=0)
-    assert tracker.jobs.reconcile(holder, [ref]) == ([], [])
+    assert tracker.retention.reconcile(holder, [ref]) == ([], [])
     other = next(i for i in ids if i != holder)
-    assert tracker.jobs.reconcile(other, [ref]) == ([ref], [])  # not planned there
+    assert tracker.retention.reconcile(other, [ref]) == ([ref], [])  # not planned there
     stale = tracker_pb2.StageRef(job_id=job, replica=0, stage=0, epoch=-5)
-    assert tracker.jobs.reconcile(holder, [stale]) == ([stale], [])
+    assert tracker.retention.reconcile(holder, [stale]) == ([stale], [])
     gone = tracker_pb2.StageRef(job_id="nosuchjob", replica=0, stage=0, epoch=0)
-    assert tracker.jobs.reconcile(holder, [gone]) == ([], ["nosuchjob"])
+    assert tracker.retention.reconcile(holder, [gone]) == ([], ["nosuchjob"])
     report(tracker, job, StageKey(0, 0), R.STATUS_FAILED, error="boom")
-    assert tracker.jobs.reconcile(holder, [ref]) == ([], [])  # kept for state_dict()
-    clock.advance(tracker.jobs.retention + 1)
-    assert tracker.jobs.reconcile(holder, [ref]) == ([], [job])
+    assert tracker.retention.reconcile(holder, [ref]) == ([], [])  # kept for state_dict()
+    clock.advance(tracker.retention.seconds + 1)
+    assert tracker.retention.reconcile(holder, [ref]) == ([], [job])
 
 
 def test_cancel_stops_and_releases_the_stages_and_is_final():
@@ -414,14 +414,14 @@ def test_reports_that_cannot_be_true_are_refused_with_the_right_error():
     tracker.tick()
     node = PlanView(tracker.jobs.get(job).plan)[StageKey(0, 0)].node_id
     with pytest.raises(errors.NotFound):
-        tracker.jobs.report(R(job_id="nope", status=R.STATUS_DONE))
+        tracker.progress.report(R(job_id="nope", status=R.STATUS_DONE))
     with pytest.raises(errors.PermissionDenied, match="does not run stage 1 "):
-        tracker.jobs.report(R(job_id=job, replica=0, stage=1, node_id=node,
+        tracker.progress.report(R(job_id=job, replica=0, stage=1, node_id=node,
                               status=R.STATUS_DONE))
     with pytest.raises(errors.FailedPrecondition, match="report of step 4 refused"):
-        tracker.jobs.report(R(job_id=job, stage=0, node_id=node, status=R.STATUS_STEP, step=4))
+        tracker.progress.report(R(job_id=job, stage=0, node_id=node, status=R.STATUS_STEP, step=4))
     with pytest.raises(errors.InvalidArgument, match="unknown report status"):
-        tracker.jobs.report(R(job_id=job, stage=0, node_id=node, status=9))
+        tracker.progress.report(R(job_id=job, stage=0, node_id=node, status=9))
     assert state_name(tracker.jobs.get(job).state) == "RUNNING"
 
 

@@ -212,18 +212,18 @@ def test_the_tracker_keeps_every_stages_median_split_of_the_current_epoch():
     view = PlanView(tracker.jobs.get(job).plan)
 
     def report(stage, step, compute, wait, send, epoch=0):
-        tracker.jobs.report(R(job_id=job, replica=0, stage=stage, status=R.STATUS_STEP,
+        tracker.progress.report(R(job_id=job, replica=0, stage=stage, status=R.STATUS_STEP,
                               node_id=view[StageKey(0, stage)].node_id, step=step, loss=1.0,
                               samples=8, seconds=compute + wait + send, compute_seconds=compute,
                               wait_seconds=wait, send_seconds=send, epoch=epoch))
 
-    assert tracker.jobs.stage_times(job) == []
+    assert tracker.stage_times.of(job) == []
     computes = [0.5, 0.1, 0.3, 0.2, 0.4, 0.9, 0.6]  # the last 5: median 0.4
     for step, c in enumerate(computes, 1):
         report(0, step, c, 0.01 * step, 0.002)
         report(1, step, 2 * c, 0.0, 0.001)
     report(1, 8, float("nan"), 0.0, 0.0)  # a broken clock is not kept
-    times = tracker.jobs.stage_times(job)
+    times = tracker.stage_times.of(job)
     assert [(t.replica, t.stage) for t in times] == [(0, 0), (0, 1)]
     assert (times[0].compute, times[0].wait, times[0].send) == \
         pytest.approx((0.4, 0.05, 0.002))
@@ -232,5 +232,5 @@ def test_the_tracker_keeps_every_stages_median_split_of_the_current_epoch():
     # a recovery starts a new epoch: the old stages' times are not shown for it
     lost = view[StageKey(0, 1)].node_id
     tracker.registry.declare_lost(lost, "was killed")
-    assert tracker.jobs.get(job).epoch == 1 and tracker.jobs.stage_times(job) == []
-    assert tracker.jobs.stage_times("nosuchjob") == []
+    assert tracker.jobs.get(job).epoch == 1 and tracker.stage_times.of(job) == []
+    assert tracker.stage_times.of("nosuchjob") == []

@@ -89,8 +89,8 @@ def test_a_new_boot_id_at_the_same_address_is_a_new_incarnation_and_fences_the_o
     with pytest.raises(errors.FailedPrecondition, match="was replaced by a newer process"):
         tracker.register(registration("node0", 7000, boot="boot"))
     # a report about the old job cannot revive it
-    tracker.jobs.report(tracker_pb2.StageReport(job_id=job, node_id=new_a,
-                                                status=tracker_pb2.StageReport.STATUS_DONE))
+    tracker.progress.report(tracker_pb2.StageReport(job_id=job, node_id=new_a,
+                                                    status=tracker_pb2.StageReport.STATUS_DONE))
     assert state_name(tracker.jobs.get(job).state) == "RECOVERING"
     # the new incarnation takes new jobs once its links are measured
     tracker.measure_links()

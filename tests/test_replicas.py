@@ -330,21 +330,21 @@ def test_the_tracker_drops_a_lost_group_heals_it_on_the_spare_and_joins_it_where
     plan = PlanView(tracker.jobs.get(job).plan)
     lost = plan[K(1, 0)].node_id
     lose(tracker, clock, lost)
-    info = tracker.jobs.replicas.annotate(tracker.jobs.get(job))
+    info = tracker.replicas.annotate(tracker.jobs.get(job))
     assert info.state == tracker_pb2.JOB_STATE_RUNNING and info.epoch == 0, info.reason
     assert [m.replica for m in info.replica_members] == [0] and info.replica_version == 1
     assert any(r.replicas == [1] for _, r in nodes.stops)  # only group 1's stages stopped
     # a survivor's quorum: group 0 alone; the dropped group's stage is told to stop
     ask = tracker_pb2.ReplicaQuorumRequest(job_id=job, epoch=0, replica=0, stage=0,
                                            node_id=plan[K(0, 0)].node_id, step=3, version=0)
-    reply = tracker.jobs.replicas.ask(ask)
+    reply = tracker.replicas.ask(ask)
     assert list(reply.members) == [0] and reply.version == 1 and reply.plan.stages
     assert {a.replica for a in reply.plan.stages} == {0}  # the live groups' stages only
     tracker.tick()  # the scheduler heals: the spare node takes group 1
-    info = tracker.jobs.replicas.annotate(tracker.jobs.get(job))
+    info = tracker.replicas.annotate(tracker.jobs.get(job))
     assert list(info.replica_ready) == [1]
     nodes.loads.clear()
-    joined = tracker.jobs.replicas.join(job, 1, 8)
+    joined = tracker.replicas.join(job, 1, 8)
     assert joined.accepted, joined.reason
     (load,) = nodes.loads
     assert (load.replica, load.resume_step) == (1, 8) and load.snapshot_wait_seconds > 0
@@ -356,7 +356,7 @@ def test_the_tracker_drops_a_lost_group_heals_it_on_the_spare_and_joins_it_where
     ((donor, told, loads_before),) = nodes.assigns
     assert (donor, loads_before) == (plan[K(0, 0)].address, 0)
     assert sorted(told.node_names) == sorted(a.node_name for a in new.stages.values())
-    info = tracker.jobs.replicas.annotate(tracker.jobs.get(job))
+    info = tracker.replicas.annotate(tracker.jobs.get(job))
     assert info.epoch == 0 and {(m.replica, m.since) for m in info.replica_members} == \
         {(0, 0), (1, 8)}
 

@@ -1,23 +1,41 @@
-"""One contract for every tracker Store backend: the same test runs against each."""
+"""One contract for every tracker Store backend: the same test runs against each
+(SQLite, memory, and a real PostgreSQL server the tests start, see ``pg_server.py``);
+then the SQL backends' schema migrations."""
 from __future__ import annotations
 
 import math
 import sqlite3
 
 import pytest
+from pg_server import postgres_server  # noqa: F401 — the session's PostgreSQL (a fixture)
 
 from fedpipe.proto import node_pb2, tracker_pb2
-from fedpipe.tracker.store import MemoryStore, SqliteStore, Store
+from fedpipe.tracker.store import (SCHEMA_VERSION, MemoryStore, PostgresStore, SchemaTooNew,
+                                   SqliteStore, Store, migrations)
+from fedpipe.tracker.store.connection import Connection
+from fedpipe.tracker.store.migrations import Migration, migrate
+from fedpipe.tracker.store.postgres import PostgresConnection
+from fedpipe.tracker.store.sqlite import SqliteConnection
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(60)
 S = tracker_pb2
 V = tracker_pb2.Versions(fedpipe="0.1.0", protocol=2, python="3.11", torch="2.3.0",
                          cloudpickle="3.0.0")
+# the PostgreSQL cases start a server (once per session): they are process tests
+POSTGRES = pytest.param("postgres", marks=pytest.mark.processes)
 
 
-@pytest.fixture(params=["sqlite", "memory"])
+def open_backend(kind: str, request, tmp_path) -> Store:
+    if kind == "sqlite":
+        return SqliteStore(str(tmp_path / "tracker.db"))
+    if kind == "postgres":
+        return PostgresStore(request.getfixturevalue("postgres_server").new_database())
+    return MemoryStore()
+
+
+@pytest.fixture(params=["sqlite", "memory", POSTGRES])
 def store(request, tmp_path) -> Store:
-    s = SqliteStore(str(tmp_path / "tracker.db")) if request.param == "sqlite" else MemoryStore()
+    s = open_backend(request.param, request, tmp_path)
     yield s
     s.close()
 
@@ -163,9 +181,30 @@ def test_steps_keep_their_loss_even_nan_and_events_are_ordered_across_jobs(store
     assert {e.seq for e in store.events(a, 0)}.isdisjoint(e.seq for e in store.events(b, 0))
 
 
+def test_recovery_fields_are_replaced_the_step_rewound_and_the_event_logged(store):
+    job = store.add_job(submission(), "q", now=1.0)
+    store.record_step(job, 7, 0.5, 10.0, now=2.0)
+    first = S.JobInfo(epoch=1, checkpoint_step=4, resume_step=4)
+    first.recoveries.add().CopyFrom(S.Recovery(epoch=1, lost="node b"))
+    store.set_recovery(job, first, now=3.0, rewind_to=4, event=S.JobEvent(
+        state=S.JOB_STATE_RECOVERING, reason="recovering", epoch=1, seq=99, time=99.0))
+    info = store.job(job)
+    assert (info.epoch, info.checkpoint_step, info.resume_step, info.step) == (1, 4, 4, 4)
+    assert [r.lost for r in info.recoveries] == ["node b"]
+    ev = store.events(job, 0)[-1]
+    assert (ev.reason, ev.epoch, ev.time) == ("recovering", 1, 3.0) and ev.seq != 99
+    store.set_recovery(job, S.JobInfo(epoch=2, checkpoint_step=6), now=4.0)
+    info = store.job(job)
+    assert (info.epoch, info.checkpoint_step, info.resume_step, list(info.recoveries)) == \
+        (2, 6, 0, [])  # replaced, not merged
+    assert info.step == 4 and len(store.events(job, 0)) == 3
+    store.set_recovery("nope", first, now=5.0, event=S.JobEvent(reason="x"))
+    assert store.events("nope", 0) == []  # an unknown job is ignored
+
+
 def test_a_jobs_step_log_stays_bounded_keeping_the_newest_steps_and_other_events(
         store, monkeypatch):
-    from fedpipe.tracker import store as module
+    from fedpipe.tracker.store import base as module
 
     monkeypatch.setattr(module, "MAX_STEP_EVENTS", 64)
     monkeypatch.setattr(module, "COMPACT_EVERY", 16)
@@ -215,3 +254,148 @@ def test_sqlite_opens_a_database_written_before_boot_ids_and_versions(tmp_path):
     rec, = s.node_records()
     assert (rec.info.name, rec.boot_id, rec.versions.protocol, rec.fenced) == ("na", "", 0, False)
     s.close()
+
+
+# -- schema migrations ---------------------------------------------------------
+
+# The schema exactly as main's SqliteStore wrote it before versions were recorded: its
+# SCHEMA script, then the one column it added to a table of that script.
+MAIN_SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id TEXT PRIMARY KEY, name TEXT NOT NULL, address TEXT NOT NULL,
+    resources BLOB NOT NULL, registered REAL NOT NULL, last_heartbeat REAL NOT NULL,
+    alive INTEGER NOT NULL, boot_id TEXT NOT NULL DEFAULT '',
+    versions BLOB NOT NULL DEFAULT x'', fenced INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY, name TEXT NOT NULL, state INTEGER NOT NULL, reason TEXT NOT NULL,
+    spec BLOB NOT NULL, plan BLOB, step INTEGER NOT NULL DEFAULT 0, loss REAL DEFAULT 0,
+    created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS job_layers (
+    job_id TEXT NOT NULL, idx INTEGER NOT NULL, blob BLOB NOT NULL, PRIMARY KEY (job_id, idx));
+CREATE TABLE IF NOT EXISTS job_stages (
+    job_id TEXT NOT NULL, replica INTEGER NOT NULL, stage INTEGER NOT NULL,
+    done INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (job_id, replica, stage));
+CREATE TABLE IF NOT EXISTS job_events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, time REAL NOT NULL,
+    state INTEGER NOT NULL, reason TEXT NOT NULL, step INTEGER NOT NULL DEFAULT 0,
+    loss REAL DEFAULT 0, samples_per_second REAL NOT NULL DEFAULT 0,
+    checkpoint_step INTEGER NOT NULL DEFAULT 0, epoch INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS job_events_by_job ON job_events (job_id, seq);
+CREATE TABLE IF NOT EXISTS links (
+    src TEXT NOT NULL, dst TEXT NOT NULL, bandwidth REAL NOT NULL, latency REAL NOT NULL,
+    measured_at REAL NOT NULL, PRIMARY KEY (src, dst));
+ALTER TABLE jobs ADD COLUMN recovery BLOB NOT NULL DEFAULT x'';
+"""
+
+
+def test_a_database_made_by_mains_unversioned_code_is_upgraded_in_place(tmp_path):
+    path = str(tmp_path / "main.db")
+    db = sqlite3.connect(path)
+    db.executescript(MAIN_SCHEMA)
+    spec = S.SubmitJobRequest(name="old", config=node_pb2.JobConfig(steps=9, microbatches=1))
+    recovery = S.JobInfo(epoch=3, checkpoint_step=4, resume_step=4)
+    db.execute("INSERT INTO nodes VALUES ('a','na','h:1',?,1.0,2.0,1,'boot-a',?,0)",
+               (res().SerializeToString(), V.SerializeToString()))
+    db.execute("INSERT INTO jobs (job_id,name,state,reason,spec,plan,step,loss,created,updated,"
+               "recovery) VALUES ('j1','old',?,'running',?,?,6,0.25,1.0,2.0,?)",
+               (S.JOB_STATE_RUNNING, spec.SerializeToString(), plan((0, 0)).SerializeToString(),
+                recovery.SerializeToString()))
+    db.execute("INSERT INTO job_layers VALUES ('j1',0,x'00ff')")
+    db.execute("INSERT INTO job_events (job_id,time,state,reason,step,checkpoint_step,epoch) "
+               "VALUES ('j1',1.5,?,'checkpoint',4,4,3)", (S.JOB_STATE_RUNNING,))
+    db.execute("INSERT INTO links VALUES ('a','b',1e6,0.1,1.0)")
+    db.commit()
+    db.close()
+
+    s = SqliteStore(path)
+    assert migrations.version(s.conn) == SCHEMA_VERSION
+    rec, = s.node_records()
+    assert (rec.info.name, rec.info.last_heartbeat, rec.boot_id, rec.versions) == \
+        ("na", 2.0, "boot-a", V)
+    job = s.job("j1")
+    assert (job.name, job.step, job.loss, job.steps, job.epoch, job.checkpoint_step) == \
+        ("old", 6, 0.25, 9, 3, 4)
+    assert job.plan.stages[0].node_id == "n00" and s.layers("j1", 0, 1) == [b"\0\xff"]
+    ev, = s.events("j1", 0)
+    assert (ev.reason, ev.checkpoint_step, ev.epoch) == ("checkpoint", 4, 3)
+    assert [(m.src_id, m.bandwidth) for m in s.links()] == [("a", 1e6)]
+    newer = s.add_job(submission(), "q", now=1.0)  # the same created time: submission order
+    s.set_state(newer, S.JOB_STATE_RUNNING, "r", now=2.0)
+    assert s.jobs_in(S.JOB_STATE_RUNNING) == ["j1", newer]
+    assert s.events(newer, ev.seq)[0].seq > ev.seq
+    s.close()
+    s = SqliteStore(path)  # a second open finds it current and applies nothing again
+    assert s.conn.execute("SELECT version FROM schema_version ORDER BY version").fetchall() == \
+        [(v,) for v in range(1, SCHEMA_VERSION + 1)]
+    s.close()
+
+
+def sql_target(kind: str, request, tmp_path) -> str:
+    """A fresh database: a SQLite path, or the URL of a new PostgreSQL database."""
+    if kind == "sqlite":
+        return str(tmp_path / "m.db")
+    return request.getfixturevalue("postgres_server").new_database()
+
+
+def connect(kind: str, target: str) -> Connection:
+    return SqliteConnection(target) if kind == "sqlite" else PostgresConnection(target)
+
+
+def open_sql(kind: str, target: str) -> Store:
+    return SqliteStore(target) if kind == "sqlite" else PostgresStore(target)
+
+
+@pytest.fixture(params=["sqlite", POSTGRES])
+def sql_kind(request) -> str:
+    return request.param
+
+
+def test_a_database_newer_than_this_fedpipe_is_refused_naming_both_versions(
+        sql_kind, request, tmp_path):
+    target = sql_target(sql_kind, request, tmp_path)
+    store = open_sql(sql_kind, target)
+    store.add_node("a", "na", "h:1", res(), "boot", V, now=1.0)
+    store.conn.execute("INSERT INTO schema_version (version, summary, applied) "
+                       "VALUES (?, 'from the future', 0)", (SCHEMA_VERSION + 7,))
+    store.close()
+    with pytest.raises(SchemaTooNew) as err:
+        open_sql(sql_kind, target)
+    assert (err.value.found, err.value.supported) == (SCHEMA_VERSION + 7, SCHEMA_VERSION)
+    assert f"schema version {SCHEMA_VERSION + 7}, newer than this fedpipe's {SCHEMA_VERSION}" \
+        in str(err.value)
+    assert ("SQLite database" if sql_kind == "sqlite" else "PostgreSQL database") \
+        in str(err.value)
+    # refused before anything was written: the newer tracker's data is as it left it
+    conn = connect(sql_kind, target)
+    assert migrations.version(conn) == SCHEMA_VERSION + 7
+    assert conn.execute("SELECT COUNT(*) FROM nodes").fetchall()[0][0] == 1
+    conn.close()
+
+
+def _step(version: int, *statements: str) -> Migration:
+    def apply(conn: Connection) -> None:
+        for sql in statements:
+            conn.execute(conn.ddl(sql))
+    return Migration(version, f"step {version}", apply)
+
+
+def test_migration_steps_apply_in_order_once_each_and_a_failing_one_changes_nothing(
+        sql_kind, request, tmp_path):
+    conn = connect(sql_kind, sql_target(sql_kind, request, tmp_path))
+    steps = [_step(1, "CREATE TABLE t (a INTEGER)"),
+             _step(2, "ALTER TABLE t ADD COLUMN b {blob}", "INSERT INTO t (a) VALUES (2)")]
+    assert migrate(conn, steps) == 0
+    assert migrate(conn, steps) == 2  # nothing left to apply: nothing applied twice
+    assert conn.execute("SELECT a FROM t").fetchall() == [(2,)]
+    assert conn.columns("t") == {"a", "b"}
+
+    broken = [*steps, _step(3, "INSERT INTO t (a) VALUES (3)", "ALTER TABLE t ADD COLUMN c"
+                                                               " INTEGER", "NOT SQL AT ALL")]
+    with pytest.raises(Exception, match="(?i)syntax"):
+        migrate(conn, broken)
+    assert migrations.version(conn) == 2  # the whole step undone, with its version row
+    assert conn.execute("SELECT a FROM t").fetchall() == [(2,)]
+    assert conn.columns("t") == {"a", "b"}
+    with pytest.raises(ValueError, match="numbered 1, 2"):
+        migrate(conn, [steps[1], steps[0]])
+    conn.close()

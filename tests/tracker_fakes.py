@@ -32,8 +32,8 @@ class FakeNodes:
     resumes at a step in ``lost_snapshots`` fails as a node with no snapshot would.
     """
 
-    def __init__(self, clock: FakeClock):
-        self.clock = clock
+    def __init__(self, clock: FakeClock, store: Store | None = None):
+        self.clock, self.store = clock, store  # the store names the measuring node
         self.loads: list[node_pb2.LoadStageRequest] = []
         self.stops: list[tuple[str, node_pb2.StopJobRequest]] = []
         self.measured: list[str] = []
@@ -80,7 +80,8 @@ class FakeNodes:
 
     def measure_links(self, address, request):
         self.measured.append(address)
-        src = next(n for n in self.tracker.store.nodes() if n.address == address)
+        assert self.store is not None, "FakeNodes(clock, store) to measure links"
+        src = next(n for n in self.store.nodes() if n.address == address)
         return node_pb2.MeasureLinksReply(links=[
             node_pb2.LinkMeasurement(src_id=src.node_id, dst_id=p.node_id, bandwidth=1e9,
                                      latency=1e-3, measured_at=self.clock())
@@ -121,10 +122,10 @@ def make_tracker(store: Store | None = None, clock: FakeClock | None = None, *,
                  ) -> tuple[Tracker, FakeNodes, FakeClock]:
     """A tracker with no threads over fake nodes and a fake clock (drive it with ``tick``)."""
     clock = clock or FakeClock()
-    nodes = FakeNodes(clock)
-    tracker = Tracker(store or MemoryStore(), nodes, lease=lease, link_wait=link_wait,
-                      clock=clock, background=False)
-    nodes.tracker = tracker
+    store = store or MemoryStore()
+    nodes = FakeNodes(clock, store)
+    tracker = Tracker(store, nodes, lease=lease, link_wait=link_wait, clock=clock,
+                      background=False)
     return tracker, nodes, clock
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping, Sequence, TypeVar
+from typing import Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 from .codecs import codec_cost
 from .types import Link, ModelProfile, NodeSpec, Overheads, TrainConfig
@@ -180,6 +180,86 @@ def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
             trip += work[t] + (hops[t - 1] if t > s else 0.0)
             period = max(period, trip / (warm[s] + 1 - warm[t]))
     return sigma, period
+
+
+class ChainStage(Protocol):
+    """One stage of a replica group's chain, as a plan (or a plan message) gives it."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def layer_start(self) -> int: ...
+
+    @property
+    def layer_end(self) -> int: ...
+
+    @property
+    def activation_codec(self) -> str: ...
+
+    @property
+    def gradient_codec(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """One replica group's pipeline priced per microbatch, seconds: per stage its forward
+    and backward pass; per link ``i -> i+1`` the activation's busy time and latency, and
+    the same for the gradient sent back from ``i+1`` to ``i``."""
+
+    forward: list[float]
+    backward: list[float]
+    act_busy: list[float]
+    act_latency: list[float]
+    grad_busy: list[float]
+    grad_latency: list[float]
+
+    def step_seconds(self, microbatches: int, schedule: str) -> float:
+        """The analytic step: ``sigma + (microbatches - 1) · period``
+        (:func:`pipeline_estimate`; a schedule other than "gpipe" is priced as 1F1B)."""
+        act_total = [b + lat for b, lat in zip(self.act_busy, self.act_latency)]
+        grad_total = [b + lat for b, lat in zip(self.grad_busy, self.grad_latency)]
+        sigma, period = pipeline_estimate(self.forward, self.backward, self.act_busy, act_total,
+                                          self.grad_busy, grad_total, microbatches,
+                                          "gpipe" if schedule == "gpipe" else "1f1b")
+        return sigma + (microbatches - 1) * period
+
+
+def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: float,
+                passes: Callable[[ChainStage], tuple[float, float]],
+                link: Callable[[str, str], Link], message: float = 0.0) -> ChainCosts:
+    """Price one replica group's chain of stages for microbatches of ``samples`` samples:
+    the one place a step time's parts are predicted (the simulator replays them, the
+    analytic estimate and the tracker's rebalancing bound them).
+
+    Args:
+        passes: ``(forward, backward)`` seconds of one microbatch through a stage (e.g.
+            :func:`pass_seconds` at the node's speed).
+        link: the link from one node id to another.
+        message: the runtime's fixed cost per message, seconds (:func:`transfer_seconds`).
+
+    Raises:
+        PlanError: a stage names an unknown codec.
+    """
+    out = ChainCosts([], [], [], [], [], [])
+    for i, s in enumerate(chain):
+        f, b = passes(s)
+        out.forward.append(f)
+        out.backward.append(b)
+        if i + 1 < len(chain):
+            nxt = chain[i + 1]
+            nbytes = boundary_bytes(profile, s.layer_end, samples)
+            busy, lat = transfer_seconds(link(s.node_id, nxt.node_id), nbytes,
+                                         s.activation_codec or "raw", profile.element_bytes,
+                                         message)
+            out.act_busy.append(busy)
+            out.act_latency.append(lat)
+            busy, lat = transfer_seconds(link(nxt.node_id, s.node_id), nbytes,
+                                         nxt.gradient_codec or "raw", profile.element_bytes,
+                                         message)
+            out.grad_busy.append(busy)
+            out.grad_latency.append(lat)
+    return out
 
 
 def ring_allreduce_seconds(nbytes: float, bandwidths: Sequence[float],

@@ -63,7 +63,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -170,7 +170,7 @@ class OuterSync:
                 "residuals": {i: self.feedback.residual(i) for i in range(len(self.mine))
                               if self.feedback.residual(i) is not None}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` (a snapshot of the same stage).
 
         Raises:

@@ -16,7 +16,7 @@ index maps to a *global* layer and a parameter name:
   and buffers alike);
 - ``optimizer`` (a ``torch.optim`` state dict): state index ``k`` is the
   ``k``-th trainable parameter in layer order (the order
-  :func:`~fedpipe.node.stages.build_stage` gives the optimizer); each keeps its
+  :func:`~fedpipe.node.wiring.build_stage` gives the optimizer); each keeps its
   per-parameter state (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``; SGD's
   ``momentum_buffer``) and the index of its param group. The groups'
   hyper-parameters are *shared*;

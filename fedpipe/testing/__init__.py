@@ -111,6 +111,8 @@ class LocalSwarm:
         node_args: extra ``fedpipe node`` arguments, for all nodes.
         tracker_args: extra ``fedpipe tracker`` arguments (e.g. ``--http-port``), also
             on a restart.
+        store: the tracker's ``--store`` URL (e.g. ``postgresql://...``); None: the SQLite
+            file ``workdir/tracker.db``.
         link_profile: emulated links for the whole swarm, as a dict in the format of
             :mod:`fedpipe.net.emulation` (nodes are named node0, node1, ...).
         timeout: seconds to wait for the tracker and every node to be up, and
@@ -132,7 +134,8 @@ class LocalSwarm:
     def __init__(self, n_nodes: int = 2, *, workdir: str | None = None, lease: float = 5.0,
                  threads: int = 1, node_args: list[str] | None = None,
                  tracker_args: list[str] | None = None,
-                 link_profile: dict | None = None, timeout: float = 60.0, tls: bool = False):
+                 link_profile: dict | None = None, timeout: float = 60.0, tls: bool = False,
+                 store: str | None = None):
         self.n_nodes, self.lease, self.threads = n_nodes, lease, threads
         self.node_args, self.timeout = list(node_args or []), timeout
         self.tracker_args = list(tracker_args or [])
@@ -143,6 +146,7 @@ class LocalSwarm:
             path.write_text(json.dumps(link_profile, indent=1))
             self.node_args += ["--link-profile", str(path)]
         self.db = str(self.workdir / "tracker.db")
+        self.store = store
         self.tls_dir: Path | None = None
         """The swarm's CA and certificates (None: plaintext)."""
         self.admin_tls: TlsConfig | None = None
@@ -201,7 +205,8 @@ class LocalSwarm:
             address = self.tracker if restart else f"127.0.0.1:{free_port()}"
             port = address.rsplit(":", 1)[1]
             self.tracker_proc = proc = self._spawn(
-                "tracker", ["tracker", "--host", "127.0.0.1", "--port", port, "--db", self.db,
+                "tracker", ["tracker", "--host", "127.0.0.1", "--port", port,
+                            *(["--store", self.store] if self.store else ["--db", self.db]),
                             "--lease", str(self.lease), *self._tls_args(),
                             *self.tracker_args])
             try:

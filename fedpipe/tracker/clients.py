@@ -13,7 +13,7 @@ The rules (:meth:`Feeders.sweep`, run by the scheduler every tick):
 - a job that has had a feeder and has none for :data:`~fedpipe.net.timeouts.CLIENT_GRACE`
   seconds while RUNNING is *parked*: WAITING in a new epoch at its last complete
   checkpoint, with the reason "waiting for the client", its stages stopped
-  (:meth:`~.jobs.Jobs.park`);
+  (:meth:`~.recovery.Recovery.park`);
 - a job without a feeder for its ``client_timeout`` (measured from when the last
   feeder left) fails, whatever its state;
 - a feeder that attaches to a WAITING job brings it back (RECOVERING, then RUNNING
@@ -35,16 +35,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from ..net import timeouts
 from ..proto import tracker_pb2
-from ..spec import TERMINAL, WAITING, JobSpec, state_name
+from ..spec import TERMINAL, WAITING, state_name
 from .errors import FailedPrecondition
 from .jobs import Jobs
+from .specs import JobSpecs
 
 log = logging.getLogger("fedpipe.tracker")
 S = tracker_pb2
+
+
+class Leases(Protocol):
+    """What the client's absence and return do to a job (:class:`~.recovery.Recovery`)."""
+
+    def park(self, job_id: str, why: str) -> None: ...
+
+    def rewind_for_client(self, job_id: str, why: str, rewind_to: int | None = None,
+                          restored: bool = False) -> None: ...
 
 
 class Feeders:
@@ -53,16 +63,20 @@ class Feeders:
     Thread-safe: servicer threads attach and detach, the scheduler sweeps.
 
     Args:
-        jobs: the job life cycle (parks, rewinds and fails jobs).
+        jobs: the job life cycle (fails jobs).
+        leases: parks and rewinds jobs for their client (:mod:`.recovery`).
+        specs: each job's decoded spec (its ``client_timeout``).
         clock: seconds since the epoch (the same clock as ``jobs``).
         grace: seconds a running job may lack a feeder before it is parked.
         reattach: after start-up, seconds before jobs without a feeder are parked.
     """
 
-    def __init__(self, jobs: Jobs, clock: Callable[[], float] = time.time, *,
+    def __init__(self, jobs: Jobs, leases: Leases, specs: JobSpecs,
+                 clock: Callable[[], float] = time.time, *,
                  grace: float = timeouts.CLIENT_GRACE,
                  reattach: float = timeouts.CLIENT_REATTACH):
-        self.jobs, self.clock, self.grace = jobs, clock, grace
+        self.jobs, self.leases, self.specs = jobs, leases, specs
+        self.clock, self.grace = clock, grace
         self._lock = threading.Lock()
         self._feeder: dict[str, str] = {}   # job -> the feeder attached now
         self._gone: dict[str, float] = {}   # job -> when its last feeder left (armed jobs)
@@ -97,10 +111,10 @@ class Feeders:
         # names it, so it never feeds the epoch it took the job from
         if take_over and job.state not in TERMINAL:
             log.info("job %s taken over by a client at step %d", job_id, job.step)
-            self.jobs.rewind_for_client(job_id, "a client took the job over (Job.resume)")
+            self.leases.rewind_for_client(job_id, "a client took the job over (Job.resume)")
         elif job.state == WAITING:
             log.info("job %s: its client is back", job_id)
-            self.jobs.rewind_for_client(job_id, "the client is back")
+            self.leases.rewind_for_client(job_id, "the client is back")
         with self._lock:
             self._feeder[job_id] = feeder
             self._gone.pop(job_id, None)
@@ -131,14 +145,14 @@ class Feeders:
         for job_id, since in unfed.items():
             try:
                 job = self.jobs.get(job_id)
-                timeout = JobSpec.from_proto(self.jobs.store.spec(job_id).config).client_timeout
+                timeout = self.specs.job(job_id).client_timeout
             except Exception:  # noqa: BLE001 — a job deleted under us: forget it
                 job = None
             if job is None or job.state in TERMINAL:
                 with self._lock:
                     self._unfed.pop(job_id, None)
             elif now - since > timeout:
-                self.jobs.fail_for_client(
+                self.jobs.fail(
                     job_id, f"no client watched the job to feed it within its client_timeout "
                             f"of {timeout:.0f} s after its submission", only_from={job.state})
         for job_id, since in gone.items():
@@ -150,16 +164,16 @@ class Feeders:
                 with self._lock:
                     self._gone.pop(job_id, None)
                 continue
-            timeout = JobSpec.from_proto(self.jobs.store.spec(job_id).config).client_timeout
+            timeout = self.specs.job(job_id).client_timeout
             if now - since > timeout:
                 waited = now - since
-                self.jobs.fail_for_client(
+                self.jobs.fail(
                     job_id, f"the client did not come back within its client_timeout of "
                             f"{timeout:.0f} s (gone for {waited:.0f} s, the job was "
                             f"{state_name(job.state)})", only_from={job.state})
             elif job.state == S.JOB_STATE_RUNNING and now - since > self.grace:
                 # the time left is shown when the job is read (shown()), not frozen here
-                self.jobs.park(job_id, f"waiting for the client (gone since step {job.step}; "
+                self.leases.park(job_id, f"waiting for the client (gone since step {job.step}; "
                                        f"client_timeout {timeout:.0f} s)")
 
     def left(self, job_id: str) -> float | None:
@@ -170,7 +184,7 @@ class Feeders:
             since = self._gone.get(job_id, self._unfed.get(job_id))
         if since is None:
             return None
-        timeout = JobSpec.from_proto(self.jobs.store.spec(job_id).config).client_timeout
+        timeout = self.specs.job(job_id).client_timeout
         return max(0.0, since + timeout - self.clock())
 
     def shown(self, job: tracker_pb2.JobInfo) -> tracker_pb2.JobInfo:

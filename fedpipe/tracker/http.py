@@ -42,6 +42,7 @@ import re
 import time
 from http.server import BaseHTTPRequestHandler
 from importlib import resources
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -57,7 +58,8 @@ from ..planner.types import ClusterView
 from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec
 from .clients import Feeders
-from .jobs import Jobs
+from .calibration import Calibration
+from .stagetimes import StageTimes
 from .store import Store
 
 log = logging.getLogger("fedpipe.tracker.http")
@@ -74,18 +76,22 @@ MAX_JOBS = 1000
 
 class TrackerSource:
     """The running tracker's state as a :class:`~fedpipe.observe.source.Source`: its
-    store, plus the stage times its job life cycle keeps in memory
+    store, plus the stage times it keeps in memory
     (:class:`~fedpipe.observe.source.StageTimeSource`).
 
     Args:
         store: the tracker's store.
-        jobs: the tracker's :class:`~fedpipe.tracker.jobs.Jobs`.
+        stage_times: the stage times the tracker keeps in memory
+            (:class:`~fedpipe.tracker.stagetimes.StageTimes`).
+        calibration: the tracker's calibrated cost model.
         feeders: the tracker's :class:`~fedpipe.tracker.clients.Feeders`, which count
             down a WAITING job's time left as it is shown (None: reasons as stored).
     """
 
-    def __init__(self, store: Store, jobs: Jobs, feeders: Feeders | None = None):
-        self.store, self.jobs, self.feeders = store, jobs, feeders
+    def __init__(self, store: Store, stage_times: StageTimes, calibration: Calibration,
+                 feeders: Feeders | None = None):
+        self.store, self.times, self.feeders = store, stage_times, feeders
+        self.calibration = calibration
 
     def nodes(self, include_lost: bool = False) -> list[tracker_pb2.NodeInfo]:
         return self.store.nodes(include_lost)
@@ -107,11 +113,11 @@ class TrackerSource:
         return self.store.spec(job_id)
 
     def stage_times(self, job_id: str) -> list[StageTime]:
-        return self.jobs.stage_times(job_id)
+        return self.times.of(job_id)
 
     def cluster(self, nodes: list[tracker_pb2.NodeInfo]) -> ClusterView:
         """The planner's view of ``nodes`` as the tracker plans on it: calibrated."""
-        return self.jobs.calibration.cluster(cluster_view(nodes, self.store.links()))
+        return self.calibration.cluster(cluster_view(nodes, self.store.links()))
 
 
 class BadRequest(ValueError):
@@ -171,7 +177,7 @@ class Dashboard:
         nodes = self.source.nodes(include_lost=True)
         names = {a.node_id: a.node_name for a in info.plan.stages}
         devices = {n.node_id: n.resources.device for n in nodes}
-        kw = {}
+        kw: dict[str, Any] = {}
         try:
             spec = self.source.spec(info.job_id)
             if spec.profile.layers:
@@ -202,71 +208,78 @@ def _int(query: dict, name: str, default: int) -> int:
         raise BadRequest(f"{name} must be an integer, got {values[-1]!r}") from None
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """Serves :attr:`dashboard` (and :attr:`registry` at /metrics); :func:`handler` makes
+    a subclass with both set."""
+
+    server_version = "fedpipe-dashboard"
+    dashboard: Dashboard
+    registry: CollectorRegistry | None = None
+
+    def log_message(self, fmt, *args):  # to logging, not stderr
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def _send(self, status: int, body: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, obj) -> None:
+        self._send(status, json.dumps(obj, allow_nan=False).encode(), "application/json")
+
+    def do_GET(self):  # noqa: N802 — the stdlib's name
+        url = urlsplit(self.path)
+        try:
+            self._route(url.path.rstrip("/") or "/", parse_qs(url.query))
+        except BadRequest as e:
+            self._json(400, {"error": str(e)})
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the browser went away
+        except Exception as e:  # noqa: BLE001 — answer, and keep serving others
+            log.exception("dashboard request %s failed", url.path)
+            try:
+                self._json(500, {"error": f"{type(e).__name__}: {e}"})
+            except OSError:
+                pass
+
+    def _route(self, path: str, query: dict) -> None:
+        if path == "/":
+            return self._static("index.html")
+        if path.startswith("/static/"):
+            return self._static(path.removeprefix("/static/"))
+        if path == "/api/nodes":
+            return self._json(200, self.dashboard.nodes())
+        if path == "/api/jobs":
+            return self._json(200, self.dashboard.jobs(_int(query, "limit", 100)))
+        if path.startswith("/api/jobs/"):
+            return self._job(path.removeprefix("/api/jobs/"), query)
+        if path == "/metrics" and self.registry is not None:
+            return self._send(200, generate_latest(self.registry),
+                              "text/plain; version=0.0.4; charset=utf-8")
+        self._json(404, {"error": f"no such path: {urlsplit(self.path).path[:200]}"})
+
+    def _job(self, job_id: str, query: dict) -> None:
+        if not _JOB_ID.fullmatch(job_id):
+            raise BadRequest(f"a job id is 1-64 letters, digits, _ or -; got {job_id[:80]!r}")
+        try:
+            body = self.dashboard.job(job_id, _int(query, "after_seq", 0))
+        except KeyError:
+            return self._json(404, {"error": f"no job {job_id!r}"})
+        self._json(200, body)
+
+    def _static(self, name: str) -> None:
+        if name not in STATIC:
+            return self._json(404, {"error": f"no such file: {name[:200]}"})
+        body = resources.files(__package__).joinpath("static", name).read_bytes()
+        self._send(200, body, STATIC[name])
+
+
 def handler(dashboard: Dashboard, registry: CollectorRegistry | None) -> type:
     """A request handler class serving ``dashboard`` (and ``registry`` at /metrics)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "fedpipe-dashboard"
-
-        def log_message(self, fmt, *args):  # to logging, not stderr
-            log.debug("%s " + fmt, self.address_string(), *args)
-
-        def _send(self, status: int, body: bytes, ctype: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _json(self, status: int, obj) -> None:
-            self._send(status, json.dumps(obj, allow_nan=False).encode(), "application/json")
-
-        def do_GET(self):  # noqa: N802 — the stdlib's name
-            url = urlsplit(self.path)
-            query = parse_qs(url.query)
-            path = url.path.rstrip("/") or "/"
-            try:
-                if path == "/":
-                    return self._static("index.html")
-                if path.startswith("/static/"):
-                    return self._static(path.removeprefix("/static/"))
-                if path == "/api/nodes":
-                    return self._json(200, dashboard.nodes())
-                if path == "/api/jobs":
-                    return self._json(200, dashboard.jobs(_int(query, "limit", 100)))
-                if path.startswith("/api/jobs/"):
-                    job_id = path.removeprefix("/api/jobs/")
-                    if not _JOB_ID.fullmatch(job_id):
-                        raise BadRequest(f"a job id is 1-64 letters, digits, _ or -; "
-                                         f"got {job_id[:80]!r}")
-                    try:
-                        body = dashboard.job(job_id, _int(query, "after_seq", 0))
-                    except KeyError:
-                        return self._json(404, {"error": f"no job {job_id!r}"})
-                    return self._json(200, body)
-                if path == "/metrics" and registry is not None:
-                    return self._send(200, generate_latest(registry),
-                                      "text/plain; version=0.0.4; charset=utf-8")
-                self._json(404, {"error": f"no such path: {url.path[:200]}"})
-            except BadRequest as e:
-                self._json(400, {"error": str(e)})
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the browser went away
-            except Exception as e:  # noqa: BLE001 — answer, and keep serving others
-                log.exception("dashboard request %s failed", url.path)
-                try:
-                    self._json(500, {"error": f"{type(e).__name__}: {e}"})
-                except OSError:
-                    pass
-
-        def _static(self, name: str) -> None:
-            if name not in STATIC:
-                return self._json(404, {"error": f"no such file: {name[:200]}"})
-            body = resources.files(__package__).joinpath("static", name).read_bytes()
-            self._send(200, body, STATIC[name])
-
-    return Handler
+    return type("Handler", (_Handler,), {"dashboard": dashboard, "registry": registry})
 
 
 def start_http(source: Source, host: str = LOCALHOST, port: int = 0, *,

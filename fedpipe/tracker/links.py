@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence, cast
 
 from ..planner.protoio import MEASURE_NEIGHBOURS, MEASURE_SITES, band, site_of
 from ..proto import node_pb2
@@ -159,7 +159,8 @@ class LinkMeasurer:
         m = self._members[node_id]
         order = self._sites[m.site]
         i = bisect.bisect_left(order, m.key)
-        peers = [key[1] for key in band(order, i, MEASURE_NEIGHBOURS)]
+        # band() takes any sequence; it is annotated for names
+        peers = [key[1] for key in band(cast(Sequence[str], order), i, MEASURE_NEIGHBOURS)]
         if i == 0:
             j = bisect.bisect_left(self._reps, (*m.key, m.site))
             h = MEASURE_SITES // 2
@@ -222,12 +223,13 @@ class LinkMeasurer:
         request = node_pb2.MeasureLinksRequest(peers=[
             node_pb2.Peer(node_id=p.node_id, name=p.name, address=p.address) for p in peers])
         now = self.clock()
+        error: str | None = None
+        mine: list[node_pb2.LinkMeasurement] = []
         try:
             reply = self.nodes.measure_links(m.address, request)
         except NodeCallError as e:
-            reply, error = None, str(e)
+            error = str(e)
         else:
-            error = None
             # a node speaks only for its own links, and only about the peers it was asked
             asked = {p.node_id for p in peers}
             mine = [x for x in reply.links if x.dst_id in asked]

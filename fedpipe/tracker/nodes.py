@@ -121,6 +121,6 @@ class GrpcNodeCalls:
     def close(self) -> None:
         """Close every channel."""
         with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
+            channels, self._channels = list(self._channels.values()), OrderedDict()
         for ch in channels:
             ch.close()

@@ -1,8 +1,14 @@
 """The tracker's domain assembled, and its two background loops.
 
-:class:`Tracker` builds the :class:`~.registry.Registry`, the
-:class:`~.links.LinkMeasurer` and the :class:`~.jobs.Jobs` life cycle over one
-store, and runs:
+:class:`Tracker` builds the tracker's parts over one store, in one order, each
+given what it calls (:meth:`Tracker.__init__` is the one place a reader finds
+every call's target): the :class:`~.registry.Registry`, the
+:class:`~.links.LinkMeasurer`, the per-job memory (:mod:`.specs`, :mod:`.tallies`,
+:mod:`.retention`), the :class:`~.jobs.Jobs` life cycle, the
+:class:`~.deploy.Deployer`, the elastic replica groups (:mod:`.replica_groups`),
+the :class:`~.recovery.Recovery`, the :class:`~.rebalance.Rebalancer`, the
+:class:`~.progress.Progress` of reports and the client leases
+(:class:`~.clients.Feeders`). It runs:
 
 - the scheduler: every ``min(TICK, lease/4)`` seconds, or sooner when something
   changes, it expires leases, persists the heartbeats taken since the last
@@ -33,15 +39,24 @@ from typing import Callable
 
 from ..net import timeouts
 from ..proto import tracker_pb2
+from .calibration import Calibration
 from .clients import Feeders
-from .elastic import REBALANCE_THRESHOLD, Elastic
+from .deploy import Deployer
+from .errors import FailedPrecondition
 from .jobs import Jobs
 from .links import LinkMeasurer
-from .errors import FailedPrecondition
 from .nodes import NodeCallError, NodeCalls
 from .planning import Planner
+from .progress import Progress
+from .rebalance import REBALANCE_THRESHOLD, Drains, Rebalancer
+from .recovery import Records, Recovery
 from .registry import HEARTBEAT_RATE, Registry, validate_node
+from .replica_groups import ElasticReplicas
+from .retention import RETENTION, Retention
+from .specs import JobSpecs
+from .stagetimes import StageTimes
 from .store import Store
+from .tallies import Tallies
 
 log = logging.getLogger("fedpipe.tracker")
 
@@ -91,7 +106,7 @@ class Tracker:
             :func:`~fedpipe.planner.protoio.cluster_view`).
         clock: seconds since the epoch.
         rebalance_threshold: least relative fall of the predicted step time for which a
-            running job migrates to a better assignment (see :mod:`~.elastic`).
+            running job migrates to a better assignment (see :mod:`~.rebalance`).
         background: start the scheduler and link-measurer threads (False:
             the caller drives :meth:`tick` and :meth:`measure_links`).
         heartbeat_rate: the most heartbeats per second asked of all nodes together
@@ -100,6 +115,8 @@ class Tracker:
             scheduler thread, holding the GIL for as long as a plan takes).
         freeze_heap: call :meth:`freeze_heap` every tick, as a tracker process should
             (``gc.freeze`` is process-wide: not for a tracker inside another program).
+        retention: seconds an ended job's stages keep their weights on the nodes
+            (:data:`~.retention.RETENTION`).
     """
 
     def __init__(self, store: Store, nodes: NodeCalls, *, lease: float = 10.0,
@@ -107,27 +124,49 @@ class Tracker:
                  clock: Callable[[], float] = time.time, background: bool = True,
                  heartbeat_rate: float = HEARTBEAT_RATE,
                  rebalance_threshold: float = REBALANCE_THRESHOLD, plan_processes: int = 0,
-                 freeze_heap: bool = False):
+                 freeze_heap: bool = False, retention: float = RETENTION):
         self.store, self.nodes, self.clock = store, nodes, clock
         self.lease, self.link_refresh, self.link_wait = lease, link_refresh, link_wait
-        self.jobs = Jobs(store, nodes, clock)
-        self.jobs.planner = Planner(plan_processes)
-        self.jobs.planner.start()
-        self.elastic = Elastic(self.jobs, threshold=rebalance_threshold)
-        self.elastic.unmeasured = lambda node_id: self.links.waiting([node_id])
-        self.elastic.candidates = lambda nodes: candidates(nodes)  # PLAN_CANDIDATES read late
-        self.links = LinkMeasurer(store, nodes, clock)
-        # nodes that were live when the tracker stopped get a fresh lease, not a lost verdict
+        # Built in one order, each part given what it calls (nothing is assigned later).
+        # The registry's losses come back through _nodes_lost, which reaches the parts
+        # built below it: the one call that goes up the order.
         self.registry = Registry(store, lease, self._nodes_lost, clock, on_alive=self._alive,
                                  rate=heartbeat_rate)
-        self.jobs.declare_lost = self.registry.declare_lost
-        self.jobs.live_nodes = self.registry.nodes
+        live = self.registry.nodes  # the live nodes in memory (store.nodes() reads rows)
+        self.links = LinkMeasurer(store, nodes, clock)
+        # state kept in memory per job, each dropped when its job ends
+        self.specs = JobSpecs(store)
+        self.tallies = Tallies()
+        self.records = Records()
+        self.retention = Retention(store, clock, retention)
+        self.jobs = Jobs(store, nodes, self.specs, live, clock=clock,
+                         ended=self.retention.ended, forget=(self.tallies, self.records))
+        self.stage_times = StageTimes(lambda job_id: store.job(job_id).epoch)
+        self.calibration = Calibration()
+        self.planner = Planner(plan_processes)
+        self.deployer = Deployer(store, nodes, self.jobs, self.specs, live, self.calibration,
+                                 self.planner, clock)
+        self.replicas = ElasticReplicas(store, nodes, self.jobs, self.specs, self.deployer,
+                                        clock)
+        self.drains = Drains(live, clock)
+        self.recovery = Recovery(store, nodes, self.jobs, self.deployer, self.specs,
+                                 self.tallies, self.records, self.registry, self.drains,
+                                 self.replicas, clock)
+        self.rebalancer = Rebalancer(
+            store, nodes, self.jobs, self.specs, self.recovery, self.drains, self.stage_times,
+            live, unmeasured=lambda node_id: self.links.waiting([node_id]),
+            candidates=lambda nodes: candidates(nodes),  # PLAN_CANDIDATES read late
+            threshold=rebalance_threshold, clock=clock)
+        self.progress = Progress(store, self.jobs, self.tallies, self.stage_times,
+                                 self.calibration, self.replicas, self.recovery,
+                                 self.rebalancer, self.records.lock, clock)
+        self.planner.start()
         for n in store.nodes():
             self.links.add(n.node_id, n.name, n.address, n.registered)
         self.stop_event = threading.Event()
         self.measure_now = self.links.added
         self.jobs.recover()
-        self.feeders = Feeders(self.jobs, clock)  # after recover(): it arms the jobs left
+        self.feeders = Feeders(self.jobs, self.recovery, self.specs, clock)  # after recover()
         self.threads: list[threading.Thread] = []
         self._frozen_at = 0  # live nodes at the last freeze_heap()
         self.freezes = freeze_heap
@@ -166,8 +205,8 @@ class Tracker:
 
     def _nodes_lost(self, lost: set[str], why: str) -> None:
         self.links.remove(lost)
-        self.elastic.forget(lost)
-        self.jobs.nodes_lost(lost, why)
+        self.rebalancer.forget(lost)
+        self.recovery.nodes_lost(lost, why)
 
     def close(self) -> None:
         """Stop the background loops (waiting up to ``THREAD_JOIN`` seconds for each),
@@ -179,7 +218,7 @@ class Tracker:
         for th in self.threads:
             th.join(timeout=timeouts.THREAD_JOIN)
         self.registry.flush()
-        self.jobs.planner.close()
+        self.planner.close()
         close = getattr(self.nodes, "close", None)
         if close is not None:
             close()
@@ -193,13 +232,13 @@ class Tracker:
         if self.freezes:
             self.freeze_heap()
         self.feeders.sweep()
-        self.elastic.tick()
+        self.rebalancer.tick()
         # the live nodes from the registry's memory (store.nodes() builds a message per row)
         for job_id in self.jobs.recovering():
-            self.jobs.resume(job_id, self.registry.nodes())
-        self.jobs.replicas.heal_all(self.registry.nodes)  # read only if a job needs it
+            self.recovery.resume(job_id, self.registry.nodes())
+        self.replicas.heal_all(self.registry.nodes)  # read only if a job needs it
         for job_id in self.jobs.pending():
-            nodes = self.elastic.usable(self.registry.nodes())
+            nodes = self.drains.usable(self.registry.nodes())
             if not nodes:
                 self.jobs.expire_pending(job_id)
                 continue
@@ -208,7 +247,8 @@ class Tracker:
                     self.clock() - self.jobs.get(job_id).created < self.link_wait:
                 continue  # the links of nodes that just joined are being measured
             # the planner uses only the links among the candidates (cluster_view)
-            self.jobs.start(job_id, chosen, self.store.links_among(n.node_id for n in chosen))
+            self.deployer.start(job_id, chosen,
+                                self.store.links_among(n.node_id for n in chosen))
 
     def freeze_heap(self, force: bool = False) -> bool:
         """Move the objects alive now out of the garbage collector's reach (``gc.freeze``)
