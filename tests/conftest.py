@@ -127,10 +127,11 @@ def _freeze_heap(item: pytest.Item) -> None:
     cycles at once), and at about 0.3 s each these were a tenth of the fast run's CPU.
     Garbage is collected first, so no cycle is frozen with the heap; what a test
     creates stays collectable, so what tests check of the collector still holds.
-    Once per module, or again after a test unfroze the heap (``gc.unfreeze``).
+    Once per module (a test that calls ``gc.unfreeze`` loses it for the rest of its
+    module only). Not ``gc.get_freeze_count()`` per test: it walks the whole frozen list.
     """
     module = item.nodeid.split("::", 1)[0]
-    if _frozen_for[0] != module or gc.get_freeze_count() == 0:
+    if _frozen_for[0] != module:
         gc.collect()
         gc.freeze()
         _frozen_for[0] = module
