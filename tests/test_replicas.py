@@ -113,6 +113,7 @@ class Wire:
         self.boxes: dict = {}
         self.cond = threading.Condition()
         self.dead: set[int] = set()
+        self.waited: set[tuple[int, int]] = set()  # (replica, step) of each recv begun
 
     def transport(self, me):
         wire = self
@@ -127,6 +128,8 @@ class Wire:
 
             def recv(self, kind, step, tag, timeout=None):
                 with wire.cond:
+                    wire.waited.add((me.replica, step))
+                    wire.cond.notify_all()
                     if not wire.cond.wait_for(lambda: (me, kind, step, tag) in wire.boxes,
                                               timeout=timeout):
                         raise TimeoutError
@@ -187,7 +190,12 @@ def run_groups(data, groups, rs, *, kill=None, lr=0.1):
     for t in threads:
         t.start()
     if kill is not None:
-        time.sleep(1.0)  # the survivors wait in the ring for the dead group meanwhile
+        # the survivors wait in the ring for the dead group's share of the step meanwhile
+        # (they have begun it, so it cannot complete) before the "tracker" drops the group
+        with wire.cond:
+            assert wire.cond.wait_for(lambda: all((g, kill[1]) in wire.waited for g in groups
+                                                  if g != kill[0]), 30)
+        time.sleep(0.1)
         rs.drop([kill[0]])
     for t in threads:
         t.join(30)

@@ -519,7 +519,9 @@ def test_explain_keeps_a_refusal_that_is_not_a_connection_failure(server, channe
         "call it (allowed: tracker)")
 
 
-def test_a_deny_list_made_unreadable_refuses_every_caller_until_fixed(tmp_path):
+def test_a_deny_list_made_unreadable_refuses_every_caller_until_fixed(tmp_path, monkeypatch):
+    # the re-read interval is read at each look; a short one keeps the two waits below short
+    monkeypatch.setattr(tls, "DENY_RELOAD_SECONDS", 0.2)
     certs.make_ca(tmp_path)
     certs.issue(tmp_path, "client", "alice")
     alice = _auth_context((tmp_path / "alice.crt").read_bytes())

@@ -76,11 +76,12 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def char_transformer(d: int = 64, heads: int = 4, blocks: int = 2, seq: int = 64
-                     ) -> nn.Sequential:
+def char_transformer(d: int = 64, heads: int = 4, blocks: int = 2, seq: int = 64,
+                     seed: int = 0) -> nn.Sequential:
     """A small causal character-level transformer as an ``nn.Sequential`` (embedding,
-    ``blocks`` blocks of width ``d`` with ``heads`` heads, head), seeded: (B, T) int64
-    character codes, T <= ``seq``, to (B, T, :data:`VOCAB`) logits."""
-    torch.manual_seed(0)
+    ``blocks`` blocks of width ``d`` with ``heads`` heads, head), its weights drawn
+    from ``seed``: (B, T) int64 character codes, T <= ``seq``, to (B, T, :data:`VOCAB`)
+    logits."""
+    torch.manual_seed(seed)
     return nn.Sequential(Embed(VOCAB, d, seq), *[Block(d, heads) for _ in range(blocks)],
                          Head(d, VOCAB))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..spec import SpecError, parse_codec
-from ..wire.codecmodel import model
+from ..wire.codecmodel import hadamard_block_problem, model
 from .types import PlanError, TrainConfig
 
 AUTO_ACTIVATION = ("raw", "bf16", "int8", "int8+zstd")
@@ -60,12 +60,16 @@ def codec_cost(spec: str) -> CodecCost:
     """The cost of codec ``spec``.
 
     Raises:
-        PlanError: the spec does not parse or names an unknown codec.
+        PlanError: the spec does not parse, names an unknown codec, or gives
+            a Hadamard codec a block size that is not a power of two.
     """
     try:
         parsed = parse_codec(spec)
     except SpecError as e:
         raise PlanError(f"unknown codec: {e}") from None
+    problem = hadamard_block_problem(parsed.name, parsed.block_size)
+    if problem:
+        raise PlanError(f"bad codec {spec!r}: {problem}")
     m = model(parsed)
     return CodecCost(spec, m.wire_factor(parsed), m.cpu_seconds_per_byte(parsed),
                      gradients_only=parsed.gradients_only)

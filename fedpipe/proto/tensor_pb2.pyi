@@ -29,6 +29,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_BF16: _ClassVar[Codec]
     CODEC_INT8: _ClassVar[Codec]
     CODEC_TOPK: _ClassVar[Codec]
+    CODEC_HAD4: _ClassVar[Codec]
+    CODEC_HAD2: _ClassVar[Codec]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -46,6 +48,8 @@ CODEC_FP16: Codec
 CODEC_BF16: Codec
 CODEC_INT8: Codec
 CODEC_TOPK: Codec
+CODEC_HAD4: Codec
+CODEC_HAD2: Codec
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "codec", "zstd", "encoded_bytes", "block_size", "k", "value_dtype", "payload", "payload_bytes")

@@ -12,7 +12,8 @@ from .errors import SpecError
 
 
 CODEC_PARAMS: dict[str, str | None] = {"raw": None, "fp16": None, "bf16": None,
-                                       "int8": "block_size", "topk": "fraction"}
+                                       "int8": "block_size", "topk": "fraction",
+                                       "had4": "block_size", "had2": "block_size"}
 """Every codec name and the :class:`CodecSpec` field its parameter sets (None: no parameter)."""
 GRADIENT_ONLY_CODECS = frozenset({"topk"})
 """Codecs that drop most of a tensor: usable for gradients (with error feedback) only."""

@@ -25,6 +25,8 @@ fp16, bf16              0.5          ~1 GB/s
 int8                    ~0.27        ~1 GB/s
 int8+zstd               ~0.15        ~0.3 GB/s (ReLU activations)
 topk:F (gradients)      2·F          ~1 GB/s
+had4:B                  1/8 + 1/B    ~0.5 GB/s (a B-point rotation each way)
+had2:B                  1/16 + 1/B   ~0.5 GB/s
 ======================  ===========  ==================
 
 zstd after any codec adds :data:`ZSTD_SECONDS_PER_BYTE`.
@@ -36,8 +38,8 @@ from typing import Callable, NamedTuple
 
 from ..spec import CODEC_PARAMS, CodecSpec
 
-__all__ = ["MODELS", "ZSTD_SECONDS_PER_BYTE", "CodecModel", "Layout", "index_bytes",
-           "int8_blocks", "model"]
+__all__ = ["HADAMARD_BITS", "MODELS", "ZSTD_SECONDS_PER_BYTE", "CodecModel", "Layout",
+           "hadamard_block_problem", "index_bytes", "int8_blocks", "model"]
 
 _GB_PER_S = 1e-9
 """Seconds per byte of a pass at 1 GB/s: encode + decode of the cheap codecs."""
@@ -55,7 +57,8 @@ class Layout(NamedTuple):
         numel: elements of the tensor.
         itemsize: bytes per value the codec carries: the tensor's dtype for raw,
             topk's ``value_dtype``; unused by the other codecs.
-        block_size: int8's values per scale.
+        block_size: int8's values per scale; had4's and had2's values per
+            rotation block and step.
         k: topk's entries kept.
     """
 
@@ -85,6 +88,31 @@ def _two_byte_bytes(lay: Layout) -> int:
 
 def _int8_bytes(lay: Layout) -> int:  # float32 scales, then one int8 per value
     return 4 * int8_blocks(lay.numel, lay.block_size) + lay.numel
+
+
+HADAMARD_BITS = {"had4": 4, "had2": 2}
+"""Bits per value of each randomized-Hadamard codec."""
+_HAD_SECONDS_PER_BYTE = 2 * _GB_PER_S
+"""had4/had2 encode + decode, seconds per float32 byte: measured side by side on one
+core at B=128, 0.55x int8's speed (the rotation is a B-point matmul each way)."""
+
+
+def hadamard_block_problem(name: str, block: int) -> str | None:
+    """Why ``block`` cannot be codec ``name``'s block size, or None if it can (or ``name``
+    is not a Hadamard codec): the rotation needs a power of two in [16, 65536]."""
+    if name in HADAMARD_BITS and not (16 <= block <= 65536 and block & (block - 1) == 0):
+        return f"{name} block_size must be a power of two in [16, 65536], got {block}"
+    return None
+
+
+def _had_bytes(bits: int) -> Callable[[Layout], int]:
+    def size(lay: Layout) -> int:  # per padded block: a float32 step, then B codes of `bits`
+        return int8_blocks(lay.numel, lay.block_size) * (4 + lay.block_size * bits // 8)
+    return size
+
+
+def _had_ratio(bits: int) -> Callable[[CodecSpec], float]:
+    return lambda spec: bits / 32 + 1 / spec.block_size
 
 
 def _topk_bytes(lay: Layout) -> int:  # k indices, then k values
@@ -140,6 +168,9 @@ MODELS: dict[str, CodecModel] = {m.name: m for m in (
     # activations' int8 codes to ~0.15 of float32
     CodecModel("int8", True, _int8_bytes, _ratio(0.27), _GB_PER_S, zstd_ratio=0.15 / 0.27),
     CodecModel("topk", True, _topk_bytes, _topk_ratio, _GB_PER_S),
+    # near-Gaussian codes after the rotation: zstd finds little to take
+    *(CodecModel(name, True, _had_bytes(bits), _had_ratio(bits), _HAD_SECONDS_PER_BYTE,
+                 zstd_ratio=0.97) for name, bits in HADAMARD_BITS.items()),
 )}
 """Every codec's model, by name."""
 

@@ -24,12 +24,16 @@ int8    ``block_size`` = B          ⌈n/B⌉ float32 scales, then n int8       
 topk    ``k``, ``value_dtype``      k flat indices, strictly increasing, then  k·(w + itemsize(
                                     k values of ``value_dtype``; index width   value_dtype))
                                     w = 4 (int32) if n < 2**31 else 8 (int64)
+had4    ``block_size`` = B, a       ⌈n/B⌉ float32 steps, then ⌈n/B⌉·B 4-bit    ⌈n/B⌉·(4 + B/2)
+        power of two                codes of the rotated, zero-padded blocks,
+                                    two per byte (see :mod:`.hadamard`)
+had2    as had4                     as had4, 2-bit codes, four per byte        ⌈n/B⌉·(4 + B/4)
 ======  ==========================  =========================================  ====================
 
 The topk index width is not a header field: it follows from ``shape`` (n), so
 the message still describes itself completely.
 
-The lossy codecs (fp16, bf16, int8, topk) apply to floating tensors only. A
+The lossy codecs (fp16, bf16, int8, topk, had4, had2) apply to floating tensors only. A
 tensor of another dtype (token ids, masks) sent with a lossy codec falls back
 to ``raw`` (zstd still applies), so any tensor can be sent on any link.
 """
@@ -46,8 +50,10 @@ import zstandard
 
 from ..proto import tensor_pb2 as pb
 from ..spec import CODEC_PARAMS, CodecSpec, parse_codec
-from .codecmodel import MODELS, Layout, index_bytes, int8_blocks
+from .codecmodel import (HADAMARD_BITS, MODELS, Layout, hadamard_block_problem, index_bytes,
+                         int8_blocks)
 from .format import WireError
+from . import hadamard
 
 __all__ = ["CODECS", "DTYPES", "MAX_TENSOR_BYTES", "Codec", "ErrorFeedback", "WireError",
            "check_header", "decode", "encode", "encode_payload"]
@@ -160,11 +166,14 @@ def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
 Buffer = bytearray | memoryview
 Encoded = tuple[list[torch.Tensor], dict[str, Any]]
 """What a codec's encode function returns: the output's parts and the header fields to set."""
+EncodeFn = Callable[[torch.Tensor, CodecSpec, int | None], Encoded]
+"""A codec's encode function: ``(flat, spec, seed)``; ``seed`` seeds stochastic rounding
+(None: round to nearest); codecs that do not round ignore it."""
 
 
 # raw ----------------------------------------------------------------------
 
-def _raw_encode(flat: torch.Tensor, spec: CodecSpec) -> Encoded:
+def _raw_encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
     return [flat], {}
 
 
@@ -179,13 +188,13 @@ def _raw_decode(buf: Buffer, h: _Header) -> torch.Tensor:
 # fp16, bf16: a cast to a 2-byte float, saturated ---------------------------
 
 def _cast_codec(name: str, wire: torch.dtype) -> tuple[
-        Callable[[torch.Tensor, CodecSpec], Encoded], Callable[[_Header], int],
+        EncodeFn, Callable[[_Header], int],
         Callable[[Buffer, _Header], torch.Tensor]]:
     """Encode, size and decode functions of codec ``name``, which casts to ``wire``."""
     fmax = torch.finfo(wire).max
     layout = MODELS[name].encoded_bytes
 
-    def encode(flat: torch.Tensor, spec: CodecSpec) -> Encoded:
+    def encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
         # Out-of-range values become ±inf in the cast; clamping the result
         # saturates them to ±fmax (NaN stays NaN). Same as clamping first, and
         # exact even for sources (bf16) that cannot represent fmax.
@@ -202,7 +211,7 @@ def _cast_codec(name: str, wire: torch.dtype) -> tuple[
 
 # int8: blockwise absmax quantisation --------------------------------------
 
-def _int8_encode(flat: torch.Tensor, spec: CodecSpec) -> Encoded:
+def _int8_encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
     """Blockwise absmax: per block of B values, scale = max|x|/127, q = round(x/scale).
 
     Source: Dettmers et al., "8-bit Optimizers via Block-wise Quantization"
@@ -244,7 +253,7 @@ def _index_dtype(numel: int) -> torch.dtype:
     return _INDEX_DTYPES[index_bytes(numel)]
 
 
-def _topk_encode(flat: torch.Tensor, spec: CodecSpec) -> Encoded:
+def _topk_encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
     """Keep the k largest-magnitude entries (flat indices ascending, exact values).
 
     Source: Stich et al., "Sparsified SGD with Memory" (2018); Lin et al.,
@@ -287,6 +296,42 @@ def _topk_decode(buf: Buffer, h: _Header) -> torch.Tensor:
     return out
 
 
+# had4, had2: randomized Hadamard rotation, then 4 or 2 bits per value ------
+
+def _had_block(name: str, block: int) -> int:
+    """``block``, checked: a power of two in [16, 65536] (WireError otherwise)."""
+    problem = hadamard_block_problem(name, block)
+    if problem:
+        raise WireError(problem)
+    return block
+
+
+def _had_codec(name: str) -> tuple[EncodeFn, Callable[[_Header], int],
+                                   Callable[[Buffer, _Header], torch.Tensor]]:
+    """Encode, size and decode functions of codec ``name`` (see :mod:`.hadamard`)."""
+    bits, layout = HADAMARD_BITS[name], MODELS[name].encoded_bytes
+
+    def encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
+        block = _had_block(name, spec.block_size)
+        steps, codes = hadamard.quantize(hadamard.rotate(_blocks(flat.float(), block)), bits, seed)
+        return [steps, hadamard.pack(codes, bits)], {"block_size": block}
+
+    def size(h: _Header) -> int:
+        block = _had_block(name, h.msg.block_size)
+        return layout(Layout(h.numel, block_size=block))
+
+    def decode(buf: Buffer, h: _Header) -> torch.Tensor:
+        block = h.msg.block_size
+        nblocks = int8_blocks(h.numel, block)
+        steps = _view(buf, torch.float32, nblocks)
+        packed = _view(buf, torch.uint8, nblocks * block * bits // 8, offset=4 * nblocks)
+        codes = hadamard.unpack(packed, bits).view(nblocks, block)
+        values = hadamard.unrotate(hadamard.dequantize(steps, codes, bits))
+        return values.view(-1)[:h.numel].to(h.dtype)
+
+    return encode, size, decode
+
+
 # ---------------------------------------------------------------------------
 # The registry
 
@@ -298,8 +343,9 @@ class Codec:
     Attributes:
         name: the name in spec strings (and in :data:`~fedpipe.wire.codecmodel.MODELS`).
         code: its ``fedpipe.v1.Codec`` enum value.
-        encode: ``(flat, spec) -> (parts, fields)``: tensors whose bytes,
-            concatenated, are the codec output, and the header fields to set.
+        encode: ``(flat, spec, seed) -> (parts, fields)``: tensors whose bytes,
+            concatenated, are the codec output, and the header fields to set;
+            ``seed`` seeds stochastic rounding (None: nearest).
         size: ``(header) -> int``: the codec output's length in bytes implied
             by the header (its model's ``encoded_bytes``); validates the
             codec's header fields (WireError).
@@ -310,7 +356,7 @@ class Codec:
     """
     name: str
     code: pb.Codec
-    encode: Callable[[torch.Tensor, CodecSpec], Encoded]
+    encode: EncodeFn
     size: Callable[[_Header], int]
     decode: Callable[[Buffer, _Header], torch.Tensor]
     fields: tuple[str, ...] = ()
@@ -329,6 +375,8 @@ CODECS: dict[str, Codec] = {c.name: c for c in (
           fields=("block_size",)),
     Codec("topk", pb.CODEC_TOPK, _topk_encode, _topk_size, _topk_decode,
           fields=("k", "value_dtype")),
+    Codec("had4", pb.CODEC_HAD4, *_had_codec("had4"), fields=("block_size",)),
+    Codec("had2", pb.CODEC_HAD2, *_had_codec("had2"), fields=("block_size",)),
 )}
 _BY_CODE: dict[int, Codec] = {c.code: c for c in CODECS.values()}
 _PARAM_FIELDS = ("block_size", "k", "value_dtype")
@@ -345,7 +393,8 @@ if _missing:
 
 
 def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
-           feedback: ErrorFeedback | None = None, key: Hashable = None) -> pb.Tensor:
+           feedback: ErrorFeedback | None = None, key: Hashable = None,
+           seed: int | None = None) -> pb.Tensor:
     """Encode a tensor (any shape, a dtype in :data:`DTYPES`, any device) as a message.
 
     Args:
@@ -356,13 +405,18 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
             tensor, the residual under ``key`` is added before encoding and the
             new residual stored (see :class:`ErrorFeedback`).
         key: the feedback slot; required with ``feedback``.
+        seed: stochastic rounding for the codecs that round (had4, had2): the
+            noise comes from a generator seeded with it, so the same tensor and
+            seed give the same bytes (derive it from the step and microbatch to
+            keep a replay exact). None rounds to nearest.
 
     Returns:
         A message with the whole payload: ``payload_bytes == len(payload)``,
         ``encoded_bytes`` = length in bytes of the codec output before zstd.
 
     Raises:
-        WireError: unsupported dtype, or a bad codec spec.
+        WireError: unsupported dtype, or a bad codec spec (had4/had2 with a
+            block size that is not a power of two).
         ValueError: ``feedback`` without a key, or a key reused for another shape.
     """
     if t.dtype not in DTYPES:
@@ -379,7 +433,7 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
             raise ValueError("encode with feedback needs a key (one per link and tensor slot)")
         acc = feedback._compensate(key, t.detach())
         flat = acc.to(t.dtype)
-    parts, fields = impl.encode(flat, spec)
+    parts, fields = impl.encode(flat, spec, seed)
     out = _join(parts)
     msg = pb.Tensor(dtype=DTYPES[t.dtype], shape=t.shape, codec=impl.code,
                     encoded_bytes=len(out), **fields)
@@ -395,8 +449,8 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
 
 
 def encode_payload(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
-                   feedback: ErrorFeedback | None = None,
-                   key: Hashable = None) -> tuple[pb.Tensor, memoryview]:
+                   feedback: ErrorFeedback | None = None, key: Hashable = None,
+                   seed: int | None = None) -> tuple[pb.Tensor, memoryview]:
     """:func:`encode`, with the payload kept apart from the message.
 
     Returns:
@@ -411,7 +465,7 @@ def encode_payload(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
         view = t.detach().contiguous().view(-1).view(torch.uint8).numpy().data
         return pb.Tensor(dtype=DTYPES[t.dtype], shape=t.shape, codec=pb.CODEC_RAW,
                          encoded_bytes=len(view), payload_bytes=len(view)), view
-    msg = encode(t, spec, feedback=feedback, key=key)
+    msg = encode(t, spec, feedback=feedback, key=key, seed=seed)
     payload = msg.payload
     msg.ClearField("payload")
     return msg, memoryview(payload)

@@ -1,0 +1,434 @@
+"""Slow links, scored as the field scores them: T = steps to a target loss × steady step time.
+
+The task: a causal character transformer (:func:`fedpipe.examples.text.char_transformer`,
+4 blocks) in 4 stages on byte-level ``pydoc_data.topics`` text, the last 10 % held out.
+Every stage boundary is a link of the command line's bandwidth and latency.
+
+Two measurements per codec configuration, each where it can be made on 2 cores:
+
+* **steps to target**, in this process: the model runs with the codec's own
+  encode + decode (:mod:`fedpipe.wire.codecs`) at each of the 3 stage boundaries,
+  activations forward and gradients backward (an autograd function at each
+  boundary), gradients with error feedback keyed per boundary and microbatch
+  as the node's peers key it. The target is the held-out loss raw fp32 reaches
+  at 80 % of the budget (median of the seeds); steps to target are the first
+  evaluated step at or under it, median of the seeds;
+* **steady step time**, over a real swarm (:class:`fedpipe.testing.LocalSwarm`,
+  4 nodes, 4 stages, every pair of nodes joined by an emulated link,
+  :mod:`fedpipe.net.emulation`): the median gap between step events after
+  warm-up.
+
+Then T = steps × step time, against raw fp32's T; the unshaped floor is raw's
+steps × its step time on the same swarm without shaping. Bytes/token are the
+codec outputs' bytes (zstd included) that crossed one boundary, per token.
+
+    python benchmarks/wan.py [--quick] [--mbps M] [--latency-ms L] [--budget N]
+                             [--seeds S] [--configs a,b,...] [--swarm-steps N]
+                             [--swarm-configs a,b,...] [--plot wan.png] [--no-swarm]
+
+Full run: a budget of 1,000 steps and 3 seeds. ``--quick``: a smoke run (a
+small budget, 1 seed, few swarm steps) in under 2 minutes on an idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import fedpipe  # noqa: E402
+from fedpipe.examples.text import char_transformer, lm_loss, pydoc_text, text_batches  # noqa: E402
+from fedpipe.wire.codecs import ErrorFeedback, decode, encode  # noqa: E402
+
+TARGET_AT = 0.8      # the target is raw fp32's held-out loss at this fraction of the budget
+QUICK_SWARM = ("raw", "int8", "had4")  # --quick times these on the swarm (a swarm job costs
+                                       # seconds of set-up on a loaded machine)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A codec configuration: the codec of the activations and of their gradients."""
+
+    name: str
+    activations: str
+    gradients: str
+
+    def compression(self) -> dict[str, str]:
+        return {"activations": self.activations, "gradients": self.gradients}
+
+
+CONFIGS = {c.name: c for c in (
+    Config("raw", "raw", "raw"),
+    Config("bf16", "bf16", "bf16"),
+    Config("int8", "int8", "int8"),
+    Config("int8+zstd", "int8+zstd", "int8+zstd"),
+    Config("had4", "had4", "had4"),
+    Config("had2", "had2", "had2"),
+    Config("had4/had2", "had4", "had2"),   # 2-bit costs activations more than gradients
+    Config("int8/topk", "int8", "topk:0.1"),
+)}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The model, data and budget shared by every configuration."""
+
+    d: int = 64
+    heads: int = 4
+    blocks: int = 4
+    seq: int = 64
+    batch: int = 32
+    microbatches: int = 4
+    lr: float = 3e-3
+    budget: int = 1000
+    eval_every: int = 25
+    seeds: int = 3
+    held_windows: int = 256
+
+    def model(self, seed: int) -> nn.Sequential:
+        return char_transformer(self.d, self.heads, self.blocks, self.seq, seed=seed)
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """Children after which a stage ends: embedding + block 0, then one block each
+        (the last stage also holds the head), so 3 boundaries for 4 blocks."""
+        return tuple(range(2, self.blocks + 1))
+
+
+# -- steps to target, in one process ---------------------------------------------
+
+class Link:
+    """One stage boundary as the swarm's peers run it: the same encode and decode,
+    error feedback on the gradients keyed by (boundary, microbatch, shape)."""
+
+    def __init__(self, index: int, config: Config):
+        self.index, self.config = index, config
+        self.feedback = ErrorFeedback()
+        self.microbatch = 0
+        self.bytes = {"forward": 0, "backward": 0}
+        self.tokens = {"forward": 0, "backward": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        msg = encode(x, self.config.activations)
+        self._count("forward", msg.payload_bytes, x)
+        return decode(msg)
+
+    def backward(self, g: torch.Tensor) -> torch.Tensor:
+        msg = encode(g, self.config.gradients, feedback=self.feedback,
+                     key=(self.index, self.microbatch, tuple(g.shape)))
+        self._count("backward", msg.payload_bytes, g)
+        return decode(msg)
+
+    def _count(self, way: str, nbytes: int, t: torch.Tensor) -> None:
+        self.bytes[way] += nbytes
+        self.tokens[way] += t.shape[0] * t.shape[1]
+
+    def per_token(self, way: str) -> float:
+        return self.bytes[way] / max(1, self.tokens[way])
+
+
+class _Boundary(torch.autograd.Function):
+    """Activations through the link's codec forward, their gradients through it backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, link: Link) -> torch.Tensor:  # noqa: D102
+        ctx.link = link
+        return link.forward(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return ctx.link.backward(g.contiguous()), None
+
+
+def staged_forward(model: nn.Sequential, links: list[Link], cuts: tuple[int, ...],
+                   x: torch.Tensor) -> torch.Tensor:
+    """The model's output with ``links[i]`` between its children ``cuts[i] - 1`` and ``cuts[i]``."""
+    h = x
+    for i, child in enumerate(model):
+        if i in cuts:
+            h = _Boundary.apply(h, links[cuts.index(i)])
+        h = child(h)
+    return h
+
+
+@dataclass
+class Curve:
+    """One training run: held-out loss at evaluated steps, bytes per token each way."""
+
+    config: str
+    seed: int
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    forward_bytes: float = 0.0
+    backward_bytes: float = 0.0
+
+    def steps_to(self, target: float) -> float:
+        """The step at which the held-out loss first reaches ``target``, linearly
+        interpolated between evaluations (inf: it never does)."""
+        points = list(zip(self.steps, self.losses))
+        for i, (s, v) in enumerate(points):
+            if v <= target:
+                if i == 0:
+                    return float(s)
+                s0, v0 = points[i - 1]
+                return s0 + (s - s0) * (v0 - target) / (v0 - v)
+        return math.inf
+
+    def at(self, step: int) -> float:
+        """The held-out loss at the last evaluation at or before ``step``."""
+        return [v for s, v in zip(self.steps, self.losses) if s <= step][-1]
+
+
+def train(setup: Setup, config: Config, seed: int, data: torch.Tensor,
+          held: tuple[torch.Tensor, torch.Tensor]) -> Curve:
+    """Train ``setup``'s model for its budget with ``config``'s codecs at every boundary."""
+    model = setup.model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr)
+    links = [Link(i, config) for i in range(len(setup.cuts))]
+    batches = text_batches(data, setup.batch, setup.seq, seed=seed)
+    curve = Curve(config.name, seed)
+    for step in range(1, setup.budget + 1):
+        x, y = next(batches)
+        opt.zero_grad(set_to_none=True)
+        for mb, (xm, ym) in enumerate(zip(x.chunk(setup.microbatches),
+                                          y.chunk(setup.microbatches))):
+            for link in links:
+                link.microbatch = mb
+            loss = lm_loss(staged_forward(model, links, setup.cuts, xm), ym)
+            (loss / setup.microbatches).backward()
+        opt.step()
+        if step % setup.eval_every == 0 or step == setup.budget:
+            curve.steps.append(step)
+            curve.losses.append(evaluate(model, links, setup.cuts, held))
+    curve.forward_bytes = statistics.mean(link.per_token("forward") for link in links)
+    curve.backward_bytes = statistics.mean(link.per_token("backward") for link in links)
+    return curve
+
+
+@torch.no_grad()
+def evaluate(model: nn.Sequential, links: list[Link], cuts: tuple[int, ...],
+             held: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """Held-out loss of the model as deployed: activations through the codecs too."""
+    x, y = held
+    counts = [dict(link.bytes) for link in links], [dict(link.tokens) for link in links]
+    out = float(lm_loss(staged_forward(model, links, cuts, x), y))
+    for link, b, t in zip(links, *counts):  # evaluation traffic is not training traffic
+        link.bytes, link.tokens = b, t
+    return out
+
+
+@dataclass
+class Convergence:
+    """Every configuration's runs and the target they are measured against."""
+
+    curves: dict[str, list[Curve]]
+    target: float
+    budget: int
+
+    def steps(self, name: str) -> float:
+        return statistics.median(c.steps_to(self.target) for c in self.curves[name])
+
+    def final(self, name: str) -> float:
+        return statistics.median(c.at(self.budget) for c in self.curves[name])
+
+    def bytes_per_token(self, name: str) -> tuple[float, float]:
+        first = self.curves[name][0]
+        return first.forward_bytes, first.backward_bytes
+
+
+def converge(setup: Setup, configs: list[Config], log=print) -> Convergence:
+    """Steps to target for every configuration: raw fp32 first (it sets the target)."""
+    train_data, test_data = pydoc_text()
+    held = next(text_batches(test_data, setup.held_windows, setup.seq, seed=12345))
+    curves: dict[str, list[Curve]] = {}
+    for config in configs:
+        t0 = time.monotonic()
+        curves[config.name] = [train(setup, config, seed, train_data, held)
+                               for seed in range(setup.seeds)]
+        log(f"  trained {config.name:<10} {setup.seeds} seed(s) x {setup.budget} steps in "
+            f"{time.monotonic() - t0:5.0f} s; final held-out loss "
+            f"{statistics.median(c.losses[-1] for c in curves[config.name]):.4f}; "
+            f"load {os.getloadavg()[0]:.2f}")
+    at = max(setup.eval_every, round(TARGET_AT * setup.budget / setup.eval_every)
+             * setup.eval_every)
+    target = statistics.median(c.at(at) for c in curves["raw"])
+    return Convergence(curves, target, setup.budget)
+
+
+# -- step time, over a shaped swarm ----------------------------------------------
+
+def link_profile(n_nodes: int, mbps: float, latency_ms: float) -> dict:
+    """Every pair of nodes joined by the same emulated link, so any placement is shaped."""
+    groups = {f"n{i}": [f"node{i}"] for i in range(n_nodes)}
+    links = [{"from": f"n{i}", "to": f"n{j}", "mbps": mbps, "latency_ms": latency_ms}
+             for i, j in itertools.combinations(range(n_nodes), 2)]
+    return {"groups": groups, "links": links}
+
+
+def step_time(swarm: Any, setup: Setup, config: Config, steps: int) -> float:
+    """Median seconds between consecutive steps of a 4-stage job, after 2 warm-up steps."""
+    train_data, _ = pydoc_text()
+    job = swarm.client().submit(
+        setup.model(0), lm_loss, fedpipe.optimizer(torch.optim.AdamW, lr=setup.lr),
+        text_batches(train_data, setup.batch, setup.seq), steps=steps,
+        microbatches=setup.microbatches, schedule="1f1b", stages=setup.blocks,
+        replicas=1, compression=config.compression())
+    times = [ev.time for ev in job.events() if ev.step > 0]
+    job.wait(progress=False)
+    job.release()
+    gaps = [b - a for a, b in zip(times, times[1:])][2:]
+    return statistics.median(gaps) if gaps else math.nan
+
+
+def step_times(setup: Setup, configs: list[Config], steps: int, profile: dict | None,
+               log=print) -> dict[str, float]:
+    from fedpipe.testing import LocalSwarm
+
+    out = {}
+    with LocalSwarm(n_nodes=setup.blocks, link_profile=profile, timeout=180) as swarm:
+        for config in configs:
+            out[config.name] = step_time(swarm, setup, config, steps)
+            log(f"  {'shaped' if profile else 'unshaped':<8} {config.name:<10} step "
+                f"{out[config.name] * 1e3:8.1f} ms; load {os.getloadavg()[0]:.2f}")
+    return out
+
+
+# -- the ratio the defaults are chosen by ----------------------------------------
+
+def stage_compute_seconds(setup: Setup, reps: int = 10) -> float:
+    """Median seconds of one middle stage's forward + backward over a whole step's batch."""
+    block = setup.model(0)[2]
+    x = torch.randn(setup.batch, setup.seq, setup.d, requires_grad=True)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for xm in x.detach().chunk(setup.microbatches):
+            xm.requires_grad_(True)
+            block(xm).sum().backward()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[1:])
+
+
+def link_seconds(setup: Setup, mbps: float, latency_ms: float) -> float:
+    """Seconds raw fp32 activations of one step keep one boundary busy, one way."""
+    nbytes = setup.batch * setup.seq * setup.d * 4
+    return nbytes / (mbps * 1e6 / 8) + setup.microbatches * latency_ms / 1e3
+
+
+# -- the report ------------------------------------------------------------------
+
+def report(conv: Convergence, shaped: dict[str, float], floor: float, tokens: int) -> None:
+    raw_t = conv.steps("raw") * shaped["raw"]  # nan without a swarm: T/T_raw then nan
+    print(f"\ntarget held-out loss {conv.target:.4f} (raw fp32 at {TARGET_AT:.0%} of "
+          f"{conv.budget} steps); T = steps to target x steady step time")
+    print(f"{'config':<11} {'act B/tok':>9} {'grad B/tok':>10} {'steps':>7} {'step ms':>8} "
+          f"{'T s':>8} {'T/T_raw':>8} {'final loss':>10} {'vs raw':>7}")
+    for name in conv.curves:
+        fwd, bwd = conv.bytes_per_token(name)
+        steps, st = conv.steps(name), shaped.get(name, math.nan)
+        t = steps * st
+        final = conv.final(name)
+        print(f"{name:<11} {fwd:9.1f} {bwd:10.1f} {steps:7.0f} {st * 1e3:8.1f} {t:8.1f} "
+              f"{t / raw_t:8.3f} {final:10.4f} {(final / conv.final('raw') - 1) * 100:+6.1f}%")
+    print(f"unshaped floor: raw steps x unshaped step time = {conv.steps('raw'):.0f} x "
+          f"{floor * 1e3:.1f} ms = {conv.steps('raw') * floor:.1f} s "
+          f"({conv.steps('raw') * floor / raw_t:.3f} of shaped raw's T)")
+    print(f"({tokens} tokens per step; bytes/token are per boundary, each of the 3)")
+
+
+def plot(conv: Convergence, shaped: dict[str, float], path: str) -> None:
+    """Held-out loss against modelled wall time (step x steady step time), every
+    configuration's first seed, in one figure at ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, curves in conv.curves.items():
+        if math.isfinite(shaped.get(name, math.nan)):
+            c = curves[0]
+            ax.plot([s * shaped[name] for s in c.steps], c.losses, label=name)
+    ax.axhline(conv.target, color="grey", linestyle=":", label="target")
+    ax.set_xlabel("wall time, s (steps x steady step time over the shaped links)")
+    ax.set_ylabel("held-out loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run (< 2 min when idle)")
+    ap.add_argument("--mbps", type=float, default=0.0, help="link bandwidth, Mbit/s (default "
+                    "12: raw fp32 activations take ~10x a stage's compute; --quick 2)")
+    ap.add_argument("--latency-ms", type=float, default=5.0, help="one-way link latency, ms")
+    ap.add_argument("--budget", type=int, default=0, help="training steps (default 1000; "
+                    "--quick 50)")
+    ap.add_argument("--seeds", type=int, default=0, help="seeds (default 3; --quick 1)")
+    ap.add_argument("--swarm-steps", type=int, default=0, help="steps per swarm job "
+                    "(default 20; --quick 7)")
+    ap.add_argument("--swarm-configs", default="", help="configurations whose step time the "
+                    f"swarm measures (default all; --quick {','.join(QUICK_SWARM)})")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, raw first: {', '.join(CONFIGS)}")
+    ap.add_argument("--no-swarm", action="store_true", help="steps to target only")
+    ap.add_argument("--plot", default="", help="write the loss-against-wall-time plot here (PNG)")
+    return ap.parse_args(argv)
+
+
+def setup_of(args: argparse.Namespace) -> Setup:
+    if args.quick:
+        return Setup(d=32, seq=32, batch=16, budget=args.budget or 50, eval_every=10,
+                     seeds=args.seeds or 1, held_windows=64)
+    return Setup(budget=args.budget or 1000, seeds=args.seeds or 3)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup = setup_of(args)
+    args.mbps = args.mbps or (2.0 if args.quick else 12.0)
+    configs = [CONFIGS[n] for n in args.configs.split(",")]
+    if configs[0].name != "raw":
+        raise SystemExit("--configs must start with raw: it sets the target")
+    torch.set_num_threads(1)
+    print(f"{os.cpu_count()} cores; load %.2f %.2f %.2f" % os.getloadavg(), flush=True)
+    compute = stage_compute_seconds(setup)
+    wire = link_seconds(setup, args.mbps, args.latency_ms)
+    print(f"model: char transformer d={setup.d}, {setup.blocks} blocks, context {setup.seq}, "
+          f"batch {setup.batch} in {setup.microbatches} microbatches, 4 stages; link "
+          f"{args.mbps:g} Mbit/s, {args.latency_ms:g} ms one way")
+    print(f"raw fp32 activations per step and boundary: {wire * 1e3:.1f} ms on the link, "
+          f"a stage's compute {compute * 1e3:.1f} ms: ratio {wire / compute:.1f}x", flush=True)
+    conv = converge(setup, configs, log=lambda s: print(s, flush=True))
+    shaped, floor = {c.name: math.nan for c in configs}, math.nan
+    if not args.no_swarm:
+        steps = args.swarm_steps or (7 if args.quick else 20)
+        names = args.swarm_configs or (",".join(QUICK_SWARM) if args.quick else args.configs)
+        timed = [CONFIGS[n] for n in names.split(",")]
+        t0 = time.monotonic()
+        shaped |= step_times(setup, timed, steps, link_profile(setup.blocks, args.mbps,
+                                                               args.latency_ms))
+        floor = step_times(setup, configs[:1], steps, None)["raw"]
+        print(f"  swarm measurements took {time.monotonic() - t0:.0f} s; raw fp32's link time "
+              f"is {wire / floor:.1f}x the unshaped swarm's step time", flush=True)
+    report(conv, shaped, floor, setup.batch * setup.seq)
+    if args.plot:
+        plot(conv, shaped, args.plot)
+    print("load %.2f %.2f %.2f (a shared machine: other sessions run on these cores)"
+          % os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()

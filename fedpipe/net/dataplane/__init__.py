@@ -1,0 +1,42 @@
+"""The socket data plane: fedpipe's wire frames over one TCP (or TLS) connection per peer pair.
+
+gRPC keeps the control plane; tensors travel here, from their own memory
+(``sendmsg`` of a header and the tensor's bytes) into theirs (``recv_into`` a
+tensor reserved from the checked header), with credit-based flow control and a
+connection that resumes after a break without losing or repeating a tensor.
+Contract: ``protos/fedpipe/v1/FRAMES.md``, "Connections".
+
+* :mod:`.records`: the records a connection carries and the preface (no torch).
+* :mod:`.credits`: the sender's window.
+* :mod:`.connection`: one socket: writing records, reading tensors.
+* :mod:`.link`: one peer's state across connections: sequence numbers, resume,
+  duplicates, acknowledgements.
+* :mod:`.server`: :class:`DataPlane`, a process's listener and links.
+
+Plugging it into a node (the seam; nothing in fedpipe.node uses it yet):
+
+* the node builds one ``DataPlane(name, receiver, host=, port=--data-port, tls=,
+  events=)`` next to its gRPC server; ``receiver`` adapts the node's ``Send``:
+  ``admit(peer, header)`` runs the checks of ``NodeService._admit`` with
+  ``peer.identity`` in place of ``identity_of(context)``, ``deliver(peer, header,
+  tensor)`` is ``StageRegistry.deliver``; domain errors become ``Refused(Code.X,
+  message)`` with the code the node's error table gives them on gRPC.
+  ``events.lost``/``failed`` feed ``StageRegistry.suspect``.
+* a peer link holds a :class:`Link` (``plane.link(peer.node_name, data_address)``)
+  instead of a channel: ``PeerSender.submit(envelope, tensor, codec)`` becomes
+  ``codecs.encode_payload`` (with the sender's error feedback for gradients) and
+  ``link.send_encoded(msg, payload, envelope=envelope)`` on the stage's own thread;
+  ``flush()`` is ``link.flush()``; ``check()`` is ``link.check()``, its
+  ``PeerRefused``/``LinkFailed`` mapped to ``StageError(peer=...)``. ``rpc.send``
+  of one tensor (``SendOne``: probes, a client's feed) is ``link.send`` then
+  ``link.flush``.
+* a raw CPU tensor is sent from its own memory and kept until acknowledged, so a
+  stage must not change it in place before ``flush`` (copy it where it would).
+"""
+from .credits import LinkFailed
+from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts
+from .records import Code, Preface
+from .server import DataPlane
+
+__all__ = ["Code", "DataPlane", "Link", "LinkEvents", "LinkFailed", "Peer", "PeerRefused",
+           "Preface", "Receiver", "Refused", "Timeouts"]

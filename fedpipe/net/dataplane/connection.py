@@ -1,0 +1,228 @@
+"""One socket of the data plane: records written from their own memory, tensors read into theirs.
+
+A :class:`Connection` owns one connected TCP socket, plain or TLS
+(:class:`ssl.SSLSocket`). Writing is one call per record: ``socket.sendmsg``
+of the record's small head and the tensor's own memory, gathered by the
+kernel, so no ``bytes`` copy of a payload is made in Python. An
+``SSLSocket`` has no ``sendmsg``: the head and the payload are two
+``sendall`` calls of memoryviews (``ssl`` encrypts from the view; its
+own copy into TLS records is the only one).
+
+Reading goes through a small read-ahead buffer (:data:`READ_AHEAD` bytes),
+so a record's prefix and header, and a small tensor, cost one ``recv_into``
+for several records; a payload is read with ``recv_into`` straight into the
+tensor reserved for it (:func:`read_tensor`), after copying in whatever part
+of it was already read ahead. Every field of a tensor's header is checked
+before that memory is reserved (:func:`read_head`).
+
+Only the link's reader thread reads; writers hold the link's write lock.
+"""
+from __future__ import annotations
+
+import socket
+import ssl
+from typing import Sequence
+
+import numpy
+import torch
+
+from ...proto import node_pb2, tensor_pb2
+from ...wire import codecs, format
+from ...wire.format import WireError
+
+READ_AHEAD = 256 * 1024
+"""Bytes a connection reads ahead when it waits for a record: a few small records per
+``recv_into``; a large payload's tail is read straight into its tensor."""
+_SCRATCH = 1 << 20
+"""Largest piece of a refused tensor's payload read at once while it is skipped, bytes."""
+
+_JOIN_TLS = 16 * 1024
+"""Over TLS, a record this small (a TLS record's payload) is joined into one write."""
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Closed(ConnectionError):
+    """The peer closed the connection (end of stream) or it was closed on this side."""
+
+
+def _send_all(sock: socket.socket, parts: Sequence[Buffer]) -> None:
+    """Write ``parts`` in order, whole: ``sendmsg`` (gathering, no copy) where the socket
+    has it, else ``sendall`` of each part (TLS)."""
+    if isinstance(sock, ssl.SSLSocket):
+        if sum(map(len, parts)) <= _JOIN_TLS:  # one TLS record beats a copy this small
+            parts = [b"".join(parts)]
+        for p in parts:
+            sock.sendall(p)
+        return
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):  # a short write: go on after what went
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
+
+
+class Connection:
+    """One connected socket: :meth:`write` for writers, the ``read_*`` methods for the reader.
+
+    Args:
+        sock: a connected, blocking socket (TLS already handshaken).
+        dialed: whether this side dialed it.
+    """
+
+    def __init__(self, sock: socket.socket, dialed: bool):
+        self.sock, self.dialed = sock, dialed
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self._buf = bytearray(READ_AHEAD)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0  # the read-ahead bytes not consumed yet
+        self.closed = False
+
+    def __repr__(self) -> str:
+        try:
+            peer = self.sock.getpeername()
+        except OSError:
+            peer = "closed"
+        return f"Connection({peer}, {'TLS' if self.tls else 'plain'})"
+
+    # -- writing: callers hold the link's write lock -----------------------------
+    def write(self, *parts: Buffer) -> None:
+        """Write ``parts`` as one piece of the stream.
+
+        Raises:
+            OSError: the connection broke (some of ``parts`` may have gone).
+        """
+        _send_all(self.sock, parts)
+
+    # -- reading: the reader thread only -----------------------------------------
+    def _recv_into(self, view: memoryview) -> int:
+        n = self.sock.recv_into(view)
+        if n == 0:
+            raise Closed("the peer closed the connection")
+        return n
+
+    def read_exact(self, n: int) -> bytes:
+        """The next ``n`` bytes (at most :data:`READ_AHEAD`), copied out.
+
+        Raises:
+            Closed: the stream ended first. OSError: the connection broke.
+        """
+        if self._end - self._start < n:
+            if self._start:  # keep what is left at the front
+                left = self._end - self._start
+                self._buf[:left] = self._view[self._start:self._end]
+                self._start, self._end = 0, left
+            while self._end < n:
+                self._end += self._recv_into(self._view[self._end:])
+        out = bytes(self._view[self._start:self._start + n])
+        self._start += n
+        return out
+
+    def read_into(self, target: memoryview) -> None:
+        """Fill ``target`` (a writable byte view) with the next ``len(target)`` bytes:
+        what was read ahead is copied in, the rest is received straight into it.
+
+        Raises:
+            Closed: the stream ended first. OSError: the connection broke.
+        """
+        got = min(self._end - self._start, len(target))
+        if got:
+            target[:got] = self._view[self._start:self._start + got]
+            self._start += got
+        while got < len(target):
+            got += self._recv_into(target[got:])
+
+    def skip(self, n: int) -> None:
+        """Read and drop the next ``n`` bytes (a refused tensor's payload), in bounded pieces."""
+        scratch = memoryview(bytearray(min(n, _SCRATCH)))
+        while n:
+            piece = scratch[:min(n, len(scratch))]
+            self.read_into(piece)
+            n -= len(piece)
+
+    def close(self) -> None:
+        """Close the socket; a thread blocked reading or writing it returns with an error."""
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected any more
+        self.sock.close()
+
+
+def read_head(conn: Connection) -> node_pb2.Frame:
+    """Read a TENSOR record's HEAD wire frame (its payload not yet) and check the frame as
+    a receiver on gRPC does (``protos/fedpipe/v1/FRAMES.md``, checks 1-4); the tensor
+    header's fields are checked by :func:`read_tensor` or :func:`skip_payload`, once the
+    receiver's limit is known. Nothing is reserved.
+
+    Raises:
+        WireError: a malformed frame, naming the field.
+    """
+    prefix = conn.read_exact(format.HEAD_PREFIX_BYTES)
+    if prefix[:3] != format.MAGIC or prefix[3] != format.VERSION or prefix[4] != format.HEAD:
+        format.unpack(prefix[:5])  # names what is wrong: the magic, version or kind
+        raise WireError(f"a TENSOR record carries wire frame kind {prefix[4]}, not HEAD "
+                        f"({format.HEAD}): a connection never cuts a tensor into frames")
+    size = int.from_bytes(prefix[5:9], "little")
+    if size > format.MAX_HEADER_BYTES:
+        raise WireError(f"frame header length {size} exceeds the limit of "
+                        f"{format.MAX_HEADER_BYTES}")
+    header, _ = format.unpack(prefix + conn.read_exact(size))
+    assert header is not None  # a HEAD frame
+    return header
+
+
+def skip_payload(conn: Connection, header: node_pb2.Frame) -> None:
+    """Read and drop the payload of a tensor that is not taken (refused, or a duplicate),
+    after checking its header (so ``payload_bytes`` is within bounds).
+
+    Raises:
+        WireError: a malformed tensor header. Closed, OSError: the connection broke.
+    """
+    codecs.check_header(header.tensor)
+    conn.skip(header.tensor.payload_bytes)
+
+
+def reserve(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of writable, uninitialized memory as a 1-D uint8 CPU tensor.
+
+    From malloc (numpy's allocator), not ``torch.empty``: torch's CPU allocator
+    hands out freshly mapped pages for large tensors (1229 page faults for each
+    16 MiB ``torch.empty`` measured here, against none from malloc with
+    :func:`fedpipe.net.tune_malloc`'s settings, which keep freed buffers for
+    reuse), and faulting a tensor's pages in costs about as much as receiving it.
+
+    Raises:
+        WireError: the memory cannot be reserved.
+    """
+    try:
+        return torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8))
+    except MemoryError as e:
+        raise WireError(f"cannot reserve {nbytes} bytes for a tensor: {e}") from None
+
+
+def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int) -> torch.Tensor:
+    """The payload of a checked header, read into a tensor reserved from the header.
+
+    A raw tensor without zstd is received straight into a tensor of its dtype
+    and shape (:func:`reserve`); others into a buffer of ``payload_bytes``,
+    decoded in place (:func:`fedpipe.wire.codecs.decode`). The header is checked
+    against ``limit`` (the receiver's admission) before anything is reserved.
+
+    Raises:
+        WireError: over ``limit``, memory that cannot be reserved, or a malformed
+            payload. Closed, OSError: the connection broke mid-payload.
+    """
+    msg = header.tensor
+    codecs.check_header(msg, limit)
+    if not msg.payload_bytes:  # no elements (a raw empty tensor): nothing to receive
+        return codecs.decode(msg, payload=b"", max_bytes=limit)
+    buf = reserve(msg.payload_bytes)
+    conn.read_into(buf.numpy().data)
+    if msg.codec == tensor_pb2.CODEC_RAW and not msg.zstd:  # the tensor is the buffer
+        return buf.view(codecs.TORCH_DTYPES[msg.dtype]).view(tuple(msg.shape))
+    return codecs.decode(msg, payload=buf.numpy().data, max_bytes=limit)

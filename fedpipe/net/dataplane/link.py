@@ -1,0 +1,548 @@
+"""One peer link: tensors both ways over one connection, credits, and resume after a break.
+
+A :class:`Link` is this side's state for one peer: what it sent and the peer
+has not acknowledged yet (kept for a resend), the sequence numbers both ways,
+the credit the peer granted, and the connection now carrying it (none while
+it is broken). The link outlives its connections: when one breaks, the
+dialing side dials again, both sides exchange prefaces that say where each
+resumes, the cut tensor and every later unacknowledged one are resent, and a
+tensor the receiver already delivered is refused as a duplicate by its
+sequence number.
+
+Threads: any number of senders (:meth:`Link.send`, :meth:`Link.flush`), one
+reader per connection (started by whoever attached it), which delivers
+received tensors to the :class:`Receiver` on its own thread, so a slow
+receiver stops reading, and its sender runs out of credit.
+
+Acknowledgements are lazy: the reader acknowledges when a quarter of its
+window was delivered since the last one, and at once when asked (``SYNC``:
+a sender out of credit, or flushing). A reader never waits for the write
+lock (a sender may hold it for the length of a large tensor while its peer
+does the same): it queues its record and whoever holds the lock writes it on
+release (:meth:`Link._drain`).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from typing import Callable, NamedTuple, Protocol
+
+import torch
+
+from ...proto import node_pb2, tensor_pb2
+from ...security import Identity
+from ...wire import codecs, format
+from ...wire.format import WireError
+from . import records
+from .connection import Closed, Connection, read_head, read_tensor, skip_payload
+from .credits import Credits, LinkFailed
+from .records import Code, Preface, RecordType
+
+log = logging.getLogger(__name__)
+
+WINDOW_BYTES = 64 * 2**20
+"""Credit a receiver grants by default, bytes of unacknowledged tensors."""
+WINDOW_MESSAGES = 1024
+"""Credit a receiver grants by default, unacknowledged tensors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """A link's deadlines, seconds.
+
+    Attributes:
+        credit: a sender waits this long for credit (the receiver acknowledges
+            nothing) before the link fails.
+        resume: a broken connection must be replaced within this long (the
+            dialer redials with backoff meanwhile), else the link fails.
+        handshake: connect, TLS handshake and prefaces, each.
+        backoff_min, backoff_max: the dialer's pause between redials, doubling.
+    """
+
+    credit: float = 600.0
+    resume: float = 10.0
+    handshake: float = 5.0
+    backoff_min: float = 0.05
+    backoff_max: float = 1.0
+
+
+DEFAULT_TIMEOUTS = Timeouts()
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """Who is at the other end of a link.
+
+    Attributes:
+        name: its node (or client) name, from its preface; with TLS, its certificate's.
+        role: ``node`` or ``client``.
+        identity: its certificate's identity (None without TLS).
+    """
+
+    name: str
+    role: str
+    identity: Identity | None = None
+
+
+class Refused(Exception):
+    """A receiver refuses one tensor; the link goes on. ``code`` travels with the message."""
+
+    def __init__(self, code: Code, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class PeerRefused(WireError):
+    """The peer refused a tensor this side sent (raised by the next send or flush)."""
+
+    def __init__(self, code: Code, message: str, seq: int):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.seq = code, seq
+
+
+class Receiver(Protocol):
+    """Where a link's received tensors go (the node: its admission checks and mailbox).
+
+    Both methods run on the link's reader thread. They must not send on the same link
+    (a send may wait for credit that only this reader brings back): hand the tensor to
+    another thread first, as a node's mailbox does.
+    """
+
+    def admit(self, peer: Peer, header: node_pb2.Frame) -> int:
+        """Check a tensor's header before its payload is read; return its size limit in
+        bytes. Raises :class:`Refused` to refuse it (its payload is then skipped)."""
+
+    def deliver(self, peer: Peer, header: node_pb2.Frame, tensor: torch.Tensor) -> None:
+        """Take a received tensor; may block (the sender then runs out of credit).
+        Raises :class:`Refused` to refuse it."""
+
+
+class LinkEvents(Protocol):
+    """What a link reports about its peer (the node: its suspect path)."""
+
+    def lost(self, peer: str, why: str) -> None:
+        """A connection broke; the link tries to resume."""
+
+    def failed(self, peer: str, why: str) -> None:
+        """The link is gone for good."""
+
+
+class _Quiet:
+    def lost(self, peer: str, why: str) -> None:
+        log.info("data connection to %s lost: %s", peer, why)
+
+    def failed(self, peer: str, why: str) -> None:
+        log.warning("data link to %s failed: %s", peer, why)
+
+
+class _Out(NamedTuple):
+    """A tensor sent and not acknowledged yet: what a resend writes again."""
+
+    seq: int
+    head: bytes          # record prefix and HEAD frame (prefix, header)
+    payload: memoryview  # the tensor's own memory (or its codec output)
+
+
+class _GoAway(Exception):
+    """The peer said GOAWAY: it will not take this link's tensors again."""
+
+
+Dial = Callable[[], tuple[Connection, Preface, Peer]]
+"""Open a new connection to the peer, prefaces exchanged (:meth:`Link.preface` sent)."""
+
+
+class Link:
+    """This side's state for one peer, across the connections that carry it.
+
+    Args:
+        name, role: this side's identity, for its prefaces.
+        peer: the peer's name (its preface must say so).
+        receiver: where received tensors go.
+        events: where breaks and failures are reported.
+        dial: opens a new connection (the dialing side), or None (the accepting
+            side: the peer dials again).
+        window_bytes, window_messages: the credit this side grants its peer.
+    """
+
+    def __init__(self, name: str, role: str, peer: str, receiver: Receiver, *,
+                 events: LinkEvents | None = None, dial: Dial | None = None,
+                 window_bytes: int = WINDOW_BYTES, window_messages: int = WINDOW_MESSAGES,
+                 timeouts: Timeouts = DEFAULT_TIMEOUTS):
+        self.name, self.role, self.peer_name = name, role, peer
+        self.receiver, self.events = receiver, events or _Quiet()
+        self.dial, self.timeouts = dial, timeouts
+        self.window_bytes, self.window_messages = window_bytes, window_messages
+        self.session = secrets.token_hex(8)
+        self.peer: Peer | None = None
+        self._wlock = threading.Lock()      # one record at a time on the stream
+        # one reader at a time: a replaced connection's reader may still be delivering
+        # a tensor; the next one waits for it, so a tensor is never delivered twice
+        self._reader = threading.Lock()
+        self._state = threading.Condition()  # everything below
+        self.conn: Connection | None = None
+        self.closed = False
+        # outbound
+        self.next_seq = 0
+        self.retained: collections.deque[_Out] = collections.deque()
+        self.credits = Credits(window_bytes, window_messages)  # the peer's, once it says
+        self.error: PeerRefused | None = None
+        # inbound
+        self.peer_session = ""
+        self.expected = 0
+        self._unacked = [0, 0]  # bytes, tensors delivered since the last ACK
+        self._control: list[bytes] = []
+        self._ack_due = False
+        self.duplicates = 0
+        self.received = 0
+
+    def __repr__(self) -> str:
+        return f"Link({self.name} <-> {self.peer_name}, {'up' if self.conn else 'down'})"
+
+    # -- sending -------------------------------------------------------------
+    def check(self) -> None:
+        """Raise what the peer refused, or why the link failed.
+
+        Raises:
+            PeerRefused: the peer refused a tensor sent earlier (raised once).
+            LinkFailed: the link is gone.
+        """
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        if self.credits.failed is not None:
+            raise LinkFailed(f"link to {self.peer_name}: {self.credits.failed}")
+
+    def send(self, tensor: torch.Tensor, *, envelope: node_pb2.Envelope | None = None,
+             name: str = "", codec: str = "raw", flush: bool = False) -> int:
+        """Send ``tensor`` (encoded with ``codec``) with its ``envelope`` or ``name``.
+
+        A raw CPU tensor is written from its own memory: it must not be changed
+        in place until the peer acknowledged it (:meth:`flush`). Blocks while the
+        peer's credit is used up. Returns the tensor's sequence number.
+        ``flush``: then wait as :meth:`flush` does, its SYNC written with the
+        tensor (one write; what ``SendOne`` is on gRPC: one tensor, answered).
+
+        Raises:
+            PeerRefused: the peer refused a tensor sent earlier.
+            LinkFailed: the link failed, or no credit came back in time.
+            WireError: the tensor cannot be encoded.
+        """
+        msg, payload = codecs.encode_payload(tensor, codec)
+        return self.send_encoded(msg, payload, envelope=envelope, name=name, flush=flush)
+
+    def send_encoded(self, msg: tensor_pb2.Tensor, payload: memoryview, *,
+                     envelope: node_pb2.Envelope | None = None, name: str = "",
+                     flush: bool = False) -> int:
+        """:meth:`send` of a tensor already encoded
+        (:func:`~fedpipe.wire.codecs.encode_payload`)."""
+        self.check()
+        header = node_pb2.Frame(envelope=envelope, name=name)
+        header.tensor.CopyFrom(msg)
+        header.tensor.payload_bytes = len(payload)
+        frame_head = format.pack_head(header)
+        if not self.credits.available(len(payload)):
+            self._sync()  # ask for the acknowledgements that give credit back
+        self.credits.take(len(payload), self.timeouts.credit, f" by {self.peer_name}")
+        with self._wlock:
+            with self._state:
+                seq = self.next_seq
+                self.next_seq += 1
+                out = _Out(seq, records.pack(RecordType.TENSOR, seq) + frame_head, payload)
+                self.retained.append(out)
+                conn = self.conn
+            if conn is not None:  # else the tensor goes when the link resumes
+                sync = (records.pack(RecordType.SYNC, seq + 1),) if flush else ()
+                self._write(conn, out.head, out.payload, *sync)
+        self._drain()
+        if flush:
+            self._wait_idle(None)
+        return seq
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the peer acknowledged every tensor sent.
+
+        Raises:
+            PeerRefused: the peer refused one of them.
+            LinkFailed: the link failed, or ``timeout`` (default: the credit
+                timeout) passed first.
+        """
+        self._sync()
+        self._wait_idle(timeout)
+
+    def _wait_idle(self, timeout: float | None) -> None:
+        timeout = self.timeouts.credit if timeout is None else timeout
+        if not self.credits.wait_idle(timeout):
+            self.credits.fail(f"{self.credits.messages_out} tensors unacknowledged by "
+                              f"{self.peer_name} after {timeout} s")
+        self.check()
+
+    def _sync(self) -> None:
+        with self._state:
+            self._control.append(records.pack(RecordType.SYNC, self.next_seq))
+        self._drain()
+
+    def _write(self, conn: Connection, *parts: bytes | memoryview) -> None:
+        """Write on ``conn`` (the write lock held); a failure breaks it (the link resumes)."""
+        try:
+            conn.write(*parts)
+        except OSError as e:
+            self._broken(conn, f"write failed: {e}")
+
+    def _drain(self) -> None:
+        """Write the queued control records, unless another thread holds the write lock: it
+        drains them after its own record (see the module docstring)."""
+        while (self._control or self._ack_due) and self._wlock.acquire(blocking=False):
+            try:
+                with self._state:
+                    conn = self.conn
+                    if conn is None:
+                        return  # the next connection's prefaces say it all
+                    recs, self._control = self._control, []
+                    if self._ack_due:
+                        recs.append(records.pack(RecordType.ACK, self.expected))
+                        self._ack_due, self._unacked = False, [0, 0]
+                self._write(conn, b"".join(recs))
+            finally:
+                self._wlock.release()
+
+    # -- connections ----------------------------------------------------------
+    def preface(self) -> Preface:
+        """This side's preface for a new connection: where the peer should resume."""
+        with self._state:
+            base = self.retained[0].seq if self.retained else self.next_seq
+            return Preface(name=self.name, role=self.role, session=self.session, base=base,
+                           resume_session=self.peer_session, resume=self.expected,
+                           window_bytes=self.window_bytes,
+                           window_messages=self.window_messages)
+
+    def attach(self, conn: Connection, theirs: Preface, peer: Peer) -> None:
+        """Carry the link over ``conn`` from now on (prefaces exchanged): forget what the
+        peer says it has, resend the rest in order. The caller then runs :meth:`read`.
+
+        Raises:
+            LinkFailed: the link is closed or failed.
+        """
+        with self._state:
+            old, self.conn = self.conn, None
+        if old is not None:
+            old.close()  # a writer or reader stuck on it returns, and lets go of its lock
+        with self._reader, self._wlock:
+            with self._state:
+                if self.closed or self.credits.failed is not None:
+                    conn.close()
+                    raise LinkFailed(f"link to {self.peer_name} is closed")
+                self.peer = peer
+                if theirs.session != self.peer_session:  # a new peer, or one restarted
+                    self.peer_session, self.expected = theirs.session, theirs.base
+                # the preface said what was delivered; refusals still queued go out below
+                self._unacked, self._ack_due = [0, 0], False
+                if theirs.resume_session == self.session:
+                    self._forget_below(theirs.resume)
+                self.credits.regrant(theirs.window_bytes, theirs.window_messages)
+                resend = list(self.retained)
+                self.conn = conn
+                self._state.notify_all()
+            for out in resend:
+                self._write(conn, out.head, out.payload)
+            if resend:
+                self._control.append(records.pack(RecordType.SYNC, self.next_seq))
+        self._drain()
+
+    def _forget_below(self, seq: int) -> None:
+        """The peer has every tensor below ``seq``: drop them, give their credit back."""
+        nbytes = count = 0
+        while self.retained and self.retained[0].seq < seq:
+            nbytes += len(self.retained.popleft().payload)
+            count += 1
+        if count:
+            self.credits.give_back(nbytes, count)
+
+    def _broken(self, conn: Connection, why: str) -> None:
+        with self._state:
+            if self.conn is not conn:
+                return  # already replaced or reported
+            self.conn = None
+        conn.close()
+        if not self.closed:
+            self.events.lost(self.peer_name, why)
+
+    def fail(self, why: str) -> None:
+        """Give the link up: senders raise LinkFailed, the connection closes."""
+        with self._state:
+            conn, self.conn = self.conn, None
+            first = self.credits.failed is None and not self.closed
+            self._state.notify_all()
+        self.credits.fail(why)
+        with self._state:
+            self.retained.clear()  # nothing will be resent: let the tensors go
+        if conn is not None:
+            conn.close()
+        if first:
+            self.events.failed(self.peer_name, why)
+
+    def close(self) -> None:
+        """Close the link on purpose (no event is reported)."""
+        with self._state:
+            self.closed = True
+        self.fail("closed by this side")
+
+    # -- reading --------------------------------------------------------------
+    def read(self, conn: Connection) -> None:
+        """Read ``conn`` until it breaks (the reader thread's loop); a protocol error or a
+        GOAWAY fails the link. Returns when the connection is gone."""
+        with self._reader:
+            self._read_all(conn)
+
+    def _read_all(self, conn: Connection) -> None:
+        try:
+            while not conn.closed:
+                self._read_record(conn)
+            raise Closed("the connection was replaced")
+        except (Closed, OSError) as e:
+            self._broken(conn, str(e) or type(e).__name__)
+        except WireError as e:  # the peer broke the protocol: tell it why, give it up
+            log.warning("data link from %s: %s", self.peer_name, e)
+            self._goaway(conn, Code.INVALID_ARGUMENT, str(e))
+            self.fail(f"protocol error: {e}")
+        except _GoAway as e:
+            self.fail(f"the peer ended the link: {e}")
+        except Exception as e:  # noqa: BLE001 — a bug here must end the link, not hang it
+            log.exception("data link from %s", self.peer_name)
+            self._goaway(conn, Code.INTERNAL, f"the receiver failed: {e!r}")
+            self.fail(f"the reader failed: {e!r}")
+
+    def _goaway(self, conn: Connection, code: Code, why: str) -> None:
+        """Tell the peer why the link ends: best effort, and never behind a writer stuck
+        on a peer that stopped reading."""
+        if self._wlock.acquire(timeout=self.timeouts.handshake):
+            try:
+                conn.write(records.pack_text(RecordType.GOAWAY, 0, code, why))
+            except OSError:
+                pass
+            finally:
+                self._wlock.release()
+
+    def _read_record(self, conn: Connection) -> None:
+        kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
+        if kind is RecordType.TENSOR:
+            self._on_tensor(conn, arg)
+        elif kind is RecordType.ACK:
+            with self._state:
+                self._forget_below(arg)
+        elif kind is RecordType.SYNC:
+            with self._state:
+                self._ack_due = True
+            self._drain()
+        elif kind is RecordType.REFUSED:
+            code, text = self._read_text(conn)
+            self.error = self.error or PeerRefused(_code(code), text, arg)
+        elif kind is RecordType.GOAWAY:
+            code, text = self._read_text(conn)
+            raise _GoAway(f"{_code(code).name}: {text}")
+        else:
+            raise WireError(f"a {kind.name} record in the middle of a connection")
+
+    @staticmethod
+    def _read_text(conn: Connection) -> tuple[int, str]:
+        code, size = records.TEXT.unpack(conn.read_exact(records.TEXT.size))
+        if size > records.MAX_TEXT_BYTES:
+            raise WireError(f"refusal text of {size} bytes exceeds {records.MAX_TEXT_BYTES}")
+        return code, conn.read_exact(size).decode(errors="replace")
+
+    def _on_tensor(self, conn: Connection, seq: int) -> None:
+        header = read_head(conn)
+        nbytes = header.tensor.payload_bytes
+        if seq != self.expected:
+            if seq > self.expected:
+                raise WireError(f"tensor sequence number {seq} skips {self.expected}")
+            skip_payload(conn, header)  # resent, but delivered before: refused by its number
+            self.duplicates += 1
+            log.info("refused a duplicate tensor %d from %s (%s)", seq, self.peer_name,
+                     _describe(header))
+            return
+        assert self.peer is not None  # set by attach, before the reader starts
+        try:
+            limit = self.receiver.admit(self.peer, header)
+        except Refused as e:
+            skip_payload(conn, header)
+            self._done(seq, nbytes, e)
+            return
+        tensor = read_tensor(conn, header, limit)  # every field checked, then reserved
+        try:
+            self.receiver.deliver(self.peer, header, tensor)
+        except Refused as e:
+            self._done(seq, nbytes, e)
+            return
+        except Exception as e:  # noqa: BLE001 — a receiver's bug refuses one tensor, not the link
+            log.exception("delivering a tensor from %s", self.peer_name)
+            self._done(seq, nbytes, Refused(Code.INTERNAL, f"the receiver failed: {e!r}"))
+            return
+        self._done(seq, nbytes)
+
+    def _done(self, seq: int, nbytes: int, refused: Refused | None = None) -> None:
+        """Tensor ``seq`` was delivered (or refused): count it; acknowledge when due."""
+        with self._state:
+            self.expected = seq + 1
+            self.received += 1
+            self._unacked[0] += nbytes
+            self._unacked[1] += 1
+            if refused is not None:
+                self._control.append(records.pack_text(RecordType.REFUSED, seq, refused.code,
+                                                       str(refused)))
+                self._ack_due = True
+            if (4 * self._unacked[0] >= self.window_bytes
+                    or 4 * self._unacked[1] >= self.window_messages):
+                self._ack_due = True
+        if self._ack_due or self._control:
+            self._drain()
+
+    def wait_up(self, timeout: float) -> bool:
+        """Wait until a connection carries the link (or it fails); whether it does."""
+        with self._state:
+            return self._state.wait_for(
+                lambda: self.conn is not None or self.credits.failed is not None, timeout
+            ) and self.conn is not None
+
+    def await_resume(self) -> None:
+        """The accepting side after a break: wait for the peer to dial again, else fail."""
+        if not self.wait_up(self.timeouts.resume) and not self.closed:
+            self.fail(f"{self.peer_name} did not reconnect within {self.timeouts.resume} s")
+
+    def redial(self) -> None:
+        """The dialing side after a break: dial with backoff until the link resumes (then
+        read it, and so on), or fail it after ``timeouts.resume`` without a connection."""
+        assert self.dial is not None
+        pause, deadline = self.timeouts.backoff_min, time.monotonic() + self.timeouts.resume
+        while not self.closed and self.credits.failed is None:
+            try:
+                conn, theirs, peer = self.dial()
+            except (OSError, WireError) as e:
+                if time.monotonic() + pause > deadline:
+                    self.fail(f"cannot reach {self.peer_name} again within "
+                              f"{self.timeouts.resume} s: {e}")
+                    return
+                time.sleep(pause)
+                pause = min(2 * pause, self.timeouts.backoff_max)
+                continue
+            try:
+                self.attach(conn, theirs, peer)
+            except LinkFailed:
+                return
+            self.read(conn)
+            pause, deadline = self.timeouts.backoff_min, time.monotonic() + self.timeouts.resume
+
+
+def _code(value: int) -> Code:
+    try:
+        return Code(value)
+    except ValueError:
+        return Code.UNKNOWN
+
+
+def _describe(header: node_pb2.Frame) -> str:
+    e = header.envelope
+    return (f"job {e.job_id!r} stage {e.stage} step {e.step} microbatch {e.microbatch} "
+            f"kind {e.kind}" if header.HasField("envelope") else f"name {header.name!r}")

@@ -1,0 +1,191 @@
+"""The socket data plane's records: what one connection carries, byte for byte. No torch.
+
+A connection is a byte stream of *records*. Each starts with a 16-byte prefix;
+what follows depends on its type (contract: ``protos/fedpipe/v1/FRAMES.md``,
+"Connections"):
+
+======  ====  ==============================================================
+offset  size  field
+======  ====  ==============================================================
+0       3     magic ``b"FPC"``
+3       1     version, :data:`VERSION`
+4       1     type, a :class:`RecordType`
+5       3     zero
+8       8     ``arg``, unsigned little-endian: what it means depends on the type
+======  ====  ==============================================================
+
+* ``PREFACE``: ``arg`` is the length of a JSON body (at most
+  :data:`MAX_PREFACE_BYTES`), a :class:`Preface`.
+* ``TENSOR``: ``arg`` is the tensor's sequence number; a HEAD wire frame
+  (:mod:`fedpipe.wire.format`) follows whose payload is the whole tensor,
+  ``payload_bytes`` long: the frames are the same as over gRPC, only never
+  cut into MORE frames (the stream has no message cap).
+* ``ACK``: ``arg``: every tensor below this sequence number was delivered
+  (or refused); it returns their bytes and messages to the sender's credit.
+* ``SYNC``: ``arg`` is the sender's next sequence number; the receiver answers
+  with an ``ACK`` as soon as it has delivered everything before it.
+* ``REFUSED``: ``arg`` is the refused tensor's sequence number; a 4-byte status
+  code (gRPC's numbering) and a 4-byte text length, then the UTF-8 text.
+* ``GOAWAY``: ``arg`` is zero; a code, a text length and the text follow as in
+  ``REFUSED``. The sender closes the connection after it, and the link fails:
+  it is not resumed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import struct
+
+from ...wire.format import WireError
+
+MAGIC = b"FPC"
+VERSION = 1
+"""The connection protocol's version; a preface of another version is refused, naming both."""
+PREFIX = struct.Struct("<3sBB3xQ")
+"""A record's prefix: magic, version, type, three zero bytes, ``arg``."""
+PREFIX_BYTES = PREFIX.size
+TEXT = struct.Struct("<II")
+"""A REFUSED or GOAWAY record's status code and text length, after its prefix."""
+MAX_PREFACE_BYTES = 4096
+"""Largest preface body, bytes (names are short; a preface is a few hundred bytes)."""
+MAX_TEXT_BYTES = 4096
+"""Longest refusal or goaway text a receiver reads, bytes; longer text is cut to this."""
+
+
+class RecordType(enum.IntEnum):
+    """What a record is (its prefix's byte 4)."""
+
+    PREFACE = 1
+    TENSOR = 2
+    ACK = 3
+    SYNC = 4
+    REFUSED = 5
+    GOAWAY = 6
+
+
+class Code(enum.IntEnum):
+    """Status codes a REFUSED or GOAWAY record carries: gRPC's numbers, so a node's error
+    table maps a domain error to the same code on either data plane."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    UNAUTHENTICATED = 16
+
+
+def pack(kind: RecordType, arg: int = 0) -> bytes:
+    """A record's 16-byte prefix."""
+    return PREFIX.pack(MAGIC, VERSION, kind, arg)
+
+
+def unpack(prefix: bytes | bytearray | memoryview) -> tuple[RecordType, int]:
+    """``(type, arg)`` of a record prefix.
+
+    Raises:
+        WireError: not 16 bytes, not the magic, another version or an unknown type.
+    """
+    if len(prefix) != PREFIX_BYTES:
+        raise WireError(f"a record prefix is {PREFIX_BYTES} bytes, got {len(prefix)}")
+    magic, version, kind, arg = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise WireError(f"not a fedpipe connection record: it starts with {bytes(magic)!r}, "
+                        f"not {MAGIC!r}")
+    if version != VERSION:
+        raise WireError(f"connection record version {version} is not supported; this side "
+                        f"speaks version {VERSION}")
+    try:
+        return RecordType(kind), arg
+    except ValueError:
+        raise WireError(f"unknown connection record type {kind}") from None
+
+
+def pack_text(kind: RecordType, arg: int, code: int, text: str) -> bytes:
+    """A REFUSED (``arg``: the sequence number) or GOAWAY (``arg``: 0) record, whole."""
+    body = text.encode()[:MAX_TEXT_BYTES]
+    return pack(kind, arg) + TEXT.pack(code, len(body)) + body
+
+
+@dataclasses.dataclass(frozen=True)
+class Preface:
+    """What each side says first on a connection (the dialer, then the acceptor).
+
+    Attributes:
+        name: the sender's node name (with TLS it must be its certificate's).
+        role: ``node`` or ``client``.
+        session: this side's link state's random id (hex): a peer that sees another
+            session than before knows this side lost its state (a restart).
+        base: the sequence number of the first tensor this side will send or resend.
+        resume_session: the peer's session this side holds inbound state for ("" none).
+        resume: the next sequence number this side expects from ``resume_session``:
+            the peer resends its tensors from there and forgets those below.
+        window_bytes: the credit this side grants, bytes of tensors not yet acknowledged.
+        window_messages: the credit this side grants, tensors not yet acknowledged.
+    """
+
+    name: str
+    role: str
+    session: str
+    base: int = 0
+    resume_session: str = ""
+    resume: int = 0
+    window_bytes: int = 0
+    window_messages: int = 0
+    version: int = VERSION
+
+    def encode(self) -> bytes:
+        """The whole PREFACE record: prefix and JSON body."""
+        body = json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+        if len(body) > MAX_PREFACE_BYTES:
+            raise WireError(f"preface of {len(body)} bytes exceeds {MAX_PREFACE_BYTES}")
+        return pack(RecordType.PREFACE, len(body)) + body
+
+    @classmethod
+    def decode(cls, body: bytes) -> "Preface":
+        """A preface from its JSON body, every field checked.
+
+        Raises:
+            WireError: not JSON, unknown or missing fields, a field of the wrong type,
+                a negative number or window, or another protocol version.
+        """
+        try:
+            fields = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WireError(f"preface is not JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise WireError("preface is not a JSON object")
+        version = fields.get("version")
+        if version != VERSION:
+            raise WireError(f"peer speaks connection version {version!r}; this side speaks "
+                            f"{VERSION}")
+        known = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise WireError(f"preface has unknown fields {unknown}")
+        for name, value in fields.items():
+            if known[name] in (int, "int"):
+                if type(value) is not int or value < 0:
+                    raise WireError(f"preface field {name!r} is {value!r}, not a "
+                                    "non-negative integer")
+            elif type(value) is not str:
+                raise WireError(f"preface field {name!r} is {value!r}, not a string")
+        try:
+            preface = cls(**fields)
+        except TypeError as e:
+            raise WireError(f"preface is missing fields: {e}") from None
+        if preface.window_bytes < 1 or preface.window_messages < 1:
+            raise WireError("preface grants no credit (window_bytes and window_messages "
+                            "must be >= 1)")
+        if not preface.name:
+            raise WireError("preface names no peer")
+        return preface

@@ -1,0 +1,286 @@
+"""A process's end of the socket data plane: a listener, and one :class:`Link` per peer.
+
+:class:`DataPlane` listens on its data port, accepts connections from peers
+(each starts with the peer's preface; with TLS, after a mutual TLS handshake
+whose certificate names the peer), and dials peers on demand
+(:meth:`DataPlane.link`). One link per peer carries tensors both ways: a link
+dialed to a peer is reused for that peer, and so is one the peer dialed here.
+If both sides dial each other at the same moment, each has two links; both
+work, and the one the peer dialed is preferred from then on.
+
+The dialing side owns reconnection: its reader thread redials a broken
+connection with backoff; the accepting side waits for it
+(:attr:`Timeouts.resume`), then fails the link.
+
+Keepalive is the kernel's (``SO_KEEPALIVE`` with fedpipe's keepalive times,
+and ``TCP_USER_TIMEOUT``): a dead peer's connection errors without a Python
+thread waking for it, and its link fails unless the peer comes back.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+
+from ...security import Authenticator, TlsConfig
+from ...security.errors import SecurityError
+from ...wire.format import WireError
+from .. import timeouts as net_timeouts
+from . import records
+from .connection import Connection
+from .credits import LinkFailed
+from .link import (DEFAULT_TIMEOUTS, WINDOW_BYTES, WINDOW_MESSAGES, Link, LinkEvents, Peer,
+                   Receiver, Timeouts)
+from .records import Code, Preface, RecordType
+
+log = logging.getLogger(__name__)
+
+BACKLOG = 128
+"""Connections the kernel queues before :class:`DataPlane` accepts them."""
+
+
+def server_context(tls: TlsConfig) -> ssl.SSLContext:
+    """A TLS server context: this process's certificate; peers must show one of the swarm CA."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tls.directory / f"{tls.name}.crt", tls.directory / f"{tls.name}.key")
+    ctx.load_verify_locations(cadata=tls.ca_pem.decode())
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_context(tls: TlsConfig) -> ssl.SSLContext:
+    """A TLS client context: trust only the swarm CA, check the host name, show our certificate."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_verify_locations(cadata=tls.ca_pem.decode())
+    ctx.load_cert_chain(tls.directory / f"{tls.name}.crt", tls.directory / f"{tls.name}.key")
+    return ctx
+
+
+def _tune(sock: socket.socket) -> None:
+    """Options every data connection gets."""
+    # records are written whole; Nagle would hold a small one back for an ACK
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux: the kernel probes an idle peer
+        idle = max(1, round(net_timeouts.KEEPALIVE_TIME))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL,
+                        max(1, round(net_timeouts.KEEPALIVE_TIMEOUT / 3)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # data unacknowledged this long: the peer is gone
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                        round(1000 * (net_timeouts.KEEPALIVE_TIME
+                                      + net_timeouts.KEEPALIVE_TIMEOUT)))
+
+
+def read_preface(conn: Connection) -> Preface:
+    """The peer's preface, the first record of a connection.
+
+    Raises:
+        LinkFailed: the peer answered with GOAWAY (it refused this side).
+        WireError: anything else first, or a malformed preface.
+    """
+    kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
+    if kind is RecordType.GOAWAY:
+        code, size = records.TEXT.unpack(conn.read_exact(records.TEXT.size))
+        text = conn.read_exact(min(size, records.MAX_TEXT_BYTES)).decode(errors="replace")
+        raise LinkFailed(f"the peer refused the connection: {Code(code).name}: {text}")
+    if kind is not RecordType.PREFACE:
+        raise WireError(f"a connection must start with a PREFACE record, not {kind.name}")
+    if arg > records.MAX_PREFACE_BYTES:
+        raise WireError(f"preface of {arg} bytes exceeds {records.MAX_PREFACE_BYTES}")
+    return Preface.decode(conn.read_exact(arg))
+
+
+def peer_of(sock: socket.socket, theirs: Preface, auth: Authenticator | None) -> Peer:
+    """Who is at the other end: with TLS the certificate's identity, which the preface's
+    name and role must match; without it the preface's word.
+
+    Raises:
+        SecurityError: no valid certificate, revoked, or a preface naming someone else.
+    """
+    if auth is None or not isinstance(sock, ssl.SSLSocket):
+        return Peer(theirs.name, theirs.role)
+    der = sock.getpeercert(binary_form=True)
+    pem = ssl.DER_cert_to_PEM_cert(der).encode() if der else b""
+    identity = auth.authenticate({"transport_security_type": [b"ssl"],
+                                  "x509_pem_cert": [pem] if pem else []})
+    if identity.name != theirs.name or identity.role.value != theirs.role:
+        raise SecurityError(f"preface says {theirs.role} {theirs.name!r} but the certificate "
+                            f"is {identity}")
+    return Peer(identity.name, identity.role.value, identity)
+
+
+class DataPlane:
+    """This process's listener and links.
+
+    Args:
+        name, role: this process's identity, for its prefaces (with TLS, its certificate's).
+        receiver: where every link's received tensors go.
+        host, port: where to listen (port 0: a free one; :attr:`port` says which).
+        tls: mutual TLS with these certificates (None: plaintext).
+        events: where links report breaks and failures.
+        window_bytes, window_messages: the credit each link grants its peer.
+
+    Raises:
+        OSError: the port is in use (or cannot be bound).
+    """
+
+    def __init__(self, name: str, receiver: Receiver, *, role: str = "node",
+                 host: str = "127.0.0.1", port: int = 0, tls: TlsConfig | None = None,
+                 events: LinkEvents | None = None, timeouts: Timeouts = DEFAULT_TIMEOUTS,
+                 window_bytes: int | None = None, window_messages: int | None = None):
+        self.name, self.role, self.receiver, self.events = name, role, receiver, events
+        self.timeouts = timeouts
+        self.window_bytes = window_bytes or WINDOW_BYTES
+        self.window_messages = window_messages or WINDOW_MESSAGES
+        self._server_ctx = server_context(tls) if tls is not None else None
+        self._client_ctx = client_context(tls) if tls is not None else None
+        self._auth = tls.authenticator() if tls is not None else None
+        self._lock = threading.Lock()
+        self._dialed: dict[str, Link] = {}
+        self._accepted: dict[str, Link] = {}
+        self._closed = False
+        self._listener = socket.create_server((host, port), backlog=BACKLOG)
+        self.host, self.port = host, self._listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name=f"data-accept-{self.port}")
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _new_link(self, peer: str, dial: bool, address: str = "") -> Link:
+        link = Link(self.name, self.role, peer, self.receiver, events=self.events,
+                    timeouts=self.timeouts, window_bytes=self.window_bytes,
+                    window_messages=self.window_messages)
+        if dial:
+            link.dial = lambda: self._dial(address, link)
+        return link
+
+    # -- dialing ----------------------------------------------------------------
+    def link(self, peer: str, address: str) -> Link:
+        """The link to ``peer`` (its node name) at ``address`` (``HOST:PORT``, its data
+        port): one it dialed here, else one dialed before, else a new one, connected now.
+
+        Raises:
+            LinkFailed: ``address`` cannot be reached, or refused this side.
+        """
+        with self._lock:
+            if self._closed:
+                raise LinkFailed("the data plane is closed")
+            for table in (self._accepted, self._dialed):
+                link = table.get(peer)
+                if link is not None and link.credits.failed is None:
+                    return link
+            link = self._dialed[peer] = self._new_link(peer, True, address)
+        assert link.dial is not None
+        try:
+            conn, theirs, who = link.dial()
+            link.attach(conn, theirs, who)
+        except (OSError, WireError, SecurityError) as e:
+            link.fail(f"cannot connect to {peer} at {address}: {e}")
+            raise LinkFailed(f"cannot connect to {peer} at {address}: {e}") from None
+
+        def run() -> None:
+            link.read(conn)
+            link.redial()
+        threading.Thread(target=run, daemon=True, name=f"data-{peer}").start()
+        return link
+
+    def _dial(self, address: str, link: Link) -> tuple[Connection, Preface, Peer]:
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host.strip("[]"), int(port)),
+                                        timeout=self.timeouts.handshake)
+        try:
+            _tune(sock)
+            if self._client_ctx is not None:
+                sock = self._client_ctx.wrap_socket(sock, server_hostname=host.strip("[]"))
+            conn = Connection(sock, dialed=True)
+            conn.write(link.preface().encode())
+            theirs = read_preface(conn)
+            if theirs.name != link.peer_name:
+                raise WireError(f"{address} is {theirs.name!r}, not {link.peer_name!r}")
+            peer = peer_of(sock, theirs, self._auth)
+            sock.settimeout(None)
+            return conn, theirs, peer
+        except BaseException:
+            sock.close()
+            raise
+
+    # -- accepting --------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                             name="data-conn").start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        """One accepted connection: handshake, then its link's reader until it breaks."""
+        try:
+            sock.settimeout(self.timeouts.handshake)
+            _tune(sock)
+            if self._server_ctx is not None:
+                sock = self._server_ctx.wrap_socket(sock, server_side=True)
+            conn = Connection(sock, dialed=False)
+            theirs = read_preface(conn)
+            peer = peer_of(sock, theirs, self._auth)
+            link = self._accepted_link(peer.name)
+            conn.write(link.preface().encode())
+            sock.settimeout(None)
+            link.attach(conn, theirs, peer)
+        except (OSError, WireError, SecurityError, LinkFailed) as e:
+            log.info("refused a data connection: %s", e)
+            code = e.code if isinstance(e, SecurityError) else None
+            self._goaway(sock, Code(code.value[0]) if code is not None
+                         else Code.INVALID_ARGUMENT, str(e))
+            return
+        link.read(conn)
+        link.await_resume()
+
+    def _accepted_link(self, peer: str) -> Link:
+        with self._lock:
+            if self._closed:
+                raise LinkFailed("the data plane is closed")
+            link = self._accepted.get(peer)
+            if link is None or link.credits.failed is not None:
+                link = self._accepted[peer] = self._new_link(peer, False)
+            return link
+
+    @staticmethod
+    def _goaway(sock: socket.socket, code: Code, why: str) -> None:
+        try:
+            sock.sendall(records.pack_text(RecordType.GOAWAY, 0, code, why))
+        except OSError:
+            pass  # it is being closed anyway
+        sock.close()
+
+    # -- life cycle -------------------------------------------------------------
+    def links(self) -> list[Link]:
+        """Every link now, dialed and accepted."""
+        with self._lock:
+            return [*self._dialed.values(), *self._accepted.values()]
+
+    def close(self) -> None:
+        """Stop listening and close every link (idempotent)."""
+        with self._lock:
+            self._closed = True
+            links = [*self._dialed.values(), *self._accepted.values()]
+            self._dialed.clear()
+            self._accepted.clear()
+        self._listener.close()
+        for link in links:
+            link.close()
+
+    def __enter__(self) -> "DataPlane":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

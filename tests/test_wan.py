@@ -1,0 +1,63 @@
+"""Tests of benchmarks/wan.py: its in-process steps-to-target part on a tiny budget, and
+its ``--quick`` run end to end (a swarm of processes)."""
+import importlib.util
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("wan", ROOT / "benchmarks" / "wan.py")
+wan = sys.modules.setdefault("wan", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(wan)
+
+TINY = wan.Setup(d=32, seq=32, batch=16, budget=10, eval_every=5, seeds=1, held_windows=16)
+
+
+def test_steps_to_target_in_process_counts_the_codecs_bytes_exactly():
+    conv = wan.converge(TINY, [wan.CONFIGS["raw"], wan.CONFIGS["had4"]], log=lambda s: None)
+    assert math.isfinite(conv.target)
+    assert conv.steps("raw") <= TINY.budget
+    # raw: d float32 values per token each way; had4: per 128-value block a float32 step
+    # and 64 bytes of codes, over microbatches of 4 x 32 tokens x 32 values = 32 blocks
+    assert conv.bytes_per_token("raw") == (4 * TINY.d, 4 * TINY.d)
+    assert conv.bytes_per_token("had4") == (32 * 68 / 128, 32 * 68 / 128)
+    assert conv.final("had4") == pytest.approx(conv.final("raw"), rel=0.05)
+
+
+def test_a_replayed_run_with_a_lossy_codec_is_identical():
+    train, held = wan.pydoc_text()[0], next(wan.text_batches(wan.pydoc_text()[1], 16, 32, 1))
+    setup = wan.Setup(d=32, seq=32, batch=16, budget=6, eval_every=2, seeds=1)
+    a = wan.train(setup, wan.CONFIGS["had2"], 0, train, held)
+    b = wan.train(setup, wan.CONFIGS["had2"], 0, train, held)
+    assert a.losses == b.losses and a.forward_bytes == b.forward_bytes
+
+
+def test_steps_to_target_interpolates_between_evaluations():
+    curve = wan.Curve("x", 0, steps=[10, 20, 30], losses=[3.0, 2.0, 1.0])
+    assert curve.steps_to(3.5) == 10
+    assert curve.steps_to(1.5) == pytest.approx(25)
+    assert curve.steps_to(0.5) == math.inf
+    assert curve.at(25) == 2.0
+
+
+def test_the_link_profile_shapes_every_pair():
+    profile = wan.link_profile(4, 12, 5)
+    pairs = {(link["from"], link["to"]) for link in profile["links"]}
+    assert len(pairs) == 6 and all(link["mbps"] == 12 for link in profile["links"])
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(900)
+def test_quick_run_prints_the_table_end_to_end():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--quick"],
+                         capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    for name in wan.CONFIGS:
+        assert any(line.startswith(name + " ") for line in text.splitlines()), text
+    assert "unshaped floor" in text and "ratio" in text and "load" in text
