@@ -17,6 +17,7 @@ import threading
 from typing import Callable
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from .. import net
 # cli.py and fedpipe.testing import these two from here
@@ -220,10 +221,14 @@ class Terms:
     Args:
         build: makes the service over a fresh :class:`~.scheduler.Tracker` (which
             rebuilds its memory from the store).
+        serving: told whether this tracker leads, at every change and by :meth:`announce`
+            (the server's health: a standby's Tracker service is NOT_SERVING, so what
+            waits for a tracker to serve waits for a leader).
     """
 
-    def __init__(self, build: Callable[[], TrackerService]):
-        self.build = build
+    def __init__(self, build: Callable[[], TrackerService],
+                 serving: Callable[[bool], None] = lambda leads: None):
+        self.build, self.serving = build, serving
         self._lock = threading.Lock()
         self._service: TrackerService | None = None
 
@@ -235,12 +240,19 @@ class Terms:
         service = self.build()
         with self._lock:
             self._service = service
+            self.serving(True)
 
     def depose(self, why: str) -> None:
         with self._lock:
             service, self._service = self._service, None
+            self.serving(False)
         if service is not None:
             service.close()
+
+    def announce(self) -> None:
+        """Tell ``serving`` the state now (after the server's start said SERVING)."""
+        with self._lock:
+            self.serving(self._service is not None)
 
 
 class FailoverService(tracker_pb2_grpc.TrackerServicer):
@@ -369,7 +381,7 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
     if fence is None:
         service = build()
     else:
-        terms = Terms(build)
+        terms = Terms(build, serving=functools.partial(_health, srv))
         bound = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{real}"
         leadership = Leadership(store, fence, advertise or bound, lease=leader_lease,
                                 on_lead=terms.lead, on_depose=terms.depose)
@@ -377,4 +389,16 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
         service = FailoverService(terms, leadership, store)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
     srv.start()
+    if isinstance(service, FailoverService):
+        service.terms.announce()
     return srv, service, real
+
+
+TRACKER_SERVICE = S.DESCRIPTOR.services_by_name["Tracker"].full_name
+"""The Tracker service's full name, as ``grpc.health.v1`` reports it."""
+
+
+def _health(srv: net.Server, leads: bool) -> None:
+    """Report the Tracker service SERVING on ``srv`` while this tracker leads, else NOT_SERVING."""
+    srv.health.set(TRACKER_SERVICE, health_pb2.HealthCheckResponse.SERVING if leads
+                   else health_pb2.HealthCheckResponse.NOT_SERVING)
