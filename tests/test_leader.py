@@ -3,11 +3,15 @@
 (SQLite, and PostgreSQL when the tests start a server)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from pg_server import postgres_server  # noqa: F401 — the session's PostgreSQL (a fixture)
 
 from fedpipe.proto import node_pb2, tracker_pb2
+from fedpipe.spec import StageKey
 from fedpipe.tracker.leader import RENEW_EVERY, STEP_DOWN, LeaderFence, Leadership
+from fedpipe.tracker.replicas import ReplicaSet
 from fedpipe.tracker.store import Deposed, MemoryStore, PostgresStore, SqliteStore, Store
 from fedpipe.tracker.store.sql import SqlStore
 
@@ -196,4 +200,53 @@ def test_an_unfenced_store_writes_without_a_lease(tmp_path):
     assert isinstance(s, SqlStore) and s.fence is None
     s.add_job(_job(), "queued", 1.0)
     assert s.lease().epoch == 0 and s.lease().holder == ""
+    s.close()
+
+
+# -- what a takeover needs kept: replica-group membership and committed steps --------
+
+def _groups(n: int) -> dict[int, frozenset[StageKey]]:
+    return {g: frozenset({StageKey(g, 0), StageKey(g, 1)}) for g in range(n)}
+
+
+def test_a_replica_set_restored_from_its_last_snapshot_answers_as_the_old_one_did():
+    kept: list[dict] = []
+    rs = ReplicaSet(_groups(3), 1, kept.append)
+    assert rs.drop([2]) == 1
+    for key in (StageKey(0, 0), StageKey(0, 1), StageKey(1, 0)):
+        rs.ask(key, 4, 1, reduced=True)
+    # step 4 commits; group 1's stage 1 applies it; the tracker dies before the others ask
+    assert rs.ask(StageKey(1, 1), 4, 1, reduced=True).committed
+    new = ReplicaSet.restore(_groups(3), 1, json.loads(json.dumps(kept[-1])))
+    # the late askers hear "committed" from the new tracker, with the same members
+    q = new.ask(StageKey(0, 0), 4, 1, reduced=True)
+    assert q.committed and q.members == (0, 1) and q.version == 1
+    assert new.dropped() == (2,) and new.version == 1  # the dropped group stays dropped
+    assert new.ask(StageKey(2, 0), 5, 1, reduced=False).dropped
+
+
+def test_a_change_the_store_refuses_is_not_made():
+    def refuse(snapshot: dict) -> None:
+        raise Deposed("not the leader")
+    rs = ReplicaSet(_groups(2), 1, refuse)
+    with pytest.raises(Deposed):
+        rs.drop([1])
+    assert rs.live == (0, 1) and rs.version == 0
+    for key in (StageKey(0, 0), StageKey(0, 1), StageKey(1, 0)):
+        rs.ask(key, 0, 0, reduced=True)
+    with pytest.raises(Deposed):
+        rs.ask(StageKey(1, 1), 0, 0, reduced=True)
+    assert not rs.committed(0)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "memory"])
+def test_the_store_keeps_a_jobs_replica_membership_until_the_job_ends(kind, tmp_path):
+    s: Store = SqliteStore(str(tmp_path / "t.db")) if kind == "sqlite" else MemoryStore()
+    job = s.add_job(_job(), "queued", 1.0)
+    assert s.replicas(job) is None
+    s.set_replicas(job, 0, b'{"a": 1}')
+    s.set_replicas(job, 2, b'{"b": 2}')
+    assert s.replicas(job) == (2, b'{"b": 2}')
+    s.set_state(job, tracker_pb2.JOB_STATE_SUCCEEDED, "done", 2.0)
+    assert s.replicas(job) is None
     s.close()

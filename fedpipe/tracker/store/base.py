@@ -280,6 +280,16 @@ class Store(abc.ABC):
         also set its step back to that; with ``event`` also log it (its ``seq``
         and ``time`` are assigned here). Unknown jobs are ignored."""
 
+    @abc.abstractmethod
+    def set_replicas(self, job_id: str, epoch: int, snapshot: bytes) -> None:
+        """Keep the job's replica-group membership of plan ``epoch`` (a
+        :meth:`~fedpipe.tracker.replicas.ReplicaSet.snapshot`, as JSON), replacing the last.
+        Dropped when the job ends."""
+
+    @abc.abstractmethod
+    def replicas(self, job_id: str) -> tuple[int, bytes] | None:
+        """The job's last :meth:`set_replicas` as ``(epoch, snapshot)``; None if none."""
+
     # -- the leader lease -----------------------------------------------------
     @abc.abstractmethod
     def take_lease(self, holder: str, address: str, now: float, seconds: float) -> Lease:

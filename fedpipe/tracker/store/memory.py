@@ -40,6 +40,7 @@ class MemoryStore(Store):
         self._seq = itertools.count(1)
         self._order = itertools.count()
         self._lease = Lease("", "", 0, 0.0)
+        self._replicas: dict[str, tuple[int, bytes]] = {}
 
     # -- nodes --------------------------------------------------------------
     def _update(self, node_id: str, fenced: bool | None = None, **info: Any) -> None:
@@ -194,6 +195,7 @@ class MemoryStore(Store):
             self._event(job_id, now, state=state, reason=reason)
             if state in TERMINAL:
                 j.layers = []
+                self._replicas.pop(job_id, None)
             return True
 
     def set_plan(self, job_id: str, plan: node_pb2.Plan) -> None:
@@ -249,6 +251,15 @@ class MemoryStore(Store):
                 ev.CopyFrom(event)
                 ev.seq, ev.time = next(self._seq), now
                 self._events.append((job_id, ev))
+
+    def set_replicas(self, job_id: str, epoch: int, snapshot: bytes) -> None:
+        with self.lock:
+            if job_id in self._jobs and self._jobs[job_id].info.state not in TERMINAL:
+                self._replicas[job_id] = (epoch, bytes(snapshot))
+
+    def replicas(self, job_id: str) -> tuple[int, bytes] | None:
+        with self.lock:
+            return self._replicas.get(job_id)
 
     # -- the leader lease (one process: trackers in it may share the store) ----
     def take_lease(self, holder: str, address: str, now: float, seconds: float) -> Lease:

@@ -336,6 +336,7 @@ class SqlStore(Store):
         self._event(job_id, now, tracker_pb2.JobEvent(state=base.job_state(state), reason=reason))
         if state in TERMINAL:
             self._x("DELETE FROM job_layers WHERE job_id=?", (job_id,))
+            self._x("DELETE FROM replica_sets WHERE job_id=?", (job_id,))
         return True
 
     @_writes
@@ -392,6 +393,17 @@ class SqlStore(Store):
             self._x("UPDATE jobs SET step=? WHERE job_id=?", (rewind_to, job_id))
         if event is not None:
             self._event(job_id, now, event)
+
+    @_writes
+    def set_replicas(self, job_id: str, epoch: int, snapshot: bytes) -> None:
+        self._x("INSERT INTO replica_sets (job_id,epoch,snapshot) VALUES (?,?,?) ON CONFLICT "
+                "(job_id) DO UPDATE SET epoch=excluded.epoch, snapshot=excluded.snapshot",
+                (job_id, epoch, snapshot))
+
+    @_reads
+    def replicas(self, job_id: str) -> tuple[int, bytes] | None:
+        rows = self._x("SELECT epoch,snapshot FROM replica_sets WHERE job_id=?", (job_id,))
+        return (int(rows[0][0]), bytes(rows[0][1])) if rows else None
 
     # -- the leader lease -----------------------------------------------------
     @_lease_writes
