@@ -35,6 +35,7 @@ Timeouts (seconds) are named here: :data:`LEASE`, :data:`RENEW_EVERY`,
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import Callable
@@ -108,17 +109,18 @@ class LeaderFence:
 class Leadership:
     """One tracker's claim on the leader lease: take it when it lapses, renew it, step down.
 
-    :meth:`step` is one round (tests drive it with fake clocks); :meth:`start` runs
-    rounds every ``RENEW_EVERY * lease`` seconds on a thread.
+    :meth:`step` is one round (tests drive it with fake clocks, and then ``on_lead`` and
+    ``on_depose`` run inside it); :meth:`start` runs rounds every ``RENEW_EVERY * lease``
+    seconds on one thread and calls ``on_lead`` and ``on_depose`` in order on another,
+    so a slow takeover (building the tracker from the store) never delays a renewal.
 
     Args:
         store: the shared store (its lease methods are not fenced).
         fence: the fence the store's writes ask; this grants and revokes it.
         address: where this tracker serves (``HOST:PORT``), told to callers of standbys.
         lease: seconds the lease runs from each renewal (:data:`LEASE`), > 0.
-        on_lead: called with the new epoch when this tracker takes the lease, before
-            it answers calls as the leader (builds the tracker's domain from the store).
-            If it raises, the lease is released again.
+        on_lead: called with the new epoch when this tracker takes the lease (builds the
+            tracker's domain from the store). If it raises, this tracker steps down.
         on_depose: called with the reason when this tracker stops leading (closes what
             ``on_lead`` built); its errors are logged.
         clock: seconds since the epoch (the lease row's times).
@@ -139,10 +141,13 @@ class Leadership:
         self.on_lead, self.on_depose = on_lead, on_depose
         self.clock, self.monotonic = clock, monotonic
         self.holder = holder or new_id()
+        self._lock = threading.RLock()  # the lease state below, between rounds and takeovers
         self._epoch: int | None = None  # the epoch this tracker took, until it steps down
         self._seen: Lease | None = None  # the lease at this tracker's last look
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._changes: queue.Queue[tuple[str, int | str] | None] | None = None
+        self._worker: threading.Thread | None = None
 
     @property
     def epoch(self) -> int | None:
@@ -163,11 +168,16 @@ class Leadership:
         """One round: renew the lease this tracker holds, step down if it cannot in time,
         or take the lease if it has lapsed. Returns whether this tracker leads after it.
         A store that cannot be reached is logged, never raised."""
+        with self._lock:
+            self._round()
+            return self._epoch is not None and self.fence.leading()
+
+    def _round(self) -> None:
         start, now = self.monotonic(), self.clock()
         if self._epoch is not None:
             if not self.fence.leading():
-                self._depose(f"its lease could not be renewed within {STEP_DOWN:.0%} of "
-                             f"{self.lease:g} s")
+                self._step_down(f"its lease could not be renewed within {STEP_DOWN:.0%} of "
+                                f"{self.lease:g} s")
             else:
                 try:
                     kept = self.store.renew_lease(self.holder, self._epoch, now, self.lease)
@@ -175,49 +185,71 @@ class Leadership:
                     log.warning("could not renew the leader lease (%s); stepping down at %.1f "
                                 "s past the last renewal unless a later one succeeds", e,
                                 STEP_DOWN * self.lease)
-                    return self.fence.leading()
+                    return
                 if kept:
                     self.fence.grant(self._epoch, start + STEP_DOWN * self.lease)
-                    return True
-                self._depose("another tracker took the lease over")
+                    return
+                self._step_down("another tracker took the lease over")
         try:
             seen = self._seen = self.store.take_lease(self.holder, self.address, now,
                                                       self.lease)
         except StoreError as e:
             log.warning("could not look at the leader lease: %s", e)
-            return False
+            return
         if seen.holder != self.holder:
-            return False
+            return
         self._epoch = seen.epoch
         self.fence.grant(seen.epoch, start + STEP_DOWN * self.lease)
         log.info("this tracker (%s at %s) leads now, at fencing epoch %d", self.holder,
                  self.address, seen.epoch)
-        try:
-            self.on_lead(seen.epoch)
-        except Exception as e:  # noqa: BLE001 — a failed start gives the lease back
-            log.exception("taking over as the leader failed")
-            self._depose(f"taking over failed: {e}")
-            return False
-        return True
+        self._tell("lead", seen.epoch)
 
-    def _depose(self, why: str) -> None:
+    def _step_down(self, why: str) -> None:
         epoch, self._epoch = self._epoch, None
         self.fence.revoke()
         log.warning("this tracker stops leading (epoch %s): %s", epoch, why)
-        try:
-            self.on_depose(why)
-        except Exception:  # noqa: BLE001 — what on_lead built may fail to close cleanly
-            log.exception("closing the deposed leader's state failed")
+        self._tell("depose", why)
         if epoch is not None:
             try:
                 self.store.release_lease(self.holder, epoch)
             except StoreError:
                 pass  # it lapses by itself
 
+    def _tell(self, change: str, arg: int | str) -> None:
+        if self._changes is None:
+            self._apply(change, arg)
+        else:
+            self._changes.put((change, arg))
+
+    def _apply(self, change: str, arg: int | str) -> None:
+        if change == "depose":
+            try:
+                self.on_depose(str(arg))
+            except Exception:  # noqa: BLE001 — what on_lead built may fail to close cleanly
+                log.exception("closing the deposed leader's state failed")
+            return
+        try:
+            self.on_lead(int(arg))
+        except Exception as e:  # noqa: BLE001 — a failed start gives the lease back
+            log.exception("taking over as the leader failed")
+            with self._lock:
+                if self._epoch == arg:
+                    self._step_down(f"taking over failed: {e}")
+
+    def _changer(self) -> None:
+        assert self._changes is not None
+        while (change := self._changes.get()) is not None:
+            self._apply(*change)
+
     def start(self) -> None:
-        """Run :meth:`step` every ``RENEW_EVERY * lease`` seconds on a thread (the first
-        at once, so a tracker alone leads before it serves its first call)."""
+        """Take the lease if it is free (and build what ``on_lead`` builds, before
+        returning, so a tracker alone leads before it serves its first call), then run
+        :meth:`step` every ``RENEW_EVERY * lease`` seconds on a thread."""
         self.step()
+        self._changes = queue.Queue()
+        self._worker = threading.Thread(target=self._changer, name="leadership-changes",
+                                        daemon=True)
+        self._worker.start()
         self._thread = threading.Thread(target=self._loop, name="leadership", daemon=True)
         self._thread.start()
 
@@ -229,10 +261,15 @@ class Leadership:
                 log.exception("leader lease round failed")
 
     def close(self) -> None:
-        """Stop the rounds; if leading, step down and release the lease, so a standby
-        takes over at once instead of a lease later."""
+        """Stop the rounds; if leading, step down and release the lease (so a standby
+        takes over at once instead of a lease later); return once what ``on_lead`` built
+        is closed."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._epoch is not None:
-            self._depose("this tracker is stopping")
+        with self._lock:
+            if self._epoch is not None:
+                self._step_down("this tracker is stopping")
+        if self._changes is not None and self._worker is not None:
+            self._changes.put(None)
+            self._worker.join()
