@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of PyTorch. On a GPU machine install the CUDA build instead, see README.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test lint bench protos clean venv
+.PHONY: demo test test-fast lint lint-fast bench protos clean venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,13 +19,22 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/fedpipe demo --nodes 3
 
+# Everything: lint and types, then every test, those that start processes included
+# (a LocalSwarm, fedpipe commands, a browser, network namespaces; several minutes).
 test: lint
 	sh tools/setup-test-deps.sh
 	$(PY) -m pytest -q tests
 
-lint: $(VENV)/.installed
-	$(PY) -m ruff check fedpipe tests benchmarks tools
+# The in-process tests only (under a minute): the tests marked `processes` are left out,
+# and tests/conftest.py fails any unmarked test that starts a process.
+test-fast: lint-fast
+	$(PY) -m pytest -q -m "not processes" tests
+
+lint: lint-fast
 	$(PY) -m mypy
+
+lint-fast: $(VENV)/.installed
+	$(PY) -m ruff check fedpipe tests benchmarks tools
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/wire.py

@@ -51,7 +51,6 @@ import multiprocessing as mp
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure this checkout's tracker, not an installed one
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import heartbeat_rpc  # noqa: E402 — the control server, from its sibling benchmark
+from fedpipe.proc import TRACKER_SERVICE, child_env, free_port, wait_serving  # noqa: E402
 
 PER_SUBNET = 250
 """Fake nodes per /24 (one site each)."""
@@ -80,12 +80,6 @@ REGISTER_ATTEMPTS = 30
 """Tries per fake node's registration (backoff from 0.2 s to 5 s between them)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- load generator (a child process) ----------------------------------------------------
 
 def generator(g: int, count: int, tracker: str, versions: bytes, port: int, window, results,
@@ -98,7 +92,7 @@ def generator(g: int, count: int, tracker: str, versions: bytes, port: int, wind
                            control_rate))
 
 
-async def _generator(g, count, tracker, versions_bytes, port, window, results, control,
+async def _generator(g, count, tracker, versions_bytes, port, window, results, control,  # noqa: C901 (one load program: its coroutines share the fakes' ids, counts and clock)
                      control_rate):
     import grpc
     from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
@@ -358,14 +352,14 @@ def main() -> int:
     rows = [run(n, args) for n in args.nodes]
     print()
     print("nodes   interval  lease   beats/s  p50 ms  p99 ms  control p99  tracker CPU  "
-          "CPU/beat ms  gen CPU  lost  misses  to RUNNING s  load")
+          "CPU/beat ms  gen CPU  lost  misses  to RUNNING s  load  RSS idle MiB  RSS fakes MiB")
     for r in rows:
         print(f"{r['nodes']:>6}  {r['interval']:>6.1f} s {r['lease']:>5.0f} s {r['rate']:>8.0f}  "
               f"{r['p50'] * 1e3:>6.1f}  {r['p99'] * 1e3:>6.1f}  {r['control_p99'] * 1e3:>11.1f}  "
               f"{r['cpu']:>10.0%}  "
               f"{r['per_beat'] * 1e3:>11.3f}  {r['gen']:>7.0%}  {r['lost']:>4}  {r['misses']:>6}  "
               f"{r['to_running'] if r['to_running'] is None else round(r['to_running'], 1)!s:>12}"
-              f"  {r['load']:.1f}")
+              f"  {r['load']:.1f}  {r['rss_idle'] / 2**20:>12.0f}  {r['rss_fakes'] / 2**20:>13.0f}")
     base = rows[0]
     for r in rows[1:]:
         print(f"{r['nodes']} against {base['nodes']} nodes: p99 {r['p99'] / base['p99']:.2f}x, "
@@ -390,40 +384,27 @@ def run(n: int, args) -> dict:
 
     import fedpipe
     from fedpipe.node.daemon import local_versions
-    from fedpipe.planner.protoio import unmeasured
     from fedpipe.proto import tracker_pb2
-    from fedpipe.testing import child_env
 
     work = Path(tempfile.mkdtemp(prefix="fedpipe-scale-"))
     print(f"logs in {work}")
     env = dict(child_env(1), PYTHONPATH=str(ROOT))
     port = free_port()
     tracker = f"127.0.0.1:{port}"
-    tlog = open(work / "tracker.log", "w")
-    cmd = [sys.executable, "-m", "fedpipe", "tracker", "--host", "127.0.0.1", "--port",
-           str(port), "--db", str(work / "tracker.db")]
-    if args.lease:
-        cmd += ["--lease", str(args.lease)]
-    if args.heartbeat_rate:
-        cmd += ["--heartbeat-rate", str(args.heartbeat_rate)]
-    if args.link_refresh:
-        cmd += ["--link-refresh", str(args.link_refresh)]
-    tproc = subprocess.Popen(cmd, stdout=tlog, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    tproc = subprocess.Popen(tracker_command(args, port, work),
+                             stdout=open(work / "tracker.log", "w"), stderr=subprocess.STDOUT,
+                             env=env, cwd=ROOT)
     procs: list = []
     control_proc = None
     nodes: list[subprocess.Popen] = []
     try:
+        def alive() -> None:
+            if tproc.poll() is not None:
+                raise RuntimeError((work / "tracker.log").read_text()[-2000:])
+        wait_serving(tracker, TRACKER_SERVICE, 30, alive)
         client = fedpipe.Client(tracker)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.nodes()
-                break
-            except Exception:  # noqa: BLE001 — still starting
-                if time.monotonic() > deadline or tproc.poll() is not None:
-                    raise RuntimeError((work / "tracker.log").read_text()[-2000:]) from None
-                time.sleep(0.2)
         tps = psutil.Process(tproc.pid)
+        rss_idle = resident(tps, "no node, no job")
 
         ctx = mp.get_context("spawn")
         ready, cport = ctx.Event(), free_port()
@@ -458,29 +439,9 @@ def run(n: int, args) -> dict:
             return client.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=True),
                                          timeout=60)
 
-        # the link backlog: every selected link measured (the fakes all answer)
-        t_settle = time.time()
-        left = -1
-        while time.time() - t_settle < args.settle:
-            reply = list_nodes()
-            left = len(unmeasured([n for n in reply.nodes if n.alive], list(reply.links)))
-            if not left:
-                break
-            time.sleep(3.0)
-        print(f"link backlog: {left} selected links unmeasured after "
-              f"{time.time() - t_settle:.1f} s")
-
-        for i in range(2):
-            nodes.append(subprocess.Popen(
-                [sys.executable, "-m", "fedpipe", "node", "--tracker", tracker, "--host",
-                 "127.0.0.1", "--port", "0", "--name", f"real{i}", "--device", "cpu",
-                 "--threads", "1"], stdout=open(work / f"real{i}.log", "w"),
-                stderr=subprocess.STDOUT, env=env, cwd=ROOT))
-        deadline = time.monotonic() + 120
-        while sum(1 for n in client.nodes() if n.name.startswith("real")) < 2:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the real nodes did not register")
-            time.sleep(0.5)
+        settle_links(list_nodes, args.settle)
+        rss_fakes = resident(tps, f"{registered} fake nodes, no job")
+        nodes += start_real_nodes(client, tracker, work, env)
 
         parts = prepare_job()
         start = time.time() + 2.0
@@ -513,19 +474,7 @@ def run(n: int, args) -> dict:
         job_thread.join(150)
         window[2] = time.time()
 
-        latencies, counts, told, floor, stamps = [], {}, (0.0, 0.0), [], []
-        trace: list[tuple[float, float, str]] = []  # (sent, latency, who) of every call
-        for _ in procs:
-            _, g, lat, c, interval, lease, control_lat, sent, control_sent = \
-                results.get(timeout=120)
-            told = max(told, (interval, lease))
-            latencies += lat
-            stamps += sent
-            trace += [(t, took, f"g{g}") for t, took in zip(sent, lat)]
-            trace += [(t, took, f"control{g}") for t, took in zip(control_sent, control_lat)]
-            floor += control_lat
-            for k, v in c.items():
-                counts[k] = counts.get(k, 0) + v
+        latencies, counts, told, floor, stamps, trace = gather(len(procs), results)
 
         t_cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
         g_cpu = sum((b.user + b.system) - (a.user + a.system) for a, b in zip(gen0, gen1))
@@ -571,22 +520,105 @@ def run(n: int, args) -> dict:
                     p50=percentile(latencies, 0.5), p99=percentile(latencies, 0.99),
                     control_p99=percentile(floor, 0.99),
                     cpu=t_cpu / wall, per_beat=t_cpu / max(beats, 1), gen=g_cpu / wall / cores,
-                    lost=len(lost), misses=misses, to_running=to_running, load=load[0])
+                    lost=len(lost), misses=misses, to_running=to_running, load=load[0],
+                    rss_idle=rss_idle, rss_fakes=rss_fakes)
     finally:
-        for n in nodes:
-            n.terminate()
-        for p in procs + ([control_proc] if control_proc is not None else []):
-            p.terminate()
-        tproc.terminate()
+        stop_all(tproc, nodes, procs + ([control_proc] if control_proc is not None else []))
+
+
+def tracker_command(args, port: int, work: Path) -> list[str]:
+    """``fedpipe tracker`` on 127.0.0.1:``port`` with its database in ``work``, and the
+    ``--lease``, ``--heartbeat-rate`` and ``--link-refresh`` given."""
+    cmd = [sys.executable, "-m", "fedpipe", "tracker", "--host", "127.0.0.1", "--port",
+           str(port), "--db", str(work / "tracker.db")]
+    for flag, value in (("--lease", args.lease), ("--heartbeat-rate", args.heartbeat_rate),
+                        ("--link-refresh", args.link_refresh)):
+        if value:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def resident(tps, when: str) -> int:
+    """Print and return the resident memory (bytes) of the tracker process ``tps`` (a
+    ``psutil.Process``), its children's (the planner's worker) apart; ``when`` says what
+    it holds."""
+    rss = tps.memory_info().rss
+    children = sum(c.memory_info().rss for c in tps.children(recursive=True))
+    print(f"tracker resident memory with {when}: {rss / 2**20:.0f} MiB "
+          f"(its planner worker process: {children / 2**20:.0f} MiB more)", flush=True)
+    return rss
+
+
+def settle_links(list_nodes, settle: float) -> None:
+    """Wait up to ``settle`` seconds for the link backlog: every selected link measured (the
+    fakes all answer); print what is left."""
+    from fedpipe.planner.protoio import unmeasured
+
+    t_settle = time.time()
+    left = -1
+    while time.time() - t_settle < settle:
+        reply = list_nodes()
+        left = len(unmeasured([n for n in reply.nodes if n.alive], list(reply.links)))
+        if not left:
+            break
+        time.sleep(3.0)
+    print(f"link backlog: {left} selected links unmeasured after "
+          f"{time.time() - t_settle:.1f} s")
+
+
+def start_real_nodes(client, tracker: str, work: Path, env: dict) -> list[subprocess.Popen]:
+    """Start two real ``fedpipe node`` processes (real0, real1) and wait until both are
+    registered.
+
+    Raises:
+        RuntimeError: they did not register within 120 s.
+    """
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "fedpipe", "node", "--tracker", tracker, "--host",
+         "127.0.0.1", "--port", "0", "--name", f"real{i}", "--device", "cpu",
+         "--threads", "1"], stdout=open(work / f"real{i}.log", "w"),
+        stderr=subprocess.STDOUT, env=env, cwd=ROOT) for i in range(2)]
+    deadline = time.monotonic() + 120
+    while sum(1 for n in client.nodes() if n.name.startswith("real")) < 2:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the real nodes did not register")
+        time.sleep(0.5)
+    return nodes
+
+
+def gather(generators: int, results) -> tuple:
+    """The ``done`` results of ``generators`` load generators, merged: heartbeat latencies
+    (s), counts, the interval and lease told last, control latencies, send stamps, and the
+    trace of every call ``(sent, latency, who)``."""
+    latencies, counts, told, floor, stamps = [], {}, (0.0, 0.0), [], []
+    trace: list[tuple[float, float, str]] = []
+    for _ in range(generators):
+        _, g, lat, c, interval, lease, control_lat, sent, control_sent = \
+            results.get(timeout=120)
+        told = max(told, (interval, lease))
+        latencies += lat
+        stamps += sent
+        trace += [(t, took, f"g{g}") for t, took in zip(sent, lat)]
+        trace += [(t, took, f"control{g}") for t, took in zip(control_sent, control_lat)]
+        floor += control_lat
+        for k, v in c.items():
+            counts[k] = counts.get(k, 0) + v
+    return latencies, counts, told, floor, stamps, trace
+
+
+def stop_all(tproc: subprocess.Popen, nodes: list[subprocess.Popen], procs: list) -> None:
+    """Terminate the real nodes, the generators and control server, and the tracker; kill
+    what has not exited 10 s later."""
+    for n in nodes:
+        n.terminate()
+    for p in procs:
+        p.terminate()
+    tproc.terminate()
+    for proc in [tproc, *nodes]:
         try:
-            tproc.wait(10)
+            proc.wait(10)
         except subprocess.TimeoutExpired:
-            tproc.kill()
-        for n in nodes:
-            try:
-                n.wait(10)
-            except subprocess.TimeoutExpired:
-                n.kill()
+            proc.kill()
 
 
 if __name__ == "__main__":

@@ -142,13 +142,55 @@ def serve() -> None:
 # sender process
 
 
+def transfer(transport: str, nbytes: int, stub, peer, raw_unary, raw_stream):
+    """A function doing one transfer of ``nbytes`` by ``transport`` over the sender's
+    handles (its stub, its peer sender, the raw methods); its data is built here, once."""
+    import torch
+
+    from fedpipe.proto import node_pb2
+    from fedpipe.wire import frames, rpc
+
+    tensor = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(nbytes))
+    env = node_pb2.Envelope(job_id="bench", replica=0, stage=1,
+                            kind=node_pb2.KIND_ACTIVATION, batch_size=nbytes)
+    prebuilt = list(frames.encode_frames(tensor, envelope=env))
+    # the tensor round-trips through the frames unchanged
+    ((_, back),) = frames.read_tensors(prebuilt)
+    assert torch.equal(back, tensor)
+    if transport == "fedpipe call":
+        def once():
+            rpc.send(stub, frames.encode_frames(tensor, envelope=env), timeout=60)
+        return once
+    if transport == f"fedpipe stream x{BURST}":
+        def once():
+            for _ in range(BURST):
+                peer.submit(env, tensor, "raw")
+            peer.flush()
+        return once
+    if transport == "raw unary":
+        whole = b"".join(prebuilt)
+
+        def once():
+            n = struct.unpack("<Q", raw_unary(whole, timeout=60))[0]
+            assert n == len(whole), n
+        return once
+    if transport.startswith("raw stream"):
+        burst = prebuilt * (BURST if transport.endswith(f"x{BURST}") else 1)
+        total = sum(map(len, burst))
+
+        def once():
+            n = struct.unpack("<Q", raw_stream(iter(burst), timeout=60))[0]
+            assert n == total, n
+        return once
+    raise ValueError(transport)
+
+
 def send(port: int) -> None:
     import torch
 
     from fedpipe import net
     from fedpipe.node.peers import PeerSender
-    from fedpipe.proto import node_pb2
-    from fedpipe.wire import frames, rpc
+    from fedpipe.wire import rpc
 
     torch.set_num_threads(1)
     channel = net.channel(f"127.0.0.1:{port}")
@@ -157,48 +199,12 @@ def send(port: int) -> None:
     raw_unary = channel.unary_unary("/bench.Raw/Unary")  # no serializers: bytes in, bytes out
     raw_stream = channel.stream_unary("/bench.Raw/Stream")
 
-    def transfer(transport: str, nbytes: int):
-        """A function doing one transfer of ``nbytes``; its data is built here, once."""
-        tensor = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(nbytes))
-        env = node_pb2.Envelope(job_id="bench", replica=0, stage=1,
-                                kind=node_pb2.KIND_ACTIVATION, batch_size=nbytes)
-        prebuilt = list(frames.encode_frames(tensor, envelope=env))
-        # the tensor round-trips through the frames unchanged
-        ((_, back),) = frames.read_tensors(prebuilt)
-        assert torch.equal(back, tensor)
-        if transport == "fedpipe call":
-            def once():
-                rpc.send(stub, frames.encode_frames(tensor, envelope=env), timeout=60)
-            return once
-        if transport == f"fedpipe stream x{BURST}":
-            def once():
-                for _ in range(BURST):
-                    peer.submit(env, tensor, "raw")
-                peer.flush()
-            return once
-        if transport == "raw unary":
-            whole = b"".join(prebuilt)
-
-            def once():
-                n = struct.unpack("<Q", raw_unary(whole, timeout=60))[0]
-                assert n == len(whole), n
-            return once
-        if transport.startswith("raw stream"):
-            burst = prebuilt * (BURST if transport.endswith(f"x{BURST}") else 1)
-            total = sum(map(len, burst))
-
-            def once():
-                n = struct.unpack("<Q", raw_stream(iter(burst), timeout=60))[0]
-                assert n == total, n
-            return once
-        raise ValueError(transport)
-
     cache: dict = {}
     for line in sys.stdin:  # one JSON command per line; EOF: the orchestrator is done
         cmd = json.loads(line)
         key = (cmd["transport"], cmd["nbytes"])
         if key not in cache:
-            cache[key] = transfer(*key)
+            cache[key] = transfer(*key, stub, peer, raw_unary, raw_stream)
             for _ in range(3):  # warm up: first allocations
                 cache[key]()
         once, times = cache[key], []

@@ -2,7 +2,8 @@
 
 Public API (imported lazily, so ``fedpipe.planner`` and ``fedpipe.wire`` stay light):
 ``Client``, ``Job``, ``OptimizerSpec``, ``optimizer``, ``LRSchedulerSpec``, ``lr_scheduler``,
-``DiLoCo``, ``JobSpec``, ``LocalSwarm``, ``materialize``.
+``DiLoCo``, ``JobSpec``, ``LocalSwarm``, ``materialize``, and ``submit``'s knob groups
+``Training``, ``Compression``, ``Replicas``, ``Placement``, ``Lifetime``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ _LAZY = {
     "OptimizerSpec": "fedpipe.runtime.optim",
     "DiLoCo": "fedpipe.spec",
     "JobSpec": "fedpipe.spec",
+    "Training": "fedpipe.spec",
+    "Compression": "fedpipe.spec",
+    "Replicas": "fedpipe.spec",
+    "Placement": "fedpipe.spec",
+    "Lifetime": "fedpipe.spec",
     "optimizer": "fedpipe.runtime.optim",
     "LRSchedulerSpec": "fedpipe.runtime.optim",
     "lr_scheduler": "fedpipe.runtime.optim",

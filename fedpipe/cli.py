@@ -260,7 +260,8 @@ def _compression(args) -> dict[str, str]:
 
 def cmd_demo(args) -> int:
     from .examples import digits
-    from .testing import LocalSwarm, free_port
+    from .proc import free_port
+    from .swarm import LocalSwarm
 
     http_port = args.http_port or free_port()
     print(f"starting a tracker and {args.nodes} nodes on 127.0.0.1"
@@ -500,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_malloc()
     if args.command in ("tracker", "node"):
-        from .testing import die_with_parent
+        from .proc import die_with_parent
 
         die_with_parent()
     try:

@@ -74,10 +74,7 @@ def diloco_single_process(model, loss_fn, spec, batches, config, *, groups: int 
     for step, (x, y) in enumerate(batches):
         for g, at in joins.items():
             if at == step:
-                models[g].load_state_dict(models[0].state_dict())
-                opts[g].load_state_dict(copy.deepcopy(opts[0].state_dict()))
-                if scheds[g] is not None:
-                    scheds[g].load_state_dict(scheds[0].state_dict())
+                _take_group_0(g, models, opts, scheds)
         now = fed(step)
         for g, (xs, ys) in zip(now, _shard(x, y, [1] * len(now))):
             opts[g].zero_grad()
@@ -90,18 +87,34 @@ def diloco_single_process(model, loss_fn, spec, batches, config, *, groups: int 
                 scheds[g].step()
         if (step + 1) % config.inner_steps and step != len(batches) - 1:
             continue
-        who = sorted(members(k))
-        with torch.no_grad():
-            for i, glob in enumerate(outer_weights):
-                total = torch.zeros_like(glob)
-                for g in who:
-                    total.add_(glob - list(models[g].parameters())[i], alpha=1 / groups)
-                glob.grad = total.div_(len(who) / groups)
-        outer.step()
-        outer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for g in who:
-                for p, glob in zip(models[g].parameters(), outer_weights):
-                    p.copy_(glob)
+        _outer_step(models, sorted(members(k)), groups, outer_weights, outer)
         k += 1
     return [m.state_dict() for m in models]
+
+
+def _take_group_0(g, models, opts, scheds) -> None:
+    """Group ``g`` joins: it takes group 0's weights, inner optimizer and schedule."""
+    models[g].load_state_dict(models[0].state_dict())
+    opts[g].load_state_dict(copy.deepcopy(opts[0].state_dict()))
+    if scheds[g] is not None:
+        scheds[g].load_state_dict(scheds[0].state_dict())
+
+
+def _outer_step(models, who, groups, outer_weights, outer) -> None:
+    """One outer step over member groups ``who``: their equally weighted mean
+    pseudo-gradient into ``outer`` (SGD on ``outer_weights``), then the new weights to
+    each member."""
+    import torch
+
+    with torch.no_grad():
+        for i, glob in enumerate(outer_weights):
+            total = torch.zeros_like(glob)
+            for g in who:
+                total.add_(glob - list(models[g].parameters())[i], alpha=1 / groups)
+            glob.grad = total.div_(len(who) / groups)
+    outer.step()
+    outer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for g in who:
+            for p, glob in zip(models[g].parameters(), outer_weights):
+                p.copy_(glob)

@@ -183,6 +183,7 @@ def test_async_runner_in_process():
         SyncStageRunner(nn.Sequential(), None, None, "async", 0, 2, 1, wires.for_stage(0))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 def test_async_without_staleness_equals_single_process(swarm, opt):
     model, batches = digits.make_model(hidden=64), digit_batches(STEPS)
@@ -193,6 +194,7 @@ def test_async_without_staleness_equals_single_process(swarm, opt):
     assert diff <= 1e-5, f"async/{opt}, max_staleness=0: max relative difference {diff:.2e}"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("k,microbatches", [(1, 4), (2, 1)])
 def test_async_stashes_weights(swarm, k, microbatches):
     """With 3 stages, 4 microbatches keep a stage within 1 version (at most 3
@@ -209,6 +211,7 @@ def test_async_stashes_weights(swarm, k, microbatches):
     assert max_relative_difference(got, sync) > 1e-4
 
 
+@pytest.mark.processes
 def test_async_digits_accuracy_within_a_point_of_sync(swarm):
     """AdamW lr 3e-3, batch 64, 4 microbatches; the two jobs run side by side.
 

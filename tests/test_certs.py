@@ -37,6 +37,7 @@ def ago(days: float) -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=days)
 
 
+@pytest.mark.processes
 def test_cli_init_issue_show_revoke_round_trip(tmp_path):
     d = tmp_path / "tls"
     out = fedpipe("certs", "init", "--dir", str(d))
@@ -72,6 +73,7 @@ def test_cli_init_issue_show_revoke_round_trip(tmp_path):
     assert on_disk["revoked"][0]["serial"] == str(ident.serial)
 
 
+@pytest.mark.processes
 def test_cli_refuses_to_overwrite_a_ca_or_a_certificate(tmp_path):
     d = tmp_path / "tls"
     assert fedpipe("certs", "init", "--dir", str(d)).returncode == 0
@@ -90,6 +92,7 @@ def test_cli_refuses_to_overwrite_a_ca_or_a_certificate(tmp_path):
     assert certs.read_identity(d / "alice.crt").role is Role.CLIENT
 
 
+@pytest.mark.processes
 def test_cli_reports_bad_input_in_one_line(tmp_path):
     d = tmp_path / "tls"
     out = fedpipe("certs", "issue", "--dir", str(d), "--role", "node", "--name", "n")

@@ -13,7 +13,7 @@ from fedpipe.client.profile import profile_json
 from fedpipe.examples import digits
 from fedpipe.testing import child_env
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.processes]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

@@ -49,6 +49,7 @@ def digit_batches():
     return digits.batches(x, y, 32)
 
 
+@pytest.mark.processes
 def test_a_client_reuses_one_channel_per_node_and_closes_them_all(swarm):
     with Client(swarm.tracker) as client:
         job = client.submit(digits.make_model(hidden=32), nn.functional.cross_entropy, ADAMW,
@@ -70,6 +71,7 @@ def test_a_client_reuses_one_channel_per_node_and_closes_them_all(swarm):
     client.close()  # closing again is harmless
 
 
+@pytest.mark.processes
 def test_closing_a_client_mid_feed_ends_the_feed_and_the_job_waits_for_a_client(swarm):
     client = Client(swarm.tracker)
     job = client.submit(digits.make_model(hidden=32), nn.functional.cross_entropy, ADAMW,
@@ -96,6 +98,7 @@ def test_closing_a_client_mid_feed_ends_the_feed_and_the_job_waits_for_a_client(
     assert "closed" in str(job.feed_error)
 
 
+@pytest.mark.processes
 def test_closing_a_client_whose_job_waits_for_a_node_ends_its_watch_and_leaves_the_job():
     """The feeder waits for RUNNING on a WatchJob stream; close() must end that wait. The
     job stays PENDING: it fails at its client_timeout unless a client resumes it."""

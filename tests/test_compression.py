@@ -18,7 +18,7 @@ from torch import nn
 import fedpipe
 from fedpipe.examples import digits
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
 STEPS = 800
 
 

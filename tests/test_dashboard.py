@@ -33,7 +33,7 @@ from fedpipe.observe import status
 from fedpipe.proto import tracker_pb2
 from fedpipe.testing import LocalSwarm, child_env, free_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
 HELD_AT = 4
 STATIC = Path(fedpipe.__file__).parent / "tracker" / "static"
 

@@ -14,9 +14,10 @@ from torch import nn
 
 import fedpipe
 from fedpipe.node import probe
+from fedpipe.node.admission import BOUNDED_KINDS
 from fedpipe.node.mailbox import Mailbox
 from fedpipe.node.peers import ChannelPool, StagePeers
-from fedpipe.node.stages import BOUNDED_KINDS, StageTransport, build_stage
+from fedpipe.node.wiring import StageTransport, build_stage
 from fedpipe.proto import node_pb2
 from fedpipe.runtime import checkpoint
 from fedpipe.spec import JobSpec, Kind
@@ -77,7 +78,7 @@ def test_a_stage_receives_its_tensors_on_its_own_device(pool, device):
         stage = build_stage(request(), torch.device(device), mailbox, peers)
         assert {p.device.type for p in stage.module.parameters()} == {device}
         assert stage.plan is not None
-        transport = StageTransport(stage, mailbox, torch.device(device), stage.plan)
+        transport = StageTransport(stage, mailbox, torch.device(device))
         arrived = torch.randn(4, 16)  # as the wire decodes it: a CPU tensor
         mailbox.put(stage.inbox, Kind.ACTIVATION, 0, 1, arrived, 8)
         got, batch = transport.recv(Kind.ACTIVATION, 0, 1, timeout=5)

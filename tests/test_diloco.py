@@ -297,6 +297,7 @@ def replica_state(job, plan, replica):
     return out
 
 
+@pytest.mark.processes
 def test_diloco_h1_equals_allreduce_and_single_process_sgd():
     """2 groups × 2 stages (pinned)."""
     x, y, _, _ = digits.load()
@@ -332,6 +333,7 @@ SLOW_GROUP = {
 }
 
 
+@pytest.mark.processes
 def test_diloco_with_one_replica_behind_a_slow_link_finishes_and_converges():
     """The group with node3 is behind: the other group stops waiting for it
     after the grace period and applies its pseudo-gradients late, discounted.

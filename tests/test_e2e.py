@@ -21,7 +21,7 @@ from fedpipe.spec import PlanView
 from fedpipe.testing import LocalSwarm, child_env, free_port
 from fedpipe.wire import format, rpc
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.processes]
 ADAMW = fedpipe.optimizer(torch.optim.AdamW, lr=3e-3)
 
 

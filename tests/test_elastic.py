@@ -23,7 +23,7 @@ from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
 from reference import digit_batches, job_info, max_relative_difference, single_process
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
 LOSS = nn.functional.cross_entropy
 STEPS, EVERY = 24, 8

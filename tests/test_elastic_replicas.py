@@ -40,7 +40,7 @@ from fedpipe.wire import frames
 from reference import (digit_batches, diloco_single_process, job_info,
                        max_relative_difference, single_process)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
 # a setting in which a few half batches move the held-out loss by < 1 % (checked against
 # single-process runs); with momentum 0.9 this small MLP's loss at step 64 moves by 4-30 %
 # when any 12 steps see half their batch, undisturbed runs and disturbed ones alike

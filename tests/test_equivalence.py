@@ -23,7 +23,7 @@ import fedpipe
 from fedpipe.examples import digits
 from reference import max_relative_difference, single_process
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.processes]
 STEPS, BATCH, MICROBATCHES = 4, 32, 4
 
 

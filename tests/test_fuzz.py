@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(180)
 CALLS = 300  # more than the 111 that try each (server, method, mutation) once
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)  # a swarm start, the calls and a job; slow on a loaded machine
 def test_a_fuzzed_swarm_answers_every_call_stays_up_and_still_trains():
     with LocalSwarm(n_nodes=2) as swarm:

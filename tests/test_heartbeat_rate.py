@@ -102,6 +102,7 @@ class Pinged(node_pb2_grpc.NodeServicer):
         return node_pb2.PingReply()
 
 
+@pytest.mark.processes  # serve() starts the tracker's planner worker process
 def test_registration_and_heartbeat_replies_over_grpc_carry_the_scaled_interval(tmp_path):
     from fedpipe.tracker.service import serve
 
@@ -165,6 +166,7 @@ class GatedPing(node_pb2_grpc.NodeServicer):
         return node_pb2.PingReply()
 
 
+@pytest.mark.processes  # serve() starts the tracker's planner worker process
 def test_registrations_beyond_the_limit_are_refused_unavailable_and_heartbeats_go_on(tmp_path):
     from fedpipe.tracker.service import MAX_REGISTERING, serve
 

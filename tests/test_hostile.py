@@ -11,7 +11,7 @@ from fedpipe import net
 from fedpipe.proto import node_pb2, tensor_pb2, tracker_pb2, tracker_pb2_grpc
 from fedpipe.wire import format, rpc
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.processes]
 
 
 def code_of(call) -> grpc.StatusCode:

@@ -9,7 +9,7 @@ from torch import nn
 
 import fedpipe
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
 N = 64 * 2**20  # float32 elements: 256 MiB per sample
 
 

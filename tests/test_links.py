@@ -34,6 +34,7 @@ def test_bad_profiles_are_refused(bad, msg):
         LinkProfile(bad)
 
 
+@pytest.mark.processes
 def test_measured_matrix_reflects_10_mbit_50_ms_emulated_link():
     profile = {"links": [{"from": "node0", "to": "node1", "mbps": 10, "latency_ms": 50}]}
     with LocalSwarm(n_nodes=2, link_profile=profile) as s:

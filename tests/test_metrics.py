@@ -190,6 +190,7 @@ def test_a_metrics_port_in_use_is_an_os_error_naming_it():
             start_metrics(NodeMetrics("y").registry, served.port)
 
 
+@pytest.mark.processes
 def test_the_tracker_side_of_observe_does_not_import_torch():
     code = ("import sys; import fedpipe.tracker.http, fedpipe.observe.metrics, "
             "fedpipe.observe.views, fedpipe.observe.source; "

@@ -18,7 +18,7 @@ import pytest
 
 from fedpipe.testing import child_env
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.processes]
 RATE_BPS = 20e6 / 8  # bytes/s
 DELAY = 0.020
 

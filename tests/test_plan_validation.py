@@ -13,7 +13,7 @@ from torch import nn
 import fedpipe
 from fedpipe.testing import LocalSwarm
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.processes]
 TWO_SITES = {
     "groups": {"a": ["node0", "node1"], "b": ["node2", "node3"]},
     "links": [{"from": "a", "to": "b", "mbps": 20, "latency_ms": 30}],

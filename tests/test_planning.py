@@ -14,7 +14,7 @@ from fedpipe.spec import JobSpec
 from fedpipe.tracker.planning import Planner, plan_job
 from tracker_fakes import submission
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.processes]
 
 
 def swarm(n: int, memory: int = 2**33) -> planner.ClusterView:

@@ -30,7 +30,7 @@ from fedpipe.spec import PlanView
 from fedpipe.testing import LocalSwarm
 from reference import digit_batches, job_info, max_relative_difference, single_process
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.02, momentum=0.9)
 LOSS = nn.functional.cross_entropy
 STEPS, EVERY, HIDDEN, BLOCKS = 120, 4, 1024, 6

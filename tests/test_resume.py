@@ -28,7 +28,7 @@ from fedpipe.client import checkpoints
 from fedpipe.examples import digits
 from fedpipe.testing import LocalSwarm
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, EVERY = 10, 2
 ADAMW = fedpipe.optimizer(torch.optim.AdamW, lr=3e-3)

@@ -63,11 +63,11 @@ def swarm(tmp_path_factory):
             job_id=JOB, replica=0, stage=i, plan=plan, config=spec.to_proto(), owner="alice",
             layers=[cloudpickle.dumps(nn.Linear(4, 4))])
         # what LoadStage learns, without the tracker's signature
-        service._learn_plan(JOB, plan, "alice")
+        service.access.learn_plan(JOB, plan, "alice")
         service.stages.load(request)
     later = node_pb2.LoadStageRequest(job_id=JOB, owner="alice", plan=node_pb2.Plan(stages=[
         node_pb2.StageAssignment(replica=0, stage=1, node_id="n1", node_name="n1")]))
-    service._learn_plan(JOB, later.plan, "alice")
+    service.access.learn_plan(JOB, later.plan, "alice")
     channels: dict[str, grpc.Channel] = {}
 
     def stub(name: str) -> rpc.NodeStub:
@@ -191,9 +191,9 @@ def test_a_quorum_reply_with_a_newer_plan_admits_a_joining_groups_nodes(swarm):
     assert refusal(send)[0] is grpc.StatusCode.PERMISSION_DENIED
     newer = node_pb2.Plan(stages=[node_pb2.StageAssignment(replica=3, stage=0,
                                                            node_name="joiner")])
-    quorum = service._learning(lambda request: tracker_pb2.ReplicaQuorumReply(plan=newer))
+    quorum = service.access.learning(lambda request: tracker_pb2.ReplicaQuorumReply(plan=newer))
     assert quorum is not None
     quorum(tracker_pb2.ReplicaQuorumRequest(job_id=JOB, replica=0, stage=0))
     code, details = refusal(send)
     assert code is grpc.StatusCode.INVALID_ARGUMENT, details  # past identity, to the envelope
-    assert StageKey(3, 0) in service._access(JOB).keys
+    assert StageKey(3, 0) in service.access.get(JOB).keys

@@ -178,6 +178,7 @@ def still_serving(address: str, service: str) -> bool:
         return net.serving(ch, service)
 
 
+@pytest.mark.processes
 def test_a_second_tracker_on_a_held_port_exits_with_a_clear_error(lone_tracker, tmp_path):
     port = lone_tracker.tracker.rsplit(":", 1)[1]
     out = fedpipe_cli("tracker", "--host", "127.0.0.1", "--port", port,
@@ -189,6 +190,7 @@ def test_a_second_tracker_on_a_held_port_exits_with_a_clear_error(lone_tracker, 
     assert still_serving(lone_tracker.tracker, TRACKER_SERVICE)
 
 
+@pytest.mark.processes
 def test_a_second_node_on_a_held_port_exits_with_a_clear_error(one_node):
     [held] = one_node.client().nodes()
     port = held.address.rsplit(":", 1)[1]
@@ -236,6 +238,7 @@ def idle_sends(stubs: list, n: int) -> tuple[list, list]:
     return idle, calls
 
 
+@pytest.mark.processes
 def test_a_node_answers_ping_while_idle_send_streams_fill_its_data_side(one_node):
     """Idle Send streams (a peer that opened one and sent nothing) each hold a server
     thread; a pool's worth of them, from several peers, must not stop the node answering
@@ -271,6 +274,7 @@ def probe_frames() -> list[bytes]:
     return list(wire_frames.encode_frames(torch.zeros(16), envelope=env))
 
 
+@pytest.mark.processes
 def test_one_peers_idle_send_streams_past_its_limit_are_refused_and_others_served(one_node):
     """Issue 11: limits per peer. One connection (a peer, without TLS) opens more idle Send
     streams than one peer may hold: the excess is refused naming the limit, at once, while
@@ -305,6 +309,7 @@ def test_one_peers_idle_send_streams_past_its_limit_are_refused_and_others_serve
     other.close()
 
 
+@pytest.mark.processes
 def test_the_tracker_takes_heartbeats_while_idle_watches_fill_its_data_side(lone_tracker):
     """WatchJob streams last as long as their job; a pool's worth of watchers must not stop
     the tracker taking heartbeats and registrations."""

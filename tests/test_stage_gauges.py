@@ -10,8 +10,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
-from fedpipe.node.mailbox import Mailbox
-from fedpipe.node.stages import StageRegistry, StageSlot
+from fedpipe.node.lifecycle import StageSlot
+from fedpipe.node.reports import StageReporter
 from fedpipe.observe.metrics import NodeMetrics, start_metrics
 from fedpipe.runtime.async_stage import AsyncStageRunner
 from fedpipe.runtime.stage import SyncStageRunner
@@ -61,12 +61,11 @@ def test_async_steps_report_how_many_versions_their_gradients_lagged():
 def test_a_node_sets_its_gauges_from_each_step_and_a_scrape_parses_to_them():
     metrics = NodeMetrics("node0")
     reports = []
-    registry = StageRegistry(lambda: "n0", torch.device("cpu"), Mailbox(4, ()),
-                             make_peers=lambda: None, report=reports.append, metrics=metrics)
+    reporter = StageReporter(lambda: "n0", reports.append, metrics)
     stage = types.SimpleNamespace(job_id="j1", slot=StageSlot("j1", 0, 1), key=StageKey(0, 1),
                                   epoch=0)
     for result in first_stage(SyncStageRunner, 3, 4, schedule="gpipe").run(2):
-        registry._report_step(stage, result)
+        reporter.step(stage, result)
     assert len(reports) == 2
     with start_metrics(metrics.registry, 0) as served:
         text = urllib.request.urlopen(served.url + "/metrics", timeout=10).read().decode()

@@ -25,7 +25,7 @@ from fedpipe.spec import JobSpec
 from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames, rpc
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.processes]
 RPC = timeouts.CONTROL_RPC
 
 
@@ -160,6 +160,30 @@ def test_a_client_may_not_watch_cancel_stop_or_fetch_another_clients_job(swarm):
         assert alice.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id),
                                  timeout=RPC).state not in (tracker_pb2.JOB_STATE_CANCELLED,
                                                             tracker_pb2.JOB_STATE_FAILED)
+    finally:
+        job.cancel("test over")
+
+
+def test_resuming_another_clients_job_is_refused_at_once_and_starts_no_thread(swarm):
+    alice = swarm.client("alice")
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    job = alice.submit(_model(), nn.functional.mse_loss,
+                       fedpipe.optimizer(torch.optim.SGD, lr=0.01), [(x, y)],
+                       steps=100_000, stages=2)
+    try:
+        mallory = swarm.client("mallory")
+        before = set(threading.enumerate())
+        theirs = mallory.job(job.id)
+        t0 = time.monotonic()
+        _expect(grpc.StatusCode.PERMISSION_DENIED, lambda: theirs.resume([(x, y)]),
+                "not the owner", job.id)
+        assert time.monotonic() - t0 < RPC  # raised, not retried
+        assert [t.name for t in set(threading.enumerate()) - before
+                if job.id in t.name] == []  # no watch or feed thread
+        assert theirs._feeder is None and theirs not in mallory._feeding
+        info = alice.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=RPC)
+        assert info.state not in (tracker_pb2.JOB_STATE_CANCELLED, tracker_pb2.JOB_STATE_FAILED)
+        assert info.feeder == job._feeder_id  # still alice's job, fed by alice
     finally:
         job.cancel("test over")
 

@@ -36,7 +36,7 @@ from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames
 from reference import digit_batches, job_info, max_relative_difference, single_process
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
 LOSS = nn.functional.cross_entropy
 STEPS, EVERY = 18, 3

@@ -18,6 +18,7 @@ from tracker_fakes import registration, versions_with
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.processes
 def test_importing_the_tracker_service_imports_neither_torch_nor_the_runtime():
     code = ("import sys, fedpipe.tracker.service, fedpipe.tracker.jobs, fedpipe.planner.protoio\n"
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', "
@@ -65,6 +66,7 @@ def reachable():
     srv.stop(grace=0).wait()
 
 
+@pytest.mark.processes  # serve() starts the tracker's planner worker process
 def test_registration_errors_arrive_as_their_status_codes_and_the_tracker_keeps_serving(
         tracker, reachable):
     a, b = reachable

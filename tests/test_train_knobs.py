@@ -340,6 +340,7 @@ def test_submit_refuses_bad_knobs_before_calling_the_tracker():
         client.channel.close()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_swarm_with_clipping_and_schedule_equals_single_process(swarm):
     """Two nodes over gRPC, 1F1B, raw tensors: within 1e-5 of one process."""

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedpipe.observe import browser  # noqa: E402
-from fedpipe.testing import child_env, free_port  # noqa: E402
+from fedpipe.proc import child_env, free_port  # noqa: E402
 
 DEMO_SECONDS = 900.0
 """How long the demo may take to reach each point, seconds (a loaded 2-core machine is slow)."""
@@ -103,20 +103,7 @@ def demo_shot(out: Path, nodes: int, steps_before: int, size: tuple[int, int],
         wait_for("the end of the demo's training",
                  lambda: "the swarm stays up until Ctrl-C" in output())
         tracker = re.search(r"tracker at (\S+);", output()).group(1)
-        if plot is not None:
-            _fedpipe("plot", "--tracker", tracker, job, "-o", str(plot))
-        if plan is not None:
-            from fedpipe.client.profile import profile_json
-            from fedpipe.examples import digits
-
-            x, _, _, _ = digits.load()
-            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-                json.dump(profile_json(digits.make_model(), x[:64]), f)
-            try:
-                _fedpipe("plan", "--tracker", tracker, "--model", f.name, "--stages",
-                         str(nodes), "--draw", str(plan))
-            finally:
-                os.unlink(f.name)
+        _draw(tracker, job, nodes, plot, plan)
     finally:
         if demo.poll() is None:
             demo.send_signal(signal.SIGINT)  # the demo stops its swarm on Ctrl-C
@@ -125,6 +112,25 @@ def demo_shot(out: Path, nodes: int, steps_before: int, size: tuple[int, int],
             except subprocess.TimeoutExpired:
                 demo.kill()
                 demo.wait()
+
+
+def _draw(tracker: str, job: str, nodes: int, plot: Path | None, plan: Path | None) -> None:
+    """Draw ``job``'s curves to ``plot`` and the digits model's plan over ``nodes`` stages to
+    ``plan`` (each when not None), with ``fedpipe plot`` and ``fedpipe plan --draw``."""
+    if plot is not None:
+        _fedpipe("plot", "--tracker", tracker, job, "-o", str(plot))
+    if plan is not None:
+        from fedpipe.client.profile import profile_json
+        from fedpipe.examples import digits
+
+        x, _, _, _ = digits.load()
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(profile_json(digits.make_model(), x[:64]), f)
+        try:
+            _fedpipe("plan", "--tracker", tracker, "--model", f.name, "--stages",
+                     str(nodes), "--draw", str(plan))
+        finally:
+            os.unlink(f.name)
 
 
 def main(argv: list[str] | None = None) -> int:

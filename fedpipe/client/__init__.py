@@ -1,4 +1,10 @@
-"""The client role: package, profile and submit a model; feed data; collect weights."""
-from .job import Client, Job, JobFailed, JobStatus
+"""The client role: package, profile and submit a model; feed data; collect weights.
 
-__all__ = ["Client", "Job", "JobFailed", "JobStatus"]
+:mod:`.client` holds the session with a tracker (:class:`Client`, ``submit``),
+:mod:`.job` the user's handle on a job (:class:`Job`), :mod:`.feed` what is sent each
+step, :mod:`.watch` the feeder's watch of the job's state.
+"""
+from .client import Client
+from .job import Job, JobFailed, JobStatus, TrackerBusy
+
+__all__ = ["Client", "Job", "JobFailed", "JobStatus", "TrackerBusy"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Protocol
 
 from ..net import timeouts
 from ..proto import tracker_pb2 as S
@@ -29,6 +30,15 @@ log = logging.getLogger("fedpipe.client")
 
 LOST_POLL = 0.1
 """Seconds between looks at the job while a group the feed could not reach is being dropped."""
+
+
+class ElasticTracker(Protocol):
+    """The tracker calls an elastic feed makes (a ``TrackerStub``, or a fake)."""
+
+    def GetJob(self, request: S.GetJobRequest, timeout: float | None = None) -> S.JobInfo: ...
+
+    def JoinReplica(self, request: S.JoinReplicaRequest, timeout: float | None = None
+                    ) -> S.JoinReplicaReply: ...
 
 
 class ElasticFeed:
@@ -40,7 +50,7 @@ class ElasticFeed:
         info: the job as the feed started its epoch (with its replica fields).
     """
 
-    def __init__(self, stub, job_id: str, info: S.JobInfo):
+    def __init__(self, stub: ElasticTracker, job_id: str, info: S.JobInfo):
         self.stub, self.job_id, self.info = stub, job_id, info
 
     @staticmethod
@@ -72,7 +82,7 @@ class ElasticFeed:
         self.info = info
         return sorted(m.replica for m in info.replica_members if m.since <= step), info
 
-    def dropped(self, replica: int, epoch: int, halted) -> bool:
+    def dropped(self, replica: int, epoch: int, halted: Callable[[], bool]) -> bool:
         """After a feed to group ``replica`` failed: wait until the tracker drops it (True),
         or the job leaves RUNNING or its epoch (False: it rewinds or ends)."""
         while not halted():

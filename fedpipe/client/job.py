@@ -1,38 +1,44 @@
-"""The Python client: submit a model, feed its data, watch it, collect its weights."""
+"""The user's handle on a job: its status, progress, weights and checkpoints.
+
+A :class:`Job` that feeds its job runs two threads: the feeder's watch
+(:mod:`.watch`, the one source of the job's state) and the feed (:mod:`.feed`, what
+is sent each step). ``Job`` starts them, ends them when its client closes, and turns
+what ended the feed into the job's fate (:attr:`Job.feed_error`).
+"""
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import grpc
 import torch
 from torch import nn
 
 from .. import net
-from ..proto import node_pb2, tracker_pb2, tracker_pb2_grpc
 from ..net import timeouts
 from ..observe.source import GrpcSource
 from ..observe.views import StepRecord, recovery_headline, step_records
-from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
-from ..security import TlsConfig
-from ..security.explain import explained
-from ..security.signing import sign_job
-from ..security.tls import resolve as resolve_tls
-from ..spec import CLIENT_TIMEOUT, REPLICA_SYNCS, TERMINAL, DiLoCo, JobSpec, PlanView, \
-    StageKey, state_name
+from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint
-from ..wire import frames, rpc
+from ..spec import JobSpec, PlanView, StageKey, state_name
+from ..wire import frames
 from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
-from .elastic import ElasticFeed
-from .packaging import dumps, pack_layers
-from .profile import profile_model
+from .feed import FEED_KEEP_CHECKPOINTS, Batch, ChannelNodes, Feed, GroupFeed, cycle, shard
+from .watch import RETRYABLE, Halted, JobWatch
+
+if TYPE_CHECKING:
+    from .client import Client
+
+# kept for callers of the names these had before the feed moved to .feed
+_shard, _cycle, _FeedHalted = shard, cycle, Halted
+__all__ = ["Job", "JobFailed", "JobStatus", "TrackerBusy", "GroupFeed",
+           "FEED_KEEP_CHECKPOINTS"]
 
 log = logging.getLogger("fedpipe.client")
 S = tracker_pb2
@@ -40,6 +46,10 @@ S = tracker_pb2
 
 class JobFailed(RuntimeError):
     """The job ended FAILED or CANCELLED; the message is the tracker's reason."""
+
+
+class TrackerBusy(RuntimeError):
+    """The tracker refused a call with RESOURCE_EXHAUSTED; the message says which limit."""
 
 
 @dataclass
@@ -72,353 +82,6 @@ class JobStatus:
                      f"restore {r.restore_seconds:.1f})")
         return text
 
-
-class Client:
-    """Talks to a tracker at ``HOST:PORT``, and to the nodes of its jobs.
-
-    The client owns its channels: one to the tracker and one per node address
-    it has talked to (made on first use, then reused), all closed by
-    :meth:`close`. Use it as a context manager::
-
-        with fedpipe.Client("tracker:7070") as client:
-            job = client.submit(...)
-            job.wait()
-
-    Closing a client whose job is still being fed ends the feed and detaches
-    from the job: the job stops at its last complete checkpoint and waits, in
-    state WAITING, up to its ``client_timeout`` for a client to resume it
-    (``Client(addr).job(ID).resume(data)``); :meth:`Job.cancel` cancels it.
-
-    A call refused for TLS reasons fails with a one-line reason instead of
-    gRPC's bare "UNAVAILABLE: Socket closed": no certificate, another CA's, an
-    expired one, or the wrong role for the method
-    (:mod:`fedpipe.security.explain`); the status code stays gRPC's.
-
-    Args:
-        tracker: the tracker's ``HOST:PORT``.
-        tls: mutual TLS: a :class:`fedpipe.security.TlsConfig` (a certificate
-            with role client, or admin for the operator), or a TLS directory
-            holding one certificate with its key. None: ``$FEDPIPE_TLS_DIR`` if
-            set, else plaintext.
-
-    Raises:
-        fedpipe.security.CertError: an unusable TLS directory or certificate.
-    """
-
-    def __init__(self, tracker: str, tls: TlsConfig | str | os.PathLike | None = None):
-        self.address = tracker
-        self.tls = resolve_tls(tls)
-        self.channel = explained(net.channel(tracker, tls=self.tls), tracker, self.tls)
-        self.stub = tracker_pb2_grpc.TrackerStub(self.channel)
-        self._lock = threading.Lock()
-        self._nodes: dict[str, tuple[grpc.Channel, rpc.NodeStub]] = {}
-        self._feeding: set[Job] = set()
-        self._closed = False
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def node(self, address: str) -> rpc.NodeStub:
-        """The stub of the node at ``address``, on this client's one channel to it.
-
-        Raises:
-            ValueError: the client is closed.
-        """
-        with self._lock:
-            if self._closed:
-                raise ValueError(f"client of tracker {self.address} is closed")
-            if address not in self._nodes:
-                ch = explained(net.channel(address, tls=self.tls), address, self.tls)
-                self._nodes[address] = (ch, rpc.NodeStub(ch))
-            return self._nodes[address][1]
-
-    def close(self) -> None:
-        """Stop feeding this client's jobs (they wait for a client, see above) and close
-        every channel.
-
-        Idempotent. Calls made after it raise ValueError.
-        """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            feeding, nodes = list(self._feeding), list(self._nodes.values())
-        for job in feeding:
-            job._halt_feed()
-        for ch, _ in nodes:  # ends the feed's Sends in flight
-            ch.close()
-        for job in feeding:
-            job._join_feed(timeouts.THREAD_JOIN)
-        self.channel.close()
-
-    def nodes(self) -> list[tracker_pb2.NodeInfo]:
-        """The live nodes, in registration order."""
-        return list(self.stub.ListNodes(S.ListNodesRequest(), timeout=timeouts.CONTROL_RPC).nodes)
-
-    def drain(self, node: str) -> tracker_pb2.DrainNodeReply:
-        """Drain ``node`` (its name or id): its stages move to other nodes at the next step
-        boundary with their current state (no step is lost), it takes no new work, and it
-        exits once nothing needs it (see ``fedpipe drain``). Under TLS only an admin may.
-
-        Raises:
-            grpc.RpcError: NOT_FOUND for an unknown node, PERMISSION_DENIED for a caller
-                that is not an admin.
-        """
-        return self.stub.DrainNode(S.DrainNodeRequest(node=node), timeout=timeouts.CONTROL_RPC)
-
-    def submit(self, model: nn.Sequential,
-               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-               optimizer: OptimizerSpec, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-               steps: int, microbatches: int = 1, schedule: str = "gpipe",
-               stages: int = 0, replicas: int = 0, compression: str | dict[str, str] = "auto",
-               max_staleness: int = 1, replica_sync: str | DiLoCo = "auto", name: str = "",
-               pending_timeout: float | None = None, lr_scheduler: LRSchedulerSpec | None = None,
-               clip_grad_norm: float = 0.0, checkpoint_every: int = 0,
-               client_timeout: float = CLIENT_TIMEOUT,
-               resume_from: str | os.PathLike | None = None,
-               checkpoint_dir: str | os.PathLike | None = None,
-               rebalance: str = "auto",
-               min_replicas: int = 0) -> "Job":
-        """Submit a training job and start feeding it.
-
-        Args:
-            model: an ``nn.Sequential``; each child is a unit a stage can hold and
-                must map one tensor to one tensor.
-            loss_fn: ``loss_fn(output, target)``, averaging over the batch.
-            optimizer: from :func:`fedpipe.optimizer`; built per stage.
-            data: (input, target) batches, inputs of shape (B, ...); re-iterated
-                if it runs out before ``steps`` batches.
-            steps: optimizer steps, one batch each.
-            microbatches: each batch is split into this many along dim 0.
-            schedule: "gpipe" or "1f1b" (synchronous), or "async" (PipeDream-style,
-                no flush, weight stashing).
-            max_staleness: async only: weight versions a stage may run ahead of
-                the versions its gradients come back for (0 equals "1f1b").
-            stages: pipeline depth (0: the planner chooses from the nodes' speeds and links).
-            replicas: data-parallel replica groups (0: the planner chooses).
-            compression: "auto" (the planner picks each link's codec from its
-                bandwidth), "none", a codec spec such as "int8+zstd", or a dict
-                ``{"activations": ..., "gradients": ...}`` to set them apart
-                (top-k is for gradients only).
-            replica_sync: how replica groups (if the plan has several) agree:
-                "allreduce" (gradients summed every step), "diloco" or a
-                :class:`fedpipe.DiLoCo` (outer steps every H inner steps), or
-                "auto" (the plan picks from the links between groups).
-            pending_timeout: fail the job if no node takes it within this many seconds.
-            checkpoint_every: steps between checkpoints (each stage snapshots its
-                state, kept on its node and a buddy node; a lost node makes the
-                job rewind to the last complete one). 0: the tracker picks it so
-                that a recovery recomputes about 30 s of training, from the
-                predicted step time.
-            lr_scheduler: from :func:`fedpipe.lr_scheduler`; built over each
-                stage's optimizer and stepped after every optimizer step.
-            clip_grad_norm: clip the gradients to this global L2 norm before each
-                optimizer step, as :func:`torch.nn.utils.clip_grad_norm_` on the
-                whole model would (:mod:`fedpipe.runtime.clip`); 0: no clipping.
-            client_timeout: seconds the job waits for a client once this one is
-                gone (closed, crashed, cut off), in state WAITING with the reason
-                "waiting for the client"; then it fails.
-            resume_from: a checkpoint folder written by :meth:`Job.save` (or a
-                ``checkpoint_dir``: its newest): the job starts after that
-                checkpoint's step with its weights, optimizer, LR schedule and
-                DiLoCo state. ``data`` is still given from its start; the steps
-                done are skipped. ``stages`` and ``replicas`` default to the
-                checkpoint's; a plan that splits the layers otherwise restores
-                each stage from the saved stages that held its layers
-                (:mod:`fedpipe.runtime.layerstate`), exactly.
-            checkpoint_dir: keep the newest complete checkpoints in this folder
-                (pulled from the nodes as each completes), so the job can be
-                resumed (``resume_from=checkpoint_dir``) even if every node and
-                the tracker are lost.
-            rebalance: "auto": the tracker may move stages to a better plan at a
-                step boundary (a node joined, or one runs slower than it said) when the
-                predicted gain pays for moving the state; "never": only drains and
-                losses move stages.
-            min_replicas: elastic replica groups (README, "Replica groups as the
-                unit of failure"): while this many groups are live, a lost node
-                drops only its group; below it the job rewinds. 0: every loss rewinds.
-
-        Raises:
-            TypeError: not an nn.Sequential, a layer not tensor-to-tensor, or a
-                bad optimizer or lr_scheduler.
-            fedpipe.spec.JobSpecError: a bad setting (a ValueError; ``field`` names it).
-            ValueError: empty data, a batch too small for the microbatches, an
-                lr_scheduler whose arguments do not fit it or the optimizer, or
-                ``stages`` or ``replicas`` other than ``resume_from``'s checkpoint's.
-            fedpipe.client.checkpoints.CheckpointError: ``resume_from`` holds no
-                readable checkpoint, or one at or past ``steps``.
-            grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
-                with the memory figures) or is unreachable.
-        """
-        layers = pack_layers(model)
-        if not isinstance(optimizer, OptimizerSpec):
-            raise TypeError("optimizer must come from fedpipe.optimizer(torch.optim.X, ...)")
-        if lr_scheduler is not None:
-            if not isinstance(lr_scheduler, LRSchedulerSpec):
-                raise TypeError("lr_scheduler must come from "
-                                "fedpipe.lr_scheduler(torch.optim.lr_scheduler.X, ...)")
-            lr_scheduler.check(optimizer)
-        act_codec, grad_codec = _compression(compression)
-        if isinstance(replica_sync, str):
-            if replica_sync not in REPLICA_SYNCS:
-                raise ValueError(f"replica_sync must be one of {list(REPLICA_SYNCS)} or a "
-                                 f"fedpipe.DiLoCo, got {replica_sync!r}")
-            outer = DiLoCo()
-        elif isinstance(replica_sync, DiLoCo):
-            outer, replica_sync = replica_sync, "diloco"
-        else:
-            raise TypeError(f"replica_sync must be a string or fedpipe.DiLoCo, got "
-                            f"{type(replica_sync).__name__}")
-        restore = None
-        if resume_from is not None:
-            restore = checkpoints.read(resume_from)
-            if restore.step >= steps:
-                raise checkpoints.CheckpointError(
-                    f"the checkpoint in {resume_from} is after step {restore.step}; the job "
-                    f"has only {steps} steps")
-            # the split it was saved in, unless asked otherwise: either way each new stage
-            # is restored from the saved stages that held its layers
-            stages, replicas = stages or restore.depth, replicas or restore.replicas
-        job_spec = JobSpec(steps=steps, microbatches=microbatches, schedule=schedule,
-                           optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
-                           activation_compression=act_codec, gradient_compression=grad_codec,
-                           stages=stages, replicas=replicas, max_staleness=max_staleness,
-                           replica_sync=replica_sync, diloco=outer,
-                           lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"",
-                           clip_grad_norm=clip_grad_norm, checkpoint_every=checkpoint_every,
-                           client_timeout=client_timeout, rebalance=rebalance,
-                           min_replicas=min_replicas, batch_size=microbatches).validate(len(layers))
-        batches = _cycle(data)
-        try:
-            first = next(batches)
-        except StopIteration:
-            raise ValueError("data yielded no batch") from None
-        x0, _ = first
-        if x0.shape[0] < microbatches:
-            raise ValueError(f"batch of {x0.shape[0]} samples cannot be split into "
-                             f"{microbatches} microbatches")
-        job_spec = job_spec.with_(batch_size=x0.shape[0])
-        profile = profile_model(model, x0)
-        config = job_spec.to_proto()
-        req = S.SubmitJobRequest(name=name or type(model).__name__, layers=layers,
-                                 config=config, profile=profile,
-                                 pending_timeout=pending_timeout or 0.0)
-        if self.tls is not None:  # the tracker and every node check it before unpickling
-            signed = sign_job(self.tls, layers, config)
-            req.owner, req.job_signature = signed.owner, signed.job_signature
-            req.client_cert = signed.client_cert
-            req.layer_digests.extend(signed.layer_digests)
-        job_id = self.stub.SubmitJob(req, timeout=timeouts.SUBMIT_RPC).job_id
-        job = Job(self, job_id, model, microbatches, spec=job_spec,
-                  checkpoint_dir=checkpoint_dir)
-        job._start_feed(itertools.chain([first], batches), restore=restore)
-        return job
-
-    def job(self, job_id: str) -> "Job":
-        """Attach to an existing job: to watch it, fetch its weights, save it, cancel
-        it, or feed it again (:meth:`Job.resume`)."""
-        return Job(self, job_id)
-
-
-def _compression(compression: str | dict[str, str]) -> tuple[str, str]:
-    """(activation, gradient) compression from the ``compression`` argument.
-
-    Raises:
-        ValueError: unknown keys (codec specs are checked by :meth:`JobSpec.validate`).
-    """
-    if isinstance(compression, str):
-        act = grad = compression
-    else:
-        unknown = set(compression) - {"activations", "gradients"}
-        if unknown:
-            raise ValueError(f"compression keys must be 'activations' and 'gradients', "
-                             f"got {sorted(unknown)}")
-        act = compression.get("activations", "auto")
-        grad = compression.get("gradients", "auto")
-    return act, grad
-
-
-def _shard(x: torch.Tensor, y: torch.Tensor, shares: list[int]):
-    """Split a batch along dim 0 in proportion to ``shares``."""
-    n, total = x.shape[0], sum(shares)
-    cuts, acc = [], 0
-    for s in shares[:-1]:
-        acc += s
-        cuts.append(round(n * acc / total))
-    return list(zip(torch.tensor_split(x, cuts), torch.tensor_split(y, cuts)))
-
-
-def _cycle(data: Iterable) -> Iterator:
-    """Batches of ``data``, starting over when it runs out (if it can be iterated again).
-
-    Each pass calls ``iter(data)`` once, as ``for epoch: for batch in data`` does:
-    a DataLoader draws its shuffle's seed in ``iter()``, so one call more per epoch
-    would shift a seeded shuffle. A one-shot iterator is not started over.
-    """
-    once = isinstance(data, Iterator)
-    while True:
-        n = 0
-        for batch in data:
-            n += 1
-            yield batch
-        if n == 0 or once:
-            return
-
-
-@dataclass(frozen=True)
-class GroupFeed:
-    """Where and how one replica group takes its share of each batch.
-
-    Attributes:
-        first: the group's first stage (takes the inputs).
-        last: its last stage (takes the targets).
-        microbatches: microbatches per step in this group.
-        share: the group's planned share of each batch, in samples (relative).
-    """
-
-    first: node_pb2.StageAssignment
-    last: node_pb2.StageAssignment
-    microbatches: int
-    share: int
-
-    @classmethod
-    def of(cls, view: PlanView) -> list["GroupFeed"]:
-        """One per replica group of ``view``, in group order."""
-        return [cls(chain[0], chain[-1], view.microbatches(r), view.share(r))
-                for r, chain in zip(view.replicas, view.chains())]
-
-
-class _FeedHalted(Exception):
-    """The client was closed while it fed the job, or another client took the job over."""
-
-
-class TrackerBusy(RuntimeError):
-    """The tracker refused a call with RESOURCE_EXHAUSTED; the message says which limit."""
-
-
-class _Replan(Exception):
-    """The job started a new plan epoch (a recovery): feed it from its resume step."""
-
-
-FEED_KEEP_CHECKPOINTS = 3
-"""The feed keeps the batches of at most this many checkpoint intervals (see :class:`Job`)."""
-NODE_TROUBLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
-                          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED,
-                          grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
-"""Feed errors that mean a node is gone or its stage moved on, not that the data is bad:
-the feed waits for the job to recover (or end) instead of giving up."""
-RECOVERY_POLL = 0.05
-FEED_BUSY_ATTEMPTS = 30
-FEED_BUSY_MAX_DELAY = 4.0
-"""A feed call refused with RESOURCE_EXHAUSTED (the node is busy: its data-plane
-slots or its mailbox are full) is tried again up to this many times in all, backing
-off from 0.2 s to this many seconds apart (about 100 s in all), before the job fails."""
-AFTER_FEED_POLL = 0.25
-"""Seconds between looks at a job the feed has given every step to (it may still rewind)."""
-"""Seconds between looks at a job whose feed paused (recovery, or the kept-batch bound)."""
 
 class Job:
     """A submitted job: its status, progress, and trained weights.
@@ -455,28 +118,50 @@ class Job:
         self._follower: threading.Thread | None = None
         self._feeder_id = os.urandom(8).hex()
         self._halted = threading.Event()
-        self._started = threading.Event()  # the job ran (or ended): the feed may begin
-        self._superseded = False  # another client took the job over
-        self._watch: grpc.Call | None = None  # the feeder's watch
-        self._fed = self._steps = 0  # steps fed in full, of how many
+        self._watch: JobWatch | None = None  # the feeder's watch, while this Job feeds
 
     def _start_feed(self, batches: Iterator, *, take_over: bool = False,
                     restore: checkpoints.SavedCheckpoint | None = None) -> None:
-        """Start the feeder's watch and the feed of ``batches`` (from the job's first step)."""
+        """Open the feeder's watch (a refusal is raised here, before any thread starts),
+        then start its thread and the feed of ``batches`` (from the job's first step).
+
+        Raises:
+            RuntimeError: this Job feeds the job already.
+            ValueError: the client is closed.
+            grpc.RpcError: the tracker refused the watch (:meth:`.JobWatch.open`).
+        """
         if self._feeder is not None:
             raise RuntimeError(f"job {self.id} is being fed by this Job already")
-        self._follower = threading.Thread(target=self._follow, args=(take_over,),
-                                          name=f"watch-{self.id}", daemon=True)
-        self._feeder = threading.Thread(target=self._feed, args=(batches, restore),
+        self._check_open()
+        self._halted.clear()  # a resume refused earlier left it set
+        watch = JobWatch(self.client.stub, self.id, self._feeder_id, take_over=take_over,
+                         on_event=self._on_event, halted=self._halted)
+        watch.open()
+        feed = Feed(self.id, self.client.stub, ChannelNodes(self.client), watch, batches,
+                    microbatches=self.microbatches, restore=restore)
+        try:
+            self._check_open(add=True)
+        except ValueError:
+            watch.halt()
+            raise
+        self._watch = watch
+        self._follower = threading.Thread(target=watch.run, name=f"watch-{self.id}",
+                                          daemon=True)
+        self._feeder = threading.Thread(target=self._run_feed, args=(feed,),
                                         name=f"feed-{self.id}", daemon=True)
-        with self.client._lock:
-            if self.client._closed:
-                raise ValueError(f"client of tracker {self.client.address} is closed")
-            self.client._feeding.add(self)
         self._follower.start()
         self._feeder.start()
 
-    def resume(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+    def _check_open(self, add: bool = False) -> None:
+        """Raise ValueError if the client is closed; else, with ``add``, count this Job
+        among the jobs it feeds (closing it halts their feeds)."""
+        with self.client._lock:
+            if self.client._closed:
+                raise ValueError(f"client of tracker {self.client.address} is closed")
+            if add:
+                self.client._feeding.add(self)
+
+    def resume(self, data: Iterable[Batch], *,
                checkpoint_dir: str | os.PathLike | None = None) -> "Job":
         """Feed this job again, from this client: take it over from a client that is
         gone (or still there: it stops feeding), rewind it to its last complete
@@ -497,10 +182,13 @@ class Job:
         Raises:
             RuntimeError: this Job feeds the job already.
             ValueError: the client is closed.
+            grpc.RpcError: the tracker refused to let this client feed the job
+                (PERMISSION_DENIED: another client's job; NOT_FOUND), raised at once,
+                before any thread starts (:mod:`.watch`).
         """
         if checkpoint_dir is not None:
             self._checkpoint_dir = checkpoint_dir
-        self._start_feed(_cycle(data), take_over=True)
+        self._start_feed(cycle(data), take_over=True)
         return self
 
     def save(self, path: str | os.PathLike) -> str:
@@ -606,9 +294,13 @@ class Job:
             TimeoutError: it did not end within ``timeout`` seconds.
             TrackerBusy: the tracker refused the watch (this client holds too many
                 watches of the job, or the tracker all it takes).
+            grpc.RpcError: the tracker refused this client's watch of the job
+                (PERMISSION_DENIED: another client's job; :mod:`.watch`).
         """
         from tqdm.auto import tqdm
 
+        if self._watch is not None and self._watch.error is not None:
+            raise self._watch.error  # the tracker refused this client's feeder's watch
         status = self.status()
         bar = tqdm(total=status.steps, desc=f"job {self.id}", unit="step", disable=not progress)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -699,55 +391,24 @@ class Job:
                 log.warning("could not release job %s on %s: %s", self.id, address, e.details())
 
     # -- data feeding -------------------------------------------------------
+    # -- data feeding -------------------------------------------------------
     def _halt_feed(self) -> None:
         """Make the feeder stop at once (its client is closing): its watch ends, so the
         job waits for a client."""
+        if self._watch is not None:
+            self._watch.halt()
         self._halted.set()
-        self._started.set()
-        watch = self._watch
-        if watch is not None:
-            watch.cancel()
 
     def _join_feed(self, timeout: float) -> None:
         for thread in (self._feeder, self._follower):
             if thread is not None:
                 thread.join(timeout)
 
-    def _follow(self, take_over: bool) -> None:
-        """Hold the feeder's watch of the job (the tracker's sign that this client is
-        there, :mod:`fedpipe.tracker.clients`) until the job ends or the feed stops;
-        watch again after losing the tracker. Lets the feed start once the job runs,
-        and keeps each complete checkpoint in ``checkpoint_dir``."""
-        seq = 0
-        while not self._halted.is_set():
-            call = self.client.stub.WatchJob(S.WatchJobRequest(
-                job_id=self.id, after_seq=seq, feeder=self._feeder_id, take_over=take_over))
-            self._watch = call
-            if self._halted.is_set():
-                call.cancel()
-                return
-            try:
-                for ev in call:
-                    seq, take_over = ev.seq, False  # attached: a re-watch takes nothing over
-                    if ev.state == S.JOB_STATE_RUNNING or ev.state in TERMINAL:
-                        self._started.set()
-                    if self._checkpoint_dir is not None and (
-                            ev.checkpoint_step or ev.state == S.JOB_STATE_SUCCEEDED):
-                        self._keep_checkpoint()
-                self._started.set()
-                return  # the job ended
-            except grpc.RpcError as e:
-                if self._halted.is_set():
-                    return
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # taken over
-                    log.warning("job %s: %s; this client stops feeding it", self.id,
-                                e.details())
-                    self._superseded = True
-                    self._halt_feed()
-                    return
-                log.warning("job %s: lost the tracker (%s: %s); watching again", self.id,
-                            e.code().name, e.details())
-                time.sleep(timeouts.WATCH_RESUME)
+    def _on_event(self, ev: tracker_pb2.JobEvent) -> None:
+        """On the watch thread: keep each complete checkpoint in ``checkpoint_dir``."""
+        if self._checkpoint_dir is not None and (
+                ev.checkpoint_step or ev.state == S.JOB_STATE_SUCCEEDED):
+            self._keep_checkpoint()
 
     def _keep_checkpoint(self) -> None:
         """Pull the job's newest complete checkpoint into ``checkpoint_dir`` if it is
@@ -767,223 +428,58 @@ class Job:
             log.warning("job %s: could not keep its checkpoint in %s: %s", self.id,
                         self._checkpoint_dir, e)
 
-    def _next_batch(self, batches: Iterator, groups: list[GroupFeed]) -> tuple:
-        """The next batch whose every group's share holds at least one sample per microbatch.
-
-        Smaller batches (a data set's short last batch, say) are skipped with
-        a warning: an empty microbatch has no loss to scale.
-        """
-        while True:
-            x, y = next(batches)
-            shards = _shard(x, y, [g.share for g in groups])
-            if all(xs.shape[0] >= g.microbatches for g, (xs, _) in zip(groups, shards)):
-                return x, y, shards
-            log.warning("job %s: skipping a batch of %d samples, too few for %s microbatches",
-                        self.id, x.shape[0], "+".join(str(g.microbatches) for g in groups))
-
-    def _wait_running(self) -> None:
-        """Wait until the feeder's watch has seen the job run (or end)."""
-        self._started.wait()
-        if self._halted.is_set():
-            raise _FeedHalted
-
-    def _send_step(self, step: int, batch_size: int, group: GroupFeed, xs: torch.Tensor,
-                   ys: torch.Tensor, epoch: int) -> None:
-        """One step's inputs to the group's first stage and targets to its last: one tensor
-        each, holding all the group's microbatches (the node cuts them as
-        ``torch.tensor_split(t, microbatches)``; ``fedpipe.v1.Envelope.microbatches``)."""
-        for a, kind, t in ((group.first, node_pb2.KIND_INPUT, xs),
-                           (group.last, node_pb2.KIND_TARGET, ys)):
-            env = node_pb2.Envelope(job_id=self.id, replica=a.replica, stage=a.stage, kind=kind,
-                                    step=step, microbatch=0, microbatches=group.microbatches,
-                                    batch_size=batch_size, epoch=epoch)
-            def call(a=a, env=env, t=t) -> None:  # a fresh stream of frames each try
-                rpc.send(self.client.node(a.address), frames.encode_frames(t, envelope=env),
-                         timeout=timeouts.FEED_RPC)
-            # RESOURCE_EXHAUSTED is the node's back-pressure (its data-plane slots are
-            # taken, or its mailbox full): wait and send again, a bounded number of times
-            net.retry(call, f"job {self.id}: feeding step {step} to {a.address}",
-                      attempts=FEED_BUSY_ATTEMPTS, max_delay=FEED_BUSY_MAX_DELAY,
-                      stop=self._halted.is_set, codes=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
-
     def _info(self) -> tracker_pb2.JobInfo:
-        """The job's info; while the tracker is unreachable (restarting), ask again
-        until it answers, at most :data:`~fedpipe.net.timeouts.RECONNECT_BACKOFF_MAX`
-        apart, so the feed goes on as soon as the tracker is back."""
+        """The job's info, asked again while the tracker is unreachable (restarting), at
+        most :data:`~fedpipe.net.timeouts.RECONNECT_BACKOFF_MAX` apart.
+
+        Raises:
+            grpc.RpcError: a refusal that cannot pass (:data:`.watch.RETRYABLE`).
+        """
         return net.retry(lambda: self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
                                                          timeout=timeouts.CONTROL_RPC),
-                         f"asking the tracker about job {self.id}",
+                         f"asking the tracker about job {self.id}", codes=RETRYABLE,
                          max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self._halted.is_set)
 
-    def _await_epoch(self, after: int, poll: float) -> tracker_pb2.JobInfo | None:
-        """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended)
-        on that epoch's plan, with this client as its feeder, looking every ``poll``
-        seconds; None if it ends first.
-
-        Raises:
-            _FeedHalted: the client closed, or another client took the job over.
-        """
-        while not self._halted.is_set():
-            info = self._info()
-            if info.state in TERMINAL:
-                return None
-            if info.feeder != self._feeder_id:
-                if info.feeder:
-                    self._superseded = True  # another client took the job over
-                    raise _FeedHalted
-                time.sleep(poll)  # this client's watch is not attached (yet, or again)
-                continue
-            if info.state == S.JOB_STATE_RUNNING and info.epoch > after \
-                    and info.plan.epoch == info.epoch:
-                return info
-            time.sleep(poll)
-        raise _FeedHalted
-
-    def _restore(self, info: tracker_pb2.JobInfo, saved: checkpoints.SavedCheckpoint
-                 ) -> tracker_pb2.JobInfo | None:
-        """Put each stage's snapshot of a saved checkpoint on the node that runs it,
-        then have the job restore it (RestoreJob: a new epoch at its step); return the
-        job once it runs there (None if it ended).
-
-        Raises:
-            checkpoints.CheckpointError: as :meth:`~.checkpoints.SavedCheckpoint.for_stage`.
-        """
-        view = PlanView(info.plan)
-        for key, a in sorted(view.stages.items()):
-            snap = saved.for_stage(key, a.layer_start, a.layer_end)
-            env = node_pb2.Envelope(job_id=self.id, replica=key.replica, stage=key.stage,
-                                    kind=node_pb2.KIND_SNAPSHOT, step=saved.step,
-                                    epoch=info.epoch, batch_size=1)
-            self.client.node(view[key].address).PutSnapshot(
-                checkpoint.to_frames(snap, env), timeout=timeouts.FETCH_STATE_RPC)
-        self.client.stub.RestoreJob(S.RestoreJobRequest(job_id=self.id, step=saved.step),
-                                    timeout=timeouts.CONTROL_RPC)
-        return self._await_epoch(info.epoch, RECOVERY_POLL)
-
-    def _feed(self, batches: Iterator, restore: checkpoints.SavedCheckpoint | None) -> None:
+    def _run_feed(self, feed: Feed) -> None:
+        """The feed thread's body: feed, then turn what ended the feed into the job's fate
+        (:attr:`feed_error`)."""
         try:
-            self._wait_running()
-            info = self._await_epoch(-1, RECOVERY_POLL)  # running now, not only once
-            if info is not None and restore is not None:
-                info = self._restore(info, restore)
-            if info is None:
-                return
-            kept: dict[int, tuple] = {}  # step -> (x, y), since the second-newest checkpoint
-            drawn = 0  # batches drawn from the data (the steps before it are behind us)
-            step = info.resume_step
-            while True:  # one round per plan epoch
-                groups = GroupFeed.of(PlanView(info.plan, self.microbatches))
-                elastic = ElasticFeed(self.client.stub, self.id, info) \
-                    if ElasticFeed.applies(info) else None
-                try:
-                    while step < info.steps:
-                        if self._halted.is_set():
-                            raise _FeedHalted
-                        if elastic is not None:  # the live groups only, and any that join
-                            groups = self._elastic_groups(elastic, step)
-                        if step not in kept:
-                            self._bound(kept, info)
-                            while drawn < step:  # a resumed job: skip the steps done
-                                self._next_batch(batches, groups)
-                                drawn += 1
-                            x, y, _ = self._next_batch(batches, groups)
-                            kept[step], drawn = (x, y), drawn + 1
-                        x, y = kept[step]
-                        for group, (xs, ys) in zip(groups, _shard(x, y, [g.share for g in groups])):
-                            try:
-                                self._send_step(step, x.shape[0], group, xs, ys, info.epoch)
-                            except grpc.RpcError as e:
-                                if elastic is None or e.code() not in NODE_TROUBLE or \
-                                        not elastic.dropped(group.first.replica, info.epoch,
-                                                            self._halted.is_set):
-                                    raise
-                                log.info("job %s: replica group %d was dropped; feeding the "
-                                         "others", self.id, group.first.replica)
-                        step += 1
-                        self._fed, self._steps = step, info.steps
-                    # every step fed: stay until the job ends, and feed it again if it rewinds
-                    resumed = self._await_epoch(info.epoch, AFTER_FEED_POLL)
-                except _Replan:  # an elastic job rewound (fewer than min_replicas groups left)
-                    resumed = self._await_epoch(info.epoch, RECOVERY_POLL)
-                except grpc.RpcError as e:
-                    if e.code() not in NODE_TROUBLE:
-                        raise
-                    # a node of the job is gone, or the job moved to a new epoch without
-                    # it: once the job runs again, feed it from its resume step
-                    log.info("job %s: feeding step %d failed (%s: %s); waiting for the job to "
-                             "recover", self.id, step, e.code().name, e.details())
-                    resumed = self._await_epoch(info.epoch, RECOVERY_POLL)
-                if resumed is None:
-                    return
-                info, step = resumed, resumed.resume_step
-                if step not in kept and step < drawn:
-                    raise RuntimeError(f"job {self.id} rewound to step {step}, but the feed "
-                                       f"kept batches from step {min(kept, default=drawn)} only")
-                log.info("job %s recovered (epoch %d): feeding again from step %d", self.id,
-                         info.epoch, step)
+            feed.run()
         except BaseException as e:  # noqa: BLE001 — kept in feed_error, surfaced by wait()
-            if self._superseded:
-                self.feed_error = _FeedHalted("another client took the job over")
-            elif self._halted.is_set():  # the client closed: the job waits for a client
-                self.feed_error = _FeedHalted(
-                    "the client was closed before it fed every step; the job waits for a "
-                    "client to resume it (Client(addr).job(id).resume(data))")
-            elif isinstance(e, StopIteration):
-                self.feed_error = ValueError("data ran out before the last step")
-                try:  # the finished steps' weights stay on the nodes: state_dict() works
-                    self.client.stub.CancelJob(S.CancelJobRequest(
-                        job_id=self.id, keep_weights=True,
-                        reason=f"the client's data ran out after step {self._fed} of "
-                               f"{self._steps}; the weights of the finished steps are kept "
-                               f"(state_dict())"), timeout=timeouts.CONTROL_RPC)
-                except grpc.RpcError as err:
-                    log.error("could not end job %s: %s", self.id, err.details())
-            elif isinstance(e, grpc.RpcError):
-                log.error("feeding job %s failed: %s", self.id, e.details())
-                self._give_up(e, f"the client could not feed data: {e.code().name}: "
-                                 f"{e.details()}")
-            else:
-                log.exception("feeding job %s failed", self.id)
-                self._give_up(e, f"the client could not feed data: {e}")
+            self._feed_ended(feed, e)
         finally:
             with self.client._lock:
                 self.client._feeding.discard(self)
 
-    def _elastic_groups(self, elastic: ElasticFeed, step: int) -> list[GroupFeed]:
-        """The groups to feed at ``step`` of an elastic job (:mod:`.elastic`).
-
-        Raises:
-            _Replan: the job rewound meanwhile.
-        """
-        live, now = elastic.members(step)
-        if not live:
-            raise _Replan
-        view = PlanView(now.plan, self.microbatches)
-        return [g for g in GroupFeed.of(view) if g.first.replica in live]
-
-    def _bound(self, kept: dict[int, tuple], info: tracker_pb2.JobInfo) -> None:
-        """Forget kept batches from before the checkpoint one interval older than the last
-        complete one (a rewind goes back at most that far: the nodes keep those two
-        snapshots); at the bound (:data:`FEED_KEEP_CHECKPOINTS` checkpoint intervals)
-        wait for the next checkpoint to complete (or the job to move on: a recovery,
-        its end). The floor follows from the last complete checkpoint alone, so
-        checkpoints that complete faster than the feed looks (a burst after a tracker
-        restart) still free what they should."""
-        every = max(1, info.checkpoint_every or info.steps)
-        limit = FEED_KEEP_CHECKPOINTS * every
-        while True:
-            if len(kept) < limit and len(kept) % every:
-                return  # between checkpoints: no need to ask the tracker
-            now = self._info()
-            floor = max(0, now.checkpoint_step - every)
-            for s in [s for s in kept if s < floor]:
-                del kept[s]
-            if len(kept) < limit or now.state != S.JOB_STATE_RUNNING or \
-                    now.epoch != info.epoch:
-                return
-            if self._halted.is_set():
-                raise _FeedHalted
-            time.sleep(RECOVERY_POLL)
+    def _feed_ended(self, feed: Feed, e: BaseException) -> None:
+        """Keep why the feed ended in :attr:`feed_error`; cancel the job if nobody else
+        can feed it."""
+        watch = feed.watch
+        if watch.superseded:
+            self.feed_error = Halted("another client took the job over")
+        elif watch.error is not None:  # the tracker refused the watch: raised by wait()
+            self.feed_error = watch.error
+        elif self._halted.is_set():  # the client closed: the job waits for a client
+            self.feed_error = Halted(
+                "the client was closed before it fed every step; the job waits for a "
+                "client to resume it (Client(addr).job(id).resume(data))")
+        elif isinstance(e, StopIteration):
+            self.feed_error = ValueError("data ran out before the last step")
+            try:  # the finished steps' weights stay on the nodes: state_dict() works
+                self.client.stub.CancelJob(S.CancelJobRequest(
+                    job_id=self.id, keep_weights=True,
+                    reason=f"the client's data ran out after step {feed.fed} of "
+                           f"{feed.steps}; the weights of the finished steps are kept "
+                           f"(state_dict())"), timeout=timeouts.CONTROL_RPC)
+            except grpc.RpcError as err:
+                log.error("could not end job %s: %s", self.id, err.details())
+        elif isinstance(e, grpc.RpcError):
+            log.error("feeding job %s failed: %s", self.id, e.details())
+            self._give_up(e, f"the client could not feed data: {e.code().name}: "
+                             f"{e.details()}")
+        else:
+            log.error("feeding job %s failed", self.id, exc_info=e)
+            self._give_up(e, f"the client could not feed data: {e}")
 
     def _give_up(self, error: BaseException, reason: str) -> None:
         """Keep the feed's ``error`` and cancel the job with ``reason``: a job nobody feeds

@@ -9,6 +9,9 @@ from typing import Any, Callable, Hashable, NamedTuple, Sequence
 import torch
 
 from ..spec import MAX_MICROBATCHES, Kind
+from .errors import Duplicate, Full, Stopped
+
+__all__ = ["Duplicate", "Full", "Mailbox", "Stopped"]
 
 JOB_TENSORS = 4 * MAX_MICROBATCHES
 """The most tensors one job may have waiting in a node's mailbox, all its stages and kinds
@@ -18,14 +21,6 @@ job with the most microbatches on one node, and stops a sender that runs ahead w
 POLL_SECONDS = 0.1
 """How often a waiting put or get checks whether its stage is still alive: the
 longest a stopped stage's waiters take to notice."""
-
-
-class Stopped(Exception):
-    """The stage waiting on the mailbox was stopped."""
-
-
-class Full(Exception):
-    """A job already has :attr:`Mailbox.job_cap` tensors waiting; the message gives the figures."""
 
 
 class _Key(NamedTuple):
@@ -73,7 +68,7 @@ class Mailbox:
 
         Raises:
             Stopped: ``alive()`` turned false while waiting for room.
-            KeyError: a tensor with the same key is already waiting.
+            Duplicate: a tensor with the same key is already waiting.
             Full: the slot's job already has :attr:`job_cap` tensors waiting.
         """
         key = _Key(slot, kind, step, mb)
@@ -85,7 +80,7 @@ class Mailbox:
                         raise Stopped(f"{_name(kind)} for {slot} was not taken")
                     self._cond.wait(POLL_SECONDS)
             if key in self._items:
-                raise KeyError(f"duplicate {_name(kind)} for step {step} microbatch {mb}")
+                raise Duplicate(f"duplicate {_name(kind)} for step {step} microbatch {mb}")
             if self._jobs[job] >= self.job_cap:
                 raise Full(self._refusal(job, kind, step, mb))
             if kind in self.bounded:
@@ -103,13 +98,13 @@ class Mailbox:
         may send it again).
 
         Raises:
-            Stopped, KeyError, Full: as :meth:`put`.
+            Stopped, Duplicate, Full: as :meth:`put`.
         """
         job = self.job_of(slot)
         with self._cond:
             for i in range(len(tensors)):
                 if _Key(slot, kind, step, first + i) in self._items:
-                    raise KeyError(f"duplicate {_name(kind)} for step {step} microbatch "
+                    raise Duplicate(f"duplicate {_name(kind)} for step {step} microbatch "
                                    f"{first + i}")
             if self._jobs[job] + len(tensors) > self.job_cap:
                 raise Full(self._refusal(job, kind, step, first))
@@ -150,7 +145,6 @@ class Mailbox:
             for key in [k for k in self._counts if match(k[0])]:  # k: (slot, kind)
                 del self._counts[key]
             self._cond.notify_all()
-
 
     def _refusal(self, job: Hashable, kind: Kind, step: int, mb: int) -> str:
         """Why a tensor of ``job`` is refused at the job's cap (under the lock)."""

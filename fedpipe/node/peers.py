@@ -15,7 +15,7 @@ import statistics
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple, TypeAlias
 
 import grpc
 import torch
@@ -43,7 +43,7 @@ framing is a view of the tensor's memory and a header, cheaper than waking the
 encoder thread for it (issue 12: each hand-off between threads cost a stage about
 as much as a small layer's pass)."""
 
-Shaper = grpc.UnaryUnaryClientInterceptor
+Shaper: TypeAlias = grpc.UnaryUnaryClientInterceptor
 """An emulated link (:class:`fedpipe.net.emulation.Shaper`) a channel's calls go through."""
 
 
@@ -338,7 +338,7 @@ def measure_link(channel: grpc.Channel, *, pings: int = PROBE_PINGS,
         stub.Ping(node_pb2.PingRequest(), timeout=timeouts.PING_RPC)
         rtts.append(time.perf_counter() - t0)
     rtt = statistics.median(rtts)
-    env = node_pb2.Envelope(kind=Kind.PROBE)
+    env = node_pb2.Envelope(kind=Kind.PROBE.value)
 
     def probe(nbytes: int) -> float:
         probe_frames = list(frames.encode_frames(torch.zeros(nbytes, dtype=torch.uint8),

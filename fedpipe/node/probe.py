@@ -43,7 +43,7 @@ def measure_flops(device: str = "cpu", n: int = 1024, batch: int = 64,
     dev = torch.device(device)
     w = torch.randn(n, n, device=dev, requires_grad=True)
     x = torch.randn(batch, n, device=dev, requires_grad=True)
-    rates = []
+    rates: list[float] = []
     deadline = time.perf_counter() + seconds
     while len(rates) < 3 or time.perf_counter() < deadline:
         t0 = time.perf_counter()

@@ -1,11 +1,37 @@
-"""The checkpoint snapshots a node keeps: its own stages' and those it keeps as a buddy."""
+"""The checkpoint snapshots a node keeps: its own stages' and those it keeps as a buddy.
+
+:class:`SnapshotStore` holds them; :class:`Checkpoints` takes a stage's, keeps it,
+ships it to the stage's buddy and reports it; :class:`SnapshotDesk` takes them in
+(PutSnapshot) and hands them out (FetchSnapshot). See :mod:`fedpipe.runtime.checkpoint`.
+"""
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
 from collections import OrderedDict
+from concurrent import futures
+from typing import Callable, Iterator
 
+import grpc
+
+from ..net import timeouts
+from ..proto import node_pb2, tracker_pb2
+from ..runtime import checkpoint, layerstate
 from ..runtime.checkpoint import Snapshot
-from ..spec import SNAPSHOTS_KEPT, StageKey
+from ..spec import SNAPSHOTS_KEPT, Kind, StageKey
+from ..wire import WireError, rpc
+from ..wire.format import peek_header
+from .errors import NoSuchSnapshot, NoSuchStage
+from .lifecycle import Stage
+from .peers import ChannelPool
+from .reports import StageReporter
+
+log = logging.getLogger(__name__)
+
+MAX_SNAPSHOT_BYTES = 4 * 2**30
+"""Largest snapshot a node accepts from a buddy or a restore source, bytes: a stage of
+about 250 M float32 parameters with AdamW's two moments (16 bytes a parameter)."""
 
 
 class SnapshotStore:
@@ -53,7 +79,8 @@ class SnapshotStore:
     def get(self, job_id: str, key: StageKey, step: int) -> Snapshot | None:
         """The snapshot of stage ``key`` at ``step``, or None."""
         with self._lock:
-            return self._snaps.get((job_id, key), {}).get(step)
+            steps = self._snaps.get((job_id, key))
+            return steps.get(step) if steps is not None else None
 
     def steps(self, job_id: str, key: StageKey) -> list[int]:
         """The steps held for stage ``key``, oldest first."""
@@ -91,3 +118,141 @@ class SnapshotStore:
         """Bytes all kept snapshots take."""
         with self._lock:
             return sum(s.nbytes for steps in self._snaps.values() for s in steps.values())
+
+
+class Checkpoints:
+    """A stage's checkpoints: taken on its thread (a copy), then kept here, shipped to
+    its buddy and reported to the tracker on a shipper thread of their own, so the
+    stage pays only for the copy.
+
+    The buddy is a node of another replica group if any, else a neighbour's, rotating
+    (:meth:`fedpipe.spec.PlanView.buddies`); the tracker marks a step complete once
+    every stage has reported it.
+
+    Args:
+        snapshots: where this node keeps snapshots.
+        channels: the node's channels (to buddies).
+        reporter: reports each shipped checkpoint.
+    """
+
+    def __init__(self, snapshots: SnapshotStore, channels: ChannelPool,
+                 reporter: StageReporter):
+        self.snapshots, self.channels, self.reporter = snapshots, channels, reporter
+        self.shipper = futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+
+    def take(self, stage: Stage, step: int) -> None:
+        """Snapshot ``stage`` after ``step`` steps (on its thread: a copy), then keep it,
+        ship it to its buddy and report it (on the shipper thread)."""
+        snap = checkpoint.take(stage.parts, step)
+        self.snapshots.put(stage.job_id, stage.key, snap)
+        self.shipper.submit(self._ship, stage, snap)
+
+    def keep_final(self, stage: Stage, step: int) -> None:
+        """The final state, kept here only: what ``Job.save()`` of an ended job pulls."""
+        self.snapshots.put(stage.job_id, stage.key, checkpoint.take(stage.parts, step))
+
+    def _ship(self, stage: Stage, snap: Snapshot) -> None:
+        buddy = stage.plan.buddy(stage.key, snap.step // stage.checkpoint_every) \
+            if stage.plan is not None else None
+        if buddy is not None:
+            env = node_pb2.Envelope(job_id=stage.job_id, replica=stage.key.replica,
+                                    stage=stage.key.stage, kind=Kind.SNAPSHOT.value, step=snap.step,
+                                    epoch=stage.epoch, batch_size=1)
+            try:
+                with self.channels.borrow(buddy.address) as ch:
+                    rpc.NodeStub(ch).PutSnapshot(checkpoint.to_frames(snap, env),
+                                                 timeout=timeouts.FETCH_STATE_RPC)
+            except grpc.RpcError as e:  # the checkpoint stays incomplete; the last one holds
+                log.warning("job %s stage %d: could not keep the step %d snapshot on buddy %s: "
+                            "%s", stage.job_id, stage.key.stage, snap.step, buddy.node_name,
+                            e.details())
+                return
+        if stage.live:
+            self.reporter.report(stage, tracker_pb2.StageReport.STATUS_CHECKPOINT,
+                                 step=snap.step)
+
+    def close(self) -> None:
+        """Ship nothing more (node shutdown)."""
+        self.shipper.shutdown(wait=False, cancel_futures=True)
+
+
+class SnapshotDesk:
+    """Snapshots in and out of this node over RPC: a buddy's (or the job's client's,
+    restoring a saved checkpoint) kept by PutSnapshot, and those FetchSnapshot serves.
+
+    Args:
+        snapshots: where this node keeps snapshots.
+        holds_job: whether this node holds a stage (of any state) of a job; it keeps
+            no snapshot of a job it holds nothing of.
+        job_bytes: the most bytes one job's snapshots may take on this node.
+    """
+
+    def __init__(self, snapshots: SnapshotStore, holds_job: Callable[[str], bool],
+                 job_bytes: int):
+        self.snapshots, self.holds_job, self.job_bytes = snapshots, holds_job, job_bytes
+
+    def receive(self, stream: Iterator[bytes],
+                check: Callable[[node_pb2.Envelope], None]) -> None:
+        """Keep the snapshot ``stream`` carries once ``check`` passed its envelope (before a
+        byte of it is buffered), within :data:`MAX_SNAPSHOT_BYTES` and the job's room.
+
+        Raises:
+            SnapshotTooLarge: past either limit (the message gives both).
+            WireError: a malformed or truncated snapshot, or one whose envelope is not a
+                snapshot's.
+            NoSuchStage: this node holds no stage of that job (it is no buddy of it).
+            SecurityError: as ``check`` raises (or any other error of it).
+        """
+        try:
+            first = next(stream, None)
+            head = None if first is None else peek_header(first)
+            if first is None or head is None:
+                raise WireError("a snapshot stream must start with a header frame")
+            env = head.envelope
+            check(env)
+            limit = self.snapshots.room(env.job_id, StageKey(env.replica, env.stage),
+                                        self.job_bytes)
+            self.keep(itertools.chain([first], stream), min(limit, MAX_SNAPSHOT_BYTES))
+        except checkpoint.SnapshotTooLarge as e:
+            raise checkpoint.SnapshotTooLarge(
+                f"snapshot refused: {e} (a snapshot may take at most {MAX_SNAPSHOT_BYTES} "
+                f"bytes, one job's kept snapshots {self.job_bytes} bytes on this node)") from e
+        except WireError as e:
+            raise WireError(f"malformed snapshot: {e}") from e
+
+    def keep(self, stream: Iterator[bytes], max_bytes: int = MAX_SNAPSHOT_BYTES) -> None:
+        """Keep the snapshot ``stream`` carries, of at most ``max_bytes``.
+
+        Raises:
+            SnapshotTooLarge: the snapshot's tensors would take more than ``max_bytes``.
+            WireError: a malformed or truncated snapshot, or one whose envelope is not a
+                snapshot's.
+            NoSuchStage: this node holds no stage of that job (it is no buddy of it).
+        """
+        first, snap = checkpoint.from_frames(stream, max_bytes)
+        env = first.envelope
+        if env.kind != Kind.SNAPSHOT or env.step != snap.step:
+            raise WireError(f"a snapshot stream needs a KIND_SNAPSHOT envelope of its step "
+                            f"{snap.step}, got kind {env.kind} step {env.step}")
+        if not self.holds_job(env.job_id):
+            raise NoSuchStage(f"this node runs no stage of job {env.job_id!r}; it keeps no "
+                              f"snapshot of it")
+        self.snapshots.put(env.job_id, StageKey(env.replica, env.stage), snap)
+
+    def snapshot(self, job_id: str, key: StageKey, step: int, layer_start: int = 0,
+                 layer_end: int = 0) -> Snapshot:
+        """The snapshot of stage ``key`` of ``job_id`` at ``step`` kept here; with
+        ``layer_end`` > 0 only layers ``[layer_start, layer_end)``, in layer form.
+
+        Raises:
+            NoSuchSnapshot: none kept.
+            SplitError: those layers cannot be cut from it.
+        """
+        snap = self.snapshots.get(job_id, key, step)
+        if snap is None:
+            raise NoSuchSnapshot(f"no step {step} snapshot of stage {key.stage} (replica "
+                                 f"{key.replica}) of job {job_id!r} here; kept: "
+                                 f"{self.snapshots.steps(job_id, key)}")
+        if layer_end > 0:  # only the layers that change hands
+            snap = layerstate.split(snap, layer_start, layer_end)
+        return snap

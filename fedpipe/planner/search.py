@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Sequence
+from typing import Callable, Sequence
+
+import numpy as np
 
 from .context import PlanContext
 from .evaluate import Candidate, Chain, Evaluator, Split, build_plan, polish
@@ -29,6 +31,10 @@ _KEEPS_LENGTH = ("swap", "reorder", "reverse", "regroup")
 SCREEN_ABOVE = 16
 """Above this many nodes, initial groupings are screened with a split by speed
 before the dynamic program scores the best few."""
+
+Archive = dict[tuple[Chain, ...], Candidate]
+"""The candidates the final step may simulate, by each group's nodes with a stage
+(:func:`_remember`)."""
 
 
 def make_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig,
@@ -53,7 +59,7 @@ def make_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig,
     ctx = PlanContext(cluster, profile, config)
     ev = Evaluator(ctx)
     hop = ctx.hop_cost()
-    archive: dict[tuple, Candidate] = {}
+    archive: Archive = {}
     starts = _starts(ev, hop, options, deadline, archive)
     rng = random.Random(options.seed)
     iterations = options.iterations if options.iterations is not None else default_iterations(ctx.n)
@@ -75,7 +81,7 @@ def make_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig,
     return min(polished, key=lambda p: p.predicted_step_seconds)
 
 
-def _remember(archive: dict[tuple, Candidate], cand: Candidate) -> None:
+def _remember(archive: Archive, cand: Candidate) -> None:
     """Keep ``cand`` among the candidates the final step may simulate: the best
     by estimate for each distinct assignment of nodes to groups and stages."""
     key = tuple(s.nodes for s in cand.solutions)
@@ -83,8 +89,8 @@ def _remember(archive: dict[tuple, Candidate], cand: Candidate) -> None:
         archive[key] = cand
 
 
-def _starts(ev: Evaluator, hop, options: SearchOptions, deadline: float,
-            archive: dict[tuple, Candidate]) -> list[Candidate]:
+def _starts(ev: Evaluator, hop: np.ndarray, options: SearchOptions, deadline: float,
+            archive: Archive) -> list[Candidate]:
     """The scored initial groupings the local search starts from, best first.
 
     Raises:
@@ -122,10 +128,9 @@ def default_iterations(n_nodes: int) -> int:
     return 400 if n_nodes <= 16 else 200 if n_nodes <= 128 else 100
 
 
-def local_search(ev: Evaluator, hop, cand: Candidate, pool: Sequence[int], rng: random.Random,
-                 iterations: int, deadline: float,
-                 archive: dict[tuple, Candidate] | None = None
-                 ) -> tuple[Candidate, tuple[int, ...]]:
+def local_search(ev: Evaluator, hop: np.ndarray, cand: Candidate, pool: Sequence[int],
+                 rng: random.Random, iterations: int, deadline: float,
+                 archive: Archive | None = None) -> tuple[Candidate, tuple[int, ...]]:
     """Hill climbing from ``cand`` over random moves (:func:`propose`), scored by
     the analytic estimate: a move is kept when it lowers the estimate. Returns
     the final candidate and its pool of unused nodes.
@@ -166,34 +171,37 @@ def local_search(ev: Evaluator, hop, cand: Candidate, pool: Sequence[int], rng: 
     return cand, pool
 
 
-def _best_insert(hop, chain: list[int], node: int) -> list[int]:
+def _best_insert(hop: np.ndarray, chain: list[int], node: int) -> list[int]:
     """``chain`` with ``node`` inserted where the path's (slowest hop, sum) is least."""
     options = [chain[:i] + [node] + chain[i:] for i in range(len(chain) + 1)]
     return min(options, key=lambda c: path_cost(hop, c))
 
 
-def _relocate(chains, pool, hop, rng, max_groups) -> bool:
+def _relocate(chains: list[list[int]], pool: list[int], hop: np.ndarray, rng: random.Random,
+              max_groups: int) -> bool:
     """A node (from a group or the pool) to another group (where its path is
     best), to the pool, or to a new group of its own."""
     where = [(g, i) for g, c in enumerate(chains) for i in range(len(c))] + \
             [(-1, i) for i in range(len(pool))]
     g, i = rng.choice(where)
     node = (chains[g] if g >= 0 else pool).pop(i)
+    new = len(chains)  # the index a new group gets
     targets = [h for h in range(len(chains)) if h != g] + ([-1] if g >= 0 else []) + \
-              (["new"] if len(chains) < max_groups else [])
+              ([new] if len(chains) < max_groups else [])
     if not targets:
         return False
     h = rng.choice(targets)
     if h == -1:
         pool.append(node)
-    elif h == "new":
+    elif h == new:
         chains.append([node])
     else:
         chains[h] = _best_insert(hop, chains[h], node)
     return True
 
 
-def _swap(chains, pool, hop, rng, max_groups) -> bool:
+def _swap(chains: list[list[int]], pool: list[int], hop: np.ndarray, rng: random.Random,
+          max_groups: int) -> bool:
     """Two nodes of different groups (or a node and an unused one) trade places."""
     where = [(g, i) for g, c in enumerate(chains) for i in range(len(c))]
     a = rng.choice(where)
@@ -206,7 +214,8 @@ def _swap(chains, pool, hop, rng, max_groups) -> bool:
     return True
 
 
-def _reorder(chains, pool, hop, rng, max_groups) -> bool:
+def _reorder(chains: list[list[int]], pool: list[int], hop: np.ndarray, rng: random.Random,
+             max_groups: int) -> bool:
     """Reverse a segment of a chain (2-opt) or move one of its nodes elsewhere in it."""
     c = chains[rng.randrange(len(chains))]
     if len(c) < 3:
@@ -219,13 +228,15 @@ def _reorder(chains, pool, hop, rng, max_groups) -> bool:
     return True
 
 
-def _reverse(chains, pool, hop, rng, max_groups) -> bool:
+def _reverse(chains: list[list[int]], pool: list[int], hop: np.ndarray, rng: random.Random,
+             max_groups: int) -> bool:
     """Run a chain the other way round."""
     chains[rng.randrange(len(chains))].reverse()
     return True
 
 
-def _merge(chains, pool, hop, rng, max_groups) -> bool:
+def _merge(chains: list[list[int]], pool: list[int], hop: np.ndarray, rng: random.Random,
+           max_groups: int) -> bool:
     """Join two groups end to end (the orientation with the cheapest joint)."""
     if len(chains) < 2:
         return False
@@ -236,7 +247,8 @@ def _merge(chains, pool, hop, rng, max_groups) -> bool:
     return True
 
 
-def _split(chains, pool, hop, rng, max_groups) -> bool:
+def _split(chains: list[list[int]], pool: list[int], hop: np.ndarray, rng: random.Random,
+           max_groups: int) -> bool:
     """Cut a chain in two groups."""
     g = rng.randrange(len(chains))
     if len(chains) >= max_groups or len(chains[g]) < 2:
@@ -247,7 +259,8 @@ def _split(chains, pool, hop, rng, max_groups) -> bool:
     return True
 
 
-def _regroup(chains, pool, hop, rng, max_groups) -> bool:
+def _regroup(chains: list[list[int]], pool: list[int], hop: np.ndarray, rng: random.Random,
+             max_groups: int) -> bool:
     """Swap two groups' places in the all-reduce ring (the group order)."""
     if len(chains) < 3:
         return False
@@ -256,12 +269,16 @@ def _regroup(chains, pool, hop, rng, max_groups) -> bool:
     return True
 
 
-_MOVE_FUNCTIONS = {"relocate": _relocate, "swap": _swap, "reorder": _reorder,
-                   "reverse": _reverse, "merge": _merge, "split": _split, "regroup": _regroup}
+Move = Callable[[list[list[int]], list[int], np.ndarray, random.Random, int], bool]
+"""A move: ``(chains, pool, hop, rng, max_groups)`` -> whether it applied (in place)."""
+
+_MOVE_FUNCTIONS: dict[str, Move] = {
+    "relocate": _relocate, "swap": _swap, "reorder": _reorder, "reverse": _reverse,
+    "merge": _merge, "split": _split, "regroup": _regroup}
 
 
-def propose(kind: str, chains: list[list[int]], pool: list[int], hop, rng: random.Random,
-            max_groups: int) -> tuple[list[list[int]], list[int]] | None:
+def propose(kind: str, chains: list[list[int]], pool: list[int], hop: np.ndarray,
+            rng: random.Random, max_groups: int) -> tuple[list[list[int]], list[int]] | None:
     """One random move of kind ``kind`` (one of :data:`MOVES`) on the groups
     ``chains`` and the unused ``pool``; None when it does not apply.
 

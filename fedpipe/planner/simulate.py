@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from ..spec import Action, SpecError, StageKey, schedule_order
-from .costs import (chain_costs, host_factors, optimizer_seconds, pass_seconds, schedule_sync,
-                    sync_per_step, sync_segments)
+from .costs import (ChainStage, chain_costs, host_factors, optimizer_seconds, pass_seconds,
+                    schedule_sync, sync_per_step, sync_segments)
 from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
 
 
@@ -66,60 +66,97 @@ class _Engine:
         Raises:
             RuntimeError: the operations deadlock (a bug in how they were built).
         """
-        n_res = len(self.orders)
-        end = [-1.0] * len(self.dur)
-        npred = list(self.npred)
-        busy = [False] * n_res
-        pos = [0] * n_res
-        ready = [False] * len(self.dur)
-        fifo: list[list[tuple[float, int]]] = [[] for _ in range(n_res)]
-        events: list[tuple[float, int, int, int]] = []  # (time, kind 0=finish 1=deliver, seq, op)
-        seq = 0
+        return _Run(self).run()
 
-        def start(r: int, t: float) -> None:
-            nonlocal seq
-            if busy[r]:
-                return
-            order = self.orders[r]
-            if order is not None:
-                if pos[r] >= len(order) or not ready[order[pos[r]]]:
-                    return
-                op = order[pos[r]]
-                pos[r] += 1
-            elif fifo[r]:
-                op = heapq.heappop(fifo[r])[1]
+
+_FINISH, _DELIVER = 0, 1
+"""Event kinds of :class:`_Run`: an operation ends (its resource is free), or it delivers
+(its successors may start). At equal times a finish comes first."""
+
+
+class _Run:
+    """The state of one :meth:`_Engine.run`: the event loop over the engine's operations.
+
+    Args:
+        eng: the operations, resources and dependencies (not modified).
+    """
+
+    def __init__(self, eng: _Engine) -> None:
+        self.eng = eng
+        n_res, n_ops = len(eng.orders), len(eng.dur)
+        self.end = [-1.0] * n_ops
+        self.npred = list(eng.npred)
+        self.busy = [False] * n_res
+        self.pos = [0] * n_res  # fixed-order resources: the next operation's place
+        self.ready = [False] * n_ops
+        self.fifo: list[list[tuple[float, int]]] = [[] for _ in range(n_res)]
+        self.events: list[tuple[float, int, int, int]] = []  # (time, kind, seq, op)
+        self.seq = 0
+
+    def run(self) -> list[float]:
+        """Each operation's end time, seconds (see :meth:`_Engine.run`)."""
+        for op in range(len(self.eng.dur)):
+            if self.npred[op] == 0:
+                self._make_ready(op, 0.0)
+        while self.events:
+            t, kind, _, op = heapq.heappop(self.events)
+            if kind == _FINISH:
+                self._finish(op, t)
             else:
-                return
-            busy[r] = True
-            end[op] = t + self.dur[op]
-            heapq.heappush(events, (end[op], 0, seq, op))
-            seq += 1
-
-        def make_ready(op: int, t: float) -> None:
-            ready[op] = True
-            r = self.res[op]
-            if self.orders[r] is None:
-                heapq.heappush(fifo[r], (t, op))
-            start(r, t)
-
-        for op in range(len(self.dur)):
-            if npred[op] == 0:
-                make_ready(op, 0.0)
-        while events:
-            t, kind, _, op = heapq.heappop(events)
-            if kind == 0:
-                busy[self.res[op]] = False
-                heapq.heappush(events, (t + self.lag[op], 1, seq, op))
-                seq += 1
-                start(self.res[op], t)
-            else:
-                for nxt in self.succ[op]:
-                    npred[nxt] -= 1
-                    if npred[nxt] == 0:
-                        make_ready(nxt, t)
-        if min(end, default=0.0) < 0:
+                self._deliver(op, t)
+        if min(self.end, default=0.0) < 0:
             raise RuntimeError("simulated operations deadlocked")
-        return end
+        return self.end
+
+    def _push(self, t: float, kind: int, op: int) -> None:
+        heapq.heappush(self.events, (t, kind, self.seq, op))
+        self.seq += 1
+
+    def _next_op(self, r: int) -> int | None:
+        """The operation resource ``r`` may run now (taken from its queue), or None."""
+        order = self.eng.orders[r]
+        if order is not None:
+            pos = self.pos[r]
+            if pos >= len(order) or not self.ready[order[pos]]:
+                return None
+            self.pos[r] += 1
+            return order[pos]
+        if self.fifo[r]:
+            return heapq.heappop(self.fifo[r])[1]
+        return None
+
+    def _start(self, r: int, t: float) -> None:
+        """Start resource ``r``'s next operation at ``t`` if it is free and one may run."""
+        if self.busy[r]:
+            return
+        op = self._next_op(r)
+        if op is None:
+            return
+        self.busy[r] = True
+        self.end[op] = t + self.eng.dur[op]
+        self._push(self.end[op], _FINISH, op)
+
+    def _make_ready(self, op: int, t: float) -> None:
+        """Every dependency of ``op`` has delivered, at ``t``."""
+        self.ready[op] = True
+        r = self.eng.res[op]
+        if self.eng.orders[r] is None:
+            heapq.heappush(self.fifo[r], (t, op))
+        self._start(r, t)
+
+    def _finish(self, op: int, t: float) -> None:
+        """``op`` ends at ``t``: it delivers ``lag`` later; its resource takes the next."""
+        r = self.eng.res[op]
+        self.busy[r] = False
+        self._push(t + self.eng.lag[op], _DELIVER, op)
+        self._start(r, t)
+
+    def _deliver(self, op: int, t: float) -> None:
+        """``op`` delivers at ``t``: successors with no dependency left become ready."""
+        for nxt in self.eng.succ[op]:
+            self.npred[nxt] -= 1
+            if self.npred[nxt] == 0:
+                self._make_ready(nxt, t)
 
 
 @dataclass
@@ -270,7 +307,7 @@ def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         mb = samples / m
         st = g.stages
 
-        def passes(s, mb=mb):
+        def passes(s: ChainStage, mb: float = mb) -> tuple[float, float]:
             return pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
                                 over, host[s.node_id])
 
@@ -285,7 +322,7 @@ def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         group_seconds.append(tl.finish)
         ready.update((s.node_id, t) for s, t in zip(st, tl.last_backward))
 
-    def link(a, b):
+    def link(a: str, b: str) -> tuple[float, float]:
         lk = cluster.link(a, b)
         return lk.bandwidth, lk.latency
 
@@ -346,7 +383,7 @@ def stage_costs(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     for r, (g, (m, samples)) in enumerate(zip(plan.groups, group_shares(plan, config))):
         mb = samples / m
 
-        def passes(s, mb=mb):
+        def passes(s: ChainStage, mb: float = mb) -> tuple[float, float]:
             return pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
                                 over, host[s.node_id])
 

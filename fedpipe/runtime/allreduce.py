@@ -12,8 +12,9 @@ chunk is reduced on one holder and then copied.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence, cast
 
 import torch
 
@@ -93,11 +94,12 @@ def held_segments(module: torch.nn.Module, me: StageKey, stages: Sequence[StageS
     if len(mine) != 1:
         raise ValueError(f"stage {me} appears {len(mine)} times in the plan, not once")
     layer_start = mine[0].start
+    layers = cast(torch.nn.Sequential, module)  # one child per layer
     out = []
     for seg in segments(stages):
         ranks = [i for i, h in enumerate(seg.holders) if h == me]
         params = [p for layer in range(seg.start, seg.end)
-                  for p in module[layer - layer_start].parameters()] if ranks else []
+                  for p in layers[layer - layer_start].parameters()] if ranks else []
         if params:
             out.append(Held(seg, ranks[0], params))
     return out
@@ -150,6 +152,15 @@ class GradientSync:
         self.transport = transport
         self.mine = held_segments(module, me, stages)
 
+    def _send(self, nxt: StageKey, step: int, base: int, tag: int, t: torch.Tensor) -> None:
+        """Ring message ``tag`` of a segment whose tags start at ``base``, to ``nxt``."""
+        self.transport.send_to(nxt, Kind.REDUCE, step, base + tag, t)
+
+    def _recv(self, step: int, base: int, tag: int) -> torch.Tensor:
+        """Ring message ``tag`` of a segment whose tags start at ``base``, from the previous
+        holder."""
+        return self.transport.recv(Kind.REDUCE, step, base + tag)[0]
+
     def __call__(self, step: int) -> None:
         """All-reduce this step's gradients in place.
 
@@ -162,11 +173,9 @@ class GradientSync:
             base = seg.index * 2 * world
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                               for p in params])
-            total = ring_allreduce(
-                flat, rank, world,
-                lambda tag, t, nxt=nxt, base=base: self.transport.send_to(
-                    nxt, Kind.REDUCE, step, base + tag, t),
-                lambda tag, base=base: self.transport.recv(Kind.REDUCE, step, base + tag)[0])
+            total = ring_allreduce(flat, rank, world,
+                                   functools.partial(self._send, nxt, step, base),
+                                   functools.partial(self._recv, step, base))
             offset = 0
             for p in params:
                 p.grad = total[offset:offset + p.numel()].view_as(p).clone()

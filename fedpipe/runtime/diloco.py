@@ -63,7 +63,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -90,10 +90,10 @@ def _unflat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tens
 
 
 class Owed(NamedTuple):
-    """A peer's pseudo-gradient not yet applied: of segment ``self.mine[index]``,
+    """A peer's pseudo-gradient not yet applied: of segment ``self.mine[held]``,
     from the holder of rank ``rank``, for outer step ``outer_step``."""
 
-    index: int
+    held: int  # not ``index``: that would hide tuple.index
     rank: int
     outer_step: int
 
@@ -170,7 +170,7 @@ class OuterSync:
                 "residuals": {i: self.feedback.residual(i) for i in range(len(self.mine))
                               if self.feedback.residual(i) is not None}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` (a snapshot of the same stage).
 
         Raises:
@@ -253,6 +253,7 @@ class OuterSync:
         for i, glob in enumerate(self.globals):
             for g, piece in zip(glob, _unflat(self._average(i, k, own[i], deadline), glob)):
                 g.grad = piece
+        assert self.optimizer is not None  # step() does not come here without parameters
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -266,14 +267,14 @@ class OuterSync:
         seg, rank, _ = self.mine[i]
         weight = [self.weights[h.replica] for h in seg.holders]
         late = []  # earlier steps' pseudo-gradients that came since: (rank, step, tensor)
-        for entry in [e for e in self.owed if e.index == i]:
+        for entry in [e for e in self.owed if e.held == i]:
             r, j = entry.rank, entry.outer_step
             # take it only if it is in already, except at the last step (which waits)
             got = self._take(j, self._tag(i, r), None if deadline is None else -math.inf)
             if got is not None:
                 self.owed.remove(entry)
                 late.append((r, j, got))
-        behind = {e.rank for e in self.owed if e.index == i}  # still owe: do not wait for them
+        behind = {e.rank for e in self.owed if e.held == i}  # still owe: do not wait for them
         parts = {}
         for r in range(len(seg.holders)):
             wait = -math.inf if r in behind and deadline is not None else deadline

@@ -16,7 +16,7 @@ index maps to a *global* layer and a parameter name:
   and buffers alike);
 - ``optimizer`` (a ``torch.optim`` state dict): state index ``k`` is the
   ``k``-th trainable parameter in layer order (the order
-  :func:`~fedpipe.node.stages.build_stage` gives the optimizer); each keeps its
+  :func:`~fedpipe.node.wiring.build_stage` gives the optimizer); each keeps its
   per-parameter state (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``; SGD's
   ``momentum_buffer``) and the index of its param group. The groups'
   hyper-parameters are *shared*;
@@ -92,11 +92,11 @@ class Layout:
         """Raises:
             SplitError: the snapshot holds other layers or parameters."""
         mine = self.state_dict()
-        theirs = {"start": state.get("start"),
-                  "params": [[list(p) for p in layer] for layer in state.get("params", [])]}
+        params = [[list(p) for p in layer] for layer in state.get("params", [])]
+        theirs = {"start": state.get("start"), "params": params}
         if theirs != mine:
             raise SplitError(f"the snapshot holds layers from {theirs['start']} "
-                             f"({len(theirs['params'])} layers), this stage layers from "
+                             f"({len(params)} layers), this stage layers from "
                              f"{self.start} ({len(mine['params'])} layers) or other parameters")
 
 
@@ -161,48 +161,62 @@ def split(snap: Snapshot, start: int = 0, end: int | None = None) -> Snapshot:
     everyone = [(first + i, n) for i, layer in enumerate(params) for n, _ in layer]
     opt = state.get("optimizer")
     if opt is not None:
-        groups = opt["param_groups"]
-        owner = {k: g for g, group in enumerate(groups) for k in group["params"]}
-        if sorted(owner) != list(range(len(trainable))):
-            raise SplitError(f"optimizer: its groups hold parameters {sorted(owner)[:8]}, the "
-                             f"layout {len(trainable)} trainable ones")
-        for k, (L, name) in enumerate(trainable):
-            per[L]["optimizer"][name] = {"group": owner[k], "state": opt["state"].get(k, {})}
-        shared["optimizer"] = {"param_groups": [{h: v for h, v in group.items() if h != "params"}
-                                                for group in groups]}
+        shared["optimizer"] = _split_optimizer(opt, trainable, per)
     if state.get("lr_scheduler") is not None:
         shared["lr_scheduler"] = state["lr_scheduler"]
     outer = state.get("outer")
     if outer is not None:
-        flat = [t for seg in outer["globals"] for t in seg]
-        if len(flat) != len(everyone):
-            raise SplitError(f"outer: {len(flat)} DiLoCo global weights, the layout has "
-                             f"{len(everyone)} parameters")
-        residual: dict[int, torch.Tensor] = {}
-        k = 0
-        for i, seg in enumerate(outer["globals"]):
-            r = outer["residuals"].get(i)
-            if r is not None:
-                sizes = [t.numel() for t in seg]
-                if r.numel() != sum(sizes):
-                    raise SplitError(f"outer: residual {i} has {r.numel()} elements, its "
-                                     f"segment {sum(sizes)}")
-                residual.update(zip(range(k, k + len(seg)), r.reshape(-1).split(sizes)))
-            k += len(seg)
-        o_opt = outer["optimizer"]
-        for k, ((L, name), t) in enumerate(zip(everyone, flat)):
-            piece = {"global": t,
-                     "state": o_opt["state"].get(k, {}) if o_opt is not None else {}}
-            if k in residual:
-                piece["residual"] = residual[k]
-            per[L]["outer"][name] = piece
-        shared["outer"] = {"outer_step": outer["outer_step"],
-                           "param_groups": None if o_opt is None else [
-                               {h: v for h, v in g.items() if h != "params"}
-                               for g in o_opt["param_groups"]]}
+        shared["outer"] = _split_outer(outer, everyone, per)
     stop = end if end is not None else held.stop
     return _build(snap.step, {SHARED: shared, **{f"{LAYER}{L}": per[L] for L in held
                                                    if start <= L < stop}})
+
+
+def _split_optimizer(opt: Mapping[str, Any], trainable: Sequence[tuple[int, str]],
+                     per: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """File a ``torch.optim`` state dict's per-parameter state under ``per[L]["optimizer"]``
+    (``trainable``: the ``(layer, name)`` of each state index); return the shared part."""
+    groups = opt["param_groups"]
+    owner = {k: g for g, group in enumerate(groups) for k in group["params"]}
+    if sorted(owner) != list(range(len(trainable))):
+        raise SplitError(f"optimizer: its groups hold parameters {sorted(owner)[:8]}, the "
+                         f"layout {len(trainable)} trainable ones")
+    for k, (L, name) in enumerate(trainable):
+        per[L]["optimizer"][name] = {"group": owner[k], "state": opt["state"].get(k, {})}
+    return {"param_groups": [{h: v for h, v in group.items() if h != "params"}
+                             for group in groups]}
+
+
+def _split_outer(outer: Mapping[str, Any], everyone: Sequence[tuple[int, str]],
+                 per: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """File DiLoCo's outer state (globals, outer SGD state, residuals cut at the parameters'
+    sizes) under ``per[L]["outer"]`` (``everyone``: the ``(layer, name)`` of every
+    parameter in order); return the shared part."""
+    flat = [t for seg in outer["globals"] for t in seg]
+    if len(flat) != len(everyone):
+        raise SplitError(f"outer: {len(flat)} DiLoCo global weights, the layout has "
+                         f"{len(everyone)} parameters")
+    residual: dict[int, torch.Tensor] = {}
+    k = 0
+    for i, seg in enumerate(outer["globals"]):
+        r = outer["residuals"].get(i)
+        if r is not None:
+            sizes = [t.numel() for t in seg]
+            if r.numel() != sum(sizes):
+                raise SplitError(f"outer: residual {i} has {r.numel()} elements, its "
+                                 f"segment {sum(sizes)}")
+            residual.update(zip(range(k, k + len(seg)), r.reshape(-1).split(sizes)))
+        k += len(seg)
+    o_opt = outer["optimizer"]
+    for k, ((L, name), t) in enumerate(zip(everyone, flat)):
+        piece = {"global": t,
+                 "state": o_opt["state"].get(k, {}) if o_opt is not None else {}}
+        if k in residual:
+            piece["residual"] = residual[k]
+        per[L]["outer"][name] = piece
+    return {"outer_step": outer["outer_step"],
+            "param_groups": None if o_opt is None else [
+                {h: v for h, v in g.items() if h != "params"} for g in o_opt["param_groups"]]}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -265,23 +279,12 @@ def assemble(snap: Snapshot, parts: Mapping[str, Checkpointable | None]) -> Snap
         raise SplitError(f"the stage's part(s) {unknown} cannot be assembled from layers")
     first, params = _order(layout.state_dict())
     shared = _unflatten(snap.skeleton[SHARED], snap.tensors)
-    per = {}
-    for i in range(len(params)):
-        name = f"{LAYER}{first + i}"
-        if name not in snap.skeleton:
-            raise SplitError(f"the snapshot pieces lack layer {first + i} (they hold "
-                             f"{layers(snap)})")
-        per[first + i] = _unflatten(snap.skeleton[name], snap.tensors)
+    per = _pieces(snap, range(first, first + len(params)))
 
     def need(part: str, key: str) -> Any:
         if part not in shared:
             raise SplitError(f"{part}: the snapshot pieces carry no shared {part} state")
         return shared[part][key] if key else shared[part]
-
-    out: dict[str, Any] = {LAYOUT: layout.state_dict(), "module": {
-        f"{i}.{n}": t for i in range(len(params)) for n, t in per[first + i]["module"].items()}}
-    trainable = [(first + i, n) for i, layer in enumerate(params) for n, g in layer if g]
-    everyone = [(first + i, n) for i, layer in enumerate(params) for n, _ in layer]
 
     def param(L: int, part: str, name: str) -> dict:
         try:
@@ -290,43 +293,71 @@ def assemble(snap: Snapshot, parts: Mapping[str, Checkpointable | None]) -> Snap
             raise SplitError(f"{part}: the snapshot pieces have no state of parameter "
                              f"{name!r} of layer {L}") from None
 
+    out: dict[str, Any] = {LAYOUT: layout.state_dict(), "module": {
+        f"{i}.{n}": t for i in range(len(params)) for n, t in per[first + i]["module"].items()}}
     if parts.get("optimizer") is not None:
-        groups = [dict(g, params=[]) for g in need("optimizer", "param_groups")]
-        st = {}
-        for k, (L, name) in enumerate(trainable):
-            piece = param(L, "optimizer", name)
-            groups[piece["group"]]["params"].append(k)
-            if piece["state"]:
-                st[k] = piece["state"]
-        out["optimizer"] = {"state": st, "param_groups": groups}
+        trainable = [(first + i, n) for i, layer in enumerate(params) for n, g in layer if g]
+        out["optimizer"] = _assemble_optimizer(
+            need("optimizer", "param_groups"),
+            [param(L, "optimizer", name) for L, name in trainable])
     if parts.get("lr_scheduler") is not None:
         out["lr_scheduler"] = need("lr_scheduler", "")
     outer = parts.get("outer")
     if outer is not None:
+        everyone = [(first + i, n) for i, layer in enumerate(params) for n, _ in layer]
         shape = [len(seg) for seg in outer.state_dict()["globals"]]
         if sum(shape) != len(everyone):
             raise SplitError(f"outer: the stage's DiLoCo state has {sum(shape)} parameters, "
                              f"its layout {len(everyone)}")
-        pieces = [param(L, "outer", name) for L, name in everyone]
-        globs, residuals, k = [], {}, 0
-        for i, n in enumerate(shape):
-            seg = pieces[k:k + n]
-            globs.append([p["global"] for p in seg])
-            have = [p.get("residual") for p in seg]
-            if any(r is not None for r in have):  # none owed is a residual of zeros
-                dtype = next(r for r in have if r is not None).dtype
-                residuals[i] = torch.cat([r if r is not None else
-                                          torch.zeros(p["global"].numel(), dtype=dtype)
-                                          for r, p in zip(have, seg)])
-            k += n
-        o_groups = need("outer", "param_groups")
-        out["outer"] = {"globals": globs, "outer_step": need("outer", "outer_step"),
-                        "residuals": residuals,
-                        "optimizer": None if o_groups is None else {
-                            "state": {k: p["state"] for k, p in enumerate(pieces) if p["state"]},
-                            "param_groups": [dict(g, params=list(range(len(pieces))))
-                                             for g in o_groups]}}
+        out["outer"] = _assemble_outer(
+            shape, [param(L, "outer", name) for L, name in everyone],
+            need("outer", "param_groups"), need("outer", "outer_step"))
     return _build(snap.step, out)
+
+
+def _pieces(snap: Snapshot, held: range) -> dict[int, Any]:
+    """Layer-form ``snap``'s piece of each layer in ``held``, by global layer."""
+    per = {}
+    for L in held:
+        name = f"{LAYER}{L}"
+        if name not in snap.skeleton:
+            raise SplitError(f"the snapshot pieces lack layer {L} (they hold {layers(snap)})")
+        per[L] = _unflatten(snap.skeleton[name], snap.tensors)
+    return per
+
+def _assemble_optimizer(groups: Sequence[Mapping[str, Any]],
+                        pieces: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A ``torch.optim`` state dict from the shared ``groups`` and one filed piece per
+    trainable parameter, in state-index order."""
+    out_groups: list[dict[str, Any]] = [dict(g, params=[]) for g in groups]
+    st = {}
+    for k, piece in enumerate(pieces):
+        out_groups[piece["group"]]["params"].append(k)
+        if piece["state"]:
+            st[k] = piece["state"]
+    return {"state": st, "param_groups": out_groups}
+
+
+def _assemble_outer(shape: Sequence[int], pieces: Sequence[Mapping[str, Any]],
+                    o_groups: Sequence[Mapping[str, Any]] | None,
+                    outer_step: Any) -> dict[str, Any]:
+    """DiLoCo's outer state for segments of ``shape`` parameters each, from one filed
+    piece per parameter in order (a segment's residual is its pieces' concatenated)."""
+    globs, residuals, k = [], {}, 0
+    for i, n in enumerate(shape):
+        seg = pieces[k:k + n]
+        globs.append([p["global"] for p in seg])
+        have = [p.get("residual") for p in seg]
+        if any(r is not None for r in have):  # none owed is a residual of zeros
+            dtype = next(r for r in have if r is not None).dtype
+            residuals[i] = torch.cat([r if r is not None else
+                                      torch.zeros(p["global"].numel(), dtype=dtype)
+                                      for r, p in zip(have, seg)])
+        k += n
+    return {"globals": globs, "outer_step": outer_step, "residuals": residuals,
+            "optimizer": None if o_groups is None else {
+                "state": {k: p["state"] for k, p in enumerate(pieces) if p["state"]},
+                "param_groups": [dict(g, params=list(range(len(pieces)))) for g in o_groups]}}
 
 
 def restore(parts: Mapping[str, Checkpointable | None], snap: Snapshot) -> None:

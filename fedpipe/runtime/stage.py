@@ -226,6 +226,7 @@ class StageRunnerBase(abc.ABC):
                              "not a single tensor")
         if self.last:
             target, _ = self.transport.recv(Kind.TARGET, step, m)
+            assert self.loss_fn is not None  # __init__ refuses a last stage without one
             loss = self.loss_fn(out, target)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise StageError("the loss function must return a scalar tensor")

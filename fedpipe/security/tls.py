@@ -425,27 +425,35 @@ def diagnose(address: str, tls: TlsConfig | None, *, timeout: float = PROBE_SECO
             if tls is None:
                 return (f"{address} requires mutual TLS and this caller has no certificate: "
                         f"give --tls-dir, tls= or set {TLS_DIR_ENV}")
-            server = x509.load_der_x509_certificate(conn.getpeercert(binary_form=True))
-            try:
-                certs.verify_issued_by(server, certs.load_cert(tls.ca_pem))
-            except CertError as e:
-                trust = (f"; this caller trusts only {tls.directory / certs.CA_CERT}"
-                         if "another CA" in str(e) else "")
-                return f"{address} presents a {e}{trust}"
-            if not _names_host(server, host):
-                return (f"{address}'s certificate does not name the host {host!r}; issue the "
-                        f"server's certificate with --host {host}")
-            try:
-                conn.sendall(_H2_PREFACE)
-                answer = conn.recv(9)
-            except (ssl.SSLError, OSError):
-                answer = b""
-            if answer:
-                return None
-            ca = certs.load_cert(tls.ca_pem).subject.rfc4514_string()
-            return (f"{address} refused this caller's certificate {tls.name!r} in the TLS "
-                    f"handshake: the server probably trusts another CA (ours: {ca!r})")
+            return _server_verdict(conn, address, host, tls)
 
+
+def _server_verdict(conn: ssl.SSLSocket, address: str, host: str, tls: TlsConfig) -> str | None:
+    """Steps 3 (the server's certificate) and 4 (its answer to an HTTP/2 preface) of
+    :func:`diagnose`, on a handshake that succeeded with our certificate."""
+    der = conn.getpeercert(binary_form=True)
+    if der is None:  # TLS 1.3 without a certificate (a pre-shared key): not ours
+        return f"{address} speaks TLS but presents no certificate"
+    server = x509.load_der_x509_certificate(der)
+    try:
+        certs.verify_issued_by(server, certs.load_cert(tls.ca_pem))
+    except CertError as e:
+        trust = (f"; this caller trusts only {tls.directory / certs.CA_CERT}"
+                 if "another CA" in str(e) else "")
+        return f"{address} presents a {e}{trust}"
+    if not _names_host(server, host):
+        return (f"{address}'s certificate does not name the host {host!r}; issue the "
+                f"server's certificate with --host {host}")
+    try:
+        conn.sendall(_H2_PREFACE)
+        answer = conn.recv(9)
+    except (ssl.SSLError, OSError):
+        answer = b""
+    if answer:
+        return None
+    ca = certs.load_cert(tls.ca_pem).subject.rfc4514_string()
+    return (f"{address} refused this caller's certificate {tls.name!r} in the TLS "
+            f"handshake: the server probably trusts another CA (ours: {ca!r})")
 
 def _load_chain(ctx: ssl.SSLContext, tls: TlsConfig) -> None:
     # ssl wants files; the key is written nowhere else: the directory's own files are used

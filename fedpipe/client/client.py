@@ -1,0 +1,306 @@
+"""The client's session with a tracker: its channels, and the submission of jobs.
+
+:meth:`Client.submit` takes the common arguments of a job (model, loss, optimizer,
+data, steps) and its training knobs grouped as users think of them, in frozen typed
+groups from :mod:`fedpipe.spec` (:class:`~fedpipe.spec.Training`,
+:class:`~fedpipe.spec.Compression`, :class:`~fedpipe.spec.Replicas`,
+:class:`~fedpipe.spec.Placement`, :class:`~fedpipe.spec.Lifetime`). The flat keywords
+of before (``microbatches=``, ``schedule=``, ...; :data:`~fedpipe.spec.FLAT_KNOBS`) are
+still accepted; one knob given both ways is a TypeError.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from dataclasses import replace
+from typing import Any, Callable, Iterable
+
+import grpc
+import torch
+from torch import nn
+
+from .. import net
+from ..net import timeouts
+from ..proto import tracker_pb2, tracker_pb2_grpc
+from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
+from ..security import TlsConfig
+from ..security.explain import explained
+from ..security.signing import sign_job
+from ..security.tls import resolve as resolve_tls
+from ..spec import Compression, JobSpec, Knobs, Lifetime, Placement, Replicas, Training
+from ..wire import rpc
+from . import checkpoints
+from .feed import Batch, cycle
+from .job import Job
+from .packaging import dumps, pack_layers
+from .profile import profile_model
+
+log = logging.getLogger("fedpipe.client")
+S = tracker_pb2
+
+
+class Client:
+    """Talks to a tracker at ``HOST:PORT``, and to the nodes of its jobs.
+
+    The client owns its channels: one to the tracker and one per node address
+    it has talked to (made on first use, then reused), all closed by
+    :meth:`close`. Use it as a context manager::
+
+        with fedpipe.Client("tracker:7070") as client:
+            job = client.submit(...)
+            job.wait()
+
+    Closing a client whose job is still being fed ends the feed and detaches
+    from the job: the job stops at its last complete checkpoint and waits, in
+    state WAITING, up to its ``client_timeout`` for a client to resume it
+    (``Client(addr).job(ID).resume(data)``); :meth:`Job.cancel` cancels it.
+
+    A call refused for TLS reasons fails with a one-line reason instead of
+    gRPC's bare "UNAVAILABLE: Socket closed": no certificate, another CA's, an
+    expired one, or the wrong role for the method
+    (:mod:`fedpipe.security.explain`); the status code stays gRPC's.
+
+    Args:
+        tracker: the tracker's ``HOST:PORT``.
+        tls: mutual TLS: a :class:`fedpipe.security.TlsConfig` (a certificate
+            with role client, or admin for the operator), or a TLS directory
+            holding one certificate with its key. None: ``$FEDPIPE_TLS_DIR`` if
+            set, else plaintext.
+
+    Raises:
+        fedpipe.security.CertError: an unusable TLS directory or certificate.
+    """
+
+    def __init__(self, tracker: str, tls: TlsConfig | str | os.PathLike | None = None):
+        self.address = tracker
+        self.tls = resolve_tls(tls)
+        self.channel = explained(net.channel(tracker, tls=self.tls), tracker, self.tls)
+        self.stub = tracker_pb2_grpc.TrackerStub(self.channel)
+        self._lock = threading.Lock()
+        self._nodes: dict[str, tuple[grpc.Channel, rpc.NodeStub]] = {}
+        self._feeding: set[Job] = set()
+        self._closed = False
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def node(self, address: str) -> rpc.NodeStub:
+        """The stub of the node at ``address``, on this client's one channel to it.
+
+        Raises:
+            ValueError: the client is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"client of tracker {self.address} is closed")
+            if address not in self._nodes:
+                ch = explained(net.channel(address, tls=self.tls), address, self.tls)
+                self._nodes[address] = (ch, rpc.NodeStub(ch))
+            return self._nodes[address][1]
+
+    def close(self) -> None:
+        """Stop feeding this client's jobs (they wait for a client, see above) and close
+        every channel.
+
+        Idempotent. Calls made after it raise ValueError.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            feeding, nodes = list(self._feeding), list(self._nodes.values())
+        for job in feeding:
+            job._halt_feed()
+        for ch, _ in nodes:  # ends the feed's Sends in flight
+            ch.close()
+        for job in feeding:
+            job._join_feed(timeouts.THREAD_JOIN)
+        self.channel.close()
+
+    def nodes(self) -> list[tracker_pb2.NodeInfo]:
+        """The live nodes, in registration order."""
+        return list(self.stub.ListNodes(S.ListNodesRequest(), timeout=timeouts.CONTROL_RPC).nodes)
+
+    def drain(self, node: str) -> tracker_pb2.DrainNodeReply:
+        """Drain ``node`` (its name or id): its stages move to other nodes at the next step
+        boundary with their current state (no step is lost), it takes no new work, and it
+        exits once nothing needs it (see ``fedpipe drain``). Under TLS only an admin may.
+
+        Raises:
+            grpc.RpcError: NOT_FOUND for an unknown node, PERMISSION_DENIED for a caller
+                that is not an admin.
+        """
+        return self.stub.DrainNode(S.DrainNodeRequest(node=node), timeout=timeouts.CONTROL_RPC)
+
+    def submit(self, model: nn.Sequential,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               optimizer: OptimizerSpec, data: Iterable[Batch], *, steps: int,
+               name: str = "",
+               training: Training | None = None,
+               compression: Compression | str | dict[str, str] | None = None,
+               replicas: Replicas | int | None = None,
+               placement: Placement | None = None,
+               lifetime: Lifetime | None = None,
+               resume_from: str | os.PathLike | None = None,
+               checkpoint_dir: str | os.PathLike | None = None,
+               **knobs: Any) -> Job:
+        """Submit a training job and start feeding it.
+
+        Args:
+            model: an ``nn.Sequential``; each child is a unit a stage can hold and
+                must map one tensor to one tensor.
+            loss_fn: ``loss_fn(output, target)``, averaging over the batch.
+            optimizer: from :func:`fedpipe.optimizer`; built per stage.
+            data: (input, target) batches, inputs of shape (B, ...); re-iterated
+                if it runs out before ``steps`` batches.
+            steps: optimizer steps, one batch each.
+            name: the job's name (default: the model's class name).
+            training: :class:`fedpipe.spec.Training`: microbatches, schedule,
+                max_staleness, lr_scheduler, clip_grad_norm, checkpoint_every.
+            compression: :class:`fedpipe.spec.Compression`, or "auto" (the planner
+                picks each link's codec from its bandwidth), "none", a codec spec
+                such as "int8+zstd", or a dict ``{"activations": ..., "gradients":
+                ...}`` (top-k is for gradients only). Default "auto".
+            replicas: :class:`fedpipe.spec.Replicas` (groups, sync, min_groups), or
+                the number of replica groups (0: the planner chooses).
+            placement: :class:`fedpipe.spec.Placement`: stages, rebalance.
+            lifetime: :class:`fedpipe.spec.Lifetime`: pending_timeout, client_timeout.
+            resume_from: a checkpoint folder written by :meth:`Job.save` (or a
+                ``checkpoint_dir``: its newest): the job starts after that
+                checkpoint's step with its weights, optimizer, LR schedule and
+                DiLoCo state. ``data`` is still given from its start; the steps
+                done are skipped. ``stages`` and ``replicas`` default to the
+                checkpoint's; a plan that splits the layers otherwise restores
+                each stage from the saved stages that held its layers
+                (:mod:`fedpipe.runtime.layerstate`), exactly.
+            checkpoint_dir: keep the newest complete checkpoints in this folder
+                (pulled from the nodes as each completes), so the job can be
+                resumed (``resume_from=checkpoint_dir``) even if every node and
+                the tracker are lost.
+            knobs: the flat keywords, one per knob of the groups above
+                (:data:`fedpipe.spec.FLAT_KNOBS`): ``microbatches``, ``schedule``,
+                ``max_staleness``, ``lr_scheduler``, ``clip_grad_norm``,
+                ``checkpoint_every``, ``replica_sync``, ``min_replicas``,
+                ``stages``, ``rebalance``, ``pending_timeout`` (None: no limit),
+                ``client_timeout``; each documented at its group.
+
+        Raises:
+            TypeError: not an nn.Sequential, a layer not tensor-to-tensor, a bad
+                optimizer or lr_scheduler, an unknown keyword, or a knob given both
+                in its group and as a flat keyword.
+            fedpipe.spec.JobSpecError: a bad setting (a ValueError; ``field`` names it).
+            ValueError: empty data, a batch too small for the microbatches, an
+                lr_scheduler whose arguments do not fit it or the optimizer, or
+                ``stages`` or ``replicas`` other than ``resume_from``'s checkpoint's.
+            fedpipe.client.checkpoints.CheckpointError: ``resume_from`` holds no
+                readable checkpoint, or one at or past ``steps``.
+            grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
+                with the memory figures) or is unreachable.
+        """
+        layers = pack_layers(model)
+        if knobs.get("pending_timeout", 0.0) is None:
+            knobs["pending_timeout"] = 0.0  # None: no limit, as before the groups
+        given = Knobs.gather({"training": training, "compression": compression,
+                              "replicas": replicas, "placement": placement,
+                              "lifetime": lifetime}, knobs)
+        lr_scheduler = _check_optimizers(optimizer, given.training.lr_scheduler)
+        restore = None
+        if resume_from is not None:
+            restore = checkpoints.read(resume_from)
+            given = _resumed(given, restore, resume_from, steps)
+        microbatches = given.training.microbatches
+        job_spec = given.job_spec(
+            steps=steps, optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
+            lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"").validate(len(layers))
+        batches = cycle(data)
+        try:
+            first = next(batches)
+        except StopIteration:
+            raise ValueError("data yielded no batch") from None
+        x0, _ = first
+        if x0.shape[0] < microbatches:
+            raise ValueError(f"batch of {x0.shape[0]} samples cannot be split into "
+                             f"{microbatches} microbatches")
+        job_spec = job_spec.with_(batch_size=x0.shape[0])
+        job_id = self._submit_job(name or type(model).__name__, layers, job_spec,
+                                  profile_model(model, x0), given.lifetime.pending_timeout)
+        job = Job(self, job_id, model, microbatches, spec=job_spec,
+                  checkpoint_dir=checkpoint_dir)
+        try:
+            job._start_feed(itertools.chain([first], batches), restore=restore)
+        except (grpc.RpcError, ValueError) as e:  # refused or closed: nobody would feed it
+            _cancel_quietly(job, f"the client could not start feeding it: {e}")
+            raise
+        return job
+
+    def _submit_job(self, name: str, layers: list[bytes], job_spec: JobSpec,
+                    profile: tracker_pb2.ModelProfile, pending_timeout: float) -> str:
+        """SubmitJob (signed under TLS); the job's id."""
+        config = job_spec.to_proto()
+        req = S.SubmitJobRequest(name=name, layers=layers, config=config, profile=profile,
+                                 pending_timeout=pending_timeout)
+        if self.tls is not None:  # the tracker and every node check it before unpickling
+            signed = sign_job(self.tls, layers, config)
+            req.owner, req.job_signature = signed.owner, signed.job_signature
+            req.client_cert = signed.client_cert
+            req.layer_digests.extend(signed.layer_digests)
+        job_id: str = self.stub.SubmitJob(req, timeout=timeouts.SUBMIT_RPC).job_id
+        return job_id
+
+    def job(self, job_id: str) -> Job:
+        """Attach to an existing job: to watch it, fetch its weights, save it, cancel
+        it, or feed it again (:meth:`Job.resume`)."""
+        return Job(self, job_id)
+
+
+
+def _check_optimizers(optimizer: object, lr_scheduler: object | None
+                      ) -> LRSchedulerSpec | None:
+    """The LR scheduler, once both it and the optimizer are of the right kind.
+
+    Raises:
+        TypeError: an optimizer or scheduler not made by fedpipe's helpers.
+        ValueError: a scheduler whose arguments do not fit it or the optimizer.
+    """
+    if not isinstance(optimizer, OptimizerSpec):
+        raise TypeError("optimizer must come from fedpipe.optimizer(torch.optim.X, ...)")
+    if lr_scheduler is None:
+        return None
+    if not isinstance(lr_scheduler, LRSchedulerSpec):
+        raise TypeError("lr_scheduler must come from "
+                        "fedpipe.lr_scheduler(torch.optim.lr_scheduler.X, ...)")
+    lr_scheduler.check(optimizer)
+    return lr_scheduler
+
+
+def _resumed(knobs: Knobs, restore: checkpoints.SavedCheckpoint,
+             resume_from: str | os.PathLike, steps: int) -> Knobs:
+    """The knobs of a job resumed from ``restore``: its stages and replica groups are
+    the checkpoint's unless asked otherwise (either way each new stage is restored
+    from the saved stages that held its layers).
+
+    Raises:
+        checkpoints.CheckpointError: the checkpoint is at or past ``steps``.
+    """
+    if restore.step >= steps:
+        raise checkpoints.CheckpointError(
+            f"the checkpoint in {resume_from} is after step {restore.step}; the job "
+            f"has only {steps} steps")
+    return replace(knobs,
+                   placement=replace(knobs.placement,
+                                     stages=knobs.placement.stages or restore.depth),
+                   replicas=replace(knobs.replicas,
+                                    groups=knobs.replicas.groups or restore.replicas))
+
+
+def _cancel_quietly(job: Job, reason: str) -> None:
+    """Cancel ``job`` (best effort: a failure is logged)."""
+    try:
+        job.cancel(reason)
+    except (grpc.RpcError, ValueError) as e:
+        log.warning("could not cancel job %s: %s", job.id, e)

@@ -1,0 +1,144 @@
+"""A node's parts, built in one order, each given the collaborators it calls.
+
+The order: channels, mailbox, snapshot store, reporter, restorer, checkpoints,
+stage loop, the wiring of a stage, the registry, then the data plane, the
+snapshot desk, the job access book and the stream watch. The servicer
+(:class:`~fedpipe.node.service.NodeService`) receives the result; a test may
+hand it fakes instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..net import timeouts
+from ..net.emulation import LinkProfile
+from ..observe.metrics import NodeMetrics
+from ..proto import node_pb2, tracker_pb2
+from ..security import Authenticator, TlsConfig
+from ..spec import StageKey
+from ..runtime.checkpoint import Snapshot
+from .access import JobAccessBook, Quorum
+from .admission import BOUNDED_KINDS, DataPlane, inbox_job
+from .lifecycle import Stage
+from .mailbox import JOB_TENSORS, Mailbox
+from .peers import ChannelPool, Shaper, StagePeers
+from .reports import StageReporter
+from .restore import Restorer
+from .running import StageLoop
+from .snapshots import MAX_SNAPSHOT_BYTES, Checkpoints, SnapshotDesk, SnapshotStore
+from .stages import StageBuilder, StageRegistry
+from .streams import StreamWatch
+from .wiring import ElasticHooks, build_stage
+
+JOB_SNAPSHOT_BYTES = 4 * MAX_SNAPSHOT_BYTES
+"""Default of the most bytes one job's kept snapshots may take on a node: room for
+:data:`~fedpipe.spec.SNAPSHOTS_KEPT` (2) snapshots of two stages at the largest snapshot
+size, or many more of small stages; a buddy's made-up or flooding PutSnapshots stop there."""
+
+
+@dataclass(frozen=True)
+class NodeParts:
+    """What the node's servicer calls.
+
+    Attributes:
+        stages: the stages held here and their life cycle.
+        data: admits and delivers tensors (Send).
+        desk: keeps and serves snapshots (PutSnapshot, FetchSnapshot).
+        access: who may act on which job, and the checks.
+        streams: the watch over open data-plane streams.
+        channels: the node's shared channels to its peers.
+        shaper: the emulated link to a peer, by its node name (None: none).
+    """
+
+    stages: StageRegistry
+    data: DataPlane
+    desk: SnapshotDesk
+    access: JobAccessBook
+    streams: StreamWatch
+    channels: ChannelPool
+    shaper: Callable[[str], Shaper | None]
+
+
+def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resources,
+                report: Callable[[tracker_pb2.StageReport], None], *, trust_code: bool = False,
+                input_capacity: int = 64, job_tensors: int = JOB_TENSORS,
+                links: LinkProfile | None = None, metrics: NodeMetrics | None = None,
+                tls: TlsConfig | None = None, idle_stream: float = timeouts.IDLE_STREAM,
+                job_snapshot_bytes: int | None = None,
+                quorum: Quorum | None = None) -> NodeParts:
+    """Build a node's parts.
+
+    Args:
+        node_id: returns the tracker-assigned id (known after registration).
+        name: this node's name (what link profiles and peers call it).
+        resources: what :func:`fedpipe.node.probe.probe` measured.
+        report: sends a StageReport to the tracker (may block briefly).
+        trust_code: without TLS, load pickled layers from any peer, not only loopback
+            ones (with TLS, only jobs signed by a client certificate load).
+        input_capacity: inputs/targets a stage may have queued before Send blocks.
+        job_tensors: tensors one job may have waiting on this node before Send refuses
+            more (RESOURCE_EXHAUSTED; see :class:`~fedpipe.node.mailbox.Mailbox`).
+        links: an emulated link profile for this node's outgoing traffic.
+        metrics: where stages report their step times and senders count their bytes
+            (None: no metrics).
+        tls: this node's certificate, for mutual TLS to its peers (None: plaintext).
+        idle_stream: seconds a data-plane stream may carry nothing while it serves no
+            job running here, before it is closed (:class:`~fedpipe.node.streams.StreamWatch`).
+        job_snapshot_bytes: the most bytes one job's snapshots may take on this node, its
+            own stages' and those sent by PutSnapshot together; a PutSnapshot past it is
+            refused with RESOURCE_EXHAUSTED (None: :data:`JOB_SNAPSHOT_BYTES`, at most
+            half of ``resources.memory_bytes``).
+        quorum: one ReplicaQuorum call to the tracker (elastic replica groups; None:
+            this node cannot run stages of elastic jobs).
+    """
+    if job_snapshot_bytes is None:
+        job_snapshot_bytes = min(JOB_SNAPSHOT_BYTES,
+                                 resources.memory_bytes // 2 or JOB_SNAPSHOT_BYTES)
+    # checks job signatures against the swarm CA and deny list (None: no TLS)
+    verifier: Authenticator | None = tls.authenticator() if tls is not None else None
+    access = JobAccessBook(verifier, trust_code)
+
+    def shaper(peer_name: str) -> Shaper | None:
+        return links.shaper(name, peer_name) if links else None
+
+    channels = ChannelPool(tls)
+    mailbox = Mailbox(input_capacity, bounded=BOUNDED_KINDS, job_cap=job_tensors,
+                      job_of=inbox_job)
+    snapshots = SnapshotStore()
+    reporter = StageReporter(node_id, report, metrics)
+    restorer = Restorer(snapshots, channels)
+    loop = StageLoop(reporter, Checkpoints(snapshots, channels, reporter), mailbox, restorer)
+    build = stage_builder(torch.device(resources.device or "cpu"), mailbox, node_id,
+                          snapshots.put, reporter, access.learning(quorum))
+    stages = StageRegistry(build, lambda: StagePeers(channels, shaper, metrics), restorer,
+                           loop, mailbox, snapshots, reporter)
+    streams = StreamWatch(stages.runs, idle_stream,
+                          revoked_serials=verifier.revoked_serials
+                          if verifier is not None else None)
+    return NodeParts(stages=stages, data=DataPlane(stages, mailbox, reporter),
+                     desk=SnapshotDesk(snapshots, stages.holds, job_snapshot_bytes),
+                     access=access, streams=streams, channels=channels, shaper=shaper)
+
+
+def stage_builder(device: torch.device, mailbox: Mailbox, node_id: Callable[[], str],
+                  keep: Callable[[str, StageKey, Snapshot], None], reporter: StageReporter,
+                  quorum: Quorum | None) -> StageBuilder:
+    """How this node wires a stage (:func:`~fedpipe.node.wiring.build_stage`): on
+    ``device``, over ``mailbox``; a stage of an elastic job reaches the tracker's
+    ``quorum``, keeps a joining group's state with ``keep`` and reports a peer a
+    send failed to through ``reporter``."""
+    def suspect(stage: Stage, address: str) -> None:
+        reporter.report(stage, tracker_pb2.StageReport.STATUS_SUSPECT, peer=address,
+                        error=f"a replica sync send to {address} failed")
+
+    def elastic(stage: Stage) -> ElasticHooks:
+        if quorum is None:
+            raise ValueError("an elastic job's stage needs a node that reaches a tracker")
+        return ElasticHooks(stage, quorum, node_id, keep, suspect)
+
+    def build(request: node_pb2.LoadStageRequest, peers: StagePeers) -> Stage:
+        return build_stage(request, device, mailbox, peers, elastic)
+    return build

@@ -1,0 +1,135 @@
+"""The codec grammar and policy: which codecs exist, their spec strings, and where each
+may be used (the size models and CPU costs live in :mod:`fedpipe.wire` and the planner)."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+from .errors import SpecError
+
+
+CODEC_PARAMS: dict[str, str | None] = {"raw": None, "fp16": None, "bf16": None,
+                                       "int8": "block_size", "topk": "fraction"}
+"""Every codec name and the :class:`CodecSpec` field its parameter sets (None: no parameter)."""
+GRADIENT_ONLY_CODECS = frozenset({"topk"})
+"""Codecs that drop most of a tensor: usable for gradients (with error feedback) only."""
+CODEC_POLICIES = ("auto", "none")
+"""Compression settings that are not a codec: "auto" (the planner picks per link), "none" (raw)."""
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A parsed codec spec string::
+
+        spec  := name [":" param] ["+zstd" [":" level]]
+        raw | fp16 | bf16          no parameter
+        int8[:B]                   B = values per scale block, 16..65536 (default 128)
+        topk[:F]                   F = fraction of entries kept, 1e-6..1 (default 0.01)
+        +zstd[:L]                  zstandard level L, 1..22 (default 1)
+
+    e.g. ``"int8:64+zstd"``, ``"topk:0.05+zstd:3"``.
+
+    Attributes:
+        name: a key of :data:`CODEC_PARAMS`.
+        block_size: int8 only: values per float32 scale, 16..65536.
+        fraction: topk only: fraction of the entries kept, 1e-6..1; at least one
+            entry of a non-empty tensor is kept.
+        zstd_level: zstandard level 1..22, or None for no zstd.
+
+    Raises:
+        SpecError: unknown name or a parameter out of range.
+    """
+
+    name: str
+    block_size: int = 128
+    fraction: float = 0.01
+    zstd_level: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in CODEC_PARAMS:
+            raise SpecError(f"unknown codec {self.name!r}; known: {sorted(CODEC_PARAMS)}")
+        _check_range("int8 block_size", self.block_size, 16, 65536)
+        _check_range("topk fraction", self.fraction, 1e-6, 1.0)
+        if self.zstd_level is not None:
+            _check_range("zstd level", self.zstd_level, 1, 22)
+
+    @property
+    def gradients_only(self) -> bool:
+        """Whether this codec may carry gradients only (see :data:`GRADIENT_ONLY_CODECS`)."""
+        return self.name in GRADIENT_ONLY_CODECS
+
+    def k(self, numel: int) -> int:
+        """topk: number of entries kept out of ``numel``: ⌈fraction·numel⌉, at least 1."""
+        return min(numel, max(1, math.ceil(self.fraction * numel)))
+
+    def __str__(self) -> str:
+        param = CODEC_PARAMS[self.name]
+        text = self.name if param is None else f"{self.name}:{getattr(self, param)}"
+        return text if self.zstd_level is None else f"{text}+zstd:{self.zstd_level}"
+
+
+def _check_range(what: str, value: float, lo: float, hi: float) -> None:
+    if not lo <= value <= hi:
+        raise SpecError(f"{what} must be in [{lo}, {hi}], got {value}")
+
+
+_SPEC_RE = re.compile(r"(?P<name>\w+)(?::(?P<param>[^+]+))?(?P<zstd>\+zstd(?::(?P<level>[^+]+))?)?")
+
+
+@lru_cache(maxsize=256)
+def parse_codec(spec: str) -> CodecSpec:
+    """Parse a codec spec string such as ``"int8:64+zstd"`` or ``"topk:0.05+zstd:3"``.
+
+    Raises:
+        SpecError: the string does not follow the grammar, names an unknown
+            codec, gives a parameter to a codec that takes none, or a value
+            out of range.
+    """
+    m = _SPEC_RE.fullmatch(spec) if isinstance(spec, str) else None
+    if m is None:
+        raise SpecError(f"bad codec spec {spec!r}: expected NAME[:PARAM][+zstd[:LEVEL]], "
+                        f"e.g. 'int8:64+zstd'")
+    name, param, level = m["name"], m["param"], m["level"]
+    if name not in CODEC_PARAMS:
+        raise SpecError(f"bad codec spec {spec!r}: unknown codec {name!r}; "
+                        f"known: {sorted(CODEC_PARAMS)}")
+    kwargs: dict[str, Any] = {"zstd_level": (1 if level is None else _number(spec, level, int))
+                    if m["zstd"] else None}
+    if param is not None:
+        param_field = CODEC_PARAMS[name]
+        if param_field is None:
+            raise SpecError(f"bad codec spec {spec!r}: codec {name!r} takes no parameter")
+        kwargs[param_field] = _number(spec, param, type(getattr(CodecSpec, param_field)))
+    try:
+        return CodecSpec(name, **kwargs)
+    except SpecError as e:
+        raise SpecError(f"bad codec spec {spec!r}: {e}") from None
+
+
+def _number(spec: str, text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise SpecError(f"bad codec spec {spec!r}: {text!r} is not a valid {kind.__name__}"
+                        ) from None
+
+
+def check_compression(setting: str, carries: Literal["activations", "gradients", "outer"]
+                      ) -> str:
+    """``setting`` if it is a valid compression setting for tensors of kind ``carries``.
+
+    ``setting`` is "auto", "none" or a codec spec; a gradients-only codec
+    (top-k) is refused for activations, which it would mostly zero.
+
+    Raises:
+        SpecError: a bad codec spec, or a gradients-only codec for activations.
+    """
+    if setting in CODEC_POLICIES:
+        return setting
+    if parse_codec(setting).gradients_only and carries == "activations":
+        raise SpecError(f"{setting!r} drops most of each tensor: use it for gradients only, "
+                        f"e.g. compression={{'activations': 'int8', 'gradients': 'topk:0.01'}}")
+    return setting

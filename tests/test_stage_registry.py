@@ -1,0 +1,285 @@
+"""The stage registry and a stage's thread, in process with fakes: lookup, load, restore,
+run to the end, fail, stop, release, reconciliation and hand-over cuts, each checked on
+the stage's recorded moves (its transition table) and the reports the tracker gets.
+
+No process starts and no gRPC server runs: the stage's layers are a fake runner, its
+peers and its restorer fakes; the registry, the stage loop, checkpoints, snapshot
+store and mailbox are the real ones.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import pytest
+from torch import nn
+
+from fedpipe.node.errors import NoSuchStage, StageExists, StageLoadError, Stopped
+from fedpipe.node.lifecycle import Stage, StageSlot, StageState
+from fedpipe.node.mailbox import Mailbox
+from fedpipe.node.peers import ChannelPool
+from fedpipe.node.reports import StageReporter
+from fedpipe.node.running import StageLoop
+from fedpipe.node.snapshots import Checkpoints, SnapshotStore
+from fedpipe.node.stages import StageRegistry
+from fedpipe.proto import node_pb2, tracker_pb2
+from fedpipe.runtime.stage import StepResult
+from fedpipe.spec import StageKey
+
+pytestmark = pytest.mark.timeout(30)
+S, R = StageState, tracker_pb2.StageReport
+WAIT = 10.0
+
+
+class Runner:
+    """A stage's runner: one result per step, each step waiting for ``gate`` (if given);
+    raises ``fail_at``'s step."""
+
+    microbatches = 2
+
+    def __init__(self, gate: threading.Semaphore | None = None, fail_at: int = -1):
+        self.gate, self.fail_at = gate, fail_at
+        self.stage: Stage | None = None
+
+    def run(self, steps: int, start: int = 0) -> Iterator[StepResult]:
+        for step in range(start, steps):
+            while self.gate is not None and not self.gate.acquire(timeout=0.01):
+                if self.stage is not None and not self.stage.live:  # as a transport's recv
+                    raise Stopped("stopped while waiting")
+            if step == self.fail_at:
+                raise RuntimeError(f"layer blew up at step {step}")
+            yield StepResult(step, 0.5, 4, 0.01)
+
+
+class Peers:
+    def __init__(self):
+        self.closed = False
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Restorer:
+    def __init__(self, fail: int = 0):
+        self.fail, self.calls = fail, 0
+
+    def restore(self, stage, sources, pieces=()) -> None:
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise StageLoadError(f"no snapshot yet (try {self.calls})")
+
+
+class Node:
+    """A registry over fakes; ``runner`` makes each loaded stage's runner."""
+
+    def __init__(self, runner=Runner, restorer: Restorer | None = None):
+        self.reports: list[tracker_pb2.StageReport] = []
+        self.cond = threading.Condition()
+        self.peers: list[Peers] = []
+        self.runner = runner
+        self.restorer = restorer or Restorer()
+        reporter = StageReporter(lambda: "n0", self._report)
+        self.snapshots = SnapshotStore()
+        mailbox = Mailbox(4, ())
+        loop = StageLoop(reporter, Checkpoints(self.snapshots, ChannelPool(), reporter), mailbox,
+                         self.restorer)  # type: ignore[arg-type]
+        self.registry = StageRegistry(self._build, self._peers,
+                                      self.restorer, loop, mailbox,  # type: ignore[arg-type]
+                                      self.snapshots, reporter)
+
+    def _report(self, report):
+        with self.cond:
+            self.reports.append(report)
+            self.cond.notify_all()
+
+    def _peers(self):
+        self.peers.append(Peers())
+        return self.peers[-1]
+
+    def _build(self, request: node_pb2.LoadStageRequest, peers) -> Stage:
+        if not request.layers:
+            raise StageLoadError("cannot load stage: no layers")
+        module, runner = nn.Sequential(nn.Linear(2, 2)), self.runner()
+        runner.stage = Stage(StageSlot(request.job_id, request.replica, request.stage), 2, 0,
+                             module, request.config.steps, peers, runner=runner,
+                             epoch=request.plan.epoch, start=request.resume_step,
+                             checkpoint_every=request.config.checkpoint_every,
+                             parts={"module": module})
+        return runner.stage
+
+    def load(self, job="j", stage=0, epoch=0, steps=4, **kw) -> Stage:
+        return self.registry.load(node_pb2.LoadStageRequest(
+            job_id=job, stage=stage, layers=[b"x"], plan=node_pb2.Plan(epoch=epoch),
+            config=node_pb2.JobConfig(steps=steps, checkpoint_every=kw.pop("every", 0)), **kw))
+
+    def wait_for(self, status, n: int = 1) -> list[tracker_pb2.StageReport]:
+        with self.cond:
+            assert self.cond.wait_for(
+                lambda: sum(r.status == status for r in self.reports) >= n, WAIT), self.reports
+            return [r for r in self.reports if r.status == status]
+
+
+def moves(stage: Stage) -> list[StageState]:
+    return [t.after for t in stage.history]
+
+
+def wait_state(stage: Stage, state: StageState) -> None:
+    for _ in range(int(WAIT / 0.01)):
+        if stage.state is state:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"stage is {stage.state}, not {state}: {stage.history}")
+
+
+def test_a_loaded_stage_runs_every_step_reports_each_and_ends_done():
+    node = Node()
+    stage = node.load(steps=3)
+    node.wait_for(R.STATUS_DONE)
+    stage.thread.join(WAIT)
+    assert moves(stage) == [S.RUNNING, S.DONE]
+    assert [r.step for r in node.reports] == [1, 2, 3, 3]
+    assert node.snapshots.steps("j", StageKey(0, 0)) == [3]  # the final state, for Job.save()
+    assert node.peers[0].closed
+    assert node.registry.get(StageSlot("j", 0, 0)) is stage  # kept for its weights
+    assert node.registry.holds("j") and not node.registry.runs("j")
+
+
+def test_lookup_of_a_stage_not_held_is_no_such_stage():
+    node = Node()
+    with pytest.raises(NoSuchStage, match="no stage 1 of job 'x'"):
+        node.registry.get(StageSlot("x", 0, 1))
+    assert not node.registry.runs("x") and not node.registry.holds("x")
+    assert node.registry.holdings() == []
+
+
+def test_a_live_stage_is_not_loaded_twice_and_a_newer_epoch_replaces_an_ended_one():
+    gate = threading.Semaphore(0)
+    node = Node(runner=lambda: Runner(gate))
+    first = node.load(epoch=1)
+    with pytest.raises(StageExists):
+        node.load(epoch=1)
+    with pytest.raises(StageExists):
+        node.load(epoch=0)
+    node.registry.stop_job("j", release=False)
+    wait_state(first, S.STOPPED)
+    second = node.load(epoch=2)
+    assert moves(first)[-2:] == [S.STOPPED, S.RELEASED]
+    assert node.registry.get(StageSlot("j", 0, 0)) is second and second.live
+    node.registry.stop_all()
+
+
+def test_a_resumed_stage_is_restored_before_it_runs_and_a_failed_restore_loads_nothing():
+    node = Node()
+    stage = node.load(steps=4, resume_step=2)
+    node.wait_for(R.STATUS_DONE)
+    assert moves(stage) == [S.RESTORING, S.RUNNING, S.DONE]
+    assert [r.step for r in node.reports if r.status == R.STATUS_STEP] == [3, 4]
+
+    failing = Node(restorer=Restorer(fail=1))
+    with pytest.raises(StageLoadError, match="no snapshot yet"):
+        failing.load(resume_step=2)
+    with pytest.raises(NoSuchStage):
+        failing.registry.get(StageSlot("j", 0, 0))
+    assert failing.peers[0].closed and failing.reports == []
+
+
+def test_a_build_that_fails_leaves_no_stage_and_no_open_peers():
+    node = Node()
+    with pytest.raises(StageLoadError):
+        node.registry.load(node_pb2.LoadStageRequest(job_id="j"))
+    assert node.registry.holdings() == [] and node.peers[0].closed
+
+
+def test_a_step_that_raises_fails_the_stage_and_is_reported_with_its_reason():
+    node = Node(runner=lambda: Runner(fail_at=1))
+    stage = node.load(steps=3)
+    failed = node.wait_for(R.STATUS_FAILED)
+    assert "RuntimeError: layer blew up at step 1" in failed[0].error
+    stage.thread.join(WAIT)
+    assert moves(stage) == [S.RUNNING, S.FAILED]
+    assert stage.history[-1].reason == "RuntimeError: layer blew up at step 1"
+
+
+def test_stop_job_stops_a_running_stage_and_release_frees_it_and_its_snapshots():
+    gate = threading.Semaphore(0)
+    node = Node(runner=lambda: Runner(gate))
+    stage = node.load(steps=100)
+    gate.release(2)
+    node.wait_for(R.STATUS_STEP, 2)
+    assert node.registry.runs("j")
+    node.registry.stop_job("j", release=False)
+    assert stage.state is S.STOPPED and not node.registry.runs("j")
+    assert node.registry.holds("j")
+    stage.thread.join(WAIT)
+    node.snapshots.put("j", StageKey(0, 0), snapshot(1))
+    node.registry.stop_job("j", release=True)
+    assert moves(stage) == [S.RUNNING, S.STOPPED, S.RELEASED]
+    assert not node.registry.holds("j") and node.snapshots.jobs() == set()
+    assert not any(r.status in (R.STATUS_DONE, R.STATUS_FAILED) for r in node.reports)
+
+
+def snapshot(step: int):
+    from fedpipe.runtime.checkpoint import Snapshot
+    return Snapshot(step, skeleton={}, tensors={})
+
+
+def test_reconciliation_drops_the_named_stages_and_every_stage_of_gone_jobs():
+    gate = threading.Semaphore(0)
+    node = Node(runner=lambda: Runner(gate))
+    a, b = node.load(job="a", stage=0, epoch=3), node.load(job="a", stage=1, epoch=3)
+    c = node.load(job="c")
+    node.snapshots.put("old", StageKey(0, 0), snapshot(1))
+    assert {(r.job_id, r.stage) for r in node.registry.holdings()} == \
+        {("a", 0), ("a", 1), ("c", 0), ("old", -1)}
+    node.registry.drop([tracker_pb2.StageRef(job_id="a", stage=1, epoch=3)], ["c", "old"])
+    assert b.state is S.RELEASED and c.state is S.RELEASED and a.live
+    assert [(r.job_id, r.stage) for r in node.registry.holdings()] == [("a", 0)]
+    node.registry.stop_all()
+    assert a.state is S.STOPPED
+
+
+def test_a_stage_holds_at_its_cut_with_a_checkpoint_and_runs_on_when_the_cut_is_lifted():
+    gate = threading.Semaphore(0)
+    node = Node(runner=lambda: Runner(gate))
+    stage = node.load(steps=4)
+    assert node.registry.hold("j", 0, 2) == (True, 0)
+    gate.release(4)
+    wait_state(stage, S.HELD)
+    assert stage.done == 2
+    assert [r.step for r in node.wait_for(R.STATUS_CHECKPOINT)] == [2]  # the cut's snapshot
+    assert node.registry.hold("j", 0, 1) == (False, 2)  # a cut behind it cannot be taken
+    assert node.registry.hold("j", 0, 0) == (True, 2)  # lifted: it runs on
+    node.wait_for(R.STATUS_DONE)
+    assert moves(stage) == [S.RUNNING, S.HELD, S.RUNNING, S.DONE]
+
+
+def test_a_held_stage_that_is_stopped_ends_stopped():
+    gate = threading.Semaphore(0)
+    node = Node(runner=lambda: Runner(gate))
+    stage = node.load(steps=4)
+    node.registry.hold("j", 0, 1)
+    gate.release(4)
+    wait_state(stage, S.HELD)
+    node.registry.stop_job("j", release=True)
+    assert moves(stage) == [S.RUNNING, S.HELD, S.STOPPED, S.RELEASED]
+    assert not any(r.status == R.STATUS_DONE for r in node.reports)
+
+
+def test_a_joining_groups_stage_restores_on_its_thread_asking_until_its_donor_has_it():
+    node = Node(restorer=Restorer(fail=1))
+    stage = node.load(steps=3, resume_step=1, snapshot_wait_seconds=5)
+    assert node.restorer.calls <= 1  # not restored on the load call
+    node.wait_for(R.STATUS_DONE)
+    assert node.restorer.calls == 2
+    assert moves(stage) == [S.RESTORING, S.RUNNING, S.DONE]
+
+
+def test_a_joining_groups_stage_that_never_finds_its_snapshot_fails_and_says_why():
+    node = Node(restorer=Restorer(fail=10**6))
+    stage = node.load(steps=3, resume_step=1, snapshot_wait_seconds=0.01)
+    failed = node.wait_for(R.STATUS_FAILED)
+    assert "no snapshot yet" in failed[0].error
+    assert moves(stage) == [S.RESTORING, S.FAILED] and node.peers[0].closed
