@@ -57,6 +57,80 @@ def _job() -> tracker_pb2.SubmitJobRequest:
                                         config=node_pb2.JobConfig(steps=3, microbatches=1))
 
 
+def test_a_failed_takeover_gives_the_lease_back():
+    clocks = Clocks()
+    store = MemoryStore()
+    fence = LeaderFence(clocks.monotonic)
+
+    def broken(epoch: int) -> None:
+        raise RuntimeError("cannot build")
+    deposed: list[str] = []
+    lead = Leadership(store, fence, "a:7070", lease=LEASE, on_lead=broken,
+                      on_depose=deposed.append, clock=clocks.time, monotonic=clocks.monotonic)
+    assert not lead.step()
+    assert not fence.leading() and store.lease().expires == 0.0
+    assert deposed == ["taking over failed: cannot build"]
+
+
+def test_an_unfenced_store_writes_without_a_lease(tmp_path):
+    s = SqliteStore(str(tmp_path / "alone.db"))
+    assert isinstance(s, SqlStore) and s.fence is None
+    s.add_job(_job(), "queued", 1.0)
+    assert s.lease().epoch == 0 and s.lease().holder == ""
+    s.close()
+
+
+# -- what a takeover needs kept: replica-group membership and committed steps --------
+
+def _groups(n: int) -> dict[int, frozenset[StageKey]]:
+    return {g: frozenset({StageKey(g, 0), StageKey(g, 1)}) for g in range(n)}
+
+
+def test_a_replica_set_restored_from_its_last_snapshot_answers_as_the_old_one_did():
+    kept: list[dict] = []
+    rs = ReplicaSet(_groups(3), 1, kept.append)
+    assert rs.drop([2]) == 1
+    for key in (StageKey(0, 0), StageKey(0, 1), StageKey(1, 0)):
+        rs.ask(key, 4, 1, reduced=True)
+    # step 4 commits; group 1's stage 1 applies it; the tracker dies before the others ask
+    assert rs.ask(StageKey(1, 1), 4, 1, reduced=True).committed
+    new = ReplicaSet.restore(_groups(3), 1, json.loads(json.dumps(kept[-1])))
+    # the late askers hear "committed" from the new tracker, with the same members
+    q = new.ask(StageKey(0, 0), 4, 1, reduced=True)
+    assert q.committed and q.members == (0, 1) and q.version == 1
+    assert new.dropped() == (2,) and new.version == 1  # the dropped group stays dropped
+    assert new.ask(StageKey(2, 0), 5, 1, reduced=False).dropped
+
+
+def test_a_change_the_store_refuses_is_not_made():
+    def refuse(snapshot: dict) -> None:
+        raise Deposed("not the leader")
+    rs = ReplicaSet(_groups(2), 1, refuse)
+    with pytest.raises(Deposed):
+        rs.drop([1])
+    assert rs.live == (0, 1) and rs.version == 0
+    for key in (StageKey(0, 0), StageKey(0, 1), StageKey(1, 0)):
+        rs.ask(key, 0, 0, reduced=True)
+    with pytest.raises(Deposed):
+        rs.ask(StageKey(1, 1), 0, 0, reduced=True)
+    assert not rs.committed(0)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "memory"])
+def test_the_store_keeps_a_jobs_replica_membership_until_the_job_ends(kind, tmp_path):
+    s: Store = SqliteStore(str(tmp_path / "t.db")) if kind == "sqlite" else MemoryStore()
+    job = s.add_job(_job(), "queued", 1.0)
+    assert s.replicas(job) is None
+    s.set_replicas(job, 0, b'{"a": 1}')
+    s.set_replicas(job, 2, b'{"b": 2}')
+    assert s.replicas(job) == (2, b'{"b": 2}')
+    s.set_state(job, tracker_pb2.JOB_STATE_SUCCEEDED, "done", 2.0)
+    assert s.replicas(job) is None
+    s.close()
+
+
+# -- one lease over a shared database (SQLite, and PostgreSQL) ----------------------
+
 @pytest.fixture(params=["sqlite", POSTGRES])
 def shared(request, tmp_path):
     """Opens one store per tracker, all on one database, each with its fence."""
@@ -178,75 +252,3 @@ def test_a_stopping_leader_releases_the_lease_so_a_standby_takes_over_at_once(sh
     a.leadership.close()
     assert a.deposed == ["this tracker is stopping"]
     assert b.leadership.step() and b.led == [2]
-
-
-def test_a_failed_takeover_gives_the_lease_back():
-    clocks = Clocks()
-    store = MemoryStore()
-    fence = LeaderFence(clocks.monotonic)
-
-    def broken(epoch: int) -> None:
-        raise RuntimeError("cannot build")
-    deposed: list[str] = []
-    lead = Leadership(store, fence, "a:7070", lease=LEASE, on_lead=broken,
-                      on_depose=deposed.append, clock=clocks.time, monotonic=clocks.monotonic)
-    assert not lead.step()
-    assert not fence.leading() and store.lease().expires == 0.0
-    assert deposed == ["taking over failed: cannot build"]
-
-
-def test_an_unfenced_store_writes_without_a_lease(tmp_path):
-    s = SqliteStore(str(tmp_path / "alone.db"))
-    assert isinstance(s, SqlStore) and s.fence is None
-    s.add_job(_job(), "queued", 1.0)
-    assert s.lease().epoch == 0 and s.lease().holder == ""
-    s.close()
-
-
-# -- what a takeover needs kept: replica-group membership and committed steps --------
-
-def _groups(n: int) -> dict[int, frozenset[StageKey]]:
-    return {g: frozenset({StageKey(g, 0), StageKey(g, 1)}) for g in range(n)}
-
-
-def test_a_replica_set_restored_from_its_last_snapshot_answers_as_the_old_one_did():
-    kept: list[dict] = []
-    rs = ReplicaSet(_groups(3), 1, kept.append)
-    assert rs.drop([2]) == 1
-    for key in (StageKey(0, 0), StageKey(0, 1), StageKey(1, 0)):
-        rs.ask(key, 4, 1, reduced=True)
-    # step 4 commits; group 1's stage 1 applies it; the tracker dies before the others ask
-    assert rs.ask(StageKey(1, 1), 4, 1, reduced=True).committed
-    new = ReplicaSet.restore(_groups(3), 1, json.loads(json.dumps(kept[-1])))
-    # the late askers hear "committed" from the new tracker, with the same members
-    q = new.ask(StageKey(0, 0), 4, 1, reduced=True)
-    assert q.committed and q.members == (0, 1) and q.version == 1
-    assert new.dropped() == (2,) and new.version == 1  # the dropped group stays dropped
-    assert new.ask(StageKey(2, 0), 5, 1, reduced=False).dropped
-
-
-def test_a_change_the_store_refuses_is_not_made():
-    def refuse(snapshot: dict) -> None:
-        raise Deposed("not the leader")
-    rs = ReplicaSet(_groups(2), 1, refuse)
-    with pytest.raises(Deposed):
-        rs.drop([1])
-    assert rs.live == (0, 1) and rs.version == 0
-    for key in (StageKey(0, 0), StageKey(0, 1), StageKey(1, 0)):
-        rs.ask(key, 0, 0, reduced=True)
-    with pytest.raises(Deposed):
-        rs.ask(StageKey(1, 1), 0, 0, reduced=True)
-    assert not rs.committed(0)
-
-
-@pytest.mark.parametrize("kind", ["sqlite", "memory"])
-def test_the_store_keeps_a_jobs_replica_membership_until_the_job_ends(kind, tmp_path):
-    s: Store = SqliteStore(str(tmp_path / "t.db")) if kind == "sqlite" else MemoryStore()
-    job = s.add_job(_job(), "queued", 1.0)
-    assert s.replicas(job) is None
-    s.set_replicas(job, 0, b'{"a": 1}')
-    s.set_replicas(job, 2, b'{"b": 2}')
-    assert s.replicas(job) == (2, b'{"b": 2}')
-    s.set_state(job, tracker_pb2.JOB_STATE_SUCCEEDED, "done", 2.0)
-    assert s.replicas(job) is None
-    s.close()

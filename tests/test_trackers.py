@@ -1,6 +1,7 @@
 """Several tracker addresses, one leader, in-process: two trackers share one SQLite file
 with a leader lease; a channel given both addresses follows whichever leads
-(:mod:`fedpipe.net.trackers`)."""
+(:mod:`fedpipe.net.trackers`). The trackers' planners run in worker processes, so those
+tests are process tests."""
 from __future__ import annotations
 
 import time
@@ -45,6 +46,7 @@ def list_nodes(ch: grpc.Channel) -> tracker_pb2.ListNodesReply:
                                                       timeout=timeouts.CONTROL_RPC)
 
 
+@pytest.mark.processes
 def test_the_first_tracker_leads_and_a_standby_refuses_naming_it(two):
     (_, a, a_addr), (_, b, b_addr) = two
     assert isinstance(a, FailoverService) and isinstance(b, FailoverService)
@@ -59,6 +61,7 @@ def test_the_first_tracker_leads_and_a_standby_refuses_naming_it(two):
     assert net.serving(grpc.insecure_channel(a_addr), "fedpipe.v1.Tracker")
 
 
+@pytest.mark.processes
 def test_a_channel_given_both_addresses_follows_the_redirect_then_the_takeover(two):
     (a_srv, a, a_addr), (_, b, b_addr) = two
     ch = net.channel(f"{b_addr},{a_addr}")  # the standby first: its redirect is followed
@@ -78,6 +81,7 @@ def test_a_channel_given_both_addresses_follows_the_redirect_then_the_takeover(t
     ch.close()
 
 
+@pytest.mark.processes
 def test_a_tracker_alone_without_a_lease_is_the_plain_service(tmp_path):
     srv, service, _ = serve("127.0.0.1", 0, str(tmp_path / "t.db"), link_refresh=0)
     try:
