@@ -282,8 +282,13 @@ class FailoverService(tracker_pb2_grpc.TrackerServicer):
         """The service to run a call on, or the call answered UNAVAILABLE (gRPC's abort
         raises) with the leader's address when one is known."""
         service = self.terms.current()
-        if service is not None and self.leadership.fence.leading():
+        leads = self.leadership.fence.leading()
+        if service is not None and leads:
             return service
+        if leads:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"this tracker ({self.leadership.address}) has just taken over as the "
+                          f"leader and is loading the swarm's state from the store; retry")
         leader = self.leadership.leader()
         if leader is not None:
             context.set_trailing_metadata(((LEADER_KEY, leader),))
