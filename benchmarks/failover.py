@@ -237,6 +237,8 @@ def main() -> int:
           f"{args.lease:g} s, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     pg = PgServer()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fedpipe-failover-"))
+    for part in ("two", "one"):
+        (work / part).mkdir(parents=True, exist_ok=True)
     try:
         with Trackers(pg.new_database(), str(work / "two"), n_nodes=4,
                       leader_lease=args.lease) as two:
