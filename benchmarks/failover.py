@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # pg_server, failover_swarm, reference
 
 import fedpipe  # noqa: E402
 from failover_swarm import Trackers, leader_of  # noqa: E402
+from fedpipe import net  # noqa: E402
 from fedpipe.examples import digits  # noqa: E402
 from fedpipe.proto import tracker_pb2  # noqa: E402
 from fedpipe.spec import PlanView, StageKey  # noqa: E402
@@ -98,7 +99,7 @@ def submit(client: fedpipe.Client, mode: str, batches: list, steps: int):
 def finish(client: fedpipe.Client, job, ref: dict | None, trial: Trial) -> dict:
     status = job.wait(timeout=600, progress=False)
     trial.state = status.state
-    info = client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10)
+    info = job_info(client, job.id)
     trial.recoveries = len(info.recoveries)
     trial.lost = sum(r.steps_recomputed for r in info.recoveries)
     weights = job.state_dict() if status.state == "SUCCEEDED" else {}
@@ -125,8 +126,15 @@ def wait_leader(addresses: list[str], not_this: str, timeout: float = 120.0) -> 
     raise RuntimeError(f"no tracker led within {timeout} s of the kill")
 
 
+def job_info(client: fedpipe.Client, job_id: str) -> tracker_pb2.JobInfo:
+    """The job's info, asked again while the client's belief of the leader catches up."""
+    return net.retry(lambda: client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job_id),
+                                                timeout=10), "GetJob", attempts=20,
+                     first_delay=0.1, max_delay=1.0)
+
+
 def step_of(client: fedpipe.Client, job_id: str) -> int:
-    return client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job_id), timeout=10).step
+    return job_info(client, job_id).step
 
 
 def kill_trial(two: Trackers, client: fedpipe.Client, mode: str, batches: list, steps: int,
@@ -138,7 +146,7 @@ def kill_trial(two: Trackers, client: fedpipe.Client, mode: str, batches: list, 
 
     def kill() -> None:
         if lose_node:
-            plan = client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10).plan
+            plan = job_info(client, job.id).plan
             victim = PlanView(plan)[StageKey(0, min(1, len(plan.stages) - 1))].address
             two.swarm.kill(victim)
         two.procs[leader].kill()
