@@ -170,17 +170,21 @@ def kill_trial(two: Trackers, client: fedpipe.Client, mode: str, batches: list, 
     return trial
 
 
-def outage(url: str, workdir: str, batches: list, steps: int, seconds: float,
-           lease: float) -> None:
+def outage(url: str, workdir: str, batches: list, seconds: float, lease: float) -> None:
     with Trackers(url, workdir, n_nodes=3, standbys=0, leader_lease=lease) as one:
         client = one.swarm.client()
-        ref_trial = Trial("sync", 0)
-        ref = finish(client, submit(client, "sync", batches, steps), None, ref_trial)
-        job = submit(client, "sync", batches, steps)
-        while step_of(client, job.id) < 3:
+        # the job must outlast the outage: its length from a short run's step rate
+        t = time.monotonic()
+        finish(client, submit(client, "sync", batches, len(batches)), None, Trial("sync", 0))
+        rate = len(batches) / (time.monotonic() - t)
+        steps = max(len(batches), int(rate * (seconds + 30)))
+        long = [batches[i % len(batches)] for i in range(steps)]
+        ref = finish(client, submit(client, "sync", long, steps), None, Trial("sync", 0))
+        job = submit(client, "sync", long, steps)
+        while step_of(client, job.id) < max(3, steps // 10):
             time.sleep(POLL)
         t0, s0 = time.monotonic(), step_of(client, job.id)
-        while step_of(client, job.id) < s0 + max(3, steps // 4):
+        while step_of(client, job.id) < s0 + max(3, steps // 8):
             time.sleep(POLL)
         t1, s1 = time.monotonic(), step_of(client, job.id)
         before = (s1 - s0) / (t1 - t0)
@@ -265,8 +269,7 @@ def main() -> int:
             if trials:
                 report(trials, "kill -9 of the leading tracker")
         if "outage" not in skip:
-            outage(pg.new_database(), str(work / "one"), batches, args.steps, args.outage,
-                   args.lease)
+            outage(pg.new_database(), str(work / "one"), batches, args.outage, args.lease)
     finally:
         pg.stop()
     print(f"\nlogs in {work}")
