@@ -11,6 +11,9 @@ import grpc
 
 from .observe.serving import LOCALHOST
 
+TRACKER_HELP = ("the tracker's HOST:PORT; several trackers sharing one database: "
+                "HOST:PORT,HOST:PORT (calls follow whichever leads)")
+
 
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
@@ -37,24 +40,35 @@ def cmd_tracker(args) -> int:
     import signal
 
     from .net import timeouts
+    from .tracker.leader import LEASE as LEADER_LEASE
     from .tracker.service import serve
     from .tracker.store import StoreError
 
     tls = _tls(args, "tracker")
+    store = args.store or args.db
+    leader_lease = args.leader_lease
+    if leader_lease is None:  # several trackers share a PostgreSQL database, not a file
+        leader_lease = LEADER_LEASE if store.startswith(("postgresql:", "postgres:")) else 0.0
     try:
-        srv, service, port = serve(args.host, args.port, args.store or args.db, args.lease,
+        srv, service, port = serve(args.host, args.port, store, args.lease,
                                    args.link_refresh, tls=tls, insecure=args.insecure,
                                    max_job_bytes=args.max_job_bytes,
                                    heartbeat_rate=args.heartbeat_rate, freeze_heap=True,
                                    retention=args.retention,
-                                   rebalance_threshold=args.rebalance_threshold)
+                                   rebalance_threshold=args.rebalance_threshold,
+                                   leader_lease=leader_lease, advertise=args.advertise)
     except StoreError as e:
         print(f"fedpipe tracker: {e}", file=sys.stderr)
         return 2
     print(f"fedpipe tracker listening on {args.host}:{port} ({service.store.where}"
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'})", flush=True)
-    service.tracker.freeze_heap(force=True)  # imports and the state loaded: long-lived
-    served = _observe_tracker(service.tracker, args)
+    if leader_lease:
+        print(f"fedpipe tracker {'leads' if service.tracker else 'stands by'} (leader lease "
+              f"{leader_lease:g} s)", flush=True)
+    served = []
+    if service.tracker is not None:  # a standby's dashboard would show a stale state
+        service.tracker.freeze_heap(force=True)  # imports and the state loaded: long-lived
+        served = _observe_tracker(service.tracker, args)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
@@ -331,6 +345,14 @@ def parser() -> argparse.ArgumentParser:
                        help="the tracker's state elsewhere: postgresql://USER@HOST:PORT/DBNAME "
                             "(the database must exist; its tables are made and migrated), "
                             "or memory: (lost at exit)")
+    t.add_argument("--leader-lease", type=float, default=None, metavar="SECONDS",
+                   help="share --store with other trackers: one leads through a lease of "
+                        "this many seconds, the others stand by and take over when it "
+                        "lapses (default: fedpipe.tracker.leader.LEASE, 5, for a "
+                        "postgresql:// store; 0, the only tracker, otherwise)")
+    t.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="the address standbys name to callers when this tracker leads "
+                        "(default: --host:--port, 127.0.0.1 for 0.0.0.0)")
     t.add_argument("--lease", type=float, default=10.0,
                    help="seconds a node may go without a heartbeat before it is marked lost, "
                         "in a swarm below --heartbeat-rate * lease / 4 nodes (longer above)")
@@ -361,7 +383,7 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tracker)
 
     n = sub.add_parser("node", help="run a node (compute)")
-    n.add_argument("--tracker", required=True, help="tracker HOST:PORT")
+    n.add_argument("--tracker", required=True, help=TRACKER_HELP)
     n.add_argument("--host", default="0.0.0.0", help="address to listen on")
     n.add_argument("--port", type=int, default=0, help="port (0: any free port)")
     n.add_argument("--advertise", help="host peers should dial (default: --host)")
@@ -392,7 +414,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="the swarm (nodes, links), or one job: its plan, "
                                       "per-stage timings and event log")
     where = s.add_mutually_exclusive_group(required=True)
-    where.add_argument("--tracker", help="tracker HOST:PORT")
+    where.add_argument("--tracker", help=TRACKER_HELP)
     where.add_argument("--dashboard", help="the tracker's dashboard URL (http://HOST:PORT): "
                                            "adds each stage's predicted and measured timings")
     s.add_argument("job", nargs="?", help="job id")
@@ -403,7 +425,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_status)
 
     o = sub.add_parser("plot", help="draw a job's loss and throughput curves")
-    o.add_argument("--tracker", required=True)
+    o.add_argument("--tracker", required=True, help=TRACKER_HELP)
     o.add_argument("job", help="job id")
     o.add_argument("-o", "--output", required=True, help="picture file (.png, .svg, .pdf)")
     tls_args(o, client_name)
@@ -424,7 +446,8 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="plan a model over a cluster file or a live swarm")
     where = pl.add_mutually_exclusive_group(required=True)
     where.add_argument("--cluster", help="cluster JSON (nodes and links; see README)")
-    where.add_argument("--tracker", help="plan over this tracker's live nodes and measured links")
+    where.add_argument("--tracker", help="plan over this tracker's live nodes and measured links "
+                                          "(" + TRACKER_HELP + ")")
     pl.add_argument("--model", required=True, help="model profile JSON (layers; see README)")
     pl.add_argument("--batch", type=int, default=64, help="samples per step")
     pl.add_argument("--microbatches", type=int, default=4)
@@ -438,20 +461,20 @@ def parser() -> argparse.ArgumentParser:
 
     dr = sub.add_parser("drain", help="drain a node: its stages move to other nodes at the "
                                       "next step boundary, then it exits (admin)")
-    dr.add_argument("--tracker", required=True)
+    dr.add_argument("--tracker", required=True, help=TRACKER_HELP)
     dr.add_argument("node", help="the node's name or id")
     tls_args(dr, "the admin certificate in --tls-dir (default: its only one)")
     dr.set_defaults(func=cmd_drain)
 
     c = sub.add_parser("cancel", help="cancel a job")
-    c.add_argument("--tracker", required=True)
+    c.add_argument("--tracker", required=True, help=TRACKER_HELP)
     c.add_argument("job", help="job id")
     c.add_argument("--reason", default="cancelled from the command line")
     tls_args(c, client_name)
     c.set_defaults(func=cmd_cancel)
 
     u = sub.add_parser("submit", help="train the built-in digits example on a swarm")
-    u.add_argument("--tracker", required=True)
+    u.add_argument("--tracker", required=True, help=TRACKER_HELP)
     train_args(u)
     tls_args(u, client_name)
     u.set_defaults(func=cmd_submit)

@@ -23,6 +23,7 @@ import logging
 import time
 from typing import Callable, Protocol
 
+from .. import net
 from ..net import timeouts
 from ..proto import tracker_pb2 as S
 
@@ -59,7 +60,12 @@ class ElasticFeed:
         return len(info.replica_members) > 0
 
     def _get(self) -> S.JobInfo:
-        return self.stub.GetJob(S.GetJobRequest(job_id=self.job_id), timeout=timeouts.CONTROL_RPC)
+        # while no tracker leads (a takeover, a restart) ask again: an unreachable tracker
+        # is no node's trouble, and the feed must not wait for a recovery that never comes
+        return net.retry(lambda: self.stub.GetJob(S.GetJobRequest(job_id=self.job_id),
+                                                  timeout=timeouts.CONTROL_RPC),
+                         f"asking the tracker about job {self.job_id}",
+                         max_delay=timeouts.RECONNECT_BACKOFF_MAX)
 
     def members(self, step: int) -> tuple[list[int], S.JobInfo]:
         """The groups to feed at ``step`` and the job's info they come from; rebuilt groups

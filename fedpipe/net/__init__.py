@@ -44,7 +44,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..proto import node_pb2, tracker_pb2
 from ..security import AuthInterceptor, Role, TlsConfig, identity_of
-from . import timeouts
+from . import timeouts, trackers
 from .decode import ParseRequests
 
 log = logging.getLogger(__name__)
@@ -136,11 +136,17 @@ def channel(address: str, shaper: grpc.UnaryUnaryClientInterceptor | None = None
             tls: TlsConfig | None = None) -> grpc.Channel:
     """A channel to ``HOST:PORT`` with fedpipe's options: mutual TLS with ``tls``, else plaintext.
 
+    Several trackers' addresses (``a:7070,b:7070``) give a
+    :class:`~fedpipe.net.trackers.LeaderChannel`: one channel per address, each call
+    sent to whichever leads.
+
     ``shaper`` (a :class:`fedpipe.net.emulation.Shaper`) delays and paces
     every call, to emulate a slow link. With ``tls`` the channel trusts only
     the swarm CA, checks that the server's certificate names ``HOST``, and
     shows this process's certificate.
     """
+    if trackers.several(address):
+        return trackers.LeaderChannel(address, lambda one: channel(one, shaper, tls=tls))
     options = _OPTIONS + [("grpc.enable_http_proxy", 0)]
     ch = (grpc.secure_channel(address, tls.channel_credentials(), options=options)
           if tls is not None else grpc.insecure_channel(address, options=options))

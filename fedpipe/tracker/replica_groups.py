@@ -12,6 +12,8 @@ checkpoint count only the groups that take part (:meth:`ElasticReplicas.groups`,
 """
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import threading
 import time
@@ -51,8 +53,10 @@ class _Ready:
 class ElasticReplicas:
     """Elastic replica groups of every job (module docstring): drops, quorums, heals.
 
-    In the tracker's memory: a restarted tracker starts each job's membership
-    afresh from its plan (every group live), as the stages' next asks learn.
+    Each job's membership and committed steps are stored at every change
+    (:meth:`~.store.base.Store.set_replicas`, before a stage hears of it), so a tracker
+    that restarts or takes over answers as the one before did. Rebuilt groups waiting
+    for the client's join step (``replica_ready``) are not kept: they are rebuilt again.
 
     Args:
         store: the tracker's state.
@@ -85,10 +89,26 @@ class ElasticReplicas:
             if rs is None or epoch != job.epoch:
                 groups = {r: frozenset(StageKey(a.replica, a.stage) for a in view.chain(r))
                           for r in view.replicas}
-                rs = ReplicaSet(groups, min(least, len(groups)))
+                rs = self._restored(job, groups, min(least, len(groups)))
                 self._sets[job.job_id] = (job.epoch, rs)
                 self._ready.pop(job.job_id, None)
             return rs
+
+    def _restored(self, job: tracker_pb2.JobInfo, groups: dict[int, frozenset[StageKey]],
+                  least: int) -> ReplicaSet:
+        """The job's set for its epoch as last stored, else a fresh one (every group live)."""
+        save = functools.partial(self._save, job.job_id, job.epoch)
+        stored = self.store.replicas(job.job_id)
+        if stored is not None and stored[0] == job.epoch:
+            try:
+                return ReplicaSet.restore(groups, least, json.loads(stored[1]), save)
+            except (ReplicaError, ValueError, KeyError, TypeError) as e:
+                log.warning("job %s: the stored replica membership is unusable (%s); starting "
+                            "afresh from the plan", job.job_id, e)
+        return ReplicaSet(groups, least, save)
+
+    def _save(self, job_id: str, epoch: int, snapshot: dict) -> None:
+        self.store.set_replicas(job_id, epoch, json.dumps(snapshot).encode())
 
     # -- hooks of recovery and progress ---------------------------------------------------------
     def drop(self, job_id: str, lost_nodes: set[str], why: str) -> bool:

@@ -41,13 +41,21 @@ client re-shards each later batch over the live groups, so then
 
 This module is pure (no I/O, no torch): ``tests/test_replicas.py`` drives it
 with threads and a fake clock; :mod:`.replica_groups` keeps one per elastic job.
+
+A tracker that takes over from another (:mod:`.leader`) must answer as the old
+one did: a step committed there is committed here, a dropped group stays
+dropped. So every change of the membership or of the committed steps is handed,
+as a :meth:`ReplicaSet.snapshot`, to the set's ``on_change`` (which stores it)
+before any stage hears of it, and :meth:`ReplicaSet.restore` rebuilds the set
+from the last one. The acknowledgements of a step not yet committed are not
+kept: the stages that reduced it report again when their ask fails.
 """
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from ..spec import Quorum, StageKey
 
@@ -80,6 +88,10 @@ class ReplicaSet:
     Args:
         groups: each replica group's stages, by group.
         min_replicas: the fewest live groups with which the job goes on (>= 1).
+        on_change: called with :meth:`snapshot` after every change of the membership or
+            of the committed steps, under the set's lock, before any stage is answered
+            with it (the tracker stores it; if it raises, the change is not made and
+            the caller gets that error).
 
     Raises:
         ReplicaError: fewer groups than ``min_replicas``, or ``min_replicas`` < 1.
@@ -87,6 +99,7 @@ class ReplicaSet:
 
     groups: dict[int, frozenset[StageKey]]
     min_replicas: int
+    on_change: Callable[[dict[str, Any]], None] = lambda snapshot: None
     version: int = 0
     _live: dict[int, _Group] = field(default_factory=dict)
     _reduced: dict[int, set[StageKey]] = field(default_factory=dict)
@@ -157,9 +170,7 @@ class ReplicaSet:
             if len(left) < self.min_replicas:
                 raise ReplicaError(f"{len(left)} replica group(s) would be left, fewer than "
                                    f"min_replicas {self.min_replicas}")
-            for g in gone:
-                del self._live[g]
-            return self._bump()
+            return self._bump({g: info for g, info in self._live.items() if g not in gone})
 
     def join(self, group: int, at_step: int, donor: int, committed_floor: int) -> int:
         """Schedule dropped ``group`` to take part from ``at_step`` on, with the state of
@@ -186,14 +197,58 @@ class ReplicaSet:
             if at_step - 1 <= done:
                 raise ReplicaError(f"step {at_step - 1} may be committed already (step "
                                    f"{done} is); join at step {done + 2} or later")
-            self._live[group] = _Group(self.groups[group], since=at_step, donor=donor)
-            return self._bump()
+            return self._bump({**self._live, group: _Group(self.groups[group], since=at_step,
+                                                           donor=donor)})
 
-    def _bump(self) -> int:
-        self.version += 1
+    def _bump(self, live: dict[int, _Group]) -> int:
+        """Make ``live`` the membership under the next version (kept by ``on_change``
+        first: if it raises, nothing changes)."""
+        before = self._live, self.version
+        self._live, self.version = live, self.version + 1
+        try:
+            self.on_change(self._snapshot())
+        except BaseException:
+            self._live, self.version = before
+            raise
         self._reduced.clear()
         self._cond.notify_all()
         return self.version
+
+    # -- kept across a takeover ------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """What a tracker taking over needs to answer as this set does (JSON-able):
+        the version, the live groups with their join step and donor, the remembered
+        committed steps with their version and members."""
+        with self._cond:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"version": self.version,
+                "live": {str(g): [info.since, info.donor] for g, info in self._live.items()},
+                "committed": {str(s): [d.version, list(d.members)]
+                              for s, d in self._committed.items()}}
+
+    @classmethod
+    def restore(cls, groups: dict[int, frozenset[StageKey]], min_replicas: int,
+                snapshot: dict[str, Any],
+                on_change: Callable[[dict[str, Any]], None] = lambda snapshot: None
+                ) -> "ReplicaSet":
+        """The set a :meth:`snapshot` of it describes, over the plan's ``groups``.
+
+        Raises:
+            ReplicaError: see the constructor; or the snapshot names a group not in
+                ``groups``.
+        """
+        rs = cls(groups, min_replicas, on_change)
+        live = {int(g): (int(since), donor) for g, (since, donor) in snapshot["live"].items()}
+        if not set(live) <= set(groups):
+            raise ReplicaError(f"the stored membership names groups {sorted(live)} but the "
+                               f"plan has {sorted(groups)}")
+        rs.version = int(snapshot["version"])
+        rs._live = {g: _Group(groups[g], since, donor) for g, (since, donor) in live.items()}
+        rs._committed = {int(s): _Decision(int(v), tuple(members))
+                         for s, (v, members) in snapshot["committed"].items()}
+        return rs
 
     # -- a stage's sync ------------------------------------------------------
     def ask(self, key: StageKey, step: int, version: int, reduced: bool,
@@ -235,6 +290,12 @@ class ReplicaSet:
             acks.add(key)
             if all(self._live[g].stages <= acks for g in members):
                 self._committed[step] = _Decision(self.version, members)
+                try:  # kept first: a step is committed only once a takeover would know it
+                    self.on_change(self._snapshot())
+                except BaseException:
+                    del self._committed[step]
+                    acks.discard(key)
+                    raise
                 del self._reduced[step]
                 for old in sorted(self._committed)[:-COMMITTED_KEPT]:
                     del self._committed[old]

@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from typing import Callable
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from .. import net
 # cli.py and fedpipe.testing import these two from here
@@ -23,15 +25,17 @@ from ..planner.protoio import cluster_view, unmeasured  # noqa: F401
 from ..proto import tracker_pb2, tracker_pb2_grpc
 from ..security import Role, TlsConfig, identity_of
 from ..security.policy import require_owner, require_self
+from ..net.trackers import LEADER_KEY
 from . import errors
 from .admission import MAX_JOB_BYTES, MAX_JOBS_PER_OWNER, Admission, NodeNames
 from .nodes import GrpcNodeCalls
+from .leader import LeaderFence, Leadership
 from .rebalance import REBALANCE_THRESHOLD
 from .registry import HEARTBEAT_RATE
 from .retention import RETENTION
 from .scheduler import Tracker
 from .status import STATUS, status_of, stream, unary  # noqa: F401 (STATUS, status_of: re-export)
-from .store import open_store
+from .store import Store, open_store
 from .watches import WatchSlots
 
 log = logging.getLogger("fedpipe.tracker")
@@ -210,12 +214,122 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         return self.tracker.replicas.join(request.job_id, request.replica, request.step)
 
 
+class Terms:
+    """The leader's :class:`TrackerService`, built at each takeover and closed at each
+    step-down (:class:`~.leader.Leadership`'s ``on_lead`` and ``on_depose``).
+
+    Args:
+        build: makes the service over a fresh :class:`~.scheduler.Tracker` (which
+            rebuilds its memory from the store).
+        serving: told whether this tracker leads, at every change and by :meth:`announce`
+            (the server's health: a standby's Tracker service is NOT_SERVING, so what
+            waits for a tracker to serve waits for a leader).
+    """
+
+    def __init__(self, build: Callable[[], TrackerService],
+                 serving: Callable[[bool], None] = lambda leads: None):
+        self.build, self.serving = build, serving
+        self._lock = threading.Lock()
+        self._service: TrackerService | None = None
+
+    def current(self) -> TrackerService | None:
+        """The leader's service (None: this tracker stands by)."""
+        return self._service
+
+    def lead(self, epoch: int) -> None:
+        service = self.build()
+        with self._lock:
+            self._service = service
+            self.serving(True)
+
+    def depose(self, why: str) -> None:
+        with self._lock:
+            service, self._service = self._service, None
+            self.serving(False)
+        if service is not None:
+            service.close()
+
+    def announce(self) -> None:
+        """Tell ``serving`` the state now (after the server's start said SERVING)."""
+        with self._lock:
+            self.serving(self._service is not None)
+
+
+class FailoverService(tracker_pb2_grpc.TrackerServicer):
+    """The Tracker service of one of several trackers on one database: the leader's
+    :class:`TrackerService` while this tracker leads, else UNAVAILABLE with the leader's
+    address in the trailing metadata :data:`~fedpipe.net.trackers.LEADER_KEY` (callers
+    with several addresses follow it, :mod:`fedpipe.net.trackers`).
+
+    Every method of the service is forwarded (made below from the service's descriptor),
+    so a method added to the proto needs nothing here.
+
+    Attributes:
+        store: the shared store (its opener closes it).
+        leadership: this tracker's claim on the lease.
+    """
+
+    def __init__(self, terms: Terms, leadership: Leadership, store: Store):
+        self.terms, self.leadership, self.store = terms, leadership, store
+
+    @property
+    def tracker(self) -> Tracker | None:
+        """The leader's domain (None while this tracker stands by)."""
+        service = self.terms.current()
+        return service.tracker if service is not None else None
+
+    def leading(self, context) -> TrackerService:
+        """The service to run a call on, or the call answered UNAVAILABLE (gRPC's abort
+        raises) with the leader's address when one is known."""
+        service = self.terms.current()
+        leads = self.leadership.fence.leading()
+        if service is not None and leads:
+            return service
+        if leads:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"this tracker ({self.leadership.address}) has just taken over as the "
+                          f"leader and is loading the swarm's state from the store; retry")
+        leader = self.leadership.leader()
+        if leader is not None:
+            context.set_trailing_metadata(((LEADER_KEY, leader),))
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"this tracker ({self.leadership.address}) is a standby: the leader "
+                          f"is at {leader}; call it (give every tracker's address, "
+                          f"--tracker a:7070,b:7070, and calls follow the leader)")
+        context.abort(grpc.StatusCode.UNAVAILABLE,
+                      f"no tracker leads now: the leader's lease lapsed and a standby takes "
+                      f"over within {self.leadership.lease:g} s; retry")
+        raise AssertionError("context.abort raises")
+
+    def close(self) -> None:
+        """Step down (releasing the lease, so a standby takes over at once) and stop."""
+        self.leadership.close()
+
+
+def _forward(name: str, streaming: bool):
+    if streaming:
+        def forward_stream(self: FailoverService, request, context):
+            yield from getattr(self.leading(context), name)(request, context)
+        forward_stream.__name__ = name
+        return forward_stream
+
+    def forward(self: FailoverService, request, context):
+        return getattr(self.leading(context), name)(request, context)
+    forward.__name__ = name
+    return forward
+
+
+for _method in S.DESCRIPTOR.services_by_name["Tracker"].methods:
+    setattr(FailoverService, _method.name, _forward(_method.name, _method.server_streaming))
+
+
 def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: float = 300.0,
           *, tls: TlsConfig | None = None, insecure: bool = False,
           max_job_bytes: int = MAX_JOB_BYTES, heartbeat_rate: float | None = None,
           freeze_heap: bool = False, retention: float | None = None,
-          rebalance_threshold: float = REBALANCE_THRESHOLD
-          ) -> tuple[grpc.Server, TrackerService, int]:
+          rebalance_threshold: float = REBALANCE_THRESHOLD, leader_lease: float = 0.0,
+          advertise: str | None = None
+          ) -> tuple[grpc.Server, TrackerService | FailoverService, int]:
     """Start a tracker server on the store ``db``; returns ``(server, service, port)``.
 
     Args:
@@ -236,6 +350,12 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
         retention: seconds an ended job's weights stay on the nodes (None:
             :data:`~fedpipe.tracker.retention.RETENTION`).
         rebalance_threshold: see :class:`~fedpipe.tracker.scheduler.Tracker`.
+        leader_lease: > 0: this tracker shares ``db`` with other trackers: it leads
+            through a lease of this many seconds (:mod:`.leader`), or stands by; every
+            write is fenced, and the service returned is a :class:`FailoverService`
+            (whose ``tracker`` is None while it stands by). 0: it is the only tracker.
+        advertise: the ``HOST:PORT`` standbys name when this tracker leads (default
+            ``host:port``, the real port).
 
     Raises:
         ValueError: plaintext on a non-loopback ``host`` without ``insecure``.
@@ -245,15 +365,45 @@ def serve(host: str, port: int, db: str, lease: float = 10.0, link_refresh: floa
     """
     net.check_plaintext(host, tls, insecure, "the tracker")
     rate = HEARTBEAT_RATE if heartbeat_rate is None else heartbeat_rate
-    service = TrackerService(Tracker(open_store(db), GrpcNodeCalls(tls=tls), lease=lease,
-                                     link_refresh=link_refresh, heartbeat_rate=rate,
-                                     plan_processes=PLAN_PROCESSES, freeze_heap=freeze_heap,
-                                     rebalance_threshold=rebalance_threshold,
-                                     retention=RETENTION if retention is None else retention),
-                             tls,
-                             max_job_bytes=max_job_bytes)
+    fence = LeaderFence() if leader_lease > 0 else None
+    store = open_store(db, fence)
+
+    def build() -> TrackerService:
+        return TrackerService(Tracker(store, GrpcNodeCalls(tls=tls), lease=lease,
+                                      link_refresh=link_refresh, heartbeat_rate=rate,
+                                      plan_processes=PLAN_PROCESSES, freeze_heap=freeze_heap,
+                                      rebalance_threshold=rebalance_threshold,
+                                      retention=RETENTION if retention is None else retention),
+                              tls, max_job_bytes=max_job_bytes)
+
     srv = net.server(tls=tls, client_calls=net.TRACKER_CLIENT_DATA_CALLS)
+    try:
+        real = net.bind(srv, host, port)
+    except OSError:
+        store.close()
+        raise
+    service: TrackerService | FailoverService
+    if fence is None:
+        service = build()
+    else:
+        terms = Terms(build, serving=functools.partial(_health, srv))
+        bound = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{real}"
+        leadership = Leadership(store, fence, advertise or bound, lease=leader_lease,
+                                on_lead=terms.lead, on_depose=terms.depose)
+        leadership.start()  # a tracker alone on its database leads before it serves
+        service = FailoverService(terms, leadership, store)
     tracker_pb2_grpc.add_TrackerServicer_to_server(service, srv)
-    real = net.bind(srv, host, port)
     srv.start()
+    if isinstance(service, FailoverService):
+        service.terms.announce()
     return srv, service, real
+
+
+TRACKER_SERVICE = S.DESCRIPTOR.services_by_name["Tracker"].full_name
+"""The Tracker service's full name, as ``grpc.health.v1`` reports it."""
+
+
+def _health(srv: net.Server, leads: bool) -> None:
+    """Report the Tracker service SERVING on ``srv`` while this tracker leads, else NOT_SERVING."""
+    srv.health.set(TRACKER_SERVICE, health_pb2.HealthCheckResponse.SERVING if leads
+                   else health_pb2.HealthCheckResponse.NOT_SERVING)

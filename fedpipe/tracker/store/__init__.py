@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 # the step log's bounds (MAX_STEP_EVENTS, COMPACT_EVERY) are base's: set them there
-from .base import (NodeRecord, SchemaTooNew, Store, StoreConfigError, StoreError,
-                   StoreUnavailable, new_id)
+from .base import (Deposed, Fence, Lease, NodeRecord, SchemaTooNew, Store, StoreConfigError,
+                   StoreError, StoreUnavailable, new_id)
 from .memory import MemoryStore
 from .migrations import SCHEMA_VERSION
 from .sqlite import SqliteStore
@@ -28,7 +28,7 @@ from .sqlite import SqliteStore
 if TYPE_CHECKING:
     from .postgres import PostgresStore
 
-__all__ = ["MemoryStore", "NodeRecord", "PostgresStore",
+__all__ = ["Deposed", "Fence", "Lease", "MemoryStore", "NodeRecord", "PostgresStore",
            "SCHEMA_VERSION", "SchemaTooNew", "SqliteStore", "Store", "StoreConfigError",
            "StoreError", "StoreUnavailable", "new_id", "open_store"]
 
@@ -37,10 +37,13 @@ MEMORY = "memory:"
 """The ``--store`` value for a :class:`MemoryStore` (nothing survives the process)."""
 
 
-def open_store(target: str) -> Store:
+def open_store(target: str, fence: Fence | None = None) -> Store:
     """The store ``target`` names: ``postgresql://...`` (or ``postgres://...``) a
     :class:`PostgresStore`; ``sqlite://PATH`` (``sqlite:///abs/path``) or a plain path a
     :class:`SqliteStore`; ``memory:`` a :class:`MemoryStore`.
+
+    ``fence``: every write is fenced by it (see :class:`~.sql.SqlStore`): for trackers
+    that share the database. A memory store is one process's: it takes no fence.
 
     Raises:
         StoreConfigError: an unknown scheme, or a malformed URL.
@@ -48,16 +51,19 @@ def open_store(target: str) -> Store:
         SchemaTooNew: the database was written by a newer fedpipe.
     """
     if target == MEMORY:
+        if fence is not None:
+            raise StoreConfigError(f"{MEMORY} is one process's store: trackers cannot share "
+                                   f"it; give a postgresql:// URL")
         return MemoryStore()
     scheme, sep, rest = target.partition("://")
     if not sep:
-        return SqliteStore(target)
+        return SqliteStore(target, fence)
     if scheme == "sqlite":
-        return SqliteStore(rest)
+        return SqliteStore(rest, fence)
     if scheme in POSTGRES_SCHEMES:
         from .postgres import PostgresStore
 
-        return PostgresStore(target)
+        return PostgresStore(target, fence=fence)
     raise StoreConfigError(
         f"unknown store {target.split('@')[-1]!r}: expected postgresql://USER@HOST:PORT/DBNAME, "
         f"sqlite://PATH, a file path or {MEMORY}")

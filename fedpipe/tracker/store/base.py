@@ -15,7 +15,14 @@ Errors every backend raises (beyond ``KeyError`` for an unknown job):
 :class:`StoreUnavailable` (the database cannot be reached; a tracker call answers
 UNAVAILABLE and its caller retries), :class:`StoreConfigError` (a store URL or
 path that names no usable store) and :class:`SchemaTooNew` (a database written
-by a newer fedpipe).
+by a newer fedpipe), and, for a store opened with a :class:`Fence`, :class:`Deposed`
+(this tracker no longer leads: its write was refused and nothing was written).
+
+Several trackers may share one database (:mod:`fedpipe.tracker.leader`): one leads,
+holding the one lease row (:meth:`Store.take_lease`) whose fencing epoch grows at
+every takeover. A store opened with a :class:`Fence` checks, inside the
+transaction of every write, that the lease's epoch is still the fence's, so a
+deposed leader's writes are refused by the database itself.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import abc
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Protocol
 
 from ...proto import node_pb2, tracker_pb2
 from ..errors import Unavailable
@@ -59,6 +66,45 @@ class SchemaTooNew(StoreError):
             f"it was written by a later fedpipe release; run that release (or a newer "
             f"one), or point the tracker at another database")
         self.found, self.supported = found, supported
+
+
+class Deposed(StoreError, Unavailable):
+    """This tracker does not lead (any more): its write was refused, nothing was written.
+
+    Either its own lease deadline passed (it could not renew in time: cut off from
+    the database, or stopped) or the lease row holds another epoch (a standby took
+    over). A subclass of :class:`~fedpipe.tracker.errors.Unavailable`: the caller is
+    told UNAVAILABLE and retries, at the new leader.
+    """
+
+
+class Fence(Protocol):
+    """What a store asks before every write, when several trackers share its database."""
+
+    def epoch(self) -> int:
+        """The fencing epoch this tracker writes under.
+
+        Raises:
+            Deposed: it does not lead now (or its lease deadline has passed).
+        """
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The leader lease as the store keeps it (one row).
+
+    Attributes:
+        holder: the leading tracker's id (new at every tracker process start; '' none yet).
+        address: where it serves (``HOST:PORT``), for redirects.
+        epoch: the fencing epoch, one more at every takeover (0: never held).
+        expires: when the lease lapses unless renewed, seconds since the epoch (the
+            holder's clock at its last renewal plus the lease length).
+    """
+
+    holder: str
+    address: str
+    epoch: int
+    expires: float
 
 
 @dataclass(frozen=True)
@@ -233,6 +279,40 @@ class Store(abc.ABC):
         ``resume_step``, ``recoveries``) as ``fields`` has them; with ``rewind_to``
         also set its step back to that; with ``event`` also log it (its ``seq``
         and ``time`` are assigned here). Unknown jobs are ignored."""
+
+    @abc.abstractmethod
+    def set_replicas(self, job_id: str, epoch: int, snapshot: bytes) -> None:
+        """Keep the job's replica-group membership of plan ``epoch`` (a
+        :meth:`~fedpipe.tracker.replicas.ReplicaSet.snapshot`, as JSON), replacing the last.
+        Dropped when the job ends."""
+
+    @abc.abstractmethod
+    def replicas(self, job_id: str) -> tuple[int, bytes] | None:
+        """The job's last :meth:`set_replicas` as ``(epoch, snapshot)``; None if none."""
+
+    # -- the leader lease -----------------------------------------------------
+    @abc.abstractmethod
+    def take_lease(self, holder: str, address: str, now: float, seconds: float) -> Lease:
+        """Take the leader lease for ``holder`` if it has lapsed (``expires <= now``) or
+        ``holder`` holds it already, in one transaction; return the lease as it is then.
+
+        Taking it (even back) makes the epoch one more, so writes fenced by an older epoch
+        are refused from now on; the lease then runs to ``now + seconds``. Not fenced.
+        """
+
+    @abc.abstractmethod
+    def renew_lease(self, holder: str, epoch: int, now: float, seconds: float) -> bool:
+        """Extend the lease to ``now + seconds`` if ``holder`` holds it at ``epoch``; False
+        (nothing changed) if not: it was taken over. Not fenced."""
+
+    @abc.abstractmethod
+    def release_lease(self, holder: str, epoch: int) -> None:
+        """End ``holder``'s lease at ``epoch`` now (a tracker that stops), so a standby
+        need not wait for it to lapse; nothing if another holds it. Not fenced."""
+
+    @abc.abstractmethod
+    def lease(self) -> Lease:
+        """The leader lease now (epoch 0 and no holder: never taken)."""
 
     def close(self) -> None:  # noqa: B027 — optional: a backend with nothing to release
         """Release the backend's resources."""

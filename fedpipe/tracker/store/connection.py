@@ -91,6 +91,12 @@ class Connection(abc.ABC):
     def members(self, values: Iterable[str]) -> Any:
         """The parameter value for :meth:`member_of`'s condition."""
 
+    def share_lock(self) -> str:
+        """The clause that makes a ``SELECT`` in a transaction hold its rows against
+        writers until the transaction ends. This default: none (a file database whose
+        write transaction holds the whole file already)."""
+        return ""
+
     def is_disconnect(self, exc: BaseException) -> bool:
         """Whether ``exc`` means the connection broke (the operation may be retried on
         a new one). This default: never (a file does not disconnect)."""

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 from ...proto import node_pb2, tracker_pb2
 from ...spec import TERMINAL
 from . import base
-from .base import RECOVERY_FIELDS, NodeRecord, Store, bare, new_id, recovery_only
+from .base import RECOVERY_FIELDS, Lease, NodeRecord, Store, bare, new_id, recovery_only
 
 
 @dataclass
@@ -39,6 +39,8 @@ class MemoryStore(Store):
         self._events: list[tuple[str, tracker_pb2.JobEvent]] = []
         self._seq = itertools.count(1)
         self._order = itertools.count()
+        self._lease = Lease("", "", 0, 0.0)
+        self._replicas: dict[str, tuple[int, bytes]] = {}
 
     # -- nodes --------------------------------------------------------------
     def _update(self, node_id: str, fenced: bool | None = None, **info: Any) -> None:
@@ -193,6 +195,7 @@ class MemoryStore(Store):
             self._event(job_id, now, state=state, reason=reason)
             if state in TERMINAL:
                 j.layers = []
+                self._replicas.pop(job_id, None)
             return True
 
     def set_plan(self, job_id: str, plan: node_pb2.Plan) -> None:
@@ -248,3 +251,35 @@ class MemoryStore(Store):
                 ev.CopyFrom(event)
                 ev.seq, ev.time = next(self._seq), now
                 self._events.append((job_id, ev))
+
+    def set_replicas(self, job_id: str, epoch: int, snapshot: bytes) -> None:
+        with self.lock:
+            if job_id in self._jobs and self._jobs[job_id].info.state not in TERMINAL:
+                self._replicas[job_id] = (epoch, bytes(snapshot))
+
+    def replicas(self, job_id: str) -> tuple[int, bytes] | None:
+        with self.lock:
+            return self._replicas.get(job_id)
+
+    # -- the leader lease (one process: trackers in it may share the store) ----
+    def take_lease(self, holder: str, address: str, now: float, seconds: float) -> Lease:
+        with self.lock:
+            if self._lease.expires <= now or self._lease.holder == holder:
+                self._lease = Lease(holder, address, self._lease.epoch + 1, now + seconds)
+            return self._lease
+
+    def renew_lease(self, holder: str, epoch: int, now: float, seconds: float) -> bool:
+        with self.lock:
+            if (self._lease.holder, self._lease.epoch) != (holder, epoch):
+                return False
+            self._lease = Lease(holder, self._lease.address, epoch, now + seconds)
+            return True
+
+    def release_lease(self, holder: str, epoch: int) -> None:
+        with self.lock:
+            if (self._lease.holder, self._lease.epoch) == (holder, epoch):
+                self._lease = Lease(holder, self._lease.address, epoch, 0.0)
+
+    def lease(self) -> Lease:
+        with self.lock:
+            return self._lease

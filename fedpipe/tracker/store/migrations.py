@@ -99,6 +99,16 @@ MIGRATIONS: tuple[Migration, ...] = (
                      "job_events": {"checkpoint_step": "INTEGER NOT NULL DEFAULT 0",
                                     "epoch": "INTEGER NOT NULL DEFAULT 0"},
                  })),
+    Migration(3, "the leader lease (which tracker leads, its address and fencing epoch); "
+                 "replica-group membership", _statements(
+                  "CREATE TABLE leader ("
+                  " id INTEGER PRIMARY KEY CHECK (id = 1), holder TEXT NOT NULL,"
+                  " address TEXT NOT NULL, epoch INTEGER NOT NULL, expires {real} NOT NULL)",
+                  # the one row, never held: take_lease only ever updates it
+                  "INSERT INTO leader (id, holder, address, epoch, expires) "
+                  "VALUES (1, '', '', 0, 0)",
+                  "CREATE TABLE replica_sets ("
+                  " job_id TEXT PRIMARY KEY, epoch INTEGER NOT NULL, snapshot {blob} NOT NULL)")),
 )
 """Every step of the schema, in order; the last one's version is :data:`SCHEMA_VERSION`."""
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 import psycopg
 from psycopg import conninfo, pq
 
-from .base import StoreConfigError, StoreUnavailable
+from .base import Fence, StoreConfigError, StoreUnavailable
 from .connection import Connection, Cursor
 from .sql import SqlStore
 
@@ -146,6 +146,9 @@ class PostgresConnection(Connection):
     def members(self, values: Iterable[str]) -> Any:
         return list(values)
 
+    def share_lock(self) -> str:
+        return " FOR SHARE"
+
     def is_disconnect(self, exc: BaseException) -> bool:
         return isinstance(exc, psycopg.OperationalError) and (self.pg.broken or self.pg.closed)
 
@@ -164,6 +167,7 @@ class PostgresStore(SqlStore):
         url: a libpq URL (``postgresql://USER[:PASSWORD]@HOST[:PORT]/DBNAME``) or
             key=value string.
         connect_timeout: seconds to wait for the database to answer, each (re)connect.
+        fence: see :class:`~.sql.SqlStore` (several trackers on one database).
 
     Raises:
         StoreConfigError: ``url`` is malformed.
@@ -171,5 +175,6 @@ class PostgresStore(SqlStore):
         SchemaTooNew: the database was written by a newer fedpipe.
     """
 
-    def __init__(self, url: str, connect_timeout: int = CONNECT_TIMEOUT):
-        super().__init__(PostgresConnection(url, connect_timeout))
+    def __init__(self, url: str, connect_timeout: int = CONNECT_TIMEOUT,
+                 fence: Fence | None = None):
+        super().__init__(PostgresConnection(url, connect_timeout), fence)

@@ -13,9 +13,13 @@ reached its commit (the database dropped that transaction), is safe to repeat.
 A write whose commit was cut off raises :class:`~.base.StoreUnavailable`: it
 may or may not have been kept, and a blind repeat could apply it twice.
 
-Every write goes through :meth:`SqlStore._once`: the one place a check that must hold
-for each write (a leader's fencing epoch, when several trackers share a PostgreSQL
-database) would go, inside the write's own transaction.
+Every write goes through :meth:`SqlStore._once`, the one place the leader's fencing
+check runs when several trackers share the database (a store given a
+:class:`~.base.Fence`): inside the write's own transaction, before its first
+statement, the fence's epoch must still be the lease row's, read with a share lock
+(PostgreSQL's ``FOR SHARE``; SQLite's ``BEGIN IMMEDIATE`` holds the file's one
+write lock already), so a takeover waits for a write in flight to end and no write
+of the deposed leader commits after it. The lease's own methods are not fenced.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from typing import Any, Callable, Concatenate, Iterable, Mapping, ParamSpec, Seq
 from ...proto import node_pb2, tracker_pb2
 from ...spec import TERMINAL
 from . import base
-from .base import NodeRecord, Store, StoreUnavailable, bare, nan_if_none, new_id, recovery_only
+from .base import (Deposed, Fence, Lease, NodeRecord, Store, StoreUnavailable, bare, nan_if_none,
+                   new_id, recovery_only)
 from .connection import Connection
 from .migrations import migrate
 
@@ -44,10 +49,18 @@ def _reads(method: _Method[P, T]) -> _Method[P, T]:
 
 
 def _writes(method: _Method[P, T]) -> _Method[P, T]:
-    """:func:`_reads`, in one transaction (joined by the writes it calls)."""
+    """:func:`_reads`, in one transaction (joined by the writes it calls), fenced."""
     @functools.wraps(method)
     def run(self: SqlStore, *args: P.args, **kwargs: P.kwargs) -> T:
         return self._run(lambda: method(self, *args, **kwargs), write=True)
+    return run
+
+
+def _lease_writes(method: _Method[P, T]) -> _Method[P, T]:
+    """:func:`_writes` without the fencing check: the lease's own methods."""
+    @functools.wraps(method)
+    def run(self: SqlStore, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(lambda: method(self, *args, **kwargs), write=True, fenced=False)
     return run
 
 
@@ -76,6 +89,9 @@ class SqlStore(Store):
 
     Args:
         conn: the open connection (the store closes it); its schema is migrated here.
+        fence: asked before every write (not the lease's): its epoch must be the lease
+            row's, or the write is refused with :class:`~.base.Deposed`. None: writes
+            are not fenced (one tracker alone on its database).
 
     Raises:
         SchemaTooNew: the database was written by a newer fedpipe (the connection is
@@ -83,8 +99,8 @@ class SqlStore(Store):
         StoreUnavailable: the database cannot be reached.
     """
 
-    def __init__(self, conn: Connection):
-        self.conn, self.where = conn, conn.where
+    def __init__(self, conn: Connection, fence: Fence | None = None):
+        self.conn, self.where, self.fence = conn, conn.where, fence
         self.lock = threading.RLock()
         self._depth = 0  # methods of this store running now in this thread's call
         try:
@@ -99,30 +115,33 @@ class SqlStore(Store):
             self.conn.close()
 
     # -- running a method ---------------------------------------------------
-    def _run(self, call: Callable[[], T], write: bool) -> T:
+    def _run(self, call: Callable[[], T], write: bool, fenced: bool = True) -> T:
         with self.lock:
             if self._depth:  # called by another method of this store: part of its work
                 return call()
+            fenced = write and fenced and self.fence is not None
             try:
-                return self._once(call, write)
+                return self._once(call, write, fenced)
             except Exception as exc:  # noqa: BLE001 — only a broken connection is retried
                 if not self.conn.is_disconnect(exc):
                     raise
             self.conn.reconnect()
             try:
-                return self._once(call, write)
+                return self._once(call, write, fenced)
             except Exception as exc:
                 if self.conn.is_disconnect(exc):
                     raise StoreUnavailable(f"lost the connection to {self.conn.where} "
                                            f"twice in a row: {exc}") from exc
                 raise
 
-    def _once(self, call: Callable[[], T], write: bool) -> T:
+    def _once(self, call: Callable[[], T], write: bool, fenced: bool = False) -> T:
         self._depth += 1
         try:
             if write:
                 self.conn.begin()
             try:
+                if fenced:
+                    self._check_fence()
                 out = call()
             except BaseException:
                 if write:
@@ -133,6 +152,21 @@ class SqlStore(Store):
             return out
         finally:
             self._depth -= 1
+
+    def _check_fence(self) -> None:
+        """Inside a write's transaction: refuse it unless the fence's epoch is the lease's.
+
+        Raises:
+            Deposed: the fence says this tracker does not lead, or the lease row holds
+                another epoch (a standby took over).
+        """
+        assert self.fence is not None
+        mine = self.fence.epoch()
+        rows = self._x(f"SELECT epoch FROM leader WHERE id=1{self.conn.share_lock()}")
+        if not rows or rows[0][0] != mine:
+            raise Deposed(f"this tracker's writes are fenced at epoch {mine} but the leader "
+                          f"lease in {self.where} is at epoch {rows[0][0] if rows else '?'}: "
+                          f"another tracker took over; nothing was written")
 
     def _commit(self) -> None:
         try:
@@ -302,6 +336,7 @@ class SqlStore(Store):
         self._event(job_id, now, tracker_pb2.JobEvent(state=base.job_state(state), reason=reason))
         if state in TERMINAL:
             self._x("DELETE FROM job_layers WHERE job_id=?", (job_id,))
+            self._x("DELETE FROM replica_sets WHERE job_id=?", (job_id,))
         return True
 
     @_writes
@@ -358,3 +393,39 @@ class SqlStore(Store):
             self._x("UPDATE jobs SET step=? WHERE job_id=?", (rewind_to, job_id))
         if event is not None:
             self._event(job_id, now, event)
+
+    @_writes
+    def set_replicas(self, job_id: str, epoch: int, snapshot: bytes) -> None:
+        self._x("INSERT INTO replica_sets (job_id,epoch,snapshot) VALUES (?,?,?) ON CONFLICT "
+                "(job_id) DO UPDATE SET epoch=excluded.epoch, snapshot=excluded.snapshot",
+                (job_id, epoch, snapshot))
+
+    @_reads
+    def replicas(self, job_id: str) -> tuple[int, bytes] | None:
+        rows = self._x("SELECT epoch,snapshot FROM replica_sets WHERE job_id=?", (job_id,))
+        return (int(rows[0][0]), bytes(rows[0][1])) if rows else None
+
+    # -- the leader lease -----------------------------------------------------
+    @_lease_writes
+    def take_lease(self, holder: str, address: str, now: float, seconds: float) -> Lease:
+        # one conditional UPDATE: of two standbys that race, the database lets one match
+        self._x("UPDATE leader SET holder=?, address=?, epoch=epoch+1, expires=? "
+                "WHERE id=1 AND (expires<=? OR holder=?)",
+                (holder, address, now + seconds, now, holder))
+        return self.lease()
+
+    @_lease_writes
+    def renew_lease(self, holder: str, epoch: int, now: float, seconds: float) -> bool:
+        return self._count("UPDATE leader SET expires=? WHERE id=1 AND holder=? AND epoch=?",
+                           (now + seconds, holder, epoch)) == 1
+
+    @_lease_writes
+    def release_lease(self, holder: str, epoch: int) -> None:
+        self._x("UPDATE leader SET expires=0 WHERE id=1 AND holder=? AND epoch=?",
+                (holder, epoch))
+
+    @_reads
+    def lease(self) -> Lease:
+        holder, address, epoch, expires = self._x(
+            "SELECT holder,address,epoch,expires FROM leader WHERE id=1")[0]
+        return Lease(holder, address, int(epoch), float(expires))

@@ -9,7 +9,7 @@ import json
 import sqlite3
 from typing import Any, Iterable, Sequence
 
-from .base import StoreConfigError
+from .base import Fence, StoreConfigError
 from .connection import Connection, Cursor
 from .sql import SqlStore
 
@@ -78,15 +78,18 @@ class SqliteStore(SqlStore):
     Attributes:
         db: the ``sqlite3`` connection (tests count its ``total_changes``).
 
+    Args:
+        fence: see :class:`~.sql.SqlStore` (several trackers on one file, one machine).
+
     Raises:
         StoreConfigError: the file cannot be opened or is not an SQLite database.
         SchemaTooNew: the file was written by a newer fedpipe.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fence: Fence | None = None):
         conn = SqliteConnection(path)
         self.db = conn.db
         try:
-            super().__init__(conn)
+            super().__init__(conn, fence)
         except sqlite3.DatabaseError as exc:
             raise StoreConfigError(f"cannot use {conn.where}: {exc}") from exc

@@ -1,0 +1,93 @@
+"""Several tracker addresses, one leader, in-process: two trackers share one SQLite file
+with a leader lease; a channel given both addresses follows whichever leads
+(:mod:`fedpipe.net.trackers`). The trackers' planners run in worker processes, so those
+tests are process tests."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from fedpipe import net
+from fedpipe.net import timeouts, trackers
+from fedpipe.proto import tracker_pb2, tracker_pb2_grpc
+from fedpipe.tracker.service import FailoverService, TrackerService, serve
+
+pytestmark = pytest.mark.timeout(60)
+LEASE = 1.0
+
+
+def test_tracker_targets_are_split_checked_and_deduplicated():
+    assert trackers.addresses("a:1, b:2,a:1") == ["a:1", "b:2"]
+    assert trackers.several("a:1,b:2") and not trackers.several("a:1")
+    for bad in ("a:1,", "a:1,b", "a:x,b:2"):
+        with pytest.raises(ValueError, match="is not HOST:PORT"):
+            trackers.addresses(bad)
+
+
+@pytest.fixture
+def two(tmp_path):
+    db = str(tmp_path / "shared.db")
+    started = []
+    for _ in range(2):
+        srv, service, port = serve("127.0.0.1", 0, db, lease=5.0, link_refresh=0,
+                                   leader_lease=LEASE)
+        started.append((srv, service, f"127.0.0.1:{port}"))
+    yield started
+    for srv, service, _ in started:
+        service.close()
+        srv.stop(None)
+        service.store.close()
+
+
+def list_nodes(ch: grpc.Channel) -> tracker_pb2.ListNodesReply:
+    return tracker_pb2_grpc.TrackerStub(ch).ListNodes(tracker_pb2.ListNodesRequest(),
+                                                      timeout=timeouts.CONTROL_RPC)
+
+
+@pytest.mark.processes
+def test_the_first_tracker_leads_and_a_standby_refuses_naming_it(two):
+    (_, a, a_addr), (_, b, b_addr) = two
+    assert isinstance(a, FailoverService) and isinstance(b, FailoverService)
+    assert a.tracker is not None and b.tracker is None
+    with grpc.insecure_channel(b_addr) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list_nodes(ch)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert trackers.leader_of(err.value) == a_addr
+    assert f"the leader is at {a_addr}" in err.value.details()
+    assert not net.serving(grpc.insecure_channel(b_addr), "fedpipe.v1.Tracker")
+    assert net.serving(grpc.insecure_channel(a_addr), "fedpipe.v1.Tracker")
+
+
+@pytest.mark.processes
+def test_a_channel_given_both_addresses_follows_the_redirect_then_the_takeover(two):
+    (a_srv, a, a_addr), (_, b, b_addr) = two
+    ch = net.channel(f"{b_addr},{a_addr}")  # the standby first: its redirect is followed
+    assert isinstance(ch, trackers.LeaderChannel)
+    list_nodes(ch)
+    assert ch.trackers.current() == a_addr
+    a.close()  # steps down and releases the lease: b takes over at its next look
+    a_srv.stop(None)
+    deadline = time.monotonic() + 10 * LEASE
+    while b.tracker is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # the first call meets the dead address, the retry goes to the next: b, which leads
+    reply = net.retry(lambda: list_nodes(ch), "ListNodes", attempts=5, first_delay=0.05)
+    assert isinstance(reply, tracker_pb2.ListNodesReply)
+    assert ch.trackers.current() == b_addr
+    ch.close()
+
+
+@pytest.mark.processes
+def test_a_tracker_alone_without_a_lease_is_the_plain_service(tmp_path):
+    srv, service, _ = serve("127.0.0.1", 0, str(tmp_path / "t.db"), link_refresh=0)
+    try:
+        assert isinstance(service, TrackerService)
+        assert service.store.lease().epoch == 0  # it never took a lease
+    finally:
+        service.close()
+        srv.stop(None)
+        service.store.close()
