@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 # kept for callers of the names these had before the feed moved to .feed
 _shard, _cycle, _FeedHalted = shard, cycle, Halted
-__all__ = ["Job", "JobFailed", "JobStatus", "TrackerBusy", "GroupFeed",
-           "FEED_KEEP_CHECKPOINTS"]
+__all__ = ["Job", "JobFailed", "CheckpointGone", "JobStatus", "TrackerBusy",
+           "GroupFeed", "FEED_KEEP_CHECKPOINTS"]
 
 log = logging.getLogger("fedpipe.client")
 S = tracker_pb2
@@ -46,6 +46,12 @@ S = tracker_pb2
 
 class JobFailed(RuntimeError):
     """The job ended FAILED or CANCELLED; the message is the tracker's reason."""
+
+
+class CheckpointGone(RuntimeError):
+    """No node holds a stage's snapshot of the step asked for any more (the job was
+    cancelled or failed and its nodes dropped its snapshots, or its weights were
+    released); the message names the job, the step and the stage."""
 
 
 class TrackerBusy(RuntimeError):
@@ -201,7 +207,9 @@ class Job:
 
         Raises:
             RuntimeError: no checkpoint has completed yet.
-            grpc.RpcError: no node holds a stage's snapshot of that step any more.
+            CheckpointGone: no node holds a stage's snapshot of that step any more (a
+                cancelled or failed job's nodes drop its snapshots).
+            grpc.RpcError: a node could not be asked (UNAVAILABLE, ...).
             OSError: the folder cannot be written.
         """
         info = self._info()
@@ -209,20 +217,22 @@ class Job:
         if step <= 0:
             raise RuntimeError(f"job {self.id} has no complete checkpoint yet "
                                f"({state_name(info.state)} at step {info.step})")
-        snaps = self._pull_snapshots(info.plan, step)
+        snaps = self._pull_snapshots(info.plan, step, info.state)
         return str(checkpoints.write(path, step, snaps, info.plan, steps=info.steps,
                                      config=self._config()))
 
     def _config(self) -> dict:
         return self._spec.summary() if self._spec is not None else {}
 
-    def _pull_snapshots(self, plan: node_pb2.Plan, step: int
+    def _pull_snapshots(self, plan: node_pb2.Plan, step: int, state: int
                         ) -> dict[StageKey, "checkpoint.Snapshot"]:
         """Every stage's snapshot of ``step``, from its node, else any node of the plan
-        (its buddy holds a copy).
+        (its buddy holds a copy). ``state``: the job's, for the error.
 
         Raises:
-            grpc.RpcError: no node has one stage's snapshot (the last node's error).
+            CheckpointGone: every node answered NOT_FOUND for one stage's snapshot.
+            grpc.RpcError: no node has one stage's snapshot (the last node's error,
+                when it is not NOT_FOUND).
         """
         view = PlanView(plan)
         out = {}
@@ -236,10 +246,21 @@ class Job:
                         timeout=timeouts.FETCH_STATE_RPC)
                     _, out[key] = checkpoint.from_frames(stream, MAX_TENSOR_BYTES)
                     break
-                except grpc.RpcError:
-                    if i == len(others):
+                except grpc.RpcError as e:
+                    if i < len(others):
+                        continue
+                    if e.code() != grpc.StatusCode.NOT_FOUND:
                         raise
+                    raise CheckpointGone(self._gone_message(key, step, state)) from None
         return out
+
+    def _gone_message(self, key: StageKey, step: int, state: int) -> str:
+        why = {"CANCELLED": "the job was cancelled and its nodes dropped its snapshots",
+               "FAILED": "the job failed and its nodes dropped its snapshots",
+               }.get(state_name(state), "its nodes no longer hold it (released, or they "
+                                        "restarted)")
+        return (f"job {self.id}: the checkpoint of step {step} is gone: no node holds the "
+                f"snapshot of stage {key.stage} (replica group {key.replica}); {why}")
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
@@ -420,11 +441,12 @@ class Job:
             if step <= self._saved_step:
                 return
             folder = checkpoints.keep(self._checkpoint_dir, step,
-                                      self._pull_snapshots(info.plan, step), info.plan,
+                                      self._pull_snapshots(info.plan, step, info.state),
+                                      info.plan,
                                       steps=info.steps, config=self._config())
             self._saved_step = step
             log.info("job %s: checkpoint of step %d kept in %s", self.id, step, folder)
-        except (grpc.RpcError, OSError, ValueError) as e:
+        except (grpc.RpcError, CheckpointGone, OSError, ValueError) as e:
             log.warning("job %s: could not keep its checkpoint in %s: %s", self.id,
                         self._checkpoint_dir, e)
 
