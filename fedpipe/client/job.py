@@ -25,7 +25,7 @@ from ..observe.source import GrpcSource
 from ..observe.views import StepRecord, recovery_headline, step_records
 from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint
-from ..spec import JobSpec, PlanView, StageKey, state_name
+from ..spec import TERMINAL, JobSpec, PlanView, StageKey, state_name
 from ..wire import frames
 from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 # kept for callers of the names these had before the feed moved to .feed
 _shard, _cycle, _FeedHalted = shard, cycle, Halted
-__all__ = ["Job", "JobFailed", "CheckpointGone", "JobStatus", "TrackerBusy",
+__all__ = ["Job", "JobFailed", "JobEnded", "CheckpointGone", "JobStatus", "TrackerBusy",
            "GroupFeed", "FEED_KEEP_CHECKPOINTS"]
 
 log = logging.getLogger("fedpipe.client")
@@ -46,6 +46,11 @@ S = tracker_pb2
 
 class JobFailed(RuntimeError):
     """The job ended FAILED or CANCELLED; the message is the tracker's reason."""
+
+
+class JobEnded(RuntimeError):
+    """:meth:`Job.resume` of a job that has ended (SUCCEEDED, FAILED or CANCELLED); the
+    message names its state and the tracker's reason."""
 
 
 class CheckpointGone(RuntimeError):
@@ -186,16 +191,43 @@ class Job:
             self, being fed (:meth:`wait` for it).
 
         Raises:
+            JobEnded: the job has ended (SUCCEEDED, FAILED or CANCELLED): nothing is left
+                to feed (``submit(..., resume_from=checkpoint_dir)`` starts a new job
+                from a kept checkpoint). Raised at once, before any thread starts.
             RuntimeError: this Job feeds the job already.
             ValueError: the client is closed.
             grpc.RpcError: the tracker refused to let this client feed the job
                 (PERMISSION_DENIED: another client's job; NOT_FOUND), raised at once,
                 before any thread starts (:mod:`.watch`).
         """
+        try:
+            info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
+                                           timeout=timeouts.CONTROL_RPC)
+        except grpc.RpcError as e:
+            if e.code() not in RETRYABLE:
+                raise
+            # the tracker is away (restarting): the watch retries, and the tracker
+            # refuses the take-over of an ended job itself
+        else:
+            if info.state in TERMINAL:
+                raise JobEnded(self._ended_message(info.state, info.reason))
         if checkpoint_dir is not None:
             self._checkpoint_dir = checkpoint_dir
-        self._start_feed(cycle(data), take_over=True)
+        try:
+            self._start_feed(cycle(data), take_over=True)
+        except grpc.RpcError as e:
+            # a take-over is refused FAILED_PRECONDITION only for a job that ended
+            # between GetJob and the watch (fedpipe.tracker.clients.Feeders.attach)
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise JobEnded(f"job {self.id} cannot be resumed: {e.details()}") from None
+            raise
         return self
+
+    def _ended_message(self, state: int, reason: str) -> str:
+        because = f" ({reason})" if reason else ""
+        return (f"job {self.id} cannot be resumed: it has ended {state_name(state)}{because}; "
+                f"submit(..., resume_from=CHECKPOINT_DIR) starts a new job from a kept "
+                f"checkpoint")
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the job's last complete checkpoint (its final state, once it has
@@ -448,7 +480,7 @@ class Job:
             log.info("job %s: checkpoint of step %d kept in %s", self.id, step, folder)
         except (grpc.RpcError, CheckpointGone, OSError, ValueError) as e:
             log.warning("job %s: could not keep its checkpoint in %s: %s", self.id,
-                        self._checkpoint_dir, e)
+                        self._checkpoint_dir, one_line(e))
 
     def _info(self) -> tracker_pb2.JobInfo:
         """The job's info, asked again while the tracker is unreachable (restarting), at
@@ -511,3 +543,11 @@ class Job:
             self.cancel(reason)
         except (grpc.RpcError, ValueError) as e:  # ValueError: the channel is closed
             log.error("could not cancel job %s either: %s", self.id, e)
+
+
+def one_line(e: BaseException) -> str:
+    """``e`` in one line: a gRPC error as ``CODE: details`` (its ``str()`` is the call's
+    multi-line repr), anything else as ``str()``."""
+    if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)):
+        return f"{e.code().name}: {e.details()}"
+    return str(e)
