@@ -95,3 +95,17 @@ def test_status_shows_a_drained_node_as_left():
     status.run_status(Source(), console=console)
     text = console.export_text()
     assert "left the swarm after its drain" in text and "no heartbeat" not in text
+
+
+def test_the_dashboards_nodes_say_a_drained_node_left():
+    from fedpipe.tracker.http import Dashboard, TrackerSource
+
+    tracker, _, _ = make_tracker(lease=10.0)
+    svc = TrackerService(tracker)
+    a, _b = join(tracker, 2)
+    tracker.rebalancer.drain(a)
+    svc.Heartbeat(S.HeartbeatRequest(node_id=a, leaving=True), Context())
+    source = TrackerSource(tracker.store, tracker.stage_times, tracker.calibration,
+                           tracker.feeders, tracker.registry)
+    [why] = [n["why"] for n in Dashboard(source).nodes()["nodes"] if n["id"] == a]
+    assert why.startswith("left the swarm after its drain (last heartbeat ")
