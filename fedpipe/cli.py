@@ -92,7 +92,7 @@ def _observe_tracker(tracker, args) -> list:
     from .tracker.http import TrackerSource, start_http
 
     source = TrackerSource(tracker.store, tracker.stage_times, tracker.calibration,
-                           tracker.feeders)
+                           tracker.feeders, tracker.registry)
     histories = Histories(source)  # shared, so each event is read once
     registry = tracker_registry(source, histories)
     served = []

@@ -76,6 +76,14 @@ def replace_gone(swarm, n=4):
     swarm.wait_for_nodes(n)
 
 
+def left_reason(client, node_id: str) -> str:
+    """Why the tracker lists ``node_id`` as gone (its ListNodes ``lost_reason``)."""
+    reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=True), timeout=10)
+    [node] = [n for n in reply.nodes if n.node_id == node_id]
+    assert not node.alive
+    return node.lost_reason
+
+
 def the_handover(final: tracker_pb2.JobInfo, cause: str) -> tracker_pb2.Recovery:
     """The job's one plan change, which must be a hand-over of ``cause``."""
     assert [r.cause for r in final.recoveries] == [cause], final.recoveries
@@ -98,6 +106,7 @@ def test_fedpipe_drain_mid_job_moves_the_stage_with_no_step_recomputed(swarm):
     assert victim.node_id not in PlanView(final.plan).node_ids()
     # the drained node exits on its own once no job needs it
     assert proc.wait(timeout=30) == 0
+    assert left_reason(client, victim.node_id) == "left the swarm after its drain"
     replace_gone(swarm)
 
 
@@ -115,6 +124,7 @@ def test_sigterm_drains_a_node_which_then_exits(swarm):
     assert victim.node_id not in PlanView(final.plan).node_ids()
     assert proc.wait(timeout=30) == 0
     assert "drained: no job needs this node" in swarm.log(proc)
+    assert left_reason(client, victim.node_id) == "left the swarm after its drain"
     replace_gone(swarm)
 
 

@@ -142,6 +142,19 @@ def test_a_client_that_takes_over_rewinds_the_job_and_the_old_one_may_not_feed_i
     assert state_name(tracker.jobs.get(job).state) == "RUNNING"  # B is there
 
 
+def test_a_take_over_of_an_ended_job_is_refused_naming_its_state():
+    tracker, nodes, clock, job = running_job()
+    tracker.jobs.cancel(job, "stopped by its owner")
+    with pytest.raises(errors.FailedPrecondition,
+                       match=r"has ended CANCELLED \(stopped by its owner\); an ended job "
+                             r"cannot be resumed"):
+        tracker.feeders.attach(job, "B", take_over=True)
+    assert tracker.feeders.feeder(job) == "A"  # nothing changed
+    assert state_name(tracker.jobs.get(job).state) == "CANCELLED"
+    tracker.feeders.detach(job, "A")
+    tracker.feeders.attach(job, "C", take_over=False)  # a plain watch of it stays allowed
+
+
 def test_a_job_no_client_ever_fed_is_never_parked():
     tracker, nodes, clock = make_tracker(lease=3600.0)
     join(tracker, 2)

@@ -5,6 +5,7 @@
 step, :mod:`.watch` the feeder's watch of the job's state.
 """
 from .client import Client
-from .job import Job, JobFailed, JobStatus, TrackerBusy
+from .job import CheckpointGone, Job, JobEnded, JobFailed, JobStatus, TrackerBusy
 
-__all__ = ["Client", "Job", "JobFailed", "JobStatus", "TrackerBusy"]
+__all__ = ["CheckpointGone", "Client", "Job", "JobEnded", "JobFailed", "JobStatus",
+           "TrackerBusy"]

@@ -27,7 +27,7 @@ from ..observe.views import StepRecord, recovery_headline, step_records
 from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint
 from ..runtime.materialize import materialize
-from ..spec import JobSpec, PlanView, StageKey, state_name
+from ..spec import TERMINAL, JobSpec, PlanView, StageKey, state_name
 from ..wire import frames
 from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 
 # kept for callers of the names these had before the feed moved to .feed
 _shard, _cycle, _FeedHalted = shard, cycle, Halted
-__all__ = ["Job", "JobFailed", "JobStatus", "TrackerBusy", "GroupFeed",
-           "FEED_KEEP_CHECKPOINTS"]
+__all__ = ["Job", "JobFailed", "JobEnded", "CheckpointGone", "JobStatus", "TrackerBusy",
+           "GroupFeed", "FEED_KEEP_CHECKPOINTS"]
 
 log = logging.getLogger("fedpipe.client")
 S = tracker_pb2
@@ -49,6 +49,17 @@ S = tracker_pb2
 
 class JobFailed(RuntimeError):
     """The job ended FAILED or CANCELLED; the message is the tracker's reason."""
+
+
+class JobEnded(RuntimeError):
+    """:meth:`Job.resume` of a job that has ended (SUCCEEDED, FAILED or CANCELLED); the
+    message names its state and the tracker's reason."""
+
+
+class CheckpointGone(RuntimeError):
+    """No node holds a stage's snapshot of the step asked for any more (the job was
+    cancelled or failed and its nodes dropped its snapshots, or its weights were
+    released); the message names the job, the step and the stage."""
 
 
 class TrackerBusy(RuntimeError):
@@ -194,19 +205,46 @@ class Job:
             self, being fed (:meth:`wait` for it).
 
         Raises:
+            JobEnded: the job has ended (SUCCEEDED, FAILED or CANCELLED): nothing is left
+                to feed (``submit(..., resume_from=checkpoint_dir)`` starts a new job
+                from a kept checkpoint). Raised at once, before any thread starts.
             RuntimeError: this Job feeds the job already.
             ValueError: the client is closed.
             grpc.RpcError: the tracker refused to let this client feed the job
                 (PERMISSION_DENIED: another client's job; NOT_FOUND), raised at once,
                 before any thread starts (:mod:`.watch`).
         """
+        try:
+            info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
+                                           timeout=timeouts.CONTROL_RPC)
+        except grpc.RpcError as e:
+            if e.code() not in RETRYABLE:
+                raise
+            # the tracker is away (restarting): the watch retries, and the tracker
+            # refuses the take-over of an ended job itself
+        else:
+            if info.state in TERMINAL:
+                raise JobEnded(self._ended_message(info.state, info.reason))
         if checkpoint_dir is not None:
             self._checkpoint_dir = checkpoint_dir
         if model is not None:
             self._model = model
             self._weights = streamed(model)
-        self._start_feed(cycle(data), take_over=True)
+        try:
+            self._start_feed(cycle(data), take_over=True)
+        except grpc.RpcError as e:
+            # a take-over is refused FAILED_PRECONDITION only for a job that ended
+            # between GetJob and the watch (fedpipe.tracker.clients.Feeders.attach)
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise JobEnded(f"job {self.id} cannot be resumed: {e.details()}") from None
+            raise
         return self
+
+    def _ended_message(self, state: int, reason: str) -> str:
+        because = f" ({reason})" if reason else ""
+        return (f"job {self.id} cannot be resumed: it has ended {state_name(state)}{because}; "
+                f"submit(..., resume_from=CHECKPOINT_DIR) starts a new job from a kept "
+                f"checkpoint")
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the job's last complete checkpoint (its final state, once it has
@@ -218,7 +256,9 @@ class Job:
 
         Raises:
             RuntimeError: no checkpoint has completed yet.
-            grpc.RpcError: no node holds a stage's snapshot of that step any more.
+            CheckpointGone: no node holds a stage's snapshot of that step any more (a
+                cancelled or failed job's nodes drop its snapshots).
+            grpc.RpcError: a node could not be asked (UNAVAILABLE, ...).
             OSError: the folder cannot be written.
         """
         info = self._info()
@@ -226,20 +266,22 @@ class Job:
         if step <= 0:
             raise RuntimeError(f"job {self.id} has no complete checkpoint yet "
                                f"({state_name(info.state)} at step {info.step})")
-        snaps = self._pull_snapshots(info.plan, step)
+        snaps = self._pull_snapshots(info.plan, step, info.state)
         return str(checkpoints.write(path, step, snaps, info.plan, steps=info.steps,
                                      config=self._config()))
 
     def _config(self) -> dict:
         return self._spec.summary() if self._spec is not None else {}
 
-    def _pull_snapshots(self, plan: node_pb2.Plan, step: int
+    def _pull_snapshots(self, plan: node_pb2.Plan, step: int, state: int
                         ) -> dict[StageKey, "checkpoint.Snapshot"]:
         """Every stage's snapshot of ``step``, from its node, else any node of the plan
-        (its buddy holds a copy).
+        (its buddy holds a copy). ``state``: the job's, for the error.
 
         Raises:
-            grpc.RpcError: no node has one stage's snapshot (the last node's error).
+            CheckpointGone: every node answered NOT_FOUND for one stage's snapshot.
+            grpc.RpcError: no node has one stage's snapshot (the last node's error,
+                when it is not NOT_FOUND).
         """
         view = PlanView(plan)
         out = {}
@@ -253,10 +295,21 @@ class Job:
                         timeout=timeouts.FETCH_STATE_RPC)
                     _, out[key] = checkpoint.from_frames(stream, MAX_TENSOR_BYTES)
                     break
-                except grpc.RpcError:
-                    if i == len(others):
+                except grpc.RpcError as e:
+                    if i < len(others):
+                        continue
+                    if e.code() != grpc.StatusCode.NOT_FOUND:
                         raise
+                    raise CheckpointGone(self._gone_message(key, step, state)) from None
         return out
+
+    def _gone_message(self, key: StageKey, step: int, state: int) -> str:
+        why = {"CANCELLED": "the job was cancelled and its nodes dropped its snapshots",
+               "FAILED": "the job failed and its nodes dropped its snapshots",
+               }.get(state_name(state), "its nodes no longer hold it (released, or they "
+                                        "restarted)")
+        return (f"job {self.id}: the checkpoint of step {step} is gone: no node holds the "
+                f"snapshot of stage {key.stage} (replica group {key.replica}); {why}")
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
@@ -441,13 +494,14 @@ class Job:
             if step <= self._saved_step:
                 return
             folder = checkpoints.keep(self._checkpoint_dir, step,
-                                      self._pull_snapshots(info.plan, step), info.plan,
+                                      self._pull_snapshots(info.plan, step, info.state),
+                                      info.plan,
                                       steps=info.steps, config=self._config())
             self._saved_step = step
             log.info("job %s: checkpoint of step %d kept in %s", self.id, step, folder)
-        except (grpc.RpcError, OSError, ValueError) as e:
+        except (grpc.RpcError, CheckpointGone, OSError, ValueError) as e:
             log.warning("job %s: could not keep its checkpoint in %s: %s", self.id,
-                        self._checkpoint_dir, e)
+                        self._checkpoint_dir, one_line(e))
 
     def _info(self) -> tracker_pb2.JobInfo:
         """The job's info, asked again while the tracker is unreachable (restarting), at
@@ -510,3 +564,11 @@ class Job:
             self.cancel(reason)
         except (grpc.RpcError, ValueError) as e:  # ValueError: the channel is closed
             log.error("could not cancel job %s either: %s", self.id, e)
+
+
+def one_line(e: BaseException) -> str:
+    """``e`` in one line: a gRPC error as ``CODE: details`` (its ``str()`` is the call's
+    multi-line repr), anything else as ``str()``."""
+    if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)):
+        return f"{e.code().name}: {e.details()}"
+    return str(e)

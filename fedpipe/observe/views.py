@@ -29,7 +29,7 @@ from ..planner.simulate import stage_costs
 from ..planner.types import StageTime
 from ..proto import node_pb2, tracker_pb2
 from ..recovery_text import recovery_headline, recovery_what
-from ..spec import ACTIVE, TERMINAL, StageKey, state_name
+from ..spec import ACTIVE, NODE_DRAINED, NODE_LEFT, TERMINAL, StageKey, state_name
 
 # ---------------------------------------------------------------------------
 # Steps
@@ -301,12 +301,21 @@ def _num(x: float | None) -> float | None:
 def node_view(n: tracker_pb2.NodeInfo, now: float) -> dict:
     """One node: identity, device, speed, memory, and alive (or draining) or lost and why.
 
-    A lost node's ``why`` says how long ago its last heartbeat came.
+    A lost node's ``why`` is the tracker's ``lost_reason``: a node that left on purpose
+    says so ("left the swarm after its drain"); one that missed its lease, or whose
+    reason the tracker does not know, says how long ago its last heartbeat came.
     """
     r = n.resources
     last = time.strftime("%H:%M:%S", time.localtime(n.last_heartbeat))
-    why = "" if n.alive else (f"lost: no heartbeat for {max(0.0, now - n.last_heartbeat):.0f} s "
-                              f"(last {last})")
+    if n.alive:
+        why = ""
+    elif n.lost_reason in (NODE_LEFT, NODE_DRAINED):
+        why = f"{n.lost_reason} (last heartbeat {last})"
+    elif n.lost_reason:
+        why = f"lost: {n.lost_reason} (last heartbeat {last})"
+    else:
+        why = (f"lost: no heartbeat for {max(0.0, now - n.last_heartbeat):.0f} s "
+               f"(last {last})")
     return {"id": n.node_id, "name": n.name, "address": n.address, "alive": n.alive,
             "state": ("draining" if n.draining else "alive") if n.alive else "lost", "why": why,
             "device": r.device, "device_name": r.device_name, "cores": r.cores,

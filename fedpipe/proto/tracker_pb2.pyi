@@ -133,7 +133,7 @@ class RevokedCert(_message.Message):
     def __init__(self, serial: _Optional[str] = ..., name: _Optional[str] = ..., revoked_at: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered", "draining")
+    __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered", "draining", "lost_reason")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class NodeInfo(_message.Message):
     LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LOST_REASON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     address: str
@@ -150,7 +151,8 @@ class NodeInfo(_message.Message):
     last_heartbeat: float
     registered: float
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., alive: _Optional[bool] = ..., last_heartbeat: _Optional[float] = ..., registered: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    lost_reason: str
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., alive: _Optional[bool] = ..., last_heartbeat: _Optional[float] = ..., registered: _Optional[float] = ..., draining: _Optional[bool] = ..., lost_reason: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("include_lost",)

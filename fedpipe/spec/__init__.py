@@ -33,12 +33,14 @@ from .protocol import PROTOCOL_VERSION, SNAPSHOTS_KEPT, Kind
 from .replicas import REPLICA_SYNCS, DiLoCo, Quorum
 from .schedules import (SCHEDULES, SYNC_SCHEDULES, Action, async_stream, check_schedule, gpipe,
                         one_f_one_b, schedule_order)
-from .states import ACTIVE, CLIENT_TIMEOUT, TERMINAL, WAITING, JobState, state_name
+from .states import (ACTIVE, CLIENT_TIMEOUT, NODE_DRAINED, NODE_LEFT, TERMINAL, WAITING, JobState,
+                     state_name)
 from .weights import WEIGHT_SOURCES, WeightsSpec
 
 __all__ = [
     "ACTIVE", "CLIENT_TIMEOUT", "CODEC_PARAMS", "CODEC_POLICIES", "FIELD_RULES", "FLAT_KNOBS",
-    "GRADIENT_ONLY_CODECS", "GROUPS", "MAX_MICROBATCHES", "PROTOCOL_VERSION", "REBALANCE",
+    "GRADIENT_ONLY_CODECS", "GROUPS", "MAX_MICROBATCHES", "NODE_DRAINED", "NODE_LEFT",
+    "PROTOCOL_VERSION", "REBALANCE",
     "REPLICA_SYNCS", "SCHEDULES", "SNAPSHOTS_KEPT", "SYNC_SCHEDULES", "TERMINAL", "WAITING",
     "Action", "CodecSpec", "Compression", "DiLoCo", "Group", "JobSpec", "JobSpecError",
     "JobState", "Kind", "Knobs", "Lifetime", "Placement", "PlanView", "Quorum", "Replicas",

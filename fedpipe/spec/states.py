@@ -17,6 +17,10 @@ WAITING = tracker_pb2.JOB_STATE_WAITING
 its ``client_timeout`` for a client to resume it from its last complete checkpoint."""
 CLIENT_TIMEOUT = 600.0
 """Default seconds a job waits for its client to come back (:attr:`JobSpec.client_timeout`)."""
+NODE_LEFT = "left the swarm"
+"""``NodeInfo.lost_reason`` of a node that stopped on purpose (it said it was leaving)."""
+NODE_DRAINED = "left the swarm after its drain"
+"""``NodeInfo.lost_reason`` of a node that left once drained (``fedpipe drain``, SIGTERM)."""
 
 
 def state_name(state: int) -> str:

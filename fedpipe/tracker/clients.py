@@ -99,9 +99,14 @@ class Feeders:
         Raises:
             NotFound: no such job.
             FailedPrecondition: another feeder is attached and this one does not
-                take over (a client the job was taken from keeps trying).
+                take over (a client the job was taken from keeps trying); or this one
+                takes over a job that has ended (nothing is left to feed).
         """
         job = self.jobs.get(job_id)
+        if take_over and job.state in TERMINAL:
+            because = f" ({job.reason})" if job.reason else ""
+            raise FailedPrecondition(f"job {job_id} has ended {state_name(job.state)}"
+                                     f"{because}; an ended job cannot be resumed")
         with self._lock:
             current = self._feeder.get(job_id, "")
             if current and current != feeder and not take_over:
@@ -109,7 +114,7 @@ class Feeders:
                                          f"(it took the job over)")
         # rewind first, then name the feeder: a feeder feeds only once JobInfo.feeder
         # names it, so it never feeds the epoch it took the job from
-        if take_over and job.state not in TERMINAL:
+        if take_over:
             log.info("job %s taken over by a client at step %d", job_id, job.step)
             self.leases.rewind_for_client(job_id, "a client took the job over (Job.resume)")
         elif job.state == WAITING:

@@ -59,6 +59,7 @@ from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec
 from .clients import Feeders
 from .calibration import Calibration
+from .registry import Registry
 from .stagetimes import StageTimes
 from .store import Store
 
@@ -86,15 +87,18 @@ class TrackerSource:
         calibration: the tracker's calibrated cost model.
         feeders: the tracker's :class:`~fedpipe.tracker.clients.Feeders`, which count
             down a WAITING job's time left as it is shown (None: reasons as stored).
+        registry: the tracker's :class:`~fedpipe.tracker.registry.Registry`, which
+            says why each lost node went (``NodeInfo.lost_reason``; None: not said).
     """
 
     def __init__(self, store: Store, stage_times: StageTimes, calibration: Calibration,
-                 feeders: Feeders | None = None):
+                 feeders: Feeders | None = None, registry: Registry | None = None):
         self.store, self.times, self.feeders = store, stage_times, feeders
-        self.calibration = calibration
+        self.calibration, self.registry = calibration, registry
 
     def nodes(self, include_lost: bool = False) -> list[tracker_pb2.NodeInfo]:
-        return self.store.nodes(include_lost)
+        nodes = self.store.nodes(include_lost)
+        return self.registry.lost_reasons(nodes) if self.registry is not None else nodes
 
     def links(self) -> list[node_pb2.LinkMeasurement]:
         return self.store.links()

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..proto import node_pb2, tracker_pb2
-from ..spec import PROTOCOL_VERSION
+from ..spec import NODE_DRAINED, NODE_LEFT, PROTOCOL_VERSION
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from .store import NodeRecord, Store, new_id
 
@@ -226,6 +226,9 @@ class Registry:
         self._heap: list[tuple[float, str]] = []
         self._flushed = clock()
         self._revived = 0  # lost nodes revived by a heartbeat since the last expire()
+        # why each node this tracker saw go is lost, in words ("" for a missed lease: the
+        # status says how long ago its last heartbeat came); dropped when it is alive again
+        self._why: dict[str, str] = {}
         self._view: list[tracker_pb2.NodeInfo] | None = None  # nodes(), until the set changes
         now = clock()
         store.renew_all(now)
@@ -250,14 +253,18 @@ class Registry:
         lease = self.lease_seconds if lease is None else lease
         until = now + lease
         self._until[node_id] = (until, lease)
+        self._why.pop(node_id, None)
         self._view = None
         if node_id not in self._due:
             self._due[node_id] = until
             heapq.heappush(self._heap, (until, node_id))
 
-    def _dead(self, node_id: str) -> None:
-        """Under ``_lock``: ``node_id`` is no longer alive (its heap entry goes stale)."""
-        self._until.pop(node_id, None)
+    def _dead(self, node_id: str, why: str) -> None:
+        """Under ``_lock``: ``node_id`` is no longer alive (its heap entry goes stale), for
+        ``why`` if it was alive (:meth:`lost_reasons`: a node lost already keeps its first
+        reason)."""
+        if self._until.pop(node_id, None) is not None:
+            self._why[node_id] = why
         self._view = None
         self._dirty.pop(node_id, None)
         self._due.pop(node_id, None)
@@ -303,6 +310,17 @@ class Registry:
                 live = sorted((self._nodes[i].registered, i) for i in self._until)
                 self._view = [self._nodes[i].info for _, i in live]
             return list(self._view)
+
+    def lost_reasons(self, nodes: list[tracker_pb2.NodeInfo]) -> list[tracker_pb2.NodeInfo]:
+        """``nodes`` (messages of the caller's own, e.g. ``store.nodes(True)``'s) with each
+        lost one's ``lost_reason`` set: :data:`~fedpipe.spec.NODE_LEFT`,
+        :data:`~fedpipe.spec.NODE_DRAINED`, "restarted (...)", a peer's report; "" for a
+        missed lease, or a node lost before this tracker started (kept in memory only)."""
+        with self._lock:
+            for n in nodes:
+                if not n.alive:
+                    n.lost_reason = self._why.get(n.node_id, "")
+        return nodes
 
     def info(self, node_id: str) -> tuple[str, str, float]:
         """``(name, address, registered)`` of a known incarnation. KeyError if unknown."""
@@ -358,7 +376,7 @@ class Registry:
                 self.store.fence_node(node_id)
                 with self._lock:
                     self._nodes[node_id].fenced = True
-                    self._dead(node_id)
+                    self._dead(node_id, f"restarted (a new process registered at {address})")
             if current is not None:
                 node_id = current
                 self.store.renew_node(node_id, request.resources, request.versions, now)
@@ -412,9 +430,10 @@ class Registry:
         self.on_alive(node_id)
         return True
 
-    def leave(self, node_id: str) -> bool:
-        """The node shuts down: mark it lost now; False if unknown."""
-        return self.declare_lost(node_id, "left the swarm")
+    def leave(self, node_id: str, drained: bool = False) -> bool:
+        """The node shuts down (``drained``: once its drain ended): mark it lost now, as
+        having left; False if unknown."""
+        return self.declare_lost(node_id, NODE_DRAINED if drained else NODE_LEFT)
 
     def declare_lost(self, node_id: str, why: str) -> bool:
         """Mark ``node_id`` lost now, before its lease ends (it left, or a peer's failed
@@ -422,7 +441,7 @@ class Registry:
         Returns False if it was not a live node."""
         with self._lock:
             was_alive = self.alive(node_id)
-            self._dead(node_id)
+            self._dead(node_id, why)
         if was_alive:
             self.store.mark_lost(node_id)
             log.info("node %s %s", node_id, why)
@@ -446,7 +465,7 @@ class Registry:
                 renewed, lease = self._until[node_id]
                 if renewed < now:
                     lost[node_id] = lease
-                    self._dead(node_id)
+                    self._dead(node_id, "")
                 else:
                     self._due[node_id] = renewed
                     heapq.heappush(self._heap, (renewed, node_id))

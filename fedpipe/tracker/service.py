@@ -119,9 +119,12 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     @unary
     def Heartbeat(self, request, context):
         self._speaks_for(context, request.node_id)
-        r = self.tracker.registry
-        known = r.leave(request.node_id) if request.leaving else r.heartbeat(request.node_id)
-        t = self.tracker
+        r, t = self.tracker.registry, self.tracker
+        if request.leaving:  # a node leaving while it drains leaves drained
+            known = r.leave(request.node_id, drained=request.draining
+                            or request.node_id in t.drains.now_draining())
+        else:
+            known = r.heartbeat(request.node_id)
         if known and request.draining and not request.leaving:
             t.rebalancer.drain(request.node_id)  # a node's SIGTERM, or told so before a restart
         drop, drop_jobs = t.retention.reconcile(request.node_id, list(request.holds))
@@ -138,8 +141,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     @unary
     def ListNodes(self, request, context):
         store = self.tracker.store
-        return S.ListNodesReply(nodes=self.tracker.drains.annotate(
-            store.nodes(request.include_lost)), links=store.links())
+        nodes = self.tracker.registry.lost_reasons(store.nodes(request.include_lost))
+        return S.ListNodesReply(nodes=self.tracker.drains.annotate(nodes), links=store.links())
 
     @unary
     def DrainNode(self, request, context):

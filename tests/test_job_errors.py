@@ -1,0 +1,122 @@
+"""A Job's one-line errors, in-process against a fake tracker and fake nodes: ``resume``
+of a job that has ended, ``save`` of a checkpoint whose snapshots are gone, and the
+warning of a checkpoint that could not be kept."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import pytest
+import torch
+
+from client_fakes import FakeRpcError, FakeTracker
+from fedpipe.client import CheckpointGone, Client, JobEnded
+from fedpipe.proto import tracker_pb2 as S
+
+pytestmark = pytest.mark.timeout(60)
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(n)]
+
+
+class GoneSnapshots:
+    """A node that no longer holds the job's snapshots (it dropped them at cancel)."""
+
+    def __init__(self):
+        self.asked: list = []
+
+    def FetchSnapshot(self, request, timeout=None):
+        self.asked.append(request)
+        raise FakeRpcError(NOT_FOUND, f"no step {request.step} snapshot of stage "
+                                      f"{request.stage} of job {request.job_id}")
+
+
+@pytest.fixture
+def client():
+    client = Client("127.0.0.1:1")  # never dialled: the fakes answer
+    yield client
+    client.close()
+
+
+@pytest.mark.parametrize("state", [S.JOB_STATE_CANCELLED, S.JOB_STATE_SUCCEEDED,
+                                   S.JOB_STATE_FAILED])
+def test_resume_of_an_ended_job_raises_its_state_before_any_thread_starts(client, state):
+    tracker = FakeTracker(steps=3)
+    tracker.move(state)
+    tracker.info.reason = "stopped by its owner"
+    client.stub = tracker
+    before = {t.name for t in threading.enumerate()}
+    job = client.job("j")
+    with pytest.raises(JobEnded) as e:
+        job.resume(batches(3), checkpoint_dir="unused")
+    name = S.JobState.Name(state).removeprefix("JOB_STATE_")
+    assert str(e.value) == (f"job j cannot be resumed: it has ended {name} (stopped by its "
+                            f"owner); submit(..., resume_from=CHECKPOINT_DIR) starts a new "
+                            f"job from a kept checkpoint")
+    assert job._feeder is None and job._follower is None and job not in client._feeding
+    assert {t.name for t in threading.enumerate()} - before == set()
+    assert tracker.watch_requests == []
+
+
+def test_a_job_that_ends_before_the_take_over_is_refused_by_the_tracker_as_ended(client):
+    tracker = FakeTracker(steps=3, watch_errors=[FakeRpcError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "job j has ended CANCELLED (x); an ended job cannot be resumed")])
+    client.stub = tracker
+    job = client.job("j")
+    with pytest.raises(JobEnded, match=r"^job j cannot be resumed: job j has ended CANCELLED"):
+        job.resume(batches(3))
+    assert job._feeder is None and len(tracker.watch_requests) == 1
+
+
+def test_save_after_the_snapshots_are_gone_names_the_job_the_step_and_why(client, tmp_path):
+    tracker = FakeTracker(steps=3)
+    tracker.move(S.JOB_STATE_CANCELLED, reason="stopped", checkpoint_step=2)
+    client.stub = tracker
+    node = GoneSnapshots()
+    client.node = lambda address: node
+    with pytest.raises(CheckpointGone) as e:
+        client.job("j").save(tmp_path / "run")
+    assert str(e.value) == ("job j: the checkpoint of step 2 is gone: no node holds the "
+                            "snapshot of stage 0 (replica group 0); the job was cancelled "
+                            "and its nodes dropped its snapshots")
+    assert len(node.asked) == 2  # the stage's node, then the plan's other node (a buddy)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_that_cannot_be_kept_is_one_warning_line(client, tmp_path, caplog):
+    tracker = FakeTracker(steps=3)
+    tracker.move(S.JOB_STATE_RUNNING, checkpoint_step=2)
+    client.stub = tracker
+    client.node = lambda address: GoneSnapshots()
+    job = client.job("j")
+    job._checkpoint_dir = tmp_path
+    with caplog.at_level(logging.WARNING, logger="fedpipe.client"):
+        job._keep_checkpoint()
+    [record] = [r for r in caplog.records if "could not keep" in r.getMessage()]
+    message = record.getMessage()
+    assert "\n" not in message and "Rendezvous" not in message and "<" not in message
+    assert message.endswith("the checkpoint of step 2 is gone: no node holds the snapshot "
+                            "of stage 0 (replica group 0); its nodes no longer hold it "
+                            "(released, or they restarted)")
+
+
+def test_a_grpc_error_in_the_checkpoint_warning_is_its_code_and_details(client, tmp_path,
+                                                                          caplog):
+    class Unreachable:
+        def FetchSnapshot(self, request, timeout=None):
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    tracker = FakeTracker(steps=3)
+    tracker.move(S.JOB_STATE_RUNNING, checkpoint_step=2)
+    client.stub = tracker
+    client.node = lambda address: Unreachable()
+    job = client.job("j")
+    job._checkpoint_dir = tmp_path
+    with caplog.at_level(logging.WARNING, logger="fedpipe.client"):
+        job._keep_checkpoint()
+    [record] = [r for r in caplog.records if "could not keep" in r.getMessage()]
+    assert record.getMessage().endswith(": UNAVAILABLE: connection refused")
