@@ -314,6 +314,16 @@ class Registry:
                 self._view = [self._nodes[i].info for _, i in live]
             return list(self._view)
 
+    def with_data_addresses(self, nodes: list[tracker_pb2.NodeInfo]
+                            ) -> list[tracker_pb2.NodeInfo]:
+        """``nodes`` (from the store, which does not keep it) with each one's data address
+        as its registration gave it, in place; returned for chaining."""
+        for n in nodes:
+            inc = self._nodes.get(n.node_id)
+            if inc is not None and inc.data_address:
+                n.data_address = inc.data_address
+        return nodes
+
     def info(self, node_id: str) -> tuple[str, str, float]:
         """``(name, address, registered)`` of a known incarnation. KeyError if unknown."""
         inc = self._nodes[node_id]

@@ -134,8 +134,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     @unary
     def ListNodes(self, request, context):
         store = self.tracker.store
-        return S.ListNodesReply(nodes=self.tracker.drains.annotate(
-            store.nodes(request.include_lost)), links=store.links())
+        nodes = self.tracker.registry.with_data_addresses(store.nodes(request.include_lost))
+        return S.ListNodesReply(nodes=self.tracker.drains.annotate(nodes), links=store.links())
 
     @unary
     def DrainNode(self, request, context):
