@@ -5,16 +5,23 @@ admission: the policy's roles for ``Send``, the kinds a client may send, who is
 assigned to the job, then the stage; each refusal carries the gRPC status
 code the node's error table gives the same error on gRPC. A link that broke
 after a neighbour's pipeline tensor reports that neighbour (the suspect path).
+A stage's :class:`~fedpipe.node.peers.SocketSender` on an emulated link
+(``--link-profile``) pays the link's latency and bandwidth as gRPC's shaper does.
 """
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
 
-from fedpipe.net.dataplane import Code, Peer, Refused
+from fedpipe.net.dataplane import Code, DataPlane, Peer, Refused
+from fedpipe.net.emulation import EmulatedLink, Pacer
 from fedpipe.node.access import JobAccessBook
 from fedpipe.node.dataplane import NodeReceiver
 from fedpipe.node.errors import NoSuchStage
+from fedpipe.node.peers import SocketSender
 from fedpipe.proto import node_pb2
 from fedpipe.security import Identity, Role
 from fedpipe.spec import Kind
@@ -116,3 +123,57 @@ def test_a_broken_link_reports_the_neighbour_whose_pipeline_tensor_came_last():
     r.deliver(peer(Role.NODE, "node0"), header(Kind.ACTIVATION), torch.zeros(1))
     r.lost("node0", "reset")
     assert [e.kind for e in admission.suspected] == [Kind.ACTIVATION.value]
+
+
+class Arrivals:
+    """A receiver that notes when each tensor arrived (``time.monotonic()``)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.tensors: list[torch.Tensor] = []
+        self.cond = threading.Condition()
+
+    def admit(self, peer, header):
+        return 1 << 24
+
+    def deliver(self, peer, header, tensor):
+        with self.cond:
+            self.times.append(time.monotonic())
+            self.tensors.append(tensor.clone())
+            self.cond.notify_all()
+
+
+def test_a_socket_sender_on_an_emulated_link_pays_latency_in_flight_and_bandwidth():
+    inbox = Arrivals()
+    latency, bandwidth, n, size = 0.2, 2e6, 4, 100_000  # 4 x 100 kB at 2 MB/s: 0.2 s
+    with DataPlane("a", Arrivals()) as a, DataPlane("b", inbox) as b:
+        sender = SocketSender(a.link("b", b.address), "b:grpc", "b",
+                              pacer=Pacer(EmulatedLink(bandwidth, latency)))
+        sent = [torch.full((size // 4,), float(i)) for i in range(n)]
+        t0 = time.monotonic()
+        for i, t in enumerate(sent):
+            sender.submit(node_pb2.Envelope(kind=Kind.ACTIVATION.value, microbatch=i), t, "raw")
+        sender.flush()
+        took = time.monotonic() - t0
+        sender.close()
+    assert all(torch.equal(x, y) for x, y in zip(sorted(inbox.tensors, key=lambda t: t[0]),
+                                                 sent))
+    first = inbox.times[0] - t0
+    assert first >= latency, f"the first tensor came {first:.3f} s after it was sent"
+    # in flight together (a delay line), not one latency each; the bucket paces the bytes;
+    # the flush pays the acknowledgement's trip back
+    span = inbox.times[-1] - t0
+    assert latency + (n * size - 64 * 1024) / bandwidth * 0.9 <= span < n * latency + 1.0, span
+    assert took >= span + latency * 0.9, (took, span)
+
+
+def test_a_socket_sender_without_emulation_sends_small_raw_tensors_on_the_callers_thread():
+    inbox = Arrivals()
+    with DataPlane("a", Arrivals()) as a, DataPlane("b", inbox) as b:
+        sender = SocketSender(a.link("b", b.address), "b:grpc", "b")
+        t = torch.arange(10.0)
+        sender.submit(node_pb2.Envelope(kind=Kind.GRADIENT.value), t, "raw")
+        sender.flush()
+        sender.check()
+        sender.close()
+    assert torch.equal(inbox.tensors[0], t)
