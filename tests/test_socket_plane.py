@@ -108,3 +108,25 @@ def test_a_data_port_in_use_is_a_clear_error_at_start():
                               "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert f"data port {port}" in out.stderr, out.stderr[-2000:]
+
+
+def test_an_emulated_link_shapes_the_socket_plane_too():
+    latency = 0.1
+    profile = {"links": [{"from": "node0", "to": "node1", "latency_ms": latency * 1e3}]}
+    with LocalSwarm(n_nodes=0, link_profile=profile) as swarm:
+        ports = start(swarm, [], [])
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+        batch = (torch.randn(BATCH, 8), torch.randint(0, 3, (BATCH,)))
+        job = swarm.client().submit(model, nn.CrossEntropyLoss(), OPT, [batch], steps=4,
+                                    microbatches=2, schedule="gpipe", stages=2,
+                                    compression="none")
+        times = [ev.time for ev in job.events() if ev.step > 0]
+        assert job.wait(timeout=150, progress=False).state == "SUCCEEDED"
+        job.release()
+        sent = [transports(p) for p in ports]
+        assert sent[0].get(("node1", "socket"), 0) > 0 and sent[1].get(("node0", "socket"), 0)
+    # a step crosses the link at least twice (activations out, gradients back): each way
+    # pays the emulated latency, which a step on loopback would not come near
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert gaps and min(gaps) >= 2 * latency * 0.9, gaps
