@@ -110,6 +110,13 @@ def test_a_role_the_policy_does_not_admit_to_send_is_refused():
         == Code.PERMISSION_DENIED
 
 
+def test_a_revoked_certificate_is_refused_on_a_link_that_is_already_open():
+    r, _ = receiver()
+    r.revoked = lambda: frozenset({1})
+    assert refused(r, peer(Role.NODE, "node0"), header(Kind.ACTIVATION)) \
+        == Code.UNAUTHENTICATED
+
+
 def test_a_stage_not_held_here_is_not_found_as_on_grpc():
     r, _ = receiver()
     assert refused(r, Peer("node0", "node"), header(Kind.ACTIVATION, job="other")) \

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import torch
 
 from ..net.dataplane import Code, Peer, Refused
 from ..proto import node_pb2
-from ..security import policy
+from ..security import Unauthenticated, policy
 from ..spec import Kind
 from .access import JobAccessBook
 from .admission import DataPlane as Admission
@@ -54,10 +55,14 @@ class NodeReceiver:
         access: who may send for which job.
         admission: the stage, epoch and size checks, and delivery to the mailbox.
         stages: the stages held here (the depth of a pipeline, for a client's feeds).
+        revoked: the certificate serials refused now (the node's deny list, as its
+            gRPC streams check it at each message); None without TLS.
     """
 
-    def __init__(self, access: JobAccessBook, admission: Admission, stages: StageRegistry):
+    def __init__(self, access: JobAccessBook, admission: Admission, stages: StageRegistry,
+                 revoked: Callable[[], frozenset[int]] | None = None):
         self.access, self.admission, self.stages = access, admission, stages
+        self.revoked = revoked
         self._lock = threading.Lock()
         self._last: dict[str, node_pb2.Envelope] = {}  # peer -> its last pipeline tensor's
         self._closed = threading.Event()
@@ -78,6 +83,10 @@ class NodeReceiver:
         identity = peer.identity
         env = header.envelope
         try:
+            if identity is not None and self.revoked is not None \
+                    and identity.serial in self.revoked():
+                raise Unauthenticated(f"certificate of {identity} (serial {identity.serial}) "
+                                      "is revoked")
             policy.authorize(SEND_METHOD, identity)
             policy.check_send_kind(identity, header)
             self.access.check_sender(identity, env, lambda e: self.stages.get(slot_of(e)).n_stages)

@@ -149,7 +149,8 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     data = DataPlane(stages, mailbox, reporter)
     receiver = None
     if data_port is not None:
-        receiver = NodeReceiver(access, data, stages)
+        receiver = NodeReceiver(access, data, stages, verifier.revoked_serials
+                                if verifier is not None else None)
         sockets.append(SocketPlane(name, receiver, host=data_host, port=data_port,
                                                tls=tls, events=receiver))
     return NodeParts(stages=stages, data=data,
