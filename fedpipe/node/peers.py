@@ -424,6 +424,16 @@ class StagePeers:
         if s is not None:
             self._release(address, s)
 
+    def keep_only(self, addresses: set[str]) -> None:
+        """Drop the senders to every address but ``addresses`` (a new plan's nodes): one to
+        a node that left the plan is not flushed at the stage's end. Over gRPC its stream
+        failed when the node died; a socket link waits for the node to come back, so a
+        sender left to it would fail the stage's last flush after the resume window."""
+        with self._lock:
+            gone = [a for a in self._senders if a not in addresses]
+        for address in gone:
+            self.forget(address)
+
     def close(self) -> None:
         """Stop every sender and let go of their channels (idempotent)."""
         with self._lock:
