@@ -6,9 +6,12 @@ The same model, split, microbatches and optimizer run under:
   one process per stage started with ``torch.multiprocessing`` spawn, gloo over
   127.0.0.1;
 * ``fedpipe``: a :class:`~fedpipe.testing.LocalSwarm` (a tracker and one node
-  process per stage, gRPC over 127.0.0.1), the job submitted with ``stages=N``
-  and no compression; torch uses fedpipe's plan's layer ranges, so the split is
-  the same;
+  process per stage over 127.0.0.1: gRPC for control, tensors over the socket
+  data plane), the job submitted with ``stages=N`` and no compression; torch
+  uses fedpipe's plan's layer ranges, so the split is the same;
+* ``grpc``: the same on a second swarm whose nodes offer no data port
+  (``--no-data-port``), so tensors travel over the gRPC data plane: the A/B of
+  the two planes (``--no-grpc`` leaves it out);
 * ``floor``: one process, gradient accumulation over the same microbatches.
 
 Every process runs 1 torch thread. Rounds interleave the three, so a busy
@@ -28,11 +31,12 @@ corrections (``fedpipe.planner.calibrate``).
 4 stages on a 2-core machine oversubscribe it: both systems then measure the
 OS scheduler as much as themselves.
 
-    python benchmarks/vs_torch.py [--rounds 3] [--steps 30] [--schedule 1f1b]
+    python benchmarks/vs_torch.py [--rounds 3] [--steps 30] [--schedule 1f1b] [--no-grpc]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -208,6 +212,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     ap.add_argument("--only", default="", help="run only configurations whose name has this")
+    ap.add_argument("--no-grpc", action="store_true",
+                    help="leave out the gRPC data plane's swarm (the A/B of the planes)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"{os.cpu_count()} cores; {load()}; schedule {args.schedule}; "
@@ -217,18 +223,27 @@ def main() -> None:
         cfgs = [c for c in CONFIGS if c.stages == n and args.only in c.name]
         if not cfgs:
             continue
-        with LocalSwarm(n_nodes=n, threads=1, timeout=120) as swarm:
+        with contextlib.ExitStack() as stack:
+            swarm = stack.enter_context(LocalSwarm(n_nodes=n, threads=1, timeout=120))
+            grpc_swarm = None if args.no_grpc else stack.enter_context(
+                LocalSwarm(n_nodes=n, threads=1, timeout=120, node_args=["--no-data-port"]))
             for cfg in cfgs:
-                runs: dict[str, list] = {"torch": [], "fedpipe": [], "floor": [], "fp": []}
+                runs: dict[str, list] = {"torch": [], "fedpipe": [], "floor": [], "fp": [],
+                                         "grpc": []}
                 for r in range(args.rounds):
                     fp = fedpipe_step(swarm, cfg, args.steps, args.schedule)
                     runs["fp"].append(fp)
                     runs["fedpipe"].append(fp["measured"])
+                    if grpc_swarm is not None:
+                        runs["grpc"].append(fedpipe_step(grpc_swarm, cfg, args.steps,
+                                                         args.schedule)["measured"])
                     runs["torch"].append(torch_step(cfg, fp["ranges"], args.steps,
                                                     args.schedule))
                     runs["floor"].append(floor_step(cfg, args.steps))
+                    over_grpc = (f", over gRPC {runs['grpc'][-1] * 1e3:.1f} ms"
+                                 if runs["grpc"] else "")
                     print(f"  {cfg.name} round {r}: fedpipe {fp['measured'] * 1e3:.1f} ms "
-                          f"(predicted {fp['predicted'] * 1e3:.1f}), torch "
+                          f"(predicted {fp['predicted'] * 1e3:.1f}){over_grpc}, torch "
                           f"{runs['torch'][-1] * 1e3:.1f} ms, floor "
                           f"{runs['floor'][-1] * 1e3:.1f} ms; {load()}", flush=True)
                 rows.append((cfg, runs))
@@ -246,6 +261,13 @@ def main() -> None:
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
         print(f"{cfg.name:<24}{f * 1e3:>11.1f}{t * 1e3:>10.1f}{fl * 1e3:>10.1f}"
               f"{ratio:>10.2f}{spread:>14}{f / fl:>10.2f}   {errs[0] * 100:+.0f}%; {later}")
+        if runs["grpc"]:
+            g = statistics.median(runs["grpc"])
+            planes = [a / b for a, b in zip(runs["fedpipe"], runs["grpc"])]
+            vs_torch = statistics.median(a / b for a, b in zip(runs["grpc"], runs["torch"]))
+            print(f"{'':<24}over gRPC {g * 1e3:.1f} ms: socket/grpc "
+                  f"{statistics.median(planes):.2f} ({min(planes):.2f}-{max(planes):.2f}), "
+                  f"grpc/torch {vs_torch:.2f}")
         if cfg.stages == 2:
             verdicts.append(("MET" if ratio <= 0.9 else "NOT MET",
                              f"{cfg.name}: fedpipe/torch {ratio:.2f} (median of {len(ratios)} "

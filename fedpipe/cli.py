@@ -122,9 +122,12 @@ def cmd_node(args) -> int:
                         link_profile=args.link_profile, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host, tls=_tls(args, args.name or None),
                         insecure=args.insecure, drain_timeout=args.drain_timeout,
-                        host_id=args.host_id)
+                        host_id=args.host_id,
+                        data_port=None if args.no_data_port else args.data_port)
     daemon.install_signal_handlers()
-    print(f"fedpipe node {daemon.name} listening on {daemon.address}", flush=True)
+    print(f"fedpipe node {daemon.name} listening on {daemon.address}"
+          + (f", data plane on {daemon.data_address}" if daemon.data_address else ""),
+          flush=True)
     if daemon.metrics_server is not None:
         print(f"fedpipe node {daemon.name} metrics at {daemon.metrics_server.url}/metrics",
               flush=True)
@@ -387,6 +390,12 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--host", default="0.0.0.0", help="address to listen on")
     n.add_argument("--port", type=int, default=0, help="port (0: any free port)")
     n.add_argument("--advertise", help="host peers should dial (default: --host)")
+    data = n.add_mutually_exclusive_group()
+    data.add_argument("--data-port", type=int, default=0,
+                      help="port of the socket data plane, where peers send tensors (0: any "
+                           "free port; one in use is an error)")
+    data.add_argument("--no-data-port", action="store_true",
+                      help="no socket data plane: peers send this node tensors over gRPC")
     n.add_argument("--name", default="", help="node name (default: node-PORT)")
     n.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     n.add_argument("--threads", type=int, default=None, help="torch threads")

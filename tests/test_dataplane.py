@@ -124,6 +124,22 @@ def test_codecs_and_names_travel_and_decode_as_on_grpc(pair):
     assert torch.equal(got2, t.half().float())
 
 
+def test_a_peer_restarted_at_another_address_gets_a_new_link_at_once():
+    a_in, b_in, b2_in = Inbox(), Inbox(), Inbox()
+    with DataPlane("a", a_in, timeouts=FAST) as a:
+        with DataPlane("b", b_in, timeouts=FAST) as b:
+            old = a.link("b", b.address)
+            old.send(torch.ones(3), envelope=env(0), flush=True)
+            back = b.link("a", "127.0.0.1:1")  # b answers over the link a dialed
+        with DataPlane("b", b2_in, timeouts=FAST) as b2:  # b again, on another port
+            new = a.link("b", b2.address)
+            assert new is not old and old.credits.failed is not None
+            new.send(torch.ones(3), envelope=env(1), flush=True)
+            assert b2_in.steps() == [1]
+            # and b2 (no longer b's old process) is reached over a fresh link from a
+            assert b2.link("a", a.address) is not back
+
+
 def test_both_directions_at_once_over_one_connection(pair):
     a, b, a_in, b_in = pair
     ab = a.link("b", b.address)

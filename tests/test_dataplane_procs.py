@@ -17,7 +17,7 @@ import torch
 from fedpipe.net.dataplane import DataPlane, LinkFailed, Timeouts
 from fedpipe.proto import node_pb2
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.processes]
 
 # the child: a plane whose receiver echoes every tensor back to its sender, from a thread of
 # its own (a receiver must not send on the link it is being read from: it would wait for

@@ -22,6 +22,8 @@ from torch import nn
 
 import fedpipe
 from fedpipe import net
+from fedpipe.net.dataplane import DataPlane, PeerRefused
+from fedpipe.node.parts import build_parts
 from fedpipe.node.service import NodeService
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.runtime import checkpoint
@@ -44,8 +46,11 @@ def swarm(tmp_path_factory):
                        ("client", "alice"), ("client", "bob")):
         certs.issue(d, role, name, hosts=["127.0.0.1"])
     tls = TlsConfig.load(d, "n0")
-    service = NodeService(lambda: "n0", "n0", node_pb2.Resources(device="cpu"),
-                          lambda report: None, tls=tls, job_snapshot_bytes=BUDGET)
+    resources = node_pb2.Resources(device="cpu")
+    # with a socket data plane too: its listener admits tensors as Send does
+    parts = build_parts(lambda: "n0", "n0", resources, lambda report: None, tls=tls,
+                        job_snapshot_bytes=BUDGET, data_port=0)
+    service = NodeService(lambda: "n0", "n0", resources, lambda report: None, parts=parts)
     server = net.server(max_workers=16, tls=tls)
     rpc.add_node_servicer(service, server)
     address = f"127.0.0.1:{net.bind(server, '127.0.0.1', 0)}"
@@ -79,6 +84,7 @@ def swarm(tmp_path_factory):
     for ch in channels.values():
         ch.close()
     service.stop_all()
+    parts.close()
     server.stop(grace=None)
 
 
@@ -96,7 +102,7 @@ def refusal(call) -> tuple[grpc.StatusCode, str]:
     return e.value.code(), e.value.details()
 
 
-@pytest.mark.parametrize("caller, kind, stage, code, says", [
+SEND_CASES = [
     # a node certificate no plan of the job names feeds none of its stages
     ("stray", Kind.INPUT, 0, grpc.StatusCode.PERMISSION_DENIED,
      "node 'stray' is not assigned to job j1"),
@@ -116,7 +122,10 @@ def refusal(call) -> tuple[grpc.StatusCode, str]:
      "may not send KIND_TARGET to stage 0 of job j1: a client feeds only stage 1"),
     ("bob", Kind.INPUT, 0, grpc.StatusCode.PERMISSION_DENIED,
      "client 'bob' is not the owner of job j1"),
-])
+]
+
+
+@pytest.mark.parametrize("caller, kind, stage, code, says", SEND_CASES)
 def test_send_admits_the_jobs_nodes_and_its_owner_for_its_own_stages(swarm, caller, kind,
                                                                       stage, code, says):
     _, service, stub = swarm
@@ -124,6 +133,32 @@ def test_send_admits_the_jobs_nodes_and_its_owner_for_its_own_stages(swarm, call
     assert got is code, details
     assert says in details
     assert service.stages.runs(JOB)  # refused callers leave the job running
+
+
+class Nothing:
+    """A caller's own data plane takes nothing from the node."""
+
+    def admit(self, peer, header):
+        raise AssertionError("the node sent the caller a tensor")
+
+    def deliver(self, peer, header, tensor):
+        raise AssertionError("the node sent the caller a tensor")
+
+
+@pytest.mark.parametrize("caller, kind, stage, code, says", SEND_CASES)
+def test_the_socket_data_plane_admits_as_send_does_by_the_callers_certificate(
+        swarm, caller, kind, stage, code, says):
+    d, service, _ = swarm
+    role = "client" if caller in ("alice", "bob") else "node"
+    env = node_pb2.Envelope(job_id=JOB, replica=0, stage=stage, kind=kind, step=10_000,
+                            microbatch=0, batch_size=2)
+    with DataPlane(caller, Nothing(), role=role, tls=TlsConfig.load(d, caller)) as plane:
+        link = plane.link("n0", service.parts.sockets.address)
+        with pytest.raises(PeerRefused) as e:
+            link.send(torch.ones(2, 4), envelope=env, flush=True)
+    assert e.value.code.value == code.value[0], str(e.value)
+    assert says in str(e.value)
+    assert service.stages.runs(JOB)
 
 
 def snapshot_frames(stage: int, step: int, replica: int = 0, floats: int = 256) -> list[bytes]:

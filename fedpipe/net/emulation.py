@@ -1,8 +1,9 @@
-"""Link emulation on one machine: shape a process's outgoing gRPC traffic.
+"""Link emulation on one machine: shape a process's outgoing gRPC and socket traffic.
 
 A node started with ``--link-profile profile.json`` sends to each peer through
 a token bucket (bandwidth) and an added one-way delay (latency), both applied
-inside fedpipe's own channels (:func:`fedpipe.net.channel`). Real traffic,
+inside fedpipe's own channels (:func:`fedpipe.net.channel`), and by the sender of a
+socket data-plane link (:class:`Pacer`). Real traffic,
 real time: the tracker's link measurements and the training's step times see
 the emulated links as if they were real. The kernel's netem would do the
 delay, but it is not available everywhere; rate limits can also come from
@@ -173,6 +174,32 @@ class Shaper(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor
         return self._back(continuation(details, self._pace_one(request)))
 
 
+class Pacer:
+    """The same emulated link for a socket data-plane link (:mod:`fedpipe.net.dataplane`),
+    where no interceptor sits: the sender asks :meth:`due` when a tensor is handed over,
+    waits until then (a delay line: tensors in flight together, as :class:`Shaper`'s
+    stream messages are), then takes its bytes from the token bucket; a flush
+    waits :meth:`back` for the acknowledgement's trip home.
+    """
+
+    def __init__(self, link: EmulatedLink):
+        self.link = link
+        self.bucket = TokenBucket(link.bandwidth)
+
+    def due(self) -> float:
+        """When a tensor handed over now may go (``time.monotonic()`` seconds)."""
+        return time.monotonic() + self.link.latency
+
+    def take(self, nbytes: int) -> None:
+        """Block until ``nbytes`` may go at the link's bandwidth."""
+        self.bucket.take(nbytes)
+
+    def back(self) -> None:
+        """The reply's trip back: one latency."""
+        if self.link.latency > 0:
+            time.sleep(self.link.latency)
+
+
 class LinkProfile:
     """Emulated links between named nodes, from a profile (see the module docstring).
 
@@ -205,6 +232,7 @@ class LinkProfile:
             if not e.get("oneway", False):
                 self.entries.append((e["to"], e["from"], link))
         self._shapers: dict[tuple[str, str], Shaper] = {}
+        self._pacers: dict[tuple[str, str], Pacer] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -235,3 +263,12 @@ class LinkProfile:
             return None
         with self._lock:
             return self._shapers.setdefault((src, dst), Shaper(link))
+
+    def pacer(self, src: str, dst: str) -> Pacer | None:
+        """The shared pacer for socket traffic from ``src`` to ``dst`` (one bucket per pair,
+        apart from the gRPC channel's: the two are not used together on one link)."""
+        link = self.link(src, dst)
+        if link is None:
+            return None
+        with self._lock:
+            return self._pacers.setdefault((src, dst), Pacer(link))

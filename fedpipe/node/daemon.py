@@ -22,6 +22,7 @@ from ..proto import tracker_pb2, tracker_pb2_grpc
 from ..security import CertError, DenyList, Role, TlsConfig
 from ..spec import PROTOCOL_VERSION
 from ..wire import rpc
+from .parts import build_parts
 from .probe import probe, resolve_device
 from .service import NodeService
 
@@ -75,12 +76,16 @@ class NodeDaemon:
         drain_timeout: on SIGTERM (or when the tracker drains it), seconds to wait
             for the tracker to move this node's stages to other nodes before it
             exits anyway (0: exit at once). SIGINT always exits at once.
+        data_port: the port of this node's socket data plane (:mod:`fedpipe.net.dataplane`)
+            on ``host`` (0: a free one; :attr:`data_address` tells which), advertised to
+            the tracker so peers send this node tensors there; None: none, peers send
+            over gRPC.
 
     Raises:
         ValueError: an unusable device, a malformed link profile, or a ``name``
             that is not the TLS certificate's, or plaintext on a non-loopback ``host``
             without ``insecure``.
-        OSError: the port or the metrics port cannot be bound.
+        OSError: the port, the data port or the metrics port cannot be bound.
     """
 
     def __init__(self, tracker: str, host: str = "127.0.0.1", port: int = 0, *,
@@ -89,7 +94,8 @@ class NodeDaemon:
                  memory_limit: int | None = None, link_profile: str | None = None,
                  metrics_port: int = 0, metrics_host: str = LOCALHOST,
                  tls: TlsConfig | None = None, insecure: bool = False,
-                 drain_timeout: float = DRAIN_TIMEOUT, host_id: str | None = None):
+                 drain_timeout: float = DRAIN_TIMEOUT, host_id: str | None = None,
+                 data_port: int | None = 0):
         net.check_plaintext(host, tls, insecure, "this node")
         if tls is not None:
             if trust_code:
@@ -135,9 +141,19 @@ class NodeDaemon:
         if self.metrics is not None:
             self.metrics_server = start_metrics(self.metrics.registry, metrics_port,
                                                 metrics_host)
+        try:
+            parts = build_parts(lambda: self.node_id, self.name, self.resources, self._report,
+                                trust_code=trust_code, links=links, metrics=self.metrics,
+                                tls=tls, quorum=self._quorum, data_port=data_port,
+                                data_host=host)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on data port {data_port} of {host}: "
+                                   f"{e.strerror or e}") from e
+        self.parts = parts
+        self.data_address = f"{adv}:{parts.sockets.port}" if parts.sockets is not None else ""
+        """``HOST:PORT`` of this node's socket data plane ("": none)."""
         self.service = NodeService(lambda: self.node_id, self.name, self.resources, self._report,
-                                   trust_code=trust_code, links=links, metrics=self.metrics,
-                                   tls=tls, quorum=self._quorum)
+                                   parts=parts)
         rpc.add_node_servicer(self.service, self.server)
 
     def _report(self, report: tracker_pb2.StageReport) -> None:
@@ -155,7 +171,8 @@ class NodeDaemon:
         """Register with the tracker, retrying with backoff while it is unreachable."""
         req = tracker_pb2.RegisterNodeRequest(name=self.name, address=self.address,
                                               resources=self.resources,
-                                              versions=local_versions(), boot_id=self.boot_id)
+                                              versions=local_versions(), boot_id=self.boot_id,
+                                              data_address=self.data_address)
         reply = net.retry(lambda: self.tracker.RegisterNode(req, timeout=timeouts.CONTROL_RPC),
                           f"registering with tracker {self.tracker_address}",
                           max_delay=5.0, stop=self.stop_event.is_set)
@@ -241,6 +258,7 @@ class NodeDaemon:
             except grpc.RpcError as e:
                 log.warning("could not tell the tracker this node is leaving: %s", e.details())
         self.server.stop(grace=1).wait()
+        self.parts.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
 

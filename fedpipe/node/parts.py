@@ -2,7 +2,8 @@
 
 The order: channels, mailbox, snapshot store, reporter, restorer, checkpoints,
 stage loop, the wiring of a stage, the registry, then the data plane, the
-snapshot desk, the job access book and the stream watch. The servicer
+socket data plane's listener (when the node has a data port), the snapshot
+desk, the job access book and the stream watch. The servicer
 (:class:`~fedpipe.node.service.NodeService`) receives the result; a test may
 hand it fakes instead.
 """
@@ -11,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+
 import torch
 
 from ..net import timeouts
-from ..net.emulation import LinkProfile
+from ..net.dataplane import DataPlane as SocketPlane
+from ..net.emulation import LinkProfile, Pacer
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, tracker_pb2
 from ..security import Authenticator, TlsConfig
@@ -22,6 +25,7 @@ from ..spec import StageKey
 from ..runtime.checkpoint import Snapshot
 from .access import JobAccessBook, Quorum
 from .admission import BOUNDED_KINDS, DataPlane, inbox_job
+from .dataplane import NodeReceiver
 from .lifecycle import Stage
 from .mailbox import JOB_TENSORS, Mailbox
 from .peers import ChannelPool, Shaper, StagePeers
@@ -51,6 +55,8 @@ class NodeParts:
         streams: the watch over open data-plane streams.
         channels: the node's shared channels to its peers.
         shaper: the emulated link to a peer, by its node name (None: none).
+        sockets: the node's socket data plane (None: gRPC only).
+        receiver: where the socket data plane's tensors are admitted (None with it).
     """
 
     stages: StageRegistry
@@ -60,6 +66,15 @@ class NodeParts:
     streams: StreamWatch
     channels: ChannelPool
     shaper: Callable[[str], Shaper | None]
+    sockets: SocketPlane | None = None
+    receiver: NodeReceiver | None = None
+
+    def close(self) -> None:
+        """Close the socket data plane (its listener and links), if the node has one."""
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.sockets is not None:
+            self.sockets.close()
 
 
 def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resources,
@@ -68,7 +83,8 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
                 links: LinkProfile | None = None, metrics: NodeMetrics | None = None,
                 tls: TlsConfig | None = None, idle_stream: float = timeouts.IDLE_STREAM,
                 job_snapshot_bytes: int | None = None,
-                quorum: Quorum | None = None) -> NodeParts:
+                quorum: Quorum | None = None, data_port: int | None = None,
+                data_host: str = "127.0.0.1") -> NodeParts:
     """Build a node's parts.
 
     Args:
@@ -93,6 +109,12 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
             half of ``resources.memory_bytes``).
         quorum: one ReplicaQuorum call to the tracker (elastic replica groups; None:
             this node cannot run stages of elastic jobs).
+        data_port: listen for the socket data plane (:mod:`fedpipe.net.dataplane`) on
+            this port of ``data_host`` (0: a free one), and send to peers that offer one
+            over it; None: gRPC only.
+
+    Raises:
+        OSError: ``data_port`` is in use (or cannot be bound).
     """
     if job_snapshot_bytes is None:
         job_snapshot_bytes = min(JOB_SNAPSHOT_BYTES,
@@ -104,6 +126,11 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     def shaper(peer_name: str) -> Shaper | None:
         return links.shaper(name, peer_name) if links else None
 
+    def pacer(peer_name: str) -> Pacer | None:
+        return links.pacer(name, peer_name) if links else None
+
+    sockets: list[SocketPlane] = []  # the listener, made once the registry is
+
     channels = ChannelPool(tls)
     mailbox = Mailbox(input_capacity, bounded=BOUNDED_KINDS, job_cap=job_tensors,
                       job_of=inbox_job)
@@ -113,14 +140,23 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     loop = StageLoop(reporter, Checkpoints(snapshots, channels, reporter), mailbox, restorer)
     build = stage_builder(torch.device(resources.device or "cpu"), mailbox, node_id,
                           snapshots.put, reporter, access.learning(quorum))
-    stages = StageRegistry(build, lambda: StagePeers(channels, shaper, metrics), restorer,
-                           loop, mailbox, snapshots, reporter)
+    stages = StageRegistry(build, lambda: StagePeers(channels, shaper, metrics,
+                                                     sockets[0] if sockets else None, pacer),
+                           restorer, loop, mailbox, snapshots, reporter)
     streams = StreamWatch(stages.runs, idle_stream,
                           revoked_serials=verifier.revoked_serials
                           if verifier is not None else None)
-    return NodeParts(stages=stages, data=DataPlane(stages, mailbox, reporter),
+    data = DataPlane(stages, mailbox, reporter)
+    receiver = None
+    if data_port is not None:
+        receiver = NodeReceiver(access, data, stages, verifier.revoked_serials
+                                if verifier is not None else None)
+        sockets.append(SocketPlane(name, receiver, host=data_host, port=data_port,
+                                               tls=tls, events=receiver))
+    return NodeParts(stages=stages, data=data,
                      desk=SnapshotDesk(snapshots, stages.holds, job_snapshot_bytes),
-                     access=access, streams=streams, channels=channels, shaper=shaper)
+                     access=access, streams=streams, channels=channels, shaper=shaper,
+                     sockets=sockets[0] if sockets else None, receiver=receiver)
 
 
 def stage_builder(device: torch.device, mailbox: Mailbox, node_id: Callable[[], str],

@@ -2,9 +2,11 @@
 
 One gRPC channel per peer address (:class:`ChannelPool`), shared by every
 stage that talks to that peer and closed when the last of them lets go. Each
-stage streams its tensors through :class:`PeerSender`\\ s of its own
-(:class:`StagePeers`), so one stage's failed stream or error feedback never
-touches another's. :func:`measure_link` times a link for the tracker.
+stage streams its tensors through senders of its own (:class:`StagePeers`):
+a :class:`SocketSender` over the node's socket data plane to a peer that offers
+a data port, a :class:`PeerSender` over gRPC to one that does not (chosen per
+link), so one stage's failed stream or error feedback never touches another's.
+:func:`measure_link` times a link for the tracker.
 """
 from __future__ import annotations
 
@@ -21,13 +23,15 @@ import grpc
 import torch
 
 from .. import net
-from ..net import timeouts
+from ..net import dataplane, timeouts
+from ..net.emulation import Pacer
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2
 from ..runtime.stage import StageError
 from ..security import TlsConfig
 from ..spec import Kind
 from ..wire import codecs, frames, rpc
+from ..wire.format import WireError
 
 MAX_PROBE_BYTES = 64 * 2**20
 """Largest link-measurement probe a node sends or accepts, bytes."""
@@ -252,6 +256,100 @@ class PeerSender:
             stream.call.cancel()
 
 
+class SocketSender:
+    """Sends tensors to one peer over its socket data-plane link (:mod:`fedpipe.net.dataplane`):
+    :class:`PeerSender`'s interface, for a peer that offers a data port.
+
+    A raw CPU tensor of at most :data:`INLINE_BYTES` is written on the caller's
+    thread, from its own memory (a header and a ``memoryview``, no copy); others
+    (a codec to run, a large or CUDA tensor) and every tensor on an emulated link
+    go through one background thread, in order. The link keeps a tensor until the
+    peer acknowledged it (to resend it after a break), so a tensor must not be
+    changed in place until :meth:`flush`. The link is the node's, shared with its
+    other stages that send to this peer: closing this sender leaves it open.
+    Gradient error feedback is kept per sender, as :class:`PeerSender` keeps it.
+
+    Args:
+        link: the node's link to the peer.
+        address: the peer's gRPC ``HOST:PORT`` (its key in :class:`StagePeers`).
+        name: the peer's node name.
+        metrics: counts each tensor's bytes (None: off).
+        pacer: the emulated link to the peer (None: none).
+    """
+
+    def __init__(self, link: dataplane.Link, address: str, name: str = "",
+                 metrics: NodeMetrics | None = None, pacer: Pacer | None = None):
+        self.link, self.address, self.name = link, address, name or address
+        self.metrics, self.pacer = metrics, pacer
+        self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"data-{self.name}")
+        self.error: Exception | None = None
+        self.feedback = codecs.ErrorFeedback()
+
+    def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
+        """As :meth:`PeerSender.submit`.
+
+        Raises:
+            StageError: an earlier send to this peer failed.
+        """
+        self.check()
+        if self.pacer is None and codec == "raw" and tensor.device.type == "cpu" \
+                and tensor.numel() * tensor.element_size() <= INLINE_BYTES:
+            self._send(envelope, tensor, codec, 0.0)
+        else:
+            due = self.pacer.due() if self.pacer is not None else 0.0
+            self.encoder.submit(self._send, envelope, tensor, codec, due)
+
+    def _send(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
+              due: float) -> None:
+        try:
+            if envelope.kind == Kind.GRADIENT:
+                key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
+                msg, payload = codecs.encode_payload(tensor, codec, feedback=self.feedback,
+                                                     key=key)
+            else:
+                msg, payload = codecs.encode_payload(tensor, codec)
+            if self.metrics is not None:
+                self.metrics.sent(self.name, envelope.kind, tensor.numel() * tensor.element_size(),
+                                  payload.nbytes, transport="socket")
+            if self.pacer is not None:
+                time.sleep(max(0.0, due - time.monotonic()))
+                self.pacer.take(payload.nbytes)
+            self.link.send_encoded(msg, payload, envelope=envelope)
+        except Exception as e:  # noqa: BLE001 — kept for the stage thread, which reports it
+            self.error = self.error or e
+
+    def check(self) -> None:
+        """Raise StageError if a send to this peer failed (or the peer refused a tensor)."""
+        if self.error is None:
+            try:
+                self.link.check()
+            except (dataplane.LinkFailed, WireError) as e:
+                self.error = e
+        if self.error is not None:
+            raise StageError(f"sending to {self.name} ({self.address}) failed: {self.error}",
+                             peer=self.address)
+
+    def flush(self) -> None:
+        """Wait until the peer acknowledged every tensor. Raises StageError if a send failed."""
+        self.encoder.submit(lambda: None).result()  # what is queued has been written
+        self.check()
+        try:
+            self.link.flush()
+        except (dataplane.LinkFailed, WireError) as e:
+            self.error = self.error or e
+        if self.pacer is not None:
+            self.pacer.back()
+        self.check()
+
+    def close(self) -> None:
+        """Stop sending: queued tensors are dropped (the node's link stays open)."""
+        self.encoder.shutdown(wait=True, cancel_futures=True)
+
+
+Sender: TypeAlias = PeerSender | SocketSender
+"""How a stage sends to one peer: over gRPC, or over the socket data plane."""
+
+
 class StagePeers:
     """One stage's senders, one per peer address, over channels borrowed from a pool.
 
@@ -263,28 +361,48 @@ class StagePeers:
 
     def __init__(self, pool: ChannelPool,
                  shaper_for: Callable[[str], Shaper | None] = lambda name: None,
-                 metrics: NodeMetrics | None = None):
+                 metrics: NodeMetrics | None = None, plane: dataplane.DataPlane | None = None,
+                 pacer_for: Callable[[str], Pacer | None] = lambda name: None):
         self.pool, self.shaper_for, self.metrics = pool, shaper_for, metrics
-        self._senders: dict[str, PeerSender] = {}
+        self.plane, self.pacer_for = plane, pacer_for
+        self._senders: dict[str, Sender] = {}
         self._lock = threading.Lock()
         self._closed = False
 
-    def sender(self, peer: node_pb2.StageAssignment) -> PeerSender:
-        """The sender to ``peer``'s node (one per address).
+    def sender(self, peer: node_pb2.StageAssignment) -> Sender:
+        """The sender to ``peer``'s node (one per address): over the socket data plane
+        when this node has one and the peer offers a data port, else over gRPC.
 
         Raises:
-            StageError: the stage's peers were closed.
+            StageError: the stage's peers were closed, or the peer's data port cannot
+                be reached.
         """
         with self._lock:
             if self._closed:
                 raise StageError("the stage has stopped sending")
-            if peer.address not in self._senders:
+            sender = self._senders.get(peer.address)
+            if sender is not None:
+                return sender
+            if self.plane is not None and peer.data_address:
+                try:
+                    link = self.plane.link(peer.node_name, peer.data_address)
+                except dataplane.LinkFailed as e:
+                    raise StageError(f"sending to {peer.node_name} ({peer.address}) failed: "
+                                     f"{e}", peer=peer.address) from None
+                sender = SocketSender(link, peer.address, peer.node_name, self.metrics,
+                                      self.pacer_for(peer.node_name))
+            else:
                 ch = self.pool.acquire(peer.address, self.shaper_for(peer.node_name))
-                self._senders[peer.address] = PeerSender(peer.address, ch, peer.node_name,
-                                                         self.metrics)
-            return self._senders[peer.address]
+                sender = PeerSender(peer.address, ch, peer.node_name, self.metrics)
+            self._senders[peer.address] = sender
+            return sender
 
-    def _all(self) -> list[PeerSender]:
+    def _release(self, address: str, sender: Sender) -> None:
+        sender.close()
+        if isinstance(sender, PeerSender):
+            self.pool.release(address)
+
+    def _all(self) -> list[Sender]:
         with self._lock:
             return list(self._senders.values())
 
@@ -304,16 +422,24 @@ class StagePeers:
         with self._lock:
             s = self._senders.pop(address, None)
         if s is not None:
-            s.close()
-            self.pool.release(address)
+            self._release(address, s)
+
+    def keep_only(self, addresses: set[str]) -> None:
+        """Drop the senders to every address but ``addresses`` (a new plan's nodes): one to
+        a node that left the plan is not flushed at the stage's end. Over gRPC its stream
+        failed when the node died; a socket link waits for the node to come back, so a
+        sender left to it would fail the stage's last flush after the resume window."""
+        with self._lock:
+            gone = [a for a in self._senders if a not in addresses]
+        for address in gone:
+            self.forget(address)
 
     def close(self) -> None:
         """Stop every sender and let go of their channels (idempotent)."""
         with self._lock:
             senders, self._senders, self._closed = self._senders, {}, True
         for address, s in senders.items():
-            s.close()
-            self.pool.release(address)
+            self._release(address, s)
 
 
 def measure_link(channel: grpc.Channel, *, pings: int = PROBE_PINGS,

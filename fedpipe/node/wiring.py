@@ -135,6 +135,7 @@ class ElasticHooks:
             wait_seconds=wait))
         if reply.plan.stages and st.plan is not None:  # the membership changed: a joining
             st.plan = PlanView(reply.plan, st.plan.job_microbatches)  # group's nodes are new
+            st.peers.keep_only({a.address for a in reply.plan.stages})
         q = Quorum(reply.step, reply.version, tuple(reply.members), reply.committed,
                    reply.dropped, tuple(reply.donate_to))
         if q.committed:

@@ -87,6 +87,9 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("fedpipe_link_sent_tensors_total", "counter", ("src", "dst", "kind"),
               "Tensors sent from node src to node dst, by kind (activation, gradient, ...).",
               "node"),
+    MetricDef("fedpipe_link_transport_tensors_total", "counter", ("src", "dst", "transport"),
+              "Tensors sent from node src to node dst, by the data plane that carried them: "
+              "socket (the node's data port) or grpc.", "node"),
     # -- tracker: nodes ----------------------------------------------------------------
     MetricDef("fedpipe_node_alive", "gauge", ("node", "name"),
               "1 while the node holds its lease, 0 once it is lost.", "tracker"),
@@ -175,6 +178,7 @@ class NodeMetrics:
         self._staleness = m["fedpipe_stage_staleness_steps"]
         self._bytes = m["fedpipe_link_sent_bytes_total"]
         self._tensors = m["fedpipe_link_sent_tensors_total"]
+        self._transport = m["fedpipe_link_transport_tensors_total"]
         self._lock = threading.Lock()
         self._stages: dict[str, set[tuple[str, str]]] = {}
 
@@ -206,9 +210,11 @@ class NodeMetrics:
         most in its last step: :attr:`~fedpipe.runtime.stage.StepResult.staleness`)."""
         self._staleness.labels(*self._key(job, replica, stage)).set(versions)
 
-    def sent(self, dst: str, kind: Kind | int, raw_bytes: int, encoded_bytes: int) -> None:
+    def sent(self, dst: str, kind: Kind | int, raw_bytes: int, encoded_bytes: int,
+             transport: str = "grpc") -> None:
         """A tensor went to node ``dst``: ``raw_bytes`` before its codec (the
-        tensor's ``payload_bytes`` of a raw encoding), ``encoded_bytes`` on the wire.
+        tensor's ``payload_bytes`` of a raw encoding), ``encoded_bytes`` on the wire,
+        over ``transport`` (``socket`` or ``grpc``).
 
         Raises:
             ValueError: a negative size, or a kind that is not a :class:`~fedpipe.spec.Kind`.
@@ -219,6 +225,7 @@ class NodeMetrics:
         self._bytes.labels(self.node, dst, "raw").inc(raw_bytes)
         self._bytes.labels(self.node, dst, "encoded").inc(encoded_bytes)
         self._tensors.labels(self.node, dst, Kind(kind).name.lower()).inc()
+        self._transport.labels(self.node, dst, transport).inc()
 
     def forget_job(self, job: str) -> None:
         """Stop exporting the stage series of ``job`` (its stages were dropped)."""

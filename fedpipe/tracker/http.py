@@ -98,7 +98,7 @@ class TrackerSource:
 
     def nodes(self, include_lost: bool = False) -> list[tracker_pb2.NodeInfo]:
         nodes = self.store.nodes(include_lost)
-        return self.registry.lost_reasons(nodes) if self.registry is not None else nodes
+        return self.registry.from_memory(nodes) if self.registry is not None else nodes
 
     def links(self) -> list[node_pb2.LinkMeasurement]:
         return self.store.links()

@@ -105,8 +105,14 @@ def validate_node(request: tracker_pb2.RegisterNodeRequest) -> None:
         raise InvalidArgument(f"node resources must have cores and host_cores >= 0 and a "
                               f"host_id of at most {MAX_NAME} characters; got cores {r.cores}, "
                               f"host_cores {r.host_cores}, a host_id of {len(r.host_id)}")
-    if len(request.name) > MAX_NAME or len(request.address) > MAX_NAME:
-        raise InvalidArgument(f"node name and address must be at most {MAX_NAME} characters")
+    if len(request.name) > MAX_NAME or len(request.address) > MAX_NAME \
+            or len(request.data_address) > MAX_NAME:
+        raise InvalidArgument(f"node name and addresses must be at most {MAX_NAME} characters")
+    if request.data_address:
+        host, _, port = request.data_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+            raise InvalidArgument(f"node data address must be HOST:PORT with a port in "
+                                  f"1..65535, got {request.data_address!r}")
 
 
 def check_versions(name: str, theirs: tracker_pb2.Versions, live: list[NodeRecord]) -> None:
@@ -152,6 +158,9 @@ class _Incarnation:
     registered: float
     resources: node_pb2.Resources
     fenced: bool = False
+    data_address: str = ""
+    """Where its socket data plane listens ("": gRPC only). Kept in memory only: a
+    restarted tracker plans a node over gRPC until the node registers again."""
     info: tracker_pb2.NodeInfo = dataclasses.field(default_factory=tracker_pb2.NodeInfo)
     """The node as :meth:`Registry.nodes` lists it while it is live: built when it registers
     (:meth:`describe`), not on every listing."""
@@ -160,7 +169,8 @@ class _Incarnation:
         """Build :attr:`info` from the fields above."""
         self.info = tracker_pb2.NodeInfo(node_id=node_id, name=self.name, address=self.address,
                                          resources=self.resources, alive=True,
-                                         registered=self.registered)
+                                         registered=self.registered,
+                                         data_address=self.data_address)
 
 
 class Registry:
@@ -261,7 +271,7 @@ class Registry:
 
     def _dead(self, node_id: str, why: str) -> None:
         """Under ``_lock``: ``node_id`` is no longer alive (its heap entry goes stale), for
-        ``why`` if it was alive (:meth:`lost_reasons`: a node lost already keeps its first
+        ``why`` if it was alive (:meth:`from_memory`: a node lost already keeps its first
         reason)."""
         if self._until.pop(node_id, None) is not None:
             self._why[node_id] = why
@@ -311,15 +321,22 @@ class Registry:
                 self._view = [self._nodes[i].info for _, i in live]
             return list(self._view)
 
-    def lost_reasons(self, nodes: list[tracker_pb2.NodeInfo]) -> list[tracker_pb2.NodeInfo]:
-        """``nodes`` (messages of the caller's own, e.g. ``store.nodes(True)``'s) with each
-        lost one's ``lost_reason`` set: :data:`~fedpipe.spec.NODE_LEFT`,
-        :data:`~fedpipe.spec.NODE_DRAINED`, "restarted (...)", a peer's report; "" for a
-        missed lease, or a node lost before this tracker started (kept in memory only)."""
+    def from_memory(self, nodes: list[tracker_pb2.NodeInfo]) -> list[tracker_pb2.NodeInfo]:
+        """``nodes`` (messages of the caller's own, e.g. ``store.nodes(True)``'s) with what
+        the registry keeps in memory only, in place; returned for chaining:
+
+        - each lost one's ``lost_reason``: :data:`~fedpipe.spec.NODE_LEFT`,
+          :data:`~fedpipe.spec.NODE_DRAINED`, "restarted (...)", a peer's report; "" for a
+          missed lease, or a node lost before this tracker started;
+        - each one's ``data_address`` (its socket data plane) as its registration gave it.
+        """
         with self._lock:
             for n in nodes:
                 if not n.alive:
                     n.lost_reason = self._why.get(n.node_id, "")
+                inc = self._nodes.get(n.node_id)
+                if inc is not None and inc.data_address:
+                    n.data_address = inc.data_address
         return nodes
 
     def info(self, node_id: str) -> tuple[str, str, float]:
@@ -383,6 +400,7 @@ class Registry:
                 with self._lock:
                     self._nodes[node_id].versions = request.versions
                     self._nodes[node_id].resources = request.resources
+                    self._nodes[node_id].data_address = request.data_address
                     self._nodes[node_id].describe(node_id)
                     self._live(node_id, now)
             else:
@@ -391,7 +409,8 @@ class Registry:
                                     request.versions, now)
                 with self._lock:
                     self._remember(node_id, _Incarnation(name, address, boot, request.versions,
-                                                         now, request.resources))
+                                                         now, request.resources,
+                                                         data_address=request.data_address))
                     self._live(node_id, now)
         v = request.versions
         log.info("node %s (%s) registered at %s: fedpipe %s, protocol %d, python %s, torch %s, "

@@ -33,6 +33,7 @@ from __future__ import annotations
 import gc
 import heapq
 import logging
+import socket
 import threading
 import time
 from typing import Callable
@@ -88,6 +89,18 @@ def candidates(nodes: list[tracker_pb2.NodeInfo], limit: int | None = None
                            key=lambda i: (-nodes[i].resources.flops,
                                           -nodes[i].resources.memory_bytes, i))
     return [nodes[i] for i in sorted(best)]
+
+
+def dial_data_port(address: str, timeout: float) -> None:
+    """Open and close a TCP connection to a node's data port (``HOST:PORT``): is it there?
+    A connection, not a handshake: the tracker has no data plane of its own (and no torch).
+
+    Raises:
+        OSError: no connection within ``timeout`` seconds.
+    """
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+        pass
 
 
 class Tracker:
@@ -181,9 +194,10 @@ class Tracker:
         """Register a node (see :meth:`~.registry.Registry.register`, which says what it
         raises); queue its links, and let the scheduler look again. Returns its node id.
 
-        The tracker first dials the address the node advertises: a node it cannot
-        reach (behind NAT, a wrong ``--advertise``) would be planned onto and fail
-        every job, so it is refused with that reason.
+        The tracker first dials the address the node advertises, and its data port
+        if it offers one: a node it cannot reach (behind NAT, a wrong ``--advertise``,
+        a firewalled data port) would be planned onto and fail every job, so it is
+        refused with that reason.
 
         Raises:
             FailedPrecondition: the node's address does not answer a Ping.
@@ -195,6 +209,14 @@ class Tracker:
             raise FailedPrecondition(
                 f"the tracker cannot reach node {request.name!r} at {request.address} (behind "
                 f"NAT, or a wrong --advertise?): {e}") from None
+        if request.data_address:
+            try:
+                dial_data_port(request.data_address, timeouts.REGISTER_PING_RPC)
+            except OSError as e:
+                raise FailedPrecondition(
+                    f"the tracker cannot reach node {request.name!r}'s data port at "
+                    f"{request.data_address} (a firewall, or a wrong --advertise?): {e}"
+                ) from None
         node_id = self.registry.register(request)
         self.jobs.notify()
         return node_id

@@ -141,7 +141,7 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
     @unary
     def ListNodes(self, request, context):
         store = self.tracker.store
-        nodes = self.tracker.registry.lost_reasons(store.nodes(request.include_lost))
+        nodes = self.tracker.registry.from_memory(store.nodes(request.include_lost))
         return S.ListNodesReply(nodes=self.tracker.drains.annotate(nodes), links=store.links())
 
     @unary

@@ -13,7 +13,8 @@ Contract: ``protos/fedpipe/v1/FRAMES.md``, "Connections".
   duplicates, acknowledgements.
 * :mod:`.server`: :class:`DataPlane`, a process's listener and links.
 
-Plugging it into a node (the seam; nothing in fedpipe.node uses it yet):
+How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.SocketSender`,
+``fedpipe node --data-port``; a peer without a data port is served over gRPC):
 
 * the node builds one ``DataPlane(name, receiver, host=, port=--data-port, tls=,
   events=)`` next to its gRPC server; ``receiver`` adapts the node's ``Send``:

@@ -143,6 +143,7 @@ class DataPlane:
         self._lock = threading.Lock()
         self._dialed: dict[str, Link] = {}
         self._accepted: dict[str, Link] = {}
+        self._addresses: dict[str, str] = {}  # peer -> the address its dialed link dials
         self._closed = False
         self._listener = socket.create_server((host, port), backlog=BACKLOG)
         self.host, self.port = host, self._listener.getsockname()[1]
@@ -165,7 +166,9 @@ class DataPlane:
     # -- dialing ----------------------------------------------------------------
     def link(self, peer: str, address: str) -> Link:
         """The link to ``peer`` (its node name) at ``address`` (``HOST:PORT``, its data
-        port): one it dialed here, else one dialed before, else a new one, connected now.
+        port): one it dialed here while connected, else one dialed before to the same
+        address, else a new one, connected now (a dialed link to another address, of a
+        peer since restarted elsewhere, is failed).
 
         Raises:
             LinkFailed: ``address`` cannot be reached, or refused this side.
@@ -173,11 +176,18 @@ class DataPlane:
         with self._lock:
             if self._closed:
                 raise LinkFailed("the data plane is closed")
-            for table in (self._accepted, self._dialed):
-                link = table.get(peer)
-                if link is not None and link.credits.failed is None:
-                    return link
+            accepted, dialed = self._accepted.get(peer), self._dialed.get(peer)
+            # one the peer dialed, unless it broke: a broken one may be of a process that
+            # is gone (a restarted peer dials afresh only when it has to send)
+            if accepted is not None and accepted.credits.failed is None \
+                    and (accepted.conn is not None or accepted.peer is None):
+                return accepted
+            if dialed is not None and dialed.credits.failed is None:
+                if self._addresses.get(peer) == address:
+                    return dialed
+                dialed.fail(f"{peer} moved to {address}")  # restarted on another port
             link = self._dialed[peer] = self._new_link(peer, True, address)
+            self._addresses[peer] = address
         assert link.dial is not None
         try:
             conn, theirs, who = link.dial()

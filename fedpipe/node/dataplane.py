@@ -1,0 +1,129 @@
+"""The node's end of the socket data plane: its admission and delivery behind a link's
+:class:`~fedpipe.net.dataplane.Receiver`, and its suspect path behind the links' events.
+
+A tensor that arrives on a socket link (:mod:`fedpipe.net.dataplane`) passes the
+checks a ``Send`` on gRPC passes, in the same order, before a payload byte is
+buffered: the per-method policy (:data:`fedpipe.security.policy.POLICY`'s row
+for ``Send``: the caller's role, and the kinds a client may send), who may send
+for the job (:meth:`~fedpipe.node.access.JobAccessBook.check_sender`), then the
+stage, epoch and sizes (:meth:`~fedpipe.node.admission.DataPlane.admit`).
+Identity is the peer's certificate (with TLS), as ``identity_of(context)`` is on
+gRPC. A node domain error refuses the one tensor with the status code the node's
+error table (:data:`fedpipe.node.errors.STATUS`) gives it on gRPC; the link goes on.
+
+Delivery runs on the link's reader thread: it files the tensor in the stage's
+mailbox and never sends (the stage threads do), so a reader never waits on its
+own link's credit.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import torch
+
+from ..net.dataplane import Code, Peer, Refused
+from ..proto import node_pb2
+from ..security import Unauthenticated, policy
+from ..spec import Kind
+from .access import JobAccessBook
+from .admission import DataPlane as Admission
+from .admission import slot_of
+from .errors import MAPPED, status_of
+from .stages import StageRegistry
+
+log = logging.getLogger(__name__)
+
+SEND_METHOD = "/fedpipe.v1.Node/Send"
+"""The policy row a socket link's tensors are checked by: they are ``Send``'s frames."""
+PIPELINE_KINDS = frozenset({Kind.ACTIVATION, Kind.GRADIENT})
+"""Kinds whose sender is a pipeline neighbour: a link that broke after one is suspect."""
+
+
+def refusal(error: BaseException) -> Refused:
+    """``error`` (a node domain error, a WireError or a SecurityError) as the refusal a link
+    sends back: the status code it has on gRPC, and its message."""
+    return Refused(Code(status_of(error).value[0]), str(error))
+
+
+class NodeReceiver:
+    """Admits and delivers the tensors this node's socket links bring (a
+    :class:`~fedpipe.net.dataplane.Receiver`); reports a neighbour whose link broke.
+
+    Args:
+        access: who may send for which job.
+        admission: the stage, epoch and size checks, and delivery to the mailbox.
+        stages: the stages held here (the depth of a pipeline, for a client's feeds).
+        revoked: the certificate serials refused now (the node's deny list, as its
+            gRPC streams check it at each message); None without TLS.
+    """
+
+    def __init__(self, access: JobAccessBook, admission: Admission, stages: StageRegistry,
+                 revoked: Callable[[], frozenset[int]] | None = None):
+        self.access, self.admission, self.stages = access, admission, stages
+        self.revoked = revoked
+        self._lock = threading.Lock()
+        self._last: dict[str, node_pb2.Envelope] = {}  # peer -> its last pipeline tensor's
+        self._closed = threading.Event()
+        self.received = 0
+        """Tensors delivered over socket links (stage tensors and probes)."""
+
+    def close(self) -> None:
+        """Stop waiting for room in a mailbox (node shutdown)."""
+        self._closed.set()
+
+    # -- Receiver ---------------------------------------------------------------
+    def admit(self, peer: Peer, header: node_pb2.Frame) -> int:
+        """As ``Send``'s checks on gRPC; the size limit of the tensor, bytes.
+
+        Raises:
+            Refused: with the code gRPC would answer.
+        """
+        identity = peer.identity
+        env = header.envelope
+        try:
+            if identity is not None and self.revoked is not None \
+                    and identity.serial in self.revoked():
+                raise Unauthenticated(f"certificate of {identity} (serial {identity.serial}) "
+                                      "is revoked")
+            policy.authorize(SEND_METHOD, identity)
+            policy.check_send_kind(identity, header)
+            self.access.check_sender(identity, env, lambda e: self.stages.get(slot_of(e)).n_stages)
+            return self.admission.admit(env, tuple(header.tensor.shape))
+        except MAPPED as e:
+            raise refusal(e) from None
+
+    def deliver(self, peer: Peer, header: node_pb2.Frame, tensor: torch.Tensor) -> None:
+        """File an admitted tensor for its stage (a client's inputs wait for room).
+
+        Raises:
+            Refused: with the code gRPC would answer.
+        """
+        env = header.envelope
+        try:
+            self.admission.deliver(env, tensor, lambda: not self._closed.is_set())
+        except MAPPED as e:
+            raise refusal(e) from None
+        with self._lock:
+            self.received += 1
+            if env.kind in PIPELINE_KINDS:
+                self._last[peer.name] = env
+
+    # -- LinkEvents -------------------------------------------------------------
+    def lost(self, peer: str, why: str) -> None:
+        """A connection from ``peer`` broke (its link tries to resume): report the
+        neighbour to the tracker, as a broken ``Send`` stream is."""
+        log.info("data connection to %s broke: %s", peer, why)
+        self._suspect(peer)
+
+    def failed(self, peer: str, why: str) -> None:
+        """The link to ``peer`` is gone for good."""
+        log.warning("data link to %s failed: %s", peer, why)
+        self._suspect(peer)
+
+    def _suspect(self, peer: str) -> None:
+        with self._lock:
+            env = self._last.pop(peer, None)
+        if env is not None:
+            self.admission.suspect(env)

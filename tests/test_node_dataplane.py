@@ -1,0 +1,186 @@
+"""The node's socket receiver checks a tensor as ``Send`` on gRPC does, with the same codes.
+
+:class:`fedpipe.node.dataplane.NodeReceiver` between a link and the node's
+admission: the policy's roles for ``Send``, the kinds a client may send, who is
+assigned to the job, then the stage; each refusal carries the gRPC status
+code the node's error table gives the same error on gRPC. A link that broke
+after a neighbour's pipeline tensor reports that neighbour (the suspect path).
+A stage's :class:`~fedpipe.node.peers.SocketSender` on an emulated link
+(``--link-profile``) pays the link's latency and bandwidth as gRPC's shaper does.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from fedpipe.net.dataplane import Code, DataPlane, Peer, Refused
+from fedpipe.net.emulation import EmulatedLink, Pacer
+from fedpipe.node.access import JobAccessBook
+from fedpipe.node.dataplane import NodeReceiver
+from fedpipe.node.errors import NoSuchStage
+from fedpipe.node.peers import SocketSender
+from fedpipe.proto import node_pb2
+from fedpipe.security import Identity, Role
+from fedpipe.spec import Kind
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeAdmission:
+    """Admits every tensor of job ``j`` (for a held stage), records deliveries and suspects."""
+
+    def __init__(self):
+        self.delivered: list[node_pb2.Envelope] = []
+        self.suspected: list[node_pb2.Envelope] = []
+
+    def admit(self, env, shape=()):
+        if env.job_id != "j":
+            raise NoSuchStage(f"no stage {env.stage} of job {env.job_id!r}")
+        return 1 << 20
+
+    def deliver(self, env, tensor, active):
+        self.delivered.append(env)
+
+    def suspect(self, env):
+        self.suspected.append(env)
+
+
+class FakeStages:
+    def get(self, slot):
+        class Stage:
+            n_stages = 2
+        if slot.job_id != "j":
+            raise NoSuchStage(f"no job {slot.job_id!r}")
+        return Stage()
+
+
+def receiver() -> tuple[NodeReceiver, FakeAdmission]:
+    access = JobAccessBook()
+    access.learn("j", "alice", ["node0", "node1"])
+    admission = FakeAdmission()
+    return NodeReceiver(access, admission, FakeStages()), admission  # type: ignore[arg-type]
+
+
+def peer(role: Role, name: str) -> Peer:
+    return Peer(name, role.value, Identity(role, name, 1))
+
+
+def header(kind: Kind, job: str = "j", stage: int = 1) -> node_pb2.Frame:
+    return node_pb2.Frame(envelope=node_pb2.Envelope(job_id=job, stage=stage, kind=kind.value,
+                                                     batch_size=1))
+
+
+def refused(r: NodeReceiver, who: Peer, head: node_pb2.Frame) -> Code:
+    with pytest.raises(Refused) as e:
+        r.admit(who, head)
+    return e.value.code
+
+
+def test_an_assigned_node_may_send_a_job_its_activations():
+    r, admission = receiver()
+    assert r.admit(peer(Role.NODE, "node0"), header(Kind.ACTIVATION)) == 1 << 20
+    r.deliver(peer(Role.NODE, "node0"), header(Kind.ACTIVATION), torch.zeros(1))
+    assert len(admission.delivered) == 1 and r.received == 1
+
+
+def test_a_node_the_job_does_not_assign_is_refused_permission():
+    r, _ = receiver()
+    assert refused(r, peer(Role.NODE, "mallory"), header(Kind.ACTIVATION)) \
+        == Code.PERMISSION_DENIED
+
+
+def test_a_client_may_send_only_its_own_jobs_inputs_and_targets():
+    r, _ = receiver()
+    assert refused(r, peer(Role.CLIENT, "alice"), header(Kind.ACTIVATION)) \
+        == Code.PERMISSION_DENIED
+    assert refused(r, peer(Role.CLIENT, "bob"), header(Kind.INPUT, stage=0)) \
+        == Code.PERMISSION_DENIED
+    assert r.admit(peer(Role.CLIENT, "alice"), header(Kind.INPUT, stage=0)) == 1 << 20
+    # inputs go to the first stage only
+    assert refused(r, peer(Role.CLIENT, "alice"), header(Kind.INPUT, stage=1)) \
+        == Code.PERMISSION_DENIED
+
+
+def test_a_role_the_policy_does_not_admit_to_send_is_refused():
+    r, _ = receiver()
+    assert refused(r, peer(Role.TRACKER, "tracker"), header(Kind.ACTIVATION)) \
+        == Code.PERMISSION_DENIED
+
+
+def test_a_revoked_certificate_is_refused_on_a_link_that_is_already_open():
+    r, _ = receiver()
+    r.revoked = lambda: frozenset({1})
+    assert refused(r, peer(Role.NODE, "node0"), header(Kind.ACTIVATION)) \
+        == Code.UNAUTHENTICATED
+
+
+def test_a_stage_not_held_here_is_not_found_as_on_grpc():
+    r, _ = receiver()
+    assert refused(r, Peer("node0", "node"), header(Kind.ACTIVATION, job="other")) \
+        == Code.NOT_FOUND
+
+
+def test_a_broken_link_reports_the_neighbour_whose_pipeline_tensor_came_last():
+    r, admission = receiver()
+    r.lost("node0", "reset")  # nothing came from it yet: nothing to report
+    assert admission.suspected == []
+    r.deliver(peer(Role.NODE, "node0"), header(Kind.ACTIVATION), torch.zeros(1))
+    r.lost("node0", "reset")
+    assert [e.kind for e in admission.suspected] == [Kind.ACTIVATION.value]
+
+
+class Arrivals:
+    """A receiver that notes when each tensor arrived (``time.monotonic()``)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.tensors: list[torch.Tensor] = []
+        self.cond = threading.Condition()
+
+    def admit(self, peer, header):
+        return 1 << 24
+
+    def deliver(self, peer, header, tensor):
+        with self.cond:
+            self.times.append(time.monotonic())
+            self.tensors.append(tensor.clone())
+            self.cond.notify_all()
+
+
+def test_a_socket_sender_on_an_emulated_link_pays_latency_in_flight_and_bandwidth():
+    inbox = Arrivals()
+    latency, bandwidth, n, size = 0.2, 2e6, 4, 100_000  # 4 x 100 kB at 2 MB/s: 0.2 s
+    with DataPlane("a", Arrivals()) as a, DataPlane("b", inbox) as b:
+        sender = SocketSender(a.link("b", b.address), "b:grpc", "b",
+                              pacer=Pacer(EmulatedLink(bandwidth, latency)))
+        sent = [torch.full((size // 4,), float(i)) for i in range(n)]
+        t0 = time.monotonic()
+        for i, t in enumerate(sent):
+            sender.submit(node_pb2.Envelope(kind=Kind.ACTIVATION.value, microbatch=i), t, "raw")
+        sender.flush()
+        took = time.monotonic() - t0
+        sender.close()
+    assert all(torch.equal(x, y) for x, y in zip(sorted(inbox.tensors, key=lambda t: t[0]),
+                                                 sent))
+    first = inbox.times[0] - t0
+    assert first >= latency, f"the first tensor came {first:.3f} s after it was sent"
+    # in flight together (a delay line), not one latency each; the bucket paces the bytes;
+    # the flush pays the acknowledgement's trip back
+    span = inbox.times[-1] - t0
+    assert latency + (n * size - 64 * 1024) / bandwidth * 0.9 <= span < n * latency + 1.0, span
+    assert took >= span + latency * 0.9, (took, span)
+
+
+def test_a_socket_sender_without_emulation_sends_small_raw_tensors_on_the_callers_thread():
+    inbox = Arrivals()
+    with DataPlane("a", Arrivals()) as a, DataPlane("b", inbox) as b:
+        sender = SocketSender(a.link("b", b.address), "b:grpc", "b")
+        t = torch.arange(10.0)
+        sender.submit(node_pb2.Envelope(kind=Kind.GRADIENT.value), t, "raw")
+        sender.flush()
+        sender.check()
+        sender.close()
+    assert torch.equal(inbox.tensors[0], t)
