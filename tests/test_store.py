@@ -372,6 +372,22 @@ def test_a_database_newer_than_this_fedpipe_is_refused_naming_both_versions(
     conn.close()
 
 
+def test_a_newer_sqlite_file_is_refused_without_a_byte_written(tmp_path):
+    path = tmp_path / "newer.db"
+    db = sqlite3.connect(path)  # rollback-journal mode, as a later release might leave it
+    db.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, summary TEXT NOT "
+               "NULL, applied REAL NOT NULL)")
+    db.execute("INSERT INTO schema_version VALUES (?, 'from the future', 0)",
+               (SCHEMA_VERSION + 1,))
+    db.commit()
+    db.close()
+    before = path.read_bytes()
+    with pytest.raises(SchemaTooNew):
+        SqliteStore(str(path))
+    assert path.read_bytes() == before  # not even switched to WAL (header bytes 18, 19)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["newer.db"]
+
+
 def _step(version: int, *statements: str) -> Migration:
     def apply(conn: Connection) -> None:
         for sql in statements:

@@ -32,7 +32,9 @@ class SqliteConnection(Connection):
         try:
             # autocommit (isolation_level=None): the store says where transactions are
             self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            self.db.execute("PRAGMA journal_mode=WAL")
+            # a read that writes nothing: a file that is not a database is refused here;
+            # WAL is set once the schema was checked (SqliteStore), as it rewrites the header
+            self.db.execute("SELECT count(*) FROM sqlite_master").fetchall()
         except sqlite3.Error as exc:
             raise StoreConfigError(f"cannot open {self.where}: {exc}") from exc
         # a commit reaches the WAL at once and the file at checkpoints: a power cut may
@@ -87,6 +89,8 @@ class SqliteStore(SqlStore):
         conn = SqliteConnection(path)
         self.db = conn.db
         try:
-            super().__init__(conn)
+            super().__init__(conn)  # migrates, or refuses a newer schema writing nothing
+            conn.db.execute("PRAGMA journal_mode=WAL")
         except sqlite3.DatabaseError as exc:
+            conn.close()
             raise StoreConfigError(f"cannot use {conn.where}: {exc}") from exc
