@@ -11,7 +11,7 @@ from pg_server import postgres_server  # noqa: F401 — the session's PostgreSQL
 
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.tracker.store import (SCHEMA_VERSION, MemoryStore, PostgresStore, SchemaTooNew,
-                                   SqliteStore, Store, migrations)
+                                   SqliteStore, Store, StoreConfigError, migrations)
 from fedpipe.tracker.store.connection import Connection
 from fedpipe.tracker.store.migrations import Migration, migrate
 from fedpipe.tracker.store.postgres import PostgresConnection
@@ -328,6 +328,33 @@ def test_a_database_made_by_mains_unversioned_code_is_upgraded_in_place(tmp_path
     assert s.conn.execute("SELECT version FROM schema_version ORDER BY version").fetchall() == \
         [(v,) for v in range(1, SCHEMA_VERSION + 1)]
     s.close()
+
+
+@pytest.mark.parametrize("script,found", [
+    ("CREATE TABLE jobs (id INTEGER, what TEXT)",
+     r"a table jobs with column\(s\) id, what and no schema_version \(fedpipe's has "
+     r"created, job_id, "),
+    ("CREATE TABLE notes (body TEXT)", r"table\(s\) notes and no schema_version \(a fedpipe "
+                                       r"database has job_events, "),
+    (MAIN_SCHEMA + "CREATE TABLE notes (body TEXT);", r"table\(s\) job_events, .*notes"),
+    (MAIN_SCHEMA + "ALTER TABLE links ADD COLUMN colour TEXT;",
+     r"a table links with column\(s\) bandwidth, colour, dst, latency, measured_at, src and "
+     r"no schema_version"),
+    (MAIN_SCHEMA.replace("alive INTEGER NOT NULL, ", ""), r"a table nodes with column"),
+])
+def test_another_applications_database_is_refused_by_name_without_a_byte_written(
+        tmp_path, script, found):
+    path = tmp_path / "other.db"
+    db = sqlite3.connect(path)
+    db.executescript(script)
+    db.commit()
+    db.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreConfigError, match=rf"SQLite database {path} is not a fedpipe "
+                                               rf"tracker database: it has {found}"):
+        SqliteStore(str(path))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
 
 
 def sql_target(kind: str, request, tmp_path) -> str:

@@ -61,6 +61,10 @@ class SqliteConnection(Connection):
     def lock_schema(self) -> None:
         pass  # BEGIN IMMEDIATE holds the file's only write lock already
 
+    def tables(self) -> set[str]:
+        return {row[0] for row in self.db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
+
     def columns(self, table: str) -> set[str]:
         return {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
 
