@@ -85,3 +85,20 @@ def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends(caplog):
         "the store is unavailable (cannot connect to the test database); retrying every tick",
         "the store is available again"]
     assert all(r.exc_info is None for r in caplog.records)
+
+
+def test_a_lost_node_is_revived_only_once_the_store_says_so():
+    store = FlakyStore()
+    tracker, _, clock = make_tracker(store, lease=10.0)
+    node, = join(tracker, 1)
+    clock.advance(11)
+    tracker.tick()
+    assert not tracker.registry.alive(node)
+    store.down = True
+    with pytest.raises(StoreUnavailable):
+        tracker.registry.heartbeat(node)
+    assert not tracker.registry.alive(node) and tracker.registry.nodes() == []
+    store.down = False
+    assert tracker.registry.heartbeat(node)
+    assert [n.node_id for n in store.nodes()] == [node] == \
+        [n.node_id for n in tracker.registry.nodes()]

@@ -405,7 +405,12 @@ class Registry:
             if inc is None or inc.fenced:
                 return False
             self._live(node_id, now)
-        self.store.heartbeat(node_id, now)
+        try:
+            self.store.heartbeat(node_id, now)
+        except Exception:
+            with self._lock:  # not revived until the store says so: the next beat tries again
+                self._dead(node_id)
+            raise
         log.debug("node %s (%s) is back", inc.name, node_id)
         with self._lock:
             self._revived += 1
