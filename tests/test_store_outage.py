@@ -102,3 +102,17 @@ def test_a_lost_node_is_revived_only_once_the_store_says_so():
     assert tracker.registry.heartbeat(node)
     assert [n.node_id for n in store.nodes()] == [node] == \
         [n.node_id for n in tracker.registry.nodes()]
+
+
+def test_a_migration_not_considered_for_want_of_the_store_is_one_line(caplog):
+    store = FlakyStore()
+    tracker, _, _ = make_tracker(store, lease=10.0)
+    join(tracker, 2)
+    job = tracker.jobs.submit(submission(stages=2))
+    tracker.tick()
+    store.down = True
+    with caplog.at_level(logging.INFO, logger="fedpipe.tracker"):
+        assert not tracker.rebalancer.consider(job)
+    line, = [r for r in caplog.records if "migration" in r.getMessage()]
+    assert line.getMessage() == (f"job {job}: a migration was not considered: cannot connect "
+                                 f"to the test database") and line.exc_info is None
