@@ -415,6 +415,20 @@ def test_a_newer_sqlite_file_is_refused_without_a_byte_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["newer.db"]
 
 
+def test_another_applications_tables_are_refused_on_every_sql_backend(sql_kind, request,
+                                                                      tmp_path):
+    target = sql_target(sql_kind, request, tmp_path)
+    conn = connect(sql_kind, target)
+    conn.execute("CREATE TABLE jobs (id INTEGER, what TEXT)")
+    conn.close()
+    with pytest.raises(StoreConfigError, match=r"is not a fedpipe tracker database: it has a "
+                                               r"table jobs with column\(s\) id, what"):
+        open_sql(sql_kind, target)
+    conn = connect(sql_kind, target)
+    assert conn.tables() == {"jobs"} and conn.columns("jobs") == {"id", "what"}
+    conn.close()
+
+
 def _step(version: int, *statements: str) -> Migration:
     def apply(conn: Connection) -> None:
         for sql in statements:
