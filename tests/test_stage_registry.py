@@ -283,3 +283,47 @@ def test_a_joining_groups_stage_that_never_finds_its_snapshot_fails_and_says_why
     failed = node.wait_for(R.STATUS_FAILED)
     assert "no snapshot yet" in failed[0].error
     assert moves(stage) == [S.RESTORING, S.FAILED] and node.peers[0].closed
+
+
+def test_a_stop_job_that_comes_while_a_stage_is_built_releases_it_once_built():
+    built, go = threading.Event(), threading.Event()
+    node = Node()
+    build = node._build
+
+    def slow_build(request, peers):  # a node paused, or busy, in the middle of a load
+        built.set()
+        assert go.wait(WAIT)
+        return build(request, peers)
+
+    node.registry.build = slow_build
+    outcome: list[object] = []
+
+    def load():
+        try:
+            outcome.append(node.load(epoch=1))
+        except Exception as e:  # noqa: BLE001 — what the load ended with is the point
+            outcome.append(e)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert built.wait(WAIT)
+    assert node.registry.stop_job("j", release=True) == []  # nothing held yet
+    go.set()
+    loader.join(WAIT)
+    assert isinstance(outcome[0], Stopped), outcome
+    assert "was stopped while it loaded (StopJob)" in str(outcome[0])
+    assert not node.registry.holds("j") and node.registry.holdings() == []
+    assert node.peers[0].closed and node.reports == []
+    # a stop of another job, or of older epochs only, leaves a load alone
+    go.clear()
+    built.clear()
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert built.wait(WAIT)
+    node.registry.stop_job("other", release=True)
+    node.registry.stop_job("j", release=True, before_epoch=1)
+    go.set()
+    loader.join(WAIT)
+    assert isinstance(outcome[1], Stage) and S.RUNNING in moves(outcome[1]), outcome
+    assert node.registry.holds("j")
+    node.registry.stop_all()

@@ -11,7 +11,7 @@ from pg_server import postgres_server  # noqa: F401 — the session's PostgreSQL
 
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.tracker.store import (SCHEMA_VERSION, MemoryStore, PostgresStore, SchemaTooNew,
-                                   SqliteStore, Store, migrations)
+                                   SqliteStore, Store, StoreConfigError, migrations)
 from fedpipe.tracker.store.connection import Connection
 from fedpipe.tracker.store.migrations import Migration, migrate
 from fedpipe.tracker.store.postgres import PostgresConnection
@@ -330,6 +330,33 @@ def test_a_database_made_by_mains_unversioned_code_is_upgraded_in_place(tmp_path
     s.close()
 
 
+@pytest.mark.parametrize("script,found", [
+    ("CREATE TABLE jobs (id INTEGER, what TEXT)",
+     r"a table jobs with column\(s\) id, what and no schema_version \(fedpipe's has "
+     r"created, job_id, "),
+    ("CREATE TABLE notes (body TEXT)", r"table\(s\) notes and no schema_version \(a fedpipe "
+                                       r"database has job_events, "),
+    (MAIN_SCHEMA + "CREATE TABLE notes (body TEXT);", r"table\(s\) job_events, .*notes"),
+    (MAIN_SCHEMA + "ALTER TABLE links ADD COLUMN colour TEXT;",
+     r"a table links with column\(s\) bandwidth, colour, dst, latency, measured_at, src and "
+     r"no schema_version"),
+    (MAIN_SCHEMA.replace("alive INTEGER NOT NULL, ", ""), r"a table nodes with column"),
+])
+def test_another_applications_database_is_refused_by_name_without_a_byte_written(
+        tmp_path, script, found):
+    path = tmp_path / "other.db"
+    db = sqlite3.connect(path)
+    db.executescript(script)
+    db.commit()
+    db.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreConfigError, match=rf"SQLite database {path} is not a fedpipe "
+                                               rf"tracker database: it has {found}"):
+        SqliteStore(str(path))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
+
+
 def sql_target(kind: str, request, tmp_path) -> str:
     """A fresh database: a SQLite path, or the URL of a new PostgreSQL database."""
     if kind == "sqlite":
@@ -369,6 +396,36 @@ def test_a_database_newer_than_this_fedpipe_is_refused_naming_both_versions(
     conn = connect(sql_kind, target)
     assert migrations.version(conn) == SCHEMA_VERSION + 7
     assert conn.execute("SELECT COUNT(*) FROM nodes").fetchall()[0][0] == 1
+    conn.close()
+
+
+def test_a_newer_sqlite_file_is_refused_without_a_byte_written(tmp_path):
+    path = tmp_path / "newer.db"
+    db = sqlite3.connect(path)  # rollback-journal mode, as a later release might leave it
+    db.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, summary TEXT NOT "
+               "NULL, applied REAL NOT NULL)")
+    db.execute("INSERT INTO schema_version VALUES (?, 'from the future', 0)",
+               (SCHEMA_VERSION + 1,))
+    db.commit()
+    db.close()
+    before = path.read_bytes()
+    with pytest.raises(SchemaTooNew):
+        SqliteStore(str(path))
+    assert path.read_bytes() == before  # not even switched to WAL (header bytes 18, 19)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["newer.db"]
+
+
+def test_another_applications_tables_are_refused_on_every_sql_backend(sql_kind, request,
+                                                                      tmp_path):
+    target = sql_target(sql_kind, request, tmp_path)
+    conn = connect(sql_kind, target)
+    conn.execute("CREATE TABLE jobs (id INTEGER, what TEXT)")
+    conn.close()
+    with pytest.raises(StoreConfigError, match=r"is not a fedpipe tracker database: it has a "
+                                               r"table jobs with column\(s\) id, what"):
+        open_sql(sql_kind, target)
+    conn = connect(sql_kind, target)
+    assert conn.tables() == {"jobs"} and conn.columns("jobs") == {"id", "what"}
     conn.close()
 
 

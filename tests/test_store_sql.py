@@ -209,3 +209,29 @@ def test_a_tracker_on_postgres_trains_a_job_and_a_restarted_one_still_knows_it(
     assert (info.state, info.step) == (S.JOB_STATE_SUCCEEDED, 5)
     assert [e.step for e in store.events(job.id, 0) if e.step][-1] == 5
     store.close()
+
+
+@pytest.mark.parametrize("target,message", [
+    ("postgres:localhost", r"unknown store scheme 'postgres:': expected postgresql://"),
+    ("memory", r"store 'memory' is not a file path or URL: for that store write memory:"),
+    ("Postgres", r"write postgresql://USER@HOST:PORT/DBNAME"),
+    ("postgresql", r"write postgresql://USER@HOST:PORT/DBNAME"),
+    ("sqlite://", r"store 'sqlite://' names no file: expected sqlite://PATH"),
+    ("sqlite:t.db", r"unknown store scheme 'sqlite:'"),
+])
+def test_a_store_meant_as_a_url_is_refused_not_taken_for_a_file(tmp_path, monkeypatch, target,
+                                                                 message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreConfigError, match=message):
+        open_store(target)
+    assert list(tmp_path.iterdir()) == []  # no file of that name was made
+
+
+def test_a_plain_relative_path_still_means_a_sqlite_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for target in ("tracker.db", "./memory", "state/../t2.db"):
+        (tmp_path / "state").mkdir(exist_ok=True)
+        s = open_store(target)
+        assert isinstance(s, SqliteStore)
+        s.close()
+    assert (tmp_path / "tracker.db").exists() and (tmp_path / "memory").exists()

@@ -92,6 +92,30 @@ def test_a_flat_group_keyword_leaves_the_other_flat_keywords_free():
     ({"placement": Placement(rebalance="often")}, {}, JobSpecError, "rebalance"),
     ({"lifetime": Lifetime(client_timeout=0)}, {}, JobSpecError, "client_timeout"),
     ({}, {"pending_timeout": -1.0}, JobSpecError, "pending_timeout"),
+    # each knob's type, named with the type expected (a bool is not a number)
+    ({"training": Training(microbatches=2.5)}, {}, TypeError,
+     r"microbatches \(Training.microbatches\) must be an int, got float 2.5"),
+    ({}, {"microbatches": True}, TypeError, "microbatches .* must be an int, got bool True"),
+    ({"training": Training(schedule=1)}, {}, TypeError, r"schedule .* must be a str, got int"),
+    ({}, {"max_staleness": None}, TypeError, "max_staleness .* must be an int, got NoneType"),
+    ({"training": Training(lr_scheduler="cosine")}, {}, TypeError,
+     r"lr_scheduler must come from fedpipe.lr_scheduler\(.*or be None, got str 'cosine'"),
+    ({}, {"clip_grad_norm": "1"}, TypeError, r"clip_grad_norm .* must be a number \(int or "
+                                             r"float\), got str"),
+    ({}, {"checkpoint_every": 2.5}, TypeError, "checkpoint_every .* must be an int, got float"),
+    ({"compression": Compression(activations=None)}, {}, TypeError,
+     r"activation_compression \(Compression.activations\) must be a str, got NoneType"),
+    ({"compression": {"gradients": 5}}, {}, TypeError, "gradient_compression .* must be a str"),
+    ({"replicas": Replicas(groups=2.0)}, {}, TypeError,
+     r"replicas \(Replicas.groups\) must be an int, got float 2.0"),
+    ({}, {"min_replicas": 1.5}, TypeError, r"min_replicas \(Replicas.min_groups\) must be an"),
+    ({"placement": Placement(stages=1.5)}, {}, TypeError,
+     r"stages \(Placement.stages\) must be an int, got float 1.5"),
+    ({}, {"rebalance": False}, TypeError, "rebalance .* must be a str, got bool"),
+    ({"lifetime": Lifetime(pending_timeout=True)}, {}, TypeError,
+     r"pending_timeout \(Lifetime.pending_timeout\) must be a number \(int or float\), got "
+     r"bool True"),
+    ({}, {"client_timeout": "60"}, TypeError, "client_timeout .* must be a number"),
 ])
 def test_a_bad_knob_is_named(groups, flat, error, match):
     with pytest.raises(error, match=match):

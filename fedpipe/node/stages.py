@@ -23,7 +23,7 @@ from torch import nn
 
 from ..net import timeouts
 from ..proto import node_pb2, tracker_pb2
-from .errors import NoSuchStage, StageExists, StageLoadError
+from .errors import NoSuchStage, StageExists, StageLoadError, Stopped
 from .lifecycle import Stage, StageSlot, StageState
 from .mailbox import Mailbox
 from .peers import StagePeers
@@ -64,6 +64,10 @@ class StageRegistry:
         self.mailbox, self.snapshots, self.reporter = mailbox, snapshots, reporter
         self.stages: dict[StageSlot, Stage] = {}
         self.lock = threading.Lock()
+        # the loads being built (outside the lock), each [slot, epoch, why a StopJob stopped
+        # it or None]: a StopJob that arrives meanwhile marks them, as it cannot reach a
+        # stage that is not in ``stages`` yet, and the load releases its stage when built
+        self._loading: list[list] = []
 
     # -- lookup --------------------------------------------------------------
     def get(self, slot: StageSlot) -> Stage:
@@ -109,28 +113,46 @@ class StageRegistry:
         thread), and start running it.
 
         An ended stage of the same slot, or one of an older plan epoch, is
-        replaced (it is stopped and released first).
+        replaced (it is stopped and released first). A :meth:`stop_job` that comes
+        while the stage is being built (before it is held here) stops it: once built
+        it is released, not started.
 
         Raises:
             StageExists: that stage of that job and epoch is already loaded and live.
             StageLoadError: as :func:`~fedpipe.node.wiring.build_stage`, or no snapshot
                 of the resume step could be found or restored.
+            Stopped: a StopJob of the job came while the stage was being built.
         """
         slot = StageSlot(request.job_id, request.replica, request.stage)
         with self.lock:
             old = self.stages.get(slot)
             if old is not None and old.live and old.epoch >= request.plan.epoch:
                 raise StageExists(f"stage {tuple(slot)} is already loaded (epoch {old.epoch})")
-        if old is not None:
-            self._release([old], f"replaced by a load of plan epoch {request.plan.epoch}")
-        stage = self._build(request)
-        with self.lock:
-            current = self.stages.get(slot)
-            if current is not None and current is not old:  # a concurrent load won
-                stage.peers.close()
-                stage.move(StageState.STOPPED, "a concurrent load of its slot won")
-                raise StageExists(f"stage {tuple(slot)} is already loaded")
-            self.stages[slot] = stage
+            loading: list = [slot, request.plan.epoch, None]
+            self._loading.append(loading)
+        try:
+            if old is not None:
+                self._release([old], f"replaced by a load of plan epoch {request.plan.epoch}")
+            stage = self._build(request)
+        except BaseException:
+            with self.lock:
+                self._loading.remove(loading)
+            raise
+        with self.lock:  # one critical section with stop_job: a stop lands before or after
+            self._loading.remove(loading)
+            stopped, current = loading[2], self.stages.get(slot)
+            won = current is not None and current is not old  # a concurrent load won
+            if stopped is None and not won:
+                self.stages[slot] = stage
+        if stopped is not None:  # a StopJob came while it was built: it is not kept
+            stage.peers.close()
+            self._release([stage], stopped)  # LOADING or RESTORING -> STOPPED -> RELEASED
+            raise Stopped(f"stage {tuple(slot)} of plan epoch {request.plan.epoch} was "
+                          f"stopped while it loaded ({stopped}); it is not kept")
+        if won:
+            stage.peers.close()
+            stage.move(StageState.STOPPED, "a concurrent load of its slot won")
+            raise StageExists(f"stage {tuple(slot)} is already loaded")
         self.loop.start(stage, list(request.snapshot_sources), request.snapshot_wait_seconds)
         log.info("loaded job %s stage %d/%d of group %d (layers %d..%d), epoch %d, from step %d",
                  slot.job_id, slot.stage, stage.n_stages, slot.replica, stage.layer_start,
@@ -177,9 +199,15 @@ class StageRegistry:
         epochs; with ``replicas``, only those of these replica groups); if ``release``,
         also forget them and the job's snapshots and free their memory. Returns the
         stages."""
-        mine = self.select(lambda s: s.job_id == job_id
-                           and (not before_epoch or s.epoch < before_epoch)
-                           and (not replicas or s.key.replica in replicas))
+        def matches(slot: StageSlot, epoch: int) -> bool:
+            return (slot.job_id == job_id and (not before_epoch or epoch < before_epoch)
+                    and (not replicas or slot.replica in replicas))
+
+        with self.lock:
+            mine = [s for s in self.stages.values() if matches(s.slot, s.epoch)]
+            for loading in self._loading:  # not built yet: its load releases it when built
+                if matches(loading[0], loading[1]):
+                    loading[2] = "StopJob"
         self._stop(mine, "StopJob")
         if release:
             self._release(mine, "StopJob with release")

@@ -3,13 +3,40 @@
 :class:`Lifetime`, gathered into :class:`Knobs`, which makes the :class:`JobSpec`."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import JobSpecError
 from .jobspec import JobSpec, check_field
 from .replicas import DiLoCo
 from .states import CLIENT_TIMEOUT
+
+
+_KINDS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "int": ("an int", lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)),
+    "number": ("a number (int or float)",
+               lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)),
+    "str": ("a str", lambda v: isinstance(v, str)),
+}
+"""Each knob type: how a message names it, and its test (a bool is neither an int nor a
+number, though Python counts it as one; numpy's ints and floats are)."""
+
+
+def _check_types(group: object, kinds: Mapping[str, tuple[str, str]]) -> None:
+    """Check the type of each of ``group``'s fields named in ``kinds`` (field -> (its
+    ``submit`` keyword, a kind of :data:`_KINDS`)).
+
+    Raises:
+        TypeError: the first field of the wrong type, named by its keyword and its group's
+            field, with the type expected and the value given.
+    """
+    for attr, (keyword, kind) in kinds.items():
+        value = getattr(group, attr)
+        expected, test = _KINDS[kind]
+        if not test(value):
+            raise TypeError(f"{keyword} ({type(group).__name__}.{attr}) must be {expected}, "
+                            f"got {type(value).__name__} {value!r}")
 
 
 def _check_fields(group: object, names: Mapping[str, str]) -> None:
@@ -55,8 +82,24 @@ class Training:
         """Check every field; return self.
 
         Raises:
+            TypeError: a field of the wrong type, or an ``lr_scheduler`` not made by
+                ``fedpipe.lr_scheduler`` (each named, with the type expected).
             JobSpecError: the first invalid field (named by its ``submit`` keyword).
         """
+        _check_types(self, {"microbatches": ("microbatches", "int"),
+                            "schedule": ("schedule", "str"),
+                            "max_staleness": ("max_staleness", "int"),
+                            "clip_grad_norm": ("clip_grad_norm", "number"),
+                            "checkpoint_every": ("checkpoint_every", "int")})
+        if self.lr_scheduler is not None:
+            # only a torch user has one: importing its type here costs nothing more
+            from ..runtime.optim import LRSchedulerSpec
+
+            if not isinstance(self.lr_scheduler, LRSchedulerSpec):
+                raise TypeError(f"lr_scheduler must come from fedpipe.lr_scheduler(torch.optim"
+                                f".lr_scheduler.X, ...) (a fedpipe.LRSchedulerSpec) or be "
+                                f"None, got {type(self.lr_scheduler).__name__} "
+                                f"{self.lr_scheduler!r}")
         _check_fields(self, self._RULES)
         return self
 
@@ -96,8 +139,11 @@ class Compression:
         """Check both settings; return self.
 
         Raises:
+            TypeError: a setting that is not a str (named).
             JobSpecError: a bad codec spec, or a gradients-only codec for activations.
         """
+        _check_types(self, {"activations": ("activation_compression", "str"),
+                            "gradients": ("gradient_compression", "str")})
         _check_fields(self, {"activations": "activation_compression",
                              "gradients": "gradient_compression"})
         return self
@@ -125,9 +171,12 @@ class Replicas:
         """Check every field; return self.
 
         Raises:
-            TypeError: ``sync`` neither a string nor a :class:`DiLoCo`.
+            TypeError: ``sync`` neither a string nor a :class:`DiLoCo`, or ``groups`` or
+                ``min_groups`` not an int (named).
             JobSpecError: the first invalid field (named by its ``submit`` keyword).
         """
+        _check_types(self, {"groups": ("replicas", "int"),
+                            "min_groups": ("min_replicas", "int")})
         if not isinstance(self.sync, (str, DiLoCo)):
             raise TypeError(f"replica_sync must be a string or fedpipe.DiLoCo, got "
                             f"{type(self.sync).__name__}")
@@ -164,8 +213,10 @@ class Placement:
         """Check every field; return self.
 
         Raises:
+            TypeError: a field of the wrong type (named, with the type expected).
             JobSpecError: the first invalid field.
         """
+        _check_types(self, {"stages": ("stages", "int"), "rebalance": ("rebalance", "str")})
         _check_fields(self, {"stages": "stages", "rebalance": "rebalance"})
         return self
 
@@ -188,8 +239,11 @@ class Lifetime:
         """Check every field; return self.
 
         Raises:
+            TypeError: a field that is not a number (named).
             JobSpecError: the first invalid field.
         """
+        _check_types(self, {"pending_timeout": ("pending_timeout", "number"),
+                            "client_timeout": ("client_timeout", "number")})
         _check_fields(self, {"pending_timeout": "pending_timeout",
                              "client_timeout": "client_timeout"})
         return self

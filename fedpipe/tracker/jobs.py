@@ -36,6 +36,7 @@ import time
 from typing import Callable, Iterable, Mapping, Protocol
 
 from .. import planner
+from ..net import timeouts
 from ..planner.protoio import model_profile, train_config
 from ..proto import node_pb2, tracker_pb2
 from ..spec import TERMINAL, WAITING, JobSpec, JobSpecError, PlanView, StageKey, state_name
@@ -52,6 +53,11 @@ RESTARTED = ("the tracker restarted while the job was being planned or deployed;
 """Why a job found PLANNING or DEPLOYING at start-up failed: its deploy was cut short."""
 
 _ENDS = frozenset({S.JOB_STATE_FAILED, S.JOB_STATE_CANCELLED})
+CANCEL_WAIT = timeouts.CONTROL_RPC / 4
+"""Seconds a CancelJob waits for its nodes' StopJob answers (asked all at once) before it
+answers; the calls still out go on in the background. A node that does not answer (paused,
+or busy loading the stage) would otherwise hold the cancel past the caller's deadline
+(``CONTROL_RPC``), though the job is already CANCELLED."""
 TRANSITIONS: Mapping[int, frozenset[int]] = {
     S.JOB_STATE_PENDING: frozenset({S.JOB_STATE_PLANNING}) | _ENDS,
     S.JOB_STATE_PLANNING: frozenset({S.JOB_STATE_DEPLOYING}) | _ENDS,
@@ -179,16 +185,34 @@ class Jobs:
         self.notify()
 
     def stop_stages(self, job_id: str, reason: str, release: bool,
-                    plan: node_pb2.Plan | None = None, before_epoch: int = 0) -> None:
+                    plan: node_pb2.Plan | None = None, before_epoch: int = 0,
+                    wait: float | None = None) -> None:
         """Stop the job's stages on the nodes of ``plan`` (default: its current plan);
-        with ``before_epoch``, only those of older epochs."""
+        with ``before_epoch``, only those of older epochs. The nodes are called one after
+        another; with ``wait``, all at once, each on a thread of its own, and this returns
+        once they all answered or after ``wait`` seconds, whichever is first."""
         plan = plan if plan is not None else self.store.job(job_id).plan
-        for address in sorted(PlanView(plan).addresses()):
+        request = node_pb2.StopJobRequest(job_id=job_id, reason=reason, release=release,
+                                          before_epoch=before_epoch)
+
+        def stop(address: str) -> None:
             try:
-                self.nodes.stop_job(address, node_pb2.StopJobRequest(
-                    job_id=job_id, reason=reason, release=release, before_epoch=before_epoch))
+                self.nodes.stop_job(address, request)
             except NodeCallError as e:
                 log.warning("could not stop job %s on %s: %s", job_id, address, e)
+
+        addresses = sorted(PlanView(plan).addresses())
+        if wait is None:
+            for address in addresses:
+                stop(address)
+            return
+        threads = [threading.Thread(target=stop, args=(a,), name=f"stop-{job_id}-{a}",
+                                    daemon=True) for a in addresses]
+        for t in threads:
+            t.start()
+        until = time.monotonic() + wait
+        for t in threads:
+            t.join(max(0.0, until - time.monotonic()))
 
     # -- events ---------------------------------------------------------------
     def recover(self) -> None:
@@ -245,7 +269,7 @@ class Jobs:
         """
         self.get(job_id)
         if self.move(job_id, S.JOB_STATE_CANCELLED, reason or "cancelled by the client"):
-            self.stop_stages(job_id, "cancelled", release=not keep_weights)
+            self.stop_stages(job_id, "cancelled", release=not keep_weights, wait=CANCEL_WAIT)
             self.notify()
         return self.get(job_id)
 

@@ -66,7 +66,7 @@ from .migration import move_seconds, predict_step_seconds, reassign, resplit
 from .nodes import NodeCallError, NodeCalls
 from .specs import JobSpecs, Spec
 from .stagetimes import StageTimes
-from .store import Store
+from .store import Store, StoreUnavailable
 
 log = logging.getLogger("fedpipe.tracker")
 S = tracker_pb2
@@ -410,6 +410,9 @@ class Rebalancer:
             self._considering.add(job_id)
         try:
             return self._consider(job_id)
+        except StoreUnavailable as e:  # the scheduler logs the outage; one line here
+            log.warning("job %s: a migration was not considered: %s", job_id, e)
+            return False
         except Exception:  # noqa: BLE001 — a planner bug must not stop the job
             log.exception("job %s: considering a migration failed", job_id)
             return False

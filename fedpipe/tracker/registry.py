@@ -442,7 +442,12 @@ class Registry:
             if inc is None or inc.fenced:
                 return False
             self._live(node_id, now)
-        self.store.heartbeat(node_id, now)
+        try:
+            self.store.heartbeat(node_id, now)
+        except Exception:
+            with self._lock:  # not revived until the store says so: the next beat tries again
+                self._dead(node_id, self._why.get(node_id, ""))
+            raise
         log.debug("node %s (%s) is back", inc.name, node_id)
         with self._lock:
             self._revived += 1
@@ -459,13 +464,17 @@ class Registry:
         send and a failed Ping say it is gone); ``why`` completes "node(s) NAMES ...".
         Returns False if it was not a live node."""
         with self._lock:
-            was_alive = self.alive(node_id)
+            was = self._until.get(node_id)
             self._dead(node_id, why)
-        if was_alive:
-            self.store.mark_lost(node_id)
+        if was is not None:
+            try:
+                self.store.mark_lost(node_id)
+            except Exception:
+                self._undo_loss({node_id: was})  # still live: the caller may try again
+                raise
             log.info("node %s %s", node_id, why)
             self.on_lost({node_id}, why)
-        return was_alive
+        return was is not None
 
     def expire(self) -> set[str]:
         """Mark the nodes whose lease ran out lost (in one store transaction); return their ids.
@@ -474,7 +483,7 @@ class Registry:
         since its last heartbeat. Pops only due deadlines (see the class docstring).
         """
         now = self.clock()
-        lost: dict[str, float] = {}  # node -> the lease it missed
+        lost: dict[str, tuple[float, float]] = {}  # node -> (its deadline, the lease it missed)
         with self._lock:
             revived, self._revived = self._revived, 0
             while self._heap and self._heap[0][0] < now:
@@ -483,7 +492,7 @@ class Registry:
                     continue  # stale: the node was lost or left since it was queued
                 renewed, lease = self._until[node_id]
                 if renewed < now:
-                    lost[node_id] = lease
+                    lost[node_id] = (renewed, lease)
                     self._dead(node_id, "")
                 else:
                     self._due[node_id] = renewed
@@ -492,17 +501,38 @@ class Registry:
             log.info("%d lost node(s) came back (heartbeat after their lease ran out)", revived)
         if not lost:
             return set()
-        self.store.mark_lost_many(sorted(lost))
-        longest = max(lost.values())
+        try:
+            self.store.mark_lost_many(sorted(lost))
+        except Exception:
+            # the loss is acted on only once it is written: until then the nodes stay queued
+            # (due again at the next tick), so a write that fails (the store is down) is
+            # retried instead of leaving nodes dead in memory that no recovery ever saw
+            self._undo_loss(lost)
+            raise
+        longest = max(lease for _, lease in lost.values())
         if len(lost) <= LOST_NAMED:
             for node_id in sorted(lost):
                 log.warning("node %s missed its lease of %.1f s: marked lost", node_id,
-                            lost[node_id])
+                            lost[node_id][1])
         else:
             log.warning("%d nodes missed their leases of up to %.1f s: marked lost (e.g. %s)",
                         len(lost), longest, ", ".join(sorted(lost)[:LOST_NAMED]))
         self.on_lost(set(lost), f"lost (no heartbeat for {longest:.0f} s)")
         return set(lost)
+
+    def _undo_loss(self, lost: dict[str, tuple[float, float]]) -> None:
+        """A loss could not be written: put each of ``lost`` (node -> its deadline and
+        lease, as :meth:`_dead` found them) back on the lease queue at that deadline, unless
+        a heartbeat revived it meanwhile, so the next :meth:`expire` tries again."""
+        with self._lock:
+            for node_id, (until, lease) in lost.items():
+                inc = self._nodes.get(node_id)
+                if node_id in self._until or inc is None or inc.fenced:
+                    continue
+                self._until[node_id] = (until, lease)
+                self._view = None
+                self._due[node_id] = until
+                heapq.heappush(self._heap, (until, node_id))
 
     def flush(self) -> int:
         """Persist the heartbeats taken since the last flush, in one transaction; return

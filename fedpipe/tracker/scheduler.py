@@ -56,7 +56,7 @@ from .replica_groups import ElasticReplicas
 from .retention import RETENTION, Retention
 from .specs import JobSpecs
 from .stagetimes import StageTimes
-from .store import Store
+from .store import Store, StoreUnavailable
 from .tallies import Tallies
 
 log = logging.getLogger("fedpipe.tracker")
@@ -182,6 +182,7 @@ class Tracker:
         self.feeders = Feeders(self.jobs, self.recovery, self.specs, clock)  # after recover()
         self.threads: list[threading.Thread] = []
         self._frozen_at = 0  # live nodes at the last freeze_heap()
+        self._store_down = False  # the last tick met StoreUnavailable (logged once)
         self.freezes = freeze_heap
         if background:
             self.threads = [threading.Thread(target=self._scheduler, name="scheduler",
@@ -293,12 +294,28 @@ class Tracker:
         self._frozen_at = live
         return True
 
+    def guarded_tick(self) -> None:
+        """:meth:`tick`, logging what it raises instead of raising: a store that cannot be
+        reached is logged once when it goes (one line, no traceback: every tick meets it
+        until it is back) and once when a tick succeeds again; any other error is logged
+        with its traceback."""
+        try:
+            self.tick()
+        except StoreUnavailable as e:
+            if not self._store_down:
+                log.warning("the store is unavailable (%s); retrying every tick", e)
+            self._store_down = True
+            return
+        except Exception:  # noqa: BLE001 — keep scheduling whatever one job did
+            log.exception("scheduler error")
+            return
+        if self._store_down:
+            log.warning("the store is available again")
+            self._store_down = False
+
     def _scheduler(self) -> None:
         while not self.stop_event.is_set():
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 — keep scheduling whatever one job did
-                log.exception("scheduler error")
+            self.guarded_tick()
             self.jobs.wait(min(TICK, self.lease / 4))
 
     # -- links ----------------------------------------------------------------

@@ -79,6 +79,10 @@ class Connection(abc.ABC):
         migrate it once."""
 
     @abc.abstractmethod
+    def tables(self) -> set[str]:
+        """The names of the database's own tables (not the database's internal ones)."""
+
+    @abc.abstractmethod
     def columns(self, table: str) -> set[str]:
         """The names of ``table``'s columns (empty if there is no such table)."""
 

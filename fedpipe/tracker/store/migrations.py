@@ -24,8 +24,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .base import SchemaTooNew
+from .base import SchemaTooNew, StoreConfigError
 from .connection import Connection
+
+
+class NotFedpipe(StoreConfigError):
+    """The database holds tables, but not a fedpipe tracker's: another application's."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,17 @@ def _columns(added: dict[str, dict[str, str]]) -> Callable[[Connection], None]:
     return apply
 
 
+_ADDED_IN_2: dict[str, dict[str, str]] = {
+    "nodes": {"boot_id": "TEXT NOT NULL DEFAULT ''",
+              "versions": "{blob} NOT NULL DEFAULT {empty_blob}",
+              "fenced": "INTEGER NOT NULL DEFAULT 0"},
+    # a JobInfo with only the recovery fields set (base.recovery_only)
+    "jobs": {"recovery": "{blob} NOT NULL DEFAULT {empty_blob}"},
+    "job_events": {"checkpoint_step": "INTEGER NOT NULL DEFAULT 0",
+                   "epoch": "INTEGER NOT NULL DEFAULT 0"},
+}
+"""The columns step 2 adds, by table (a database of fedpipe 0.1 may have some already)."""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "nodes, jobs with their layers, stages and events, links", _statements(
         "CREATE TABLE IF NOT EXISTS nodes ("
@@ -90,15 +105,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         " latency {real} NOT NULL, measured_at {real} NOT NULL, PRIMARY KEY (src, dst))",
     )),
     Migration(2, "node incarnations (boot id, versions, fencing); job recovery; "
-                 "checkpoint and epoch on events", _columns({
-                     "nodes": {"boot_id": "TEXT NOT NULL DEFAULT ''",
-                               "versions": "{blob} NOT NULL DEFAULT {empty_blob}",
-                               "fenced": "INTEGER NOT NULL DEFAULT 0"},
-                     # a JobInfo with only the recovery fields set (base.recovery_only)
-                     "jobs": {"recovery": "{blob} NOT NULL DEFAULT {empty_blob}"},
-                     "job_events": {"checkpoint_step": "INTEGER NOT NULL DEFAULT 0",
-                                    "epoch": "INTEGER NOT NULL DEFAULT 0"},
-                 })),
+                 "checkpoint and epoch on events", _columns(_ADDED_IN_2)),
     Migration(3, "the leader lease (which tracker leads, its address and fencing epoch); "
                  "replica-group membership", _statements(
                   "CREATE TABLE leader ("
@@ -114,6 +121,44 @@ MIGRATIONS: tuple[Migration, ...] = (
 
 SCHEMA_VERSION = MIGRATIONS[-1].version
 """The newest schema this fedpipe knows."""
+
+UNVERSIONED: dict[str, frozenset[str]] = {
+    "nodes": frozenset({"node_id", "name", "address", "resources", "registered",
+                        "last_heartbeat", "alive"}),
+    "jobs": frozenset({"job_id", "name", "state", "reason", "spec", "plan", "step", "loss",
+                       "created", "updated"}),
+    "job_layers": frozenset({"job_id", "idx", "blob"}),
+    "job_stages": frozenset({"job_id", "replica", "stage", "done"}),
+    "job_events": frozenset({"seq", "job_id", "time", "state", "reason", "step", "loss",
+                             "samples_per_second"}),
+    "links": frozenset({"src", "dst", "bandwidth", "latency", "measured_at"}),
+}
+"""The tables a fedpipe database had before versions were recorded (no ``schema_version``;
+the earliest had only ``nodes``) and the columns each had from the first; each may also
+have some of the columns step 2 adds (:data:`_ADDED_IN_2`), and no others. Step 1's tables
+have these same columns."""
+
+
+def foreign(conn: Connection) -> str | None:
+    """What makes a database with no ``schema_version`` other than an empty one or an
+    unversioned fedpipe one (some of :data:`UNVERSIONED`'s tables, each with its columns),
+    in words; None if it is either.
+
+    Reads only.
+    """
+    tables = conn.tables()
+    odd_tables = tables - set(UNVERSIONED)
+    if odd_tables:
+        return (f"table(s) {', '.join(sorted(tables))} and no schema_version (a fedpipe "
+                f"database has {', '.join(sorted(UNVERSIONED))})")
+    for table in sorted(tables):
+        first, have = UNVERSIONED[table], conn.columns(table)
+        missing, odd = first - have, have - first - set(_ADDED_IN_2.get(table, ()))
+        if missing or odd:
+            return (f"a table {table} with column(s) {', '.join(sorted(have))} and no "
+                    f"schema_version (fedpipe's has {', '.join(sorted(first))})")
+    return None
+
 
 _VERSION_TABLE = ("CREATE TABLE IF NOT EXISTS schema_version ("
                   " version INTEGER PRIMARY KEY, summary TEXT NOT NULL, applied {real} NOT NULL)")
@@ -134,6 +179,8 @@ def migrate(conn: Connection, steps: Sequence[Migration] = MIGRATIONS) -> int:
     Raises:
         SchemaTooNew: the database's version is newer than the last step's (nothing
             is written).
+        NotFedpipe: it has no ``schema_version`` and tables other than a fedpipe 0.1
+            database's (:func:`foreign`; nothing is written).
         ValueError: ``steps`` are not numbered 1, 2, ... in order.
     """
     if [s.version for s in steps] != list(range(1, len(steps) + 1)):
@@ -145,6 +192,12 @@ def migrate(conn: Connection, steps: Sequence[Migration] = MIGRATIONS) -> int:
         found = version(conn)
         if found > len(steps):
             raise SchemaTooNew(conn.where, found, len(steps))
+        if found == 0:
+            what = foreign(conn)
+            if what is not None:
+                raise NotFedpipe(f"{conn.where} is not a fedpipe tracker database: it has "
+                                 f"{what}; nothing was written to it. Give the tracker a new "
+                                 f"file or an empty database")
         if found < len(steps):
             conn.execute(conn.ddl(_VERSION_TABLE))
         for step in steps[found:]:

@@ -134,6 +134,11 @@ class PostgresConnection(Connection):
     def lock_schema(self) -> None:
         self.pg.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
 
+    def tables(self) -> set[str]:
+        rows = self.pg.execute("SELECT table_name FROM information_schema.tables "
+                               "WHERE table_schema = current_schema()").fetchall()
+        return {r[0] for r in rows}
+
     def columns(self, table: str) -> set[str]:
         rows = self.pg.execute("SELECT column_name FROM information_schema.columns "
                                "WHERE table_schema = current_schema() AND table_name = %s",

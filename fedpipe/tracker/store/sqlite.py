@@ -32,7 +32,9 @@ class SqliteConnection(Connection):
         try:
             # autocommit (isolation_level=None): the store says where transactions are
             self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            self.db.execute("PRAGMA journal_mode=WAL")
+            # a read that writes nothing: a file that is not a database is refused here;
+            # WAL is set once the schema was checked (SqliteStore), as it rewrites the header
+            self.db.execute("SELECT count(*) FROM sqlite_master").fetchall()
         except sqlite3.Error as exc:
             raise StoreConfigError(f"cannot open {self.where}: {exc}") from exc
         # a commit reaches the WAL at once and the file at checkpoints: a power cut may
@@ -58,6 +60,10 @@ class SqliteConnection(Connection):
 
     def lock_schema(self) -> None:
         pass  # BEGIN IMMEDIATE holds the file's only write lock already
+
+    def tables(self) -> set[str]:
+        return {row[0] for row in self.db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
 
     def columns(self, table: str) -> set[str]:
         return {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
@@ -90,6 +96,8 @@ class SqliteStore(SqlStore):
         conn = SqliteConnection(path)
         self.db = conn.db
         try:
-            super().__init__(conn, fence)
+            super().__init__(conn, fence)  # migrates, or refuses a newer schema writing nothing
+            conn.db.execute("PRAGMA journal_mode=WAL")
         except sqlite3.DatabaseError as exc:
+            conn.close()
             raise StoreConfigError(f"cannot use {conn.where}: {exc}") from exc
