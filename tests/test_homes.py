@@ -110,7 +110,9 @@ def test_the_planner_prices_a_codec_from_its_model_row(monkeypatch):
 def test_the_network_layer_names_its_two_method_sets_apart():
     node, tracker = "/fedpipe.v1.Node/", "/fedpipe.v1.Tracker/"
     assert net.STREAMING_METHODS == {node + "Send", node + "FetchState", node + "PutSnapshot",
-                                     node + "FetchSnapshot", tracker + "WatchJob"}
+                                     node + "FetchSnapshot", node + "PutWeights",
+                                     tracker + "WatchJob"}
     assert rpc.FRAME_METHODS == {node + "Send", node + "SendOne", node + "FetchState",
-                                 node + "PutSnapshot", node + "FetchSnapshot"}
+                                 node + "PutSnapshot", node + "FetchSnapshot",
+                                 node + "PutWeights"}
     assert not hasattr(net, "DATA_METHODS") and not hasattr(rpc, "DATA_METHODS")

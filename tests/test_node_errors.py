@@ -80,7 +80,7 @@ def service(error: BaseException, calls: list[str]) -> NodeService:
     fake = Raising(error, calls)
     parts = NodeParts(stages=fake, data=fake, desk=fake, access=fake,  # type: ignore[arg-type]
                       streams=Streams(), channels=fake,  # type: ignore[arg-type]
-                      shaper=lambda name: None)
+                      shaper=lambda name: None, weights=fake)  # type: ignore[arg-type]
     return NodeService(lambda: "n0", "n0", node_pb2.Resources(device="cpu"),
                        lambda report: None, parts=parts)
 
@@ -92,6 +92,7 @@ REQUESTS = {
     "StopJob": lambda: node_pb2.StopJobRequest(job_id="j"),
     "FetchState": lambda: node_pb2.FetchStateRequest(job_id="j"),
     "PutSnapshot": lambda: iter([FRAME]),
+    "PutWeights": lambda: iter([FRAME]),
     "FetchSnapshot": lambda: node_pb2.FetchSnapshotRequest(job_id="j", step=1),
     "Send": lambda: iter([FRAME]),
     "SendOne": lambda: FRAME,

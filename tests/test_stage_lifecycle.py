@@ -17,7 +17,8 @@ S = StageState
 
 def stage_in(state: StageState) -> Stage:
     """A stage brought to ``state`` along allowed moves only."""
-    path = {S.LOADING: [], S.RESTORING: [S.RESTORING], S.RUNNING: [S.RUNNING],
+    path = {S.LOADING: [], S.AWAITING_WEIGHTS: [S.AWAITING_WEIGHTS],
+            S.RESTORING: [S.RESTORING], S.RUNNING: [S.RUNNING],
             S.HELD: [S.RUNNING, S.HELD], S.DONE: [S.RUNNING, S.DONE],
             S.FAILED: [S.RUNNING, S.FAILED], S.STOPPED: [S.STOPPED],
             S.RELEASED: [S.STOPPED, S.RELEASED]}[state]
@@ -32,6 +33,8 @@ def test_a_stage_starts_loading_and_the_table_is_what_the_life_cycle_says():
     assert Stage(StageSlot("j", 0, 0), 1, 0, nn.Sequential(), 1, None).state is S.LOADING
     assert TRANSITIONS == {
         (S.LOADING, S.RESTORING), (S.LOADING, S.RUNNING), (S.LOADING, S.STOPPED),
+        (S.LOADING, S.AWAITING_WEIGHTS), (S.AWAITING_WEIGHTS, S.RUNNING),
+        (S.AWAITING_WEIGHTS, S.FAILED), (S.AWAITING_WEIGHTS, S.STOPPED),
         (S.RESTORING, S.RUNNING), (S.RESTORING, S.FAILED), (S.RESTORING, S.STOPPED),
         (S.RUNNING, S.HELD), (S.HELD, S.RUNNING), (S.RUNNING, S.DONE), (S.RUNNING, S.FAILED),
         (S.RUNNING, S.STOPPED), (S.HELD, S.STOPPED),

@@ -26,6 +26,7 @@ from ..runtime.checkpoint import Snapshot
 from .access import JobAccessBook, Quorum
 from .admission import BOUNDED_KINDS, DataPlane, inbox_job
 from .dataplane import NodeReceiver
+from .initial import WeightsDesk
 from .lifecycle import Stage
 from .mailbox import JOB_TENSORS, Mailbox
 from .peers import ChannelPool, Shaper, StagePeers
@@ -55,6 +56,7 @@ class NodeParts:
         streams: the watch over open data-plane streams.
         channels: the node's shared channels to its peers.
         shaper: the emulated link to a peer, by its node name (None: none).
+        weights: takes stages' streamed initial weights in (PutWeights).
         sockets: the node's socket data plane (None: gRPC only).
         receiver: where the socket data plane's tensors are admitted (None with it).
     """
@@ -66,6 +68,7 @@ class NodeParts:
     streams: StreamWatch
     channels: ChannelPool
     shaper: Callable[[str], Shaper | None]
+    weights: WeightsDesk
     sockets: SocketPlane | None = None
     receiver: NodeReceiver | None = None
 
@@ -156,6 +159,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     return NodeParts(stages=stages, data=data,
                      desk=SnapshotDesk(snapshots, stages.holds, job_snapshot_bytes),
                      access=access, streams=streams, channels=channels, shaper=shaper,
+                     weights=WeightsDesk(stages.get),
                      sockets=sockets[0] if sockets else None, receiver=receiver)
 
 

@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from .. import net
-from ..net import dataplane, timeouts
+from ..net import dataplane, timeouts, trackers
 from ..net.emulation import Pacer
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2
@@ -32,6 +32,7 @@ from ..security import TlsConfig
 from ..spec import Kind
 from ..wire import codecs, frames, rpc
 from ..wire.format import WireError
+from .errors import InvalidRequest
 
 MAX_PROBE_BYTES = 64 * 2**20
 """Largest link-measurement probe a node sends or accepts, bytes."""
@@ -69,7 +70,14 @@ class ChannelPool:
         self._channels: dict[str, tuple[grpc.Channel, int]] = {}  # address -> (channel, users)
 
     def acquire(self, address: str, shaper: Shaper | None = None) -> grpc.Channel:
-        """The channel to ``address``, with one more user."""
+        """The channel to ``address``, with one more user.
+
+        Raises:
+            InvalidRequest: ``address`` is a list (``a:1,b:2``): a peer is one ``HOST:PORT``,
+                and :func:`fedpipe.net.channel` would take a list for several trackers.
+        """
+        if trackers.several(address):
+            raise InvalidRequest(f"peer address {address!r} is not one HOST:PORT")
         with self._lock:
             ch, users = (self._channels.get(address)
                          or (net.channel(address, shaper, tls=self.tls), 0))

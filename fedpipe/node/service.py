@@ -26,7 +26,6 @@ from ..wire import frames
 from ..runtime import checkpoint
 from .access import Quorum
 from .errors import InvalidRequest, maps_errors
-from .initial import WeightsDesk
 from .lifecycle import StageSlot
 from .mailbox import JOB_TENSORS
 from .parts import NodeParts, build_parts
@@ -68,7 +67,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.stages, self.data, self.desk = parts.stages, parts.data, parts.desk
         self.access, self.streams, self.channels = parts.access, parts.streams, parts.channels
         self.verifier = parts.access.verifier
-        self.weights = WeightsDesk(self.stages.get)
+        self.weights = parts.weights
 
     def stop_all(self) -> None:
         """Stop every stage (node shutdown)."""

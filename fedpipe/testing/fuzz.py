@@ -62,7 +62,7 @@ import time
 from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import grpc
 from google.protobuf import descriptor as _descriptor
@@ -301,7 +301,9 @@ class Values:
             if self.rng.random() < 0.4:
                 continue
             is_msg = f.type == _FD.TYPE_MESSAGE
-            if f.is_repeated:
+            if _is_map(f):
+                self._entries(getattr(msg, f.name), f, self.length(4), depth)
+            elif f.is_repeated:
                 box = getattr(msg, f.name)
                 n = self.length(4 if is_msg else 24)
                 for _ in range(min(n, 8) if is_msg and depth else n):
@@ -315,6 +317,16 @@ class Values:
                 setattr(msg, f.name, self.scalar(f))
         return msg
 
+    def _entries(self, box: Any, f: _descriptor.FieldDescriptor, n: int, depth: int) -> None:
+        """Put ``n`` random entries into the map field ``f``'s container ``box``."""
+        entry = f.message_type.fields_by_name
+        key_f, value_f = entry["key"], entry["value"]
+        for _ in range(n):
+            key = self.scalar(key_f)
+            if value_f.type == _FD.TYPE_MESSAGE:
+                box[key].CopyFrom(self.message(value_f.message_type, depth + 1))
+            else:
+                box[key] = self.scalar(value_f)
 
     def mutate(self, msg: _message.Message, changes: int) -> _message.Message:
         """Change ``changes`` fields of ``msg`` in place, anywhere in its tree: a new random
@@ -333,6 +345,8 @@ class Values:
             r = self.rng.random()
             if r < 0.15:
                 node.ClearField(f.name)
+            elif _is_map(f):
+                self._entries(box, f, 1, 1)
             elif box is not None and len(box) and r < 0.4:
                 i = self.rng.randrange(len(box))
                 if self.rng.random() < 0.5:
@@ -351,6 +365,12 @@ class Values:
             else:
                 setattr(node, f.name, self.scalar(f))
         return msg
+
+
+def _is_map(f: _descriptor.FieldDescriptor) -> bool:
+    """Whether ``f`` is a ``map<K, V>`` field (a repeated entry message in the descriptor)."""
+    return (f.type == _FD.TYPE_MESSAGE and f.is_repeated
+            and f.message_type.GetOptions().map_entry)
 
 
 # -- hostile wire frames ------------------------------------------------------
