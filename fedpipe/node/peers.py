@@ -292,6 +292,7 @@ class SocketSender:
         self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"data-{self.name}")
         self.error: Exception | None = None
         self.feedback = codecs.ErrorFeedback()
+        self.job = ""  # whose refusals this sender raises (the link is shared by every job)
 
     def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
         """As :meth:`PeerSender.submit`.
@@ -299,6 +300,7 @@ class SocketSender:
         Raises:
             StageError: an earlier send to this peer failed.
         """
+        self.job = envelope.job_id
         self.check()
         if self.pacer is None and codec == "raw" and tensor.device.type == "cpu" \
                 and tensor.numel() * tensor.element_size() <= INLINE_BYTES:
@@ -330,7 +332,7 @@ class SocketSender:
         """Raise StageError if a send to this peer failed (or the peer refused a tensor)."""
         if self.error is None:
             try:
-                self.link.check()
+                self.link.check(self.job)
             except (dataplane.LinkFailed, WireError) as e:
                 self.error = e
         if self.error is not None:
@@ -342,7 +344,7 @@ class SocketSender:
         self.encoder.submit(lambda: None).result()  # what is queued has been written
         self.check()
         try:
-            self.link.flush()
+            self.link.flush(owner=self.job)
         except (dataplane.LinkFailed, WireError) as e:
             self.error = self.error or e
         if self.pacer is not None:

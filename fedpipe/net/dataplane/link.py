@@ -144,6 +144,7 @@ class _Out(NamedTuple):
     seq: int
     head: bytes          # record prefix and HEAD frame (prefix, header)
     payload: memoryview  # the tensor's own memory (or its codec output)
+    owner: str = ""      # its envelope's job: whose sender a refusal of it is raised to
 
 
 class _GoAway(Exception):
@@ -188,7 +189,9 @@ class Link:
         self.next_seq = 0
         self.retained: collections.deque[_Out] = collections.deque()
         self.credits = Credits(window_bytes, window_messages)  # the peer's, once it says
-        self.error: PeerRefused | None = None
+        # refusals not raised yet, by the refused tensor's job ("": not known); one link
+        # carries every stage's tensors to the peer, so each job's sender sees only its own
+        self.refused: dict[str, PeerRefused] = {}
         # inbound
         self.peer_session = ""
         self.expected = 0
@@ -202,14 +205,20 @@ class Link:
         return f"Link({self.name} <-> {self.peer_name}, {'up' if self.conn else 'down'})"
 
     # -- sending -------------------------------------------------------------
-    def check(self) -> None:
+    def check(self, owner: str | None = None) -> None:
         """Raise what the peer refused, or why the link failed.
+
+        ``owner``: raise only a refusal of that job's tensors (or of a tensor whose job
+        is not known); None: any refusal.
 
         Raises:
             PeerRefused: the peer refused a tensor sent earlier (raised once).
             LinkFailed: the link is gone.
         """
-        error, self.error = self.error, None
+        with self._state:
+            keys = list(self.refused) if owner is None else [k for k in (owner, "")
+                                                            if k in self.refused]
+            error = self.refused.pop(keys[0]) if keys else None
         if error is not None:
             raise error
         if self.credits.failed is not None:
@@ -238,7 +247,8 @@ class Link:
                      flush: bool = False) -> int:
         """:meth:`send` of a tensor already encoded
         (:func:`~fedpipe.wire.codecs.encode_payload`)."""
-        self.check()
+        owner = envelope.job_id if envelope is not None else ""
+        self.check(owner)
         header = node_pb2.Frame(envelope=envelope, name=name)
         header.tensor.CopyFrom(msg)
         header.tensor.payload_bytes = len(payload)
@@ -250,7 +260,8 @@ class Link:
             with self._state:
                 seq = self.next_seq
                 self.next_seq += 1
-                out = _Out(seq, records.pack(RecordType.TENSOR, seq) + frame_head, payload)
+                out = _Out(seq, records.pack(RecordType.TENSOR, seq) + frame_head, payload,
+                           owner)
                 self.retained.append(out)
                 conn = self.conn
             if conn is not None:  # else the tensor goes when the link resumes
@@ -261,8 +272,9 @@ class Link:
             self._wait_idle(None)
         return seq
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until the peer acknowledged every tensor sent.
+    def flush(self, timeout: float | None = None, owner: str | None = None) -> None:
+        """Wait until the peer acknowledged every tensor sent; then raise a refusal of
+        ``owner``'s tensors as :meth:`check` does.
 
         Raises:
             PeerRefused: the peer refused one of them.
@@ -270,14 +282,14 @@ class Link:
                 timeout) passed first.
         """
         self._sync()
-        self._wait_idle(timeout)
+        self._wait_idle(timeout, owner)
 
-    def _wait_idle(self, timeout: float | None) -> None:
+    def _wait_idle(self, timeout: float | None, owner: str | None = None) -> None:
         timeout = self.timeouts.credit if timeout is None else timeout
         if not self.credits.wait_idle(timeout):
             self.credits.fail(f"{self.credits.messages_out} tensors unacknowledged by "
                               f"{self.peer_name} after {timeout} s")
-        self.check()
+        self.check(owner)
 
     def _sync(self) -> None:
         with self._state:
@@ -438,7 +450,9 @@ class Link:
             self._drain()
         elif kind is RecordType.REFUSED:
             code, text = self._read_text(conn)
-            self.error = self.error or PeerRefused(_code(code), text, arg)
+            with self._state:  # the refused tensor is retained until its ACK, which follows
+                owner = next((o.owner for o in self.retained if o.seq == arg), "")
+                self.refused.setdefault(owner, PeerRefused(_code(code), text, arg))
         elif kind is RecordType.GOAWAY:
             code, text = self._read_text(conn)
             raise _GoAway(f"{_code(code).name}: {text}")
