@@ -199,6 +199,21 @@ def test_a_refused_tensor_is_reported_and_the_link_goes_on(pair):
     assert b_in.steps() == [0, 5]
 
 
+def test_a_refusal_is_raised_only_to_the_job_whose_tensor_was_refused(pair):
+    # one link carries every job's tensors to a peer: another job's sender must not fail
+    # for it (a cancelled job's refused tensor once failed the next job's stage)
+    a, b, _, b_in = pair
+    b_in.refuse_steps = {1}
+    link = a.link("b", b.address)
+    link.send(torch.ones(10), envelope=env(1, job="old"), flush=False)
+    link.flush(10, owner="new")  # all acknowledged; "old"'s refusal is not "new"'s
+    link.send(torch.ones(10), envelope=env(2, job="new"), flush=True)
+    with pytest.raises(PeerRefused, match="step 1 is stale"):
+        link.check("old")
+    link.check("old")  # raised once
+    assert b_in.steps() == [2]
+
+
 class CuttingProxy:
     """Forwards 127.0.0.1 connections to ``target``; the first one is cut (both ways)
     after ``cut_after`` bytes went from the dialer to the target."""

@@ -269,7 +269,7 @@ class Link:
                 self._write(conn, out.head, out.payload, *sync)
         self._drain()
         if flush:
-            self._wait_idle(None)
+            self._wait_idle(None, owner)
         return seq
 
     def flush(self, timeout: float | None = None, owner: str | None = None) -> None:
