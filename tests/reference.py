@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 
 def single_process(model, loss_fn, spec, batches) -> dict:
     """A copy of ``model`` trained one optimizer step per batch; its state_dict."""
@@ -133,3 +135,10 @@ def _outer_step(models, who, groups, outer_weights, outer) -> None:
         for g in who:
             for p, glob in zip(models[g].parameters(), outer_weights):
                 p.copy_(glob)
+
+
+def not_bit_equal(got: dict, want: dict) -> list[str]:
+    """The names of ``want``'s tensors that ``got`` lacks or holds with another value (and
+    those ``got`` has beyond them): ``[]`` when the two state dicts are bit-equal."""
+    extra = sorted(set(got) - set(want))
+    return [k for k in want if k not in got or not torch.equal(got[k], want[k])] + extra

@@ -22,7 +22,7 @@ import fedpipe
 from fedpipe.client.weights import package
 from fedpipe.runtime.materialize import MaterializeError
 from fedpipe.runtime.weights import WeightsError, save_layers
-from reference import digit_batches, microbatched
+from reference import digit_batches, microbatched, not_bit_equal
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
 STEPS, BATCH, MICROBATCHES = 4, 32, 4
@@ -48,11 +48,6 @@ def _train(swarm, model, **kw) -> tuple[dict, nn.Sequential]:
     return got, trained
 
 
-def _bit_equal(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-
 
 def test_a_meta_job_trains_as_its_materialized_model_does_in_one_process(swarm):
     with torch.device("meta"):
@@ -61,8 +56,8 @@ def test_a_meta_job_trains_as_its_materialized_model_does_in_one_process(swarm):
     expected = microbatched(reference, LOSS, SGD, digit_batches(STEPS, BATCH), MICROBATCHES)
     assert all(t.is_meta for t in model.state_dict().values())  # the client holds none
     got, trained = _train(swarm, model, seed=7)
-    _bit_equal(got, expected)
-    _bit_equal(trained.state_dict(), expected)  # Job.model() of a meta job
+    assert not_bit_equal(got, expected) == []
+    assert not_bit_equal(trained.state_dict(), expected) == []  # Job.model() of a meta job
 
 
 def test_another_seed_makes_other_weights():
@@ -81,7 +76,7 @@ def test_a_model_with_weights_is_streamed_to_the_nodes_and_trains_bit_equal(swar
     assert code.weights.source == "stream"
     assert sum(map(len, code.layers)) < 8 * 1024  # code only: a few KiB, no weights
     got, _ = _train(swarm, model)
-    _bit_equal(got, expected)
+    assert not_bit_equal(got, expected) == []
 
 
 def test_weights_from_a_safetensors_file_are_read_by_the_nodes(swarm, tmp_path):
@@ -92,7 +87,7 @@ def test_weights_from_a_safetensors_file_are_read_by_the_nodes(swarm, tmp_path):
         model = mlp()
     expected = microbatched(real, LOSS, SGD, digit_batches(STEPS, BATCH), MICROBATCHES)
     got, _ = _train(swarm, model, weights=path)
-    _bit_equal(got, expected)
+    assert not_bit_equal(got, expected) == []
 
 
 def test_a_meta_layer_nothing_initializes_is_refused_at_submit_naming_it(swarm):
@@ -151,4 +146,4 @@ def test_a_streamed_job_taken_over_before_its_first_checkpoint_gets_its_weights_
     assert [r.checkpoint_step for r in status.recoveries] == [0]
     got = resumed.state_dict()
     resumed.release()
-    _bit_equal(got, expected)
+    assert not_bit_equal(got, expected) == []
