@@ -12,11 +12,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .codecs import CODECS, ErrorFeedback, decode, encode, encode_payload
+    from .codecs import CODECS, decode, encode, encode_payload
+    from .feedback import ErrorFeedback
     from .format import WireError
 
 __all__ = ["CODECS", "ErrorFeedback", "WireError", "decode", "encode", "encode_payload"]
-_HOME = {"WireError": ".format", "CODECS": ".codecs", "ErrorFeedback": ".codecs",
+_HOME = {"WireError": ".format", "CODECS": ".codecs", "ErrorFeedback": ".feedback",
          "decode": ".codecs", "encode": ".codecs", "encode_payload": ".codecs"}
 
 
