@@ -26,7 +26,7 @@ from .. import net
 from ..net import dataplane, timeouts, trackers
 from ..net.emulation import Pacer
 from ..observe.metrics import NodeMetrics
-from ..proto import node_pb2
+from ..proto import node_pb2, tensor_pb2
 from ..runtime.stage import StageError
 from ..security import TlsConfig
 from ..spec import Kind
@@ -50,6 +50,17 @@ as much as a small layer's pass)."""
 
 Shaper: TypeAlias = grpc.UnaryUnaryClientInterceptor
 """An emulated link (:class:`fedpipe.net.emulation.Shaper`) a channel's calls go through."""
+
+
+def encode(envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
+           feedback: codecs.ErrorFeedback) -> tuple[tensor_pb2.Tensor, memoryview]:
+    """``tensor`` encoded with ``codec`` for a peer, whichever transport carries it: a
+    gradient through the sender's error ``feedback``, one residual per (stage, microbatch,
+    shape); an activation as it is (:func:`fedpipe.wire.codecs.encode_payload`)."""
+    if envelope.kind == Kind.GRADIENT:
+        key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
+        return codecs.encode_payload(tensor, codec, feedback=feedback, key=key)
+    return codecs.encode_payload(tensor, codec)
 
 
 class ChannelPool:
@@ -191,12 +202,7 @@ class PeerSender:
 
     def _send_locked(self, envelope, tensor, codec, inline):
         try:
-            if envelope.kind == Kind.GRADIENT:
-                key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
-                msg, payload = codecs.encode_payload(tensor, codec, feedback=self.feedback,
-                                                     key=key)
-            else:
-                msg, payload = codecs.encode_payload(tensor, codec)
+            msg, payload = encode(envelope, tensor, codec, self.feedback)
             if self.metrics is not None:
                 self.metrics.sent(self.name, envelope.kind, tensor.numel() * tensor.element_size(),
                                   payload.nbytes)
@@ -312,12 +318,7 @@ class SocketSender:
     def _send(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
               due: float) -> None:
         try:
-            if envelope.kind == Kind.GRADIENT:
-                key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
-                msg, payload = codecs.encode_payload(tensor, codec, feedback=self.feedback,
-                                                     key=key)
-            else:
-                msg, payload = codecs.encode_payload(tensor, codec)
+            msg, payload = encode(envelope, tensor, codec, self.feedback)
             if self.metrics is not None:
                 self.metrics.sent(self.name, envelope.kind, tensor.numel() * tensor.element_size(),
                                   payload.nbytes, transport="socket")
