@@ -11,6 +11,8 @@ comma), so the code above it sees one channel, as with one tracker:
 - a standby's redirect (UNAVAILABLE with :data:`LEADER_KEY`) is followed at once,
   the call sent again to the leader it names: a standby runs nothing, so the call
   was not applied and sending it again is safe. At most one hop per address;
+- a call that never reached a tracker (its address refused the connection: the
+  tracker there is dead) goes on at once to the next address, as safe to send;
 - any other UNAVAILABLE or DEADLINE_EXCEEDED (the tracker died, is stopped or cut
   off) moves the belief to the next address and is raised as it is: the caller's
   own retry (:func:`fedpipe.net.retry`) sends the next attempt there, since the
@@ -31,6 +33,8 @@ LEADER_KEY = "fedpipe-leader"
 SEPARATOR = ","
 """Between the addresses of several trackers in one target: ``a:7070,b:7070``."""
 _FOLLOW = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_UNSENT = "failed to connect to all addresses"
+"""gRPC core's details when no connection could be made: the call was never sent."""
 
 
 def several(target: str) -> bool:
@@ -54,6 +58,15 @@ def addresses(target: str) -> list[str]:
         if address not in out:
             out.append(address)
     return out
+
+
+def unsent(error: grpc.RpcError) -> bool:
+    """Whether ``error`` says the call never left this process (no connection to the
+    address could be made), so no tracker applied it."""
+    code = getattr(error, "code", None)
+    details = getattr(error, "details", lambda: "")() or ""
+    return (code is not None and code() == grpc.StatusCode.UNAVAILABLE
+            and details.startswith(_UNSENT))
 
 
 def leader_of(error: grpc.RpcError) -> str | None:
@@ -216,9 +229,12 @@ class _Unary(grpc.UnaryUnaryMultiCallable):
             try:
                 return send(self._callable(address), _left(deadline))
             except grpc.RpcError as e:
-                if hop + 1 < self.owner._hops() and trackers.redirected(e, address):
+                last = hop + 1 == self.owner._hops()
+                if not last and trackers.redirected(e, address):
                     continue  # a standby applied nothing: send it to the leader it named
                 trackers.failed(e, address)
+                if not last and unsent(e):
+                    continue  # no tracker got it: try the next address
                 raise
         raise AssertionError("unreachable: the last hop raises")
 
