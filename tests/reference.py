@@ -17,17 +17,25 @@ def single_process(model, loss_fn, spec, batches) -> dict:
     return model.state_dict()
 
 
-def microbatched(model, loss_fn, spec, batches, microbatches: int) -> dict:
+def microbatched(model, loss_fn, spec, batches, microbatches: int, seed: int = 0) -> dict:
     """A copy of ``model`` trained as a synchronous pipeline computes, op for op: each
     batch split in ``microbatches`` (``tensor_split``), each microbatch's loss scaled by
     ``n / B`` and its gradients accumulated in order, then one optimizer step. Equal bit
-    for bit to a pipeline's weights (the stages run the same ops in the same order)."""
+    for bit to a pipeline's weights (the stages run the same ops in the same order), with
+    dropout masks drawn as the job of ``seed`` draws them (each layer seeded:
+    :class:`fedpipe.runtime.rng.LayerSeeds`)."""
+    from fedpipe.runtime.rng import LayerSeeds
+
     model = copy.deepcopy(model)
+    seeds = LayerSeeds(model, 0, seed)
     opt = spec.build(model.parameters())
-    for x, y in batches:
+    for step, (x, y) in enumerate(batches):
         opt.zero_grad(set_to_none=True)
-        for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
-            (loss_fn(model(xm), ym).reshape(()) * (xm.shape[0] / x.shape[0])).backward()
+        for m, (xm, ym) in enumerate(zip(x.tensor_split(microbatches),
+                                         y.tensor_split(microbatches))):
+            with seeds.drawing(step, m, xm.device):
+                out = model(xm)
+            (loss_fn(out, ym).reshape(()) * (xm.shape[0] / x.shape[0])).backward()
         opt.step()
     return model.state_dict()
 

@@ -168,7 +168,8 @@ class Client:
             steps: optimizer steps, one batch each.
             name: the job's name (default: the model's class name).
             training: :class:`fedpipe.spec.Training`: microbatches, schedule,
-                max_staleness, lr_scheduler, clip_grad_norm, checkpoint_every.
+                max_staleness, lr_scheduler, clip_grad_norm, checkpoint_every,
+                recompute (False, True or "auto"), precision ("fp32" or "bf16-mixed").
             compression: :class:`fedpipe.spec.Compression`, or "auto" (the planner
                 picks each link's codec from its bandwidth), "none", a codec spec
                 such as "int8+zstd", or a dict ``{"activations": ..., "gradients":
@@ -195,6 +196,9 @@ class Client:
                 streams them to it).
             seed: a meta model's seed: layer ``i`` is initialized from ``(seed, i)``,
                 as ``fedpipe.materialize(model, seed, init_fn)`` does in one process.
+                Every job's dropout masks are seeded from it too: layer ``i`` on
+                microbatch ``m`` of step ``s`` draws from ``(seed, s, group, m, i)``
+                (:mod:`fedpipe.runtime.rng`), wherever it runs.
             init_fn: ``init_fn(layer, index, generator)`` run after each meta layer's
                 ``reset_parameters()`` (e.g. :func:`fedpipe.hf.init_fn`).
             weight_names: ``names(layer_index, key)``: the file names of a layer's
@@ -207,7 +211,8 @@ class Client:
             knobs: the flat keywords, one per knob of the groups above
                 (:data:`fedpipe.spec.FLAT_KNOBS`): ``microbatches``, ``schedule``,
                 ``max_staleness``, ``lr_scheduler``, ``clip_grad_norm``,
-                ``checkpoint_every``, ``replica_sync``, ``min_replicas``,
+                ``checkpoint_every``, ``recompute``, ``precision``, ``replica_sync``,
+                ``min_replicas``,
                 ``stages``, ``rebalance``, ``pending_timeout`` (None: no limit),
                 ``client_timeout``; each documented at its group.
 

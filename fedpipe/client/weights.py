@@ -154,7 +154,7 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
         return ModelCode([dumps(layer) for layer in model], spec,
                          profile_message(meta_profile(list(model), sample)), None)
     code = [meta_copy(layer) for layer in model]
-    spec = WeightsSpec(source="stream", ties=groups,
+    spec = WeightsSpec(source="stream", ties=groups, seed=seed,
                        digests=tuple(layer_digest(layer.state_dict()) for layer in model))
     return ModelCode([dumps(layer) for layer in code], spec, _profile(model, code, sample),
                      streamed(model))

@@ -23,6 +23,7 @@ from ..runtime.diloco import OuterSync
 from ..runtime.elastic import AskQuorum, ElasticGradientSync, ElasticOuterSync
 from ..runtime.materialize import norm_parameters
 from ..runtime.ties import TiedGradients
+from ..runtime.rng import LayerSeeds
 from ..runtime.stage import StageError, StepHook, SyncStageRunner, TimedTransport
 from ..spec import JobSpec, Kind, PlanView, Quorum, StageKey
 from .errors import StageLoadError
@@ -261,14 +262,19 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
         pending.loaded.append(outer.anchor)
     stage.parts = {LAYOUT: layerstate.Layout(module, mine.layer_start), "module": module,
                    "optimizer": opt, "lr_scheduler": schedule, "outer": outer}
+    # "auto": the plan says which stages recompute (the planner's memory model)
+    recompute = cfg.recompute == "on" or (cfg.recompute == "auto" and mine.recompute)
     common = dict(before_update=before, after_update=after)
+    seeds = LayerSeeds(module, mine.layer_start, cfg.weights.seed, key.replica)
     microbatches = plan.microbatches(key.replica)
     if cfg.schedule == "async":
         stage.runner = AsyncStageRunner(module, opt, loss_fn, key.stage, n_stages, microbatches,
-                                        transport, max_staleness=cfg.max_staleness, **common)
+                                        transport, max_staleness=cfg.max_staleness, **common,
+                                        recompute=recompute, precision=cfg.precision, seeds=seeds)
     else:
         stage.runner = SyncStageRunner(module, opt, loss_fn, cfg.schedule, key.stage, n_stages,
-                                       microbatches, transport, **common)
+                                       microbatches, transport, **common,
+                                       recompute=recompute, precision=cfg.precision, seeds=seeds)
     return stage
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .. import spec
+from .rng import LayerSeeds
 from .stage import StageRunnerBase, StepHook, StepResult, Transport
 
 
@@ -51,11 +52,14 @@ class AsyncStageRunner(StageRunnerBase):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                  loss_fn: Callable | None, stage: int, n_stages: int, microbatches: int,
                  transport: Transport, *, max_staleness: int = 1,
-                 before_update: Sequence[StepHook] = (), after_update: Sequence[StepHook] = ()):
+                 before_update: Sequence[StepHook] = (), after_update: Sequence[StepHook] = (),
+                 recompute: bool = False, precision: str = "fp32",
+                 seeds: LayerSeeds | None = None):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         super().__init__(module, optimizer, loss_fn, stage, n_stages, microbatches, transport,
-                         before_update=before_update, after_update=after_update)
+                         before_update=before_update, after_update=after_update,
+                         recompute=recompute, precision=precision, seeds=seeds)
         self.max_staleness = max_staleness
         self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # weight version -> params

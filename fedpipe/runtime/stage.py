@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import abc
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import spec
 from ..spec import Kind, StageKey
+from .rng import LayerSeeds
 
 
 class StageError(RuntimeError):
@@ -174,6 +177,16 @@ class StageRunnerBase(abc.ABC):
             across replica groups, then clipping).
         after_update: called in order with the step after the optimizer step
             (a learning-rate scheduler, a DiLoCo outer step every H steps).
+        recompute: keep only each in-flight microbatch's input and re-run the
+            forward in its backward (activation recomputation; Chen et al., "Training
+            Deep Nets with Sublinear Memory Cost", 2016): one more forward per backward,
+            gradients bit-equal to the pass without it, dropout included.
+        precision: "fp32", or "bf16-mixed": the forward under ``torch.autocast`` to
+            bfloat16; the parameters, their gradients and the optimizer's state stay
+            as they are (float32), and the loss is computed in float32.
+        seeds: seeds each layer's forward (:class:`~fedpipe.runtime.rng.LayerSeeds`,
+            built over ``module``), so dropout masks equal one process's; None: the
+            layers draw from the process's RNG as it stands.
 
     Attributes:
         step_samples: ``(n, B)`` of the step being updated: samples this stage ran
@@ -181,13 +194,14 @@ class StageRunnerBase(abc.ABC):
             which an elastic all-reduce scales by).
 
     Raises:
-        ValueError: the last stage has no loss function.
+        ValueError: the last stage has no loss function, or ``precision`` is unknown.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                  loss_fn: Callable | None, stage: int, n_stages: int, microbatches: int,
                  transport: Transport, *, before_update: Sequence[StepHook] = (),
-                 after_update: Sequence[StepHook] = ()):
+                 after_update: Sequence[StepHook] = (), recompute: bool = False,
+                 precision: str = "fp32", seeds: LayerSeeds | None = None):
         self.module, self.optimizer, self.loss_fn = module, optimizer, loss_fn
         self.stage, self.n_stages, self.microbatches = stage, n_stages, microbatches
         self.transport = transport if isinstance(transport, TimedTransport) \
@@ -197,6 +211,11 @@ class StageRunnerBase(abc.ABC):
         self.step_samples = (0, 1)
         if self.last and loss_fn is None:
             raise ValueError("the last stage needs a loss function")
+        if precision not in spec.PRECISIONS:
+            raise ValueError(f"precision must be one of {list(spec.PRECISIONS)}, "
+                             f"got {precision!r}")
+        self.recompute, self.mixed = recompute, precision == "bf16-mixed"
+        self.seeds = seeds
 
     @abc.abstractmethod
     def run(self, steps: int, start: int = 0) -> Iterator[StepResult]:
@@ -212,28 +231,56 @@ class StageRunnerBase(abc.ABC):
         """Receive microbatch ``m`` of ``step``, run the layers (with ``params``
         in place of the module's parameters, if given) and send the output on.
 
+        With ``recompute`` the pass runs under ``torch.utils.checkpoint`` (non-reentrant,
+        RNG state preserved): autograd keeps only the stage's input (and, on the last
+        stage, the target), and backward re-runs the forward with the same dropout
+        masks, so the gradients are those of the pass without it.
+
         Returns ``(input, output or scaled loss, batch size)``.
         """
         x, batch = self.transport.recv(Kind.INPUT if self.first else Kind.ACTIVATION, step, m)
         if not self.first and x.is_floating_point():
             x.requires_grad_(True)
-        if params is None:
-            out = self.module(x)
+        target = self.transport.recv(Kind.TARGET, step, m)[0] if self.last else None
+        if self.recompute:
+            out = checkpoint(self._compute, x, params, target, step, m, use_reentrant=False,
+                             preserve_rng_state=True)
         else:
-            out = torch.func.functional_call(self.module, params, (x,))
+            out = self._compute(x, params, target, step, m)
+        if self.last:
+            n = x.shape[0] if x.dim() else 1
+            return x, out * (n / batch), batch
+        self.transport.send(Kind.ACTIVATION, step, m, out.detach(), batch)
+        return x, out, batch
+
+    def _compute(self, x: torch.Tensor, params: dict[str, torch.Tensor] | None,
+                 target: torch.Tensor | None, step: int, m: int) -> torch.Tensor:
+        """The stage's layers on ``x``, microbatch ``m`` of ``step`` (under ``torch.autocast``
+        to bfloat16 for "bf16-mixed", each layer seeded by ``seeds`` if given); on the last
+        stage (``target`` given), the loss of their output, a float32 scalar under
+        "bf16-mixed" (the output is cast up before the loss).
+
+        Raises:
+            StageError: a layer's output is not a single tensor, or the loss is not a scalar.
+        """
+        seeded = self.seeds.drawing(step, m, x.device) if self.seeds else nullcontext()
+        with seeded, torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.mixed):
+            if params is None:
+                out = self.module(x)
+            else:
+                out = torch.func.functional_call(self.module, params, (x,))
         if not isinstance(out, torch.Tensor):
             raise StageError(f"stage {self.stage}: a layer returned {type(out).__name__}, "
                              "not a single tensor")
-        if self.last:
-            target, _ = self.transport.recv(Kind.TARGET, step, m)
-            assert self.loss_fn is not None  # __init__ refuses a last stage without one
-            loss = self.loss_fn(out, target)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise StageError("the loss function must return a scalar tensor")
-            n = x.shape[0] if x.dim() else 1
-            return x, loss.reshape(()) * (n / batch), batch
-        self.transport.send(Kind.ACTIVATION, step, m, out.detach(), batch)
-        return x, out, batch
+        if target is None:
+            return out
+        if self.mixed and out.dtype == torch.bfloat16:
+            out = out.float()
+        assert self.loss_fn is not None  # __init__ refuses a last stage without one
+        loss = self.loss_fn(out, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise StageError("the loss function must return a scalar tensor")
+        return loss.reshape(())
 
     def _backward(self, step: int, m: int, x: torch.Tensor, out: torch.Tensor,
                   batch: int) -> None:
@@ -282,12 +329,15 @@ class SyncStageRunner(StageRunnerBase):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                  loss_fn: Callable | None, schedule: str, stage: int, n_stages: int,
                  microbatches: int, transport: Transport, *,
-                 before_update: Sequence[StepHook] = (), after_update: Sequence[StepHook] = ()):
+                 before_update: Sequence[StepHook] = (), after_update: Sequence[StepHook] = (),
+                 recompute: bool = False, precision: str = "fp32",
+                 seeds: LayerSeeds | None = None):
         if spec.check_schedule(schedule) not in spec.SYNC_SCHEDULES:
             raise ValueError(f"schedule {schedule!r} runs on "
                              "fedpipe.runtime.async_stage.AsyncStageRunner")
         super().__init__(module, optimizer, loss_fn, stage, n_stages, microbatches, transport,
-                         before_update=before_update, after_update=after_update)
+                         before_update=before_update, after_update=after_update,
+                         recompute=recompute, precision=precision, seeds=seeds)
         self.actions = spec.schedule_order(schedule, stage, n_stages, microbatches)
 
     def run(self, steps: int, start: int = 0) -> Iterator[StepResult]:

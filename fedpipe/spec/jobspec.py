@@ -18,6 +18,13 @@ MAX_MICROBATCHES = 4096
 REBALANCE = ("auto", "never")
 """Whether the tracker may migrate a running job to a better plan (a node joined, or one is
 slower than it said) at a checkpoint boundary, when the gain pays for the move."""
+RECOMPUTE = ("off", "on", "auto")
+"""Activation recomputation: "off"; "on": every stage keeps only its inputs per microbatch
+and re-runs its forward in backward; "auto": the planner turns it on for the stages that
+would not fit in memory otherwise (``submit``'s ``recompute=False | True | "auto"``)."""
+PRECISIONS = ("fp32", "bf16-mixed")
+"""Compute precision: "fp32", or "bf16-mixed": forward under ``torch.autocast`` to bfloat16,
+with float32 weights, gradients, optimizer state and loss."""
 
 
 def _codec_error(setting: object, carries: Literal["activations", "gradients"]) -> str | None:
@@ -64,6 +71,10 @@ FIELD_RULES: dict[str, Callable[[Any], str | None]] = {
     else f"must be >= 0 (0: every loss rewinds), got {v}",
     "pending_timeout": lambda v: None if _finite(v) and v >= 0
     else f"must be a finite number of seconds >= 0 (0: no limit), got {v}",
+    "recompute": lambda v: None if v in RECOMPUTE
+    else f"must be one of {list(RECOMPUTE)}, got {v!r}",
+    "precision": lambda v: None if v in PRECISIONS
+    else f"must be one of {list(PRECISIONS)}, got {v!r}",
 }
 """Each job setting's own check, by its :class:`JobSpec` field (or ``submit`` keyword)
 name: an error message, or None. :meth:`JobSpec.validate` and the ``submit`` groups
@@ -119,6 +130,8 @@ class JobSpec:
             to its last complete checkpoint. 0 (the default): every loss rewinds.
             At most ``replicas`` when that is set.
         weights: where the stages' initial weights come from (:class:`WeightsSpec`).
+        recompute: one of :data:`RECOMPUTE` (unset in the proto: "off").
+        precision: one of :data:`PRECISIONS` (unset in the proto: "fp32").
     """
 
     steps: int
@@ -141,6 +154,8 @@ class JobSpec:
     rebalance: str = "auto"
     min_replicas: int = 0
     weights: WeightsSpec = field(default_factory=WeightsSpec)
+    recompute: str = "off"
+    precision: str = "fp32"
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -232,7 +247,8 @@ class JobSpec:
                    client_timeout=msg.client_timeout or CLIENT_TIMEOUT,
                    rebalance=msg.rebalance or "auto",
                    min_replicas=msg.min_replicas,
-                   weights=WeightsSpec.from_proto(msg.weights))
+                   weights=WeightsSpec.from_proto(msg.weights),
+                   recompute=msg.recompute or "off", precision=msg.precision or "fp32")
 
     def summary(self) -> dict[str, Any]:
         """The settings as plain values (no pickles), for logs and status pages."""

@@ -63,8 +63,13 @@ class Training:
             optimizer step; 0: no clipping.
         checkpoint_every: steps between checkpoints; 0: the tracker picks it so that
             a recovery recomputes about 30 s of training.
-
-    The next knobs of a step (activation recomputation, mixed precision) belong here.
+        recompute: activation recomputation: False; True: every stage keeps only its
+            inputs per microbatch in flight and re-runs its forward in backward (one
+            more forward per backward; weights equal to no recomputation); "auto": the
+            planner turns it on for the stages that would not fit otherwise.
+        precision: "fp32", or "bf16-mixed": each stage's forward runs under
+            ``torch.autocast`` to bfloat16 (activations between stages travel in
+            bfloat16); weights, gradients, optimizer state and the loss stay float32.
     """
 
     microbatches: int = 1
@@ -73,10 +78,21 @@ class Training:
     lr_scheduler: object | None = None
     clip_grad_norm: float = 0.0
     checkpoint_every: int = 0
+    recompute: bool | str = False
+    precision: str = "fp32"
 
     _RULES = {"microbatches": "microbatches", "schedule": "schedule",
               "max_staleness": "max_staleness", "clip_grad_norm": "clip_grad_norm",
-              "checkpoint_every": "checkpoint_every"}
+              "checkpoint_every": "checkpoint_every", "recompute_mode": "recompute",
+              "precision": "precision"}
+
+    @property
+    def recompute_mode(self) -> str:
+        """``recompute`` as the job spec names it: "off", "on" or "auto"
+        (:data:`~fedpipe.spec.jobspec.RECOMPUTE`)."""
+        if self.recompute is True or self.recompute is False:
+            return "on" if self.recompute else "off"
+        return self.recompute if self.recompute == "auto" else repr(self.recompute)
 
     def validate(self) -> "Training":
         """Check every field; return self.
@@ -90,7 +106,12 @@ class Training:
                             "schedule": ("schedule", "str"),
                             "max_staleness": ("max_staleness", "int"),
                             "clip_grad_norm": ("clip_grad_norm", "number"),
-                            "checkpoint_every": ("checkpoint_every", "int")})
+                            "checkpoint_every": ("checkpoint_every", "int"),
+                            "precision": ("precision", "str")})
+        if not (isinstance(self.recompute, bool) or self.recompute == "auto"):
+            raise JobSpecError("recompute", f"must be True, False or \"auto\", got "
+                                            f"{type(self.recompute).__name__} "
+                                            f"{self.recompute!r}")
         if self.lr_scheduler is not None:
             # only a torch user has one: importing its type here costs nothing more
             from ..runtime.optim import LRSchedulerSpec
@@ -260,6 +281,7 @@ FLAT_KNOBS: dict[str, tuple[str, str]] = {
     "lr_scheduler": ("training", "lr_scheduler"),
     "clip_grad_norm": ("training", "clip_grad_norm"),
     "checkpoint_every": ("training", "checkpoint_every"),
+    "recompute": ("training", "recompute"), "precision": ("training", "precision"),
     "replica_sync": ("replicas", "sync"), "min_replicas": ("replicas", "min_groups"),
     "stages": ("placement", "stages"), "rebalance": ("placement", "rebalance"),
     "pending_timeout": ("lifetime", "pending_timeout"),
@@ -328,7 +350,8 @@ class Knobs:
                        checkpoint_every=t.checkpoint_every,
                        client_timeout=self.lifetime.client_timeout,
                        rebalance=self.placement.rebalance, min_replicas=r.min_groups,
-                       batch_size=t.microbatches if batch_size is None else batch_size)
+                       batch_size=t.microbatches if batch_size is None else batch_size,
+                       recompute=t.recompute_mode, precision=t.precision)
 
 
 def _group(name: str, value: object) -> tuple[Group | None, dict[str, Any]]:

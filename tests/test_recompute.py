@@ -1,0 +1,150 @@
+"""Activation recomputation and bf16 mixed precision (issue 22, item 4).
+
+Real processes: a tracker and 3 nodes on 127.0.0.1 (the session swarm). With
+``recompute=True`` each stage keeps only its inputs and re-runs its forward in backward;
+the trained weights must equal single-process training bit for bit, dropout included
+(each layer's masks are seeded from the job's seed: :mod:`fedpipe.runtime.rng`, which the
+reference uses too). ``precision="bf16-mixed"`` trains end to end with float32 weights.
+In-process: what a recomputing stage keeps for backward, and that the seeds matter.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fedpipe
+from fedpipe.runtime.rng import LayerSeeds
+from fedpipe.runtime.stage import SyncStageRunner
+from fedpipe.spec import JobSpecError, Kind
+from reference import digit_batches, max_relative_difference, microbatched, not_bit_equal
+
+STEPS, BATCH, MICROBATCHES = 4, 32, 4
+SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+LOSS = nn.functional.cross_entropy
+
+
+def dropout_mlp() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Dropout(0.3), nn.Linear(48, 48),
+                         nn.Tanh(), nn.Dropout(0.3), nn.Linear(48, 10))
+
+
+def _train(swarm, model, schedule: str, **kw) -> dict:
+    job = swarm.client().submit(model, LOSS, SGD, digit_batches(STEPS, BATCH), steps=STEPS,
+                                microbatches=MICROBATCHES, schedule=schedule, stages=3,
+                                compression="none", **kw)
+    status = job.wait(timeout=180, progress=False)
+    assert status.state == "SUCCEEDED" and status.step == STEPS, status
+    assert len({a.node_id for a in status.plan.stages}) == 3, "expected a 3-stage pipeline"
+    got = job.state_dict()
+    job.release()
+    return got
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_recomputation_with_dropout_is_bit_equal_to_single_process_training(swarm, schedule):
+    model = dropout_mlp()
+    expected = microbatched(model, LOSS, SGD, digit_batches(STEPS, BATCH), MICROBATCHES,
+                            seed=5)
+    # the masks matter: another seed trains other weights
+    other = microbatched(model, LOSS, SGD, digit_batches(STEPS, BATCH), MICROBATCHES, seed=6)
+    assert not_bit_equal(other, expected) != []
+    got = _train(swarm, model, schedule, recompute=True, seed=5)
+    assert not_bit_equal(got, expected) == []
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_bf16_mixed_precision_trains_end_to_end_with_float32_weights(swarm):
+    model = dropout_mlp()
+    fp32 = microbatched(model, LOSS, SGD, digit_batches(STEPS, BATCH), MICROBATCHES)
+    got = _train(swarm, model, "1f1b", precision="bf16-mixed")
+    assert all(t.dtype == torch.float32 for t in got.values())
+    assert max_relative_difference(got, model.state_dict()) > 1e-3  # it trained
+    diff = max_relative_difference(got, fp32)
+    assert 0 < diff < 2e-2, f"bf16-mixed against fp32: max relative difference {diff:.2e}"
+
+
+class Wires:
+    """A stage's transport in one process: tensors handed in beforehand, sends kept."""
+
+    def __init__(self, given: dict):
+        self.given, self.sent = given, {}
+
+    def recv(self, kind, step, tag, timeout=None):
+        return self.given[(kind, step, tag)], BATCH
+
+    def send(self, kind, step, microbatch, tensor, batch_size):
+        self.sent[(kind, step, microbatch)] = tensor
+
+    def send_to(self, *args, **kwargs):  # pragma: no cover - one stage, no peers
+        raise AssertionError("a lone stage sends to no peer")
+
+
+def _saved_bytes(recompute: bool) -> tuple[int, torch.Tensor]:
+    """Bytes autograd keeps for backward after the forward of one microbatch through a
+    middle stage of 4 layers of width 256, and the input's gradient after backward."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)])
+    x = torch.randn(8, 256)
+    wires = Wires({(Kind.ACTIVATION, 0, 0): x.clone(), (Kind.GRADIENT, 0, 0): torch.ones(8, 256)})
+    runner = SyncStageRunner(layers, None, None, "gpipe", 1, 3, 1, wires, recompute=recompute,
+                             seeds=LayerSeeds(layers, 1, seed=0))
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter):
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kept = runner._forward(0, 0)
+    runner._backward(0, 0, *kept)
+    return sum(saved), wires.sent[(Kind.GRADIENT, 0, 0)]
+
+
+def test_a_recomputing_stage_keeps_only_its_input_and_gets_the_same_gradient():
+    full, grad = _saved_bytes(recompute=False)
+    kept, grad_recomputed = _saved_bytes(recompute=True)
+    assert kept == 8 * 256 * 4, f"kept {kept} bytes, not just the (8, 256) float32 input"
+    assert full > 4 * kept
+    assert torch.equal(grad, grad_recomputed)
+
+
+def test_bad_recompute_and_precision_values_are_refused_naming_them():
+    with pytest.raises(JobSpecError, match=r"recompute: must be True, False or \"auto\", "
+                                           r"got str 'yes'"):
+        fedpipe.spec.Knobs.gather({}, {"recompute": "yes"})
+    with pytest.raises(JobSpecError, match=r"precision: must be one of \['fp32', "
+                                           r"'bf16-mixed'\], got 'fp16'"):
+        fedpipe.spec.Knobs.gather({}, {"precision": "fp16"})
+    spec = fedpipe.spec.Knobs.gather({}, {"recompute": "auto", "precision": "bf16-mixed"}) \
+        .job_spec(steps=1, optimizer=b"o", loss_fn=b"l")
+    back = fedpipe.spec.JobSpec.from_proto(spec.to_proto())
+    assert (back.recompute, back.precision) == ("auto", "bf16-mixed")
+    assert fedpipe.spec.JobSpec.from_proto(
+        fedpipe.spec.JobSpec(steps=1).to_proto()).recompute == "off"
+
+
+def test_layer_seeds_repeat_a_layers_dropout_mask_and_differ_between_microbatches():
+    layers = nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5))
+    seeds = LayerSeeds(layers, 0, seed=1)
+    x = torch.ones(4, 64)
+    with seeds.drawing(0, 0, x.device):
+        a = layers(x)
+    torch.rand(10)  # the process's own draws do not move the masks
+    with seeds.drawing(0, 0, x.device):
+        b = layers(x)
+    with seeds.drawing(0, 1, x.device):
+        c = layers(x)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    state = torch.get_rng_state()
+    with seeds.drawing(2, 0, x.device):
+        layers(x)
+    assert torch.equal(torch.get_rng_state(), state)  # the global state is restored
+    assert copy.deepcopy(layers)  # hooked layers still copy (checkpoints deep-copy them)
