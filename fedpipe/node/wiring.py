@@ -22,10 +22,10 @@ from ..runtime.clip import GlobalNormClip
 from ..runtime.diloco import OuterSync
 from ..runtime.elastic import AskQuorum, ElasticGradientSync, ElasticOuterSync
 from ..runtime.materialize import norm_parameters
-from ..runtime.ties import TiedGradients
 from ..runtime.rng import LayerSeeds
+from ..runtime.ties import TiedGradients
 from ..runtime.stage import StageError, StepHook, SyncStageRunner, TimedTransport
-from ..spec import JobSpec, Kind, PlanView, Quorum, StageKey
+from ..spec import JobSpec, Kind, PlanView, Quorum, StageKey, stage_recomputes
 from .errors import StageLoadError
 from .initial import make_layers
 from .lifecycle import Stage, StageSlot
@@ -262,8 +262,7 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
         pending.loaded.append(outer.anchor)
     stage.parts = {LAYOUT: layerstate.Layout(module, mine.layer_start), "module": module,
                    "optimizer": opt, "lr_scheduler": schedule, "outer": outer}
-    # "auto": the plan says which stages recompute (the planner's memory model)
-    recompute = cfg.recompute == "on" or (cfg.recompute == "auto" and mine.recompute)
+    recompute = stage_recomputes(cfg.recompute, mine.recompute)
     common = dict(before_update=before, after_update=after)
     seeds = LayerSeeds(module, mine.layer_start, cfg.weights.seed, key.replica)
     microbatches = plan.microbatches(key.replica)

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import codecs
-from .costs import boundary_bytes, state_bytes, stash_bytes, transfer_seconds
+from .costs import (RECOMPUTE_FACTOR, activation_scale, boundary_bytes, input_bytes,
+                    kept_activation_bytes, precision_flops, state_bytes, stash_bytes,
+                    transfer_seconds)
 from .types import ClusterView, Link, ModelProfile, PlanError, TrainConfig
 
 
@@ -71,7 +73,8 @@ class PlanContext:
         self.cluster, self.profile, self.config = cluster, profile, config
         self.ids = [node.node_id for node in cluster.nodes]
         self.n = len(self.ids)
-        self.flops = np.array([float(node.flops) for node in cluster.nodes])
+        self.flops = np.array([float(precision_flops(node, config.precision))
+                               for node in cluster.nodes])
         self.mem = np.array([float(node.memory_bytes) for node in cluster.nodes])
         self.bw, self.lat = link_arrays(cluster)
         self.L = L = len(profile.layers)
@@ -89,6 +92,11 @@ class PlanContext:
                 self.work[k, j] = (prefix[j] - prefix[k]) * self.mb
                 self.state[k, j] = state_bytes(profile, k, j, config)
                 self.stash[k, j] = stash_bytes(profile, k, j, stash_samples)
+        # a stage's input per microbatch, bytes (by its first layer k); activations' bytes
+        # under the config's precision over as profiled
+        self.inputs = np.array([input_bytes(profile, k, stash_samples) if k < L else 0.0
+                                for k in range(L + 1)])
+        self.scale = activation_scale(profile, config.precision)
         self.boundary = np.zeros(L + 1)             # bytes crossing after layer j - 1
         for j in range(1, L):
             self.boundary[j] = boundary_bytes(profile, j, self.mb)
@@ -110,6 +118,56 @@ class PlanContext:
                     arrays[out][j], arrays[out + 1][j] = busy, busy + lat
             found = self._links[key] = LinkCosts(*arrays)
         return found
+
+    def kept(self, in_flight: np.ndarray | int, recompute: bool) -> np.ndarray:
+        """Activation bytes a stage of layers ``[k, j)`` keeps at its peak with ``in_flight``
+        microbatches in flight (a number, or a vector over j), as a matrix over ``[k, j]``
+        (:func:`~fedpipe.planner.costs.kept_activation_bytes`)."""
+        kept: np.ndarray = kept_activation_bytes(self.stash, self.inputs[:, None], in_flight,
+                                                 recompute, self.scale)
+        return kept
+
+    def memory_fit(self, node: int, in_flight: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+        """``(fits, work factor)`` of a stage of layers ``[k, j)`` on ``node`` with
+        ``in_flight`` microbatches in flight, as matrices over ``[k, j]``: whether its
+        memory fits, recomputing where the config's ``recompute`` allows it, and its work
+        over its work without recomputation (:data:`~fedpipe.planner.costs.RECOMPUTE_FACTOR`
+        where it recomputes: always under "on", under "auto" where it would not fit
+        otherwise)."""
+        mode, mem = self.config.recompute, self.mem[node]
+        plain = self.state + self.kept(in_flight, False) <= mem
+        if mode == "off":
+            return plain, np.ones_like(self.work)
+        recomputing = self.state + self.kept(in_flight, True) <= mem
+        if mode == "on":
+            return recomputing, np.full_like(self.work, RECOMPUTE_FACTOR)
+        return plain | recomputing, np.where(plain, 1.0, RECOMPUTE_FACTOR)
+
+    def recomputes(self, node: int, k: int, j: int, in_flight: int) -> bool:
+        """Whether the stage of layers ``[k, j)`` on ``node`` recomputes with ``in_flight``
+        microbatches in flight: under "auto", when it would not fit otherwise."""
+        mode = self.config.recompute
+        if mode != "auto":
+            return mode == "on"
+        need = self.state[k, j] + self.scale * self.stash[k, j] * in_flight
+        return bool(need > self.mem[node])
+
+    def room(self, node: int, k: int, j: int) -> float:
+        """The most microbatches the stage of layers ``[k, j)`` on ``node`` can keep in
+        flight (recomputing if the config allows it); 0 when even one does not fit,
+        ``inf`` when a microbatch keeps nothing."""
+        free = self.mem[node] - self.state[k, j]
+        stash, inputs = self.scale * self.stash[k, j], self.scale * self.inputs[k]
+        if free < 0 or (stash > free and self.config.recompute == "off"):
+            return 0.0
+        plain = free // stash if stash > 0 else math.inf
+        if self.config.recompute == "off":
+            return float(plain)
+        if stash > free:
+            return 0.0
+        recomputing = (free - stash) // inputs + 1 if inputs > 0 else math.inf
+        return float(recomputing if self.config.recompute == "on"
+                     else max(plain, recomputing))
 
     def hop_cost(self) -> np.ndarray:
         """Symmetric matrix of raw round-trip seconds of a typical boundary tensor
@@ -138,6 +196,10 @@ def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -
     if config.microbatches > config.batch_size:
         raise PlanError(f"{config.microbatches} microbatches do not fit a batch of "
                         f"{config.batch_size} samples")
+    if config.recompute not in ("off", "on", "auto"):
+        raise PlanError(f"recompute must be 'off', 'on' or 'auto', got {config.recompute!r}")
+    if config.precision not in ("fp32", "bf16-mixed"):
+        raise PlanError(f"precision must be 'fp32' or 'bf16-mixed', got {config.precision!r}")
     if config.schedule not in ("gpipe", "1f1b", "async"):
         raise PlanError(f"unknown schedule {config.schedule!r}; "
                         f"the planner knows 'gpipe', '1f1b' and 'async'")

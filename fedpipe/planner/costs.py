@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 from .codecs import codec_cost
 from .types import Link, ModelProfile, NodeSpec, Overheads, TrainConfig
@@ -16,6 +16,12 @@ from .types import Link, ModelProfile, NodeSpec, Overheads, TrainConfig
 FORWARD_FRACTION = 1 / 3
 """Share of a layer's forward + backward FLOP spent in the forward pass
 (backward ≈ 2× forward)."""
+RECOMPUTE_FACTOR = 1 + FORWARD_FRACTION
+"""A recomputing stage's work over its work without: its backward re-runs its forward."""
+BF16_SPEEDUP = {"cuda": 2.0}
+"""Compute speed of "bf16-mixed" over float32, by device type: a GPU's bfloat16 tensor
+cores run matmuls about twice as fast as its float32 ones (an assumption, not measured:
+nodes probe float32 only); on a CPU autocast saves memory, not time."""
 
 
 def compute_seconds(profile: ModelProfile, start: int, end: int, flops: float,
@@ -48,12 +54,25 @@ def host_factors(nodes: Sequence[NodeSpec],
 
 
 def pass_seconds(profile: ModelProfile, start: int, end: int, flops: float, samples: float,
-                 overheads: Overheads, host_factor: float = 1.0) -> tuple[float, float]:
+                 overheads: Overheads, host_factor: float = 1.0, *,
+                 recompute: bool = False) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one microbatch of ``samples`` samples through
-    layers ``[start, end)`` on a node of ``flops`` FLOP/s whose host slows it by
-    ``host_factor`` (:func:`host_factors`), with the runtime's fixed cost per pass."""
+    layers ``[start, end)`` on a node of ``flops`` FLOP/s (:func:`precision_flops`) whose
+    host slows it by ``host_factor`` (:func:`host_factors`), with the runtime's fixed cost
+    per pass; a ``recompute`` stage's backward re-runs the forward first."""
     f, b = compute_seconds(profile, start, end, flops, samples)
+    if recompute:
+        b += f
     return f * host_factor + overheads.microbatch, b * host_factor + overheads.microbatch
+
+
+def precision_flops(node: NodeSpec, precision: str) -> float:
+    """The speed node ``node`` computes at under ``precision`` ("fp32" or "bf16-mixed"),
+    FLOP/s: its probed float32 speed, times :data:`BF16_SPEEDUP` of its device type under
+    "bf16-mixed"."""
+    if precision != "bf16-mixed":
+        return node.flops
+    return node.flops * BF16_SPEEDUP.get(node.device.split(":")[0], 1.0)
 
 
 def optimizer_seconds(profile: ModelProfile, start: int, end: int, overheads: Overheads,
@@ -76,12 +95,54 @@ def state_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig
                      + config.snapshot_copies * max(0.0, config.state_factor - 1))
 
 
+def input_bytes(profile: ModelProfile, start: int, samples: float) -> float:
+    """Bytes of the input of a stage starting at layer ``start``, for ``samples`` samples."""
+    per_sample = profile.input_bytes if start == 0 else profile.layers[start - 1].activation_bytes
+    return per_sample * samples
+
+
 def stash_bytes(profile: ModelProfile, start: int, end: int, samples: float) -> float:
     """Activations one microbatch of ``samples`` samples keeps for backward in
     layers ``[start, end)``: the stage's input and every layer's output, bytes."""
-    per_sample = profile.input_bytes if start == 0 else profile.layers[start - 1].activation_bytes
-    per_sample += sum(layer.activation_bytes for layer in profile.layers[start:end])
-    return per_sample * samples
+    outputs = sum(layer.activation_bytes for layer in profile.layers[start:end])
+    return input_bytes(profile, start, samples) + outputs * samples
+
+
+Bytes = Any
+"""A number of bytes, or a numpy array of them (the planner's matrices over layer ranges)."""
+
+
+def kept_activation_bytes(stash: Bytes, inputs: Bytes, in_flight: Bytes,
+                          recompute: bool, scale: float = 1.0) -> Bytes:
+    """Activation bytes a stage keeps for backward at its peak (numbers or numpy arrays).
+
+    Without recomputation: ``in_flight`` microbatches' whole ``stash``
+    (:func:`stash_bytes`). With it: each in-flight microbatch's input only
+    (:func:`input_bytes`), and while one microbatch recomputes its forward, its whole
+    stash. ``scale``: :func:`activation_scale`.
+    """
+    if recompute:
+        return scale * (inputs * (in_flight - 1) + stash)
+    return scale * stash * in_flight
+
+
+def activation_scale(profile: ModelProfile, precision: str) -> float:
+    """Bytes of an activation under ``precision`` over bytes as profiled: "bf16-mixed"
+    keeps 2-byte activations (half of float32's; the stage input of token ids and the
+    few ops autocast keeps in float32 are priced as bfloat16 too), "fp32" as profiled."""
+    return min(1.0, 2 / profile.element_bytes) if precision == "bf16-mixed" else 1.0
+
+
+def activation_memory_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig,
+                            samples: float, microbatches_in_flight: int,
+                            recompute: bool) -> float:
+    """Activations a stage holding layers ``[start, end)`` keeps at its peak, bytes, with
+    ``microbatches_in_flight`` microbatches of ``samples`` samples in flight
+    (:func:`kept_activation_bytes` at the config's precision)."""
+    return float(kept_activation_bytes(stash_bytes(profile, start, end, samples),
+                                       input_bytes(profile, start, samples),
+                                       microbatches_in_flight, recompute,
+                                       activation_scale(profile, config.precision)))
 
 
 def in_flight(schedule: str, stage: int, n_stages: int, microbatches: int) -> int:
@@ -93,23 +154,28 @@ def in_flight(schedule: str, stage: int, n_stages: int, microbatches: int) -> in
 
 
 def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig,
-                       stage: int, n_stages: int, microbatches: int | None = None) -> float:
+                       stage: int, n_stages: int, microbatches: int | None = None,
+                       recompute: bool | None = None) -> float:
     """Peak memory of a stage holding layers ``[start, end)``, bytes.
 
     Weights, gradients and optimizer state (``config.state_factor`` ×
     parameter bytes) plus the activations stashed for backward
-    (:func:`in_flight` microbatches of ``batch_size / microbatches`` samples).
+    (:func:`in_flight` microbatches of ``batch_size / microbatches`` samples;
+    :func:`activation_memory_bytes`).
 
     Args:
         stage, n_stages: the stage's index in its chain and the chain's length.
         microbatches: microbatches the stage's group runs per step (default:
             ``config.microbatches``).
+        recompute: whether the stage recomputes; None: as ``config.recompute`` allows
+            ("on" or "auto": yes, the least the stage can need).
     """
     m = config.microbatches if microbatches is None else microbatches
     samples = math.ceil(config.batch_size / config.microbatches)
+    rc = config.recompute != "off" if recompute is None else recompute
     return (state_bytes(profile, start, end, config)
-            + stash_bytes(profile, start, end, samples)
-            * in_flight(config.schedule, stage, n_stages, m))
+            + activation_memory_bytes(profile, start, end, config, samples,
+                                      in_flight(config.schedule, stage, n_stages, m), rc))
 
 
 def boundary_bytes(profile: ModelProfile, end: int, samples: float) -> float:
@@ -199,6 +265,9 @@ class ChainStage(Protocol):
 
     @property
     def gradient_codec(self) -> str: ...
+
+    @property
+    def recompute(self) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Hashable, Sequence
 
 from . import codecs
 from .context import PlanContext
-from .costs import (boundary_bytes, compute_seconds, pipeline_estimate, schedule_sync,
-                    sync_per_step, sync_segments, transfer_seconds)
+from .costs import (boundary_bytes, compute_seconds, in_flight, pipeline_estimate,
+                    schedule_sync, sync_per_step, sync_segments, transfer_seconds)
 from .partition import GroupSolution, all_solved, describe, proportional_split, solve_chain
 from .simulate import simulate
 from .types import Link, Plan, ReplicaGroup, StagePlan
@@ -195,8 +195,10 @@ def build_plan(ctx: PlanContext, groups: Sequence[Split], micro: Sequence[int],
     for (nodes, ranges), m, n_samples in zip(groups, micro, samples):
         act, grad = choose_codecs(ctx, nodes, ranges, n_samples / m, m) if compression else (
             ["raw"] * len(nodes), ["raw"] * len(nodes))
-        stages = [StagePlan(ctx.ids[node], k, j, a, g)
-                  for node, (k, j), a, g in zip(nodes, ranges, act, grad)]
+        sched, n = ctx.config.schedule, len(nodes)
+        stages = [StagePlan(ctx.ids[node], k, j, a, g,
+                            ctx.recomputes(node, k, j, in_flight(sched, i, n, m)))
+                  for i, (node, (k, j), a, g) in enumerate(zip(nodes, ranges, act, grad))]
         out.append(ReplicaGroup(stages, microbatches=m, samples=n_samples))
     used = {s.node_id for g in out for s in g.stages}
     plan = Plan(out, 0.0, unused=[i for i in ctx.ids if i not in used],

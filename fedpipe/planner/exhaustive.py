@@ -72,8 +72,8 @@ def _chains_minmax(ctx: PlanContext
         key = (v, u, length)
         if key not in mats:
             infl = M if gpipe else min(M, length)
-            memok = ctx.state + ctx.stash * infl <= ctx.mem[v]
-            mats[key] = stage_costs(ctx, v, None if u < 0 else u, memok)[0]
+            memok, factor = ctx.memory_fit(v, infl)
+            mats[key] = stage_costs(ctx, v, None if u < 0 else u, memok, factor)[0]
         return mats[key]
 
     twin = twins(ctx)

@@ -163,7 +163,8 @@ def profile_to_json(profile: ModelProfile) -> JsonObject:
 
 
 _CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "state_factor", "stages", "replicas",
-                "compression", "activation_compression", "gradient_compression", "sync_every")
+                "compression", "activation_compression", "gradient_compression", "sync_every",
+                "recompute", "precision")
 
 
 def config_from_json(obj: JsonObject) -> TrainConfig:
@@ -197,7 +198,8 @@ def plan_to_json(plan: Plan) -> JsonObject:
                     "predicted_seconds": g.predicted_seconds,
                     "stages": [{"node_id": s.node_id, "layer_start": s.layer_start,
                                 "layer_end": s.layer_end, "activation_codec": s.activation_codec,
-                                "gradient_codec": s.gradient_codec} for s in g.stages]}
+                                "gradient_codec": s.gradient_codec, "recompute": s.recompute}
+                               for s in g.stages]}
                    for g in plan.groups],
     }
 

@@ -30,7 +30,8 @@ from typing import Sequence
 import numpy as np
 
 from .context import PlanContext
-from .costs import FORWARD_FRACTION, pipeline_estimate, stage_memory_bytes  # noqa: F401 (re-export)
+from .costs import (FORWARD_FRACTION, RECOMPUTE_FACTOR, in_flight, pipeline_estimate,  # noqa: F401
+                    stage_memory_bytes)  # (re-export)
 
 THRESHOLDS = (10, 5)
 """How many thresholds the second pass tries (for chains of up to 10 nodes, and
@@ -93,8 +94,8 @@ def _in_flight_bound(ctx: PlanContext, m: int, i: int, n: int) -> np.ndarray | i
     return bound
 
 
-def stage_costs(ctx: PlanContext, node: int, nxt: int | None,
-                memok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def stage_costs(ctx: PlanContext, node: int, nxt: int | None, memok: np.ndarray,
+                factor: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """``(cost, sigma)`` of a stage holding layers ``[k, j)`` on ``node``, followed
     by a stage on ``nxt``, as matrices over ``[k, j]`` (vectors over k when
     ``nxt`` is None: the last stage ends at L), seconds per microbatch.
@@ -103,8 +104,9 @@ def stage_costs(ctx: PlanContext, node: int, nxt: int | None,
     under 1F1B the largest of the stage's compute and its two links' busy
     times, under GPipe max(forward, activation send) + max(backward, gradient
     send); ``sigma`` is the stage's share of the fill-and-drain path. Links use
-    their fastest allowed codec."""
-    w = ctx.work / ctx.flops[node]
+    their fastest allowed codec. ``factor``: the stage's work over its work without
+    recomputation (:meth:`PlanContext.memory_fit`)."""
+    w = ctx.work * factor / ctx.flops[node]
     if nxt is None:
         c = np.where(memok[:, ctx.L], w[:, ctx.L], math.inf)
         return c, w[:, ctx.L]
@@ -152,16 +154,16 @@ def solve_chain(ctx: PlanContext, chain: Sequence[int], microbatches: int,
     for i in range(n - 1, -1, -1):
         node = chain[i]
         infl = _in_flight_bound(ctx, microbatches, i, n)
-        memok = ctx.state + ctx.stash * infl <= ctx.mem[node]
+        memok, factor = ctx.memory_fit(node, infl)
         best = np.full(L + 1, math.inf)
         if i >= n - W:
-            c, s = stage_costs(ctx, node, None, memok)
+            c, s = stage_costs(ctx, node, None, memok, factor)
             mats[(i, -1)] = (c, s)
             best = np.minimum(best, c)
         for q in range(i + 1, min(n, i + W + 1)):
             if not np.isfinite(mm[q]).any():
                 continue
-            c, s = stage_costs(ctx, node, chain[q], memok)
+            c, s = stage_costs(ctx, node, chain[q], memok, factor)
             mats[(i, q)] = (c, s)
             best = np.minimum(best, np.maximum(c, mm[q][None, :]).min(axis=1))
         mm[i] = best
@@ -264,6 +266,8 @@ def describe(ctx: PlanContext, chain: Sequence[int], stages: Sequence[tuple[int,
     for s, (i, k, j) in enumerate(stages):
         node = chain[i]
         w = ctx.work[k, j] / ctx.flops[node]
+        if ctx.recomputes(node, k, j, in_flight(sched, s, n_st, microbatches)):
+            w *= RECOMPUTE_FACTOR
         fwd.append(w * FORWARD_FRACTION)
         bwd.append(w * (1 - FORWARD_FRACTION))
         cost = w
@@ -276,11 +280,8 @@ def describe(ctx: PlanContext, chain: Sequence[int], stages: Sequence[tuple[int,
             cost = (max(fwd[-1], ab[-1]) + max(bwd[-1], gb[-1]) if sched == "gpipe"
                     else max(w, ab[-1], gb[-1]))
         bottleneck = max(bottleneck, cost)
-        stash = ctx.stash[k, j]
-        room = (ctx.mem[node] - ctx.state[k, j]) // stash if stash > 0 else math.inf
-        if ctx.mem[node] < ctx.state[k, j]:
-            room = 0
-        elif sched != "gpipe" and room >= n_st - s:
+        room = ctx.room(node, k, j)
+        if room > 0 and sched != "gpipe" and room >= n_st - s:
             room = math.inf   # 1F1B never stashes more than n_stages - s
         cap = min(cap, room)
     sigma, period = pipeline_estimate(fwd, bwd, ab, at, gb, gt, microbatches, sched)

@@ -147,7 +147,8 @@ def train_config(spec: JobSpec) -> TrainConfig:
                        schedule=spec.schedule, stages=spec.stages, replicas=spec.replicas,
                        activation_compression=spec.activation_compression,
                        gradient_compression=spec.gradient_compression,
-                       sync_every=spec.sync_every, snapshot_copies=2 * SNAPSHOTS_KEPT)
+                       sync_every=spec.sync_every, snapshot_copies=2 * SNAPSHOTS_KEPT,
+                       recompute=spec.recompute, precision=spec.precision)
 
 
 def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2.Plan:
@@ -174,7 +175,8 @@ def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2
                 replica=r, stage=i, node_id=s.node_id, node_name=n.name, address=n.address,
                 data_address=n.data_address,
                 layer_start=s.layer_start, layer_end=s.layer_end,
-                activation_codec=s.activation_codec, gradient_codec=s.gradient_codec))
+                activation_codec=s.activation_codec, gradient_codec=s.gradient_codec,
+                recompute=s.recompute))
             group_tag = f"group {r} " if len(plan.groups) > 1 else ""
             parts.append(f"{group_tag}{n.name}: layers {s.layer_start}-{s.layer_end - 1}")
     msg.summary = "; ".join(parts)
@@ -191,7 +193,7 @@ def plan_from_message(msg: node_pb2.Plan) -> Plan:
         info = msg.replicas[r] if r < len(msg.replicas) else node_pb2.ReplicaInfo()
         groups.append(ReplicaGroup(
             [StagePlan(a.node_id, a.layer_start, a.layer_end, a.activation_codec,
-                       a.gradient_codec) for a in chain],
+                       a.gradient_codec, a.recompute) for a in chain],
             info.microbatches, info.samples, info.predicted_seconds))
     return Plan(groups, msg.predicted_step_seconds, sync_seconds=msg.sync_seconds,
                 calibrated=msg.calibrated)

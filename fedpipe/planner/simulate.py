@@ -17,10 +17,11 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
-from ..spec import Action, SpecError, StageKey, schedule_order
+from ..spec import Action, SpecError, StageKey, schedule_order, stage_recomputes
 from .costs import (ChainStage, chain_costs, host_factors, optimizer_seconds, pass_seconds,
-                    schedule_sync, sync_per_step, sync_segments)
-from .types import ClusterView, ModelProfile, Plan, PlanError, TrainConfig
+                    precision_flops, schedule_sync, sync_per_step, sync_segments)
+from .types import (ClusterView, ModelProfile, NodeSpec, Overheads, Plan, PlanError,
+                    TrainConfig)
 
 
 class _Engine:
@@ -308,8 +309,7 @@ def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         st = g.stages
 
         def passes(s: ChainStage, mb: float = mb) -> tuple[float, float]:
-            return pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
-                                over, host[s.node_id])
+            return _passes(profile, s, nodes[s.node_id], mb, config, over, host[s.node_id])
 
         costs = chain_costs(profile, st, mb, passes, cluster.link, over.message)
         fwd, bwd = costs.forward, costs.backward
@@ -333,6 +333,15 @@ def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     step = slowest + extra
     return SimResult(step, group_seconds, extra,
                      {n: min(1.0, c / step) if step > 0 else 1.0 for n, c in compute.items()})
+
+
+def _passes(profile: ModelProfile, s: ChainStage, node: NodeSpec, samples: float,
+            config: TrainConfig, over: Overheads, host: float) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one microbatch through stage ``s`` on ``node``:
+    at the config's precision, a recomputing stage's backward with its extra forward."""
+    return pass_seconds(profile, s.layer_start, s.layer_end,
+                        precision_flops(node, config.precision), samples, over, host,
+                        recompute=stage_recomputes(config.recompute, s.recompute))
 
 
 def _node_ids(plan: Plan) -> list[str]:
@@ -384,8 +393,7 @@ def stage_costs(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         mb = samples / m
 
         def passes(s: ChainStage, mb: float = mb) -> tuple[float, float]:
-            return pass_seconds(profile, s.layer_start, s.layer_end, nodes[s.node_id].flops, mb,
-                                over, host[s.node_id])
+            return _passes(profile, s, nodes[s.node_id], mb, config, over, host[s.node_id])
 
         costs = chain_costs(profile, g.stages, mb, passes, cluster.link, over.message)
         for i, s in enumerate(g.stages):

@@ -197,6 +197,11 @@ class TrainConfig:
             1 for a gradient all-reduce every step, H under DiLoCo (an outer
             step every H inner steps; Douillard et al., "DiLoCo", 2023). The
             sync's time is charged to every step divided by this.
+        recompute: activation recomputation: "off", "on" (every stage), or "auto"
+            (the planner turns it on for the stages that would not fit otherwise:
+            :attr:`StagePlan.recompute`).
+        precision: "fp32", or "bf16-mixed" (activations of half the bytes;
+            faster compute only on devices in :data:`~fedpipe.planner.costs.BF16_SPEEDUP`).
 
     With several replica groups the job's ``microbatches`` (each of
     ``batch_size / microbatches`` samples) are shared among the groups.
@@ -213,6 +218,8 @@ class TrainConfig:
     activation_compression: str | None = None
     gradient_compression: str | None = None
     sync_every: int = 1
+    recompute: str = "off"
+    precision: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -222,7 +229,9 @@ class StagePlan:
     The codecs are those of the tensors this stage *sends*:
     ``activation_codec`` for its output to the next stage, ``gradient_codec``
     for the gradient of its input sent back to the previous stage ("raw" where
-    there is no such neighbour).
+    there is no such neighbour). ``recompute``: the stage recomputes its
+    activations in backward (under the config's "auto", the planner's choice;
+    :func:`fedpipe.spec.stage_recomputes`).
     """
 
     node_id: str
@@ -230,6 +239,7 @@ class StagePlan:
     layer_end: int
     activation_codec: str = "raw"
     gradient_codec: str = "raw"
+    recompute: bool = False
 
 
 @dataclass

@@ -26,7 +26,7 @@ from .codecs import (CODEC_PARAMS, CODEC_POLICIES, GRADIENT_ONLY_CODECS, CodecSp
                      check_compression, parse_codec)
 from .errors import JobSpecError, SpecError
 from .jobspec import (FIELD_RULES, MAX_MICROBATCHES, PRECISIONS, REBALANCE, RECOMPUTE, JobSpec,
-                      check_field)
+                      check_field, stage_recomputes)
 from .knobs import (FLAT_KNOBS, GROUPS, Compression, Group, Knobs, Lifetime, Placement,
                     Replicas, Training)
 from .plans import PlanView, StageKey
@@ -41,7 +41,7 @@ from .weights import WEIGHT_SOURCES, WeightsSpec
 __all__ = [
     "ACTIVE", "CLIENT_TIMEOUT", "CODEC_PARAMS", "CODEC_POLICIES", "FIELD_RULES", "FLAT_KNOBS",
     "GRADIENT_ONLY_CODECS", "GROUPS", "MAX_MICROBATCHES", "NODE_DRAINED", "NODE_LEFT",
-    "PRECISIONS", "PROTOCOL_VERSION", "REBALANCE", "RECOMPUTE",
+    "PRECISIONS", "PROTOCOL_VERSION", "REBALANCE", "RECOMPUTE", "stage_recomputes",
     "REPLICA_SYNCS", "SCHEDULES", "SNAPSHOTS_KEPT", "SYNC_SCHEDULES", "TERMINAL", "WAITING",
     "Action", "CodecSpec", "Compression", "DiLoCo", "Group", "JobSpec", "JobSpecError",
     "JobState", "Kind", "Knobs", "Lifetime", "Placement", "PlanView", "Quorum", "Replicas",

@@ -22,6 +22,14 @@ RECOMPUTE = ("off", "on", "auto")
 """Activation recomputation: "off"; "on": every stage keeps only its inputs per microbatch
 and re-runs its forward in backward; "auto": the planner turns it on for the stages that
 would not fit in memory otherwise (``submit``'s ``recompute=False | True | "auto"``)."""
+
+
+def stage_recomputes(mode: str, chosen: bool) -> bool:
+    """Whether a stage recomputes its activations: under ``mode`` "on" every stage, under
+    "auto" those the plan ``chosen`` (``StageAssignment.recompute``), under "off" none."""
+    return mode == "on" or (mode == "auto" and chosen)
+
+
 PRECISIONS = ("fp32", "bf16-mixed")
 """Compute precision: "fp32", or "bf16-mixed": forward under ``torch.autocast`` to bfloat16,
 with float32 weights, gradients, optimizer state and loss."""
