@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import fedpipe
+from fedpipe.runtime.async_stage import AsyncStageRunner
 from fedpipe.runtime.rng import LayerSeeds
 from fedpipe.runtime.stage import SyncStageRunner
 from fedpipe.spec import JobSpecError, Kind
@@ -148,3 +149,25 @@ def test_layer_seeds_repeat_a_layers_dropout_mask_and_differ_between_microbatche
         layers(x)
     assert torch.equal(torch.get_rng_state(), state)  # the global state is restored
     assert copy.deepcopy(layers)  # hooked layers still copy (checkpoints deep-copy them)
+
+
+def _async_stage(recompute: bool) -> tuple[dict, list]:
+    """A lone async stage (weight stashing: forwards through ``functional_call``) with
+    dropout, 3 steps of 2 microbatches; its weights and losses."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    given = {}
+    for step in range(3):
+        for m in range(2):
+            given[(Kind.INPUT, step, m)] = torch.randn(4, 8)
+            given[(Kind.TARGET, step, m)] = torch.randint(0, 3, (4,))
+    runner = AsyncStageRunner(layers, torch.optim.SGD(layers.parameters(), lr=0.1), LOSS, 0, 1,
+                              2, Wires(given), max_staleness=1, recompute=recompute,
+                              seeds=LayerSeeds(layers, 0, seed=3))
+    return layers.state_dict(), [r.loss for r in runner.run(3)]
+
+
+def test_recomputation_under_async_weight_stashing_is_bit_equal_with_dropout():
+    plain, plain_losses = _async_stage(recompute=False)
+    again, losses = _async_stage(recompute=True)
+    assert not_bit_equal(again, plain) == [] and losses == plain_losses

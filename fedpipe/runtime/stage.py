@@ -263,7 +263,7 @@ class StageRunnerBase(abc.ABC):
         Raises:
             StageError: a layer's output is not a single tensor, or the loss is not a scalar.
         """
-        seeded = self.seeds.drawing(step, m, x.device) if self.seeds else nullcontext()
+        seeded = self.seeds.drawing(step, m, x.device) if self.seeds is not None else nullcontext()
         with seeded, torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.mixed):
             if params is None:
                 out = self.module(x)
