@@ -122,3 +122,20 @@ def test_a_bad_recompute_or_precision_is_a_plan_error_naming_it():
         make_plan(cluster, profile(), config(recompute="sometimes"), FAST)
     with pytest.raises(PlanError, match="precision must be"):
         make_plan(cluster, profile(), config(precision="fp16"), FAST)
+
+
+def test_a_stages_recompute_and_the_configs_knobs_survive_json_and_the_plan_message():
+    from fedpipe.planner import jsonio
+    from fedpipe.planner.protoio import plan_from_message, plan_message
+    from fedpipe.proto import tracker_pb2
+
+    plan = Plan([ReplicaGroup([StagePlan("a", 0, 2, recompute=True), StagePlan("b", 2, 4)],
+                              4, 8)], 1.0)
+    back = jsonio.plan_from_json(jsonio.plan_to_json(plan))
+    assert [s.recompute for s in back.groups[0].stages] == [True, False]
+    nodes = {n: tracker_pb2.NodeInfo(node_id=n, name=n, address=f"127.0.0.1:{i + 1}")
+             for i, n in enumerate("ab")}
+    again = plan_from_message(plan_message(plan, nodes))
+    assert [s.recompute for s in again.groups[0].stages] == [True, False]
+    cfg = config(recompute="auto", precision="bf16-mixed")
+    assert jsonio.config_from_json(jsonio.config_to_json(cfg)) == cfg

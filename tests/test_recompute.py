@@ -171,3 +171,43 @@ def test_recomputation_under_async_weight_stashing_is_bit_equal_with_dropout():
     plain, plain_losses = _async_stage(recompute=False)
     again, losses = _async_stage(recompute=True)
     assert not_bit_equal(again, plain) == [] and losses == plain_losses
+
+
+def _load(mode: str, chosen: bool, precision: str = "fp32"):
+    """Stage 1 of 2 of a Linear-Tanh-Linear job built as a node builds it, its plan's
+    assignment marked ``recompute=chosen``; the stage's runner."""
+    import cloudpickle
+
+    from fedpipe.node.admission import BOUNDED_KINDS
+    from fedpipe.node.mailbox import Mailbox
+    from fedpipe.node.peers import ChannelPool, StagePeers
+    from fedpipe.node.wiring import build_stage
+    from fedpipe.proto import node_pb2
+    from fedpipe.spec import JobSpec
+
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)]
+    spec = JobSpec(steps=2, microbatches=2, batch_size=8, schedule="1f1b",
+                   optimizer=cloudpickle.dumps(SGD), loss_fn=cloudpickle.dumps(LOSS),
+                   recompute=mode, precision=precision).validate()
+    plan = node_pb2.Plan(stages=[
+        node_pb2.StageAssignment(replica=0, stage=s, node_id=f"n{s}", node_name=f"n{s}",
+                                 address=f"127.0.0.1:{s + 1}", layer_start=a, layer_end=b,
+                                 recompute=chosen and s == 1)
+        for s, (a, b) in enumerate([(0, 2), (2, 3)])])
+    request = node_pb2.LoadStageRequest(job_id="job", replica=0, stage=1, plan=plan,
+                                        config=spec.to_proto(),
+                                        layers=[cloudpickle.dumps(la) for la in layers[2:]])
+    pool = ChannelPool()
+    peers = StagePeers(pool)
+    try:
+        return build_stage(request, torch.device("cpu"), Mailbox(4, BOUNDED_KINDS), peers).runner
+    finally:
+        peers.close()
+
+
+@pytest.mark.parametrize("mode, chosen, recomputes", [
+    ("off", True, False), ("on", False, True), ("auto", True, True), ("auto", False, False)])
+def test_a_node_recomputes_as_the_job_and_the_plans_choice_say(mode, chosen, recomputes):
+    runner = _load(mode, chosen)
+    assert runner.recompute is recomputes and not runner.mixed
+    assert _load(mode, chosen, "bf16-mixed").mixed
