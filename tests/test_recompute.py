@@ -211,3 +211,59 @@ def test_a_node_recomputes_as_the_job_and_the_plans_choice_say(mode, chosen, rec
     runner = _load(mode, chosen)
     assert runner.recompute is recomputes and not runner.mixed
     assert _load(mode, chosen, "bf16-mixed").mixed
+
+
+def wide_dropout_mlp() -> nn.Sequential:
+    """Few parameters, wide activations: with 256-sample microbatches its activations
+    outweigh its state, so recomputation decides what fits."""
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Dropout(0.3), nn.Linear(512, 64),
+                         nn.Tanh(), nn.Dropout(0.3), nn.Linear(64, 10))
+
+
+def _short_memory(model: nn.Sequential, spec) -> tuple[int, float, float]:
+    """A node memory between the least a 3-stage split needs recomputing (A) and without
+    (B), as the tracker prices it; and A, B."""
+    import itertools
+
+    from fedpipe.client.profile import profile_model
+    from fedpipe.planner import stage_memory_bytes
+    from fedpipe.planner.protoio import model_profile, train_config
+
+    prof, cfg = model_profile(profile_model(model, torch.zeros(8, 64))), train_config(spec)
+    L = len(model)
+
+    def least(recompute: bool) -> float:
+        return min(max(stage_memory_bytes(prof, a, b, cfg, s, 3, recompute=recompute)
+                       for s, (a, b) in enumerate(zip((0, *cuts), (*cuts, L))))
+                   for cuts in itertools.combinations(range(1, L), 2))
+
+    a, b = least(True), least(False)
+    return int((a + b) / 2), a, b
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_auto_recomputes_where_the_nodes_memory_is_short_and_stays_bit_equal():
+    from fedpipe.spec import JobSpec
+    from fedpipe.testing import LocalSwarm
+
+    model, steps, batch = wide_dropout_mlp(), 3, 1024
+    spec = JobSpec(steps=steps, microbatches=MICROBATCHES, batch_size=batch, schedule="1f1b",
+                   stages=3, recompute="auto", checkpoint_every=100)
+    memory, least_recomputing, least_plain = _short_memory(model, spec)
+    assert least_plain > 1.2 * least_recomputing  # recomputation decides what fits
+    batches = digit_batches(steps, batch)
+    expected = microbatched(model, LOSS, SGD, batches, MICROBATCHES, seed=2)
+    with LocalSwarm(n_nodes=3, node_args=["--memory-limit", str(memory)]) as swarm:
+        job = swarm.client().submit(model, LOSS, SGD, batches, steps=steps,
+                                    microbatches=MICROBATCHES, schedule="1f1b", stages=3,
+                                    compression="none", recompute="auto", seed=2,
+                                    checkpoint_every=100)
+        status = job.wait(timeout=180, progress=False)
+        assert status.state == "SUCCEEDED" and status.step == steps, status
+        chosen = [a.recompute for a in sorted(status.plan.stages, key=lambda a: a.stage)]
+        got = job.state_dict()
+        job.release()
+    assert any(chosen) and len(chosen) == 3, f"recompute per stage: {chosen}"
+    assert not_bit_equal(got, expected) == []
