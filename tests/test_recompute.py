@@ -47,15 +47,15 @@ def _train(swarm, model, schedule: str, **kw) -> dict:
 
 @pytest.mark.processes
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_recomputation_with_dropout_is_bit_equal_to_single_process_training(swarm, schedule):
+def test_recomputation_with_dropout_is_bit_equal_to_single_process_training(swarm):
+    # GPipe: every stage recomputes all 4 microbatches (1F1B: the "auto" test below)
     model = dropout_mlp()
     expected = microbatched(model, LOSS, SGD, digit_batches(STEPS, BATCH), MICROBATCHES,
                             seed=5)
     # the masks matter: another seed trains other weights
     other = microbatched(model, LOSS, SGD, digit_batches(STEPS, BATCH), MICROBATCHES, seed=6)
     assert not_bit_equal(other, expected) != []
-    got = _train(swarm, model, schedule, recompute=True, seed=5)
+    got = _train(swarm, model, "gpipe", recompute=True, seed=5)
     assert not_bit_equal(got, expected) == []
 
 
