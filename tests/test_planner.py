@@ -64,7 +64,8 @@ def brute_split(ctx, chain, m, skip):
                 for i, node_i in enumerate(sub):
                     node = ctx.cluster.nodes[node_i]
                     k, j = b[i], b[i + 1]
-                    if stage_memory_bytes(prof, k, j, cfg, i, r, m) > node.memory_bytes:
+                    if stage_memory_bytes(prof, k, j, cfg, i, r, m,
+                                          ctx.buffer_codecs) > node.memory_bytes:
                         break
                     f, bw = compute_seconds(prof, k, j, node.flops, ctx.mb)
                     links = (0.0, 0.0, 0.0, 0.0)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import codecs
-from .costs import boundary_bytes, state_bytes, stash_bytes, transfer_seconds
+from .costs import (StageCodecs, boundary_bytes, codec_buffer_bytes, host_memory_shares,
+                    state_bytes, stash_bytes, transfer_seconds)
 from .types import ClusterView, Link, ModelProfile, PlanError, TrainConfig
 
 
@@ -72,22 +73,29 @@ class PlanContext:
         self.ids = [node.node_id for node in cluster.nodes]
         self.n = len(self.ids)
         self.flops = np.array([float(node.flops) for node in cluster.nodes])
-        self.mem = np.array([float(node.memory_bytes) for node in cluster.nodes])
+        shares = host_memory_shares(cluster.nodes)   # nodes of one host share its memory
+        self.mem = np.array([float(shares[node.node_id]) for node in cluster.nodes])
         self.bw, self.lat = link_arrays(cluster)
         self.L = L = len(profile.layers)
         self.M = config.microbatches
         self.mb = config.batch_size / config.microbatches
         self.act_codecs, self.grad_codecs = codecs.candidates(config)
         stash_samples = math.ceil(self.mb)
+        self.buffer_codecs = worst = StageCodecs(*(costliest_buffer(c) for c in (self.act_codecs, self.grad_codecs,
+                                                            self.act_codecs, self.grad_codecs)))
         inf = math.inf
         self.work = np.full((L + 1, L + 1), inf)    # FLOP per microbatch of layers [k, j)
-        self.state = np.full((L + 1, L + 1), inf)   # weights + grads + optimizer state, bytes
+        # bytes held whatever the microbatches in flight: weights, grads, optimizer state,
+        # snapshots, and the codecs' buffers under the costliest codecs allowed
+        self.state = np.full((L + 1, L + 1), inf)
         self.stash = np.full((L + 1, L + 1), inf)   # activations stashed per microbatch, bytes
         prefix = np.concatenate([[0.0], np.cumsum([layer.flops for layer in profile.layers])])
         for k in range(L):
             for j in range(k + 1, L + 1):
                 self.work[k, j] = (prefix[j] - prefix[k]) * self.mb
-                self.state[k, j] = state_bytes(profile, k, j, config)
+                self.state[k, j] = (state_bytes(profile, k, j, config)
+                                    + codec_buffer_bytes(profile, k, j, stash_samples,
+                                                         config.microbatches, worst))
                 self.stash[k, j] = stash_bytes(profile, k, j, stash_samples)
         self.boundary = np.zeros(L + 1)             # bytes crossing after layer j - 1
         for j in range(1, L):
@@ -120,6 +128,14 @@ class PlanContext:
         one_way = x / self.bw + self.lat
         both: np.ndarray = one_way + one_way.T
         return both
+
+
+def costliest_buffer(specs: tuple[str, ...]) -> str:
+    """Of the codecs ``specs`` a link may get, the one whose buffers a stage pays most
+    for (:func:`~fedpipe.planner.costs.codec_buffer_bytes`: wire bytes, and a residual
+    per microbatch when lossy): the memory checks hold whichever the search picks."""
+    return max(specs, key=lambda c: (codecs.codec_cost(c).lossy,
+                                     codecs.codec_cost(c).buffer_bytes(1.0)))
 
 
 def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -> None:

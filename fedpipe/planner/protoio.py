@@ -16,6 +16,7 @@ from typing import Sequence
 
 from ..proto import node_pb2, tracker_pb2
 from ..spec import SNAPSHOTS_KEPT, JobSpec, PlanView
+from ..spec.optimizers import state_factor
 from .types import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, ReplicaGroup,
                     StagePlan, TrainConfig)
 
@@ -46,7 +47,8 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
     Speeds are the nodes' probed FLOP/s (the tracker divides them by fitted
     corrections: :func:`fedpipe.planner.calibrate.corrected`). Nodes that
     advertise a ``host_id`` share its ``host_cores``
-    (:func:`fedpipe.planner.costs.host_factors`).
+    (:func:`fedpipe.planner.costs.host_factors`) and its ``host_memory_bytes``
+    (:func:`fedpipe.planner.costs.host_memory_shares`).
 
     Links to or from nodes not in ``nodes``, and failed measurements
     (bandwidth 0), are left out. The tracker measures only some pairs
@@ -59,7 +61,8 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
     """
     specs = [NodeSpec(n.node_id, n.resources.flops,
                       n.resources.memory_bytes, n.name, n.resources.device, site_of(n.address),
-                      n.resources.host_id, max(1, n.resources.cores), n.resources.host_cores)
+                      n.resources.host_id, max(1, n.resources.cores), n.resources.host_cores,
+                      n.resources.host_memory_bytes)
              for n in nodes]
     site = {s.node_id: s.site for s in specs}
     measured = {(m.src_id, m.dst_id): Link(m.bandwidth, m.latency)
@@ -142,9 +145,10 @@ def model_profile(p: tracker_pb2.ModelProfile) -> ModelProfile:
 
 def train_config(spec: JobSpec) -> TrainConfig:
     """The planner's training config for a job: every node keeps its stages'
-    checkpoint snapshots and, as a buddy, as many of another stage's."""
+    checkpoint snapshots and, as a buddy, as many of another stage's; the state kept
+    per parameter byte is the job's optimizer's (:func:`fedpipe.spec.optimizers.state_factor`)."""
     return TrainConfig(batch_size=spec.batch_size, microbatches=spec.microbatches,
-                       schedule=spec.schedule, stages=spec.stages, replicas=spec.replicas,
+                       schedule=spec.schedule, state_factor=state_factor(spec.optimizer_kind), stages=spec.stages, replicas=spec.replicas,
                        activation_compression=spec.activation_compression,
                        gradient_compression=spec.gradient_compression,
                        sync_every=spec.sync_every, snapshot_copies=2 * SNAPSHOTS_KEPT)

@@ -29,6 +29,8 @@ class NodeSpec:
             a machine of its own.
         threads: compute threads the node runs (its torch threads).
         host_cores: logical cores of the node's machine (0: unknown, not shared).
+        host_memory: memory of the node's machine that its nodes share, bytes (0:
+            unknown, not shared; see :func:`fedpipe.planner.costs.host_memory_shares`).
     """
 
     node_id: str
@@ -40,6 +42,7 @@ class NodeSpec:
     host: str = ""
     threads: int = 1
     host_cores: int = 0
+    host_memory: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,9 @@ class TrainConfig:
         microbatches: microbatches per batch.
         schedule: "gpipe" or "1f1b" (or "async", later).
         state_factor: bytes kept per parameter byte for a stage: weights,
-            gradients and optimizer state (4 for AdamW: weights, grads, two moments).
+            gradients and optimizer state (4 for AdamW: weights, grads, two moments;
+            3 for SGD with momentum, 2 for plain SGD). The tracker derives it from the
+            job's optimizer (:func:`fedpipe.spec.optimizers.state_factor`).
         snapshot_copies: checkpoint snapshots a node keeps per stage it runs,
             its own and those it keeps as a buddy (each weights and optimizer
             state: ``state_factor - 1`` bytes per parameter byte); 0 when

@@ -119,6 +119,10 @@ class JobSpec:
             to its last complete checkpoint. 0 (the default): every loss rewinds.
             At most ``replicas`` when that is set.
         weights: where the stages' initial weights come from (:class:`WeightsSpec`).
+        optimizer_kind: the optimizer's kind as the client names it
+            (:func:`fedpipe.spec.optimizers.optimizer_kind`, e.g. "adamw", "sgd-momentum"):
+            what the planner prices its state by, since the tracker never unpickles
+            ``optimizer`` ("": unknown, priced as AdamW).
     """
 
     steps: int
@@ -141,6 +145,7 @@ class JobSpec:
     rebalance: str = "auto"
     min_replicas: int = 0
     weights: WeightsSpec = field(default_factory=WeightsSpec)
+    optimizer_kind: str = ""
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -232,7 +237,8 @@ class JobSpec:
                    client_timeout=msg.client_timeout or CLIENT_TIMEOUT,
                    rebalance=msg.rebalance or "auto",
                    min_replicas=msg.min_replicas,
-                   weights=WeightsSpec.from_proto(msg.weights))
+                   weights=WeightsSpec.from_proto(msg.weights),
+                   optimizer_kind=msg.optimizer_kind)
 
     def summary(self) -> dict[str, Any]:
         """The settings as plain values (no pickles), for logs and status pages."""
