@@ -64,6 +64,17 @@ def _bytes(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def _mib(n: float | None) -> str:
+    """Bytes in MiB, or "-" for None."""
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _memory(mem: dict) -> str:
+    """A stage's predicted and measured peak memory, "PRED / PEAK MiB (+ERR%)"."""
+    return f"{_mib(mem['predicted'])} / {_mib(mem['peak'])} MiB" \
+        + _error(mem["predicted"], mem["peak"])
+
+
 def _clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t))
 
@@ -124,6 +135,9 @@ def job_renderable(job: dict) -> RenderableType:
         if timed:
             cols += [("predicted compute", "right"), ("compute", "right"), ("wait", "right"),
                      ("send", "right")]
+        sized = any(st["memory"]["peak"] or st["memory"]["predicted"] for st in stages)
+        if sized:
+            cols += [("memory predicted / peak", "right")]
         for col, just in cols + [("", "left")]:
             t.add_column(col, justify=just)
         for st in stages:
@@ -131,6 +145,8 @@ def job_renderable(job: dict) -> RenderableType:
             pred = st["predicted_compute"]
             times = [_s(pred), _s(m.get("compute")) + _error(pred, m.get("compute")),
                      _s(m.get("wait")), _s(m.get("send"))] if timed else []
+            if sized:
+                times.append(_memory(st["memory"]))
             t.add_row(str(st["replica"]), str(st["stage"]), st["node_name"],
                       f"{st['layer_start']}-{st['layer_end'] - 1}",
                       f"{st['activation_codec']} / {st['gradient_codec']}", *times,

@@ -81,8 +81,10 @@ class PlanContext:
         self.mb = config.batch_size / config.microbatches
         self.act_codecs, self.grad_codecs = codecs.candidates(config)
         stash_samples = math.ceil(self.mb)
-        self.buffer_codecs = worst = StageCodecs(*(costliest_buffer(c) for c in (self.act_codecs, self.grad_codecs,
-                                                            self.act_codecs, self.grad_codecs)))
+        # the codecs whose buffers cost a stage most, of those its links may get: the
+        # memory checks hold whichever the search picks
+        self.buffer_codecs = worst = StageCodecs(*(costliest_buffer(c) for c in (
+            self.act_codecs, self.grad_codecs, self.act_codecs, self.grad_codecs)))
         inf = math.inf
         self.work = np.full((L + 1, L + 1), inf)    # FLOP per microbatch of layers [k, j)
         # bytes held whatever the microbatches in flight: weights, grads, optimizer state,

@@ -15,8 +15,9 @@ import statistics
 from typing import Sequence
 
 from ..proto import node_pb2, tracker_pb2
-from ..spec import SNAPSHOTS_KEPT, JobSpec, PlanView
+from ..spec import SNAPSHOTS_KEPT, JobSpec, PlanView, StageKey
 from ..spec.optimizers import state_factor
+from .costs import StageCodecs, stage_memory_bytes
 from .types import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, ReplicaGroup,
                     StagePlan, TrainConfig)
 
@@ -148,10 +149,32 @@ def train_config(spec: JobSpec) -> TrainConfig:
     checkpoint snapshots and, as a buddy, as many of another stage's; the state kept
     per parameter byte is the job's optimizer's (:func:`fedpipe.spec.optimizers.state_factor`)."""
     return TrainConfig(batch_size=spec.batch_size, microbatches=spec.microbatches,
-                       schedule=spec.schedule, state_factor=state_factor(spec.optimizer_kind), stages=spec.stages, replicas=spec.replicas,
+                       schedule=spec.schedule, state_factor=state_factor(spec.optimizer_kind),
+                       stages=spec.stages, replicas=spec.replicas,
                        activation_compression=spec.activation_compression,
                        gradient_compression=spec.gradient_compression,
                        sync_every=spec.sync_every, snapshot_copies=2 * SNAPSHOTS_KEPT)
+
+
+def assignment_memory_bytes(plan: node_pb2.Plan, a: node_pb2.StageAssignment,
+                            profile: ModelProfile, config: TrainConfig) -> float:
+    """The predicted peak memory of stage ``a`` of the plan message ``plan``, bytes
+    (:func:`~fedpipe.planner.costs.stage_memory_bytes` at its place in its group's
+    chain, with its group's microbatches and the codecs it and its neighbours send);
+    0 when ``profile`` does not cover the stage's layers (no profile).
+
+    Raises:
+        PlanError: the plan names an unknown codec.
+    """
+    if a.layer_end > len(profile.layers) or a.layer_start >= a.layer_end:
+        return 0.0
+    view = PlanView(plan)
+    before, after = view.neighbours(StageKey(a.replica, a.stage))
+    codecs = StageCodecs(a.activation_codec or "raw", a.gradient_codec or "raw",
+                         before.activation_codec or "raw" if before is not None else "raw",
+                         after.gradient_codec or "raw" if after is not None else "raw")
+    return stage_memory_bytes(profile, a.layer_start, a.layer_end, config, a.stage,
+                              view.depth(a.replica), view.microbatches(a.replica), codecs)
 
 
 def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2.Plan:

@@ -290,7 +290,9 @@ class StageTime:
 
     What a stage reports (``StepReport``) and the tracker keeps per plan epoch:
     the measured counterpart of the simulator's per-stage prices
-    (:func:`fedpipe.planner.simulate.stage_costs`), shown by the dashboard.
+    (:func:`fedpipe.planner.simulate.stage_costs`), shown by the dashboard; with the
+    stage's measured peak memory and the planner's prediction of it, bytes (0: not
+    reported; see :mod:`fedpipe.node.memory`).
     """
 
     replica: int
@@ -298,6 +300,8 @@ class StageTime:
     compute: float
     wait: float
     send: float
+    peak_memory: int = 0
+    predicted_memory: int = 0
 
     @property
     def total(self) -> float:
