@@ -81,7 +81,9 @@ class StageTimes:
         splits = self.windows(job_id, current)
         with self._lock:
             memory = dict(self._memory.get(job_id, {})) if splits else {}
-        return [StageTime(key.replica, key.stage,
-                          *(statistics.median(part) for part in zip(*window)),
-                          *memory.get(key, (0, 0)))
-                for key, window in sorted(splits.items())]
+        out = []
+        for key, window in sorted(splits.items()):
+            compute, wait, send = (statistics.median(part) for part in zip(*window))
+            peak, predicted = memory.get(key, (0, 0))
+            out.append(StageTime(key.replica, key.stage, compute, wait, send, peak, predicted))
+        return out
