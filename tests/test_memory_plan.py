@@ -11,12 +11,13 @@ import pytest
 from fedpipe.planner import (ClusterView, LayerProfile, ModelProfile, NodeSpec, PlanError,
                              SearchOptions, TrainConfig, make_plan, stage_memory_bytes)
 from fedpipe.planner.costs import StageCodecs, host_memory_shares
-from fedpipe.planner.protoio import model_profile, train_config
-from fedpipe.proto import tracker_pb2
+from fedpipe.planner.protoio import memory_shares, model_profile, train_config
+from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.runtime.optim import optimizer
 from fedpipe.spec import JobSpec
 from fedpipe.spec.optimizers import state_factor
 from fedpipe.tracker import errors
+from fedpipe.tracker.replan import substitute
 from fedpipe.tracker.store import MemoryStore
 from tracker_fakes import make_tracker, registration, submission
 
@@ -108,3 +109,21 @@ def test_a_job_that_fits_nowhere_is_refused_at_submit_with_the_bytes_it_lacks():
                        match="layer 1 \\(l1\\) alone needs .* 1000 bytes more are needed"):
         tracker.jobs.submit(req)
     assert tracker.store.jobs_in(tracker_pb2.JOB_STATE_PENDING) == []
+
+
+def test_a_lost_stage_moves_only_where_its_hosts_share_of_memory_holds_it():
+    """Recovery's substitute counts a host's memory once among its nodes too: a stage
+    of 600 bytes fits a node of 1000 alone, but not one of two sharing 1000."""
+    def node(name: str, host: str) -> tracker_pb2.NodeInfo:
+        return tracker_pb2.NodeInfo(node_id=name, name=name, address=f"{name}:1",
+                                    resources=node_pb2.Resources(
+                                        flops=1e12, memory_bytes=1000, host_id=host,
+                                        host_memory_bytes=1000 if host else 0))
+    plan = node_pb2.Plan(stages=[node_pb2.StageAssignment(node_id="gone", layer_start=0,
+                                                          layer_end=1)])
+    moved = substitute(plan, {"gone"}, [node("a", ""), node("b", "")], lambda a: 600)
+    assert moved.stages[0].node_id in ("a", "b")
+    with pytest.raises(PlanError, match="needs 0.0 MiB but the 2 live node"):
+        substitute(plan, {"gone"}, [node("a", "h"), node("b", "h")], lambda a: 600)
+    assert memory_shares([node("a", "h"), node("b", "h"), node("c", "")]) == \
+        {"a": 500, "b": 500, "c": 1000}

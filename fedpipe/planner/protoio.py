@@ -17,7 +17,7 @@ from typing import Sequence
 from ..proto import node_pb2, tracker_pb2
 from ..spec import SNAPSHOTS_KEPT, JobSpec, PlanView, StageKey
 from ..spec.optimizers import state_factor
-from .costs import StageCodecs, stage_memory_bytes
+from .costs import StageCodecs, host_memory_shares, stage_memory_bytes
 from .types import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, ReplicaGroup,
                     StagePlan, TrainConfig)
 
@@ -136,6 +136,13 @@ def unmeasured(nodes: list[tracker_pb2.NodeInfo], links: list[node_pb2.LinkMeasu
     registered = {n.node_id: n.registered for n in nodes}
     return [(a, b) for a, peers in measurement_peers(nodes).items() for b in peers
             if seen.get((a, b), 0) < max(registered[a], registered[b])]
+
+
+def memory_shares(nodes: list[tracker_pb2.NodeInfo]) -> dict[str, int]:
+    """Per node id, the memory its stages may use, bytes, as the planner sees it: its
+    own, but no more than its share of its host's among ``nodes``
+    (:func:`~fedpipe.planner.costs.host_memory_shares`)."""
+    return host_memory_shares(cluster_view(nodes, []).nodes)
 
 
 def model_profile(p: tracker_pb2.ModelProfile) -> ModelProfile:
