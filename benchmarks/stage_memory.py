@@ -2,8 +2,8 @@
 
 A LocalSwarm of ``--nodes`` node processes (one stage each, ``stages=--nodes``) trains
 an MLP of ``--layers`` × Linear(``--width``, ``--width``) with ``--optimizer`` for
-``--steps`` steps, checkpointing every 2 steps (so the snapshots the model counts are
-held), gradients and activations raw (``compression="none"``). Each stage reports its
+``--steps`` steps, checkpointing every ``--checkpoint-every`` steps (2: so the snapshots
+the model counts are held), gradients and activations raw (``compression="none"``). Each stage reports its
 peak (the node's peak RSS over its RSS before its LoadStage) with the prediction it
 was loaded with (:func:`fedpipe.planner.stage_memory_bytes`); the tracker serves both
 (``GetJob``'s ``stage_times``). Printed per stage: predicted, measured, their ratio;
@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--checkpoint-every", type=int, default=2)
     args = p.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(args.width, args.width) for _ in range(args.layers)))
@@ -57,7 +58,8 @@ def main() -> None:
         job = client.submit(model, nn.functional.mse_loss, fedpipe.optimizer(cls, **kw),
                             batches(args.width, args.batch), steps=args.steps,
                             microbatches=args.microbatches, stages=args.nodes,
-                            compression="none", checkpoint_every=2)
+                            compression="none",
+                            checkpoint_every=args.checkpoint_every)
         done = job.wait(timeout=600, progress=False)
         assert done.state == "SUCCEEDED", done
         info = client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=30)
@@ -65,7 +67,8 @@ def main() -> None:
     print(f"{args.layers} x Linear({args.width}, {args.width}) "
           f"({sum(t.numel() for t in model.parameters()) * 4 / mib:.0f} MiB of weights), "
           f"{args.optimizer}, batch {args.batch} in {args.microbatches} microbatches, "
-          f"{args.nodes} stages, {args.steps} steps")
+          f"{args.nodes} stages, {args.steps} steps, "
+          f"a checkpoint every {args.checkpoint_every}")
     print(f"{'stage':>5} {'layers':>7} {'predicted MiB':>14} {'measured MiB':>13} {'ratio':>6}")
     layers = {(a.replica, a.stage): (a.layer_start, a.layer_end) for a in info.plan.stages}
     ratios = []

@@ -125,7 +125,8 @@ class StageRegistry:
         Raises:
             StageExists: that stage of that job and epoch is already loaded and live.
             MemoryTooSmall: its predicted memory, with what the node's other stages are
-                predicted to hold, is more than the node's limit (nothing is built).
+                predicted to hold (but the job's stages of older plan epochs, which it
+                replaces), is more than the node's limit (nothing is built).
             StageLoadError: as :func:`~fedpipe.node.wiring.build_stage`, or no snapshot
                 of the resume step could be found or restored.
             Stopped: a StopJob of the job came while the stage was being built.
@@ -140,8 +141,9 @@ class StageRegistry:
         try:
             if old is not None:
                 self._release([old], f"replaced by a load of plan epoch {request.plan.epoch}")
-            if self.memory is not None:
-                self.memory.admit(request, [s.slot for s in self.select(lambda s: True)])
+            if self.memory is not None:  # the job's stages of older epochs give way to it
+                self.memory.admit(request, [s.slot for s in self.select(
+                    lambda s: s.job_id != request.job_id or s.epoch >= request.plan.epoch)])
             stage = self._build(request)
         except BaseException as e:
             with self.lock:
