@@ -15,7 +15,7 @@ from fedpipe.planner.protoio import memory_shares, model_profile, train_config
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.runtime.optim import optimizer
 from fedpipe.spec import JobSpec
-from fedpipe.spec.optimizers import state_factor
+from fedpipe.spec.optimizers import state_factor, step_scratch
 from fedpipe.tracker import errors
 from fedpipe.tracker.replan import substitute
 from fedpipe.tracker.store import MemoryStore
@@ -60,6 +60,14 @@ def test_stage_memory_by_hand():
     # AdamW: 2000 × (4 + 2 × 3) = 20000; plain SGD: 2000 × (2 + 2 × 1) = 8000; raw: no buffers
     assert stage_memory_bytes(PROFILE, 1, 2, cfg("adamw"), 1, 3) == 20000 + 120
     assert stage_memory_bytes(PROFILE, 1, 2, cfg("sgd"), 1, 3) == 8000 + 120
+    # AdamW's step takes sqrt of its second moments into new tensors: 1 × 2000 bytes of
+    # scratch, after the backward passes freed the 120 stashed (under "async", both)
+    scratch = dataclasses.replace(cfg("adamw"), step_scratch=step_scratch("adamw"))
+    assert stage_memory_bytes(PROFILE, 1, 2, scratch, 1, 3) == 20000 + 2000
+    assert stage_memory_bytes(PROFILE, 1, 2, dataclasses.replace(scratch, schedule="async"),
+                              1, 3) == 20000 + 2000 + 120
+    assert step_scratch("sgd-momentum") == 0 and train_config(JobSpec(
+        steps=1, optimizer=b"o", loss_fn=b"l", optimizer_kind="adamw")).step_scratch == 1
     # the first stage receives raw input from the data, sends nothing back: only its
     # output's int8 copy (0.27 × 10 × 2); its stash: (5 + 10) × 2 × min(4, 3) = 90
     assert stage_memory_bytes(PROFILE, 0, 1, cfg("sgd"), 0, 3, None, codecs) \

@@ -91,6 +91,10 @@ class PlanContext:
         # snapshots, and the codecs' buffers under the costliest codecs allowed
         self.state = np.full((L + 1, L + 1), inf)
         self.stash = np.full((L + 1, L + 1), inf)   # activations stashed per microbatch, bytes
+        # the optimizer's scratch during its step, bytes: once the stash is freed, so a
+        # stage fits when state + max(stash × in flight, scratch) does (under "async" the
+        # step overlaps the stash: the scratch is in ``state``)
+        self.scratch = np.zeros((L + 1, L + 1))
         prefix = np.concatenate([[0.0], np.cumsum([layer.flops for layer in profile.layers])])
         for k in range(L):
             for j in range(k + 1, L + 1):
@@ -99,6 +103,12 @@ class PlanContext:
                                     + codec_buffer_bytes(profile, k, j, stash_samples,
                                                          config.microbatches, worst))
                 self.stash[k, j] = stash_bytes(profile, k, j, stash_samples)
+                scratch = config.step_scratch * sum(
+                    layer.parameter_bytes for layer in profile.layers[k:j])
+                if config.schedule == "async":
+                    self.state[k, j] += scratch
+                else:
+                    self.scratch[k, j] = scratch
         self.boundary = np.zeros(L + 1)             # bytes crossing after layer j - 1
         for j in range(1, L):
             self.boundary[j] = boundary_bytes(profile, j, self.mb)

@@ -148,7 +148,9 @@ def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: Trai
       checkpoint snapshots a node keeps (:func:`state_bytes`);
     - the activations stashed for backward: :func:`in_flight` microbatches of
       ``batch_size / microbatches`` samples (GPipe: all of them; 1F1B: up to the
-      stage's depth), :func:`stash_bytes` each;
+      stage's depth), :func:`stash_bytes` each; or, when more, the optimizer's
+      scratch during its step (``config.step_scratch`` × parameter bytes), which
+      a synchronous schedule runs once the stash is freed (under "async", both);
     - the codecs' buffers of its boundary tensors (:func:`codec_buffer_bytes`).
 
     Args:
@@ -162,9 +164,13 @@ def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: Trai
     """
     m = config.microbatches if microbatches is None else microbatches
     samples = math.ceil(config.batch_size / config.microbatches)
-    return (state_bytes(profile, start, end, config)
-            + stash_bytes(profile, start, end, samples)
-            * in_flight(config.schedule, stage, n_stages, m)
+    stash = stash_bytes(profile, start, end, samples) * in_flight(config.schedule, stage,
+                                                                  n_stages, m)
+    scratch = config.step_scratch * sum(layer.parameter_bytes
+                                        for layer in profile.layers[start:end])
+    # a synchronous step's optimizer runs once its backward passes have freed the stash
+    live = stash + scratch if config.schedule == "async" else max(stash, scratch)
+    return (state_bytes(profile, start, end, config) + live
             + codec_buffer_bytes(profile, start, end, samples, m, codecs))
 
 

@@ -72,7 +72,7 @@ def _chains_minmax(ctx: PlanContext
         key = (v, u, length)
         if key not in mats:
             infl = M if gpipe else min(M, length)
-            memok = ctx.state + ctx.stash * infl <= ctx.mem[v]
+            memok = ctx.state + np.maximum(ctx.stash * infl, ctx.scratch) <= ctx.mem[v]
             mats[key] = stage_costs(ctx, v, None if u < 0 else u, memok)[0]
         return mats[key]
 

@@ -152,7 +152,7 @@ def solve_chain(ctx: PlanContext, chain: Sequence[int], microbatches: int,
     for i in range(n - 1, -1, -1):
         node = chain[i]
         infl = _in_flight_bound(ctx, microbatches, i, n)
-        memok = ctx.state + ctx.stash * infl <= ctx.mem[node]
+        memok = ctx.state + np.maximum(ctx.stash * infl, ctx.scratch) <= ctx.mem[node]
         best = np.full(L + 1, math.inf)
         if i >= n - W:
             c, s = stage_costs(ctx, node, None, memok)
@@ -278,7 +278,7 @@ def describe(ctx: PlanContext, chain: Sequence[int], stages: Sequence[tuple[int,
         bottleneck = max(bottleneck, cost)
         stash = ctx.stash[k, j]
         room = (ctx.mem[node] - ctx.state[k, j]) // stash if stash > 0 else math.inf
-        if ctx.mem[node] < ctx.state[k, j]:
+        if ctx.mem[node] < ctx.state[k, j] + ctx.scratch[k, j]:
             room = 0
         elif sched != "gpipe" and room >= n_st - s:
             room = math.inf   # 1F1B never stashes more than n_stages - s

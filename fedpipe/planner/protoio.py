@@ -16,7 +16,7 @@ from typing import Sequence
 
 from ..proto import node_pb2, tracker_pb2
 from ..spec import SNAPSHOTS_KEPT, JobSpec, PlanView, StageKey
-from ..spec.optimizers import state_factor
+from ..spec.optimizers import state_factor, step_scratch
 from .costs import StageCodecs, host_memory_shares, stage_memory_bytes
 from .types import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, ReplicaGroup,
                     StagePlan, TrainConfig)
@@ -157,6 +157,7 @@ def train_config(spec: JobSpec) -> TrainConfig:
     per parameter byte is the job's optimizer's (:func:`fedpipe.spec.optimizers.state_factor`)."""
     return TrainConfig(batch_size=spec.batch_size, microbatches=spec.microbatches,
                        schedule=spec.schedule, state_factor=state_factor(spec.optimizer_kind),
+                       step_scratch=step_scratch(spec.optimizer_kind),
                        stages=spec.stages, replicas=spec.replicas,
                        activation_compression=spec.activation_compression,
                        gradient_compression=spec.gradient_compression,

@@ -184,6 +184,8 @@ class TrainConfig:
             gradients and optimizer state (4 for AdamW: weights, grads, two moments;
             3 for SGD with momentum, 2 for plain SGD). The tracker derives it from the
             job's optimizer (:func:`fedpipe.spec.optimizers.state_factor`).
+        step_scratch: bytes the optimizer allocates during its step per parameter
+            byte (1 for torch's foreach AdamW; :func:`fedpipe.spec.optimizers.step_scratch`).
         snapshot_copies: checkpoint snapshots a node keeps per stage it runs,
             its own and those it keeps as a buddy (each weights and optimizer
             state: ``state_factor - 1`` bytes per parameter byte); 0 when
@@ -212,6 +214,7 @@ class TrainConfig:
     schedule: str = "gpipe"
     state_factor: float = 4.0
     snapshot_copies: float = 0.0
+    step_scratch: float = 0.0
     stages: int = 0
     replicas: int = 0
     compression: str = "auto"

@@ -15,6 +15,14 @@ OPTIMIZER_STATES: dict[str, float] = {
 }
 """Copies of the parameters an optimizer keeps as state, by kind (torch.optim): AdamW
 and Adam keep two moments, SGD with momentum one buffer, plain SGD none."""
+OPTIMIZER_SCRATCH: dict[str, float] = {
+    "adamw": 1.0, "adam": 1.0, "nadam": 1.0, "radam": 1.0, "adamax": 1.0,
+}
+"""Copies of the parameters an optimizer allocates for the length of its step, by kind:
+torch's multi-tensor (foreach) Adam family takes ``sqrt`` of the second moments into a
+new tensor list; SGD and momentum update in place (weight decay and Nesterov aside)."""
+UNKNOWN_OPTIMIZER_SCRATCH = 1.0
+"""Scratch copies assumed for an optimizer not in :data:`OPTIMIZER_STATES` (or not named)."""
 UNKNOWN_OPTIMIZER_STATE = 2.0
 """State copies assumed for an optimizer not in :data:`OPTIMIZER_STATES` (or not named):
 as much as AdamW's, so an unknown optimizer is never priced below what it may keep."""
@@ -35,3 +43,11 @@ def state_factor(kind: str) -> float:
     gradients, and the optimizer's state copies (:data:`OPTIMIZER_STATES`; AdamW 4, SGD
     with momentum 3, plain SGD 2; an unknown or empty kind: :data:`UNKNOWN_OPTIMIZER_STATE`)."""
     return 2.0 + OPTIMIZER_STATES.get(kind, UNKNOWN_OPTIMIZER_STATE)
+
+
+def step_scratch(kind: str) -> float:
+    """Bytes optimizer ``kind`` allocates during its step per parameter byte
+    (:data:`OPTIMIZER_SCRATCH`; 0 for a known kind not listed there, e.g. SGD)."""
+    if kind in OPTIMIZER_SCRATCH:
+        return OPTIMIZER_SCRATCH[kind]
+    return 0.0 if kind in OPTIMIZER_STATES else UNKNOWN_OPTIMIZER_SCRATCH
