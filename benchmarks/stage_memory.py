@@ -10,13 +10,16 @@ the tracker serves both (``GetJob``'s ``stage_times``). Printed per stage: predi
 measured, their ratio; and the machine's load average. Target (issue 22): measured
 within ±20 % of the prediction.
 
-What the model leaves out, as measured here (2 cores, 4 × Linear(2048, 2048), AdamW,
-no checkpoint during the run): about 150 MiB a node for the runtime (the first
-optimizer step alone imports some 800 modules, ~70 MiB of RSS), and about 2.6 copies
-of the stage's parameters (the pickled layers of the LoadStage, and AdamW's foreach
-temporaries). With checkpoints every node holds snapshots of every other stage of its
-group (buddies rotate over the plan's nodes), which the model prices as copies of
-the stage's own size (right for two balanced stages only).
+Measured here (2 shared cores, load average ~20, 4 × Linear(2048, 2048), AdamW, 2
+stages, 6 steps): with a checkpoint every 2 steps, predicted 544 MiB a stage,
+measured 727 and 833 MiB (1.34x, 1.53x); with none during the run (the model still
+counts the snapshots), predicted 272 / 816 MiB, measured 227 / 438 MiB. What the
+model leaves out: about 150 MiB a node of runtime (the first optimizer step alone
+imports some 800 modules, ~70 MiB of RSS), the LoadStage's pickled layers (one or
+two copies of the stage's weights while it loads), and the snapshots in transit to
+and from a buddy. And with more than two stages every node ends up holding snapshots
+of every other stage of its group (buddies rotate over the plan's nodes), which the
+model prices as copies of the stage's own size (right for two balanced stages only).
 
     python benchmarks/stage_memory.py [--nodes 3] [--layers 6] [--width 2048]
                                       [--optimizer adamw|sgd|momentum] [--steps 8]
