@@ -404,9 +404,11 @@ def parser() -> argparse.ArgumentParser:
                         "execution!); ignored with --tls-dir, where only jobs signed by a "
                         "client certificate load")
     n.add_argument("--memory-limit", type=int, default=None,
-                   help="advertise at most this many bytes of memory")
+                   help="advertise at most this many bytes of memory; a LoadStage predicted "
+                        "to need more, with this node's other stages, is refused")
     n.add_argument("--host-id", default=None,
-                   help="the machine whose cores this node shares with other nodes (default: "
+                   help="the machine whose cores and memory this node shares with other nodes "
+                        "(default: "
                         "this kernel's boot id; '' for none, e.g. containers with cores of "
                         "their own)")
     n.add_argument("--link-profile", default=None,

@@ -219,6 +219,11 @@ def test_chromium_renders_the_running_job_with_the_apis_figures(running):
     assert dom.count('class="box bottleneck"') == 1
     assert len(re.findall(r'<rect [^>]*fill="hsl', dom)) == 2  # two measured links
     assert re.search(r'<polyline class="curve" points="[^"]+"', dom)
+    # each stage's predicted and measured peak memory, in the stage table
+    for s in (s for g in api["plan"]["groups"] for s in g):
+        for kind in ("predicted", "peak"):
+            cell = re.search(rf'data-memory="{s["replica"]}-{s["stage"]}-{kind}">([^<]+)<', dom)
+            assert cell and re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", cell.group(1)), (kind, cell)
 
 
 def test_the_page_fetches_nothing_from_the_internet():
@@ -289,6 +294,27 @@ def test_the_trackers_metrics_port_agrees_with_get_job_and_the_api(running):
                 s["measured"][part]
     assert sorted(v for (name, _), v in samples.items() if name == "fedpipe_node_alive") == \
         [1.0, 1.0]
+
+
+def test_each_stage_shows_its_measured_peak_memory_beside_the_prediction(running):
+    """The planner's prediction reaches the node with its LoadStage, and each step's
+    report carries it back with the node's measured peak: the API, the tracker's
+    metrics and ``fedpipe status`` show both, the same figures."""
+    swarm, job, ports = running
+    api = get(f"{ports.url}/api/jobs/{job.id}")
+    samples = scrape(ports.metrics)
+    out = cli("status", "--tracker", swarm.tracker, job.id)
+    assert out.returncode == 0, out.stderr
+    assert "memory predicted / peak" in out.stdout
+    for s in (s for g in api["plan"]["groups"] for s in g):
+        mem = s["memory"]
+        assert mem["predicted"] > 0 and mem["peak"] > 0, s
+        for kind in ("predicted", "peak"):
+            assert sample(samples, "fedpipe_job_stage_memory_bytes", job=job.id,
+                          replica=s["replica"], stage=s["stage"], kind=kind) == mem[kind]
+        row = next(line for line in out.stdout.splitlines()
+                   if f" {s['node_name']} " in line and f"{s['layer_start']}-" in line)
+        assert status._memory(mem) in row, row
 
 
 def test_each_node_exports_its_stages_step_seconds_and_the_bytes_it_sent(running):

@@ -64,7 +64,8 @@ def brute_split(ctx, chain, m, skip):
                 for i, node_i in enumerate(sub):
                     node = ctx.cluster.nodes[node_i]
                     k, j = b[i], b[i + 1]
-                    if stage_memory_bytes(prof, k, j, cfg, i, r, m) > node.memory_bytes:
+                    if stage_memory_bytes(prof, k, j, cfg, i, r, m,
+                                          ctx.buffer_codecs) > node.memory_bytes:
                         break
                     f, bw = compute_seconds(prof, k, j, node.flops, ctx.mb)
                     links = (0.0, 0.0, 0.0, 0.0)
@@ -99,7 +100,8 @@ def chain_case(draw):
                            draw(st.sampled_from([10**6, 10**7]))) for i in range(L)]
     cfg = TrainConfig(batch_size=8, microbatches=draw(st.integers(1, 4)),
                       schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
-                      compression=draw(st.sampled_from(["auto", "none"])))
+                      compression=draw(st.sampled_from(["auto", "none"])),
+                      step_scratch=draw(st.sampled_from([0.0, 1.0])))
     return ClusterView(nodes, links), ModelProfile(layers, input_bytes=10**6), cfg
 
 

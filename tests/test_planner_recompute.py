@@ -29,7 +29,8 @@ def profile(layers: int = 4) -> ModelProfile:
 
 
 def config(**kw) -> TrainConfig:  # 4 microbatches of 2 samples, GPipe: all 4 in flight
-    return TrainConfig(batch_size=8, microbatches=4, schedule="gpipe", **kw)
+    # raw links: no codec buffers in the memory figures below
+    return TrainConfig(batch_size=8, microbatches=4, schedule="gpipe", compression="none", **kw)
 
 
 def test_a_recomputing_stage_keeps_its_inputs_and_one_microbatchs_activations():

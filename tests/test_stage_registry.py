@@ -14,9 +14,13 @@ from typing import Iterator
 import pytest
 from torch import nn
 
-from fedpipe.node.errors import NoSuchStage, StageExists, StageLoadError, Stopped
+import torch
+
+from fedpipe.node.errors import (MemoryTooSmall, NoSuchStage, StageExists, StageLoadError,
+                                 Stopped)
 from fedpipe.node.lifecycle import Stage, StageSlot, StageState
 from fedpipe.node.mailbox import Mailbox
+from fedpipe.node.memory import StageMemory
 from fedpipe.node.peers import ChannelPool
 from fedpipe.node.reports import StageReporter
 from fedpipe.node.running import StageLoop
@@ -75,20 +79,21 @@ class Restorer:
 class Node:
     """A registry over fakes; ``runner`` makes each loaded stage's runner."""
 
-    def __init__(self, runner=Runner, restorer: Restorer | None = None):
+    def __init__(self, runner=Runner, restorer: Restorer | None = None,
+                 memory: StageMemory | None = None):
         self.reports: list[tracker_pb2.StageReport] = []
         self.cond = threading.Condition()
         self.peers: list[Peers] = []
         self.runner = runner
         self.restorer = restorer or Restorer()
-        reporter = StageReporter(lambda: "n0", self._report)
+        reporter = StageReporter(lambda: "n0", self._report, memory=memory)
         self.snapshots = SnapshotStore()
         mailbox = Mailbox(4, ())
         loop = StageLoop(reporter, Checkpoints(self.snapshots, ChannelPool(), reporter), mailbox,
                          self.restorer)  # type: ignore[arg-type]
         self.registry = StageRegistry(self._build, self._peers,
                                       self.restorer, loop, mailbox,  # type: ignore[arg-type]
-                                      self.snapshots, reporter)
+                                      self.snapshots, reporter, memory)
 
     def _report(self, report):
         with self.cond:
@@ -326,4 +331,37 @@ def test_a_stop_job_that_comes_while_a_stage_is_built_releases_it_once_built():
     loader.join(WAIT)
     assert isinstance(outcome[1], Stage) and S.RUNNING in moves(outcome[1]), outcome
     assert node.registry.holds("j")
+    node.registry.stop_all()
+
+
+def test_a_stage_predicted_past_the_nodes_memory_limit_is_refused_with_both_figures():
+    """A node of 1000 bytes holds a stage predicted at 600: one predicted at 500 more is
+    refused before anything is built, naming both figures; once the first is released,
+    it loads. Each step reports the stage's prediction and its measured peak."""
+    gate = threading.Semaphore(0)
+
+    class Hungry(Runner):  # touches 16 MiB in its step: the node's peak RSS grows by it
+        def run(self, steps, start=0):
+            for result in super().run(steps, start):
+                held = bytearray(16 * 2**20)
+                held[::4096] = b"x" * len(held[::4096])
+                yield result
+
+    node = Node(runner=lambda: Hungry(gate), memory=StageMemory(torch.device("cpu"), 1000))
+    first = node.load(job="a", predicted_memory_bytes=600)
+    with pytest.raises(MemoryTooSmall) as err:
+        node.load(job="b", predicted_memory_bytes=500)
+    assert str(err.value) == (
+        "stage 0 (replica 0) of job 'b' is predicted to need 500 bytes (0.0 MiB), but this "
+        "node's memory limit is 1000 bytes (0.0 MiB) and its other stages are predicted to "
+        "hold 600 bytes of it: 100 bytes too many")
+    assert len(node.peers) == 1 and not node.registry.holds("b")  # nothing was built
+    node.registry.stop_job("a", release=True)
+    wait_state(first, S.RELEASED)
+    second = node.load(job="b", predicted_memory_bytes=500, steps=1)
+    assert second.live
+    gate.release()
+    node.wait_for(R.STATUS_STEP)
+    step = next(r for r in node.reports if r.job_id == "b" and r.status == R.STATUS_STEP)
+    assert step.predicted_memory_bytes == 500 and step.peak_memory_bytes >= 16 * 2**20
     node.registry.stop_all()

@@ -247,6 +247,7 @@ class Client:
         microbatches = given.training.microbatches
         job_spec = given.job_spec(
             steps=steps, optimizer=dumps(optimizer), loss_fn=dumps(loss_fn),
+            optimizer_kind=optimizer.kind,
             lr_scheduler=dumps(lr_scheduler) if lr_scheduler else b"").validate(n_layers)
         batches = cycle(data)
         try:

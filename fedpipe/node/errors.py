@@ -75,6 +75,11 @@ class Stopped(NodeError):
     """The stage a put or get waited on was stopped (or the caller went away)."""
 
 
+class MemoryTooSmall(StageLoadError):
+    """A stage predicted to need more memory than the node has left under its limit; the
+    message gives both figures (:class:`~fedpipe.node.memory.StageMemory`)."""
+
+
 class Full(NodeError):
     """A job already has as many tensors waiting on this node as one job may; the message
     gives the figures (:class:`~fedpipe.node.mailbox.Mailbox`)."""
@@ -96,6 +101,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     SplitError: grpc.StatusCode.FAILED_PRECONDITION,
     Stopped: grpc.StatusCode.ABORTED,
     Full: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    MemoryTooSmall: grpc.StatusCode.RESOURCE_EXHAUSTED,
     SnapshotTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 """The status code of each domain error (a subclass takes its nearest mapped base's)."""

@@ -29,6 +29,7 @@ from .dataplane import NodeReceiver
 from .initial import WeightsDesk
 from .lifecycle import Stage
 from .mailbox import JOB_TENSORS, Mailbox
+from .memory import StageMemory
 from .peers import ChannelPool, Shaper, StagePeers
 from .reports import StageReporter
 from .restore import Restorer
@@ -138,14 +139,16 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     mailbox = Mailbox(input_capacity, bounded=BOUNDED_KINDS, job_cap=job_tensors,
                       job_of=inbox_job)
     snapshots = SnapshotStore()
-    reporter = StageReporter(node_id, report, metrics)
+    device = torch.device(resources.device or "cpu")
+    memory = StageMemory(device, resources.memory_bytes)
+    reporter = StageReporter(node_id, report, metrics, memory)
     restorer = Restorer(snapshots, channels)
     loop = StageLoop(reporter, Checkpoints(snapshots, channels, reporter), mailbox, restorer)
-    build = stage_builder(torch.device(resources.device or "cpu"), mailbox, node_id,
+    build = stage_builder(device, mailbox, node_id,
                           snapshots.put, reporter, access.learning(quorum))
     stages = StageRegistry(build, lambda: StagePeers(channels, shaper, metrics,
                                                      sockets[0] if sockets else None, pacer),
-                           restorer, loop, mailbox, snapshots, reporter)
+                           restorer, loop, mailbox, snapshots, reporter, memory)
     streams = StreamWatch(stages.runs, idle_stream,
                           revoked_serials=verifier.revoked_serials
                           if verifier is not None else None)

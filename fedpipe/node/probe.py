@@ -84,14 +84,19 @@ def probe(device: str = "cpu", memory_limit: int | None = None) -> node_pb2.Reso
     Args:
         device: "cpu", "cuda[:N]" (after :func:`resolve_device`).
         memory_limit: cap on the advertised memory, bytes (None: what is available).
+
+    A CPU node also advertises its machine's available memory (``host_memory_bytes``),
+    which the planner shares among the nodes of its host as it shares the cores
+    (:func:`fedpipe.planner.costs.host_memory_shares`); a GPU's memory is its own.
     """
     dev = torch.device(device)
+    host_memory = 0
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         name, memory = props.name, props.total_memory
     else:
         name = platform.processor() or platform.machine()
-        memory = psutil.virtual_memory().available
+        memory = host_memory = psutil.virtual_memory().available
     if memory_limit is not None:
         memory = min(memory, memory_limit)
     return node_pb2.Resources(device=device, device_name=name, cores=torch.get_num_threads(),
@@ -99,4 +104,6 @@ def probe(device: str = "cpu", memory_limit: int | None = None) -> node_pb2.Reso
                               hostname=socket.gethostname(),
                               # a GPU is not shared the way cores are: no host for it
                               host_id=host_id() if dev.type == "cpu" else "",
-                              host_cores=host_cores())
+                              host_cores=host_cores(),
+                              # the planner splits it among the nodes of one host
+                              host_memory_bytes=int(host_memory))

@@ -8,6 +8,7 @@ from ..proto import tracker_pb2
 from ..runtime.stage import StepResult
 from ..spec import StageKey
 from .lifecycle import StageSlot
+from .memory import StageMemory
 
 
 class Reported(Protocol):
@@ -30,12 +31,14 @@ class StageReporter:
         node_id: returns the tracker-assigned id (known after registration).
         report: sends a StageReport to the tracker (may block briefly).
         metrics: where each step's time split goes (None: no metrics).
+        memory: each stage's measured peak and predicted memory (None: not reported).
     """
 
     def __init__(self, node_id: Callable[[], str],
                  report: Callable[[tracker_pb2.StageReport], None],
-                 metrics: NodeMetrics | None = None):
+                 metrics: NodeMetrics | None = None, memory: StageMemory | None = None):
         self.node_id, self.send, self.metrics = node_id, report, metrics
+        self.memory = memory
 
     def report(self, stage: Reported, status: tracker_pb2.StageReport.Status,
                **fields: Any) -> None:
@@ -46,12 +49,15 @@ class StageReporter:
                                           status=status, epoch=stage.epoch, **fields))
 
     def step(self, stage: Reported, result: StepResult) -> None:
-        """One report per step, from every stage: its time split, and the loss
-        and samples (the last stage's count towards the job's step)."""
+        """One report per step, from every stage: its time split, its measured peak
+        memory beside the predicted, and the loss and samples (the last stage's count
+        towards the job's step)."""
+        peak, predicted = self.memory.figures(stage.slot) if self.memory else (0, 0)
         self.report(stage, tracker_pb2.StageReport.STATUS_STEP, step=result.step + 1,
                     loss=result.loss or 0.0, samples=result.samples, seconds=result.seconds,
                     compute_seconds=result.compute_seconds, wait_seconds=result.wait_seconds,
-                    send_seconds=result.send_seconds)
+                    send_seconds=result.send_seconds, peak_memory_bytes=peak,
+                    predicted_memory_bytes=predicted)
         if self.metrics is not None:
             self.metrics.stage_step(stage.job_id, *stage.key, compute=result.compute_seconds,
                                     wait=result.wait_seconds, send=result.send_seconds)

@@ -23,9 +23,10 @@ from torch import nn
 
 from ..net import timeouts
 from ..proto import node_pb2, tracker_pb2
-from .errors import NoSuchStage, StageExists, StageLoadError, Stopped
+from .errors import MemoryTooSmall, NoSuchStage, StageExists, StageLoadError, Stopped
 from .lifecycle import Stage, StageSlot, StageState
 from .mailbox import Mailbox
+from .memory import StageMemory
 from .peers import StagePeers
 from .reports import StageReporter
 from .restore import Restorer
@@ -55,12 +56,16 @@ class StageRegistry:
         mailbox: where tensors for the stages wait.
         snapshots: the snapshots kept on this node (a released job's are dropped).
         reporter: forgets a released job's metrics.
+        memory: admits a stage by its predicted memory and measures its peak (None:
+            no check).
     """
 
     def __init__(self, build: StageBuilder, make_peers: Callable[[], StagePeers],
                  restorer: Restorer, loop: StageLoop, mailbox: Mailbox,
-                 snapshots: SnapshotStore, reporter: StageReporter):
+                 snapshots: SnapshotStore, reporter: StageReporter,
+                 memory: StageMemory | None = None):
         self.build, self.make_peers, self.restorer, self.loop = build, make_peers, restorer, loop
+        self.memory = memory
         self.mailbox, self.snapshots, self.reporter = mailbox, snapshots, reporter
         self.stages: dict[StageSlot, Stage] = {}
         self.lock = threading.Lock()
@@ -119,6 +124,9 @@ class StageRegistry:
 
         Raises:
             StageExists: that stage of that job and epoch is already loaded and live.
+            MemoryTooSmall: its predicted memory, with what the node's other stages are
+                predicted to hold (but the job's stages of older plan epochs, which it
+                replaces), is more than the node's limit (nothing is built).
             StageLoadError: as :func:`~fedpipe.node.wiring.build_stage`, or no snapshot
                 of the resume step could be found or restored.
             Stopped: a StopJob of the job came while the stage was being built.
@@ -133,10 +141,15 @@ class StageRegistry:
         try:
             if old is not None:
                 self._release([old], f"replaced by a load of plan epoch {request.plan.epoch}")
+            if self.memory is not None:  # the job's stages of older epochs give way to it
+                self.memory.admit(request, [s.slot for s in self.select(
+                    lambda s: s.job_id != request.job_id or s.epoch >= request.plan.epoch)])
             stage = self._build(request)
-        except BaseException:
+        except BaseException as e:
             with self.lock:
                 self._loading.remove(loading)
+            if self.memory is not None and not isinstance(e, MemoryTooSmall):
+                self.memory.forget(slot)
             raise
         with self.lock:  # one critical section with stop_job: a stop lands before or after
             self._loading.remove(loading)
@@ -145,6 +158,8 @@ class StageRegistry:
             if stopped is None and not won:
                 self.stages[slot] = stage
         if stopped is not None:  # a StopJob came while it was built: it is not kept
+            if self.memory is not None:
+                self.memory.forget(slot)
             stage.peers.close()
             self._release([stage], stopped)  # LOADING or RESTORING -> STOPPED -> RELEASED
             raise Stopped(f"stage {tuple(slot)} of plan epoch {request.plan.epoch} was "
@@ -254,6 +269,8 @@ class StageRegistry:
             for s in stages:
                 if self.stages.get(s.slot) is s:
                     del self.stages[s.slot]
+                    if self.memory is not None:
+                        self.memory.forget(s.slot)
         for s in stages:
             s.move(StageState.STOPPED, reason, strict=False)
         for s in stages:

@@ -130,6 +130,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("fedpipe_job_stage_step_seconds", "gauge", (*STAGE, "part"),
               "Seconds of a step an active job's stage spends on each part (compute, wait, "
               "send): the median of its last reported steps.", "tracker"),
+    MetricDef("fedpipe_job_stage_memory_bytes", "gauge", (*STAGE, "kind"),
+              "An active job's stage's memory, bytes: predicted by the planner, or the "
+              "measured peak (GPU: max allocated; CPU: the node's peak RSS over its RSS "
+              "before the stage loaded).", "tracker"),
 )
 
 _BY_NAME = {m.name: m for m in METRICS}
@@ -326,6 +330,10 @@ class SwarmCollector(Collector):
             for part, seconds in zip(PARTS, (t.compute, t.wait, t.send)):
                 f["fedpipe_job_stage_step_seconds"].add_metric(
                     [job_id, str(t.replica), str(t.stage), part], seconds)
+            for kind, nbytes in (("predicted", t.predicted_memory), ("peak", t.peak_memory)):
+                if nbytes:
+                    f["fedpipe_job_stage_memory_bytes"].add_metric(
+                        [job_id, str(t.replica), str(t.stage), kind], nbytes)
         for chain in PlanView(info.plan).chains():
             for a, b in zip(chain, chain[1:]):
                 f["fedpipe_link_codec_info"].add_metric(

@@ -64,6 +64,17 @@ def _bytes(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def _mib(n: float | None) -> str:
+    """Bytes in MiB, or "-" for None."""
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _memory(mem: dict) -> str:
+    """A stage's predicted and measured peak memory, "PRED / PEAK MiB (+ERR%)"."""
+    return f"{_mib(mem['predicted'])} / {_mib(mem['peak'])} MiB" \
+        + _error(mem["predicted"], mem["peak"])
+
+
 def _clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t))
 
@@ -96,6 +107,40 @@ def swarm_renderable(swarm: dict) -> RenderableType:
     return Group(*parts)
 
 
+def _plan_renderables(plan: dict) -> list[RenderableType]:
+    """A job's plan (:func:`~fedpipe.observe.views.layout_view`) as a table: per stage
+    its node, layers and codecs, its predicted and measured timings and its predicted
+    and measured peak memory, once reported."""
+    t = Table(title="plan" + (f" ({plan['schedule']})" if plan["schedule"] else ""),
+              box=box.SIMPLE_HEAD, title_justify="left")
+    stages = [st for group in plan["groups"] for st in group]
+    timed = any(st["measured"] or st["predicted_compute"] is not None for st in stages)
+    cols = [("group", "right"), ("stage", "right"), ("node", "left"), ("layers", "left"),
+            ("sends act/grad", "left")]
+    if timed:
+        cols += [("predicted compute", "right"), ("compute", "right"), ("wait", "right"),
+                 ("send", "right")]
+    sized = any(st["memory"]["peak"] or st["memory"]["predicted"] for st in stages)
+    if sized:
+        cols += [("memory predicted / peak", "right")]
+    for col, just in cols + [("", "left")]:
+        t.add_column(col, justify=just)
+    for st in stages:
+        m = st["measured"] or {}
+        pred = st["predicted_compute"]
+        times = [_s(pred), _s(m.get("compute")) + _error(pred, m.get("compute")),
+                 _s(m.get("wait")), _s(m.get("send"))] if timed else []
+        if sized:
+            times.append(_memory(st["memory"]))
+        t.add_row(str(st["replica"]), str(st["stage"]), st["node_name"],
+                  f"{st['layer_start']}-{st['layer_end'] - 1}",
+                  f"{st['activation_codec']} / {st['gradient_codec']}", *times,
+                  Text("bottleneck", style="bold red") if st["bottleneck"] else "")
+    if timed:
+        return [t]
+    return [t, Text("per-stage timings: once the stages report their steps", style="dim")]
+
+
 def job_renderable(job: dict) -> RenderableType:
     """One job (a :func:`~fedpipe.observe.views.job_view`): state and reason, progress,
     loss, samples/s, predicted against measured step time, the plan with each
@@ -115,30 +160,7 @@ def job_renderable(job: dict) -> RenderableType:
         Text(job["reason"], style="dim")]
     plan = job.get("plan")
     if plan:
-        t = Table(title="plan" + (f" ({plan['schedule']})" if plan["schedule"] else ""),
-                  box=box.SIMPLE_HEAD, title_justify="left")
-        stages = [st for group in plan["groups"] for st in group]
-        timed = any(st["measured"] or st["predicted_compute"] is not None for st in stages)
-        cols = [("group", "right"), ("stage", "right"), ("node", "left"), ("layers", "left"),
-                ("sends act/grad", "left")]
-        if timed:
-            cols += [("predicted compute", "right"), ("compute", "right"), ("wait", "right"),
-                     ("send", "right")]
-        for col, just in cols + [("", "left")]:
-            t.add_column(col, justify=just)
-        for st in stages:
-            m = st["measured"] or {}
-            pred = st["predicted_compute"]
-            times = [_s(pred), _s(m.get("compute")) + _error(pred, m.get("compute")),
-                     _s(m.get("wait")), _s(m.get("send"))] if timed else []
-            t.add_row(str(st["replica"]), str(st["stage"]), st["node_name"],
-                      f"{st['layer_start']}-{st['layer_end'] - 1}",
-                      f"{st['activation_codec']} / {st['gradient_codec']}", *times,
-                      Text("bottleneck", style="bold red") if st["bottleneck"] else "")
-        parts.append(t)
-        if not timed:
-            parts.append(Text("per-stage timings: once the stages report their steps",
-                              style="dim"))
+        parts += _plan_renderables(plan)
     if job["recoveries"]:
         t = Table(title="recoveries", box=box.SIMPLE_HEAD, title_justify="left")
         for col in ("time", "cause", "nodes", "checkpoint", "recomputed", "detect", "replan",

@@ -370,7 +370,8 @@ def stage_timings(info: tracker_pb2.JobInfo
     the measured splits, and per stage its predicted ``(compute, None)`` seconds per
     step (left out where the tracker made no prediction)."""
     measured = [StageTime(t.replica, t.stage, t.compute_seconds, t.wait_seconds,
-                          t.send_seconds) for t in info.stage_times]
+                          t.send_seconds, t.peak_memory_bytes, t.predicted_memory_bytes)
+                for t in info.stage_times]
     predicted: dict[StageKey, tuple[float | None, float | None]] = {
         StageKey(t.replica, t.stage): (t.predicted_compute_seconds, None)
         for t in info.stage_times if t.predicted_compute_seconds > 0}
@@ -379,6 +380,13 @@ def stage_timings(info: tracker_pb2.JobInfo
 
 def _stage_time_view(t: StageTime | None) -> dict | None:
     return None if t is None else {"compute": t.compute, "wait": t.wait, "send": t.send}
+
+
+def _memory_view(t: StageTime | None) -> dict:
+    """A stage's memory, bytes: its measured peak and the planner's prediction (None
+    where not reported)."""
+    return {"peak": t.peak_memory or None if t else None,
+            "predicted": t.predicted_memory or None if t else None}
 
 
 def recovery_view(rec: tracker_pb2.Recovery) -> dict:
@@ -422,6 +430,7 @@ def layout_view(layout: PlanLayout) -> dict:
                 "predicted_compute": _num(b.predicted_compute),
                 "predicted_send": _num(b.predicted_send),
                 "measured": _stage_time_view(b.measured),
+                "memory": _memory_view(b.measured),
                 "bottleneck": layout.bottleneck == b.key}
 
     return {"groups": [[box(b) for b in g] for g in layout.groups],

@@ -34,12 +34,15 @@ class CodecCost:
         wire_factor: wire bytes per float32 tensor byte.
         seconds_per_byte: encode + decode seconds per tensor byte.
         gradients_only: True for codecs that must not carry activations (top-k).
+        lossy: it changes values: on gradients the sender keeps an error-feedback
+            residual per microbatch (:class:`fedpipe.wire.feedback.ErrorFeedback`).
     """
 
     spec: str
     wire_factor: float
     seconds_per_byte: float
     gradients_only: bool = False
+    lossy: bool = False
 
     def wire_bytes(self, nbytes: float, element_bytes: int = 4) -> float:
         """Bytes on the wire for a tensor of ``nbytes`` bytes of ``element_bytes``-byte elements.
@@ -50,6 +53,13 @@ class CodecCost:
         if self.spec == "raw":
             return nbytes
         return nbytes * min(1.0, self.wire_factor * 4 / element_bytes)
+
+    def buffer_bytes(self, nbytes: float, element_bytes: int = 4) -> float:
+        """Bytes of the encoded (or received) copy of an ``nbytes``-byte tensor that a
+        stage holds while it is sent or decoded: its wire bytes, but none for plain
+        raw, whose payload is a view of the tensor itself
+        (:func:`fedpipe.wire.codecs.encode_payload`)."""
+        return 0.0 if self.spec == "raw" else self.wire_bytes(nbytes, element_bytes)
 
     def seconds(self, nbytes: float) -> float:
         """Encode + decode seconds for a tensor of ``nbytes`` bytes."""
@@ -72,7 +82,7 @@ def codec_cost(spec: str) -> CodecCost:
         raise PlanError(f"bad codec {spec!r}: {problem}")
     m = model(parsed)
     return CodecCost(spec, m.wire_factor(parsed), m.cpu_seconds_per_byte(parsed),
-                     gradients_only=parsed.gradients_only)
+                     gradients_only=parsed.gradients_only, lossy=m.lossy)
 
 
 def _resolve(policy: str, auto: tuple[str, ...], kind: str) -> tuple[str, ...]:

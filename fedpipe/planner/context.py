@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import codecs
-from .costs import (RECOMPUTE_FACTOR, activation_scale, boundary_bytes, input_bytes,
-                    kept_activation_bytes, precision_flops, state_bytes, stash_bytes,
-                    transfer_seconds)
+from .costs import (RECOMPUTE_FACTOR, StageCodecs, activation_scale, boundary_bytes,
+                    codec_buffer_bytes, host_memory_shares, input_bytes, kept_activation_bytes,
+                    precision_flops, state_bytes, stash_bytes, transfer_seconds)
 from .types import ClusterView, Link, ModelProfile, PlanError, TrainConfig
 
 
@@ -75,23 +75,42 @@ class PlanContext:
         self.n = len(self.ids)
         self.flops = np.array([float(precision_flops(node, config.precision))
                                for node in cluster.nodes])
-        self.mem = np.array([float(node.memory_bytes) for node in cluster.nodes])
+        shares = host_memory_shares(cluster.nodes)   # nodes of one host share its memory
+        self.mem = np.array([float(shares[node.node_id]) for node in cluster.nodes])
         self.bw, self.lat = link_arrays(cluster)
         self.L = L = len(profile.layers)
         self.M = config.microbatches
         self.mb = config.batch_size / config.microbatches
         self.act_codecs, self.grad_codecs = codecs.candidates(config)
         stash_samples = math.ceil(self.mb)
+        # the codecs whose buffers cost a stage most, of those its links may get: the
+        # memory checks hold whichever the search picks
+        self.buffer_codecs = worst = StageCodecs(*(costliest_buffer(c) for c in (
+            self.act_codecs, self.grad_codecs, self.act_codecs, self.grad_codecs)))
         inf = math.inf
         self.work = np.full((L + 1, L + 1), inf)    # FLOP per microbatch of layers [k, j)
-        self.state = np.full((L + 1, L + 1), inf)   # weights + grads + optimizer state, bytes
+        # bytes held whatever the microbatches in flight: weights, grads, optimizer state,
+        # snapshots, and the codecs' buffers under the costliest codecs allowed
+        self.state = np.full((L + 1, L + 1), inf)
         self.stash = np.full((L + 1, L + 1), inf)   # activations stashed per microbatch, bytes
+        # the optimizer's scratch during its step, bytes: once the stash is freed, so a
+        # stage fits when state + max(stash × in flight, scratch) does (under "async" the
+        # step overlaps the stash: the scratch is in ``state``)
+        self.scratch = np.zeros((L + 1, L + 1))
         prefix = np.concatenate([[0.0], np.cumsum([layer.flops for layer in profile.layers])])
         for k in range(L):
             for j in range(k + 1, L + 1):
                 self.work[k, j] = (prefix[j] - prefix[k]) * self.mb
-                self.state[k, j] = state_bytes(profile, k, j, config)
+                self.state[k, j] = (state_bytes(profile, k, j, config)
+                                    + codec_buffer_bytes(profile, k, j, stash_samples,
+                                                         config.microbatches, worst))
                 self.stash[k, j] = stash_bytes(profile, k, j, stash_samples)
+                scratch = config.step_scratch * sum(
+                    layer.parameter_bytes for layer in profile.layers[k:j])
+                if config.schedule == "async":
+                    self.state[k, j] += scratch
+                else:
+                    self.scratch[k, j] = scratch
         # a stage's input per microbatch, bytes (by its first layer k); activations' bytes
         # under the config's precision over as profiled
         self.inputs = np.array([input_bytes(profile, k, stash_samples) if k < L else 0.0
@@ -135,10 +154,10 @@ class PlanContext:
         where it recomputes: always under "on", under "auto" where it would not fit
         otherwise)."""
         mode, mem = self.config.recompute, self.mem[node]
-        plain = self.state + self.kept(in_flight, False) <= mem
+        plain = self.state + np.maximum(self.kept(in_flight, False), self.scratch) <= mem
         if mode == "off":
             return plain, np.ones_like(self.work)
-        recomputing = self.state + self.kept(in_flight, True) <= mem
+        recomputing = self.state + np.maximum(self.kept(in_flight, True), self.scratch) <= mem
         if mode == "on":
             return recomputing, np.full_like(self.work, RECOMPUTE_FACTOR)
         return plain | recomputing, np.where(plain, 1.0, RECOMPUTE_FACTOR)
@@ -149,7 +168,8 @@ class PlanContext:
         mode = self.config.recompute
         if mode != "auto":
             return mode == "on"
-        need = self.state[k, j] + self.scale * self.stash[k, j] * in_flight
+        need = self.state[k, j] + max(self.scale * self.stash[k, j] * in_flight,
+                                      self.scratch[k, j])
         return bool(need > self.mem[node])
 
     def room(self, node: int, k: int, j: int) -> float:
@@ -158,7 +178,7 @@ class PlanContext:
         ``inf`` when a microbatch keeps nothing."""
         free = self.mem[node] - self.state[k, j]
         stash, inputs = self.scale * self.stash[k, j], self.scale * self.inputs[k]
-        if free < 0 or (stash > free and self.config.recompute == "off"):
+        if free < self.scratch[k, j] or (stash > free and self.config.recompute == "off"):
             return 0.0
         plain = free // stash if stash > 0 else math.inf
         if self.config.recompute == "off":
@@ -178,6 +198,14 @@ class PlanContext:
         one_way = x / self.bw + self.lat
         both: np.ndarray = one_way + one_way.T
         return both
+
+
+def costliest_buffer(specs: tuple[str, ...]) -> str:
+    """Of the codecs ``specs`` a link may get, the one whose buffers a stage pays most
+    for (:func:`~fedpipe.planner.costs.codec_buffer_bytes`: wire bytes, and a residual
+    per microbatch when lossy): the memory checks hold whichever the search picks."""
+    return max(specs, key=lambda c: (codecs.codec_cost(c).lossy,
+                                     codecs.codec_cost(c).buffer_bytes(1.0)))
 
 
 def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -> None:

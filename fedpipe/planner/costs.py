@@ -153,29 +153,108 @@ def in_flight(schedule: str, stage: int, n_stages: int, microbatches: int) -> in
     return min(microbatches, n_stages - stage)
 
 
+@dataclass(frozen=True)
+class StageCodecs:
+    """The codecs of the tensors a stage sends and receives ("raw" where none crosses):
+    its output activation and its input's gradient it sends (the plan's
+    ``activation_codec`` and ``gradient_codec`` of the stage), its input activation and
+    its output's gradient it receives (the previous stage's ``activation_codec`` and
+    the next stage's ``gradient_codec``)."""
+
+    sent_activation: str = "raw"
+    sent_gradient: str = "raw"
+    received_activation: str = "raw"
+    received_gradient: str = "raw"
+
+
+RAW_CODECS = StageCodecs()
+
+
+def codec_buffer_bytes(profile: ModelProfile, start: int, end: int, samples: float,
+                       microbatches: int, codecs: StageCodecs) -> float:
+    """Bytes a stage holding layers ``[start, end)`` keeps for its boundary tensors'
+    codecs, microbatches of ``samples`` samples:
+
+    - one encoded copy of each tensor it sends and one of each it receives
+      (:meth:`~fedpipe.planner.codecs.CodecCost.buffer_bytes`: 0 under plain raw);
+    - under a lossy gradient codec, the error-feedback residual the sender keeps
+      per microbatch, the size of the gradient (``microbatches`` of them).
+
+    Raises:
+        PlanError: an unknown codec.
+    """
+    eb = profile.element_bytes
+    total = 0.0
+    if end < len(profile.layers):       # the output goes on, its gradient comes back
+        out = boundary_bytes(profile, end, samples)
+        total += codec_cost(codecs.sent_activation).buffer_bytes(out, eb)
+        total += codec_cost(codecs.received_gradient).buffer_bytes(out, eb)
+    if start > 0:                       # the input came in, its gradient goes back
+        inp = boundary_bytes(profile, start, samples)
+        grad = codec_cost(codecs.sent_gradient)
+        total += codec_cost(codecs.received_activation).buffer_bytes(inp, eb)
+        total += grad.buffer_bytes(inp, eb) + (microbatches * inp if grad.lossy else 0.0)
+    return total
+
+
 def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig,
                        stage: int, n_stages: int, microbatches: int | None = None,
-                       recompute: bool | None = None) -> float:
-    """Peak memory of a stage holding layers ``[start, end)``, bytes.
+                       codecs: StageCodecs = RAW_CODECS, recompute: bool | None = None) -> float:
+    """Peak memory of a stage holding layers ``[start, end)``, bytes: the one model of
+    it (the planner's memory checks, the tracker's fits and a node's admission use it).
 
-    Weights, gradients and optimizer state (``config.state_factor`` ×
-    parameter bytes) plus the activations stashed for backward
-    (:func:`in_flight` microbatches of ``batch_size / microbatches`` samples;
-    :func:`activation_memory_bytes`).
+    The sum of
+    - weights, gradients and optimizer state, ``config.state_factor`` × parameter
+      bytes (the optimizer's, :func:`fedpipe.spec.optimizers.state_factor`), and the
+      checkpoint snapshots a node keeps (:func:`state_bytes`);
+    - the activations kept for backward: :func:`in_flight` microbatches of
+      ``batch_size / microbatches`` samples (GPipe: all of them; 1F1B: up to the
+      stage's depth), at the config's precision, each its whole :func:`stash_bytes`
+      or, recomputing, its input only (:func:`activation_memory_bytes`); or, when
+      more, the optimizer's scratch during its step (``config.step_scratch`` ×
+      parameter bytes), which a synchronous schedule runs once the stash is freed
+      (under "async", both);
+    - the codecs' buffers of its boundary tensors (:func:`codec_buffer_bytes`).
 
     Args:
         stage, n_stages: the stage's index in its chain and the chain's length.
         microbatches: microbatches the stage's group runs per step (default:
             ``config.microbatches``).
+        codecs: the codecs of the tensors it sends and receives (default: raw).
         recompute: whether the stage recomputes; None: as ``config.recompute`` allows
             ("on" or "auto": yes, the least the stage can need).
+
+    Raises:
+        PlanError: an unknown codec.
     """
     m = config.microbatches if microbatches is None else microbatches
     samples = math.ceil(config.batch_size / config.microbatches)
     rc = config.recompute != "off" if recompute is None else recompute
-    return (state_bytes(profile, start, end, config)
-            + activation_memory_bytes(profile, start, end, config, samples,
-                                      in_flight(config.schedule, stage, n_stages, m), rc))
+    stash = activation_memory_bytes(profile, start, end, config, samples,
+                                    in_flight(config.schedule, stage, n_stages, m), rc)
+    scratch = config.step_scratch * sum(layer.parameter_bytes
+                                        for layer in profile.layers[start:end])
+    # a synchronous step's optimizer runs once its backward passes have freed the stash
+    live = stash + scratch if config.schedule == "async" else max(stash, scratch)
+    return (state_bytes(profile, start, end, config) + live
+            + codec_buffer_bytes(profile, start, end, samples, m, codecs))
+
+
+def host_memory_shares(nodes: Sequence[NodeSpec]) -> dict[str, int]:
+    """Per node id, the memory its stages may use, bytes: its own ``memory_bytes``, but
+    no more than an equal share of its host's ``host_memory`` among the nodes of that
+    host in ``nodes``, so that nodes on one machine never together plan more than
+    it has (as they share its cores, :func:`host_factors`). Nodes without a host or
+    with ``host_memory`` 0 keep their ``memory_bytes``. Nodes of one host that probed
+    it at different times may advertise different figures: the largest is taken."""
+    count: dict[str, int] = {}
+    most: dict[str, int] = {}
+    for n in nodes:
+        if n.host and n.host_memory > 0:
+            count[n.host] = count.get(n.host, 0) + 1
+            most[n.host] = max(most.get(n.host, 0), n.host_memory)
+    return {n.node_id: (min(n.memory_bytes, most[n.host] // count[n.host])
+                        if n.host and n.host_memory > 0 else n.memory_bytes) for n in nodes}
 
 
 def boundary_bytes(profile: ModelProfile, end: int, samples: float) -> float:

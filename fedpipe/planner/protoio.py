@@ -15,7 +15,9 @@ import statistics
 from typing import Sequence
 
 from ..proto import node_pb2, tracker_pb2
-from ..spec import SNAPSHOTS_KEPT, JobSpec, PlanView
+from ..spec import SNAPSHOTS_KEPT, JobSpec, PlanView, StageKey
+from ..spec.optimizers import state_factor, step_scratch
+from .costs import StageCodecs, host_memory_shares, stage_memory_bytes
 from .types import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, ReplicaGroup,
                     StagePlan, TrainConfig)
 
@@ -46,7 +48,8 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
     Speeds are the nodes' probed FLOP/s (the tracker divides them by fitted
     corrections: :func:`fedpipe.planner.calibrate.corrected`). Nodes that
     advertise a ``host_id`` share its ``host_cores``
-    (:func:`fedpipe.planner.costs.host_factors`).
+    (:func:`fedpipe.planner.costs.host_factors`) and its ``host_memory_bytes``
+    (:func:`fedpipe.planner.costs.host_memory_shares`).
 
     Links to or from nodes not in ``nodes``, and failed measurements
     (bandwidth 0), are left out. The tracker measures only some pairs
@@ -59,7 +62,8 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
     """
     specs = [NodeSpec(n.node_id, n.resources.flops,
                       n.resources.memory_bytes, n.name, n.resources.device, site_of(n.address),
-                      n.resources.host_id, max(1, n.resources.cores), n.resources.host_cores)
+                      n.resources.host_id, max(1, n.resources.cores), n.resources.host_cores,
+                      n.resources.host_memory_bytes)
              for n in nodes]
     site = {s.node_id: s.site for s in specs}
     measured = {(m.src_id, m.dst_id): Link(m.bandwidth, m.latency)
@@ -134,6 +138,13 @@ def unmeasured(nodes: list[tracker_pb2.NodeInfo], links: list[node_pb2.LinkMeasu
             if seen.get((a, b), 0) < max(registered[a], registered[b])]
 
 
+def memory_shares(nodes: list[tracker_pb2.NodeInfo]) -> dict[str, int]:
+    """Per node id, the memory its stages may use, bytes, as the planner sees it: its
+    own, but no more than its share of its host's among ``nodes``
+    (:func:`~fedpipe.planner.costs.host_memory_shares`)."""
+    return host_memory_shares(cluster_view(nodes, []).nodes)
+
+
 def model_profile(p: tracker_pb2.ModelProfile) -> ModelProfile:
     """The planner's model profile from its message (FLOP per sample, bytes per sample)."""
     return ModelProfile([LayerProfile(lp.name, lp.flops, lp.activation_bytes, lp.parameter_bytes)
@@ -142,13 +153,39 @@ def model_profile(p: tracker_pb2.ModelProfile) -> ModelProfile:
 
 def train_config(spec: JobSpec) -> TrainConfig:
     """The planner's training config for a job: every node keeps its stages'
-    checkpoint snapshots and, as a buddy, as many of another stage's."""
+    checkpoint snapshots and, as a buddy, as many of another stage's; the state kept
+    per parameter byte is the job's optimizer's (:func:`fedpipe.spec.optimizers.state_factor`)."""
     return TrainConfig(batch_size=spec.batch_size, microbatches=spec.microbatches,
-                       schedule=spec.schedule, stages=spec.stages, replicas=spec.replicas,
+                       schedule=spec.schedule, state_factor=state_factor(spec.optimizer_kind),
+                       step_scratch=step_scratch(spec.optimizer_kind),
+                       stages=spec.stages, replicas=spec.replicas,
                        activation_compression=spec.activation_compression,
                        gradient_compression=spec.gradient_compression,
                        sync_every=spec.sync_every, snapshot_copies=2 * SNAPSHOTS_KEPT,
                        recompute=spec.recompute, precision=spec.precision)
+
+
+def assignment_memory_bytes(plan: node_pb2.Plan, a: node_pb2.StageAssignment,
+                            profile: ModelProfile, config: TrainConfig) -> float:
+    """The predicted peak memory of stage ``a`` of the plan message ``plan``, bytes
+    (:func:`~fedpipe.planner.costs.stage_memory_bytes` at its place in its group's
+    chain, with its group's microbatches, the codecs it and its neighbours send, and
+    whether it recomputes);
+    0 when ``profile`` does not cover the stage's layers (no profile).
+
+    Raises:
+        PlanError: the plan names an unknown codec.
+    """
+    if a.layer_end > len(profile.layers) or a.layer_start >= a.layer_end:
+        return 0.0
+    view = PlanView(plan)
+    before, after = view.neighbours(StageKey(a.replica, a.stage))
+    codecs = StageCodecs(a.activation_codec or "raw", a.gradient_codec or "raw",
+                         before.activation_codec or "raw" if before is not None else "raw",
+                         after.gradient_codec or "raw" if after is not None else "raw")
+    return stage_memory_bytes(profile, a.layer_start, a.layer_end, config, a.stage,
+                              view.depth(a.replica), view.microbatches(a.replica), codecs,
+                              recompute=a.recompute)
 
 
 def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2.Plan:

@@ -29,6 +29,8 @@ class NodeSpec:
             a machine of its own.
         threads: compute threads the node runs (its torch threads).
         host_cores: logical cores of the node's machine (0: unknown, not shared).
+        host_memory: memory of the node's machine that its nodes share, bytes (0:
+            unknown, not shared; see :func:`fedpipe.planner.costs.host_memory_shares`).
     """
 
     node_id: str
@@ -40,6 +42,7 @@ class NodeSpec:
     host: str = ""
     threads: int = 1
     host_cores: int = 0
+    host_memory: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,11 @@ class TrainConfig:
         microbatches: microbatches per batch.
         schedule: "gpipe" or "1f1b" (or "async", later).
         state_factor: bytes kept per parameter byte for a stage: weights,
-            gradients and optimizer state (4 for AdamW: weights, grads, two moments).
+            gradients and optimizer state (4 for AdamW: weights, grads, two moments;
+            3 for SGD with momentum, 2 for plain SGD). The tracker derives it from the
+            job's optimizer (:func:`fedpipe.spec.optimizers.state_factor`).
+        step_scratch: bytes the optimizer allocates during its step per parameter
+            byte (1 for torch's foreach AdamW; :func:`fedpipe.spec.optimizers.step_scratch`).
         snapshot_copies: checkpoint snapshots a node keeps per stage it runs,
             its own and those it keeps as a buddy (each weights and optimizer
             state: ``state_factor - 1`` bytes per parameter byte); 0 when
@@ -212,6 +219,7 @@ class TrainConfig:
     schedule: str = "gpipe"
     state_factor: float = 4.0
     snapshot_copies: float = 0.0
+    step_scratch: float = 0.0
     stages: int = 0
     replicas: int = 0
     compression: str = "auto"
@@ -295,7 +303,9 @@ class StageTime:
 
     What a stage reports (``StepReport``) and the tracker keeps per plan epoch:
     the measured counterpart of the simulator's per-stage prices
-    (:func:`fedpipe.planner.simulate.stage_costs`), shown by the dashboard.
+    (:func:`fedpipe.planner.simulate.stage_costs`), shown by the dashboard; with the
+    stage's measured peak memory and the planner's prediction of it, bytes (0: not
+    reported; see :mod:`fedpipe.node.memory`).
     """
 
     replica: int
@@ -303,6 +313,8 @@ class StageTime:
     compute: float
     wait: float
     send: float
+    peak_memory: int = 0
+    predicted_memory: int = 0
 
     @property
     def total(self) -> float:

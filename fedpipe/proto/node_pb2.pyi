@@ -36,7 +36,7 @@ KIND_WEIGHTS: Kind
 KIND_TIED: Kind
 
 class Resources(_message.Message):
-    __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname", "host_id", "host_cores")
+    __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname", "host_id", "host_cores", "host_memory_bytes")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     CORES_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class Resources(_message.Message):
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_CORES_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     device: str
     device_name: str
     cores: int
@@ -53,7 +54,8 @@ class Resources(_message.Message):
     hostname: str
     host_id: str
     host_cores: int
-    def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., host_cores: _Optional[int] = ...) -> None: ...
+    host_memory_bytes: int
+    def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., host_cores: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec", "node_name", "data_address", "recompute")
@@ -110,7 +112,7 @@ class Plan(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., calibrated: _Optional[bool] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every", "client_timeout", "rebalance", "min_replicas", "weights", "recompute", "precision")
+    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every", "client_timeout", "rebalance", "min_replicas", "weights", "recompute", "precision", "optimizer_kind")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +138,7 @@ class JobConfig(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_KIND_FIELD_NUMBER: _ClassVar[int]
     steps: int
     microbatches: int
     schedule: str
@@ -161,7 +164,8 @@ class JobConfig(_message.Message):
     weights: WeightsConfig
     recompute: str
     precision: str
-    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., client_timeout: _Optional[float] = ..., rebalance: _Optional[str] = ..., min_replicas: _Optional[int] = ..., weights: _Optional[_Union[WeightsConfig, _Mapping]] = ..., recompute: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
+    optimizer_kind: str
+    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., client_timeout: _Optional[float] = ..., rebalance: _Optional[str] = ..., min_replicas: _Optional[int] = ..., weights: _Optional[_Union[WeightsConfig, _Mapping]] = ..., recompute: _Optional[str] = ..., precision: _Optional[str] = ..., optimizer_kind: _Optional[str] = ...) -> None: ...
 
 class WeightsConfig(_message.Message):
     __slots__ = ("source", "seed", "init_fn", "path", "digests", "names", "ties", "tie_sources")
@@ -209,7 +213,7 @@ class ProbeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config", "resume_step", "snapshot_sources", "owner", "job_signature", "client_cert", "layer_digests", "snapshot_wait_seconds", "snapshot_pieces")
+    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config", "resume_step", "snapshot_sources", "owner", "job_signature", "client_cert", "layer_digests", "snapshot_wait_seconds", "snapshot_pieces", "predicted_memory_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +228,7 @@ class LoadStageRequest(_message.Message):
     LAYER_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_PIECES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
@@ -238,7 +243,8 @@ class LoadStageRequest(_message.Message):
     layer_digests: _containers.RepeatedScalarFieldContainer[bytes]
     snapshot_wait_seconds: float
     snapshot_pieces: _containers.RepeatedCompositeFieldContainer[SnapshotPiece]
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., resume_step: _Optional[int] = ..., snapshot_sources: _Optional[_Iterable[str]] = ..., owner: _Optional[str] = ..., job_signature: _Optional[bytes] = ..., client_cert: _Optional[bytes] = ..., layer_digests: _Optional[_Iterable[bytes]] = ..., snapshot_wait_seconds: _Optional[float] = ..., snapshot_pieces: _Optional[_Iterable[_Union[SnapshotPiece, _Mapping]]] = ...) -> None: ...
+    predicted_memory_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., resume_step: _Optional[int] = ..., snapshot_sources: _Optional[_Iterable[str]] = ..., owner: _Optional[str] = ..., job_signature: _Optional[bytes] = ..., client_cert: _Optional[bytes] = ..., layer_digests: _Optional[_Iterable[bytes]] = ..., snapshot_wait_seconds: _Optional[float] = ..., snapshot_pieces: _Optional[_Iterable[_Union[SnapshotPiece, _Mapping]]] = ..., predicted_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadStageReply(_message.Message):
     __slots__ = ()

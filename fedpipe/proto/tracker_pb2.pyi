@@ -333,20 +333,24 @@ class JoinReplicaReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ...) -> None: ...
 
 class StageTiming(_message.Message):
-    __slots__ = ("replica", "stage", "compute_seconds", "wait_seconds", "send_seconds", "predicted_compute_seconds")
+    __slots__ = ("replica", "stage", "compute_seconds", "wait_seconds", "send_seconds", "predicted_compute_seconds", "peak_memory_bytes", "predicted_memory_bytes")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     replica: int
     stage: int
     compute_seconds: float
     wait_seconds: float
     send_seconds: float
     predicted_compute_seconds: float
-    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., predicted_compute_seconds: _Optional[float] = ...) -> None: ...
+    peak_memory_bytes: int
+    predicted_memory_bytes: int
+    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., predicted_compute_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., predicted_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Recovery(_message.Message):
     __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch", "cause", "bytes_moved", "moved_from", "moved_to")
@@ -435,7 +439,7 @@ class JobEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "node_id", "status", "step", "loss", "samples", "seconds", "error", "compute_seconds", "wait_seconds", "send_seconds", "epoch", "peer")
+    __slots__ = ("job_id", "replica", "stage", "node_id", "status", "step", "loss", "samples", "seconds", "error", "compute_seconds", "wait_seconds", "send_seconds", "epoch", "peer", "peak_memory_bytes", "predicted_memory_bytes")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[StageReport.Status]
@@ -465,6 +469,8 @@ class StageReport(_message.Message):
     SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
@@ -480,7 +486,9 @@ class StageReport(_message.Message):
     send_seconds: float
     epoch: int
     peer: str
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., status: _Optional[_Union[StageReport.Status, str]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., peer: _Optional[str] = ...) -> None: ...
+    peak_memory_bytes: int
+    predicted_memory_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., status: _Optional[_Union[StageReport.Status, str]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., peer: _Optional[str] = ..., peak_memory_bytes: _Optional[int] = ..., predicted_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StageReportReply(_message.Message):
     __slots__ = ()

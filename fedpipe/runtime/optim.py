@@ -8,6 +8,8 @@ from typing import Any, Iterable
 import torch
 from torch.optim import lr_scheduler as _schedulers
 
+from ..spec.optimizers import optimizer_kind
+
 
 @dataclass(frozen=True)
 class OptimizerSpec:
@@ -20,6 +22,12 @@ class OptimizerSpec:
 
     cls: type
     kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """What the planner prices the optimizer's state by
+        (:func:`fedpipe.spec.optimizers.optimizer_kind`), e.g. "adamw" or "sgd-momentum"."""
+        return optimizer_kind(self.cls.__name__, self.kwargs)
 
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer over ``params``.

@@ -140,6 +140,10 @@ class JobSpec:
         weights: where the stages' initial weights come from (:class:`WeightsSpec`).
         recompute: one of :data:`RECOMPUTE` (unset in the proto: "off").
         precision: one of :data:`PRECISIONS` (unset in the proto: "fp32").
+        optimizer_kind: the optimizer's kind as the client names it
+            (:func:`fedpipe.spec.optimizers.optimizer_kind`, e.g. "adamw", "sgd-momentum"):
+            what the planner prices its state by, since the tracker never unpickles
+            ``optimizer`` ("": unknown, priced as AdamW).
     """
 
     steps: int
@@ -164,6 +168,7 @@ class JobSpec:
     weights: WeightsSpec = field(default_factory=WeightsSpec)
     recompute: str = "off"
     precision: str = "fp32"
+    optimizer_kind: str = ""
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -256,7 +261,8 @@ class JobSpec:
                    rebalance=msg.rebalance or "auto",
                    min_replicas=msg.min_replicas,
                    weights=WeightsSpec.from_proto(msg.weights),
-                   recompute=msg.recompute or "off", precision=msg.precision or "fp32")
+                   recompute=msg.recompute or "off", precision=msg.precision or "fp32",
+                   optimizer_kind=msg.optimizer_kind)
 
     def summary(self) -> dict[str, Any]:
         """The settings as plain values (no pickles), for logs and status pages."""

@@ -337,11 +337,13 @@ class Knobs:
         return cls(**made)  # type: ignore[arg-type]  # made maps each field to its type
 
     def job_spec(self, *, steps: int, optimizer: bytes, loss_fn: bytes,
-                 lr_scheduler: bytes = b"", batch_size: int | None = None) -> JobSpec:
+                 lr_scheduler: bytes = b"", batch_size: int | None = None,
+                 optimizer_kind: str = "") -> JobSpec:
         """The :class:`JobSpec` of these knobs (not validated: call ``validate``)."""
         t, r = self.training, self.replicas
         return JobSpec(steps=steps, microbatches=t.microbatches, schedule=t.schedule,
                        optimizer=optimizer, loss_fn=loss_fn, lr_scheduler=lr_scheduler,
+                       optimizer_kind=optimizer_kind,
                        activation_compression=self.compression.activations,
                        gradient_compression=self.compression.gradients,
                        stages=self.placement.stages, replicas=r.groups,

@@ -16,7 +16,8 @@ from concurrent import futures
 from typing import Callable
 
 from .. import planner
-from ..planner.protoio import cluster_view, plan_from_message, plan_message, train_config
+from ..planner.protoio import (assignment_memory_bytes, cluster_view, plan_from_message,
+                               plan_message, train_config)
 from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec, PlanView, StageKey
 from .calibration import Calibration
@@ -143,6 +144,7 @@ class Deployer:
         if len(view.stages) != len(plan.stages):
             return {StageKey(-1, -1): f"the plan names a stage twice: {plan.summary}"}
         config = job.to_proto()
+        profile, priced = self.specs.get(job_id).profile, train_config(job)
         # the owner and the client's signature travel with the code: nodes check them
         signed = self.specs.request(job_id)
         if resume_step:  # state moves: its holders must serve the new plan's nodes
@@ -157,7 +159,8 @@ class Deployer:
                 snapshot_sources=sources(key) if resume_step else [],
                 snapshot_pieces=pieces(key) if resume_step else [],
                 owner=signed.owner, job_signature=signed.job_signature,
-                client_cert=signed.client_cert, layer_digests=signed.layer_digests))
+                client_cert=signed.client_cert, layer_digests=signed.layer_digests,
+                predicted_memory_bytes=int(assignment_memory_bytes(plan, a, profile, priced))))
 
         with futures.ThreadPoolExecutor(max(1, len(view.stages))) as pool:
             results = {key: pool.submit(load, a) for key, a in view.stages.items()}

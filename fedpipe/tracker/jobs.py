@@ -35,9 +35,9 @@ import threading
 import time
 from typing import Callable, Iterable, Mapping, Protocol
 
-from .. import planner
 from ..net import timeouts
-from ..planner.protoio import model_profile, train_config
+from ..planner import memfit
+from ..planner.protoio import cluster_view, model_profile, train_config
 from ..proto import node_pb2, tracker_pb2
 from ..spec import TERMINAL, WAITING, JobSpec, JobSpecError, PlanView, StageKey, state_name
 from .errors import InvalidArgument, NotFound, ResourceExhausted
@@ -225,21 +225,17 @@ class Jobs:
 
         Raises:
             InvalidArgument: see :func:`validate`.
-            ResourceExhausted: the live nodes' memory in all is less than the
-                job needs on one device (weights, gradients, optimizer state,
-                activations).
+            ResourceExhausted: the job fits no plan over the live nodes' memory
+                (:func:`fedpipe.planner.memfit.shortfall`); the message says how
+                many more bytes it needs.
         """
         spec = validate(request)
         nodes = self.live_nodes()
         if nodes:
-            need = planner.stage_memory_bytes(model_profile(request.profile), 0,
-                                              len(request.layers), train_config(spec), 0, 1)
-            have = sum(n.resources.memory_bytes for n in nodes)
-            if need > have:
-                raise ResourceExhausted(
-                    f"the job needs about {need / 2**20:.1f} MiB (weights, gradients, optimizer "
-                    f"state, activations) but the swarm's {len(nodes)} node(s) have "
-                    f"{have / 2**20:.1f} MiB in all")
+            short, why = memfit.shortfall(model_profile(request.profile), train_config(spec),
+                                          cluster_view(nodes, []).nodes)
+            if short > 0:
+                raise ResourceExhausted(why)
         reason = "queued for planning" if nodes else "waiting for a node to register"
         job_id = self.store.add_job(request, reason, self.clock())
         log.info("job %s submitted: %d layers, %d steps", job_id, len(request.layers),

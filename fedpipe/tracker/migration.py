@@ -20,7 +20,7 @@ from typing import Callable
 
 from .. import planner
 from ..planner.costs import chain_costs, compute_seconds, state_bytes
-from ..planner.protoio import plan_message, train_config
+from ..planner.protoio import memory_shares, plan_message, train_config
 from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec, PlanView, StageKey
 
@@ -124,13 +124,14 @@ def reassign(plan: node_pb2.Plan, nodes: list[tracker_pb2.NodeInfo],
     memory) that lowers ``predict`` (seconds per step) most, until no move helps.
     Returns ``plan`` itself when nothing does. O(stages² · nodes) predictions."""
     best, best_t = plan, predict(plan)
+    shares = memory_shares(nodes)  # nodes of one host share its memory
     for _ in range(len(plan.stages)):
         used = PlanView(best).node_ids()
         spare = [n for n in nodes if n.node_id not in used]
         step_best = None
         for key, a in sorted(PlanView(best).stages.items()):
             for n in spare:
-                if n.resources.memory_bytes < need(a):
+                if shares[n.node_id] < need(a):
                     continue
                 cand = _assign(best, key, n)
                 t = predict(cand)

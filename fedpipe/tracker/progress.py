@@ -204,8 +204,8 @@ class Progress:
         self.listener.on_checkpoint(job.job_id, report.step)
 
     def info(self, job_id: str) -> tracker_pb2.JobInfo:
-        """The job with each stage's recent step split and its predicted compute
-        (``JobInfo.stage_times``), for ``GetJob``.
+        """The job with each stage's recent step split and its predicted compute, and
+        its measured peak and predicted memory (``JobInfo.stage_times``), for ``GetJob``.
 
         Raises:
             NotFound: no such job.
@@ -216,7 +216,9 @@ class Progress:
             job.stage_times.add(replica=t.replica, stage=t.stage, compute_seconds=t.compute,
                                 wait_seconds=t.wait, send_seconds=t.send,
                                 predicted_compute_seconds=predicted.get(
-                                    StageKey(t.replica, t.stage), 0.0))
+                                    StageKey(t.replica, t.stage), 0.0),
+                                peak_memory_bytes=t.peak_memory,
+                                predicted_memory_bytes=t.predicted_memory)
         return job
 
     def watch(self, job_id: str, after_seq: int, active: Callable[[], bool]

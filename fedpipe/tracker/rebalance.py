@@ -57,7 +57,7 @@ from typing import Callable, Protocol
 
 from .. import planner
 from ..planner.costs import compute_seconds
-from ..planner.protoio import cluster_view
+from ..planner.protoio import assignment_memory_bytes, cluster_view
 from ..proto import node_pb2, tracker_pb2
 from ..spec import ACTIVE, PlanView, StageKey
 from .errors import NotFound
@@ -465,12 +465,9 @@ class Rebalancer:
         """The best re-assignment of ``job`` (stages moved whole, or a re-split) and the
         state bytes it moves, if it pays: the predicted step falls by ``threshold`` and
         the seconds saved over the horizon exceed those of moving the state."""
-        view = PlanView(job.plan)
 
         def need(a: node_pb2.StageAssignment) -> float:
-            return planner.stage_memory_bytes(spec.profile, a.layer_start, a.layer_end,
-                                              spec.config, a.stage, view.depth(a.replica),
-                                              view.microbatches(a.replica))
+            return assignment_memory_bytes(job.plan, a, spec.profile, spec.config)
 
         def predict(p: node_pb2.Plan) -> float:
             return predict_step_seconds(p, cluster, spec.profile, spec.job.schedule, speed)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from .. import planner
+from ..planner.protoio import assignment_memory_bytes
 from ..net import timeouts
 from ..recovery_text import recovery_headline
 from ..proto import node_pb2, tracker_pb2
@@ -377,9 +378,7 @@ class Recovery:
         view = PlanView(job.plan)
 
         def need(a: node_pb2.StageAssignment) -> float:
-            return planner.stage_memory_bytes(spec.profile, a.layer_start, a.layer_end,
-                                              spec.config, a.stage, view.depth(a.replica),
-                                              view.microbatches(a.replica))
+            return assignment_memory_bytes(job.plan, a, spec.profile, spec.config)
 
         live = {n.node_id for n in nodes}
         target = self.drains.target_plan(job.job_id, job.plan) if rec.cause == "rebalance" \

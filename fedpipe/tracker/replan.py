@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..planner import PlanError
+from ..planner.protoio import memory_shares
 from ..proto import node_pb2, tracker_pb2
 from ..spec import PlanView, StageKey
 
@@ -24,7 +25,8 @@ def substitute(plan: node_pb2.Plan, lost: set[str], live: list[tracker_pb2.NodeI
     Args:
         plan: the job's current plan.
         lost: ids of the nodes that are gone (their stages move).
-        live: the live nodes (survivors and spares), with their memory.
+        live: the live nodes (survivors and spares), with their memory (nodes of one
+            host share it, :func:`~fedpipe.planner.protoio.memory_shares`).
         need: bytes one stage needs on a node (weights, optimizer state,
             activations, snapshots).
 
@@ -40,7 +42,8 @@ def substitute(plan: node_pb2.Plan, lost: set[str], live: list[tracker_pb2.NodeI
     out.CopyFrom(plan)
     alive = {n.node_id: n for n in live if n.node_id not in lost}
     used = {a.node_id for a in out.stages}
-    free = {nid: float(n.resources.memory_bytes) for nid, n in alive.items()}
+    shares = memory_shares(list(alive.values()))  # nodes of one host share its memory
+    free = {nid: float(shares[nid]) for nid in alive}
     for a in out.stages:
         if a.node_id in free:
             free[a.node_id] -= need(a)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from .. import planner
+from ..planner.protoio import assignment_memory_bytes
 from ..net import timeouts
 from ..planner import PlanError
 from ..proto import node_pb2, tracker_pb2
@@ -266,9 +266,7 @@ class ElasticReplicas:
         profile, config = spec.profile, spec.config
 
         def need(a: node_pb2.StageAssignment) -> float:
-            return planner.stage_memory_bytes(profile, a.layer_start, a.layer_end, config,
-                                              a.stage, view.depth(a.replica),
-                                              view.microbatches(a.replica))
+            return assignment_memory_bytes(job.plan, a, profile, config)
 
         def ranges(g: int) -> list[tuple[int, int]]:
             return [(a.layer_start, a.layer_end) for a in view.chain(g)]
@@ -341,6 +339,7 @@ class ElasticReplicas:
         why a stage could not be loaded ("": all were); then the group is dropped again."""
         view = PlanView(job.plan)
         signed = self.specs.request(job.job_id)  # its config as the stages run it
+        spec = self.specs.get(job.job_id)
         donors = {view[StageKey(donor, a.stage)].address for a in view.chain(replica)}
         self.assigner.assign(job.job_id, job.plan, donors)  # so they serve the joining nodes
         failed = []
@@ -354,7 +353,9 @@ class ElasticReplicas:
                     resume_step=step, snapshot_sources=[source],
                     snapshot_wait_seconds=timeouts.HEAL_SNAPSHOT_WAIT,
                     owner=signed.owner, job_signature=signed.job_signature,
-                    client_cert=signed.client_cert, layer_digests=signed.layer_digests))
+                    client_cert=signed.client_cert, layer_digests=signed.layer_digests,
+                    predicted_memory_bytes=int(assignment_memory_bytes(
+                        job.plan, a, spec.profile, spec.config))))
             except NodeCallError as e:
                 failed.append(f"stage {a.stage} on {a.node_name}: {e}")
         if not failed:

@@ -1,4 +1,4 @@
-"""Each stage's recent step split (compute, wait, send seconds), in memory.
+"""Each stage's recent step split (compute, wait, send seconds) and memory, in memory.
 
 Every stage reports its split with each step; a report per stage per step is too
 many for an SQLite write each, so the tracker keeps the last
@@ -37,11 +37,14 @@ class StageTimes:
         self.epoch_of = epoch_of
         # job -> (epoch, stage -> its last STAGE_TIME_WINDOW splits)
         self._times: OrderedDict[str, tuple[int, dict[StageKey, deque[Split]]]] = OrderedDict()
+        # job -> stage -> its last (peak, predicted) memory, bytes, of the epoch in _times
+        self._memory: dict[str, dict[StageKey, tuple[int, int]]] = {}
         self._lock = threading.Lock()
 
     def record(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> None:
         """Keep a stage's step split of the job's epoch (one that is not finite and
-        non-negative is dropped: a broken clock must not poison the medians)."""
+        non-negative is dropped: a broken clock must not poison the medians), and its
+        last reported peak and predicted memory."""
         split = (report.compute_seconds, report.wait_seconds, report.send_seconds)
         if not all(math.isfinite(x) and x >= 0 for x in split):
             return
@@ -49,11 +52,15 @@ class StageTimes:
             epoch, stages = self._times.pop(job.job_id, (job.epoch, {}))
             if epoch != job.epoch:  # a recovery replanned: the old stages' times are moot
                 epoch, stages = job.epoch, {}
+                self._memory.pop(job.job_id, None)
             self._times[job.job_id] = (epoch, stages)  # most recent last
             while len(self._times) > STAGE_TIME_JOBS:
-                self._times.popitem(last=False)
+                self._memory.pop(self._times.popitem(last=False)[0], None)
             key = StageKey(report.replica, report.stage)
             stages.setdefault(key, deque(maxlen=STAGE_TIME_WINDOW)).append(split)
+            if report.peak_memory_bytes or report.predicted_memory_bytes:
+                self._memory.setdefault(job.job_id, {})[key] = (
+                    report.peak_memory_bytes, report.predicted_memory_bytes)
 
     def windows(self, job_id: str, epoch: int) -> dict[StageKey, list[Split]]:
         """Each stage's recent splits in plan epoch ``epoch`` (``{}`` for another epoch)."""
@@ -63,7 +70,8 @@ class StageTimes:
 
     def of(self, job_id: str) -> list[StageTime]:
         """Each stage's step split in the job's current plan epoch: per part, the median
-        of its last :data:`STAGE_TIME_WINDOW` reported steps, seconds; ordered by replica
+        of its last :data:`STAGE_TIME_WINDOW` reported steps, seconds, with its last
+        reported peak and predicted memory, bytes; ordered by replica
         and stage (``[]`` before any report of this epoch, or for a job not seen lately
         or unknown)."""
         try:
@@ -71,6 +79,11 @@ class StageTimes:
         except KeyError:
             return []
         splits = self.windows(job_id, current)
-        return [StageTime(key.replica, key.stage,
-                          *(statistics.median(part) for part in zip(*window)))
-                for key, window in sorted(splits.items())]
+        with self._lock:
+            memory = dict(self._memory.get(job_id, {})) if splits else {}
+        out = []
+        for key, window in sorted(splits.items()):
+            compute, wait, send = (statistics.median(part) for part in zip(*window))
+            peak, predicted = memory.get(key, (0, 0))
+            out.append(StageTime(key.replica, key.stage, compute, wait, send, peak, predicted))
+        return out

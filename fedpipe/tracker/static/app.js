@@ -268,7 +268,11 @@ function renderPlan(job) {
         el("td", { class: "num" }, m ? fmtSeconds(m.compute) : "—"),
         el("td", { class: "num" }, m ? fmtSeconds(m.wait) : "—"),
         el("td", { class: "num" }, m ? fmtSeconds(m.send) : "—"),
-        el("td", {}, m ? bar : el("span", { class: "muted" }, "not reported"))));
+        el("td", {}, m ? bar : el("span", { class: "muted" }, "not reported")),
+        el("td", { class: "num", "data-memory": `${r}-${i}-predicted` },
+           s.memory.predicted ? fmtBytes(s.memory.predicted) : "—"),
+        el("td", { class: "num", "data-memory": `${r}-${i}-peak` },
+           s.memory.peak ? fmtBytes(s.memory.peak) : "—")));
     });
   });
   fill($("stage-times").tBodies[0], rows);

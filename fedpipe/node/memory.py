@@ -1,0 +1,129 @@
+"""The memory a node's stages are predicted to use, what they use, and its admission.
+
+A ``LoadStage`` carries the planner's prediction of the stage's peak memory
+(``LoadStageRequest.predicted_memory_bytes``, :func:`fedpipe.planner.stage_memory_bytes`).
+:class:`StageMemory` refuses a stage whose prediction, with what the node's other
+stages are predicted to hold, is more than the node's memory limit (``--memory-limit``,
+the memory it advertises), and measures each stage's peak:
+
+- on a GPU, ``torch.cuda.max_memory_allocated`` of the stage's device;
+- on a CPU, the node's peak resident set (``VmHWM`` of ``/proc/self/status``, the
+  high-water mark reset at the load where the kernel lets it, else
+  ``getrusage``'s ``ru_maxrss``) over its resident set just before the load.
+
+Both are process-wide: with one stage per node, the stage's.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+
+import torch
+
+from ..proto import node_pb2
+from .errors import MemoryTooSmall
+from .lifecycle import StageSlot
+
+MIB = 2**20
+
+
+def _status_kib(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (e.g. "VmRSS"), KiB; None where unreadable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int:
+    """The process's resident set now, bytes (its peak where the current is unknown)."""
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set since it started (or since the last
+    :func:`reset_peak_rss`), bytes."""
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's peak resident set to its current one (Linux: "5" to
+    ``/proc/self/clear_refs``); False where it cannot be."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class StageMemory:
+    """Each loaded stage's predicted memory and the baseline its peak is measured from;
+    thread-safe.
+
+    Args:
+        device: the device stages run on.
+        limit: the node's memory limit, bytes (what it advertises); 0: no check.
+    """
+
+    def __init__(self, device: torch.device, limit: int):
+        self.device, self.limit = device, limit
+        self._lock = threading.Lock()
+        self._stages: dict[StageSlot, tuple[int, int]] = {}  # slot -> (predicted, baseline)
+
+    def admit(self, request: node_pb2.LoadStageRequest, others: list[StageSlot]) -> None:
+        """Take the stage ``request`` loads, whose node holds the stages ``others``
+        besides it: note its prediction and the baseline of its peak (the node's
+        resident set now, or the device's allocated memory).
+
+        Raises:
+            MemoryTooSmall: its predicted bytes, with what ``others`` are predicted to
+                hold, are more than the node's limit; the message gives both figures.
+        """
+        slot = StageSlot(request.job_id, request.replica, request.stage)
+        want = int(request.predicted_memory_bytes)
+        with self._lock:
+            held = sum(self._stages[s][0] for s in others if s in self._stages and s != slot)
+            if self.limit and want and want + held > self.limit:
+                raise MemoryTooSmall(
+                    f"stage {request.stage} (replica {request.replica}) of job "
+                    f"{request.job_id!r} is predicted to need {want} bytes "
+                    f"({want / MIB:.1f} MiB), but this node's memory limit is {self.limit} "
+                    f"bytes ({self.limit / MIB:.1f} MiB) and its other stages are predicted "
+                    f"to hold {held} bytes of it: {want + held - self.limit} bytes too many")
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+                base = torch.cuda.memory_allocated(self.device)
+            else:
+                reset_peak_rss()
+                base = rss_bytes()
+            self._stages[slot] = (want, base)
+
+    def forget(self, slot: StageSlot) -> None:
+        """The stage is released: its prediction no longer holds memory here."""
+        with self._lock:
+            self._stages.pop(slot, None)
+
+    def figures(self, slot: StageSlot) -> tuple[int, int]:
+        """``(peak, predicted)`` bytes of a loaded stage: its measured peak so far over
+        its load's baseline (0 for one not admitted here), and its prediction (0: none)."""
+        with self._lock:
+            found = self._stages.get(slot)
+        if found is None:
+            return 0, 0
+        want, base = found
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = peak_rss_bytes()
+        return max(0, peak - base), want

@@ -1,0 +1,51 @@
+"""Whether a job can fit a swarm's memory at all, and by how many bytes it does not.
+
+What the tracker checks at submit, before any planning: two lower bounds of what
+any plan needs, priced by :func:`~fedpipe.planner.costs.stage_memory_bytes`
+(its one memory model) against the nodes' memory as the planner sees it (nodes of
+one host share it, :func:`~fedpipe.planner.costs.host_memory_shares`).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .costs import host_memory_shares, stage_memory_bytes
+from .types import ModelProfile, NodeSpec, TrainConfig
+
+MIB = 2**20
+
+
+def shortfall(profile: ModelProfile, config: TrainConfig, nodes: Sequence[NodeSpec]
+              ) -> tuple[float, str]:
+    """``(bytes, why)``: how many more bytes of memory the swarm needs before any plan
+    of the job can fit, and in words; ``(0.0, "")`` when these bounds pass.
+
+    Two bounds, the first that fails is given:
+    - the whole model as one stage (weights, gradients, optimizer state, snapshots,
+      the activations of the stage's microbatches in flight) against all the nodes'
+      memory together;
+    - its largest layer alone as a stage (as the last of a pipeline, which keeps the
+      fewest microbatches in flight) against the node with the most memory.
+    Passing both does not promise a plan (the planner may still find none).
+    """
+    if not nodes or not profile.layers:
+        return 0.0, ""
+    shares = host_memory_shares(nodes)
+    have = float(sum(shares.values()))
+    n_layers = len(profile.layers)
+    need = stage_memory_bytes(profile, 0, n_layers, config, 0, 1)
+    if need > have:
+        return need - have, (
+            f"the job needs about {need / MIB:.1f} MiB (weights, gradients, optimizer state, "
+            f"snapshots, activations) but the swarm's {len(nodes)} node(s) have "
+            f"{have / MIB:.1f} MiB in all: {need - have:.0f} bytes more are needed")
+    top = float(max(shares.values()))
+    layer, need = max(((k, stage_memory_bytes(profile, k, k + 1, config, n_layers - 1,
+                                                 n_layers))
+                       for k in range(n_layers)), key=lambda x: x[1])
+    if need > top:
+        return need - top, (
+            f"layer {layer} ({profile.layers[layer].name}) alone needs about "
+            f"{need / MIB:.1f} MiB as a stage but the largest node has {top / MIB:.1f} MiB: "
+            f"{need - top:.0f} bytes more are needed")
+    return 0.0, ""
