@@ -259,7 +259,7 @@ class Client:
         job_id = self._submit_job(name or type(model).__name__, code.layers, job_spec,
                                   code.profile, given.lifetime.pending_timeout)
         job = Job(self, job_id, model, microbatches, spec=job_spec,
-                  checkpoint_dir=checkpoint_dir, weights=code.tensors)
+                  checkpoint_dir=checkpoint_dir, weights=code.tensors, names=weight_names)
         try:
             job._start_feed(itertools.chain([first], batches), restore=restore)
         except (grpc.RpcError, ValueError) as e:  # refused or closed: nobody would feed it
