@@ -24,6 +24,7 @@ from torch import nn
 from .. import net
 from ..net import timeouts
 from ..proto import tracker_pb2, tracker_pb2_grpc
+from ..runtime import libraries
 from ..runtime.materialize import InitFn, TiedGroup
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..runtime.weights import KeyMap
@@ -254,7 +255,8 @@ class Client:
                              f"{microbatches} microbatches")
         code = package(model, x0, seed=seed, init_fn=init_fn, weights=weights,
                        names=weight_names, ties=ties)
-        job_spec = job_spec.with_(batch_size=x0.shape[0], weights=code.weights)
+        job_spec = job_spec.with_(batch_size=x0.shape[0], weights=code.weights,
+                                  libraries=libraries.used_by(model))
         job_spec.validate(n_layers)
         job_id = self._submit_job(name or type(model).__name__, code.layers, job_spec,
                                   code.profile, given.lifetime.pending_timeout)

@@ -119,6 +119,9 @@ class JobSpec:
             to its last complete checkpoint. 0 (the default): every loss rewinds.
             At most ``replicas`` when that is set.
         weights: where the stages' initial weights come from (:class:`WeightsSpec`).
+        libraries: ``(name, version)`` of each library the layers' classes come from,
+            as the client has it (:mod:`fedpipe.runtime.libraries`: ``transformers``);
+            a node with another version refuses the job's stages.
     """
 
     steps: int
@@ -141,6 +144,7 @@ class JobSpec:
     rebalance: str = "auto"
     min_replicas: int = 0
     weights: WeightsSpec = field(default_factory=WeightsSpec)
+    libraries: tuple[tuple[str, str], ...] = ()
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -194,12 +198,13 @@ class JobSpec:
     def to_proto(self) -> node_pb2.JobConfig:
         """The ``fedpipe.v1.JobConfig`` message."""
         d = {f.name: getattr(self, f.name) for f in fields(self)
-             if f.name not in ("diloco", "weights")}
+             if f.name not in ("diloco", "weights", "libraries")}
         o = self.diloco
         return node_pb2.JobConfig(**d, outer_every=o.inner_steps, outer_lr=o.outer_lr,
                                   outer_momentum=o.outer_momentum,
                                   outer_compression=o.compression,
-                                  weights=self.weights.to_proto())
+                                  weights=self.weights.to_proto(),
+                                  libraries=dict(self.libraries))
 
     @classmethod
     def from_proto(cls, msg: node_pb2.JobConfig) -> "JobSpec":
@@ -232,7 +237,8 @@ class JobSpec:
                    client_timeout=msg.client_timeout or CLIENT_TIMEOUT,
                    rebalance=msg.rebalance or "auto",
                    min_replicas=msg.min_replicas,
-                   weights=WeightsSpec.from_proto(msg.weights))
+                   weights=WeightsSpec.from_proto(msg.weights),
+                   libraries=tuple(sorted(msg.libraries.items())))
 
     def summary(self) -> dict[str, Any]:
         """The settings as plain values (no pickles), for logs and status pages."""
