@@ -83,7 +83,7 @@ class Setup:
                            pad_token_id=0, tie_word_embeddings=False)
 
 
-FULL = Setup(layers=24, hidden=1024, mlp=2816, heads=16)
+FULL = Setup(layers=24, hidden=1024, mlp=2816, heads=16, seq=16, checkpoint_every=3)
 QUICK = Setup(layers=4, hidden=64, mlp=128, heads=4, seq=16, shard="40KB")
 OPTIMIZER = dict(lr=1e-3, momentum=0.9)
 
@@ -305,9 +305,10 @@ def main() -> None:
         shards = sorted(p.name for p in Path(weights).glob("*.safetensors"))
         print(f"\nsave_pretrained wrote {len(shards)} shards to {weights}; its single-process "
               f"run peaked at {real['peak'] / MB:.0f} MB")
+        files = meta_model(setup)  # init_fn: the rotary buffers, which no file holds
         swarm_run(setup, real, limit, "from real weights (weights=DIR, each node reads its "
-                  "layers)", baseline, weights=weights,
-                  weight_names=meta_model(setup).names)
+                  "layers)", baseline, weights=weights, weight_names=files.names,
+                  init_fn=files.init_fn)
     print(f"\nload {os.getloadavg()}")
 
 
