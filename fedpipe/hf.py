@@ -37,7 +37,7 @@ so :mod:`fedpipe.runtime.weights` loads a ``save_pretrained`` directory, and
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,23 +263,23 @@ def _names(arch: _Arch, n_blocks: int, tied: bool) -> HFNames:
     return HFNames(prefixes, fallback)
 
 
-def checkpoint_names(layers: Sequence[nn.Module]) -> tuple[HFNames, Any] | None:
+def checkpoint_names(layers: Iterable[nn.Module]) -> tuple[HFNames, Any] | None:
     """The checkpoint names and the ``transformers`` config of layers that
     :func:`sequential` made ([:class:`Embeddings`, :class:`Block`..., :class:`Head`]),
     so a job's save maps its weights back to the original model's names
     (:mod:`fedpipe.client.checkpoints`); None for any other layers. A tied head
     (``config.tie_word_embeddings``) falls back to the embedding's name."""
-    layers = list(layers)
-    if len(layers) < 3 or not isinstance(layers[0], Embeddings) or \
-            not isinstance(layers[-1], Head) or \
-            not all(isinstance(b, Block) for b in layers[1:-1]):
+    found = list(layers)
+    if len(found) < 3 or not isinstance(found[0], Embeddings) or \
+            not isinstance(found[-1], Head) or \
+            not all(isinstance(b, Block) for b in found[1:-1]):
         return None
-    config = layers[1].config
+    config = found[1].config
     arch = ARCHITECTURES.get(getattr(config, "model_type", ""))
     if arch is None:
         return None
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    return _names(arch, len(layers) - 2, tied), config
+    return _names(arch, len(found) - 2, tied), config
 
 
 def save_pretrained(adapted: HFLayers, path: str | Path,
