@@ -226,8 +226,27 @@ def deploy(client, adapted, setup: Setup, **kw):
         time.sleep(0.1)
 
 
-def swarm_run(setup: Setup, ref: dict, limit: int, title: str, baseline: int, **kw) -> None:
-    """Train over a fresh 4-node swarm; print the figures against ``ref``."""
+def save(job, path: str) -> str:
+    """``job.save(path)``, a stage at a time; what it wrote and the client's peak RSS
+    growth while it did (its peak is reset first: /proc/self/clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = proc_status()["VmRSS"]
+    t0 = time.monotonic()
+    job.save(path)
+    growth = proc_status()["VmHWM"] - before
+    files = sorted(Path(path).glob("*.safetensors"))
+    shards = [f for f in files if f.name.startswith("model")]
+    biggest = max(f.stat().st_size for f in files)
+    total = sum(f.stat().st_size for f in files)
+    return (f"job.save: {len(shards)} model shards + {len(files) - len(shards)} state files, "
+            f"{total / MB:.0f} MB in {time.monotonic() - t0:.0f} s; client peak RSS growth "
+            f"{growth / MB:.0f} MB (largest file, one stage: {biggest / MB:.0f} MB)")
+
+
+def swarm_run(setup: Setup, ref: dict, limit: int, title: str, baseline: int,
+              save_to: str | None = None, **kw) -> None:
+    """Train over a fresh 4-node swarm; print the figures against ``ref`` (and, with
+    ``save_to``, save the job there and print what the save cost)."""
     from fedpipe.swarm import LocalSwarm
 
     adapted = meta_model(setup)
@@ -243,6 +262,8 @@ def swarm_run(setup: Setup, ref: dict, limit: int, title: str, baseline: int, **
                      for name, pid in pids.items()}
             tracker = proc_status(swarm.tracker_proc.pid)["VmHWM"]
             client_growth = proc_status()["VmHWM"] - baseline
+            if save_to is not None:
+                saved = save(job, save_to)
             job.release()
         plan = sorted(status.plan.stages, key=lambda a: a.stage)
         predicted = predictions(planner_inputs(setup, adapted),
@@ -267,6 +288,8 @@ def swarm_run(setup: Setup, ref: dict, limit: int, title: str, baseline: int, **
               f"limit {limit / MB:.0f} MB: "
               f"{verdict(got < limit, f'+{(got - limit) / MB:.0f} MB')}")
     print(f"deploy time {deploy_s:.1f} s (submit until every stage runs)")
+    if save_to is not None:
+        print(saved)
 
 
 def main() -> None:
@@ -308,8 +331,8 @@ def main() -> None:
               f"run peaked at {real['peak'] / MB:.0f} MB")
         files = meta_model(setup)  # init_fn: the rotary buffers, which no file holds
         swarm_run(setup, real, limit, "from real weights (weights=DIR, each node reads its "
-                  "layers)", baseline, weights=weights, weight_names=files.names,
-                  init_fn=files.init_fn)
+                  "layers)", baseline, save_to=str(Path(tmp) / "saved"), weights=weights,
+                  weight_names=files.names, init_fn=files.init_fn)
     print(f"\nload {os.getloadavg()}")
 
 

@@ -136,8 +136,7 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
             _check_outside_files(code, init_fn, groups)
         with WeightFiles(path) as files:
             check_weights(files, code, keys)
-            digests = tuple(layer_digest(layer_tensors(files, i, layer, keys))
-                            for i, layer in enumerate(code))
+        digests = tuple(_file_digest(path, i, layer, keys) for i, layer in enumerate(code))
         spec = WeightsSpec(source="files", path=str(path), digests=digests,
                            names=dumps(names) if names is not None else b"", seed=seed,
                            init_fn=dumps(init_fn) if init_fn is not None else b"",
@@ -160,6 +159,14 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
                        digests=tuple(layer_digest(layer.state_dict()) for layer in model))
     return ModelCode([dumps(layer) for layer in code], spec, _profile(model, code, sample),
                      streamed(model))
+
+
+def _file_digest(path: Path, index: int, layer: nn.Module, names: KeyMap) -> str:
+    """Layer ``index``'s weight digest, read from the files at ``path`` with handles of its
+    own: closing them unmaps the shards, so the client's memory holds one layer's tensors
+    and pages at a time, not every shard it has read (a 300 M-parameter model's 1.2 GB)."""
+    with WeightFiles(path) as files:
+        return layer_digest(layer_tensors(files, index, layer, names))
 
 
 def _check_outside_files(layers: Sequence[nn.Module], init_fn: InitFn | None,
