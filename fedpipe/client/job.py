@@ -265,6 +265,8 @@ class Job:
             CheckpointGone: no node holds a stage's snapshot of that step any more (a
                 cancelled or failed job's nodes drop its snapshots).
             grpc.RpcError: a node could not be asked (UNAVAILABLE, ...).
+            fedpipe.runtime.weights.WeightsError: two tensors would get one name (names
+                given at submit that are not one-to-one).
             OSError: the folder cannot be written.
         """
         info = self._info()
