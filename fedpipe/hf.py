@@ -37,7 +37,7 @@ so :mod:`fedpipe.runtime.weights` loads a ``save_pretrained`` directory, and
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,15 +246,40 @@ def sequential(model: Any) -> HFLayers:
         Embeddings(tokens, _get(base, arch.positions), _get(base, arch.dropout)),
         *[Block(b, config, copy.deepcopy(rotary)) for b in blocks],
         Head(getattr(base, arch.norm), _copy_head(model.lm_head) if tied else model.lm_head))
-    b, last = arch.base, len(blocks) + 1
+    last = len(blocks) + 1
+    ties: list[TiedGroup] = [[(0, "tokens.weight"), (last, "lm_head.weight")]] if tied else []
+    return HFLayers(layers=layers, tied_parameters=ties, names=_names(arch, len(blocks), tied),
+                    init_fn=HFInit(type(model), config), config=config)
+
+
+def _names(arch: _Arch, n_blocks: int, tied: bool) -> HFNames:
+    """The checkpoint names of [embeddings, ``n_blocks`` blocks, head] of ``arch``."""
+    b, last = arch.base, n_blocks + 1
     prefixes = [{"tokens.": f"{b}.{arch.tokens}.", "positions.": f"{b}.{arch.positions}."}]
     prefixes += [{"layer.": f"{b}.{arch.blocks}.{k}.", "rotary.": f"{b}.{arch.rotary}."}
-                 for k in range(len(blocks))]
+                 for k in range(n_blocks)]
     prefixes.append({"norm.": f"{b}.{arch.norm}.", "lm_head.": "lm_head."})
-    ties: list[TiedGroup] = [[(0, "tokens.weight"), (last, "lm_head.weight")]] if tied else []
     fallback = {(last, "lm_head.weight"): f"{b}.{arch.tokens}.weight"} if tied else {}
-    return HFLayers(layers=layers, tied_parameters=ties, names=HFNames(prefixes, fallback),
-                    init_fn=HFInit(type(model), config), config=config)
+    return HFNames(prefixes, fallback)
+
+
+def checkpoint_names(layers: Iterable[nn.Module]) -> tuple[HFNames, Any] | None:
+    """The checkpoint names and the ``transformers`` config of layers that
+    :func:`sequential` made ([:class:`Embeddings`, :class:`Block`..., :class:`Head`]),
+    so a job's save maps its weights back to the original model's names
+    (:mod:`fedpipe.client.checkpoints`); None for any other layers. A tied head
+    (``config.tie_word_embeddings``) falls back to the embedding's name."""
+    found = list(layers)
+    if len(found) < 3 or not isinstance(found[0], Embeddings) or \
+            not isinstance(found[-1], Head) or \
+            not all(isinstance(b, Block) for b in found[1:-1]):
+        return None
+    config = found[1].config
+    arch = ARCHITECTURES.get(getattr(config, "model_type", ""))
+    if arch is None:
+        return None
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return _names(arch, len(found) - 2, tied), config
 
 
 def save_pretrained(adapted: HFLayers, path: str | Path,

@@ -79,7 +79,15 @@ def test_a_meta_gpt2_with_tied_embeddings_on_two_stages_trains_as_the_tied_model
     assert plan[0].layer_start == 0 and plan[-1].layer_end == last + 1
     assert len({a.node_id for a in plan}) == 3
     got = job.state_dict()
+    job.save(tmp_path / "saved")  # a stage at a time, under GPT-2's own names
     job.release()
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "saved", torch_dtype=torch.float64)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # tied again
+    x, _ = _text_batches()[0]
+    trained = copy.deepcopy(adapted.layers)
+    fedpipe.materialize(trained, SEED, adapted.init_fn, ties=adapted.tied_parameters)
+    trained.load_state_dict(got)
+    torch.testing.assert_close(loaded.eval()(x).logits, trained.eval()(x), rtol=0, atol=0)
     emb, head = got["0.tokens.weight"], got[f"{last}.lm_head.weight"]
     assert torch.equal(emb, head)  # the two copies stayed bit-for-bit equal
     ours = {adapted.names(int(k.split(".", 1)[0]), k.split(".", 1)[1])[0]: v

@@ -289,3 +289,20 @@ def test_an_unknown_model_type_is_refused_with_the_known_ones():
 
     with pytest.raises(AdapterError, match="'bert'.*gpt2, llama"):
         sequential(Fake())
+
+
+def test_a_meta_llama_from_files_without_its_init_is_refused_naming_the_rotary_buffer(tmp_path):
+    """The rotary embedding's ``inv_freq`` is in no file (not in the state_dict): without
+    the model's init a node would run it with fresh storage's undefined contents."""
+    from fedpipe.client.weights import package
+    from fedpipe.runtime.materialize import MaterializeError
+
+    _llama(dtype=torch.float32).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        adapted = sequential(_llama(dtype=torch.float32))
+    x, _ = _text_batches()[0]
+    with pytest.raises(MaterializeError, match=r"layer 1 \(Block\).*rotary\.inv_freq.*init_fn="):
+        package(adapted.layers, x, weights=tmp_path, names=adapted.names)
+    code = package(adapted.layers, x, weights=tmp_path, names=adapted.names,
+                   init_fn=adapted.init_fn)
+    assert code.weights.source == "files"

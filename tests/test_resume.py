@@ -181,7 +181,7 @@ def test_save_then_resume_from_continues_bit_for_bit(swarm, undisturbed, tmp_pat
     with swarm.client() as client:
         folder = saved_after(client, data, 6, tmp_path / "ck")
         saved = checkpoints.read(folder)
-        assert saved.step == 6 and (folder / "tensors.safetensors").is_file()
+        assert saved.step == 6 and (folder / "model.safetensors.index.json").is_file()
         names = {n for snap in saved.snapshots.values() for n in snap.tensors}
         assert any(n.startswith("optimizer/state/") for n in names)  # AdamW's moments
         assert {"module", "optimizer", "lr_scheduler"} <= {

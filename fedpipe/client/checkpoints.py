@@ -1,40 +1,60 @@
-"""A job's complete checkpoint on the client's disk: safetensors plus a JSON file.
+"""A job's complete checkpoint on the client's disk: safetensors shards plus JSON.
 
-A checkpoint is a folder with two files:
+A checkpoint is a folder, written a stage at a time (the client holds one stage's
+snapshot at most, however big the model):
 
-- ``tensors.safetensors``: every tensor of every stage's snapshot
-  (:mod:`fedpipe.runtime.checkpoint`: weights, optimizer state, LR schedule,
-  DiLoCo outer state, codec residuals), named ``r{replica}.s{stage}/{path}``,
-  e.g. ``r0.s1/optimizer/state/0/exp_avg``, in the safetensors format (a JSON
-  header of names, dtypes, shapes and offsets, then the raw bytes: no pickles);
+- the model's weights in the Hugging Face layout: one shard per stage of replica
+  group 0, ``model-0000k-of-0000n.safetensors``, and ``model.safetensors.index.json``
+  (its ``weight_map`` names the shard of each tensor); ``model.safetensors`` alone
+  when there is one stage. Each tensor has its *model name*: layer 3's ``weight`` is
+  ``"3.weight"`` (an ``nn.Sequential``'s own), or the checkpoint's name for a job
+  submitted from :func:`fedpipe.hf.sequential` (``"transformer.h.2.attn.c_attn.weight"``;
+  a tied copy is stored once, as ``transformers`` stores it), whose ``config.json``
+  is written too: ``from_pretrained(folder)`` loads the original architecture, and
+  ``submit(..., weights=folder)`` starts a job from it;
+- ``state-r{replica}-s{stage}.safetensors``: the rest of each stage's snapshot
+  (:mod:`fedpipe.runtime.checkpoint`: optimizer state, LR schedule, DiLoCo outer
+  state, codec residuals; other replica groups' weights; a tied copy), named by its
+  snapshot path, e.g. ``optimizer/state/0/exp_avg``;
 - ``checkpoint.json``: the metadata: ``step`` (steps done; the next step to run),
   ``steps``, the ``plan`` (as protobuf JSON), the job's ``config`` (its settings,
-  pickles left out), and per stage its layer range and the *skeleton* of its
-  state (everything that is not a tensor: hyper-parameters, step counters).
+  pickles left out), and per stage its layer range, its state file, the model name of
+  each of its weights in the shards, and the *skeleton* of its state (everything
+  that is not a tensor: hyper-parameters, step counters).
 
-Both files are written beside their final names and renamed into place, the
-JSON last, so a folder with a ``checkpoint.json`` is complete. A checkpoint
-directory (``submit(checkpoint_dir=...)``) holds one such folder per kept
-step, ``step-00000012``, and the newest :data:`KEEP` are kept.
+safetensors files hold a JSON header of names, dtypes, shapes and offsets, then the
+raw bytes: no pickles. ``checkpoint.json`` is written last (beside its final name,
+then renamed), so a folder with one is complete. A checkpoint directory
+(``submit(checkpoint_dir=...)``) holds one such folder per kept step,
+``step-00000012``, and the newest :data:`KEEP` are kept. Folders of the first format
+(every tensor in ``tensors.safetensors``) are still read.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 from google.protobuf import json_format
 
 from ..proto import node_pb2
 from ..runtime import layerstate
 from ..runtime.checkpoint import Snapshot
+from ..runtime.weights import (INDEX_NAME, SINGLE_NAME, KeyMap, WeightFiles, WeightsError,
+                               sequential_keys)
 from ..spec import StageKey
 
 TENSORS = "tensors.safetensors"
+"""The first format's one file of every tensor (read, no longer written)."""
 META = "checkpoint.json"
-FORMAT = "fedpipe-checkpoint/1"
+FORMAT = "fedpipe-checkpoint/2"
+FORMAT_1 = "fedpipe-checkpoint/1"
 KEEP = 2
 """Checkpoints a checkpoint directory keeps (the newest)."""
 
@@ -99,34 +119,163 @@ def _prefix(key: StageKey) -> str:
     return f"r{key.replica}.s{key.stage}/"
 
 
-def write(path: str | os.PathLike, step: int, snapshots: dict[StageKey, Snapshot],
-          plan: node_pb2.Plan, *, steps: int, config: dict | None = None) -> Path:
-    """Write a checkpoint folder at ``path`` (created; files in it replaced); return it.
+def state_file(key: StageKey) -> str:
+    """The file of stage ``key``'s state other than its model weights."""
+    return f"state-r{key.replica}-s{key.stage}.safetensors"
+
+
+def shard_file(stage: int, n_stages: int) -> str:
+    """The model shard of stage ``stage`` (replica group 0) of ``n_stages``."""
+    return SINGLE_NAME if n_stages == 1 else \
+        f"model-{stage + 1:05d}-of-{n_stages:05d}.safetensors"
+
+
+class CheckpointWriter:
+    """Writes a checkpoint folder a stage at a time (see the module docstring).
+
+    Args:
+        path: the folder (created; a checkpoint there before is replaced).
+        plan: the job's plan (layer ranges; replica group 0's depth names the shards).
+        names: a layer's key -> its model names (the first is used).
+        skip: ``skip(layer, key)``: a weight kept out of the shards (a tied copy; it
+            goes to the stage's state file).
+        model_config: written as ``config.json`` by its ``save_pretrained`` (a
+            ``transformers`` config), or None.
+    """
+
+    def __init__(self, path: str | os.PathLike, plan: node_pb2.Plan, *,
+                 names: KeyMap = sequential_keys,
+                 skip: Callable[[int, str], bool] = lambda i, k: False,
+                 model_config: Any = None):
+        self.folder = Path(path)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / META).unlink(missing_ok=True)  # incomplete until close()
+        self._ranges = {StageKey(a.replica, a.stage): (a.layer_start, a.layer_end)
+                        for a in plan.stages}
+        self._depth = 1 + max((k.stage for k in self._ranges if k.replica == 0), default=0)
+        self._names, self._skip, self._config = names, skip, model_config
+        self._plan = plan
+        self._stages: list[dict] = []
+        self._weight_map: dict[str, str] = {}
+        self._total = 0
+        self._files: set[str] = set()
+
+    def _model_name(self, start: int, path: str) -> str | None:
+        """The model name of snapshot tensor ``path`` of a stage from layer ``start``,
+        or None if it stays in the state file."""
+        if not path.startswith("module/"):
+            return None
+        local, _, key = path[len("module/"):].partition(".")
+        layer = start + int(local)
+        if self._skip(layer, key):
+            return None
+        try:
+            return self._names(layer, key)[0]
+        except KeyError:  # a tensor without a checkpoint name: kept with the state
+            return None
+
+    def add(self, key: StageKey, snap: Snapshot) -> None:
+        """Write stage ``key``'s snapshot: its replica group 0 weights to its shard,
+        the rest to its state file.
+
+        Raises:
+            WeightsError: two tensors would get one model name.
+            OSError: a file cannot be written.
+        """
+        from safetensors.torch import save_file  # only who writes checkpoints needs it
+
+        start, end = self._ranges.get(key, (0, 0))
+        weights: dict[str, torch.Tensor] = {}
+        state: dict[str, torch.Tensor] = {}
+        named: dict[str, str] = {}
+        for path, t in snap.tensors.items():
+            name = self._model_name(start, path) if key.replica == 0 else None
+            if name is None:
+                state[path] = t.contiguous()
+                continue
+            if name in self._weight_map or name in weights:
+                raise WeightsError(f"stage {key.stage}: {path!r} would be saved as {name!r}, "
+                                   "a name already written")
+            weights[name], named[path] = t.contiguous(), name
+        if key.replica == 0:
+            shard = shard_file(key.stage, self._depth)
+            self._write(save_file, weights, shard)
+            self._weight_map.update((n, shard) for n in weights)
+            self._total += sum(t.numel() * t.element_size() for t in weights.values())
+        self._write(save_file, state, state_file(key))
+        self._stages.append({"replica": key.replica, "stage": key.stage, "layer_start": start,
+                             "layer_end": end, "state": state_file(key), "weights": named,
+                             "skeleton": snap.skeleton})
+
+    def _write(self, save_file: Callable, tensors: dict[str, torch.Tensor], name: str) -> None:
+        tmp = self.folder / (name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, self.folder / name)
+        self._files.add(name)
+
+    def close(self, step: int, steps: int, config: dict | None = None) -> Path:
+        """Write the index, ``config.json`` and ``checkpoint.json`` (last); drop files
+        of an earlier checkpoint in the folder that this one does not have; return
+        the folder."""
+        if self._depth > 1:
+            self._text(INDEX_NAME, json.dumps({"metadata": {"total_size": self._total},
+                                               "weight_map": self._weight_map}, indent=2))
+        if self._config is not None:
+            self._config.save_pretrained(self.folder)
+        for old in (*self.folder.glob("model*.safetensors"), *self.folder.glob("state-*"),
+                    self.folder / TENSORS, self.folder / INDEX_NAME):
+            if old.name not in self._files and old.is_file():
+                old.unlink()
+        meta = {"format": FORMAT, "step": step, "steps": steps,
+                "plan": json_format.MessageToDict(self._plan), "config": config or {},
+                "stages": sorted(self._stages, key=lambda s: (s["replica"], s["stage"]))}
+        self._text(META, json.dumps(meta, indent=1))
+        return self.folder
+
+    def _text(self, name: str, text: str) -> None:
+        tmp = self.folder / (name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.folder / name)
+        self._files.add(name)
+
+
+def write(path: str | os.PathLike, step: int,
+          snapshots: Iterable[tuple[StageKey, Snapshot]] | Mapping[StageKey, Snapshot],
+          plan: node_pb2.Plan, *, steps: int, config: dict | None = None,
+          names: KeyMap = sequential_keys, skip: Callable[[int, str], bool] = lambda i, k: False,
+          model_config: Any = None) -> Path:
+    """Write a checkpoint folder at ``path`` from ``snapshots`` (each stage's, taken one
+    at a time from an iterable: only one is held) with a :class:`CheckpointWriter`;
+    return it.
 
     Raises:
+        WeightsError: two tensors would get one model name.
         OSError: the folder cannot be written.
     """
-    from safetensors.torch import save_file  # only who writes checkpoints needs it
+    writer = CheckpointWriter(path, plan, names=names, skip=skip, model_config=model_config)
+    items = sorted(snapshots.items()) if isinstance(snapshots, Mapping) else snapshots
+    for key, snap in items:
+        writer.add(key, snap)
+        del snap  # the next stage's snapshot is pulled without this one held
+    return writer.close(step, steps, config)
 
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    ranges = {(a.replica, a.stage): (a.layer_start, a.layer_end) for a in plan.stages}
-    tensors, stages = {}, []
-    for key, snap in sorted(snapshots.items()):
-        for name, t in snap.tensors.items():
-            tensors[_prefix(key) + name] = t.contiguous()
-        start, end = ranges.get((key.replica, key.stage), (0, 0))
-        stages.append({"replica": key.replica, "stage": key.stage, "layer_start": start,
-                       "layer_end": end, "skeleton": snap.skeleton})
-    meta = {"format": FORMAT, "step": step, "steps": steps,
-            "plan": json_format.MessageToDict(plan), "config": config or {}, "stages": stages}
-    tmp = folder / (TENSORS + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "step": str(step)})
-    os.replace(tmp, folder / TENSORS)
-    tmp = folder / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, folder / META)
-    return folder
+
+def _stage_tensors(folder: Path, st: dict, key: StageKey,
+                   files: WeightFiles | None, old: Mapping[str, torch.Tensor] | None
+                   ) -> dict[str, torch.Tensor]:
+    """One stage's snapshot tensors by path, from either format."""
+    from safetensors.torch import load_file
+
+    if old is not None:  # the first format: one file, names prefixed by stage
+        prefix = _prefix(key)
+        return {n[len(prefix):]: t for n, t in old.items() if n.startswith(prefix)}
+    tensors = load_file(str(folder / Path(st["state"]).name))
+    for path, name in st.get("weights", {}).items():
+        if files is None:
+            raise CheckpointError(f"{folder} has no model weights ({INDEX_NAME} or "
+                                  f"{SINGLE_NAME}) but stage {key.stage} names {name!r}")
+        tensors[path] = files.tensor(name)
+    return tensors
 
 
 def read(path: str | os.PathLike) -> SavedCheckpoint:
@@ -148,16 +297,18 @@ def read(path: str | os.PathLike) -> SavedCheckpoint:
         folder = newest
     try:
         meta = json.loads((folder / META).read_text())
-        if meta.get("format") != FORMAT:
+        if meta.get("format") not in (FORMAT, FORMAT_1):
             raise CheckpointError(f"{folder / META} is not a {FORMAT} file")
-        tensors = load_file(str(folder / TENSORS))
+        old = load_file(str(folder / TENSORS)) if meta["format"] == FORMAT_1 else None
+        has_model = (folder / INDEX_NAME).is_file() or (folder / SINGLE_NAME).is_file()
         snapshots, layers = {}, {}
-        for st in meta["stages"]:
-            key = StageKey(int(st["replica"]), int(st["stage"]))
-            prefix = _prefix(key)
-            snapshots[key] = Snapshot(int(meta["step"]), skeleton=st["skeleton"], tensors={
-                name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)})
-            layers[key] = (int(st["layer_start"]), int(st["layer_end"]))
+        with contextlib.ExitStack() as stack:
+            files = stack.enter_context(WeightFiles(folder)) if has_model else None
+            for st in meta["stages"]:
+                key = StageKey(int(st["replica"]), int(st["stage"]))
+                snapshots[key] = Snapshot(int(meta["step"]), skeleton=st["skeleton"],
+                                          tensors=_stage_tensors(folder, st, key, files, old))
+                layers[key] = (int(st["layer_start"]), int(st["layer_end"]))
     except (OSError, ValueError, KeyError, TypeError, RecursionError, SafetensorError) as e:
         # RecursionError: a checkpoint.json nested too deep for json
         if isinstance(e, CheckpointError):
@@ -174,10 +325,13 @@ def latest(directory: str | os.PathLike) -> Path | None:
     return folders[-1] if folders else None
 
 
-def keep(directory: str | os.PathLike, step: int, snapshots: dict[StageKey, Snapshot],
-         plan: node_pb2.Plan, *, steps: int, config: dict | None = None) -> Path:
-    """Add the checkpoint of ``step`` to a checkpoint directory and drop all but the
-    newest :data:`KEEP`; return its folder.
+def keep(directory: str | os.PathLike, step: int,
+         snapshots: Iterable[tuple[StageKey, Snapshot]] | Mapping[StageKey, Snapshot],
+         plan: node_pb2.Plan, *, steps: int, config: dict | None = None,
+         **layout: Any) -> Path:
+    """Add the checkpoint of ``step`` to a checkpoint directory (written a stage at a
+    time, as :func:`write` with ``layout``: names, skip, model_config) and drop all but
+    the newest :data:`KEEP`; return its folder.
 
     Raises:
         OSError: the directory cannot be written.
@@ -186,7 +340,7 @@ def keep(directory: str | os.PathLike, step: int, snapshots: dict[StageKey, Snap
     folder = directory / f"step-{step:08d}"
     tmp = directory / f".tmp-step-{step:08d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp, step, snapshots, plan, steps=steps, config=config)
+    write(tmp, step, snapshots, plan, steps=steps, config=config, **layout)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     for old in sorted(directory.glob("step-*"))[:-KEEP]:

@@ -24,6 +24,7 @@ from torch import nn
 from .. import net
 from ..net import timeouts
 from ..proto import tracker_pb2, tracker_pb2_grpc
+from ..runtime import libraries
 from ..runtime.materialize import InitFn, TiedGroup
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..runtime.weights import KeyMap
@@ -260,12 +261,13 @@ class Client:
                              f"{microbatches} microbatches")
         code = package(model, x0, seed=seed, init_fn=init_fn, weights=weights,
                        names=weight_names, ties=ties)
-        job_spec = job_spec.with_(batch_size=x0.shape[0], weights=code.weights)
+        job_spec = job_spec.with_(batch_size=x0.shape[0], weights=code.weights,
+                                  libraries=libraries.used_by(model))
         job_spec.validate(n_layers)
         job_id = self._submit_job(name or type(model).__name__, code.layers, job_spec,
                                   code.profile, given.lifetime.pending_timeout)
         job = Job(self, job_id, model, microbatches, spec=job_spec,
-                  checkpoint_dir=checkpoint_dir, weights=code.tensors)
+                  checkpoint_dir=checkpoint_dir, weights=code.tensors, names=weight_names)
         try:
             job._start_feed(itertools.chain([first], batches), restore=restore)
         except (grpc.RpcError, ValueError) as e:  # refused or closed: nobody would feed it

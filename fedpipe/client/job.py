@@ -13,9 +13,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-import cloudpickle
 import grpc
 import torch
 from torch import nn
@@ -26,7 +25,8 @@ from ..observe.source import GrpcSource
 from ..observe.views import StepRecord, recovery_headline, step_records
 from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint
-from ..runtime.materialize import materialize
+from ..hf import checkpoint_names
+from ..runtime.weights import KeyMap
 from ..spec import TERMINAL, JobSpec, PlanView, StageKey, state_name
 from ..wire import frames
 from ..wire.codecs import MAX_TENSOR_BYTES
@@ -122,8 +122,9 @@ class Job:
     def __init__(self, client: Client, job_id: str, model: nn.Sequential | None = None,
                  microbatches: int = 1, *, spec: JobSpec | None = None,
                  checkpoint_dir: str | os.PathLike | None = None,
-                 weights: TensorsOf | None = None):
+                 weights: TensorsOf | None = None, names: KeyMap | None = None):
         self.client, self.id, self._model = client, job_id, model
+        self._names = names  # the model names of each layer's tensors, for saves
         self._weights = weights  # each layer's initial tensors, for stages that await them
         self.microbatches = microbatches
         self.feed_error: BaseException | None = None
@@ -248,17 +249,24 @@ class Job:
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the job's last complete checkpoint (its final state, once it has
-        SUCCEEDED) to folder ``path``: every tensor of every stage (weights,
-        optimizer, LR schedule, DiLoCo state) in ``tensors.safetensors`` and the
+        SUCCEEDED) to folder ``path``, a stage at a time (this client holds one stage's
+        snapshot at most): the weights as safetensors shards in the Hugging Face
+        layout, one per stage, with ``model.safetensors.index.json``; the rest of each
+        stage's state (optimizer, LR schedule, DiLoCo state) in a file of its own; the
         metadata (step, plan, config) in ``checkpoint.json``
         (:mod:`fedpipe.client.checkpoints`). ``submit(..., resume_from=path)``
-        continues from it. Returns the folder.
+        continues from it, ``submit(..., weights=path)`` starts a new job from its
+        weights. For a model from :func:`fedpipe.hf.sequential` the weights have the
+        original model's names and ``config.json`` is written:
+        ``transformers``' ``from_pretrained(path)`` loads it. Returns the folder.
 
         Raises:
             RuntimeError: no checkpoint has completed yet.
             CheckpointGone: no node holds a stage's snapshot of that step any more (a
                 cancelled or failed job's nodes drop its snapshots).
             grpc.RpcError: a node could not be asked (UNAVAILABLE, ...).
+            fedpipe.runtime.weights.WeightsError: two tensors would get one name (names
+                given at submit that are not one-to-one).
             OSError: the folder cannot be written.
         """
         info = self._info()
@@ -268,15 +276,33 @@ class Job:
                                f"({state_name(info.state)} at step {info.step})")
         snaps = self._pull_snapshots(info.plan, step, info.state)
         return str(checkpoints.write(path, step, snaps, info.plan, steps=info.steps,
-                                     config=self._config()))
+                                     config=self._config(), **self._layout()))
 
     def _config(self) -> dict:
         return self._spec.summary() if self._spec is not None else {}
 
+    def _layout(self) -> dict[str, Any]:
+        """How a save names the weights (:class:`.checkpoints.CheckpointWriter`'s
+        ``names``, ``skip``, ``model_config``): the names given at submit, else a
+        :func:`fedpipe.hf.sequential` model's checkpoint names and config, else an
+        ``nn.Sequential``'s own; a tied copy is stored once (its source)."""
+        out: dict[str, Any] = {}
+        found = checkpoint_names(self._model) if self._model is not None else None
+        if found is not None:
+            out["names"], out["model_config"] = found
+        if self._names is not None:
+            out["names"] = self._names
+        ties = self._spec.weights.ties if self._spec is not None else ()
+        if ties:
+            copies = {member for group in ties for member in group[1:]}
+            out["skip"] = lambda i, key: (i, key) in copies
+        return out
+
     def _pull_snapshots(self, plan: node_pb2.Plan, step: int, state: int
-                        ) -> dict[StageKey, "checkpoint.Snapshot"]:
-        """Every stage's snapshot of ``step``, from its node, else any node of the plan
-        (its buddy holds a copy). ``state``: the job's, for the error.
+                        ) -> Iterator[tuple[StageKey, "checkpoint.Snapshot"]]:
+        """Each stage's snapshot of ``step``, pulled when asked for (one at a time: a save
+        holds one stage's), from its node, else any node of the plan (its buddy holds a
+        copy). ``state``: the job's, for the error.
 
         Raises:
             CheckpointGone: every node answered NOT_FOUND for one stage's snapshot.
@@ -284,7 +310,6 @@ class Job:
                 when it is not NOT_FOUND).
         """
         view = PlanView(plan)
-        out = {}
         for key, a in sorted(view.stages.items()):
             others = sorted(view.addresses() - {a.address})
             for i, address in enumerate([a.address] + others):
@@ -293,15 +318,16 @@ class Job:
                         node_pb2.FetchSnapshotRequest(job_id=self.id, replica=key.replica,
                                                       stage=key.stage, step=step),
                         timeout=timeouts.FETCH_STATE_RPC)
-                    _, out[key] = checkpoint.from_frames(stream, MAX_TENSOR_BYTES)
-                    break
+                    _, snap = checkpoint.from_frames(stream, MAX_TENSOR_BYTES)
                 except grpc.RpcError as e:
                     if i < len(others):
                         continue
                     if e.code() != grpc.StatusCode.NOT_FOUND:
                         raise
                     raise CheckpointGone(self._gone_message(key, step, state)) from None
-        return out
+                yield key, snap
+                del snap
+                break
 
     def _gone_message(self, key: StageKey, step: int, state: int) -> str:
         why = {"CANCELLED": "the job was cancelled and its nodes dropped its snapshots",
@@ -419,14 +445,22 @@ class Job:
                                    timeout=timeouts.CONTROL_RPC)
         return self.status()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained weights, gathered from the stages, keyed as the model's own state_dict.
+    def state_dict(self, stage: int | None = None) -> dict[str, torch.Tensor]:
+        """The trained weights, gathered from the stages of replica group 0 (or from
+        stage ``stage`` alone: a big model's weights one stage at a time), keyed as the
+        model's own state_dict (``"3.weight"``: layer 3's ``weight``).
 
         Raises:
+            ValueError: the plan has no stage ``stage``.
             grpc.RpcError: a stage's node is unreachable or no longer holds the stage.
         """
         out: dict[str, torch.Tensor] = {}
-        for a in PlanView(self.plan).chain(0):
+        chain = PlanView(self.plan).chain(0)
+        if stage is not None:
+            chain = [a for a in chain if a.stage == stage]
+            if not chain:
+                raise ValueError(f"job {self.id} has no stage {stage}")
+        for a in chain:
             stream = self.client.node(a.address).FetchState(
                 node_pb2.FetchStateRequest(job_id=self.id, replica=a.replica, stage=a.stage),
                 timeout=timeouts.FETCH_STATE_RPC)
@@ -435,18 +469,24 @@ class Job:
         return out
 
     def model(self) -> nn.Sequential:
-        """A copy of the submitted model carrying the trained weights.
+        """A copy of the submitted model carrying the trained weights (the whole model,
+        in this process: for a model the client holds).
 
         Raises:
-            RuntimeError: the job was attached by id, so the model is not known here.
+            RuntimeError: the job was attached by id, so the model is not known here; or
+                its model was built on the meta device: one that big is not gathered
+                into one process (use :meth:`save`, which writes it a stage at a time,
+                or :meth:`state_dict` with ``stage=``).
         """
         if self._model is None:
             raise RuntimeError("this Job was attached by id; use state_dict() instead")
+        if any(t.is_meta for t in self._model.state_dict().values()):
+            raise RuntimeError(
+                f"job {self.id}'s model was built on the meta device, so model() would "
+                "gather every weight into this process; use job.save(path) (safetensors "
+                "shards, written a stage at a time) or job.state_dict(stage=...) (one "
+                "stage's weights)")
         model = copy.deepcopy(self._model)
-        if any(t.is_meta for t in model.state_dict().values()):  # a meta job's model
-            w = self._spec.weights if self._spec is not None else None
-            materialize(model, w.seed if w else 0,
-                        cloudpickle.loads(w.init_fn) if w and w.init_fn else None)
         model.load_state_dict(self.state_dict())
         return model
 
@@ -495,8 +535,8 @@ class Job:
                 return
             folder = checkpoints.keep(self._checkpoint_dir, step,
                                       self._pull_snapshots(info.plan, step, info.state),
-                                      info.plan,
-                                      steps=info.steps, config=self._config())
+                                      info.plan, steps=info.steps, config=self._config(),
+                                      **self._layout())
             self._saved_step = step
             log.info("job %s: checkpoint of step %d kept in %s", self.id, step, folder)
         except (grpc.RpcError, CheckpointGone, OSError, ValueError) as e:

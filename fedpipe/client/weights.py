@@ -39,7 +39,7 @@ from ..net import timeouts
 from ..planner.types import ModelProfile
 from ..proto import node_pb2, tracker_pb2
 from ..runtime.materialize import (InitFn, MaterializeError, TiedGroup, check_initializable,
-                                   meta_profile, shared_across_layers)
+                                   meta_profile, shared_across_layers, uninitializable)
 from ..runtime.weights import (KeyMap, WeightFiles, check_weights, layer_digest, layer_tensors,
                                sequential_keys)
 from ..spec import PlanView, StageKey, WeightsSpec
@@ -132,10 +132,11 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
     if weights is not None:
         path = Path(weights).resolve()
         code = [meta_copy(layer) for layer in model] if not any(on_meta) else list(model)
+        if any(on_meta):
+            _check_outside_files(code, init_fn, groups)
         with WeightFiles(path) as files:
             check_weights(files, code, keys)
-            digests = tuple(layer_digest(layer_tensors(files, i, layer, keys))
-                            for i, layer in enumerate(code))
+        digests = tuple(_file_digest(path, i, layer, keys) for i, layer in enumerate(code))
         spec = WeightsSpec(source="files", path=str(path), digests=digests,
                            names=dumps(names) if names is not None else b"", seed=seed,
                            init_fn=dumps(init_fn) if init_fn is not None else b"",
@@ -158,6 +159,35 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
                        digests=tuple(layer_digest(layer.state_dict()) for layer in model))
     return ModelCode([dumps(layer) for layer in code], spec, _profile(model, code, sample),
                      streamed(model))
+
+
+def _file_digest(path: Path, index: int, layer: nn.Module, names: KeyMap) -> str:
+    """Layer ``index``'s weight digest, read from the files at ``path`` with handles of its
+    own: closing them unmaps the shards, so the client's memory holds one layer's tensors
+    and pages at a time, not every shard it has read (a 300 M-parameter model's 1.2 GB)."""
+    with WeightFiles(path) as files:
+        return layer_digest(layer_tensors(files, index, layer, names))
+
+
+def _check_outside_files(layers: Sequence[nn.Module], init_fn: InitFn | None,
+                         ties: Sequence[TiedGroup]) -> None:
+    """Refuse a meta model started from files that has tensors no file holds (buffers
+    outside its ``state_dict``, as a rotary embedding's ``inv_freq``) and nothing
+    initializes: a node would run them with the undefined contents of fresh storage.
+
+    Raises:
+        MaterializeError: naming the first such layer and tensors.
+    """
+    missing = [(i, name) for i, name in uninitializable(layers, init_fn, ties)
+               if name not in layers[i].state_dict()]
+    if missing:
+        layer = missing[0][0]
+        names = ", ".join(n for i, n in missing if i == layer)
+        raise MaterializeError(
+            f"layer {layer} ({type(layers[layer]).__name__}) has tensor(s) that no weights "
+            f"file holds (not in its state_dict) and nothing initializes on the meta device: "
+            f"{names}; pass init_fn= (fedpipe.hf.sequential(...).init_fn for a transformers "
+            f"model), or give the module a reset_parameters()")
 
 
 def streamed(model: nn.Sequential) -> TensorsOf:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..proto import node_pb2, tracker_pb2
-from ..runtime import checkpoint, layerstate
+from ..runtime import checkpoint, layerstate, libraries
 from ..runtime.checkpoint import LAYOUT
 from ..runtime.allreduce import GradientSync, StageSpan
 from ..runtime.async_stage import AsyncStageRunner
@@ -212,6 +212,7 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     if mine is None:
         raise ValueError(f"the plan has no stage {key.stage} in replica group {key.replica}")
     n_stages = plan.depth(key.replica)
+    libraries.check(cfg.libraries, request.job_id)  # before the layers are unpickled
     layers, pending = make_layers(request, cfg.weights, mine.layer_start, device)
     module = nn.Sequential(*layers)
     params = [p for p in module.parameters() if p.requires_grad]

@@ -144,6 +144,9 @@ class JobSpec:
             (:func:`fedpipe.spec.optimizers.optimizer_kind`, e.g. "adamw", "sgd-momentum"):
             what the planner prices its state by, since the tracker never unpickles
             ``optimizer`` ("": unknown, priced as AdamW).
+        libraries: ``(name, version)`` of each library the layers' classes come from,
+            as the client has it (:mod:`fedpipe.runtime.libraries`: ``transformers``);
+            a node with another version refuses the job's stages.
     """
 
     steps: int
@@ -169,6 +172,7 @@ class JobSpec:
     recompute: str = "off"
     precision: str = "fp32"
     optimizer_kind: str = ""
+    libraries: tuple[tuple[str, str], ...] = ()
 
     def validate(self, n_layers: int | None = None) -> "JobSpec":
         """Check every field; return self.
@@ -222,12 +226,13 @@ class JobSpec:
     def to_proto(self) -> node_pb2.JobConfig:
         """The ``fedpipe.v1.JobConfig`` message."""
         d = {f.name: getattr(self, f.name) for f in fields(self)
-             if f.name not in ("diloco", "weights")}
+             if f.name not in ("diloco", "weights", "libraries")}
         o = self.diloco
         return node_pb2.JobConfig(**d, outer_every=o.inner_steps, outer_lr=o.outer_lr,
                                   outer_momentum=o.outer_momentum,
                                   outer_compression=o.compression,
-                                  weights=self.weights.to_proto())
+                                  weights=self.weights.to_proto(),
+                                  libraries=dict(self.libraries))
 
     @classmethod
     def from_proto(cls, msg: node_pb2.JobConfig) -> "JobSpec":
@@ -262,7 +267,8 @@ class JobSpec:
                    min_replicas=msg.min_replicas,
                    weights=WeightsSpec.from_proto(msg.weights),
                    recompute=msg.recompute or "off", precision=msg.precision or "fp32",
-                   optimizer_kind=msg.optimizer_kind)
+                   optimizer_kind=msg.optimizer_kind,
+                   libraries=tuple(sorted(msg.libraries.items())))
 
     def summary(self) -> dict[str, Any]:
         """The settings as plain values (no pickles), for logs and status pages."""
