@@ -101,3 +101,7 @@ WEIGHTS_WAIT = _seconds("WEIGHTS_WAIT", 600.0)
 then fails (the client is gone, or cannot reach the node)."""
 PUT_WEIGHTS_RPC = _seconds("PUT_WEIGHTS_RPC", 1800.0)
 """Deadline of one PutWeights call: a stage's weights, streamed by the client."""
+REVERSE_DIAL_WAIT = _seconds("REVERSE_DIAL_WAIT", 10.0)
+"""A reachable node about to send to an outbound-only peer (one behind NAT, homed at a relay)
+waits this long for the data link that peer dials itself when its stage loads (a direct
+connection), before it dials the peer's relayed address instead."""

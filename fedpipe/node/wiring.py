@@ -269,6 +269,7 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     else:
         stage.runner = SyncStageRunner(module, opt, loss_fn, cfg.schedule, key.stage, n_stages,
                                        microbatches, transport, **common)
+    peers.connect(mine, plan.stages.values())  # behind NAT: dial the plan's other nodes now
     return stage
 
 

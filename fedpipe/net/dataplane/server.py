@@ -22,6 +22,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 
 from ...security import Authenticator, TlsConfig
 from ...security.errors import SecurityError
@@ -141,6 +142,7 @@ class DataPlane:
         self._client_ctx = client_context(tls) if tls is not None else None
         self._auth = tls.authenticator() if tls is not None else None
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a peer's dialed link attached
         self._dialed: dict[str, Link] = {}
         self._accepted: dict[str, Link] = {}
         self._addresses: dict[str, str] = {}  # peer -> the address its dialed link dials
@@ -246,6 +248,8 @@ class DataPlane:
             conn.write(link.preface().encode())
             sock.settimeout(None)
             link.attach(conn, theirs, peer)
+            with self._arrived:
+                self._arrived.notify_all()
         except (OSError, WireError, SecurityError, LinkFailed) as e:
             log.info("refused a data connection: %s", e)
             code = e.code if isinstance(e, SecurityError) else None
@@ -254,6 +258,22 @@ class DataPlane:
             return
         link.read(conn)
         link.await_resume()
+
+    def wait_dialed_by(self, peer: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until ``peer`` (a node name) has a connected link
+        it dialed here; whether it has. :meth:`link` then returns that link, whatever
+        address it is given: a reachable node lets an outbound-only peer (behind NAT)
+        dial it, rather than dialing it through its relay."""
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while True:
+                link = self._accepted.get(peer)
+                if link is not None and link.credits.failed is None and link.conn is not None:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._arrived.wait(left)
 
     def _accepted_link(self, peer: str) -> Link:
         with self._lock:
@@ -282,6 +302,7 @@ class DataPlane:
         """Stop listening and close every link (idempotent)."""
         with self._lock:
             self._closed = True
+            self._arrived.notify_all()
             links = [*self._dialed.values(), *self._accepted.values()]
             self._dialed.clear()
             self._accepted.clear()
