@@ -25,6 +25,7 @@ import threading
 import time
 
 from ...security import Authenticator, TlsConfig
+from ...security.tls import client_context, server_context, socket_identity
 from ...security.errors import SecurityError
 from ...wire.format import WireError
 from .. import timeouts as net_timeouts
@@ -39,25 +40,6 @@ log = logging.getLogger(__name__)
 
 BACKLOG = 128
 """Connections the kernel queues before :class:`DataPlane` accepts them."""
-
-
-def server_context(tls: TlsConfig) -> ssl.SSLContext:
-    """A TLS server context: this process's certificate; peers must show one of the swarm CA."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(tls.directory / f"{tls.name}.crt", tls.directory / f"{tls.name}.key")
-    ctx.load_verify_locations(cadata=tls.ca_pem.decode())
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
-
-
-def client_context(tls: TlsConfig) -> ssl.SSLContext:
-    """A TLS client context: trust only the swarm CA, check the host name, show our certificate."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_verify_locations(cadata=tls.ca_pem.decode())
-    ctx.load_cert_chain(tls.directory / f"{tls.name}.crt", tls.directory / f"{tls.name}.key")
-    return ctx
 
 
 def _tune(sock: socket.socket) -> None:
@@ -105,10 +87,7 @@ def peer_of(sock: socket.socket, theirs: Preface, auth: Authenticator | None) ->
     """
     if auth is None or not isinstance(sock, ssl.SSLSocket):
         return Peer(theirs.name, theirs.role)
-    der = sock.getpeercert(binary_form=True)
-    pem = ssl.DER_cert_to_PEM_cert(der).encode() if der else b""
-    identity = auth.authenticate({"transport_security_type": [b"ssl"],
-                                  "x509_pem_cert": [pem] if pem else []})
+    identity = socket_identity(sock, auth)
     if identity.name != theirs.name or identity.role.value != theirs.role:
         raise SecurityError(f"preface says {theirs.role} {theirs.name!r} but the certificate "
                             f"is {identity}")
