@@ -463,7 +463,13 @@ class StagePeers:
                 return sender
         plane = self.plane
         if self.me is not None and waits_for(self.me, peer):  # let the peer dial: direct
-            plane.wait_dialed_by(peer.node_name, timeouts.REVERSE_DIAL_WAIT)
+            if plane.wait_dialed_by(peer.node_name, timeouts.REVERSE_DIAL_WAIT):
+                log.info("data link to %s: it dialed this node (it is outbound-only)",
+                         peer.node_name)
+            else:
+                log.warning("outbound-only %s did not dial this node within %.0f s: sending "
+                            "through its relay %s (at %s)", peer.node_name,
+                            timeouts.REVERSE_DIAL_WAIT, peer.relay, peer.data_address)
         try:
             link = plane.link(peer.node_name, peer.data_address)
         except dataplane.LinkFailed as e:
