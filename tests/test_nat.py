@@ -64,7 +64,7 @@ def test_an_outbound_only_middle_stage_dials_its_neighbours_directly(network, tm
         nodes = swarm.wait_for_nodes({"pub0", "home1", "pub2"})
         assert nodes["home1"]["relay"] == relay and nodes["home1"]["address"].startswith(
             pub.ip + ":"), nodes["home1"]
-        assert "relay" not in nodes["pub0"]
+        assert "relay" not in nodes["pub0"]  # empty: not listed
         shown = swarm.status()
         assert f"outbound-only via {relay}" in shown.stdout, shown.stdout + shown.stderr
         trained(swarm, tmp_path, "home1")

@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import time
 
+import grpc
 import torch
+from google.protobuf import json_format
 from torch import nn
 
 import fedpipe
 from fedpipe.client import Client
+from fedpipe.net import timeouts
+from fedpipe.proto import tracker_pb2
 from fedpipe.security import TlsConfig
 
 OPT = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -39,6 +43,32 @@ def job(steps: int = 4, batch: int = 16, width: int = 32
     return model, nn.CrossEntropyLoss(), data
 
 
+def wait_for_nodes(client: Client, names: set[str]) -> dict[str, dict]:
+    """Wait until the nodes ``names`` are alive and every link among them is measured (up
+    to :data:`JOB_TIMEOUT`); each node's ``NodeInfo`` as a dict of its fields, by name.
+
+    Raises:
+        TimeoutError: they were not, in time (the message says what was there).
+    """
+    deadline, nodes, links = time.monotonic() + JOB_TIMEOUT, {}, 0
+    while time.monotonic() < deadline:
+        try:
+            reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(),
+                                          timeout=timeouts.CONTROL_RPC)
+        except grpc.RpcError:
+            time.sleep(POLL)  # the tracker is starting
+            continue
+        nodes = {n.name: json_format.MessageToDict(n, preserving_proto_field_name=True)
+                 for n in reply.nodes if n.alive}
+        ids = {nodes[n]["node_id"] for n in names if n in nodes}
+        links = sum(m.src_id in ids and m.dst_id in ids for m in reply.links)
+        if set(nodes) >= names and links >= len(names) * (len(names) - 1):
+            return nodes
+        time.sleep(5 * POLL)
+    raise TimeoutError(f"nodes {sorted(names)} were not all alive with their links measured "
+                       f"within {JOB_TIMEOUT} s: alive {sorted(nodes)}, {links} link(s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tracker", required=True)
@@ -49,8 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--tls-dir", default=None)
     p.add_argument("--tls-name", default="client")
+    p.add_argument("--nodes", default="",
+                   help="instead of a job: wait until these nodes (NAME,NAME) are alive and "
+                        "every link among them is measured, then save the node list")
     args = p.parse_args(argv)
     tls = TlsConfig.load(args.tls_dir, args.tls_name) if args.tls_dir else None
+    if args.nodes:
+        with Client(args.tracker, tls=tls) as client:
+            torch.save(wait_for_nodes(client, set(args.nodes.split(","))), args.out)
+        return 0
     model, loss_fn, data = job(args.steps, args.batch, args.width)
     with Client(args.tracker, tls=tls) as client:
         j = client.submit(model, loss_fn, OPT, data, steps=args.steps,

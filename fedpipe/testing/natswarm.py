@@ -134,30 +134,14 @@ class NatSwarm:
              *args]), capture_output=True, text=True, env=env, timeout=timeouts.CONTROL_RPC * 3)
 
     def wait_for_nodes(self, names: set[str]) -> dict[str, dict]:
-        """Wait until the nodes ``names`` are alive and every link among them is measured;
-        each node as ``fedpipe status --json`` lists it (its proto JSON), by name.
+        """Wait until the nodes ``names`` are alive and every link among them is measured
+        (:func:`fedpipe.testing.natclient.wait_for_nodes`, run in the public namespace);
+        each node's ``NodeInfo`` fields, by name.
 
         Raises:
-            RuntimeError: a process exited, or they were not there in time (with the logs).
+            RuntimeError: they were not there in time (with the logs).
         """
-        deadline = time.monotonic() + START_TIMEOUT
-        want_links = len(names) * (len(names) - 1)
-        while time.monotonic() < deadline:
-            for n, p in self.procs.items():
-                if p.poll() is not None:
-                    raise RuntimeError(f"{n} exited with {p.returncode}:\n{self.logs()}")
-            out = self.status("--json")
-            if out.returncode == 0:
-                reply = json.loads(out.stdout)
-                nodes = {n["name"]: n for n in reply.get("nodes", []) if n.get("alive")}
-                ids = {nodes[n]["nodeId"] for n in names if n in nodes}
-                links = [m for m in reply.get("links", [])
-                         if m["srcId"] in ids and m["dstId"] in ids]
-                if set(nodes) >= names and len(links) >= want_links:
-                    return nodes
-            time.sleep(4 * POLL)
-        raise RuntimeError(f"nodes {sorted(names)} did not register and get measured in "
-                           f"{START_TIMEOUT} s:\n{self.logs()}")
+        return self.run_client(self.workdir / "nodes.pt", "--nodes", ",".join(sorted(names)))
 
     def run_client(self, out: Path, *args: str, timeout: float = 300) -> dict:
         """Run :mod:`fedpipe.testing.natclient` in the public namespace; what it saved.
