@@ -136,6 +136,24 @@ class NatNetwork:
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", d, "root", "tbf",
                      "rate", f"{self.rate_mbit}mbit", "burst", "256kbit", "latency", "100ms")
 
+    def forward(self, home: int, ports: Sequence[int]) -> str:
+        """Forward ``ports`` of the router's public address to home ``home`` (0 or 1), as a
+        home router's port forwarding does: that home is then reachable at
+        ``ROUTER_WAN_IP:PORT``, from public and from the other home. Returns the host a
+        node there advertises (``--advertise``).
+
+        Raises:
+            NatSetupError: a rule could not be added.
+        """
+        ipt = ["ip", "netns", "exec", self.router.ns, "iptables"]
+        ip = self.homes[home].ip
+        for port in ports:
+            _run(*ipt, "-t", "nat", "-A", "PREROUTING", "-d", ROUTER_WAN_IP, "-p", "tcp",
+                 "--dport", str(port), "-j", "DNAT", "--to-destination", f"{ip}:{port}")
+            _run(*ipt, "-A", "FORWARD", "-d", ip, "-p", "tcp", "--dport", str(port),
+                 "-j", "ACCEPT")
+        return ROUTER_WAN_IP
+
     # -- checks -----------------------------------------------------------------
     def verify(self) -> None:
         """Check the network is a NAT: each home dials out to a listener in ``public``,

@@ -113,8 +113,10 @@ class NatSwarm:
         self._wait_log(name, "fedpipe relay listening")
         return f"{PUBLIC_IP}:{port}"
 
-    def add_node(self, name: str, host: Host, relay: str = "") -> None:
-        """A node in ``host``'s namespace; homed at ``relay`` (outbound-only) if given."""
+    def add_node(self, name: str, host: Host, relay: str = "", *extra: str) -> None:
+        """A node in ``host``'s namespace; homed at ``relay`` (outbound-only) if given;
+        ``extra`` arguments (``--advertise``, fixed ports for a forwarded home) after the
+        others."""
         hosts = [host.ip, "127.0.0.1"] + ([relay.rpartition(":")[0]] if relay else [])
         self._start(name, host,
                     ["node", "--tracker", self.tracker, "--host", host.ip, "--port", "0",
@@ -122,7 +124,7 @@ class NatSwarm:
                      *(["--trust-code"] if self.ca is None else []),
                      *(["--relay", relay] if relay else []),
                      *(["--link-profile", str(self.profile)] if self.profile else []),
-                     *self._tls_dir(certs.Role.NODE, name, hosts)])
+                     *self._tls_dir(certs.Role.NODE, name, hosts), *extra])
 
     def status(self, *args: str) -> subprocess.CompletedProcess:
         """``fedpipe status --tracker ... ARGS`` run in the public namespace (as admin under
