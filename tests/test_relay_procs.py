@@ -8,9 +8,10 @@ tracker's, the client's, the peers' gRPC and data-plane ones) is spliced through
 the relay. (All three are relayed since the planner prefers direct links, and a
 test must know that its stages sit behind the relay; the NAT namespace tests mix
 direct and relayed nodes.) The job trains to weights equal to single-process
-PyTorch's (sync, no compression), also when the relay is killed mid-job and
-started again on its port: the nodes re-home on the same ports, peers redial
-through it, and their data-plane links resume without losing a tensor.
+PyTorch's (sync, no compression), also under mutual TLS (end to end through the
+relay) when the relay is killed mid-job and started again on its port: the nodes
+re-home on the same ports, peers redial through it, and their data-plane links
+resume without losing a tensor.
 """
 from __future__ import annotations
 
@@ -31,9 +32,14 @@ OPT = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
 
 
 def start_relay(swarm: LocalSwarm, port: int):
-    """A `fedpipe relay` process on ``port``, once it says it listens."""
-    proc = swarm._spawn("relay", ["relay", "--host", "127.0.0.1", "--port", str(port),
-                                  *swarm._tls_args()])
+    """A `fedpipe relay` process on ``port`` (with a certificate of role relay when the swarm
+    runs TLS), once it says it listens."""
+    tls = []
+    if swarm.tls_dir is not None:
+        if not (swarm.tls_dir / "relay.crt").exists():
+            swarm.issue("relay", "relay")
+        tls = ["--tls-dir", str(swarm.tls_dir), "--name", "relay"]
+    proc = swarm._spawn("relay", ["relay", "--host", "127.0.0.1", "--port", str(port), *tls])
     deadline = time.monotonic() + 60
     while "fedpipe relay listening" not in swarm.log(proc):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -97,8 +103,8 @@ def test_a_job_whose_nodes_are_all_relayed_trains_exactly_as_pytorch():
         assert not status.recoveries
 
 
-def test_a_relay_killed_mid_job_and_restarted_loses_no_tensor():
-    with LocalSwarm(n_nodes=0) as swarm:
+def test_a_relay_killed_mid_job_and_restarted_loses_no_tensor_under_mutual_tls():
+    with LocalSwarm(n_nodes=0, tls=True) as swarm:
         port = free_port()
         relay = f"127.0.0.1:{port}"
         proc = start_relay(swarm, port)
