@@ -48,10 +48,11 @@ def start_relay(swarm: LocalSwarm, port: int):
     return proc
 
 
-def relayed_swarm(swarm: LocalSwarm, relay: str) -> dict:
-    """Three nodes homed at ``relay``; return them as the tracker lists them, by name."""
+def relayed_swarm(swarm: LocalSwarm, relay: str, relays: str = "") -> dict:
+    """Three nodes homed at ``relay`` (``--relay relays``, default ``relay``); return them as
+    the tracker lists them, by name."""
     for i in range(3):
-        swarm.add_node("--relay", relay)
+        swarm.add_node("--relay", relays or relay)
         swarm.wait_for_nodes(i + 1)
     swarm.wait_for_links()
     nodes = {n.name: n for n in swarm.client().nodes()}
@@ -63,7 +64,9 @@ def relayed_swarm(swarm: LocalSwarm, relay: str) -> dict:
     return nodes
 
 
-def train(swarm: LocalSwarm, steps: int, at_step=None):
+def train(swarm: LocalSwarm, steps: int, at_step=None, moved: bool = False):
+    """Train a 3-stage job over the swarm; check its weights against PyTorch's and that its
+    plan names the nodes' relayed addresses (``moved``: their addresses when it ended)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                           nn.Linear(16, 3))
@@ -84,6 +87,8 @@ def train(swarm: LocalSwarm, steps: int, at_step=None):
         assert len(inj.fired) == 1, inj.fired
     assert status.state == "SUCCEEDED" and status.step == steps, status
     assert len(status.plan.stages) == 3, status.plan
+    if moved:
+        nodes = {n.node_id: n for n in client.nodes()}
     for a in status.plan.stages:  # each stage planned at its node's relayed addresses
         assert (a.address, a.data_address) == (nodes[a.node_id].address,
                                                nodes[a.node_id].data_address), a
@@ -121,3 +126,24 @@ def test_a_relay_killed_mid_job_and_restarted_loses_no_tensor_under_mutual_tls()
             {n: (b.node_id, b.address, b.data_address) for n, b in before.items()}
         for proc in swarm.nodes:  # each re-homed once, on its old ports
             assert swarm.log(proc).count(f"homed at relay {relay}") == 2, swarm.log(proc)
+
+
+def test_nodes_whose_relay_stays_away_move_to_the_next_and_the_job_recovers_exactly(
+        monkeypatch):
+    monkeypatch.setenv("FEDPIPE_RELAY_FAILOVER", "1")  # the nodes' wait for their first relay
+    with LocalSwarm(n_nodes=0) as swarm:
+        first, second = free_port(), free_port()
+        relays = f"127.0.0.1:{first},127.0.0.1:{second}"
+        proc = start_relay(swarm, first)
+        start_relay(swarm, second)
+        before = relayed_swarm(swarm, relays.split(",")[0], relays)
+        status = train(swarm, steps=8, at_step=(
+            3, "kill the first relay", lambda: swarm.stop_process(proc, kill=True)),
+            moved=True)
+        # the nodes' old incarnations left at once, their stages recovered onto the new ones
+        assert status.recoveries and status.recoveries[0].cause == "loss", status.recoveries
+        after = {n.name: n for n in swarm.client().nodes()}
+        assert sorted(after) == sorted(before)
+        for name, n in after.items():
+            assert n.relay == f"127.0.0.1:{second}" and n.node_id != before[name].node_id
+            assert n.address.rpartition(":")[2] != before[name].address.rpartition(":")[2]
