@@ -1,4 +1,4 @@
-"""`fedpipe` command line: tracker, node, submit, status, plot, plan, demo."""
+"""`fedpipe` command line: tracker, node, relay, submit, status, plot, plan, demo."""
 from __future__ import annotations
 
 import argparse

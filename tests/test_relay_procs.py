@@ -15,6 +15,8 @@ resume without losing a tensor.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -22,7 +24,8 @@ import torch
 from torch import nn
 
 import fedpipe
-from fedpipe.proc import free_port
+from fedpipe.net.relay import Relay
+from fedpipe.proc import child_env, free_port
 from fedpipe.testing import LocalSwarm
 from reference import max_relative_difference, single_process
 
@@ -147,3 +150,24 @@ def test_nodes_whose_relay_stays_away_move_to_the_next_and_the_job_recovers_exac
         for name, n in after.items():
             assert n.relay == f"127.0.0.1:{second}" and n.node_id != before[name].node_id
             assert n.address.rpartition(":")[2] != before[name].address.rpartition(":")[2]
+
+
+def test_a_node_whose_relays_all_refuse_it_exits_naming_each_reason():
+    full = Relay(max_nodes=0)
+    try:
+        out = subprocess.run([sys.executable, "-m", "fedpipe", "node", "--tracker", "127.0.0.1:1",
+                              "--host", "127.0.0.1", "--name", "n1", "--device", "cpu",
+                              "--relay", full.address], capture_output=True, text=True,
+                             timeout=120, env=child_env(1))
+    finally:
+        full.close()
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert (f"RelayRefused: relay {full.address} refused node 'n1': relay {full.address} "
+            "homes 0 nodes, its limit") in out.stderr, out.stderr[-2000:]
+
+
+def test_a_relay_without_tls_on_a_public_address_is_refused_at_start():
+    out = subprocess.run([sys.executable, "-m", "fedpipe", "relay", "--host", "0.0.0.0",
+                          "--port", "0"], capture_output=True, text=True, timeout=60,
+                         env=child_env(1))
+    assert out.returncode == 1 and "without TLS" in out.stderr, out.stderr[-2000:]
