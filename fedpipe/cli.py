@@ -451,7 +451,8 @@ def parser() -> argparse.ArgumentParser:
                    help="outbound-only (behind NAT): home at the first of these relays "
                         "(HOST:PORT[,HOST:PORT], each a `fedpipe relay`) that answers and "
                         "advertise the addresses it opens for this node; re-home at the same "
-                        "or the next one when it is lost")
+                        "or the next one when it is lost. Under TLS peers check this node's "
+                        "certificate against the relay's host: issue it with --host RELAYHOST")
     metrics_args(n)
     tls_args(n, None)  # a node's certificate is its --name
     insecure_arg(n)
