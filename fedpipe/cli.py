@@ -1,4 +1,4 @@
-"""`fedpipe` command line: tracker, node, submit, status, plot, plan, demo."""
+"""`fedpipe` command line: tracker, node, relay, submit, status, plot, plan, demo."""
 from __future__ import annotations
 
 import argparse
@@ -127,10 +127,15 @@ def cmd_node(args) -> int:
                         data_port=None if args.no_data_port else args.data_port,
                         relays=split_relays(args.relay) if args.relay else None)
     daemon.install_signal_handlers()
-    print(f"fedpipe node {daemon.name} listening on {daemon.address}"
-          + (f", data plane on {daemon.data_address}" if daemon.data_address else "")
-          + (f" (outbound-only, homed at relay {daemon.homing.relay})" if daemon.homing else ""),
-          flush=True)
+    if daemon.homing is None:
+        print(f"fedpipe node {daemon.name} listening on {daemon.address}"
+              + (f", data plane on {daemon.data_address}" if daemon.data_address else ""),
+              flush=True)
+    else:
+        print(f"fedpipe node {daemon.name} listening on {args.host}:{daemon.port}; "
+              f"outbound-only: reachable at {daemon.address}"
+              + (f", data plane at {daemon.data_address}" if daemon.data_address else "")
+              + f" through relay {daemon.homing.relay}", flush=True)
     if daemon.metrics_server is not None:
         print(f"fedpipe node {daemon.name} metrics at {daemon.metrics_server.url}/metrics",
               flush=True)
@@ -446,7 +451,8 @@ def parser() -> argparse.ArgumentParser:
                    help="outbound-only (behind NAT): home at the first of these relays "
                         "(HOST:PORT[,HOST:PORT], each a `fedpipe relay`) that answers and "
                         "advertise the addresses it opens for this node; re-home at the same "
-                        "or the next one when it is lost")
+                        "or the next one when it is lost. Under TLS peers check this node's "
+                        "certificate against the relay's host: issue it with --host RELAYHOST")
     metrics_args(n)
     tls_args(n, None)  # a node's certificate is its --name
     insecure_arg(n)

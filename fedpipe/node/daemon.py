@@ -179,16 +179,25 @@ class NodeDaemon:
         self.data_address = alloc.data_address
 
     def _moved(self, alloc: Allocation) -> None:
-        """A re-homing changed this node's addresses: tell the tracker (a registration with
-        the same boot id; peers and plans then dial the new addresses)."""
+        """A re-homing changed this node's addresses: register them with the tracker.
+
+        The tracker knows a node incarnation by its address, so this is a new incarnation
+        (a new node id); the old one says it leaves at once, so the jobs it ran recover as
+        from a node loss now, onto whichever nodes (this one included) the planner picks,
+        instead of after its lease."""
         self._take(alloc)
         log.warning("node %s moved to relay %s: registering its new addresses %s, %s",
                     self.name, alloc.relay, alloc.grpc_address, alloc.data_address or "-")
-        if self.node_id:
-            try:
-                self.register()
-            except grpc.RpcError as e:  # the heartbeat registers again if the tracker lost it
-                log.warning("could not register the new addresses: %s", e.details())
+        old = self.node_id
+        if not old:
+            return  # not registered yet: the registration takes the new addresses
+        try:
+            self.register()
+            if self.node_id != old:
+                self.tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=old, leaving=True),
+                                       timeout=timeouts.LEAVING_RPC)
+        except grpc.RpcError as e:  # the heartbeat registers again if the tracker lost it
+            log.warning("could not register the new addresses: %s", e.details())
 
     def _report(self, report: tracker_pb2.StageReport) -> None:
         self.reports.submit(lambda: net.retry(

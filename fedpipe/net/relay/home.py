@@ -101,7 +101,7 @@ class Homing:
         local_host: where those ports listen (127.0.0.1 for a node bound to 0.0.0.0).
         tls: the node's certificate: the home connection is mutual TLS (and the relay's
             certificate must be of role relay).
-        on_moved: called (from the homing thread) with the new allocation when a re-homing
+        on_moved: called (on a thread of its own) with the new allocation when a re-homing
             changed the node's addresses.
     """
 
@@ -156,7 +156,10 @@ class Homing:
         log.info("node %s homed at relay %s: gRPC at %s, data at %s", self.node, relay,
                  alloc.grpc_address, alloc.data_address or "-")
         if moved and self.on_moved is not None:
-            self.on_moved(alloc)
+            # on a thread of its own: telling the tracker makes it dial the new addresses,
+            # whose streams this thread serves once it runs the new home connection
+            threading.Thread(target=self.on_moved, args=(alloc,), name="relay-moved",
+                             daemon=True).start()
 
     def home(self, timeout: float | None = None) -> Allocation:
         """Home at the first relay of the list that answers, retrying the list with backoff;
