@@ -171,26 +171,18 @@ class Relay:
 
     def _allocate(self, sock: socket.socket, hello: records.Hello,
                   where: str) -> _Homed | None:
-        """Open the node's ports and answer ALLOCATED; None if refused (the node was told)."""
+        """Open the node's ports and answer ALLOCATED; None if refused (the node was told).
+
+        The node takes its place among the homed nodes (bounded by ``max_nodes``) before it
+        hears ALLOCATED, so two nodes homing at once cannot both take the last place, and a
+        relay closing meanwhile closes this home too."""
         with self._lock:
             old = self._homed.pop(hello.node, None)
-            full = len(self._homed) >= self.max_nodes
         if old is not None:  # the same node again: its old home connection is dead
             old.close(f"node {hello.node} homed again from {where}")
-        if full:
-            log.warning("%s", self._refuse(sock, f"relay {self.address} homes {self.max_nodes} "
-                                                 f"nodes, its limit: node {hello.node!r} must "
-                                                 "home at another relay"))
-            sock.close()
-            return None
-        listeners: dict[str, socket.socket] = {}
         try:
-            listeners["grpc"] = _listen(self.host, hello.grpc_port)
-            if hello.data:
-                listeners["data"] = _listen(self.host, hello.data_port)
+            listeners = _open_ports(self.host, hello)
         except OSError as e:
-            for lsock in listeners.values():
-                lsock.close()
             self._refuse(sock, f"relay {self.address} cannot open ports for node "
                                f"{hello.node!r}: {e}")
             sock.close()
@@ -203,13 +195,25 @@ class Relay:
         home = Home(sock, f"relay {self.address} for node {hello.node}", window=self.window,
                     max_streams=self.max_streams)
         homed = _Homed(hello.node, home, listeners)
-        try:
-            home.send(alloc.encode())
-        except OSError:
-            homed.close("the node left before its allocation")
-            return None
         with self._lock:
-            self._homed[hello.node] = homed
+            why = ("the relay is shutting down" if self._closed else
+                   f"relay {self.address} homes {self.max_nodes} nodes, its limit: node "
+                   f"{hello.node!r} must home at another relay"
+                   if len(self._homed) >= self.max_nodes else "")
+            if not why:
+                self._homed[hello.node] = homed
+        try:
+            if why:
+                raise self._refuse(sock, why)
+            home.send(alloc.encode())
+        except OSError as e:  # refused (RelayError), or the node left before its allocation
+            log.warning("relay %s: node %s not homed: %s", self.address, hello.node, e)
+            with self._lock:
+                if self._homed.get(hello.node) is homed:
+                    del self._homed[hello.node]
+            homed.close(str(e))
+            sock.close()
+            return None
         for svc, lsock in listeners.items():
             threading.Thread(target=self._accept_peers, args=(homed, svc, lsock),
                              name=f"relay-{svc}-{hello.node}", daemon=True).start()
@@ -247,6 +251,24 @@ class Relay:
         self._listener.close()
         for h in homed:
             h.close("the relay is shutting down")
+
+
+def _open_ports(host: str, hello: records.Hello) -> dict[str, socket.socket]:
+    """The node's listening sockets by service: gRPC, and data if it has a data plane.
+
+    Raises:
+        OSError: a port cannot be bound (none is left open).
+    """
+    listeners: dict[str, socket.socket] = {}
+    try:
+        listeners["grpc"] = _listen(host, hello.grpc_port)
+        if hello.data:
+            listeners["data"] = _listen(host, hello.data_port)
+    except OSError:
+        for lsock in listeners.values():
+            lsock.close()
+        raise
+    return listeners
 
 
 def _listen(host: str, port: int) -> socket.socket:
