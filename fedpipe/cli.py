@@ -1,4 +1,4 @@
-"""`fedpipe` command line: tracker, node, submit, status, plot, plan, demo."""
+"""`fedpipe` command line: tracker, node, relay, submit, status, plot, plan, demo."""
 from __future__ import annotations
 
 import argparse
@@ -114,6 +114,7 @@ def _fraction(text: str) -> float:
 
 
 def cmd_node(args) -> int:
+    from .net.relay import split_relays
     from .node.daemon import NodeDaemon
 
     daemon = NodeDaemon(args.tracker, args.host, args.port, advertise=args.advertise,
@@ -123,15 +124,46 @@ def cmd_node(args) -> int:
                         metrics_host=args.metrics_host, tls=_tls(args, args.name or None),
                         insecure=args.insecure, drain_timeout=args.drain_timeout,
                         host_id=args.host_id,
-                        data_port=None if args.no_data_port else args.data_port)
+                        data_port=None if args.no_data_port else args.data_port,
+                        relays=split_relays(args.relay) if args.relay else None)
     daemon.install_signal_handlers()
-    print(f"fedpipe node {daemon.name} listening on {daemon.address}"
-          + (f", data plane on {daemon.data_address}" if daemon.data_address else ""),
-          flush=True)
+    if daemon.homing is None:
+        print(f"fedpipe node {daemon.name} listening on {daemon.address}"
+              + (f", data plane on {daemon.data_address}" if daemon.data_address else ""),
+              flush=True)
+    else:
+        print(f"fedpipe node {daemon.name} listening on {args.host}:{daemon.port}; "
+              f"outbound-only: reachable at {daemon.address}"
+              + (f", data plane at {daemon.data_address}" if daemon.data_address else "")
+              + f" through relay {daemon.homing.relay}", flush=True)
     if daemon.metrics_server is not None:
         print(f"fedpipe node {daemon.name} metrics at {daemon.metrics_server.url}/metrics",
               flush=True)
     daemon.run()
+    return 0
+
+
+def cmd_relay(args) -> int:
+    """``fedpipe relay``: home outbound-only nodes and splice their peers' connections
+    (:mod:`fedpipe.net.relay`) until SIGTERM/SIGINT."""
+    import signal
+    import threading
+
+    from . import net
+    from .net.relay import Relay
+
+    tls = _tls(args, args.name or None)
+    net.check_plaintext(args.host, tls, args.insecure, "this relay")
+    relay = Relay(args.host, args.port, advertise=args.advertise, tls=tls,
+                  max_nodes=args.max_nodes, max_streams=args.max_streams)
+    print(f"fedpipe relay listening on {args.host}:{relay.port}, allocating at "
+          f"{relay.advertise}"
+          f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    relay.close()
     return 0
 
 
@@ -417,10 +449,32 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds to hand this node's stages over to other nodes "
                         "before it exits anyway (0: exit at once; SIGINT always exits at "
                         "once); node/fedpipe-node.service's TimeoutStopSec matches it")
+    n.add_argument("--relay", default=None,
+                   help="outbound-only (behind NAT): home at the first of these relays "
+                        "(HOST:PORT[,HOST:PORT], each a `fedpipe relay`) that answers and "
+                        "advertise the addresses it opens for this node; re-home at the same "
+                        "or the next one when it is lost. Under TLS peers check this node's "
+                        "certificate against the relay's host: issue it with --host RELAYHOST")
     metrics_args(n)
     tls_args(n, None)  # a node's certificate is its --name
     insecure_arg(n)
     n.set_defaults(func=cmd_node)
+
+    r = sub.add_parser("relay", help="run a relay for nodes that cannot be reached (behind "
+                                      "NAT): they home here with `fedpipe node --relay`")
+    r.add_argument("--host", default="0.0.0.0", help="address to listen on (nodes home here; "
+                                                     "their allocated ports listen here too)")
+    r.add_argument("--port", type=int, default=7071, help="port nodes home at (0: any free)")
+    r.add_argument("--advertise", default=None,
+                   help="host the allocated addresses name (default: --host)")
+    r.add_argument("--name", default="", help="this relay's certificate in --tls-dir "
+                                              "(role relay; default: the directory's only one)")
+    r.add_argument("--max-nodes", type=int, default=64, help="nodes homed at once")
+    r.add_argument("--max-streams", type=int, default=256,
+                   help="connections spliced at once per homed node")
+    tls_args(r, None)  # the relay's certificate is its --name
+    insecure_arg(r)
+    r.set_defaults(func=cmd_relay)
 
     s = sub.add_parser("status", help="the swarm (nodes, links), or one job: its plan, "
                                       "per-stage timings and event log")
@@ -512,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     from .net import tune_malloc
 
     tune_malloc()
-    if args.command in ("tracker", "node"):
+    if args.command in ("tracker", "node", "relay"):
         from .proc import die_with_parent
 
         die_with_parent()

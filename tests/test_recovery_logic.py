@@ -170,6 +170,25 @@ def test_a_peer_that_answers_is_not_lost():
     assert not w.recovery.suspect(w.store.job(w.job), S.StageReport(peer="10.0.0.9:1"))
 
 
+def test_an_outbound_only_peer_that_does_not_answer_a_ping_is_left_to_its_lease():
+    w = World()
+    peer = w.plan()[StageKey(0, 1)]
+    w.nodes.dead.add(peer.address)  # its relay is down: a Ping through it fails
+
+    def relayed():  # the registry lists the node as homed at a relay
+        nodes = w.store.nodes()
+        for n in nodes:
+            if n.node_id == peer.node_id:
+                n.relay = "10.0.0.5:7071"
+        return nodes
+    w.membership.nodes = relayed
+    assert not w.recovery.suspect(w.store.job(w.job), S.StageReport(peer=peer.address))
+    assert w.membership.declared == [] and w.state() == "RUNNING"
+    w.membership.nodes = w.store.nodes  # a direct node that does not answer is lost at once
+    assert w.recovery.suspect(w.store.job(w.job), S.StageReport(peer=peer.address))
+    assert w.membership.declared[0][0] == peer.node_id
+
+
 def test_no_surviving_snapshot_rewinds_to_the_checkpoint_before_and_resumes_there():
     w = World()
     w.checkpoint(5)

@@ -79,6 +79,13 @@ def test_registration_errors_arrive_as_their_status_codes_and_the_tracker_keeps_
     code, details = code_of(lambda: tracker.RegisterNode(registration("far", free_port()),
                                                          timeout=30))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "cannot reach node 'far'" in details
+    assert "`fedpipe relay --port PORT`" in details and "--relay" in details, details
+    # homed at a relay whose port does not answer: refused, naming the relay
+    far = registration("far", free_port())
+    far.relay = "127.0.0.1:1"
+    code, details = code_of(lambda: tracker.RegisterNode(far, timeout=30))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "through its relay 127.0.0.1:1" \
+        in details, details
     old = registration("gamma", b, versions=versions_with(protocol=PROTOCOL_VERSION - 1))
     code, details = code_of(lambda: tracker.RegisterNode(old, timeout=10))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
@@ -92,8 +99,12 @@ def test_registration_errors_arrive_as_their_status_codes_and_the_tracker_keeps_
     assert code == grpc.StatusCode.NOT_FOUND
     hb = tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=reply.node_id), timeout=10)
     assert hb.known and hb.heartbeat_seconds == 2.0
+    # an outbound-only node: the address it advertises (its relay's port) answers
+    homed = registration("delta", b)
+    homed.relay = "127.0.0.1:7"
+    tracker.RegisterNode(homed, timeout=10)
     nodes = tracker.ListNodes(tracker_pb2.ListNodesRequest(), timeout=10).nodes
-    assert [n.name for n in nodes] == ["alpha"]
+    assert [(n.name, n.relay) for n in nodes] == [("alpha", ""), ("delta", "127.0.0.1:7")]
 
 
 class RecordingTracker(tracker_pb2_grpc.TrackerServicer):

@@ -101,3 +101,12 @@ WEIGHTS_WAIT = _seconds("WEIGHTS_WAIT", 600.0)
 then fails (the client is gone, or cannot reach the node)."""
 PUT_WEIGHTS_RPC = _seconds("PUT_WEIGHTS_RPC", 1800.0)
 """Deadline of one PutWeights call: a stage's weights, streamed by the client."""
+REVERSE_DIAL_WAIT = _seconds("REVERSE_DIAL_WAIT", 10.0)
+"""A reachable node about to send to an outbound-only peer (one behind NAT, homed at a relay)
+waits this long for the data link that peer dials itself when its stage loads (a direct
+connection), before it dials the peer's relayed address instead."""
+RELAY_HANDSHAKE = _seconds("RELAY_HANDSHAKE", 10.0)
+"""A node's homing at a relay: TCP connect, TLS handshake and HELLO until ALLOCATED (both sides)."""
+RELAY_FAILOVER = _seconds("RELAY_FAILOVER", 5.0)
+"""How long a node that lost its relay keeps trying that relay (to keep its addresses) before
+it tries the next one of its ``--relay`` list."""

@@ -16,6 +16,7 @@ import torch
 from .. import __version__, net
 from ..net import timeouts
 from ..net.emulation import LinkProfile
+from ..net.relay import Allocation, Homing
 from ..observe.metrics import NodeMetrics, start_metrics
 from ..observe.serving import LOCALHOST, Served
 from ..proto import tracker_pb2, tracker_pb2_grpc
@@ -80,11 +81,16 @@ class NodeDaemon:
             on ``host`` (0: a free one; :attr:`data_address` tells which), advertised to
             the tracker so peers send this node tensors there; None: none, peers send
             over gRPC.
+        relays: outbound-only: home at the first of these relays (``HOST:PORT``) that
+            answers (:class:`fedpipe.net.relay.Homing`) and advertise the addresses it
+            allocates, not this node's own; the node's own ports listen on ``host`` only
+            for the relay's loopback streams. Empty: this node is reachable.
 
     Raises:
         ValueError: an unusable device, a malformed link profile, or a ``name``
             that is not the TLS certificate's, or plaintext on a non-loopback ``host``
             without ``insecure``.
+        RelayRefused: every relay of ``relays`` refused this node (their reasons).
         OSError: the port, the data port or the metrics port cannot be bound.
     """
 
@@ -95,7 +101,7 @@ class NodeDaemon:
                  metrics_port: int = 0, metrics_host: str = LOCALHOST,
                  tls: TlsConfig | None = None, insecure: bool = False,
                  drain_timeout: float = DRAIN_TIMEOUT, host_id: str | None = None,
-                 data_port: int | None = 0):
+                 data_port: int | None = 0, relays: list[str] | None = None):
         net.check_plaintext(host, tls, insecure, "this node")
         if tls is not None:
             if trust_code:
@@ -155,6 +161,43 @@ class NodeDaemon:
         self.service = NodeService(lambda: self.node_id, self.name, self.resources, self._report,
                                    parts=parts)
         rpc.add_node_servicer(self.service, self.server)
+        self.homing: Homing | None = None
+        """This node's tie to its relays (None: it is reachable at its own addresses)."""
+        if relays:
+            self.homing = Homing(relays, self.name, self.port,
+                                 parts.sockets.port if parts.sockets is not None else None,
+                                 local_host=host, tls=tls, on_moved=self._moved)
+            try:
+                self._take(self.homing.home())
+            except BaseException:
+                self.parts.close()
+                raise
+
+    def _take(self, alloc: Allocation) -> None:
+        """Advertise a relay's allocation as this node's addresses."""
+        self.address = alloc.grpc_address
+        self.data_address = alloc.data_address
+
+    def _moved(self, alloc: Allocation) -> None:
+        """A re-homing changed this node's addresses: register them with the tracker.
+
+        The tracker knows a node incarnation by its address, so this is a new incarnation
+        (a new node id); the old one says it leaves at once, so the jobs it ran recover as
+        from a node loss now, onto whichever nodes (this one included) the planner picks,
+        instead of after its lease."""
+        self._take(alloc)
+        log.warning("node %s moved to relay %s: registering its new addresses %s, %s",
+                    self.name, alloc.relay, alloc.grpc_address, alloc.data_address or "-")
+        old = self.node_id
+        if not old:
+            return  # not registered yet: the registration takes the new addresses
+        try:
+            self.register()
+            if self.node_id != old:
+                self.tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=old, leaving=True),
+                                       timeout=timeouts.LEAVING_RPC)
+        except grpc.RpcError as e:  # the heartbeat registers again if the tracker lost it
+            log.warning("could not register the new addresses: %s", e.details())
 
     def _report(self, report: tracker_pb2.StageReport) -> None:
         self.reports.submit(lambda: net.retry(
@@ -172,7 +215,8 @@ class NodeDaemon:
         req = tracker_pb2.RegisterNodeRequest(name=self.name, address=self.address,
                                               resources=self.resources,
                                               versions=local_versions(), boot_id=self.boot_id,
-                                              data_address=self.data_address)
+                                              data_address=self.data_address,
+                                              relay=self.homing.relay if self.homing else "")
         reply = net.retry(lambda: self.tracker.RegisterNode(req, timeout=timeouts.CONTROL_RPC),
                           f"registering with tracker {self.tracker_address}",
                           max_delay=5.0, stop=self.stop_event.is_set)
@@ -258,6 +302,8 @@ class NodeDaemon:
             except grpc.RpcError as e:
                 log.warning("could not tell the tracker this node is leaving: %s", e.details())
         self.server.stop(grace=1).wait()
+        if self.homing is not None:
+            self.homing.close()
         self.parts.close()
         if self.metrics_server is not None:
             self.metrics_server.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import queue
 import statistics
 import threading
@@ -33,6 +34,8 @@ from ..spec import Kind
 from ..wire import codecs, frames, rpc
 from ..wire.format import WireError
 from .errors import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 MAX_PROBE_BYTES = 64 * 2**20
 """Largest link-measurement probe a node sends or accepts, bytes."""
@@ -361,6 +364,20 @@ Sender: TypeAlias = PeerSender | SocketSender
 """How a stage sends to one peer: over gRPC, or over the socket data plane."""
 
 
+def dials(me: node_pb2.StageAssignment, peer: node_pb2.StageAssignment) -> bool:
+    """Whether ``me``'s node dials ``peer``'s data port itself when its stage loads: where
+    one side is reachable it serves and the other dials, so an outbound-only node (behind
+    NAT: ``relay`` set) dials every reachable one; of two outbound-only nodes (joined
+    through a relay) the one whose name sorts first dials."""
+    return bool(me.relay) and (not peer.relay or me.node_name < peer.node_name)
+
+
+def waits_for(me: node_pb2.StageAssignment, peer: node_pb2.StageAssignment) -> bool:
+    """Whether ``me``'s node lets outbound-only ``peer`` dial it (:func:`dials`) rather
+    than dialing the peer's relayed address at once."""
+    return bool(peer.relay) and dials(peer, me)
+
+
 class StagePeers:
     """One stage's senders, one per peer address, over channels borrowed from a pool.
 
@@ -379,14 +396,52 @@ class StagePeers:
         self._senders: dict[str, Sender] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self.me: node_pb2.StageAssignment | None = None
+        """This stage's own assignment (:meth:`connect`); None until it loaded."""
+
+    def connect(self, me: node_pb2.StageAssignment,
+                plan: Iterable[node_pb2.StageAssignment]) -> list[threading.Thread]:
+        """The stage ``me`` loaded with ``plan``'s assignments: remember which is this node's
+        (to tell whether it is outbound-only), and if it is (``me.relay``: behind NAT,
+        homed at a relay), dial the data port of every other node of the plan this node
+        is to dial (:func:`dials`) now, in the background, so that those that cannot dial
+        it directly find its link when they first send (a failed dial is logged; the first
+        send dials again and fails the stage if it must). Returns the dialing threads.
+        """
+        self.me = me
+        if self.plane is None or not me.relay:
+            return []
+        plane, seen, threads = self.plane, {me.node_id}, []
+        for a in plan:
+            if a.node_id in seen or not a.data_address or not dials(me, a):
+                continue
+            seen.add(a.node_id)
+
+            def dial(name: str = a.node_name, address: str = a.data_address) -> None:
+                try:
+                    plane.link(name, address)
+                except dataplane.LinkFailed as e:
+                    log.warning("outbound-only: cannot dial %s's data port at %s yet: %s",
+                                name, address, e)
+            th = threading.Thread(target=dial, daemon=True, name=f"dial-{a.node_name}")
+            th.start()
+            threads.append(th)
+        return threads
 
     def sender(self, peer: node_pb2.StageAssignment) -> Sender:
         """The sender to ``peer``'s node (one per address): over the socket data plane
         when this node has one and the peer offers a data port, else over gRPC.
 
+        A link between a reachable node and an outbound-only one (behind NAT) is dialed by
+        the outbound-only one (:meth:`connect`): the reachable side waits up to
+        :data:`~fedpipe.net.timeouts.REVERSE_DIAL_WAIT` for it, then dials the peer's
+        relayed data address. Outbound-only and relayed links use the socket data plane
+        only.
+
         Raises:
-            StageError: the stage's peers were closed, or the peer's data port cannot
-                be reached.
+            StageError: the stage's peers were closed, the peer's data port cannot be
+                reached, or this node or the peer is outbound-only and one of them has no
+                socket data plane.
         """
         with self._lock:
             if self._closed:
@@ -394,19 +449,41 @@ class StagePeers:
             sender = self._senders.get(peer.address)
             if sender is not None:
                 return sender
-            if self.plane is not None and peer.data_address:
-                try:
-                    link = self.plane.link(peer.node_name, peer.data_address)
-                except dataplane.LinkFailed as e:
-                    raise StageError(f"sending to {peer.node_name} ({peer.address}) failed: "
-                                     f"{e}", peer=peer.address) from None
-                sender = SocketSender(link, peer.address, peer.node_name, self.metrics,
-                                      self.pacer_for(peer.node_name))
-            else:
+            if self.plane is None or not peer.data_address:
+                if peer.relay or (self.me is not None and self.me.relay):
+                    raise StageError(
+                        f"sending to {peer.node_name} ({peer.address}) failed: a link to or "
+                        f"from an outbound-only node (behind NAT) needs the socket data plane "
+                        f"on both nodes, and " + ("this node has none" if self.plane is None
+                                                 else f"{peer.node_name} offers no data port"),
+                        peer=peer.address)
                 ch = self.pool.acquire(peer.address, self.shaper_for(peer.node_name))
-                sender = PeerSender(peer.address, ch, peer.node_name, self.metrics)
-            self._senders[peer.address] = sender
-            return sender
+                sender = self._senders[peer.address] = PeerSender(peer.address, ch,
+                                                                  peer.node_name, self.metrics)
+                return sender
+        plane = self.plane
+        if self.me is not None and waits_for(self.me, peer):  # let the peer dial: direct
+            if plane.wait_dialed_by(peer.node_name, timeouts.REVERSE_DIAL_WAIT):
+                log.info("data link to %s: it dialed this node (it is outbound-only)",
+                         peer.node_name)
+            else:
+                log.warning("outbound-only %s did not dial this node within %.0f s: sending "
+                            "through its relay %s (at %s)", peer.node_name,
+                            timeouts.REVERSE_DIAL_WAIT, peer.relay, peer.data_address)
+        try:
+            link = plane.link(peer.node_name, peer.data_address)
+        except dataplane.LinkFailed as e:
+            raise StageError(f"sending to {peer.node_name} ({peer.address}) failed: "
+                             f"{e}", peer=peer.address) from None
+        new = SocketSender(link, peer.address, peer.node_name, self.metrics,
+                           self.pacer_for(peer.node_name))
+        with self._lock:
+            sender = None if self._closed else self._senders.setdefault(peer.address, new)
+        if sender is not new:
+            new.close()
+        if sender is None:
+            raise StageError("the stage has stopped sending")
+        return sender
 
     def _release(self, address: str, sender: Sender) -> None:
         sender.close()

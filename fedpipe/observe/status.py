@@ -88,11 +88,11 @@ def swarm_renderable(swarm: dict) -> RenderableType:
                   box=box.SIMPLE_HEAD, title_justify="left")
     for col, just in (("node", "left"), ("name", "left"), ("address", "left"),
                       ("device", "left"), ("GFLOP/s", "right"), ("memory", "right"),
-                      ("state", "left")):
+                      ("reach", "left"), ("state", "left")):
         nodes.add_column(col, justify=just)
     for n in swarm["nodes"]:
         nodes.add_row(n["id"], n["name"], n["address"], n["device"], f"{n['flops'] / 1e9:.1f}",
-                      _bytes(n["memory_bytes"]),
+                      _bytes(n["memory_bytes"]), n["reach"],
                       Text(n["why"] or n["state"], style=STATE_STYLE[n["state"]]))
     parts: list[RenderableType] = [nodes]
     if swarm["links"]:

@@ -299,7 +299,9 @@ def _num(x: float | None) -> float | None:
 
 
 def node_view(n: tracker_pb2.NodeInfo, now: float) -> dict:
-    """One node: identity, device, speed, memory, and alive (or draining) or lost and why.
+    """One node: identity, device, speed, memory, and alive (or draining) or lost and why;
+    ``reach`` says how peers reach it: "outbound-only via RELAY" for a node behind NAT homed
+    at that relay (its addresses are the relay's ports), "direct" otherwise.
 
     A lost node's ``why`` is the tracker's ``lost_reason``: a node that left on purpose
     says so ("left the swarm after its drain"); one that missed its lease, or whose
@@ -320,7 +322,14 @@ def node_view(n: tracker_pb2.NodeInfo, now: float) -> dict:
             "state": ("draining" if n.draining else "alive") if n.alive else "lost", "why": why,
             "device": r.device, "device_name": r.device_name, "cores": r.cores,
             "flops": r.flops, "memory_bytes": r.memory_bytes, "hostname": r.hostname,
-            "last_heartbeat": n.last_heartbeat, "registered": n.registered}
+            "last_heartbeat": n.last_heartbeat, "registered": n.registered,
+            "relay": n.relay, "reach": reach(n)}
+
+
+def reach(n: tracker_pb2.NodeInfo) -> str:
+    """How peers reach node ``n``: "outbound-only via RELAY" (it is homed at that relay),
+    or "direct"."""
+    return f"outbound-only via {n.relay}" if n.relay else "direct"
 
 
 def swarm_view(nodes: Sequence[tracker_pb2.NodeInfo],

@@ -210,7 +210,7 @@ def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2
             n = nodes[s.node_id]
             msg.stages.append(node_pb2.StageAssignment(
                 replica=r, stage=i, node_id=s.node_id, node_name=n.name, address=n.address,
-                data_address=n.data_address,
+                data_address=n.data_address, relay=n.relay,
                 layer_start=s.layer_start, layer_end=s.layer_end,
                 activation_codec=s.activation_codec, gradient_codec=s.gradient_codec,
                 recompute=s.recompute))

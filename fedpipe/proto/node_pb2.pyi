@@ -58,7 +58,7 @@ class Resources(_message.Message):
     def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., host_cores: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec", "node_name", "data_address", "recompute")
+    __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec", "node_name", "data_address", "recompute", "relay")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class StageAssignment(_message.Message):
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     replica: int
     stage: int
     node_id: str
@@ -81,7 +82,8 @@ class StageAssignment(_message.Message):
     node_name: str
     data_address: str
     recompute: bool
-    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., node_name: _Optional[str] = ..., data_address: _Optional[str] = ..., recompute: _Optional[bool] = ...) -> None: ...
+    relay: str
+    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., node_name: _Optional[str] = ..., data_address: _Optional[str] = ..., recompute: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("microbatches", "samples", "predicted_seconds")

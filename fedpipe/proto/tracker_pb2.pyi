@@ -46,20 +46,22 @@ class Versions(_message.Message):
     def __init__(self, fedpipe: _Optional[str] = ..., protocol: _Optional[int] = ..., python: _Optional[str] = ..., torch: _Optional[str] = ..., cloudpickle: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("name", "address", "resources", "versions", "boot_id", "data_address")
+    __slots__ = ("name", "address", "resources", "versions", "boot_id", "data_address", "relay")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     resources: _node_pb2.Resources
     versions: Versions
     boot_id: str
     data_address: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., boot_id: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
+    relay: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., boot_id: _Optional[str] = ..., data_address: _Optional[str] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeReply(_message.Message):
     __slots__ = ("node_id", "lease_seconds", "heartbeat_seconds")
@@ -135,7 +137,7 @@ class RevokedCert(_message.Message):
     def __init__(self, serial: _Optional[str] = ..., name: _Optional[str] = ..., revoked_at: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered", "draining", "lost_reason", "data_address")
+    __slots__ = ("node_id", "name", "address", "resources", "alive", "last_heartbeat", "registered", "draining", "lost_reason", "data_address", "relay")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class NodeInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     LOST_REASON_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     address: str
@@ -156,7 +159,8 @@ class NodeInfo(_message.Message):
     draining: bool
     lost_reason: str
     data_address: str
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., alive: _Optional[bool] = ..., last_heartbeat: _Optional[float] = ..., registered: _Optional[float] = ..., draining: _Optional[bool] = ..., lost_reason: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
+    relay: str
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., alive: _Optional[bool] = ..., last_heartbeat: _Optional[float] = ..., registered: _Optional[float] = ..., draining: _Optional[bool] = ..., lost_reason: _Optional[str] = ..., data_address: _Optional[str] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("include_lost",)

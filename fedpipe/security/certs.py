@@ -70,9 +70,10 @@ class Role(str, enum.Enum):
     NODE = "node"
     CLIENT = "client"
     ADMIN = "admin"  # the operator: may drain nodes and cancel any job
+    RELAY = "relay"  # forwards outbound-only nodes' streams (fedpipe relay); calls no RPC
 
 
-SERVING_ROLES = frozenset({Role.TRACKER, Role.NODE})
+SERVING_ROLES = frozenset({Role.TRACKER, Role.NODE, Role.RELAY})
 """Roles that run a gRPC server, so their certificates get host SANs by default."""
 
 

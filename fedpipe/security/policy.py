@@ -28,8 +28,11 @@ from ..wire.format import WireError, peek_header
 from .certs import Identity, Role
 from .errors import PermissionDenied
 
-ALL_ROLES = frozenset(Role)
-NODE, TRACKER, CLIENT, ADMIN = Role.NODE, Role.TRACKER, Role.CLIENT, Role.ADMIN
+NODE, TRACKER, CLIENT, ADMIN, RELAY = Role.NODE, Role.TRACKER, Role.CLIENT, Role.ADMIN, Role.RELAY
+ALL_ROLES = frozenset(Role) - {RELAY}
+"""Every role that calls RPCs. A relay (``fedpipe relay``) only forwards streams it cannot
+read (:mod:`fedpipe.net.relay`): no row of the table admits it, so every call it might make
+is refused."""
 CLIENT_SEND_KINDS = frozenset({node_pb2.KIND_INPUT, node_pb2.KIND_TARGET})
 """What a client may put on the data plane: a microbatch's inputs and targets, never activations,
 gradients or synchronisation traffic between stages."""

@@ -329,6 +329,40 @@ class Authenticator:
         return v.identity
 
 
+def server_context(tls: TlsConfig) -> ssl.SSLContext:
+    """A TLS server context for a plain socket: this process's certificate; peers must show one
+    of the swarm CA (the socket data plane's listener, a relay's)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tls.directory / f"{tls.name}.crt", tls.directory / f"{tls.name}.key")
+    ctx.load_verify_locations(cadata=tls.ca_pem.decode())
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_context(tls: TlsConfig) -> ssl.SSLContext:
+    """A TLS client context for a plain socket: trust only the swarm CA, check the host name,
+    show this process's certificate."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_verify_locations(cadata=tls.ca_pem.decode())
+    ctx.load_cert_chain(tls.directory / f"{tls.name}.crt", tls.directory / f"{tls.name}.key")
+    return ctx
+
+
+def socket_identity(sock: ssl.SSLSocket, authenticator: Authenticator) -> Identity:
+    """The identity of a TLS socket's peer, checked as a gRPC caller's is (CA, validity,
+    deny list). See :meth:`Authenticator.authenticate`.
+
+    Raises:
+        Unauthenticated: no certificate, or one that does not prove who the peer is.
+    """
+    der = sock.getpeercert(binary_form=True)
+    pem = ssl.DER_cert_to_PEM_cert(der).encode() if der else b""
+    return authenticator.authenticate({"transport_security_type": [b"ssl"],
+                                       "x509_pem_cert": [pem] if pem else []})
+
+
 def peer_identity(context: grpc.ServicerContext, authenticator: Authenticator) -> Identity:
     """The identity of the caller of a servicer method. See :meth:`Authenticator.authenticate`.
 

@@ -107,7 +107,7 @@ def _assign(plan: node_pb2.Plan, key: StageKey, node: tracker_pb2.NodeInfo) -> n
     for a in out.stages:
         if (a.replica, a.stage) == key:
             a.node_id, a.node_name, a.address = node.node_id, node.name, node.address
-            a.data_address = node.data_address
+            a.data_address, a.relay = node.data_address, node.relay
     view = PlanView(out)
     out.summary = "; ".join(
         f"{'group %d ' % k.replica if len(view.replicas) > 1 else ''}{a.node_name}: layers "

@@ -445,7 +445,8 @@ class Recovery:
 
     def suspect(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> bool:
         """A stage could not send to (or lost the stream from) ``report.peer``: Ping it
-        with a short deadline and declare it lost if it does not answer. Returns
+        with a short deadline and declare it lost if it does not answer (unless it is
+        outbound-only, homed at a relay: then only its lease declares it lost). Returns
         whether it is gone (declared lost now, or already)."""
         target = next((a for a in job.plan.stages if a.address == report.peer), None)
         if target is None:
@@ -458,6 +459,15 @@ class Recovery:
                 self.records.suspected.pop(report.peer, None)
             return False
         except NodeCallError as e:
+            relay = next((n.relay for n in self.membership.nodes()
+                          if n.node_id == target.node_id), "")
+            if relay:
+                # an outbound-only node is reached through its relay, which may be down while
+                # the node lives (it heartbeats here directly): it re-homes and its peers'
+                # links resume; its lease decides, as for a node that stopped heartbeating
+                log.info("node %s (outbound-only via relay %s) did not answer a Ping (%s); "
+                         "its lease decides whether it is lost", target.node_name, relay, e)
+                return False
             # declared now, or already by another stage's report: gone either way
             self.membership.declare_lost(target.node_id, f"stopped answering (a peer's stream "
                                                          f"to it failed, then a Ping: {e})")

@@ -106,13 +106,14 @@ def validate_node(request: tracker_pb2.RegisterNodeRequest) -> None:
                               f"host_id of at most {MAX_NAME} characters; got cores {r.cores}, "
                               f"host_cores {r.host_cores}, a host_id of {len(r.host_id)}")
     if len(request.name) > MAX_NAME or len(request.address) > MAX_NAME \
-            or len(request.data_address) > MAX_NAME:
+            or len(request.data_address) > MAX_NAME or len(request.relay) > MAX_NAME:
         raise InvalidArgument(f"node name and addresses must be at most {MAX_NAME} characters")
-    if request.data_address:
-        host, _, port = request.data_address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
-            raise InvalidArgument(f"node data address must be HOST:PORT with a port in "
-                                  f"1..65535, got {request.data_address!r}")
+    for what, value in (("data address", request.data_address), ("relay", request.relay)):
+        if value:
+            host, _, port = value.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+                raise InvalidArgument(f"node {what} must be HOST:PORT with a port in "
+                                      f"1..65535, got {value!r}")
 
 
 def check_versions(name: str, theirs: tracker_pb2.Versions, live: list[NodeRecord]) -> None:
@@ -161,6 +162,9 @@ class _Incarnation:
     data_address: str = ""
     """Where its socket data plane listens ("": gRPC only). Kept in memory only: a
     restarted tracker plans a node over gRPC until the node registers again."""
+    relay: str = ""
+    """The relay an outbound-only node is homed at (its addresses are the relay's ports);
+    "": reachable. Kept in memory only, as :attr:`data_address`."""
     info: tracker_pb2.NodeInfo = dataclasses.field(default_factory=tracker_pb2.NodeInfo)
     """The node as :meth:`Registry.nodes` lists it while it is live: built when it registers
     (:meth:`describe`), not on every listing."""
@@ -170,7 +174,7 @@ class _Incarnation:
         self.info = tracker_pb2.NodeInfo(node_id=node_id, name=self.name, address=self.address,
                                          resources=self.resources, alive=True,
                                          registered=self.registered,
-                                         data_address=self.data_address)
+                                         data_address=self.data_address, relay=self.relay)
 
 
 class Registry:
@@ -328,15 +332,17 @@ class Registry:
         - each lost one's ``lost_reason``: :data:`~fedpipe.spec.NODE_LEFT`,
           :data:`~fedpipe.spec.NODE_DRAINED`, "restarted (...)", a peer's report; "" for a
           missed lease, or a node lost before this tracker started;
-        - each one's ``data_address`` (its socket data plane) as its registration gave it.
+        - each one's ``data_address`` (its socket data plane) and ``relay`` (outbound-only
+          through it) as its registration gave them.
         """
         with self._lock:
             for n in nodes:
                 if not n.alive:
                     n.lost_reason = self._why.get(n.node_id, "")
                 inc = self._nodes.get(n.node_id)
-                if inc is not None and inc.data_address:
-                    n.data_address = inc.data_address
+                if inc is not None:
+                    n.data_address = inc.data_address or n.data_address
+                    n.relay = inc.relay
         return nodes
 
     def info(self, node_id: str) -> tuple[str, str, float]:
@@ -401,6 +407,7 @@ class Registry:
                     self._nodes[node_id].versions = request.versions
                     self._nodes[node_id].resources = request.resources
                     self._nodes[node_id].data_address = request.data_address
+                    self._nodes[node_id].relay = request.relay
                     self._nodes[node_id].describe(node_id)
                     self._live(node_id, now)
             else:
@@ -410,7 +417,8 @@ class Registry:
                 with self._lock:
                     self._remember(node_id, _Incarnation(name, address, boot, request.versions,
                                                          now, request.resources,
-                                                         data_address=request.data_address))
+                                                         data_address=request.data_address,
+                                                         relay=request.relay))
                     self._live(node_id, now)
         v = request.versions
         log.info("node %s (%s) registered at %s: fedpipe %s, protocol %d, python %s, torch %s, "

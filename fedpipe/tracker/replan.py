@@ -67,7 +67,7 @@ def substitute(plan: node_pb2.Plan, lost: set[str], live: list[tracker_pb2.NodeI
         free[target] -= want
         n = alive[target]
         a.node_id, a.node_name, a.address = n.node_id, n.name, n.address
-        a.data_address = n.data_address
+        a.data_address, a.relay = n.data_address, n.relay
     out.summary = "; ".join(
         f"{'group %d ' % k.replica if len(view.replicas) > 1 else ''}{a.node_name}: layers "
         f"{a.layer_start}-{a.layer_end - 1}" for k, a in sorted(PlanView(out).stages.items()))

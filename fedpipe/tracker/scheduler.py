@@ -103,6 +103,22 @@ def dial_data_port(address: str, timeout: float) -> None:
         pass
 
 
+def unreachable(request: tracker_pb2.RegisterNodeRequest, address: str, error: object,
+                what: str = "address") -> str:
+    """Why a registering node is refused: the tracker could not reach ``address`` (its gRPC
+    ``address`` or its ``data port``), and what to do about it: a node behind NAT takes
+    part through a relay; one homed at a relay needs that relay to forward."""
+    if request.relay:
+        return (f"the tracker cannot reach node {request.name!r}'s {what} {address} through "
+                f"its relay {request.relay} (is the relay running, and reachable from the "
+                f"tracker at that address?): {error}")
+    return (f"the tracker cannot reach node {request.name!r} at {address} ({what}; behind "
+            f"NAT, a firewall, or a wrong --advertise?): {error}. A node that cannot accept "
+            f"connections takes part through a relay: start one where the tracker and the "
+            f"nodes can reach it (`fedpipe relay --port PORT`) and pass "
+            f"`--relay RELAY_HOST:PORT` to `fedpipe node`")
+
+
 class Tracker:
     """The tracker's domain: registry, jobs, scheduler and link measurer over one store.
 
@@ -198,26 +214,25 @@ class Tracker:
         The tracker first dials the address the node advertises, and its data port
         if it offers one: a node it cannot reach (behind NAT, a wrong ``--advertise``,
         a firewalled data port) would be planned onto and fail every job, so it is
-        refused with that reason.
+        refused with that reason. An outbound-only node (``request.relay``: it cannot
+        be reached itself) advertises the ports its relay opened for it, so the tracker
+        dials it through the relay, as its peers will.
 
         Raises:
-            FailedPrecondition: the node's address does not answer a Ping.
+            FailedPrecondition: the node's address does not answer a Ping, or its data
+                port does not accept a connection (through its relay, if it has one).
         """
         validate_node(request)  # a malformed address is refused as such, not dialled
         try:
             self.nodes.ping(request.address, timeouts.REGISTER_PING_RPC)
         except NodeCallError as e:
-            raise FailedPrecondition(
-                f"the tracker cannot reach node {request.name!r} at {request.address} (behind "
-                f"NAT, or a wrong --advertise?): {e}") from None
+            raise FailedPrecondition(unreachable(request, request.address, e)) from None
         if request.data_address:
             try:
                 dial_data_port(request.data_address, timeouts.REGISTER_PING_RPC)
             except OSError as e:
-                raise FailedPrecondition(
-                    f"the tracker cannot reach node {request.name!r}'s data port at "
-                    f"{request.data_address} (a firewall, or a wrong --advertise?): {e}"
-                ) from None
+                raise FailedPrecondition(unreachable(request, request.data_address, e,
+                                                     "data port")) from None
         node_id = self.registry.register(request)
         self.jobs.notify()
         return node_id

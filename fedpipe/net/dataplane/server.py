@@ -22,8 +22,10 @@ import logging
 import socket
 import ssl
 import threading
+import time
 
 from ...security import Authenticator, TlsConfig
+from ...security.tls import client_context, server_context, socket_identity
 from ...security.errors import SecurityError
 from ...wire.format import WireError
 from .. import timeouts as net_timeouts
@@ -38,25 +40,6 @@ log = logging.getLogger(__name__)
 
 BACKLOG = 128
 """Connections the kernel queues before :class:`DataPlane` accepts them."""
-
-
-def server_context(tls: TlsConfig) -> ssl.SSLContext:
-    """A TLS server context: this process's certificate; peers must show one of the swarm CA."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(tls.directory / f"{tls.name}.crt", tls.directory / f"{tls.name}.key")
-    ctx.load_verify_locations(cadata=tls.ca_pem.decode())
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
-
-
-def client_context(tls: TlsConfig) -> ssl.SSLContext:
-    """A TLS client context: trust only the swarm CA, check the host name, show our certificate."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_verify_locations(cadata=tls.ca_pem.decode())
-    ctx.load_cert_chain(tls.directory / f"{tls.name}.crt", tls.directory / f"{tls.name}.key")
-    return ctx
 
 
 def _tune(sock: socket.socket) -> None:
@@ -104,10 +87,7 @@ def peer_of(sock: socket.socket, theirs: Preface, auth: Authenticator | None) ->
     """
     if auth is None or not isinstance(sock, ssl.SSLSocket):
         return Peer(theirs.name, theirs.role)
-    der = sock.getpeercert(binary_form=True)
-    pem = ssl.DER_cert_to_PEM_cert(der).encode() if der else b""
-    identity = auth.authenticate({"transport_security_type": [b"ssl"],
-                                  "x509_pem_cert": [pem] if pem else []})
+    identity = socket_identity(sock, auth)
     if identity.name != theirs.name or identity.role.value != theirs.role:
         raise SecurityError(f"preface says {theirs.role} {theirs.name!r} but the certificate "
                             f"is {identity}")
@@ -141,6 +121,7 @@ class DataPlane:
         self._client_ctx = client_context(tls) if tls is not None else None
         self._auth = tls.authenticator() if tls is not None else None
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a peer's dialed link attached
         self._dialed: dict[str, Link] = {}
         self._accepted: dict[str, Link] = {}
         self._addresses: dict[str, str] = {}  # peer -> the address its dialed link dials
@@ -246,6 +227,8 @@ class DataPlane:
             conn.write(link.preface().encode())
             sock.settimeout(None)
             link.attach(conn, theirs, peer)
+            with self._arrived:
+                self._arrived.notify_all()
         except (OSError, WireError, SecurityError, LinkFailed) as e:
             log.info("refused a data connection: %s", e)
             code = e.code if isinstance(e, SecurityError) else None
@@ -254,6 +237,22 @@ class DataPlane:
             return
         link.read(conn)
         link.await_resume()
+
+    def wait_dialed_by(self, peer: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until ``peer`` (a node name) has a connected link
+        it dialed here; whether it has. :meth:`link` then returns that link, whatever
+        address it is given: a reachable node lets an outbound-only peer (behind NAT)
+        dial it, rather than dialing it through its relay."""
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while True:
+                link = self._accepted.get(peer)
+                if link is not None and link.credits.failed is None and link.conn is not None:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._arrived.wait(left)
 
     def _accepted_link(self, peer: str) -> Link:
         with self._lock:
@@ -282,6 +281,7 @@ class DataPlane:
         """Stop listening and close every link (idempotent)."""
         with self._lock:
             self._closed = True
+            self._arrived.notify_all()
             links = [*self._dialed.values(), *self._accepted.values()]
             self._dialed.clear()
             self._accepted.clear()

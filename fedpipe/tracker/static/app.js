@@ -69,6 +69,7 @@ function renderSwarm(swarm) {
     el("td", { title: n.device_name }, n.device),
     el("td", { class: "num" }, (n.flops / 1e9).toFixed(1)),
     el("td", { class: "num" }, fmtBytes(n.memory_bytes)),
+    el("td", { class: n.relay ? "relayed" : "" }, n.reach),
     el("td", { class: n.state, title: n.why }, n.alive ? "alive" : n.why))));
   renderMatrix(swarm.matrix);
 }

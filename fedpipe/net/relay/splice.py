@@ -1,0 +1,354 @@
+"""Many byte streams over one home connection: both ends of a relay's splice. No torch.
+
+A :class:`Home` runs on each end of a home connection (the relay's and the
+node's). Each *stream* pairs one ordinary socket on this side (on the relay, a
+peer's connection to one of the node's relayed ports; on the node, a loopback
+connection to its own gRPC or data port) with the same stream on the other side.
+Each stream has two threads: one reads its socket and sends DATA records, one
+writes the DATA it receives to its socket. Bytes pass through untouched (with
+TLS they are the two endpoints' ciphertext).
+
+Flow control is per stream and per direction (as HTTP/2's and QUIC's): a side
+sends at most ``window`` bytes the other has not yet written onward, and the
+other returns them with CREDIT records as its socket takes them. So one slow
+socket never stalls the other streams, and a side holds at most ``window`` bytes
+per stream and direction: ``max_streams * window`` per homed node and direction.
+
+Closing is TCP's: a socket's end of stream becomes FIN (the other side then
+shuts its socket's writing half down: a half-close); an error on either side
+becomes RESET (both ways, at once). A stream ends when both directions finished
+or on RESET. A home connection that breaks ends every stream on it.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+from typing import Callable
+
+from .. import timeouts
+from . import records
+from .records import RecordType, RelayError
+
+log = logging.getLogger(__name__)
+
+WINDOW = 4 << 20
+"""Default bytes one direction of one stream may have in flight (sent, not yet credited):
+enough for 100 Mbit/s at 300 ms round trip, and what a relay buffers at most per stream
+and direction."""
+MAX_STREAMS = 256
+"""Default streams spliced at once for one homed node (a node has a few per peer: gRPC
+channels and one data-plane link)."""
+
+Connect = Callable[[records.Open], socket.socket]
+"""The node side's way to a new stream's socket (a loopback connection to its own port)."""
+
+
+def tune(sock: socket.socket) -> None:
+    """Options every relay connection gets (home connections and spliced ones)."""
+    # records and small gRPC frames are written whole; Nagle would hold one back for an ACK
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux: the kernel probes an idle peer
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE,
+                        max(1, round(timeouts.KEEPALIVE_TIME)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL,
+                        max(1, round(timeouts.KEEPALIVE_TIMEOUT / 3)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+def read_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes of ``sock``.
+
+    Raises:
+        ConnectionError: the peer closed the connection first.
+        OSError: it broke, or a timeout set on it passed.
+    """
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"the connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+class _Stream:
+    """One spliced stream: this side's socket and its two pumps."""
+
+    def __init__(self, home: "Home", sid: int, sock: socket.socket | None,
+                 opened: records.Open, connect: Connect | None):
+        self.home, self.sid, self.sock, self.opened = home, sid, sock, opened
+        self._connect = connect
+        self._cond = threading.Condition()
+        self.credit = home.window          # bytes this side may still send
+        self.inbound: collections.deque[bytes | None] = collections.deque()  # None: FIN
+        self.unacked = 0                   # bytes received, not yet credited back
+        self.reset = ""                    # why the stream was reset ("": it was not)
+        self._done = 0                     # pumps that ended (the stream ends at 2)
+
+    def start(self) -> None:
+        threading.Thread(target=self._write_loop, name=f"relay-w{self.sid}",
+                         daemon=True).start()
+
+    # -- from the home connection -------------------------------------------
+    def on_data(self, data: bytes) -> None:
+        with self._cond:
+            self.unacked += len(data)
+            if self.unacked > self.home.window:
+                raise RelayError(f"stream {self.sid} received {self.unacked} bytes beyond "
+                                 f"its window of {self.home.window}: the other side ignores "
+                                 "credit")
+            self.inbound.append(data)
+            self._cond.notify_all()
+
+    def on_credit(self, n: int) -> None:
+        with self._cond:
+            self.credit += n
+            self._cond.notify_all()
+
+    def on_fin(self) -> None:
+        with self._cond:
+            self.inbound.append(None)
+            self._cond.notify_all()
+
+    def on_reset(self, why: str) -> None:
+        with self._cond:
+            self.reset = why or "reset"
+            self._cond.notify_all()
+        self._shut(socket.SHUT_RDWR)
+
+    # -- pumps ----------------------------------------------------------------
+    def _shut(self, how: int) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(how)
+            except OSError:
+                pass
+
+    def _write_loop(self) -> None:
+        """Home connection -> socket; on the node side it first connects the socket."""
+        if self.sock is None and self._connect is not None:
+            try:
+                self.sock = self._connect(self.opened)
+            except OSError as e:
+                self._fail(f"{self.home.side} could not connect stream {self.sid} to its "
+                           f"{self.opened.service} port: {e}")
+                self._end()
+                self._end()
+                return
+        threading.Thread(target=self._read_loop, name=f"relay-r{self.sid}",
+                         daemon=True).start()
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self.inbound or self.reset)
+                    if self.reset:
+                        return
+                    data = self.inbound.popleft()
+                if data is None:
+                    self._shut(socket.SHUT_WR)
+                    return
+                assert self.sock is not None
+                self.sock.sendall(data)
+                with self._cond:
+                    self.unacked -= len(data)
+                self.home.send(records.pack(RecordType.CREDIT, self.sid, len(data)))
+        except OSError as e:
+            self._fail(f"stream {self.sid}: writing to its socket failed: {e}")
+        finally:
+            self._end()
+
+    def _read_loop(self) -> None:
+        """Socket -> home connection, within the other side's credit."""
+        assert self.sock is not None
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self.credit > 0 or self.reset)
+                    if self.reset:
+                        return
+                    n = min(self.credit, records.MAX_CHUNK)
+                data = self.sock.recv(n)
+                if not data:
+                    with self._cond:
+                        if self.reset:
+                            return
+                    self.home.send(records.pack(RecordType.FIN, self.sid))
+                    return
+                with self._cond:
+                    self.credit -= len(data)
+                self.home.send(records.pack(RecordType.DATA, self.sid, len(data)) + data)
+        except OSError as e:
+            self._fail(f"stream {self.sid}: reading its socket failed: {e}")
+        finally:
+            self._end()
+
+    def _fail(self, why: str) -> None:
+        """Reset the stream both ways, telling the other side why."""
+        with self._cond:
+            if self.reset:
+                return
+            self.reset = why
+            self._cond.notify_all()
+        log.debug("%s", why)
+        self._shut(socket.SHUT_RDWR)
+        try:
+            self.home.send(records.pack_text(RecordType.RESET, self.sid, why))
+        except OSError:
+            pass  # the home connection is gone: the other side ends the stream anyway
+
+    def _end(self) -> None:
+        with self._cond:
+            self._done += 1
+            over = self._done == 2
+        if over:
+            if self.sock is not None:
+                self.sock.close()
+            self.home.forget(self.sid)
+
+
+class Home:
+    """One end of a home connection: the streams spliced over it.
+
+    Args:
+        sock: the connected home connection (an ``ssl.SSLSocket`` under TLS), after the
+            HELLO and ALLOCATED records.
+        side: "relay R for node N" or "node N at relay R", for messages.
+        window: bytes per stream and direction in flight (the ALLOCATED record's).
+        max_streams: streams at once; :meth:`splice` refuses more.
+        connect: the node side's way to open a stream's local socket (OPEN records are a
+            protocol error on the relay side, which passes None).
+    """
+
+    def __init__(self, sock: socket.socket, side: str, *, window: int = WINDOW,
+                 max_streams: int = MAX_STREAMS, connect: Connect | None = None):
+        self.sock, self.side, self.window = sock, side, window
+        self.max_streams, self._connect = max_streams, connect
+        self._wlock = threading.Lock()
+        self._lock = threading.Lock()
+        self._streams: dict[int, _Stream] = {}
+        self._next = 1
+        self.closed = threading.Event()
+        self.error = ""
+        """Why the home connection ended ("" while it runs, or on a clean close)."""
+        self._rfile = sock.makefile("rb", buffering=records.MAX_CHUNK + records.PREFIX_BYTES)
+
+    @property
+    def streams(self) -> int:
+        """Streams spliced now."""
+        with self._lock:
+            return len(self._streams)
+
+    def send(self, record: bytes) -> None:
+        """Write one whole record to the home connection (records never interleave).
+
+        Raises:
+            OSError: the home connection is broken.
+        """
+        with self._wlock:
+            self.sock.sendall(record)
+
+    def splice(self, sock: socket.socket, opened: records.Open) -> int:
+        """Relay side: splice a peer's new connection ``sock`` to the node; return its stream id.
+
+        Raises:
+            RelayError: ``max_streams`` streams already run (the caller closes ``sock``).
+            OSError: the home connection is broken.
+        """
+        with self._lock:
+            if len(self._streams) >= self.max_streams:
+                raise RelayError(f"{self.side}: {self.max_streams} streams already spliced, "
+                                 "its limit")
+            sid = self._next
+            self._next += 1
+            stream = _Stream(self, sid, sock, opened, None)
+            self._streams[sid] = stream
+        self.send(opened.encode(sid))
+        stream.start()
+        return sid
+
+    def forget(self, sid: int) -> None:
+        with self._lock:
+            self._streams.pop(sid, None)
+
+    def _read(self, n: int) -> bytes:
+        data = self._rfile.read(n)
+        if data is None or len(data) < n:
+            raise EOFError
+        return data
+
+    def run(self) -> None:
+        """Read the home connection until it closes or breaks; then end every stream.
+
+        Never raises: :attr:`error` says why it ended.
+        """
+        try:
+            while True:
+                kind, sid, arg = records.unpack(self._read(records.PREFIX_BYTES))
+                self._dispatch(kind, sid, arg)
+        except EOFError:
+            self.error = self.error or "the home connection was closed"
+        except (OSError, ValueError) as e:  # RelayError is an OSError
+            self.error = self.error or f"the home connection broke: {e}"
+        finally:
+            self._end_all()
+
+    def _dispatch(self, kind: RecordType, sid: int, arg: int) -> None:
+        if kind is RecordType.DATA:
+            if arg > records.MAX_CHUNK:
+                raise RelayError(f"DATA record of {arg} bytes exceeds {records.MAX_CHUNK}")
+            data = self._read(arg)
+            stream = self._stream(sid)
+            if stream is not None:  # else reset here while the data was on its way
+                stream.on_data(data)
+        elif kind is RecordType.CREDIT:
+            if (stream := self._stream(sid)) is not None:
+                stream.on_credit(arg)
+        elif kind is RecordType.FIN:
+            if (stream := self._stream(sid)) is not None:
+                stream.on_fin()
+        elif kind is RecordType.RESET:
+            why = self._read(min(arg, records.MAX_BODY)).decode(errors="replace")
+            if (stream := self._stream(sid)) is not None:
+                stream.on_reset(f"reset by the other side: {why}")
+        elif kind is RecordType.OPEN and self._connect is not None:
+            if arg > records.MAX_BODY:
+                raise RelayError(f"OPEN body of {arg} bytes exceeds {records.MAX_BODY}")
+            opened = records.Open.decode(self._read(arg))
+            self._open(sid, opened)
+        else:
+            raise RelayError(f"{self.side} got an unexpected {kind.name} record")
+
+    def _open(self, sid: int, opened: records.Open) -> None:
+        with self._lock:
+            if sid in self._streams:
+                raise RelayError(f"OPEN of stream {sid}, which is open")
+            stream = _Stream(self, sid, None, opened, self._connect)
+            self._streams[sid] = stream
+        stream.start()
+
+    def _stream(self, sid: int) -> _Stream | None:
+        with self._lock:
+            return self._streams.get(sid)
+
+    def _end_all(self) -> None:
+        self.closed.set()
+        with self._lock:
+            streams = list(self._streams.values())
+        for s in streams:
+            s.on_reset(self.error or "the home connection ended")
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def close(self, why: str = "") -> None:
+        """End the home connection and every stream on it (:meth:`run` returns)."""
+        if why and not self.error:
+            self.error = why
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

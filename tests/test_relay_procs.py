@@ -1,0 +1,173 @@
+"""Nodes homed at a `fedpipe relay` process serve the stages of a 3-stage job.
+
+Real processes: a tracker, a relay and three nodes started with ``--relay``. On
+loopback the nodes could be dialed directly, so the tests check that they are
+not: the tracker lists them at the relay's allocated addresses and names the
+relay, and the plan names those addresses, so every connection to a node (the
+tracker's, the client's, the peers' gRPC and data-plane ones) is spliced through
+the relay. (All three are relayed since the planner prefers direct links, and a
+test must know that its stages sit behind the relay; the NAT namespace tests mix
+direct and relayed nodes.) The job trains to weights equal to single-process
+PyTorch's (sync, no compression), also under mutual TLS (end to end through the
+relay) when the relay is killed mid-job and started again on its port: the nodes
+re-home on the same ports, peers redial through it, and their data-plane links
+resume without losing a tensor.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fedpipe
+from fedpipe.net.relay import Relay
+from fedpipe.proc import child_env, free_port
+from fedpipe.testing import LocalSwarm
+from reference import max_relative_difference, single_process
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
+BATCH, MICROBATCHES = 16, 4
+OPT = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+def start_relay(swarm: LocalSwarm, port: int):
+    """A `fedpipe relay` process on ``port`` (with a certificate of role relay when the swarm
+    runs TLS), once it says it listens."""
+    tls = []
+    if swarm.tls_dir is not None:
+        if not (swarm.tls_dir / "relay.crt").exists():
+            swarm.issue("relay", "relay")
+        tls = ["--tls-dir", str(swarm.tls_dir), "--name", "relay"]
+    proc = swarm._spawn("relay", ["relay", "--host", "127.0.0.1", "--port", str(port), *tls])
+    deadline = time.monotonic() + 60
+    while "fedpipe relay listening" not in swarm.log(proc):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"relay did not start:\n{swarm.log(proc)}")
+        time.sleep(0.05)
+    return proc
+
+
+def relayed_swarm(swarm: LocalSwarm, relay: str, relays: str = "") -> dict:
+    """Three nodes homed at ``relay`` (``--relay relays``, default ``relay``); return them as
+    the tracker lists them, by name."""
+    for i in range(3):
+        swarm.add_node("--relay", relays or relay)
+        swarm.wait_for_nodes(i + 1)
+    swarm.wait_for_links()
+    nodes = {n.name: n for n in swarm.client().nodes()}
+    for i, proc in enumerate(swarm.nodes):
+        own = swarm.log(proc).split(" listening on ")[1].split(";")[0]
+        n = nodes[f"node{i}"]
+        assert n.relay == relay and n.data_address, n
+        assert n.address != own, "the node is listed at its relayed address, not its own"
+    return nodes
+
+
+def train(swarm: LocalSwarm, steps: int, at_step=None, moved: bool = False):
+    """Train a 3-stage job over the swarm; check its weights against PyTorch's and that its
+    plan names the nodes' relayed addresses (``moved``: their addresses when it ended)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 3))
+    batches = [(torch.randn(BATCH, 8), torch.randint(0, 3, (BATCH,))) for _ in range(steps)]
+    loss_fn = nn.CrossEntropyLoss()
+    expected = single_process(model, loss_fn, OPT, batches)
+    client = swarm.client()
+    nodes = {n.node_id: n for n in client.nodes()}
+    job = client.submit(model, loss_fn, OPT, batches, steps=steps, microbatches=MICROBATCHES,
+                        schedule="1f1b", stages=3, compression="none", rebalance="never")
+    inj = None
+    if at_step is not None:
+        inj = swarm.inject(job.id)
+        inj.at_step(*at_step).start()
+    status = job.wait(timeout=180, progress=False)
+    if inj is not None:
+        inj.stop()
+        assert len(inj.fired) == 1, inj.fired
+    assert status.state == "SUCCEEDED" and status.step == steps, status
+    assert len(status.plan.stages) == 3, status.plan
+    if moved:
+        nodes = {n.node_id: n for n in client.nodes()}
+    for a in status.plan.stages:  # each stage planned at its node's relayed addresses
+        assert (a.address, a.data_address) == (nodes[a.node_id].address,
+                                               nodes[a.node_id].data_address), a
+    got = job.state_dict()
+    job.release()
+    assert max_relative_difference(got, model.state_dict()) > 1e-3
+    assert max_relative_difference(got, expected) <= 1e-5
+    return status
+
+
+def test_a_job_whose_nodes_are_all_relayed_trains_exactly_as_pytorch():
+    with LocalSwarm(n_nodes=0) as swarm:
+        relay = f"127.0.0.1:{free_port()}"
+        start_relay(swarm, int(relay.rpartition(':')[2]))
+        relayed_swarm(swarm, relay)
+        status = train(swarm, steps=3)
+        assert not status.recoveries
+
+
+def test_a_relay_killed_mid_job_and_restarted_loses_no_tensor_under_mutual_tls():
+    with LocalSwarm(n_nodes=0, tls=True) as swarm:
+        port = free_port()
+        relay = f"127.0.0.1:{port}"
+        proc = start_relay(swarm, port)
+        before = relayed_swarm(swarm, relay)
+
+        def kill_and_restart():
+            swarm.stop_process(proc, kill=True)
+            time.sleep(0.5)  # peers see their connections through it break
+            start_relay(swarm, port)
+        status = train(swarm, steps=8, at_step=(3, "kill the relay", kill_and_restart))
+        assert not status.recoveries, "a relay back within the lease is no node loss"
+        after = {n.name: n for n in swarm.client().nodes()}
+        assert {n: (a.node_id, a.address, a.data_address) for n, a in after.items()} == \
+            {n: (b.node_id, b.address, b.data_address) for n, b in before.items()}
+        for proc in swarm.nodes:  # each re-homed once, on its old ports
+            assert swarm.log(proc).count(f"homed at relay {relay}") == 2, swarm.log(proc)
+
+
+def test_nodes_whose_relay_stays_away_move_to_the_next_and_the_job_recovers_exactly(
+        monkeypatch):
+    monkeypatch.setenv("FEDPIPE_RELAY_FAILOVER", "1")  # the nodes' wait for their first relay
+    with LocalSwarm(n_nodes=0) as swarm:
+        first, second = free_port(), free_port()
+        relays = f"127.0.0.1:{first},127.0.0.1:{second}"
+        proc = start_relay(swarm, first)
+        start_relay(swarm, second)
+        before = relayed_swarm(swarm, relays.split(",")[0], relays)
+        status = train(swarm, steps=8, at_step=(
+            3, "kill the first relay", lambda: swarm.stop_process(proc, kill=True)),
+            moved=True)
+        # the nodes' old incarnations left at once, their stages recovered onto the new ones
+        assert status.recoveries and status.recoveries[0].cause == "loss", status.recoveries
+        after = {n.name: n for n in swarm.client().nodes()}
+        assert sorted(after) == sorted(before)
+        for name, n in after.items():
+            assert n.relay == f"127.0.0.1:{second}" and n.node_id != before[name].node_id
+            assert n.address.rpartition(":")[2] != before[name].address.rpartition(":")[2]
+
+
+def test_a_node_whose_relays_all_refuse_it_exits_naming_each_reason():
+    full = Relay(max_nodes=0)
+    try:
+        out = subprocess.run([sys.executable, "-m", "fedpipe", "node", "--tracker", "127.0.0.1:1",
+                              "--host", "127.0.0.1", "--name", "n1", "--device", "cpu",
+                              "--relay", full.address], capture_output=True, text=True,
+                             timeout=120, env=child_env(1))
+    finally:
+        full.close()
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert (f"RelayRefused: relay {full.address} refused node 'n1': relay {full.address} "
+            "homes 0 nodes, its limit") in out.stderr, out.stderr[-2000:]
+
+
+def test_a_relay_without_tls_on_a_public_address_is_refused_at_start():
+    out = subprocess.run([sys.executable, "-m", "fedpipe", "relay", "--host", "0.0.0.0",
+                          "--port", "0"], capture_output=True, text=True, timeout=60,
+                         env=child_env(1))
+    assert out.returncode == 1 and "without TLS" in out.stderr, out.stderr[-2000:]
