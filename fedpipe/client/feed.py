@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol
 
@@ -40,6 +41,7 @@ import torch
 
 from .. import net
 from ..net import timeouts
+from ..net.trackers import unsent
 from ..proto import node_pb2, tracker_pb2 as S
 from ..runtime import checkpoint
 from ..spec import PlanView
@@ -60,6 +62,9 @@ NODE_TROUBLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PR
                           grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
 """Feed errors that mean a node is gone or its stage moved on, not that the data is bad:
 the feed waits for the job to recover (or end) instead of giving up."""
+FEED_REDIAL = 0.5
+"""Seconds between feeds to a node whose address refused the connection (see
+:data:`~fedpipe.net.timeouts.FEED_UNREACHABLE`)."""
 RECOVERY_POLL = 0.05
 """Seconds between looks at a job whose feed paused (recovery, or the kept-batch bound),
 while the watch's stream is down (it wakes the feed on each event otherwise)."""
@@ -380,12 +385,36 @@ class Feed:
                                     kind=kind, step=step, microbatch=0,
                                     microbatches=group.microbatches, batch_size=batch_size,
                                     epoch=epoch)
-            # RESOURCE_EXHAUSTED is the node's back-pressure (its data-plane slots are
-            # taken, or its mailbox full): wait and send again, a bounded number of times
-            net.retry(functools.partial(self.nodes.send, a.address, env, t),
-                      f"job {self.job_id}: feeding step {step} to {a.address}",
-                      attempts=FEED_BUSY_ATTEMPTS, max_delay=FEED_BUSY_MAX_DELAY,
-                      stop=self.halted.is_set, codes=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
+            self._send_one(a.address, env, t)
+
+    def _send_one(self, address: str, env: node_pb2.Envelope, t: torch.Tensor) -> None:
+        """One feed tensor to ``address``, sent again while the node is busy, or while its
+        address refuses connections and the job's epoch holds, up to
+        :data:`~fedpipe.net.timeouts.FEED_UNREACHABLE` seconds.
+
+        Raises:
+            grpc.RpcError: any other error, or one of those past its bound.
+        """
+        deadline = time.monotonic() + timeouts.FEED_UNREACHABLE
+        while True:
+            try:
+                # RESOURCE_EXHAUSTED is the node's back-pressure (its data-plane slots are
+                # taken, or its mailbox full): wait and send again, a bounded number of times
+                net.retry(functools.partial(self.nodes.send, address, env, t),
+                          f"job {self.job_id}: feeding step {env.step} to {address}",
+                          attempts=FEED_BUSY_ATTEMPTS, max_delay=FEED_BUSY_MAX_DELAY,
+                          stop=self.halted.is_set, codes=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
+                return
+            except grpc.RpcError as e:
+                # refused connection: the call was never sent. An outbound-only node's relay
+                # restarting looks so for a moment, while the node lives and comes back at the
+                # same address; a dead node's job moves to a new epoch meanwhile
+                if not unsent(e) or time.monotonic() > deadline or self.halted.is_set() \
+                        or self.watch.info().epoch != env.epoch:
+                    raise
+                log.info("job %s: %s refuses connections (%s); feeding again", self.job_id,
+                         address, e.details())
+                self.halted.wait(FEED_REDIAL)
 
     def _restore(self, info: S.JobInfo, saved: checkpoints.SavedCheckpoint
                  ) -> S.JobInfo | None:

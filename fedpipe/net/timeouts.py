@@ -110,3 +110,7 @@ RELAY_HANDSHAKE = _seconds("RELAY_HANDSHAKE", 10.0)
 RELAY_FAILOVER = _seconds("RELAY_FAILOVER", 5.0)
 """How long a node that lost its relay keeps trying that relay (to keep its addresses) before
 it tries the next one of its ``--relay`` list."""
+FEED_UNREACHABLE = _seconds("FEED_UNREACHABLE", 10.0)
+"""A client feeding a node whose address refuses connections (an outbound-only node whose
+relay restarts) tries again this long while the job's epoch holds, before it waits for the
+job to recover."""
