@@ -37,7 +37,7 @@ How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.So
 from .credits import LinkFailed
 from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts
 from .records import Code, Preface
-from .server import DataPlane
+from .server import DataPlane, client_name
 
 __all__ = ["Code", "DataPlane", "Link", "LinkEvents", "LinkFailed", "Peer", "PeerRefused",
-           "Preface", "Receiver", "Refused", "Timeouts"]
+           "Preface", "Receiver", "Refused", "Timeouts", "client_name"]
