@@ -34,12 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def transports(port: int) -> dict[tuple[str, str], float]:
-    """``{(dst, transport): tensors}`` a node sent, from its /metrics page."""
+def transports(port: int, by: str = "transport") -> dict[tuple[str, str], float]:
+    """``{(dst, transport): tensors}`` a node sent, from its /metrics page (``by="kind"``:
+    ``{(dst, kind): tensors}``, every transport's)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(s.labels["dst"], s.labels["transport"]): s.value
+    name = {"transport": "fedpipe_link_transport_tensors_total",
+            "kind": "fedpipe_link_sent_tensors_total"}[by]
+    return {(s.labels["dst"], s.labels[by]): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name == "fedpipe_link_transport_tensors_total"}
+            if s.name == name}
 
 
 def train(swarm: LocalSwarm, client: fedpipe.Client | None = None):
@@ -51,7 +54,7 @@ def train(swarm: LocalSwarm, client: fedpipe.Client | None = None):
     expected = single_process(model, loss_fn, OPT, batches)
     job = (client or swarm.client()).submit(model, loss_fn, OPT, batches, steps=STEPS,
                                 microbatches=MICROBATCHES, schedule="1f1b", stages=2,
-                                compression="none")
+                                compression="none", checkpoint_every=1)
     status = job.wait(timeout=150, progress=False)
     assert status.state == "SUCCEEDED" and status.step == STEPS, status
     assert len({a.node_id for a in status.plan.stages}) == 2, "expected a 2-stage pipeline"
@@ -95,10 +98,13 @@ def test_a_two_stage_job_sends_its_tensors_over_the_socket_plane_and_trains_exac
         # stage's node, targets to the last's), over sockets
         assert fed(client) == {"node0": STEPS, "node1": STEPS}
         sent = [transports(p) for p in ports]
-        # activations one way, gradients the other: both over the socket plane, none on gRPC
-        for mine, peer in ((sent[0], "node1"), (sent[1], "node0")):
+        # activations one way, gradients the other, and each stage's checkpoint snapshots
+        # to its buddy (the other node): all over the socket plane, none on gRPC
+        for port, mine, peer in ((ports[0], sent[0], "node1"), (ports[1], sent[1], "node0")):
             assert mine.get((peer, "socket"), 0) >= STEPS * MICROBATCHES, mine
             assert mine.get((peer, "grpc"), 0) == 0, mine
+            kinds = transports(port, by="kind")
+            assert kinds.get((peer, "snapshot"), 0) >= 2, kinds  # a skeleton and tensors
 
 
 def test_a_node_without_a_data_port_is_served_over_grpc_and_the_job_trains_exactly():

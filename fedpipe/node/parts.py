@@ -140,7 +140,9 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     snapshots = SnapshotStore()
     reporter = StageReporter(node_id, report, metrics)
     restorer = Restorer(snapshots, channels)
-    loop = StageLoop(reporter, Checkpoints(snapshots, channels, reporter), mailbox, restorer)
+    loop = StageLoop(reporter, Checkpoints(snapshots, channels, reporter,
+                                           lambda: sockets[0] if sockets else None),
+                     mailbox, restorer)
     build = stage_builder(torch.device(resources.device or "cpu"), mailbox, node_id,
                           snapshots.put, reporter, access.learning(quorum))
     stages = StageRegistry(build, lambda: StagePeers(channels, shaper, metrics,
@@ -150,14 +152,15 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
                           revoked_serials=verifier.revoked_serials
                           if verifier is not None else None)
     data = DataPlane(stages, mailbox, reporter)
+    desk = SnapshotDesk(snapshots, stages.holds, job_snapshot_bytes)
     receiver = None
     if data_port is not None:
         receiver = NodeReceiver(access, data, stages, verifier.revoked_serials
-                                if verifier is not None else None)
+                                if verifier is not None else None, desk)
         sockets.append(SocketPlane(name, receiver, host=data_host, port=data_port,
                                                tls=tls, events=receiver))
     return NodeParts(stages=stages, data=data,
-                     desk=SnapshotDesk(snapshots, stages.holds, job_snapshot_bytes),
+                     desk=desk,
                      access=access, streams=streams, channels=channels, shaper=shaper,
                      weights=WeightsDesk(stages.get),
                      sockets=sockets[0] if sockets else None, receiver=receiver)
