@@ -56,6 +56,7 @@ class NodeParts:
         streams: the watch over open data-plane streams.
         channels: the node's shared channels to its peers.
         shaper: the emulated link to a peer, by its node name (None: none).
+        pacer: the same emulated link for the socket data plane (None: none).
         weights: takes stages' streamed initial weights in (PutWeights).
         sockets: the node's socket data plane (None: gRPC only).
         receiver: where the socket data plane's tensors are admitted (None with it).
@@ -69,6 +70,7 @@ class NodeParts:
     channels: ChannelPool
     shaper: Callable[[str], Shaper | None]
     weights: WeightsDesk
+    pacer: Callable[[str], Pacer | None] = lambda name: None
     sockets: SocketPlane | None = None
     receiver: NodeReceiver | None = None
 
@@ -162,6 +164,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     return NodeParts(stages=stages, data=data,
                      desk=desk,
                      access=access, streams=streams, channels=channels, shaper=shaper,
+                     pacer=pacer,
                      weights=WeightsDesk(stages.get),
                      sockets=sockets[0] if sockets else None, receiver=receiver)
 
