@@ -131,7 +131,8 @@ class Checkpoints:
     every stage has reported it.
 
     A snapshot goes to a buddy that offers a data port over the node's socket data
-    plane (:func:`send_snapshot`), to one that does not over gRPC's ``PutSnapshot``.
+    plane (:func:`send_snapshot`), to one that does not (or whose link is broken and
+    waiting to resume) over gRPC's ``PutSnapshot``.
 
     Args:
         snapshots: where this node keeps snapshots.
@@ -167,13 +168,19 @@ class Checkpoints:
                                     epoch=stage.epoch, batch_size=1)
             plane = self.plane() if buddy.data_address else None
             try:
-                if plane is not None:
-                    send_snapshot(plane.link(buddy.node_name, buddy.data_address), env, snap)
+                link = plane.link(buddy.node_name, buddy.data_address) \
+                    if plane is not None else None
+                if link is not None and link.conn is None:
+                    # broken, waiting to resume (the buddy may be dead): a socket send would
+                    # wait out the resume window; gRPC fails at once if it is gone
+                    link = None
+                if link is not None:
+                    send_snapshot(link, env, snap)
                 else:
                     with self.channels.borrow(buddy.address) as ch:
                         rpc.NodeStub(ch).PutSnapshot(checkpoint.to_frames(snap, env),
                                                      timeout=timeouts.FETCH_STATE_RPC)
-                self._count(buddy.node_name, snap, "socket" if plane is not None else "grpc")
+                self._count(buddy.node_name, snap, "socket" if link is not None else "grpc")
             except (grpc.RpcError, dataplane.LinkFailed, WireError) as e:
                 # the checkpoint stays incomplete; the last one holds
                 log.warning("job %s stage %d: could not keep the step %d snapshot on buddy %s: "
