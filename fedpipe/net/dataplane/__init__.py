@@ -33,6 +33,17 @@ How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.So
   ``link.flush``.
 * a raw CPU tensor is sent from its own memory and kept until acknowledged, so a
   stage must not change it in place before ``flush`` (copy it where it would).
+
+What else travels over it, where both ends have a data port:
+
+* a client's feed (:mod:`fedpipe.client.links`): the client's plane is dial-only
+  (``listen=False``), role ``client``, named ``NAME#SUFFIX`` (:func:`client_name`);
+* checkpoint snapshots to a buddy (:func:`fedpipe.node.snapshots.send_snapshot`),
+  put together by the receiving node's snapshot desk;
+* link measurement (:func:`fedpipe.node.peers.measure_socket_link`).
+
+Still on gRPC: FetchState, FetchSnapshot (request and answer), a client's
+PutSnapshot (restoring a saved checkpoint) and PutWeights.
 """
 from .credits import LinkFailed
 from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts
