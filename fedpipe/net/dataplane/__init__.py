@@ -36,14 +36,17 @@ How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.So
 
 What else travels over it, where both ends have a data port:
 
-* a client's feed (:mod:`fedpipe.client.links`): the client's plane is dial-only
-  (``listen=False``), role ``client``, named ``NAME#SUFFIX`` (:func:`client_name`);
-* checkpoint snapshots to a buddy (:func:`fedpipe.node.snapshots.send_snapshot`),
-  put together by the receiving node's snapshot desk;
-* link measurement (:func:`fedpipe.node.peers.measure_socket_link`).
+* link measurement (:func:`fedpipe.node.peers.measure_socket_link`), always;
+* a client's feed (:mod:`fedpipe.client.links`), with ``Client(sockets=True)``
+  (off by default: a drain's exactness test met a refused duplicate target): the
+  client's plane is dial-only (``listen=False``), role ``client``, named
+  ``NAME#SUFFIX`` (:func:`client_name`);
+* checkpoint snapshots to a buddy (:func:`fedpipe.node.snapshots.send_snapshot`,
+  put together by the receiving node's snapshot desk): built and tested, but a node
+  ships over gRPC (with it on, recoveries rewound further: checkpoints completed later).
 
-Still on gRPC: FetchState, FetchSnapshot (request and answer), a client's
-PutSnapshot (restoring a saved checkpoint) and PutWeights.
+Still on gRPC: FetchState, FetchSnapshot (request and answer), PutSnapshot and
+PutWeights.
 """
 from .credits import LinkFailed
 from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts
