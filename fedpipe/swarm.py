@@ -234,17 +234,18 @@ class LocalSwarm:
         """A client for the swarm's own calls (the admin certificate under TLS)."""
         return Client(self.tracker, tls=self.admin_tls)
 
-    def client(self, name: str = "client") -> Client:
+    def client(self, name: str = "client", *, sockets: bool = False) -> Client:
         """A client of this swarm's tracker; :meth:`close` closes it.
 
         Under TLS it shows the certificate ``name`` (role client), issued on first use.
+        ``sockets``: feed over the socket data plane (:class:`~fedpipe.Client`).
         """
         tls = None
         if self.tls_dir is not None:
             if not (self.tls_dir / f"{name}.crt").exists():
                 certs.issue(self.tls_dir, certs.Role.CLIENT, name)
             tls = TlsConfig.load(self.tls_dir, name)
-        client = Client(self.tracker, tls=tls)
+        client = Client(self.tracker, tls=tls, sockets=sockets)
         self._clients.append(client)
         return client
 

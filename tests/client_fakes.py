@@ -183,7 +183,9 @@ class FakeNodes:
         self.on_send = on_send
         self.attempts = 0
 
-    def send(self, address: str, envelope: node_pb2.Envelope, tensor: torch.Tensor) -> None:
+    def send(self, node: node_pb2.StageAssignment, envelope: node_pb2.Envelope,
+             tensor: torch.Tensor) -> None:
+        address = node.address
         with self.lock:
             self.attempts += 1
         if self.on_send is not None:
@@ -191,8 +193,9 @@ class FakeNodes:
         with self.lock:
             self.sent.append((address, envelope, tensor))
 
-    def put_snapshot(self, address: str, envelope: node_pb2.Envelope, snapshot) -> None:
-        self.snapshots.append((address, envelope))
+    def put_snapshot(self, node: node_pb2.StageAssignment, envelope: node_pb2.Envelope,
+                     snapshot) -> None:
+        self.snapshots.append((node.address, envelope))
 
     def inputs(self, epoch: int | None = None) -> list[tuple[int, torch.Tensor]]:
         """(step, tensor) of every input sent (in ``epoch`` only, if given), in order."""

@@ -16,15 +16,18 @@ import time
 import pytest
 import torch
 
-from fedpipe.net.dataplane import Code, DataPlane, Peer, Refused
+from fedpipe.net.dataplane import Code, DataPlane, Peer, PeerRefused, Refused
 from fedpipe.net.emulation import EmulatedLink, Pacer
 from fedpipe.node.access import JobAccessBook
 from fedpipe.node.dataplane import NodeReceiver
 from fedpipe.node.errors import NoSuchStage
-from fedpipe.node.peers import SocketSender
+from fedpipe.node.peers import SocketSender, measure_socket_link
+from fedpipe.node.snapshots import SnapshotDesk, SnapshotStore, send_snapshot
 from fedpipe.proto import node_pb2
 from fedpipe.security import Identity, Role
-from fedpipe.spec import Kind
+from fedpipe.runtime import checkpoint
+from fedpipe.runtime.checkpoint import Snapshot
+from fedpipe.spec import Kind, StageKey
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -184,3 +187,66 @@ def test_a_socket_sender_without_emulation_sends_small_raw_tensors_on_the_caller
         sender.check()
         sender.close()
     assert torch.equal(inbox.tensors[0], t)
+
+
+def snapshot_receiver(job_bytes: int = 1 << 30) -> tuple[NodeReceiver, SnapshotStore]:
+    """A receiver whose snapshots go to a real desk and store; job ``j``'s stage (0, 1)."""
+    access = JobAccessBook()
+    access.learn("j", "alice", ["node0", "node1"], [StageKey(0, 1)])
+    store = SnapshotStore()
+    desk = SnapshotDesk(store, lambda job: job == "j", job_bytes)
+    return NodeReceiver(access, FakeAdmission(), FakeStages(), desk=desk), store  # type: ignore[arg-type]
+
+
+def a_snapshot(step: int = 3) -> Snapshot:
+    model = torch.nn.Linear(4, 3)
+    return checkpoint.take({"module": model}, step)
+
+
+def snapshot_envelope(step: int = 3, job: str = "j") -> node_pb2.Envelope:
+    return node_pb2.Envelope(job_id=job, replica=0, stage=1, kind=Kind.SNAPSHOT.value,
+                             step=step, batch_size=1)
+
+
+def test_a_buddys_snapshot_comes_over_a_socket_link_and_is_kept_bit_for_bit():
+    r, store = snapshot_receiver()
+    snap = a_snapshot()
+    with DataPlane("node0", Arrivals()) as a, DataPlane("node1", r, events=r) as b:
+        send_snapshot(a.link("node1", b.address), snapshot_envelope(), snap)
+    kept = store.get("j", StageKey(0, 1), 3)
+    assert kept is not None and kept.skeleton == snap.skeleton
+    assert set(kept.tensors) == set(snap.tensors)
+    assert all(torch.equal(kept.tensors[k], t) for k, t in snap.tensors.items())
+    assert r.snapshot_tensors == 1 + len(snap.tensors)  # the skeleton, then each tensor
+
+
+def test_a_snapshot_past_the_jobs_room_is_refused_on_a_header_and_nothing_is_kept():
+    r, store = snapshot_receiver(job_bytes=16)  # the weight alone is 48 bytes
+    with DataPlane("node0", Arrivals()) as a, DataPlane("node1", r, events=r) as b:
+        with pytest.raises(PeerRefused) as e:
+            send_snapshot(a.link("node1", b.address), snapshot_envelope(), a_snapshot())
+    assert e.value.code == Code.RESOURCE_EXHAUSTED and "snapshot refused" in str(e.value)
+    assert store.get("j", StageKey(0, 1), 3) is None
+
+
+def test_a_snapshot_tensor_is_checked_as_put_snapshot_is():
+    r, _ = snapshot_receiver()
+    skeleton = node_pb2.Frame(envelope=snapshot_envelope(), name=checkpoint.SKELETON)
+    # a node the job does not assign, a client of another user: as PutSnapshot refuses them
+    assert refused(r, peer(Role.NODE, "mallory"), skeleton) == Code.PERMISSION_DENIED
+    assert refused(r, peer(Role.CLIENT, "bob"), skeleton) == Code.PERMISSION_DENIED
+    # a tensor of a snapshot whose skeleton did not come first
+    part = node_pb2.Frame(envelope=snapshot_envelope(), name="module/weight")
+    assert refused(r, peer(Role.NODE, "node0"), part) == Code.INVALID_ARGUMENT
+
+
+def test_a_link_measured_over_the_socket_plane_pays_the_emulated_link():
+    latency, bandwidth = 0.02, 20e6
+    inbox = Arrivals()
+    with DataPlane("a", Arrivals()) as a, DataPlane("b", inbox) as b:
+        one_way, measured = measure_socket_link(
+            a.link("b", b.address), Pacer(EmulatedLink(bandwidth, latency)), pings=3,
+            max_bytes=1 << 20, seconds=0.05)
+    assert latency * 0.9 <= one_way <= latency * 3, one_way
+    assert bandwidth * 0.5 <= measured <= bandwidth * 1.5, measured
+    assert len(inbox.tensors) == 3 + 2  # the pings and two probes crossed the link

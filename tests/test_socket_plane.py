@@ -1,4 +1,5 @@
-"""Stage-to-stage tensors travel over the socket data plane between nodes that offer one.
+"""Stage-to-stage tensors travel over the socket data plane between nodes that offer one,
+and so does the client's feed (inputs to the first stage, targets to the last).
 
 Real processes: a tracker and two nodes. Each node exports which data plane
 carried each tensor it sent (``fedpipe_link_transport_tensors_total``), so the
@@ -33,24 +34,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def transports(port: int) -> dict[tuple[str, str], float]:
-    """``{(dst, transport): tensors}`` a node sent, from its /metrics page."""
+def transports(port: int, by: str = "transport") -> dict[tuple[str, str], float]:
+    """``{(dst, transport): tensors}`` a node sent, from its /metrics page (``by="kind"``:
+    ``{(dst, kind): tensors}``, every transport's)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(s.labels["dst"], s.labels["transport"]): s.value
+    name = {"transport": "fedpipe_link_transport_tensors_total",
+            "kind": "fedpipe_link_sent_tensors_total"}[by]
+    return {(s.labels["dst"], s.labels[by]): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name == "fedpipe_link_transport_tensors_total"}
+            if s.name == name}
 
 
-def train(swarm: LocalSwarm):
+def train(swarm: LocalSwarm, client: fedpipe.Client | None = None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                           nn.Linear(16, 3))
     batches = [(torch.randn(BATCH, 8), torch.randint(0, 3, (BATCH,))) for _ in range(STEPS)]
     loss_fn = nn.CrossEntropyLoss()
     expected = single_process(model, loss_fn, OPT, batches)
-    job = swarm.client().submit(model, loss_fn, OPT, batches, steps=STEPS,
+    job = (client or swarm.client()).submit(model, loss_fn, OPT, batches, steps=STEPS,
                                 microbatches=MICROBATCHES, schedule="1f1b", stages=2,
-                                compression="none")
+                                compression="none", checkpoint_every=1)
     status = job.wait(timeout=150, progress=False)
     assert status.state == "SUCCEEDED" and status.step == STEPS, status
     assert len({a.node_id for a in status.plan.stages}) == 2, "expected a 2-stage pipeline"
@@ -59,6 +63,16 @@ def train(swarm: LocalSwarm):
     assert max_relative_difference(got, model.state_dict()) > 1e-3
     assert max_relative_difference(got, expected) <= 1e-5
     return status
+
+
+def fed(client: fedpipe.Client) -> dict[str, int]:
+    """``{node name: tensors}`` the client's socket links carried to each node, every one
+    acknowledged (delivered) by the node."""
+    plane = client.data_plane()
+    assert plane is not None
+    links = plane.links()
+    assert all(not link.retained for link in links), links  # each one acknowledged
+    return {link.peer_name: link.next_seq for link in links}
 
 
 def start(swarm: LocalSwarm, *node_args: list[str]) -> list[int]:
@@ -77,13 +91,21 @@ def test_a_two_stage_job_sends_its_tensors_over_the_socket_plane_and_trains_exac
         ports = start(swarm, [], [])
         nodes = {n.name: n for n in swarm.client().nodes()}
         assert all(n.data_address.startswith("127.0.0.1:") for n in nodes.values()), nodes
-        status = train(swarm)
+        client = swarm.client(sockets=True)
+        status = train(swarm, client)
         assert all(a.data_address for a in status.plan.stages), status.plan
+        # the feed: one tensor a step to each end of the pipeline (inputs to the first
+        # stage's node, targets to the last's), over sockets
+        assert fed(client) == {"node0": STEPS, "node1": STEPS}
         sent = [transports(p) for p in ports]
-        # activations one way, gradients the other: both over the socket plane, none on gRPC
-        for mine, peer in ((sent[0], "node1"), (sent[1], "node0")):
+        # activations one way, gradients the other: both over the socket plane; each
+        # stage's checkpoint snapshots to its buddy (the other node) still over gRPC
+        for port, mine, peer in ((ports[0], sent[0], "node1"), (ports[1], sent[1], "node0")):
+            kinds = transports(port, by="kind")
+            snapshots = kinds.get((peer, "snapshot"), 0)
+            assert snapshots >= 2, kinds  # a skeleton and tensors, each step
             assert mine.get((peer, "socket"), 0) >= STEPS * MICROBATCHES, mine
-            assert mine.get((peer, "grpc"), 0) == 0, mine
+            assert mine.get((peer, "grpc"), 0) == snapshots, mine
 
 
 def test_a_node_without_a_data_port_is_served_over_grpc_and_the_job_trains_exactly():
@@ -91,7 +113,10 @@ def test_a_node_without_a_data_port_is_served_over_grpc_and_the_job_trains_exact
         ports = start(swarm, [], ["--no-data-port"])
         nodes = {n.name: n for n in swarm.client().nodes()}
         assert nodes["node0"].data_address and not nodes["node1"].data_address
-        train(swarm)
+        client = swarm.client(sockets=True)
+        train(swarm, client)
+        # the client feeds node0 over sockets, node1 (gRPC only) over gRPC
+        assert fed(client) == {"node0": STEPS}
         sent = [transports(p) for p in ports]
         for mine, peer in ((sent[0], "node1"), (sent[1], "node0")):
             assert mine.get((peer, "grpc"), 0) >= STEPS * MICROBATCHES, mine

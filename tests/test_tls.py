@@ -69,9 +69,14 @@ def _signed_request(tls: TlsConfig) -> tracker_pb2.SubmitJobRequest:
 
 
 def test_a_digits_job_trains_to_succeeded_over_mutual_tls(swarm):
-    client = swarm.client()
+    client = swarm.client(sockets=True)
     acc = digits.train(client, steps=40, stages=2, progress=False, out=lambda *a: None)
     assert acc > 0.5  # digits.train raises JobFailed unless the job SUCCEEDED
+    # the feed went over mutual-TLS socket links (the nodes took the client's certificate)
+    plane = client.data_plane()
+    assert plane is not None
+    fed = {link.peer_name: link.next_seq for link in plane.links()}
+    assert len(fed) == 2 and all(n >= 40 for n in fed.values()), fed
 
 
 def _expect(code: grpc.StatusCode, call, *words: str):

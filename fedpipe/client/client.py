@@ -23,6 +23,7 @@ from torch import nn
 
 from .. import net
 from ..net import timeouts
+from ..net.dataplane import DataPlane
 from ..proto import tracker_pb2, tracker_pb2_grpc
 from ..runtime import libraries
 from ..runtime.materialize import InitFn, TiedGroup
@@ -34,7 +35,7 @@ from ..security.signing import sign_job
 from ..security.tls import resolve as resolve_tls
 from ..spec import Compression, JobSpec, Knobs, Lifetime, Placement, Replicas, Training
 from ..wire import rpc
-from . import checkpoints
+from . import checkpoints, links
 from .feed import Batch, cycle
 from .job import Job
 from .packaging import check_sequential, dumps
@@ -65,8 +66,16 @@ class Client:
     expired one, or the wrong role for the method
     (:mod:`fedpipe.security.explain`); the status code stays gRPC's.
 
+    With ``sockets=True`` the feed (each step's inputs and targets) goes over the
+    socket data plane to a node that offers a data port (:mod:`.links`; one
+    connection per node, with the client's certificate under TLS), over gRPC to one
+    that does not. Off by default: with it on, a drain's exactness test
+    (tests/test_tls_moves.py) met a refused duplicate target after the move.
+
     Args:
         tracker: the tracker's ``HOST:PORT``.
+        sockets: feed over the socket data plane where a node offers it (False, the
+            default: gRPC only).
         tls: mutual TLS: a :class:`fedpipe.security.TlsConfig` (a certificate
             with role client, or admin for the operator), or a TLS directory
             holding one certificate with its key. None: ``$FEDPIPE_TLS_DIR`` if
@@ -76,14 +85,16 @@ class Client:
         fedpipe.security.CertError: an unusable TLS directory or certificate.
     """
 
-    def __init__(self, tracker: str, tls: TlsConfig | str | os.PathLike | None = None):
-        self.address = tracker
+    def __init__(self, tracker: str, tls: TlsConfig | str | os.PathLike | None = None, *,
+                 sockets: bool = False):
+        self.address, self.sockets = tracker, sockets
         self.tls = resolve_tls(tls)
         self.channel = explained(net.channel(tracker, tls=self.tls), tracker, self.tls)
         self.stub = tracker_pb2_grpc.TrackerStub(self.channel)
         self._lock = threading.Lock()
         self._nodes: dict[str, tuple[grpc.Channel, rpc.NodeStub]] = {}
         self._feeding: set[Job] = set()
+        self._plane: DataPlane | None = None
         self._closed = False
 
     def __enter__(self) -> "Client":
@@ -106,6 +117,19 @@ class Client:
                 self._nodes[address] = (ch, rpc.NodeStub(ch))
             return self._nodes[address][1]
 
+    def data_plane(self) -> DataPlane | None:
+        """This client's socket data plane (made on first use; None without ``sockets``).
+
+        Raises:
+            ValueError: the client is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"client of tracker {self.address} is closed")
+            if self._plane is None and self.sockets:
+                self._plane = links.client_plane(self.tls)
+            return self._plane
+
     def close(self) -> None:
         """Stop feeding this client's jobs (they wait for a client, see above) and close
         every channel.
@@ -117,10 +141,13 @@ class Client:
                 return
             self._closed = True
             feeding, nodes = list(self._feeding), list(self._nodes.values())
+            plane = self._plane
         for job in feeding:
             job._halt_feed()
         for ch, _ in nodes:  # ends the feed's Sends in flight
             ch.close()
+        if plane is not None:  # and its sends over sockets
+            plane.close()
         for job in feeding:
             job._join_feed(timeouts.THREAD_JOIN)
         self.channel.close()

@@ -40,13 +40,13 @@ import grpc
 import torch
 
 from .. import net
-from ..net import timeouts
+from ..net import dataplane, timeouts
 from ..net.trackers import unsent
 from ..proto import node_pb2, tracker_pb2 as S
 from ..runtime import checkpoint
 from ..spec import PlanView
 from ..wire import frames, rpc
-from . import checkpoints
+from . import checkpoints, links
 from .elastic import ElasticFeed, ElasticTracker
 from .watch import Halted, JobWatch
 from .weights import WeightStreamer
@@ -89,38 +89,49 @@ class FeedTracker(ElasticTracker, Protocol):
 class NodeLink(Protocol):
     """The feed's calls on its job's nodes, one try each (the feed retries)."""
 
-    def send(self, address: str, envelope: node_pb2.Envelope, tensor: torch.Tensor) -> None:
-        """Send one tensor with its envelope to the node at ``address``.
+    def send(self, node: node_pb2.StageAssignment, envelope: node_pb2.Envelope,
+             tensor: torch.Tensor) -> None:
+        """Send one tensor with its envelope to the node that runs the stage ``node``.
 
         Raises:
             grpc.RpcError: RESOURCE_EXHAUSTED (the node is busy), or any other refusal.
         """
 
-    def put_snapshot(self, address: str, envelope: node_pb2.Envelope,
+    def put_snapshot(self, node: node_pb2.StageAssignment, envelope: node_pb2.Envelope,
                      snapshot: checkpoint.Snapshot) -> None:
-        """Put a stage's snapshot on the node at ``address``."""
+        """Put a stage's snapshot on the node that runs the stage ``node``."""
 
 
 class NodeStubs(Protocol):
-    """Where the client keeps one stub per node (:meth:`fedpipe.Client.node`)."""
+    """Where the client keeps one stub per node (:meth:`fedpipe.Client.node`) and its
+    socket data plane (:meth:`fedpipe.Client.data_plane`)."""
 
     def node(self, address: str) -> rpc.NodeStub: ...
 
+    def data_plane(self) -> dataplane.DataPlane | None: ...
+
 
 class ChannelNodes:
-    """:class:`NodeLink` over the client's channels to the nodes."""
+    """:class:`NodeLink` over the client's links to the nodes: a tensor over the socket
+    data plane to a node that offers a data port (:mod:`.links`), over gRPC's ``Send``
+    to one that does not (or when the client has no socket plane)."""
 
     def __init__(self, stubs: NodeStubs):
         self.stubs = stubs
 
-    def send(self, address: str, envelope: node_pb2.Envelope, tensor: torch.Tensor) -> None:
-        rpc.send(self.stubs.node(address), frames.encode_frames(tensor, envelope=envelope),
+    def send(self, node: node_pb2.StageAssignment, envelope: node_pb2.Envelope,
+             tensor: torch.Tensor) -> None:
+        plane = self.stubs.data_plane() if node.data_address else None
+        if plane is not None:
+            links.send(plane, node, envelope, tensor)
+            return
+        rpc.send(self.stubs.node(node.address), frames.encode_frames(tensor, envelope=envelope),
                  timeout=timeouts.FEED_RPC)
 
-    def put_snapshot(self, address: str, envelope: node_pb2.Envelope,
+    def put_snapshot(self, node: node_pb2.StageAssignment, envelope: node_pb2.Envelope,
                      snapshot: checkpoint.Snapshot) -> None:
-        self.stubs.node(address).PutSnapshot(checkpoint.to_frames(snapshot, envelope),
-                                             timeout=timeouts.FETCH_STATE_RPC)
+        self.stubs.node(node.address).PutSnapshot(checkpoint.to_frames(snapshot, envelope),
+                                                  timeout=timeouts.FETCH_STATE_RPC)
 
 
 @dataclass(frozen=True)
@@ -385,10 +396,11 @@ class Feed:
                                     kind=kind, step=step, microbatch=0,
                                     microbatches=group.microbatches, batch_size=batch_size,
                                     epoch=epoch)
-            self._send_one(a.address, env, t)
+            self._send_one(a, env, t)
 
-    def _send_one(self, address: str, env: node_pb2.Envelope, t: torch.Tensor) -> None:
-        """One feed tensor to ``address``, sent again while the node is busy, or while its
+    def _send_one(self, a: node_pb2.StageAssignment, env: node_pb2.Envelope,
+                  t: torch.Tensor) -> None:
+        """One feed tensor to stage ``a``'s node, sent again while the node is busy, or while its
         address refuses connections and the job's epoch holds, up to
         :data:`~fedpipe.net.timeouts.FEED_UNREACHABLE` seconds.
 
@@ -400,8 +412,8 @@ class Feed:
             try:
                 # RESOURCE_EXHAUSTED is the node's back-pressure (its data-plane slots are
                 # taken, or its mailbox full): wait and send again, a bounded number of times
-                net.retry(functools.partial(self.nodes.send, address, env, t),
-                          f"job {self.job_id}: feeding step {env.step} to {address}",
+                net.retry(functools.partial(self.nodes.send, a, env, t),
+                          f"job {self.job_id}: feeding step {env.step} to {a.address}",
                           attempts=FEED_BUSY_ATTEMPTS, max_delay=FEED_BUSY_MAX_DELAY,
                           stop=self.halted.is_set, codes=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
                 return
@@ -413,7 +425,7 @@ class Feed:
                         or self.watch.info().epoch != env.epoch:
                     raise
                 log.info("job %s: %s refuses connections (%s); feeding again", self.job_id,
-                         address, e.details())
+                         a.address, e.details())
                 self.halted.wait(FEED_REDIAL)
 
     def _restore(self, info: S.JobInfo, saved: checkpoints.SavedCheckpoint
@@ -431,7 +443,7 @@ class Feed:
             env = node_pb2.Envelope(job_id=self.job_id, replica=key.replica, stage=key.stage,
                                     kind=node_pb2.KIND_SNAPSHOT, step=saved.step,
                                     epoch=info.epoch, batch_size=1)
-            self.nodes.put_snapshot(view[key].address, env, snap)
+            self.nodes.put_snapshot(view[key], env, snap)
         self.tracker.RestoreJob(S.RestoreJobRequest(job_id=self.job_id, step=saved.step),
                                 timeout=timeouts.CONTROL_RPC)
         return self.watch.await_epoch(info.epoch, RECOVERY_POLL)

@@ -11,6 +11,13 @@ Identity is the peer's certificate (with TLS), as ``identity_of(context)`` is on
 gRPC. A node domain error refuses the one tensor with the status code the node's
 error table (:data:`fedpipe.node.errors.STATUS`) gives it on gRPC; the link goes on.
 
+A checkpoint snapshot from a buddy comes as its tensors (KIND_SNAPSHOT, each
+with its envelope and name; :func:`fedpipe.node.snapshots.send_snapshot`) and
+passes ``PutSnapshot``'s checks instead: its policy row, then who may move the
+job's snapshots (:meth:`~fedpipe.node.access.JobAccessBook.check_snapshot`, on
+the skeleton); the :class:`~fedpipe.node.snapshots.SnapshotDesk` puts the
+tensors together and keeps the snapshot once it has them all.
+
 Delivery runs on the link's reader thread: it files the tensor in the stage's
 mailbox and never sends (the stage threads do), so a reader never waits on its
 own link's credit.
@@ -30,13 +37,16 @@ from ..spec import Kind
 from .access import JobAccessBook
 from .admission import DataPlane as Admission
 from .admission import slot_of
-from .errors import MAPPED, status_of
+from .errors import MAPPED, NoSuchSnapshot, status_of
+from .snapshots import SnapshotDesk
 from .stages import StageRegistry
 
 log = logging.getLogger(__name__)
 
 SEND_METHOD = "/fedpipe.v1.Node/Send"
 """The policy row a socket link's tensors are checked by: they are ``Send``'s frames."""
+PUT_SNAPSHOT_METHOD = "/fedpipe.v1.Node/PutSnapshot"
+"""The policy row a socket link's snapshot tensors are checked by."""
 PIPELINE_KINDS = frozenset({Kind.ACTIVATION, Kind.GRADIENT})
 """Kinds whose sender is a pipeline neighbour: a link that broke after one is suspect."""
 
@@ -57,17 +67,21 @@ class NodeReceiver:
         stages: the stages held here (the depth of a pipeline, for a client's feeds).
         revoked: the certificate serials refused now (the node's deny list, as its
             gRPC streams check it at each message); None without TLS.
+        desk: where snapshots are kept (None: snapshots are refused).
     """
 
     def __init__(self, access: JobAccessBook, admission: Admission, stages: StageRegistry,
-                 revoked: Callable[[], frozenset[int]] | None = None):
+                 revoked: Callable[[], frozenset[int]] | None = None,
+                 desk: SnapshotDesk | None = None):
         self.access, self.admission, self.stages = access, admission, stages
-        self.revoked = revoked
+        self.revoked, self.desk = revoked, desk
         self._lock = threading.Lock()
         self._last: dict[str, node_pb2.Envelope] = {}  # peer -> its last pipeline tensor's
         self._closed = threading.Event()
         self.received = 0
         """Tensors delivered over socket links (stage tensors and probes)."""
+        self.snapshot_tensors = 0
+        """Snapshot tensors taken over socket links (skeletons included)."""
 
     def close(self) -> None:
         """Stop waiting for room in a mailbox (node shutdown)."""
@@ -87,6 +101,8 @@ class NodeReceiver:
                     and identity.serial in self.revoked():
                 raise Unauthenticated(f"certificate of {identity} (serial {identity.serial}) "
                                       "is revoked")
+            if env.kind == Kind.SNAPSHOT:
+                return self._admit_snapshot(peer, header)
             policy.authorize(SEND_METHOD, identity)
             policy.check_send_kind(identity, header)
             self.access.check_sender(identity, env, lambda e: self.stages.get(slot_of(e)).n_stages)
@@ -94,14 +110,29 @@ class NodeReceiver:
         except MAPPED as e:
             raise refusal(e) from None
 
+    def _admit_snapshot(self, peer: Peer, header: node_pb2.Frame) -> int:
+        """A snapshot tensor's checks: ``PutSnapshot``'s (module docstring)."""
+        if self.desk is None:
+            raise NoSuchSnapshot("this node takes no snapshots over its data port")
+        policy.authorize(PUT_SNAPSHOT_METHOD, peer.identity)
+        return self.desk.admit_part(
+            peer.name, header, lambda env: self.access.check_snapshot(peer.identity, env))
+
     def deliver(self, peer: Peer, header: node_pb2.Frame, tensor: torch.Tensor) -> None:
-        """File an admitted tensor for its stage (a client's inputs wait for room).
+        """File an admitted tensor for its stage (a client's inputs wait for room); a
+        snapshot's for the snapshot desk.
 
         Raises:
             Refused: with the code gRPC would answer.
         """
         env = header.envelope
         try:
+            if env.kind == Kind.SNAPSHOT:
+                assert self.desk is not None  # admit refused it otherwise
+                self.desk.add_part(peer.name, header, tensor)
+                with self._lock:
+                    self.snapshot_tensors += 1
+                return
             self.admission.deliver(env, tensor, lambda: not self._closed.is_set())
         except MAPPED as e:
             raise refusal(e) from None

@@ -6,7 +6,7 @@ stage streams its tensors through senders of its own (:class:`StagePeers`):
 a :class:`SocketSender` over the node's socket data plane to a peer that offers
 a data port, a :class:`PeerSender` over gRPC to one that does not (chosen per
 link), so one stage's failed stream or error feedback never touches another's.
-:func:`measure_link` times a link for the tracker.
+:func:`measure_link` and :func:`measure_socket_link` time a link for the tracker.
 """
 from __future__ import annotations
 
@@ -533,7 +533,8 @@ class StagePeers:
 def measure_link(channel: grpc.Channel, *, pings: int = PROBE_PINGS,
                  max_bytes: int = PROBE_BYTES, seconds: float = PROBE_SECONDS
                  ) -> tuple[float, float]:
-    """Latency (one way, s) and bandwidth (bytes/s) to the node ``channel`` reaches.
+    """Latency (one way, s) and bandwidth (bytes/s) to the node ``channel`` reaches, over
+    gRPC (a peer without a data port; :func:`measure_socket_link` otherwise).
 
     Latency is half the median round trip of ``pings`` small Ping calls.
     Bandwidth is timed over the data path itself (Send of a probe tensor,
@@ -546,22 +547,66 @@ def measure_link(channel: grpc.Channel, *, pings: int = PROBE_PINGS,
             :data:`~fedpipe.net.timeouts.PING_RPC` / :data:`~fedpipe.net.timeouts.PROBE_SEND_RPC`.
     """
     stub = rpc.NodeStub(channel)
-    rtts = []
-    for _ in range(pings):
-        t0 = time.perf_counter()
-        stub.Ping(node_pb2.PingRequest(), timeout=timeouts.PING_RPC)
-        rtts.append(time.perf_counter() - t0)
-    rtt = statistics.median(rtts)
     env = node_pb2.Envelope(kind=Kind.PROBE.value)
+
+    def ping() -> None:
+        stub.Ping(node_pb2.PingRequest(), timeout=timeouts.PING_RPC)
 
     def probe(nbytes: int) -> float:
         probe_frames = list(frames.encode_frames(torch.zeros(nbytes, dtype=torch.uint8),
                                                  envelope=env))
         t0 = time.perf_counter()
         rpc.send(stub, probe_frames, timeout=timeouts.PROBE_SEND_RPC)
-        return max(time.perf_counter() - t0 - rtt, 1e-6)
+        return time.perf_counter() - t0
+
+    return _measure(ping, probe, pings, max_bytes, seconds)
+
+
+def measure_socket_link(link: dataplane.Link, pacer: Pacer | None = None, *,
+                        pings: int = PROBE_PINGS, max_bytes: int = PROBE_BYTES,
+                        seconds: float = PROBE_SECONDS) -> tuple[float, float]:
+    """:func:`measure_link` over the socket data plane's ``link`` to a peer, the path its
+    tensors take (through ``pacer``, the emulated link to it, as :class:`SocketSender`
+    goes): a ping is a one-byte probe tensor sent and acknowledged, a bandwidth probe
+    one of its size.
+
+    Raises:
+        LinkFailed: the link failed, or a probe was not acknowledged within
+            :data:`~fedpipe.net.timeouts.PROBE_SEND_RPC`.
+        PeerRefused: the peer refused a probe.
+    """
+    env = node_pb2.Envelope(kind=Kind.PROBE.value)
+
+    def probe(nbytes: int) -> float:
+        tensor = torch.zeros(nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        if pacer is not None:
+            time.sleep(max(0.0, pacer.due() - time.monotonic()))
+            pacer.take(nbytes)
+        link.send(tensor, envelope=env)
+        link.flush(timeout=timeouts.PROBE_SEND_RPC, owner="")  # a probe is no job's
+        if pacer is not None:
+            pacer.back()
+        return time.perf_counter() - t0
+
+    return _measure(lambda: probe(1), probe, pings, max_bytes, seconds)
+
+
+def _measure(ping: Callable[[], object], probe: Callable[[int], float], pings: int,
+             max_bytes: int, seconds: float) -> tuple[float, float]:
+    """``(latency, bandwidth)`` from ``pings`` timed ``ping()`` round trips and two
+    ``probe(nbytes)`` transfers (each returns its seconds): see :func:`measure_link`."""
+    rtts = []
+    for _ in range(pings):
+        t0 = time.perf_counter()
+        ping()
+        rtts.append(time.perf_counter() - t0)
+    rtt = statistics.median(rtts)
+
+    def bandwidth_probe(nbytes: int) -> float:
+        return max(probe(nbytes) - rtt, 1e-6)
 
     first = 256 * 1024
-    estimate = first / probe(first)
+    estimate = first / bandwidth_probe(first)
     size = int(min(max_bytes, max(first, estimate * seconds)))
-    return rtt / 2, size / probe(size)
+    return rtt / 2, size / bandwidth_probe(size)

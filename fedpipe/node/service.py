@@ -17,12 +17,14 @@ from typing import Callable
 import grpc
 
 from ..net import timeouts
+from ..net.dataplane import LinkFailed
 from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..security import TlsConfig, identity_of
 from ..spec import StageKey
 from ..wire import frames
+from ..wire.format import WireError
 from ..runtime import checkpoint
 from .access import Quorum
 from .errors import InvalidRequest, maps_errors
@@ -30,7 +32,7 @@ from .lifecycle import StageSlot
 from .mailbox import JOB_TENSORS
 from .parts import NodeParts, build_parts
 from .peers import (MAX_PINGS, MAX_PROBE_BYTES, MAX_PROBE_SECONDS, PROBE_BYTES, PROBE_PINGS,
-                    PROBE_SECONDS, measure_link)
+                    PROBE_SECONDS, measure_link, measure_socket_link)
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +185,20 @@ class NodeService(node_pb2_grpc.NodeServicer):
         for peer in request.peers:
             m = node_pb2.LinkMeasurement(src_id=self.node_id(), dst_id=peer.node_id,
                                          measured_at=time.time())
+            plane = self.parts.sockets if peer.data_address else None
             try:
-                with self.channels.borrow(peer.address, self.parts.shaper(peer.name)) as ch:
-                    m.latency, m.bandwidth = measure_link(ch, pings=pings, max_bytes=max_bytes,
-                                                          seconds=seconds)
+                if plane is not None:  # the path its tensors take
+                    m.latency, m.bandwidth = measure_socket_link(
+                        plane.link(peer.name, peer.data_address), self.parts.pacer(peer.name),
+                        pings=pings, max_bytes=max_bytes, seconds=seconds)
+                else:
+                    with self.channels.borrow(peer.address, self.parts.shaper(peer.name)) as ch:
+                        m.latency, m.bandwidth = measure_link(ch, pings=pings,
+                                                              max_bytes=max_bytes,
+                                                              seconds=seconds)
             except grpc.RpcError as e:
                 m.error = f"{e.code().name}: {e.details()}"
+            except (LinkFailed, WireError) as e:  # PeerRefused is a WireError
+                m.error = f"socket data plane: {e}"
             out.links.append(m)
         return out

@@ -14,8 +14,9 @@ from concurrent import futures
 from typing import Callable, Iterator
 
 import grpc
+import torch
 
-from ..net import timeouts
+from ..net import dataplane, timeouts
 from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint, layerstate
 from ..runtime.checkpoint import Snapshot
@@ -129,15 +130,22 @@ class Checkpoints:
     (:meth:`fedpipe.spec.PlanView.buddies`); the tracker marks a step complete once
     every stage has reported it.
 
+    A snapshot goes to a buddy that offers a data port over the node's socket data
+    plane (:func:`send_snapshot`), to one that does not (or whose link is broken and
+    waiting to resume) over gRPC's ``PutSnapshot``.
+
     Args:
         snapshots: where this node keeps snapshots.
         channels: the node's channels (to buddies).
         reporter: reports each shipped checkpoint.
+        plane: the node's socket data plane (returns None: gRPC only).
     """
 
     def __init__(self, snapshots: SnapshotStore, channels: ChannelPool,
-                 reporter: StageReporter):
+                 reporter: StageReporter,
+                 plane: Callable[[], dataplane.DataPlane | None] = lambda: None):
         self.snapshots, self.channels, self.reporter = snapshots, channels, reporter
+        self.plane = plane
         self.shipper = futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
 
     def take(self, stage: Stage, step: int) -> None:
@@ -158,27 +166,65 @@ class Checkpoints:
             env = node_pb2.Envelope(job_id=stage.job_id, replica=stage.key.replica,
                                     stage=stage.key.stage, kind=Kind.SNAPSHOT.value, step=snap.step,
                                     epoch=stage.epoch, batch_size=1)
+            plane = self.plane() if buddy.data_address else None
             try:
-                with self.channels.borrow(buddy.address) as ch:
-                    rpc.NodeStub(ch).PutSnapshot(checkpoint.to_frames(snap, env),
-                                                 timeout=timeouts.FETCH_STATE_RPC)
-            except grpc.RpcError as e:  # the checkpoint stays incomplete; the last one holds
+                link = plane.link(buddy.node_name, buddy.data_address) \
+                    if plane is not None else None
+                if link is not None and link.conn is None:
+                    # broken, waiting to resume (the buddy may be dead): a socket send would
+                    # wait out the resume window; gRPC fails at once if it is gone
+                    link = None
+                if link is not None:
+                    send_snapshot(link, env, snap)
+                else:
+                    with self.channels.borrow(buddy.address) as ch:
+                        rpc.NodeStub(ch).PutSnapshot(checkpoint.to_frames(snap, env),
+                                                     timeout=timeouts.FETCH_STATE_RPC)
+                self._count(buddy.node_name, snap, "socket" if link is not None else "grpc")
+            except (grpc.RpcError, dataplane.LinkFailed, WireError) as e:
+                # the checkpoint stays incomplete; the last one holds
                 log.warning("job %s stage %d: could not keep the step %d snapshot on buddy %s: "
                             "%s", stage.job_id, stage.key.stage, snap.step, buddy.node_name,
-                            e.details())
+                            e.details() if isinstance(e, grpc.RpcError) else e)
                 return
         if stage.live:
             self.reporter.report(stage, tracker_pb2.StageReport.STATUS_CHECKPOINT,
                                  step=snap.step)
+
+    def _count(self, buddy: str, snap: Snapshot, transport: str) -> None:
+        """Count a snapshot shipped to ``buddy`` in the node's link metrics, a tensor each."""
+        metrics = self.reporter.metrics
+        if metrics is not None:
+            for _, t in checkpoint.to_tensors(snap):
+                nbytes = t.numel() * t.element_size()
+                metrics.sent(buddy, Kind.SNAPSHOT, nbytes, nbytes, transport=transport)
 
     def close(self) -> None:
         """Ship nothing more (node shutdown)."""
         self.shipper.shutdown(wait=False, cancel_futures=True)
 
 
+def send_snapshot(link: dataplane.Link, envelope: node_pb2.Envelope, snap: Snapshot) -> None:
+    """Put ``snap`` on the node at the other end of ``link``: its tensors in
+    :func:`~fedpipe.runtime.checkpoint.to_tensors`' order, each with ``envelope`` (the
+    receiver puts them together by it, :meth:`SnapshotDesk.admit_part`) and its name,
+    from their own memory (a snapshot is a copy nobody changes); returns once the node
+    kept it.
+
+    Raises:
+        PeerRefused: the node refused it (a WireError).
+        LinkFailed: the link failed.
+    """
+    for name, t in checkpoint.to_tensors(snap):
+        link.send(t, envelope=envelope, name=name)
+    link.flush(owner=envelope.job_id)
+
+
 class SnapshotDesk:
     """Snapshots in and out of this node over RPC: a buddy's (or the job's client's,
-    restoring a saved checkpoint) kept by PutSnapshot, and those FetchSnapshot serves.
+    restoring a saved checkpoint) kept by PutSnapshot, and those FetchSnapshot serves;
+    and a buddy's over the socket data plane, tensor by tensor (:meth:`admit_part`,
+    :meth:`add_part`).
 
     Args:
         snapshots: where this node keeps snapshots.
@@ -190,6 +236,10 @@ class SnapshotDesk:
     def __init__(self, snapshots: SnapshotStore, holds_job: Callable[[str], bool],
                  job_bytes: int):
         self.snapshots, self.holds_job, self.job_bytes = snapshots, holds_job, job_bytes
+        self._lock = threading.Lock()
+        # snapshots coming over socket links, by (sender, job, replica, stage): at most one
+        # each (a sender ships one at a time; a new skeleton drops an unfinished one)
+        self._parts: dict[tuple[str, str, int, int], tuple[int, checkpoint.Assembler]] = {}
 
     def receive(self, stream: Iterator[bytes],
                 check: Callable[[node_pb2.Envelope], None]) -> None:
@@ -220,6 +270,69 @@ class SnapshotDesk:
         except WireError as e:
             raise WireError(f"malformed snapshot: {e}") from e
 
+    def admit_part(self, sender: str, head: node_pb2.Frame,
+                   check: Callable[[node_pb2.Envelope], None]) -> int:
+        """Check one tensor of a snapshot coming over a socket link from ``sender`` (its
+        envelope on every tensor, :func:`send_snapshot`) before its payload is read;
+        return its size limit, bytes. Its skeleton (the first) passes ``check`` and starts
+        the snapshot, within :data:`MAX_SNAPSHOT_BYTES` and the job's room.
+
+        Raises:
+            SnapshotTooLarge: past either limit.
+            WireError: a tensor of no snapshot started, or of another step.
+            SecurityError: as ``check`` raises (or any other error of it).
+        """
+        env = head.envelope
+        key = (sender, env.job_id, env.replica, env.stage)
+        try:
+            if head.name == checkpoint.SKELETON:
+                check(env)
+                room = self.snapshots.room(env.job_id, StageKey(env.replica, env.stage),
+                                           self.job_bytes)
+                with self._lock:
+                    self._parts[key] = (env.step, checkpoint.Assembler(
+                        min(room, MAX_SNAPSHOT_BYTES)))
+            with self._lock:
+                step, assembler = self._parts.get(key, (-1, None))
+            if assembler is None or step != env.step:
+                raise WireError(f"snapshot tensor {head.name!r} of step {env.step} of stage "
+                                f"{env.stage} (replica {env.replica}) of job {env.job_id!r} "
+                                "before its skeleton")
+            return assembler.admit(head)
+        except checkpoint.SnapshotTooLarge as e:
+            self._drop(key)
+            raise checkpoint.SnapshotTooLarge(
+                f"snapshot refused: {e} (a snapshot may take at most {MAX_SNAPSHOT_BYTES} "
+                f"bytes, one job's kept snapshots {self.job_bytes} bytes on this node)") from e
+
+    def add_part(self, sender: str, head: node_pb2.Frame, tensor: torch.Tensor) -> None:
+        """Take one tensor :meth:`admit_part` admitted; keep the snapshot once it has them
+        all.
+
+        Raises:
+            WireError: a malformed snapshot (or a tensor of none started).
+            NoSuchStage: as :meth:`keep`.
+        """
+        env = head.envelope
+        key = (sender, env.job_id, env.replica, env.stage)
+        with self._lock:
+            _, assembler = self._parts.get(key, (-1, None))
+        try:
+            if assembler is None:
+                raise WireError(f"snapshot tensor {head.name!r} of no snapshot started")
+            assembler.add(head, tensor)
+            if not assembler.complete:
+                return
+            self._drop(key)
+            self._kept(*assembler.finish())
+        except WireError as e:
+            self._drop(key)
+            raise WireError(f"malformed snapshot: {e}") from e
+
+    def _drop(self, key: tuple[str, str, int, int]) -> None:
+        with self._lock:
+            self._parts.pop(key, None)
+
     def keep(self, stream: Iterator[bytes], max_bytes: int = MAX_SNAPSHOT_BYTES) -> None:
         """Keep the snapshot ``stream`` carries, of at most ``max_bytes``.
 
@@ -229,7 +342,15 @@ class SnapshotDesk:
                 snapshot's.
             NoSuchStage: this node holds no stage of that job (it is no buddy of it).
         """
-        first, snap = checkpoint.from_frames(stream, max_bytes)
+        self._kept(*checkpoint.from_frames(stream, max_bytes))
+
+    def _kept(self, first: node_pb2.Frame, snap: Snapshot) -> None:
+        """Keep a received snapshot whose first frame is ``first``.
+
+        Raises:
+            WireError: its envelope is not a snapshot's of its step.
+            NoSuchStage: this node holds no stage of that job.
+        """
         env = first.envelope
         if env.kind != Kind.SNAPSHOT or env.step != snap.step:
             raise WireError(f"a snapshot stream needs a KIND_SNAPSHOT envelope of its step "

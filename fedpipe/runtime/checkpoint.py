@@ -150,11 +150,88 @@ def to_frames(snap: Snapshot, envelope: node_pb2.Envelope | None = None
 
     ``envelope`` rides on the first frame (who the snapshot is for).
     """
+    for i, (name, t) in enumerate(to_tensors(snap)):
+        yield from frames.encode_frames(t, name=name, envelope=envelope if i == 0 else None)
+
+
+def to_tensors(snap: Snapshot) -> Iterator[tuple[str, torch.Tensor]]:
+    """The snapshot as named tensors, in the order :class:`Assembler` takes them: its
+    skeleton (``{"step", "skeleton"}`` as JSON in a uint8 tensor) first, then each tensor."""
     meta = json.dumps({"step": snap.step, "skeleton": snap.skeleton}).encode()
-    yield from frames.encode_frames(torch.frombuffer(bytearray(meta), dtype=torch.uint8),
-                                    name=SKELETON, envelope=envelope)
-    for name, t in snap.tensors.items():
-        yield from frames.encode_frames(t, name=name)
+    yield SKELETON, torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+    yield from snap.tensors.items()
+
+
+class Assembler:
+    """A snapshot put together from its tensors as they arrive, skeleton first
+    (:func:`to_frames`' order), each checked on its header before its payload is read:
+    what :func:`from_frames` does with a frame stream, for a transport that delivers
+    tensors one by one (the socket data plane).
+
+    Args:
+        max_bytes: the most bytes the snapshot's tensors may take.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.first: node_pb2.Frame | None = None
+        self.snap: Snapshot | None = None
+        self.named: set[str] = set()  # the tensors its skeleton names
+        self.total = 0
+
+    def admit(self, head: node_pb2.Frame) -> int:
+        """The size limit of the tensor ``head`` announces, bytes.
+
+        Raises:
+            SnapshotTooLarge: it would take the snapshot past ``max_bytes``.
+            WireError: a malformed header.
+        """
+        if head.name == SKELETON:
+            return MAX_SKELETON_BYTES
+        need = codecs.check_header(head.tensor)
+        if need > self.max_bytes - self.total:  # refused on its header, before its payload
+            raise SnapshotTooLarge(f"snapshot tensor {head.name!r} of {need} bytes would take "
+                                   f"the snapshot past its limit of {self.max_bytes} bytes "
+                                   f"({self.total} bytes so far)")
+        return self.max_bytes - self.total
+
+    def add(self, head: node_pb2.Frame, t: torch.Tensor) -> None:
+        """Take one tensor of the snapshot (the first must be its skeleton).
+
+        Raises:
+            WireError: no skeleton first, a bad skeleton, or a tensor sent twice.
+        """
+        if self.snap is None:
+            if head.name != SKELETON or t.dtype != torch.uint8:
+                raise WireError("a snapshot stream must start with its skeleton")
+            self.first, self.snap = head, _read_skeleton(bytes(t.numpy()))
+            self.named = _collect_paths(self.snap.skeleton)
+            return
+        if head.name in self.snap.tensors:
+            raise WireError(f"snapshot tensor {head.name!r} sent twice")
+        self.total += t.numel() * t.element_size()
+        self.snap.tensors[head.name] = t
+
+    @property
+    def complete(self) -> bool:
+        """Whether every tensor its skeleton names has come."""
+        return self.snap is not None and len(self.snap.tensors) >= len(self.named)
+
+    def finish(self) -> tuple[node_pb2.Frame, Snapshot]:
+        """The snapshot's first frame and the snapshot.
+
+        Raises:
+            WireError: nothing came, or not exactly the tensors the skeleton names.
+        """
+        if self.first is None or self.snap is None:
+            raise WireError("empty snapshot stream")
+        snap = self.snap
+        if self.named != set(snap.tensors):
+            missing = sorted(self.named - set(snap.tensors))
+            extra = sorted(set(snap.tensors) - self.named)
+            raise WireError(f"truncated or inconsistent snapshot of step {snap.step}: missing "
+                            f"{missing[:5]}, unexpected {extra[:5]}")
+        return self.first, snap
 
 
 def from_frames(stream: Iterable[bytes], max_bytes: int) -> tuple[node_pb2.Frame,
@@ -170,40 +247,10 @@ def from_frames(stream: Iterable[bytes], max_bytes: int) -> tuple[node_pb2.Frame
             skeleton of another shape or nested deeper than :data:`MAX_SKELETON_DEPTH`).
         SnapshotTooLarge: a tensor's header would take the snapshot over ``max_bytes``.
     """
-    first: node_pb2.Frame | None = None
-    snap: Snapshot | None = None
-    total = 0
-
-    def admit(head: node_pb2.Frame) -> int:
-        if head.name == SKELETON:
-            return MAX_SKELETON_BYTES
-        need = codecs.check_header(head.tensor)
-        if need > max_bytes - total:  # refused on its header, before its payload is read
-            raise SnapshotTooLarge(f"snapshot tensor {head.name!r} of {need} bytes would take "
-                                   f"the snapshot past its limit of {max_bytes} bytes "
-                                   f"({total} bytes so far)")
-        return max_bytes - total
-
-    for head, t in frames.read_tensors(stream, admit):
-        if first is None:
-            if head.name != SKELETON or t.dtype != torch.uint8:
-                raise WireError("a snapshot stream must start with its skeleton")
-            first = head
-            snap = _read_skeleton(bytes(t.numpy()))
-            continue
-        assert snap is not None
-        if head.name in snap.tensors:
-            raise WireError(f"snapshot tensor {head.name!r} sent twice")
-        total += t.numel() * t.element_size()
-        snap.tensors[head.name] = t
-    if first is None or snap is None:
-        raise WireError("empty snapshot stream")
-    named = _collect_paths(snap.skeleton)
-    if named != set(snap.tensors):
-        missing, extra = sorted(named - set(snap.tensors)), sorted(set(snap.tensors) - named)
-        raise WireError(f"truncated or inconsistent snapshot of step {snap.step}: missing "
-                        f"{missing[:5]}, unexpected {extra[:5]}")
-    return first, snap
+    assembler = Assembler(max_bytes)
+    for head, t in frames.read_tensors(stream, assembler.admit):
+        assembler.add(head, t)
+    return assembler.finish()
 
 
 def _read_skeleton(raw: bytes) -> Snapshot:

@@ -51,6 +51,7 @@ class _Member:
     address: str
     registered: float
     site: str
+    data_address: str = ""  # its socket data plane ("": gRPC only): what a probe crosses
 
     @property
     def key(self) -> tuple[float, str]:
@@ -88,10 +89,16 @@ class LinkMeasurer:
         self._errors: list[str] = []  # this round's failed links, for one summary line
 
     # -- membership -----------------------------------------------------------
-    def add(self, node_id: str, name: str, address: str, registered: float) -> None:
-        """A node is alive: queue it and the neighbours it gains (O(k + sites))."""
-        m = _Member(node_id, name, address, registered, site_of(address))
+    def add(self, node_id: str, name: str, address: str, registered: float,
+            data_address: str = "") -> None:
+        """A node is alive: queue it and the neighbours it gains (O(k + sites)).
+        ``data_address``: its socket data plane, which its links are measured over."""
+        m = _Member(node_id, name, address, registered, site_of(address), data_address)
         with self._lock:
+            known = self._members.get(node_id)
+            if known is not None and known.data_address != data_address:
+                self._members[node_id] = m  # registered again (a restarted tracker's store
+                # knew it without its data port): same key and site, probes go the new way
             if node_id not in self._members:
                 self._members[node_id] = m
                 order = self._sites.setdefault(m.site, [])
@@ -221,7 +228,8 @@ class LinkMeasurer:
 
     def _measure(self, m: _Member, peers: list[_Member]) -> None:
         request = node_pb2.MeasureLinksRequest(peers=[
-            node_pb2.Peer(node_id=p.node_id, name=p.name, address=p.address) for p in peers])
+            node_pb2.Peer(node_id=p.node_id, name=p.name, address=p.address,
+                          data_address=p.data_address) for p in peers])
         now = self.clock()
         error: str | None = None
         mine: list[node_pb2.LinkMeasurement] = []

@@ -345,10 +345,11 @@ class Registry:
                     n.relay = inc.relay
         return nodes
 
-    def info(self, node_id: str) -> tuple[str, str, float]:
-        """``(name, address, registered)`` of a known incarnation. KeyError if unknown."""
+    def info(self, node_id: str) -> tuple[str, str, float, str]:
+        """``(name, address, registered, data_address)`` of a known incarnation. KeyError if
+        unknown."""
         inc = self._nodes[node_id]
-        return inc.name, inc.address, inc.registered
+        return inc.name, inc.address, inc.registered, inc.data_address
 
     def _reference(self, skip: set[str]) -> list[NodeRecord]:
         """The live node other versions are checked against (see :func:`check_versions`):

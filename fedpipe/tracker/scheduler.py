@@ -238,8 +238,8 @@ class Tracker:
         return node_id
 
     def _alive(self, node_id: str) -> None:
-        name, address, registered = self.registry.info(node_id)
-        self.links.add(node_id, name, address, registered)
+        name, address, registered, data_address = self.registry.info(node_id)
+        self.links.add(node_id, name, address, registered, data_address)
 
     def _nodes_lost(self, lost: set[str], why: str) -> None:
         self.links.remove(lost)

@@ -33,11 +33,25 @@ How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.So
   ``link.flush``.
 * a raw CPU tensor is sent from its own memory and kept until acknowledged, so a
   stage must not change it in place before ``flush`` (copy it where it would).
+
+What else travels over it, where both ends have a data port:
+
+* link measurement (:func:`fedpipe.node.peers.measure_socket_link`), always;
+* a client's feed (:mod:`fedpipe.client.links`), with ``Client(sockets=True)``
+  (off by default: a drain's exactness test met a refused duplicate target): the
+  client's plane is dial-only (``listen=False``), role ``client``, named
+  ``NAME#SUFFIX`` (:func:`client_name`);
+* checkpoint snapshots to a buddy (:func:`fedpipe.node.snapshots.send_snapshot`,
+  put together by the receiving node's snapshot desk): built and tested, but a node
+  ships over gRPC (with it on, recoveries rewound further: checkpoints completed later).
+
+Still on gRPC: FetchState, FetchSnapshot (request and answer), PutSnapshot and
+PutWeights.
 """
 from .credits import LinkFailed
 from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts
 from .records import Code, Preface
-from .server import DataPlane
+from .server import DataPlane, client_name
 
 __all__ = ["Code", "DataPlane", "Link", "LinkEvents", "LinkFailed", "Peer", "PeerRefused",
-           "Preface", "Receiver", "Refused", "Timeouts"]
+           "Preface", "Receiver", "Refused", "Timeouts", "client_name"]

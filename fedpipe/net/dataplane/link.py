@@ -61,6 +61,7 @@ class Timeouts:
             dialer redials with backoff meanwhile), else the link fails.
         handshake: connect, TLS handshake and prefaces, each.
         backoff_min, backoff_max: the dialer's pause between redials, doubling.
+        resync: a sender waiting for acknowledgements asks again this often.
     """
 
     credit: float = 600.0
@@ -68,6 +69,7 @@ class Timeouts:
     handshake: float = 5.0
     backoff_min: float = 0.05
     backoff_max: float = 1.0
+    resync: float = 1.0
 
 
 DEFAULT_TIMEOUTS = Timeouts()
@@ -285,10 +287,18 @@ class Link:
         self._wait_idle(timeout, owner)
 
     def _wait_idle(self, timeout: float | None, owner: str | None = None) -> None:
+        """Wait until the peer acknowledged everything, asking again (a SYNC) every
+        :attr:`Timeouts.resync` seconds meanwhile: an acknowledgement is the one record
+        a waiting sender depends on, and asking again costs a 16-byte record."""
         timeout = self.timeouts.credit if timeout is None else timeout
-        if not self.credits.wait_idle(timeout):
-            self.credits.fail(f"{self.credits.messages_out} tensors unacknowledged by "
-                              f"{self.peer_name} after {timeout} s")
+        deadline = time.monotonic() + timeout
+        while not self.credits.wait_idle(min(self.timeouts.resync,
+                                             max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                self.credits.fail(f"{self.credits.messages_out} tensors unacknowledged by "
+                                  f"{self.peer_name} after {timeout} s")
+                break
+            self._sync()
         self.check(owner)
 
     def _sync(self) -> None:

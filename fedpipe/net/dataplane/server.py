@@ -19,6 +19,7 @@ thread waking for it, and its link fails unless the peer comes back.
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import ssl
 import threading
@@ -78,9 +79,24 @@ def read_preface(conn: Connection) -> Preface:
     return Preface.decode(conn.read_exact(arg))
 
 
+CLIENT_SEP = "#"
+"""Between a client's certificate name and the suffix that tells its processes apart
+(certificate names never hold it: :mod:`fedpipe.security.certs`)."""
+
+
+def client_name(base: str) -> str:
+    """A name for one client process's data plane: ``base`` (its certificate's name, with
+    TLS) and a random suffix, so two clients of one user get a link each at a node."""
+    return f"{base}{CLIENT_SEP}{secrets.token_hex(6)}"
+
+
 def peer_of(sock: socket.socket, theirs: Preface, auth: Authenticator | None) -> Peer:
     """Who is at the other end: with TLS the certificate's identity, which the preface's
     name and role must match; without it the preface's word.
+
+    A client's preface may name it ``NAME#SUFFIX`` (:func:`client_name`): one
+    certificate's holder may run several clients at once, and each needs a link of its
+    own; ``NAME`` must still be the certificate's.
 
     Raises:
         SecurityError: no valid certificate, revoked, or a preface naming someone else.
@@ -88,7 +104,8 @@ def peer_of(sock: socket.socket, theirs: Preface, auth: Authenticator | None) ->
     if auth is None or not isinstance(sock, ssl.SSLSocket):
         return Peer(theirs.name, theirs.role)
     identity = socket_identity(sock, auth)
-    if identity.name != theirs.name or identity.role.value != theirs.role:
+    name = theirs.name.partition(CLIENT_SEP)[0] if theirs.role == "client" else theirs.name
+    if identity.name != name or identity.role.value != theirs.role:
         raise SecurityError(f"preface says {theirs.role} {theirs.name!r} but the certificate "
                             f"is {identity}")
     return Peer(identity.name, identity.role.value, identity)
@@ -101,6 +118,8 @@ class DataPlane:
         name, role: this process's identity, for its prefaces (with TLS, its certificate's).
         receiver: where every link's received tensors go.
         host, port: where to listen (port 0: a free one; :attr:`port` says which).
+        listen: False: only dial (a client's plane: nodes never dial a client); then
+            :attr:`port` is 0 and nothing listens.
         tls: mutual TLS with these certificates (None: plaintext).
         events: where links report breaks and failures.
         window_bytes, window_messages: the credit each link grants its peer.
@@ -110,7 +129,8 @@ class DataPlane:
     """
 
     def __init__(self, name: str, receiver: Receiver, *, role: str = "node",
-                 host: str = "127.0.0.1", port: int = 0, tls: TlsConfig | None = None,
+                 host: str = "127.0.0.1", port: int = 0, listen: bool = True,
+                 tls: TlsConfig | None = None,
                  events: LinkEvents | None = None, timeouts: Timeouts = DEFAULT_TIMEOUTS,
                  window_bytes: int | None = None, window_messages: int | None = None):
         self.name, self.role, self.receiver, self.events = name, role, receiver, events
@@ -126,11 +146,13 @@ class DataPlane:
         self._accepted: dict[str, Link] = {}
         self._addresses: dict[str, str] = {}  # peer -> the address its dialed link dials
         self._closed = False
-        self._listener = socket.create_server((host, port), backlog=BACKLOG)
-        self.host, self.port = host, self._listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                        name=f"data-accept-{self.port}")
-        self._thread.start()
+        self._listener = socket.create_server((host, port), backlog=BACKLOG) \
+            if listen else None
+        self.host = host
+        self.port = self._listener.getsockname()[1] if self._listener is not None else 0
+        if self._listener is not None:
+            threading.Thread(target=self._accept_loop, args=(self._listener,), daemon=True,
+                             name=f"data-accept-{self.port}").start()
 
     @property
     def address(self) -> str:
@@ -204,10 +226,10 @@ class DataPlane:
             raise
 
     # -- accepting --------------------------------------------------------------
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except OSError:
                 return  # closed
             threading.Thread(target=self._serve, args=(sock,), daemon=True,
@@ -285,7 +307,8 @@ class DataPlane:
             links = [*self._dialed.values(), *self._accepted.values()]
             self._dialed.clear()
             self._accepted.clear()
-        self._listener.close()
+        if self._listener is not None:
+            self._listener.close()
         for link in links:
             link.close()
 
