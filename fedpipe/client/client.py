@@ -37,6 +37,7 @@ from . import checkpoints
 from .feed import Batch, cycle
 from .job import Job
 from .packaging import check_sequential, dumps
+from .reach import TrackerReach
 from .weights import package
 
 log = logging.getLogger("fedpipe.client")
@@ -84,6 +85,9 @@ class Client:
         self._nodes: dict[str, tuple[grpc.Channel, rpc.NodeStub]] = {}
         self._feeding: set[Job] = set()
         self._closed = False
+        self.reach = TrackerReach()
+        """Says once that the tracker is unreachable and once that it is back, for all of
+        this client's jobs (:mod:`.reach`)."""
 
     def __enter__(self) -> "Client":
         return self

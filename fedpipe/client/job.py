@@ -151,7 +151,8 @@ class Job:
         self._check_open()
         self._halted.clear()  # a resume refused earlier left it set
         watch = JobWatch(self.client.stub, self.id, self._feeder_id, take_over=take_over,
-                         on_event=self._on_event, halted=self._halted)
+                         on_event=self._on_event, halted=self._halted,
+                         reach=self.client.reach)
         watch.open()
         streamer = WeightStreamer(self.id, self._weights, self.client.node) \
             if self._weights is not None else None
@@ -382,6 +383,7 @@ class Job:
                     for ev in self.client.stub.WatchJob(
                             S.WatchJobRequest(job_id=self.id, after_seq=seq), timeout=left):
                         seq = ev.seq
+                        self.client.reach.reached()
                         if ev.step:
                             bar.update(ev.step - bar.n)
                             bar.set_postfix(loss=f"{ev.loss:.4f}",
@@ -399,8 +401,7 @@ class Job:
                                           f"{e.details()}") from None
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         raise
-                    log.warning("lost the tracker (%s); watching job %s again", e.details(),
-                                self.id)
+                    self.client.reach.lost(e)  # one line while it lasts
                     time.sleep(timeouts.WATCH_RESUME)
         finally:
             bar.close()
@@ -510,10 +511,13 @@ class Job:
         Raises:
             grpc.RpcError: a refusal that cannot pass (:data:`.watch.RETRYABLE`).
         """
-        return net.retry(lambda: self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
+        info = net.retry(lambda: self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
                                                          timeout=timeouts.CONTROL_RPC),
                          f"asking the tracker about job {self.id}", codes=RETRYABLE,
-                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self._halted.is_set)
+                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self._halted.is_set,
+                         on_retry=self.client.reach.lost)
+        self.client.reach.reached()
+        return info
 
     def _run_feed(self, feed: Feed) -> None:
         """The feed thread's body: feed, then turn what ended the feed into the job's fate

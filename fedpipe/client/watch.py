@@ -17,11 +17,17 @@ caller: at once by :meth:`JobWatch.open`, which :meth:`fedpipe.Job.resume` calls
 before any thread starts, and later from :meth:`fedpipe.Job.wait` (kept in
 :attr:`JobWatch.error`). FAILED_PRECONDITION on a re-watch means another client
 took the job over: the watch ends and marks itself :attr:`~JobWatch.superseded`.
+
+While the tracker is unreachable the retries say so once and once when it is back
+(:class:`~.reach.TrackerReach`), and the feed goes on from what the events last said
+(:meth:`JobWatch.known`), asking the tracker nothing it can do without.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 import grpc
@@ -30,6 +36,7 @@ from .. import net
 from ..net import timeouts
 from ..proto import tracker_pb2 as S
 from ..spec import TERMINAL
+from .reach import TrackerReach
 
 log = logging.getLogger("fedpipe.client")
 
@@ -40,6 +47,24 @@ watch and its ``GetJob`` fallback try again. Any other code is raised to the cal
 LIVE_RECHECK = 1.0
 """Seconds a waiter on a live stream waits for an event before it asks ``GetJob`` anyway:
 the feeder the tracker names changes with no event of its own (a re-watch attaching)."""
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the tracker last said of the job (its events, or a ``GetJob``), asking nothing.
+
+    Attributes:
+        state: the job's state (``JOB_STATE_*``; 0 before any word).
+        epoch: its plan epoch.
+        checkpoint_step: its newest complete checkpoint's step (0: none).
+        heard: when the tracker last said anything of the job (an event of any kind,
+            a step's included, or a ``GetJob`` answer), seconds (``time.monotonic``).
+    """
+
+    state: int = 0
+    epoch: int = 0
+    checkpoint_step: int = 0
+    heard: float = 0.0
 
 
 class Halted(Exception):
@@ -80,17 +105,22 @@ class JobWatch:
             only the first attach does; a re-watch after losing the tracker does not.
         on_event: called on the watch thread with each event (keeps checkpoints).
         halted: set when the feed must stop (shared with the feed and the client).
+        reach: says once that the tracker is unreachable and once that it is back
+            (the client's, shared by its callers; default: this watch's own).
     """
 
     def __init__(self, tracker: WatchTracker, job_id: str, feeder_id: str, *,
                  take_over: bool = False,
                  on_event: Callable[[S.JobEvent], None] | None = None,
-                 halted: threading.Event | None = None):
+                 halted: threading.Event | None = None,
+                 reach: TrackerReach | None = None):
         self.tracker, self.job_id, self.feeder_id = tracker, job_id, feeder_id
         self.halted = halted if halted is not None else threading.Event()
         self.error: grpc.RpcError | None = None  # the refusal that ended the watch
         self.superseded = False  # another client took the job over
         self._take_over, self._on_event = take_over, on_event
+        self.reach = reach if reach is not None else TrackerReach()
+        self._known = Known(heard=time.monotonic())
         self._changed = threading.Condition()
         self._seq = 0  # the last event seen
         self._version = 0  # grows at every state or checkpoint event and stream change
@@ -147,8 +177,7 @@ class JobWatch:
                 if e.code() not in RETRYABLE:
                     self._stop(e)
                     return
-                log.warning("job %s: lost the tracker (%s: %s); watching again", self.job_id,
-                            e.code().name, e.details())
+                self.reach.lost(e)  # one line while it lasts, not one per try
                 self._notify()  # the stream is down: waiters fall back to polling
                 self.halted.wait(timeouts.WATCH_RESUME)
 
@@ -173,8 +202,12 @@ class JobWatch:
         yield from call
 
     def _record(self, ev: S.JobEvent) -> None:
+        self.reach.reached()
         with self._changed:
             self._seq, self._take_over = ev.seq, False  # attached: a re-watch takes nothing over
+            k = self._known
+            self._known = Known(ev.state or k.state, max(ev.epoch, k.epoch),
+                                max(ev.checkpoint_step, k.checkpoint_step), time.monotonic())
             if ev.state == S.JOB_STATE_RUNNING or ev.state in TERMINAL:
                 self._started = True
             if not ev.step or ev.checkpoint_step:  # a step's own event changes no wait
@@ -232,10 +265,20 @@ class JobWatch:
             grpc.RpcError: a refusal that cannot pass (not :data:`RETRYABLE`), or any
                 once the feed halted.
         """
-        return net.retry(lambda: self.tracker.GetJob(S.GetJobRequest(job_id=self.job_id),
+        info = net.retry(lambda: self.tracker.GetJob(S.GetJobRequest(job_id=self.job_id),
                                                      timeout=timeouts.CONTROL_RPC),
                          f"asking the tracker about job {self.job_id}", codes=RETRYABLE,
-                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self.halted.is_set)
+                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self.halted.is_set,
+                         on_retry=self.reach.lost)
+        self.reach.reached()
+        with self._changed:
+            self._known = Known(info.state, info.epoch, info.checkpoint_step, time.monotonic())
+        return info
+
+    def known(self) -> Known:
+        """What the tracker last said of the job (:class:`Known`), without asking it."""
+        with self._changed:
+            return self._known
 
     def await_epoch(self, after: int, poll: float) -> S.JobInfo | None:
         """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended) on

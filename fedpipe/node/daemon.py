@@ -7,7 +7,6 @@ import sys
 import threading
 import time
 import uuid
-from concurrent import futures
 
 import cloudpickle
 import grpc
@@ -23,6 +22,7 @@ from ..security import CertError, DenyList, Role, TlsConfig
 from ..spec import PROTOCOL_VERSION
 from ..wire import rpc
 from .parts import build_parts
+from .reports import ReportQueue
 from .probe import probe, resolve_device
 from .service import NodeService
 
@@ -129,7 +129,8 @@ class NodeDaemon:
         self.tls = tls
         self._deny_serials: frozenset[int] = frozenset()
         self.tracker = tracker_pb2_grpc.TrackerStub(net.channel(tracker, tls=tls))
-        self.reports = futures.ThreadPoolExecutor(1, thread_name_prefix="report")
+        self.reports = ReportQueue(
+            lambda r: self.tracker.ReportStage(r, timeout=timeouts.CONTROL_RPC))
         links = LinkProfile.load(link_profile) if link_profile else None
         self.server = net.server(tls=tls)
         self.port = net.bind(self.server, host, port)
@@ -157,9 +158,7 @@ class NodeDaemon:
         rpc.add_node_servicer(self.service, self.server)
 
     def _report(self, report: tracker_pb2.StageReport) -> None:
-        self.reports.submit(lambda: net.retry(
-            lambda: self.tracker.ReportStage(report, timeout=timeouts.CONTROL_RPC),
-            "report to tracker", stop=self.stop_event.is_set))
+        self.reports.put(report)
 
     def _quorum(self, request: tracker_pb2.ReplicaQuorumRequest
                 ) -> tracker_pb2.ReplicaQuorumReply:
@@ -250,6 +249,8 @@ class NodeDaemon:
                 break
         self.stop_event.set()
         self.service.stop_all()
+        self.reports.flush(timeouts.LEAVING_RPC)  # the stages' last words, best effort
+        self.reports.close()
         if self.node_id:
             try:  # so no job is planned onto a node that is gone
                 self.tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=self.node_id,
