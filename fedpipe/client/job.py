@@ -135,6 +135,7 @@ class Job:
         self._feeder_id = os.urandom(8).hex()
         self._halted = threading.Event()
         self._watch: JobWatch | None = None  # the feeder's watch, while this Job feeds
+        self._feed: Feed | None = None  # the feed, once this Job feeds
 
     def _start_feed(self, batches: Iterator, *, take_over: bool = False,
                     restore: checkpoints.SavedCheckpoint | None = None) -> None:
@@ -163,7 +164,7 @@ class Job:
         except ValueError:
             watch.halt()
             raise
-        self._watch = watch
+        self._watch, self._feed = watch, feed
         self._follower = threading.Thread(target=watch.run, name=f"watch-{self.id}",
                                           daemon=True)
         self._feeder = threading.Thread(target=self._run_feed, args=(feed,),
@@ -314,6 +315,13 @@ class Job:
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
+
+    @property
+    def fed(self) -> int:
+        """Steps this client has fed in full so far (0 if it does not feed the job), read
+        without the tracker: it goes on while no tracker leads (:mod:`.feed`)."""
+        feed = self._feed
+        return feed.fed if feed is not None else 0
 
     def status(self) -> JobStatus:
         """The job's current state, reason, progress and plan."""
