@@ -19,8 +19,9 @@ Without a tracker. The feed learns of complete checkpoints from its watch's even
 (:meth:`~.watch.JobWatch.known`), so between checkpoints it asks the tracker nothing,
 and the job's data plane trains on while no tracker leads (a restart, a failover).
 While the tracker is silent (no word of the job for
-:data:`~fedpipe.net.timeouts.TRACKER_SILENT` s, or the watch's stream is down), no checkpoint can be known complete, so the feed keeps
-every batch since the last one it knows of, past the bound, up to
+:data:`~fedpipe.net.timeouts.TRACKER_SILENT` s, or the watch's stream is down), no
+checkpoint can be known complete, so the feed keeps every batch since the last one it
+knows of, past the bound, up to
 :data:`FEED_OUTAGE_KEEP_BYTES`: a node lost meanwhile rewinds the job to that
 checkpoint once a tracker leads again, and those batches are fed again.
 
