@@ -295,6 +295,8 @@ class Feed:
             Halted: the client closed, or another client took the job over.
             StopIteration: the data ran out.
             grpc.RpcError: a node or the tracker refused the feed for good.
+            NoLeader: the job needed a recovery and no tracker led within
+                :data:`~fedpipe.net.timeouts.LEADER_WAIT`.
         """
         self.watch.wait_started()
         info = self.watch.await_epoch(-1, RECOVERY_POLL)  # running now, not only once
@@ -321,7 +323,9 @@ class Feed:
             # it: once the job runs again, feed it from its resume step
             log.info("job %s: feeding step %d failed (%s: %s); waiting for the job to "
                      "recover", self.job_id, self.step, e.code().name, e.details())
-            resumed = self.watch.await_epoch(info.epoch, RECOVERY_POLL)
+            # only a leading tracker recovers it: wait for one, up to LEADER_WAIT
+            resumed = self.watch.await_epoch(info.epoch, RECOVERY_POLL,
+                                             time.monotonic() + timeouts.LEADER_WAIT)
         if resumed is None:
             return None
         self.kept.check_rewind(resumed.resume_step)

@@ -32,7 +32,7 @@ from ..wire import frames
 from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
 from .feed import FEED_KEEP_CHECKPOINTS, Batch, ChannelNodes, Feed, GroupFeed, cycle, shard
-from .watch import RETRYABLE, Halted, JobWatch
+from .watch import RETRYABLE, Halted, JobWatch, NoLeader
 from .weights import TensorsOf, WeightStreamer, streamed
 
 if TYPE_CHECKING:
@@ -401,15 +401,7 @@ class Job:
                         last_state = ev.state
                     break
                 except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        raise TimeoutError(f"job {self.id} did not finish within {timeout} s"
-                                           ) from None
-                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise TrackerBusy(f"the tracker refused to watch job {self.id}: "
-                                          f"{e.details()}") from None
-                    if e.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise
-                    self.client.reach.lost(e)  # one line while it lasts
+                    self._watch_lost(e, timeout)
                     time.sleep(timeouts.WATCH_RESUME)
         finally:
             bar.close()
@@ -421,6 +413,20 @@ class Job:
             detail = f"; feeding data failed: {self.feed_error}" if self.feed_error else ""
             raise JobFailed(f"job {self.id} {status.state}: {status.reason}{detail}")
         return status
+
+    def _watch_lost(self, e: grpc.RpcError, timeout: float | None) -> None:
+        """:meth:`wait`'s watch failed with ``e``: return to watch again (the tracker is
+        unreachable for now: said once, :mod:`.reach`), or raise as :meth:`wait` says."""
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise TimeoutError(f"job {self.id} did not finish within {timeout} s") from None
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise TrackerBusy(f"the tracker refused to watch job {self.id}: "
+                              f"{e.details()}") from None
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise e
+        if isinstance(self.feed_error, NoLeader):  # no tracker to say so
+            raise JobFailed(f"job {self.id} FAILED: {self.feed_error}") from None
+        self.client.reach.lost(e)  # one line while it lasts
 
     def cancel(self, reason: str = "cancelled by the client") -> JobStatus:
         """Cancel the job; its stages stop and drop their weights."""

@@ -67,6 +67,11 @@ class Known:
     heard: float = 0.0
 
 
+class NoLeader(RuntimeError):
+    """No tracker led within :data:`~fedpipe.net.timeouts.LEADER_WAIT` while the feed
+    waited for something only a leader does (its job's recovery); the message says what."""
+
+
 class Halted(Exception):
     """The feed must stop: its client closed, the watch ended on a refusal, or another
     client took the job over (:attr:`JobWatch.superseded`)."""
@@ -256,20 +261,34 @@ class JobWatch:
         with self._changed:
             self._wait_change(self._version, poll)
 
-    def info(self) -> S.JobInfo:
+    def info(self, deadline: float | None = None) -> S.JobInfo:
         """The job's info; while the tracker is unreachable (restarting), ask again until
         it answers, at most :data:`~fedpipe.net.timeouts.RECONNECT_BACKOFF_MAX` apart, so
         the feed goes on as soon as the tracker is back.
 
+        With ``deadline`` (``time.monotonic()`` seconds), ask until then only.
+
         Raises:
             grpc.RpcError: a refusal that cannot pass (not :data:`RETRYABLE`), or any
                 once the feed halted.
+            NoLeader: ``deadline`` passed with no answer (no tracker leads).
         """
-        info = net.retry(lambda: self.tracker.GetJob(S.GetJobRequest(job_id=self.job_id),
-                                                     timeout=timeouts.CONTROL_RPC),
-                         f"asking the tracker about job {self.job_id}", codes=RETRYABLE,
-                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self.halted.is_set,
-                         on_retry=self.reach.lost)
+        def stop() -> bool:
+            return self.halted.is_set() or (deadline is not None and
+                                            time.monotonic() > deadline)
+        try:
+            info = net.retry(lambda: self.tracker.GetJob(S.GetJobRequest(job_id=self.job_id),
+                                                         timeout=timeouts.CONTROL_RPC),
+                             f"asking the tracker about job {self.job_id}", codes=RETRYABLE,
+                             max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=stop,
+                             on_retry=self.reach.lost)
+        except grpc.RpcError as e:
+            if self.halted.is_set() or e.code() not in RETRYABLE:
+                raise
+            raise NoLeader(f"no tracker led within LEADER_WAIT={timeouts.LEADER_WAIT:.0f} s "
+                           f"while job {self.job_id} waited for its recovery "
+                           f"({e.code().name}: {e.details()}); set FEDPIPE_LEADER_WAIT to "
+                           f"wait longer") from None
         self.reach.reached()
         with self._changed:
             self._known = Known(info.state, info.epoch, info.checkpoint_step, time.monotonic())
@@ -280,19 +299,22 @@ class JobWatch:
         with self._changed:
             return self._known
 
-    def await_epoch(self, after: int, poll: float) -> S.JobInfo | None:
+    def await_epoch(self, after: int, poll: float, deadline: float | None = None
+                    ) -> S.JobInfo | None:
         """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended) on
         that epoch's plan, with this feed as its feeder; None if it ends first. Wakes on
         each state or checkpoint event (steps' events change nothing it waits for);
-        looks every ``poll`` seconds only while the stream is down.
+        looks every ``poll`` seconds only while the stream is down. With ``deadline``
+        (``time.monotonic()`` seconds), the tracker must answer by then.
 
         Raises:
             Halted: the feed must stop, or another client took the job over.
+            NoLeader: the tracker did not answer by ``deadline``.
         """
         while not self.halted.is_set():
             with self._changed:
                 seen = self._version
-            info = self.info()
+            info = self.info(deadline)
             if info.state in TERMINAL:
                 return None
             if info.feeder and info.feeder != self.feeder_id:

@@ -89,6 +89,12 @@ CLIENT_REATTACH = _seconds("CLIENT_REATTACH", 15.0)
 their jobs again before the jobs wait for a client."""
 
 
+LEADER_WAIT = _seconds("LEADER_WAIT", 300.0)
+"""What cannot go on without a leading tracker waits for one this long, then fails, saying
+so: a replica groups' step commit (the stage fails, and its job once a tracker leads); a
+feed waiting for its job's recovery (the client's job fails). Meanwhile a running job's
+data plane trains on (:mod:`fedpipe.client.feed`, :mod:`fedpipe.node.reports`), and the
+recoveries and drains the tracker owes are done by the next one that leads."""
 QUORUM_POLL = _seconds("QUORUM_POLL", 0.5)
 """Elastic replica groups: a ring member that waited this long for a message asks the tracker
 whether the step's membership changed (a group dropped) before it waits again."""

@@ -18,11 +18,12 @@ from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics, start_metrics
 from ..observe.serving import LOCALHOST, Served
 from ..proto import tracker_pb2, tracker_pb2_grpc
+from ..runtime.stage import StageError
 from ..security import CertError, DenyList, Role, TlsConfig
 from ..spec import PROTOCOL_VERSION
 from ..wire import rpc
 from .parts import build_parts
-from .reports import ReportQueue
+from .reports import UNREACHABLE, ReportQueue
 from .probe import probe, resolve_device
 from .service import NodeService
 
@@ -162,9 +163,29 @@ class NodeDaemon:
 
     def _quorum(self, request: tracker_pb2.ReplicaQuorumRequest
                 ) -> tracker_pb2.ReplicaQuorumReply:
-        """One ReplicaQuorum call for a stage, retried while the tracker is unreachable."""
-        return net.retry(lambda: self.tracker.ReplicaQuorum(request, timeout=timeouts.QUORUM_RPC),
-                         "replica quorum", stop=self.stop_event.is_set)
+        """One ReplicaQuorum call for a stage, retried while no tracker leads, for at most
+        :data:`~fedpipe.net.timeouts.LEADER_WAIT` s (the stage waits: the step cannot
+        commit without one).
+
+        Raises:
+            StageError: no tracker led within that deadline (the stage fails, and its
+                job with this reason once a tracker leads again).
+            grpc.RpcError: a refusal, or the node stops.
+        """
+        deadline = time.monotonic() + timeouts.LEADER_WAIT
+        try:
+            return net.retry(
+                lambda: self.tracker.ReplicaQuorum(request, timeout=timeouts.QUORUM_RPC),
+                "replica quorum", max_delay=timeouts.RECONNECT_BACKOFF_MAX,
+                stop=lambda: self.stop_event.is_set() or time.monotonic() > deadline,
+                on_retry=self.reports.unreachable)
+        except grpc.RpcError as e:
+            if self.stop_event.is_set() or e.code() not in UNREACHABLE:
+                raise
+            raise StageError(
+                f"no tracker led within LEADER_WAIT={timeouts.LEADER_WAIT:.0f} s to commit "
+                f"step {request.step} of the replica groups ({e.code().name}: "
+                f"{e.details()}); set FEDPIPE_LEADER_WAIT to wait longer") from None
 
     def register(self) -> None:
         """Register with the tracker, retrying with backoff while it is unreachable."""

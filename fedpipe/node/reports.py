@@ -156,7 +156,7 @@ class ReportQueue:
                 self.send(report)
             except grpc.RpcError as e:
                 if e.code() in UNREACHABLE:
-                    self._unreachable(e)
+                    self.unreachable(e)
                     with self._cond:
                         self._cond.wait_for(lambda: self._closed, delay)
                     delay = min(timeouts.RECONNECT_BACKOFF_MAX, delay * 2)
@@ -172,7 +172,9 @@ class ReportQueue:
                 self.sent += 1
                 self._cond.notify_all()
 
-    def _unreachable(self, e: grpc.RpcError) -> None:
+    def unreachable(self, e: grpc.RpcError) -> None:
+        """The tracker did not take a call (``e``): the first time since it last did, log it
+        (one line for the node's calls that wait for a leader, not one per try)."""
         if self._down_since is None:
             self._down_since = time.monotonic()
             log.warning("the tracker is unreachable (%s: %s); this node's stages train on "
