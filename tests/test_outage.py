@@ -32,6 +32,13 @@ GAP = 6.0
 """Seconds the tracker is gone: past the nodes' lease (5 s) and the client's grace."""
 
 
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    """One swarm for this module's tests (its tracker restarted by the first)."""
+    with LocalSwarm(n_nodes=3, workdir=str(tmp_path_factory.mktemp("outage"))) as s:
+        yield s
+
+
 @pytest.fixture
 def silent_soon(monkeypatch):
     """The feed counts the tracker gone after 0.5 s of silence (default 2 s): the gap
@@ -78,13 +85,13 @@ def trained_through(s: LocalSwarm, client: fedpipe.Client, gone, back) -> None:
     job.release()
 
 
-def test_a_job_trains_on_while_its_tracker_is_killed_and_started_again(tmp_path, caplog,
+def test_a_job_trains_on_while_its_tracker_is_killed_and_started_again(swarm, caplog,
                                                                         silent_soon):
     caplog.set_level(logging.INFO)
-    with LocalSwarm(n_nodes=3, workdir=str(tmp_path)) as s:
-        client = s.client()
+    s = swarm
+    with s.client() as client:
         trained_through(s, client, lambda: faults.kill(s.tracker_proc), s.start_tracker)
-        assert "missed its lease" not in s.log(s.tracker_proc)
+    assert "missed its lease" not in s.log(s.tracker_proc)
     lines = reach_lines(caplog)
     assert [m for m in lines if "unreachable" in m] != [], lines
     assert len(lines) == 2, lines
@@ -92,14 +99,13 @@ def test_a_job_trains_on_while_its_tracker_is_killed_and_started_again(tmp_path,
     assert lines[1].startswith("the tracker is back (unreachable for "), lines
 
 
-def test_a_job_trains_on_while_its_tracker_is_stopped_past_the_nodes_lease(tmp_path,
+def test_a_job_trains_on_while_its_tracker_is_stopped_past_the_nodes_lease(swarm,
                                                                            silent_soon):
-    with LocalSwarm(n_nodes=3, workdir=str(tmp_path)) as s:
-        client = s.client()
-        resumed: list = []
-        trained_through(s, client,
-                        lambda: resumed.append(faults.pause(s.tracker_proc, GAP)),
+    s = swarm
+    resumed: list = []
+    with s.client() as client:
+        trained_through(s, client, lambda: resumed.append(faults.pause(s.tracker_proc, GAP)),
                         lambda: resumed[0].join())
-        log = s.log(s.tracker_proc)
-        assert "missed its lease" not in log, log
-        assert "this tracker did not run for" in log
+    log = s.log(s.tracker_proc)
+    assert "missed its lease" not in log, log
+    assert "this tracker did not run for" in log
