@@ -336,7 +336,7 @@ class Feed:
     def _steps(self, info: S.JobInfo) -> None:
         """Send every step of the epoch from ``info.resume_step``."""
         groups = GroupFeed.of(PlanView(info.plan, self.microbatches))
-        elastic = ElasticFeed(self.tracker, self.job_id, info) \
+        elastic = ElasticFeed(self.tracker, self.job_id, info, self.watch.reach) \
             if ElasticFeed.applies(info) else None
         for step in range(info.resume_step, info.steps):
             self.step = step
