@@ -176,12 +176,15 @@ def kill_trial(two: Trackers, client: fedpipe.Client, mode: str, batches: list, 
 def outage(url: str, workdir: str, batches: list, seconds: float, lease: float) -> None:
     with Trackers(url, workdir, n_nodes=3, standbys=0, leader_lease=lease) as one:
         client = one.swarm.client()
-        # the job must outlast the outage: its length from a short run's step rate
-        t = time.monotonic()
-        finish(client, submit(client, "sync", batches, len(batches)), None, Trial("sync", 0))
-        rate = len(batches) / (time.monotonic() - t)
-        # the span before, the outage, and 30 s more
-        steps = max(len(batches), int(rate * (2 * seconds + 30)))
+        # the job must outlast the span measured before and the outage: its length from
+        # a short run's steady step rate (its steps' times, deployment left out), with
+        # room for the load to change
+        short = submit(client, "sync", batches, len(batches))
+        short.wait(timeout=600, progress=False)
+        times = [r.time for r in short.history()]
+        short.release()
+        rate = (len(times) - 1) / max(1e-3, times[-1] - times[0])
+        steps = max(len(batches), int(1.5 * rate * (2 * seconds + 10)))
         long = [batches[i % len(batches)] for i in range(steps)]
         ref = finish(client, submit(client, "sync", long, steps), None, Trial("sync", 0))
         job = submit(client, "sync", long, steps)
