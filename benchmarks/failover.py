@@ -74,6 +74,7 @@ LEAD_TARGET = 10.0  # seconds from the kill until a standby leads
 RATE_TARGET = 0.8  # the step rate through an outage, of the rate before
 EXACT = 1e-6  # the largest relative difference counted as equal weights
 POLL = 0.05
+BEFORE = 10.0  # seconds just before the outage over which the step rate before is taken
 
 
 @dataclass
@@ -177,28 +178,30 @@ def outage(url: str, workdir: str, batches: list, seconds: float, lease: float) 
     with Trackers(url, workdir, n_nodes=3, standbys=0, leader_lease=lease) as one:
         client = one.swarm.client()
         # the job must outlast the span measured before and the outage: its length from
-        # a short run's steady step rate (its steps' times, deployment left out), with
-        # room for the load to change
+        # a short run's step rate (its steps' times as the tracker recorded them), 5
+        # times over: the short run's rate is below the long one's (the pipeline fills),
+        # and the load changes; whether the job ran out during the outage is printed
         short = submit(client, "sync", batches, len(batches))
         short.wait(timeout=600, progress=False)
         times = [r.time for r in short.history()]
         short.release()
         rate = (len(times) - 1) / max(1e-3, times[-1] - times[0])
-        steps = max(len(batches), int(1.5 * rate * (2 * seconds + 10)))
+        steps = max(len(batches), int(5 * rate * (BEFORE + seconds + 10)))
         long = [batches[i % len(batches)] for i in range(steps)]
         ref = finish(client, submit(client, "sync", long, steps), None, Trial("sync", 0))
         job = submit(client, "sync", long, steps)
         while step_of(client, job.id) < max(3, steps // 10):
             time.sleep(POLL)
-        t0, f0 = time.monotonic(), job.fed  # the rate before: the feed's, over as long
-        time.sleep(seconds)
+        t0, f0 = time.monotonic(), job.fed  # the rate before: the feed's, just before
+        time.sleep(BEFORE)
         t1, f1 = time.monotonic(), job.fed
         before = (f1 - f0) / (t1 - t0)
         address = one.addresses[0]
         one.procs[address].kill()
         killed = time.monotonic()
         time.sleep(seconds)
-        through = (job.fed - f1) / (time.monotonic() - killed)
+        fed = job.fed
+        through = (fed - f1) / (time.monotonic() - killed)
         one.start(address, "tracker-after-outage")
         trial = Trial("sync", f1)
         finish(client, job, ref, trial)
@@ -208,6 +211,9 @@ def outage(url: str, workdir: str, batches: list, seconds: float, lease: float) 
               f"through the outage {through:.2f}/s: "
               f"{ratio:.2f}x "
               f"[target >= {RATE_TARGET}: {'met' if ratio >= RATE_TARGET else 'NOT met'}]")
+        print(f"  fed steps {f0}..{f1} in the {t1 - t0:.0f} s before the kill, {f1}..{fed} "
+              f"in the outage" + (" (the job ran out of steps: a lower bound)"
+                                   if fed >= steps else ""))
         print(f"  {trial.state}; steps lost {trial.lost} ({trial.recoveries} recoveries); "
               f"weights vs undisturbed: max rel diff {trial.diff:.2e} "
               f"[{'equal' if trial.diff <= EXACT else 'DIFFER'}]")
