@@ -325,8 +325,11 @@ class Job:
 
     def status(self) -> JobStatus:
         """The job's current state, reason, progress and plan."""
-        info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
-                                       timeout=timeouts.CONTROL_RPC)
+        return self._status(self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
+                                                    timeout=timeouts.CONTROL_RPC))
+
+    @staticmethod
+    def _status(info: S.JobInfo) -> JobStatus:
         return JobStatus(state_name(info.state), info.reason, info.step, info.steps, info.loss,
                          info.plan, info.checkpoint_step, tuple(info.recoveries))
 
@@ -380,7 +383,7 @@ class Job:
 
         if self._watch is not None and self._watch.error is not None:
             raise self._watch.error  # the tracker refused this client's feeder's watch
-        status = self.status()
+        status = self._status(self._info())  # asked again while no tracker leads
         bar = tqdm(total=status.steps, desc=f"job {self.id}", unit="step", disable=not progress)
         deadline = None if timeout is None else time.monotonic() + timeout
         seq, last_state = 0, None
@@ -408,7 +411,7 @@ class Job:
         if self._follower is not None and self._checkpoint_dir is not None:
             # the watch keeps the job's last checkpoints in checkpoint_dir: let it finish
             self._follower.join(timeouts.FETCH_STATE_RPC)
-        status = self.status()
+        status = self._status(self._info())
         if status.state != "SUCCEEDED":
             detail = f"; feeding data failed: {self.feed_error}" if self.feed_error else ""
             raise JobFailed(f"job {self.id} {status.state}: {status.reason}{detail}")
