@@ -35,8 +35,9 @@ printed as the bound); >= 0.8x the step rate through the outage.
     python benchmarks/failover.py [--trials N] [--steps N] [--seed S] [--lease S]
                                   [--outage S] [--modes sync,allreduce] [--workdir DIR]
 
-Full run: 10 trials per mode of 40-step jobs (about 25 minutes on a 2-core
-machine); ``--quick``: 2 trials per mode, a 10 s outage.
+Full run: 10 trials per mode of 40-step jobs, 3 of a node lost, a 30 s outage (about
+25 minutes on a shared 2-core machine); ``--quick``: 2 trials per mode, 1 of a node
+lost, a 10 s outage.
 """
 from __future__ import annotations
 
