@@ -25,6 +25,9 @@ DENIED = grpc.StatusCode.PERMISSION_DENIED
 @pytest.fixture(autouse=True)
 def quick_rewatch(monkeypatch):
     monkeypatch.setattr(watch_mod.timeouts, "WATCH_RESUME", 0.05)
+    # a fake tracker says nothing between a test's moves: never count it gone here
+    # (test_outage_logic.py does)
+    monkeypatch.setattr(watch_mod.timeouts, "TRACKER_SILENT", 3600.0)
 
 
 def batches(n: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:

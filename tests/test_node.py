@@ -240,6 +240,24 @@ def test_a_step_refused_in_part_leaves_none_of_its_microbatches_behind(nodes):
     assert max_relative_difference(got, want) <= 1e-5
 
 
+def test_the_same_load_again_is_the_live_stage_and_trains_as_one(nodes):
+    """A tracker that took over redoes the recovery its predecessor began: its LoadStage
+    of a stage already loaded for that plan and epoch is taken as done, not refused."""
+    steps, m = 2, 2
+    model, batches = mlp(), data(steps)
+    sgd = fedpipe.optimizer(torch.optim.SGD, lr=0.1)
+    spec = JobSpec(steps=steps, microbatches=m, batch_size=8, optimizer=cloudpickle.dumps(sgd),
+                   loss_fn=cloudpickle.dumps(nn.functional.cross_entropy)).validate()
+    plan = load_pipeline(nodes, model, [(0, 2), (2, 3)], spec)
+    assert load_pipeline(nodes, model, [(0, 2), (2, 3)], spec) == plan  # no ALREADY_EXISTS
+    feed(nodes[0], nodes[1], 2, batches, m)
+    for n in nodes:
+        n.wait_for(R.STATUS_DONE, 1)
+    got = {**fetch(nodes[0], 0), **fetch(nodes[1], 1)}
+    want = single_process(model, nn.functional.cross_entropy, sgd, batches)
+    assert max_relative_difference(got, want) <= 1e-5
+
+
 def test_load_errors_map_to_status_codes_and_leave_no_channel(nodes):
     model = mlp()
     spec = JobSpec(steps=1, microbatches=1, batch_size=1,

@@ -39,6 +39,7 @@ from . import checkpoints, links
 from .feed import Batch, cycle
 from .job import Job
 from .packaging import check_sequential, dumps
+from .reach import TrackerReach
 from .weights import package
 
 log = logging.getLogger("fedpipe.client")
@@ -96,6 +97,9 @@ class Client:
         self._feeding: set[Job] = set()
         self._plane: DataPlane | None = None
         self._closed = False
+        self.reach = TrackerReach()
+        """Says once that the tracker is unreachable and once that it is back, for all of
+        this client's jobs (:mod:`.reach`)."""
 
     def __enter__(self) -> "Client":
         return self

@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 from .. import net
 from ..net import timeouts
 from ..proto import tracker_pb2 as S
+from .reach import TrackerReach
 
 log = logging.getLogger("fedpipe.client")
 
@@ -49,10 +50,14 @@ class ElasticFeed:
         stub: the tracker's stub.
         job_id: the job.
         info: the job as the feed started its epoch (with its replica fields).
+        reach: says once that the tracker is unreachable and once that it is back
+            (the client's; default: this feed's own).
     """
 
-    def __init__(self, stub: ElasticTracker, job_id: str, info: S.JobInfo):
+    def __init__(self, stub: ElasticTracker, job_id: str, info: S.JobInfo,
+                 reach: TrackerReach | None = None):
         self.stub, self.job_id, self.info = stub, job_id, info
+        self.reach = reach if reach is not None else TrackerReach()
 
     @staticmethod
     def applies(info: S.JobInfo) -> bool:
@@ -62,10 +67,13 @@ class ElasticFeed:
     def _get(self) -> S.JobInfo:
         # while no tracker leads (a takeover, a restart) ask again: an unreachable tracker
         # is no node's trouble, and the feed must not wait for a recovery that never comes
-        return net.retry(lambda: self.stub.GetJob(S.GetJobRequest(job_id=self.job_id),
+        # (each step's membership is the leader's word: an elastic job waits for one)
+        info = net.retry(lambda: self.stub.GetJob(S.GetJobRequest(job_id=self.job_id),
                                                   timeout=timeouts.CONTROL_RPC),
                          f"asking the tracker about job {self.job_id}",
-                         max_delay=timeouts.RECONNECT_BACKOFF_MAX)
+                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, on_retry=self.reach.lost)
+        self.reach.reached()
+        return info
 
     def members(self, step: int) -> tuple[list[int], S.JobInfo]:
         """The groups to feed at ``step`` and the job's info they come from; rebuilt groups

@@ -15,6 +15,16 @@ job ends as if nothing happened. The bound: :data:`FEED_KEEP_CHECKPOINTS` *
 a rewind may go back to). At the bound the feed pauses until the next checkpoint
 completes; it never drops a batch it may need.
 
+Without a tracker. The feed learns of complete checkpoints from its watch's events
+(:meth:`~.watch.JobWatch.known`), so between checkpoints it asks the tracker nothing,
+and the job's data plane trains on while no tracker leads (a restart, a failover).
+While the tracker is silent (no word of the job for
+:data:`~fedpipe.net.timeouts.TRACKER_SILENT` s, or the watch's stream is down), no
+checkpoint can be known complete, so the feed keeps every batch since the last one it
+knows of, past the bound, up to
+:data:`FEED_OUTAGE_KEEP_BYTES`: a node lost meanwhile rewinds the job to that
+checkpoint once a tracker leads again, and those batches are fed again.
+
 Back-pressure. A node refuses a send with RESOURCE_EXHAUSTED while its data-plane
 slots or its mailbox are full; the feed waits and sends again, a bounded number of
 times (:data:`FEED_BUSY_ATTEMPTS`).
@@ -65,6 +75,9 @@ the feed waits for the job to recover (or end) instead of giving up."""
 FEED_REDIAL = 0.5
 """Seconds between feeds to a node whose address refused the connection (see
 :data:`~fedpipe.net.timeouts.FEED_UNREACHABLE`)."""
+FEED_OUTAGE_KEEP_BYTES = 1 << 30
+"""While the tracker is silent the feed keeps at most this many bytes of batches (inputs
+and targets) past the bound (module docstring), then waits for the tracker."""
 RECOVERY_POLL = 0.05
 """Seconds between looks at a job whose feed paused (recovery, or the kept-batch bound),
 while the watch's stream is down (it wakes the feed on each event otherwise)."""
@@ -199,6 +212,7 @@ class KeptBatches:
     def __init__(self, batches: Iterator[Batch], job_id: str = ""):
         self.batches, self.job_id = batches, job_id
         self.kept: dict[int, Batch] = {}  # step -> (x, y), since the second-newest checkpoint
+        self.nbytes = 0  # of the kept batches
         self.drawn = 0  # batches drawn from the data (the steps before it are behind us)
 
     def __len__(self) -> int:
@@ -214,14 +228,15 @@ class KeptBatches:
             while self.drawn < step:
                 self._draw(groups)
                 self.drawn += 1
-            self.kept[step] = self._draw(groups)
+            x, y = self.kept[step] = self._draw(groups)
+            self.nbytes += _nbytes(x, y)
             self.drawn += 1
         return self.kept[step]
 
     def forget_before(self, floor: int) -> None:
         """Drop the batches of the steps before ``floor`` (no rewind goes back that far)."""
         for s in [s for s in self.kept if s < floor]:
-            del self.kept[s]
+            self.nbytes -= _nbytes(*self.kept.pop(s))
 
     def check_rewind(self, step: int) -> None:
         """Check that a rewind to ``step`` can be fed again.
@@ -246,6 +261,10 @@ class KeptBatches:
                 return x, y
             log.warning("job %s: skipping a batch of %d samples, too few for %s microbatches",
                         self.job_id, x.shape[0], "+".join(str(g.microbatches) for g in groups))
+
+
+def _nbytes(x: torch.Tensor, y: torch.Tensor) -> int:
+    return x.numel() * x.element_size() + y.numel() * y.element_size()
 
 
 class Feed:
@@ -291,6 +310,8 @@ class Feed:
             Halted: the client closed, or another client took the job over.
             StopIteration: the data ran out.
             grpc.RpcError: a node or the tracker refused the feed for good.
+            NoLeader: the job needed a recovery and no tracker led within
+                :data:`~fedpipe.net.timeouts.LEADER_WAIT`.
         """
         self.watch.wait_started()
         info = self.watch.await_epoch(-1, RECOVERY_POLL)  # running now, not only once
@@ -317,7 +338,9 @@ class Feed:
             # it: once the job runs again, feed it from its resume step
             log.info("job %s: feeding step %d failed (%s: %s); waiting for the job to "
                      "recover", self.job_id, self.step, e.code().name, e.details())
-            resumed = self.watch.await_epoch(info.epoch, RECOVERY_POLL)
+            # only a leading tracker recovers it: wait for one, up to LEADER_WAIT
+            resumed = self.watch.await_epoch(info.epoch, RECOVERY_POLL,
+                                             time.monotonic() + timeouts.LEADER_WAIT)
         if resumed is None:
             return None
         self.kept.check_rewind(resumed.resume_step)
@@ -328,7 +351,7 @@ class Feed:
     def _steps(self, info: S.JobInfo) -> None:
         """Send every step of the epoch from ``info.resume_step``."""
         groups = GroupFeed.of(PlanView(info.plan, self.microbatches))
-        elastic = ElasticFeed(self.tracker, self.job_id, info) \
+        elastic = ElasticFeed(self.tracker, self.job_id, info, self.watch.reach) \
             if ElasticFeed.applies(info) else None
         for step in range(info.resume_step, info.steps):
             self.step = step
@@ -368,22 +391,32 @@ class Feed:
         complete one (a rewind goes back at most that far: the nodes keep those two
         snapshots); at the bound (:data:`FEED_KEEP_CHECKPOINTS` checkpoint intervals)
         wait for the next checkpoint to complete (or the job to move on: a recovery,
-        its end). The floor follows from the last complete checkpoint alone, so
-        checkpoints that complete faster than the feed looks (a burst after a tracker
-        restart) still free what they should."""
+        its end), unless the tracker is silent (module docstring: then up to
+        :data:`FEED_OUTAGE_KEEP_BYTES`). The floor follows from the last complete
+        checkpoint alone, so checkpoints that complete faster than the feed looks (a
+        burst after a tracker restart) still free what they should. What the watch's
+        events said (:meth:`~.watch.JobWatch.known`) is enough: the tracker is never asked."""
         every = max(1, info.checkpoint_every or info.steps)
         limit = FEED_KEEP_CHECKPOINTS * every
         while True:
             if len(self.kept) < limit and len(self.kept) % every:
-                return  # between checkpoints: no need to ask the tracker
-            now = self.watch.info()
-            self.kept.forget_before(max(0, now.checkpoint_step - every))
-            if len(self.kept) < limit or now.state != S.JOB_STATE_RUNNING or \
-                    now.epoch != info.epoch:
+                return  # between checkpoints
+            known = self.watch.known()
+            self.kept.forget_before(max(0, known.checkpoint_step - every))
+            if len(self.kept) < limit or known.state != S.JOB_STATE_RUNNING or \
+                    known.epoch != info.epoch:
                 return
+            if self._tracker_silent() and self.kept.nbytes < FEED_OUTAGE_KEEP_BYTES:
+                return  # no checkpoint can be known complete: keep, and train on
             if self.halted.is_set():
                 raise Halted
             self.watch.wait_event(RECOVERY_POLL)  # a checkpoint completes with an event
+
+    def _tracker_silent(self) -> bool:
+        """Whether the tracker looks gone: the watch's stream is down, or it said nothing of
+        the job for :data:`~fedpipe.net.timeouts.TRACKER_SILENT` s."""
+        return not self.watch.live or \
+            time.monotonic() - self.watch.known().heard > timeouts.TRACKER_SILENT
 
     def _send_step(self, step: int, batch_size: int, group: GroupFeed, xs: torch.Tensor,
                    ys: torch.Tensor, epoch: int) -> None:

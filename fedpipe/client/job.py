@@ -32,7 +32,7 @@ from ..wire import frames
 from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
 from .feed import FEED_KEEP_CHECKPOINTS, Batch, ChannelNodes, Feed, GroupFeed, cycle, shard
-from .watch import RETRYABLE, Halted, JobWatch
+from .watch import RETRYABLE, Halted, JobWatch, NoLeader
 from .weights import TensorsOf, WeightStreamer, streamed
 
 if TYPE_CHECKING:
@@ -136,6 +136,7 @@ class Job:
         self._feeder_id = os.urandom(8).hex()
         self._halted = threading.Event()
         self._watch: JobWatch | None = None  # the feeder's watch, while this Job feeds
+        self._feed: Feed | None = None  # the feed, once this Job feeds
 
     def _start_feed(self, batches: Iterator, *, take_over: bool = False,
                     restore: checkpoints.SavedCheckpoint | None = None) -> None:
@@ -152,7 +153,8 @@ class Job:
         self._check_open()
         self._halted.clear()  # a resume refused earlier left it set
         watch = JobWatch(self.client.stub, self.id, self._feeder_id, take_over=take_over,
-                         on_event=self._on_event, halted=self._halted)
+                         on_event=self._on_event, halted=self._halted,
+                         reach=self.client.reach)
         watch.open()
         streamer = WeightStreamer(self.id, self._weights, self.client.node) \
             if self._weights is not None else None
@@ -163,7 +165,7 @@ class Job:
         except ValueError:
             watch.halt()
             raise
-        self._watch = watch
+        self._watch, self._feed = watch, feed
         self._follower = threading.Thread(target=watch.run, name=f"watch-{self.id}",
                                           daemon=True)
         self._feeder = threading.Thread(target=self._run_feed, args=(feed,),
@@ -340,10 +342,20 @@ class Job:
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
 
+    @property
+    def fed(self) -> int:
+        """Steps this client has fed in full so far (0 if it does not feed the job), read
+        without the tracker: it goes on while no tracker leads (:mod:`.feed`)."""
+        feed = self._feed
+        return feed.fed if feed is not None else 0
+
     def status(self) -> JobStatus:
         """The job's current state, reason, progress and plan."""
-        info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
-                                       timeout=timeouts.CONTROL_RPC)
+        return self._status(self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
+                                                    timeout=timeouts.CONTROL_RPC))
+
+    @staticmethod
+    def _status(info: S.JobInfo) -> JobStatus:
         return JobStatus(state_name(info.state), info.reason, info.step, info.steps, info.loss,
                          info.plan, info.checkpoint_step, tuple(info.recoveries))
 
@@ -397,7 +409,7 @@ class Job:
 
         if self._watch is not None and self._watch.error is not None:
             raise self._watch.error  # the tracker refused this client's feeder's watch
-        status = self.status()
+        status = self._status(self._info())  # asked again while no tracker leads
         bar = tqdm(total=status.steps, desc=f"job {self.id}", unit="step", disable=not progress)
         deadline = None if timeout is None else time.monotonic() + timeout
         seq, last_state = 0, None
@@ -408,6 +420,7 @@ class Job:
                     for ev in self.client.stub.WatchJob(
                             S.WatchJobRequest(job_id=self.id, after_seq=seq), timeout=left):
                         seq = ev.seq
+                        self.client.reach.reached()
                         if ev.step:
                             bar.update(ev.step - bar.n)
                             bar.set_postfix(loss=f"{ev.loss:.4f}",
@@ -417,27 +430,32 @@ class Job:
                         last_state = ev.state
                     break
                 except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        raise TimeoutError(f"job {self.id} did not finish within {timeout} s"
-                                           ) from None
-                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise TrackerBusy(f"the tracker refused to watch job {self.id}: "
-                                          f"{e.details()}") from None
-                    if e.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise
-                    log.warning("lost the tracker (%s); watching job %s again", e.details(),
-                                self.id)
+                    self._watch_lost(e, timeout)
                     time.sleep(timeouts.WATCH_RESUME)
         finally:
             bar.close()
         if self._follower is not None and self._checkpoint_dir is not None:
             # the watch keeps the job's last checkpoints in checkpoint_dir: let it finish
             self._follower.join(timeouts.FETCH_STATE_RPC)
-        status = self.status()
+        status = self._status(self._info())
         if status.state != "SUCCEEDED":
             detail = f"; feeding data failed: {self.feed_error}" if self.feed_error else ""
             raise JobFailed(f"job {self.id} {status.state}: {status.reason}{detail}")
         return status
+
+    def _watch_lost(self, e: grpc.RpcError, timeout: float | None) -> None:
+        """:meth:`wait`'s watch failed with ``e``: return to watch again (the tracker is
+        unreachable for now: said once, :mod:`.reach`), or raise as :meth:`wait` says."""
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise TimeoutError(f"job {self.id} did not finish within {timeout} s") from None
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise TrackerBusy(f"the tracker refused to watch job {self.id}: "
+                              f"{e.details()}") from None
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise e
+        if isinstance(self.feed_error, NoLeader):  # no tracker to say so
+            raise JobFailed(f"job {self.id} FAILED: {self.feed_error}") from None
+        self.client.reach.lost(e)  # one line while it lasts
 
     def cancel(self, reason: str = "cancelled by the client") -> JobStatus:
         """Cancel the job; its stages stop and drop their weights."""
@@ -550,10 +568,13 @@ class Job:
         Raises:
             grpc.RpcError: a refusal that cannot pass (:data:`.watch.RETRYABLE`).
         """
-        return net.retry(lambda: self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
+        info = net.retry(lambda: self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
                                                          timeout=timeouts.CONTROL_RPC),
                          f"asking the tracker about job {self.id}", codes=RETRYABLE,
-                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self._halted.is_set)
+                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self._halted.is_set,
+                         on_retry=self.client.reach.lost)
+        self.client.reach.reached()
+        return info
 
     def _run_feed(self, feed: Feed) -> None:
         """The feed thread's body: feed, then turn what ended the feed into the job's fate

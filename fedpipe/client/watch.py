@@ -17,11 +17,17 @@ caller: at once by :meth:`JobWatch.open`, which :meth:`fedpipe.Job.resume` calls
 before any thread starts, and later from :meth:`fedpipe.Job.wait` (kept in
 :attr:`JobWatch.error`). FAILED_PRECONDITION on a re-watch means another client
 took the job over: the watch ends and marks itself :attr:`~JobWatch.superseded`.
+
+While the tracker is unreachable the retries say so once and once when it is back
+(:class:`~.reach.TrackerReach`), and the feed goes on from what the events last said
+(:meth:`JobWatch.known`), asking the tracker nothing it can do without.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 import grpc
@@ -30,6 +36,7 @@ from .. import net
 from ..net import timeouts
 from ..proto import tracker_pb2 as S
 from ..spec import TERMINAL
+from .reach import TrackerReach
 
 log = logging.getLogger("fedpipe.client")
 
@@ -40,6 +47,29 @@ watch and its ``GetJob`` fallback try again. Any other code is raised to the cal
 LIVE_RECHECK = 1.0
 """Seconds a waiter on a live stream waits for an event before it asks ``GetJob`` anyway:
 the feeder the tracker names changes with no event of its own (a re-watch attaching)."""
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the tracker last said of the job (its events, or a ``GetJob``), asking nothing.
+
+    Attributes:
+        state: the job's state (``JOB_STATE_*``; 0 before any word).
+        epoch: its plan epoch.
+        checkpoint_step: its newest complete checkpoint's step (0: none).
+        heard: when the tracker last said anything of the job (an event of any kind,
+            a step's included, or a ``GetJob`` answer), seconds (``time.monotonic``).
+    """
+
+    state: int = 0
+    epoch: int = 0
+    checkpoint_step: int = 0
+    heard: float = 0.0
+
+
+class NoLeader(RuntimeError):
+    """No tracker led within :data:`~fedpipe.net.timeouts.LEADER_WAIT` while the feed
+    waited for something only a leader does (its job's recovery); the message says what."""
 
 
 class Halted(Exception):
@@ -80,17 +110,22 @@ class JobWatch:
             only the first attach does; a re-watch after losing the tracker does not.
         on_event: called on the watch thread with each event (keeps checkpoints).
         halted: set when the feed must stop (shared with the feed and the client).
+        reach: says once that the tracker is unreachable and once that it is back
+            (the client's, shared by its callers; default: this watch's own).
     """
 
     def __init__(self, tracker: WatchTracker, job_id: str, feeder_id: str, *,
                  take_over: bool = False,
                  on_event: Callable[[S.JobEvent], None] | None = None,
-                 halted: threading.Event | None = None):
+                 halted: threading.Event | None = None,
+                 reach: TrackerReach | None = None):
         self.tracker, self.job_id, self.feeder_id = tracker, job_id, feeder_id
         self.halted = halted if halted is not None else threading.Event()
         self.error: grpc.RpcError | None = None  # the refusal that ended the watch
         self.superseded = False  # another client took the job over
         self._take_over, self._on_event = take_over, on_event
+        self.reach = reach if reach is not None else TrackerReach()
+        self._known = Known(heard=time.monotonic())
         self._changed = threading.Condition()
         self._seq = 0  # the last event seen
         self._version = 0  # grows at every state or checkpoint event and stream change
@@ -147,8 +182,7 @@ class JobWatch:
                 if e.code() not in RETRYABLE:
                     self._stop(e)
                     return
-                log.warning("job %s: lost the tracker (%s: %s); watching again", self.job_id,
-                            e.code().name, e.details())
+                self.reach.lost(e)  # one line while it lasts, not one per try
                 self._notify()  # the stream is down: waiters fall back to polling
                 self.halted.wait(timeouts.WATCH_RESUME)
 
@@ -173,8 +207,12 @@ class JobWatch:
         yield from call
 
     def _record(self, ev: S.JobEvent) -> None:
+        self.reach.reached()
         with self._changed:
             self._seq, self._take_over = ev.seq, False  # attached: a re-watch takes nothing over
+            k = self._known
+            self._known = Known(ev.state or k.state, max(ev.epoch, k.epoch),
+                                max(ev.checkpoint_step, k.checkpoint_step), time.monotonic())
             if ev.state == S.JOB_STATE_RUNNING or ev.state in TERMINAL:
                 self._started = True
             if not ev.step or ev.checkpoint_step:  # a step's own event changes no wait
@@ -223,33 +261,60 @@ class JobWatch:
         with self._changed:
             self._wait_change(self._version, poll)
 
-    def info(self) -> S.JobInfo:
+    def info(self, deadline: float | None = None) -> S.JobInfo:
         """The job's info; while the tracker is unreachable (restarting), ask again until
         it answers, at most :data:`~fedpipe.net.timeouts.RECONNECT_BACKOFF_MAX` apart, so
         the feed goes on as soon as the tracker is back.
 
+        With ``deadline`` (``time.monotonic()`` seconds), ask until then only.
+
         Raises:
             grpc.RpcError: a refusal that cannot pass (not :data:`RETRYABLE`), or any
                 once the feed halted.
+            NoLeader: ``deadline`` passed with no answer (no tracker leads).
         """
-        return net.retry(lambda: self.tracker.GetJob(S.GetJobRequest(job_id=self.job_id),
-                                                     timeout=timeouts.CONTROL_RPC),
-                         f"asking the tracker about job {self.job_id}", codes=RETRYABLE,
-                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self.halted.is_set)
+        def stop() -> bool:
+            return self.halted.is_set() or (deadline is not None and
+                                            time.monotonic() > deadline)
+        try:
+            info = net.retry(lambda: self.tracker.GetJob(S.GetJobRequest(job_id=self.job_id),
+                                                         timeout=timeouts.CONTROL_RPC),
+                             f"asking the tracker about job {self.job_id}", codes=RETRYABLE,
+                             max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=stop,
+                             on_retry=self.reach.lost)
+        except grpc.RpcError as e:
+            if self.halted.is_set() or e.code() not in RETRYABLE:
+                raise
+            raise NoLeader(f"no tracker led within LEADER_WAIT={timeouts.LEADER_WAIT:.0f} s "
+                           f"while job {self.job_id} waited for its recovery "
+                           f"({e.code().name}: {e.details()}); set FEDPIPE_LEADER_WAIT to "
+                           f"wait longer") from None
+        self.reach.reached()
+        with self._changed:
+            self._known = Known(info.state, info.epoch, info.checkpoint_step, time.monotonic())
+        return info
 
-    def await_epoch(self, after: int, poll: float) -> S.JobInfo | None:
+    def known(self) -> Known:
+        """What the tracker last said of the job (:class:`Known`), without asking it."""
+        with self._changed:
+            return self._known
+
+    def await_epoch(self, after: int, poll: float, deadline: float | None = None
+                    ) -> S.JobInfo | None:
         """Wait until the job RUNS in an epoch newer than ``after`` (a recovery ended) on
         that epoch's plan, with this feed as its feeder; None if it ends first. Wakes on
         each state or checkpoint event (steps' events change nothing it waits for);
-        looks every ``poll`` seconds only while the stream is down.
+        looks every ``poll`` seconds only while the stream is down. With ``deadline``
+        (``time.monotonic()`` seconds), the tracker must answer by then.
 
         Raises:
             Halted: the feed must stop, or another client took the job over.
+            NoLeader: the tracker did not answer by ``deadline``.
         """
         while not self.halted.is_set():
             with self._changed:
                 seen = self._version
-            info = self.info()
+            info = self.info(deadline)
             if info.state in TERMINAL:
                 return None
             if info.feeder and info.feeder != self.feeder_id:

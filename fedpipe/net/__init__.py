@@ -468,7 +468,8 @@ def retry(call: Callable[[], T], what: str, *, attempts: int | None = None,
           first_delay: float = 0.2, max_delay: float = 10.0,
           stop: Callable[[], bool] = lambda: False,
           codes: Collection[grpc.StatusCode] = (grpc.StatusCode.UNAVAILABLE,
-                                                grpc.StatusCode.DEADLINE_EXCEEDED)) -> T:
+                                                grpc.StatusCode.DEADLINE_EXCEEDED),
+          on_retry: Callable[[grpc.RpcError], None] | None = None) -> T:
     """Call ``call()`` until it succeeds, with exponential backoff and jitter.
 
     Retries on ``grpc.RpcError`` with a status in ``codes`` (UNAVAILABLE or
@@ -479,6 +480,9 @@ def retry(call: Callable[[], T], what: str, *, attempts: int | None = None,
         attempts: give up after this many calls (None: never).
         first_delay, max_delay: backoff bounds, seconds.
         stop: checked between attempts; when true the last error is raised.
+        on_retry: called with each failure that is retried, instead of logging a line
+            for it (a caller that says once that its peer is unreachable, and once
+            that it is back: :class:`fedpipe.client.reach.TrackerReach`).
 
     Raises:
         grpc.RpcError: the last error, once attempts are spent or ``stop()``.
@@ -493,7 +497,10 @@ def retry(call: Callable[[], T], what: str, *, attempts: int | None = None,
                 raise
             if (attempts is not None and n >= attempts) or stop():
                 raise
-            log.warning("%s failed (%s: %s); retrying in %.1f s", what, e.code().name,
-                        e.details(), delay)
+            if on_retry is not None:
+                on_retry(e)
+            else:
+                log.warning("%s failed (%s: %s); retrying in %.1f s", what, e.code().name,
+                            e.details(), delay)
             time.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(max_delay, delay * 2)

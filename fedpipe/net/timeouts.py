@@ -79,11 +79,26 @@ def measure_links(peers: int) -> float:
 CLIENT_GRACE = _seconds("CLIENT_GRACE", 3.0)
 """A job's feeding client may be gone this long (a dropped connection being redialled)
 before the job stops its stages and waits for a client (WAITING)."""
+TRACKER_PAUSED = _seconds("TRACKER_PAUSED", 3.0)
+"""A tracker whose scheduler rounds start this far apart (they run at least every second)
+did not run meanwhile (SIGSTOPped, starved of CPU): it gives every live node a fresh lease
+and every gone client its grace again, instead of judging them by a time it did not see."""
+TRACKER_SILENT = _seconds("TRACKER_SILENT", 2.0)
+"""A feeding client that has heard nothing of its job from the tracker for this long (a
+step's event comes at every step) counts it as gone, and feeds on past its kept-batch
+bound (:mod:`fedpipe.client.feed`). A job slower than a step per this many seconds may keep
+more batches than the bound while a checkpoint is late; never fewer."""
 CLIENT_REATTACH = _seconds("CLIENT_REATTACH", 15.0)
 """After a tracker (re)start, the feeding clients of running jobs have this long to watch
 their jobs again before the jobs wait for a client."""
 
 
+LEADER_WAIT = _seconds("LEADER_WAIT", 300.0)
+"""What cannot go on without a leading tracker waits for one this long, then fails, saying
+so: a replica groups' step commit (the stage fails, and its job once a tracker leads); a
+feed waiting for its job's recovery (the client's job fails). Meanwhile a running job's
+data plane trains on (:mod:`fedpipe.client.feed`, :mod:`fedpipe.node.reports`), and the
+recoveries and drains the tracker owes are done by the next one that leads."""
 QUORUM_POLL = _seconds("QUORUM_POLL", 0.5)
 """Elastic replica groups: a ring member that waited this long for a message asks the tracker
 whether the step's membership changed (a group dropped) before it waits again."""

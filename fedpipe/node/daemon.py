@@ -7,7 +7,6 @@ import sys
 import threading
 import time
 import uuid
-from concurrent import futures
 
 import cloudpickle
 import grpc
@@ -20,10 +19,12 @@ from ..net.relay import Allocation, Homing
 from ..observe.metrics import NodeMetrics, start_metrics
 from ..observe.serving import LOCALHOST, Served
 from ..proto import tracker_pb2, tracker_pb2_grpc
+from ..runtime.stage import StageError
 from ..security import CertError, DenyList, Role, TlsConfig
 from ..spec import PROTOCOL_VERSION
 from ..wire import rpc
 from .parts import build_parts
+from .reports import UNREACHABLE, ReportQueue
 from .probe import probe, resolve_device
 from .service import NodeService
 
@@ -135,7 +136,8 @@ class NodeDaemon:
         self.tls = tls
         self._deny_serials: frozenset[int] = frozenset()
         self.tracker = tracker_pb2_grpc.TrackerStub(net.channel(tracker, tls=tls))
-        self.reports = futures.ThreadPoolExecutor(1, thread_name_prefix="report")
+        self.reports = ReportQueue(
+            lambda r: self.tracker.ReportStage(r, timeout=timeouts.CONTROL_RPC))
         links = LinkProfile.load(link_profile) if link_profile else None
         self.server = net.server(tls=tls)
         self.port = net.bind(self.server, host, port)
@@ -200,15 +202,33 @@ class NodeDaemon:
             log.warning("could not register the new addresses: %s", e.details())
 
     def _report(self, report: tracker_pb2.StageReport) -> None:
-        self.reports.submit(lambda: net.retry(
-            lambda: self.tracker.ReportStage(report, timeout=timeouts.CONTROL_RPC),
-            "report to tracker", stop=self.stop_event.is_set))
+        self.reports.put(report)
 
     def _quorum(self, request: tracker_pb2.ReplicaQuorumRequest
                 ) -> tracker_pb2.ReplicaQuorumReply:
-        """One ReplicaQuorum call for a stage, retried while the tracker is unreachable."""
-        return net.retry(lambda: self.tracker.ReplicaQuorum(request, timeout=timeouts.QUORUM_RPC),
-                         "replica quorum", stop=self.stop_event.is_set)
+        """One ReplicaQuorum call for a stage, retried while no tracker leads, for at most
+        :data:`~fedpipe.net.timeouts.LEADER_WAIT` s (the stage waits: the step cannot
+        commit without one).
+
+        Raises:
+            StageError: no tracker led within that deadline (the stage fails, and its
+                job with this reason once a tracker leads again).
+            grpc.RpcError: a refusal, or the node stops.
+        """
+        deadline = time.monotonic() + timeouts.LEADER_WAIT
+        try:
+            return net.retry(
+                lambda: self.tracker.ReplicaQuorum(request, timeout=timeouts.QUORUM_RPC),
+                "replica quorum", max_delay=timeouts.RECONNECT_BACKOFF_MAX,
+                stop=lambda: self.stop_event.is_set() or time.monotonic() > deadline,
+                on_retry=self.reports.unreachable)
+        except grpc.RpcError as e:
+            if self.stop_event.is_set() or e.code() not in UNREACHABLE:
+                raise
+            raise StageError(
+                f"no tracker led within LEADER_WAIT={timeouts.LEADER_WAIT:.0f} s to commit "
+                f"step {request.step} of the replica groups ({e.code().name}: "
+                f"{e.details()}); set FEDPIPE_LEADER_WAIT to wait longer") from None
 
     def register(self) -> None:
         """Register with the tracker, retrying with backoff while it is unreachable."""
@@ -294,6 +314,8 @@ class NodeDaemon:
                 break
         self.stop_event.set()
         self.service.stop_all()
+        self.reports.flush(timeouts.LEAVING_RPC)  # the stages' last words, best effort
+        self.reports.close()
         if self.node_id:
             try:  # so no job is planned onto a node that is gone
                 self.tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=self.node_id,

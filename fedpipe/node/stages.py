@@ -118,7 +118,9 @@ class StageRegistry:
         thread), and start running it.
 
         An ended stage of the same slot, or one of an older plan epoch, is
-        replaced (it is stopped and released first). A :meth:`stop_job` that comes
+        replaced (it is stopped and released first). The same load again (a live stage
+        of the same plan, epoch and resume step: a tracker that took over redoes the
+        recovery its predecessor began) returns the live stage. A :meth:`stop_job` that comes
         while the stage is being built (before it is held here) stops it: once built
         it is released, not started.
 
@@ -135,6 +137,11 @@ class StageRegistry:
         with self.lock:
             old = self.stages.get(slot)
             if old is not None and old.live and old.epoch >= request.plan.epoch:
+                if _same_load(old, request):  # asked again: a takeover redoes a recovery
+                    log.info("job %s stage %d of plan epoch %d is loaded already, as asked "
+                             "again (a tracker that took over redoes the recovery it found "
+                             "in progress)", slot.job_id, slot.stage, old.epoch)
+                    return old
                 raise StageExists(f"stage {tuple(slot)} is already loaded (epoch {old.epoch})")
             loading: list = [slot, request.plan.epoch, None]
             self._loading.append(loading)
@@ -281,3 +288,10 @@ class StageRegistry:
             s.module = nn.Sequential()
         del stages
         gc.collect()
+
+
+def _same_load(stage: Stage, request: node_pb2.LoadStageRequest) -> bool:
+    """Whether ``request`` asks for ``stage`` as it is: same plan epoch, resume step and
+    plan (a stage whose plan a replica groups' quorum changed since is not)."""
+    return stage.epoch == request.plan.epoch and stage.start == request.resume_step and \
+        stage.plan is not None and stage.plan.plan == request.plan

@@ -141,6 +141,15 @@ class Feeders:
             self._gone[job_id] = self.clock()
         self.jobs.notify()
 
+    def renew_gone(self) -> None:
+        """Count every feeder gone as gone from now: the tracker did not run for a while
+        (:meth:`~.scheduler.Tracker.pardon_pause`), and a client may have tried to come
+        back meanwhile."""
+        now = self.clock()
+        with self._lock:
+            for job_id in self._gone:
+                self._gone[job_id] = max(self._gone[job_id], now)
+
     def sweep(self) -> None:
         """Park the running jobs whose feeder is gone past the grace, and fail those
         whose feeder is gone past their ``client_timeout``."""

@@ -529,6 +529,14 @@ class Registry:
         self.on_lost(set(lost), f"lost (no heartbeat for {longest:.0f} s)")
         return set(lost)
 
+    def renew_live(self) -> None:
+        """Give every live node a heartbeat now, in memory (the tracker did not run for a
+        while: :meth:`~.scheduler.Tracker.pardon_pause`)."""
+        now = self.clock()
+        with self._lock:
+            for node_id in list(self._until):
+                self._live(node_id, now, self._until[node_id][1])
+
     def _undo_loss(self, lost: dict[str, tuple[float, float]]) -> None:
         """A loss could not be written: put each of ``lost`` (node -> its deadline and
         lease, as :meth:`_dead` found them) back on the lease queue at that deadline, unless

@@ -329,9 +329,27 @@ class Tracker:
             self._store_down = False
 
     def _scheduler(self) -> None:
+        last = time.monotonic()
         while not self.stop_event.is_set():
+            self.pardon_pause(time.monotonic() - last)
+            last = time.monotonic()
             self.guarded_tick()
             self.jobs.wait(min(TICK, self.lease / 4))
+
+    def pardon_pause(self, gap: float) -> bool:
+        """After ``gap`` seconds between the starts of two scheduler rounds: if that is
+        past :data:`~fedpipe.net.timeouts.TRACKER_PAUSED`, this tracker itself did not run
+        (SIGSTOPped, or starved of CPU) and heard no heartbeat and no client meanwhile,
+        so it judges none by that time: every live node gets a fresh lease and every
+        client gone its grace again, as at a start (:class:`~.registry.Registry`). Returns
+        whether it pardoned."""
+        if gap <= timeouts.TRACKER_PAUSED:
+            return False
+        log.warning("this tracker did not run for %.1f s (stopped, or starved of CPU): every "
+                    "live node gets a fresh lease and every client its grace again", gap)
+        self.registry.renew_live()
+        self.feeders.renew_gone()
+        return True
 
     # -- links ----------------------------------------------------------------
     def measure_links(self, refresh: bool = False, paced: bool = False) -> None:

@@ -1,0 +1,111 @@
+"""Training goes on while no tracker leads: the one tracker of a swarm killed (and started
+again on the same SQLite file) or SIGSTOPped for several seconds mid-job.
+
+Real processes on 127.0.0.1 (:class:`fedpipe.testing.LocalSwarm`, 1 torch thread per
+node). A synchronous job of the digits MLP in 3 stages must go on stepping through the
+gap (the client's feed, which the first stage's bounded inbox holds to the pipeline's
+pace, advances while the tracker is gone), end SUCCEEDED with no step recomputed, and
+give the weights single-process training on the same batches gives. The client says
+once that the tracker is unreachable and once that it is back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fedpipe
+from fedpipe.examples import digits
+from fedpipe.net import timeouts
+from fedpipe.proto import tracker_pb2
+from fedpipe.testing import LocalSwarm, faults
+from reference import digit_batches, max_relative_difference, single_process
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
+SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+LOSS = nn.functional.cross_entropy
+STEPS, EVERY, KILL_AT = 150, 5, 10
+GAP = 6.0
+"""Seconds the tracker is gone: past the nodes' lease (5 s) and the client's grace."""
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    """One swarm for this module's tests (its tracker restarted by the first)."""
+    with LocalSwarm(n_nodes=3, workdir=str(tmp_path_factory.mktemp("outage"))) as s:
+        yield s
+
+
+@pytest.fixture
+def silent_soon(monkeypatch):
+    """The feed counts the tracker gone after 0.5 s of silence (default 2 s): the gap
+    then holds more steps, whatever the machine's load."""
+    monkeypatch.setattr(timeouts, "TRACKER_SILENT", 0.5)
+
+
+def submit(client: fedpipe.Client, data: list):
+    torch.manual_seed(0)
+    model = digits.make_model(hidden=32)
+    job = client.submit(model, LOSS, SGD, data, steps=STEPS, microbatches=2, stages=3,
+                        replicas=1, schedule="1f1b", compression="none",
+                        checkpoint_every=EVERY, rebalance="never")
+    return model, job
+
+
+def reach_lines(caplog) -> list[str]:
+    """The client's lines about reaching the tracker (any other would be one per retry)."""
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("fedpipe") and "tracker" in r.getMessage()]
+
+
+def trained_through(s: LocalSwarm, client: fedpipe.Client, gone, back) -> None:
+    """Run a job, call ``gone()`` at step :data:`KILL_AT`, wait :data:`GAP` s, call
+    ``back()``; check the job stepped during the gap and ended exact, with no recovery."""
+    data = digit_batches(STEPS)
+    model, job = submit(client, data)
+    while job.status().step < KILL_AT:
+        time.sleep(0.02)
+    gone()
+    fed_at_kill = job.fed
+    time.sleep(GAP)
+    fed_at_return = job.fed
+    back()
+    status = job.wait(timeout=180, progress=False)
+    assert status.state == "SUCCEEDED", status
+    # the feed advances only as the first stage takes its steps (its inbox is bounded)
+    assert fed_at_return > fed_at_kill, (fed_at_kill, fed_at_return)
+    info = client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10)
+    assert list(info.recoveries) == [], "a step was recomputed: the gap was not trained through"
+    assert info.step == STEPS
+    got = job.state_dict()
+    assert max_relative_difference(got, single_process(model, LOSS, SGD, data)) <= 1e-5
+    job.release()
+
+
+def test_a_job_trains_on_while_its_tracker_is_killed_and_started_again(swarm, caplog,
+                                                                        silent_soon):
+    caplog.set_level(logging.INFO)
+    s = swarm
+    with s.client() as client:
+        trained_through(s, client, lambda: faults.kill(s.tracker_proc), s.start_tracker)
+    assert "missed its lease" not in s.log(s.tracker_proc)
+    lines = reach_lines(caplog)
+    assert [m for m in lines if "unreachable" in m] != [], lines
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("the tracker is unreachable (UNAVAILABLE"), lines
+    assert lines[1].startswith("the tracker is back (unreachable for "), lines
+
+
+def test_a_job_trains_on_while_its_tracker_is_stopped_past_the_nodes_lease(swarm,
+                                                                           silent_soon):
+    s = swarm
+    resumed: list = []
+    with s.client() as client:
+        trained_through(s, client, lambda: resumed.append(faults.pause(s.tracker_proc, GAP)),
+                        lambda: resumed[0].join())
+    log = s.log(s.tracker_proc)
+    assert "missed its lease" not in log, log
+    assert "this tracker did not run for" in log
