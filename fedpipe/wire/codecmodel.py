@@ -27,6 +27,7 @@ int8+zstd               ~0.15        ~0.3 GB/s (ReLU activations)
 topk:F (gradients)      2·F          ~1 GB/s
 had4:B                  1/8 + 1/B    ~0.5 GB/s (a B-point rotation each way)
 had2:B                  1/16 + 1/B   ~0.5 GB/s
+sparseloco:F (grads)    ~1.75·F/4    ~0.5 GB/s (a top-k per 4096-chunk)
 ======================  ===========  ==================
 
 zstd after any codec adds :data:`ZSTD_SECONDS_PER_BYTE`.
@@ -38,8 +39,9 @@ from typing import Callable, NamedTuple
 
 from ..spec import CODEC_PARAMS, CodecSpec
 
-__all__ = ["HADAMARD_BITS", "MODELS", "ZSTD_SECONDS_PER_BYTE", "CodecModel", "Layout",
-           "hadamard_block_problem", "index_bytes", "int8_blocks", "model"]
+__all__ = ["HADAMARD_BITS", "MODELS", "SPARSELOCO_CHUNK", "ZSTD_SECONDS_PER_BYTE", "CodecModel",
+           "Layout", "hadamard_block_problem", "index_bytes", "int8_blocks", "model",
+           "sparseloco_chunk_bytes"]
 
 _GB_PER_S = 1e-9
 """Seconds per byte of a pass at 1 GB/s: encode + decode of the cheap codecs."""
@@ -59,7 +61,7 @@ class Layout(NamedTuple):
             topk's ``value_dtype``; unused by the other codecs.
         block_size: int8's values per scale; had4's and had2's values per
             rotation block and step.
-        k: topk's entries kept.
+        k: topk's entries kept; sparseloco's entries kept per chunk.
     """
 
     numel: int
@@ -119,6 +121,29 @@ def _topk_bytes(lay: Layout) -> int:  # k indices, then k values
     return lay.k * (index_bytes(lay.numel) + lay.itemsize)
 
 
+SPARSELOCO_CHUNK = 4096
+"""Values per sparseloco chunk: each chunk keeps its own top k, so an index fits in 12 bits
+(Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo", 2025, use 4096)."""
+
+
+def sparseloco_chunk_bytes(k: int) -> int:
+    """Bytes of one sparseloco chunk that keeps ``k`` values: a float32 scale, ``k`` 12-bit
+    indices (two per 3 bytes, ``k`` rounded up to even) and ``k`` 2-bit codes (four per byte)."""
+    return 4 + 3 * -(-k // 2) + -(-k // 4)
+
+
+def _sparseloco_bytes(lay: Layout) -> int:  # per zero-padded chunk of SPARSELOCO_CHUNK values
+    return int8_blocks(lay.numel, SPARSELOCO_CHUNK) * sparseloco_chunk_bytes(lay.k)
+
+
+def _sparseloco_ratio(spec: CodecSpec) -> float:
+    return sparseloco_chunk_bytes(spec.k(SPARSELOCO_CHUNK)) / (4 * SPARSELOCO_CHUNK)
+
+
+_SPARSELOCO_SECONDS_PER_BYTE = 2 * _GB_PER_S
+"""sparseloco encode + decode, seconds per float32 byte: a top-k over each chunk, ~ had2's."""
+
+
 def _ratio(r: float) -> Callable[[CodecSpec], float]:
     return lambda spec: r
 
@@ -171,6 +196,8 @@ MODELS: dict[str, CodecModel] = {m.name: m for m in (
     # near-Gaussian codes after the rotation: zstd finds little to take
     *(CodecModel(name, True, _had_bytes(bits), _had_ratio(bits), _HAD_SECONDS_PER_BYTE,
                  zstd_ratio=0.97) for name, bits in HADAMARD_BITS.items()),
+    CodecModel("sparseloco", True, _sparseloco_bytes, _sparseloco_ratio,
+               _SPARSELOCO_SECONDS_PER_BYTE, zstd_ratio=0.97),
 )}
 """Every codec's model, by name."""
 
