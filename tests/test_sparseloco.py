@@ -203,3 +203,12 @@ def test_a_two_group_sparseloco_job_succeeds_and_a_recovered_run_equals_the_unin
     print(f"recovered vs uninterrupted SparseLoCo job: max relative difference {diff:.2e}")
     assert diff <= 1e-5
     assert max_relative_difference(finals[0], model.state_dict()) > 1e-3  # it trained
+
+
+def test_the_settings_travel_in_the_job_config():
+    from fedpipe.spec import JobSpec
+
+    spec = JobSpec(steps=4, replica_sync="diloco", diloco=DiLoCo.sparseloco(3, feedback_decay=0.9))
+    assert JobSpec.from_proto(spec.to_proto()).diloco == spec.diloco
+    assert JobSpec.from_proto(JobSpec(steps=4, replica_sync="diloco").to_proto()).diloco \
+        == DiLoCo()  # an older client's config: decay unset, plain error feedback
