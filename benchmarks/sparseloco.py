@@ -11,16 +11,28 @@ them.
 
 Task: the character transformer of :mod:`fedpipe.examples.text` (d=64, 4
 heads, 2 blocks, context 64) on Python's documentation (``pydoc_data``), batch
-32 split evenly between the groups, AdamW lr 3e-3 inside the groups, H = 10.
+32 split evenly between the groups, AdamW lr 3e-3 inside the groups, H = 5.
 Seed s draws the initial weights and the batches.
 
 Configurations, the same steps each:
 
 - ``DiLoCo``: uncompressed (fp32) pseudo-gradients, outer SGD lr 0.7 with
   Nesterov momentum 0.5 (``benchmarks/async.py``'s setting for runs this short);
-- ``SparseLoCo``: :meth:`fedpipe.spec.DiLoCo.sparseloco` (top 1.56 % of each
-  4096-chunk, 2-bit values, error feedback decayed by 0.95, outer lr 1, no
-  momentum).
+- ``SparseLoCo``: :meth:`fedpipe.spec.DiLoCo.sparseloco` with the top 2 % of
+  each 4096-chunk, 2-bit values, error feedback decayed by 0.95, no momentum,
+  outer lr 2.
+
+Why these settings (seed 0, one run each, 300 steps unless said; held-out loss,
+uncompressed DiLoCo H=10: 2.011, H=5: 1.993, H=5 at 600 steps: 1.591): the
+paper's SparseLoCo (1.56 %, β 0.95, outer lr 1) at H=10 ended at 2.213 (+10 %);
+outer lr 2: 2.159, lr 3: 2.182, β 1: 2.221, β 0.9: 2.157; at H=5, outer lr 2:
+2.111 (1.56 %) and 2.073 (2.2 %, but 97x fewer bytes only), 1.663 at 600 steps
+(+4.5 %); at H=2: 2.081 against 1.990. With DiLoCo's Nesterov momentum
+instead of the decayed feedback, 1.56 % ended at 2.174 (H=5). What costs the
+loss is the sparsity: 2-bit values of every entry (``sparseloco:1.0``) with
+DiLoCo's outer step ended at 1.983, below fp32's 1.993. The inner AdamW makes
+pseudo-gradients of near-equal magnitude everywhere, so a top 2 % moves few of
+them per outer step; SparseLoCo's gains were measured on 512 M-parameter LLMs.
 
 Printed per configuration and seed: the held-out loss of the final outer
 model (the groups are bit-identical after the last outer step) on 512
@@ -33,7 +45,8 @@ of DiLoCo's, on a setting where DiLoCo's 3-seed spread is < 1 %.
 
     python benchmarks/sparseloco.py [--steps N] [--seeds 0,1,2] [--quick]
 
-``--quick``: 60 steps, one seed (a smoke run). Default: 400 steps, 3 seeds.
+``--quick``: 60 steps, one seed (a smoke run). Default: 300 steps, 3 seeds (about
+10 minutes here).
 """
 from __future__ import annotations
 
@@ -54,13 +67,13 @@ except ImportError:  # not installed: use the checkout
 from fedpipe.examples.text import char_transformer, lm_loss, pydoc_text, text_batches
 from fedpipe.runtime.allreduce import StageSpan
 from fedpipe.runtime.diloco import OuterSync
-from fedpipe.spec import DiLoCo, Kind, StageKey
+from fedpipe.spec import DiLoCo, StageKey
 from fedpipe.wire import codecs
 
-GROUPS, BATCH, SEQ, H = 2, 32, 64, 10
+GROUPS, BATCH, SEQ, H = 2, 32, 64, 5
 CONFIGS = {
     "DiLoCo": DiLoCo(inner_steps=H, outer_lr=0.7, outer_momentum=0.5),
-    "SparseLoCo": DiLoCo.sparseloco(inner_steps=H),
+    "SparseLoCo": DiLoCo.sparseloco(inner_steps=H, outer_lr=2.0, fraction=0.02),
 }
 
 
@@ -113,7 +126,7 @@ def run(config: DiLoCo, seed: int, steps: int, train, held) -> tuple[float, floa
     syncs = [OuterSync(m, StageKey(r, 0), spans, config, [1] * GROUPS,
                        wire.transport(StageKey(r, 0)), last_step=steps - 1, grace_floor=1e9)
              for r, m in enumerate(replicas)]
-    errors: list[BaseException] = []
+    errors: list[Exception] = []
 
     def group(r: int) -> None:
         try:
@@ -126,7 +139,7 @@ def run(config: DiLoCo, seed: int, steps: int, train, held) -> tuple[float, floa
                 opt.step()
                 opt.zero_grad()
                 sync(step)
-        except BaseException as e:  # surfaced below
+        except Exception as e:  # noqa: BLE001 — raised below, once both threads ended
             errors.append(e)
 
     t0 = time.perf_counter()
@@ -147,11 +160,12 @@ def run(config: DiLoCo, seed: int, steps: int, train, held) -> tuple[float, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--quick", action="store_true", help="60 steps, seed 0: a smoke run")
     args = parser.parse_args()
-    steps, seeds = (60, [0]) if args.quick else (args.steps, [int(s) for s in args.seeds.split(",")])
+    seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
+    steps = 60 if args.quick else args.steps
     torch.set_num_threads(1)
     train, test = pydoc_text()
     held = next(text_batches(test, 512, SEQ, seed=1000))

@@ -116,7 +116,7 @@ def test_groups_stay_identical_a_run_replays_bit_for_bit_and_it_is_not_dense_dil
 
 
 def _run(groups, batches, start):
-    """Train ``groups`` (``[(model, inner optimizer, sync)]``) on ``batches`` from step ``start``."""
+    """Train ``groups`` (``[(model, inner optimizer, sync)]``) on ``batches[start:]``."""
     for step, (x, y) in enumerate(batches[start:], start):
         for (m, _, _), xs, ys in zip(groups, x.chunk(len(groups)), y.chunk(len(groups))):
             (nn.functional.cross_entropy(m(xs), ys) / len(groups)).backward()
@@ -189,7 +189,7 @@ def test_a_two_group_sparseloco_job_succeeds_and_a_recovered_run_equals_the_unin
                                 rebalance="never")
             if kill:
                 inj = swarm.inject(job.id)
-                inj.at_step(10, "kill group 1", lambda: swarm.kill(
+                inj.at_step(10, "kill group 1", lambda job=job: swarm.kill(
                     PlanView(job_info(client, job).plan)[StageKey(1, 0)].address)).start()
             status = job.wait(timeout=150, progress=False)
             if kill:

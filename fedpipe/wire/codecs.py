@@ -324,7 +324,8 @@ def _sparseloco_decode(buf: Buffer, h: _Header) -> torch.Tensor:
     m = int8_blocks(h.numel, chunk)
     index_bytes_ = 3 * -(-k // 2)
     scales = _view(buf, torch.float32, m)
-    packed = _view(buf, torch.uint8, m * index_bytes_, offset=4 * m).view(m, (k + 1) // 2, 3).long()
+    packed = _view(buf, torch.uint8, m * index_bytes_, offset=4 * m)
+    packed = packed.view(m, (k + 1) // 2, 3).long()
     a = packed[..., 0] | ((packed[..., 1] & 15) << 8)
     b = (packed[..., 1] >> 4) | (packed[..., 2] << 4)
     index = torch.stack((a, b), dim=-1).view(m, -(-k // 2) * 2)[:, :k]  # (m, k)
@@ -335,7 +336,8 @@ def _sparseloco_decode(buf: Buffer, h: _Header) -> torch.Tensor:
                         f"has index[{i}]={int(index[c, i])}, index[{i + 1}]="
                         f"{int(index[c, i + 1])}")
     codes = hadamard.unpack(_view(buf, torch.uint8, m * -(-k // 4),
-                                  offset=4 * m + m * index_bytes_), 2).view(m, -(-k // 4) * 4)[:, :k]
+                                  offset=4 * m + m * index_bytes_), 2)
+    codes = codes.view(m, -(-k // 4) * 4)[:, :k]
     values = (codes.float() * 2 - 3).div_(3).mul_(scales[:, None])
     out = torch.zeros(m, chunk).scatter_(1, index, values)
     return out.view(-1)[:h.numel].to(h.dtype)
