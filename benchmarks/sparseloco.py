@@ -47,6 +47,12 @@ of DiLoCo's, on a setting where DiLoCo's 3-seed spread is < 1 %.
 
 ``--quick``: 60 steps, one seed (a smoke run). Default: 300 steps, 3 seeds (about
 10 minutes here).
+
+Measured (default run, 2026-12-02, load average 10.6 at the start, 12.4 at the end):
+SparseLoCo 4,440 B per outer step per holder against DiLoCo's 482,816 (109x fewer);
+mean held-out loss 2.1043 against 1.9935 (+5.6 %: the 2 % target is missed); DiLoCo's
+3-seed spread 1.34 % (the < 1 % target is missed too: 300 steps is still early in
+training; SparseLoCo's spread 1.71 %).
 """
 from __future__ import annotations
 
