@@ -53,7 +53,9 @@ class DiLoCo:
         of 4096 values, 2-bit values: 1.56 % kept at the default), with no outer momentum
         (the decayed residual stands in for it) and outer lr ``outer_lr``. Source: Sarfi,
         Thérien, Lidin & Belilovsky, "Communication Efficient LLM Pre-training with
-        SparseLoCo" (2025), whose defaults these are (their H is 15-30).
+        SparseLoCo" (2025): the algorithm, and its 1.56 % of 4096-chunks with 2-bit
+        values; β = 0.95 and outer lr 1 are a starting point, not checked against the
+        paper's tables (``benchmarks/sparseloco.py`` found outer lr 2 better at H=5).
 
         Raises:
             SpecError: a setting out of range.
