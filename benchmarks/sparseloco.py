@@ -54,6 +54,9 @@ mean held-out loss 2.1043 against 1.9935 (+5.6 %: the 2 % target is missed); DiL
 3-seed spread 1.34 % (the < 1 % target is missed too: 300 steps is still early in
 training; SparseLoCo's spread 1.71 %). ``--steps 600`` (load 9.2 -> 5.4): 109x fewer
 bytes, 1.7041 against 1.6041 (+6.2 %), DiLoCo's spread 2.05 %, SparseLoCo's 2.15 %.
+``--steps 1500`` (load 15.3 -> 7.3, 22 minutes): 109x fewer bytes, 1.3763 against
+1.3568 (+1.44 %: within 2 %), DiLoCo's spread 1.17 % (still over 1 %), SparseLoCo's
+1.14 %. The gap closes with training: +5.6 % at 300 steps, +6.2 % at 600, +1.4 % at 1,500.
 """
 from __future__ import annotations
 
