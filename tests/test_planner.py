@@ -311,6 +311,64 @@ def test_choose_codecs_is_per_link():
     assert grad[1] == "raw" and grad[2] != "raw" and grad[0] == "raw"
 
 
+def with_steps_factors(monkeypatch, **factors):
+    """Give codecs measured convergence factors (steps to target against raw)."""
+    from fedpipe.wire.codecmodel import MODELS
+
+    for name, factor in factors.items():
+        monkeypatch.setitem(MODELS, name, dataclasses.replace(MODELS[name], steps_factor=factor))
+
+
+def test_auto_minimizes_predicted_t_not_the_step(monkeypatch):
+    """Over a slow link a codec that shortens the step is taken only while its extra
+    steps cost less than the time it saves: T = step × steps factor."""
+    assert two_stage(1.25e6)[0].activation_codec != "raw"  # by step time alone
+    with_steps_factors(monkeypatch, bf16=20.0, int8=20.0)
+    costly = two_stage(1.25e6)
+    assert all(s.activation_codec == "raw" and s.gradient_codec == "raw" for s in costly)
+    with_steps_factors(monkeypatch, bf16=1.5, int8=20.0)  # bf16 halves the bytes for 1.5x
+    assert two_stage(1.25e6)[0].activation_codec == "bf16"
+    with_steps_factors(monkeypatch, bf16=1.1, int8=1.1)
+    assert two_stage(1.25e6)[0].activation_codec in ("int8", "int8+zstd")
+    # a codec the job names is used whatever its factor
+    assert two_stage(1.25e6, compression="int8")[0].activation_codec == "int8"
+
+
+def test_predicted_t_of_the_choice_is_the_least_of_the_allowed_ladders(monkeypatch):
+    with_steps_factors(monkeypatch, bf16=1.2, int8=1.6)
+    nodes = [NodeSpec(f"n{i}", TF, 10**12) for i in range(2)]
+    ctx = PlanContext(ClusterView(nodes, default_link=Link(1.25e6, 1e-3)),
+                      model(8, flops=1e10, act=4 * 10**6), TrainConfig(batch_size=16,
+                                                                       microbatches=4))
+    from fedpipe.planner.evaluate import _Links
+
+    links = _Links(ctx, [0, 1], [(0, 4), (4, 8)], 4, 4)
+    act, grad = choose_codecs(ctx, [0, 1], [(0, 4), (4, 8)], 4, 4)
+    chosen = [act[:-1], grad[1:]]
+    t = links.step(chosen) * codecs.steps_factor([*chosen[0], *chosen[1]])
+    for c in codecs.AUTO_ACTIVATION:
+        assert t <= links.step([[c], [c]]) * codecs.codec_cost(c).steps_factor * (1 + 1e-9)
+    assert codecs.steps_factor(["raw", "bf16", "int8+zstd"]) == 1.6
+    assert codecs.steps_factor([]) == 1.0
+
+
+def test_plan_table_shows_each_links_bytes_and_the_predicted_t(monkeypatch):
+    with_steps_factors(monkeypatch, int8=1.25)
+    nodes = [NodeSpec("a", TF, 10**12), NodeSpec("b", TF, 10**12)]
+    cluster = ClusterView(nodes, default_link=Link(1.25e6, 1e-3))
+    config = TrainConfig(batch_size=16, microbatches=4, stages=2, compression="int8")
+    prof = model(8, flops=1e10, act=4 * 10**6)
+    plan = make_plan(cluster, prof, config, FAST)
+    text = jsonio.format_plan(plan, cluster, prof, config)
+    cut = plan.groups[0].stages[0].layer_end
+    mb = codecs.codec_cost("int8").wire_bytes(boundary_bytes(prof, cut, 4)) / 1e6
+    import re
+    assert len(re.findall(rf"int8 +{mb:.1f} MB", text)) == 2, text  # one link, each way
+    step = plan.predicted_step_seconds
+    assert "predicted T: 1.25 x the steps of raw fp32" in text
+    assert f"= {1.25 * step:.3f} s" in text
+
+
 # --- JSON ----------------------------------------------------------------------
 
 CLUSTER_JSON = {

@@ -12,7 +12,7 @@ from torch import nn
 from fedpipe.proto import tracker_pb2
 from fedpipe.runtime.allreduce import StageSpan
 from fedpipe.runtime.elastic import ElasticGradientSync, GroupDropped
-from fedpipe.spec import JobSpec, JobSpecError, PlanView, StageKey
+from fedpipe.spec import DiLoCo, JobSpec, JobSpecError, PlanView, StageKey
 from fedpipe.tracker.replicas import ReplicaError, ReplicaSet
 
 pytestmark = pytest.mark.timeout(60)
@@ -263,11 +263,12 @@ def test_a_stage_of_a_dropped_group_is_told_to_stop():
     assert not errors
 
 
-def test_elastic_diloco_outer_steps_go_on_over_the_survivors_who_agree_bit_for_bit():
+@pytest.mark.parametrize("config", [DiLoCo(inner_steps=2, outer_lr=0.7, outer_momentum=0.9),
+                                    DiLoCo.sparseloco(inner_steps=2)], ids=["dense", "sparseloco"])
+def test_elastic_diloco_outer_steps_go_on_over_the_survivors_who_agree_bit_for_bit(config):
     from fedpipe.runtime.elastic import ElasticOuterSync
-    from fedpipe.spec import DiLoCo
 
-    data, groups, H = batches(8), range(3), 2
+    data, groups, H = batches(8), range(3), config.inner_steps
     rs = ReplicaSet({g: frozenset({K(g, 0)}) for g in groups}, min_replicas=2)
     wire = Wire()
     spans = [StageSpan(K(g, 0), 0, 3) for g in groups]
@@ -279,8 +280,7 @@ def test_elastic_diloco_outer_steps_go_on_over_the_survivors_who_agree_bit_for_b
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         holder = {}
         syncs[g] = sync = ElasticOuterSync(
-            m, K(g, 0), spans, DiLoCo(inner_steps=H, outer_lr=0.7, outer_momentum=0.9),
-            [1, 1, 1], wire.transport(K(g, 0)),
+            m, K(g, 0), spans, config, [1, 1, 1], wire.transport(K(g, 0)),
             lambda step, version, reduced, wait: rs.ask(K(g, 0), step, version, reduced, wait),
             lambda: holder["n"], last_step=len(data) - 1)
         for step, (x, y) in enumerate(data):

@@ -36,6 +36,8 @@ class CodecCost:
         gradients_only: True for codecs that must not carry activations (top-k).
         lossy: it changes values: on gradients the sender keeps an error-feedback
             residual per microbatch (:class:`fedpipe.wire.feedback.ErrorFeedback`).
+        steps_factor: steps to a target loss against raw fp32 (its model's
+            :attr:`~fedpipe.wire.codecmodel.CodecModel.steps_factor`, measured).
     """
 
     spec: str
@@ -43,6 +45,7 @@ class CodecCost:
     seconds_per_byte: float
     gradients_only: bool = False
     lossy: bool = False
+    steps_factor: float = 1.0
 
     def wire_bytes(self, nbytes: float, element_bytes: int = 4) -> float:
         """Bytes on the wire for a tensor of ``nbytes`` bytes of ``element_bytes``-byte elements.
@@ -82,7 +85,15 @@ def codec_cost(spec: str) -> CodecCost:
         raise PlanError(f"bad codec {spec!r}: {problem}")
     m = model(parsed)
     return CodecCost(spec, m.wire_factor(parsed), m.cpu_seconds_per_byte(parsed),
-                     gradients_only=parsed.gradients_only, lossy=m.lossy)
+                     gradients_only=parsed.gradients_only, lossy=m.lossy,
+                     steps_factor=m.steps_factor)
+
+
+def steps_factor(specs: Sequence[str]) -> float:
+    """The convergence factor of a pipeline whose links use codecs ``specs``: the largest of
+    theirs (measured with one codec at every boundary; a mix is priced by its worst), 1 for
+    none. Predicted T = step time × this."""
+    return max((codec_cost(s).steps_factor for s in specs), default=1.0)
 
 
 def _resolve(policy: str, auto: tuple[str, ...], kind: str) -> tuple[str, ...]:

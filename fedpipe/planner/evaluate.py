@@ -231,53 +231,87 @@ def choose_codecs(ctx: PlanContext, nodes: Sequence[int], ranges: Sequence[tuple
     round-trip bound) by more than :data:`CODEC_SLACK`, the link that lost the
     most moves to the next stronger codec that is faster, until it does not.
 
+    That is done once per cap on the codecs' convergence factors (steps to a
+    target against raw, :attr:`~fedpipe.planner.codecs.CodecCost.steps_factor`):
+    with only the codecs at or under the cap allowed. The choice kept is the one
+    of least predicted T = estimated step × :func:`~fedpipe.planner.codecs.
+    steps_factor` of its codecs (ties: the lower cap), so a codec that halves a
+    step but needs twice the steps is not taken.
+
     Args:
         samples: samples per microbatch.
         microbatches: microbatches the group runs per step.
     """
-    prof, cl, sched = ctx.profile, ctx.cluster, ctx.config.schedule
-    fwd, bwd = zip(*(compute_seconds(prof, k, j, ctx.flops[node], samples)
-                     for node, (k, j) in zip(nodes, ranges)))
-    # sends[d][i]: (link, bytes) of link i in direction d (0: activations, 1: gradients)
-    sends: list[list[tuple[Link, float]]] = [[], []]
-    for i in range(len(nodes) - 1):
-        x = boundary_bytes(prof, ranges[i][1], samples)
-        a, b = ctx.ids[nodes[i]], ctx.ids[nodes[i + 1]]
-        sends[0].append((cl.link(a, b), x))
-        sends[1].append((cl.link(b, a), x))
+    links = _Links(ctx, nodes, ranges, samples, microbatches)
     allowed = (ctx.act_codecs, ctx.grad_codecs)
+    best: tuple[float, list[list[str]]] | None = None
+    for cap in sorted({codecs.codec_cost(c).steps_factor for d in (0, 1) for c in allowed[d]}):
+        ladders = [tuple(c for c in allowed[d] if codecs.codec_cost(c).steps_factor <= cap)
+                   for d in (0, 1)]
+        if not all(ladders):
+            continue
+        chosen = links.choose(ladders)
+        t = links.step(chosen) * codecs.steps_factor([*chosen[0], *chosen[1]])
+        if best is None or t < best[0] * (1 - 1e-9):
+            best = (t, chosen)
+    assert best is not None  # the largest cap allows every codec
+    return best[1][0] + ["raw"], ["raw"] + best[1][1]
 
-    def busy(d: int, i: int, codec: str) -> float:
-        link, x = sends[d][i]
-        return transfer_seconds(link, x, codec, prof.element_bytes)[0]
 
-    fast = [[codecs.fastest(allowed[d], functools.partial(busy, d, i))
-             for i in range(len(sends[d]))] for d in (0, 1)]
-    fast_busy = [[busy(d, i, c) for i, c in enumerate(fast[d])] for d in (0, 1)]
-    if sched == "gpipe":
-        budgets = (max([*fwd, *fast_busy[0]]), max([*bwd, *fast_busy[1]]))
-    else:
-        top = max([f + b for f, b in zip(fwd, bwd)] + fast_busy[0] + fast_busy[1])
-        budgets = (top, top)
-    chosen = [[codecs.choose(allowed[d], functools.partial(busy, d, i), budgets[d])
-               for i in range(len(sends[d]))] for d in (0, 1)]
+class _Links:
+    """One pipeline's stage compute and links, for :func:`choose_codecs`."""
 
-    def step(choice: list[list[str]]) -> float:
-        times = [[busy(d, i, c) for i, c in enumerate(choice[d])] for d in (0, 1)]
-        totals = [[t + sends[d][i][0].latency for i, t in enumerate(times[d])] for d in (0, 1)]
-        sigma, period = pipeline_estimate(fwd, bwd, times[0], totals[0], times[1], totals[1],
-                                          microbatches, sched)
-        return sigma + (microbatches - 1) * period
+    def __init__(self, ctx: PlanContext, nodes: Sequence[int],
+                 ranges: Sequence[tuple[int, int]], samples: float, microbatches: int):
+        prof, cl = ctx.profile, ctx.cluster
+        self.sched, self.microbatches, self.element_bytes = (ctx.config.schedule, microbatches,
+                                                             prof.element_bytes)
+        self.fwd, self.bwd = zip(*(compute_seconds(prof, k, j, ctx.flops[node], samples)
+                                   for node, (k, j) in zip(nodes, ranges)))
+        # sends[d][i]: (link, bytes) of link i in direction d (0: activations, 1: gradients)
+        self.sends: list[list[tuple[Link, float]]] = [[], []]
+        for i in range(len(nodes) - 1):
+            x = boundary_bytes(prof, ranges[i][1], samples)
+            a, b = ctx.ids[nodes[i]], ctx.ids[nodes[i + 1]]
+            self.sends[0].append((cl.link(a, b), x))
+            self.sends[1].append((cl.link(b, a), x))
 
-    target = step(fast) * (1 + CODEC_SLACK)
-    while step(chosen) > target:
-        loss = [(busy(d, i, chosen[d][i]) - fast_busy[d][i], d, i)
-                for d in (0, 1) for i in range(len(chosen[d])) if chosen[d][i] != fast[d][i]]
-        _, d, i = max(loss)
-        now = busy(d, i, chosen[d][i])
-        ladder = allowed[d][allowed[d].index(chosen[d][i]) + 1:]
-        chosen[d][i] = next(c for c in ladder if busy(d, i, c) < now)  # next stronger that helps
-    return chosen[0] + ["raw"], ["raw"] + chosen[1]
+    def busy(self, d: int, i: int, codec: str) -> float:
+        link, x = self.sends[d][i]
+        return transfer_seconds(link, x, codec, self.element_bytes)[0]
+
+    def step(self, choice: Sequence[Sequence[str]]) -> float:
+        """The group's estimated step, seconds, with codecs ``choice[d][i]``."""
+        times = [[self.busy(d, i, c) for i, c in enumerate(choice[d])] for d in (0, 1)]
+        totals = [[t + self.sends[d][i][0].latency for i, t in enumerate(times[d])]
+                  for d in (0, 1)]
+        sigma, period = pipeline_estimate(self.fwd, self.bwd, times[0], totals[0], times[1],
+                                          totals[1], self.microbatches, self.sched)
+        return sigma + (self.microbatches - 1) * period
+
+    def choose(self, allowed: Sequence[Sequence[str]]) -> list[list[str]]:
+        """Each link's codec among ``allowed[d]`` (weakest first), as
+        :func:`choose_codecs` describes, before its convergence factors."""
+        n = [len(self.sends[d]) for d in (0, 1)]
+        fast = [[codecs.fastest(allowed[d], functools.partial(self.busy, d, i))
+                 for i in range(n[d])] for d in (0, 1)]
+        fast_busy = [[self.busy(d, i, c) for i, c in enumerate(fast[d])] for d in (0, 1)]
+        if self.sched == "gpipe":
+            budgets = (max([*self.fwd, *fast_busy[0]]), max([*self.bwd, *fast_busy[1]]))
+        else:
+            top = max([f + b for f, b in zip(self.fwd, self.bwd)] + fast_busy[0] + fast_busy[1])
+            budgets = (top, top)
+        chosen = [[codecs.choose(allowed[d], functools.partial(self.busy, d, i), budgets[d])
+                   for i in range(n[d])] for d in (0, 1)]
+        target = self.step(fast) * (1 + CODEC_SLACK)
+        while self.step(chosen) > target:
+            loss = [(self.busy(d, i, chosen[d][i]) - fast_busy[d][i], d, i)
+                    for d in (0, 1) for i in range(n[d]) if chosen[d][i] != fast[d][i]]
+            _, d, i = max(loss)
+            now = self.busy(d, i, chosen[d][i])
+            ladder = allowed[d][list(allowed[d]).index(chosen[d][i]) + 1:]
+            chosen[d][i] = next(c for c in ladder if self.busy(d, i, c) < now)  # next that helps
+        return chosen
 
 
 POLISH_MAX_STAGES = 24

@@ -223,11 +223,24 @@ def plan_from_json(obj: JsonObject) -> Plan:
 
 def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                 config: TrainConfig) -> str:
-    """A readable table of the plan: group, stage, node, layers, codecs, predicted times."""
+    """A readable table of the plan: group, stage, node, layers, codecs with the bytes each
+    sends per microbatch on its link, predicted times, and the predicted T (the step time ×
+    the steps factor of the plan's codecs, :func:`fedpipe.planner.codecs.steps_factor`)."""
+    from .codecs import codec_cost, steps_factor
+    from .costs import boundary_bytes
+
     nodes = {n.node_id: n for n in cluster.nodes}
-    header = ("group", "stage", "node", "site", "TFLOP/s", "layers", "activations", "gradients")
+    header = ("group", "stage", "node", "site", "TFLOP/s", "layers", "activations", "act B/mb",
+              "gradients", "grad B/mb")
     rows = []
+    used = []
     for gi, g in enumerate(plan.groups):
+        per_mb = g.samples / g.microbatches if g.microbatches else 0.0
+
+        def wire(codec: str, end: int, per_mb: float = per_mb) -> str:
+            used.append(codec)
+            return _bytes(codec_cost(codec).wire_bytes(boundary_bytes(profile, end, per_mb),
+                                                       profile.element_bytes))
         for si, s in enumerate(g.stages):
             n = nodes.get(s.node_id)
             last = si == len(g.stages) - 1
@@ -235,7 +248,9 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                          n.site if n else "", f"{n.flops / 1e12:.1f}" if n else "?",
                          f"{s.layer_start}-{s.layer_end - 1}",
                          "-" if last else s.activation_codec,
-                         "-" if si == 0 else s.gradient_codec))
+                         "-" if last else wire(s.activation_codec, s.layer_end),
+                         "-" if si == 0 else s.gradient_codec,
+                         "-" if si == 0 else wire(s.gradient_codec, s.layer_start)))
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = "  ".join
     out = [f"plan: {len(plan.groups)} replica group(s) of a {len(profile.layers)}-layer model, "
@@ -252,8 +267,20 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         out.append(f"syncing the groups adds {plan.sync_seconds:.3f} s per step")
     out.append(f"predicted step: {plan.predicted_step_seconds:.3f} s, "
                f"{plan.predicted_samples_per_second:.1f} samples/s")
+    factor = steps_factor(used)
+    out.append(f"predicted T: {factor:.2f} x the steps of raw fp32 (the codecs' measured "
+               f"factor) x {plan.predicted_step_seconds:.3f} s = "
+               f"{factor * plan.predicted_step_seconds:.3f} s per raw fp32 step to a target")
     if plan.unused:
         names = [nodes[i].name or i if i in nodes else i for i in plan.unused]
         shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
         out.append(f"unused: {shown}")
     return "\n".join(out)
+
+
+def _bytes(n: float) -> str:
+    """``n`` bytes, readable: "512 B", "1.5 kB", "3.2 MB"."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"

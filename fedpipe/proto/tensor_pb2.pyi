@@ -31,6 +31,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_TOPK: _ClassVar[Codec]
     CODEC_HAD4: _ClassVar[Codec]
     CODEC_HAD2: _ClassVar[Codec]
+    CODEC_SPARSELOCO: _ClassVar[Codec]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -50,6 +51,7 @@ CODEC_INT8: Codec
 CODEC_TOPK: Codec
 CODEC_HAD4: Codec
 CODEC_HAD2: Codec
+CODEC_SPARSELOCO: Codec
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "codec", "zstd", "encoded_bytes", "block_size", "k", "value_dtype", "payload", "payload_bytes")

@@ -57,6 +57,14 @@ With late replicas, groups' weights differ by what each has not yet applied.
 (:mod:`fedpipe.wire.codecs`) with error feedback per segment (what the codec
 drops is sent at the next outer step). A holder uses for itself exactly what
 its peers decode from its message, so lossy codecs keep the groups consistent.
+
+**SparseLoCo** (:meth:`fedpipe.spec.DiLoCo.sparseloco`) is this with the
+``sparseloco`` codec (top 1.56 % of each 4096-chunk, 2-bit values), the error
+feedback decayed by β (``e ← β·e + Δ``, send ``C(e)``, keep ``e - C(e)``) and
+no outer momentum: the decayed residual stands in for it (Sarfi et al.,
+"Communication Efficient LLM Pre-training with SparseLoCo", 2025). The residuals
+are part of :meth:`OuterSync.state_dict`, so a job resumed from a checkpoint
+sends what the uninterrupted one would have sent.
 """
 from __future__ import annotations
 
@@ -151,7 +159,7 @@ class OuterSync:
         self.optimizer = torch.optim.SGD(
             [t for ts in self.globals for t in ts], lr=config.outer_lr, momentum=momentum,
             nesterov=momentum > 0) if self.mine else None  # None: no parameters, nothing to do
-        self.feedback = codecs.ErrorFeedback()
+        self.feedback = codecs.ErrorFeedback(config.feedback_decay)
         self.last_step = last_step
         self.grace_fraction, self.grace_floor = grace_fraction, grace_floor
         self.outer_step = 0  # index of the next outer step, the same in every group

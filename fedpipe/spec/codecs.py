@@ -13,9 +13,10 @@ from .errors import SpecError
 
 CODEC_PARAMS: dict[str, str | None] = {"raw": None, "fp16": None, "bf16": None,
                                        "int8": "block_size", "topk": "fraction",
-                                       "had4": "block_size", "had2": "block_size"}
+                                       "had4": "block_size", "had2": "block_size",
+                                       "sparseloco": "fraction"}
 """Every codec name and the :class:`CodecSpec` field its parameter sets (None: no parameter)."""
-GRADIENT_ONLY_CODECS = frozenset({"topk"})
+GRADIENT_ONLY_CODECS = frozenset({"topk", "sparseloco"})
 """Codecs that drop most of a tensor: usable for gradients (with error feedback) only."""
 CODEC_POLICIES = ("auto", "none")
 """Compression settings that are not a codec: "auto" (the planner picks per link), "none" (raw)."""
@@ -29,6 +30,8 @@ class CodecSpec:
         raw | fp16 | bf16          no parameter
         int8[:B]                   B = values per scale block, 16..65536 (default 128)
         topk[:F]                   F = fraction of entries kept, 1e-6..1 (default 0.01)
+        sparseloco[:F]             top-k per chunk of 4096 values (k = ⌈F·4096⌉), 2-bit
+                                   values; F as topk's (SparseLoCo's 1.56 %: F = 0.015625)
         +zstd[:L]                  zstandard level L, 1..22 (default 1)
 
     e.g. ``"int8:64+zstd"``, ``"topk:0.05+zstd:3"``.
@@ -36,8 +39,8 @@ class CodecSpec:
     Attributes:
         name: a key of :data:`CODEC_PARAMS`.
         block_size: int8 only: values per float32 scale, 16..65536.
-        fraction: topk only: fraction of the entries kept, 1e-6..1; at least one
-            entry of a non-empty tensor is kept.
+        fraction: topk and sparseloco: fraction of the entries kept, 1e-6..1; at
+            least one entry of a non-empty tensor (sparseloco: of a chunk) is kept.
         zstd_level: zstandard level 1..22, or None for no zstd.
 
     Raises:
@@ -53,7 +56,7 @@ class CodecSpec:
         if self.name not in CODEC_PARAMS:
             raise SpecError(f"unknown codec {self.name!r}; known: {sorted(CODEC_PARAMS)}")
         _check_range("int8 block_size", self.block_size, 16, 65536)
-        _check_range("topk fraction", self.fraction, 1e-6, 1.0)
+        _check_range(f"{self.name} fraction", self.fraction, 1e-6, 1.0)
         if self.zstd_level is not None:
             _check_range("zstd level", self.zstd_level, 1, 22)
 

@@ -231,6 +231,7 @@ class JobSpec:
         return node_pb2.JobConfig(**d, outer_every=o.inner_steps, outer_lr=o.outer_lr,
                                   outer_momentum=o.outer_momentum,
                                   outer_compression=o.compression,
+                                  outer_feedback_decay=o.feedback_decay,
                                   weights=self.weights.to_proto(),
                                   libraries=dict(self.libraries))
 
@@ -251,7 +252,8 @@ class JobSpec:
                            msg.outer_lr if given else msg.outer_lr or default.outer_lr,
                            msg.outer_momentum if given or msg.outer_lr
                            else default.outer_momentum,
-                           msg.outer_compression or default.compression)
+                           msg.outer_compression or default.compression,
+                           msg.outer_feedback_decay or default.feedback_decay)
         except SpecError as e:
             raise JobSpecError("diloco", str(e)) from None
         return cls(steps=msg.steps, microbatches=msg.microbatches, batch_size=msg.batch_size,

@@ -27,16 +27,40 @@ class DiLoCo:
         inner_steps: H, optimizer steps between outer steps (>= 1).
         outer_lr: outer learning rate (> 0).
         outer_momentum: Nesterov momentum in [0, 1) (0: plain SGD).
-        compression: codec of the pseudo-gradients on the wire ("none" or a codec spec).
+        compression: codec of the pseudo-gradients on the wire ("none" or a codec spec;
+            "sparseloco:F" is SparseLoCo's top-k + 2-bit, see :meth:`sparseloco`).
+        feedback_decay: β in (0, 1] of the pseudo-gradients' error feedback under a lossy
+            codec: the residual is scaled by β before the next pseudo-gradient is added
+            (1: plain error feedback; SparseLoCo: 0.95, see
+            :class:`fedpipe.wire.feedback.ErrorFeedback`).
 
     Raises:
-        SpecError: a setting out of range (a ValueError).
+        SpecError: a setting out of range, or a ``feedback_decay`` below 1 without a
+            lossy codec (a ValueError).
     """
 
     inner_steps: int = 10
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     compression: str = "none"
+    feedback_decay: float = 1.0
+
+    @classmethod
+    def sparseloco(cls, inner_steps: int = 10, outer_lr: float = 1.0,
+                   fraction: float = 1 / 64, feedback_decay: float = 0.95) -> "DiLoCo":
+        """SparseLoCo: DiLoCo whose pseudo-gradients go through error feedback decayed by
+        ``feedback_decay`` and the ``sparseloco`` codec (top ``fraction`` of each chunk
+        of 4096 values, 2-bit values: 1.56 % kept at the default), with no outer momentum
+        (the decayed residual stands in for it) and outer lr ``outer_lr``. Source: Sarfi,
+        Thérien, Lidin & Belilovsky, "Communication Efficient LLM Pre-training with
+        SparseLoCo" (2025): the algorithm, and its 1.56 % of 4096-chunks with 2-bit
+        values; β = 0.95 and outer lr 1 are a starting point, not checked against the
+        paper's tables (``benchmarks/sparseloco.py`` found outer lr 2 better at H=5).
+
+        Raises:
+            SpecError: a setting out of range.
+        """
+        return cls(inner_steps, outer_lr, 0.0, f"sparseloco:{fraction}", feedback_decay)
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
@@ -47,6 +71,12 @@ class DiLoCo:
                             f"{self.outer_lr}, {self.outer_momentum}")
         if self.compression != "auto":
             check_compression(self.compression, "outer")
+        if not 0 < self.feedback_decay <= 1:
+            raise SpecError(f"feedback_decay must be in (0, 1], got {self.feedback_decay}")
+        if self.feedback_decay != 1 and self.compression in ("none", "raw"):
+            raise SpecError(f"feedback_decay={self.feedback_decay} needs a lossy outer "
+                            f"compression (error feedback), but compression is "
+                            f"{self.compression!r}; e.g. DiLoCo.sparseloco()")
 
 
 @dataclass(frozen=True)

@@ -27,19 +27,26 @@ int8+zstd               ~0.15        ~0.3 GB/s (ReLU activations)
 topk:F (gradients)      2·F          ~1 GB/s
 had4:B                  1/8 + 1/B    ~0.5 GB/s (a B-point rotation each way)
 had2:B                  1/16 + 1/B   ~0.5 GB/s
+sparseloco:F (grads)    ~1.75·F/4    ~0.5 GB/s (a top-k per 4096-chunk)
 ======================  ===========  ==================
 
 zstd after any codec adds :data:`ZSTD_SECONDS_PER_BYTE`.
+
+Each codec also carries ``steps_factor``, its convergence cost: steps to a target
+loss against raw fp32, measured by ``benchmarks/wan.py`` (:data:`STEPS_MEASURED`);
+the planner predicts T = step time × that factor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 from ..spec import CODEC_PARAMS, CodecSpec
 
-__all__ = ["HADAMARD_BITS", "MODELS", "ZSTD_SECONDS_PER_BYTE", "CodecModel", "Layout",
-           "hadamard_block_problem", "index_bytes", "int8_blocks", "model"]
+__all__ = ["HADAMARD_BITS", "MODELS", "SPARSELOCO_CHUNK", "STEPS_FACTORS", "STEPS_MEASURED",
+           "ZSTD_SECONDS_PER_BYTE",
+           "CodecModel", "Layout", "hadamard_block_problem", "index_bytes", "int8_blocks",
+           "model", "sparseloco_chunk_bytes"]
 
 _GB_PER_S = 1e-9
 """Seconds per byte of a pass at 1 GB/s: encode + decode of the cheap codecs."""
@@ -59,7 +66,7 @@ class Layout(NamedTuple):
             topk's ``value_dtype``; unused by the other codecs.
         block_size: int8's values per scale; had4's and had2's values per
             rotation block and step.
-        k: topk's entries kept.
+        k: topk's entries kept; sparseloco's entries kept per chunk.
     """
 
     numel: int
@@ -119,6 +126,29 @@ def _topk_bytes(lay: Layout) -> int:  # k indices, then k values
     return lay.k * (index_bytes(lay.numel) + lay.itemsize)
 
 
+SPARSELOCO_CHUNK = 4096
+"""Values per sparseloco chunk: each chunk keeps its own top k, so an index fits in 12 bits
+(Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo", 2025, use 4096)."""
+
+
+def sparseloco_chunk_bytes(k: int) -> int:
+    """Bytes of one sparseloco chunk that keeps ``k`` values: a float32 scale, ``k`` 12-bit
+    indices (two per 3 bytes, ``k`` rounded up to even) and ``k`` 2-bit codes (four per byte)."""
+    return 4 + 3 * -(-k // 2) + -(-k // 4)
+
+
+def _sparseloco_bytes(lay: Layout) -> int:  # per zero-padded chunk of SPARSELOCO_CHUNK values
+    return int8_blocks(lay.numel, SPARSELOCO_CHUNK) * sparseloco_chunk_bytes(lay.k)
+
+
+def _sparseloco_ratio(spec: CodecSpec) -> float:
+    return sparseloco_chunk_bytes(spec.k(SPARSELOCO_CHUNK)) / (4 * SPARSELOCO_CHUNK)
+
+
+_SPARSELOCO_SECONDS_PER_BYTE = 2 * _GB_PER_S
+"""sparseloco encode + decode, seconds per float32 byte: a top-k over each chunk, ~ had2's."""
+
+
 def _ratio(r: float) -> Callable[[CodecSpec], float]:
     return lambda spec: r
 
@@ -140,6 +170,11 @@ class CodecModel:
             tensor byte, before zstd.
         seconds_per_byte: encode + decode seconds per byte of the tensor.
         zstd_ratio: what zstd is expected to leave of its output.
+        steps_factor: steps to a target loss against raw fp32 with this codec on
+            every stage boundary (activations and their gradients), as
+            ``benchmarks/wan.py`` measures it (:data:`STEPS_FACTORS`, from
+            :data:`STEPS_MEASURED`); 1 where not measured. zstd is lossless and
+            does not change it.
     """
 
     name: str
@@ -148,6 +183,7 @@ class CodecModel:
     fp32_ratio: Callable[[CodecSpec], float]
     seconds_per_byte: float
     zstd_ratio: float = ZSTD_RATIO
+    steps_factor: float = 1.0
 
     def wire_factor(self, spec: CodecSpec) -> float:
         """Estimated wire bytes per float32 tensor byte under ``spec``, zstd included."""
@@ -171,8 +207,27 @@ MODELS: dict[str, CodecModel] = {m.name: m for m in (
     # near-Gaussian codes after the rotation: zstd finds little to take
     *(CodecModel(name, True, _had_bytes(bits), _had_ratio(bits), _HAD_SECONDS_PER_BYTE,
                  zstd_ratio=0.97) for name, bits in HADAMARD_BITS.items()),
+    CodecModel("sparseloco", True, _sparseloco_bytes, _sparseloco_ratio,
+               _SPARSELOCO_SECONDS_PER_BYTE, zstd_ratio=0.97),
 )}
 """Every codec's model, by name."""
+
+STEPS_MEASURED: dict[str, float] = {"raw": 150 / 150, "bf16": 150 / 150, "int8": 150 / 150,
+                                    "had4": 153 / 150, "had2": 118 / 150}
+"""Steps to the target loss against raw fp32's, with the codec on every stage boundary
+(activations and gradients), as measured by ``python benchmarks/wan.py --no-swarm
+--budget 200 --seeds 1 --configs raw,bf16,int8,had4,had2`` (2026-12-02, load 6-9: the
+4-stage character transformer; target 2.2562, raw's held-out loss at 160 steps; steps to
+it: raw 150, bf16 150, int8 150, had4 153, had2 118). One seed and 200 steps, not the
+issue's 3 x 1,000: a reduced run. int8+zstd is int8 (zstd is lossless); fp16, topk and
+sparseloco were not measured."""
+STEPS_FACTORS: dict[str, float] = {name: max(1.0, f) for name, f in STEPS_MEASURED.items()}
+"""The convergence factor the planner uses: the measured one, but never under 1 (a lossy
+codec is not credited with converging faster than raw: had2's 0.79 is one seed, and its
+final loss 8 % under raw's at 200 steps is more likely noise than a property); 1 where
+not measured."""
+MODELS = {name: replace(m, steps_factor=STEPS_FACTORS.get(name, 1.0))
+          for name, m in MODELS.items()}
 
 if set(MODELS) != set(CODEC_PARAMS):
     raise ImportError(f"fedpipe.wire.codecmodel and fedpipe.spec.CODEC_PARAMS disagree on the "

@@ -20,11 +20,27 @@ class ErrorFeedback:
     2018); Lin et al., "Deep Gradient Compression" (ICLR 2018); it works for
     any lossy codec (Karimireddy et al., "Error Feedback Fixes SignSGD", 2019).
 
+    With ``decay`` β < 1 the residual is scaled by β before the next tensor is
+    added (``e ← β·e + t``, send ``C(e)``, keep ``e - C(e)``): SparseLoCo's
+    error feedback, where the decayed accumulator stands in for DiLoCo's outer
+    momentum (Sarfi et al., "Communication Efficient LLM Pre-training with
+    SparseLoCo", 2025). Then ``sum(sent)`` no longer tracks ``sum(inputs)``.
+
     Use one key per link and tensor slot, e.g. ``(peer, "grad", stage, slot)``.
     Not locked: one key must not be encoded from two threads at once.
+
+    Args:
+        decay: β in (0, 1]: the factor on the residual before it is added (1: plain
+            error feedback).
+
+    Raises:
+        ValueError: ``decay`` outside (0, 1].
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        if not 0 < decay <= 1:
+            raise ValueError(f"error feedback decay must be in (0, 1], got {decay}")
+        self.decay = decay
         self._residuals: dict[Hashable, torch.Tensor] = {}
 
     def residual(self, key: Hashable) -> torch.Tensor | None:
@@ -42,7 +58,7 @@ class ErrorFeedback:
         return len(self._residuals)
 
     def _compensate(self, key: Hashable, t: torch.Tensor) -> torch.Tensor:
-        """``t`` plus the residual stored under ``key``, flat, in float32 or wider.
+        """``t`` plus ``decay`` × the residual stored under ``key``, flat, in float32 or wider.
 
         Raises:
             ValueError: the key holds a residual of another shape (a reused key).
@@ -54,7 +70,10 @@ class ErrorFeedback:
                 raise ValueError(f"error feedback key {key!r} holds a residual of shape "
                                  f"{list(residual.shape)}, the tensor has shape {list(t.shape)}; "
                                  f"use one key per tensor slot or reset() it")
-            acc += residual.reshape(-1).to(acc)
+            if self.decay == 1:
+                acc += residual.reshape(-1).to(acc)
+            else:
+                acc.add_(residual.reshape(-1).to(acc), alpha=self.decay)
         return acc
 
     def remember(self, key: Hashable, residual: torch.Tensor) -> None:
