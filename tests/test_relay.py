@@ -299,3 +299,42 @@ def test_the_relay_role_may_call_no_rpc():
             continue
         with pytest.raises(PermissionDenied, match="wrong role"):
             authorize(method, relay)
+
+
+@pytest.mark.xfail(strict=True, reason="two live nodes homing under one name (a node started "
+                   "twice, or the same certificate on two machines) displace each other at "
+                   "the relay without end: each HELLO closes the other's home, whose node "
+                   "re-homes at once, a dozen times a second each; the relay should tell a "
+                   "displaced node so (it then backs off or exits), or refuse a HELLO for a "
+                   "name whose home still answers")
+def test_two_live_nodes_under_one_name_do_not_displace_each_other_without_end(echo):
+    relay = Relay()
+    first = Homing([relay.address], "n1", echo.port, None)
+    second = Homing([relay.address], "n1", echo.port, None)
+    try:
+        first.home(timeout=10)
+        second.home(timeout=10)
+        time.sleep(2)
+        assert first.homings + second.homings <= 4, (first.homings, second.homings)
+    finally:
+        first.close()
+        second.close()
+        relay.close()
+
+
+def test_a_reset_record_longer_than_a_reason_may_be_ends_the_home_connection():
+    relay = Relay()
+    try:
+        sock, alloc = dial(relay.address, records.Hello(node="n1", data=0), None)
+        with sock:
+            # a RESET promising 4 GiB of reason: was read as 4096 bytes of whatever follows
+            # (the next records of other streams), the relay blocking until they came
+            sock.sendall(records.pack(records.RecordType.RESET, 7, 0xFFFFFFFF) + b"why")
+            sock.settimeout(5)
+            assert sock.recv(1) == b"", "the relay ends the home connection at once"
+        deadline = time.monotonic() + 5
+        while relay.homed() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert relay.homed() == {}
+    finally:
+        relay.close()
