@@ -338,3 +338,27 @@ def test_a_reset_record_longer_than_a_reason_may_be_ends_the_home_connection():
         assert relay.homed() == {}
     finally:
         relay.close()
+
+
+@pytest.mark.xfail(strict=True, reason="a relayed node's addresses are public, and a stream "
+                   "slot is held for as long as its connection is open: max_streams idle "
+                   "connections from anyone (256 by default; a connect each, no byte sent) "
+                   "make the node unreachable through its relay, where a directly reachable "
+                   "node has no such cap; wants a per-source cap or an idle timeout before a "
+                   "stream's first byte")
+def test_idle_connections_from_one_source_do_not_take_every_stream_slot_of_a_node(echo):
+    relay = Relay(max_streams=4)
+    homing = Homing([relay.address], "n1", echo.port, None)
+    idle = []
+    try:
+        alloc = homing.home(timeout=10)
+        idle = [dial_address(alloc.grpc_address) for _ in range(4)]
+        deadline = time.monotonic() + 5
+        while relay.homed() != {"n1": 4} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert round_trip(alloc.grpc_address, b"a peer") == b"a peer"
+    finally:
+        for s in idle:
+            s.close()
+        homing.close()
+        relay.close()
