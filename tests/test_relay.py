@@ -362,3 +362,11 @@ def test_idle_connections_from_one_source_do_not_take_every_stream_slot_of_a_nod
             s.close()
         homing.close()
         relay.close()
+
+
+@pytest.mark.parametrize("bound", ["max_nodes", "max_streams", "window"])
+def test_a_relay_with_a_bound_below_one_is_refused_at_start(bound):
+    # was: it started, then refused every node (max_nodes 0), or its nodes refused its
+    # allocation and retried without end (max_streams or window 0)
+    with pytest.raises(ValueError, match=f"{bound} must be at least 1, got 0"):
+        Relay(**{bound: 0})
