@@ -314,8 +314,8 @@ def test_two_live_nodes_under_one_name_do_not_displace_each_other_without_end(ec
     try:
         first.home(timeout=10)
         second.home(timeout=10)
-        time.sleep(2)
-        assert first.homings + second.homings <= 4, (first.homings, second.homings)
+        time.sleep(3)  # (it was a dozen displacements a second, each)
+        assert first.homings + second.homings <= 3, (first.homings, second.homings)
     finally:
         first.close()
         second.close()
