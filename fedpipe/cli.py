@@ -113,6 +113,18 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive_bytes(text: str) -> int:
+    """A byte count of at least 1 (``--memory-limit``: 0 would read as "no limit" to the
+    node's check, a negative one cannot be advertised)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of bytes, got {text}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    return value
+
+
 def cmd_node(args) -> int:
     from .net.relay import split_relays
     from .node.daemon import NodeDaemon
@@ -435,7 +447,7 @@ def parser() -> argparse.ArgumentParser:
                    help="without TLS: accept pickled model code from non-loopback peers (code "
                         "execution!); ignored with --tls-dir, where only jobs signed by a "
                         "client certificate load")
-    n.add_argument("--memory-limit", type=int, default=None,
+    n.add_argument("--memory-limit", type=_positive_bytes, default=None,
                    help="advertise at most this many bytes of memory; a LoadStage predicted "
                         "to need more, with this node's other stages, is refused")
     n.add_argument("--host-id", default=None,

@@ -80,3 +80,13 @@ def test_a_reader_that_closes_the_pipe_early_gets_no_traceback():
     err = writer.stderr.read().decode()
     assert writer.wait(timeout=100) == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_a_node_refuses_a_memory_limit_below_one_byte(value):
+    # 0 was taken as "no limit" by the LoadStage check (the opposite of a cap); -5 failed
+    # later with protobuf's "Value out of range: -5", naming no option
+    out = fedpipe("node", "--host", "127.0.0.1", "--port", "0", f"--memory-limit={value}",
+                  "--tracker", "127.0.0.1:1")
+    assert out.returncode == 2, out.stderr
+    assert "--memory-limit" in out.stderr and "at least 1 byte" in out.stderr

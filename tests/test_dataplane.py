@@ -542,3 +542,67 @@ def test_the_accepting_side_gives_a_link_up_when_its_dialer_does_not_come_back()
         assert "did not reconnect" in rec.failed[0][1]
         with pytest.raises(LinkFailed):
             accepted.send(torch.ones(1), envelope=env(1))
+
+
+class _Answering:
+    """A listener at a peer's address that exchanges prefaces as ``name`` on its first
+    ``good`` connections (then closes them), and answers every later one with a GOAWAY of
+    status code ``code`` (a peer of another version, or a hostile one)."""
+
+    def __init__(self, name: str, code: int, good: int = 0):
+        self.name, self.code, self.good = name, code, good
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                sock, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn = connection.Connection(sock, dialed=False)
+            try:
+                kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
+                conn.read_exact(arg)
+                if self.connections <= self.good:
+                    conn.write(Preface(name=self.name, role="node", session="5e55",
+                                       window_bytes=1 << 20, window_messages=16).encode())
+                    time.sleep(0.2)
+                else:
+                    conn.write(records.pack_text(RecordType.GOAWAY, 0, self.code, "go away"))
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_goaway_of_an_unknown_status_code_at_the_dial_is_a_link_failure(pair):
+    a, _, _, _ = pair
+    peer = _Answering("zed", code=999)
+    try:  # was: ValueError("999 is not a valid Code"), and the link left in place, not failed
+        with pytest.raises(LinkFailed, match="go away"):
+            a.link("zed", f"127.0.0.1:{peer.port}")
+    finally:
+        peer.close()
+
+
+def test_a_goaway_of_an_unknown_status_code_at_a_redial_fails_the_link():
+    rec, events = _events()
+    quick = Timeouts(credit=5.0, resume=1.0, handshake=1.0, backoff_min=0.02, backoff_max=0.1)
+    peer = _Answering("zed", code=999, good=1)
+    with DataPlane("a", Inbox(), timeouts=quick, events=events) as a:
+        link = a.link("zed", f"127.0.0.1:{peer.port}")
+        deadline = time.monotonic() + 5
+        while not rec.failed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        peer.close()
+        # was: the redial thread died of the ValueError; the link stayed down and unfailed,
+        # and a sender's flush waited the whole credit timeout
+        assert rec.lost and rec.failed, (rec.lost, rec.failed)
+        with pytest.raises(LinkFailed):
+            link.send(torch.ones(4), envelope=env(0))

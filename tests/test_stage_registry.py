@@ -365,3 +365,21 @@ def test_a_stage_predicted_past_the_nodes_memory_limit_is_refused_with_both_figu
     step = next(r for r in node.reports if r.job_id == "b" and r.status == R.STATUS_STEP)
     assert step.predicted_memory_bytes == 500 and step.peak_memory_bytes >= 16 * 2**20
     node.registry.stop_all()
+
+
+@pytest.mark.xfail(strict=True, reason="a stopped stage kept for the retention period (an "
+                   "ended job's, 600 s by default; a job that failed at DEPLOYING, e.g. "
+                   "because another node refused its stage, is one) still counts its whole "
+                   "prediction (activations and stash included) against the node's memory "
+                   "limit, while the tracker's planner counts none of it: the resubmitted "
+                   "job is planned onto this node and refused here again until retention "
+                   "ends. Wants: count a stopped stage's held weights only, or release the "
+                   "stages of a job that failed before its first step")
+def test_a_stopped_stage_of_a_failed_job_does_not_hold_its_whole_prediction():
+    node = Node(memory=StageMemory(torch.device("cpu"), 1000))
+    first = node.load(job="a", predicted_memory_bytes=600)
+    node.registry.stop_job("a", release=False)  # what the tracker's Jobs.fail asks
+    wait_state(first, S.STOPPED)
+    second = node.load(job="b", predicted_memory_bytes=500, steps=1)
+    assert second.live
+    node.registry.stop_all()

@@ -138,3 +138,27 @@ def test_layers_streamed_stage_by_stage_make_the_same_checkpoint(tmp_path):
     with WeightFiles(tmp_path / "whole") as a, WeightFiles(tmp_path / "streamed") as b:
         assert sorted(a.keys()) == sorted(b.keys())
         assert all(torch.equal(a.tensor(k), b.tensor(k)) for k in a.keys())
+
+
+@pytest.mark.parametrize("index, message", [
+    ("{not json", "not a JSON object"),
+    ("[]", "not a JSON object"),
+    ("{}", 'no "weight_map"'),
+    ('{"weight_map": {"0.weight": "gone.safetensors"}}', "gone.safetensors: not a readable"),
+])
+def test_a_broken_index_or_a_missing_shard_is_a_weights_error_naming_the_file(tmp_path, index,
+                                                                              message):
+    # were: JSONDecodeError, AttributeError, KeyError('weight_map') and FileNotFoundError
+    # out of submit, the first three naming no file
+    (tmp_path / INDEX_NAME).write_text(index)
+    with pytest.raises(WeightsError, match=message):
+        with WeightFiles(tmp_path) as files:
+            check_weights(files, [nn.Linear(2, 2)])
+
+
+@pytest.mark.parametrize("content", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\""])
+def test_a_file_that_is_not_safetensors_is_a_weights_error_naming_it(tmp_path, content):
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(content)  # was: safetensors' SafetensorError, naming no file
+    with pytest.raises(WeightsError, match="model.safetensors: not a readable safetensors"):
+        WeightFiles(bad)

@@ -134,7 +134,10 @@ class CheckpointWriter:
     """Writes a checkpoint folder a stage at a time (see the module docstring).
 
     Args:
-        path: the folder (created; a checkpoint there before is replaced).
+        path: the folder (created; a checkpoint there before is replaced by :meth:`close`,
+            and stays whole until then: each file is written aside, as ``NAME.tmp``, and
+            they all take their names in :meth:`close`, so a save that fails midway leaves
+            the earlier checkpoint readable; that needs the disk space of both).
         plan: the job's plan (layer ranges; replica group 0's depth names the shards).
         names: a layer's key -> its model names (the first is used).
         skip: ``skip(layer, key)``: a weight kept out of the shards (a tied copy; it
@@ -149,7 +152,10 @@ class CheckpointWriter:
                  model_config: Any = None):
         self.folder = Path(path)
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / META).unlink(missing_ok=True)  # incomplete until close()
+        for tmp in (*self.folder.glob("model*.safetensors.tmp"),  # an earlier save's that
+                    *self.folder.glob("state-*.safetensors.tmp")):  # failed
+            tmp.unlink()
+        self._pending: list[str] = []  # files written aside, named in close()
         self._ranges = {StageKey(a.replica, a.stage): (a.layer_start, a.layer_end)
                         for a in plan.stages}
         self._depth = 1 + max((k.stage for k in self._ranges if k.replica == 0), default=0)
@@ -208,15 +214,18 @@ class CheckpointWriter:
                              "skeleton": snap.skeleton})
 
     def _write(self, save_file: Callable, tensors: dict[str, torch.Tensor], name: str) -> None:
-        tmp = self.folder / (name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, self.folder / name)
+        save_file(tensors, str(self.folder / (name + ".tmp")), metadata={"format": "pt"})
+        self._pending.append(name)
         self._files.add(name)
 
     def close(self, step: int, steps: int, config: dict | None = None) -> Path:
         """Write the index, ``config.json`` and ``checkpoint.json`` (last); drop files
         of an earlier checkpoint in the folder that this one does not have; return
         the folder."""
+        (self.folder / META).unlink(missing_ok=True)  # incomplete until its last line
+        for name in self._pending:
+            os.replace(self.folder / (name + ".tmp"), self.folder / name)
+        self._pending.clear()
         if self._depth > 1:
             self._text(INDEX_NAME, json.dumps({"metadata": {"total_size": self._total},
                                                "weight_map": self._weight_map}, indent=2))

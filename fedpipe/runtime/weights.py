@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -59,7 +59,9 @@ class WeightFiles:
 
     Raises:
         WeightsError: the path is neither a ``.safetensors`` file nor a directory with
-            ``model.safetensors.index.json`` or ``model.safetensors``.
+            ``model.safetensors.index.json`` or ``model.safetensors``; an index that is
+            not JSON with a ``weight_map``; a shard that is missing or not safetensors
+            (here or at first use; each names the file).
     """
 
     def __init__(self, path: str | Path):
@@ -69,8 +71,7 @@ class WeightFiles:
         if path.is_file():
             self._where = {k: path for k in self._open(path).keys()}
         elif (path / INDEX_NAME).is_file():
-            weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
-            self._where = {k: path / f for k, f in weight_map.items()}
+            self._where = {k: path / f for k, f in _weight_map(path / INDEX_NAME).items()}
         elif (path / SINGLE_NAME).is_file():
             self._where = {k: path / SINGLE_NAME for k in self._open(path / SINGLE_NAME).keys()}
         else:
@@ -79,7 +80,10 @@ class WeightFiles:
 
     def _open(self, file: Path) -> Any:
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except (OSError, SafetensorError) as e:
+                raise WeightsError(f"{file}: not a readable safetensors file: {e}") from None
         return self._handles[file]
 
     def keys(self) -> list[str]:
@@ -122,6 +126,22 @@ def _find(files: WeightFiles, index: int, key: str, names: KeyMap) -> str:
             return name
     raise WeightsError(f"layer {index}: no tensor for {key!r} in {files.path} "
                        f"(looked for {', '.join(map(repr, candidates))})")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The tensor name -> shard file map of a Hugging Face index file.
+
+    Raises:
+        WeightsError: not JSON, or no ``weight_map`` object of names to file names.
+    """
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError) as e:  # not JSON (or not UTF-8), or not an object
+        raise WeightsError(f"{index}: not a JSON object: {e}") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise WeightsError(f"{index}: no \"weight_map\" object of tensor names to shard files")
+    return weight_map
 
 
 def _check_shape(index: int, key: str, name: str, file_shape: Sequence[int],

@@ -35,6 +35,7 @@ import torch
 
 from ...proto import node_pb2, tensor_pb2
 from ...security import Identity
+from ...security.errors import SecurityError
 from ...wire import codecs, format
 from ...wire.format import WireError
 from . import records
@@ -462,10 +463,10 @@ class Link:
             code, text = self._read_text(conn)
             with self._state:  # the refused tensor is retained until its ACK, which follows
                 owner = next((o.owner for o in self.retained if o.seq == arg), "")
-                self.refused.setdefault(owner, PeerRefused(_code(code), text, arg))
+                self.refused.setdefault(owner, PeerRefused(records.code_of(code), text, arg))
         elif kind is RecordType.GOAWAY:
             code, text = self._read_text(conn)
-            raise _GoAway(f"{_code(code).name}: {text}")
+            raise _GoAway(f"{records.code_of(code).name}: {text}")
         else:
             raise WireError(f"a {kind.name} record in the middle of a connection")
 
@@ -543,7 +544,7 @@ class Link:
         while not self.closed and self.credits.failed is None:
             try:
                 conn, theirs, peer = self.dial()
-            except (OSError, WireError) as e:
+            except (OSError, WireError, SecurityError) as e:  # SecurityError: e.g. revoked
                 if time.monotonic() + pause > deadline:
                     self.fail(f"cannot reach {self.peer_name} again within "
                               f"{self.timeouts.resume} s: {e}")
@@ -557,13 +558,6 @@ class Link:
                 return
             self.read(conn)
             pause, deadline = self.timeouts.backoff_min, time.monotonic() + self.timeouts.resume
-
-
-def _code(value: int) -> Code:
-    try:
-        return Code(value)
-    except ValueError:
-        return Code.UNKNOWN
 
 
 def _describe(header: node_pb2.Frame) -> str:

@@ -84,6 +84,15 @@ class Code(enum.IntEnum):
     UNAUTHENTICATED = 16
 
 
+def code_of(value: int) -> Code:
+    """The :class:`Code` a REFUSED or GOAWAY record carries; one this side does not know
+    (a peer of another version, or garbage) is ``UNKNOWN``, never an error."""
+    try:
+        return Code(value)
+    except ValueError:
+        return Code.UNKNOWN
+
+
 def pack(kind: RecordType, arg: int = 0) -> bytes:
     """A record's 16-byte prefix."""
     return PREFIX.pack(MAGIC, VERSION, kind, arg)

@@ -71,7 +71,8 @@ def read_preface(conn: Connection) -> Preface:
     if kind is RecordType.GOAWAY:
         code, size = records.TEXT.unpack(conn.read_exact(records.TEXT.size))
         text = conn.read_exact(min(size, records.MAX_TEXT_BYTES)).decode(errors="replace")
-        raise LinkFailed(f"the peer refused the connection: {Code(code).name}: {text}")
+        raise LinkFailed(f"the peer refused the connection: {records.code_of(code).name}: "
+                         f"{text}")
     if kind is not RecordType.PREFACE:
         raise WireError(f"a connection must start with a PREFACE record, not {kind.name}")
     if arg > records.MAX_PREFACE_BYTES:

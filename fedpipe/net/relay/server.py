@@ -71,7 +71,8 @@ class Relay:
         max_nodes, max_streams, window: the bounds (module docstring).
 
     Raises:
-        ValueError: a certificate of another role than relay.
+        ValueError: a certificate of another role than relay, or a bound below 1 (a node
+            refuses an allocation of no streams or no window: it would home nowhere).
         OSError: the port cannot be bound.
     """
 
@@ -81,6 +82,10 @@ class Relay:
         if tls is not None and tls.identity.role is not Role.RELAY:
             raise ValueError(f"a relay needs a certificate with role relay, not "
                              f"{tls.identity} ({tls.directory})")
+        for what, value in (("max_nodes", max_nodes), ("max_streams", max_streams),
+                            ("window", window)):
+            if value < 1:
+                raise ValueError(f"a relay's {what} must be at least 1, got {value}")
         self.host = host
         self.advertise = advertise or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
         self.max_nodes, self.max_streams, self.window = max_nodes, max_streams, window

@@ -295,11 +295,20 @@ class Home:
         finally:
             self._end_all()
 
+    def _body(self, n: int, most: int, what: str) -> bytes:
+        """The ``n`` bytes following an envelope; over ``most`` is a protocol breach (read
+        nothing of it: what follows cannot be trusted to be records).
+
+        Raises:
+            RelayError: ``n > most``. EOFError: the connection ended first.
+        """
+        if n > most:
+            raise RelayError(f"{what} of {n} bytes exceeds {most}")
+        return self._read(n)
+
     def _dispatch(self, kind: RecordType, sid: int, arg: int) -> None:
         if kind is RecordType.DATA:
-            if arg > records.MAX_CHUNK:
-                raise RelayError(f"DATA record of {arg} bytes exceeds {records.MAX_CHUNK}")
-            data = self._read(arg)
+            data = self._body(arg, records.MAX_CHUNK, "DATA record")
             stream = self._stream(sid)
             if stream is not None:  # else reset here while the data was on its way
                 stream.on_data(data)
@@ -310,13 +319,11 @@ class Home:
             if (stream := self._stream(sid)) is not None:
                 stream.on_fin()
         elif kind is RecordType.RESET:
-            why = self._read(min(arg, records.MAX_BODY)).decode(errors="replace")
+            why = self._body(arg, records.MAX_BODY, "RESET reason").decode(errors="replace")
             if (stream := self._stream(sid)) is not None:
                 stream.on_reset(f"reset by the other side: {why}")
         elif kind is RecordType.OPEN and self._connect is not None:
-            if arg > records.MAX_BODY:
-                raise RelayError(f"OPEN body of {arg} bytes exceeds {records.MAX_BODY}")
-            opened = records.Open.decode(self._read(arg))
+            opened = records.Open.decode(self._body(arg, records.MAX_BODY, "OPEN body"))
             self._open(sid, opened)
         else:
             raise RelayError(f"{self.side} got an unexpected {kind.name} record")
