@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .runtime.materialize import TiedGroup, children_first
+from .runtime.materialize import TIES_ATTRIBUTE, TiedGroup, children_first
 from .runtime.weights import DEFAULT_SHARD_BYTES, save_layers
 
 
@@ -248,6 +248,7 @@ def sequential(model: Any) -> HFLayers:
         Head(getattr(base, arch.norm), _copy_head(model.lm_head) if tied else model.lm_head))
     last = len(blocks) + 1
     ties: list[TiedGroup] = [[(0, "tokens.weight"), (last, "lm_head.weight")]] if tied else []
+    setattr(layers, TIES_ATTRIBUTE, ties)  # submit's default ``ties``
     return HFLayers(layers=layers, tied_parameters=ties, names=_names(arch, len(blocks), tied),
                     init_fn=HFInit(type(model), config), config=config)
 

@@ -20,6 +20,7 @@ from transformers import (  # noqa: E402
 
 from fedpipe.hf import AdapterError, lm_loss, save_pretrained, sequential  # noqa: E402
 from fedpipe.runtime.materialize import (  # noqa: E402
+    TIES_ATTRIBUTE,
     materialize,
     materialize_layers,
     meta_profile,
@@ -306,3 +307,12 @@ def test_a_meta_llama_from_files_without_its_init_is_refused_naming_the_rotary_b
     code = package(adapted.layers, x, weights=tmp_path, names=adapted.names,
                    init_fn=adapted.init_fn)
     assert code.weights.source == "files"
+
+
+def test_the_layers_record_their_ties_for_submits_default():
+    # submit(ties=None) takes them, so weights=PATH without ties= still trains the tied model
+    tied = sequential(_gpt2())
+    assert getattr(tied.layers, TIES_ATTRIBUTE) == tied.tied_parameters
+    assert tied.tied_parameters == [[(0, "tokens.weight"), (4, "lm_head.weight")]]
+    untied = sequential(_llama(tie_word_embeddings=False))
+    assert getattr(untied.layers, TIES_ATTRIBUTE) == [] == untied.tied_parameters

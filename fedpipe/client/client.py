@@ -26,7 +26,7 @@ from ..net import timeouts
 from ..net.dataplane import DataPlane
 from ..proto import tracker_pb2, tracker_pb2_grpc
 from ..runtime import libraries
-from ..runtime.materialize import InitFn, TiedGroup
+from ..runtime.materialize import TIES_ATTRIBUTE, InitFn, TiedGroup
 from ..runtime.optim import LRSchedulerSpec, OptimizerSpec
 from ..runtime.weights import KeyMap
 from ..security import TlsConfig
@@ -184,7 +184,7 @@ class Client:
                checkpoint_dir: str | os.PathLike | None = None,
                weights: str | os.PathLike | None = None, seed: int = 0,
                init_fn: InitFn | None = None, weight_names: KeyMap | None = None,
-               ties: Sequence[TiedGroup] = (), **knobs: Any) -> Job:
+               ties: Sequence[TiedGroup] | None = None, **knobs: Any) -> Job:
         """Submit a training job and start feeding it.
 
         Args:
@@ -239,7 +239,9 @@ class Client:
                 each a group of ``(layer, parameter name)`` copies that start equal and
                 whose gradients are summed before every optimizer step, as
                 :attr:`fedpipe.hf.HFLayers.tied_parameters` gives them. Synchronous
-                schedules only.
+                schedules only. None (the default): the ties ``fedpipe.hf.sequential``
+                recorded on its layers, if ``model`` is those, else none; ``()`` unties
+                them (each copy trains apart).
             knobs: the flat keywords, one per knob of the groups above
                 (:data:`fedpipe.spec.FLAT_KNOBS`): ``microbatches``, ``schedule``,
                 ``max_staleness``, ``lr_scheduler``, ``clip_grad_norm``,
@@ -290,6 +292,8 @@ class Client:
         if x0.shape[0] < microbatches:
             raise ValueError(f"batch of {x0.shape[0]} samples cannot be split into "
                              f"{microbatches} microbatches")
+        if ties is None:
+            ties = getattr(model, TIES_ATTRIBUTE, ())
         code = package(model, x0, seed=seed, init_fn=init_fn, weights=weights,
                        names=weight_names, ties=ties)
         job_spec = job_spec.with_(batch_size=x0.shape[0], weights=code.weights,

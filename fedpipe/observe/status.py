@@ -28,6 +28,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from ..units import binary_bytes
+
 from ..net import timeouts
 from .source import JobSource, SwarmSource
 from .views import History, job_view, measured_step_seconds, plan_from_message, plan_layout, \
@@ -60,10 +62,6 @@ def _f(x: float | None, digits: int) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _bytes(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def _mib(n: float | None) -> str:
     """Bytes in MiB, or "-" for None."""
     return "-" if n is None else f"{n / 2**20:.1f}"
@@ -84,7 +82,7 @@ def swarm_renderable(swarm: dict) -> RenderableType:
     and why, capacity, and the measured links."""
     t = swarm["totals"]
     nodes = Table(title=f"{t['alive']} node(s) alive, {t['lost']} lost; "
-                        f"{t['flops'] / 1e9:.0f} GFLOP/s, {_bytes(t['memory_bytes'])} in all",
+                        f"{t['flops'] / 1e9:.0f} GFLOP/s, {binary_bytes(t['memory_bytes'])} in all",
                   box=box.SIMPLE_HEAD, title_justify="left")
     for col, just in (("node", "left"), ("name", "left"), ("address", "left"),
                       ("device", "left"), ("GFLOP/s", "right"), ("memory", "right"),
@@ -92,7 +90,7 @@ def swarm_renderable(swarm: dict) -> RenderableType:
         nodes.add_column(col, justify=just)
     for n in swarm["nodes"]:
         nodes.add_row(n["id"], n["name"], n["address"], n["device"], f"{n['flops'] / 1e9:.1f}",
-                      _bytes(n["memory_bytes"]), n["reach"],
+                      binary_bytes(n["memory_bytes"]), n["reach"],
                       Text(n["why"] or n["state"], style=STATE_STYLE[n["state"]]))
     parts: list[RenderableType] = [nodes]
     if swarm["links"]:

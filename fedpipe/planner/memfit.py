@@ -13,6 +13,9 @@ from .costs import host_memory_shares, stage_memory_bytes
 from .types import ModelProfile, NodeSpec, TrainConfig
 
 MIB = 2**20
+MEMORY_REMEDIES = ("; to fit, submit with recompute=\"auto\" (or True), more microbatches, "
+                   "precision=\"bf16-mixed\", or add nodes")
+"""What a job that does not fit the swarm's memory can change, ending each such refusal."""
 
 
 def shortfall(profile: ModelProfile, config: TrainConfig, nodes: Sequence[NodeSpec]
@@ -38,7 +41,8 @@ def shortfall(profile: ModelProfile, config: TrainConfig, nodes: Sequence[NodeSp
         return need - have, (
             f"the job needs about {need / MIB:.1f} MiB (weights, gradients, optimizer state, "
             f"snapshots, activations) but the swarm's {len(nodes)} node(s) have "
-            f"{have / MIB:.1f} MiB in all: {need - have:.0f} bytes more are needed")
+            f"{have / MIB:.1f} MiB in all: {need - have:.0f} bytes more are needed"
+            f"{MEMORY_REMEDIES}")
     top = float(max(shares.values()))
     layer, need = max(((k, stage_memory_bytes(profile, k, k + 1, config, n_layers - 1,
                                                  n_layers))
@@ -47,5 +51,5 @@ def shortfall(profile: ModelProfile, config: TrainConfig, nodes: Sequence[NodeSp
         return need - top, (
             f"layer {layer} ({profile.layers[layer].name}) alone needs about "
             f"{need / MIB:.1f} MiB as a stage but the largest node has {top / MIB:.1f} MiB: "
-            f"{need - top:.0f} bytes more are needed")
+            f"{need - top:.0f} bytes more are needed{MEMORY_REMEDIES}")
     return 0.0, ""

@@ -19,8 +19,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..units import binary_bytes
 from .context import PlanContext
 from .evaluate import Candidate, Chain, Evaluator, Split, build_plan, polish
+from .memfit import MEMORY_REMEDIES
 from .grouping import initial_groupings, site_subsets
 from .ordering import locality_order, path_cost, site_runs
 from .types import ClusterView, ModelProfile, Plan, PlanError, SearchOptions, TrainConfig
@@ -295,7 +297,6 @@ def propose(kind: str, chains: list[list[int]], pool: list[int], hop: np.ndarray
 
 def no_fit_error(ctx: PlanContext) -> PlanError:
     """The PlanError for "nothing fits", with the model's and the nodes' bytes."""
-    gib = 2**30
     state = float(ctx.state[0, ctx.L])
     biggest = max(float(ctx.state[k, k + 1]) for k in range(ctx.L))
     top = max(ctx.mem)
@@ -303,7 +304,7 @@ def no_fit_error(ctx: PlanContext) -> PlanError:
             else f"the model's {ctx.L} layers")
     return PlanError(
         f"no split of {what} fits the nodes' memory: weights, gradients and optimizer "
-        f"state need {state / gib:.2f} GiB in all and {biggest / gib:.2f} GiB for the largest "
-        f"layer, plus {ctx.stash[0, ctx.L] / gib:.2f} GiB of activations per microbatch of "
-        f"{ctx.mb:g} samples; the largest of the {ctx.n} node(s) has {top / gib:.2f} GiB, "
-        f"all together {sum(ctx.mem) / gib:.2f} GiB")
+        f"state need {binary_bytes(state)} in all and {binary_bytes(biggest)} for the "
+        f"largest layer, plus {binary_bytes(ctx.stash[0, ctx.L])} of activations per "
+        f"microbatch of {ctx.mb:g} samples; the largest of the {ctx.n} node(s) has "
+        f"{binary_bytes(top)}, all together {binary_bytes(sum(ctx.mem))}{MEMORY_REMEDIES}")

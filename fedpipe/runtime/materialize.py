@@ -54,6 +54,9 @@ is forked and seeded the same way."""
 TiedGroup = Sequence[tuple[int, str]]
 """Copies of one tied parameter: ``(layer index, parameter name in that layer)``; the
 first (lowest layer) is the source the others are initialized from."""
+TIES_ATTRIBUTE = "fedpipe_ties"
+"""The attribute of an ``nn.Sequential`` that records its ties (:data:`TiedGroup` list), as
+:func:`fedpipe.hf.sequential` sets it: ``submit`` keeps them tied when not told otherwise."""
 
 # torch modules whose initializer is private: without it their own parameters
 # (``in_proj_weight``) would stay uninitialized on a meta model.
