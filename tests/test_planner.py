@@ -198,7 +198,7 @@ def test_close_to_brute_force_on_a_small_cluster():
 def test_plan_error_gives_the_numbers():
     nodes = [NodeSpec("a", TF, 10**6), NodeSpec("b", TF, 2 * 10**6)]
     with pytest.raises(PlanError, match=r"need \d+\.\d+ GiB.*largest of the 2 node\(s\) has "
-                                        r"0\.00 GiB"):
+                                        r"1\.9 MiB, all together 2\.9 MiB; to fit"):
         make_plan(ClusterView(nodes), model(4, params=10**8), TrainConfig(batch_size=4))
     with pytest.raises(PlanError, match="no node"):
         make_plan(ClusterView([]), model(4), TrainConfig(batch_size=4))
