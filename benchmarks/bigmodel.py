@@ -15,8 +15,10 @@ each run is a subprocess (this file with ``--reference``), which trains the same
 the same way (the batch split into the pipeline's microbatches) and reports its losses and
 its peak RSS after one step (``VmHWM``). Each node's ``--memory-limit`` is set below a
 third of that peak, unless the planner's prediction for a stage
-(:func:`fedpipe.planner.stage_memory_bytes`) needs more: then the limit is what the plan
-needs and the target is reported missed, by how much.
+(:func:`fedpipe.planner.stage_memory_bytes`) needs more: then the limit is 5 % above what the plan needs and the target is
+reported missed, by how much. Each stage's measured peak is set against what the tracker
+predicted for it (:func:`fedpipe.planner.protoio.assignment_memory_bytes` with the job's
+optimizer).
 
 Printed, each target MET or MISSED (by how much), with ``os.getloadavg()``:
 
@@ -28,7 +30,7 @@ Printed, each target MET or MISSED (by how much), with ``os.getloadavg()``:
   node's limit;
 - deploy time: submit until every stage runs.
 
-    python benchmarks/bigmodel.py [--quick] [--steps N]
+    python benchmarks/bigmodel.py [--quick] [--steps N] [--checkpoint-every K] [--seed-only]
 
 ``--quick``: a 4-layer model of hidden 64, the same path end to end (two references, two
 swarms of 4 nodes): about 4 minutes at a load average of 20 on 2 cores, so no test runs it.
@@ -183,7 +185,8 @@ def planner_inputs(setup: Setup, adapted):
     x, _ = batches(setup)[0]
     return meta_profile(list(adapted.layers), x), train_config(
         JobSpec(steps=setup.steps, microbatches=setup.microbatches, batch_size=setup.batch,
-                schedule="1f1b", stages=4))
+                schedule="1f1b", stages=4, checkpoint_every=setup.checkpoint_every,
+                optimizer_kind=optimizer().kind))
 
 
 def predictions(inputs, bounds: list[int]) -> list[float]:
@@ -194,6 +197,16 @@ def predictions(inputs, bounds: list[int]) -> list[float]:
     n = len(bounds) - 1
     return [stage_memory_bytes(profile, bounds[k], bounds[k + 1], config, k, n)
             for k in range(n)]
+
+
+def plan_predictions(inputs, plan) -> dict[int, float]:
+    """What the tracker sent each stage of the job's ``plan`` message as its prediction
+    (:func:`fedpipe.planner.protoio.assignment_memory_bytes`: the snapshots each node
+    keeps as a buddy by the plan's own buddy rule), bytes by stage."""
+    from fedpipe.planner.protoio import assignment_memory_bytes
+
+    profile, config = inputs
+    return {a.stage: assignment_memory_bytes(plan, a, profile, config) for a in plan.stages}
 
 
 def needed_limit(inputs, n_layers: int) -> float:
@@ -268,8 +281,7 @@ def swarm_run(setup: Setup, ref: dict, limit: int, title: str, baseline: int,
                 saved = save(job, save_to)
             job.release()
         plan = sorted(status.plan.stages, key=lambda a: a.stage)
-        predicted = predictions(planner_inputs(setup, adapted),
-                                [a.layer_start for a in plan] + [plan[-1].layer_end])
+        predicted = plan_predictions(planner_inputs(setup, adapted), status.plan)
     print(f"\n== {title}: {status.state} after {status.step} steps; deploy {deploy_s:.1f} s; "
           f"load {os.getloadavg()}")
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
@@ -298,6 +310,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model, for a smoke run")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="steps between checkpoints (default: 3, or 2 with --quick); 1 "
+                             "with --steps 5 or more lets the nodes' snapshots, their own "
+                             "and as buddies, reach their steady state")
+    parser.add_argument("--seed-only", action="store_true",
+                        help="only the run from the seed, not the one from real weights")
     parser.add_argument("--reference", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -308,7 +326,8 @@ def main() -> None:
 
     baseline = proc_status()["VmRSS"]
     setup = (QUICK if args.quick else FULL)
-    setup = Setup(**{**asdict(setup), "steps": args.steps})
+    setup = Setup(**{**asdict(setup), "steps": args.steps,
+                     "checkpoint_every": args.checkpoint_every or setup.checkpoint_every})
     print(f"load {os.getloadavg()}; Llama {setup.layers} layers, hidden {setup.hidden}; "
           f"batch {setup.batch} x {setup.seq} tokens in {setup.microbatches} microbatches; "
           f"{setup.steps} steps, a checkpoint every {setup.checkpoint_every}")
@@ -316,7 +335,7 @@ def main() -> None:
     target = int(ref["peak"] / 3) - MB
     adapted = meta_model(setup)
     need = needed_limit(planner_inputs(setup, adapted), len(adapted.layers))
-    limit = max(target, int(need * 1.02))
+    limit = max(target, int(need * 1.05))
     third = ref["peak"] / 3
     print(f"{ref['params'] / 1e6:.1f} M parameters; single-process peak RSS for one step "
           f"{ref['peak'] / MB:.0f} MB; a third: {ref['peak'] / 3 / MB:.0f} MB")
@@ -325,6 +344,9 @@ def main() -> None:
           f"{verdict(limit < third, f'+{(limit - third) / MB:.0f} MB')}")
     swarm_run(setup, ref, limit, "from the seed (meta model, nodes make their layers)",
               baseline, seed=SEED, init_fn=meta_model(setup).init_fn)
+    if args.seed_only:
+        print(f"\nload {os.getloadavg()}")
+        return
     with tempfile.TemporaryDirectory(prefix="bigmodel-") as tmp:
         weights = str(Path(tmp) / "llama")
         real = run_reference(setup, weights)
