@@ -15,10 +15,10 @@ each run is a subprocess (this file with ``--reference``), which trains the same
 the same way (the batch split into the pipeline's microbatches) and reports its losses and
 its peak RSS after one step (``VmHWM``). Each node's ``--memory-limit`` is set below a
 third of that peak, unless the planner's prediction for a stage
-(:func:`fedpipe.planner.stage_memory_bytes`) needs more: then the limit is 5 % above what the plan needs and the target is
-reported missed, by how much. Each stage's measured peak is set against what the tracker
-predicted for it (:func:`fedpipe.planner.protoio.assignment_memory_bytes` with the job's
-optimizer).
+(:func:`fedpipe.planner.stage_memory_bytes`) needs more: then the limit is 5 % above what
+the plan needs and the target is reported missed, by how much. Each stage's measured peak
+is set against what the tracker predicted for it
+(:func:`fedpipe.planner.protoio.assignment_memory_bytes` with the job's optimizer).
 
 Printed, each target MET or MISSED (by how much), with ``os.getloadavg()``:
 
@@ -201,8 +201,7 @@ def predictions(inputs, bounds: list[int]) -> list[float]:
 
 def plan_predictions(inputs, plan) -> dict[int, float]:
     """What the tracker sent each stage of the job's ``plan`` message as its prediction
-    (:func:`fedpipe.planner.protoio.assignment_memory_bytes`: the snapshots each node
-    keeps as a buddy by the plan's own buddy rule), bytes by stage."""
+    (:func:`fedpipe.planner.protoio.assignment_memory_bytes`), bytes by stage."""
     from fedpipe.planner.protoio import assignment_memory_bytes
 
     profile, config = inputs
