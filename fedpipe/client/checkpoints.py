@@ -134,7 +134,8 @@ class CheckpointWriter:
     """Writes a checkpoint folder a stage at a time (see the module docstring).
 
     Args:
-        path: the folder (created; a checkpoint there before is replaced by :meth:`close`,
+        path: the folder (created at the first file written, so a save that fetches
+            nothing leaves none; a checkpoint there before is replaced by :meth:`close`,
             and stays whole until then: each file is written aside, as ``NAME.tmp``, and
             they all take their names in :meth:`close`, so a save that fails midway leaves
             the earlier checkpoint readable; that needs the disk space of both).
@@ -151,10 +152,6 @@ class CheckpointWriter:
                  skip: Callable[[int, str], bool] = lambda i, k: False,
                  model_config: Any = None):
         self.folder = Path(path)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for tmp in (*self.folder.glob("model*.safetensors.tmp"),  # an earlier save's that
-                    *self.folder.glob("state-*.safetensors.tmp")):  # failed
-            tmp.unlink()
         self._pending: list[str] = []  # files written aside, named in close()
         self._ranges = {StageKey(a.replica, a.stage): (a.layer_start, a.layer_end)
                         for a in plan.stages}
@@ -165,6 +162,7 @@ class CheckpointWriter:
         self._weight_map: dict[str, str] = {}
         self._total = 0
         self._files: set[str] = set()
+        self._made = False
 
     def _model_name(self, start: int, path: str) -> str | None:
         """The model name of snapshot tensor ``path`` of a stage from layer ``start``,
@@ -213,7 +211,18 @@ class CheckpointWriter:
                              "layer_end": end, "state": state_file(key), "weights": named,
                              "skeleton": snap.skeleton})
 
+    def _folder(self) -> Path:
+        """The folder, made on first use (an earlier failed save's files aside removed)."""
+        if not self._made:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for tmp in (*self.folder.glob("model*.safetensors.tmp"),  # an earlier save's
+                        *self.folder.glob("state-*.safetensors.tmp")):  # that failed
+                tmp.unlink()
+            self._made = True
+        return self.folder
+
     def _write(self, save_file: Callable, tensors: dict[str, torch.Tensor], name: str) -> None:
+        self._folder()
         save_file(tensors, str(self.folder / (name + ".tmp")), metadata={"format": "pt"})
         self._pending.append(name)
         self._files.add(name)
@@ -222,7 +231,7 @@ class CheckpointWriter:
         """Write the index, ``config.json`` and ``checkpoint.json`` (last); drop files
         of an earlier checkpoint in the folder that this one does not have; return
         the folder."""
-        (self.folder / META).unlink(missing_ok=True)  # incomplete until its last line
+        (self._folder() / META).unlink(missing_ok=True)  # incomplete until its last line
         for name in self._pending:
             os.replace(self.folder / (name + ".tmp"), self.folder / name)
         self._pending.clear()
