@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import fedpipe
-from fedpipe.net.relay import Relay
+from fedpipe.net.relay import Homing, Relay
 from fedpipe.proc import child_env, free_port
 from fedpipe.testing import LocalSwarm
 from reference import max_relative_difference, single_process
@@ -153,17 +153,20 @@ def test_nodes_whose_relay_stays_away_move_to_the_next_and_the_job_recovers_exac
 
 
 def test_a_node_whose_relays_all_refuse_it_exits_naming_each_reason():
-    full = Relay(max_nodes=0)
+    full = Relay(max_nodes=1)
+    other = Homing([full.address], "n0", free_port(), None)  # takes the one place
+    other.home(timeout=30)
     try:
         out = subprocess.run([sys.executable, "-m", "fedpipe", "node", "--tracker", "127.0.0.1:1",
                               "--host", "127.0.0.1", "--name", "n1", "--device", "cpu",
                               "--relay", full.address], capture_output=True, text=True,
                              timeout=120, env=child_env(1))
     finally:
+        other.close()
         full.close()
     assert out.returncode == 1, out.stderr[-2000:]
     assert (f"RelayRefused: relay {full.address} refused node 'n1': relay {full.address} "
-            "homes 0 nodes, its limit") in out.stderr, out.stderr[-2000:]
+            "homes 1 nodes, its limit") in out.stderr, out.stderr[-2000:]
 
 
 def test_a_relay_without_tls_on_a_public_address_is_refused_at_start():

@@ -17,6 +17,7 @@ from typing import Callable
 import grpc
 
 from ..net import timeouts
+from ..net.dataplane import DataPlane as SocketPlane
 from ..net.dataplane import LinkFailed
 from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics
@@ -39,6 +40,10 @@ log = logging.getLogger(__name__)
 MAX_MEASURE_PEERS = 4096
 """The most peers one MeasureLinks call may ask a node to probe (each probe sends up to
 ``MAX_PROBE_BYTES``, so this bounds what one request can make a node send)."""
+
+
+class _SocketProbeFailed(Exception):
+    """A probe over the socket data plane failed: recorded in the link's measurement."""
 
 
 class NodeService(node_pb2_grpc.NodeServicer):
@@ -183,14 +188,18 @@ class NodeService(node_pb2_grpc.NodeServicer):
                                  f"{MAX_MEASURE_PEERS} at once")
         out = node_pb2.MeasureLinksReply()
         for peer in request.peers:
+            host, colon, port = peer.data_address.rpartition(":")
+            if peer.data_address and not (host and colon and port.isdigit()):
+                raise InvalidRequest(f"MeasureLinks: peer {peer.name!r}'s data address "
+                                     f"{peer.data_address!r} is not HOST:PORT")
+        for peer in request.peers:
             m = node_pb2.LinkMeasurement(src_id=self.node_id(), dst_id=peer.node_id,
                                          measured_at=time.time())
             plane = self.parts.sockets if peer.data_address else None
             try:
                 if plane is not None:  # the path its tensors take
-                    m.latency, m.bandwidth = measure_socket_link(
-                        plane.link(peer.name, peer.data_address), self.parts.pacer(peer.name),
-                        pings=pings, max_bytes=max_bytes, seconds=seconds)
+                    m.latency, m.bandwidth = self._measure_socket(plane, peer, pings, max_bytes,
+                                                                  seconds)
                 else:
                     with self.channels.borrow(peer.address, self.parts.shaper(peer.name)) as ch:
                         m.latency, m.bandwidth = measure_link(ch, pings=pings,
@@ -198,7 +207,21 @@ class NodeService(node_pb2_grpc.NodeServicer):
                                                               seconds=seconds)
             except grpc.RpcError as e:
                 m.error = f"{e.code().name}: {e.details()}"
-            except (LinkFailed, WireError) as e:  # PeerRefused is a WireError
+            except _SocketProbeFailed as e:
                 m.error = f"socket data plane: {e}"
             out.links.append(m)
         return out
+
+    def _measure_socket(self, plane: SocketPlane, peer: node_pb2.Peer, pings: int,
+                        max_bytes: int, seconds: float) -> tuple[float, float]:
+        """``(latency, bandwidth)`` to ``peer`` over the socket data plane.
+
+        Raises:
+            _SocketProbeFailed: the link failed or the peer refused a probe.
+        """
+        try:
+            return measure_socket_link(
+                plane.link(peer.name, peer.data_address),
+                self.parts.pacer(peer.name), pings=pings, max_bytes=max_bytes, seconds=seconds)
+        except (LinkFailed, WireError, OSError) as e:  # PeerRefused is a WireError
+            raise _SocketProbeFailed(str(e)) from e

@@ -351,6 +351,10 @@ class Registry:
         inc = self._nodes[node_id]
         return inc.name, inc.address, inc.registered, inc.data_address
 
+    def relay_of(self, node_id: str) -> str:
+        """The relay a known incarnation is homed at ("": reachable). KeyError if unknown."""
+        return self._nodes[node_id].relay
+
     def _reference(self, skip: set[str]) -> list[NodeRecord]:
         """The live node other versions are checked against (see :func:`check_versions`):
         the longest-live one that speaks this protocol, outside ``skip``; [] if none."""

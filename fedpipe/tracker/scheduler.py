@@ -239,7 +239,11 @@ class Tracker:
 
     def _alive(self, node_id: str) -> None:
         name, address, registered, data_address = self.registry.info(node_id)
-        self.links.add(node_id, name, address, registered, data_address)
+        # an outbound-only node's links are measured over gRPC through its relay: a probe
+        # over its relayed data address would open the data link its neighbours must take
+        # from its own dial (the reverse connection)
+        relayed = bool(self.registry.relay_of(node_id))
+        self.links.add(node_id, name, address, registered, "" if relayed else data_address)
 
     def _nodes_lost(self, lost: set[str], why: str) -> None:
         self.links.remove(lost)
