@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fedpipe.net.dataplane import (Code, DataPlane, LinkFailed, PeerRefused, Preface, Refused,
-                                   Timeouts, connection, records)
+                                   Timeouts, connection, owner_of, records)
 from fedpipe.net.dataplane.records import RecordType
 from fedpipe.proto import node_pb2
 from fedpipe.security import TlsConfig, certs
@@ -73,9 +73,9 @@ def _events():
     return rec, E()
 
 
-def env(step: int, job: str = "j", microbatch: int = 0) -> node_pb2.Envelope:
+def env(step: int, job: str = "j", microbatch: int = 0, epoch: int = 0) -> node_pb2.Envelope:
     return node_pb2.Envelope(job_id=job, stage=1, step=step, microbatch=microbatch,
-                             kind=node_pb2.KIND_ACTIVATION, batch_size=4)
+                             kind=node_pb2.KIND_ACTIVATION, batch_size=4, epoch=epoch)
 
 
 @pytest.fixture
@@ -199,18 +199,21 @@ def test_a_refused_tensor_is_reported_and_the_link_goes_on(pair):
     assert b_in.steps() == [0, 5]
 
 
-def test_a_refusal_is_raised_only_to_the_job_whose_tensor_was_refused(pair):
+def test_a_refusal_is_raised_only_to_the_job_and_epoch_whose_tensor_was_refused(pair):
     # one link carries every job's tensors to a peer: another job's sender must not fail
-    # for it (a cancelled job's refused tensor once failed the next job's stage)
+    # for it (a cancelled job's refused tensor once failed the next job's stage), nor the
+    # same job's stage of a later plan epoch (a stale stage of a node that moved to another
+    # relay once failed its job's recovered stage)
     a, b, _, b_in = pair
     b_in.refuse_steps = {1}
     link = a.link("b", b.address)
     link.send(torch.ones(10), envelope=env(1, job="old"), flush=False)
-    link.flush(10, owner="new")  # all acknowledged; "old"'s refusal is not "new"'s
+    link.flush(10, owner=owner_of(env(0, job="new")))  # all acknowledged; not "new"'s
+    link.flush(10, owner=owner_of(env(0, job="old", epoch=1)))  # nor epoch 1's of "old"
     link.send(torch.ones(10), envelope=env(2, job="new"), flush=True)
     with pytest.raises(PeerRefused, match="step 1 is stale"):
-        link.check("old")
-    link.check("old")  # raised once
+        link.check(owner_of(env(0, job="old")))
+    link.check(owner_of(env(0, job="old")))  # raised once
     assert b_in.steps() == [2]
 
 

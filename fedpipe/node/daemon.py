@@ -193,6 +193,8 @@ class NodeDaemon:
         old = self.node_id
         if not old:
             return  # not registered yet: the registration takes the new addresses
+        # the old incarnation's stages recover as lost; stopped now, they send no stale tensor
+        self.service.stages.stop_live(f"node {self.name} moved to relay {alloc.relay}")
         try:
             self.register()
             if self.node_id != old:

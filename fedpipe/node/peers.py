@@ -301,7 +301,8 @@ class SocketSender:
         self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"data-{self.name}")
         self.error: Exception | None = None
         self.feedback = codecs.ErrorFeedback()
-        self.job = ""  # whose refusals this sender raises (the link is shared by every job)
+        self.job = ""  # whose refusals this sender raises (the link is shared by every job
+        #                and epoch: :func:`~fedpipe.net.dataplane.owner_of`)
 
     def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
         """As :meth:`PeerSender.submit`.
@@ -309,7 +310,7 @@ class SocketSender:
         Raises:
             StageError: an earlier send to this peer failed.
         """
-        self.job = envelope.job_id
+        self.job = dataplane.owner_of(envelope)
         self.check()
         if self.pacer is None and codec == "raw" and tensor.device.type == "cpu" \
                 and tensor.numel() * tensor.element_size() <= INLINE_BYTES:

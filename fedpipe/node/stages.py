@@ -254,6 +254,13 @@ class StageRegistry:
             self.snapshots.drop_job(job_id)
             self.reporter.forget_job(job_id)
 
+    def stop_live(self, reason: str) -> list[Stage]:
+        """Stop every stage, keeping them and their snapshots for the tracker's recovery
+        (this node's incarnation ended: it moved to another relay). Returns them."""
+        stages = self.select(lambda s: True)
+        self._stop(stages, reason)
+        return stages
+
     def stop_all(self) -> None:
         """Stop every stage (node shutdown)."""
         for s in self.select(lambda s: True):

@@ -49,9 +49,9 @@ Still on gRPC: FetchState, FetchSnapshot (request and answer), PutSnapshot and
 PutWeights.
 """
 from .credits import LinkFailed
-from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts
+from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts, owner_of
 from .records import Code, Preface
 from .server import DataPlane, client_name
 
 __all__ = ["Code", "DataPlane", "Link", "LinkEvents", "LinkFailed", "Peer", "PeerRefused",
-           "Preface", "Receiver", "Refused", "Timeouts", "client_name"]
+           "Preface", "Receiver", "Refused", "Timeouts", "client_name", "owner_of"]

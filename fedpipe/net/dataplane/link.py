@@ -147,7 +147,17 @@ class _Out(NamedTuple):
     seq: int
     head: bytes          # record prefix and HEAD frame (prefix, header)
     payload: memoryview  # the tensor's own memory (or its codec output)
-    owner: str = ""      # its envelope's job: whose sender a refusal of it is raised to
+    owner: str = ""      # its envelope's job and epoch (:func:`owner_of`): whose sender a
+    #                      refusal of it is raised to
+
+
+def owner_of(envelope: node_pb2.Envelope | None) -> str:
+    """Whose sender a refusal of a tensor with this envelope is raised to: its job at its
+    plan epoch ("" for none). A link is shared by every job and epoch, and a stage of an
+    epoch a recovery ended may still send for a moment (its node could not be told to
+    stop, say, having moved to another relay); the peer's refusal of that tensor must not
+    fail the same job's stage of the new epoch."""
+    return f"{envelope.job_id}@{envelope.epoch}" if envelope is not None else ""
 
 
 class _GoAway(Exception):
@@ -211,8 +221,8 @@ class Link:
     def check(self, owner: str | None = None) -> None:
         """Raise what the peer refused, or why the link failed.
 
-        ``owner``: raise only a refusal of that job's tensors (or of a tensor whose job
-        is not known); None: any refusal.
+        ``owner`` (:func:`owner_of`): raise only a refusal of that job epoch's tensors
+        (or of a tensor whose job is not known); None: any refusal.
 
         Raises:
             PeerRefused: the peer refused a tensor sent earlier (raised once).
@@ -250,7 +260,7 @@ class Link:
                      flush: bool = False) -> int:
         """:meth:`send` of a tensor already encoded
         (:func:`~fedpipe.wire.codecs.encode_payload`)."""
-        owner = envelope.job_id if envelope is not None else ""
+        owner = owner_of(envelope)
         self.check(owner)
         header = node_pb2.Frame(envelope=envelope, name=name)
         header.tensor.CopyFrom(msg)
