@@ -32,7 +32,7 @@ sparse- ``k`` = values kept per     per chunk of C = 4096 values (zero-padded  m
 loco    chunk, 1..C                 to m = ⌈n/C⌉ chunks): m float32 scales,    ⌈k/4⌉)
                                     then m·3⌈k/2⌉ bytes of 12-bit indices,
                                     then m·⌈k/4⌉ bytes of 2-bit codes (see
-                                    :func:`_sparseloco_encode`)
+                                    :mod:`.sparseloco`)
 ======  ==========================  =========================================  ====================
 
 The topk index width is not a header field: it follows from ``shape`` (n), so
@@ -59,7 +59,7 @@ from .codecmodel import (HADAMARD_BITS, MODELS, SPARSELOCO_CHUNK, Layout,
                          hadamard_block_problem, index_bytes, int8_blocks)
 from .feedback import ErrorFeedback as ErrorFeedback  # re-exported: codecs.ErrorFeedback
 from .format import WireError
-from . import hadamard
+from . import hadamard, sparseloco
 
 __all__ = ["CODECS", "DTYPES", "MAX_TENSOR_BYTES", "Codec", "ErrorFeedback", "WireError",
            "check_header", "decode", "encode", "encode_payload"]
@@ -278,38 +278,13 @@ def _had_codec(name: str) -> tuple[EncodeFn, Callable[[_Header], int],
     return encode, size, decode
 
 
-# sparseloco: top-k per chunk, 12-bit indices, 2-bit values ----------------
+# sparseloco: top-k per chunk, 12-bit indices, 2-bit values (see :mod:`.sparseloco`) --
 
 def _sparseloco_encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
-    """Per chunk of C = 4096 values (the tensor zero-padded to whole chunks) keep the
-    k = ⌈F·C⌉ largest magnitudes; send their positions in the chunk as 12-bit indices,
-    increasing, packed two per 3 bytes (``a & 255``, ``a >> 8 | (b & 15) << 4``,
-    ``b >> 4``; k rounded up to even with index 0), and their values with 2 bits each:
-    per chunk a float32 scale ``s = max |v|`` and codes ``q = round(1.5·(v/s + 1))``
-    (to nearest, ties to even) in 0..3, decoded as ``s·(2q - 3)/3``, i.e. one of
-    ``±s, ±s/3``; codes packed four per byte, low bits first, k rounded up to a multiple
-    of 4 with code 0. Non-finite values make their whole chunk decode non-finite.
-
-    The rounding is deterministic (``seed`` is ignored): pair it with
-    :class:`ErrorFeedback`, which sends what it drops later.
-
-    Source: Sarfi, Thérien, Lidin & Belilovsky, "Communication Efficient LLM
-    Pre-training with SparseLoCo" (2025): chunked top-k of the error-feedback
-    accumulator, 2-bit values, indices within 4096-chunks.
-    """
-    chunk = SPARSELOCO_CHUNK
-    k = spec.k(chunk)
-    x = _blocks(flat.float(), chunk)
-    index = x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
-    values = x.gather(1, index)
-    scales = values.abs().amax(dim=1)
-    inverse = torch.where(scales > 0, 1 / scales, 0)
-    codes = (values * inverse[:, None]).add_(1).mul_(1.5).round_().clamp_(0, 3).to(torch.uint8)
-    pairs = F.pad(index, (0, k % 2)).view(len(x), (k + 1) // 2, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    packed_index = torch.stack((a & 255, (a >> 8) | ((b & 15) << 4), b >> 4), dim=-1)
-    packed_codes = hadamard.pack(F.pad(codes, (0, -k % 4)), 2)
-    return ([scales, packed_index.to(torch.uint8).view(-1), packed_codes], {"k": k})
+    """:func:`.sparseloco.compress` with k = ⌈F·C⌉ (``seed`` is ignored: the rounding is
+    deterministic; pair it with :class:`ErrorFeedback`)."""
+    k = spec.k(SPARSELOCO_CHUNK)
+    return list(sparseloco.compress(flat, k)), {"k": k}
 
 
 def _sparseloco_size(h: _Header) -> int:
@@ -320,27 +295,12 @@ def _sparseloco_size(h: _Header) -> int:
 
 
 def _sparseloco_decode(buf: Buffer, h: _Header) -> torch.Tensor:
-    k, chunk = h.msg.k, SPARSELOCO_CHUNK
-    m = int8_blocks(h.numel, chunk)
-    index_bytes_ = 3 * -(-k // 2)
+    k, m = h.msg.k, sparseloco.chunks(h.numel)
+    index_bytes_ = m * sparseloco.index_bytes(k)
     scales = _view(buf, torch.float32, m)
-    packed = _view(buf, torch.uint8, m * index_bytes_, offset=4 * m)
-    packed = packed.view(m, (k + 1) // 2, 3).long()
-    a = packed[..., 0] | ((packed[..., 1] & 15) << 8)
-    b = (packed[..., 1] >> 4) | (packed[..., 2] << 4)
-    index = torch.stack((a, b), dim=-1).view(m, -(-k // 2) * 2)[:, :k]  # (m, k)
-    disorder = (index[:, 1:] <= index[:, :-1]).nonzero()
-    if len(disorder):
-        c, i = (int(v) for v in disorder[0])
-        raise WireError(f"sparseloco indices must strictly increase within a chunk: chunk {c} "
-                        f"has index[{i}]={int(index[c, i])}, index[{i + 1}]="
-                        f"{int(index[c, i + 1])}")
-    codes = hadamard.unpack(_view(buf, torch.uint8, m * -(-k // 4),
-                                  offset=4 * m + m * index_bytes_), 2)
-    codes = codes.view(m, -(-k // 4) * 4)[:, :k]
-    values = (codes.float() * 2 - 3).div_(3).mul_(scales[:, None])
-    out = torch.zeros(m, chunk).scatter_(1, index, values)
-    return out.view(-1)[:h.numel].to(h.dtype)
+    index = _view(buf, torch.uint8, index_bytes_, offset=4 * m)
+    codes = _view(buf, torch.uint8, m * -(-k // 4), offset=4 * m + index_bytes_)
+    return sparseloco.decompress(scales, index, codes, k, h.numel).to(h.dtype)
 
 
 # ---------------------------------------------------------------------------
