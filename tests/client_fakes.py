@@ -11,20 +11,10 @@ import grpc
 import torch
 
 from fedpipe.proto import node_pb2, tracker_pb2 as S
+from fedpipe.status import StatusError
 
 
-class FakeRpcError(grpc.RpcError):
-    """An RpcError with a status code, as a gRPC call raises it."""
-
-    def __init__(self, code: grpc.StatusCode, details: str = ""):
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+FakeRpcError = StatusError  # a failing fake call raises what a real one would
 
 
 _END = object()

@@ -21,41 +21,13 @@ import torch
 from ..net import dataplane, timeouts
 from ..proto import node_pb2
 from ..security import TlsConfig
+from ..status import StatusError
 from ..wire.format import WireError
 
 
-class LinkError(grpc.RpcError, grpc.Call):
+class LinkError(StatusError):
     """A socket send's failure as the gRPC error a ``Send`` would raise: ``code()`` and
     ``details()`` (the feed's retry and recovery logic reads them)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    # grpc.Call's other methods: nothing to say for a socket link
-    def initial_metadata(self):  # pragma: no cover - not read by fedpipe
-        return ()
-
-    def trailing_metadata(self):  # pragma: no cover
-        return ()
-
-    def is_active(self) -> bool:  # pragma: no cover
-        return False
-
-    def time_remaining(self) -> None:  # pragma: no cover
-        return None
-
-    def cancel(self) -> bool:  # pragma: no cover
-        return False
-
-    def add_callback(self, callback) -> bool:  # pragma: no cover
-        return False
 
 
 def status_code(code: dataplane.Code) -> grpc.StatusCode:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
+from ..status import StatusError
 from .tls import TlsConfig, diagnose
 
 REASON_SECONDS = 5.0
@@ -31,40 +32,22 @@ REASON_SECONDS = 5.0
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
-class Explained(grpc.RpcError, grpc.Call):
+class Explained(StatusError):
     """A failed call's error with a one-line reason: ``code()`` is the call's status code,
     ``details()`` the reason, ``cause`` gRPC's own error."""
 
     def __init__(self, cause: grpc.RpcError, reason: str):
-        super().__init__(reason)
+        super().__init__(grpc.StatusCode.UNKNOWN, reason)
         self.cause, self.reason = cause, reason
 
     def code(self) -> grpc.StatusCode:
         return self.cause.code()
-
-    def details(self) -> str:
-        return self.reason
-
-    def __str__(self) -> str:
-        return f"{self.code().name}: {self.reason}"
 
     def initial_metadata(self):
         return _call_attr(self.cause, "initial_metadata", ())
 
     def trailing_metadata(self):
         return _call_attr(self.cause, "trailing_metadata", ())
-
-    def is_active(self) -> bool:
-        return False
-
-    def time_remaining(self):
-        return None
-
-    def cancel(self) -> bool:
-        return False
-
-    def add_callback(self, callback) -> bool:
-        return False
 
 
 def _call_attr(error: grpc.RpcError, name: str, default: Any) -> Any:
