@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import struct
 
+from ...wire import jsonbody
 from ...wire.format import WireError
 
 MAGIC = b"FPC"
@@ -154,7 +154,7 @@ class Preface:
 
     def encode(self) -> bytes:
         """The whole PREFACE record: prefix and JSON body."""
-        body = json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+        body = jsonbody.dump(self)
         if len(body) > MAX_PREFACE_BYTES:
             raise WireError(f"preface of {len(body)} bytes exceeds {MAX_PREFACE_BYTES}")
         return pack(RecordType.PREFACE, len(body)) + body
@@ -167,31 +167,12 @@ class Preface:
             WireError: not JSON, unknown or missing fields, a field of the wrong type,
                 a negative number or window, or another protocol version.
         """
-        try:
-            fields = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise WireError(f"preface is not JSON: {e}") from None
-        if not isinstance(fields, dict):
-            raise WireError("preface is not a JSON object")
+        fields = jsonbody.json_object(body, "preface", WireError)
         version = fields.get("version")
         if version != VERSION:
             raise WireError(f"peer speaks connection version {version!r}; this side speaks "
                             f"{VERSION}")
-        known = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - set(known))
-        if unknown:
-            raise WireError(f"preface has unknown fields {unknown}")
-        for name, value in fields.items():
-            if known[name] in (int, "int"):
-                if type(value) is not int or value < 0:
-                    raise WireError(f"preface field {name!r} is {value!r}, not a "
-                                    "non-negative integer")
-            elif type(value) is not str:
-                raise WireError(f"preface field {name!r} is {value!r}, not a string")
-        try:
-            preface = cls(**fields)
-        except TypeError as e:
-            raise WireError(f"preface is missing fields: {e}") from None
+        preface = jsonbody.dataclass_of(cls, fields, "preface", WireError)
         if preface.window_bytes < 1 or preface.window_messages < 1:
             raise WireError("preface grants no credit (window_bytes and window_messages "
                             "must be >= 1)")

@@ -39,6 +39,8 @@ import enum
 import json
 import struct
 
+from ...wire import jsonbody
+
 MAGIC = b"FPR"
 VERSION = 1
 """The relay protocol's version; a HELLO of another version is refused, naming both."""
@@ -113,31 +115,12 @@ def _decode(cls, body: bytes, what: str):
         RelayError: not JSON, not an object, unknown or missing fields, a wrong type or a
             negative number.
     """
-    try:
-        fields = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RelayError(f"{what} is not JSON: {e}") from None
-    if not isinstance(fields, dict):
-        raise RelayError(f"{what} is not a JSON object")
-    known = {f.name: f.type for f in dataclasses.fields(cls)}
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise RelayError(f"{what} has unknown fields {unknown}")
-    missing = sorted(set(known) - set(fields))
-    if missing:
-        raise RelayError(f"{what} is missing fields {missing}")
-    for name, value in fields.items():
-        if known[name] in (int, "int"):
-            if type(value) is not int or value < 0:
-                raise RelayError(f"{what} field {name!r} is {value!r}, not a non-negative "
-                                 "integer")
-        elif type(value) is not str:
-            raise RelayError(f"{what} field {name!r} is {value!r}, not a string")
-    return cls(**fields)
+    return jsonbody.dataclass_of(cls, jsonbody.json_object(body, what, RelayError), what,
+                                 RelayError)
 
 
 def _encode(kind: RecordType, obj) -> bytes:
-    body = json.dumps(dataclasses.asdict(obj), separators=(",", ":")).encode()
+    body = jsonbody.dump(obj)
     if len(body) > MAX_BODY:
         raise RelayError(f"{kind.name} body of {len(body)} bytes exceeds {MAX_BODY}")
     return pack(kind, 0, len(body)) + body
