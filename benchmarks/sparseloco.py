@@ -78,50 +78,13 @@ from fedpipe.examples.text import char_transformer, lm_loss, pydoc_text, text_ba
 from fedpipe.runtime.allreduce import StageSpan
 from fedpipe.runtime.diloco import OuterSync
 from fedpipe.spec import DiLoCo, StageKey
-from fedpipe.wire import codecs
+from fedpipe.testing.outer import OuterWire
 
 GROUPS, BATCH, SEQ, H = 2, 32, 64, 5
 CONFIGS = {
     "DiLoCo": DiLoCo(inner_steps=H, outer_lr=0.7, outer_momentum=0.5),
     "SparseLoCo": DiLoCo.sparseloco(inner_steps=H, outer_lr=2.0, fraction=0.02),
 }
-
-
-class Wire:
-    """In-memory messages between the groups' holders, encoded and decoded with the wire
-    codec as a node's sender and receiver do; counts each sender's payload bytes."""
-
-    def __init__(self) -> None:
-        self.boxes: dict[tuple, torch.Tensor] = {}
-        self.cond = threading.Condition()
-        self.sent_bytes = [0] * GROUPS
-
-    def transport(self, me: StageKey) -> "WireTransport":
-        return WireTransport(self, me)
-
-
-class WireTransport:
-    """The :class:`fedpipe.runtime.stage.Transport` of holder ``me`` (outer messages only)."""
-
-    def __init__(self, wire: Wire, me: StageKey):
-        self.wire, self.me = wire, me
-
-    def send_to(self, peer, kind, step, tag, tensor, batch_size=1, codec="raw"):
-        msg = codecs.encode(tensor, codec)
-        with self.wire.cond:
-            self.wire.sent_bytes[self.me.replica] += len(msg.payload)
-            self.wire.boxes[(peer, step, tag)] = codecs.decode(msg)
-            self.wire.cond.notify_all()
-
-    def recv(self, kind, step, tag, timeout=None):
-        key = (self.me, step, tag)
-        with self.wire.cond:
-            if not self.wire.cond.wait_for(lambda: key in self.wire.boxes, timeout):
-                raise TimeoutError(key)
-            return self.wire.boxes.pop(key), 1
-
-    def send(self, *a):
-        raise AssertionError("an outer sync sends to holders only")
 
 
 def run(config: DiLoCo, seed: int, steps: int, train, held) -> tuple[float, float, int]:
@@ -131,7 +94,7 @@ def run(config: DiLoCo, seed: int, steps: int, train, held) -> tuple[float, floa
     batches = text_batches(train, BATCH, SEQ, seed=seed)
     data = [next(batches) for _ in range(steps)]
     spans = [StageSpan(StageKey(r, 0), 0, len(model)) for r in range(GROUPS)]
-    wire = Wire()
+    wire = OuterWire()
     replicas = [char_transformer(seq=SEQ, seed=seed) for _ in range(GROUPS)]
     syncs = [OuterSync(m, StageKey(r, 0), spans, config, [1] * GROUPS,
                        wire.transport(StageKey(r, 0)), last_step=steps - 1, grace_floor=1e9)

@@ -19,59 +19,13 @@ import fedpipe
 from fedpipe.examples import digits
 from fedpipe.runtime.allreduce import StageSpan
 from fedpipe.runtime.diloco import OuterSync, staleness_weight
-from fedpipe.spec import DiLoCo, Kind, StageKey
+from fedpipe.spec import DiLoCo, StageKey
 from fedpipe.testing import LocalSwarm
+from fedpipe.testing.outer import OuterWire
 from fedpipe.spec import SpecError
-from fedpipe.wire import codecs
 from reference import max_relative_difference, single_process
 
 pytestmark = pytest.mark.timeout(240)
-
-
-# -- in memory ---------------------------------------------------------------
-class Wire:
-    """Messages between holders ``StageKey(replica, stage)``; ``hold(src, k)`` returns
-    an Event to delay delivery of what replica ``src`` sends at outer step ``k``."""
-
-    def __init__(self, hold=lambda src, k: None):
-        self.boxes: dict[tuple, torch.Tensor] = {}
-        self.cond = threading.Condition()
-        self.hold = hold
-
-    def transport(self, me: StageKey) -> "WireTransport":
-        return WireTransport(self, me)
-
-
-class WireTransport:
-    """The :class:`fedpipe.runtime.stage.Transport` of holder ``me`` on a :class:`Wire`."""
-
-    def __init__(self, wire: Wire, me: StageKey):
-        self.wire, self.me = wire, me
-
-    def send_to(self, peer, kind, step, tag, tensor, batch_size=1, codec="raw"):
-        assert kind == Kind.OUTER and peer != self.me
-        msg = codecs.encode(tensor, codec)  # as PeerSender and Send do
-        wire = self.wire
-
-        # the gate is taken now, when the message is sent, not when it is delivered
-        def deliver(gate=wire.hold(self.me.replica, step)):  # noqa: B008
-            if gate is not None:
-                gate.wait(10)
-            with wire.cond:
-                wire.boxes[(peer, step, tag)] = codecs.decode(msg)
-                wire.cond.notify_all()
-        threading.Thread(target=deliver, daemon=True).start()
-
-    def recv(self, kind, step, tag, timeout=None):
-        assert kind == Kind.OUTER
-        key = (self.me, step, tag)
-        with self.wire.cond:
-            if not self.wire.cond.wait_for(lambda: key in self.wire.boxes, timeout):
-                raise TimeoutError(key)
-            return self.wire.boxes.pop(key), 1
-
-    def send(self, kind, step, microbatch, tensor, batch_size):
-        raise AssertionError("an outer sync sends to holders only")
 
 
 def mlp():
@@ -93,7 +47,7 @@ SPLITS = [[(0, 5)], [(0, 2), (2, 5)]]
 def train_groups(model, batches, shares, config, inner, splits=SPLITS, wire=None, **kw):
     """Train one copy of ``model`` per group, each on its share of every batch,
     with an OuterSync per stage; returns the groups' models and syncs."""
-    wire = wire or Wire()
+    wire = wire or OuterWire()
     spans = [StageSpan(StageKey(r, s), a, b) for r, split in enumerate(splits)
              for s, (a, b) in enumerate(split)]
     models = [copy.deepcopy(model) for _ in splits]
@@ -185,7 +139,7 @@ def test_late_replica_does_not_stall_and_is_applied_with_its_staleness_weight():
     """Replica 1's outer step 0 reaches replica 0 only after replica 0's step 1,
     its step 1 only after replica 0 went on too; the last step (2) waits for both."""
     gate = threading.Event()
-    wire = Wire(lambda src, k: gate if (src, k) == (1, 0) else None)
+    wire = OuterWire(lambda src, k: gate if (src, k) == (1, 0) else None)
     spans = [StageSpan(StageKey(0, 0), 0, 1), StageSpan(StageKey(1, 0), 0, 1)]
     models = [nn.Sequential(nn.Linear(1, 1, bias=False)).double() for _ in range(2)]
     for m in models:
