@@ -261,6 +261,20 @@ def test_a_stage_holds_at_its_cut_with_a_checkpoint_and_runs_on_when_the_cut_is_
     assert moves(stage) == [S.RUNNING, S.HELD, S.RUNNING, S.DONE]
 
 
+def test_a_cut_for_a_job_epoch_with_no_live_stage_here_is_refused_and_lifting_it_is_not():
+    # accepted, the tracker's hand-over would wait for this node's checkpoint at the cut
+    node = Node(runner=lambda: Runner(threading.Semaphore(0)))
+    node.load(steps=4)
+    for job, epoch in (("other", 0), ("j", 1)):
+        with pytest.raises(NoSuchStage, match=f"no live stage of job '{job}' at plan epoch "
+                           f"{epoch} on this node to hold at step 2"):
+            node.registry.hold(job, epoch, 2)
+        assert node.registry.hold(job, epoch, 0) == (True, 0)
+    node.registry.stop_job("j", release=False)
+    with pytest.raises(NoSuchStage):
+        node.registry.hold("j", 0, 2)  # stopped: no longer live
+
+
 def test_a_held_stage_that_is_stopped_ends_stopped():
     gate = threading.Semaphore(0)
     node = Node(runner=lambda: Runner(gate))

@@ -211,9 +211,18 @@ class StageRegistry:
 
     def hold(self, job_id: str, epoch: int, step: int) -> tuple[bool, int]:
         """Make every live stage of ``job_id``'s plan ``epoch`` here stop at the step
-        boundary ``step`` (:meth:`~fedpipe.node.running.StageLoop.hold`)."""
-        return self.loop.hold(self.select(lambda s: s.job_id == job_id and s.epoch == epoch
-                                          and s.live), step)
+        boundary ``step`` (:meth:`~fedpipe.node.running.StageLoop.hold`); ``step`` 0
+        lifts a hold (of none: a no-op).
+
+        Raises:
+            NoSuchStage: a cut (``step`` > 0) for a job with no live stage of that epoch
+                here: no stage would hold, and the hand-over would wait for it in vain.
+        """
+        stages = self.select(lambda s: s.job_id == job_id and s.epoch == epoch and s.live)
+        if step and not stages:
+            raise NoSuchStage(f"no live stage of job {job_id!r} at plan epoch {epoch} on this "
+                              f"node to hold at step {step}")
+        return self.loop.hold(stages, step)
 
     def stop_job(self, job_id: str, release: bool, before_epoch: int = 0,
                  replicas: Collection[int] = ()) -> list[Stage]:
