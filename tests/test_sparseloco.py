@@ -22,10 +22,11 @@ from fedpipe.runtime.allreduce import StageSpan
 from fedpipe.runtime.diloco import OuterSync
 from fedpipe.spec import DiLoCo, PlanView, SpecError, StageKey, parse_codec
 from fedpipe.testing import LocalSwarm
+from fedpipe.testing.outer import OuterWire
 from fedpipe.wire import codecs
 from fedpipe.wire.codecmodel import MODELS, SPARSELOCO_CHUNK, Layout
 from reference import digit_batches, job_info, max_relative_difference
-from test_diloco import Wire, data, mlp, train_groups
+from test_diloco import data, mlp, train_groups
 
 pytestmark = pytest.mark.timeout(120)
 CODEC = "sparseloco:0.015625"  # 64 of each 4096
@@ -148,14 +149,14 @@ def _groups(model, wire, last_step):
 def test_the_residual_is_checkpointed_and_a_resumed_run_equals_the_uninterrupted_one(
         keep_residuals):
     model, batches = mlp(), data(10)
-    whole = _groups(model, Wire(), 9)
+    whole = _groups(model, OuterWire(), 9)
     _run(whole, batches, 0)
 
-    first = _groups(model, Wire(), 9)
+    first = _groups(model, OuterWire(), 9)
     _run(first, batches[:6], 0)  # a checkpoint after step 5, an outer step
     snaps = [copy.deepcopy((m.state_dict(), o.state_dict(), s.state_dict())) for m, o, s in first]
     assert all(snap[2]["residuals"] for snap in snaps)  # the residual is in the checkpoint
-    resumed = _groups(mlp(), Wire(), 9)  # fresh processes: new weights, optimizers and syncs
+    resumed = _groups(mlp(), OuterWire(), 9)  # fresh processes: new weights, optimizers and syncs
     for (m, o, s), (ms, os_, ss) in zip(resumed, snaps):
         m.load_state_dict(ms)
         o.load_state_dict(os_)
