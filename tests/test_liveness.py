@@ -91,3 +91,33 @@ def test_a_lost_node_that_heartbeats_is_back_and_a_left_one_keeps_no_stale_deadl
     assert tracker.registry.expire() == {a}
     assert [n.node_id for n in tracker.store.nodes()] == [b]
     assert not tracker.registry.heartbeat("nobody")
+
+
+class FailingOnce(SqliteStore):
+    """A store whose next batch write fails (a database that is briefly away)."""
+
+    fail = False
+
+    def set_heartbeats(self, beats):
+        if self.fail:
+            self.fail = False
+            raise OSError("the database is away")
+        super().set_heartbeats(beats)
+
+
+def test_a_failed_batch_write_keeps_its_heartbeats_for_the_next_one(tmp_path):
+    store = FailingOnce(str(tmp_path / "t.db"))
+    tracker, _, clock = make_tracker(store, lease=10.0)
+    a, b = join(tracker, 2)
+    before = beats(tracker)
+    clock.advance(1.0)
+    tracker.registry.heartbeat(a)
+    tracker.registry.heartbeat(b)
+    store.fail = True
+    with pytest.raises(OSError, match="away"):
+        tracker.registry.flush()
+    assert beats(tracker) == before  # nothing written
+    clock.advance(1.0)
+    tracker.registry.heartbeat(b)  # a newer beat of b meanwhile
+    assert tracker.registry.flush() == 2
+    assert beats(tracker) == {a: before[a] + 1.0, b: before[b] + 2.0}

@@ -557,12 +557,18 @@ class Registry:
 
     def flush(self) -> int:
         """Persist the heartbeats taken since the last flush, in one transaction; return
-        how many."""
+        how many. A failed write keeps them for the next flush (a heartbeat taken since
+        wins over the older one of the same node), and raises the store's error."""
         with self._lock:
             beats, self._dirty = self._dirty, {}
             self._flushed = self.clock()
         if beats:
-            self.store.set_heartbeats(beats)
+            try:
+                self.store.set_heartbeats(beats)
+            except BaseException:
+                with self._lock:
+                    self._dirty = {**beats, **self._dirty}
+                raise
         return len(beats)
 
     def flush_if_due(self) -> int:
