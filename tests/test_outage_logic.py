@@ -42,7 +42,8 @@ def wait_until(cond, timeout: float = 10.0) -> None:
 
 
 def reach_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "the tracker is" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records
+            if r.name == "fedpipe.client" and "tracker" in r.getMessage()]
 
 
 # -- the client: one line when the tracker goes, one when it is back ---------------
@@ -57,7 +58,8 @@ def test_many_failed_calls_make_one_unreachable_line_and_one_back_line(caplog):
     assert not reach.unreachable
     lines = reach_lines(caplog)
     assert len(lines) == 2, lines
-    assert lines[0].startswith("the tracker is unreachable (UNAVAILABLE: connection refused)")
+    assert lines[0].startswith("no tracker leads now (UNAVAILABLE: connection refused); the "
+                               "job trains on, and this client waits up to LEADER_WAIT=")
     assert lines[1].startswith("the tracker is back (unreachable for ")
     reach.lost(FakeRpcError(UNAVAILABLE, "again"))  # a second outage is said again
     assert len(reach_lines(caplog)) == 3
@@ -77,7 +79,49 @@ def test_a_watch_retried_through_an_outage_says_so_once_and_once_back(monkeypatc
     watch.halt()
     runner.join(5)
     lines = reach_lines(caplog)
-    assert len(lines) == 2 and "unreachable" in lines[0] and "back" in lines[1], lines
+    assert len(lines) == 2 and "no tracker leads" in lines[0] and "back" in lines[1], lines
+
+
+class StoppedTracker(FakeTracker):
+    """A tracker that is SIGSTOPped while ``stopped`` is set: its watch stream says nothing,
+    and a GetJob hangs until its deadline, then fails as gRPC fails it."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.stopped = threading.Event()
+
+    def GetJob(self, request, timeout=None):
+        if self.stopped.is_set():
+            time.sleep(timeout)
+            raise FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return super().GetJob(request, timeout)
+
+
+def test_a_tracker_that_stops_answering_is_said_once_as_a_refused_one_is_and_once_back(
+        monkeypatch, caplog):
+    monkeypatch.setattr(timeouts, "TRACKER_SILENT", 0.2)
+    monkeypatch.setattr(timeouts, "TRACKER_PROBE_RPC", 0.1)
+    caplog.set_level(logging.INFO)
+    tracker = StoppedTracker(steps=3)
+    watch = JobWatch(tracker, "j", "me")
+    watch.open()
+    runner = threading.Thread(target=watch.run, daemon=True)
+    runner.start()
+    tracker.run(epoch=1)
+    watch.wait_started()
+    tracker.stopped.set()  # the stream stays open and silent; a question hangs
+    wait_until(lambda: len(reach_lines(caplog)) == 1)
+    time.sleep(1.0)  # silent on: nothing more is said
+    lines = reach_lines(caplog)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("no tracker leads now (DEADLINE_EXCEEDED: Deadline Exceeded); "
+                               "the job trains on"), lines
+    assert watch.live  # the stream was never refused
+    tracker.stopped.clear()  # resumed: the next question is answered
+    wait_until(lambda: len(reach_lines(caplog)) == 2)
+    assert reach_lines(caplog)[1].startswith("the tracker is back (unreachable for ")
+    watch.halt()
+    runner.join(5)
 
 
 # -- the feed: past its bound while the tracker is silent ---------------------------
