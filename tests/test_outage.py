@@ -15,20 +15,16 @@ import logging
 import time
 
 import pytest
-import torch
-from torch import nn
 
 import fedpipe
-from fedpipe.examples import digits
 from fedpipe.net import timeouts
 from fedpipe.proto import tracker_pb2
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm, faults
+from failover_swarm import LOSS, SGD, submit
 from reference import digit_batches, job_info, max_relative_difference, single_process
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
-SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
-LOSS = nn.functional.cross_entropy
 STEPS, EVERY, KILL_AT = 150, 5, 10
 GAP = 6.0
 """Seconds the tracker is gone: past the nodes' lease (5 s) and the client's grace."""
@@ -51,15 +47,6 @@ def silent_soon(monkeypatch):
     monkeypatch.setattr(timeouts, "TRACKER_SILENT", 0.5)
 
 
-def submit(client: fedpipe.Client, data: list):
-    torch.manual_seed(0)
-    model = digits.make_model(hidden=32)
-    job = client.submit(model, LOSS, SGD, data, steps=STEPS, microbatches=2, stages=3,
-                        replicas=1, schedule="1f1b", compression="none",
-                        checkpoint_every=EVERY, rebalance="never")
-    return model, job
-
-
 def reach_lines(caplog) -> list[str]:
     """The client's lines about reaching the tracker (any other would be one per retry)."""
     return [r.getMessage() for r in caplog.records
@@ -70,7 +57,7 @@ def trained_through(s: LocalSwarm, client: fedpipe.Client, gone, back) -> None:
     """Run a job, call ``gone()`` at step :data:`KILL_AT`, wait :data:`GAP` s, call
     ``back()``; check the job stepped during the gap and ended exact, with no recovery."""
     data = digit_batches(STEPS)
-    model, job = submit(client, data)
+    model, job = submit(client, data, steps=STEPS, every=EVERY)
     while job.status().step < KILL_AT:
         time.sleep(0.02)
     gone()
@@ -134,12 +121,8 @@ def test_a_node_drained_while_no_tracker_leads_waits_for_one_then_hands_over(swa
     s = swarm
     steps = 300
     data = digit_batches(steps)
-    torch.manual_seed(0)
-    model = digits.make_model(hidden=32)
     with s.client() as client:
-        job = client.submit(model, LOSS, SGD, paced(data, 0.05), steps=steps, microbatches=2,
-                            stages=2, replicas=1, schedule="1f1b", compression="none",
-                            checkpoint_every=EVERY, rebalance="never")
+        model, job = submit(client, paced(data, 0.05), steps=steps, every=EVERY, stages=2)
         while job.status().step < KILL_AT:
             time.sleep(0.02)
         victim = PlanView(job_info(client, job).plan)[StageKey(0, 1)]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fedpipe
-from client_fakes import FakeNodes, FakeRpcError, FakeTracker
+from client_fakes import FakeNodes, FakeRpcError, FakeTracker, running_watch
 from fedpipe.client import feed as feed_mod, watch as watch_mod
 from fedpipe.client.feed import Feed
 from fedpipe.client.reach import TrackerReach
@@ -69,12 +69,7 @@ def test_a_watch_retried_through_an_outage_says_so_once_and_once_back(monkeypatc
     monkeypatch.setattr(watch_mod.timeouts, "WATCH_RESUME", 0.01)
     caplog.set_level(logging.INFO)
     tracker = FakeTracker(steps=3, watch_errors=[FakeRpcError(UNAVAILABLE, "down")] * 4)
-    watch = JobWatch(tracker, "j", "me")
-    watch.open()
-    runner = threading.Thread(target=watch.run, daemon=True)
-    runner.start()
-    tracker.run(epoch=1)
-    watch.wait_started()
+    watch, runner = running_watch(tracker)
     assert len(tracker.watch_requests) == 5
     watch.halt()
     runner.join(5)
@@ -103,12 +98,7 @@ def test_a_tracker_that_stops_answering_is_said_once_as_a_refused_one_is_and_onc
     monkeypatch.setattr(timeouts, "TRACKER_PROBE_RPC", 0.1)
     caplog.set_level(logging.INFO)
     tracker = StoppedTracker(steps=3)
-    watch = JobWatch(tracker, "j", "me")
-    watch.open()
-    runner = threading.Thread(target=watch.run, daemon=True)
-    runner.start()
-    tracker.run(epoch=1)
-    watch.wait_started()
+    watch, runner = running_watch(tracker)
     tracker.stopped.set()  # the stream stays open and silent; a question hangs
     wait_until(lambda: len(reach_lines(caplog)) == 1)
     time.sleep(1.0)  # silent on: nothing more is said
