@@ -28,8 +28,9 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 STEPS, EVERY, KILL_AT = 150, 5, 10
 GAP = 6.0
 """Seconds the tracker is gone: past the nodes' lease (5 s) and the client's grace."""
-DRAIN_TIMEOUT = 6.0
-"""The nodes' ``--drain-timeout``: shorter than a drained node's wait for a tracker here."""
+DRAIN_TIMEOUT = 12.0
+"""The nodes' ``--drain-timeout``: shorter than a drained node's wait for a tracker here,
+and long enough for a hand-over on a loaded machine once a tracker leads."""
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def test_a_node_drained_while_no_tracker_leads_waits_for_one_then_hands_over(swa
                                                                              silent_soon):
     """Last of the module: it leaves the swarm a node short."""
     s = swarm
-    steps = 300
+    steps = 500
     data = digit_batches(steps)
     with s.client() as client:
         model, job = submit(client, paced(data, 0.05), steps=steps, every=EVERY, stages=2)
