@@ -10,6 +10,7 @@ from typing import Callable
 import grpc
 import torch
 
+from fedpipe.client.watch import JobWatch
 from fedpipe.proto import node_pb2, tracker_pb2 as S
 from fedpipe.status import StatusError
 
@@ -192,3 +193,16 @@ class FakeNodes:
         with self.lock:
             return [(e.step, t) for _, e, t in self.sent
                     if e.kind == node_pb2.KIND_INPUT and (epoch is None or e.epoch == epoch)]
+
+
+def running_watch(tracker: FakeTracker) -> tuple[JobWatch, threading.Thread]:
+    """A watch of ``tracker``'s job on its own thread, as a feed runs it, once the job
+    RUNS at epoch 1 and the watch has heard so; returns the watch and its thread
+    (``watch.halt()`` ends it)."""
+    watch = JobWatch(tracker, "j", "me")
+    watch.open()
+    runner = threading.Thread(target=watch.run, daemon=True)
+    runner.start()
+    tracker.run(epoch=1)
+    watch.wait_started()
+    return watch, runner

@@ -1,16 +1,24 @@
 """A LocalSwarm whose tracker is several processes on one PostgreSQL database, for
-``tests/test_failover.py`` and ``benchmarks/failover.py``."""
+``tests/test_failover.py`` and ``benchmarks/failover.py``; and the job the outage and
+failover tests submit (:func:`submit`)."""
 from __future__ import annotations
 
 import subprocess
 import time
+from typing import Iterable
 
 import grpc
+import torch
+from torch import nn
 
+import fedpipe
+from fedpipe.examples import digits
 from fedpipe.net import trackers
 from fedpipe.proto import tracker_pb2, tracker_pb2_grpc
 from fedpipe.testing import LocalSwarm, free_port
 
+SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+LOSS = nn.functional.cross_entropy
 LEADER_LEASE = 3.0
 """The trackers' ``--leader-lease`` here, seconds (shorter than the default 5 s, so the
 tests wait less)."""
@@ -97,3 +105,17 @@ def leader_of(address: str, timeout: float = 5.0) -> str | None:
         except grpc.RpcError as e:
             return trackers.leader_of(e)
         return address
+
+
+def submit(client: fedpipe.Client, data: Iterable, *, steps: int, every: int,
+           stages: int = 3) -> tuple[nn.Sequential, fedpipe.Job]:
+    """Submit the digits MLP (seeded, so single-process training on the same batches
+    can be compared) in ``stages`` stages, one group, synchronous (1F1B), uncompressed,
+    a checkpoint every ``every`` steps and no rebalancing; returns the model as built
+    and the job."""
+    torch.manual_seed(0)
+    model = digits.make_model(hidden=32)
+    job = client.submit(model, LOSS, SGD, data, steps=steps, microbatches=2, stages=stages,
+                        replicas=1, schedule="1f1b", compression="none",
+                        checkpoint_every=every, rebalance="never")
+    return model, job

@@ -138,3 +138,25 @@ def test_a_node_keeps_the_last_complete_checkpoint_however_many_newer_come():
     store.put("other", key, checkpoint.take(parts(model, opt, sched), step=2))
     store.put("other", key, checkpoint.take(parts(model, opt, sched), step=3))
     assert store.steps("other", key) == [2, 3]  # another job: the newest two, as before
+
+
+def test_a_node_names_the_acknowledged_steps_it_keeps_that_are_not_complete_yet():
+    """What a node's heartbeat says it acked (``StageRef.acked``): a tracker that took over
+    counts these again."""
+    from fedpipe.node.snapshots import SnapshotStore
+    from fedpipe.spec import StageKey
+    model, opt, sched = make()
+    store, key = SnapshotStore(keep=2), StageKey(0, 1)
+    for step in (10, 20):
+        store.put("job", key, checkpoint.take(parts(model, opt, sched), step=step))
+        store.acked("job", key, 1, step)
+    assert store.acked_steps("job", key, 1) == [10, 20]
+    assert store.acked_steps("job", key, 2) == []  # another plan epoch acked nothing
+    assert store.acked_steps("job", StageKey(0, 0), 1) == []  # nor another stage
+    store.protect("job", 10)  # complete: the tracker counted it
+    assert store.acked_steps("job", key, 1) == [20]
+    store.put("job", key, checkpoint.take(parts(model, opt, sched), step=30))  # not acked yet
+    store.protect("job", 0)
+    assert store.acked_steps("job", key, 1) == [20]  # 10 was pruned; 30 is not acked
+    store.drop_job("job")
+    assert store.acked_steps("job", key, 1) == []

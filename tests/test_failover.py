@@ -14,31 +14,17 @@ import signal
 import time
 
 import pytest
-import torch
-from failover_swarm import LEADER_LEASE, Trackers, leader_of
+from failover_swarm import LEADER_LEASE, LOSS, SGD, Trackers, leader_of, submit
 from pg_server import postgres_server  # noqa: F401 — the session's PostgreSQL (a fixture)
-from torch import nn
 
 import fedpipe
-from fedpipe.examples import digits
 from fedpipe.proto import tracker_pb2 as fedpipe_pb
 from fedpipe.testing import TRACKER_SERVICE, wait_serving
 from fedpipe.tracker.store import PostgresStore
 from reference import digit_batches, max_relative_difference, single_process
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
-SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
-LOSS = nn.functional.cross_entropy
 STEPS, EVERY = 18, 3
-
-
-def submit(client, data):
-    torch.manual_seed(0)
-    model = digits.make_model(hidden=32)
-    job = client.submit(model, LOSS, SGD, data, steps=STEPS, microbatches=2, stages=3,
-                        replicas=1, schedule="1f1b", compression="none",
-                        checkpoint_every=EVERY, rebalance="never")
-    return model, job
 
 
 def test_kill_9_of_the_leading_tracker_mid_job_the_standby_leads_and_the_job_is_exact(
@@ -49,7 +35,7 @@ def test_kill_9_of_the_leading_tracker_mid_job_the_standby_leads_and_the_job_is_
         s = two.swarm
         assert leader_of(a) == a and leader_of(b) == a
         client, data = s.client(), digit_batches(STEPS)
-        model, job = submit(client, data)
+        model, job = submit(client, data, steps=STEPS, every=EVERY)
         killed: list[float] = []
 
         def kill_leader() -> None:

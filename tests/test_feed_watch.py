@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from client_fakes import FakeNodes, FakeRpcError, FakeTracker
+from client_fakes import FakeNodes, FakeRpcError, FakeTracker, running_watch
 from fedpipe.client import Client, feed as feed_mod, watch as watch_mod
 from fedpipe.client.feed import Feed, KeptBatches, GroupFeed
 from fedpipe.client.watch import Halted, JobWatch
@@ -217,12 +217,7 @@ def test_the_watch_wakes_the_feed_on_events_instead_of_polling_the_tracker():
 
 def test_while_the_stream_is_down_the_watch_polls_and_watches_again():
     tracker = FakeTracker(steps=3)
-    watch = JobWatch(tracker, "j", "me")
-    watch.open()
-    runner = threading.Thread(target=watch.run, daemon=True)
-    runner.start()
-    tracker.run(epoch=1)
-    watch.wait_started()
+    watch, runner = running_watch(tracker)
     tracker.drop_streams(FakeRpcError(UNAVAILABLE, "tracker restarting"))
     wait_until(lambda: len(tracker.watch_requests) == 2)  # watched again, after the last event
     assert tracker.watch_requests[1].after_seq == len(tracker.events)

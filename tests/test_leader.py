@@ -9,15 +9,18 @@ import pytest
 from pg_server import postgres_server  # noqa: F401 — the session's PostgreSQL (a fixture)
 
 from fedpipe.proto import node_pb2, tracker_pb2
-from fedpipe.spec import StageKey
+from fedpipe.spec import PlanView, StageKey
 from fedpipe.tracker.leader import RENEW_EVERY, STEP_DOWN, LeaderFence, Leadership
 from fedpipe.tracker.replicas import ReplicaSet
+from fedpipe.tracker.service import TrackerService
 from fedpipe.tracker.store import Deposed, MemoryStore, PostgresStore, SqliteStore, Store
 from fedpipe.tracker.store.sql import SqlStore
+from tracker_fakes import Context, join, make_tracker, submission
 
 pytestmark = pytest.mark.timeout(60)
 LEASE = 5.0
 POSTGRES = pytest.param("postgres", marks=pytest.mark.processes)
+R = tracker_pb2.StageReport
 
 
 class Clocks:
@@ -252,3 +255,40 @@ def test_a_stopping_leader_releases_the_lease_so_a_standby_takes_over_at_once(sh
     a.leadership.close()
     assert a.deposed == ["this tracker is stopping"]
     assert b.leadership.step() and b.led == [2]
+
+
+def test_a_checkpoint_half_acknowledged_to_a_leader_that_died_completes_under_the_next(
+        shared):
+    """The tallies live in memory: the new leader relearns the acknowledgements the dead
+    one counted from the nodes' heartbeats (``StageRef.acked``)."""
+    clocks = Clocks()
+    a, b = Tracker("a", shared, clocks), Tracker("b", shared, clocks)
+    assert a.leadership.step()
+    first, _, clock = make_tracker(a.store)
+    join(first, 3)
+    job = first.jobs.submit(submission(steps=20, stages=2, checkpoint_every=10))
+    first.tick()
+    info = first.jobs.get(job)
+    assert info.state == tracker_pb2.JOB_STATE_RUNNING
+    plan = PlanView(info.plan)
+    early, late = plan.stages
+
+    def ack(tracker, key: StageKey) -> None:
+        tracker.progress.report(R(job_id=job, replica=key.replica, stage=key.stage,
+                                  node_id=plan[key].node_id, status=R.STATUS_CHECKPOINT,
+                                  epoch=info.epoch, step=10))
+    ack(first, early)
+    assert first.jobs.get(job).checkpoint_step == 0
+    clocks.advance(LEASE + 0.1)  # a is killed before the other stage acks: b takes over
+    assert b.leadership.step() and b.led == [2]
+    second, _, _ = make_tracker(b.store, clock)
+    ack(second, late)
+    assert second.jobs.get(job).checkpoint_step == 0  # one ack of two: not complete yet
+    held = tracker_pb2.StageRef(job_id=job, replica=early.replica, stage=early.stage,
+                                epoch=info.epoch, acked=[10])
+    reply = TrackerService(second).Heartbeat(
+        tracker_pb2.HeartbeatRequest(node_id=plan[early].node_id, holds=[held]), Context())
+    assert reply.known
+    assert second.jobs.get(job).checkpoint_step == 10
+    assert dict(reply.checkpoints) == {job: 10}  # the node protects it from now on
+    assert "checkpoint of step 10 complete" in [e.reason for e in b.store.events(job, 0)]

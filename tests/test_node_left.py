@@ -12,21 +12,10 @@ from rich.console import Console
 from fedpipe.observe import status
 from fedpipe.observe.views import swarm_view
 from fedpipe.proto import tracker_pb2 as S
-from fedpipe.security.interceptor import _ATTR
 from fedpipe.tracker.service import TrackerService
-from tracker_fakes import join, make_tracker
+from tracker_fakes import Context, join, make_tracker
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Context:
-    """A servicer context of a server without TLS (no caller identity)."""
-
-    def __init__(self):
-        setattr(self, _ATTR, None)
-
-    def abort(self, code, details):
-        raise AssertionError(f"aborted {code.name}: {details}")
 
 
 def listed(svc: TrackerService) -> dict[str, S.NodeInfo]:

@@ -1,13 +1,15 @@
 """Training goes on while no tracker leads, in-process: the feed passes its kept-batch bound
 while the tracker is silent; the client says once that the tracker is unreachable and
 once that it is back; a node's reports wait (bounded, in order) for the next tracker; a
-tracker that did not run (SIGSTOP) judges no node by the time it missed.
+tracker that did not run (SIGSTOP) judges no node by the time it missed; a draining node
+waits out a window with no leader before its drain's timeout runs.
 
 The processes' side is ``tests/test_outage.py``.
 """
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
@@ -15,12 +17,14 @@ import grpc
 import pytest
 import torch
 
-from client_fakes import FakeNodes, FakeRpcError, FakeTracker
+import fedpipe
+from client_fakes import FakeNodes, FakeRpcError, FakeTracker, running_watch
 from fedpipe.client import feed as feed_mod, watch as watch_mod
 from fedpipe.client.feed import Feed
 from fedpipe.client.reach import TrackerReach
-from fedpipe.client.watch import JobWatch
+from fedpipe.client.watch import JobWatch, NoLeader
 from fedpipe.net import timeouts
+from fedpipe.node.draining import DrainClock
 from fedpipe.node.reports import ReportQueue
 from fedpipe.proto import tracker_pb2 as S
 from tracker_fakes import make_tracker, registration
@@ -38,7 +42,8 @@ def wait_until(cond, timeout: float = 10.0) -> None:
 
 
 def reach_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "the tracker is" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records
+            if r.name == "fedpipe.client" and "tracker" in r.getMessage()]
 
 
 # -- the client: one line when the tracker goes, one when it is back ---------------
@@ -53,7 +58,8 @@ def test_many_failed_calls_make_one_unreachable_line_and_one_back_line(caplog):
     assert not reach.unreachable
     lines = reach_lines(caplog)
     assert len(lines) == 2, lines
-    assert lines[0].startswith("the tracker is unreachable (UNAVAILABLE: connection refused)")
+    assert lines[0].startswith("no tracker leads now (UNAVAILABLE: connection refused); the "
+                               "job trains on, and this client waits up to LEADER_WAIT=")
     assert lines[1].startswith("the tracker is back (unreachable for ")
     reach.lost(FakeRpcError(UNAVAILABLE, "again"))  # a second outage is said again
     assert len(reach_lines(caplog)) == 3
@@ -63,17 +69,49 @@ def test_a_watch_retried_through_an_outage_says_so_once_and_once_back(monkeypatc
     monkeypatch.setattr(watch_mod.timeouts, "WATCH_RESUME", 0.01)
     caplog.set_level(logging.INFO)
     tracker = FakeTracker(steps=3, watch_errors=[FakeRpcError(UNAVAILABLE, "down")] * 4)
-    watch = JobWatch(tracker, "j", "me")
-    watch.open()
-    runner = threading.Thread(target=watch.run, daemon=True)
-    runner.start()
-    tracker.run(epoch=1)
-    watch.wait_started()
+    watch, runner = running_watch(tracker)
     assert len(tracker.watch_requests) == 5
     watch.halt()
     runner.join(5)
     lines = reach_lines(caplog)
-    assert len(lines) == 2 and "unreachable" in lines[0] and "back" in lines[1], lines
+    assert len(lines) == 2 and "no tracker leads" in lines[0] and "back" in lines[1], lines
+
+
+class StoppedTracker(FakeTracker):
+    """A tracker that is SIGSTOPped while ``stopped`` is set: its watch stream says nothing,
+    and a GetJob hangs until its deadline, then fails as gRPC fails it."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.stopped = threading.Event()
+
+    def GetJob(self, request, timeout=None):
+        if self.stopped.is_set():
+            time.sleep(timeout)
+            raise FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return super().GetJob(request, timeout)
+
+
+def test_a_tracker_that_stops_answering_is_said_once_as_a_refused_one_is_and_once_back(
+        monkeypatch, caplog):
+    monkeypatch.setattr(timeouts, "TRACKER_SILENT", 0.2)
+    monkeypatch.setattr(timeouts, "TRACKER_PROBE_RPC", 0.1)
+    caplog.set_level(logging.INFO)
+    tracker = StoppedTracker(steps=3)
+    watch, runner = running_watch(tracker)
+    tracker.stopped.set()  # the stream stays open and silent; a question hangs
+    wait_until(lambda: len(reach_lines(caplog)) == 1)
+    time.sleep(1.0)  # silent on: nothing more is said
+    lines = reach_lines(caplog)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("no tracker leads now (DEADLINE_EXCEEDED: Deadline Exceeded); "
+                               "the job trains on"), lines
+    assert watch.live  # the stream was never refused
+    tracker.stopped.clear()  # resumed: the next question is answered
+    wait_until(lambda: len(reach_lines(caplog)) == 2)
+    assert reach_lines(caplog)[1].startswith("the tracker is back (unreachable for ")
+    watch.halt()
+    runner.join(5)
 
 
 # -- the feed: past its bound while the tracker is silent ---------------------------
@@ -172,3 +210,64 @@ def test_a_tracker_that_did_not_run_past_the_lease_loses_no_node():
     assert not tracker.pardon_pause(1.0)
     tracker.tick()
     assert not tracker.registry.alive(node)
+
+
+# -- a draining node: its timeout runs only while a tracker leads ------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_drain_waits_out_a_window_with_no_leader_and_times_out_only_on_led_time():
+    clock = Clock()
+    drain = DrainClock(timeout=10.0, leader_wait=60.0, clock=clock)
+    assert drain.over() is None  # not draining
+    drain.unreachable()  # the tracker went before the drain began
+    clock.now += 5
+    drain.start()
+    clock.now += 30  # no tracker leads: 30 s past the drain's start, more than its timeout
+    assert drain.over() is None
+    drain.unreachable()  # more failed calls change nothing
+    drain.reached()  # a tracker leads again
+    clock.now += 9
+    assert drain.over() is None  # 9 s counted of 10
+    drain.unreachable()
+    clock.now += 20
+    assert drain.over() is None
+    drain.reached()
+    clock.now += 1.5  # 10.5 s counted
+    assert drain.over() == "the drain timed out after 10 s; exiting anyway"
+
+
+def test_a_drain_with_no_leader_for_leader_wait_exits_saying_so():
+    clock = Clock()
+    drain = DrainClock(timeout=10.0, leader_wait=60.0, clock=clock)
+    drain.start()
+    clock.now += 2
+    drain.unreachable()
+    clock.now += 59.9
+    assert drain.over() is None
+    clock.now += 0.2
+    why = drain.over()
+    assert why is not None and why.startswith("no tracker led within LEADER_WAIT=60 s"), why
+    assert "FEDPIPE_LEADER_WAIT" in why
+
+
+def test_fedpipe_drain_with_no_tracker_leading_asks_again_then_says_none_led(monkeypatch,
+                                                                              caplog):
+    monkeypatch.setattr(timeouts, "LEADER_WAIT", 1.0)
+    monkeypatch.setattr(timeouts, "RECONNECT_BACKOFF_MAX", 0.1)
+    caplog.set_level(logging.INFO)
+    with socket.socket() as s:  # a port nothing listens on: no tracker there
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    with fedpipe.Client(address) as client:
+        t0 = time.monotonic()
+        with pytest.raises(NoLeader, match=r"no tracker led within LEADER_WAIT=1 s to drain "
+                                           r"node node3 \(UNAVAILABLE"):
+            client.drain("node3")
+    assert time.monotonic() - t0 >= 1.0  # asked again for LEADER_WAIT, not failed at once
+    assert len(reach_lines(caplog)) == 1, reach_lines(caplog)

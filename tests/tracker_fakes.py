@@ -2,10 +2,24 @@
 from __future__ import annotations
 
 from fedpipe.proto import node_pb2, tracker_pb2
+from fedpipe.security.interceptor import _ATTR
 from fedpipe.spec import PROTOCOL_VERSION, JobSpec, StageKey
 from fedpipe.tracker.nodes import NodeCallError
 from fedpipe.tracker.scheduler import Tracker
 from fedpipe.tracker.store import MemoryStore, Store
+
+
+
+class Context:
+    """A servicer context of a server without TLS (no caller identity), for calling a
+    :class:`~fedpipe.tracker.service.TrackerService` method in-process."""
+
+    def __init__(self):
+        setattr(self, _ATTR, None)
+
+    def abort(self, code, details):
+        raise AssertionError(f"aborted {code.name}: {details}")
+
 
 VERSIONS = tracker_pb2.Versions(fedpipe="0.1.0", protocol=PROTOCOL_VERSION, python="3.11",
                                 torch="2.3.0", cloudpickle="3.0.0")

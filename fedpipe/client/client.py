@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
@@ -40,6 +41,7 @@ from .feed import Batch, cycle
 from .job import Job
 from .packaging import check_sequential, dumps
 from .reach import TrackerReach
+from .watch import NoLeader
 from .weights import package
 
 log = logging.getLogger("fedpipe.client")
@@ -165,11 +167,30 @@ class Client:
         boundary with their current state (no step is lost), it takes no new work, and it
         exits once nothing needs it (see ``fedpipe drain``). Under TLS only an admin may.
 
+        While no tracker leads (a failover, a restart) the call is sent again (a drain
+        asked twice is one drain), for up to :data:`~fedpipe.net.timeouts.LEADER_WAIT` s.
+
         Raises:
             grpc.RpcError: NOT_FOUND for an unknown node, PERMISSION_DENIED for a caller
                 that is not an admin.
+            NoLeader: no tracker led within ``LEADER_WAIT`` s.
         """
-        return self.stub.DrainNode(S.DrainNodeRequest(node=node), timeout=timeouts.CONTROL_RPC)
+        deadline = time.monotonic() + timeouts.LEADER_WAIT
+        try:
+            reply = net.retry(lambda: self.stub.DrainNode(S.DrainNodeRequest(node=node),
+                                                          timeout=timeouts.CONTROL_RPC),
+                              f"asking the tracker to drain {node}",
+                              max_delay=timeouts.RECONNECT_BACKOFF_MAX,
+                              stop=lambda: time.monotonic() > deadline,
+                              on_retry=self.reach.lost)
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            raise NoLeader(f"no tracker led within LEADER_WAIT={timeouts.LEADER_WAIT:.0f} s "
+                           f"to drain node {node} ({e.code().name}: {e.details()}); set "
+                           f"FEDPIPE_LEADER_WAIT to wait longer") from None
+        self.reach.reached()
+        return reply
 
     def submit(self, model: nn.Sequential,
                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

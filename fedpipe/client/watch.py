@@ -36,7 +36,7 @@ from .. import net
 from ..net import timeouts
 from ..proto import tracker_pb2 as S
 from ..spec import TERMINAL
-from .reach import TrackerReach
+from .reach import SilenceProbe, TrackerReach
 
 log = logging.getLogger("fedpipe.client")
 
@@ -164,7 +164,20 @@ class JobWatch:
     def run(self) -> None:
         """Hold the stream until the job ends or the feed halts; watch again after a
         failure that can pass; end on any other (kept in :attr:`error`). The body of
-        the watch thread."""
+        the watch thread. Meanwhile a :class:`~.reach.SilenceProbe` asks the tracker
+        about the job when the stream goes quiet (a stopped tracker refuses nothing)."""
+        done = threading.Event()
+        probe = SilenceProbe(
+            self.reach, lambda deadline: self.tracker.GetJob(
+                S.GetJobRequest(job_id=self.job_id), timeout=deadline),
+            lambda: self.known().heard, lambda: self.live, done)
+        threading.Thread(target=probe.run, name="watch-probe", daemon=True).start()
+        try:
+            self._hold()
+        finally:
+            done.set()
+
+    def _hold(self) -> None:
         while not self.halted.is_set() and not self._ended:
             call = self._call or self._connect()
             if self.halted.is_set():

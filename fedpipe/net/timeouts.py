@@ -88,6 +88,11 @@ TRACKER_SILENT = _seconds("TRACKER_SILENT", 2.0)
 step's event comes at every step) counts it as gone, and feeds on past its kept-batch
 bound (:mod:`fedpipe.client.feed`). A job slower than a step per this many seconds may keep
 more batches than the bound while a checkpoint is late; never fewer."""
+TRACKER_PROBE_RPC = _seconds("TRACKER_PROBE_RPC", 3.0)
+"""A client whose job's watch has heard nothing for :data:`TRACKER_SILENT` s asks the tracker
+about the job with this deadline: one that hangs past it (a tracker stopped or cut off,
+which refuses no connection) is said once, as a refused connection is
+(:class:`fedpipe.client.reach.SilenceProbe`)."""
 CLIENT_REATTACH = _seconds("CLIENT_REATTACH", 15.0)
 """After a tracker (re)start, the feeding clients of running jobs have this long to watch
 their jobs again before the jobs wait for a client."""

@@ -23,6 +23,7 @@ from ..runtime.stage import StageError
 from ..security import CertError, DenyList, Role, TlsConfig
 from ..spec import PROTOCOL_VERSION
 from ..wire import rpc
+from .draining import DrainClock
 from .parts import build_parts
 from .reports import UNREACHABLE, ReportQueue
 from .probe import probe, resolve_device
@@ -77,7 +78,10 @@ class NodeDaemon:
             :func:`fedpipe.net.check_plaintext`).
         drain_timeout: on SIGTERM (or when the tracker drains it), seconds to wait
             for the tracker to move this node's stages to other nodes before it
-            exits anyway (0: exit at once). SIGINT always exits at once.
+            exits anyway (0: exit at once), counted only while a tracker leads: a
+            leaderless window is waited out for up to
+            :data:`~fedpipe.net.timeouts.LEADER_WAIT` s (:mod:`.draining`). SIGINT
+            always exits at once.
         data_port: the port of this node's socket data plane (:mod:`fedpipe.net.dataplane`)
             on ``host`` (0: a free one; :attr:`data_address` tells which), advertised to
             the tracker so peers send this node tensors there; None: none, peers send
@@ -128,7 +132,8 @@ class NodeDaemon:
         """Set once this node drains (SIGTERM, or the tracker's word): it says so in every
         heartbeat and exits when the tracker says no job needs it, or after drain_timeout."""
         self.drained = threading.Event()
-        self._drain_since = 0.0
+        self.drain_clock = DrainClock(drain_timeout)
+        """The drain's timeout counts only while a tracker leads (:mod:`.draining`)."""
         self.node_id = ""
         self.boot_id = uuid.uuid4().hex
         self.lease = 10.0
@@ -296,7 +301,10 @@ class NodeDaemon:
                 else:
                     log.warning("tracker does not know this node; registering again")
                     self.register()
+                self.drain_clock.reached()
             except grpc.RpcError as e:
+                if e.code() in UNREACHABLE:
+                    self.drain_clock.unreachable()
                 log.warning("heartbeat to tracker %s failed (%s: %s)", self.tracker_address,
                             e.code().name, e.details())
 
@@ -343,7 +351,7 @@ class NodeDaemon:
         seconds. A drain already under way is not restarted."""
         if self.draining.is_set():
             return
-        self._drain_since = time.monotonic()
+        self.drain_clock.start()
         self.draining.set()
         if self.drain_timeout <= 0 or not self.node_id:
             self.stop()
@@ -351,26 +359,39 @@ class NodeDaemon:
         threading.Thread(target=self._ask_drain, name="drain", daemon=True).start()
 
     def _ask_drain(self) -> None:
-        """Tell the tracker at once (the heartbeats say it too, should this call fail)."""
+        """Tell the tracker at once (the heartbeats say it too). While no tracker leads the
+        call is sent again, until one does or the drain is over (:mod:`.draining`): the
+        stages train on meanwhile, and the drain's timeout does not run."""
+        def unreachable(e: grpc.RpcError) -> None:
+            self.drain_clock.unreachable()
+            self.reports.unreachable(e)  # one line while it lasts, not one per try
+
+        log.info("draining: waiting up to %.0f s (while a tracker leads) for the tracker "
+                 "to move this node's stages", self.drain_timeout)
         try:
-            reply = self.tracker.DrainNode(
-                tracker_pb2.DrainNodeRequest(node=self.node_id or self.name),
-                timeout=timeouts.CONTROL_RPC)
-            if reply.drained:  # no job needs this node: exit now, not a heartbeat later
-                self.drained.set()
+            reply = net.retry(
+                lambda: self.tracker.DrainNode(
+                    tracker_pb2.DrainNodeRequest(node=self.node_id or self.name),
+                    timeout=timeouts.CONTROL_RPC),
+                "asking the tracker to drain this node", max_delay=timeouts.RECONNECT_BACKOFF_MAX,
+                stop=lambda: self.stop_event.is_set() or self.drained.is_set()
+                or self.drain_clock.over() is not None, on_retry=unreachable)
         except grpc.RpcError as e:
             log.warning("could not ask the tracker to drain this node (%s); the heartbeats "
                         "say it", e.details())
-        log.info("draining: waiting up to %.0f s for the tracker to move this node's stages",
-                 self.drain_timeout)
+            return
+        self.drain_clock.reached()
+        if reply.drained:  # no job needs this node: exit now, not a heartbeat later
+            self.drained.set()
 
     def _drain_over(self) -> bool:
         """Whether a draining node may exit: no job needs it, or its time is up."""
         if self.drained.is_set():
             log.info("drained: no job needs this node; exiting")
             return True
-        if time.monotonic() - self._drain_since > self.drain_timeout:
-            log.warning("the drain timed out after %.0f s; exiting anyway", self.drain_timeout)
+        why = self.drain_clock.over()
+        if why is not None:
+            log.warning("%s", why)
             return True
         return False
 

@@ -50,6 +50,7 @@ class SnapshotStore:
         self.keep = keep
         self._snaps: dict[tuple[str, StageKey], OrderedDict[int, Snapshot]] = {}
         self._complete: dict[str, int] = {}  # job -> its last complete checkpoint
+        self._acked: dict[tuple[str, StageKey, int], set[int]] = {}  # (job, key, epoch) -> steps
         self._lock = threading.Lock()
 
     def put(self, job_id: str, key: StageKey, snap: Snapshot) -> None:
@@ -70,6 +71,25 @@ class SnapshotStore:
             for (job, _), steps in self._snaps.items():
                 if job == job_id:
                     self._prune(job_id, steps)
+
+    def acked(self, job_id: str, key: StageKey, epoch: int, step: int) -> None:
+        """This node acknowledged stage ``key``'s snapshot of ``step`` (plan ``epoch``) to
+        the tracker: kept here and on its buddy."""
+        with self._lock:
+            held = self._snaps.get((job_id, key), OrderedDict())
+            acked = self._acked.setdefault((job_id, key, epoch), set())
+            acked.add(step)
+            acked.intersection_update(held)
+
+    def acked_steps(self, job_id: str, key: StageKey, epoch: int) -> list[int]:
+        """The steps of stage ``key`` (plan ``epoch``) acknowledged and still kept here that
+        are newer than the job's last complete checkpoint (:meth:`protect`): the
+        acknowledgements a tracker may not have counted yet, oldest first."""
+        with self._lock:
+            held = self._snaps.get((job_id, key), OrderedDict())
+            done = self._complete.get(job_id, 0)
+            return sorted(s for s in self._acked.get((job_id, key, epoch), ())
+                          if s in held and s > done)
 
     def _prune(self, job_id: str, steps: OrderedDict[int, Snapshot]) -> None:
         kept = set(list(steps)[-self.keep:])
@@ -107,6 +127,8 @@ class SnapshotStore:
         with self._lock:
             for k in [k for k in self._snaps if k[0] == job_id]:
                 del self._snaps[k]
+            for a in [a for a in self._acked if a[0] == job_id]:
+                del self._acked[a]
             self._complete.pop(job_id, None)
 
     def jobs(self) -> set[str]:
@@ -190,6 +212,8 @@ class Checkpoints:
         if stage.live:
             self.reporter.report(stage, tracker_pb2.StageReport.STATUS_CHECKPOINT,
                                  step=snap.step)
+            # the heartbeats say it too, for a tracker that takes over before it counts this
+            self.snapshots.acked(stage.job_id, stage.key, stage.epoch, snap.step)
 
     def _count(self, buddy: str, snap: Snapshot, transport: str) -> None:
         """Count a snapshot shipped to ``buddy`` in the node's link metrics, a tensor each."""

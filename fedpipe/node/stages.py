@@ -102,10 +102,13 @@ class StageRegistry:
         return bool(self.select(lambda s: s.job_id == job_id))
 
     def holdings(self) -> list[tracker_pb2.StageRef]:
-        """Every stage held here (running, or ended and kept for its weights), and
-        for each job of which only snapshots are kept, one ref with stage -1."""
+        """Every stage held here (running, or ended and kept for its weights), with the
+        checkpoint steps it acknowledged that may not be complete yet
+        (:meth:`~.snapshots.SnapshotStore.acked_steps`), and for each job of which only
+        snapshots are kept, one ref with stage -1."""
         refs = [tracker_pb2.StageRef(job_id=s.job_id, replica=s.key.replica,
-                                     stage=s.key.stage, epoch=s.epoch)
+                                     stage=s.key.stage, epoch=s.epoch,
+                                     acked=self.snapshots.acked_steps(s.job_id, s.key, s.epoch))
                 for s in self.select(lambda s: True)]
         held = {r.job_id for r in refs}
         return refs + [tracker_pb2.StageRef(job_id=j, replica=-1, stage=-1, epoch=-1)

@@ -74,16 +74,18 @@ class RegisterNodeReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
 
 class StageRef(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "epoch")
+    __slots__ = ("job_id", "replica", "stage", "epoch", "acked")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
     epoch: int
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    acked: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ..., acked: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "leaving", "holds", "draining")

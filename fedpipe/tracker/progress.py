@@ -29,7 +29,8 @@ from .. import planner
 from ..proto import tracker_pb2
 from ..spec import ACTIVE, TERMINAL, PlanView, StageKey, state_name
 from .calibration import Calibration
-from .errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from .errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+                     TrackerError)
 from .jobs import Jobs, stage_name
 from .stagetimes import STAGE_TIME_WINDOW, StageTimes
 from .store import Store
@@ -136,6 +137,35 @@ class Progress:
         else:
             raise InvalidArgument(f"unknown report status {report.status}")
         self.jobs.notify()
+
+    def held(self, node_id: str, holds: list[tracker_pb2.StageRef]) -> None:
+        """The checkpoint acknowledgements a node's heartbeat carries (``StageRef.acked``),
+        counted as its reports were: the tallies live in memory, so a tracker that took
+        over (or restarted) after its predecessor counted some of a checkpoint's
+        acknowledgements learns them again from the heartbeats, and the checkpoint
+        completes instead of a later recovery rewinding past it. An ack counted twice
+        counts once. Acks of another epoch, of a step at or before the job's last
+        complete checkpoint, of an ended or unknown job, or of a stage the node does not
+        run are passed over."""
+        for ref in holds:
+            if not ref.acked:
+                continue
+            try:
+                job = self.jobs.get(ref.job_id)
+            except NotFound:
+                continue
+            if job.state not in ACTIVE or ref.epoch != job.epoch:
+                continue
+            for step in ref.acked:
+                if step <= job.checkpoint_step:
+                    continue
+                try:
+                    self.report(R(job_id=ref.job_id, replica=ref.replica, stage=ref.stage,
+                                  node_id=node_id, status=R.STATUS_CHECKPOINT, epoch=ref.epoch,
+                                  step=step))
+                except TrackerError as e:  # moved meanwhile: the node is told to drop it
+                    log.debug("job %s: a held acknowledgement of step %d passed over: %s",
+                              ref.job_id, step, e)
 
     def _failed(self, job: tracker_pb2.JobInfo, report: tracker_pb2.StageReport) -> None:
         if job.state == S.JOB_STATE_RECOVERING:

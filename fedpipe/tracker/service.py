@@ -128,6 +128,8 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         if known and request.draining and not request.leaving:
             t.rebalancer.drain(request.node_id)  # a node's SIGTERM, or told so before a restart
         drop, drop_jobs = t.retention.reconcile(request.node_id, list(request.holds))
+        if known and not request.leaving:  # acks a tracker that took over did not count
+            t.progress.held(request.node_id, list(request.holds))
         # the lease the registry just held the node to (it moves only as nodes join or go),
         # and the swarm's deny list, whole: the node refuses these on every call it serves
         revoked = self.verifier.deny_list().to_proto() if self.verifier is not None else []

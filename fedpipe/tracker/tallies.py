@@ -8,8 +8,11 @@
   recovery falls back on when the newest snapshot did not survive.
 
 A new plan epoch (:mod:`.recovery`) clears the counts of the old one; a job that
-ends is forgotten. A restarted tracker starts afresh: the store keeps the job's last
-complete checkpoint, which is what a recovery rewinds to.
+ends is forgotten. A restarted tracker, or one that took over from a leader, starts
+afresh: the store keeps the job's last complete checkpoint, which is what a recovery
+rewinds to, and the nodes' heartbeats say again which snapshots newer than that they
+acknowledged (``StageRef.acked``, :meth:`.progress.Progress.held`), so a checkpoint
+half acknowledged to the tracker before completes under the next.
 """
 from __future__ import annotations
 
