@@ -3,6 +3,7 @@ for nodes behind NAT (:func:`add_cli` adds them to :mod:`fedpipe.cli`'s subparse
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .cli_args import TRACKER_HELP, insecure_arg, metrics_args, tls as _tls, tls_args
 
@@ -46,6 +47,9 @@ def cmd_node(args) -> int:
         print(f"fedpipe node {daemon.name} metrics at {daemon.metrics_server.url}/metrics",
               flush=True)
     daemon.run()
+    if daemon.homing is not None and daemon.homing.displaced:
+        print(f"fedpipe node: {daemon.homing.displaced}", file=sys.stderr)
+        return 1
     return 0
 
 

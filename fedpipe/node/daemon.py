@@ -168,7 +168,8 @@ class NodeDaemon:
         if relays:
             self.homing = Homing(relays, self.name, self.port,
                                  parts.sockets.port if parts.sockets is not None else None,
-                                 local_host=host, tls=tls, on_moved=self._moved)
+                                 local_host=host, tls=tls, on_moved=self._moved,
+                                 on_displaced=lambda why: self.stop())
             try:
                 self._take(self.homing.home())
             except BaseException:
