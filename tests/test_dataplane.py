@@ -264,6 +264,11 @@ class CuttingProxy:
             s.close()
 
     def close(self):
+        """Stop accepting: connections to its port are refused from now on."""
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone may not)
+        except OSError:
+            pass
         self.listener.close()
 
 
@@ -290,6 +295,32 @@ def test_a_connection_cut_mid_tensor_resumes_with_every_tensor_once():
     # lazy) would bring tensors 0 and 1 again. One may come again if b's old reader was
     # still delivering it then: refused by its number.
     assert accepted.duplicates <= 1 and accepted.received == 6
+
+
+def test_a_link_to_a_peer_that_moved_redials_its_new_address_and_loses_no_tensor():
+    rec, events = _events()
+    b_in = Inbox()
+    with DataPlane("a", Inbox(), timeouts=FAST, events=events) as a, \
+            DataPlane("b", b_in, timeouts=FAST) as b:
+        size = 1 << 20  # 4 MiB tensors; the first relay goes in the middle of the third
+        first = CuttingProxy(b.port, cut_after=int(2.5 * 4 * size))
+        old = f"127.0.0.1:{first.port}"
+        link = a.link("b", old)
+        first.close()  # and stays away: redials to it are refused
+        sent = [torch.full((size,), float(i)) for i in range(6)]
+        for i, t in enumerate(sent):
+            link.send(t, envelope=env(i))
+        second = CuttingProxy(b.port, cut_after=1 << 40)
+        new = f"127.0.0.1:{second.port}"
+        assert not a.redirect("b", new, old), "only from the address the link dials"
+        assert a.redirect("b", old, new)
+        link.flush(20)
+        assert a.link("b", new) is link
+        second.close()
+    assert first.cuts == 1 and second.connections >= 1
+    assert rec.lost and not rec.failed
+    assert b_in.steps() == list(range(6))  # each once, in order
+    assert all(torch.equal(t, s) for (_, t, _), s in zip(b_in.got, sent))
 
 
 def _raw_dial(port: int, name: str = "mallory") -> connection.Connection:

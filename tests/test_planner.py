@@ -15,7 +15,7 @@ from fedpipe.planner import (ClusterView, LayerProfile, Link, ModelProfile, Node
                              SearchOptions, TrainConfig, make_plan, simulate,
                              stage_memory_bytes)
 from fedpipe.planner import codecs, jsonio
-from fedpipe.planner.context import PlanContext
+from fedpipe.planner.context import PlanContext, link_arrays
 from fedpipe.planner.costs import (boundary_bytes, compute_seconds, pipeline_estimate,
                                    transfer_seconds)
 from fedpipe.planner.evaluate import choose_codecs
@@ -447,3 +447,36 @@ def test_diloco_pays_the_cross_group_sync_once_every_h_steps():
     assert same.sync_seconds == pytest.approx(every_step.sync_seconds / 10)
     assert same.step_seconds == pytest.approx(max(same.group_seconds) + same.sync_seconds)
 
+
+
+def test_an_unmeasured_link_of_a_relayed_node_costs_two_legs_and_a_measured_one_as_measured():
+    leg = Link(bandwidth=1e8, latency=0.01)
+    nodes = [NodeSpec("a", 1e9, 2**30), NodeSpec("b", 1e9, 2**30),
+             NodeSpec("r", 1e9, 2**30, relay="relay:1")]
+    measured = Link(bandwidth=5e7, latency=0.03)
+    cluster = ClusterView(nodes, {("a", "r"): measured}, default_link=leg)
+    assert cluster.link("a", "b") == leg
+    assert cluster.link("b", "r") == cluster.link("r", "b") == Link(1e8, 0.02)
+    assert cluster.link("a", "r") == measured  # measured through the relay already
+    again = jsonio.cluster_from_json(json.loads(json.dumps(jsonio.cluster_to_json(cluster))))
+    assert again.nodes == cluster.nodes
+    bw, lat = link_arrays(cluster)  # the search's matrices agree with link()
+    for i, a in enumerate("abr"):
+        for j, b in enumerate("abr"):
+            if a != b:
+                assert (bw[i, j], lat[i, j]) == pytest.approx(
+                    (cluster.link(a, b).bandwidth, cluster.link(a, b).latency))
+
+
+def test_a_bottleneck_stage_is_not_put_behind_a_relay_when_a_direct_node_does_as_well():
+    # two equal stages over links whose latency dominates: of three equal nodes, one of
+    # them relayed, the plan takes the two direct ones (whichever is relayed)
+    profile = ModelProfile([LayerProfile(f"l{i}", flops=1e6, activation_bytes=1000,
+                                         parameter_bytes=1000) for i in range(4)],
+                           input_bytes=1000)
+    config = TrainConfig(batch_size=8, microbatches=2, stages=2, compression="none")
+    for relayed in ("a", "b", "c"):
+        nodes = [NodeSpec(n, 1e9, 2**30, relay="relay:1" if n == relayed else "")
+                 for n in "abc"]
+        plan = make_plan(ClusterView(nodes, default_link=Link(1e9, 0.05)), profile, config)
+        assert {s.node_id for g in plan.groups for s in g.stages} == set("abc") - {relayed}

@@ -1,6 +1,8 @@
 """Node registration: one node per address, compatible versions, incarnations, leases."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from fedpipe.proto import tracker_pb2
@@ -113,3 +115,61 @@ def test_malformed_registrations_are_invalid_arguments():
     bad.resources.flops = float("nan")
     with pytest.raises(errors.InvalidArgument, match="finite flops"):
         tracker.register(bad)
+
+
+def relayed(name: str, port: int, relay: str, node_id: str = "", boot: str = "boot"
+            ) -> tracker_pb2.RegisterNodeRequest:
+    """``name``'s registration at port ``port`` of relay ``relay`` (no data port: the
+    tracker would dial it)."""
+    r = registration(name, port, boot=boot)
+    r.relay, r.node_id = relay, node_id
+    return r
+
+
+def wait_for(check, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_relayed_node_that_moves_to_another_relay_keeps_its_id_and_its_jobs_follow_it():
+    tracker, nodes, _ = make_tracker()
+    a = tracker.register(relayed("node0", 7000, "relay1:1"))
+    b = tracker.register(relayed("node1", 7010, "relay1:1"))
+    tracker.measure_links()
+    job = tracker.jobs.submit(submission(stages=2))
+    tracker.tick()
+    info = tracker.jobs.get(job)
+    assert state_name(info.state) == "RUNNING" and PlanView(info.plan).node_ids() == {a, b}
+    epoch, assigned = info.epoch, len(nodes.assigns)
+
+    assert tracker.register(relayed("node0", 7100, "relay2:1", node_id=a)) == a
+    wait_for(lambda: len(nodes.assigns) == assigned + 2)
+    info = tracker.jobs.get(job)
+    assert state_name(info.state) == "RUNNING" and info.epoch == epoch and not info.recoveries
+    moved = next(s for s in info.plan.stages if s.node_id == a)
+    assert (moved.address, moved.relay) == ("127.0.0.1:7100", "relay2:1")
+    # both nodes are told the plan's assignments at their addresses now, at the new ones
+    told = {address: request for address, request, _ in nodes.assigns[assigned:]}
+    assert sorted(told) == ["127.0.0.1:7010", "127.0.0.1:7100"]
+    assert all(r.stages == info.plan.stages and r.epoch == epoch for r in told.values())
+    assert {n.node_id: n.address for n in tracker.store.nodes()} == {
+        a: "127.0.0.1:7100", b: "127.0.0.1:7010"}
+    # its old address is free again
+    c = tracker.register(relayed("node2", 7000, "relay1:1"))
+    assert c not in (a, b)
+
+
+@pytest.mark.parametrize("who", ["another boot", "another name", "not relayed"])
+def test_a_registration_naming_an_id_it_may_not_keep_is_a_new_incarnation(who):
+    tracker, _, _ = make_tracker()
+    a = tracker.register(relayed("node0", 7000, "relay1:1"))
+    move = relayed("node0", 7100, "relay2:1", node_id=a)
+    if who == "another boot":
+        move.boot_id = "other"
+    elif who == "another name":
+        move.name = "node9"
+    else:
+        move.relay = ""
+    assert tracker.register(move) != a

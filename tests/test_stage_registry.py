@@ -28,7 +28,7 @@ from fedpipe.node.snapshots import Checkpoints, SnapshotStore
 from fedpipe.node.stages import StageRegistry
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.runtime.stage import StepResult
-from fedpipe.spec import StageKey
+from fedpipe.spec import PlanView, StageKey
 
 pytestmark = pytest.mark.timeout(30)
 S, R = StageState, tracker_pb2.StageReport
@@ -397,3 +397,26 @@ def test_a_stopped_stage_of_a_failed_job_does_not_hold_its_whole_prediction():
     second = node.load(job="b", predicted_memory_bytes=500, steps=1)
     assert second.live
     node.registry.stop_all()
+
+
+def test_readdress_points_a_jobs_stages_of_that_epoch_at_a_moved_nodes_new_addresses():
+    gate = threading.Semaphore(0)
+    node = Node(runner=lambda: Runner(gate))
+
+    def plan(epoch: int, where: str) -> node_pb2.Plan:
+        return node_pb2.Plan(epoch=epoch, stages=[
+            node_pb2.StageAssignment(stage=0, node_id="a", node_name="node0",
+                                     address="r1:10", data_address="r1:11", relay="r1:1"),
+            node_pb2.StageAssignment(stage=1, node_id="b", node_name="node1",
+                                     address=f"{where}:20", data_address=f"{where}:21",
+                                     relay=f"{where}:1")])
+    mine, other = node.load(job="j", epoch=3), node.load(job="k", epoch=3)
+    mine.plan, other.plan = PlanView(plan(3, "r1")), PlanView(plan(3, "r1"))
+    now = plan(3, "r2").stages
+    assert node.registry.readdress("j", 2, now) == {}  # another epoch: nothing
+    assert node.registry.readdress("j", 3, now) == {"node1": ("r1:21", "r2:21")}
+    assert mine.plan.plan == plan(3, "r2")  # in place: its senders and reports follow
+    assert other.plan.plan == plan(3, "r1")  # another job's stage is its own
+    assert node.registry.readdress("j", 3, now) == {}  # told again: nothing moves
+    node.registry.stop_job("j", release=True)
+    node.registry.stop_job("k", release=True)

@@ -54,7 +54,7 @@ from ..net import dataplane, timeouts
 from ..net.trackers import unsent
 from ..proto import node_pb2, tracker_pb2 as S
 from ..runtime import checkpoint
-from ..spec import PlanView
+from ..spec import PlanView, StageKey
 from ..wire import frames, rpc
 from . import checkpoints, links
 from .elastic import ElasticFeed, ElasticTracker
@@ -453,12 +453,17 @@ class Feed:
             except grpc.RpcError as e:
                 # refused connection: the call was never sent. An outbound-only node's relay
                 # restarting looks so for a moment, while the node lives and comes back at the
-                # same address; a dead node's job moves to a new epoch meanwhile
-                if not unsent(e) or time.monotonic() > deadline or self.halted.is_set() \
-                        or self.watch.info().epoch != env.epoch:
+                # same address, or at another relay's (the plan follows it: read it again);
+                # a dead node's job moves to a new epoch meanwhile
+                info = None if not unsent(e) or time.monotonic() > deadline \
+                    or self.halted.is_set() else self.watch.info()
+                if info is None or info.epoch != env.epoch:
                     raise
                 log.info("job %s: %s refuses connections (%s); feeding again", self.job_id,
                          a.address, e.details())
+                now = PlanView(info.plan).get(StageKey(a.replica, a.stage))
+                if now is not None and now.node_id == a.node_id:
+                    a.CopyFrom(now)  # in the epoch's plan: later steps go there too
                 self.halted.wait(FEED_REDIAL)
 
     def _restore(self, info: S.JobInfo, saved: checkpoints.SavedCheckpoint

@@ -134,6 +134,10 @@ RELAY_HANDSHAKE = _seconds("RELAY_HANDSHAKE", 10.0)
 RELAY_FAILOVER = _seconds("RELAY_FAILOVER", 5.0)
 """How long a node that lost its relay keeps trying that relay (to keep its addresses) before
 it tries the next one of its ``--relay`` list."""
+RELAY_FIRST_BYTE = _seconds("RELAY_FIRST_BYTE", 10.0)
+"""A connection to a relayed node's port must send its first byte within this long, else the
+relay closes it (every fedpipe dialer speaks first: a TLS ClientHello, an HTTP/2 preface, a
+data-plane PREFACE), so idle connections cannot hold the node's stream slots."""
 FEED_UNREACHABLE = _seconds("FEED_UNREACHABLE", 10.0)
 """A client feeding a node whose address refuses connections (an outbound-only node whose
 relay restarts) tries again this long while the job's epoch holds, before it waits for the

@@ -173,7 +173,8 @@ class NodeDaemon:
         if relays:
             self.homing = Homing(relays, self.name, self.port,
                                  parts.sockets.port if parts.sockets is not None else None,
-                                 local_host=host, tls=tls, on_moved=self._moved)
+                                 local_host=host, tls=tls, on_moved=self._moved,
+                                 on_displaced=lambda why: self.stop())
             try:
                 self._take(self.homing.home())
             except BaseException:
@@ -186,11 +187,14 @@ class NodeDaemon:
         self.data_address = alloc.data_address
 
     def _moved(self, alloc: Allocation) -> None:
-        """A re-homing changed this node's addresses: register them with the tracker.
+        """A re-homing changed this node's addresses: register them with the tracker,
+        naming this node's id.
 
-        The tracker knows a node incarnation by its address, so this is a new incarnation
-        (a new node id); the old one says it leaves at once, so the jobs it ran recover as
-        from a node loss now, onto whichever nodes (this one included) the planner picks,
+        The tracker keeps the id of a live node that moved relays (same name and boot id):
+        its stages go on, and the jobs' plans follow the new addresses, the peers' links
+        redialing them (:mod:`fedpipe.tracker.readdress`). If it gives a new id instead
+        (this node's lease ran out meanwhile), this is a new incarnation: the old one's
+        stages stop and it says it leaves, so its jobs recover as from a node loss now,
         instead of after its lease."""
         self._take(alloc)
         log.warning("node %s moved to relay %s: registering its new addresses %s, %s",
@@ -198,11 +202,11 @@ class NodeDaemon:
         old = self.node_id
         if not old:
             return  # not registered yet: the registration takes the new addresses
-        # the old incarnation's stages recover as lost; stopped now, they send no stale tensor
-        self.service.stages.stop_live(f"node {self.name} moved to relay {alloc.relay}")
         try:
-            self.register()
+            self.register(moving=True)
             if self.node_id != old:
+                # stopped, the old incarnation's stages send no stale tensor
+                self.service.stages.stop_live(f"node {self.name} moved to relay {alloc.relay}")
                 self.tracker.Heartbeat(tracker_pb2.HeartbeatRequest(node_id=old, leaving=True),
                                        timeout=timeouts.LEAVING_RPC)
         except grpc.RpcError as e:  # the heartbeat registers again if the tracker lost it
@@ -237,9 +241,11 @@ class NodeDaemon:
                 f"step {request.step} of the replica groups ({e.code().name}: "
                 f"{e.details()}); set FEDPIPE_LEADER_WAIT to wait longer") from None
 
-    def register(self) -> None:
-        """Register with the tracker, retrying with backoff while it is unreachable."""
-        req = tracker_pb2.RegisterNodeRequest(name=self.name, address=self.address,
+    def register(self, moving: bool = False) -> None:
+        """Register with the tracker, retrying with backoff while it is unreachable
+        (``moving``: at new addresses, naming the id this node holds)."""
+        req = tracker_pb2.RegisterNodeRequest(node_id=self.node_id if moving else "",
+                                              name=self.name, address=self.address,
                                               resources=self.resources,
                                               versions=local_versions(), boot_id=self.boot_id,
                                               data_address=self.data_address,

@@ -169,6 +169,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if not request.job_id:
             raise InvalidRequest("AssignJob names no job")
         self.access.learn(request.job_id, request.owner, request.node_names)
+        moved = self.stages.readdress(request.job_id, request.epoch, request.stages)
+        plane = self.parts.sockets
+        for name, (old, new) in moved.items():
+            log.info("job %s: node %s moved (data plane %s -> %s)", request.job_id, name, old,
+                     new)
+            if plane is not None:
+                plane.redirect(name, old, new)
         log.info("job %s: plan epoch %d assigns %s", request.job_id, request.epoch,
                  ", ".join(sorted(set(request.node_names))))
         return node_pb2.AssignJobReply()

@@ -273,6 +273,25 @@ class StageRegistry:
         self._stop(stages, reason)
         return stages
 
+    def readdress(self, job_id: str, epoch: int, now: Sequence[node_pb2.StageAssignment]
+                  ) -> dict[str, tuple[str, str]]:
+        """A node of ``job_id``'s plan ``epoch`` moved to another relay: point this node's
+        stages of that epoch at the assignments ``now`` gives (in place: their senders,
+        snapshots and reports use the new addresses). Returns, for each node whose data
+        address changed, ``name -> (old, new)``."""
+        moved: dict[str, tuple[str, str]] = {}
+        by_key = {(a.replica, a.stage): a for a in now}
+        for s in self.select(lambda s: s.job_id == job_id and s.epoch == epoch):
+            for a in s.plan.stages.values() if s.plan is not None else ():
+                new = by_key.get((a.replica, a.stage))
+                if new is None or new.node_id != a.node_id or \
+                        (new.address, new.data_address) == (a.address, a.data_address):
+                    continue
+                if new.data_address != a.data_address:
+                    moved[a.node_name] = (a.data_address, new.data_address)
+                a.address, a.data_address, a.relay = new.address, new.data_address, new.relay
+        return moved
+
     def stop_all(self) -> None:
         """Stop every stage (node shutdown)."""
         for s in self.select(lambda s: True):

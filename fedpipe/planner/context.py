@@ -22,7 +22,8 @@ def link_arrays(cluster: ClusterView) -> tuple[np.ndarray, np.ndarray]:
     """``(bandwidth, latency)`` matrices of the cluster's directed links, bytes/s and seconds.
 
     Resolves each pair as :meth:`ClusterView.link` does (explicit link, else
-    the sites' link, else the default) without calling it n² times.
+    the sites' link, else the default; twice in series, so twice the latency, through
+    an outbound-only end's relay) without calling it n² times.
     """
     n = len(cluster.nodes)
     bw = np.full((n, n), float(cluster.default_link.bandwidth))
@@ -34,6 +35,8 @@ def link_arrays(cluster: ClusterView) -> tuple[np.ndarray, np.ndarray]:
             if sa in rows and sb in rows:
                 idx = np.ix_(rows[sa], rows[sb])
                 bw[idx], lat[idx] = lk.bandwidth, lk.latency
+    relayed = np.array([bool(node.relay) for node in cluster.nodes])
+    lat[relayed[:, None] | relayed[None, :]] *= 2  # Link.then of a leg with itself
     index = {node.node_id: i for i, node in enumerate(cluster.nodes)}
     for (a, b), lk in cluster.links.items():
         if a in index and b in index:

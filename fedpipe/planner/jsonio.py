@@ -76,7 +76,7 @@ def cluster_from_json(obj: JsonObject) -> ClusterView:
     """A :class:`ClusterView` from its JSON form (see ``docs/planner.md``).
 
     Keys: ``nodes`` (list of ``{"id", "flops"|"tflops", "memory_bytes"|"memory_gb",
-    "name", "device", "site", "count"}``; with ``count`` n the entry stands for n
+    "name", "device", "site", "relay", "count"}``; with ``count`` n the entry stands for n
     nodes whose ids replace ``{i}`` in ``id`` by 0..n-1, or append ``-i``),
     ``default_link``, ``sites`` (``{site: intra-site link}``), ``site_links``
     and ``links`` (lists of ``{"from", "to", link..., "symmetric"}``;
@@ -103,7 +103,7 @@ def cluster_from_json(obj: JsonObject) -> ClusterView:
             if count > 1 and "name" in e:
                 name = name.replace("{i}", str(k)) if "{i}" in name else f"{name}-{k}"
             nodes.append(NodeSpec(node_id, flops, memory, name, str(e.get("device", "cpu")),
-                                  str(e.get("site", ""))))
+                                  str(e.get("site", "")), relay=str(e.get("relay", ""))))
     ids = [n.node_id for n in nodes]
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
@@ -123,7 +123,8 @@ def cluster_to_json(cluster: ClusterView) -> JsonObject:
                 for (a, b), lk in links.items()]
 
     nodes = [{"id": n.node_id, "name": n.name, "flops": n.flops, "memory_bytes": n.memory_bytes,
-              "device": n.device, **({"site": n.site} if n.site else {})} for n in cluster.nodes]
+              "device": n.device, **({"site": n.site} if n.site else {}),
+              **({"relay": n.relay} if n.relay else {})} for n in cluster.nodes]
     return {"nodes": nodes, "default_link": _link_json(cluster.default_link),
             "site_links": pairs(cluster.site_links), "links": pairs(cluster.links)}
 

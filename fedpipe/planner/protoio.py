@@ -63,7 +63,7 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
     specs = [NodeSpec(n.node_id, n.resources.flops,
                       n.resources.memory_bytes, n.name, n.resources.device, site_of(n.address),
                       n.resources.host_id, max(1, n.resources.cores), n.resources.host_cores,
-                      n.resources.host_memory_bytes)
+                      n.resources.host_memory_bytes, n.relay)
              for n in nodes]
     site = {s.node_id: s.site for s in specs}
     measured = {(m.src_id, m.dst_id): Link(m.bandwidth, m.latency)

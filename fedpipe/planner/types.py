@@ -31,6 +31,9 @@ class NodeSpec:
         host_cores: logical cores of the node's machine (0: unknown, not shared).
         host_memory: memory of the node's machine that its nodes share, bytes (0:
             unknown, not shared; see :func:`fedpipe.planner.costs.host_memory_shares`).
+        relay: the relay an outbound-only node (behind NAT) is reached through,
+            ``HOST:PORT``; empty: reachable. Its links that were not measured cost two
+            legs, through the relay (:meth:`ClusterView.link`).
     """
 
     node_id: str
@@ -43,6 +46,7 @@ class NodeSpec:
     threads: int = 1
     host_cores: int = 0
     host_memory: int = 0
+    relay: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,11 @@ class Link:
     def transfer_seconds(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` bytes over this link (latency + size / bandwidth)."""
         return self.latency + nbytes / self.bandwidth
+
+    def then(self, leg: "Link") -> "Link":
+        """This link and ``leg`` in series (a relay forwarding as it receives): the slower
+        bandwidth, the latencies added."""
+        return Link(min(self.bandwidth, leg.bandwidth), self.latency + leg.latency)
 
 
 # Used where nothing was measured: loopback-like, 1 GB/s and 0.1 ms.
@@ -97,8 +106,11 @@ class ClusterView:
     ``links[(a, b)]`` is the link from node ``a`` to node ``b``. A missing pair
     falls back to ``site_links[(site of a, site of b)]`` when both nodes have a
     site and that pair of sites is listed (``(s, s)`` is the link inside site
-    ``s``), and otherwise to ``default_link``. ``overheads`` are the runtime's
-    fixed costs (defaults, or fitted by :mod:`fedpipe.planner.calibrate`).
+    ``s``), and otherwise to ``default_link``. A missing pair with an outbound-only
+    end (:attr:`NodeSpec.relay`) goes through its relay: that fallback twice in series,
+    the node's leg to the relay and the relay's to the peer (a measured pair was measured
+    through the relay already). ``overheads`` are the runtime's fixed costs (defaults, or
+    fitted by :mod:`fedpipe.planner.calibrate`).
     """
 
     nodes: list[NodeSpec]
@@ -106,25 +118,30 @@ class ClusterView:
     default_link: Link = DEFAULT_LINK
     site_links: dict[tuple[str, str], Link] = field(default_factory=dict)
     overheads: Overheads = field(default_factory=Overheads)
-    _sites: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _sites: dict[str, tuple[str, str]] = field(default_factory=dict, init=False, repr=False,
+                                               compare=False)
 
     def link(self, a: str, b: str) -> Link:
-        """The link from ``a`` to ``b`` (explicit, else by sites, else the default)."""
+        """The link from ``a`` to ``b`` (explicit, else by sites, else the default; twice
+        in series through a relay)."""
         found = self.links.get((a, b))
         if found is not None:
             return found
-        if self.site_links:
-            found = self.site_links.get((self.site_of(a), self.site_of(b)))
-            if found is not None:
-                return found
-        return self.default_link
+        found = self.site_links.get((self.site_of(a), self.site_of(b))) \
+            if self.site_links else None
+        leg = found or self.default_link
+        return leg.then(leg) if self._where(a)[1] or self._where(b)[1] else leg
+
+    def _where(self, node_id: str) -> tuple[str, str]:
+        """``(site, relay)`` of node ``node_id`` (each "" if none, or it is unknown)."""
+        if node_id not in self._sites:
+            self._sites.clear()
+            self._sites.update((n.node_id, (n.site, n.relay)) for n in self.nodes)
+        return self._sites.get(node_id, ("", ""))
 
     def site_of(self, node_id: str) -> str:
         """The site of node ``node_id`` ("" if it has none or is unknown)."""
-        if node_id not in self._sites:
-            self._sites.clear()
-            self._sites.update((n.node_id, n.site) for n in self.nodes)
-        return self._sites.get(node_id, "")
+        return self._where(node_id)[0]
 
     def node(self, node_id: str) -> NodeSpec:
         """The node with that id; KeyError if there is none."""

@@ -434,16 +434,18 @@ class HoldAtReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., done: _Optional[int] = ...) -> None: ...
 
 class AssignJobRequest(_message.Message):
-    __slots__ = ("job_id", "epoch", "owner", "node_names")
+    __slots__ = ("job_id", "epoch", "owner", "node_names", "stages")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     NODE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     owner: str
     node_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., owner: _Optional[str] = ..., node_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., owner: _Optional[str] = ..., node_names: _Optional[_Iterable[str]] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
 
 class AssignJobReply(_message.Message):
     __slots__ = ()

@@ -46,7 +46,7 @@ class Versions(_message.Message):
     def __init__(self, fedpipe: _Optional[str] = ..., protocol: _Optional[int] = ..., python: _Optional[str] = ..., torch: _Optional[str] = ..., cloudpickle: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("name", "address", "resources", "versions", "boot_id", "data_address", "relay")
+    __slots__ = ("name", "address", "resources", "versions", "boot_id", "data_address", "relay", "node_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class RegisterNodeRequest(_message.Message):
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     resources: _node_pb2.Resources
@@ -61,7 +62,8 @@ class RegisterNodeRequest(_message.Message):
     boot_id: str
     data_address: str
     relay: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., boot_id: _Optional[str] = ..., data_address: _Optional[str] = ..., relay: _Optional[str] = ...) -> None: ...
+    node_id: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_node_pb2.Resources, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., boot_id: _Optional[str] = ..., data_address: _Optional[str] = ..., relay: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeReply(_message.Message):
     __slots__ = ("node_id", "lease_seconds", "heartbeat_seconds")

@@ -16,7 +16,9 @@ Rules a registration must pass, in this order:
    tensors travel between nodes. The fedpipe version itself is logged, not
    compared: the protocol version is the compatibility contract. Else
    :class:`~.errors.FailedPrecondition`, naming both versions.
-4. **Incarnations.** A node is an incarnation: (name, address, boot id).
+4. **Incarnations.** A node is an incarnation: (name, address, boot id). An
+   outbound-only node that moved to another relay names its id: same name and
+   boot id, live, relayed before and after, it keeps it at its new addresses.
    The same incarnation registering again (after the tracker forgot it, or
    after it missed its lease) keeps its node id. A new boot id at the same
    name and address is a new process: it gets a new node id, and the old
@@ -397,7 +399,7 @@ class Registry:
                         f"process at the same address; this process must stop")
             check_versions(name, request.versions, self._reference({i for i, _ in same}))
             current = next((i for i, inc in same if inc.boot_id == boot and not inc.fenced),
-                           None)
+                           self._mover(request) if not same else None)
             replaced = {i for i, inc in same if inc.boot_id != boot and not inc.fenced}
             now = self.clock()
             for node_id in replaced:
@@ -407,8 +409,10 @@ class Registry:
                     self._dead(node_id, f"restarted (a new process registered at {address})")
             if current is not None:
                 node_id = current
-                self.store.renew_node(node_id, request.resources, request.versions, now)
+                self.store.renew_node(node_id, request.resources, request.versions, now,
+                                      address)
                 with self._lock:
+                    self._readdress(node_id, address)
                     self._nodes[node_id].versions = request.versions
                     self._nodes[node_id].resources = request.resources
                     self._nodes[node_id].data_address = request.data_address
@@ -436,6 +440,26 @@ class Registry:
             self.on_lost(replaced, f"restarted (a new process registered at {address}; "
                                    f"the stages of the old one are gone)")
         return node_id
+
+    def _mover(self, request: tracker_pb2.RegisterNodeRequest) -> str | None:
+        """``request.node_id`` if it is a live outbound-only node moving to another relay:
+        the same name and boot id (under TLS the servicer checked the certificate's name),
+        from a relay to a relay. Else None (a new incarnation)."""
+        inc = self._nodes.get(request.node_id)
+        if inc is None or inc.fenced or not self.alive(request.node_id) or \
+                (inc.name, inc.boot_id) != (request.name, request.boot_id) or \
+                not (inc.relay and request.relay):
+            return None
+        log.info("node %s (%s) moved from relay %s (%s) to relay %s (%s)", inc.name,
+                 request.node_id, inc.relay, inc.address, request.relay, request.address)
+        return request.node_id
+
+    def _readdress(self, node_id: str, address: str) -> None:
+        """Under ``_lock``: ``node_id`` is at ``address`` now (the same one, or it moved)."""
+        inc = self._nodes[node_id]
+        self._by_address.get(inc.address, set()).discard(node_id)
+        self._by_address.setdefault(address, set()).add(node_id)
+        inc.address = address
 
     def heartbeat(self, node_id: str) -> bool:
         """Renew ``node_id``'s lease; False if the tracker does not know it (or fenced it).

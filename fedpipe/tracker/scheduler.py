@@ -36,6 +36,7 @@ import logging
 import socket
 import threading
 import time
+from concurrent import futures
 from typing import Callable
 
 from ..net import timeouts
@@ -49,6 +50,7 @@ from .links import LinkMeasurer
 from .nodes import NodeCallError, NodeCalls
 from .planning import Planner
 from .progress import Progress
+from .readdress import readdress
 from .rebalance import REBALANCE_THRESHOLD, Drains, Rebalancer
 from .recovery import Records, Recovery
 from .registry import HEARTBEAT_RATE, Registry, validate_node
@@ -193,6 +195,7 @@ class Tracker:
         for n in store.nodes():
             self.links.add(n.node_id, n.name, n.address, n.registered)
         self.stop_event = threading.Event()
+        self._moves = futures.ThreadPoolExecutor(1, thread_name_prefix="readdress")
         self.measure_now = self.links.added
         self.jobs.recover()
         self.feeders = Feeders(self.jobs, self.recovery, self.specs, clock)  # after recover()
@@ -233,9 +236,24 @@ class Tracker:
             except OSError as e:
                 raise FailedPrecondition(unreachable(request, request.data_address, e,
                                                      "data port")) from None
+        try:
+            before = self.registry.info(request.node_id)[1] if request.node_id else ""
+        except KeyError:
+            before = ""
         node_id = self.registry.register(request)
+        if node_id == request.node_id and before not in ("", request.address):
+            self._moves.submit(self._readdress, node_id)  # one at a time, in order
         self.jobs.notify()
         return node_id
+
+    def _readdress(self, node_id: str) -> None:
+        """A node moved relays: its jobs' plans follow it (:mod:`.readdress`)."""
+        nodes = self.registry.nodes()
+        moved = next((n for n in nodes if n.node_id == node_id), None)
+        if moved is not None:
+            readdress(moved, self.store, self.nodes, self.specs,
+                      {n.node_id: n.address for n in nodes}, self.records.lock)
+        self.jobs.notify()
 
     def _alive(self, node_id: str) -> None:
         name, address, registered, data_address = self.registry.info(node_id)
@@ -261,6 +279,7 @@ class Tracker:
             th.join(timeout=timeouts.THREAD_JOIN)
         self.registry.flush()
         self.planner.close()
+        self._moves.shutdown(wait=False, cancel_futures=True)
         close = getattr(self.nodes, "close", None)
         if close is not None:
             close()

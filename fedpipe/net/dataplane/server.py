@@ -206,6 +206,20 @@ class DataPlane:
         threading.Thread(target=run, daemon=True, name=f"data-{peer}").start()
         return link
 
+    def redirect(self, peer: str, old: str, new: str) -> bool:
+        """``peer`` (a node name) moved from data address ``old`` to ``new`` (an
+        outbound-only node re-homed at another relay): the link dialed to it at ``old``
+        redials ``new`` from now on, and resumes where it broke (nothing lost, nothing
+        repeated); :meth:`link` given ``new`` returns it. Returns whether there was one."""
+        with self._lock:
+            link = self._dialed.get(peer)
+            if link is None or self._addresses.get(peer) != old:
+                return False
+            self._addresses[peer] = new
+            link.dial = lambda: self._dial(new, link)
+        log.info("data link to %s: redialing it at %s (it moved from %s)", peer, new, old)
+        return True
+
     def _dial(self, address: str, link: Link) -> tuple[Connection, Preface, Peer]:
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host.strip("[]"), int(port)),

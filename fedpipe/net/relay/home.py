@@ -14,6 +14,11 @@ addresses, the plans naming them and the peers' links stay valid: they redial
 and resume), then the next relay of its list, and so on round the list, with
 backoff, until one homes it. When the new allocation's addresses differ,
 ``on_moved`` tells the node, which registers them with the tracker.
+
+Displaced: a relay that homes another process under this node's name tells this
+one so (a REFUSED record on its live home connection). Homing again would
+displace the other in turn, without end, so the node stops re-homing and
+``on_displaced`` tells it why (the daemon exits with that error).
 """
 from __future__ import annotations
 
@@ -103,18 +108,23 @@ class Homing:
             certificate must be of role relay).
         on_moved: called (on a thread of its own) with the new allocation when a re-homing
             changed the node's addresses.
+        on_displaced: called (on the homing thread) with the relay's words when it homed
+            another process under this node's name; this node then homes no more.
     """
 
     def __init__(self, relays: Sequence[str], node: str, grpc_port: int,
                  data_port: int | None, *, local_host: str = "127.0.0.1",
                  tls: TlsConfig | None = None,
-                 on_moved: Callable[[Allocation], None] | None = None):
+                 on_moved: Callable[[Allocation], None] | None = None,
+                 on_displaced: Callable[[str], None] | None = None):
         if not relays:
             raise ValueError("a node homes at one relay at least")
         self.relays, self.node, self.tls = list(relays), node, tls
         self.local_host = "127.0.0.1" if local_host in ("0.0.0.0", "", "::") else local_host
         self.ports = {"grpc": grpc_port, "data": data_port}
-        self.on_moved = on_moved
+        self.on_moved, self.on_displaced = on_moved, on_displaced
+        self.displaced = ""
+        """Why a relay displaced this node ("" if none did): it homes no more."""
         self.allocation: Allocation | None = None
         """The current allocation (None before the first homing)."""
         self.relay = ""
@@ -218,6 +228,13 @@ class Homing:
             assert home is not None
             home.run()
             if self._stop.is_set():
+                return
+            if home.displaced:
+                self.displaced = f"relay {self.relay} displaced node {self.node}: " \
+                                 f"{home.displaced}"
+                log.error("%s", self.displaced)
+                if self.on_displaced is not None:
+                    self.on_displaced(self.displaced)
                 return
             log.warning("node %s lost its relay %s (%s): homing again", self.node, self.relay,
                         home.error)

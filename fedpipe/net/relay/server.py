@@ -10,14 +10,22 @@ connection (:mod:`.splice`); the node connects it to its own port. TLS runs end
 to end between the dialer and the node, so the relay passes ciphertext it
 cannot read.
 
-Bounds: at most ``max_nodes`` homed nodes, ``max_streams`` streams per node,
-``window`` bytes per stream and direction (so at most ``2 * max_streams *
-window`` bytes held per node). A HELLO past a bound is refused with a REFUSED
-record naming it; a connection past ``max_streams`` is closed at once.
+Bounds: at most ``max_nodes`` homed nodes, ``max_streams`` streams per node
+(half of them from one source host), ``window`` bytes per stream and direction
+(so at most ``2 * max_streams * window`` bytes held per node). A HELLO past a
+bound is refused with a REFUSED record naming it; a connection past a stream
+bound takes the place of the oldest one whose dialer has sent nothing yet, else
+it is closed at once; a dialer that sends nothing for ``first_byte`` seconds is
+closed (:class:`~.splice.Home`). Every fedpipe dialer speaks first, so idle
+connections from anyone cannot make a node unreachable.
 
 Under TLS a node's certificate must name the node it homes as: a node cannot
 take another's ports. A node that homes again under its name (it lost its home
-connection and the relay has not noticed yet) replaces its old home.
+connection and the relay has not noticed yet) replaces its old home, which is
+told so with a REFUSED record: if that home was alive, another process homes
+under its name (a node started twice, one certificate on two machines), and the
+displaced node stops re-homing (:class:`~.home.Homing`) instead of displacing
+the other in turn, without end.
 """
 from __future__ import annotations
 
@@ -69,6 +77,8 @@ class Relay:
         tls: this relay's certificate (role relay); homing nodes must show a node
             certificate of the same CA naming the node they home as. None: plaintext.
         max_nodes, max_streams, window: the bounds (module docstring).
+        first_byte: seconds a dialer may stay silent before the relay closes it
+            (:data:`~fedpipe.net.timeouts.RELAY_FIRST_BYTE`).
 
     Raises:
         ValueError: a certificate of another role than relay, or a bound below 1 (a node
@@ -78,7 +88,8 @@ class Relay:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
                  tls: TlsConfig | None = None, max_nodes: int = MAX_NODES,
-                 max_streams: int = MAX_STREAMS, window: int = WINDOW):
+                 max_streams: int = MAX_STREAMS, window: int = WINDOW,
+                 first_byte: float = timeouts.RELAY_FIRST_BYTE):
         if tls is not None and tls.identity.role is not Role.RELAY:
             raise ValueError(f"a relay needs a certificate with role relay, not "
                              f"{tls.identity} ({tls.directory})")
@@ -89,6 +100,7 @@ class Relay:
         self.host = host
         self.advertise = advertise or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
         self.max_nodes, self.max_streams, self.window = max_nodes, max_streams, window
+        self.first_byte = first_byte
         self._ctx = server_context(tls) if tls is not None else None
         self._auth = tls.authenticator() if tls is not None else None
         self._lock = threading.Lock()
@@ -183,7 +195,14 @@ class Relay:
         relay closing meanwhile closes this home too."""
         with self._lock:
             old = self._homed.pop(hello.node, None)
-        if old is not None:  # the same node again: its old home connection is dead
+        if old is not None:  # the same node again (its old home connection is dead), or not
+            why = (f"node {hello.node!r} homed again at relay {self.address} from {where}: "
+                   f"another process runs as {hello.node!r} (a node started twice, or one "
+                   f"certificate on two machines); this one must stop")
+            try:
+                old.home.send(records.pack_text(RecordType.REFUSED, 0, why))
+            except OSError:
+                pass  # dead indeed
             old.close(f"node {hello.node} homed again from {where}")
         try:
             listeners = _open_ports(self.host, hello)
@@ -198,7 +217,7 @@ class Relay:
                                    data_address=addresses.get("data", ""), window=self.window,
                                    max_streams=self.max_streams)
         home = Home(sock, f"relay {self.address} for node {hello.node}", window=self.window,
-                    max_streams=self.max_streams)
+                    max_streams=self.max_streams, first_byte=self.first_byte)
         homed = _Homed(hello.node, home, listeners)
         with self._lock:
             why = ("the relay is shutting down" if self._closed else

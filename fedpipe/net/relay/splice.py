@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import select
 import socket
 import threading
 from typing import Callable
@@ -40,6 +41,9 @@ and direction."""
 MAX_STREAMS = 256
 """Default streams spliced at once for one homed node (a node has a few per peer: gRPC
 channels and one data-plane link)."""
+SOURCE_SHARE = 2
+"""One source address (a dialer's host) may hold at most ``max_streams // SOURCE_SHARE``
+(at least 1) of a node's streams at the relay."""
 
 Connect = Callable[[records.Open], socket.socket]
 """The node side's way to a new stream's socket (a loopback connection to its own port)."""
@@ -87,6 +91,7 @@ class _Stream:
         self.unacked = 0                   # bytes received, not yet credited back
         self.reset = ""                    # why the stream was reset ("": it was not)
         self._done = 0                     # pumps that ended (the stream ends at 2)
+        self.heard = False                 # this side's socket has sent a byte
 
     def start(self) -> None:
         threading.Thread(target=self._write_loop, name=f"relay-w{self.sid}",
@@ -161,7 +166,8 @@ class _Stream:
             self._end()
 
     def _read_loop(self) -> None:
-        """Socket -> home connection, within the other side's credit."""
+        """Socket -> home connection, within the other side's credit (on the relay, the
+        dialer's first byte within the home's ``first_byte`` seconds)."""
         assert self.sock is not None
         try:
             while True:
@@ -170,7 +176,7 @@ class _Stream:
                     if self.reset:
                         return
                     n = min(self.credit, records.MAX_CHUNK)
-                data = self.sock.recv(n)
+                data = self._first() if not self.heard else self.sock.recv(n)
                 if not data:
                     with self._cond:
                         if self.reset:
@@ -184,6 +190,24 @@ class _Stream:
             self._fail(f"stream {self.sid}: reading its socket failed: {e}")
         finally:
             self._end()
+
+    def _first(self) -> bytes:
+        """The socket's first bytes; on the relay within the home's ``first_byte`` seconds.
+
+        Raises:
+            OSError: none came in time (:class:`TimeoutError`), or the socket broke.
+        """
+        assert self.sock is not None
+        wait = self.home.first_byte
+        if wait is not None:
+            ready, _, _ = select.select([self.sock], [], [], wait)
+            if not ready:
+                raise TimeoutError(f"the dialer {self.opened.source} sent nothing within "
+                                   f"{wait:g} s")
+        data = self.sock.recv(records.MAX_CHUNK if self.credit > records.MAX_CHUNK
+                              else self.credit)
+        self.heard = True
+        return data
 
     def _fail(self, why: str) -> None:
         """Reset the stream both ways, telling the other side why."""
@@ -217,15 +241,27 @@ class Home:
             HELLO and ALLOCATED records.
         side: "relay R for node N" or "node N at relay R", for messages.
         window: bytes per stream and direction in flight (the ALLOCATED record's).
-        max_streams: streams at once; :meth:`splice` refuses more.
+        max_streams: streams at once, at most ``max_streams // SOURCE_SHARE`` (at least 1)
+            from one source host; past either bound :meth:`splice` makes room by closing
+            the oldest stream (of that source, for its bound) whose dialer has sent nothing
+            yet, else it refuses the new one.
         connect: the node side's way to open a stream's local socket (OPEN records are a
             protocol error on the relay side, which passes None).
+        first_byte: the relay side: a spliced dialer that sends nothing for this many
+            seconds is closed (None: no bound; the node side's streams connect to its own
+            ports, which may wait).
     """
 
     def __init__(self, sock: socket.socket, side: str, *, window: int = WINDOW,
-                 max_streams: int = MAX_STREAMS, connect: Connect | None = None):
+                 max_streams: int = MAX_STREAMS, connect: Connect | None = None,
+                 first_byte: float | None = None):
         self.sock, self.side, self.window = sock, side, window
         self.max_streams, self._connect = max_streams, connect
+        self.first_byte = first_byte
+        self.per_source = max(1, max_streams // SOURCE_SHARE)
+        self.displaced = ""
+        """Why the relay displaced this node (the node side: another process homed under
+        its name); "" if it did not."""
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
         self._streams: dict[int, _Stream] = {}
@@ -254,17 +290,34 @@ class Home:
         """Relay side: splice a peer's new connection ``sock`` to the node; return its stream id.
 
         Raises:
-            RelayError: ``max_streams`` streams already run (the caller closes ``sock``).
+            RelayError: ``max_streams`` streams already run, or ``per_source`` from
+                ``opened.source``'s host, none of them idle (the caller closes ``sock``).
             OSError: the home connection is broken.
         """
+        host = opened.source.rpartition(":")[0]
         with self._lock:
-            if len(self._streams) >= self.max_streams:
-                raise RelayError(f"{self.side}: {self.max_streams} streams already spliced, "
-                                 "its limit")
+            evict: list[_Stream] = []
+            for held, most, bound in (
+                    ([s for s in self._streams.values()
+                      if s.opened.source.rpartition(":")[0] == host], self.per_source,
+                     f"{self.per_source} streams from {host}"),
+                    (list(self._streams.values()), self.max_streams,
+                     f"{self.max_streams} streams")):
+                if len(held) - sum(s in held for s in evict) < most:
+                    continue
+                idle = next((s for s in held if not s.heard and s not in evict), None)
+                if idle is None:
+                    raise RelayError(f"{self.side}: {bound} already spliced, its limit")
+                evict.append(idle)
+            for s in evict:
+                self._streams.pop(s.sid, None)
             sid = self._next
             self._next += 1
             stream = _Stream(self, sid, sock, opened, None)
             self._streams[sid] = stream
+        for s in evict:
+            s._fail(f"{self.side}: the stream sent nothing yet, and a new connection needs "
+                    "its place")
         self.send(opened.encode(sid))
         stream.start()
         return sid
@@ -322,6 +375,10 @@ class Home:
             why = self._body(arg, records.MAX_BODY, "RESET reason").decode(errors="replace")
             if (stream := self._stream(sid)) is not None:
                 stream.on_reset(f"reset by the other side: {why}")
+        elif kind is RecordType.REFUSED and self._connect is not None:
+            self.displaced = self._body(arg, records.MAX_BODY, "REFUSED reason").decode(
+                errors="replace")
+            raise RelayError(f"the relay displaced this node: {self.displaced}")
         elif kind is RecordType.OPEN and self._connect is not None:
             opened = records.Open.decode(self._body(arg, records.MAX_BODY, "OPEN body"))
             self._open(sid, opened)

@@ -150,8 +150,9 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def renew_node(self, node_id: str, resources: node_pb2.Resources,
-                   versions: tracker_pb2.Versions, now: float) -> None:
-        """The same incarnation registered again: new resources, alive, heartbeat ``now``.
+                   versions: tracker_pb2.Versions, now: float, address: str = "") -> None:
+        """The same incarnation registered again: new resources, alive, heartbeat ``now``;
+        at ``address`` if one is given (it moved to another relay).
 
         Its ``registered`` time is kept, so its links stay measured.
         """
@@ -246,8 +247,9 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def set_plan(self, job_id: str, plan: node_pb2.Plan) -> None:
-        """Store the job's plan and mark each of its stages not done."""
+    def set_plan(self, job_id: str, plan: node_pb2.Plan, readdressed: bool = False) -> None:
+        """Store the job's plan and mark each of its stages not done (``readdressed``: the
+        same stages at new addresses, a node having moved relays: their marks stay)."""
 
     @abc.abstractmethod
     def set_config(self, job_id: str, config: node_pb2.JobConfig) -> None:

@@ -66,12 +66,13 @@ class MemoryStore(Store):
                 boot_id, copy.deepcopy(versions))
 
     def renew_node(self, node_id: str, resources: node_pb2.Resources,
-                   versions: tracker_pb2.Versions, now: float) -> None:
+                   versions: tracker_pb2.Versions, now: float, address: str = "") -> None:
         with self.lock:
             r = self._nodes.get(node_id)
             if r is None or r.fenced:
                 return
-            self._update(node_id, resources=resources, last_heartbeat=now, alive=True)
+            self._update(node_id, resources=resources, last_heartbeat=now, alive=True,
+                         address=address or r.info.address)
             r = self._nodes[node_id]
             self._nodes[node_id] = NodeRecord(r.info, r.boot_id, copy.deepcopy(versions))
 
@@ -198,11 +199,12 @@ class MemoryStore(Store):
                 self._replicas.pop(job_id, None)
             return True
 
-    def set_plan(self, job_id: str, plan: node_pb2.Plan) -> None:
+    def set_plan(self, job_id: str, plan: node_pb2.Plan, readdressed: bool = False) -> None:
         with self.lock:
             j = self._job(job_id)
             j.info.plan.CopyFrom(plan)
-            j.stages = {(a.replica, a.stage): False for a in plan.stages}
+            if not readdressed:
+                j.stages = {(a.replica, a.stage): False for a in plan.stages}
 
     def set_config(self, job_id: str, config: node_pb2.JobConfig) -> None:
         with self.lock:

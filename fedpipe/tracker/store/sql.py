@@ -196,10 +196,11 @@ class SqlStore(Store):
 
     @_writes
     def renew_node(self, node_id: str, resources: node_pb2.Resources,
-                   versions: tracker_pb2.Versions, now: float) -> None:
-        self._x("UPDATE nodes SET resources=?, versions=?, last_heartbeat=?, alive=1 "
-                "WHERE node_id=? AND fenced=0",
-                (resources.SerializeToString(), versions.SerializeToString(), now, node_id))
+                   versions: tracker_pb2.Versions, now: float, address: str = "") -> None:
+        self._x("UPDATE nodes SET resources=?, versions=?, last_heartbeat=?, alive=1, "
+                "address=COALESCE(NULLIF(?, ''), address) WHERE node_id=? AND fenced=0",
+                (resources.SerializeToString(), versions.SerializeToString(), now, address,
+                 node_id))
 
     @_writes
     def fence_node(self, node_id: str) -> None:
@@ -340,8 +341,10 @@ class SqlStore(Store):
         return True
 
     @_writes
-    def set_plan(self, job_id: str, plan: node_pb2.Plan) -> None:
+    def set_plan(self, job_id: str, plan: node_pb2.Plan, readdressed: bool = False) -> None:
         self._x("UPDATE jobs SET plan=? WHERE job_id=?", (plan.SerializeToString(), job_id))
+        if readdressed:
+            return
         self._x("DELETE FROM job_stages WHERE job_id=?", (job_id,))
         self.conn.executemany("INSERT INTO job_stages (job_id,replica,stage) VALUES (?,?,?)",
                               [(job_id, a.replica, a.stage) for a in plan.stages])

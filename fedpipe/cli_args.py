@@ -1,0 +1,44 @@
+"""Arguments and helpers shared by the ``fedpipe`` subcommands (:mod:`fedpipe.cli`,
+:mod:`fedpipe.cli_node`): the tracker address, TLS, ``--insecure`` and metrics flags."""
+from __future__ import annotations
+
+import argparse
+
+from .observe.serving import LOCALHOST
+
+TRACKER_HELP = ("the tracker's HOST:PORT; several trackers sharing one database: "
+                "HOST:PORT,HOST:PORT (calls follow whichever leads)")
+
+
+def tls(args, name: str | None):
+    """The TLS configuration of ``--tls-dir`` (or ``$FEDPIPE_TLS_DIR``) and certificate ``name``
+    (None: the directory's only one); None without either (plaintext)."""
+    from .security.tls import resolve
+
+    return resolve(args.tls_dir, getattr(args, "tls_name", None) or name)
+
+
+def tls_args(q: argparse.ArgumentParser, name_help: str | None) -> None:
+    """Add ``--tls-dir`` (and ``--tls-name`` with ``name_help``, None: the certificate is
+    named by another flag) to subcommand ``q``."""
+    q.add_argument("--tls-dir", default=None,
+                   help="mutual TLS with the certificates in this directory (its ca.crt, "
+                        "NAME.crt, NAME.key; see `fedpipe certs`); default: "
+                        "$FEDPIPE_TLS_DIR, else plaintext")
+    if name_help:
+        q.add_argument("--tls-name", default=None, help=name_help)
+
+
+def insecure_arg(q: argparse.ArgumentParser) -> None:
+    """Add ``--insecure`` to a serving subcommand ``q``."""
+    q.add_argument("--insecure", action="store_true",
+                   help="serve without TLS on a non-loopback --host (anyone who reaches "
+                        "it may call every RPC; a warning is logged at each start)")
+
+
+def metrics_args(q: argparse.ArgumentParser) -> None:
+    """Add ``--metrics-port`` and ``--metrics-host`` to a serving subcommand ``q``."""
+    q.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on this port (0: off); see docs/metrics.md")
+    q.add_argument("--metrics-host", default=LOCALHOST,
+                   help="address the metrics bind (they have no authentication)")
