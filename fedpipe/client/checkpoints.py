@@ -1,7 +1,8 @@
 """A job's complete checkpoint on the client's disk: safetensors shards plus JSON.
 
-A checkpoint is a folder, written a stage at a time (the client holds one stage's
-snapshot at most, however big the model):
+A checkpoint is a folder, written a stage at a time, each stage a tensor at a time as it
+streams from its node (the client holds one tensor, however big the model; :func:`pull`,
+:class:`~fedpipe.runtime.shardfile.ShardFile`):
 
 - the model's weights in the Hugging Face layout: one shard per stage of replica
   group 0, ``model-0000k-of-0000n.safetensors``, and ``model.safetensors.index.json``

@@ -243,8 +243,8 @@ class Job:
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the job's last complete checkpoint (its final state, once it has
-        SUCCEEDED) to folder ``path``, a stage at a time (this client holds one stage's
-        snapshot at most): the weights as safetensors shards in the Hugging Face
+        SUCCEEDED) to folder ``path``, a stage at a time, streamed a tensor at a time (this
+        client holds one tensor at most): the weights as safetensors shards in the Hugging Face
         layout, one per stage, with ``model.safetensors.index.json``; the rest of each
         stage's state (optimizer, LR schedule, DiLoCo state) in a file of its own; the
         metadata (step, plan, config) in ``checkpoint.json``
