@@ -26,6 +26,7 @@ from fedpipe.node.reports import StageReporter
 from fedpipe.node.running import StageLoop
 from fedpipe.node.snapshots import Checkpoints, SnapshotStore
 from fedpipe.node.stages import StageRegistry
+from fedpipe.planner.memfit import MEMORY_REMEDIES
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.runtime.stage import StepResult
 from fedpipe.spec import StageKey
@@ -352,9 +353,9 @@ def test_a_stage_predicted_past_the_nodes_memory_limit_is_refused_with_both_figu
     with pytest.raises(MemoryTooSmall) as err:
         node.load(job="b", predicted_memory_bytes=500)
     assert str(err.value) == (
-        "stage 0 (replica 0) of job 'b' is predicted to need 500 bytes (0.0 MiB), but this "
-        "node's memory limit is 1000 bytes (0.0 MiB) and its other stages are predicted to "
-        "hold 600 bytes of it: 100 bytes too many")
+        "stage 0 (replica 0) of job 'b' is predicted to need 500 B, but this node's memory "
+        "limit is 1000 B and its other stages are predicted to hold 600 B of it: 100 B "
+        "(100 bytes) too many" + MEMORY_REMEDIES)
     assert len(node.peers) == 1 and not node.registry.holds("b")  # nothing was built
     node.registry.stop_job("a", release=True)
     wait_state(first, S.RELEASED)

@@ -5,7 +5,8 @@
 step, :mod:`.watch` the feeder's watch of the job's state.
 """
 from .client import Client
-from .job import CheckpointGone, Job, JobEnded, JobFailed, JobStatus, TrackerBusy
+from .job import (CheckpointGone, Job, JobEnded, JobFailed, JobStatus, NotEnoughMemory,
+                  TrackerBusy)
 
 __all__ = ["CheckpointGone", "Client", "Job", "JobEnded", "JobFailed", "JobStatus",
-           "TrackerBusy"]
+           "NotEnoughMemory", "TrackerBusy"]

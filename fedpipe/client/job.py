@@ -22,6 +22,7 @@ from torch import nn
 from .. import net
 from ..net import timeouts
 from ..observe.source import GrpcSource
+from ..planner.memfit import is_memory_refusal
 from ..observe.views import StepRecord, recovery_headline, step_records
 from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 # kept for callers of the names these had before the feed moved to .feed
 _shard, _cycle, _FeedHalted = shard, cycle, Halted
 __all__ = ["Job", "JobFailed", "JobEnded", "CheckpointGone", "JobStatus", "TrackerBusy",
+           "NotEnoughMemory",
            "GroupFeed", "FEED_KEEP_CHECKPOINTS"]
 
 log = logging.getLogger("fedpipe.client")
@@ -47,6 +49,13 @@ S = tracker_pb2
 
 class JobFailed(RuntimeError):
     """The job ended FAILED or CANCELLED; the message is the tracker's reason."""
+
+
+class NotEnoughMemory(JobFailed):
+    """The job does not fit the swarm's memory: refused at ``submit`` (no job was made), or
+    it FAILED at planning or when a node refused to load a stage. The message (the
+    tracker's or the node's) gives what is needed and what there is, in binary units, and
+    what to change (:data:`fedpipe.planner.memfit.MEMORY_REMEDIES`)."""
 
 
 class JobEnded(RuntimeError):
@@ -342,6 +351,9 @@ class Job:
 
         Raises:
             JobFailed: the job ended FAILED or CANCELLED.
+            NotEnoughMemory: (a JobFailed) it FAILED for want of memory: no plan fits the
+                nodes' memory, or a node refused to load a stage; the message gives both
+                figures and the remedies.
             TimeoutError: it did not end within ``timeout`` seconds.
             TrackerBusy: the tracker refused the watch (this client holds too many
                 watches of the job, or the tracker all it takes).
@@ -383,7 +395,8 @@ class Job:
         status = self._status(self._info())
         if status.state != "SUCCEEDED":
             detail = f"; feeding data failed: {self.feed_error}" if self.feed_error else ""
-            raise JobFailed(f"job {self.id} {status.state}: {status.reason}{detail}")
+            failed = NotEnoughMemory if is_memory_refusal(status.reason) else JobFailed
+            raise failed(f"job {self.id} {status.state}: {status.reason}{detail}")
         return status
 
     def _watch_lost(self, e: grpc.RpcError, timeout: float | None) -> None:

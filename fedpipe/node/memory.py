@@ -21,11 +21,12 @@ import threading
 
 import torch
 
+from ..planner.memfit import MEMORY_REMEDIES
 from ..proto import node_pb2
+from ..units import binary_bytes
 from .errors import MemoryTooSmall
 from .lifecycle import StageSlot
 
-MIB = 2**20
 
 
 def _status_kib(field: str) -> int | None:
@@ -97,10 +98,11 @@ class StageMemory:
             if self.limit and want and want + held > self.limit:
                 raise MemoryTooSmall(
                     f"stage {request.stage} (replica {request.replica}) of job "
-                    f"{request.job_id!r} is predicted to need {want} bytes "
-                    f"({want / MIB:.1f} MiB), but this node's memory limit is {self.limit} "
-                    f"bytes ({self.limit / MIB:.1f} MiB) and its other stages are predicted "
-                    f"to hold {held} bytes of it: {want + held - self.limit} bytes too many")
+                    f"{request.job_id!r} is predicted to need {binary_bytes(want)}, but this "
+                    f"node's memory limit is {binary_bytes(self.limit)} and its other stages "
+                    f"are predicted to hold {binary_bytes(held)} of it: "
+                    f"{binary_bytes(want + held - self.limit)} "
+                    f"({want + held - self.limit} bytes) too many{MEMORY_REMEDIES}")
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
                 base = torch.cuda.memory_allocated(self.device)
