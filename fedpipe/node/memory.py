@@ -9,7 +9,10 @@ the memory it advertises), and measures each stage's peak:
 - on a GPU, ``torch.cuda.max_memory_allocated`` of the stage's device;
 - on a CPU, the node's peak resident set (``VmHWM`` of ``/proc/self/status``, the
   high-water mark reset at the load where the kernel lets it, else
-  ``getrusage``'s ``ru_maxrss``) over its resident set just before the load.
+  ``getrusage``'s ``ru_maxrss``) over its resident set just before the load's weights
+  are made: after its code is unpickled (:meth:`StageMemory.rebase`), so what that code
+  imports (the first job's ``transformers``) is not counted; before the load for layers
+  that carry their weights in their pickles.
 
 Both are process-wide: with one stage per node, the stage's.
 
@@ -151,13 +154,23 @@ class StageMemory:
                     f"are predicted to hold {binary_bytes(held)} of it: "
                     f"{binary_bytes(want + held - self.limit)} "
                     f"({want + held - self.limit} bytes) too many{MEMORY_REMEDIES}")
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-                base = torch.cuda.memory_allocated(self.device)
-            else:
-                reset_peak_rss()
-                base = rss_bytes()
-            self._stages[slot] = (want, base)
+            self._stages[slot] = (want, self._baseline())
+
+    def rebase(self, slot: StageSlot) -> None:
+        """Measure an admitted stage's peak from now: its code is unpickled (the modules it
+        imports, the first job's ``torch`` submodules or ``transformers``, are loaded for
+        the node, not for the stage) and none of its weights is made yet."""
+        with self._lock:
+            if slot in self._stages:
+                self._stages[slot] = (self._stages[slot][0], self._baseline())
+
+    def _baseline(self) -> int:
+        """Reset the peak and return what is in use now (bytes)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        reset_peak_rss()
+        return rss_bytes()
 
     def forget(self, slot: StageSlot) -> None:
         """The stage is released: its prediction no longer holds memory here."""
