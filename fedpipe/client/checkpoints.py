@@ -286,12 +286,13 @@ def write(path: str | os.PathLike, step: int,
           names: KeyMap = sequential_keys, skip: Callable[[int, str], bool] = lambda i, k: False,
           model_config: Any = None) -> Path:
     """Write a checkpoint folder at ``path`` from ``snapshots`` (each stage's, taken one
-    at a time from an iterable: only one is held) with a :class:`CheckpointWriter`;
-    return it.
+    at a time from an iterable: only one is held; a streamed one, :func:`pull`, a tensor
+    at a time) with a :class:`CheckpointWriter`; return it.
 
     Raises:
         WeightsError: two tensors would get one model name.
         OSError: the folder cannot be written.
+        WireError: a streamed snapshot that is malformed or cut short.
     """
     writer = CheckpointWriter(path, plan, names=names, skip=skip, model_config=model_config)
     items = sorted(snapshots.items()) if isinstance(snapshots, Mapping) else snapshots

@@ -267,9 +267,11 @@ class Job:
             RuntimeError: no checkpoint has completed yet.
             CheckpointGone: no node holds a stage's snapshot of that step any more (a
                 cancelled or failed job's nodes drop its snapshots).
-            grpc.RpcError: a node could not be asked (UNAVAILABLE, ...).
+            grpc.RpcError: a node could not be asked (UNAVAILABLE, ...), or its stream
+                broke off midway.
             fedpipe.runtime.weights.WeightsError: two tensors would get one name (names
                 given at submit that are not one-to-one).
+            fedpipe.wire.WireError: a node's snapshot stream was malformed or cut short.
             OSError: the folder cannot be written.
         """
         info = self._info()
