@@ -58,6 +58,7 @@ from ..runtime.weights import (INDEX_NAME, SINGLE_NAME, KeyMap, WeightFiles, Wei
 from ..spec import JobSpec, PlanView, StageKey, state_name
 from ..wire import frames
 from ..wire.codecs import MAX_TENSOR_BYTES
+from .errors import CheckpointGone
 
 TENSORS = "tensors.safetensors"
 """The first format's one file of every tensor (read, no longer written)."""
@@ -70,12 +71,6 @@ KEEP = 2
 
 class CheckpointError(ValueError):
     """A checkpoint folder that is missing, incomplete or not fedpipe's."""
-
-
-class CheckpointGone(RuntimeError):
-    """No node holds a stage's snapshot of the step asked for any more (the job was
-    cancelled or failed and its nodes dropped its snapshots, or its weights were
-    released); the message names the job, the step and the stage."""
 
 
 @dataclass

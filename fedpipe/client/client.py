@@ -38,7 +38,8 @@ from ..spec import Compression, JobSpec, Knobs, Lifetime, Placement, Replicas, T
 from ..wire import rpc
 from . import checkpoints, links
 from .feed import Batch, cycle
-from .job import Job, NotEnoughMemory
+from .errors import NotEnoughMemory
+from .job import Job
 from .packaging import check_sequential, dumps
 from .reach import TrackerReach
 from .weights import package

@@ -29,7 +29,7 @@ from ..runtime import checkpoint
 from ..runtime.weights import KeyMap
 from ..spec import TERMINAL, JobSpec, PlanView, StageKey, state_name
 from . import checkpoints
-from .checkpoints import CheckpointGone
+from .errors import CheckpointGone, JobEnded, JobFailed, NotEnoughMemory, TrackerBusy
 from .feed import FEED_KEEP_CHECKPOINTS, Batch, ChannelNodes, Feed, GroupFeed, cycle, shard
 from .watch import RETRYABLE, Halted, JobWatch, NoLeader
 from .weights import TensorsOf, WeightStreamer, streamed
@@ -45,26 +45,6 @@ __all__ = ["Job", "JobFailed", "JobEnded", "CheckpointGone", "JobStatus", "Track
 
 log = logging.getLogger("fedpipe.client")
 S = tracker_pb2
-
-
-class JobFailed(RuntimeError):
-    """The job ended FAILED or CANCELLED; the message is the tracker's reason."""
-
-
-class NotEnoughMemory(JobFailed):
-    """The job does not fit the swarm's memory: refused at ``submit`` (no job was made), or
-    it FAILED at planning or when a node refused to load a stage. The message (the
-    tracker's or the node's) gives what is needed and what there is, in binary units, and
-    what to change (:data:`fedpipe.planner.memfit.MEMORY_REMEDIES`)."""
-
-
-class JobEnded(RuntimeError):
-    """:meth:`Job.resume` of a job that has ended (SUCCEEDED, FAILED or CANCELLED); the
-    message names its state and the tracker's reason."""
-
-
-class TrackerBusy(RuntimeError):
-    """The tracker refused a call with RESOURCE_EXHAUSTED; the message says which limit."""
 
 
 @dataclass
