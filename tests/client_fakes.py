@@ -83,7 +83,7 @@ class FakeTracker:
         self.submitted = request
         return S.SubmitJobReply(job_id=self.info.job_id)
 
-    def WatchJob(self, request: S.WatchJobRequest) -> FakeStream:
+    def WatchJob(self, request: S.WatchJobRequest, timeout: float | None = None) -> FakeStream:
         stream = FakeStream()
         with self.lock:
             self.watch_requests.append(request)
@@ -131,7 +131,7 @@ class FakeTracker:
         """Change the job (``fields`` of its JobInfo) and push the event (a step's, with
         ``step``)."""
         with self.lock:
-            self.info.state = state
+            self.info.state, self.info.reason = state, reason
             for k, v in fields.items():
                 setattr(self.info, k, v)
             if checkpoint_step:

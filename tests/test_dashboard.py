@@ -224,6 +224,9 @@ def test_chromium_renders_the_running_job_with_the_apis_figures(running):
         for kind in ("predicted", "peak"):
             cell = re.search(rf'data-memory="{s["replica"]}-{s["stage"]}-{kind}">([^<]+)<', dom)
             assert cell and re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", cell.group(1)), (kind, cell)
+        # and whether it recomputes, as the API says (StageAssignment.recompute)
+        cell = re.search(rf'data-recompute="{s["replica"]}-{s["stage"]}">([^<]+)<', dom)
+        assert cell and cell.group(1) == ("yes" if s["recompute"] else "no"), cell
 
 
 def test_the_page_fetches_nothing_from_the_internet():

@@ -14,7 +14,7 @@ from torch import nn
 
 import fedpipe
 from fedpipe import net
-from fedpipe.client import JobFailed
+from fedpipe.client import JobFailed, NotEnoughMemory
 from fedpipe.examples import digits
 from fedpipe.proto import node_pb2, tensor_pb2, tracker_pb2
 from fedpipe.spec import PlanView
@@ -107,10 +107,18 @@ def test_pending_without_nodes_then_runs_when_a_node_joins_and_memory_is_checked
 
         # 1024x1024 float32 weights with AdamW state need ~16 MiB: more than the 4 MiB node
         big = nn.Sequential(nn.Linear(64, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 10))
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(NotEnoughMemory) as err:  # was: a raw RESOURCE_EXHAUSTED RpcError
             client.submit(big, nn.functional.cross_entropy, ADAMW, digit_data(), steps=1)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert re.search(r"needs about [\d.]+ MiB .* have 4\.0 MiB", err.value.details())
+        found = re.fullmatch(
+            r"job Sequential was refused at submit: the job needs about ([\d.]+) MiB \(.*\) "
+            r"but the swarm's 1 node\(s\) have ([\d.]+) MiB in all: ([\d.]+) MiB \((\d+) "
+            r"bytes\) more are needed; to fit, submit with recompute=\"auto\" \(or True\), "
+            r"more microbatches, precision=\"bf16-mixed\", or add nodes", str(err.value))
+        assert found, str(err.value)
+        need, have, more, lack = map(float, found.groups())
+        assert have == 4.0 and need > 16  # the weights and AdamW's two copies alone: 16 MiB
+        assert more == pytest.approx(need - have, abs=0.1)
+        assert lack / 2**20 == pytest.approx(more, abs=0.05)
 
 
 def test_node_retries_an_unreachable_tracker_then_registers(tmp_path):

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from client_fakes import FakeRpcError, FakeTracker
-from fedpipe.client import CheckpointGone, Client, JobEnded
+from fedpipe.client import CheckpointGone, Client, JobEnded, JobFailed, NotEnoughMemory
+from fedpipe.node.errors import MemoryTooSmall
+from fedpipe.node.memory import StageMemory
+from fedpipe.proto import node_pb2
 from fedpipe.proto import tracker_pb2 as S
 
 pytestmark = pytest.mark.timeout(60)
@@ -120,3 +123,30 @@ def test_a_grpc_error_in_the_checkpoint_warning_is_its_code_and_details(client, 
         job._keep_checkpoint()
     [record] = [r for r in caplog.records if "could not keep" in r.getMessage()]
     assert record.getMessage().endswith(": UNAVAILABLE: connection refused")
+
+
+def test_a_job_a_node_refused_for_memory_fails_with_not_enough_memory_naming_both_figures(
+        client):
+    with pytest.raises(MemoryTooSmall) as refused:  # the node's own refusal, as it words it
+        StageMemory(torch.device("cpu"), 3 * 2**20).admit(node_pb2.LoadStageRequest(
+            job_id="j", stage=1, predicted_memory_bytes=5 * 2**20), [])
+    tracker = FakeTracker(steps=3)
+    client.stub = tracker
+    # as the tracker's deploy fails a job whose stage a node would not load
+    tracker.move(S.JOB_STATE_FAILED, reason=f"stage 1 on n1 could not be loaded: "
+                                            f"{refused.value}")
+    with pytest.raises(NotEnoughMemory) as e:
+        client.job("j").wait(timeout=10, progress=False)
+    assert isinstance(e.value, JobFailed)  # caught as any failed job is
+    assert str(e.value).startswith(
+        "job j FAILED: stage 1 on n1 could not be loaded: stage 1 (replica 0) of job 'j' is "
+        "predicted to need 5.0 MiB, but this node's memory limit is 3.0 MiB and its other "
+        "stages are predicted to hold 0 B of it: 2.0 MiB (2097152 bytes) too many; to fit, "
+        "submit with recompute=")
+
+    other = FakeTracker(steps=3)
+    client.stub = other
+    other.move(S.JOB_STATE_FAILED, reason="stage 1 on n1 could not be loaded: boom")
+    with pytest.raises(JobFailed) as e:
+        client.job("j").wait(timeout=10, progress=False)
+    assert type(e.value) is JobFailed  # only a memory refusal is NotEnoughMemory

@@ -438,7 +438,7 @@ def test_bad_or_oversized_submissions_are_refused_naming_the_problem():
     with pytest.raises(errors.InvalidArgument, match="the profile has 3 layers but the job 4"):
         tracker.jobs.submit(short)
     tracker.register(registration("tiny", 7000, memory=2**10))
-    with pytest.raises(errors.ResourceExhausted, match=r"needs about [\d.]+ MiB .* have 0\.0 MiB"):
+    with pytest.raises(errors.ResourceExhausted, match=r"needs about [\d.]+ KiB .* have 1\.0 KiB"):
         tracker.jobs.submit(submission())
     assert tracker.store.jobs_in(S.JOB_STATE_PENDING) == []
 

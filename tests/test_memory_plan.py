@@ -108,13 +108,15 @@ def test_a_job_that_fits_nowhere_is_refused_at_submit_with_the_bytes_it_lacks():
     mem = int(layer) - 1000
     tracker.register(registration("small", 7000, memory=mem))
     with pytest.raises(errors.ResourceExhausted,
-                       match=f"node\\(s\\) have .* {whole - mem:.0f} bytes more are needed"):
+                       match=f"node\\(s\\) have .* \\({whole - mem:.0f} bytes\\) more are "
+                             "needed; to fit, submit with recompute="):
         tracker.jobs.submit(req)
     more = int(whole // mem) + 1
     for i in range(more):
         tracker.register(registration(f"more{i}", 7001 + i, memory=mem))
     with pytest.raises(errors.ResourceExhausted,
-                       match="layer 1 \\(l1\\) alone needs .* 1000 bytes more are needed"):
+                       match="layer 1 \\(l1\\) alone needs .* has [0-9.]+ KiB: 1000 B "
+                             "\\(1000 bytes\\) more are needed; to fit"):
         tracker.jobs.submit(req)
     assert tracker.store.jobs_in(tracker_pb2.JOB_STATE_PENDING) == []
 

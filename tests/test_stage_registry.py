@@ -20,12 +20,13 @@ from fedpipe.node.errors import (MemoryTooSmall, NoSuchStage, StageExists, Stage
                                  Stopped)
 from fedpipe.node.lifecycle import Stage, StageSlot, StageState
 from fedpipe.node.mailbox import Mailbox
-from fedpipe.node.memory import StageMemory
+from fedpipe.node.memory import StageMemory, held_bytes
 from fedpipe.node.peers import ChannelPool
 from fedpipe.node.reports import StageReporter
 from fedpipe.node.running import StageLoop
 from fedpipe.node.snapshots import Checkpoints, SnapshotStore
 from fedpipe.node.stages import StageRegistry
+from fedpipe.planner.memfit import MEMORY_REMEDIES
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.runtime.stage import StepResult
 from fedpipe.spec import PlanView, StageKey
@@ -366,9 +367,9 @@ def test_a_stage_predicted_past_the_nodes_memory_limit_is_refused_with_both_figu
     with pytest.raises(MemoryTooSmall) as err:
         node.load(job="b", predicted_memory_bytes=500)
     assert str(err.value) == (
-        "stage 0 (replica 0) of job 'b' is predicted to need 500 bytes (0.0 MiB), but this "
-        "node's memory limit is 1000 bytes (0.0 MiB) and its other stages are predicted to "
-        "hold 600 bytes of it: 100 bytes too many")
+        "stage 0 (replica 0) of job 'b' is predicted to need 500 B, but this node's memory "
+        "limit is 1000 B and its other stages are predicted to hold 600 B of it: 100 B "
+        "(100 bytes) too many" + MEMORY_REMEDIES)
     assert len(node.peers) == 1 and not node.registry.holds("b")  # nothing was built
     node.registry.stop_job("a", release=True)
     wait_state(first, S.RELEASED)
@@ -381,21 +382,24 @@ def test_a_stage_predicted_past_the_nodes_memory_limit_is_refused_with_both_figu
     node.registry.stop_all()
 
 
-@pytest.mark.xfail(strict=True, reason="a stopped stage kept for the retention period (an "
-                   "ended job's, 600 s by default; a job that failed at DEPLOYING, e.g. "
-                   "because another node refused its stage, is one) still counts its whole "
-                   "prediction (activations and stash included) against the node's memory "
-                   "limit, while the tracker's planner counts none of it: the resubmitted "
-                   "job is planned onto this node and refused here again until retention "
-                   "ends. Wants: count a stopped stage's held weights only, or release the "
-                   "stages of a job that failed before its first step")
 def test_a_stopped_stage_of_a_failed_job_does_not_hold_its_whole_prediction():
-    node = Node(memory=StageMemory(torch.device("cpu"), 1000))
+    """A stopped stage kept for the retention period (an ended job's; a job that failed at
+    DEPLOYING because another node refused its stage is one) counts only what its tensors
+    hold, not its whole prediction (activations and stash included): the tracker's planner
+    counts none of an ended job, so the resubmitted job planned onto this node must fit."""
+    gate = threading.Semaphore(0)  # no step ends: a loaded stage stays live
+    node = Node(runner=lambda: Runner(gate), memory=StageMemory(torch.device("cpu"), 1000))
     first = node.load(job="a", predicted_memory_bytes=600)
+    with pytest.raises(MemoryTooSmall):  # while it is live, its whole prediction counts
+        node.load(job="b", predicted_memory_bytes=500, steps=1)
     node.registry.stop_job("a", release=False)  # what the tracker's Jobs.fail asks
     wait_state(first, S.STOPPED)
+    assert held_bytes(first.parts) == 2 * 2 * 4 + 2 * 4  # its Linear(2, 2): weight, bias
     second = node.load(job="b", predicted_memory_bytes=500, steps=1)
     assert second.live
+    # what it still holds counts: 24 + 500 + 477 is over the limit by a byte
+    with pytest.raises(MemoryTooSmall, match=r"predicted to hold 524 B of it: 1 B \(1 bytes\)"):
+        node.load(job="c", predicted_memory_bytes=477, steps=1)
     node.registry.stop_all()
 
 

@@ -1,11 +1,13 @@
 """The client role: package, profile and submit a model; feed data; collect weights.
 
 :mod:`.client` holds the session with a tracker (:class:`Client`, ``submit``),
-:mod:`.job` the user's handle on a job (:class:`Job`), :mod:`.feed` what is sent each
-step, :mod:`.watch` the feeder's watch of the job's state.
+:mod:`.job` the user's handle on a job (:class:`Job`), :mod:`.errors` what it raises,
+:mod:`.checkpoints` saves and checkpoints, :mod:`.feed` what is sent each step,
+:mod:`.watch` the feeder's watch of the job's state.
 """
 from .client import Client
-from .job import CheckpointGone, Job, JobEnded, JobFailed, JobStatus, TrackerBusy
+from .errors import CheckpointGone, JobEnded, JobFailed, NotEnoughMemory, TrackerBusy
+from .job import Job, JobStatus
 
 __all__ = ["CheckpointGone", "Client", "Job", "JobEnded", "JobFailed", "JobStatus",
-           "TrackerBusy"]
+           "NotEnoughMemory", "TrackerBusy"]

@@ -1,7 +1,8 @@
 """A job's complete checkpoint on the client's disk: safetensors shards plus JSON.
 
-A checkpoint is a folder, written a stage at a time (the client holds one stage's
-snapshot at most, however big the model):
+A checkpoint is a folder, written a stage at a time, each stage a tensor at a time as it
+streams from its node (the client holds one tensor, however big the model; :func:`pull`,
+:class:`~fedpipe.runtime.shardfile.ShardFile`):
 
 - the model's weights in the Hugging Face layout: one shard per stage of replica
   group 0, ``model-0000k-of-0000n.safetensors``, and ``model.safetensors.index.json``
@@ -35,20 +36,29 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 from google.protobuf import json_format
+from torch import nn
 
+from ..hf import checkpoint_names
+from ..net import timeouts
 from ..proto import node_pb2
 from ..runtime import layerstate
-from ..runtime.checkpoint import Snapshot
+from ..runtime import checkpoint
+from ..runtime.checkpoint import Snapshot, SnapshotStream
+from ..runtime.shardfile import ShardFile
 from ..runtime.weights import (INDEX_NAME, SINGLE_NAME, KeyMap, WeightFiles, WeightsError,
                                sequential_keys)
-from ..spec import StageKey
+from ..spec import JobSpec, PlanView, StageKey, state_name
+from ..wire import frames
+from ..wire.codecs import MAX_TENSOR_BYTES
+from .errors import CheckpointGone
 
 TENSORS = "tensors.safetensors"
 """The first format's one file of every tensor (read, no longer written)."""
@@ -178,35 +188,48 @@ class CheckpointWriter:
         except KeyError:  # a tensor without a checkpoint name: kept with the state
             return None
 
-    def add(self, key: StageKey, snap: Snapshot) -> None:
-        """Write stage ``key``'s snapshot: its replica group 0 weights to its shard,
-        the rest to its state file.
+    def add(self, key: StageKey, snap: Snapshot | SnapshotStream) -> None:
+        """Write stage ``key``'s snapshot, a tensor at a time as it comes (a
+        :class:`~fedpipe.runtime.checkpoint.SnapshotStream` is never held whole): its
+        replica group 0 weights to its shard, the rest to its state file
+        (:class:`~fedpipe.runtime.shardfile.ShardFile`). A stage that fails midway
+        leaves nothing of itself in the checkpoint.
 
         Raises:
             WeightsError: two tensors would get one model name.
             OSError: a file cannot be written.
+            WireError: a streamed snapshot that is malformed or cut short.
         """
-        from safetensors.torch import save_file  # only who writes checkpoints needs it
-
         start, end = self._ranges.get(key, (0, 0))
-        weights: dict[str, torch.Tensor] = {}
-        state: dict[str, torch.Tensor] = {}
+        shard = ShardFile(self._folder() / (shard_file(key.stage, self._depth) + ".tmp"),
+                          {"format": "pt"}) if key.replica == 0 else None
+        state = ShardFile(self._folder() / (state_file(key) + ".tmp"), {"format": "pt"})
         named: dict[str, str] = {}
-        for path, t in snap.tensors.items():
-            name = self._model_name(start, path) if key.replica == 0 else None
-            if name is None:
-                state[path] = t.contiguous()
-                continue
-            if name in self._weight_map or name in weights:
-                raise WeightsError(f"stage {key.stage}: {path!r} would be saved as {name!r}, "
-                                   "a name already written")
-            weights[name], named[path] = t.contiguous(), name
-        if key.replica == 0:
-            shard = shard_file(key.stage, self._depth)
-            self._write(save_file, weights, shard)
-            self._weight_map.update((n, shard) for n in weights)
-            self._total += sum(t.numel() * t.element_size() for t in weights.values())
-        self._write(save_file, state, state_file(key))
+        items = snap.tensors.items() if isinstance(snap.tensors, dict) else snap.tensors
+        try:
+            for path, t in items:
+                name = self._model_name(start, path) if shard is not None else None
+                if name is None or shard is None:
+                    state.add(path, t)
+                elif name in self._weight_map or name in shard:
+                    raise WeightsError(f"stage {key.stage}: {path!r} would be saved as "
+                                       f"{name!r}, a name already written")
+                else:
+                    shard.add(name, t)
+                    named[path] = name
+                del t  # not held while the next one is read
+            done = [f.close() for f in (shard, state) if f is not None]
+        except BaseException:
+            for f in (shard, state):
+                if f is not None:
+                    f.abort()
+            raise
+        for file in done:
+            self._pending.append(file.name[:-len(".tmp")])
+            self._files.add(file.name[:-len(".tmp")])
+        if shard is not None:
+            self._weight_map.update((n, shard.path.name[:-len(".tmp")]) for n in named.values())
+            self._total += shard.nbytes
         self._stages.append({"replica": key.replica, "stage": key.stage, "layer_start": start,
                              "layer_end": end, "state": state_file(key), "weights": named,
                              "skeleton": snap.skeleton})
@@ -215,17 +238,11 @@ class CheckpointWriter:
         """The folder, made on first use (an earlier failed save's files aside removed)."""
         if not self._made:
             self.folder.mkdir(parents=True, exist_ok=True)
-            for tmp in (*self.folder.glob("model*.safetensors.tmp"),  # an earlier save's
-                        *self.folder.glob("state-*.safetensors.tmp")):  # that failed
+            for tmp in (*self.folder.glob("model*.safetensors.tmp*"),  # an earlier save's
+                        *self.folder.glob("state-*.safetensors.tmp*")):  # that failed
                 tmp.unlink()
             self._made = True
         return self.folder
-
-    def _write(self, save_file: Callable, tensors: dict[str, torch.Tensor], name: str) -> None:
-        self._folder()
-        save_file(tensors, str(self.folder / (name + ".tmp")), metadata={"format": "pt"})
-        self._pending.append(name)
-        self._files.add(name)
 
     def close(self, step: int, steps: int, config: dict | None = None) -> Path:
         """Write the index, ``config.json`` and ``checkpoint.json`` (last); drop files
@@ -258,17 +275,19 @@ class CheckpointWriter:
 
 
 def write(path: str | os.PathLike, step: int,
-          snapshots: Iterable[tuple[StageKey, Snapshot]] | Mapping[StageKey, Snapshot],
+          snapshots: Iterable[tuple[StageKey, Snapshot | SnapshotStream]]
+          | Mapping[StageKey, Snapshot],
           plan: node_pb2.Plan, *, steps: int, config: dict | None = None,
           names: KeyMap = sequential_keys, skip: Callable[[int, str], bool] = lambda i, k: False,
           model_config: Any = None) -> Path:
     """Write a checkpoint folder at ``path`` from ``snapshots`` (each stage's, taken one
-    at a time from an iterable: only one is held) with a :class:`CheckpointWriter`;
-    return it.
+    at a time from an iterable: only one is held; a streamed one, :func:`pull`, a tensor
+    at a time) with a :class:`CheckpointWriter`; return it.
 
     Raises:
         WeightsError: two tensors would get one model name.
         OSError: the folder cannot be written.
+        WireError: a streamed snapshot that is malformed or cut short.
     """
     writer = CheckpointWriter(path, plan, names=names, skip=skip, model_config=model_config)
     items = sorted(snapshots.items()) if isinstance(snapshots, Mapping) else snapshots
@@ -344,7 +363,8 @@ def latest(directory: str | os.PathLike) -> Path | None:
 
 
 def keep(directory: str | os.PathLike, step: int,
-         snapshots: Iterable[tuple[StageKey, Snapshot]] | Mapping[StageKey, Snapshot],
+         snapshots: Iterable[tuple[StageKey, Snapshot | SnapshotStream]]
+         | Mapping[StageKey, Snapshot],
          plan: node_pb2.Plan, *, steps: int, config: dict | None = None,
          **layout: Any) -> Path:
     """Add the checkpoint of ``step`` to a checkpoint directory (written a stage at a
@@ -364,3 +384,96 @@ def keep(directory: str | os.PathLike, step: int,
     for old in sorted(directory.glob("step-*"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+# -- pulling a job's state from its nodes (Job.save, checkpoint_dir, Job.state_dict) ----
+
+NodeOf = Callable[[str], Any]
+"""``node(address)``: a node's stub (``fedpipe.v1.Node``), as :meth:`Client.node` gives."""
+
+
+def layout(model: nn.Sequential | None, names: KeyMap | None, spec: JobSpec | None
+           ) -> dict[str, Any]:
+    """How a save names a job's weights (:class:`CheckpointWriter`'s ``names``, ``skip``,
+    ``model_config``): ``names`` given at submit, else a :func:`fedpipe.hf.sequential`
+    ``model``'s checkpoint names and config, else an ``nn.Sequential``'s own; a tied copy
+    (``spec``'s ties) is stored once (its source)."""
+    out: dict[str, Any] = {}
+    found = checkpoint_names(model) if model is not None else None
+    if found is not None:
+        out["names"], out["model_config"] = found
+    if names is not None:
+        out["names"] = names
+    ties = spec.weights.ties if spec is not None else ()
+    if ties:
+        copies = {member for group in ties for member in group[1:]}
+        out["skip"] = lambda i, key: (i, key) in copies
+    return out
+
+
+def pull(node: NodeOf, job_id: str, plan: node_pb2.Plan, step: int, state: int
+         ) -> Iterator[tuple[StageKey, SnapshotStream]]:
+    """Each stage's snapshot of ``step``, streamed when asked for (a tensor at a time:
+    a save holds one tensor of it, :meth:`CheckpointWriter.add`), from its node, else
+    any node of the plan (its buddy holds a copy) if it fails before the snapshot's
+    first frame. ``state``: the job's, for the error.
+
+    Raises:
+        CheckpointGone: every node answered NOT_FOUND for one stage's snapshot.
+        grpc.RpcError: no node has one stage's snapshot (the last node's error, when
+            it is not NOT_FOUND), or a stream failed midway (from the tensors).
+    """
+    view = PlanView(plan)
+    for key, a in sorted(view.stages.items()):
+        others = sorted(view.addresses() - {a.address})
+        for i, address in enumerate([a.address] + others):
+            try:
+                stream = node(address).FetchSnapshot(
+                    node_pb2.FetchSnapshotRequest(job_id=job_id, replica=key.replica,
+                                                  stage=key.stage, step=step),
+                    timeout=timeouts.FETCH_STATE_RPC)
+                _, snap = checkpoint.stream_frames(stream, MAX_TENSOR_BYTES, in_place=True)
+            except grpc.RpcError as e:
+                if i < len(others):
+                    continue
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                raise CheckpointGone(gone_message(job_id, key, step, state)) from None
+            yield key, snap
+            del snap
+            break
+
+
+def gone_message(job_id: str, key: StageKey, step: int, state: int) -> str:
+    """:class:`CheckpointGone`'s message: the job, the step, the stage and why."""
+    why = {"CANCELLED": "the job was cancelled and its nodes dropped its snapshots",
+           "FAILED": "the job failed and its nodes dropped its snapshots",
+           }.get(state_name(state), "its nodes no longer hold it (released, or they "
+                                    "restarted)")
+    return (f"job {job_id}: the checkpoint of step {step} is gone: no node holds the "
+            f"snapshot of stage {key.stage} (replica group {key.replica}); {why}")
+
+
+def stage_weights(node: NodeOf, job_id: str, plan: node_pb2.Plan, stage: int | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """The trained weights of replica group 0's stages (or of stage ``stage`` alone),
+    fetched from their nodes (``FetchState``), keyed as the model's own state_dict
+    (``"3.weight"``: layer 3's ``weight``).
+
+    Raises:
+        ValueError: the plan has no stage ``stage``.
+        grpc.RpcError: a stage's node is unreachable or no longer holds the stage.
+    """
+    out: dict[str, torch.Tensor] = {}
+    chain = PlanView(plan).chain(0)
+    if stage is not None:
+        chain = [a for a in chain if a.stage == stage]
+        if not chain:
+            raise ValueError(f"job {job_id} has no stage {stage}")
+    for a in chain:
+        stream = node(a.address).FetchState(
+            node_pb2.FetchStateRequest(job_id=job_id, replica=a.replica, stage=a.stage),
+            timeout=timeouts.FETCH_STATE_RPC)
+        for head, t in frames.read_tensors(stream, in_place=True):  # gRPC's messages
+            out[head.name] = t
+    return out

@@ -25,6 +25,7 @@ from torch import nn
 from .. import net
 from ..net import timeouts
 from ..net.dataplane import DataPlane
+from ..planner.memfit import is_memory_refusal
 from ..proto import tracker_pb2, tracker_pb2_grpc
 from ..runtime import libraries
 from ..runtime.materialize import TIES_ATTRIBUTE, InitFn, TiedGroup
@@ -38,6 +39,7 @@ from ..spec import Compression, JobSpec, Knobs, Lifetime, Placement, Replicas, T
 from ..wire import rpc
 from . import checkpoints, links
 from .feed import Batch, cycle
+from .errors import NotEnoughMemory
 from .job import Job
 from .packaging import check_sequential, dumps
 from .reach import TrackerReach
@@ -285,8 +287,10 @@ class Client:
                 ``stages`` or ``replicas`` other than ``resume_from``'s checkpoint's.
             fedpipe.client.checkpoints.CheckpointError: ``resume_from`` holds no
                 readable checkpoint, or one at or past ``steps``.
-            grpc.RpcError: the tracker refused the job (e.g. RESOURCE_EXHAUSTED
-                with the memory figures) or is unreachable.
+            NotEnoughMemory: the job fits no plan over the swarm's memory (the tracker's
+                refusal: what it needs and what the nodes have, and the remedies).
+            grpc.RpcError: the tracker refused the job otherwise (e.g. RESOURCE_EXHAUSTED:
+                too many jobs of this owner) or is unreachable.
         """
         n_layers = len(check_sequential(model))
         if knobs.get("pending_timeout", 0.0) is None:
@@ -342,7 +346,14 @@ class Client:
             req.owner, req.job_signature = signed.owner, signed.job_signature
             req.client_cert = signed.client_cert
             req.layer_digests.extend(signed.layer_digests)
-        job_id: str = self.stub.SubmitJob(req, timeout=timeouts.SUBMIT_RPC).job_id
+        try:
+            job_id: str = self.stub.SubmitJob(req, timeout=timeouts.SUBMIT_RPC).job_id
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and \
+                    is_memory_refusal(e.details() or ""):
+                raise NotEnoughMemory(f"job {name} was refused at submit: {e.details()}"
+                                      ) from None
+            raise
         return job_id
 
     def job(self, job_id: str) -> Job:

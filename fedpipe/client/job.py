@@ -22,15 +22,14 @@ from torch import nn
 from .. import net
 from ..net import timeouts
 from ..observe.source import GrpcSource
+from ..planner.memfit import is_memory_refusal
 from ..observe.views import StepRecord, recovery_headline, step_records
 from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint
-from ..hf import checkpoint_names
 from ..runtime.weights import KeyMap
 from ..spec import TERMINAL, JobSpec, PlanView, StageKey, state_name
-from ..wire import frames
-from ..wire.codecs import MAX_TENSOR_BYTES
 from . import checkpoints
+from .errors import CheckpointGone, JobEnded, JobFailed, NotEnoughMemory, TrackerBusy
 from .feed import FEED_KEEP_CHECKPOINTS, Batch, ChannelNodes, Feed, GroupFeed, cycle, shard
 from .watch import RETRYABLE, Halted, JobWatch, NoLeader
 from .weights import TensorsOf, WeightStreamer, streamed
@@ -41,29 +40,11 @@ if TYPE_CHECKING:
 # kept for callers of the names these had before the feed moved to .feed
 _shard, _cycle, _FeedHalted = shard, cycle, Halted
 __all__ = ["Job", "JobFailed", "JobEnded", "CheckpointGone", "JobStatus", "TrackerBusy",
+           "NotEnoughMemory",
            "GroupFeed", "FEED_KEEP_CHECKPOINTS"]
 
 log = logging.getLogger("fedpipe.client")
 S = tracker_pb2
-
-
-class JobFailed(RuntimeError):
-    """The job ended FAILED or CANCELLED; the message is the tracker's reason."""
-
-
-class JobEnded(RuntimeError):
-    """:meth:`Job.resume` of a job that has ended (SUCCEEDED, FAILED or CANCELLED); the
-    message names its state and the tracker's reason."""
-
-
-class CheckpointGone(RuntimeError):
-    """No node holds a stage's snapshot of the step asked for any more (the job was
-    cancelled or failed and its nodes dropped its snapshots, or its weights were
-    released); the message names the job, the step and the stage."""
-
-
-class TrackerBusy(RuntimeError):
-    """The tracker refused a call with RESOURCE_EXHAUSTED; the message says which limit."""
 
 
 @dataclass
@@ -251,8 +232,8 @@ class Job:
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the job's last complete checkpoint (its final state, once it has
-        SUCCEEDED) to folder ``path``, a stage at a time (this client holds one stage's
-        snapshot at most): the weights as safetensors shards in the Hugging Face
+        SUCCEEDED) to folder ``path``, a stage at a time, streamed a tensor at a time (this
+        client holds one tensor at most): the weights as safetensors shards in the Hugging Face
         layout, one per stage, with ``model.safetensors.index.json``; the rest of each
         stage's state (optimizer, LR schedule, DiLoCo state) in a file of its own; the
         metadata (step, plan, config) in ``checkpoint.json``
@@ -266,9 +247,11 @@ class Job:
             RuntimeError: no checkpoint has completed yet.
             CheckpointGone: no node holds a stage's snapshot of that step any more (a
                 cancelled or failed job's nodes drop its snapshots).
-            grpc.RpcError: a node could not be asked (UNAVAILABLE, ...).
+            grpc.RpcError: a node could not be asked (UNAVAILABLE, ...), or its stream
+                broke off midway.
             fedpipe.runtime.weights.WeightsError: two tensors would get one name (names
                 given at submit that are not one-to-one).
+            fedpipe.wire.WireError: a node's snapshot stream was malformed or cut short.
             OSError: the folder cannot be written.
         """
         info = self._info()
@@ -276,68 +259,19 @@ class Job:
         if step <= 0:
             raise RuntimeError(f"job {self.id} has no complete checkpoint yet "
                                f"({state_name(info.state)} at step {info.step})")
-        snaps = self._pull_snapshots(info.plan, step, info.state)
-        return str(checkpoints.write(path, step, snaps, info.plan, steps=info.steps,
-                                     config=self._config(), **self._layout()))
+        return str(checkpoints.write(path, step, self._pull(info, step), info.plan,
+                                     steps=info.steps, config=self._config(),
+                                     **self._layout()))
 
     def _config(self) -> dict:
         return self._spec.summary() if self._spec is not None else {}
 
     def _layout(self) -> dict[str, Any]:
-        """How a save names the weights (:class:`.checkpoints.CheckpointWriter`'s
-        ``names``, ``skip``, ``model_config``): the names given at submit, else a
-        :func:`fedpipe.hf.sequential` model's checkpoint names and config, else an
-        ``nn.Sequential``'s own; a tied copy is stored once (its source)."""
-        out: dict[str, Any] = {}
-        found = checkpoint_names(self._model) if self._model is not None else None
-        if found is not None:
-            out["names"], out["model_config"] = found
-        if self._names is not None:
-            out["names"] = self._names
-        ties = self._spec.weights.ties if self._spec is not None else ()
-        if ties:
-            copies = {member for group in ties for member in group[1:]}
-            out["skip"] = lambda i, key: (i, key) in copies
-        return out
+        return checkpoints.layout(self._model, self._names, self._spec)
 
-    def _pull_snapshots(self, plan: node_pb2.Plan, step: int, state: int
-                        ) -> Iterator[tuple[StageKey, "checkpoint.Snapshot"]]:
-        """Each stage's snapshot of ``step``, pulled when asked for (one at a time: a save
-        holds one stage's), from its node, else any node of the plan (its buddy holds a
-        copy). ``state``: the job's, for the error.
-
-        Raises:
-            CheckpointGone: every node answered NOT_FOUND for one stage's snapshot.
-            grpc.RpcError: no node has one stage's snapshot (the last node's error,
-                when it is not NOT_FOUND).
-        """
-        view = PlanView(plan)
-        for key, a in sorted(view.stages.items()):
-            others = sorted(view.addresses() - {a.address})
-            for i, address in enumerate([a.address] + others):
-                try:
-                    stream = self.client.node(address).FetchSnapshot(
-                        node_pb2.FetchSnapshotRequest(job_id=self.id, replica=key.replica,
-                                                      stage=key.stage, step=step),
-                        timeout=timeouts.FETCH_STATE_RPC)
-                    _, snap = checkpoint.from_frames(stream, MAX_TENSOR_BYTES)
-                except grpc.RpcError as e:
-                    if i < len(others):
-                        continue
-                    if e.code() != grpc.StatusCode.NOT_FOUND:
-                        raise
-                    raise CheckpointGone(self._gone_message(key, step, state)) from None
-                yield key, snap
-                del snap
-                break
-
-    def _gone_message(self, key: StageKey, step: int, state: int) -> str:
-        why = {"CANCELLED": "the job was cancelled and its nodes dropped its snapshots",
-               "FAILED": "the job failed and its nodes dropped its snapshots",
-               }.get(state_name(state), "its nodes no longer hold it (released, or they "
-                                        "restarted)")
-        return (f"job {self.id}: the checkpoint of step {step} is gone: no node holds the "
-                f"snapshot of stage {key.stage} (replica group {key.replica}); {why}")
+    def _pull(self, info: tracker_pb2.JobInfo, step: int
+              ) -> Iterator[tuple[StageKey, checkpoint.SnapshotStream]]:
+        return checkpoints.pull(self.client.node, self.id, info.plan, step, info.state)
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
@@ -399,6 +333,9 @@ class Job:
 
         Raises:
             JobFailed: the job ended FAILED or CANCELLED.
+            NotEnoughMemory: (a JobFailed) it FAILED for want of memory: no plan fits the
+                nodes' memory, or a node refused to load a stage; the message gives both
+                figures and the remedies.
             TimeoutError: it did not end within ``timeout`` seconds.
             TrackerBusy: the tracker refused the watch (this client holds too many
                 watches of the job, or the tracker all it takes).
@@ -440,7 +377,8 @@ class Job:
         status = self._status(self._info())
         if status.state != "SUCCEEDED":
             detail = f"; feeding data failed: {self.feed_error}" if self.feed_error else ""
-            raise JobFailed(f"job {self.id} {status.state}: {status.reason}{detail}")
+            failed = NotEnoughMemory if is_memory_refusal(status.reason) else JobFailed
+            raise failed(f"job {self.id} {status.state}: {status.reason}{detail}")
         return status
 
     def _watch_lost(self, e: grpc.RpcError, timeout: float | None) -> None:
@@ -472,19 +410,7 @@ class Job:
             ValueError: the plan has no stage ``stage``.
             grpc.RpcError: a stage's node is unreachable or no longer holds the stage.
         """
-        out: dict[str, torch.Tensor] = {}
-        chain = PlanView(self.plan).chain(0)
-        if stage is not None:
-            chain = [a for a in chain if a.stage == stage]
-            if not chain:
-                raise ValueError(f"job {self.id} has no stage {stage}")
-        for a in chain:
-            stream = self.client.node(a.address).FetchState(
-                node_pb2.FetchStateRequest(job_id=self.id, replica=a.replica, stage=a.stage),
-                timeout=timeouts.FETCH_STATE_RPC)
-            for head, t in frames.read_tensors(stream, in_place=True):  # gRPC's messages
-                out[head.name] = t
-        return out
+        return checkpoints.stage_weights(self.client.node, self.id, self.plan, stage)
 
     def model(self) -> nn.Sequential:
         """A copy of the submitted model carrying the trained weights (the whole model,
@@ -523,7 +449,6 @@ class Job:
                 log.warning("could not release job %s on %s: %s", self.id, address, e.details())
 
     # -- data feeding -------------------------------------------------------
-    # -- data feeding -------------------------------------------------------
     def _halt_feed(self) -> None:
         """Make the feeder stop at once (its client is closing): its watch ends, so the
         job waits for a client."""
@@ -551,8 +476,7 @@ class Job:
             step = info.steps if info.state == S.JOB_STATE_SUCCEEDED else info.checkpoint_step
             if step <= self._saved_step:
                 return
-            folder = checkpoints.keep(self._checkpoint_dir, step,
-                                      self._pull_snapshots(info.plan, step, info.state),
+            folder = checkpoints.keep(self._checkpoint_dir, step, self._pull(info, step),
                                       info.plan, steps=info.steps, config=self._config(),
                                       **self._layout())
             self._saved_step = step

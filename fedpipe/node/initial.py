@@ -147,10 +147,16 @@ def allocate(layer: nn.Module, device: torch.device) -> nn.Module:
 
 
 def make_layers(request: node_pb2.LoadStageRequest, weights: WeightsSpec, first: int,
-                device: torch.device) -> tuple[list[nn.Module], Pending | None]:
+                device: torch.device, unpickled: Callable[[], None] | None = None
+                ) -> tuple[list[nn.Module], Pending | None]:
     """The stage's layers (global indices ``first``, ``first + 1``, ...) on ``device``,
     with their weights where this node can make or read them; else a :class:`Pending`
     for the client's stream.
+
+    ``unpickled()`` is called once the layers' code is unpickled (the modules it imports
+    loaded) and before any weight is made, for layers pickled on meta (the measured peak
+    starts there, :meth:`fedpipe.node.memory.StageMemory.rebase`); layers that carry
+    their weights have them once unpickled, so it is not called for them.
 
     Raises:
         WeightsError: the files do not fit the layers, or their digests differ.
@@ -159,6 +165,8 @@ def make_layers(request: node_pb2.LoadStageRequest, weights: WeightsSpec, first:
     layers = [cloudpickle.loads(blob) for blob in request.layers]
     if not weights.on_meta:  # the layers carry their weights
         return [layer.to(device) for layer in layers], None
+    if unpickled is not None:
+        unpickled()
     indices = list(range(first, first + len(layers)))
     if weights.source == "stream":  # a model the client holds: only its state_dict is meta
         made = [allocate(layer, device) for layer in layers]

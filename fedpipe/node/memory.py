@@ -9,23 +9,34 @@ the memory it advertises), and measures each stage's peak:
 - on a GPU, ``torch.cuda.max_memory_allocated`` of the stage's device;
 - on a CPU, the node's peak resident set (``VmHWM`` of ``/proc/self/status``, the
   high-water mark reset at the load where the kernel lets it, else
-  ``getrusage``'s ``ru_maxrss``) over its resident set just before the load.
+  ``getrusage``'s ``ru_maxrss``) over its resident set just before the load's weights
+  are made: after its code is unpickled (:meth:`StageMemory.rebase`), so what that code
+  imports (the first job's ``transformers``) is not counted; before the load for layers
+  that carry their weights in their pickles.
 
 Both are process-wide: with one stage per node, the stage's.
+
+A stage that has ended (DONE, FAILED, STOPPED: kept for ``state_dict``, snapshots or
+a recovery until released) runs no step: it holds its weights and optimizer state, not
+its activations, so it counts what its tensors take (:func:`held_bytes`), at most its
+prediction, as the tracker's planner (which counts none of an ended job) would have it.
 """
 from __future__ import annotations
 
 import resource
 import sys
 import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
+from ..planner.memfit import MEMORY_REMEDIES
 from ..proto import node_pb2
+from ..units import binary_bytes
 from .errors import MemoryTooSmall
 from .lifecycle import StageSlot
 
-MIB = 2**20
 
 
 def _status_kib(field: str) -> int | None:
@@ -67,6 +78,38 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def _tensors(state: Any) -> Iterator[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, Mapping):
+        for v in list(state.values()):
+            yield from _tensors(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            yield from _tensors(v)
+
+
+def held_bytes(parts: Mapping[str, Any]) -> int | None:
+    """The bytes the tensors of a stage's ``parts`` take (its module's weights, its
+    optimizer's state, ...: each part's ``state_dict()``), each storage once; None when
+    they cannot be read now (a part that changed while it was read)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    try:
+        for part in list(parts.values()):
+            if part is None:
+                continue
+            for t in _tensors(part.state_dict()):
+                storage = t.untyped_storage()
+                key = (str(t.device), storage.data_ptr())
+                if key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
+    except RuntimeError:  # "dictionary changed size during iteration" and the like
+        return None
+    return total
+
+
 class StageMemory:
     """Each loaded stage's predicted memory and the baseline its peak is measured from;
     thread-safe.
@@ -81,10 +124,14 @@ class StageMemory:
         self._lock = threading.Lock()
         self._stages: dict[StageSlot, tuple[int, int]] = {}  # slot -> (predicted, baseline)
 
-    def admit(self, request: node_pb2.LoadStageRequest, others: list[StageSlot]) -> None:
+    def admit(self, request: node_pb2.LoadStageRequest, others: list[StageSlot],
+              ended: Mapping[StageSlot, int | None] | None = None) -> None:
         """Take the stage ``request`` loads, whose node holds the stages ``others``
         besides it: note its prediction and the baseline of its peak (the node's
         resident set now, or the device's allocated memory).
+
+        ``ended``: the bytes each of ``others`` that has ended still holds
+        (:func:`held_bytes`; None: unknown), counted instead of its prediction where less.
 
         Raises:
             MemoryTooSmall: its predicted bytes, with what ``others`` are predicted to
@@ -92,22 +139,38 @@ class StageMemory:
         """
         slot = StageSlot(request.job_id, request.replica, request.stage)
         want = int(request.predicted_memory_bytes)
+        kept = ended or {}
+
+        def counted(s: StageSlot) -> int:
+            predicted, have = self._stages[s][0], kept.get(s)
+            return predicted if have is None else min(predicted, have)
         with self._lock:
-            held = sum(self._stages[s][0] for s in others if s in self._stages and s != slot)
+            held = sum(counted(s) for s in others if s in self._stages and s != slot)
             if self.limit and want and want + held > self.limit:
                 raise MemoryTooSmall(
                     f"stage {request.stage} (replica {request.replica}) of job "
-                    f"{request.job_id!r} is predicted to need {want} bytes "
-                    f"({want / MIB:.1f} MiB), but this node's memory limit is {self.limit} "
-                    f"bytes ({self.limit / MIB:.1f} MiB) and its other stages are predicted "
-                    f"to hold {held} bytes of it: {want + held - self.limit} bytes too many")
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-                base = torch.cuda.memory_allocated(self.device)
-            else:
-                reset_peak_rss()
-                base = rss_bytes()
-            self._stages[slot] = (want, base)
+                    f"{request.job_id!r} is predicted to need {binary_bytes(want)}, but this "
+                    f"node's memory limit is {binary_bytes(self.limit)} and its other stages "
+                    f"are predicted to hold {binary_bytes(held)} of it: "
+                    f"{binary_bytes(want + held - self.limit)} "
+                    f"({want + held - self.limit} bytes) too many{MEMORY_REMEDIES}")
+            self._stages[slot] = (want, self._baseline())
+
+    def rebase(self, slot: StageSlot) -> None:
+        """Measure an admitted stage's peak from now: its code is unpickled (the modules it
+        imports, the first job's ``torch`` submodules or ``transformers``, are loaded for
+        the node, not for the stage) and none of its weights is made yet."""
+        with self._lock:
+            if slot in self._stages:
+                self._stages[slot] = (self._stages[slot][0], self._baseline())
+
+    def _baseline(self) -> int:
+        """Reset the peak and return what is in use now (bytes)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        reset_peak_rss()
+        return rss_bytes()
 
     def forget(self, slot: StageSlot) -> None:
         """The stage is released: its prediction no longer holds memory here."""

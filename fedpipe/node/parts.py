@@ -27,7 +27,7 @@ from .access import JobAccessBook, Quorum
 from .admission import BOUNDED_KINDS, DataPlane, inbox_job
 from .dataplane import NodeReceiver
 from .initial import WeightsDesk
-from .lifecycle import Stage
+from .lifecycle import Stage, StageSlot
 from .mailbox import JOB_TENSORS, Mailbox
 from .memory import StageMemory
 from .peers import ChannelPool, Shaper, StagePeers
@@ -150,7 +150,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     # Checkpoints(plane=) and issue 24's notes
     loop = StageLoop(reporter, Checkpoints(snapshots, channels, reporter), mailbox, restorer)
     build = stage_builder(device, mailbox, node_id,
-                          snapshots.put, reporter, access.learning(quorum))
+                          snapshots.put, reporter, access.learning(quorum), memory)
     stages = StageRegistry(build, lambda: StagePeers(channels, shaper, metrics,
                                                      sockets[0] if sockets else None, pacer),
                            restorer, loop, mailbox, snapshots, reporter, memory)
@@ -175,11 +175,12 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
 
 def stage_builder(device: torch.device, mailbox: Mailbox, node_id: Callable[[], str],
                   keep: Callable[[str, StageKey, Snapshot], None], reporter: StageReporter,
-                  quorum: Quorum | None) -> StageBuilder:
+                  quorum: Quorum | None, memory: StageMemory | None = None) -> StageBuilder:
     """How this node wires a stage (:func:`~fedpipe.node.wiring.build_stage`): on
     ``device``, over ``mailbox``; a stage of an elastic job reaches the tracker's
     ``quorum``, keeps a joining group's state with ``keep`` and reports a peer a
-    send failed to through ``reporter``."""
+    send failed to through ``reporter``; ``memory`` measures the stage's peak from
+    when its code is unpickled (its imports are the node's, not the stage's)."""
     def suspect(stage: Stage, address: str) -> None:
         reporter.report(stage, tracker_pb2.StageReport.STATUS_SUSPECT, peer=address,
                         error=f"a replica sync send to {address} failed")
@@ -190,5 +191,7 @@ def stage_builder(device: torch.device, mailbox: Mailbox, node_id: Callable[[], 
         return ElasticHooks(stage, quorum, node_id, keep, suspect)
 
     def build(request: node_pb2.LoadStageRequest, peers: StagePeers) -> Stage:
-        return build_stage(request, device, mailbox, peers, elastic)
+        slot = StageSlot(request.job_id, request.replica, request.stage)
+        return build_stage(request, device, mailbox, peers, elastic,
+                           (lambda: memory.rebase(slot)) if memory is not None else None)
     return build

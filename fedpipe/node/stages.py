@@ -24,9 +24,9 @@ from torch import nn
 from ..net import timeouts
 from ..proto import node_pb2, tracker_pb2
 from .errors import MemoryTooSmall, NoSuchStage, StageExists, StageLoadError, Stopped
-from .lifecycle import Stage, StageSlot, StageState
+from .lifecycle import ENDED, Stage, StageSlot, StageState
 from .mailbox import Mailbox
-from .memory import StageMemory
+from .memory import StageMemory, held_bytes
 from .peers import StagePeers
 from .reports import StageReporter
 from .restore import Restorer
@@ -152,8 +152,10 @@ class StageRegistry:
             if old is not None:
                 self._release([old], f"replaced by a load of plan epoch {request.plan.epoch}")
             if self.memory is not None:  # the job's stages of older epochs give way to it
-                self.memory.admit(request, [s.slot for s in self.select(
-                    lambda s: s.job_id != request.job_id or s.epoch >= request.plan.epoch)])
+                others = self.select(lambda s: s.job_id != request.job_id
+                                     or s.epoch >= request.plan.epoch)
+                self.memory.admit(request, [s.slot for s in others], {
+                    s.slot: held_bytes(s.parts) for s in others if s.state in ENDED})
             stage = self._build(request)
         except BaseException as e:
             with self.lock:

@@ -166,19 +166,21 @@ ElasticFactory = Callable[[Stage], ElasticHooks]
 
 
 def build_stage(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Mailbox,
-                peers: StagePeers, elastic: ElasticFactory | None = None) -> Stage:
+                peers: StagePeers, elastic: ElasticFactory | None = None,
+                unpickled: Callable[[], None] | None = None) -> Stage:
     """Wire a stage from its request: layers, optimizer, loss, replica sync, runner.
 
     The config is validated before anything is unpickled. ``elastic``: how a stage
     of an elastic job (``min_replicas`` > 0) reaches the tracker's quorum; without
-    it such a stage syncs as a plain all-reduce.
+    it such a stage syncs as a plain all-reduce. ``unpickled``: called once its layers'
+    code is in and before their weights are made (:func:`~.initial.make_layers`).
 
     Raises:
         StageLoadError: the config or plan is invalid, or unpickling the layers,
             loss or optimizer, or building them, failed (the message names why).
     """
     try:
-        return _build(request, device, mailbox, peers, elastic)
+        return _build(request, device, mailbox, peers, elastic, unpickled)
     except BaseException as e:  # noqa: BLE001 — user code (even sys.exit) is the caller's error
         raise StageLoadError(f"cannot load stage {request.stage}: {type(e).__name__}: {e}") \
             from e
@@ -204,7 +206,8 @@ def _tie_and_clip(cfg: JobSpec, key: StageKey, n_stages: int, by_index: dict[int
 
 
 def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Mailbox,
-           peers: StagePeers, elastic: ElasticFactory | None) -> Stage:
+           peers: StagePeers, elastic: ElasticFactory | None,
+           unpickled: Callable[[], None] | None = None) -> Stage:
     cfg = JobSpec.from_proto(request.config).validate()  # before unpickling anything
     plan = PlanView(request.plan, cfg.microbatches)
     key = StageKey(request.replica, request.stage)
@@ -213,7 +216,7 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
         raise ValueError(f"the plan has no stage {key.stage} in replica group {key.replica}")
     n_stages = plan.depth(key.replica)
     libraries.check(cfg.libraries, request.job_id)  # before the layers are unpickled
-    layers, pending = make_layers(request, cfg.weights, mine.layer_start, device)
+    layers, pending = make_layers(request, cfg.weights, mine.layer_start, device, unpickled)
     module = nn.Sequential(*layers)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = cloudpickle.loads(cfg.optimizer).build(params) if params else None

@@ -107,14 +107,17 @@ def swarm_renderable(swarm: dict) -> RenderableType:
 
 def _plan_renderables(plan: dict) -> list[RenderableType]:
     """A job's plan (:func:`~fedpipe.observe.views.layout_view`) as a table: per stage
-    its node, layers and codecs, its predicted and measured timings and its predicted
-    and measured peak memory, once reported."""
+    its node, layers and codecs, whether it recomputes (when any does), its predicted and
+    measured timings and its predicted and measured peak memory, once reported."""
     t = Table(title="plan" + (f" ({plan['schedule']})" if plan["schedule"] else ""),
               box=box.SIMPLE_HEAD, title_justify="left")
     stages = [st for group in plan["groups"] for st in group]
     timed = any(st["measured"] or st["predicted_compute"] is not None for st in stages)
     cols = [("group", "right"), ("stage", "right"), ("node", "left"), ("layers", "left"),
             ("sends act/grad", "left")]
+    recomputes = any(st.get("recompute") for st in stages)
+    if recomputes:
+        cols += [("recompute", "left")]
     if timed:
         cols += [("predicted compute", "right"), ("compute", "right"), ("wait", "right"),
                  ("send", "right")]
@@ -126,8 +129,10 @@ def _plan_renderables(plan: dict) -> list[RenderableType]:
     for st in stages:
         m = st["measured"] or {}
         pred = st["predicted_compute"]
-        times = [_s(pred), _s(m.get("compute")) + _error(pred, m.get("compute")),
-                 _s(m.get("wait")), _s(m.get("send"))] if timed else []
+        times = ["yes" if st.get("recompute") else "no"] if recomputes else []
+        if timed:
+            times += [_s(pred), _s(m.get("compute")) + _error(pred, m.get("compute")),
+                      _s(m.get("wait")), _s(m.get("send"))]
         if sized:
             times.append(_memory(st["memory"]))
         t.add_row(str(st["replica"]), str(st["stage"]), st["node_name"],

@@ -161,6 +161,8 @@ class StageBox:
         predicted_send: predicted seconds per step its outgoing links are busy
             with its activations and gradients (None without a profile).
         measured: the stage's reported split of its last step, if reported.
+        recompute: the stage re-runs its forward in backward, keeping only its inputs
+            (``StageAssignment.recompute``: ``recompute=True``, or chosen by "auto").
     """
 
     replica: int
@@ -175,6 +177,7 @@ class StageBox:
     predicted_compute: float | None = None
     predicted_send: float | None = None
     measured: StageTime | None = None
+    recompute: bool = False
 
     @property
     def key(self) -> StageKey:
@@ -274,7 +277,7 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
             boxes.append(StageBox(r, i, s.node_id, names.get(s.node_id, s.node_id),
                                   devices.get(s.node_id, ""), s.layer_start, s.layer_end,
                                   s.activation_codec, s.gradient_codec, comp, send,
-                                  measured.get(key)))
+                                  measured.get(key), s.recompute))
         groups.append(tuple(boxes))
     boxes = [b for g in groups for b in g]
     bottleneck, basis = None, ""
@@ -439,7 +442,7 @@ def layout_view(layout: PlanLayout) -> dict:
                 "predicted_compute": _num(b.predicted_compute),
                 "predicted_send": _num(b.predicted_send),
                 "measured": _stage_time_view(b.measured),
-                "memory": _memory_view(b.measured),
+                "memory": _memory_view(b.measured), "recompute": b.recompute,
                 "bottleneck": layout.bottleneck == b.key}
 
     return {"groups": [[box(b) for b in g] for g in layout.groups],

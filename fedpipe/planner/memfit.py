@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..units import binary_bytes
 from .costs import host_memory_shares, stage_memory_bytes
 from .types import ModelProfile, NodeSpec, TrainConfig
 
-MIB = 2**20
 MEMORY_REMEDIES = ("; to fit, submit with recompute=\"auto\" (or True), more microbatches, "
                    "precision=\"bf16-mixed\", or add nodes")
-"""What a job that does not fit the swarm's memory can change, ending each such refusal."""
+"""What a job that does not fit the swarm's memory can change, ending each such refusal
+(at submit, here; at planning, :func:`~fedpipe.planner.search.no_fit_error`; at a node's
+``LoadStage``, :class:`~fedpipe.node.memory.StageMemory`)."""
+
+
+def is_memory_refusal(text: str) -> bool:
+    """Whether a refusal's (or a failed job's) text is one of memory: it carries
+    :data:`MEMORY_REMEDIES` (the client raises ``NotEnoughMemory`` for it)."""
+    return MEMORY_REMEDIES in text
 
 
 def shortfall(profile: ModelProfile, config: TrainConfig, nodes: Sequence[NodeSpec]
@@ -39,10 +47,10 @@ def shortfall(profile: ModelProfile, config: TrainConfig, nodes: Sequence[NodeSp
     need = stage_memory_bytes(profile, 0, n_layers, config, 0, 1)
     if need > have:
         return need - have, (
-            f"the job needs about {need / MIB:.1f} MiB (weights, gradients, optimizer state, "
+            f"the job needs about {binary_bytes(need)} (weights, gradients, optimizer state, "
             f"snapshots, activations) but the swarm's {len(nodes)} node(s) have "
-            f"{have / MIB:.1f} MiB in all: {need - have:.0f} bytes more are needed"
-            f"{MEMORY_REMEDIES}")
+            f"{binary_bytes(have)} in all: {binary_bytes(need - have)} "
+            f"({need - have:.0f} bytes) more are needed{MEMORY_REMEDIES}")
     top = float(max(shares.values()))
     layer, need = max(((k, stage_memory_bytes(profile, k, k + 1, config, n_layers - 1,
                                                  n_layers))
@@ -50,6 +58,7 @@ def shortfall(profile: ModelProfile, config: TrainConfig, nodes: Sequence[NodeSp
     if need > top:
         return need - top, (
             f"layer {layer} ({profile.layers[layer].name}) alone needs about "
-            f"{need / MIB:.1f} MiB as a stage but the largest node has {top / MIB:.1f} MiB: "
-            f"{need - top:.0f} bytes more are needed{MEMORY_REMEDIES}")
+            f"{binary_bytes(need)} as a stage but the largest node has {binary_bytes(top)}: "
+            f"{binary_bytes(need - top)} ({need - top:.0f} bytes) more are needed"
+            f"{MEMORY_REMEDIES}")
     return 0.0, ""

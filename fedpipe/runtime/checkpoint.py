@@ -170,13 +170,17 @@ class Assembler:
 
     Args:
         max_bytes: the most bytes the snapshot's tensors may take.
+        keep: keep each tensor in :attr:`snap` (False: only check them, for a reader
+            that passes each on as it comes, :func:`stream_frames`).
     """
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, *, keep: bool = True):
         self.max_bytes = max_bytes
+        self.keep = keep
         self.first: node_pb2.Frame | None = None
         self.snap: Snapshot | None = None
         self.named: set[str] = set()  # the tensors its skeleton names
+        self.seen: set[str] = set()  # the tensors that came
         self.total = 0
 
     def admit(self, head: node_pb2.Frame) -> int:
@@ -207,15 +211,17 @@ class Assembler:
             self.first, self.snap = head, _read_skeleton(bytes(t.numpy()))
             self.named = _collect_paths(self.snap.skeleton)
             return
-        if head.name in self.snap.tensors:
+        if head.name in self.seen:
             raise WireError(f"snapshot tensor {head.name!r} sent twice")
+        self.seen.add(head.name)
         self.total += t.numel() * t.element_size()
-        self.snap.tensors[head.name] = t
+        if self.keep:
+            self.snap.tensors[head.name] = t
 
     @property
     def complete(self) -> bool:
         """Whether every tensor its skeleton names has come."""
-        return self.snap is not None and len(self.snap.tensors) >= len(self.named)
+        return self.snap is not None and len(self.seen) >= len(self.named)
 
     def finish(self) -> tuple[node_pb2.Frame, Snapshot]:
         """The snapshot's first frame and the snapshot.
@@ -226,9 +232,9 @@ class Assembler:
         if self.first is None or self.snap is None:
             raise WireError("empty snapshot stream")
         snap = self.snap
-        if self.named != set(snap.tensors):
-            missing = sorted(self.named - set(snap.tensors))
-            extra = sorted(set(snap.tensors) - self.named)
+        if self.named != self.seen:
+            missing = sorted(self.named - self.seen)
+            extra = sorted(self.seen - self.named)
             raise WireError(f"truncated or inconsistent snapshot of step {snap.step}: missing "
                             f"{missing[:5]}, unexpected {extra[:5]}")
         return self.first, snap
@@ -251,6 +257,54 @@ def from_frames(stream: Iterable[bytes], max_bytes: int) -> tuple[node_pb2.Frame
     for head, t in frames.read_tensors(stream, assembler.admit):
         assembler.add(head, t)
     return assembler.finish()
+
+
+@dataclass
+class SnapshotStream:
+    """A snapshot read as it arrives (:func:`stream_frames`): its skeleton, then its
+    tensors one at a time, none kept.
+
+    Attributes:
+        step: steps completed when it was taken.
+        skeleton: as :attr:`Snapshot.skeleton`.
+        tensors: ``(path, tensor)`` pairs, to be iterated once; it raises ``WireError``
+            at its end unless exactly the tensors the skeleton names came.
+    """
+
+    step: int
+    skeleton: dict[str, Any]
+    tensors: Iterator[tuple[str, torch.Tensor]]
+
+
+def stream_frames(stream: Iterable[bytes], max_bytes: int, *, in_place: bool = False
+                  ) -> tuple[node_pb2.Frame, SnapshotStream]:
+    """Decode a snapshot sent by :func:`to_frames` a tensor at a time: its skeleton is read
+    here (so a stream that fails at once fails here), each tensor when the returned
+    :attr:`SnapshotStream.tensors` is advanced, with the checks of :func:`from_frames`.
+    A reader that drops each tensor before it takes the next holds one at a time.
+
+    ``in_place``: as :func:`fedpipe.wire.frames.read_tensors` (gRPC's messages).
+
+    Raises:
+        WireError, SnapshotTooLarge: as :func:`from_frames` (from the iterator, for a
+            tensor or the stream's end).
+    """
+    assembler = Assembler(max_bytes, keep=False)
+    pairs = frames.read_tensors(stream, assembler.admit, in_place=in_place)
+    for head, t in pairs:
+        assembler.add(head, t)
+        break
+    if assembler.first is None or assembler.snap is None:
+        raise WireError("empty snapshot stream")
+    snap = assembler.snap
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for head, t in pairs:
+            assembler.add(head, t)
+            yield head.name, t
+            del t  # the next tensor is read without this one held here
+        assembler.finish()
+    return assembler.first, SnapshotStream(snap.step, snap.skeleton, tensors())
 
 
 def _read_skeleton(raw: bytes) -> Snapshot:

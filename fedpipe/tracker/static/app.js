@@ -233,7 +233,8 @@ function renderPlan(job) {
       const x = LEFT + i * (BW + GAP);
       box.append(svg("rect", { class: "box" + (s.bottleneck ? " bottleneck" : ""), x, y,
                                width: BW, height: BH, rx: 6, "data-stage": `${r}-${i}` }));
-      const lines = [`stage ${i} · ${s.node_name}`, `layers ${s.layer_start}–${s.layer_end - 1}`,
+      const lines = [`stage ${i} · ${s.node_name}`,
+                     `layers ${s.layer_start}–${s.layer_end - 1}` + (s.recompute ? " · recompute" : ""),
                      s.device || "", s.measured ?
                        `measured ${fmtSeconds(s.measured.compute + s.measured.wait + s.measured.send)}` :
                        (s.predicted_compute !== null ? `predicted ${fmtSeconds(s.predicted_compute + (s.predicted_send || 0))}` : "")];
@@ -264,6 +265,7 @@ function renderPlan(job) {
       }
       rows.push(el("tr", {}, el("td", {}, r), el("td", {}, i), el("td", {}, s.node_name),
         el("td", {}, `${s.layer_start}–${s.layer_end - 1}`),
+        el("td", { "data-recompute": `${r}-${i}` }, s.recompute ? "yes" : "no"),
         el("td", { class: "num" }, fmtSeconds(s.predicted_compute)),
         el("td", { class: "num" }, fmtSeconds(s.predicted_send)),
         el("td", { class: "num" }, m ? fmtSeconds(m.compute) : "—"),
