@@ -72,6 +72,7 @@ class Code(enum.IntEnum):
     CANCELLED = 1
     UNKNOWN = 2
     INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
     NOT_FOUND = 5
     ALREADY_EXISTS = 6
     PERMISSION_DENIED = 7
