@@ -45,6 +45,11 @@ VERSION = 1
 PREFIX = struct.Struct("<3sBB3xQ")
 """A record's prefix: magic, version, type, three zero bytes, ``arg``."""
 PREFIX_BYTES = PREFIX.size
+MAX_ARG = 2**64 - 1
+"""Largest ``arg`` of a record: a sequence number, an acknowledgement, a length."""
+MAX_SEQ = 2**63 - 1
+"""Largest sequence number a preface may start or resume from: far from :data:`MAX_ARG`, so
+the numbers after it (and their acknowledgement, one past the last) still fit a record."""
 TEXT = struct.Struct("<II")
 """A REFUSED or GOAWAY record's status code and text length, after its prefix."""
 MAX_PREFACE_BYTES = 4096
@@ -166,7 +171,9 @@ class Preface:
 
         Raises:
             WireError: not JSON, unknown or missing fields, a field of the wrong type,
-                a negative number or window, or another protocol version.
+                a number that is negative or past 2**64 - 1 (sequence numbers travel as a
+                record's 8-byte ``arg``), a base or resume past :data:`MAX_SEQ`, no window,
+                or another protocol version.
         """
         try:
             fields = json.loads(body)
@@ -183,19 +190,32 @@ class Preface:
         if unknown:
             raise WireError(f"preface has unknown fields {unknown}")
         for name, value in fields.items():
-            if known[name] in (int, "int"):
-                if type(value) is not int or value < 0:
-                    raise WireError(f"preface field {name!r} is {value!r}, not a "
-                                    "non-negative integer")
-            elif type(value) is not str:
-                raise WireError(f"preface field {name!r} is {value!r}, not a string")
+            _check_field(name, value, known[name] in (int, "int"))
         try:
             preface = cls(**fields)
         except TypeError as e:
             raise WireError(f"preface is missing fields: {e}") from None
+        if max(preface.base, preface.resume) > MAX_SEQ:
+            raise WireError(f"preface base {preface.base} or resume {preface.resume} is past "
+                            f"the largest first sequence number, 2**63 - 1")
         if preface.window_bytes < 1 or preface.window_messages < 1:
             raise WireError("preface grants no credit (window_bytes and window_messages "
                             "must be >= 1)")
         if not preface.name:
             raise WireError("preface names no peer")
         return preface
+
+
+def _check_field(name: str, value: object, integer: bool) -> None:
+    """A preface field's JSON value is of its type: an integer in ``[0, MAX_ARG]`` (a
+    record's ``arg`` must carry it) or a string.
+
+    Raises:
+        WireError: it is not, naming the field.
+    """
+    if integer:
+        if type(value) is not int or not 0 <= value <= MAX_ARG:
+            raise WireError(f"preface field {name!r} is {value!r}, not an integer "
+                            f"in [0, 2**64 - 1]")
+    elif type(value) is not str:
+        raise WireError(f"preface field {name!r} is {value!r}, not a string")
