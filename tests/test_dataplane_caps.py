@@ -166,3 +166,18 @@ def test_with_tls_a_stalled_handshake_is_closed_at_the_first_record_deadline(tls
         a = DataPlane("a", Inbox(), tls=TlsConfig.load(tls_dir, "a"), timeouts=QUICK)
         a.link("b", b.address)
         a.close()
+
+
+def test_with_tls_a_preface_that_stalls_after_the_handshake_is_refused_over_tls(tls_dir):
+    from fedpipe.security.tls import client_context
+
+    with DataPlane("b", Inbox(), tls=TlsConfig.load(tls_dir, "b"), timeouts=QUICK) as b:
+        tls = client_context(TlsConfig.load(tls_dir, "a")).wrap_socket(
+            _connect(b.port), server_hostname="127.0.0.1")
+        tls.sendall(Preface(name="a", role="node", session="00", window_bytes=1,
+                            window_messages=1).encode()[:10])  # and no more
+        kind, code, text = _record(connection.Connection(tls, dialed=True))
+        assert kind is RecordType.GOAWAY and code == Code.DEADLINE_EXCEEDED, text
+        assert "DATA_FIRST_RECORD" in text
+        tls.close()
+        assert _wait(lambda: b.caps.held() == 0)

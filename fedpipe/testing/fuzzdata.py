@@ -117,6 +117,7 @@ class DataCall:
     Attributes:
         case: which kind of hostile sequence (:meth:`Records.one`).
         tls: the certificate the connection shows (None: plaintext).
+        raw: to a TLS port, no TLS: plaintext bytes, or a handshake that stalls.
         sends: the bytes sent, in this order, one ``sendall`` each.
         end: how the sequence ends.
     """
@@ -127,14 +128,17 @@ class DataCall:
     tls: TlsConfig | None
     sends: tuple[bytes, ...]
     end: End
+    raw: bool = False
 
     @property
     def key(self) -> tuple[str, str, str]:
-        return "data", self.case, "tls" if self.tls is not None else "plain"
+        return ("data", self.case,
+                "tls-port-raw" if self.raw else "tls" if self.tls is not None else "plain")
 
     def describe(self) -> str:
         sizes = ",".join(str(len(m)) for m in self.sends[:6])
-        who = f" as {self.tls.name}" if self.tls is not None else ""
+        who = (" raw to the TLS port" if self.raw else
+               f" as {self.tls.name}" if self.tls is not None else "")
         return (f"#{self.index} {self.target.name} data port {self.case}{who} "
                 f"({len(self.sends)} writes: {sizes} bytes, {self.end.value})")
 
@@ -422,12 +426,13 @@ class DataFuzzer:
             role = rng.choice(("node", "client"))
             name = f"fuzz{rng.randrange(8)}" + ("#c1ent" if role == "client" else "")
         case, sends, end = Records(Values(rng), name, role).one()
-        return DataCall(index, target, case, tls, tuple(sends), end)
+        raw = tls is not None and case in ("garbage", "stall") and rng.random() < 0.5
+        return DataCall(index, target, case, tls, tuple(sends), end, raw)
 
     def _connect(self, call: DataCall) -> socket.socket:
         host, _, port = call.target.address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=self.deadline)
-        if call.tls is not None:
+        if call.tls is not None and not call.raw:
             try:
                 return self._contexts[call.tls.name].wrap_socket(sock, server_hostname=host)
             except BaseException:

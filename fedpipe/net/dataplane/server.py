@@ -127,9 +127,9 @@ def _refusal_of(error: BaseException) -> tuple[Code, str]:
 
 
 class _Deadline:
-    """Ends a blocking handshake on ``sock`` after ``seconds``: its receiving half is shut
-    down, so a read waiting in it returns (end of stream), unless :meth:`met` came first.
-    ``sock`` may be replaced (by its TLS wrapper) while it runs."""
+    """Ends a blocking TLS handshake on ``sock`` after ``seconds``: its receiving half is
+    shut down, so a read waiting in it returns (end of stream), unless :meth:`met` came
+    first."""
 
     def __init__(self, sock: socket.socket, seconds: float):
         self.sock, self.expired = sock, False
@@ -322,20 +322,16 @@ class DataPlane:
         """An accepted connection's TLS handshake and prefaces, within
         :attr:`Timeouts.first_record` in all; its link, attached. None: refused (the
         peer was told why, with a GOAWAY, and the socket is closed)."""
-        deadline = _Deadline(sock, self.timeouts.first_record)
+        until = time.monotonic() + self.timeouts.first_record
         try:
             sock.settimeout(self.timeouts.handshake)
             _tune(sock)
             if self._server_ctx is not None:
-                sock = self._server_ctx.wrap_socket(sock, server_side=True,
-                                                    do_handshake_on_connect=False)
-                deadline.sock = sock
-                sock.do_handshake()
+                sock = self._tls_handshake(sock)
             conn = Connection(sock, dialed=False)
+            conn.until = until  # a preface that drips in, a byte now and then, ends here
             theirs = read_preface(conn)
-            deadline.met()
-            if deadline.expired:  # the preface came as its read was being ended
-                raise OSError("the first-record deadline passed")
+            conn.until = None
             peer = peer_of(sock, theirs, self._auth)
             if peer.identity is not None:  # count the slot against the certificate now
                 assert slot[0] is not None
@@ -348,9 +344,8 @@ class DataPlane:
             sock.settimeout(None)
             link.attach(conn, theirs, peer)
         except (OSError, WireError, SecurityError, LinkFailed, _Capped) as e:
-            deadline.met()
             code, why = _refusal_of(e)
-            if deadline.expired:
+            if isinstance(e, OSError) and time.monotonic() >= until:
                 code, why = Code.DEADLINE_EXCEEDED, (
                     f"no preface within {self.timeouts.first_record} s of connecting "
                     "(fedpipe.net.timeouts.DATA_FIRST_RECORD)")
@@ -361,22 +356,35 @@ class DataPlane:
             self._arrived.notify_all()
         return link, conn
 
+    def _tls_handshake(self, sock: socket.socket) -> ssl.SSLSocket:
+        """``sock``'s server-side TLS handshake, ended (OSError, the socket closed) if it
+        takes longer than :attr:`Timeouts.first_record` in all (a dialer that sends its
+        hello a byte at a time)."""
+        assert self._server_ctx is not None
+        tls = self._server_ctx.wrap_socket(sock, server_side=True,
+                                           do_handshake_on_connect=False)
+        deadline = _Deadline(tls, self.timeouts.first_record)
+        try:
+            tls.do_handshake()
+            deadline.met()
+            if deadline.expired:  # the handshake ended as its read was being cut off
+                raise TimeoutError("the TLS handshake's deadline passed")
+        except BaseException:
+            deadline.met()
+            tls.close()
+            raise
+        return tls
+
     def _refuse(self, sock: socket.socket, why: str) -> None:
         """Tell a connection past a cap why it is refused (after the TLS handshake, within
         :attr:`Timeouts.first_record`), and close it."""
-        deadline = _Deadline(sock, self.timeouts.first_record)
         try:
             sock.settimeout(self.timeouts.handshake)
             if self._server_ctx is not None:
-                sock = self._server_ctx.wrap_socket(sock, server_side=True,
-                                                    do_handshake_on_connect=False)
-                deadline.sock = sock
-                sock.do_handshake()
+                sock = self._tls_handshake(sock)
         except OSError:
             sock.close()
             return
-        finally:
-            deadline.met()
         log.info("refused a data connection: %s", why)
         self._goaway(sock, Code.RESOURCE_EXHAUSTED, why)
 
