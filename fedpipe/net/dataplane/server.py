@@ -352,6 +352,10 @@ class DataPlane:
             log.info("refused a data connection: %s", why)
             self._goaway(sock, code, why)
             return None
+        except Exception as e:  # noqa: BLE001 — a bug here must close the connection, not leak it
+            log.exception("accepting a data connection")
+            self._goaway(sock, Code.INTERNAL, f"the listener failed: {e!r}")
+            return None
         with self._arrived:
             self._arrived.notify_all()
         return link, conn
