@@ -30,7 +30,9 @@ How a call ends (:class:`End`) and its outcome (:class:`~fedpipe.testing.fuzz.Ou
   close the connection within :attr:`DataFuzzer.deadline` (it answers with GOAWAY,
   REFUSED or ACKs, or just closes). ``STALL``: the same without the shut: the node's
   first-record deadline (:data:`fedpipe.net.timeouts.DATA_FIRST_RECORD`) must close
-  it. No close in time: ``HANG``.
+  it. No close in time: ``HANG``, unless it closes within one more deadline: then
+  ``DEADLINE`` (slow, reported, as a gRPC call past its deadline to a server that
+  still answers).
 * ``HOLD``: the connection is held open while the node is probed (below): it must
   serve others meanwhile; then this side closes it.
 * ``CRASH``: the node's process died, or it answered INTERNAL or UNKNOWN (a
@@ -243,7 +245,8 @@ class Records:
         body = rng.choice((json.dumps(fields).encode(), json.dumps([fields]).encode(),
                            b"\xff\xfe" + json.dumps(fields).encode(), b"{", b"null", b""))
         body = body[:records.MAX_PREFACE_BYTES]
-        seq = fields.get("base") if type(fields.get("base")) is int else 0
+        base = fields.get("base")
+        seq: int = base if type(base) is int else 0
         after = rng.choice(([], [records.pack(RecordType.SYNC, 0)], [self._sane(0)],
                             [self._sane(min(max(0, seq), _U64)), records.pack(RecordType.SYNC, 9)]))
         return [records.pack(RecordType.PREFACE, len(body)) + body, *after], End.HALF_CLOSE
@@ -459,6 +462,9 @@ class DataFuzzer:
                 closed = True
             elif not closed:
                 closed = self._read_until_closed(sock, got)
+                if not closed:  # slow, or stuck? it gets one more deadline to tell
+                    late = self._read_until_closed(sock, got)
+                    note = f"closed after more than {self.deadline} s" if late else ""
         except OSError as e:
             closed, note = True, f"{type(e).__name__}: {e}"  # reset: refused
         finally:
@@ -515,9 +521,10 @@ class DataFuzzer:
             if crashed:
                 outcome, (code, details) = Outcome.CRASH, crashed[0]
             elif not closed:
-                outcome, details = Outcome.HANG, (f"the node did not close the connection "
-                                                  f"within {self.deadline} s; answers: "
-                                                  f"{_summary(said)}")
+                outcome = Outcome.DEADLINE if note else Outcome.HANG
+                details = (f"the node did not close the connection within {self.deadline} s"
+                           f"{' (' + note + ')' if note else ' nor the next'}; answers: "
+                           f"{_summary(said)}")
             elif not served:
                 outcome, details = Outcome.HANG, "the node stopped serving (probe failed)"
         return Result(call, outcome, code, details, time.monotonic() - t0)
