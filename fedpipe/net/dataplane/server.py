@@ -332,6 +332,7 @@ class DataPlane:
             conn.until = until  # a preface that drips in, a byte now and then, ends here
             theirs = read_preface(conn)
             conn.until = None
+            sock.settimeout(self.timeouts.handshake)  # not what was left of the deadline
             peer = peer_of(sock, theirs, self._auth)
             if peer.identity is not None:  # count the slot against the certificate now
                 assert slot[0] is not None
