@@ -17,6 +17,7 @@ from fedpipe.net.dataplane.records import RecordType
 from fedpipe.proto import node_pb2
 from fedpipe.security import TlsConfig, certs
 from fedpipe.wire import codecs, format
+from fedpipe.wire.format import WireError
 
 pytestmark = pytest.mark.timeout(120)
 FAST = Timeouts(credit=20.0, resume=5.0, handshake=5.0, backoff_min=0.02, backoff_max=0.2)
@@ -640,3 +641,29 @@ def test_a_goaway_of_an_unknown_status_code_at_a_redial_fails_the_link():
         assert rec.lost and rec.failed, (rec.lost, rec.failed)
         with pytest.raises(LinkFailed):
             link.send(torch.ones(4), envelope=env(0))
+
+
+@pytest.mark.parametrize("field, value", [("base", 2**64 + 5), ("base", 2**64 - 1),
+                                          ("resume", 2**63), ("window_bytes", 2**64)])
+def test_a_preface_number_past_what_a_record_carries_is_refused_as_malformed(pair, field, value):
+    """Found by fedpipe.testing.fuzzdata: a preface's base of 2**64 - 1 or more was taken,
+    and the ACK of the next tensor (or SYNC) could not be packed: the reader failed with a
+    struct.error, answered INTERNAL."""
+    import json
+    _, b, _, _ = pair
+    fields = dict(version=1, name="x", role="node", session="s", base=0, resume_session="",
+                  resume=0, window_bytes=10, window_messages=10)
+    fields[field] = value
+    body = json.dumps(fields).encode()
+    sock = socket.create_connection(("127.0.0.1", b.port), timeout=5)
+    conn = connection.Connection(sock, dialed=True)
+    probe = node_pb2.Envelope(kind=node_pb2.KIND_PROBE)
+    conn.write(records.pack(RecordType.PREFACE, len(body)) + body
+               + _tensor_record(min(fields["base"], 2**64 - 1), torch.ones(2), probe)
+               + records.pack(RecordType.SYNC, 0))
+    kind, _, text = _next_record(conn)
+    assert kind is RecordType.GOAWAY and f"preface field {field!r}" in text \
+        or "largest first sequence number" in text, text
+    conn.close()
+    with pytest.raises(WireError):
+        Preface.decode(body)

@@ -16,12 +16,16 @@ from torch import nn
 import fedpipe
 from fedpipe import net
 from fedpipe.examples import digits
+from fedpipe.net import timeouts
+from fedpipe.net.dataplane import Code, DataPlane, Refused, Timeouts
 from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2
-from fedpipe.testing import LocalSwarm, fuzz
+from fedpipe.security import certs
+from fedpipe.testing import LocalSwarm, fuzz, fuzzdata
 from fedpipe.wire import rpc
 
 pytestmark = pytest.mark.timeout(180)
 CALLS = 300  # more than the 111 that try each (server, method, mutation) once
+SOCKET_CALLS = {False: 300, True: 150}  # hostile sequences to a data port, plain and TLS
 
 
 @pytest.mark.processes
@@ -58,6 +62,76 @@ def test_a_fuzzed_swarm_answers_every_call_stays_up_and_still_trains():
         status = job.wait(timeout=120, progress=False)
         assert status.state == "SUCCEEDED", status
         assert 0.0 < status.loss < 2.3  # cross-entropy of 10 classes starts at ln 10 = 2.30
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_hostile_sequences_to_a_nodes_data_port_neither_crash_nor_hang_it(monkeypatch, tls):
+    monkeypatch.setenv("FEDPIPE_DATA_FIRST_RECORD", "1")  # the node's: a stall ends in 1 s
+    with LocalSwarm(n_nodes=1, tls=tls) as swarm:
+        hostile, probe = [], None
+        if tls:  # a node's certificate and a client's (kinds a client may not send)
+            hostile = [swarm.issue(certs.Role.NODE, "fuzz-node"),
+                       swarm.issue(certs.Role.CLIENT, "fuzz-client")]
+            probe = swarm.issue(certs.Role.NODE, fuzzdata.PROBE_NAME)
+        targets = fuzzdata.data_targets(swarm, hostile, probe)
+        assert len(targets) == 1, "the node offers no data port"
+        with fuzzdata.DataFuzzer(targets, seed=24, deadline=timeouts.CONTROL_RPC) as fz:
+            report = fz.run(SOCKET_CALLS[tls], workers=4)
+            targets[0].node.alive()
+            assert fz.serving(targets[0])
+        log = swarm.log(swarm.nodes[0])
+    assert report.calls == SOCKET_CALLS[tls]
+    # (a call the node closes late on a loaded machine is slow, DEADLINE, not a failure)
+    assert report.crashes == [] and report.hangs == [], report.summary()
+    assert {case for _, case, _ in report.by_method} == set(fuzzdata.Records.CASES)
+    # refused as what they are: malformed, too slow, for no stage here (or not allowed)
+    assert report.codes["INVALID_ARGUMENT"] > 0 and report.codes["DEADLINE_EXCEEDED"] > 0
+    assert report.codes["PERMISSION_DENIED" if tls else "NOT_FOUND"] > 0, report.summary()
+    assert "Traceback" not in log
+
+
+class _Listener:
+    """A data port whose receiver has a planted defect for tensors that are not probes:
+    ``admit`` raises an exception it does not map (``crash``), or blocks (a reader that
+    never returns); probes pass, so the fuzzer's good connection works."""
+
+    def __init__(self, crash: bool):
+        self.crash, self.release = crash, threading.Event()
+
+    def admit(self, peer, header):
+        if header.envelope.kind != node_pb2.KIND_PROBE:
+            if self.crash:
+                raise RuntimeError("planted defect")
+            self.release.wait()
+            raise Refused(Code.UNAVAILABLE, "released")
+        return 1 << 20
+
+    def deliver(self, peer, header, tensor):
+        pass
+
+
+@pytest.mark.parametrize("crash", [True, False], ids=["crash", "hang"])
+def test_the_data_port_harness_sees_a_planted_crash_and_a_planted_hang(planted, crash):
+    _, address = planted  # answers Ping
+    receiver = _Listener(crash)
+    with DataPlane("planted", receiver, timeouts=Timeouts(first_record=0.3)) as plane:
+        target = fuzzdata.DataTarget("planted", plane.address,
+                                     fuzz.node_target("planted", address))
+        try:
+            with fuzzdata.DataFuzzer([target], seed=3, deadline=1.0) as fz:
+                report = fz.run(40, workers=4, batch=20)
+        finally:
+            receiver.release.set()
+    found = report.crashes if crash else report.hangs
+    assert found and report.outcomes["crash" if crash else "hang"] == len(found), \
+        report.summary()
+    if crash:
+        assert all("planted defect" in c for c in report.crashes), report.summary()
+        assert report.hangs == []
+    else:
+        assert all("did not close" in h for h in report.hangs), report.summary()
 
 
 class _Planted(node_pb2_grpc.NodeServicer):

@@ -129,6 +129,16 @@ REVERSE_DIAL_WAIT = _seconds("REVERSE_DIAL_WAIT", 10.0)
 """A reachable node about to send to an outbound-only peer (one behind NAT, homed at a relay)
 waits this long for the data link that peer dials itself when its stage loads (a direct
 connection), before it dials the peer's relayed address instead."""
+DATA_FIRST_RECORD = _seconds("DATA_FIRST_RECORD", 5.0)
+"""A connection accepted on a socket data port has this long, from its accept, for its TLS
+handshake and its first record (the preface) in all; then it is refused (GOAWAY
+DEADLINE_EXCEEDED, naming this limit) and closed. So a connection that stalls before its
+preface, or drips it a byte at a time, holds one of the listener's connection slots
+(:mod:`fedpipe.net.dataplane.caps`) for this long at most."""
+GOAWAY_LINGER = _seconds("GOAWAY_LINGER", 1.0)
+"""A socket data-plane side that refuses a connection (GOAWAY) reads what its peer still
+sends for this long at most before it closes, so the close does not reset the connection
+before the peer has read the refusal."""
 RELAY_HANDSHAKE = _seconds("RELAY_HANDSHAKE", 10.0)
 """A node's homing at a relay: TCP connect, TLS handshake and HELLO until ALLOCATED (both sides)."""
 RELAY_FAILOVER = _seconds("RELAY_FAILOVER", 5.0)

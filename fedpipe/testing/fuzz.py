@@ -62,7 +62,7 @@ import time
 from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import grpc
 from google.protobuf import descriptor as _descriptor
@@ -480,14 +480,37 @@ class Call:
         return (f"#{self.index} {self.target.name}{self.method.path} {self.mutation.value} "
                 f"({len(self.messages)} messages: {sizes} bytes)")
 
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """What a report counts it under: (the server's kind, the method, the mutation)."""
+        kind = "tracker" if self.target.name == "tracker" else "node"
+        return kind, self.method.name, self.mutation.value
+
+
+class AnyCall(Protocol):
+    """What a :class:`Report` needs of a call: a gRPC :class:`Call`, or a hostile sequence
+    of records to a socket data port (:class:`fedpipe.testing.fuzzdata.DataCall`)."""
+
+    @property
+    def key(self) -> tuple[str, str, str]: ...
+
+    def describe(self) -> str: ...
+
+
+class StatusCode(Protocol):
+    """A status code: gRPC's, or a socket data port's (:class:`fedpipe.net.dataplane.Code`)."""
+
+    @property
+    def name(self) -> str: ...
+
 
 @dataclass
 class Result:
     """How one call ended: its outcome, the status code (None: answered OK) and details."""
 
-    call: Call
+    call: AnyCall
     outcome: Outcome
-    code: grpc.StatusCode | None
+    code: StatusCode | None
     details: str
     seconds: float
 
@@ -518,12 +541,11 @@ class Report:
     def add(self, r: Result) -> None:
         self.calls += 1
         self.outcomes[r.outcome.value] += 1
-        self.codes[r.code.name if r.code is not None else "OK"] += 1
-        kind = "tracker" if r.call.target.name == "tracker" else "node"
-        self.by_method[(kind, r.call.method.name, r.call.mutation.value)] += 1
         code = r.code.name if r.code is not None else "OK"
-        self.examples.setdefault((r.call.method.name, code), r.details[:160])
-        line = f"{r.call.describe()}: {r.code.name if r.code else 'OK'} {r.details[:300]!r}"
+        self.codes[code] += 1
+        self.by_method[r.call.key] += 1
+        self.examples.setdefault((r.call.key[1], code), r.details[:160])
+        line = f"{r.call.describe()}: {code} {r.details[:300]!r}"
         {Outcome.CRASH: self.crashes, Outcome.HANG: self.hangs,
          Outcome.DEADLINE: self.deadlines}.get(r.outcome, []).append(line)
 
@@ -708,25 +730,20 @@ class Fuzzer:
         liveness probed; a target that fails either is a crash or a hang of that
         batch. ``progress`` is called with the report so far after each batch.
         """
-        report, t0 = Report(), time.monotonic()
-        with futures.ThreadPoolExecutor(workers, thread_name_prefix="fuzz") as pool:
-            for start in range(first, first + calls, batch):
-                stop = min(first + calls, start + batch)
-                for r in pool.map(lambda i: self.invoke(self.make_call(i)), range(start, stop)):
-                    report.add(r)
-                for t in self.targets:
-                    try:
-                        t.alive()
-                    except Exception as e:  # noqa: BLE001
-                        report.crashes.append(f"{t.name} died in calls {start}..{stop - 1}: {e}")
-                        continue
-                    if not self.responsive(t):
-                        report.hangs.append(f"{t.name} stopped answering {t.probe[0]} in calls "
-                                            f"{start}..{stop - 1}")
-                report.seconds = time.monotonic() - t0
-                if progress is not None:
-                    progress(report)
-        return report
+        return run_batches(lambda i: self.invoke(self.make_call(i)), self._after_batch,
+                           calls, workers=workers, batch=batch, first=first,
+                           progress=progress)
+
+    def _after_batch(self, report: Report, start: int, stop: int) -> None:
+        for t in self.targets:
+            try:
+                t.alive()
+            except Exception as e:  # noqa: BLE001
+                report.crashes.append(f"{t.name} died in calls {start}..{stop - 1}: {e}")
+                continue
+            if not self.responsive(t):
+                report.hangs.append(f"{t.name} stopped answering {t.probe[0]} in calls "
+                                    f"{start}..{stop - 1}")
 
     def cleanup(self) -> list[str]:
         """Cancel the jobs fuzzed SubmitJob calls made (so they hold no nodes); returns
@@ -745,6 +762,27 @@ class Fuzzer:
                 if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # already ended
                     failed.append(f"{job}: {e.code().name} {e.details()}")
         return failed
+
+
+def run_batches(invoke: Callable[[int], Result],
+                after_batch: Callable[[Report, int, int], None], calls: int, *,
+                workers: int = 4, batch: int = 100, first: int = 0,
+                progress: Callable[[Report], None] | None = None) -> Report:
+    """Make calls ``first .. first + calls - 1`` (``invoke(i)``: call ``i``, classified),
+    ``workers`` at a time, in batches of ``batch``; after each batch
+    ``after_batch(report, start, stop)`` checks the servers (adding what it finds to the
+    report's crashes and hangs), then ``progress(report)`` is called."""
+    report, t0 = Report(), time.monotonic()
+    with futures.ThreadPoolExecutor(workers, thread_name_prefix="fuzz") as pool:
+        for start in range(first, first + calls, batch):
+            stop = min(first + calls, start + batch)
+            for r in pool.map(invoke, range(start, stop)):
+                report.add(r)
+            after_batch(report, start, stop)
+            report.seconds = time.monotonic() - t0
+            if progress is not None:
+                progress(report)
+    return report
 
 
 def swarm_targets(swarm) -> list[Target]:

@@ -36,9 +36,10 @@ def json_object(body: bytes, what: str, error: type[Exception]) -> dict[str, Any
 
 
 def dataclass_of(cls: type[T], fields: dict[str, Any], what: str,
-                 error: type[Exception]) -> T:
+                 error: type[Exception], max_int: int | None = None) -> T:
     """``cls(**fields)``, each of ``cls``'s fields present and of its declared type
-    (``int`` fields non-negative integers, the others strings).
+    (``int`` fields non-negative integers, at most ``max_int`` if given; the others
+    strings).
 
     Raises:
         error: unknown or missing fields, or a field of the wrong type or negative.
@@ -52,8 +53,9 @@ def dataclass_of(cls: type[T], fields: dict[str, Any], what: str,
         raise error(f"{what} is missing fields {missing}")
     for name, value in fields.items():
         if known[name] in (int, "int"):
-            if type(value) is not int or value < 0:
-                raise error(f"{what} field {name!r} is {value!r}, not a non-negative integer")
+            if type(value) is not int or value < 0 or (max_int is not None and value > max_int):
+                bound = "non-negative" if max_int is None else f"in [0, {max_int}]"
+                raise error(f"{what} field {name!r} is {value!r}, not an integer {bound}")
         elif type(value) is not str:
             raise error(f"{what} field {name!r} is {value!r}, not a string")
     return cls(**fields)

@@ -12,6 +12,7 @@ Contract: ``protos/fedpipe/v1/FRAMES.md``, "Connections".
 * :mod:`.link`: one peer's state across connections: sequence numbers, resume,
   duplicates, acknowledgements.
 * :mod:`.server`: :class:`DataPlane`, a process's listener and links.
+* :mod:`.caps`: the listener's connection caps, in all and per caller.
 
 How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.SocketSender`,
 ``fedpipe node --data-port``; a peer without a data port is served over gRPC):

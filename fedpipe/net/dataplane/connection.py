@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 from typing import Sequence
 
 import numpy
@@ -80,6 +81,9 @@ class Connection:
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # the read-ahead bytes not consumed yet
         self.closed = False
+        self.until: float | None = None
+        """A ``time.monotonic()`` by which every read must be done (the preface's
+        deadline), or None: reads wait as long as the socket's timeout says."""
 
     def __repr__(self) -> str:
         try:
@@ -99,6 +103,11 @@ class Connection:
 
     # -- reading: the reader thread only -----------------------------------------
     def _recv_into(self, view: memoryview) -> int:
+        if self.until is not None:
+            left = self.until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the read's deadline passed")
+            self.sock.settimeout(left)
         n = self.sock.recv_into(view)
         if n == 0:
             raise Closed("the peer closed the connection")

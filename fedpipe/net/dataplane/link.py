@@ -38,6 +38,7 @@ from ...security import Identity
 from ...security.errors import SecurityError
 from ...wire import codecs, format
 from ...wire.format import WireError
+from .. import timeouts as net_timeouts
 from . import records
 from .connection import Closed, Connection, read_head, read_tensor, skip_payload
 from .credits import Credits, LinkFailed
@@ -63,6 +64,8 @@ class Timeouts:
         handshake: connect, TLS handshake and prefaces, each.
         backoff_min, backoff_max: the dialer's pause between redials, doubling.
         resync: a sender waiting for acknowledgements asks again this often.
+        first_record: an accepted connection's TLS handshake and preface, in all
+            (:data:`fedpipe.net.timeouts.DATA_FIRST_RECORD`).
     """
 
     credit: float = 600.0
@@ -71,6 +74,7 @@ class Timeouts:
     backoff_min: float = 0.05
     backoff_max: float = 1.0
     resync: float = 1.0
+    first_record: float = net_timeouts.DATA_FIRST_RECORD
 
 
 DEFAULT_TIMEOUTS = Timeouts()

@@ -45,6 +45,11 @@ VERSION = 1
 PREFIX = struct.Struct("<3sBB3xQ")
 """A record's prefix: magic, version, type, three zero bytes, ``arg``."""
 PREFIX_BYTES = PREFIX.size
+MAX_ARG = 2**64 - 1
+"""Largest ``arg`` of a record: a sequence number, an acknowledgement, a length."""
+MAX_SEQ = 2**63 - 1
+"""Largest sequence number a preface may start or resume from: far from :data:`MAX_ARG`, so
+the numbers after it (and their acknowledgement, one past the last) still fit a record."""
 TEXT = struct.Struct("<II")
 """A REFUSED or GOAWAY record's status code and text length, after its prefix."""
 MAX_PREFACE_BYTES = 4096
@@ -72,6 +77,7 @@ class Code(enum.IntEnum):
     CANCELLED = 1
     UNKNOWN = 2
     INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
     NOT_FOUND = 5
     ALREADY_EXISTS = 6
     PERMISSION_DENIED = 7
@@ -165,14 +171,19 @@ class Preface:
 
         Raises:
             WireError: not JSON, unknown or missing fields, a field of the wrong type,
-                a negative number or window, or another protocol version.
+                a number that is negative or past 2**64 - 1 (sequence numbers travel as a
+                record's 8-byte ``arg``), a base or resume past :data:`MAX_SEQ`, no window,
+                or another protocol version.
         """
         fields = jsonbody.json_object(body, "preface", WireError)
         version = fields.get("version")
         if version != VERSION:
             raise WireError(f"peer speaks connection version {version!r}; this side speaks "
                             f"{VERSION}")
-        preface = jsonbody.dataclass_of(cls, fields, "preface", WireError)
+        preface = jsonbody.dataclass_of(cls, fields, "preface", WireError, max_int=MAX_ARG)
+        if max(preface.base, preface.resume) > MAX_SEQ:
+            raise WireError(f"preface base {preface.base} or resume {preface.resume} is past "
+                            f"the largest first sequence number, 2**63 - 1")
         if preface.window_bytes < 1 or preface.window_messages < 1:
             raise WireError("preface grants no credit (window_bytes and window_messages "
                             "must be >= 1)")

@@ -31,6 +31,7 @@ from ...security.errors import SecurityError
 from ...wire.format import WireError
 from .. import timeouts as net_timeouts
 from . import records
+from .caps import MAX_CALLER_CONNECTIONS, MAX_CONNECTIONS, Caps
 from .connection import Connection
 from .credits import LinkFailed
 from .link import (DEFAULT_TIMEOUTS, WINDOW_BYTES, WINDOW_MESSAGES, Link, LinkEvents, Peer,
@@ -112,6 +113,50 @@ def peer_of(sock: socket.socket, theirs: Preface, auth: Authenticator | None) ->
     return Peer(identity.name, identity.role.value, identity)
 
 
+class _Capped(Exception):
+    """A connection past a cap of :class:`~.caps.Caps` (the message names it)."""
+
+
+def _refusal_of(error: BaseException) -> tuple[Code, str]:
+    """The GOAWAY code and text for a connection refused with ``error``."""
+    if isinstance(error, _Capped):
+        return Code.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, SecurityError):
+        return Code(error.code.value[0]), str(error)
+    return Code.INVALID_ARGUMENT, str(error) or type(error).__name__
+
+
+class _Deadline:
+    """Ends a blocking TLS handshake on ``sock`` after ``seconds``: its receiving half is
+    shut down, so a read waiting in it returns (end of stream), unless :meth:`met` came
+    first."""
+
+    def __init__(self, sock: socket.socket, seconds: float):
+        self.sock, self.expired = sock, False
+        self._lock = threading.Lock()
+        self._done = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = self.expired = True
+            try:  # the plain socket's shutdown: SSLSocket's would drop its TLS state
+                socket.socket.shutdown(self.sock, socket.SHUT_RD)
+            except OSError:
+                pass
+
+    def met(self) -> None:
+        """The handshake ended (either way): the deadline no longer applies (see
+        :attr:`expired` for whether it had passed)."""
+        self._timer.cancel()
+        with self._lock:
+            self._done = True
+
+
 class DataPlane:
     """This process's listener and links.
 
@@ -124,6 +169,9 @@ class DataPlane:
         tls: mutual TLS with these certificates (None: plaintext).
         events: where links report breaks and failures.
         window_bytes, window_messages: the credit each link grants its peer.
+        max_connections, max_caller_connections: the listener's caps on connections
+            held at once, in all and per caller (:mod:`.caps`); past them a connection is
+            refused with a GOAWAY (RESOURCE_EXHAUSTED) that names the cap.
 
     Raises:
         OSError: the port is in use (or cannot be bound).
@@ -133,7 +181,10 @@ class DataPlane:
                  host: str = "127.0.0.1", port: int = 0, listen: bool = True,
                  tls: TlsConfig | None = None,
                  events: LinkEvents | None = None, timeouts: Timeouts = DEFAULT_TIMEOUTS,
-                 window_bytes: int | None = None, window_messages: int | None = None):
+                 window_bytes: int | None = None, window_messages: int | None = None,
+                 max_connections: int = MAX_CONNECTIONS,
+                 max_caller_connections: int = MAX_CALLER_CONNECTIONS):
+        self.caps = Caps(max_connections, max_caller_connections)
         self.name, self.role, self.receiver, self.events = name, role, receiver, events
         self.timeouts = timeouts
         self.window_bytes = window_bytes or WINDOW_BYTES
@@ -244,36 +295,124 @@ class DataPlane:
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, _ = listener.accept()
+                sock, source = listener.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve, args=(sock,), daemon=True,
+            caller = str(source[0])
+            refused = self.caps.take(caller)
+            if refused is not None and not self.caps.start_refusal():
+                sock.close()  # even the refusals are at their cap: no word, no thread
+                continue
+            threading.Thread(target=self._serve, args=(sock, caller, refused), daemon=True,
                              name="data-conn").start()
 
-    def _serve(self, sock: socket.socket) -> None:
-        """One accepted connection: handshake, then its link's reader until it breaks."""
+    def _serve(self, sock: socket.socket, caller: str, refused: str | None) -> None:
+        """One accepted connection: handshake, then its link's reader until it breaks.
+
+        ``caller`` (its source host) holds a slot of :attr:`caps` unless ``refused``
+        says why not: then the connection is only told so (after the TLS handshake, so
+        a TLS dialer can read it) and closed."""
+        if refused is not None:
+            try:
+                self._refuse(sock, refused)
+            finally:
+                self.caps.end_refusal()
+            return
+        slot: list[str | None] = [caller]  # whom the slot counts against (None: given back)
+        try:
+            attached = self._handshake(sock, slot)
+            if attached is None:
+                return
+            link, conn = attached
+            link.read(conn)
+        finally:
+            if slot[0] is not None:
+                self.caps.give(slot[0])
+        link.await_resume()
+        self._forget(link)
+
+    def _handshake(self, sock: socket.socket,
+                   slot: list[str | None]) -> tuple[Link, Connection] | None:
+        """An accepted connection's TLS handshake and prefaces, within
+        :attr:`Timeouts.first_record` in all; its link, attached. None: refused (the
+        peer was told why, with a GOAWAY, and the socket is closed)."""
+        until = time.monotonic() + self.timeouts.first_record
         try:
             sock.settimeout(self.timeouts.handshake)
             _tune(sock)
             if self._server_ctx is not None:
-                sock = self._server_ctx.wrap_socket(sock, server_side=True)
+                sock = self._tls_handshake(sock)
             conn = Connection(sock, dialed=False)
+            conn.until = until  # a preface that drips in, a byte now and then, ends here
             theirs = read_preface(conn)
+            conn.until = None
+            sock.settimeout(self.timeouts.handshake)  # not what was left of the deadline
             peer = peer_of(sock, theirs, self._auth)
+            if peer.identity is not None:  # count the slot against the certificate now
+                assert slot[0] is not None
+                refused, slot[0] = self.caps.move(slot[0], peer.identity.uri), None
+                if refused is not None:
+                    raise _Capped(refused)
+                slot[0] = peer.identity.uri
             link = self._accepted_link(peer.name)
             conn.write(link.preface().encode())
             sock.settimeout(None)
             link.attach(conn, theirs, peer)
-            with self._arrived:
-                self._arrived.notify_all()
-        except (OSError, WireError, SecurityError, LinkFailed) as e:
-            log.info("refused a data connection: %s", e)
-            code = e.code if isinstance(e, SecurityError) else None
-            self._goaway(sock, Code(code.value[0]) if code is not None
-                         else Code.INVALID_ARGUMENT, str(e))
+        except (OSError, WireError, SecurityError, LinkFailed, _Capped) as e:
+            code, why = _refusal_of(e)
+            if isinstance(e, OSError) and time.monotonic() >= until:
+                code, why = Code.DEADLINE_EXCEEDED, (
+                    f"no preface within {self.timeouts.first_record} s of connecting "
+                    "(fedpipe.net.timeouts.DATA_FIRST_RECORD)")
+            log.info("refused a data connection: %s", why)
+            self._goaway(sock, code, why)
+            return None
+        except Exception as e:  # noqa: BLE001 — a bug here must close the connection, not leak it
+            log.exception("accepting a data connection")
+            self._goaway(sock, Code.INTERNAL, f"the listener failed: {e!r}")
+            return None
+        with self._arrived:
+            self._arrived.notify_all()
+        return link, conn
+
+    def _tls_handshake(self, sock: socket.socket) -> ssl.SSLSocket:
+        """``sock``'s server-side TLS handshake, ended (OSError, the socket closed) if it
+        takes longer than :attr:`Timeouts.first_record` in all (a dialer that sends its
+        hello a byte at a time)."""
+        assert self._server_ctx is not None
+        tls = self._server_ctx.wrap_socket(sock, server_side=True,
+                                           do_handshake_on_connect=False)
+        deadline = _Deadline(tls, self.timeouts.first_record)
+        try:
+            tls.do_handshake()
+            deadline.met()
+            if deadline.expired:  # the handshake ended as its read was being cut off
+                raise TimeoutError("the TLS handshake's deadline passed")
+        except BaseException:
+            deadline.met()
+            tls.close()
+            raise
+        return tls
+
+    def _refuse(self, sock: socket.socket, why: str) -> None:
+        """Tell a connection past a cap why it is refused (after the TLS handshake, within
+        :attr:`Timeouts.first_record`), and close it."""
+        try:
+            sock.settimeout(self.timeouts.handshake)
+            if self._server_ctx is not None:
+                sock = self._tls_handshake(sock)
+        except OSError:
+            sock.close()
             return
-        link.read(conn)
-        link.await_resume()
+        log.info("refused a data connection: %s", why)
+        self._goaway(sock, Code.RESOURCE_EXHAUSTED, why)
+
+    def _forget(self, link: Link) -> None:
+        """Drop an accepted link that failed (its dialer did not come back), so callers that
+        come and go do not pile up links."""
+        with self._lock:
+            if link.credits.failed is not None and self._accepted.get(link.peer_name) is link:
+                del self._accepted[link.peer_name]
 
     def wait_dialed_by(self, peer: str, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until ``peer`` (a node name) has a connected link
@@ -302,10 +441,18 @@ class DataPlane:
 
     @staticmethod
     def _goaway(sock: socket.socket, code: Code, why: str) -> None:
+        """Send a GOAWAY and close: the sending half first, then what the peer still sends
+        is read (for :data:`fedpipe.net.timeouts.GOAWAY_LINGER` at most), so the close does
+        not reset the connection before the peer has read why."""
         try:
+            sock.settimeout(net_timeouts.GOAWAY_LINGER)
             sock.sendall(records.pack_text(RecordType.GOAWAY, 0, code, why))
-        except OSError:
-            pass  # it is being closed anyway
+            socket.socket.shutdown(sock, socket.SHUT_WR)  # not SSLSocket's: no TLS close
+            end = time.monotonic() + net_timeouts.GOAWAY_LINGER
+            while time.monotonic() < end and sock.recv(65536):
+                pass
+        except (OSError, ValueError):
+            pass  # it is being closed anyway (ValueError: TLS not handshaken)
         sock.close()
 
     # -- life cycle -------------------------------------------------------------
