@@ -44,7 +44,7 @@ import torch
 from google.protobuf import json_format
 
 from ..proto import node_pb2
-from ..runtime import layerstate
+from ..runtime import layerstate, tensorfile
 from ..runtime.checkpoint import Snapshot
 from ..runtime.weights import (INDEX_NAME, SINGLE_NAME, KeyMap, WeightFiles, WeightsError,
                                sequential_keys)
@@ -186,8 +186,6 @@ class CheckpointWriter:
             WeightsError: two tensors would get one model name.
             OSError: a file cannot be written.
         """
-        from safetensors.torch import save_file  # only who writes checkpoints needs it
-
         start, end = self._ranges.get(key, (0, 0))
         weights: dict[str, torch.Tensor] = {}
         state: dict[str, torch.Tensor] = {}
@@ -203,10 +201,10 @@ class CheckpointWriter:
             weights[name], named[path] = t.contiguous(), name
         if key.replica == 0:
             shard = shard_file(key.stage, self._depth)
-            self._write(save_file, weights, shard)
+            self._write(weights, shard)
             self._weight_map.update((n, shard) for n in weights)
             self._total += sum(t.numel() * t.element_size() for t in weights.values())
-        self._write(save_file, state, state_file(key))
+        self._write(state, state_file(key))
         self._stages.append({"replica": key.replica, "stage": key.stage, "layer_start": start,
                              "layer_end": end, "state": state_file(key), "weights": named,
                              "skeleton": snap.skeleton})
@@ -215,15 +213,17 @@ class CheckpointWriter:
         """The folder, made on first use (an earlier failed save's files aside removed)."""
         if not self._made:
             self.folder.mkdir(parents=True, exist_ok=True)
-            for tmp in (*self.folder.glob("model*.safetensors.tmp"),  # an earlier save's
-                        *self.folder.glob("state-*.safetensors.tmp")):  # that failed
+            for tmp in (*self.folder.glob("model*.safetensors.tmp*"),  # an earlier save's
+                        *self.folder.glob("state-*.safetensors.tmp*")):  # that failed
                 tmp.unlink()
             self._made = True
         return self.folder
 
-    def _write(self, save_file: Callable, tensors: dict[str, torch.Tensor], name: str) -> None:
+    def _write(self, tensors: dict[str, torch.Tensor], name: str) -> None:
+        """Write ``tensors`` to ``NAME.tmp`` (tensor by tensor, each from its own memory:
+        :func:`fedpipe.runtime.tensorfile.write`); :meth:`close` names it."""
         self._folder()
-        save_file(tensors, str(self.folder / (name + ".tmp")), metadata={"format": "pt"})
+        tensorfile.write(self.folder / (name + ".tmp"), tensors, {"format": "pt"})
         self._pending.append(name)
         self._files.add(name)
 
