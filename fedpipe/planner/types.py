@@ -31,6 +31,8 @@ class NodeSpec:
         host_cores: logical cores of the node's machine (0: unknown, not shared).
         host_memory: memory of the node's machine that its nodes share, bytes (0:
             unknown, not shared; see :func:`fedpipe.planner.costs.host_memory_shares`).
+        snapshots_on_disk: the node keeps checkpoint snapshots on disk, not in memory
+            (:func:`fedpipe.planner.costs.state_bytes`).
     """
 
     node_id: str
@@ -43,6 +45,7 @@ class NodeSpec:
     threads: int = 1
     host_cores: int = 0
     host_memory: int = 0
+    snapshots_on_disk: bool = False
 
 
 @dataclass(frozen=True)

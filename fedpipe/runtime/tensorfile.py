@@ -95,7 +95,7 @@ class TensorFileWriter:
         t = t.detach().to("cpu").contiguous()
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            self._file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            self._file.write(t.reshape(-1).view(torch.uint8).numpy().data)  # no copy
         self._entries[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape),
                                "data_offsets": [self._offset, self._offset + nbytes]}
         self._offset += nbytes
@@ -204,17 +204,21 @@ class TensorFile(MutableMapping[str, torch.Tensor]):
             raise TensorFileError(f"{self.path}: a malformed safetensors header: {e}") from None
         return meta, head, 8 + n
 
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each tensor, by name (from the header; nothing is read)."""
+        return {n: e["data_offsets"][1] - e["data_offsets"][0] for n, e in self._entries.items()}
+
     @property
     def nbytes(self) -> int:
         """Bytes of all its tensors (from the header; nothing is read)."""
-        return sum(e["data_offsets"][1] - e["data_offsets"][0] for e in self._entries.values())
+        return sum(self.sizes().values())
 
     def __getitem__(self, name: str) -> torch.Tensor:
         e = self._entries[name]
         a, b = e["data_offsets"]
         out = torch.empty(b - a, dtype=torch.uint8)
         if b > a:
-            view = memoryview(out.numpy())
+            view = out.numpy().data
             done = 0
             while done < b - a:
                 got = os.preadv(self._file.fileno(), [view[done:]], self._start + a + done)
