@@ -179,7 +179,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
 
 
 def stage_builder(device: torch.device, mailbox: Mailbox, node_id: Callable[[], str],
-                  keep: Callable[[str, StageKey, Snapshot], None], reporter: StageReporter,
+                  keep: Callable[[str, StageKey, Snapshot], object], reporter: StageReporter,
                   quorum: Quorum | None) -> StageBuilder:
     """How this node wires a stage (:func:`~fedpipe.node.wiring.build_stage`): on
     ``device``, over ``mailbox``; a stage of an elastic job reaches the tracker's
