@@ -305,7 +305,12 @@ class Checkpoints:
         ship it to its buddy and report it (on the shipper thread)."""
         # a disk store writes the stage's own tensors now, on its thread: no copy in memory
         snap = checkpoint.take(stage.parts, step, copy=not self.snapshots.on_disk)
-        kept = self.snapshots.put(stage.job_id, stage.key, snap)
+        try:
+            kept = self.snapshots.put(stage.job_id, stage.key, snap)
+        except OSError as e:  # a full or failing disk: the checkpoint stays incomplete
+            log.warning("job %s stage %d: could not keep the step %d snapshot on disk: %s",
+                        stage.job_id, stage.key.stage, step, e)
+            return
         self.shipper.submit(self._ship, stage, kept)
 
     def keep_final(self, stage: Stage, step: int) -> None:
