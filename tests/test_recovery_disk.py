@@ -34,14 +34,13 @@ def test_kill_9_recovers_exactly_from_snapshots_kept_on_disk():
         job = client.submit(model, LOSS, SGD, data, steps=STEPS, microbatches=2, stages=3,
                             replicas=1, schedule="1f1b", compression="none",
                             checkpoint_every=EVERY, rebalance="never")
-        plan = PlanView(job_info(client, job).plan)
-        assert all(a.snapshots_on_disk for a in plan.stages.values())
-        victim = plan[StageKey(0, 1)].address
         inj = swarm.inject(job.id)
-        inj.at_step(7, "kill stage 1", lambda: swarm.kill(victim)).start()
+        inj.at_step(7, "kill stage 1", lambda: swarm.kill(
+            PlanView(job_info(client, job).plan)[StageKey(0, 1)].address)).start()
         status = job.wait(timeout=180, progress=False)
         inj.stop()
         assert status.state == "SUCCEEDED" and [f.name for f in inj.fired] == ["kill stage 1"]
+        assert all(a.snapshots_on_disk for a in status.plan.stages)
         got = job.state_dict()
         assert max_relative_difference(got, single_process(model, LOSS, SGD, data)) <= 1e-5
         final = job_info(client, job)
