@@ -38,7 +38,8 @@ Printed, each target MET or MISSED (by how much), with ``os.getloadavg()``:
 
 ``--quick``: a 4-layer model of hidden 64, the same path end to end (two references, two
 swarms of 4 nodes): about 4 minutes at a load average of 20 on 2 cores, so no test runs it.
-The full run took 9 minutes at a load average of 7 to 22 (2026-12-02).
+The full run took 28 minutes at a load average of 13 to 30 (2026-12-02, nodes with
+``--snapshot-dir``).
 """
 from __future__ import annotations
 
