@@ -376,7 +376,7 @@ def send_snapshot(link: dataplane.Link, envelope: node_pb2.Envelope, snap: Snaps
     """
     for name, t in checkpoint.to_tensors(snap):
         link.send(t, envelope=envelope, name=name)
-    link.flush(owner=envelope.job_id)
+    link.flush(owner=dataplane.owner_of(envelope))  # its job at its epoch
 
 
 class SnapshotDesk:
