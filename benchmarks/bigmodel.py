@@ -13,12 +13,16 @@ checkpoints on:
 Both train on byte-tokenized ``pydoc_data.topics`` text. The single-process reference of
 each run is a subprocess (this file with ``--reference``), which trains the same weights
 the same way (the batch split into the pipeline's microbatches) and reports its losses and
-its peak RSS after one step (``VmHWM``). Each node's ``--memory-limit`` is set below a
-third of that peak, unless the planner's prediction for a stage
-(:func:`fedpipe.planner.stage_memory_bytes`) needs more: then the limit is 5 % above what
-the plan needs and the target is reported missed, by how much. Each stage's measured peak
-is set against what the tracker predicted for it
-(:func:`fedpipe.planner.protoio.assignment_memory_bytes` with the job's optimizer).
+its peak RSS after one step (``VmHWM``). Every node keeps its checkpoint snapshots on
+disk (``--snapshot-dir``, a directory of its own in the swarm's temp dir), so the planner
+prices no snapshot copy in its memory. Each node's ``--memory-limit`` is set below a
+third of that peak (computed from it, 1 MiB under), unless the planner's prediction for a
+stage (:func:`fedpipe.planner.stage_memory_bytes`) needs more: then the limit is 5 % above
+what the plan needs and the target is reported missed, by how much. Each stage's measured
+peak is set against what the tracker predicted for it
+(:func:`fedpipe.planner.protoio.assignment_memory_bytes` with the job's optimizer), and the
+prediction is broken down (weights, gradients and optimizer state; the snapshot tensor in
+flight; activations and buffers).
 
 Printed, each target MET or MISSED (by how much), with ``os.getloadavg()``:
 
@@ -34,7 +38,8 @@ Printed, each target MET or MISSED (by how much), with ``os.getloadavg()``:
 
 ``--quick``: a 4-layer model of hidden 64, the same path end to end (two references, two
 swarms of 4 nodes): about 4 minutes at a load average of 20 on 2 cores, so no test runs it.
-The full run took 9 minutes at a load average of 7 to 22 (2026-12-02).
+The full run took 28 minutes at a load average of 13 to 30 (2026-12-02, nodes with
+``--snapshot-dir``).
 """
 from __future__ import annotations
 
@@ -190,13 +195,28 @@ def planner_inputs(setup: Setup, adapted):
 
 
 def predictions(inputs, bounds: list[int]) -> list[float]:
-    """The planner's memory model for stages ``[bounds[k], bounds[k+1])``, bytes."""
+    """The planner's memory model for stages ``[bounds[k], bounds[k+1])`` on nodes that
+    keep snapshots on disk, bytes."""
     from fedpipe.planner import stage_memory_bytes
 
     profile, config = inputs
     n = len(bounds) - 1
-    return [stage_memory_bytes(profile, bounds[k], bounds[k + 1], config, k, n)
+    return [stage_memory_bytes(profile, bounds[k], bounds[k + 1], config, k, n,
+                               snapshots_on_disk=True)
             for k in range(n)]
+
+
+def breakdown(inputs, a, total: float) -> str:
+    """What the planner's prediction ``total`` for stage assignment ``a`` holds, in MB."""
+    from fedpipe.planner.costs import disk_snapshot_bytes
+
+    profile, config = inputs
+    params = sum(layer.parameter_bytes for layer in profile.layers[a.layer_start:a.layer_end])
+    state = params * config.state_factor
+    snaps = disk_snapshot_bytes(profile, a.layer_start, a.layer_end, config) \
+        if a.snapshots_on_disk else total - state  # in memory: the copies
+    return (f"weights+grads+momentum {state / MB:.0f} MB, snapshot tensor in flight "
+            f"{snaps / MB:.0f} MB, activations and buffers {(total - state - snaps) / MB:.0f} MB")
 
 
 def plan_predictions(inputs, plan) -> dict[int, float]:
@@ -265,7 +285,7 @@ def swarm_run(setup: Setup, ref: dict, limit: int, title: str, baseline: int,
 
     adapted = meta_model(setup)
     with LocalSwarm(4, threads=1, node_args=["--memory-limit", str(limit)],
-                    timeout=120) as swarm:
+                    timeout=120, snapshot_dirs=True) as swarm:
         before = {f"node{i}": proc_status(p.pid)["VmRSS"] for i, p in enumerate(swarm.nodes)}
         pids = {f"node{i}": p.pid for i, p in enumerate(swarm.nodes)}
         with swarm.client() as client:
@@ -276,11 +296,14 @@ def swarm_run(setup: Setup, ref: dict, limit: int, title: str, baseline: int,
                      for name, pid in pids.items()}
             tracker = proc_status(swarm.tracker_proc.pid)["VmHWM"]
             client_growth = proc_status()["VmHWM"] - baseline
+            on_disk = [f.stat().st_size for i in range(4)
+                       for f in swarm.snapshot_dir(i).glob("*.safetensors")]
             if save_to is not None:
                 saved = save(job, save_to)
             job.release()
         plan = sorted(status.plan.stages, key=lambda a: a.stage)
-        predicted = plan_predictions(planner_inputs(setup, adapted), status.plan)
+        inputs = planner_inputs(setup, adapted)
+        predicted = plan_predictions(inputs, status.plan)
     print(f"\n== {title}: {status.state} after {status.step} steps; deploy {deploy_s:.1f} s; "
           f"load {os.getloadavg()}")
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
@@ -300,6 +323,10 @@ def swarm_run(setup: Setup, ref: dict, limit: int, title: str, baseline: int,
               f"{verdict(abs(off) <= PREDICTION_TOL, f'{abs(off) - PREDICTION_TOL:.0%} past')}; "
               f"limit {limit / MB:.0f} MB: "
               f"{verdict(got < limit, f'+{(got - limit) / MB:.0f} MB')}")
+        print(f"  predicted: {breakdown(inputs, a, want)}; snapshots on disk: "
+              f"{a.snapshots_on_disk}")
+    print(f"snapshot files on the nodes' disks at the end: {len(on_disk)}, "
+          f"{sum(on_disk) / MB:.0f} MB")
     print(f"deploy time {deploy_s:.1f} s (submit until every stage runs)")
     if save_to is not None:
         print(saved)
@@ -338,8 +365,8 @@ def main() -> None:
     third = ref["peak"] / 3
     print(f"{ref['params'] / 1e6:.1f} M parameters; single-process peak RSS for one step "
           f"{ref['peak'] / MB:.0f} MB; a third: {ref['peak'] / 3 / MB:.0f} MB")
-    print(f"node --memory-limit {limit / MB:.0f} MB (the planner needs {need / MB:.0f} MB for a "
-          f"stage): below a third of the peak: "
+    print(f"node --memory-limit {limit / MB:.0f} MB, --snapshot-dir (the planner needs "
+          f"{need / MB:.0f} MB for a stage with snapshots on disk): below a third of the peak: "
           f"{verdict(limit < third, f'+{(limit - third) / MB:.0f} MB')}")
     swarm_run(setup, ref, limit, "from the seed (meta model, nodes make their layers)",
               baseline, seed=SEED, init_fn=meta_model(setup).init_fn)

@@ -32,7 +32,8 @@ def cmd_node(args) -> int:
                         insecure=args.insecure, drain_timeout=args.drain_timeout,
                         host_id=args.host_id,
                         data_port=None if args.no_data_port else args.data_port,
-                        relays=split_relays(args.relay) if args.relay else None)
+                        relays=split_relays(args.relay) if args.relay else None,
+                        snapshot_dir=args.snapshot_dir)
     daemon.install_signal_handlers()
     if daemon.homing is None:
         print(f"fedpipe node {daemon.name} listening on {daemon.address}"
@@ -101,6 +102,11 @@ def add_cli(sub) -> None:
     n.add_argument("--memory-limit", type=_positive_bytes, default=None,
                    help="advertise at most this many bytes of memory; a LoadStage predicted "
                         "to need more, with this node's other stages, is refused")
+    n.add_argument("--snapshot-dir", default=None, metavar="DIR",
+                   help="keep checkpoint snapshots (this node's stages' and those it keeps "
+                        "as a buddy) as files in DIR, not in memory: the planner then counts "
+                        "none in this node's memory. DIR is this node's alone (a second live "
+                        "node is refused); files left there by an earlier node are removed")
     n.add_argument("--host-id", default=None,
                    help="the machine whose cores and memory this node shares with other nodes "
                         "(default: "

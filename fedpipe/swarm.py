@@ -44,6 +44,8 @@ class LocalSwarm:
             :mod:`fedpipe.net.emulation` (nodes are named node0, node1, ...).
         timeout: seconds to wait for the tracker and every node to be up, and
             for the links between them to be measured.
+        snapshot_dirs: each node keeps its checkpoint snapshots on disk, in
+            ``workdir/snapshots-nodeI`` (``fedpipe node --snapshot-dir``).
         tls: run the whole swarm over mutual TLS: make a swarm CA in ``workdir/tls``
             and issue certificates there (tracker ``tracker``, nodes ``node0``...,
             client ``client``, admin ``admin``, all for 127.0.0.1); every process
@@ -62,8 +64,9 @@ class LocalSwarm:
                  threads: int = 1, node_args: list[str] | None = None,
                  tracker_args: list[str] | None = None,
                  link_profile: dict | None = None, timeout: float = 60.0, tls: bool = False,
-                 store: str | None = None):
+                 store: str | None = None, snapshot_dirs: bool = False):
         self.n_nodes, self.lease, self.threads = n_nodes, lease, threads
+        self.snapshot_dirs = snapshot_dirs
         self.node_args, self.timeout = list(node_args or []), timeout
         self.tracker_args = list(tracker_args or [])
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="fedpipe-")
@@ -179,12 +182,18 @@ class LocalSwarm:
                 for name in (certs.CA_CERT, f"node{i}.crt", f"node{i}.key"):
                     shutil.copy2(self.tls_dir / name, own / name)
             tls_args = ["--tls-dir", str(own)]
+        if self.snapshot_dirs:
+            tls_args += ["--snapshot-dir", str(self.snapshot_dir(i))]
         proc = self._spawn(f"node{i}", ["node", "--tracker", self.tracker, "--host", "127.0.0.1",
                                         "--port", "0", "--name", f"node{i}", "--device", "cpu",
                                         "--threads", str(self.threads), *tls_args,
                                         *self.node_args, *extra])
         self.nodes.append(proc)
         return proc
+
+    def snapshot_dir(self, i: int) -> Path:
+        """Node ``i``'s snapshot directory (with ``snapshot_dirs``)."""
+        return self.workdir / f"snapshots-node{i}"
 
     def _check(self, proc: subprocess.Popen, what: str) -> None:
         if proc.poll() is not None:

@@ -137,3 +137,44 @@ def test_a_lost_stage_moves_only_where_its_hosts_share_of_memory_holds_it():
         substitute(plan, {"gone"}, [node("a", "h"), node("b", "h")], lambda a: 600)
     assert memory_shares([node("a", "h"), node("b", "h"), node("c", "")]) == \
         {"a": 500, "b": 500, "c": 1000}
+
+
+def test_a_node_that_keeps_snapshots_on_disk_is_priced_without_them_and_gets_the_stage():
+    """``fedpipe node --snapshot-dir``: the stage's snapshots (2 own + 2 a buddy's, each
+    weights and momentum) are not in memory; only the tensor in flight, at most its
+    largest layer's parameter bytes."""
+    cfg = TrainConfig(batch_size=8, microbatches=4, schedule="1f1b",
+                      state_factor=state_factor("sgd-momentum"), snapshot_copies=4)
+    # layers 1-2 (2000 + 3000 parameter bytes): in memory 5000 × (3 + 4 × 2) = 55000;
+    # on disk 5000 × 3 + the largest layer's 3000 = 18000; stash (10 + 20 + 30) × 2 × 2 = 240
+    assert stage_memory_bytes(PROFILE, 1, 3, cfg, 1, 3) == 55000 + 240
+    assert stage_memory_bytes(PROFILE, 1, 3, cfg, 1, 3, snapshots_on_disk=True) == 18000 + 240
+    off = dataclasses.replace(cfg, snapshot_copies=0)  # checkpoints off: no tensor in flight
+    assert stage_memory_bytes(PROFILE, 1, 3, off, 1, 3, snapshots_on_disk=True) == 15000 + 240
+
+    # the whole model, 6000 parameter bytes: 66000 + stash in memory, 21000 + stash on disk
+    opts = SearchOptions(iterations=10, time_limit_s=5)
+    ram, disk = NodeSpec("ram", 1e12, 30000), NodeSpec("disk", 1e12, 30000,
+                                                         snapshots_on_disk=True)
+    one = dataclasses.replace(cfg, stages=1, microbatches=1, batch_size=1)
+    plan = make_plan(ClusterView([disk]), PROFILE, one, opts)
+    assert [s.node_id for s in plan.groups[0].stages] == ["disk"]
+    with pytest.raises(PlanError, match="fits the nodes' memory"):
+        make_plan(ClusterView([ram]), PROFILE, one, opts)
+    from fedpipe.planner.context import PlanContext
+    ctx = PlanContext(ClusterView([ram, disk]), PROFILE, one)  # side by side, each its own
+    assert [bool(ctx.memory_fit(i, 1)[0][0, 3]) for i in (0, 1)] == [False, True]
+
+    # the node advertises it; the plan message carries it; the tracker's prediction uses it
+    from fedpipe.planner.protoio import assignment_memory_bytes, cluster_view, plan_message
+    infos = {n.node_id: tracker_pb2.NodeInfo(
+        node_id=n.node_id, name=n.node_id, address=f"127.0.0.1:{9000 + i}",
+        resources=node_pb2.Resources(memory_bytes=n.memory_bytes, flops=n.flops,
+                                     snapshots_on_disk=n.snapshots_on_disk))
+        for i, n in enumerate((ram, disk))}
+    assert [n.snapshots_on_disk for n in cluster_view(list(infos.values()), []).nodes] \
+        == [False, True]
+    msg = plan_message(plan, infos)
+    assert [a.snapshots_on_disk for a in msg.stages] == [True]
+    assert assignment_memory_bytes(msg, msg.stages[0], PROFILE, one) == \
+        stage_memory_bytes(PROFILE, 0, 3, one, 0, 1, snapshots_on_disk=True)

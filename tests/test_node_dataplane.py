@@ -189,11 +189,13 @@ def test_a_socket_sender_without_emulation_sends_small_raw_tensors_on_the_caller
     assert torch.equal(inbox.tensors[0], t)
 
 
-def snapshot_receiver(job_bytes: int = 1 << 30) -> tuple[NodeReceiver, SnapshotStore]:
-    """A receiver whose snapshots go to a real desk and store; job ``j``'s stage (0, 1)."""
+def snapshot_receiver(job_bytes: int = 1 << 30, directory=None
+                      ) -> tuple[NodeReceiver, SnapshotStore]:
+    """A receiver whose snapshots go to a real desk and store (on disk in ``directory``,
+    if given); job ``j``'s stage (0, 1)."""
     access = JobAccessBook()
     access.learn("j", "alice", ["node0", "node1"], [StageKey(0, 1)])
-    store = SnapshotStore()
+    store = SnapshotStore(directory=directory)
     desk = SnapshotDesk(store, lambda job: job == "j", job_bytes)
     return NodeReceiver(access, FakeAdmission(), FakeStages(), desk=desk), store  # type: ignore[arg-type]
 
@@ -218,6 +220,21 @@ def test_a_buddys_snapshot_comes_over_a_socket_link_and_is_kept_bit_for_bit():
     assert set(kept.tensors) == set(snap.tensors)
     assert all(torch.equal(kept.tensors[k], t) for k, t in snap.tensors.items())
     assert r.snapshot_tensors == 1 + len(snap.tensors)  # the skeleton, then each tensor
+
+
+def test_a_buddys_snapshot_over_a_socket_link_goes_to_disk_tensor_by_tensor(tmp_path):
+    from fedpipe.runtime.tensorfile import TensorFile
+    r, store = snapshot_receiver(directory=tmp_path)
+    snap = a_snapshot()
+    with DataPlane("node0", Arrivals()) as a, DataPlane("node1", r, events=r) as b:
+        send_snapshot(a.link("node1", b.address), snapshot_envelope(), snap)
+        send_snapshot(a.link("node1", b.address), snapshot_envelope(5), a_snapshot(5))
+    kept = store.get("j", StageKey(0, 1), 3)
+    assert kept is not None and isinstance(kept.tensors, TensorFile)
+    assert all(torch.equal(kept.tensors[k], t) for k, t in snap.tensors.items())
+    assert store.steps("j", StageKey(0, 1)) == [3, 5]
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors*")) == sorted(
+        store.file("j", StageKey(0, 1), s).name for s in (3, 5))  # no partial file
 
 
 def test_a_snapshot_past_the_jobs_room_is_refused_on_a_header_and_nothing_is_kept():

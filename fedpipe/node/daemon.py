@@ -65,6 +65,9 @@ class NodeDaemon:
             planner's ``host_factors``), instead of the probed one (the boot id);
             "" for none, as for containers that share a kernel but not cores.
         link_profile: path of an emulated link profile (:mod:`fedpipe.net.emulation`).
+        snapshot_dir: keep checkpoint snapshots as files in this directory, not in
+            memory, and advertise it (``Resources.snapshots_on_disk``: the planner then
+            prices none in this node's memory); None: in memory.
         metrics_port: serve Prometheus metrics (:class:`~fedpipe.observe.metrics.NodeMetrics`)
             at ``http://METRICS_HOST:PORT/metrics`` (0: no metrics).
         metrics_host: address the metrics bind; 127.0.0.1 by default, since they have
@@ -106,7 +109,8 @@ class NodeDaemon:
                  metrics_port: int = 0, metrics_host: str = LOCALHOST,
                  tls: TlsConfig | None = None, insecure: bool = False,
                  drain_timeout: float = DRAIN_TIMEOUT, host_id: str | None = None,
-                 data_port: int | None = 0, relays: list[str] | None = None):
+                 data_port: int | None = 0, relays: list[str] | None = None,
+                 snapshot_dir: str | None = None):
         net.check_plaintext(host, tls, insecure, "this node")
         if tls is not None:
             if trust_code:
@@ -126,6 +130,7 @@ class NodeDaemon:
         self.resources = probe(resolve_device(device), memory_limit)
         if host_id is not None:
             self.resources.host_id = host_id
+        self.resources.snapshots_on_disk = snapshot_dir is not None
         self.stop_event = threading.Event()
         self.drain_timeout = drain_timeout
         self.draining = threading.Event()
@@ -158,7 +163,7 @@ class NodeDaemon:
             parts = build_parts(lambda: self.node_id, self.name, self.resources, self._report,
                                 trust_code=trust_code, links=links, metrics=self.metrics,
                                 tls=tls, quorum=self._quorum, data_port=data_port,
-                                data_host=host)
+                                data_host=host, snapshot_dir=snapshot_dir)
         except OSError as e:
             raise OSError(e.errno, f"cannot listen on data port {data_port} of {host}: "
                                    f"{e.strerror or e}") from e

@@ -90,7 +90,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
                 tls: TlsConfig | None = None, idle_stream: float = timeouts.IDLE_STREAM,
                 job_snapshot_bytes: int | None = None,
                 quorum: Quorum | None = None, data_port: int | None = None,
-                data_host: str = "127.0.0.1") -> NodeParts:
+                data_host: str = "127.0.0.1", snapshot_dir: str | None = None) -> NodeParts:
     """Build a node's parts.
 
     Args:
@@ -118,13 +118,18 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
         data_port: listen for the socket data plane (:mod:`fedpipe.net.dataplane`) on
             this port of ``data_host`` (0: a free one), and send to peers that offer one
             over it; None: gRPC only.
+        snapshot_dir: keep snapshots as files in this directory, this node's own
+            (:class:`~fedpipe.node.snapshots.SnapshotStore`), not in memory; one job's
+            may then take :data:`JOB_SNAPSHOT_BYTES` whatever the memory. None: in memory.
 
     Raises:
-        OSError: ``data_port`` is in use (or cannot be bound).
+        OSError: ``data_port`` is in use (or cannot be bound), or ``snapshot_dir``
+            cannot be made.
+        SnapshotDirInUse: ``snapshot_dir`` is another live node's.
     """
     if job_snapshot_bytes is None:
-        job_snapshot_bytes = min(JOB_SNAPSHOT_BYTES,
-                                 resources.memory_bytes // 2 or JOB_SNAPSHOT_BYTES)
+        job_snapshot_bytes = JOB_SNAPSHOT_BYTES if snapshot_dir is not None else \
+            min(JOB_SNAPSHOT_BYTES, resources.memory_bytes // 2 or JOB_SNAPSHOT_BYTES)
     # checks job signatures against the swarm CA and deny list (None: no TLS)
     verifier: Authenticator | None = tls.authenticator() if tls is not None else None
     access = JobAccessBook(verifier, trust_code)
@@ -140,7 +145,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     channels = ChannelPool(tls)
     mailbox = Mailbox(input_capacity, bounded=BOUNDED_KINDS, job_cap=job_tensors,
                       job_of=inbox_job)
-    snapshots = SnapshotStore()
+    snapshots = SnapshotStore(directory=snapshot_dir)
     device = torch.device(resources.device or "cpu")
     memory = StageMemory(device, resources.memory_bytes)
     reporter = StageReporter(node_id, report, metrics, memory)
@@ -174,7 +179,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
 
 
 def stage_builder(device: torch.device, mailbox: Mailbox, node_id: Callable[[], str],
-                  keep: Callable[[str, StageKey, Snapshot], None], reporter: StageReporter,
+                  keep: Callable[[str, StageKey, Snapshot], object], reporter: StageReporter,
                   quorum: Quorum | None, memory: StageMemory | None = None) -> StageBuilder:
     """How this node wires a stage (:func:`~fedpipe.node.wiring.build_stage`): on
     ``device``, over ``mailbox``; a stage of an elastic job reaches the tracker's

@@ -3,22 +3,34 @@
 :class:`SnapshotStore` holds them; :class:`Checkpoints` takes a stage's, keeps it,
 ships it to the stage's buddy and reports it; :class:`SnapshotDesk` takes them in
 (PutSnapshot) and hands them out (FetchSnapshot). See :mod:`fedpipe.runtime.checkpoint`.
+
+A store made with a directory (``fedpipe node --snapshot-dir DIR``) keeps every
+snapshot as a safetensors file there (:mod:`fedpipe.runtime.tensorfile`), not in
+memory: its own are written from the stage's live tensors on the stage thread (no
+copy), a buddy's as its tensors arrive, and each is read back a tensor at a time when
+it is shipped, fetched or restored. Only the skeletons (a few KiB) stay in memory.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import itertools
+import json
 import logging
+import os
+import re
 import threading
 from collections import OrderedDict
 from concurrent import futures
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import IO, Callable, Iterator
 
 import grpc
 import torch
 
 from ..net import dataplane, timeouts
 from ..proto import node_pb2, tracker_pb2
-from ..runtime import checkpoint, layerstate
+from ..runtime import checkpoint, layerstate, tensorfile
 from ..runtime.checkpoint import Snapshot
 from ..spec import SNAPSHOTS_KEPT, Kind, StageKey
 from ..wire import WireError, rpc
@@ -35,6 +47,46 @@ MAX_SNAPSHOT_BYTES = 4 * 2**30
 about 250 M float32 parameters with AdamW's two moments (16 bytes a parameter)."""
 
 
+class SnapshotDirInUse(RuntimeError):
+    """A snapshot directory that another live node holds."""
+
+
+SNAPSHOT_META = "fedpipe.snapshot"
+"""The safetensors metadata key of a disk snapshot's ``{"step", "skeleton"}`` JSON."""
+LOCK_NAME = ".lock"
+
+
+def claim_dir(directory: str | os.PathLike) -> IO[str]:
+    """Make ``directory`` this process's snapshot directory: take its lock file (an
+    exclusive ``flock``, let go when the process ends, however it ends) and remove the
+    snapshot files an earlier node left there (a node starts with none). Returns the
+    lock file, to keep open for as long as the directory is used.
+
+    Raises:
+        SnapshotDirInUse: another live process holds it (the message names its pid).
+        OSError: the directory cannot be made or written.
+    """
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    lock = open(path / LOCK_NAME, "a+")  # noqa: SIM115 (kept open: the lock lives with it)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise SnapshotDirInUse(f"snapshot directory {path} is in use by another live node "
+                               f"(pid {holder}); give each node its own --snapshot-dir"
+                               ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    for old in (*path.glob("*.safetensors"), *path.glob("*.safetensors.tmp")):
+        old.unlink(missing_ok=True)
+    return lock
+
+
 class SnapshotStore:
     """Snapshots by ``(job_id, StageKey)`` and step: the newest
     :data:`~fedpipe.spec.SNAPSHOTS_KEPT` of each stage, and the job's last complete
@@ -44,22 +96,70 @@ class SnapshotStore:
 
     Thread-safe. Own snapshots and buddy copies live side by side: a stage
     restored on this node finds either.
+
+    Args:
+        keep: snapshots kept per stage (beside the protected one).
+        directory: keep them as files there (see the module docstring; the directory is
+            claimed, :func:`claim_dir`), or None: in memory.
+
+    Raises:
+        SnapshotDirInUse: ``directory`` is another live node's.
     """
 
-    def __init__(self, keep: int = SNAPSHOTS_KEPT):
+    def __init__(self, keep: int = SNAPSHOTS_KEPT, directory: str | os.PathLike | None = None):
         self.keep = keep
         self._snaps: dict[tuple[str, StageKey], OrderedDict[int, Snapshot]] = {}
         self._complete: dict[str, int] = {}  # job -> its last complete checkpoint
         self._acked: dict[tuple[str, StageKey, int], set[int]] = {}  # (job, key, epoch) -> steps
         self._lock = threading.Lock()
+        self.directory = Path(directory) if directory is not None else None
+        self._dir_lock = claim_dir(self.directory) if self.directory is not None else None
 
-    def put(self, job_id: str, key: StageKey, snap: Snapshot) -> None:
-        """Keep ``snap``; the oldest of the stage's snapshots beyond :attr:`keep` is dropped."""
+    @property
+    def on_disk(self) -> bool:
+        """Whether snapshots are kept as files (not in memory)."""
+        return self.directory is not None
+
+    def file(self, job_id: str, key: StageKey, step: int) -> Path:
+        """The file of stage ``key``'s snapshot of ``step`` (a disk store's)."""
+        assert self.directory is not None, "a store in memory has no files"
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:40]
+        tag = hashlib.sha256(job_id.encode()).hexdigest()[:8]  # two odd ids never collide
+        return self.directory / (f"{safe}-{tag}-r{key.replica}-s{key.stage}-{step:010d}"
+                                 ".safetensors")
+
+    def writer(self, job_id: str, key: StageKey, snap: Snapshot) -> SnapshotWriter:
+        """A file for ``snap`` of stage ``key`` (its step and skeleton; tensors come by
+        :meth:`SnapshotWriter.add`), which :meth:`put` then keeps."""
+        return SnapshotWriter(self.file(job_id, key, snap.step), snap)
+
+    def put(self, job_id: str, key: StageKey, snap: Snapshot) -> Snapshot:
+        """Keep ``snap`` (a disk store writes it to its file, tensor by tensor from their
+        own memory, unless it is that file already); the oldest of the stage's snapshots
+        beyond :attr:`keep` is dropped (its file removed). Returns the snapshot kept (a
+        disk store's reads its file).
+
+        Raises:
+            OSError: a disk store could not write it.
+        """
+        if self.on_disk:
+            target = self.file(job_id, key, snap.step)
+            if not (isinstance(snap.tensors, tensorfile.TensorFile)
+                    and snap.tensors.path == target):
+                writer = SnapshotWriter(target, snap)
+                try:
+                    for name, t in snap.tensors.items():
+                        writer.add(name, t)
+                except BaseException:
+                    writer.abort()
+                    raise
+                snap = writer.finish()
         with self._lock:
             steps = self._snaps.setdefault((job_id, key), OrderedDict())
             steps[snap.step] = snap
             steps.move_to_end(snap.step)
             self._prune(job_id, steps)
+        return snap
 
     def protect(self, job_id: str, step: int) -> None:
         """``step`` is ``job_id``'s last complete checkpoint (the tracker's word): keep its
@@ -95,7 +195,13 @@ class SnapshotStore:
         kept = set(list(steps)[-self.keep:])
         kept.add(self._complete.get(job_id, -1))
         for step in [s for s in steps if s not in kept]:
-            del steps[step]
+            self._forget(steps.pop(step))
+
+    @staticmethod
+    def _forget(snap: Snapshot) -> None:
+        """Remove a dropped snapshot's file (a reader that has it open still reads it)."""
+        if isinstance(snap.tensors, tensorfile.TensorFile):
+            snap.tensors.path.unlink(missing_ok=True)
 
     def get(self, job_id: str, key: StageKey, step: int) -> Snapshot | None:
         """The snapshot of stage ``key`` at ``step``, or None."""
@@ -126,7 +232,8 @@ class SnapshotStore:
         """Forget every snapshot of ``job_id``."""
         with self._lock:
             for k in [k for k in self._snaps if k[0] == job_id]:
-                del self._snaps[k]
+                for snap in self._snaps.pop(k).values():
+                    self._forget(snap)
             for a in [a for a in self._acked if a[0] == job_id]:
                 del self._acked[a]
             self._complete.pop(job_id, None)
@@ -138,9 +245,54 @@ class SnapshotStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes all kept snapshots take."""
+        """Bytes all kept snapshots take (a disk store's on disk)."""
         with self._lock:
             return sum(s.nbytes for steps in self._snaps.values() for s in steps.values())
+
+
+class SnapshotWriter:
+    """One snapshot written to its file a tensor at a time (a
+    :class:`~fedpipe.runtime.checkpoint.Sink`): ``NAME.tmp`` until :meth:`finish`.
+
+    Args:
+        path: the file.
+        snap: the snapshot's step and skeleton (its tensors are not read).
+    """
+
+    def __init__(self, path: Path, snap: Snapshot):
+        self.step, self.skeleton = snap.step, snap.skeleton
+        meta = {"format": "pt", SNAPSHOT_META: json.dumps({"step": snap.step,
+                                                            "skeleton": snap.skeleton})}
+        self._file = tensorfile.TensorFileWriter(path, checkpoint.tensor_paths(snap), meta)
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Write tensor ``name`` (from its own memory).
+
+        Raises:
+            WireError: a tensor the skeleton does not name, or one written twice.
+            OSError: the write failed.
+        """
+        try:
+            self._file.add(name, t)
+        except tensorfile.TensorFileError as e:
+            raise WireError(f"snapshot of step {self.step}: {e}") from None
+
+    def finish(self) -> Snapshot:
+        """Name the file; the snapshot, reading it.
+
+        Raises:
+            WireError: a tensor the skeleton names never came.
+            OSError: the write failed.
+        """
+        try:
+            path = self._file.close()
+        except tensorfile.TensorFileError as e:
+            raise WireError(f"snapshot of step {self.step}: {e}") from None
+        return Snapshot(self.step, tensorfile.TensorFile(path), self.skeleton)
+
+    def abort(self) -> None:
+        """Remove the partial file."""
+        self._file.abort()
 
 
 class Checkpoints:
@@ -173,13 +325,20 @@ class Checkpoints:
     def take(self, stage: Stage, step: int) -> None:
         """Snapshot ``stage`` after ``step`` steps (on its thread: a copy), then keep it,
         ship it to its buddy and report it (on the shipper thread)."""
-        snap = checkpoint.take(stage.parts, step)
-        self.snapshots.put(stage.job_id, stage.key, snap)
-        self.shipper.submit(self._ship, stage, snap)
+        # a disk store writes the stage's own tensors now, on its thread: no copy in memory
+        snap = checkpoint.take(stage.parts, step, copy=not self.snapshots.on_disk)
+        try:
+            kept = self.snapshots.put(stage.job_id, stage.key, snap)
+        except OSError as e:  # a full or failing disk: the checkpoint stays incomplete
+            log.warning("job %s stage %d: could not keep the step %d snapshot on disk: %s",
+                        stage.job_id, stage.key.stage, step, e)
+            return
+        self.shipper.submit(self._ship, stage, kept)
 
     def keep_final(self, stage: Stage, step: int) -> None:
         """The final state, kept here only: what ``Job.save()`` of an ended job pulls."""
-        self.snapshots.put(stage.job_id, stage.key, checkpoint.take(stage.parts, step))
+        self.snapshots.put(stage.job_id, stage.key,
+                           checkpoint.take(stage.parts, step, copy=not self.snapshots.on_disk))
 
     def _ship(self, stage: Stage, snap: Snapshot) -> None:
         buddy = stage.plan.buddy(stage.key, snap.step // stage.checkpoint_every) \
@@ -218,9 +377,9 @@ class Checkpoints:
     def _count(self, buddy: str, snap: Snapshot, transport: str) -> None:
         """Count a snapshot shipped to ``buddy`` in the node's link metrics, a tensor each."""
         metrics = self.reporter.metrics
-        if metrics is not None:
-            for _, t in checkpoint.to_tensors(snap):
-                nbytes = t.numel() * t.element_size()
+        if metrics is not None:  # sizes from a file's header: nothing is read again
+            skeleton = next(checkpoint.to_tensors(snap))[1]
+            for nbytes in (skeleton.numel(), *snap.sizes().values()):
                 metrics.sent(buddy, Kind.SNAPSHOT, nbytes, nbytes, transport=transport)
 
     def close(self) -> None:
@@ -313,9 +472,10 @@ class SnapshotDesk:
                 check(env)
                 room = self.snapshots.room(env.job_id, StageKey(env.replica, env.stage),
                                            self.job_bytes)
+                self._drop(key)  # an unfinished one of this sender's: its file goes
                 with self._lock:
                     self._parts[key] = (env.step, checkpoint.Assembler(
-                        min(room, MAX_SNAPSHOT_BYTES)))
+                        min(room, MAX_SNAPSHOT_BYTES), self._sink))
             with self._lock:
                 step, assembler = self._parts.get(key, (-1, None))
             if assembler is None or step != env.step:
@@ -349,13 +509,27 @@ class SnapshotDesk:
                 return
             self._drop(key)
             self._kept(*assembler.finish())
+        except NoSuchStage:
+            self._drop(key)
+            raise
         except WireError as e:
             self._drop(key)
             raise WireError(f"malformed snapshot: {e}") from e
 
     def _drop(self, key: tuple[str, str, int, int]) -> None:
         with self._lock:
-            self._parts.pop(key, None)
+            _, assembler = self._parts.pop(key, (-1, None))
+        if assembler is not None and not assembler.complete:
+            assembler.abort()
+
+    def _sink(self, first: node_pb2.Frame, snap: Snapshot) -> checkpoint.Sink | None:
+        """Where a disk store writes a buddy's snapshot as its tensors come (checked on its
+        skeleton first, :meth:`_check`); None: kept in memory."""
+        if not self.snapshots.on_disk:
+            return None
+        self._check(first.envelope, snap.step)
+        env = first.envelope
+        return self.snapshots.writer(env.job_id, StageKey(env.replica, env.stage), snap)
 
     def keep(self, stream: Iterator[bytes], max_bytes: int = MAX_SNAPSHOT_BYTES) -> None:
         """Keep the snapshot ``stream`` carries, of at most ``max_bytes``.
@@ -366,7 +540,7 @@ class SnapshotDesk:
                 snapshot's.
             NoSuchStage: this node holds no stage of that job (it is no buddy of it).
         """
-        self._kept(*checkpoint.from_frames(stream, max_bytes))
+        self._kept(*checkpoint.from_frames(stream, max_bytes, self._sink))
 
     def _kept(self, first: node_pb2.Frame, snap: Snapshot) -> None:
         """Keep a received snapshot whose first frame is ``first``.
@@ -376,13 +550,22 @@ class SnapshotDesk:
             NoSuchStage: this node holds no stage of that job.
         """
         env = first.envelope
-        if env.kind != Kind.SNAPSHOT or env.step != snap.step:
+        self._check(env, snap.step)
+        self.snapshots.put(env.job_id, StageKey(env.replica, env.stage), snap)
+
+    def _check(self, env: node_pb2.Envelope, step: int) -> None:
+        """Whether this node keeps a snapshot of ``step`` with envelope ``env``.
+
+        Raises:
+            WireError: its envelope is not a snapshot's of its step.
+            NoSuchStage: this node holds no stage of that job.
+        """
+        if env.kind != Kind.SNAPSHOT or env.step != step:
             raise WireError(f"a snapshot stream needs a KIND_SNAPSHOT envelope of its step "
-                            f"{snap.step}, got kind {env.kind} step {env.step}")
+                            f"{step}, got kind {env.kind} step {env.step}")
         if not self.holds_job(env.job_id):
             raise NoSuchStage(f"this node runs no stage of job {env.job_id!r}; it keeps no "
                               f"snapshot of it")
-        self.snapshots.put(env.job_id, StageKey(env.replica, env.stage), snap)
 
     def snapshot(self, job_id: str, key: StageKey, step: int, layer_start: int = 0,
                  layer_end: int = 0) -> Snapshot:

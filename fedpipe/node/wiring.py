@@ -121,7 +121,7 @@ class ElasticHooks:
                  quorum: Callable[[tracker_pb2.ReplicaQuorumRequest],
                                   tracker_pb2.ReplicaQuorumReply],
                  node_id: Callable[[], str],
-                 keep: Callable[[str, StageKey, checkpoint.Snapshot], None],
+                 keep: Callable[[str, StageKey, checkpoint.Snapshot], object],
                  suspect: Callable[[Stage, str], None]):
         self.stage, self.quorum = stage, quorum
         self.node_id, self.keep, self.suspect = node_id, keep, suspect

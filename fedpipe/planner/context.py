@@ -95,6 +95,9 @@ class PlanContext:
         # bytes held whatever the microbatches in flight: weights, grads, optimizer state,
         # snapshots, and the codecs' buffers under the costliest codecs allowed
         self.state = np.full((L + 1, L + 1), inf)
+        # the same on a node that keeps its snapshots on disk (none in memory)
+        self.disk_state = np.full((L + 1, L + 1), inf)
+        self.disk = np.array([bool(node.snapshots_on_disk) for node in cluster.nodes])
         self.stash = np.full((L + 1, L + 1), inf)   # activations stashed per microbatch, bytes
         # the optimizer's scratch during its step, bytes: once the stash is freed, so a
         # stage fits when state + max(stash × in flight, scratch) does (under "async" the
@@ -104,14 +107,16 @@ class PlanContext:
         for k in range(L):
             for j in range(k + 1, L + 1):
                 self.work[k, j] = (prefix[j] - prefix[k]) * self.mb
-                self.state[k, j] = (state_bytes(profile, k, j, config)
-                                    + codec_buffer_bytes(profile, k, j, stash_samples,
-                                                         config.microbatches, worst))
+                buffers = codec_buffer_bytes(profile, k, j, stash_samples,
+                                             config.microbatches, worst)
+                self.state[k, j] = state_bytes(profile, k, j, config) + buffers
+                self.disk_state[k, j] = state_bytes(profile, k, j, config, True) + buffers
                 self.stash[k, j] = stash_bytes(profile, k, j, stash_samples)
                 scratch = config.step_scratch * sum(
                     layer.parameter_bytes for layer in profile.layers[k:j])
                 if config.schedule == "async":
                     self.state[k, j] += scratch
+                    self.disk_state[k, j] += scratch
                 else:
                     self.scratch[k, j] = scratch
         # a stage's input per microbatch, bytes (by its first layer k); activations' bytes
@@ -123,6 +128,12 @@ class PlanContext:
         for j in range(1, L):
             self.boundary[j] = boundary_bytes(profile, j, self.mb)
         self._links: dict[tuple[float, float, float, float], LinkCosts] = {}
+
+    def state_on(self, node: int) -> np.ndarray:
+        """:attr:`state` as held on ``node``: without snapshots in memory on a node that
+        keeps them on disk."""
+        state: np.ndarray = self.disk_state if self.disk[node] else self.state
+        return state
 
     def link_costs(self, p: int, q: int) -> LinkCosts:
         """Costs of the boundary between node ``p`` (earlier stage) and node ``q`` (next stage)."""
@@ -156,11 +167,11 @@ class PlanContext:
         over its work without recomputation (:data:`~fedpipe.planner.costs.RECOMPUTE_FACTOR`
         where it recomputes: always under "on", under "auto" where it would not fit
         otherwise)."""
-        mode, mem = self.config.recompute, self.mem[node]
-        plain = self.state + np.maximum(self.kept(in_flight, False), self.scratch) <= mem
+        mode, mem, state = self.config.recompute, self.mem[node], self.state_on(node)
+        plain = state + np.maximum(self.kept(in_flight, False), self.scratch) <= mem
         if mode == "off":
             return plain, np.ones_like(self.work)
-        recomputing = self.state + np.maximum(self.kept(in_flight, True), self.scratch) <= mem
+        recomputing = state + np.maximum(self.kept(in_flight, True), self.scratch) <= mem
         if mode == "on":
             return recomputing, np.full_like(self.work, RECOMPUTE_FACTOR)
         return plain | recomputing, np.where(plain, 1.0, RECOMPUTE_FACTOR)
@@ -171,7 +182,7 @@ class PlanContext:
         mode = self.config.recompute
         if mode != "auto":
             return mode == "on"
-        need = self.state[k, j] + max(self.scale * self.stash[k, j] * in_flight,
+        need = self.state_on(node)[k, j] + max(self.scale * self.stash[k, j] * in_flight,
                                       self.scratch[k, j])
         return bool(need > self.mem[node])
 
@@ -179,7 +190,7 @@ class PlanContext:
         """The most microbatches the stage of layers ``[k, j)`` on ``node`` can keep in
         flight (recomputing if the config allows it); 0 when even one does not fit,
         ``inf`` when a microbatch keeps nothing."""
-        free = self.mem[node] - self.state[k, j]
+        free = self.mem[node] - self.state_on(node)[k, j]
         stash, inputs = self.scale * self.stash[k, j], self.scale * self.inputs[k]
         if free < self.scratch[k, j] or (stash > free and self.config.recompute == "off"):
             return 0.0

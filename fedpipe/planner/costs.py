@@ -83,16 +83,43 @@ def optimizer_seconds(profile: ModelProfile, start: int, end: int, overheads: Ov
     return params * overheads.optimizer_per_byte * host_factor
 
 
-def state_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig) -> float:
+def state_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig,
+                snapshots_on_disk: bool = False) -> float:
     """Weights, gradients and optimizer state of layers ``[start, end)``, and the
     checkpoint snapshots of them a node keeps (``config.snapshot_copies``), bytes.
 
     A buddy keeps snapshots of another stage; counting the stage's own size
     for it assumes balanced stages, which the min-max partition aims for.
+
+    A node that keeps its snapshots on disk (``snapshots_on_disk``, ``fedpipe node
+    --snapshot-dir``) holds none of them in memory, only the one tensor it writes or
+    reads at a time (:mod:`fedpipe.node.snapshots`): at most the stage's largest layer's
+    weights and optimizer state (:func:`disk_snapshot_bytes`).
     """
     params = sum(layer.parameter_bytes for layer in profile.layers[start:end])
+    if snapshots_on_disk:
+        return params * config.state_factor + disk_snapshot_bytes(profile, start, end, config)
     return params * (config.state_factor
                      + config.snapshot_copies * max(0.0, config.state_factor - 1))
+
+
+def disk_snapshot_bytes(profile: ModelProfile, start: int, end: int,
+                        config: TrainConfig) -> float:
+    """Memory a node that keeps snapshots on disk holds for them with a stage of layers
+    ``[start, end)``, bytes: the largest layer's parameter bytes; 0 with checkpoints off
+    (``config.snapshot_copies`` 0).
+
+    Measured (2026-12-02, a stage of 176 MB of weights whose largest tensor is 11 MB):
+    writing its own snapshot from the stage's tensors and reading one back grow the RSS by
+    under 1 MB; shipping one to a buddy holds about one tensor on the sender (11 MB) and
+    about four on the receiver (44 MB: its frames, their decoding, the tensor). A
+    transformer block's largest tensor is about a quarter of its parameters, so one
+    layer's parameter bytes cover both ends; a layer of one big tensor is priced under
+    what a node shipping and receiving at once holds (the profile has no tensor sizes)."""
+    if config.snapshot_copies <= 0:
+        return 0.0
+    return float(max((layer.parameter_bytes for layer in profile.layers[start:end]),
+                     default=0))
 
 
 def input_bytes(profile: ModelProfile, start: int, samples: float) -> float:
@@ -199,14 +226,16 @@ def codec_buffer_bytes(profile: ModelProfile, start: int, end: int, samples: flo
 
 def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: TrainConfig,
                        stage: int, n_stages: int, microbatches: int | None = None,
-                       codecs: StageCodecs = RAW_CODECS, recompute: bool | None = None) -> float:
+                       codecs: StageCodecs = RAW_CODECS, recompute: bool | None = None,
+                       snapshots_on_disk: bool = False) -> float:
     """Peak memory of a stage holding layers ``[start, end)``, bytes: the one model of
     it (the planner's memory checks, the tracker's fits and a node's admission use it).
 
     The sum of
     - weights, gradients and optimizer state, ``config.state_factor`` × parameter
       bytes (the optimizer's, :func:`fedpipe.spec.optimizers.state_factor`), and the
-      checkpoint snapshots a node keeps (:func:`state_bytes`);
+      checkpoint snapshots a node keeps (:func:`state_bytes`; none in memory but the
+      tensor in flight when it keeps them on disk, ``snapshots_on_disk``);
     - the activations kept for backward: :func:`in_flight` microbatches of
       ``batch_size / microbatches`` samples (GPipe: all of them; 1F1B: up to the
       stage's depth), at the config's precision, each its whole :func:`stash_bytes`
@@ -236,7 +265,7 @@ def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: Trai
                                         for layer in profile.layers[start:end])
     # a synchronous step's optimizer runs once its backward passes have freed the stash
     live = stash + scratch if config.schedule == "async" else max(stash, scratch)
-    return (state_bytes(profile, start, end, config) + live
+    return (state_bytes(profile, start, end, config, snapshots_on_disk) + live
             + codec_buffer_bytes(profile, start, end, samples, m, codecs))
 
 

@@ -119,6 +119,7 @@ def twins(ctx: PlanContext) -> list[int]:
                 continue
             others = [x for x in range(ctx.n) if x not in (i, j)]
             if (ctx.flops[i] == ctx.flops[j] and ctx.mem[i] == ctx.mem[j]
+                    and ctx.disk[i] == ctx.disk[j]
                     and bw[i, j] == bw[j, i] and lat[i, j] == lat[j, i]
                     and np.array_equal(bw[i, others], bw[j, others])
                     and np.array_equal(bw[others, i], bw[others, j])

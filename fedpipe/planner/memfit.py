@@ -44,7 +44,8 @@ def shortfall(profile: ModelProfile, config: TrainConfig, nodes: Sequence[NodeSp
     shares = host_memory_shares(nodes)
     have = float(sum(shares.values()))
     n_layers = len(profile.layers)
-    need = stage_memory_bytes(profile, 0, n_layers, config, 0, 1)
+    disk = any(n.snapshots_on_disk for n in nodes)  # the least any plan may need: bounds
+    need = stage_memory_bytes(profile, 0, n_layers, config, 0, 1, snapshots_on_disk=disk)
     if need > have:
         return need - have, (
             f"the job needs about {binary_bytes(need)} (weights, gradients, optimizer state, "
@@ -53,7 +54,7 @@ def shortfall(profile: ModelProfile, config: TrainConfig, nodes: Sequence[NodeSp
             f"({need - have:.0f} bytes) more are needed{MEMORY_REMEDIES}")
     top = float(max(shares.values()))
     layer, need = max(((k, stage_memory_bytes(profile, k, k + 1, config, n_layers - 1,
-                                                 n_layers))
+                                                 n_layers, snapshots_on_disk=disk))
                        for k in range(n_layers)), key=lambda x: x[1])
     if need > top:
         return need - top, (

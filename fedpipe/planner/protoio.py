@@ -63,7 +63,8 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
     specs = [NodeSpec(n.node_id, n.resources.flops,
                       n.resources.memory_bytes, n.name, n.resources.device, site_of(n.address),
                       n.resources.host_id, max(1, n.resources.cores), n.resources.host_cores,
-                      n.resources.host_memory_bytes, n.relay)
+                      n.resources.host_memory_bytes, relay=n.relay,
+                      snapshots_on_disk=n.resources.snapshots_on_disk)
              for n in nodes]
     site = {s.node_id: s.site for s in specs}
     measured = {(m.src_id, m.dst_id): Link(m.bandwidth, m.latency)
@@ -185,7 +186,7 @@ def assignment_memory_bytes(plan: node_pb2.Plan, a: node_pb2.StageAssignment,
                          after.gradient_codec or "raw" if after is not None else "raw")
     return stage_memory_bytes(profile, a.layer_start, a.layer_end, config, a.stage,
                               view.depth(a.replica), view.microbatches(a.replica), codecs,
-                              recompute=a.recompute)
+                              recompute=a.recompute, snapshots_on_disk=a.snapshots_on_disk)
 
 
 def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2.Plan:
@@ -213,7 +214,7 @@ def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2
                 data_address=n.data_address, relay=n.relay,
                 layer_start=s.layer_start, layer_end=s.layer_end,
                 activation_codec=s.activation_codec, gradient_codec=s.gradient_codec,
-                recompute=s.recompute))
+                recompute=s.recompute, snapshots_on_disk=n.resources.snapshots_on_disk))
             group_tag = f"group {r} " if len(plan.groups) > 1 else ""
             parts.append(f"{group_tag}{n.name}: layers {s.layer_start}-{s.layer_end - 1}")
     msg.summary = "; ".join(parts)

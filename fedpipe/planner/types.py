@@ -34,6 +34,8 @@ class NodeSpec:
         relay: the relay an outbound-only node (behind NAT) is reached through,
             ``HOST:PORT``; empty: reachable. Its links that were not measured cost two
             legs, through the relay (:meth:`ClusterView.link`).
+        snapshots_on_disk: the node keeps checkpoint snapshots on disk, not in memory
+            (:func:`fedpipe.planner.costs.state_bytes`).
     """
 
     node_id: str
@@ -47,6 +49,7 @@ class NodeSpec:
     host_cores: int = 0
     host_memory: int = 0
     relay: str = ""
+    snapshots_on_disk: bool = False
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ KIND_WEIGHTS: Kind
 KIND_TIED: Kind
 
 class Resources(_message.Message):
-    __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname", "host_id", "host_cores", "host_memory_bytes")
+    __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname", "host_id", "host_cores", "host_memory_bytes", "snapshots_on_disk")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     CORES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class Resources(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_CORES_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_ON_DISK_FIELD_NUMBER: _ClassVar[int]
     device: str
     device_name: str
     cores: int
@@ -55,10 +56,11 @@ class Resources(_message.Message):
     host_id: str
     host_cores: int
     host_memory_bytes: int
-    def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., host_cores: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ...) -> None: ...
+    snapshots_on_disk: bool
+    def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., host_cores: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., snapshots_on_disk: _Optional[bool] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec", "node_name", "data_address", "recompute", "relay")
+    __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec", "node_name", "data_address", "recompute", "snapshots_on_disk", "relay")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +72,7 @@ class StageAssignment(_message.Message):
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_ON_DISK_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     replica: int
     stage: int
@@ -82,8 +85,9 @@ class StageAssignment(_message.Message):
     node_name: str
     data_address: str
     recompute: bool
+    snapshots_on_disk: bool
     relay: str
-    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., node_name: _Optional[str] = ..., data_address: _Optional[str] = ..., recompute: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
+    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., node_name: _Optional[str] = ..., data_address: _Optional[str] = ..., recompute: _Optional[bool] = ..., snapshots_on_disk: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("microbatches", "samples", "predicted_seconds")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterable, Iterator, Mapping, MutableMapping, Protocol
 
 import torch
 
@@ -56,21 +56,48 @@ class Snapshot:
 
     Attributes:
         step: steps completed when it was taken.
-        tensors: every tensor, by path (``part/key/...``); CPU copies.
+        tensors: every tensor, by path (``part/key/...``); CPU copies, or a
+            :class:`~fedpipe.runtime.tensorfile.TensorFile` that reads each from disk
+            when it is looked up (a node's disk snapshots).
         skeleton: the nested state with each tensor replaced by ``{"$t": path}``.
     """
 
     step: int
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
     skeleton: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        """Bytes its tensors take."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Bytes its tensors take (a file's from its header: nothing is read)."""
+        return sum(self.sizes().values())
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each tensor, by path (a file's from its header: nothing is read)."""
+        sizes = getattr(self.tensors, "sizes", None)
+        if callable(sizes):
+            return dict(sizes())
+        return {k: t.numel() * t.element_size() for k, t in self.tensors.items()}
 
 
-def _flatten(value: Any, path: str, tensors: dict[str, torch.Tensor], copy: bool = True) -> Any:
+class Sink(Protocol):
+    """Where an :class:`Assembler` puts a snapshot's tensors as they come, instead of
+    keeping them (a node's disk store: :meth:`fedpipe.node.snapshots.SnapshotStore.writer`)."""
+
+    def add(self, name: str, t: torch.Tensor) -> None: ...
+
+    def finish(self) -> Snapshot: ...
+
+    def abort(self) -> None: ...
+
+
+SinkFactory = Callable[[node_pb2.Frame, Snapshot], "Sink | None"]
+"""``sink(first_frame, empty_snapshot)``: the sink of a snapshot whose skeleton (step and
+state tree, no tensors yet) came in ``first_frame``, or None to keep it in memory; it
+may raise to refuse the snapshot on its envelope."""
+
+
+def _flatten(value: Any, path: str, tensors: MutableMapping[str, torch.Tensor],
+             copy: bool = True) -> Any:
     if isinstance(value, torch.Tensor):
         tensors[path] = value.detach().to("cpu", copy=True) if copy else value
         return {"$t": path}
@@ -108,10 +135,12 @@ def _unflatten(node: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return node
 
 
-def take(parts: Mapping[str, Checkpointable | None], step: int) -> Snapshot:
+def take(parts: Mapping[str, Checkpointable | None], step: int, copy: bool = True) -> Snapshot:
     """Copy the state of every part (None parts are skipped) after ``step`` steps.
 
-    Runs on the stage thread at a step boundary; costs one copy of each tensor.
+    Runs on the stage thread at a step boundary; costs one copy of each tensor. With
+    ``copy`` False the snapshot holds the parts' own tensors (no copy): valid only until
+    the stage goes on, for a caller that writes it out first (a disk store).
 
     Raises:
         TypeError: a part's state holds something that is neither a tensor
@@ -120,7 +149,7 @@ def take(parts: Mapping[str, Checkpointable | None], step: int) -> Snapshot:
     snap = Snapshot(step)
     for name, part in parts.items():
         if part is not None:
-            snap.skeleton[name] = _flatten(part.state_dict(), name, snap.tensors)
+            snap.skeleton[name] = _flatten(part.state_dict(), name, snap.tensors, copy)
     return snap
 
 
@@ -170,11 +199,13 @@ class Assembler:
 
     Args:
         max_bytes: the most bytes the snapshot's tensors may take.
-        keep: keep each tensor in :attr:`snap` (False: only check them, for a reader
-            that passes each on as it comes, :func:`stream_frames`).
+        sink: where its tensors go as they come (:data:`SinkFactory`), or None: kept.
+        keep: without a sink, keep each tensor in :attr:`snap` (False: only check them,
+            for a reader that passes each on as it comes, :func:`stream_frames`).
     """
 
-    def __init__(self, max_bytes: int, *, keep: bool = True):
+    def __init__(self, max_bytes: int, sink: SinkFactory | None = None, *,
+                 keep: bool = True):
         self.max_bytes = max_bytes
         self.keep = keep
         self.first: node_pb2.Frame | None = None
@@ -182,6 +213,8 @@ class Assembler:
         self.named: set[str] = set()  # the tensors its skeleton names
         self.seen: set[str] = set()  # the tensors that came
         self.total = 0
+        self._make_sink = sink
+        self.sink: Sink | None = None
 
     def admit(self, head: node_pb2.Frame) -> int:
         """The size limit of the tensor ``head`` announces, bytes.
@@ -208,20 +241,31 @@ class Assembler:
         if self.snap is None:
             if head.name != SKELETON or t.dtype != torch.uint8:
                 raise WireError("a snapshot stream must start with its skeleton")
-            self.first, self.snap = head, _read_skeleton(bytes(t.numpy()))
-            self.named = _collect_paths(self.snap.skeleton)
+            snap = _read_skeleton(bytes(t.numpy()))
+            named = _collect_paths(snap.skeleton)
+            self.sink = self._make_sink(head, snap) if self._make_sink is not None else None
+            self.first, self.snap, self.named = head, snap, named
             return
         if head.name in self.seen:
             raise WireError(f"snapshot tensor {head.name!r} sent twice")
+        if self.sink is not None and head.name not in self.named:
+            raise WireError(f"snapshot tensor {head.name!r} is not named by its skeleton")
         self.seen.add(head.name)
         self.total += t.numel() * t.element_size()
-        if self.keep:
+        if self.sink is not None:
+            self.sink.add(head.name, t)  # written, not kept
+        elif self.keep:
             self.snap.tensors[head.name] = t
 
     @property
     def complete(self) -> bool:
         """Whether every tensor its skeleton names has come."""
         return self.snap is not None and len(self.seen) >= len(self.named)
+
+    def abort(self) -> None:
+        """Give up: what a sink wrote so far is removed."""
+        if self.sink is not None:
+            self.sink.abort()
 
     def finish(self) -> tuple[node_pb2.Frame, Snapshot]:
         """The snapshot's first frame and the snapshot.
@@ -233,19 +277,21 @@ class Assembler:
             raise WireError("empty snapshot stream")
         snap = self.snap
         if self.named != self.seen:
+            self.abort()
             missing = sorted(self.named - self.seen)
             extra = sorted(self.seen - self.named)
             raise WireError(f"truncated or inconsistent snapshot of step {snap.step}: missing "
                             f"{missing[:5]}, unexpected {extra[:5]}")
-        return self.first, snap
+        return self.first, self.sink.finish() if self.sink is not None else snap
 
 
-def from_frames(stream: Iterable[bytes], max_bytes: int) -> tuple[node_pb2.Frame,
-                                                                          Snapshot]:
+def from_frames(stream: Iterable[bytes], max_bytes: int, sink: SinkFactory | None = None
+                ) -> tuple[node_pb2.Frame, Snapshot]:
     """Decode a snapshot sent by :func:`to_frames`; returns its first frame and the snapshot.
 
     Every tensor is validated by the wire decoder before it is allocated; the
-    whole snapshot may take at most ``max_bytes``.
+    whole snapshot may take at most ``max_bytes``. With ``sink``, each tensor goes to
+    it as it comes (:class:`Assembler`), and the snapshot is the sink's.
 
     Raises:
         WireError: a malformed or truncated stream (no skeleton, a tensor the
@@ -253,9 +299,13 @@ def from_frames(stream: Iterable[bytes], max_bytes: int) -> tuple[node_pb2.Frame
             skeleton of another shape or nested deeper than :data:`MAX_SKELETON_DEPTH`).
         SnapshotTooLarge: a tensor's header would take the snapshot over ``max_bytes``.
     """
-    assembler = Assembler(max_bytes)
-    for head, t in frames.read_tensors(stream, assembler.admit):
-        assembler.add(head, t)
+    assembler = Assembler(max_bytes, sink)
+    try:
+        for head, t in frames.read_tensors(stream, assembler.admit):
+            assembler.add(head, t)
+    except BaseException:
+        assembler.abort()
+        raise
     return assembler.finish()
 
 
@@ -330,6 +380,15 @@ def _read_skeleton(raw: bytes) -> Snapshot:
     snap = Snapshot(meta["step"], skeleton=meta["skeleton"])
     _collect_paths(snap.skeleton)  # depth and leaf checks now, before any tensor is read
     return snap
+
+
+def tensor_paths(snap: Snapshot) -> set[str]:
+    """The tensor paths ``snap``'s skeleton names (its tensors need not be there yet).
+
+    Raises:
+        WireError: a skeleton nested too deep, or with a malformed leaf.
+    """
+    return _collect_paths(snap.skeleton)
 
 
 def _collect_paths(root: Any) -> set[str]:

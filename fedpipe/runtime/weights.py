@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
+
+from . import tensorfile
 
 KeyMap = Callable[[int, str], Sequence[str]]
 """``names(layer_index, key)``: the file names that may hold that layer's ``key``, in
@@ -271,7 +272,7 @@ class ShardWriter:
 
     def _flush(self) -> None:
         file = self.path / f".shard-{len(self._written):05d}.safetensors.partial"
-        save_file(self._shard, str(file), metadata={"format": "pt"})
+        tensorfile.write(file, self._shard, {"format": "pt"})
         self._written.append((file, list(self._shard)))
         self._shard, self._shard_bytes = {}, 0
 

@@ -1,0 +1,155 @@
+"""Snapshots on disk (``fedpipe node --snapshot-dir``): safetensors files written tensor by
+tensor, read back lazily, pruned with the store; a restore from them is bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedpipe.node.snapshots import SnapshotDesk, SnapshotDirInUse, SnapshotStore
+from fedpipe.proto import node_pb2
+from fedpipe.runtime import checkpoint, tensorfile
+from fedpipe.spec import Kind, StageKey
+from fedpipe.wire.codecs import WireError
+
+pytestmark = pytest.mark.timeout(60)
+KEY = StageKey(0, 1)
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    return model, opt
+
+
+def train(model, opt, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def files(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name != ".lock")
+
+
+def test_a_tensor_file_reads_back_every_dtype_and_shape_and_safetensors_reads_it(tmp_path):
+    from safetensors.torch import load_file
+    tensors = {"a": torch.randn(3, 4), "scalar": torch.tensor(5.0), "empty": torch.zeros(0, 3),
+               "half": torch.randn(4).bfloat16(), "mask": torch.tensor([True, False]),
+               "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+    path = tensorfile.write(tmp_path / "x.safetensors", tensors, {"k": "v"})
+    read = tensorfile.TensorFile(path)
+    assert list(read) == list(tensors) and read.metadata["k"] == "v"
+    assert read.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    for name, t in tensors.items():
+        assert read[name].dtype == t.dtype and torch.equal(read[name], t), name
+    theirs = load_file(str(path))
+    assert all(torch.equal(theirs[k], t) for k, t in tensors.items())
+    assert files(tmp_path) == ["x.safetensors"]  # written aside, then renamed
+
+
+def test_a_tensor_file_writer_refuses_an_unannounced_tensor_and_abort_leaves_nothing(tmp_path):
+    writer = tensorfile.TensorFileWriter(tmp_path / "x.safetensors", ["a", "b"], {})
+    writer.add("a", torch.ones(2))
+    with pytest.raises(tensorfile.TensorFileError, match="'c' was not announced"):
+        writer.add("c", torch.ones(2))
+    with pytest.raises(tensorfile.TensorFileError, match=r"never written: \['b'\]"):
+        writer.close()
+    assert files(tmp_path) == []
+
+
+def test_a_disk_store_keeps_files_not_tensors_and_a_restore_from_one_is_bit_for_bit(tmp_path):
+    model, opt = make()
+    train(model, opt, 3, seed=1)
+    store = SnapshotStore(keep=2, directory=tmp_path)
+    # written from the stage's own tensors (no copy), then the stage goes on
+    kept = store.put("job", KEY, checkpoint.take({"module": model, "optimizer": opt}, 3,
+                                                 copy=False))
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, opt, 4, seed=2)
+    assert isinstance(kept.tensors, tensorfile.TensorFile)
+    assert files(tmp_path) == [store.file("job", KEY, 3).name]
+    assert kept.nbytes == store.nbytes > 0
+
+    other, oopt = make()
+    train(other, oopt, 1, seed=9)  # diverged on purpose before the restore
+    snap = store.get("job", KEY, 3)
+    assert snap is not None
+    checkpoint.restore({"module": other, "optimizer": oopt}, snap)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in want.items())
+    train(other, oopt, 4, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 other.state_dict().values()))
+
+
+def test_a_disk_store_removes_the_files_it_prunes_or_drops(tmp_path):
+    model, opt = make()
+    store = SnapshotStore(keep=2, directory=tmp_path)
+    for step in (100, 200):
+        store.put("job", KEY, checkpoint.take({"module": model}, step))
+    store.protect("job", 100)
+    reader = store.get("job", KEY, 100)  # a fetch under way when its file goes
+    for step in (300, 400):
+        store.put("job", KEY, checkpoint.take({"module": model}, step))
+    assert store.steps("job", KEY) == [100, 300, 400]
+    assert files(tmp_path) == sorted(store.file("job", KEY, s).name for s in (100, 300, 400))
+    store.protect("job", 400)
+    assert files(tmp_path) == sorted(store.file("job", KEY, s).name for s in (300, 400))
+    assert reader is not None and torch.equal(reader.tensors["module/0.weight"],
+                                              model[0].weight)  # its reader still reads
+    store.drop_job("job")
+    assert files(tmp_path) == [] and store.steps("job", KEY) == []
+
+
+def test_a_snapshot_dir_of_a_live_store_is_refused_and_an_old_ones_files_are_removed(tmp_path):
+    (tmp_path / "old-r0-s0-0000000003.safetensors").write_bytes(b"left by a killed node")
+    store = SnapshotStore(directory=tmp_path)
+    assert files(tmp_path) == [] and store.on_disk
+    with pytest.raises(SnapshotDirInUse, match="in use by another live node"):
+        SnapshotStore(directory=tmp_path)
+
+
+def envelope(step: int) -> node_pb2.Envelope:
+    return node_pb2.Envelope(job_id="j", replica=KEY.replica, stage=KEY.stage,
+                             kind=Kind.SNAPSHOT.value, step=step, batch_size=1)
+
+
+def test_a_buddys_snapshot_goes_to_disk_as_its_stream_comes_and_a_truncated_one_leaves_nothing(
+        tmp_path):
+    model, opt = make()
+    train(model, opt, 2, seed=1)
+    snap = checkpoint.take({"module": model, "optimizer": opt}, 2)
+    store = SnapshotStore(directory=tmp_path)
+    desk = SnapshotDesk(store, lambda job: job == "j", 1 << 30)
+    frames = list(checkpoint.to_frames(snap, envelope(2)))
+    desk.receive(iter(frames), lambda env: None)
+    kept = store.get("j", KEY, 2)
+    assert kept is not None and isinstance(kept.tensors, tensorfile.TensorFile)
+    assert kept.skeleton == snap.skeleton and list(kept.tensors) == list(snap.tensors)
+    assert all(torch.equal(kept.tensors[k], t) for k, t in snap.tensors.items())
+    # served back (FetchSnapshot) from the file, a tensor at a time, as it was sent
+    _, back = checkpoint.from_frames(checkpoint.to_frames(desk.snapshot("j", KEY, 2)), 1 << 30)
+    assert all(torch.equal(back.tensors[k], t) for k, t in snap.tensors.items())
+
+    later = checkpoint.take({"module": model, "optimizer": opt}, 4)
+    cut = list(checkpoint.to_frames(later, envelope(4)))[:-1]
+    with pytest.raises(WireError, match="malformed snapshot"):
+        desk.receive(iter(cut), lambda env: None)
+    assert store.steps("j", KEY) == [2]
+    assert files(tmp_path) == [store.file("j", KEY, 2).name]  # no partial file stays
+
+
+def test_a_disk_store_refuses_a_buddys_snapshot_of_a_job_it_holds_nothing_of_before_writing(
+        tmp_path):
+    from fedpipe.node.errors import NoSuchStage
+    model, _ = make()
+    store = SnapshotStore(directory=tmp_path)
+    desk = SnapshotDesk(store, lambda job: False, 1 << 30)
+    frames = checkpoint.to_frames(checkpoint.take({"module": model}, 1), envelope(1))
+    with pytest.raises(NoSuchStage, match="runs no stage of job 'j'"):
+        desk.receive(frames, lambda env: None)
+    assert files(tmp_path) == []
