@@ -205,7 +205,8 @@ class CheckpointWriter:
                           {"format": "pt"}) if key.replica == 0 else None
         state = ShardFile(self._folder() / (state_file(key) + ".tmp"), {"format": "pt"})
         named: dict[str, str] = {}
-        items = snap.tensors.items() if isinstance(snap.tensors, dict) else snap.tensors
+        items: Iterable[tuple[str, torch.Tensor]] = (
+            snap.tensors.items() if isinstance(snap.tensors, Mapping) else snap.tensors)
         try:
             for path, t in items:
                 name = self._model_name(start, path) if shard is not None else None
