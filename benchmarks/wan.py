@@ -107,6 +107,12 @@ class Setup:
         (the last stage also holds the head), so 3 boundaries for 4 blocks."""
         return tuple(range(2, self.blocks + 1))
 
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """The children ``(start, end)`` of each stage, as :attr:`cuts` split them."""
+        bounds = [0, *self.cuts, self.blocks + 2]
+        return list(zip(bounds, bounds[1:]))
+
 
 # -- steps to target, in one process ---------------------------------------------
 

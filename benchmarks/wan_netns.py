@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 HERE = Path(__file__).resolve().parent
 for _p in (str(HERE.parent), str(HERE)):
@@ -132,9 +132,10 @@ def _setup_json(setup: wan.Setup) -> str:
 
 
 def fedpipe_side(net: StageNetwork, setup: wan.Setup, configs: Sequence[str], steps: int,
-                 workdir: Path, procs: list[subprocess.Popen]) -> dict[str, dict]:
+                 workdir: Path, procs: list[subprocess.Popen]) -> dict[str, Any]:
     """Run ``configs``' jobs on a swarm in ``net`` (the driver in the hub namespace);
-    by name, ``{"seconds": steady step time, "ranges": [[start, end], ...]}``. Appends the
+    by name, ``{"seconds": steady step time, "ranges": [[start, end], ...]}``, and
+    ``"up_seconds"``: how long the swarm took to come up. Appends the
     driver to ``procs`` (the caller stops it)."""
     out, log = workdir / "fedpipe.json", workdir / "fedpipe.log"
     places = ",".join(f"{h.ns}:{h.ip}" for h in net.stages)
@@ -194,7 +195,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 def _both(setup: wan.Setup, mbps: float, steps: int, configs: list[str],
           procs: list[subprocess.Popen],
-          log: Callable[[str], None]) -> tuple[dict[str, dict], float]:
+          log: Callable[[str], None]) -> tuple[dict[str, Any], float]:
     """fedpipe's jobs, then torch's, over one fresh :class:`StageNetwork`; everything
     started is stopped and the namespaces deleted before this returns or raises."""
     with tempfile.TemporaryDirectory(prefix="wan-netns-") as tmp, \
@@ -202,14 +203,18 @@ def _both(setup: wan.Setup, mbps: float, steps: int, configs: list[str],
         try:
             log(f"  netns: {setup.blocks} stage namespaces + a hub, every veth end "
                 f"{net.shaping()}; load {os.getloadavg()[0]:.2f}")
+            t0 = time.monotonic()
             fp = fedpipe_side(net, setup, configs, steps, Path(tmp), procs)
+            log(f"  netns fedpipe side took {time.monotonic() - t0:.0f} s, its swarm "
+                f"{fp['up_seconds']:.0f} s of it to come up (nodes and links measured)")
             for name in configs:
                 log(f"  netns fedpipe {name:<10} step {fp[name]['seconds'] * 1e3:8.1f} ms, "
                     f"split {fp[name]['ranges']}; load {os.getloadavg()[0]:.2f}")
             ranges = fp["raw"]["ranges"]
+            t0 = time.monotonic()
             torch_s = torch_side(net, setup, ranges, steps, Path(tmp), procs)
             log(f"  netns torch   raw        step {torch_s * 1e3:8.1f} ms, split {ranges}; "
-                f"load {os.getloadavg()[0]:.2f}")
+                f"took {time.monotonic() - t0:.0f} s; load {os.getloadavg()[0]:.2f}")
         finally:
             _stop(procs)
     return fp, torch_s
@@ -248,14 +253,17 @@ def _fedpipe_main(args: argparse.Namespace) -> None:
     places = [Host(*p.split(":")) for p in args.places.split(",")]
     workdir = Path(args.workdir) / "swarm"
     workdir.mkdir()
-    out = {}
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
     # plaintext off loopback needs --insecure (the namespaces are this machine's own);
     # --trust-code: the job's model and loss travel as code, as over any real network
     with LocalSwarm(n_nodes=len(places), places=places, host=args.host, threads=1,
                     workdir=str(workdir), timeout=FEDPIPE_TIMEOUT / 2,
                     tracker_args=["--insecure"],
                     node_args=["--insecure", "--trust-code"]) as swarm:
-        print(f"swarm up; load {os.getloadavg()[0]:.2f}", flush=True)
+        out["up_seconds"] = time.monotonic() - t0
+        print(f"swarm up in {out['up_seconds']:.0f} s; load {os.getloadavg()[0]:.2f}",
+              flush=True)
         for name in args.configs.split(","):
             seconds, ranges = wan.timed_job(swarm, setup, wan.CONFIGS[name], args.steps)
             out[name] = {"seconds": seconds, "ranges": ranges}
