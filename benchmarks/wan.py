@@ -25,6 +25,12 @@ codec outputs' bytes (zstd included) that crossed one boundary, per token.
     python benchmarks/wan.py [--quick] [--mbps M] [--latency-ms L] [--budget N]
                              [--seeds S] [--configs a,b,...] [--swarm-steps N]
                              [--swarm-configs a,b,...] [--plot wan.png] [--no-swarm]
+                             [--netns [--best NAME]]
+
+``--netns`` (root, iproute2): instead of the emulated swarm, the stages in network
+namespaces over veths shaped with ``tc ... tbf`` at ``--mbps`` (bandwidth only: no
+latency), fedpipe's raw and best configurations beside torch.distributed.pipelining, T
+side by side (``benchmarks/wan_netns.py``).
 
 Full run: a budget of 1,000 steps and 3 seeds. ``--quick``: a smoke run (a
 small budget, 1 seed, few swarm steps) in under 2 minutes on an idle machine.
@@ -435,10 +441,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     print(f"{os.cpu_count()} cores; load %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     compute = stage_compute_seconds(setup)
-    wire = link_seconds(setup, args.mbps, args.latency_ms)
+    wire = link_seconds(setup, args.mbps, 0.0 if args.netns else args.latency_ms)
     print(f"model: char transformer d={setup.d}, {setup.blocks} blocks, context {setup.seq}, "
           f"batch {setup.batch} in {setup.microbatches} microbatches, 4 stages; link "
-          f"{args.mbps:g} Mbit/s, {args.latency_ms:g} ms one way")
+          f"{args.mbps:g} Mbit/s, "
+          + ("no latency (--netns: tbf shapes bandwidth only)" if args.netns
+             else f"{args.latency_ms:g} ms one way"))
     print(f"raw fp32 activations per step and boundary: {wire * 1e3:.1f} ms on the link, "
           f"a stage's compute {compute * 1e3:.1f} ms: ratio {wire / compute:.1f}x", flush=True)
     conv = converge(setup, configs, log=lambda s: print(s, flush=True))

@@ -4,6 +4,7 @@ torch.distributed.pipelining stepping across them, everything gone afterwards. N
 and iproute2 (CI runs as root); skipped otherwise, saying so."""
 import importlib.util
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def test_wan_split_covers_every_child_once():
 def net():
     if why := stagenet.missing():
         pytest.skip(why)
-    with stagenet.StageNetwork(TINY.blocks, 8.0, tag=f"tw{id(TINY) % 10000}") as n:
+    with stagenet.StageNetwork(TINY.blocks, 8.0, tag=f"tw{os.getpid() % 100000}") as n:
         yield n
     assert n.exists() == [], "namespaces left behind"
 
@@ -78,7 +79,7 @@ def test_torch_pipelining_steps_across_shaped_namespaces_and_all_is_cleaned_up(n
 def test_the_namespaces_go_on_an_exception_and_a_clash_deletes_only_its_own():
     if why := stagenet.missing():
         pytest.skip(why)
-    tag = f"tx{id(TINY) % 10000}"
+    tag = f"tx{os.getpid() % 100000}"
     with stagenet.StageNetwork(2, 8.0, tag=tag) as first:
         with pytest.raises(stagenet.NatSetupError, match="netns add"):
             stagenet.StageNetwork(2, 8.0, tag=tag)  # the same names: its first `ip netns add`
