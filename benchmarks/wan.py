@@ -419,7 +419,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "stages in network namespaces over veths shaped with tc tbf at --mbps, "
                     "no latency (benchmarks/wan_netns.py; needs root and iproute2)")
     ap.add_argument("--best", default="", help="--netns: fedpipe's best configuration "
-                    "(default: the fewest bytes/token within 1.3x raw's steps to target)")
+                    "(default: the fewest bytes/token within 1.3x raw's steps to target "
+                    "and 2%% of its final loss)")
     ap.add_argument("--plot", default="", help="write the loss-against-wall-time plot here (PNG)")
     return ap.parse_args(argv)
 

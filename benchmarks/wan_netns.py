@@ -67,19 +67,23 @@ TORCH_PORT = 29511
 STEPS_FACTOR = 1.3
 """A codec may be fedpipe's best only if its steps to target are at most this × raw's (the
 issue's bound for an activation codec)."""
+FINAL_LOSS = 0.02
+"""... and its final loss at equal steps at most this much above raw's (the issue's bound)."""
 TARGETS = {"raw": 1.2, "best": 0.3}
 """fedpipe's T at most this × torch's (issue 23)."""
 
 
 def best_config(conv: wan.Convergence, shaped: dict[str, float]) -> str:
-    """fedpipe's best configuration: the least T among those with a measured step time in
-    ``shaped``; without one, the fewest bytes/token (both ways) among configurations that
-    reach the target in at most :data:`STEPS_FACTOR` × raw's steps ("raw" if none does)."""
-    timed = {n: conv.steps(n) * t for n, t in shaped.items()
-             if n in conv.curves and math.isfinite(t) and math.isfinite(conv.steps(n))}
+    """fedpipe's best configuration among those that keep convergence (at most
+    :data:`STEPS_FACTOR` × raw's steps to target, a final loss within :data:`FINAL_LOSS`
+    of raw's): the least T among those with a measured step time in ``shaped``; without
+    one, the fewest bytes/token, both ways ("raw" if none keeps convergence)."""
+    ok = [n for n in conv.curves
+          if conv.steps(n) <= STEPS_FACTOR * conv.steps("raw")
+          and conv.final(n) <= (1 + FINAL_LOSS) * conv.final("raw")]
+    timed = {n: conv.steps(n) * shaped[n] for n in ok if math.isfinite(shaped.get(n, math.nan))}
     if timed:
         return min(timed, key=lambda n: timed[n])
-    ok = [n for n in conv.curves if conv.steps(n) <= STEPS_FACTOR * conv.steps("raw")]
     return min(ok, key=lambda n: sum(conv.bytes_per_token(n)), default="raw")
 
 
