@@ -63,6 +63,14 @@ WARMUP = 5
 """Steps left out of each median (allocator, first messages, thread start)."""
 
 
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def sgd(params: list) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01)
+
+
 @dataclass(frozen=True)
 class Config:
     """One comparison: a model, its data and the pipeline depth."""
@@ -72,6 +80,8 @@ class Config:
     build: Callable[[], nn.Sequential]
     batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     microbatches: int = 8
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn
+    optimizer: Callable[[list], torch.optim.Optimizer] = sgd
 
 
 def mlp() -> nn.Sequential:
@@ -106,10 +116,6 @@ CONFIGS = [Config(f"{model} {n} stages", n, build, batch)
                                        ("transformer", transformer, transformer_batch))]
 
 
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(out, target)
-
-
 def steady(times: list[float]) -> float:
     """Median gap between consecutive times after :data:`WARMUP` steps, seconds."""
     gaps = [b - a for a, b in zip(times, times[1:])][WARMUP:]
@@ -136,21 +142,32 @@ def floor_step(cfg: Config, steps: int) -> float:
 # -- torch.distributed.pipelining ----------------------------------------------------
 def _torch_worker(rank: int, cfg: Config, ranges: list[tuple[int, int]], steps: int,
                   schedule: str, port: int, out: str) -> None:
+    torch_stage(rank, cfg, ranges, steps, schedule, f"tcp://127.0.0.1:{port}", out)
+
+
+def torch_stage(rank: int, cfg: Config, ranges: list[tuple[int, int]], steps: int,
+                schedule: str, init_method: str, out: str) -> None:
+    """Stage ``rank`` of ``cfg`` under torch.distributed.pipelining: the children
+    ``ranges[rank]`` of ``cfg.build()``, a gloo group of ``len(ranges)`` ranks rendezvousing at
+    ``init_method`` (``tcp://HOST:PORT``, rank 0's), ``steps`` steps of ``schedule``
+    (``1f1b`` or ``gpipe``) over ``cfg.microbatches``, then ``cfg.optimizer``'s step. Rank 0
+    writes the ``time.perf_counter()`` after each step, a JSON list, to ``out``.
+    Every process of the group runs this; gloo picks its interface from ``GLOO_SOCKET_IFNAME``
+    if set."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     torch.set_num_threads(1)
     n = len(ranges)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=n)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=n)
     model = cfg.build()
     start, end = ranges[rank]
     part = nn.Sequential(*list(model.children())[start:end])
     params = list(part.parameters())  # a stage of ReLUs alone has none
-    opt = torch.optim.SGD(params, lr=0.01) if params else None
+    opt = cfg.optimizer(params) if params else None
     stage = PipelineStage(part, rank, n, torch.device("cpu"))
     kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-    sched = kind(stage, cfg.microbatches, loss_fn=loss_fn)
+    sched = kind(stage, cfg.microbatches, loss_fn=cfg.loss)
     x, y = cfg.batch()
     times = []
     for _ in range(steps):

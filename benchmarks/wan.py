@@ -25,6 +25,12 @@ codec outputs' bytes (zstd included) that crossed one boundary, per token.
     python benchmarks/wan.py [--quick] [--mbps M] [--latency-ms L] [--budget N]
                              [--seeds S] [--configs a,b,...] [--swarm-steps N]
                              [--swarm-configs a,b,...] [--plot wan.png] [--no-swarm]
+                             [--netns [--best NAME]]
+
+``--netns`` (root, iproute2): instead of the emulated swarm, the stages in network
+namespaces over veths shaped with ``tc ... tbf`` at ``--mbps`` (bandwidth only: no
+latency), fedpipe's raw and best configurations beside torch.distributed.pipelining, T
+side by side (``benchmarks/wan_netns.py``).
 
 Full run: a budget of 1,000 steps and 3 seeds. ``--quick``: a smoke run (a
 small budget, 1 seed, few swarm steps) in under 2 minutes on an idle machine.
@@ -52,6 +58,8 @@ from fedpipe.examples.text import char_transformer, lm_loss, pydoc_text, text_ba
 from fedpipe.wire.codecs import ErrorFeedback, decode, encode  # noqa: E402
 
 TARGET_AT = 0.8      # the target is raw fp32's held-out loss at this fraction of the budget
+SCHEDULE = "1f1b"     # the pipeline schedule of every swarm job (and of torch's, --netns)
+WARMUP_STEPS = 2     # steps left out of a steady step time
 QUICK_SWARM = ("raw", "int8", "had4")  # --quick times these on the swarm (a swarm job costs
                                        # seconds of set-up on a loaded machine)
 
@@ -104,6 +112,12 @@ class Setup:
         """Children after which a stage ends: embedding + block 0, then one block each
         (the last stage also holds the head), so 3 boundaries for 4 blocks."""
         return tuple(range(2, self.blocks + 1))
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """The children ``(start, end)`` of each stage, as :attr:`cuts` split them."""
+        bounds = [0, *self.cuts, self.blocks + 2]
+        return list(zip(bounds, bounds[1:]))
 
 
 # -- steps to target, in one process ---------------------------------------------
@@ -276,19 +290,34 @@ def link_profile(n_nodes: int, mbps: float, latency_ms: float) -> dict:
     return {"groups": groups, "links": links}
 
 
-def step_time(swarm: Any, setup: Setup, config: Config, steps: int) -> float:
-    """Median seconds between consecutive steps of a 4-stage job, after 2 warm-up steps."""
+def steady(times: list[float]) -> float:
+    """Median seconds between consecutive step times after :data:`WARMUP_STEPS` steps
+    (nan: too few steps)."""
+    gaps = [b - a for a, b in zip(times, times[1:])][WARMUP_STEPS:]
+    return statistics.median(gaps) if gaps else math.nan
+
+
+def timed_job(swarm: Any, setup: Setup, config: Config,
+              steps: int) -> tuple[float, list[tuple[int, int]]]:
+    """One 4-stage job of ``steps`` steps on ``swarm``: its steady step time, seconds, and
+    its plan's layer range ``(start, end)`` per stage (children of :meth:`Setup.model`)."""
     train_data, _ = pydoc_text()
     job = swarm.client().submit(
         setup.model(0), lm_loss, fedpipe.optimizer(torch.optim.AdamW, lr=setup.lr),
         text_batches(train_data, setup.batch, setup.seq), steps=steps,
-        microbatches=setup.microbatches, schedule="1f1b", stages=setup.blocks,
+        microbatches=setup.microbatches, schedule=SCHEDULE, stages=setup.blocks,
         replicas=1, compression=config.compression())
     times = [ev.time for ev in job.events() if ev.step > 0]
-    job.wait(progress=False)
+    status = job.wait(progress=False)
     job.release()
-    gaps = [b - a for a, b in zip(times, times[1:])][2:]
-    return statistics.median(gaps) if gaps else math.nan
+    ranges = sorted((a.stage, a.layer_start, a.layer_end) for a in status.plan.stages)
+    return steady(times), [(start, end) for _, start, end in ranges]
+
+
+def step_time(swarm: Any, setup: Setup, config: Config, steps: int) -> float:
+    """Median seconds between consecutive steps of a 4-stage job, after
+    :data:`WARMUP_STEPS` warm-up steps."""
+    return timed_job(swarm, setup, config, steps)[0]
 
 
 def step_times(setup: Setup, configs: list[Config], steps: int, profile: dict | None,
@@ -341,9 +370,10 @@ def report(conv: Convergence, shaped: dict[str, float], floor: float, tokens: in
         final = conv.final(name)
         print(f"{name:<11} {fwd:9.1f} {bwd:10.1f} {steps:7.0f} {st * 1e3:8.1f} {t:8.1f} "
               f"{t / raw_t:8.3f} {final:10.4f} {(final / conv.final('raw') - 1) * 100:+6.1f}%")
-    print(f"unshaped floor: raw steps x unshaped step time = {conv.steps('raw'):.0f} x "
-          f"{floor * 1e3:.1f} ms = {conv.steps('raw') * floor:.1f} s "
-          f"({conv.steps('raw') * floor / raw_t:.3f} of shaped raw's T)")
+    if math.isfinite(floor):  # not measured with --no-swarm or --netns
+        print(f"unshaped floor: raw steps x unshaped step time = {conv.steps('raw'):.0f} x "
+              f"{floor * 1e3:.1f} ms = {conv.steps('raw') * floor:.1f} s "
+              f"({conv.steps('raw') * floor / raw_t:.3f} of shaped raw's T)")
     print(f"({tokens} tokens per step; bytes/token are per boundary, each of the 3)")
 
 
@@ -384,6 +414,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated, raw first: {', '.join(CONFIGS)}")
     ap.add_argument("--no-swarm", action="store_true", help="steps to target only")
+    ap.add_argument("--netns", action="store_true", help="instead of the emulated swarm: "
+                    "fedpipe (raw, then its best) beside torch.distributed.pipelining, the "
+                    "stages in network namespaces over veths shaped with tc tbf at --mbps, "
+                    "no latency (benchmarks/wan_netns.py; needs root and iproute2)")
+    ap.add_argument("--best", default="", help="--netns: fedpipe's best configuration "
+                    "(default: the fewest bytes/token within 1.3x raw's steps to target "
+                    "and 2%% of its final loss)")
     ap.add_argument("--plot", default="", help="write the loss-against-wall-time plot here (PNG)")
     return ap.parse_args(argv)
 
@@ -405,15 +442,25 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     print(f"{os.cpu_count()} cores; load %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     compute = stage_compute_seconds(setup)
-    wire = link_seconds(setup, args.mbps, args.latency_ms)
+    wire = link_seconds(setup, args.mbps, 0.0 if args.netns else args.latency_ms)
     print(f"model: char transformer d={setup.d}, {setup.blocks} blocks, context {setup.seq}, "
           f"batch {setup.batch} in {setup.microbatches} microbatches, 4 stages; link "
-          f"{args.mbps:g} Mbit/s, {args.latency_ms:g} ms one way")
+          f"{args.mbps:g} Mbit/s, "
+          + ("no latency (--netns: tbf shapes bandwidth only)" if args.netns
+             else f"{args.latency_ms:g} ms one way"))
     print(f"raw fp32 activations per step and boundary: {wire * 1e3:.1f} ms on the link, "
           f"a stage's compute {compute * 1e3:.1f} ms: ratio {wire / compute:.1f}x", flush=True)
     conv = converge(setup, configs, log=lambda s: print(s, flush=True))
     shaped, floor = {c.name: math.nan for c in configs}, math.nan
-    if not args.no_swarm:
+    if args.netns:
+        import wan_netns
+
+        best = args.best or wan_netns.best_config(conv, {})
+        print(f"fedpipe's best configuration: {best}", flush=True)
+        shaped |= wan_netns.compare(setup, conv, args.mbps, args.swarm_steps or
+                                    (7 if args.quick else 20), best,
+                                    log=lambda s: print(s, flush=True))
+    elif not args.no_swarm:
         steps = args.swarm_steps or (7 if args.quick else 20)
         names = args.swarm_configs or (",".join(QUICK_SWARM) if args.quick else args.configs)
         timed = [CONFIGS[n] for n in names.split(",")]

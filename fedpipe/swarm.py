@@ -14,6 +14,7 @@ import tempfile
 import time
 from concurrent import futures
 from pathlib import Path
+from typing import Protocol, Sequence
 
 from .client import Client
 from .net import timeouts
@@ -22,6 +23,15 @@ from .proto import tracker_pb2
 from .security import TlsConfig, certs
 
 _POLL = 0.05  # seconds between looks at a process that is starting
+
+
+class Place(Protocol):
+    """Where a node runs: an address it binds, and its command line run there
+    (:class:`fedpipe.testing.natnet.Host`: ``ip netns exec NS ...``)."""
+
+    ip: str
+
+    def command(self, argv: Sequence[str]) -> list[str]: ...
 
 
 class LocalSwarm:
@@ -38,6 +48,11 @@ class LocalSwarm:
         node_args: extra ``fedpipe node`` arguments, for all nodes.
         tracker_args: extra ``fedpipe tracker`` arguments (e.g. ``--http-port``), also
             on a restart.
+        host: the address the tracker binds (and nodes without ``places`` bind): the
+            processes must reach it from where they run.
+        places: where node ``i`` runs (``places[i]``: its address and its command line
+            there, e.g. a network namespace of :mod:`fedpipe.testing.stagenet`); the
+            tracker and this process must reach every one. None: all on ``host``.
         store: the tracker's ``--store`` URL (e.g. ``postgresql://...``); None: the SQLite
             file ``workdir/tracker.db``.
         link_profile: emulated links for the whole swarm, as a dict in the format of
@@ -64,7 +79,11 @@ class LocalSwarm:
                  threads: int = 1, node_args: list[str] | None = None,
                  tracker_args: list[str] | None = None,
                  link_profile: dict | None = None, timeout: float = 60.0, tls: bool = False,
-                 store: str | None = None, snapshot_dirs: bool = False):
+                 store: str | None = None, snapshot_dirs: bool = False,
+                 host: str = "127.0.0.1", places: Sequence[Place] | None = None):
+        self.host, self.places = host, list(places or [])
+        if places is not None and len(self.places) < n_nodes:
+            raise ValueError(f"{n_nodes} nodes need as many places, not {len(self.places)}")
         self.n_nodes, self.lease, self.threads = n_nodes, lease, threads
         self.snapshot_dirs = snapshot_dirs
         self.node_args, self.timeout = list(node_args or []), timeout
@@ -97,19 +116,20 @@ class LocalSwarm:
         """Node processes a fault injection killed or paused (their exit is no error)."""
 
     # -- processes ----------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], place: Place | None = None) -> subprocess.Popen:
         # always from the same long-lived thread: a child's PR_SET_PDEATHSIG fires when
         # the *thread* that started it ends, so a process (re)started from a short-lived
         # thread (a fault injector's, say) would be killed with it
-        return self._spawner.submit(self._popen, name, args).result()
+        return self._spawner.submit(self._popen, name, args, place).result()
 
-    def _popen(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _popen(self, name: str, args: list[str], place: Place | None = None) -> subprocess.Popen:
         log, n = self.workdir / f"{name}.log", 1
         while log.exists():  # a restarted process gets a log of its own
             n += 1
             log = self.workdir / f"{name}-{n}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "fedpipe", *args], stdout=out,
+            argv = [sys.executable, "-m", "fedpipe", *args]
+            proc = subprocess.Popen(place.command(argv) if place else argv, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=child_env(self.threads))
         self._logs[proc] = log
@@ -132,10 +152,10 @@ class LocalSwarm:
         """
         restart = bool(self.tracker)
         for attempt in range(1 if restart else attempts):
-            address = self.tracker if restart else f"127.0.0.1:{free_port()}"
+            address = self.tracker if restart else f"{self.host}:{free_port(self.host)}"
             port = address.rsplit(":", 1)[1]
             self.tracker_proc = proc = self._spawn(
-                "tracker", ["tracker", "--host", "127.0.0.1", "--port", port,
+                "tracker", ["tracker", "--host", self.host, "--port", port,
                             *(["--store", self.store] if self.store else ["--db", self.db]),
                             "--lease", str(self.lease), *self._tls_args(),
                             *self.tracker_args])
@@ -184,10 +204,12 @@ class LocalSwarm:
             tls_args = ["--tls-dir", str(own)]
         if self.snapshot_dirs:
             tls_args += ["--snapshot-dir", str(self.snapshot_dir(i))]
-        proc = self._spawn(f"node{i}", ["node", "--tracker", self.tracker, "--host", "127.0.0.1",
+        place = self.places[i] if i < len(self.places) else None
+        proc = self._spawn(f"node{i}", ["node", "--tracker", self.tracker,
+                                        "--host", place.ip if place else self.host,
                                         "--port", "0", "--name", f"node{i}", "--device", "cpu",
                                         "--threads", str(self.threads), *tls_args,
-                                        *self.node_args, *extra])
+                                        *self.node_args, *extra], place)
         self.nodes.append(proc)
         return proc
 
