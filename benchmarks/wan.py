@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fedpipe  # noqa: E402
 from fedpipe.examples.text import char_transformer, lm_loss, pydoc_text, text_batches  # noqa: E402
 from fedpipe.wire.codecs import ErrorFeedback, decode, encode  # noqa: E402
+from fedpipe.wire.lowrank import End, Subspace  # noqa: E402
 
 TARGET_AT = 0.8      # the target is raw fp32's held-out loss at this fraction of the budget
 QUICK_SWARM = ("raw", "int8", "had4")  # --quick times these on the swarm (a swarm job costs
@@ -77,6 +78,10 @@ CONFIGS = {c.name: c for c in (
     Config("had2", "had2", "had2"),
     Config("had4/had2", "had4", "had2"),   # 2-bit costs activations more than gradients
     Config("int8/topk", "int8", "topk:0.1"),
+    # a basis per boundary from the activations' principal components, refreshed every
+    # 50 steps; the gradients in the same subspace, with error feedback
+    Config("lowrank8", "lowrank8:16@50", "lowrank8:16@50"),
+    Config("lowrank8:8", "lowrank8:8@50", "lowrank8:8@50"),
 )}
 
 
@@ -110,25 +115,31 @@ class Setup:
 
 class Link:
     """One stage boundary as the swarm's peers run it: the same encode and decode,
-    error feedback on the gradients keyed by (boundary, microbatch, shape)."""
+    error feedback on the gradients keyed by (boundary, microbatch, shape); a lowrank
+    codec's basis held at each end (the sender's refreshed at the training ``step``;
+    evaluation, ``step`` None, refreshes nothing)."""
 
     def __init__(self, index: int, config: Config):
         self.index, self.config = index, config
         self.feedback = ErrorFeedback()
         self.microbatch = 0
+        self.step: int | None = None
+        self.key = f"boundary/{index}"
+        self.sender, self.receiver = Subspace(), Subspace()  # the two stages' states
         self.bytes = {"forward": 0, "backward": 0}
         self.tokens = {"forward": 0, "backward": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        msg = encode(x, self.config.activations)
+        msg = encode(x, self.config.activations, end=End(self.sender, self.key, self.step))
         self._count("forward", msg.payload_bytes, x)
-        return decode(msg)
+        return decode(msg, end=End(self.receiver, self.key))
 
     def backward(self, g: torch.Tensor) -> torch.Tensor:
         msg = encode(g, self.config.gradients, feedback=self.feedback,
-                     key=(self.index, self.microbatch, tuple(g.shape)))
+                     key=(self.index, self.microbatch, tuple(g.shape)),
+                     end=End(self.receiver, self.key))
         self._count("backward", msg.payload_bytes, g)
-        return decode(msg)
+        return decode(msg, end=End(self.sender, self.key))
 
     def _count(self, way: str, nbytes: int, t: torch.Tensor) -> None:
         self.bytes[way] += nbytes
@@ -204,10 +215,12 @@ def train(setup: Setup, config: Config, seed: int, data: torch.Tensor,
         for mb, (xm, ym) in enumerate(zip(x.chunk(setup.microbatches),
                                           y.chunk(setup.microbatches))):
             for link in links:
-                link.microbatch = mb
+                link.microbatch, link.step = mb, step
             loss = lm_loss(staged_forward(model, links, setup.cuts, xm), ym)
             (loss / setup.microbatches).backward()
         opt.step()
+        for link in links:
+            link.step = None  # evaluation makes no basis
         if step % setup.eval_every == 0 or step == setup.budget:
             curve.steps.append(step)
             curve.losses.append(evaluate(model, links, setup.cuts, held))
