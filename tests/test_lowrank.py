@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fedpipe.proto import tensor_pb2 as pb
@@ -281,3 +283,38 @@ def test_specs_parse_print_and_are_refused_for_jobs():
             parse_codec(bad)
     with pytest.raises(SpecError, match="data plane does not carry yet"):
         check_compression("lowrank8:8", "activations")
+
+
+FIELDS = {"k": st.integers(0, 2**64 - 1), "basis": st.booleans(),
+          "basis_version": st.integers(0, 2**64 - 1), "encoded_bytes": st.integers(0, 10**6),
+          "codec": st.sampled_from([pb.CODEC_LOWRANK, pb.CODEC_LOWRANK8, pb.CODEC_INT8]),
+          "shape": st.lists(st.integers(-2, 2**20), max_size=3)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_fuzzed_messages_decode_or_raise_wire_error(data):
+    """Random header fields and payload bytes, to a receiver that holds a basis or none:
+    decode returns a tensor of the declared shape or raises WireError, nothing else."""
+    sender, receiver = Subspace(), Subspace()
+    decode(wire(encode(acts(), "lowrank8:4", end=End(sender, KEY, 0))),
+           end=End(receiver, KEY))
+    fresh = data.draw(st.booleans())  # a fresh sender carries its basis, the other does not
+    msg = wire(encode(acts(seed=1), "lowrank:4", end=End(Subspace() if fresh else sender, KEY, 1)))
+    for name in data.draw(st.lists(st.sampled_from([*FIELDS, "payload"]), max_size=3,
+                                   unique=True)):
+        if name == "payload":
+            cut = data.draw(st.integers(0, len(msg.payload)))
+            msg.payload = msg.payload[:cut]
+            msg.payload_bytes = cut
+        elif name == "shape":
+            del msg.shape[:]
+            msg.shape.extend(data.draw(FIELDS["shape"]))
+        else:
+            setattr(msg, name, data.draw(FIELDS[name]))
+    holder = receiver if data.draw(st.booleans()) else Subspace()
+    try:
+        out = decode(wire(msg), end=End(holder, KEY))
+    except WireError:
+        return
+    assert out.shape == tuple(msg.shape)

@@ -93,7 +93,7 @@ def principal(rows: torch.Tensor, rank: int) -> torch.Tensor:
     x = rows[:SAMPLE_ROWS].to(torch.float64)
     if not bool(torch.isfinite(x).all()):
         raise WireError("lowrank cannot make a basis from non-finite activations")
-    _, vectors = torch.linalg.eigh(x.T @ x)
+    vectors: torch.Tensor = torch.linalg.eigh(x.T @ x).eigenvectors
     top = vectors[:, -rank:].flip(1)
     signs = torch.sign(top.gather(0, top.abs().argmax(0, keepdim=True)))
     signs[signs == 0] = 1
