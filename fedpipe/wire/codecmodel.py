@@ -260,14 +260,21 @@ MODELS: dict[str, CodecModel] = {m.name: m for m in (
 """Every codec's model, by name."""
 
 STEPS_MEASURED: dict[str, float] = {"raw": 150 / 150, "bf16": 150 / 150, "int8": 150 / 150,
-                                    "had4": 153 / 150, "had2": 118 / 150}
+                                    "had4": 153 / 150, "had2": 118 / 150, "lowrank8": 177 / 150}
 """Steps to the target loss against raw fp32's, with the codec on every stage boundary
 (activations and gradients), as measured by ``python benchmarks/wan.py --no-swarm
 --budget 200 --seeds 1 --configs raw,bf16,int8,had4,had2`` (2026-12-02, load 6-9: the
 4-stage character transformer; target 2.2562, raw's held-out loss at 160 steps; steps to
 it: raw 150, bf16 150, int8 150, had4 153, had2 118). One seed and 200 steps, not the
 issue's 3 x 1,000: a reduced run. int8+zstd is int8 (zstd is lossless); fp16, topk and
-sparseloco were not measured."""
+sparseloco were not measured.
+
+lowrank8: ``python benchmarks/wan.py --no-swarm --budget 200 --seeds 1 --configs
+raw,lowrank8,lowrank8:32`` (2026-12-02, load 25-34), the same setting and target (raw 150
+steps, 2.2562): ``lowrank8:16@50`` (rank 16 of d = 64, 20 B/token against raw's 256) 177
+steps, final loss +3.5 %; ``lowrank8:32@50`` (36 B/token) 171 steps, +3.0 %. The factor
+depends on the rank against the width and on the refresh period: the row is the rank-16
+one; lowrank (float32 coefficients) was not measured."""
 STEPS_FACTORS: dict[str, float] = {name: max(1.0, f) for name, f in STEPS_MEASURED.items()}
 """The convergence factor the planner uses: the measured one, but never under 1 (a lossy
 codec is not credited with converging faster than raw: had2's 0.79 is one seed, and its
