@@ -156,6 +156,16 @@ def test_a_restored_link_continues_as_the_original_and_carries_its_basis_once_mo
         assert torch.equal(decode(msg, end=End(migrated.receiver, KEY)), want)
 
 
+def test_a_sender_restarted_without_state_replaces_the_receivers_basis():
+    link = Link()
+    link.forward(acts(seed=30), "lowrank:4", step=0)
+    link.sender = Subspace()  # a replacement with no checkpoint: its first basis is version 1
+    x = acts(seed=31, rank=4)
+    msg, y = link.forward(x, "lowrank:4", step=0)
+    assert msg.basis and msg.basis_version == 1
+    torch.testing.assert_close(y, x, rtol=0, atol=1e-5)  # decoded in the new basis, not the old
+
+
 class Stage(nn.Module):
     def __init__(self, d_in, d_out, seed):
         super().__init__()

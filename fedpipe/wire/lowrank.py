@@ -169,13 +169,12 @@ class Subspace:
                 ``key``, another version, or one of another shape than (``width``, ``rank``).
         """
         held = self._bases.get(key)
-        if matrix is not None and (held is None or held.version != version
-                                   or tuple(held.matrix.shape) != (width, rank)):
-            held = Basis(matrix.clone(), version, -1)  # -1: made by the other end
+        if matrix is not None:  # what the message carries is what its sender used; the step
+            #                     stays this end's if it made that version (-1: the other did)
+            step = held.step if held is not None and held.version == version else -1
+            held = Basis(matrix.clone(), version, step)
             self._bases[key] = held
             return held
-        # a basis carried again (its sender was restored) that this end holds: keep it,
-        # with the step its maker refreshes it by
         if held is None:
             raise WireError(f"lowrank message on link {key!r} uses basis version {version}, "
                             "but this end holds no basis of that link (its sender must "
