@@ -10,7 +10,8 @@ Two measurements per codec configuration, each where it can be made on 2 cores:
   encode + decode (:mod:`fedpipe.wire.codecs`) at each of the 3 stage boundaries,
   activations forward and gradients backward (an autograd function at each
   boundary), gradients with error feedback keyed per boundary and microbatch
-  as the node's peers key it. The target is the held-out loss raw fp32 reaches
+  as the node's peers key it; a lowrank codec's basis is held at both ends of
+  each boundary (:mod:`fedpipe.wire.lowrank`), refreshed at training steps only. The target is the held-out loss raw fp32 reaches
   at 80 % of the budget (median of the seeds); steps to target are the first
   evaluated step at or under it, median of the seeds;
 * **steady step time**, over a real swarm (:class:`fedpipe.testing.LocalSwarm`,
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         names = args.swarm_configs or (",".join(QUICK_SWARM) if args.quick else args.configs)
         timed = [CONFIGS[n] for n in names.split(",") if not CONFIGS[n].in_process_only]
         if len(timed) < len(names.split(",")):
-            print("  (lowrank configurations are timed in this process only: the node does "
+            print("  (lowrank configurations are not timed on the swarm: the node does "
                   "not carry their per-link state yet)", flush=True)
         t0 = time.monotonic()
         shaped |= step_times(setup, timed, steps, link_profile(setup.blocks, args.mbps,
