@@ -12,8 +12,9 @@ Two measurements per codec configuration, each where it can be made on 2 cores:
   boundary), gradients with error feedback keyed per boundary and microbatch
   as the node's peers key it; a lowrank codec's basis is held at both ends of
   each boundary (:mod:`fedpipe.wire.lowrank`), refreshed at training steps only.
-  The target is the held-out loss raw fp32 reaches at 80 % of the budget (median of the seeds); steps to target are the first
-  evaluated step at or under it, median of the seeds;
+  The target is the held-out loss raw fp32 reaches at 80 % of the budget
+  (median of the seeds); steps to target are the first evaluated step at or
+  under it, median of the seeds;
 * **steady step time**, over a real swarm (:class:`fedpipe.testing.LocalSwarm`,
   4 nodes, 4 stages, every pair of nodes joined by an emulated link,
   :mod:`fedpipe.net.emulation`): the median gap between step events after
