@@ -32,6 +32,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_HAD4: _ClassVar[Codec]
     CODEC_HAD2: _ClassVar[Codec]
     CODEC_SPARSELOCO: _ClassVar[Codec]
+    CODEC_LOWRANK: _ClassVar[Codec]
+    CODEC_LOWRANK8: _ClassVar[Codec]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -52,9 +54,11 @@ CODEC_TOPK: Codec
 CODEC_HAD4: Codec
 CODEC_HAD2: Codec
 CODEC_SPARSELOCO: Codec
+CODEC_LOWRANK: Codec
+CODEC_LOWRANK8: Codec
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "codec", "zstd", "encoded_bytes", "block_size", "k", "value_dtype", "payload", "payload_bytes")
+    __slots__ = ("dtype", "shape", "codec", "zstd", "encoded_bytes", "block_size", "k", "value_dtype", "payload", "payload_bytes", "basis", "basis_version")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +69,8 @@ class Tensor(_message.Message):
     VALUE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FIELD_NUMBER: _ClassVar[int]
+    BASIS_VERSION_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     codec: Codec
@@ -75,4 +81,6 @@ class Tensor(_message.Message):
     value_dtype: DType
     payload: bytes
     payload_bytes: int
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., zstd: _Optional[bool] = ..., encoded_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., k: _Optional[int] = ..., value_dtype: _Optional[_Union[DType, str]] = ..., payload: _Optional[bytes] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    basis: bool
+    basis_version: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., zstd: _Optional[bool] = ..., encoded_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., k: _Optional[int] = ..., value_dtype: _Optional[_Union[DType, str]] = ..., payload: _Optional[bytes] = ..., payload_bytes: _Optional[int] = ..., basis: _Optional[bool] = ..., basis_version: _Optional[int] = ...) -> None: ...

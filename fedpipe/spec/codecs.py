@@ -14,10 +14,14 @@ from .errors import SpecError
 CODEC_PARAMS: dict[str, str | None] = {"raw": None, "fp16": None, "bf16": None,
                                        "int8": "block_size", "topk": "fraction",
                                        "had4": "block_size", "had2": "block_size",
-                                       "sparseloco": "fraction"}
+                                       "sparseloco": "fraction", "lowrank": "rank",
+                                       "lowrank8": "rank"}
 """Every codec name and the :class:`CodecSpec` field its parameter sets (None: no parameter)."""
 GRADIENT_ONLY_CODECS = frozenset({"topk", "sparseloco"})
 """Codecs that drop most of a tensor: usable for gradients (with error feedback) only."""
+LOWRANK_CODECS = frozenset({"lowrank", "lowrank8"})
+"""Codecs with state at both ends of a link: a basis per stage boundary (see
+:mod:`fedpipe.wire.lowrank`); their spec's parameter is ``R[@N]``, the rank and refresh period."""
 CODEC_POLICIES = ("auto", "none")
 """Compression settings that are not a codec: "auto" (the planner picks per link), "none" (raw)."""
 
@@ -32,15 +36,22 @@ class CodecSpec:
         topk[:F]                   F = fraction of entries kept, 1e-6..1 (default 0.01)
         sparseloco[:F]             top-k per chunk of 4096 values (k = ⌈F·4096⌉), 2-bit
                                    values; F as topk's (SparseLoCo's 1.56 %: F = 0.015625)
+        lowrank[:R[@N]]            projection onto a rank-R basis (1..4096, default 16) of
+                                   the activations' principal components, refreshed every N
+                                   steps (1..10**6, default 100); float32 coefficients
+        lowrank8[:R[@N]]           as lowrank, int8 coefficients (a float32 scale per row)
         +zstd[:L]                  zstandard level L, 1..22 (default 1)
 
-    e.g. ``"int8:64+zstd"``, ``"topk:0.05+zstd:3"``.
+    e.g. ``"int8:64+zstd"``, ``"topk:0.05+zstd:3"``, ``"lowrank8:8@50"``.
 
     Attributes:
         name: a key of :data:`CODEC_PARAMS`.
         block_size: int8 only: values per float32 scale, 16..65536.
         fraction: topk and sparseloco: fraction of the entries kept, 1e-6..1; at
             least one entry of a non-empty tensor (sparseloco: of a chunk) is kept.
+        rank: lowrank and lowrank8: the basis' rank R, 1..4096 (at most the tensor's last
+            dimension, checked when encoding).
+        refresh: lowrank and lowrank8: steps between refreshes of the basis, 1..10**6.
         zstd_level: zstandard level 1..22, or None for no zstd.
 
     Raises:
@@ -51,12 +62,16 @@ class CodecSpec:
     block_size: int = 128
     fraction: float = 0.01
     zstd_level: int | None = None
+    rank: int = 16
+    refresh: int = 100
 
     def __post_init__(self) -> None:
         if self.name not in CODEC_PARAMS:
             raise SpecError(f"unknown codec {self.name!r}; known: {sorted(CODEC_PARAMS)}")
         _check_range("int8 block_size", self.block_size, 16, 65536)
         _check_range(f"{self.name} fraction", self.fraction, 1e-6, 1.0)
+        _check_range(f"{self.name} rank", self.rank, 1, 4096)
+        _check_range(f"{self.name} refresh", self.refresh, 1, 10**6)
         if self.zstd_level is not None:
             _check_range("zstd level", self.zstd_level, 1, 22)
 
@@ -72,6 +87,8 @@ class CodecSpec:
     def __str__(self) -> str:
         param = CODEC_PARAMS[self.name]
         text = self.name if param is None else f"{self.name}:{getattr(self, param)}"
+        if self.name in LOWRANK_CODECS and self.refresh != CodecSpec.refresh:
+            text += f"@{self.refresh}"
         return text if self.zstd_level is None else f"{text}+zstd:{self.zstd_level}"
 
 
@@ -106,6 +123,9 @@ def parse_codec(spec: str) -> CodecSpec:
         param_field = CODEC_PARAMS[name]
         if param_field is None:
             raise SpecError(f"bad codec spec {spec!r}: codec {name!r} takes no parameter")
+        if name in LOWRANK_CODECS and "@" in param:
+            param, refresh = param.split("@", 1)
+            kwargs["refresh"] = _number(spec, refresh, int)
         kwargs[param_field] = _number(spec, param, type(getattr(CodecSpec, param_field)))
     try:
         return CodecSpec(name, **kwargs)
@@ -126,13 +146,19 @@ def check_compression(setting: str, carries: Literal["activations", "gradients",
     """``setting`` if it is a valid compression setting for tensors of kind ``carries``.
 
     ``setting`` is "auto", "none" or a codec spec; a gradients-only codec
-    (top-k) is refused for activations, which it would mostly zero.
+    (top-k) is refused for activations, which it would mostly zero, and a lowrank
+    codec (:data:`LOWRANK_CODECS`) for a job.
 
     Raises:
-        SpecError: a bad codec spec, or a gradients-only codec for activations.
+        SpecError: a bad codec spec, a gradients-only codec for activations, or a
+            lowrank codec.
     """
     if setting in CODEC_POLICIES:
         return setting
+    if parse_codec(setting).name in LOWRANK_CODECS:
+        raise SpecError(f"{setting!r} keeps a basis per link at both ends, which the node's "
+                        "data plane does not carry yet: it runs in one process only "
+                        "(fedpipe.wire.lowrank, benchmarks/wan.py)")
     if parse_codec(setting).gradients_only and carries == "activations":
         raise SpecError(f"{setting!r} drops most of each tensor: use it for gradients only, "
                         f"e.g. compression={{'activations': 'int8', 'gradients': 'topk:0.01'}}")

@@ -28,6 +28,8 @@ topk:F (gradients)      2·F          ~1 GB/s
 had4:B                  1/8 + 1/B    ~0.5 GB/s (a B-point rotation each way)
 had2:B                  1/16 + 1/B   ~0.5 GB/s
 sparseloco:F (grads)    ~1.75·F/4    ~0.5 GB/s (a top-k per 4096-chunk)
+lowrank:R               R/d (+ P)    ~0.5 GB/s (two d×R matmuls; d = the last dimension)
+lowrank8:R              (R+4)/4d     ~0.5 GB/s
 ======================  ===========  ==================
 
 zstd after any codec adds :data:`ZSTD_SECONDS_PER_BYTE`.
@@ -43,10 +45,10 @@ from typing import Callable, NamedTuple
 
 from ..spec import CODEC_PARAMS, CodecSpec
 
-__all__ = ["HADAMARD_BITS", "MODELS", "SPARSELOCO_CHUNK", "STEPS_FACTORS", "STEPS_MEASURED",
-           "ZSTD_SECONDS_PER_BYTE",
+__all__ = ["HADAMARD_BITS", "LOWRANK_COEFFICIENT_BYTES", "MODELS", "SPARSELOCO_CHUNK",
+           "STEPS_FACTORS", "STEPS_MEASURED", "ZSTD_SECONDS_PER_BYTE",
            "CodecModel", "Layout", "hadamard_block_problem", "index_bytes", "int8_blocks",
-           "model", "sparseloco_chunk_bytes"]
+           "lowrank_basis_bytes", "lowrank_bytes_per_row", "model", "sparseloco_chunk_bytes"]
 
 _GB_PER_S = 1e-9
 """Seconds per byte of a pass at 1 GB/s: encode + decode of the cheap codecs."""
@@ -66,13 +68,17 @@ class Layout(NamedTuple):
             topk's ``value_dtype``; unused by the other codecs.
         block_size: int8's values per scale; had4's and had2's values per
             rotation block and step.
-        k: topk's entries kept; sparseloco's entries kept per chunk.
+        k: topk's entries kept; sparseloco's entries kept per chunk; lowrank's rank R.
+        width: lowrank's row width d (the tensor's last dimension).
+        basis: lowrank: the message carries its d×R float32 basis.
     """
 
     numel: int
     itemsize: int = 4
     block_size: int = 0
     k: int = 0
+    width: int = 0
+    basis: bool = False
 
 
 def index_bytes(numel: int) -> int:
@@ -149,6 +155,45 @@ _SPARSELOCO_SECONDS_PER_BYTE = 2 * _GB_PER_S
 """sparseloco encode + decode, seconds per float32 byte: a top-k over each chunk, ~ had2's."""
 
 
+LOWRANK_COEFFICIENT_BYTES: dict[str, Callable[[int], int]] = {
+    "lowrank": lambda rank: 4 * rank, "lowrank8": lambda rank: 4 + rank}
+"""Bytes per row of d values of each lowrank codec's coefficients, by rank: R float32, or a
+float32 scale and R int8."""
+
+
+def lowrank_basis_bytes(width: int, rank: int) -> int:
+    """Bytes of a lowrank basis P: ``width`` × ``rank`` float32 (row-major)."""
+    return 4 * width * rank
+
+
+def _lowrank_bytes(name: str) -> Callable[[Layout], int]:
+    per_row = LOWRANK_COEFFICIENT_BYTES[name]
+
+    def size(lay: Layout) -> int:  # [the basis], then per row of `width` values its coefficients
+        rows = lay.numel // lay.width if lay.width else 0
+        return lay.basis * lowrank_basis_bytes(lay.width, lay.k) + rows * per_row(lay.k)
+    return size
+
+
+def lowrank_bytes_per_row(name: str, width: int, rank: int, rows_per_basis: float) -> float:
+    """Average wire bytes per row of ``width`` values under lowrank codec ``name``, the basis
+    amortised: its ``4·width·rank`` bytes are sent once per ``rows_per_basis`` rows (the rows
+    a boundary carries between two refreshes: refresh period × rows per step)."""
+    return LOWRANK_COEFFICIENT_BYTES[name](rank) + lowrank_basis_bytes(width, rank) / rows_per_basis
+
+
+_LOWRANK_SECONDS_PER_BYTE = 2 * _GB_PER_S
+"""lowrank encode + decode, seconds per float32 byte: a d×R matmul each way (and a d×d
+eigendecomposition per refresh), about had4's cost at R = 16."""
+
+
+def _lowrank_ratio(spec: CodecSpec) -> float:
+    """Not known from the spec: the ratio is about R/d (lowrank8: (R+4)/(4d)), and d, the
+    activation's width, is the model's; the planner is told no saving (1.0) rather than a
+    guessed one. Exact sizes: :func:`lowrank_bytes_per_row`."""
+    return 1.0
+
+
 def _ratio(r: float) -> Callable[[CodecSpec], float]:
     return lambda spec: r
 
@@ -209,18 +254,31 @@ MODELS: dict[str, CodecModel] = {m.name: m for m in (
                  zstd_ratio=0.97) for name, bits in HADAMARD_BITS.items()),
     CodecModel("sparseloco", True, _sparseloco_bytes, _sparseloco_ratio,
                _SPARSELOCO_SECONDS_PER_BYTE, zstd_ratio=0.97),
+    *(CodecModel(name, True, _lowrank_bytes(name), _lowrank_ratio, _LOWRANK_SECONDS_PER_BYTE,
+                 zstd_ratio=0.97) for name in LOWRANK_COEFFICIENT_BYTES),
 )}
 """Every codec's model, by name."""
 
 STEPS_MEASURED: dict[str, float] = {"raw": 150 / 150, "bf16": 150 / 150, "int8": 150 / 150,
-                                    "had4": 153 / 150, "had2": 118 / 150}
+                                    "had4": 153 / 150, "had2": 118 / 150,
+                                    "lowrank8": 189.5 / 149.3}
 """Steps to the target loss against raw fp32's, with the codec on every stage boundary
 (activations and gradients), as measured by ``python benchmarks/wan.py --no-swarm
 --budget 200 --seeds 1 --configs raw,bf16,int8,had4,had2`` (2026-12-02, load 6-9: the
 4-stage character transformer; target 2.2562, raw's held-out loss at 160 steps; steps to
 it: raw 150, bf16 150, int8 150, had4 153, had2 118). One seed and 200 steps, not the
 issue's 3 x 1,000: a reduced run. int8+zstd is int8 (zstd is lossless); fp16, topk and
-sparseloco were not measured."""
+sparseloco were not measured.
+
+lowrank8, in the same setting, 2 seeds: ``wan.train`` with raw for 200 steps (target
+2.2544, the median of raw's held-out losses at 160 steps; raw reached it at 150.9 and
+147.7 steps) and ``lowrank8:16@50`` (rank 16 of d = 64, 20 B/token against raw's 256)
+for 320 steps: 177.9 and 201.0 steps, so 189.5 / 149.3 = 1.27 (2026-12-02, load 10-12).
+``python benchmarks/wan.py --no-swarm --budget 200 --seeds 1 --configs
+raw,lowrank8,lowrank8:32`` (load 25-34) gave 177 against 150 steps and final loss +3.5 %
+for rank 16, 171 steps and +3.0 % for ``lowrank8:32@50`` (36 B/token). The factor
+depends on the rank against the width and on the refresh period: the row is the rank-16
+one; lowrank (float32 coefficients) was not measured."""
 STEPS_FACTORS: dict[str, float] = {name: max(1.0, f) for name, f in STEPS_MEASURED.items()}
 """The convergence factor the planner uses: the measured one, but never under 1 (a lossy
 codec is not credited with converging faster than raw: had2's 0.79 is one seed, and its

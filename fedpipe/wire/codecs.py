@@ -33,12 +33,21 @@ loco    chunk, 1..C                 to m = ⌈n/C⌉ chunks): m float32 scales, 
                                     then m·3⌈k/2⌉ bytes of 12-bit indices,
                                     then m·⌈k/4⌉ bytes of 2-bit codes (see
                                     :mod:`.sparseloco`)
+low-    ``k`` = R, ``basis``,       [if ``basis``: d·R float32, the basis P,   [4dR] + 4R·n/d
+rank    ``basis_version``; d =      row-major], then per row of d values its
+        ``shape[-1]``               R float32 coefficients (see :mod:`.lowrank`)
+low-    as lowrank                  [P], then n/d float32 scales, then n/d·R   [4dR] + (4+R)·n/d
+rank8                               int8 coefficients (per row absmax)
 ======  ==========================  =========================================  ====================
+
+lowrank and lowrank8 are stateful: both ends of a link hold its basis
+(:class:`.lowrank.Subspace`), so their encode and decode take the link's
+:class:`.lowrank.End`.
 
 The topk index width is not a header field: it follows from ``shape`` (n), so
 the message still describes itself completely.
 
-The lossy codecs (fp16, bf16, int8, topk, had4, had2, sparseloco) apply to floating tensors only. A
+The lossy codecs (all but raw) apply to floating tensors only. A
 tensor of another dtype (token ids, masks) sent with a lossy codec falls back
 to ``raw`` (zstd still applies), so any tensor can be sent on any link.
 """
@@ -59,7 +68,7 @@ from .codecmodel import (HADAMARD_BITS, MODELS, SPARSELOCO_CHUNK, Layout,
                          hadamard_block_problem, index_bytes, int8_blocks)
 from .feedback import ErrorFeedback as ErrorFeedback  # re-exported: codecs.ErrorFeedback
 from .format import WireError
-from . import hadamard, sparseloco
+from . import hadamard, lowrank, sparseloco
 
 __all__ = ["CODECS", "DTYPES", "MAX_TENSOR_BYTES", "Codec", "ErrorFeedback", "WireError",
            "check_header", "decode", "encode", "encode_payload"]
@@ -90,10 +99,26 @@ MAX_TENSOR_BYTES = 1 << 34
 
 
 class _Header(NamedTuple):
-    """A message's validated header: what a codec's size and decode functions see."""
+    """A message's validated header: what a codec's size and decode functions see
+    (``end``: a stateful codec's end of the link, None for the others)."""
     msg: pb.Tensor
     dtype: torch.dtype
     numel: int
+    end: lowrank.End | None = None
+
+
+class Context(NamedTuple):
+    """What a codec's encode function may need besides the values.
+
+    Attributes:
+        seed: seeds stochastic rounding (None: round to nearest); codecs that do not
+            round ignore it.
+        width: the tensor's last dimension (1 for a 0-dim tensor): lowrank's row width.
+        end: a stateful codec's end of the link (None: the codec is stateless).
+    """
+    seed: int | None = None
+    width: int = 1
+    end: lowrank.End | None = None
 
 
 def _view(buf: bytearray | memoryview, dtype: torch.dtype, count: int,
@@ -112,14 +137,13 @@ def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
 Buffer = bytearray | memoryview
 Encoded = tuple[list[torch.Tensor], dict[str, Any]]
 """What a codec's encode function returns: the output's parts and the header fields to set."""
-EncodeFn = Callable[[torch.Tensor, CodecSpec, int | None], Encoded]
-"""A codec's encode function: ``(flat, spec, seed)``; ``seed`` seeds stochastic rounding
-(None: round to nearest); codecs that do not round ignore it."""
+EncodeFn = Callable[[torch.Tensor, CodecSpec, Context], Encoded]
+"""A codec's encode function: ``(flat, spec, context)`` (see :class:`Context`)."""
 
 
 # raw ----------------------------------------------------------------------
 
-def _raw_encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
+def _raw_encode(flat: torch.Tensor, spec: CodecSpec, ctx: Context) -> Encoded:
     return [flat], {}
 
 
@@ -140,7 +164,7 @@ def _cast_codec(name: str, wire: torch.dtype) -> tuple[
     fmax = torch.finfo(wire).max
     layout = MODELS[name].encoded_bytes
 
-    def encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
+    def encode(flat: torch.Tensor, spec: CodecSpec, ctx: Context) -> Encoded:
         # Out-of-range values become ±inf in the cast; clamping the result
         # saturates them to ±fmax (NaN stays NaN). Same as clamping first, and
         # exact even for sources (bf16) that cannot represent fmax.
@@ -157,7 +181,7 @@ def _cast_codec(name: str, wire: torch.dtype) -> tuple[
 
 # int8: blockwise absmax quantisation --------------------------------------
 
-def _int8_encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
+def _int8_encode(flat: torch.Tensor, spec: CodecSpec, ctx: Context) -> Encoded:
     """Blockwise absmax: per block of B values, scale = max|x|/127, q = round(x/scale).
 
     Source: Dettmers et al., "8-bit Optimizers via Block-wise Quantization"
@@ -199,7 +223,7 @@ def _index_dtype(numel: int) -> torch.dtype:
     return _INDEX_DTYPES[index_bytes(numel)]
 
 
-def _topk_encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
+def _topk_encode(flat: torch.Tensor, spec: CodecSpec, ctx: Context) -> Encoded:
     """Keep the k largest-magnitude entries (flat indices ascending, exact values).
 
     Source: Stich et al., "Sparsified SGD with Memory" (2018); Lin et al.,
@@ -257,9 +281,10 @@ def _had_codec(name: str) -> tuple[EncodeFn, Callable[[_Header], int],
     """Encode, size and decode functions of codec ``name`` (see :mod:`.hadamard`)."""
     bits, layout = HADAMARD_BITS[name], MODELS[name].encoded_bytes
 
-    def encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
+    def encode(flat: torch.Tensor, spec: CodecSpec, ctx: Context) -> Encoded:
         block = _had_block(name, spec.block_size)
-        steps, codes = hadamard.quantize(hadamard.rotate(_blocks(flat.float(), block)), bits, seed)
+        steps, codes = hadamard.quantize(hadamard.rotate(_blocks(flat.float(), block)), bits,
+                                         ctx.seed)
         return [steps, hadamard.pack(codes, bits)], {"block_size": block}
 
     def size(h: _Header) -> int:
@@ -280,8 +305,8 @@ def _had_codec(name: str) -> tuple[EncodeFn, Callable[[_Header], int],
 
 # sparseloco: top-k per chunk, 12-bit indices, 2-bit values (see :mod:`.sparseloco`) --
 
-def _sparseloco_encode(flat: torch.Tensor, spec: CodecSpec, seed: int | None) -> Encoded:
-    """:func:`.sparseloco.compress` with k = ⌈F·C⌉ (``seed`` is ignored: the rounding is
+def _sparseloco_encode(flat: torch.Tensor, spec: CodecSpec, ctx: Context) -> Encoded:
+    """:func:`.sparseloco.compress` with k = ⌈F·C⌉ (the seed is ignored: the rounding is
     deterministic; pair it with :class:`ErrorFeedback`)."""
     k = spec.k(SPARSELOCO_CHUNK)
     return list(sparseloco.compress(flat, k)), {"k": k}
@@ -303,6 +328,68 @@ def _sparseloco_decode(buf: Buffer, h: _Header) -> torch.Tensor:
     return sparseloco.decompress(scales, index, codes, k, h.numel).to(h.dtype)
 
 
+# lowrank, lowrank8: coefficients in a basis both ends hold (see :mod:`.lowrank`) --
+
+def _lowrank_width(rank: int, shape: Any) -> int:
+    """The row width d of a lowrank tensor of ``shape``, checked against ``rank``."""
+    width = shape[-1] if len(shape) else 1
+    if not 1 <= rank <= min(width, 4096):
+        raise WireError(f"lowrank rank must be in [1, min(4096, the last dimension)], got "
+                        f"{rank} for shape {list(shape)}")
+    return width
+
+
+def _lowrank_codec(name: str) -> tuple[EncodeFn, Callable[[_Header], int],
+                                       Callable[[Buffer, _Header], torch.Tensor]]:
+    """Encode, size and decode functions of lowrank codec ``name``: float32 coefficients
+    (lowrank) or per-row absmax int8 ones (lowrank8, as :func:`_int8_encode` per row)."""
+    layout, quantised = MODELS[name].encoded_bytes, name == "lowrank8"
+
+    def encode(flat: torch.Tensor, spec: CodecSpec, ctx: Context) -> Encoded:
+        if ctx.end is None:
+            raise ValueError(f"codec {name} keeps a basis per link: encode(..., end=) needs "
+                             "the link's lowrank.End")
+        rows = flat.view(-1, _lowrank_width(spec.rank, [ctx.width]))
+        basis, carry = ctx.end.subspace.outgoing(ctx.end, rows, spec)
+        coeffs = lowrank.coefficients(rows, basis.matrix)
+        parts = [basis.matrix.view(-1)] if carry else []
+        if quantised:
+            scales = coeffs.abs().amax(dim=1) / 127
+            inverse = torch.where(scales > 0, 1 / scales, 0)
+            parts += [scales, (coeffs * inverse[:, None]).round_().clamp_(-127, 127)
+                      .to(torch.int8).view(-1)]
+        else:
+            parts.append(coeffs.view(-1))
+        return parts, {"k": spec.rank, "basis": carry, "basis_version": basis.version}
+
+    def size(h: _Header) -> int:
+        width = _lowrank_width(h.msg.k, h.msg.shape)
+        if h.msg.basis_version < 1:
+            raise WireError(f"lowrank basis_version must be at least 1, got "
+                            f"{h.msg.basis_version}")
+        return layout(Layout(h.numel, k=h.msg.k, width=width, basis=h.msg.basis))
+
+    def decode(buf: Buffer, h: _Header) -> torch.Tensor:
+        if h.end is None:
+            raise WireError(f"a {name} message needs the receiving stage's basis of its link: "
+                            "decode(..., end=lowrank.End(...))")
+        rank, width = h.msg.k, _lowrank_width(h.msg.k, h.msg.shape)
+        offset = 4 * width * rank if h.msg.basis else 0
+        carried = _view(buf, torch.float32, width * rank).view(width, rank) \
+            if h.msg.basis else None
+        basis = h.end.subspace.incoming(h.end.key, carried, h.msg.basis_version, width, rank)
+        rows = h.numel // width
+        if quantised:
+            scales = _view(buf, torch.float32, rows, offset)
+            q = _view(buf, torch.int8, rows * rank, offset + 4 * rows).view(rows, rank)
+            coeffs = q.float() * scales[:, None]
+        else:
+            coeffs = _view(buf, torch.float32, rows * rank, offset).view(rows, rank)
+        return lowrank.rebuild(coeffs, basis.matrix).view(-1).to(h.dtype)
+
+    return encode, size, decode
+
+
 # ---------------------------------------------------------------------------
 # The registry
 
@@ -314,9 +401,10 @@ class Codec:
     Attributes:
         name: the name in spec strings (and in :data:`~fedpipe.wire.codecmodel.MODELS`).
         code: its ``fedpipe.v1.Codec`` enum value.
-        encode: ``(flat, spec, seed) -> (parts, fields)``: tensors whose bytes,
-            concatenated, are the codec output, and the header fields to set;
-            ``seed`` seeds stochastic rounding (None: nearest).
+        encode: ``(flat, spec, context) -> (parts, fields)``: tensors whose bytes,
+            concatenated, are the codec output, and the header fields to set
+            (:class:`Context`: the rounding seed, the row width, a stateful
+            codec's end of the link).
         size: ``(header) -> int``: the codec output's length in bytes implied
             by the header (its model's ``encoded_bytes``); validates the
             codec's header fields (WireError).
@@ -324,6 +412,7 @@ class Codec:
             from a buffer of exactly ``size(header)`` bytes (WireError on bad
             content).
         fields: header fields the codec uses (the others must be zero).
+        stateful: encode and decode need the link's :class:`.lowrank.End`.
     """
     name: str
     code: pb.Codec
@@ -331,6 +420,7 @@ class Codec:
     size: Callable[[_Header], int]
     decode: Callable[[Buffer, _Header], torch.Tensor]
     fields: tuple[str, ...] = ()
+    stateful: bool = False
 
     @property
     def lossy(self) -> bool:
@@ -350,9 +440,12 @@ CODECS: dict[str, Codec] = {c.name: c for c in (
     Codec("had2", pb.CODEC_HAD2, *_had_codec("had2"), fields=("block_size",)),
     Codec("sparseloco", pb.CODEC_SPARSELOCO, _sparseloco_encode, _sparseloco_size,
           _sparseloco_decode, fields=("k",)),
+    *(Codec(name, code, *_lowrank_codec(name), fields=("k", "basis", "basis_version"),
+            stateful=True)
+      for name, code in (("lowrank", pb.CODEC_LOWRANK), ("lowrank8", pb.CODEC_LOWRANK8))),
 )}
 _BY_CODE: dict[int, Codec] = {c.code: c for c in CODECS.values()}
-_PARAM_FIELDS = ("block_size", "k", "value_dtype")
+_PARAM_FIELDS = ("block_size", "k", "value_dtype", "basis", "basis_version")
 
 _missing = sorted((set(CODEC_PARAMS) | set(MODELS)) ^ set(CODECS))
 _missing += [pb.Codec.Name(v) for v in pb.Codec.values() if v and v not in _BY_CODE]
@@ -367,7 +460,7 @@ if _missing:
 
 def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
            feedback: ErrorFeedback | None = None, key: Hashable = None,
-           seed: int | None = None) -> pb.Tensor:
+           seed: int | None = None, end: lowrank.End | None = None) -> pb.Tensor:
     """Encode a tensor (any shape, a dtype in :data:`DTYPES`, any device) as a message.
 
     Args:
@@ -382,6 +475,9 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
             noise comes from a generator seeded with it, so the same tensor and
             seed give the same bytes (derive it from the step and microbatch to
             keep a replay exact). None rounds to nearest.
+        end: lowrank and lowrank8: the sender's end of the link (its
+            :class:`.lowrank.Subspace`, the link's key and the step that times the
+            basis' refreshes); ignored by the other codecs.
 
     Returns:
         A message with the whole payload: ``payload_bytes == len(payload)``,
@@ -389,8 +485,10 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
 
     Raises:
         WireError: unsupported dtype, or a bad codec spec (had4/had2 with a
-            block size that is not a power of two).
-        ValueError: ``feedback`` without a key, or a key reused for another shape.
+            block size that is not a power of two, a lowrank rank over the tensor's
+            last dimension), or a lowrank gradient on a link without a basis.
+        ValueError: ``feedback`` without a key, or a key reused for another shape;
+            a lowrank codec without ``end``.
     """
     if t.dtype not in DTYPES:
         raise WireError(f"dtype {t.dtype} cannot be sent; supported: {sorted(map(str, DTYPES))}")
@@ -406,12 +504,13 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
             raise ValueError("encode with feedback needs a key (one per link and tensor slot)")
         acc = feedback._compensate(key, t.detach())
         flat = acc.to(t.dtype)
-    parts, fields = impl.encode(flat, spec, seed)
+    end = end if impl.stateful else None
+    parts, fields = impl.encode(flat, spec, Context(seed, t.shape[-1] if t.dim() else 1, end))
     out = _join(parts)
     msg = pb.Tensor(dtype=DTYPES[t.dtype], shape=t.shape, codec=impl.code,
                     encoded_bytes=len(out), **fields)
     if feedback is not None:
-        sent = impl.decode(bytearray(out), _Header(msg, t.dtype, t.numel()))
+        sent = impl.decode(bytearray(out), _Header(msg, t.dtype, t.numel(), end))
         feedback.remember(key, acc.sub_(sent.to(acc)).view(t.shape))
     if spec.zstd_level is not None:
         out = zstandard.ZstdCompressor(level=spec.zstd_level).compress(out)
@@ -423,7 +522,8 @@ def encode(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
 
 def encode_payload(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
                    feedback: ErrorFeedback | None = None, key: Hashable = None,
-                   seed: int | None = None) -> tuple[pb.Tensor, memoryview]:
+                   seed: int | None = None, end: lowrank.End | None = None
+                   ) -> tuple[pb.Tensor, memoryview]:
     """:func:`encode`, with the payload kept apart from the message.
 
     Returns:
@@ -438,7 +538,7 @@ def encode_payload(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
         view = t.detach().contiguous().view(-1).view(torch.uint8).numpy().data
         return pb.Tensor(dtype=DTYPES[t.dtype], shape=t.shape, codec=pb.CODEC_RAW,
                          encoded_bytes=len(view), payload_bytes=len(view)), view
-    msg = encode(t, spec, feedback=feedback, key=key, seed=seed)
+    msg = encode(t, spec, feedback=feedback, key=key, seed=seed, end=end)
     payload = msg.payload
     msg.ClearField("payload")
     return msg, memoryview(payload)
@@ -454,7 +554,8 @@ def _join(parts: list[torch.Tensor]) -> bytes:
 
 
 def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = None,
-           max_bytes: int = MAX_TENSOR_BYTES, in_place: bool = False) -> torch.Tensor:
+           max_bytes: int = MAX_TENSOR_BYTES, in_place: bool = False,
+           end: lowrank.End | None = None) -> torch.Tensor:
     """Decode a message into a new, writable CPU tensor of its ``dtype`` and ``shape``.
 
     Every header field is checked before anything of the declared size is
@@ -473,6 +574,10 @@ def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = N
     raw tensor whose data would not be aligned to its element size in that
     memory is copied out instead.
 
+    ``end``: a lowrank message's link at the receiver (its
+    :class:`.lowrank.Subspace` keeps a basis the message carries and gives the
+    one it uses); ignored for the other codecs.
+
     Raises:
         WireError: for any malformed message, naming the field and numbers:
             unknown dtype or codec, bad shape (negative, over ``MAX_DIMS``
@@ -480,9 +585,11 @@ def decode(msg: pb.Tensor, *, payload: bytes | bytearray | memoryview | None = N
             dtype, codec fields out of range or set for a codec that does not
             use them, ``encoded_bytes`` or ``payload_bytes`` that do not match,
             a bad zstd frame, or bad content (topk indices out of range or
-            not strictly increasing).
+            not strictly increasing); a lowrank message without ``end``, or one
+            whose basis this end does not hold (none, another version or shape).
     """
     h, impl, size = _checked(msg, max_bytes)
+    h = h._replace(end=end)
     if payload is None:
         payload = msg.payload
     if len(payload) != msg.payload_bytes:

@@ -1,7 +1,7 @@
 """Error feedback for lossy gradient codecs: what a codec drops is sent later, not lost."""
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Any, Hashable, Mapping
 
 import torch
 
@@ -75,6 +75,15 @@ class ErrorFeedback:
             else:
                 acc.add_(residual.reshape(-1).to(acc), alpha=self.decay)
         return acc
+
+    def state_dict(self) -> dict[str, list[tuple[Hashable, torch.Tensor]]]:
+        """Every residual, as ``{"residuals": [(key, residual), ...]}`` (keys of plain data:
+        strings, numbers, tuples of them, as a checkpoint carries them)."""
+        return {"residuals": [(k, r.clone()) for k, r in self._residuals.items()]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace every residual with a :meth:`state_dict`'s."""
+        self._residuals = {k: r.clone() for k, r in state["residuals"]}
 
     def remember(self, key: Hashable, residual: torch.Tensor) -> None:
         """Store ``residual`` under ``key`` (what encoding leaves over; or a checkpoint's)."""
