@@ -21,7 +21,7 @@ from fedpipe.proto import node_pb2
 from fedpipe.runtime import checkpoint
 from fedpipe.runtime.checkpoint import SnapshotStream
 from fedpipe.runtime.layerstate import Layout
-from fedpipe.runtime.shardfile import ShardFile
+from fedpipe.runtime.tensorfile import TensorFileError, TensorFileWriter
 from fedpipe.runtime.weights import WeightFiles
 from fedpipe.spec import StageKey
 from fedpipe.wire.format import WireError
@@ -116,22 +116,22 @@ def test_a_stream_cut_short_fails_the_save_and_leaves_the_earlier_checkpoint(tmp
         checkpoints.write(tmp_path, 2, checkpoints.pull(lambda address: CutShort(snaps), "j",
                                                         plan, 2, SUCCEEDED), plan, steps=3)
     assert checkpoints.read(tmp_path).step == 1
-    assert not list(tmp_path.glob("*.spool"))  # the failed stage's spool is gone
+    assert not list(tmp_path.glob("*.tmp.tmp"))  # the failed stage's partial files are gone
 
 
-def test_a_shard_file_holds_every_dtype_and_shape_as_safetensors_reads_them(tmp_path):
+def test_a_tensor_file_holds_every_dtype_and_shape_as_safetensors_reads_them(tmp_path):
     tensors = {"f64": torch.randn(3, 2, dtype=torch.float64), "bf16": torch.randn(5).bfloat16(),
                "f16": torch.randn(2, 2).half(), "i64": torch.arange(7), "u8": torch.zeros(0,
                dtype=torch.uint8), "bool": torch.tensor([True, False, True]),
                "scalar": torch.tensor(2.5), "strided": torch.randn(4, 6)[:, ::2]}
-    out = ShardFile(tmp_path / "x.safetensors", {"format": "pt"})
+    out = TensorFileWriter(tmp_path / "x.safetensors", tensors, {"format": "pt"})
     for name, t in tensors.items():
         out.add(name, t)
-    with pytest.raises(ValueError, match="'f64' given twice"):
+    with pytest.raises(TensorFileError, match="'f64' was not announced or came twice"):
         out.add("f64", torch.zeros(1))
     out.close()
     back = load_file(str(tmp_path / "x.safetensors"))
     assert set(back) == set(tensors)
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
-    assert not (tmp_path / "x.safetensors.spool").exists()
+    assert not (tmp_path / "x.safetensors.tmp").exists()

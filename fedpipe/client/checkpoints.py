@@ -2,7 +2,7 @@
 
 A checkpoint is a folder, written a stage at a time, each stage a tensor at a time as it
 streams from its node (the client holds one tensor, however big the model; :func:`pull`,
-:class:`~fedpipe.runtime.shardfile.ShardFile`):
+:class:`~fedpipe.runtime.tensorfile.TensorFileWriter`):
 
 - the model's weights in the Hugging Face layout: one shard per stage of replica
   group 0, ``model-0000k-of-0000n.safetensors``, and ``model.safetensors.index.json``
@@ -52,7 +52,7 @@ from ..proto import node_pb2
 from ..runtime import layerstate
 from ..runtime import checkpoint
 from ..runtime.checkpoint import Snapshot, SnapshotStream
-from ..runtime.shardfile import ShardFile
+from ..runtime.tensorfile import TensorFileWriter
 from ..runtime.weights import (INDEX_NAME, SINGLE_NAME, KeyMap, WeightFiles, WeightsError,
                                sequential_keys)
 from ..spec import JobSpec, PlanView, StageKey, state_name
@@ -192,7 +192,7 @@ class CheckpointWriter:
         """Write stage ``key``'s snapshot, a tensor at a time as it comes (a
         :class:`~fedpipe.runtime.checkpoint.SnapshotStream` is never held whole): its
         replica group 0 weights to its shard, the rest to its state file
-        (:class:`~fedpipe.runtime.shardfile.ShardFile`). A stage that fails midway
+        (:class:`~fedpipe.runtime.tensorfile.TensorFileWriter`). A stage that fails midway
         leaves nothing of itself in the checkpoint.
 
         Raises:
@@ -201,36 +201,42 @@ class CheckpointWriter:
             WireError: a streamed snapshot that is malformed or cut short.
         """
         start, end = self._ranges.get(key, (0, 0))
-        shard = ShardFile(self._folder() / (shard_file(key.stage, self._depth) + ".tmp"),
-                          {"format": "pt"}) if key.replica == 0 else None
-        state = ShardFile(self._folder() / (state_file(key) + ".tmp"), {"format": "pt"})
-        named: dict[str, str] = {}
+        named: dict[str, str] = {}  # snapshot path -> model name, for the shard
+        for path in sorted(checkpoint.tensor_paths(snap)):
+            name = self._model_name(start, path) if key.replica == 0 else None
+            if name is None:
+                continue
+            if name in self._weight_map or name in named.values():
+                raise WeightsError(f"stage {key.stage}: {path!r} would be saved as "
+                                   f"{name!r}, a name already written")
+            named[path] = name
+        paths = checkpoint.tensor_paths(snap)
+        folder = self._folder()
+        files = [TensorFileWriter(folder / (state_file(key) + ".tmp"),
+                                  paths - set(named), {"format": "pt"})]
+        if key.replica == 0:
+            files.append(TensorFileWriter(folder / (shard_file(key.stage, self._depth) + ".tmp"),
+                                          named.values(), {"format": "pt"}))
         items: Iterable[tuple[str, torch.Tensor]] = (
             snap.tensors.items() if isinstance(snap.tensors, Mapping) else snap.tensors)
         try:
             for path, t in items:
-                name = self._model_name(start, path) if shard is not None else None
-                if name is None or shard is None:
-                    state.add(path, t)
-                elif name in self._weight_map or name in shard:
-                    raise WeightsError(f"stage {key.stage}: {path!r} would be saved as "
-                                       f"{name!r}, a name already written")
+                if path in named:
+                    files[1].add(named[path], t)
                 else:
-                    shard.add(name, t)
-                    named[path] = name
+                    files[0].add(path, t)
                 del t  # not held while the next one is read
-            done = [f.close() for f in (shard, state) if f is not None]
+            done = [f.close() for f in files]
         except BaseException:
-            for f in (shard, state):
-                if f is not None:
-                    f.abort()
+            for f in files:
+                f.abort()
             raise
         for file in done:
             self._pending.append(file.name[:-len(".tmp")])
             self._files.add(file.name[:-len(".tmp")])
-        if shard is not None:
-            self._weight_map.update((n, shard.path.name[:-len(".tmp")]) for n in named.values())
-            self._total += shard.nbytes
+        if key.replica == 0:
+            self._weight_map.update((n, done[1].name[:-len(".tmp")]) for n in named.values())
+            self._total += files[1].nbytes
         self._stages.append({"replica": key.replica, "stage": key.stage, "layer_start": start,
                              "layer_end": end, "state": state_file(key), "weights": named,
                              "skeleton": snap.skeleton})

@@ -382,7 +382,7 @@ def _read_skeleton(raw: bytes) -> Snapshot:
     return snap
 
 
-def tensor_paths(snap: Snapshot) -> set[str]:
+def tensor_paths(snap: Snapshot | SnapshotStream) -> set[str]:
     """The tensor paths ``snap``'s skeleton names (its tensors need not be there yet).
 
     Raises:
