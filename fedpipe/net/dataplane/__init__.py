@@ -36,7 +36,7 @@ How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.So
 
 What else travels over it, where both ends have a data port:
 
-* link measurement (:func:`fedpipe.node.peers.measure_socket_link`), always;
+* link measurement (:func:`fedpipe.node.linkprobe.measure_socket_link`), always;
 * a client's feed (:mod:`fedpipe.client.links`), with ``Client(sockets=True)``
   (off by default: a drain's exactness test met a refused duplicate target): the
   client's plane is dial-only (``listen=False``), role ``client``, named
