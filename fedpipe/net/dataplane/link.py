@@ -80,7 +80,9 @@ class Peer:
     """Who is at the other end of a link.
 
     Attributes:
-        name: its node (or client) name, from its preface; with TLS, its certificate's.
+        name: its node (or client) name, from its preface; with TLS, its certificate's
+            (a client's with the suffix that tells its processes apart:
+            :func:`~fedpipe.net.dataplane.server.client_name`).
         role: ``node`` or ``client``.
         identity: its certificate's identity (None without TLS).
     """
