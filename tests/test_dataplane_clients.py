@@ -1,7 +1,8 @@
 """Clients on the socket data plane under mutual TLS, in one process over real sockets on
 127.0.0.1: two clients holding one certificate (two ``Client`` objects of one user, in one
 process or several) each get a link of their own at a node, so neither replaces the other's
-connection nor resets where the other's tensors resume, and each tensor is delivered once."""
+connection nor resets where the other's tensors resume, and each tensor is delivered once;
+and a ``Client`` feeds over the socket plane unless told not to."""
 from __future__ import annotations
 
 import threading
@@ -9,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from fedpipe.client import Client
 from fedpipe.client.links import NoInbound
 from fedpipe.net.dataplane import DataPlane, Timeouts, client_name
 from fedpipe.proto import node_pb2
@@ -86,3 +88,11 @@ def test_two_clients_of_one_certificate_get_a_link_each_and_every_tensor_arrives
     for name in names:
         assert [step for who, step in kept.got if who == name] == list(range(STEPS))
     assert len(kept.got) == 2 * STEPS
+
+
+def test_a_client_feeds_over_sockets_unless_told_not_to():
+    with Client("127.0.0.1:1", tls=None) as default, \
+            Client("127.0.0.1:1", tls=None, sockets=False) as grpc_only:
+        plane = default.data_plane()
+        assert plane is not None and plane.role == "client" and plane.port == 0  # dials only
+        assert grpc_only.data_plane() is None

@@ -37,10 +37,10 @@ How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.So
 What else travels over it, where both ends have a data port:
 
 * link measurement (:func:`fedpipe.node.linkprobe.measure_socket_link`), always;
-* a client's feed (:mod:`fedpipe.client.links`), with ``Client(sockets=True)``
-  (off by default: a drain's exactness test met a refused duplicate target): the
-  client's plane is dial-only (``listen=False``), role ``client``, named
-  ``NAME#SUFFIX`` (:func:`client_name`);
+* a client's feed (:mod:`fedpipe.client.links`), unless ``Client(sockets=False)``:
+  the client's plane is dial-only (``listen=False``), role ``client``, named
+  ``NAME#SUFFIX`` (:func:`client_name`), and a node keys its link by that whole
+  name, so two clients of one certificate have a link each;
 * checkpoint snapshots to a buddy (:func:`fedpipe.node.snapshots.send_snapshot`,
   put together by the receiving node's snapshot desk): built and tested, but a node
   ships over gRPC (with it on, recoveries rewound further: checkpoints completed later).
