@@ -294,6 +294,7 @@ class SocketSender:
         self.feedback = codecs.ErrorFeedback()
         self.job = ""  # whose refusals this sender raises (the link is shared by every job
         #                and epoch: :func:`~fedpipe.net.dataplane.owner_of`)
+        self.last = -1  # the sequence number of the last tensor this sender wrote on the link
 
     def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
         """As :meth:`PeerSender.submit`.
@@ -320,7 +321,7 @@ class SocketSender:
             if self.pacer is not None:
                 time.sleep(max(0.0, due - time.monotonic()))
                 self.pacer.take(payload.nbytes)
-            self.link.send_encoded(msg, payload, envelope=envelope)
+            self.last = max(self.last, self.link.send_encoded(msg, payload, envelope=envelope))
         except Exception as e:  # noqa: BLE001 — kept for the stage thread, which reports it
             self.error = self.error or e
 
@@ -336,11 +337,13 @@ class SocketSender:
                              peer=self.address)
 
     def flush(self) -> None:
-        """Wait until the peer acknowledged every tensor. Raises StageError if a send failed."""
+        """Wait until the peer acknowledged every tensor this sender sent (not those the
+        link carries for others meanwhile: :meth:`~fedpipe.net.dataplane.Link.flush`).
+        Raises StageError if a send failed."""
         self.encoder.submit(lambda: None).result()  # what is queued has been written
         self.check()
         try:
-            self.link.flush(owner=self.job)
+            self.link.flush(owner=self.job, through=self.last)
         except (dataplane.LinkFailed, WireError) as e:
             self.error = self.error or e
         if self.pacer is not None:

@@ -42,11 +42,13 @@ What else travels over it, where both ends have a data port:
   ``NAME#SUFFIX`` (:func:`client_name`), and a node keys its link by that whole
   name, so two clients of one certificate have a link each;
 * checkpoint snapshots to a buddy (:func:`fedpipe.node.snapshots.send_snapshot`,
-  put together by the receiving node's snapshot desk): built and tested, but a node
-  ships over gRPC (with it on, recoveries rewound further: checkpoints completed later).
+  put together by the receiving node's snapshot desk), when the link to it is up (a
+  broken one, waiting to resume, sends it over gRPC): the snapshot waits for its own
+  tensors' acknowledgements only (``flush(through=...)``), and a refusal of it is
+  raised to its shipper, never to a stage on the same link (:func:`owner_of`).
 
-Still on gRPC: FetchState, FetchSnapshot (request and answer), PutSnapshot and
-PutWeights.
+Still on gRPC: FetchState, FetchSnapshot (request and answer), a client's
+PutSnapshot (restoring a saved checkpoint) and PutWeights.
 """
 from .credits import LinkFailed
 from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts, owner_of
