@@ -265,11 +265,12 @@ class LocalSwarm:
         """A client for the swarm's own calls (the admin certificate under TLS)."""
         return Client(self.tracker, tls=self.admin_tls)
 
-    def client(self, name: str = "client", *, sockets: bool = False) -> Client:
+    def client(self, name: str = "client", *, sockets: bool = True) -> Client:
         """A client of this swarm's tracker; :meth:`close` closes it.
 
         Under TLS it shows the certificate ``name`` (role client), issued on first use.
-        ``sockets``: feed over the socket data plane (:class:`~fedpipe.Client`).
+        ``sockets``: feed over the socket data plane (:class:`~fedpipe.Client`; False:
+        over gRPC).
         """
         tls = None
         if self.tls_dir is not None:

@@ -11,7 +11,7 @@ from fedpipe.node.admission import BOUNDED_KINDS, DataPlane, inbox_job
 from fedpipe.node.errors import BadEnvelope, Duplicate, NoSuchStage, StaleEpoch, Stopped
 from fedpipe.node.lifecycle import Stage, StageSlot, StageState
 from fedpipe.node.mailbox import Mailbox
-from fedpipe.node.peers import MAX_PROBE_BYTES
+from fedpipe.node.linkprobe import MAX_PROBE_BYTES
 from fedpipe.node.reports import StageReporter
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.spec import Kind, PlanView

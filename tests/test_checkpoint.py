@@ -60,6 +60,23 @@ def test_the_snapshot_is_a_copy():
     assert snap.nbytes == sum(t.numel() * t.element_size() for t in before.values())
 
 
+def test_a_restore_leaves_the_kept_snapshot_as_it_was_taken():
+    """An optimizer keeps the tensors it is given as its state and trains them in place:
+    a second restore of the same kept snapshot (two recoveries to one checkpoint) must
+    find the state of its step, and continue bit for bit as the first did."""
+    model, opt, sched = make()
+    train(model, opt, sched, 3, seed=1)
+    snap = checkpoint.take(parts(model, opt, sched), step=3)
+    taken = copy.deepcopy(snap.tensors)
+    runs = []
+    for _ in range(2):
+        checkpoint.restore(parts(model, opt, sched), snap)
+        train(model, opt, sched, 2, seed=2)
+        assert all(torch.equal(taken[k], snap.tensors[k]) for k in taken)
+        runs.append(copy.deepcopy(model.state_dict()))
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
 def test_truncated_and_inconsistent_snapshots_are_refused():
     model, opt, sched = make()
     train(model, opt, sched, 2, seed=1)

@@ -160,6 +160,7 @@ def test_a_node_joining_mid_job_takes_a_stage_when_it_pays_and_weights_stay_exac
         slow = holder(client, job, 1) if holder(client, job, 1).node_name == "node1" \
             else holder(client, job, 0)
         assert slow.node_name == "node1"
+        before = PlanView(job_info(client, job).plan)
         inj = swarm.inject(job.id).at_step(2, "join", lambda: swarm.add_node())
         inj.start()
         final = finish_exact(client, model, job, data)
@@ -170,15 +171,17 @@ def test_a_node_joining_mid_job_takes_a_stage_when_it_pays_and_weights_stay_exac
         assert {a.node_name for a in after.stages.values()} == {"node0", "node2"}
         moved = next(a for a in after.stages.values() if a.node_name == "node2")
         # only the state of the layers node2 took changed hands, fetched by node2 (node0
-        # kept both stages' snapshots, its own and as buddy): the slow node's whole stage,
+        # kept both stages' snapshots, its own and as buddy): a whole stage (the slow
+        # node's, or node0's when node0 takes the slow node's layers from its buddy copy),
         # or the layers of a re-split (the planner may move the boundary too), each with
         # its layers' weights and SGD momentum buffers, nothing else
         by = [[m.groups() for m in FETCHED.finditer(swarm.log(p)) if m.group(4) == job.id]
               for p in swarm.nodes]
         fetched = by[2]
         assert fetched and not by[0] and not by[1], by
-        spans = sorted((int(f[0]), int(f[1]) + 1) if f[0] is not None else
-                       (slow.layer_start, slow.layer_end) for f in fetched)
+        whole = {k.stage: (a.layer_start, a.layer_end) for k, a in before.stages.items()}
+        spans = sorted((int(f[0]), int(f[1]) + 1) if f[0] is not None else whole[int(f[4])]
+                       for f in fetched)
         assert (spans[0][0], spans[-1][1]) == (moved.layer_start, moved.layer_end)
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         layers = list(model)[moved.layer_start:moved.layer_end]

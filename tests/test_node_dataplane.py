@@ -21,7 +21,8 @@ from fedpipe.net.emulation import EmulatedLink, Pacer
 from fedpipe.node.access import JobAccessBook
 from fedpipe.node.dataplane import NodeReceiver
 from fedpipe.node.errors import NoSuchStage
-from fedpipe.node.peers import SocketSender, measure_socket_link
+from fedpipe.node.linkprobe import measure_socket_link
+from fedpipe.node.peers import SocketSender
 from fedpipe.node.snapshots import SnapshotDesk, SnapshotStore, send_snapshot
 from fedpipe.proto import node_pb2
 from fedpipe.security import Identity, Role

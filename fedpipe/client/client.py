@@ -71,16 +71,15 @@ class Client:
     expired one, or the wrong role for the method
     (:mod:`fedpipe.security.explain`); the status code stays gRPC's.
 
-    With ``sockets=True`` the feed (each step's inputs and targets) goes over the
-    socket data plane to a node that offers a data port (:mod:`.links`; one
-    connection per node, with the client's certificate under TLS), over gRPC to one
-    that does not. Off by default: with it on, a drain's exactness test
-    (tests/test_tls_moves.py) met a refused duplicate target after the move.
+    The feed (each step's inputs and targets) goes over the socket data plane to a
+    node that offers a data port (:mod:`.links`; one connection per node, with the
+    client's certificate under TLS), over gRPC to one that does not, or to every node
+    with ``sockets=False``.
 
     Args:
         tracker: the tracker's ``HOST:PORT``.
-        sockets: feed over the socket data plane where a node offers it (False, the
-            default: gRPC only).
+        sockets: feed over the socket data plane where a node offers it (the default;
+            False: over gRPC only).
         tls: mutual TLS: a :class:`fedpipe.security.TlsConfig` (a certificate
             with role client, or admin for the operator), or a TLS directory
             holding one certificate with its key. None: ``$FEDPIPE_TLS_DIR`` if
@@ -91,7 +90,7 @@ class Client:
     """
 
     def __init__(self, tracker: str, tls: TlsConfig | str | os.PathLike | None = None, *,
-                 sockets: bool = False):
+                 sockets: bool = True):
         self.address, self.sockets = tracker, sockets
         self.tls = resolve_tls(tls)
         self.channel = explained(net.channel(tracker, tls=self.tls), tracker, self.tls)

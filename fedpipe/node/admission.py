@@ -20,7 +20,7 @@ from ..wire import WireError, codecs, frames
 from .errors import BadEnvelope, NoSuchStage, StaleEpoch
 from .lifecycle import Stage, StageSlot
 from .mailbox import Mailbox
-from .peers import MAX_PROBE_BYTES
+from .linkprobe import MAX_PROBE_BYTES
 from .reports import StageReporter
 
 STAGE_KINDS = frozenset(Kind) - {Kind.PROBE, Kind.SNAPSHOT, Kind.WEIGHTS}
@@ -98,7 +98,7 @@ class DataPlane:
         """Check a tensor's envelope, and its ``shape`` as its header gives it, before its
         payload is buffered; return its size limit in bytes.
 
-        A probe may be at most :data:`~fedpipe.node.peers.MAX_PROBE_BYTES`; a
+        A probe may be at most :data:`~fedpipe.node.linkprobe.MAX_PROBE_BYTES`; a
         stage's tensor needs a live stage of its epoch, a known kind, a positive
         batch size, and a step and microbatch index the stage will ask for (others
         would sit in its bounded inbox for ever): inputs only for a first stage,

@@ -150,10 +150,10 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     memory = StageMemory(device, resources.memory_bytes)
     reporter = StageReporter(node_id, report, metrics, memory)
     restorer = Restorer(snapshots, channels)
-    # snapshots to buddies stay on gRPC's PutSnapshot: over the socket plane the exactness
-    # suites' recoveries rewound further (a checkpoint completed later); see
-    # Checkpoints(plane=) and issue 24's notes
-    loop = StageLoop(reporter, Checkpoints(snapshots, channels, reporter), mailbox, restorer)
+    # a snapshot goes to a buddy that offers a data port over the socket plane
+    checkpoints = Checkpoints(snapshots, channels, reporter,
+                              lambda: sockets[0] if sockets else None)
+    loop = StageLoop(reporter, checkpoints, mailbox, restorer)
     build = stage_builder(device, mailbox, node_id,
                           snapshots.put, reporter, access.learning(quorum), memory)
     stages = StageRegistry(build, lambda: StagePeers(channels, shaper, metrics,

@@ -14,7 +14,6 @@ import contextlib
 import itertools
 import logging
 import queue
-import statistics
 import threading
 import time
 from concurrent import futures
@@ -37,14 +36,6 @@ from .errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-MAX_PROBE_BYTES = 64 * 2**20
-"""Largest link-measurement probe a node sends or accepts, bytes."""
-PROBE_PINGS, MAX_PINGS = 5, 100
-"""Pings per link measurement: by default, and the most a request may ask for."""
-PROBE_BYTES = 4 * 2**20
-"""Largest bandwidth probe of a link measurement by default, bytes."""
-PROBE_SECONDS, MAX_PROBE_SECONDS = 0.5, 10.0
-"""How long a bandwidth probe is sized to take, seconds: by default, and at most."""
 INLINE_BYTES = 4 * 2**20
 """A raw CPU tensor up to this size is framed on the sending stage's own thread: raw
 framing is a view of the tensor's memory and a header, cheaper than waking the
@@ -303,6 +294,7 @@ class SocketSender:
         self.feedback = codecs.ErrorFeedback()
         self.job = ""  # whose refusals this sender raises (the link is shared by every job
         #                and epoch: :func:`~fedpipe.net.dataplane.owner_of`)
+        self.last = -1  # the sequence number of the last tensor this sender wrote on the link
 
     def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
         """As :meth:`PeerSender.submit`.
@@ -329,7 +321,7 @@ class SocketSender:
             if self.pacer is not None:
                 time.sleep(max(0.0, due - time.monotonic()))
                 self.pacer.take(payload.nbytes)
-            self.link.send_encoded(msg, payload, envelope=envelope)
+            self.last = max(self.last, self.link.send_encoded(msg, payload, envelope=envelope))
         except Exception as e:  # noqa: BLE001 — kept for the stage thread, which reports it
             self.error = self.error or e
 
@@ -345,11 +337,13 @@ class SocketSender:
                              peer=self.address)
 
     def flush(self) -> None:
-        """Wait until the peer acknowledged every tensor. Raises StageError if a send failed."""
+        """Wait until the peer acknowledged every tensor this sender sent (not those the
+        link carries for others meanwhile: :meth:`~fedpipe.net.dataplane.Link.flush`).
+        Raises StageError if a send failed."""
         self.encoder.submit(lambda: None).result()  # what is queued has been written
         self.check()
         try:
-            self.link.flush(owner=self.job)
+            self.link.flush(owner=self.job, through=self.last)
         except (dataplane.LinkFailed, WireError) as e:
             self.error = self.error or e
         if self.pacer is not None:
@@ -529,85 +523,3 @@ class StagePeers:
             senders, self._senders, self._closed = self._senders, {}, True
         for address, s in senders.items():
             self._release(address, s)
-
-
-def measure_link(channel: grpc.Channel, *, pings: int = PROBE_PINGS,
-                 max_bytes: int = PROBE_BYTES, seconds: float = PROBE_SECONDS
-                 ) -> tuple[float, float]:
-    """Latency (one way, s) and bandwidth (bytes/s) to the node ``channel`` reaches, over
-    gRPC (a peer without a data port; :func:`measure_socket_link` otherwise).
-
-    Latency is half the median round trip of ``pings`` small Ping calls.
-    Bandwidth is timed over the data path itself (Send of a probe tensor,
-    chunked and decoded like an activation): a 256 KiB probe gives a first
-    estimate, then a probe sized to take about ``seconds`` (at most
-    ``max_bytes``) gives the figure, net of one round trip.
-
-    Raises:
-        grpc.RpcError: the peer is unreachable, or a call ran past
-            :data:`~fedpipe.net.timeouts.PING_RPC` / :data:`~fedpipe.net.timeouts.PROBE_SEND_RPC`.
-    """
-    stub = rpc.NodeStub(channel)
-    env = node_pb2.Envelope(kind=Kind.PROBE.value)
-
-    def ping() -> None:
-        stub.Ping(node_pb2.PingRequest(), timeout=timeouts.PING_RPC)
-
-    def probe(nbytes: int) -> float:
-        probe_frames = list(frames.encode_frames(torch.zeros(nbytes, dtype=torch.uint8),
-                                                 envelope=env))
-        t0 = time.perf_counter()
-        rpc.send(stub, probe_frames, timeout=timeouts.PROBE_SEND_RPC)
-        return time.perf_counter() - t0
-
-    return _measure(ping, probe, pings, max_bytes, seconds)
-
-
-def measure_socket_link(link: dataplane.Link, pacer: Pacer | None = None, *,
-                        pings: int = PROBE_PINGS, max_bytes: int = PROBE_BYTES,
-                        seconds: float = PROBE_SECONDS) -> tuple[float, float]:
-    """:func:`measure_link` over the socket data plane's ``link`` to a peer, the path its
-    tensors take (through ``pacer``, the emulated link to it, as :class:`SocketSender`
-    goes): a ping is a one-byte probe tensor sent and acknowledged, a bandwidth probe
-    one of its size.
-
-    Raises:
-        LinkFailed: the link failed, or a probe was not acknowledged within
-            :data:`~fedpipe.net.timeouts.PROBE_SEND_RPC`.
-        PeerRefused: the peer refused a probe.
-    """
-    env = node_pb2.Envelope(kind=Kind.PROBE.value)
-
-    def probe(nbytes: int) -> float:
-        tensor = torch.zeros(nbytes, dtype=torch.uint8)
-        t0 = time.perf_counter()
-        if pacer is not None:
-            time.sleep(max(0.0, pacer.due() - time.monotonic()))
-            pacer.take(nbytes)
-        link.send(tensor, envelope=env)
-        link.flush(timeout=timeouts.PROBE_SEND_RPC, owner="")  # a probe is no job's
-        if pacer is not None:
-            pacer.back()
-        return time.perf_counter() - t0
-
-    return _measure(lambda: probe(1), probe, pings, max_bytes, seconds)
-
-
-def _measure(ping: Callable[[], object], probe: Callable[[int], float], pings: int,
-             max_bytes: int, seconds: float) -> tuple[float, float]:
-    """``(latency, bandwidth)`` from ``pings`` timed ``ping()`` round trips and two
-    ``probe(nbytes)`` transfers (each returns its seconds): see :func:`measure_link`."""
-    rtts = []
-    for _ in range(pings):
-        t0 = time.perf_counter()
-        ping()
-        rtts.append(time.perf_counter() - t0)
-    rtt = statistics.median(rtts)
-
-    def bandwidth_probe(nbytes: int) -> float:
-        return max(probe(nbytes) - rtt, 1e-6)
-
-    first = 256 * 1024
-    estimate = first / bandwidth_probe(first)
-    size = int(min(max_bytes, max(first, estimate * seconds)))
-    return rtt / 2, size / bandwidth_probe(size)

@@ -32,8 +32,8 @@ from .errors import InvalidRequest, maps_errors
 from .lifecycle import StageSlot
 from .mailbox import JOB_TENSORS
 from .parts import NodeParts, build_parts
-from .peers import (MAX_PINGS, MAX_PROBE_BYTES, MAX_PROBE_SECONDS, PROBE_BYTES, PROBE_PINGS,
-                    PROBE_SECONDS, measure_link, measure_socket_link)
+from .linkprobe import (MAX_PINGS, MAX_PROBE_BYTES, MAX_PROBE_SECONDS, PROBE_BYTES,
+                        PROBE_PINGS, PROBE_SECONDS, measure_link, measure_socket_link)
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ it is shipped, fetched or restored. Only the skeletons (a few KiB) stay in memor
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import itertools
@@ -392,15 +393,26 @@ def send_snapshot(link: dataplane.Link, envelope: node_pb2.Envelope, snap: Snaps
     :func:`~fedpipe.runtime.checkpoint.to_tensors`' order, each with ``envelope`` (the
     receiver puts them together by it, :meth:`SnapshotDesk.admit_part`) and its name,
     from their own memory (a snapshot is a copy nobody changes); returns once the node
-    kept it.
+    kept it: its own tensors acknowledged, whatever the stages send on the link meanwhile,
+    within :data:`~fedpipe.net.timeouts.FETCH_STATE_RPC` (as ``PutSnapshot``'s deadline).
 
     Raises:
-        PeerRefused: the node refused it (a WireError).
-        LinkFailed: the link failed.
+        PeerRefused: the node refused it (a WireError); a refusal is raised here only,
+            never to the stage's sender on the same link
+            (:func:`~fedpipe.net.dataplane.owner_of`).
+        LinkFailed: the link failed, or the node did not acknowledge it in time.
     """
-    for name, t in checkpoint.to_tensors(snap):
-        link.send(t, envelope=envelope, name=name)
-    link.flush(owner=dataplane.owner_of(envelope))
+    owner, last = dataplane.owner_of(envelope), -1
+    try:
+        for name, t in checkpoint.to_tensors(snap):
+            last = link.send(t, envelope=envelope, name=name)
+    except dataplane.PeerRefused:
+        # refused already (its other tensors are refused too): wait for what was sent, so
+        # that no refusal of this snapshot is left on the link, then say the first
+        with contextlib.suppress(dataplane.PeerRefused):
+            link.flush(timeout=timeouts.FETCH_STATE_RPC, owner=owner, through=last)
+        raise
+    link.flush(timeout=timeouts.FETCH_STATE_RPC, owner=owner, through=last)
 
 
 class SnapshotDesk:

@@ -15,12 +15,14 @@ makes recovery of synchronous jobs exact (the same idea as torch.distributed's
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, MutableMapping, Protocol
 
 import torch
+from torch import nn
 
 from ..proto import node_pb2
 from ..wire import codecs, frames
@@ -158,7 +160,11 @@ def restore(parts: Mapping[str, Checkpointable | None], snap: Snapshot) -> None:
     :data:`LAYOUT`, which older snapshots lack).
 
     Tensors are moved to each part's device by its own ``load_state_dict``
-    (modules and optimizers do so).
+    (modules and optimizers do so). ``snap`` stays as it was: a module copies the
+    values into its parameters, and any other part is given copies (an optimizer keeps
+    the tensors it is given as its state, on the same device and dtype, and trains them
+    in place: the kept snapshot a second recovery to the same step restores, or a peer
+    fetches, would hold a later momentum).
 
     Raises:
         WireError: the snapshot lacks a part, or its skeleton names a tensor it lacks.
@@ -170,7 +176,8 @@ def restore(parts: Mapping[str, Checkpointable | None], snap: Snapshot) -> None:
         if name not in snap.skeleton:
             raise WireError(f"the step {snap.step} snapshot has no {name!r} state; it has "
                             f"{sorted(snap.skeleton)}")
-        part.load_state_dict(_unflatten(snap.skeleton[name], snap.tensors))
+        state = _unflatten(snap.skeleton[name], snap.tensors)
+        part.load_state_dict(state if isinstance(part, nn.Module) else copy.deepcopy(state))
 
 
 def to_frames(snap: Snapshot, envelope: node_pb2.Envelope | None = None

@@ -37,17 +37,19 @@ How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.So
 
 What else travels over it, where both ends have a data port:
 
-* link measurement (:func:`fedpipe.node.peers.measure_socket_link`), always;
-* a client's feed (:mod:`fedpipe.client.links`), with ``Client(sockets=True)``
-  (off by default: a drain's exactness test met a refused duplicate target): the
-  client's plane is dial-only (``listen=False``), role ``client``, named
-  ``NAME#SUFFIX`` (:func:`client_name`);
+* link measurement (:func:`fedpipe.node.linkprobe.measure_socket_link`), always;
+* a client's feed (:mod:`fedpipe.client.links`), unless ``Client(sockets=False)``:
+  the client's plane is dial-only (``listen=False``), role ``client``, named
+  ``NAME#SUFFIX`` (:func:`client_name`), and a node keys its link by that whole
+  name, so two clients of one certificate have a link each;
 * checkpoint snapshots to a buddy (:func:`fedpipe.node.snapshots.send_snapshot`,
-  put together by the receiving node's snapshot desk): built and tested, but a node
-  ships over gRPC (with it on, recoveries rewound further: checkpoints completed later).
+  put together by the receiving node's snapshot desk), when the link to it is up (a
+  broken one, waiting to resume, sends it over gRPC): the snapshot waits for its own
+  tensors' acknowledgements only (``flush(through=...)``), and a refusal of it is
+  raised to its shipper, never to a stage on the same link (:func:`owner_of`).
 
-Still on gRPC: FetchState, FetchSnapshot (request and answer), PutSnapshot and
-PutWeights.
+Still on gRPC: FetchState, FetchSnapshot (request and answer), a client's
+PutSnapshot (restoring a saved checkpoint) and PutWeights.
 """
 from .credits import LinkFailed
 from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts, owner_of

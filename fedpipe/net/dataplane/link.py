@@ -84,7 +84,9 @@ class Peer:
     """Who is at the other end of a link.
 
     Attributes:
-        name: its node (or client) name, from its preface; with TLS, its certificate's.
+        name: its node (or client) name, from its preface; with TLS, its certificate's
+            (a client's with the suffix that tells its processes apart:
+            :func:`~fedpipe.net.dataplane.server.client_name`).
         role: ``node`` or ``client``.
         identity: its certificate's identity (None without TLS).
     """
@@ -157,11 +159,15 @@ class _Out(NamedTuple):
 
 def owner_of(envelope: node_pb2.Envelope | None) -> str:
     """Whose sender a refusal of a tensor with this envelope is raised to: its job at its
-    plan epoch ("" for none). A link is shared by every job and epoch, and a stage of an
-    epoch a recovery ended may still send for a moment (its node could not be told to
-    stop, say, having moved to another relay); the peer's refusal of that tensor must not
-    fail the same job's stage of the new epoch."""
-    return f"{envelope.job_id}@{envelope.epoch}" if envelope is not None else ""
+    plan epoch ("" for none); a snapshot's tensor's to its shipper (by step), not to the
+    stage. A link is shared by every job and epoch, and a stage of an epoch a recovery
+    ended may still send for a moment (its node could not be told to stop, say, having
+    moved to another relay); the peer's refusal of that tensor must not fail the same
+    job's stage of the new epoch, nor a buddy's refusal of a snapshot the stage itself."""
+    if envelope is None:
+        return ""
+    snapshot = f"/snapshot {envelope.step}" if envelope.kind == node_pb2.KIND_SNAPSHOT else ""
+    return f"{envelope.job_id}@{envelope.epoch}{snapshot}"
 
 
 class _GoAway(Exception):
@@ -248,8 +254,9 @@ class Link:
         A raw CPU tensor is written from its own memory: it must not be changed
         in place until the peer acknowledged it (:meth:`flush`). Blocks while the
         peer's credit is used up. Returns the tensor's sequence number.
-        ``flush``: then wait as :meth:`flush` does, its SYNC written with the
-        tensor (one write; what ``SendOne`` is on gRPC: one tensor, answered).
+        ``flush``: then wait as :meth:`flush` through this tensor does, its SYNC
+        written with the tensor (one write; what ``SendOne`` is on gRPC: one tensor,
+        answered).
 
         Raises:
             PeerRefused: the peer refused a tensor sent earlier.
@@ -286,12 +293,15 @@ class Link:
                 self._write(conn, out.head, out.payload, *sync)
         self._drain()
         if flush:
-            self._wait_idle(None, owner)
+            self._wait_idle(None, owner, seq)
         return seq
 
-    def flush(self, timeout: float | None = None, owner: str | None = None) -> None:
-        """Wait until the peer acknowledged every tensor sent; then raise a refusal of
-        ``owner``'s tensors as :meth:`check` does.
+    def flush(self, timeout: float | None = None, owner: str | None = None,
+              through: int | None = None) -> None:
+        """Wait until the peer acknowledged every tensor sent, or with ``through`` every
+        one up to that number (:meth:`send`'s; what one sender waits for: the link is
+        shared, and others' tensors may keep it busy for as long as they run); then raise
+        a refusal of ``owner``'s tensors as :meth:`check` does.
 
         Raises:
             PeerRefused: the peer refused one of them.
@@ -299,22 +309,33 @@ class Link:
                 timeout) passed first.
         """
         self._sync()
-        self._wait_idle(timeout, owner)
+        self._wait_idle(timeout, owner, through)
 
-    def _wait_idle(self, timeout: float | None, owner: str | None = None) -> None:
-        """Wait until the peer acknowledged everything, asking again (a SYNC) every
-        :attr:`Timeouts.resync` seconds meanwhile: an acknowledgement is the one record
-        a waiting sender depends on, and asking again costs a 16-byte record."""
+    def _wait_idle(self, timeout: float | None, owner: str | None = None,
+                   through: int | None = None) -> None:
+        """Wait until the peer acknowledged everything (or every tensor up to ``through``),
+        asking again (a SYNC) every :attr:`Timeouts.resync` seconds meanwhile: an
+        acknowledgement is the one record a waiting sender depends on, and asking again
+        costs a 16-byte record."""
         timeout = self.timeouts.credit if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        while not self.credits.wait_idle(min(self.timeouts.resync,
-                                             max(0.0, deadline - time.monotonic()))):
+        while not self._acknowledged(through, min(self.timeouts.resync,
+                                                  max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 self.credits.fail(f"{self.credits.messages_out} tensors unacknowledged by "
                                   f"{self.peer_name} after {timeout} s")
                 break
             self._sync()
         self.check(owner)
+
+    def _acknowledged(self, through: int | None, timeout: float) -> bool:
+        """Wait up to ``timeout`` s as :meth:`flush` does (or for the link to fail)."""
+        if through is None:
+            return self.credits.wait_idle(timeout)
+        with self._state:
+            return self._state.wait_for(
+                lambda: self.credits.failed is not None or not self.retained
+                or self.retained[0].seq > through, timeout)
 
     def _sync(self) -> None:
         with self._state:
@@ -396,6 +417,7 @@ class Link:
             count += 1
         if count:
             self.credits.give_back(nbytes, count)
+            self._state.notify_all()  # a flush through a sequence number looks again
 
     def _broken(self, conn: Connection, why: str) -> None:
         with self._state:
@@ -415,6 +437,7 @@ class Link:
         self.credits.fail(why)
         with self._state:
             self.retained.clear()  # nothing will be resent: let the tensors go
+            self._state.notify_all()
         if conn is not None:
             conn.close()
         if first:

@@ -98,7 +98,11 @@ def peer_of(sock: socket.socket, theirs: Preface, auth: Authenticator | None) ->
 
     A client's preface may name it ``NAME#SUFFIX`` (:func:`client_name`): one
     certificate's holder may run several clients at once, and each needs a link of its
-    own; ``NAME`` must still be the certificate's.
+    own; ``NAME`` must still be the certificate's. The peer's name is the preface's,
+    suffix and all, as without TLS (the accepting side keys its link by it): were it the
+    certificate's, two clients of one certificate would share one link at a node, each
+    connection replacing the other's and resetting where its tensors resume, so a
+    tensor delivered and not yet acknowledged would be delivered again.
 
     Raises:
         SecurityError: no valid certificate, revoked, or a preface naming someone else.
@@ -110,7 +114,7 @@ def peer_of(sock: socket.socket, theirs: Preface, auth: Authenticator | None) ->
     if identity.name != name or identity.role.value != theirs.role:
         raise SecurityError(f"preface says {theirs.role} {theirs.name!r} but the certificate "
                             f"is {identity}")
-    return Peer(identity.name, identity.role.value, identity)
+    return Peer(theirs.name, identity.role.value, identity)
 
 
 class _Capped(Exception):

@@ -1,0 +1,98 @@
+"""Clients on the socket data plane under mutual TLS, in one process over real sockets on
+127.0.0.1: two clients holding one certificate (two ``Client`` objects of one user, in one
+process or several) each get a link of their own at a node, so neither replaces the other's
+connection nor resets where the other's tensors resume, and each tensor is delivered once;
+and a ``Client`` feeds over the socket plane unless told not to."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fedpipe.client import Client
+from fedpipe.client.links import NoInbound
+from fedpipe.net.dataplane import DataPlane, Timeouts, client_name
+from fedpipe.proto import node_pb2
+from fedpipe.security import TlsConfig, certs
+
+pytestmark = pytest.mark.timeout(60)
+FAST = Timeouts(credit=20.0, resume=5.0, handshake=5.0, backoff_min=0.02, backoff_max=0.2)
+STEPS = 40
+
+
+class Kept:
+    """A node's Receiver: every delivered target as (the sender's name, its step)."""
+
+    def __init__(self):
+        self.got: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+
+    def admit(self, peer, header):
+        return 1 << 20
+
+    def deliver(self, peer, header, tensor):
+        with self.lock:
+            self.got.append((peer.name, header.envelope.step))
+
+
+class Breaks:
+    """A client's LinkEvents: the connections that broke under it."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, str]] = []
+
+    def lost(self, peer, why):
+        self.seen.append((peer, why))
+
+    def failed(self, peer, why):
+        self.seen.append((peer, why))
+
+
+@pytest.fixture(scope="module")
+def tls_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tls")
+    certs.make_ca(d)
+    certs.issue(d, certs.Role.NODE, "node0")
+    certs.issue(d, certs.Role.CLIENT, "alice")
+    return d
+
+
+def target(step: int) -> node_pb2.Envelope:
+    return node_pb2.Envelope(job_id="j", stage=1, step=step, kind=node_pb2.KIND_TARGET,
+                             batch_size=2)
+
+
+def test_two_clients_of_one_certificate_get_a_link_each_and_every_tensor_arrives_once(tls_dir):
+    kept = Kept()
+    alice = TlsConfig.load(tls_dir, "alice")
+    breaks = [Breaks(), Breaks()]
+    with DataPlane("node0", kept, tls=TlsConfig.load(tls_dir, "node0"), timeouts=FAST) as node:
+        clients = [DataPlane(client_name("alice"), NoInbound(), role="client", listen=False,
+                             tls=alice, events=b, timeouts=FAST) for b in breaks]
+        try:
+            links = [c.link("node0", node.address) for c in clients]
+            for step in range(STEPS):  # interleaved, each answered as the feed's sends are
+                for link in links:
+                    link.send(torch.zeros(2), envelope=target(step), flush=True)
+            names = [c.name for c in clients]
+            # a link each at the node, named as each client's preface names it
+            assert sorted(link.peer_name for link in node.links()) == sorted(names)
+            assert all(link.conn is not None for link in node.links())
+        finally:
+            for c in clients:
+                c.close()
+    # neither client's connection was replaced by the other's (each redial would reset
+    # where its tensors resume at the node, and deliver a tensor twice)
+    assert breaks[0].seen == [] and breaks[1].seen == []
+    for name in names:
+        assert [step for who, step in kept.got if who == name] == list(range(STEPS))
+    assert len(kept.got) == 2 * STEPS
+
+
+def test_a_client_feeds_over_sockets_unless_told_not_to():
+    with Client("127.0.0.1:1", tls=None) as default, \
+            Client("127.0.0.1:1", tls=None, sockets=False) as grpc_only:
+        plane = default.data_plane()
+        assert plane is not None and plane.role == "client" and plane.port == 0  # dials only
+        assert grpc_only.data_plane() is None
