@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Self, Sequence
 
 PUBLIC_IP, ROUTER_WAN_IP = "10.77.0.1", "10.77.0.254"
 HOME_IPS = ("192.168.1.2", "192.168.2.2")
@@ -78,7 +78,46 @@ def _run(*cmd: str) -> None:
         raise NatSetupError(f"{' '.join(cmd)} failed: {e.stderr.decode().strip()}") from None
 
 
-class NatNetwork:
+class Namespaces:
+    """Network namespaces made for a test or benchmark, one per :class:`Host`, each with
+    its loopback up; a subclass wires them in :meth:`_build`. :meth:`close` (or the
+    ``with`` block's end) deletes them, also when the build fails midway.
+
+    Raises:
+        NatSetupError: a command failed (the message quotes it and its error); whatever
+            was made is deleted first.
+    """
+
+    def __init__(self, hosts: Sequence[Host]):
+        self._made: list[str] = []
+        try:
+            for host in hosts:
+                _run("ip", "netns", "add", host.ns)
+                self._made.append(host.ns)
+                _run("ip", "-n", host.ns, "link", "set", "lo", "up")
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        """Wire the namespaces (links, addresses, routes, shaping)."""
+
+    def close(self) -> None:
+        """Delete the namespaces (their interfaces, rules and qdiscs go with them);
+        idempotent."""
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=SETUP_TIMEOUT)
+        self._made.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NatNetwork(Namespaces):
     """The namespaces above; :meth:`close` (or the ``with`` block's end) deletes them.
 
     Args:
@@ -97,18 +136,9 @@ class NatNetwork:
         self.router = Host(f"{tag}rt", ROUTER_WAN_IP)
         self.homes = tuple(Host(f"{tag}h{i + 1}", ip) for i, ip in enumerate(HOME_IPS))
         self.rate_mbit = rate_mbit
-        self._made: list[str] = []
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
+        super().__init__((self.public, self.router, *self.homes))
 
     def _build(self) -> None:
-        for host in (self.public, self.router, *self.homes):
-            _run("ip", "netns", "add", host.ns)
-            self._made.append(host.ns)
-            _run("ip", "-n", host.ns, "link", "set", "lo", "up")
         rt = self.router.ns
         self._leg(self.public, "wan0", PUBLIC_IP, "wan", ROUTER_WAN_IP, 24)
         _run("ip", "-n", self.public.ns, "route", "add", "192.168.0.0/16", "via", ROUTER_WAN_IP)
@@ -202,19 +232,6 @@ class NatNetwork:
             if listener.poll() is None:
                 listener.kill()
                 listener.wait()
-
-    # -- life cycle ---------------------------------------------------------------
-    def close(self) -> None:
-        """Delete the namespaces (their interfaces and rules go with them); idempotent."""
-        for ns in reversed(self._made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=SETUP_TIMEOUT)
-        self._made.clear()
-
-    def __enter__(self) -> "NatNetwork":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 _LISTEN = """

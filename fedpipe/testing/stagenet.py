@@ -25,7 +25,7 @@ import os
 import shutil
 import subprocess
 
-from .natnet import SETUP_TIMEOUT, Host, NatSetupError, _run
+from .natnet import SETUP_TIMEOUT, Host, Namespaces, NatSetupError, _run
 
 SUBNET = "10.78.0"
 HUB_IP = f"{SUBNET}.254"
@@ -49,7 +49,7 @@ def tbf_burst_kbit(rate_mbit: float) -> int:
     return max(32, int(rate_mbit * 10))
 
 
-class StageNetwork:
+class StageNetwork(Namespaces):
     """``n`` stage namespaces and a hub, as above.
 
     Args:
@@ -70,18 +70,9 @@ class StageNetwork:
         self.rate_mbit = rate_mbit
         self.hub = Host(f"{tag}hub", HUB_IP)
         self.stages = tuple(Host(f"{tag}s{i}", f"{SUBNET}.{i + 1}") for i in range(n))
-        self._made: list[str] = []
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
+        super().__init__((self.hub, *self.stages))
 
     def _build(self) -> None:
-        for host in (self.hub, *self.stages):
-            _run("ip", "netns", "add", host.ns)
-            self._made.append(host.ns)
-            _run("ip", "-n", host.ns, "link", "set", "lo", "up")
         hub = self.hub.ns
         _run("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", hub, "addr", "add", f"{HUB_IP}/24", "dev", "br0")
@@ -112,17 +103,6 @@ class StageNetwork:
                                 timeout=SETUP_TIMEOUT).stdout.split()
         return [h.ns for h in (self.hub, *self.stages) if h.ns in listed]
 
-    def close(self) -> None:
-        """Delete the namespaces (their veths, bridge and qdiscs go with them); idempotent."""
-        for ns in reversed(self._made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=SETUP_TIMEOUT)
-        self._made.clear()
-
-    def __enter__(self) -> "StageNetwork":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 __all__ = ["HUB_IP", "DEV", "StageNetwork", "NatSetupError", "missing", "tbf_burst_kbit"]
