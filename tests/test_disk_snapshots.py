@@ -107,6 +107,7 @@ def test_a_disk_store_removes_the_files_it_prunes_or_drops(tmp_path):
 
 def test_a_snapshot_dir_of_a_live_store_is_refused_and_an_old_ones_files_are_removed(tmp_path):
     (tmp_path / "old-r0-s0-0000000003.safetensors").write_bytes(b"left by a killed node")
+    (tmp_path / "old-r0-s0-0000000006.safetensors.tmp-0a1b2c").write_bytes(b"half written")
     store = SnapshotStore(directory=tmp_path)
     assert files(tmp_path) == [] and store.on_disk
     with pytest.raises(SnapshotDirInUse, match="in use by another live node"):
@@ -153,3 +154,27 @@ def test_a_disk_store_refuses_a_buddys_snapshot_of_a_job_it_holds_nothing_of_bef
     with pytest.raises(NoSuchStage, match="runs no stage of job 'j'"):
         desk.receive(frames, lambda env: None)
     assert files(tmp_path) == []
+
+
+def test_two_writers_of_one_snapshot_file_never_share_it(tmp_path):
+    """Two streams of the same stage's step (two senders, or a resend racing the first):
+    the one kept first must read its own tensors after the second lands, and the second
+    must land too (the last kept wins). They once shared ``NAME.tmp``: the first file read
+    the second's bytes, and the second failed to rename a file already gone."""
+    store = SnapshotStore(directory=tmp_path)
+    skeleton = {"w": {"$t": "x"}, "v": {"$t": "y"}}
+    a = checkpoint.Snapshot(5, {"x": torch.full((100,), 1.0), "y": torch.full((3,), 2.0)},
+                            skeleton)
+    b = checkpoint.Snapshot(5, {"x": torch.full((7,), 3.0), "y": torch.full((50,), 4.0)},
+                            skeleton)
+    wa, wb = store.writer("j", KEY, a), store.writer("j", KEY, b)
+    wa.add("x", a.tensors["x"])
+    wb.add("x", b.tensors["x"])
+    wa.add("y", a.tensors["y"])
+    kept_a = wa.finish()
+    wb.add("y", b.tensors["y"])
+    kept_b = wb.finish()
+    for kept, want in ((kept_a, a), (kept_b, b)):
+        assert all(torch.equal(kept.tensors[n], t) for n, t in want.tensors.items())
+    assert torch.equal(tensorfile.TensorFile(store.file("j", KEY, 5))["y"], b.tensors["y"])
+    assert files(tmp_path) == [store.file("j", KEY, 5).name]

@@ -82,7 +82,7 @@ def claim_dir(directory: str | os.PathLike) -> IO[str]:
     lock.truncate()
     lock.write(str(os.getpid()))
     lock.flush()
-    for old in (*path.glob("*.safetensors"), *path.glob("*.safetensors.tmp")):
+    for old in (*path.glob("*.safetensors"), *path.glob("*.safetensors.tmp*")):
         old.unlink(missing_ok=True)
     return lock
 
@@ -252,7 +252,7 @@ class SnapshotStore:
 
 class SnapshotWriter:
     """One snapshot written to its file a tensor at a time (a
-    :class:`~fedpipe.runtime.checkpoint.Sink`): ``NAME.tmp`` until :meth:`finish`.
+    :class:`~fedpipe.runtime.checkpoint.Sink`): ``NAME.tmp-TOKEN`` until :meth:`finish`.
 
     Args:
         path: the file.

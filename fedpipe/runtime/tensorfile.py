@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import struct
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from pathlib import Path
@@ -55,8 +56,10 @@ def header_room(names: Iterable[str], metadata: Mapping[str, str]) -> int:
 
 
 class TensorFileWriter:
-    """A safetensors file written one tensor at a time, at ``path`` + ``.tmp`` until
-    :meth:`close` gives it its name (:meth:`abort` removes it).
+    """A safetensors file written one tensor at a time, at ``path`` + ``.tmp-`` + a token of
+    its own until :meth:`close` gives it its name (:meth:`abort` removes it). Two writers of
+    one path (a buddy sent the same step twice) never share a file: the last to close wins,
+    and a reader of the first still reads the first.
 
     Args:
         path: the file's final name.
@@ -70,7 +73,7 @@ class TensorFileWriter:
     def __init__(self, path: str | os.PathLike, names: Iterable[str],
                  metadata: Mapping[str, str]):
         self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{secrets.token_hex(6)}")
         self.names = set(names)
         self.metadata = dict(metadata)
         self.room = header_room(self.names, self.metadata)
