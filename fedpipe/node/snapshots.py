@@ -496,6 +496,7 @@ class SnapshotDesk:
         Raises:
             WireError: a malformed snapshot (or a tensor of none started).
             NoSuchStage: as :meth:`keep`.
+            OSError: a disk store could not write it (what it wrote is removed).
         """
         env = head.envelope
         key = (sender, env.job_id, env.replica, env.stage)
@@ -509,8 +510,10 @@ class SnapshotDesk:
                 return
             self._drop(key)
             self._kept(*assembler.finish())
-        except NoSuchStage:
+        except (NoSuchStage, OSError):  # a full disk: its partial file goes, even if complete
             self._drop(key)
+            if assembler is not None:
+                assembler.abort()
             raise
         except WireError as e:
             self._drop(key)

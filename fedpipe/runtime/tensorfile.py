@@ -135,9 +135,14 @@ class TensorFileWriter:
         return self.path
 
     def abort(self) -> None:
-        """Stop and remove the partial file."""
-        self._file.close()
-        self.tmp.unlink(missing_ok=True)
+        """Stop and remove the partial file (even when closing it fails: a full disk fails
+        the flush of what is still buffered, and the file must not stay to keep it full)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass  # closed all the same; what was buffered is dropped with the file
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
 def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
