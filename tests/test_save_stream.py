@@ -9,6 +9,7 @@ the node's answer comes from a stand-in stub that serves those frames. The swarm
 ``job.save`` is in tests/test_bigmodel_hf.py."""
 from __future__ import annotations
 
+import json
 import weakref
 
 import pytest
@@ -135,3 +136,22 @@ def test_a_tensor_file_holds_every_dtype_and_shape_as_safetensors_reads_them(tmp
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
     assert not list(tmp_path.glob("x.safetensors.tmp*"))
+
+
+@pytest.mark.parametrize("bogus", ["module/7.weight", "module/x.weight", "module/-2.weight"])
+def test_a_stage_naming_a_layer_not_its_own_fails_the_save(tmp_path, bogus):
+    """A node's skeleton that names a layer outside its stage's range: the save fails,
+    naming it. It once saved the tensor under that layer's model name (``9.weight`` of a
+    4-layer model) and left the stage's own layer out of the shards, silently; a
+    non-numeric layer raised a bare ValueError."""
+    _, plan, snaps = _trained_stages([0, 2, 4])
+    key = StageKey(0, 1)
+    snap = snaps[key]
+    skeleton = json.loads(json.dumps(snap.skeleton).replace('"module/0.weight"',
+                                                            json.dumps(bogus)))
+    tensors = dict(snap.tensors)
+    tensors[bogus] = tensors.pop("module/0.weight")
+    snaps[key] = checkpoint.Snapshot(snap.step, tensors, skeleton)
+    with pytest.raises(WireError, match=f"stage 1's snapshot names '{bogus}': not a layer"):
+        checkpoints.write(tmp_path, 1, snaps, plan, steps=3)
+    assert not (tmp_path / checkpoints.META).exists()

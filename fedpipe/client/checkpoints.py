@@ -57,6 +57,7 @@ from ..runtime.weights import (INDEX_NAME, SINGLE_NAME, KeyMap, WeightFiles, Wei
                                sequential_keys)
 from ..spec import JobSpec, PlanView, StageKey, state_name
 from ..wire import frames
+from ..wire.format import WireError
 from ..wire.codecs import MAX_TENSOR_BYTES
 from .errors import CheckpointGone
 
@@ -174,17 +175,27 @@ class CheckpointWriter:
         self._files: set[str] = set()
         self._made = False
 
-    def _model_name(self, start: int, path: str) -> str | None:
-        """The model name of snapshot tensor ``path`` of a stage from layer ``start``,
-        or None if it stays in the state file."""
+    def _model_name(self, key: StageKey, path: str) -> str | None:
+        """The model name of snapshot tensor ``path`` of stage ``key``, or None if it
+        stays in the state file.
+
+        Raises:
+            WireError: a ``module/`` path whose layer is not one of the stage's (a node's
+                skeleton cannot name another stage's layer, or one past the model).
+        """
         if not path.startswith("module/"):
             return None
-        local, _, key = path[len("module/"):].partition(".")
+        local, _, name = path[len("module/"):].partition(".")
+        start, end = self._ranges.get(key, (0, 0))
+        if not (local.isascii() and local.isdigit()) or (
+                key in self._ranges and int(local) >= end - start):
+            raise WireError(f"stage {key.stage}'s snapshot names {path!r}: not a layer of the "
+                            f"stage's {end - start} (layers {start}-{end})")
         layer = start + int(local)
-        if self._skip(layer, key):
+        if self._skip(layer, name):
             return None
         try:
-            return self._names(layer, key)[0]
+            return self._names(layer, name)[0]
         except KeyError:  # a tensor without a checkpoint name: kept with the state
             return None
 
@@ -198,12 +209,13 @@ class CheckpointWriter:
         Raises:
             WeightsError: two tensors would get one model name.
             OSError: a file cannot be written.
-            WireError: a streamed snapshot that is malformed or cut short.
+            WireError: a streamed snapshot that is malformed or cut short, or that names
+                a layer not of its stage.
         """
         start, end = self._ranges.get(key, (0, 0))
         named: dict[str, str] = {}  # snapshot path -> model name, for the shard
         for path in sorted(checkpoint.tensor_paths(snap)):
-            name = self._model_name(start, path) if key.replica == 0 else None
+            name = self._model_name(key, path) if key.replica == 0 else None
             if name is None:
                 continue
             if name in self._weight_map or name in named.values():
