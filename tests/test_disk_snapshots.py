@@ -220,3 +220,23 @@ def test_a_buddys_snapshot_that_the_disk_cannot_hold_leaves_no_file(tmp_path):
         with pytest.raises(OSError):
             desk.receive(checkpoint.to_frames(snap, envelope(2)), lambda env: None)
     assert files(tmp_path) == [] and store.steps("j", KEY) == []
+
+
+def test_a_snapshot_dir_that_cannot_be_made_is_named_as_such(tmp_path):
+    """``fedpipe node --snapshot-dir`` at a path that cannot be a directory: the error names
+    the snapshot directory. It once said "cannot listen on data port 0 of 127.0.0.1"."""
+    import socket
+
+    from fedpipe.node.parts import build_parts
+    from fedpipe.node.probe import probe
+    (tmp_path / "file").write_text("")
+    for where in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(OSError, match=f"cannot use snapshot directory {where}: ") as e:
+            build_parts(lambda: "n", "n", probe("cpu"), lambda r: None, data_port=0,
+                        data_host="127.0.0.1", snapshot_dir=where)
+        assert "data port" not in str(e.value)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on data port {port} of 127.0.0.1"):
+            build_parts(lambda: "n", "n", probe("cpu"), lambda r: None, data_port=port,
+                        data_host="127.0.0.1", snapshot_dir=tmp_path / "snaps")
