@@ -240,3 +240,15 @@ def test_a_snapshot_dir_that_cannot_be_made_is_named_as_such(tmp_path):
         with pytest.raises(OSError, match=f"cannot listen on data port {port} of 127.0.0.1"):
             build_parts(lambda: "n", "n", probe("cpu"), lambda r: None, data_port=port,
                         data_host="127.0.0.1", snapshot_dir=tmp_path / "snaps")
+
+
+def test_a_snapshot_dirs_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
+    """A ``.lock`` planted as a link (a shared directory such as /tmp): it was followed,
+    and the file it named truncated to the node's pid (any file, for a node run as root)."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "snaps").mkdir()
+    (tmp_path / "snaps" / ".lock").symlink_to(victim)
+    with pytest.raises(OSError, match=r"\.lock"):
+        SnapshotStore(directory=tmp_path / "snaps")
+    assert victim.read_text() == "precious"

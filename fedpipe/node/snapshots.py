@@ -64,11 +64,13 @@ def claim_dir(directory: str | os.PathLike) -> IO[str]:
 
     Raises:
         SnapshotDirInUse: another live process holds it (the message names its pid).
-        OSError: the directory cannot be made or written.
+        OSError: the directory cannot be made or written, or its lock file is a link.
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    lock = open(path / LOCK_NAME, "a+")  # noqa: SIM115 (kept open: the lock lives with it)
+    # never through a link: a .lock that links elsewhere would have that file truncated
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    lock = os.fdopen(fd, "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
