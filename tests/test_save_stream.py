@@ -155,3 +155,22 @@ def test_a_stage_naming_a_layer_not_its_own_fails_the_save(tmp_path, bogus):
     with pytest.raises(WireError, match=f"stage 1's snapshot names '{bogus}': not a layer"):
         checkpoints.write(tmp_path, 1, snaps, plan, steps=3)
     assert not (tmp_path / checkpoints.META).exists()
+
+
+def test_a_stream_with_a_tensor_its_skeleton_does_not_name_fails_the_save_as_malformed(
+        tmp_path):
+    """A node that sends one tensor more than its skeleton names: a WireError naming the
+    stage and the tensor (it was the tensor file's own ValueError), and no partial file."""
+    _, plan, snaps = _trained_stages([0, 2, 4])
+
+    class Extra(SnapshotNode):
+        def FetchSnapshot(self, request, timeout=None):
+            frames = list(super().FetchSnapshot(request, timeout))
+            if request.stage == 1:
+                more = checkpoint.Snapshot(1, {"zzz": torch.ones(3)}, {"a": {"$t": "zzz"}})
+                frames += list(checkpoint.to_frames(more))[1:]  # its tensor, no skeleton
+            return iter(frames)
+    with pytest.raises(WireError, match="stage 1's snapshot: tensor 'zzz' was not announced"):
+        checkpoints.write(tmp_path, 2, checkpoints.pull(lambda address: Extra(snaps), "j",
+                                                        plan, 2, SUCCEEDED), plan, steps=3)
+    assert not list(tmp_path.glob("*.tmp.tmp*"))  # the failed stage's partial files are gone

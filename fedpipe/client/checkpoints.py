@@ -52,7 +52,7 @@ from ..proto import node_pb2
 from ..runtime import layerstate
 from ..runtime import checkpoint
 from ..runtime.checkpoint import Snapshot, SnapshotStream
-from ..runtime.tensorfile import TensorFileWriter
+from ..runtime.tensorfile import TensorFileError, TensorFileWriter
 from ..runtime.weights import (INDEX_NAME, SINGLE_NAME, KeyMap, WeightFiles, WeightsError,
                                sequential_keys)
 from ..spec import JobSpec, PlanView, StageKey, state_name
@@ -210,7 +210,7 @@ class CheckpointWriter:
             WeightsError: two tensors would get one model name.
             OSError: a file cannot be written.
             WireError: a streamed snapshot that is malformed or cut short, or that names
-                a layer not of its stage.
+                a layer not of its stage, or a tensor its skeleton does not name.
         """
         start, end = self._ranges.get(key, (0, 0))
         named: dict[str, str] = {}  # snapshot path -> model name, for the shard
@@ -232,13 +232,16 @@ class CheckpointWriter:
         items: Iterable[tuple[str, torch.Tensor]] = (
             snap.tensors.items() if isinstance(snap.tensors, Mapping) else snap.tensors)
         try:
-            for path, t in items:
-                if path in named:
-                    files[1].add(named[path], t)
-                else:
-                    files[0].add(path, t)
-                del t  # not held while the next one is read
-            done = [f.close() for f in files]
+            try:
+                for path, t in items:
+                    if path in named:
+                        files[1].add(named[path], t)
+                    else:
+                        files[0].add(path, t)
+                    del t  # not held while the next one is read
+                done = [f.close() for f in files]
+            except TensorFileError as e:  # a tensor its skeleton does not name, or a dtype
+                raise WireError(f"stage {key.stage}'s snapshot: {e}") from None
         except BaseException:
             for f in files:
                 f.abort()
