@@ -181,3 +181,32 @@ def test_with_tls_a_preface_that_stalls_after_the_handshake_is_refused_over_tls(
         assert "DATA_FIRST_RECORD" in text
         tls.close()
         assert _wait(lambda: b.caps.held() == 0)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a relayed node's listener sees every relayed connection come from its own loopback "
+    "(the Homing's local socket), so all its peers are one caller, 127.0.0.1: one host's "
+    "MAX_CALLER_CONNECTIONS connections through the relay (idle ones for the first-record "
+    "deadline, again and again; with a preface and no TLS, for good) lock every other peer "
+    "out. The relay knows each stream's source (records.Open.source) but the listener is "
+    "not told it"))
+def test_one_source_through_a_relay_does_not_lock_other_peers_out_of_a_relayed_node():
+    from fedpipe.net.relay import Homing, Relay
+    relay = Relay()
+    with DataPlane("n1", Inbox(), timeouts=QUICK, max_caller_connections=2) as n1:
+        homing = Homing([relay.address], "n1", n1.port, n1.port)
+        held = []
+        try:
+            alloc = homing.home(timeout=10)
+            host, _, port = alloc.data_address.rpartition(":")
+            assert host == "127.0.0.1"
+            held = [_dial(int(port), f"m{i}", source="127.0.0.2") for i in range(2)]
+            assert [h[1] for h in held] == [RecordType.PREFACE] * 2
+            conn, kind, code, text = _dial(int(port), "peer", source="127.0.0.3")
+            conn.close()
+            assert kind is RecordType.PREFACE, f"{kind.name} {code}: {text}"
+        finally:
+            for h in held:
+                h[0].close()
+            homing.close()
+            relay.close()

@@ -2,6 +2,10 @@
 tensor, read back lazily, pruned with the store; a restore from them is bit for bit."""
 from __future__ import annotations
 
+import contextlib
+import resource
+import signal
+
 import pytest
 import torch
 from torch import nn
@@ -107,6 +111,7 @@ def test_a_disk_store_removes_the_files_it_prunes_or_drops(tmp_path):
 
 def test_a_snapshot_dir_of_a_live_store_is_refused_and_an_old_ones_files_are_removed(tmp_path):
     (tmp_path / "old-r0-s0-0000000003.safetensors").write_bytes(b"left by a killed node")
+    (tmp_path / "old-r0-s0-0000000006.safetensors.tmp-0a1b2c").write_bytes(b"half written")
     store = SnapshotStore(directory=tmp_path)
     assert files(tmp_path) == [] and store.on_disk
     with pytest.raises(SnapshotDirInUse, match="in use by another live node"):
@@ -153,3 +158,97 @@ def test_a_disk_store_refuses_a_buddys_snapshot_of_a_job_it_holds_nothing_of_bef
     with pytest.raises(NoSuchStage, match="runs no stage of job 'j'"):
         desk.receive(frames, lambda env: None)
     assert files(tmp_path) == []
+
+
+def test_two_writers_of_one_snapshot_file_never_share_it(tmp_path):
+    """Two streams of the same stage's step (two senders, or a resend racing the first):
+    the one kept first must read its own tensors after the second lands, and the second
+    must land too (the last kept wins). They once shared ``NAME.tmp``: the first file read
+    the second's bytes, and the second failed to rename a file already gone."""
+    store = SnapshotStore(directory=tmp_path)
+    skeleton = {"w": {"$t": "x"}, "v": {"$t": "y"}}
+    a = checkpoint.Snapshot(5, {"x": torch.full((100,), 1.0), "y": torch.full((3,), 2.0)},
+                            skeleton)
+    b = checkpoint.Snapshot(5, {"x": torch.full((7,), 3.0), "y": torch.full((50,), 4.0)},
+                            skeleton)
+    wa, wb = store.writer("j", KEY, a), store.writer("j", KEY, b)
+    wa.add("x", a.tensors["x"])
+    wb.add("x", b.tensors["x"])
+    wa.add("y", a.tensors["y"])
+    kept_a = wa.finish()
+    wb.add("y", b.tensors["y"])
+    kept_b = wb.finish()
+    for kept, want in ((kept_a, a), (kept_b, b)):
+        assert all(torch.equal(kept.tensors[n], t) for n, t in want.tensors.items())
+    assert torch.equal(tensorfile.TensorFile(store.file("j", KEY, 5))["y"], b.tensors["y"])
+    assert files(tmp_path) == [store.file("j", KEY, 5).name]
+
+
+@contextlib.contextmanager
+def files_capped(nbytes: int):
+    """Writes past ``nbytes`` of any file of this process fail (EFBIG), as on a full disk."""
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_signal = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_signal)
+
+
+def test_a_buddys_snapshot_that_the_disk_cannot_hold_leaves_no_file(tmp_path):
+    """A full disk midway through a buddy's snapshot, over the socket data plane (tensor by
+    tensor) or gRPC (a stream): its partial file is removed, so the disk is not kept full.
+    It once stayed: aborting closed the file first, whose flush failed again, and the
+    socket path did not abort a snapshot whose last tensor failed to write."""
+    store = SnapshotStore(directory=tmp_path)
+    desk = SnapshotDesk(store, lambda job: True, 1 << 30)
+    snap = checkpoint.Snapshot(2, {"a": torch.ones(1000), "b": torch.ones(100_000)},
+                               {"a": {"$t": "a"}, "b": {"$t": "b"}})
+    with files_capped(64 << 10):
+        for name, t in checkpoint.to_tensors(snap):
+            head = node_pb2.Frame(envelope=envelope(2), name=name)
+            if name == checkpoint.SKELETON:
+                desk.admit_part("buddy", head, lambda env: None)
+            if name == "b":
+                with pytest.raises(OSError):
+                    desk.add_part("buddy", head, t)
+            else:
+                desk.add_part("buddy", head, t)
+        assert files(tmp_path) == []
+        with pytest.raises(OSError):
+            desk.receive(checkpoint.to_frames(snap, envelope(2)), lambda env: None)
+    assert files(tmp_path) == [] and store.steps("j", KEY) == []
+
+
+def test_a_snapshot_dir_that_cannot_be_made_is_named_as_such(tmp_path):
+    """``fedpipe node --snapshot-dir`` at a path that cannot be a directory: the error names
+    the snapshot directory. It once said "cannot listen on data port 0 of 127.0.0.1"."""
+    import socket
+
+    from fedpipe.node.parts import build_parts
+    from fedpipe.node.probe import probe
+    (tmp_path / "file").write_text("")
+    for where in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(OSError, match=f"cannot use snapshot directory {where}: ") as e:
+            build_parts(lambda: "n", "n", probe("cpu"), lambda r: None, data_port=0,
+                        data_host="127.0.0.1", snapshot_dir=where)
+        assert "data port" not in str(e.value)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on data port {port} of 127.0.0.1"):
+            build_parts(lambda: "n", "n", probe("cpu"), lambda r: None, data_port=port,
+                        data_host="127.0.0.1", snapshot_dir=tmp_path / "snaps")
+
+
+def test_a_snapshot_dirs_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
+    """A ``.lock`` planted as a link (a shared directory such as /tmp): it was followed,
+    and the file it named truncated to the node's pid (any file, for a node run as root)."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "snaps").mkdir()
+    (tmp_path / "snaps" / ".lock").symlink_to(victim)
+    with pytest.raises(OSError, match=r"\.lock"):
+        SnapshotStore(directory=tmp_path / "snaps")
+    assert victim.read_text() == "precious"

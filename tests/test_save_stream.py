@@ -9,6 +9,7 @@ the node's answer comes from a stand-in stub that serves those frames. The swarm
 ``job.save`` is in tests/test_bigmodel_hf.py."""
 from __future__ import annotations
 
+import json
 import weakref
 
 import pytest
@@ -116,7 +117,7 @@ def test_a_stream_cut_short_fails_the_save_and_leaves_the_earlier_checkpoint(tmp
         checkpoints.write(tmp_path, 2, checkpoints.pull(lambda address: CutShort(snaps), "j",
                                                         plan, 2, SUCCEEDED), plan, steps=3)
     assert checkpoints.read(tmp_path).step == 1
-    assert not list(tmp_path.glob("*.tmp.tmp"))  # the failed stage's partial files are gone
+    assert not list(tmp_path.glob("*.tmp.tmp*"))  # the failed stage's partial files are gone
 
 
 def test_a_tensor_file_holds_every_dtype_and_shape_as_safetensors_reads_them(tmp_path):
@@ -134,4 +135,42 @@ def test_a_tensor_file_holds_every_dtype_and_shape_as_safetensors_reads_them(tmp
     assert set(back) == set(tensors)
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
-    assert not (tmp_path / "x.safetensors.tmp").exists()
+    assert not list(tmp_path.glob("x.safetensors.tmp*"))
+
+
+@pytest.mark.parametrize("bogus", ["module/7.weight", "module/x.weight", "module/-2.weight"])
+def test_a_stage_naming_a_layer_not_its_own_fails_the_save(tmp_path, bogus):
+    """A node's skeleton that names a layer outside its stage's range: the save fails,
+    naming it. It once saved the tensor under that layer's model name (``9.weight`` of a
+    4-layer model) and left the stage's own layer out of the shards, silently; a
+    non-numeric layer raised a bare ValueError."""
+    _, plan, snaps = _trained_stages([0, 2, 4])
+    key = StageKey(0, 1)
+    snap = snaps[key]
+    skeleton = json.loads(json.dumps(snap.skeleton).replace('"module/0.weight"',
+                                                            json.dumps(bogus)))
+    tensors = dict(snap.tensors)
+    tensors[bogus] = tensors.pop("module/0.weight")
+    snaps[key] = checkpoint.Snapshot(snap.step, tensors, skeleton)
+    with pytest.raises(WireError, match=f"stage 1's snapshot names '{bogus}': not a layer"):
+        checkpoints.write(tmp_path, 1, snaps, plan, steps=3)
+    assert not (tmp_path / checkpoints.META).exists()
+
+
+def test_a_stream_with_a_tensor_its_skeleton_does_not_name_fails_the_save_as_malformed(
+        tmp_path):
+    """A node that sends one tensor more than its skeleton names: a WireError naming the
+    stage and the tensor (it was the tensor file's own ValueError), and no partial file."""
+    _, plan, snaps = _trained_stages([0, 2, 4])
+
+    class Extra(SnapshotNode):
+        def FetchSnapshot(self, request, timeout=None):
+            frames = list(super().FetchSnapshot(request, timeout))
+            if request.stage == 1:
+                more = checkpoint.Snapshot(1, {"zzz": torch.ones(3)}, {"a": {"$t": "zzz"}})
+                frames += list(checkpoint.to_frames(more))[1:]  # its tensor, no skeleton
+            return iter(frames)
+    with pytest.raises(WireError, match="stage 1's snapshot: tensor 'zzz' was not announced"):
+        checkpoints.write(tmp_path, 2, checkpoints.pull(lambda address: Extra(snaps), "j",
+                                                        plan, 2, SUCCEEDED), plan, steps=3)
+    assert not list(tmp_path.glob("*.tmp.tmp*"))  # the failed stage's partial files are gone

@@ -52,11 +52,12 @@ from ..proto import node_pb2
 from ..runtime import layerstate
 from ..runtime import checkpoint
 from ..runtime.checkpoint import Snapshot, SnapshotStream
-from ..runtime.tensorfile import TensorFileWriter
+from ..runtime.tensorfile import TensorFileError, TensorFileWriter
 from ..runtime.weights import (INDEX_NAME, SINGLE_NAME, KeyMap, WeightFiles, WeightsError,
                                sequential_keys)
 from ..spec import JobSpec, PlanView, StageKey, state_name
 from ..wire import frames
+from ..wire.format import WireError
 from ..wire.codecs import MAX_TENSOR_BYTES
 from .errors import CheckpointGone
 
@@ -174,17 +175,27 @@ class CheckpointWriter:
         self._files: set[str] = set()
         self._made = False
 
-    def _model_name(self, start: int, path: str) -> str | None:
-        """The model name of snapshot tensor ``path`` of a stage from layer ``start``,
-        or None if it stays in the state file."""
+    def _model_name(self, key: StageKey, path: str) -> str | None:
+        """The model name of snapshot tensor ``path`` of stage ``key``, or None if it
+        stays in the state file.
+
+        Raises:
+            WireError: a ``module/`` path whose layer is not one of the stage's (a node's
+                skeleton cannot name another stage's layer, or one past the model).
+        """
         if not path.startswith("module/"):
             return None
-        local, _, key = path[len("module/"):].partition(".")
+        local, _, name = path[len("module/"):].partition(".")
+        start, end = self._ranges.get(key, (0, 0))
+        if not (local.isascii() and local.isdigit()) or (
+                key in self._ranges and int(local) >= end - start):
+            raise WireError(f"stage {key.stage}'s snapshot names {path!r}: not a layer of the "
+                            f"stage's {end - start} (layers {start}-{end})")
         layer = start + int(local)
-        if self._skip(layer, key):
+        if self._skip(layer, name):
             return None
         try:
-            return self._names(layer, key)[0]
+            return self._names(layer, name)[0]
         except KeyError:  # a tensor without a checkpoint name: kept with the state
             return None
 
@@ -198,12 +209,13 @@ class CheckpointWriter:
         Raises:
             WeightsError: two tensors would get one model name.
             OSError: a file cannot be written.
-            WireError: a streamed snapshot that is malformed or cut short.
+            WireError: a streamed snapshot that is malformed or cut short, or that names
+                a layer not of its stage, or a tensor its skeleton does not name.
         """
         start, end = self._ranges.get(key, (0, 0))
         named: dict[str, str] = {}  # snapshot path -> model name, for the shard
         for path in sorted(checkpoint.tensor_paths(snap)):
-            name = self._model_name(start, path) if key.replica == 0 else None
+            name = self._model_name(key, path) if key.replica == 0 else None
             if name is None:
                 continue
             if name in self._weight_map or name in named.values():
@@ -220,13 +232,16 @@ class CheckpointWriter:
         items: Iterable[tuple[str, torch.Tensor]] = (
             snap.tensors.items() if isinstance(snap.tensors, Mapping) else snap.tensors)
         try:
-            for path, t in items:
-                if path in named:
-                    files[1].add(named[path], t)
-                else:
-                    files[0].add(path, t)
-                del t  # not held while the next one is read
-            done = [f.close() for f in files]
+            try:
+                for path, t in items:
+                    if path in named:
+                        files[1].add(named[path], t)
+                    else:
+                        files[0].add(path, t)
+                    del t  # not held while the next one is read
+                done = [f.close() for f in files]
+            except TensorFileError as e:  # a tensor its skeleton does not name, or a dtype
+                raise WireError(f"stage {key.stage}'s snapshot: {e}") from None
         except BaseException:
             for f in files:
                 f.abort()

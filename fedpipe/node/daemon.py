@@ -159,14 +159,10 @@ class NodeDaemon:
         if self.metrics is not None:
             self.metrics_server = start_metrics(self.metrics.registry, metrics_port,
                                                 metrics_host)
-        try:
-            parts = build_parts(lambda: self.node_id, self.name, self.resources, self._report,
-                                trust_code=trust_code, links=links, metrics=self.metrics,
-                                tls=tls, quorum=self._quorum, data_port=data_port,
-                                data_host=host, snapshot_dir=snapshot_dir)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot listen on data port {data_port} of {host}: "
-                                   f"{e.strerror or e}") from e
+        parts = build_parts(lambda: self.node_id, self.name, self.resources, self._report,
+                            trust_code=trust_code, links=links, metrics=self.metrics,
+                            tls=tls, quorum=self._quorum, data_port=data_port,
+                            data_host=host, snapshot_dir=snapshot_dir)
         self.parts = parts
         self.data_address = f"{adv}:{parts.sockets.port}" if parts.sockets is not None else ""
         """``HOST:PORT`` of this node's socket data plane ("": none)."""

@@ -145,7 +145,11 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     channels = ChannelPool(tls)
     mailbox = Mailbox(input_capacity, bounded=BOUNDED_KINDS, job_cap=job_tensors,
                       job_of=inbox_job)
-    snapshots = SnapshotStore(directory=snapshot_dir)
+    try:
+        snapshots = SnapshotStore(directory=snapshot_dir)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot use snapshot directory {snapshot_dir}: "
+                               f"{e.strerror or e}") from e
     device = torch.device(resources.device or "cpu")
     memory = StageMemory(device, resources.memory_bytes)
     reporter = StageReporter(node_id, report, metrics, memory)
@@ -168,8 +172,12 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     if data_port is not None:
         receiver = NodeReceiver(access, data, stages, verifier.revoked_serials
                                 if verifier is not None else None, desk)
-        sockets.append(SocketPlane(name, receiver, host=data_host, port=data_port,
-                                               tls=tls, events=receiver))
+        try:
+            sockets.append(SocketPlane(name, receiver, host=data_host, port=data_port,
+                                       tls=tls, events=receiver))
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on data port {data_port} of {data_host}: "
+                                   f"{e.strerror or e}") from e
     return NodeParts(stages=stages, data=data,
                      desk=desk,
                      access=access, streams=streams, channels=channels, shaper=shaper,

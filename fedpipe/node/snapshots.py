@@ -65,11 +65,13 @@ def claim_dir(directory: str | os.PathLike) -> IO[str]:
 
     Raises:
         SnapshotDirInUse: another live process holds it (the message names its pid).
-        OSError: the directory cannot be made or written.
+        OSError: the directory cannot be made or written, or its lock file is a link.
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    lock = open(path / LOCK_NAME, "a+")  # noqa: SIM115 (kept open: the lock lives with it)
+    # never through a link: a .lock that links elsewhere would have that file truncated
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    lock = os.fdopen(fd, "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -83,7 +85,7 @@ def claim_dir(directory: str | os.PathLike) -> IO[str]:
     lock.truncate()
     lock.write(str(os.getpid()))
     lock.flush()
-    for old in (*path.glob("*.safetensors"), *path.glob("*.safetensors.tmp")):
+    for old in (*path.glob("*.safetensors"), *path.glob("*.safetensors.tmp*")):
         old.unlink(missing_ok=True)
     return lock
 
@@ -253,7 +255,7 @@ class SnapshotStore:
 
 class SnapshotWriter:
     """One snapshot written to its file a tensor at a time (a
-    :class:`~fedpipe.runtime.checkpoint.Sink`): ``NAME.tmp`` until :meth:`finish`.
+    :class:`~fedpipe.runtime.checkpoint.Sink`): ``NAME.tmp-TOKEN`` until :meth:`finish`.
 
     Args:
         path: the file.
@@ -508,6 +510,7 @@ class SnapshotDesk:
         Raises:
             WireError: a malformed snapshot (or a tensor of none started).
             NoSuchStage: as :meth:`keep`.
+            OSError: a disk store could not write it (what it wrote is removed).
         """
         env = head.envelope
         key = (sender, env.job_id, env.replica, env.stage)
@@ -521,8 +524,10 @@ class SnapshotDesk:
                 return
             self._drop(key)
             self._kept(*assembler.finish())
-        except NoSuchStage:
+        except (NoSuchStage, OSError):  # a full disk: its partial file goes, even if complete
             self._drop(key)
+            if assembler is not None:
+                assembler.abort()
             raise
         except WireError as e:
             self._drop(key)

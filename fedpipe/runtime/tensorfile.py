@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import struct
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from pathlib import Path
@@ -55,8 +56,10 @@ def header_room(names: Iterable[str], metadata: Mapping[str, str]) -> int:
 
 
 class TensorFileWriter:
-    """A safetensors file written one tensor at a time, at ``path`` + ``.tmp`` until
-    :meth:`close` gives it its name (:meth:`abort` removes it).
+    """A safetensors file written one tensor at a time, at ``path`` + ``.tmp-`` + a token of
+    its own until :meth:`close` gives it its name (:meth:`abort` removes it). Two writers of
+    one path (a buddy sent the same step twice) never share a file: the last to close wins,
+    and a reader of the first still reads the first.
 
     Args:
         path: the file's final name.
@@ -70,7 +73,7 @@ class TensorFileWriter:
     def __init__(self, path: str | os.PathLike, names: Iterable[str],
                  metadata: Mapping[str, str]):
         self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{secrets.token_hex(6)}")
         self.names = set(names)
         self.metadata = dict(metadata)
         self.room = header_room(self.names, self.metadata)
@@ -132,9 +135,14 @@ class TensorFileWriter:
         return self.path
 
     def abort(self) -> None:
-        """Stop and remove the partial file."""
-        self._file.close()
-        self.tmp.unlink(missing_ok=True)
+        """Stop and remove the partial file (even when closing it fails: a full disk fails
+        the flush of what is still buffered, and the file must not stay to keep it full)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass  # closed all the same; what was buffered is dropped with the file
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
 def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
