@@ -56,20 +56,46 @@ def cmd_tracker(args) -> int:
     if leader_lease:
         print(f"fedpipe tracker {'leads' if service.tracker else 'stands by'} (leader lease "
               f"{leader_lease:g} s)", flush=True)
-    served = []
-    if service.tracker is not None:  # a standby's dashboard would show a stale state
-        service.tracker.freeze_heap(force=True)  # imports and the state loaded: long-lived
-        served = _observe_tracker(service.tracker, args)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    for http in served:
-        http.close()
+    _observe_while_leading(service, args, done)
     service.close()
     srv.stop(grace=timeouts.SERVER_GRACE).wait()
     service.store.close()
     return 0
+
+
+def _observe_while_leading(service, args, done) -> None:
+    """Serve the dashboard and metrics (:func:`_observe_tracker`) while this tracker
+    leads, from its start or from a takeover, closing them when it is deposed (a
+    standby's would show a stale state); look every ``OBSERVE_LEADER`` seconds until
+    ``done`` is set. A port that cannot be bound at a takeover is logged, not raised (the
+    tracker leads on without them); at the start it is raised, as a bad argument is."""
+    from .net import timeouts
+
+    observed, served, first = None, [], True
+    while True:
+        tracker = service.tracker
+        if tracker is not observed:
+            for http in served:
+                http.close()
+            served, observed = [], tracker
+            if tracker is not None:
+                tracker.freeze_heap(force=True)  # imports and the state loaded: long-lived
+                try:
+                    served = _observe_tracker(tracker, args)
+                except OSError as e:
+                    if first:
+                        raise
+                    logging.getLogger("fedpipe.tracker").error(
+                        "the dashboard or metrics port cannot be bound after the takeover: "
+                        "%s", e)
+        first = False
+        if done.wait(timeouts.OBSERVE_LEADER):
+            break
+    for http in served:
+        http.close()
 
 
 def _observe_tracker(tracker, args) -> list:

@@ -36,7 +36,9 @@ def cmd_node(args) -> int:
                         snapshot_dir=args.snapshot_dir)
     daemon.install_signal_handlers()
     if daemon.homing is None:
-        print(f"fedpipe node {daemon.name} listening on {daemon.address}"
+        bound = f"{args.host}:{daemon.port}"
+        print(f"fedpipe node {daemon.name} listening on {bound}"
+              + (f", advertised as {daemon.address}" if daemon.address != bound else "")
               + (f", data plane on {daemon.data_address}" if daemon.data_address else ""),
               flush=True)
     else:

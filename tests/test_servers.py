@@ -21,7 +21,7 @@ from torch import nn
 import fedpipe
 from fedpipe import net
 from fedpipe.proto import node_pb2, node_pb2_grpc, tracker_pb2, tracker_pb2_grpc
-from fedpipe.testing import NODE_SERVICE, TRACKER_SERVICE, LocalSwarm, child_env
+from fedpipe.testing import NODE_SERVICE, TRACKER_SERVICE, LocalSwarm, child_env, free_port
 from fedpipe.wire import frames as wire_frames
 from fedpipe.wire import rpc
 
@@ -341,3 +341,20 @@ def test_the_tracker_takes_heartbeats_while_idle_watches_fill_its_data_side(lone
         for c in chans:
             c.close()
         job.cancel()
+
+
+@pytest.mark.processes
+def test_a_node_says_where_it_listens_and_what_it_advertises_apart(tmp_path):
+    # it printed the advertised address as the one it listens on
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedpipe", "node", "--tracker", f"127.0.0.1:{free_port()}",
+         "--host", "127.0.0.1", "--port", "0", "--advertise", "127.0.0.2", "--name", "adv",
+         "--threads", "1", "--snapshot-dir", str(tmp_path / "snap")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env())
+    try:
+        line = proc.stdout.readline()  # printed before it looks for the (absent) tracker
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert "fedpipe node adv listening on 127.0.0.1:" in line, line
+    assert ", advertised as 127.0.0.2:" in line, line

@@ -59,6 +59,9 @@ HEALTH_RPC = _seconds("HEALTH_RPC", 2.0)
 """One ``grpc.health.v1.Health/Check`` call (a readiness probe)."""
 SERVER_GRACE = _seconds("SERVER_GRACE", 1.0)
 """A stopping server lets calls in flight finish for this long, then cancels them."""
+OBSERVE_LEADER = _seconds("OBSERVE_LEADER", 1.0)
+"""How often a tracker's CLI looks whether it leads now, to serve its dashboard and
+metrics (``--http-port``, ``--metrics-port``) only while it does."""
 PROCESS_EXIT = _seconds("PROCESS_EXIT", 5.0)
 """Waiting for a process that was told to stop (SIGTERM) before it is killed."""
 WATCH_RESUME = _seconds("WATCH_RESUME", 1.0)

@@ -14,6 +14,7 @@ them once, or keeps them live with ``watch``. They come from either
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.parse
@@ -40,6 +41,10 @@ STATE_STYLE = {"RUNNING": "green", "SUCCEEDED": "bold green", "FAILED": "bold re
                "PLANNING": "yellow", "DEPLOYING": "yellow", "alive": "green", "lost": "red",
                "draining": "yellow"}
 EVENTS_SHOWN = 15
+PIPED_WIDTH = 160
+"""Characters a line of ``fedpipe status`` may take when its output is not a terminal (a
+file, a pipe) and ``COLUMNS`` is not set: Rich's 80 there squeezed a job's plan table
+into headers like ``gro… sta…`` and cut the nodes' addresses."""
 """State changes :func:`job_renderable` lists (the latest)."""
 
 
@@ -257,6 +262,15 @@ class HttpSource:
             raise
 
 
+def status_console() -> Console:
+    """The console ``fedpipe status`` prints on: the terminal's width, or
+    :data:`PIPED_WIDTH` when stdout is not a terminal and ``COLUMNS`` does not say."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=PIPED_WIDTH)
+    return console
+
+
 def run_status(source: Views | SwarmSource | JobSource, job_id: str | None = None, *,
                watch: bool = False, interval: float = 2.0,
                console: Console | None = None) -> None:
@@ -271,7 +285,7 @@ def run_status(source: Views | SwarmSource | JobSource, job_id: str | None = Non
         KeyError: no such job.
         grpc.RpcError, OSError: the tracker or its dashboard is unreachable.
     """
-    console = console or Console()
+    console = console or status_console()
     views = source if hasattr(source, "job_dict") else SourceViews(source)
 
     def render() -> tuple[RenderableType, bool]:

@@ -58,7 +58,7 @@ from .replica_groups import ElasticReplicas
 from .retention import RETENTION, Retention
 from .specs import JobSpecs
 from .stagetimes import StageTimes
-from .store import Store, StoreUnavailable
+from .store import Deposed, Store, StoreUnavailable
 from .tallies import Tallies
 
 log = logging.getLogger("fedpipe.tracker")
@@ -270,19 +270,28 @@ class Tracker:
 
     def close(self) -> None:
         """Stop the background loops (waiting up to ``THREAD_JOIN`` seconds for each),
-        persist the last heartbeats, then close ``nodes`` if it has a ``close()``. The store
-        stays open: its opener closes it."""
+        persist the last heartbeats, then close the planner's worker and ``nodes`` if it
+        has a ``close()``. The store stays open: its opener closes it.
+
+        A deposed leader (its lease already revoked: stopped with SIGTERM, or a standby
+        took over) cannot persist its last heartbeats; that is logged, not raised (the
+        next leader gives every live node a whole lease), and the rest still closes.
+        Any other error of the flush is raised once the rest is closed."""
         self.stop_event.set()
         self.measure_now.set()
         self.jobs.notify()
         for th in self.threads:
             th.join(timeout=timeouts.THREAD_JOIN)
-        self.registry.flush()
-        self.planner.close()
-        self._moves.shutdown(wait=False, cancel_futures=True)
-        close = getattr(self.nodes, "close", None)
-        if close is not None:
-            close()
+        try:
+            self.registry.flush()
+        except Deposed as e:
+            log.info("the last heartbeats were not persisted: %s", e)
+        finally:
+            self.planner.close()
+            self._moves.shutdown(wait=False, cancel_futures=True)
+            close = getattr(self.nodes, "close", None)
+            if close is not None:
+                close()
 
     # -- scheduler ------------------------------------------------------------
     def tick(self) -> None:
