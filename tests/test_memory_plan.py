@@ -11,6 +11,7 @@ import pytest
 from fedpipe.planner import (ClusterView, LayerProfile, ModelProfile, NodeSpec, PlanError,
                              SearchOptions, TrainConfig, make_plan, stage_memory_bytes)
 from fedpipe.planner.costs import StageCodecs, host_memory_shares
+from fedpipe.planner.memfit import shortfall
 from fedpipe.planner.protoio import memory_shares, model_profile, train_config
 from fedpipe.proto import node_pb2, tracker_pb2
 from fedpipe.runtime.optim import optimizer
@@ -178,3 +179,14 @@ def test_a_node_that_keeps_snapshots_on_disk_is_priced_without_them_and_gets_the
     assert [a.snapshots_on_disk for a in msg.stages] == [True]
     assert assignment_memory_bytes(msg, msg.stages[0], PROFILE, one) == \
         stage_memory_bytes(PROFILE, 0, 3, one, 0, 1, snapshots_on_disk=True)
+
+
+def test_a_refusal_at_submit_lists_snapshots_only_where_they_take_memory():
+    # the new user saw "snapshots" named among what a job needs on nodes that keep them
+    # on disk, where a tensor in flight is all they take
+    cfg = TrainConfig(batch_size=8, microbatches=4, schedule="1f1b",
+                      state_factor=state_factor("sgd-momentum"), snapshot_copies=4)
+    for disk, what in ((False, "optimizer state, snapshots, activations"),
+                       (True, "optimizer state, a snapshot tensor in flight, activations")):
+        lack, why = shortfall(PROFILE, cfg, [NodeSpec("n", 1e12, 1000, snapshots_on_disk=disk)])
+        assert lack > 0 and f"({'weights, gradients, ' + what})" in why, why

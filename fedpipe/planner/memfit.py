@@ -49,7 +49,8 @@ def shortfall(profile: ModelProfile, config: TrainConfig, nodes: Sequence[NodeSp
     if need > have:
         return need - have, (
             f"the job needs about {binary_bytes(need)} (weights, gradients, optimizer state, "
-            f"snapshots, activations) but the swarm's {len(nodes)} node(s) have "
+            f"{'a snapshot tensor in flight' if disk else 'snapshots'}, activations) but the "
+            f"swarm's {len(nodes)} node(s) have "
             f"{binary_bytes(have)} in all: {binary_bytes(need - have)} "
             f"({need - have:.0f} bytes) more are needed{MEMORY_REMEDIES}")
     top = float(max(shares.values()))
