@@ -77,6 +77,19 @@ def test_nodes_register_renew_expire_and_come_back_with_their_registration_time(
     assert [(n.node_id, n.last_heartbeat) for n in store.nodes()] == [("b", 50.0)]
 
 
+def test_a_nodes_data_address_and_relay_are_kept_and_follow_its_moves(store):
+    # a tracker that restarts or takes over reads them here (they were one tracker's memory)
+    store.add_node("a", "na", "r1:7000", res(), "boot-a", V, now=10.0,
+                   data_address="r1:7001", relay="r1:1")
+    store.add_node("b", "nb", "h:2", res(), "boot-b", V, now=11.0)
+    a, b = (r.info for r in store.node_records())
+    assert (a.data_address, a.relay, b.data_address, b.relay) == ("r1:7001", "r1:1", "", "")
+    store.renew_node("a", res(), V, now=20.0, address="r2:7100", data_address="r2:7101",
+                     relay="r2:1")  # it moved to another relay
+    a = store.node_records()[0].info
+    assert (a.address, a.data_address, a.relay) == ("r2:7100", "r2:7101", "r2:1")
+
+
 def test_heartbeats_and_losses_are_written_in_batches_and_never_revive_a_node(store):
     for i, nid in enumerate("abcd"):
         store.add_node(nid, "n" + nid, f"h:{i + 1}", res(), "boot", V, now=1.0)

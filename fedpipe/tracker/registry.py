@@ -162,11 +162,11 @@ class _Incarnation:
     resources: node_pb2.Resources
     fenced: bool = False
     data_address: str = ""
-    """Where its socket data plane listens ("": gRPC only). Kept in memory only: a
-    restarted tracker plans a node over gRPC until the node registers again."""
+    """Where its socket data plane listens ("": gRPC only); stored, so a tracker that
+    restarts or takes over knows it."""
     relay: str = ""
     """The relay an outbound-only node is homed at (its addresses are the relay's ports);
-    "": reachable. Kept in memory only, as :attr:`data_address`."""
+    "": reachable. Stored, as :attr:`data_address`."""
     info: tracker_pb2.NodeInfo = dataclasses.field(default_factory=tracker_pb2.NodeInfo)
     """The node as :meth:`Registry.nodes` lists it while it is live: built when it registers
     (:meth:`describe`), not on every listing."""
@@ -254,7 +254,9 @@ class Registry:
         for r in records:
             i = r.info
             self._remember(i.node_id, _Incarnation(i.name, i.address, r.boot_id, r.versions,
-                                                   i.registered, i.resources, r.fenced))
+                                                   i.registered, i.resources, r.fenced,
+                                                   data_address=i.data_address,
+                                                   relay=i.relay))
             if i.alive:
                 self._live(i.node_id, now, lease)
 
@@ -410,7 +412,7 @@ class Registry:
             if current is not None:
                 node_id = current
                 self.store.renew_node(node_id, request.resources, request.versions, now,
-                                      address)
+                                      address, request.data_address, request.relay)
                 with self._lock:
                     self._readdress(node_id, address)
                     self._nodes[node_id].versions = request.versions
@@ -422,7 +424,7 @@ class Registry:
             else:
                 node_id = new_id()
                 self.store.add_node(node_id, name, address, request.resources, boot,
-                                    request.versions, now)
+                                    request.versions, now, request.data_address, request.relay)
                 with self._lock:
                     self._remember(node_id, _Incarnation(name, address, boot, request.versions,
                                                          now, request.resources,

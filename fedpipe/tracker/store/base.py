@@ -145,14 +145,18 @@ class Store(abc.ABC):
     # -- nodes --------------------------------------------------------------
     @abc.abstractmethod
     def add_node(self, node_id: str, name: str, address: str, resources: node_pb2.Resources,
-                 boot_id: str, versions: tracker_pb2.Versions, now: float) -> None:
-        """Store a new live node incarnation registered at ``now``."""
+                 boot_id: str, versions: tracker_pb2.Versions, now: float,
+                 data_address: str = "", relay: str = "") -> None:
+        """Store a new live node incarnation registered at ``now``, with its socket data
+        plane's ``data_address`` and the ``relay`` it is homed at ("": none)."""
 
     @abc.abstractmethod
     def renew_node(self, node_id: str, resources: node_pb2.Resources,
-                   versions: tracker_pb2.Versions, now: float, address: str = "") -> None:
+                   versions: tracker_pb2.Versions, now: float, address: str = "",
+                   data_address: str = "", relay: str = "") -> None:
         """The same incarnation registered again: new resources, alive, heartbeat ``now``;
-        at ``address`` if one is given (it moved to another relay).
+        at ``address`` if one is given (it moved to another relay), and with the
+        ``data_address`` and ``relay`` it registered with now.
 
         Its ``registered`` time is kept, so its links stay measured.
         """

@@ -55,24 +55,28 @@ class MemoryStore(Store):
                                           r.fenced if fenced is None else fenced)
 
     def add_node(self, node_id: str, name: str, address: str, resources: node_pb2.Resources,
-                 boot_id: str, versions: tracker_pb2.Versions, now: float) -> None:
+                 boot_id: str, versions: tracker_pb2.Versions, now: float,
+                 data_address: str = "", relay: str = "") -> None:
         with self.lock:
             if node_id in self._nodes:
                 raise KeyError(f"node {node_id} exists")
             self._nodes[node_id] = NodeRecord(
                 tracker_pb2.NodeInfo(node_id=node_id, name=name, address=address,
                                      resources=resources, alive=True, last_heartbeat=now,
-                                     registered=now),
+                                     registered=now, data_address=data_address,
+                                     relay=relay),
                 boot_id, copy.deepcopy(versions))
 
     def renew_node(self, node_id: str, resources: node_pb2.Resources,
-                   versions: tracker_pb2.Versions, now: float, address: str = "") -> None:
+                   versions: tracker_pb2.Versions, now: float, address: str = "",
+                   data_address: str = "", relay: str = "") -> None:
         with self.lock:
             r = self._nodes.get(node_id)
             if r is None or r.fenced:
                 return
             self._update(node_id, resources=resources, last_heartbeat=now, alive=True,
-                         address=address or r.info.address)
+                         address=address or r.info.address, data_address=data_address,
+                         relay=relay)
             r = self._nodes[node_id]
             self._nodes[node_id] = NodeRecord(r.info, r.boot_id, copy.deepcopy(versions))
 

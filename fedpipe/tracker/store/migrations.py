@@ -116,6 +116,9 @@ MIGRATIONS: tuple[Migration, ...] = (
                   "VALUES (1, '', '', 0, 0)",
                   "CREATE TABLE replica_sets ("
                   " job_id TEXT PRIMARY KEY, epoch INTEGER NOT NULL, snapshot {blob} NOT NULL)")),
+    Migration(4, "nodes' data-plane address and relay (a tracker that takes over knows "
+                 "them)", _columns({"nodes": {"data_address": "TEXT NOT NULL DEFAULT ''",
+                                              "relay": "TEXT NOT NULL DEFAULT ''"}})),
 )
 """Every step of the schema, in order; the last one's version is :data:`SCHEMA_VERSION`."""
 

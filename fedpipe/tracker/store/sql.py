@@ -65,16 +65,16 @@ def _lease_writes(method: _Method[P, T]) -> _Method[P, T]:
 
 
 _NODE_COLUMNS = ("node_id,name,address,resources,alive,last_heartbeat,registered,boot_id,"
-                 "versions,fenced")
+                 "versions,fenced,data_address,relay")
 _LINK_COLUMNS = "src,dst,bandwidth,latency,measured_at"
 _EVENT_COLUMNS = ("time,state,reason,step,loss,samples_per_second,checkpoint_step,epoch")
 
 
 def _node(row: Sequence[Any]) -> NodeRecord:
-    nid, name, addr, res, alive, hb, reg, boot, ver, fenced = row
+    nid, name, addr, res, alive, hb, reg, boot, ver, fenced, data, relay = row
     return NodeRecord(tracker_pb2.NodeInfo(
         node_id=nid, name=name, address=addr, resources=node_pb2.Resources.FromString(res),
-        alive=bool(alive), last_heartbeat=hb, registered=reg),
+        alive=bool(alive), last_heartbeat=hb, registered=reg, data_address=data, relay=relay),
         boot, tracker_pb2.Versions.FromString(ver), bool(fenced))
 
 
@@ -188,19 +188,23 @@ class SqlStore(Store):
     # -- nodes --------------------------------------------------------------
     @_writes
     def add_node(self, node_id: str, name: str, address: str, resources: node_pb2.Resources,
-                 boot_id: str, versions: tracker_pb2.Versions, now: float) -> None:
+                 boot_id: str, versions: tracker_pb2.Versions, now: float,
+                 data_address: str = "", relay: str = "") -> None:
         self._x("INSERT INTO nodes (node_id,name,address,resources,registered,last_heartbeat,"
-                "alive,boot_id,versions,fenced) VALUES (?,?,?,?,?,?,1,?,?,0)",
+                "alive,boot_id,versions,fenced,data_address,relay) "
+                "VALUES (?,?,?,?,?,?,1,?,?,0,?,?)",
                 (node_id, name, address, resources.SerializeToString(), now, now, boot_id,
-                 versions.SerializeToString()))
+                 versions.SerializeToString(), data_address, relay))
 
     @_writes
     def renew_node(self, node_id: str, resources: node_pb2.Resources,
-                   versions: tracker_pb2.Versions, now: float, address: str = "") -> None:
+                   versions: tracker_pb2.Versions, now: float, address: str = "",
+                   data_address: str = "", relay: str = "") -> None:
         self._x("UPDATE nodes SET resources=?, versions=?, last_heartbeat=?, alive=1, "
-                "address=COALESCE(NULLIF(?, ''), address) WHERE node_id=? AND fenced=0",
+                "address=COALESCE(NULLIF(?, ''), address), data_address=?, relay=? "
+                "WHERE node_id=? AND fenced=0",
                 (resources.SerializeToString(), versions.SerializeToString(), now, address,
-                 node_id))
+                 data_address, relay, node_id))
 
     @_writes
     def fence_node(self, node_id: str) -> None:
