@@ -15,6 +15,7 @@ import torch
 from .. import __version__, net
 from ..net import timeouts
 from ..net.emulation import LinkProfile
+from ..net.dataplane.caps import Sources
 from ..net.relay import Allocation, Homing
 from ..observe.metrics import NodeMetrics, start_metrics
 from ..observe.serving import LOCALHOST, Served
@@ -159,10 +160,11 @@ class NodeDaemon:
         if self.metrics is not None:
             self.metrics_server = start_metrics(self.metrics.registry, metrics_port,
                                                 metrics_host)
+        sources = Sources() if relays else None  # relayed streams' dialers, for the caps
         parts = build_parts(lambda: self.node_id, self.name, self.resources, self._report,
                             trust_code=trust_code, links=links, metrics=self.metrics,
                             tls=tls, quorum=self._quorum, data_port=data_port,
-                            data_host=host, snapshot_dir=snapshot_dir)
+                            data_host=host, snapshot_dir=snapshot_dir, data_sources=sources)
         self.parts = parts
         self.data_address = f"{adv}:{parts.sockets.port}" if parts.sockets is not None else ""
         """``HOST:PORT`` of this node's socket data plane ("": none)."""
@@ -175,7 +177,7 @@ class NodeDaemon:
             self.homing = Homing(relays, self.name, self.port,
                                  parts.sockets.port if parts.sockets is not None else None,
                                  local_host=host, tls=tls, on_moved=self._moved,
-                                 on_displaced=lambda why: self.stop())
+                                 on_displaced=lambda why: self.stop(), sources=sources)
             try:
                 self._take(self.homing.home())
             except BaseException:

@@ -17,6 +17,7 @@ import torch
 
 from ..net import timeouts
 from ..net.dataplane import DataPlane as SocketPlane
+from ..net.dataplane.caps import Sources
 from ..net.emulation import LinkProfile, Pacer
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, tracker_pb2
@@ -90,7 +91,8 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
                 tls: TlsConfig | None = None, idle_stream: float = timeouts.IDLE_STREAM,
                 job_snapshot_bytes: int | None = None,
                 quorum: Quorum | None = None, data_port: int | None = None,
-                data_host: str = "127.0.0.1", snapshot_dir: str | None = None) -> NodeParts:
+                data_host: str = "127.0.0.1", snapshot_dir: str | None = None,
+                data_sources: Sources | None = None) -> NodeParts:
     """Build a node's parts.
 
     Args:
@@ -121,6 +123,8 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
         snapshot_dir: keep snapshots as files in this directory, this node's own
             (:class:`~fedpipe.node.snapshots.SnapshotStore`), not in memory; one job's
             may then take :data:`JOB_SNAPSHOT_BYTES` whatever the memory. None: in memory.
+        data_sources: the dialers of streams a relay splices to the data plane (a
+            relayed node's; :class:`~fedpipe.net.dataplane.caps.Sources`).
 
     Raises:
         OSError: ``data_port`` is in use (or cannot be bound), or ``snapshot_dir``
@@ -174,7 +178,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
                                 if verifier is not None else None, desk)
         try:
             sockets.append(SocketPlane(name, receiver, host=data_host, port=data_port,
-                                       tls=tls, events=receiver))
+                                       tls=tls, events=receiver, sources=data_sources))
         except OSError as e:
             raise OSError(e.errno, f"cannot listen on data port {data_port} of {data_host}: "
                                    f"{e.strerror or e}") from e

@@ -116,3 +116,36 @@ class Caps:
     def end_refusal(self) -> None:
         with self._lock:
             self._refusing -= 1
+
+
+class Sources:
+    """Who a spliced connection comes from, for the caps.
+
+    A relayed node's :class:`~fedpipe.net.relay.Homing` connects each stream the relay
+    opens for it to the node's own listener, from loopback: every relayed peer would be
+    one caller, so one dialer through the relay could take every slot of
+    :data:`MAX_CALLER_CONNECTIONS` and lock the others out. The Homing notes here, before
+    it connects, its socket's local address and the dialer's host as the relay saw it
+    (the stream's ``Open.source``); the listener's accept takes that host as the caller.
+    Thread-safe; each note is taken once (or dropped by the Homing if its connect fails).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hosts: dict[tuple[str, int], str] = {}
+
+    def note(self, local: tuple[str, int], host: str) -> None:
+        """A connection from ``local`` (``(host, port)``) is a stream of ``host``'s."""
+        with self._lock:
+            self._hosts[local] = host
+
+    def drop(self, local: tuple[str, int]) -> None:
+        """The connection from ``local`` was not made."""
+        with self._lock:
+            self._hosts.pop(local, None)
+
+    def caller(self, source: tuple) -> str:
+        """The caller of an accepted connection from ``source`` (``(host, port, ...)``):
+        the host noted for it, else its own host."""
+        with self._lock:
+            return self._hosts.pop((str(source[0]), int(source[1])), None) or str(source[0])

@@ -31,7 +31,7 @@ from ...security.errors import SecurityError
 from ...wire.format import WireError
 from .. import timeouts as net_timeouts
 from . import records
-from .caps import MAX_CALLER_CONNECTIONS, MAX_CONNECTIONS, Caps
+from .caps import MAX_CALLER_CONNECTIONS, MAX_CONNECTIONS, Caps, Sources
 from .connection import Connection
 from .credits import LinkFailed
 from .link import (DEFAULT_TIMEOUTS, WINDOW_BYTES, WINDOW_MESSAGES, Link, LinkEvents, Peer,
@@ -176,6 +176,8 @@ class DataPlane:
         max_connections, max_caller_connections: the listener's caps on connections
             held at once, in all and per caller (:mod:`.caps`); past them a connection is
             refused with a GOAWAY (RESOURCE_EXHAUSTED) that names the cap.
+        sources: who connections spliced from a relay come from (:class:`.caps.Sources`,
+            a relayed node's); None: each connection's source host is its caller.
 
     Raises:
         OSError: the port is in use (or cannot be bound).
@@ -187,8 +189,10 @@ class DataPlane:
                  events: LinkEvents | None = None, timeouts: Timeouts = DEFAULT_TIMEOUTS,
                  window_bytes: int | None = None, window_messages: int | None = None,
                  max_connections: int = MAX_CONNECTIONS,
-                 max_caller_connections: int = MAX_CALLER_CONNECTIONS):
+                 max_caller_connections: int = MAX_CALLER_CONNECTIONS,
+                 sources: Sources | None = None):
         self.caps = Caps(max_connections, max_caller_connections)
+        self.sources = sources
         self.name, self.role, self.receiver, self.events = name, role, receiver, events
         self.timeouts = timeouts
         self.window_bytes = window_bytes or WINDOW_BYTES
@@ -302,7 +306,7 @@ class DataPlane:
                 sock, source = listener.accept()
             except OSError:
                 return  # closed
-            caller = str(source[0])
+            caller = self.sources.caller(source) if self.sources else str(source[0])
             refused = self.caps.take(caller)
             if refused is not None and not self.caps.start_refusal():
                 sock.close()  # even the refusals are at their cap: no word, no thread

@@ -32,6 +32,7 @@ from ...security import Role, TlsConfig
 from ...security.errors import SecurityError
 from ...security.tls import client_context, socket_identity
 from .. import timeouts
+from ..dataplane.caps import Sources
 from . import records
 from .records import Allocation, RecordType, RelayError, RelayRefused
 from .splice import Home, read_exact, tune
@@ -110,19 +111,23 @@ class Homing:
             changed the node's addresses.
         on_displaced: called (on the homing thread) with the relay's words when it homed
             another process under this node's name; this node then homes no more.
+        sources: where each stream's local connection is noted with its dialer's host
+            (the node's data-plane listener counts its caps by it: :class:`Sources`).
     """
 
     def __init__(self, relays: Sequence[str], node: str, grpc_port: int,
                  data_port: int | None, *, local_host: str = "127.0.0.1",
                  tls: TlsConfig | None = None,
                  on_moved: Callable[[Allocation], None] | None = None,
-                 on_displaced: Callable[[str], None] | None = None):
+                 on_displaced: Callable[[str], None] | None = None,
+                 sources: Sources | None = None):
         if not relays:
             raise ValueError("a node homes at one relay at least")
         self.relays, self.node, self.tls = list(relays), node, tls
         self.local_host = "127.0.0.1" if local_host in ("0.0.0.0", "", "::") else local_host
         self.ports = {"grpc": grpc_port, "data": data_port}
         self.on_moved, self.on_displaced = on_moved, on_displaced
+        self.sources = sources
         self.displaced = ""
         """Why a relay displaced this node ("" if none did): it homes no more."""
         self.allocation: Allocation | None = None
@@ -147,8 +152,23 @@ class Homing:
         port = self.ports[opened.service]
         if port is None:
             raise ConnectionRefusedError(f"node {self.node} has no {opened.service} port")
-        sock = socket.create_connection((self.local_host, port),
-                                        timeout=timeouts.RELAY_HANDSHAKE)
+        family = socket.AF_INET6 if ":" in self.local_host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeouts.RELAY_HANDSHAKE)
+            sock.bind((self.local_host, 0))
+            local = sock.getsockname()[:2]
+            if self.sources is not None:  # before the connect: the accept may come first
+                self.sources.note(local, opened.source.rpartition(":")[0] or opened.source)
+            try:
+                sock.connect((self.local_host, port))
+            except BaseException:
+                if self.sources is not None:
+                    self.sources.drop(local)
+                raise
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
