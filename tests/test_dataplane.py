@@ -501,7 +501,7 @@ def test_hostile_frame_sequences_after_a_preface_neither_crash_nor_hang_the_list
     no reader thread raises, and the listener serves a good peer after all of them."""
     import random
 
-    from fedpipe.testing.fuzz import Frames, Values
+    from fedpipe.testing.fuzzvalues import Frames, Values
 
     crashes: list[BaseException] = []
     hook = threading.excepthook

@@ -6,7 +6,7 @@ then compute something else, or fail in the middle of a step. So the client reco
 version of each library in :data:`TRACKED` that the layers use (any submodule whose class
 comes from it), and a node whose version differs refuses the job's stages, naming both,
 as the tracker refuses a node whose torch differs from the swarm's
-(:func:`fedpipe.tracker.registry.check_versions`).
+(:func:`fedpipe.tracker.registration.check_versions`).
 
 Versions are read from the installed distribution's metadata
 (``importlib.metadata``), without importing the library.

@@ -53,7 +53,8 @@ from .progress import Progress
 from .readdress import readdress
 from .rebalance import REBALANCE_THRESHOLD, Drains, Rebalancer
 from .recovery import Records, Recovery
-from .registry import HEARTBEAT_RATE, Registry, validate_node
+from .registration import validate_node
+from .registry import HEARTBEAT_RATE, Registry
 from .replica_groups import ElasticReplicas
 from .retention import RETENTION, Retention
 from .specs import JobSpecs

@@ -9,10 +9,12 @@ Contract: ``protos/fedpipe/v1/FRAMES.md``, "Connections".
 * :mod:`.records`: the records a connection carries and the preface (no torch).
 * :mod:`.credits`: the sender's window.
 * :mod:`.connection`: one socket: writing records, reading tensors.
+* :mod:`.ends`: the peer, the receiver and events a link reports to, refusals.
 * :mod:`.link`: one peer's state across connections: sequence numbers, resume,
   duplicates, acknowledgements.
 * :mod:`.server`: :class:`DataPlane`, a process's listener and links.
-* :mod:`.caps`: the listener's connection caps, in all and per caller.
+* :mod:`.caps`: the listener's connection caps, in all and per caller, and who a
+  relayed connection comes from.
 
 How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.SocketSender`,
 ``fedpipe node --data-port``; a peer without a data port is served over gRPC):
@@ -52,7 +54,8 @@ Still on gRPC: FetchState, FetchSnapshot (request and answer), a client's
 PutSnapshot (restoring a saved checkpoint) and PutWeights.
 """
 from .credits import LinkFailed
-from .link import Link, LinkEvents, Peer, PeerRefused, Receiver, Refused, Timeouts, owner_of
+from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused
+from .link import Link, Timeouts, owner_of
 from .records import Code, Preface
 from .server import DataPlane, client_name
 

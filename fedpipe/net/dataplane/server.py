@@ -34,8 +34,8 @@ from . import records
 from .caps import MAX_CALLER_CONNECTIONS, MAX_CONNECTIONS, Caps, Sources
 from .connection import Connection
 from .credits import LinkFailed
-from .link import (DEFAULT_TIMEOUTS, WINDOW_BYTES, WINDOW_MESSAGES, Link, LinkEvents, Peer,
-                   Receiver, Timeouts)
+from .ends import LinkEvents, Peer, Receiver
+from .link import DEFAULT_TIMEOUTS, WINDOW_BYTES, WINDOW_MESSAGES, Link, Timeouts
 from .records import Code, Preface, RecordType
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,76 @@
+"""What the two ends of a socket data-plane link are to each other: who the peer is
+(:class:`Peer`), where a link delivers what it receives (:class:`Receiver`) and reports
+what befalls it (:class:`LinkEvents`), and the refusals of one tensor, by a receiver
+(:class:`Refused`) and as the sender learns of it (:class:`PeerRefused`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from ...proto import node_pb2
+from ...security import Identity
+from ...wire.format import WireError
+from .records import Code
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """Who is at the other end of a link.
+
+    Attributes:
+        name: its node (or client) name, from its preface; with TLS, its certificate's
+            (a client's with the suffix that tells its processes apart:
+            :func:`~fedpipe.net.dataplane.server.client_name`).
+        role: ``node`` or ``client``.
+        identity: its certificate's identity (None without TLS).
+    """
+
+    name: str
+    role: str
+    identity: Identity | None = None
+
+
+class Refused(Exception):
+    """A receiver refuses one tensor; the link goes on. ``code`` travels with the message."""
+
+    def __init__(self, code: Code, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class PeerRefused(WireError):
+    """The peer refused a tensor this side sent (raised by the next send or flush)."""
+
+    def __init__(self, code: Code, message: str, seq: int):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.seq = code, seq
+
+
+class Receiver(Protocol):
+    """Where a link's received tensors go (the node: its admission checks and mailbox).
+
+    Both methods run on the link's reader thread. They must not send on the same link
+    (a send may wait for credit that only this reader brings back): hand the tensor to
+    another thread first, as a node's mailbox does.
+    """
+
+    def admit(self, peer: Peer, header: node_pb2.Frame) -> int:
+        """Check a tensor's header before its payload is read; return its size limit in
+        bytes. Raises :class:`Refused` to refuse it (its payload is then skipped)."""
+
+    def deliver(self, peer: Peer, header: node_pb2.Frame, tensor: torch.Tensor) -> None:
+        """Take a received tensor; may block (the sender then runs out of credit).
+        Raises :class:`Refused` to refuse it."""
+
+
+class LinkEvents(Protocol):
+    """What a link reports about its peer (the node: its suspect path)."""
+
+    def lost(self, peer: str, why: str) -> None:
+        """A connection broke; the link tries to resume."""
+
+    def failed(self, peer: str, why: str) -> None:
+        """The link is gone for good."""
