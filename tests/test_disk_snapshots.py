@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedpipe.node.snapshots import SnapshotDesk, SnapshotDirInUse, SnapshotStore
+from fedpipe.node.snapfiles import SnapshotDirInUse
+from fedpipe.node.snapshots import SnapshotDesk, SnapshotStore
 from fedpipe.proto import node_pb2
 from fedpipe.runtime import checkpoint, tensorfile
 from fedpipe.spec import Kind, StageKey

@@ -45,7 +45,9 @@ def test_kill_9_recovers_exactly_from_snapshots_kept_on_disk():
         assert max_relative_difference(got, single_process(model, LOSS, SGD, data)) <= 1e-5
         final = job_info(client, job)
         assert len(final.recoveries) == 1
-        assert final.recoveries[0].checkpoint_step in (3, 6)  # rewound to a file's step
+        # rewound to a file's step (which one depends on how far the pipeline ran before
+        # the kill took: 9 was seen, the kill firing at the tracker's step 7)
+        assert final.recoveries[0].checkpoint_step in range(EVERY, STEPS, EVERY)
         alive = [i for i, p in enumerate(swarm.nodes) if p.poll() is None]
         kept = [f for i in alive for f in swarm.snapshot_dir(i).glob("*.safetensors")]
         assert kept  # the survivors' snapshots are files, and nothing half-written stays

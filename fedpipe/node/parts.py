@@ -129,7 +129,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     Raises:
         OSError: ``data_port`` is in use (or cannot be bound), or ``snapshot_dir``
             cannot be made.
-        SnapshotDirInUse: ``snapshot_dir`` is another live node's.
+        ~fedpipe.node.snapfiles.SnapshotDirInUse: ``snapshot_dir`` is another live node's.
     """
     if job_snapshot_bytes is None:
         job_snapshot_bytes = JOB_SNAPSHOT_BYTES if snapshot_dir is not None else \

@@ -13,10 +13,8 @@ it is shipped, fetched or restored. Only the skeletons (a few KiB) stay in memor
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import itertools
-import json
 import logging
 import os
 import re
@@ -24,7 +22,7 @@ import threading
 from collections import OrderedDict
 from concurrent import futures
 from pathlib import Path
-from typing import IO, Callable, Iterator
+from typing import Callable, Iterator
 
 import grpc
 import torch
@@ -40,54 +38,13 @@ from .errors import NoSuchSnapshot, NoSuchStage
 from .lifecycle import Stage
 from .peers import ChannelPool
 from .reports import StageReporter
+from .snapfiles import SnapshotWriter, claim_dir
 
 log = logging.getLogger(__name__)
 
 MAX_SNAPSHOT_BYTES = 4 * 2**30
 """Largest snapshot a node accepts from a buddy or a restore source, bytes: a stage of
 about 250 M float32 parameters with AdamW's two moments (16 bytes a parameter)."""
-
-
-class SnapshotDirInUse(RuntimeError):
-    """A snapshot directory that another live node holds."""
-
-
-SNAPSHOT_META = "fedpipe.snapshot"
-"""The safetensors metadata key of a disk snapshot's ``{"step", "skeleton"}`` JSON."""
-LOCK_NAME = ".lock"
-
-
-def claim_dir(directory: str | os.PathLike) -> IO[str]:
-    """Make ``directory`` this process's snapshot directory: take its lock file (an
-    exclusive ``flock``, let go when the process ends, however it ends) and remove the
-    snapshot files an earlier node left there (a node starts with none). Returns the
-    lock file, to keep open for as long as the directory is used.
-
-    Raises:
-        SnapshotDirInUse: another live process holds it (the message names its pid).
-        OSError: the directory cannot be made or written, or its lock file is a link.
-    """
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    # never through a link: a .lock that links elsewhere would have that file truncated
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    lock = os.fdopen(fd, "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
-        raise SnapshotDirInUse(f"snapshot directory {path} is in use by another live node "
-                               f"(pid {holder}); give each node its own --snapshot-dir"
-                               ) from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(str(os.getpid()))
-    lock.flush()
-    for old in (*path.glob("*.safetensors"), *path.glob("*.safetensors.tmp*")):
-        old.unlink(missing_ok=True)
-    return lock
 
 
 class SnapshotStore:
@@ -106,7 +63,7 @@ class SnapshotStore:
             claimed, :func:`claim_dir`), or None: in memory.
 
     Raises:
-        SnapshotDirInUse: ``directory`` is another live node's.
+        ~.snapfiles.SnapshotDirInUse: ``directory`` is another live node's.
     """
 
     def __init__(self, keep: int = SNAPSHOTS_KEPT, directory: str | os.PathLike | None = None):
@@ -251,51 +208,6 @@ class SnapshotStore:
         """Bytes all kept snapshots take (a disk store's on disk)."""
         with self._lock:
             return sum(s.nbytes for steps in self._snaps.values() for s in steps.values())
-
-
-class SnapshotWriter:
-    """One snapshot written to its file a tensor at a time (a
-    :class:`~fedpipe.runtime.checkpoint.Sink`): ``NAME.tmp-TOKEN`` until :meth:`finish`.
-
-    Args:
-        path: the file.
-        snap: the snapshot's step and skeleton (its tensors are not read).
-    """
-
-    def __init__(self, path: Path, snap: Snapshot):
-        self.step, self.skeleton = snap.step, snap.skeleton
-        meta = {"format": "pt", SNAPSHOT_META: json.dumps({"step": snap.step,
-                                                            "skeleton": snap.skeleton})}
-        self._file = tensorfile.TensorFileWriter(path, checkpoint.tensor_paths(snap), meta)
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        """Write tensor ``name`` (from its own memory).
-
-        Raises:
-            WireError: a tensor the skeleton does not name, or one written twice.
-            OSError: the write failed.
-        """
-        try:
-            self._file.add(name, t)
-        except tensorfile.TensorFileError as e:
-            raise WireError(f"snapshot of step {self.step}: {e}") from None
-
-    def finish(self) -> Snapshot:
-        """Name the file; the snapshot, reading it.
-
-        Raises:
-            WireError: a tensor the skeleton names never came.
-            OSError: the write failed.
-        """
-        try:
-            path = self._file.close()
-        except tensorfile.TensorFileError as e:
-            raise WireError(f"snapshot of step {self.step}: {e}") from None
-        return Snapshot(self.step, tensorfile.TensorFile(path), self.skeleton)
-
-    def abort(self) -> None:
-        """Remove the partial file."""
-        self._file.abort()
 
 
 class Checkpoints:
