@@ -60,7 +60,7 @@ import time
 from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import grpc
 from google.protobuf import descriptor as _descriptor
@@ -310,7 +310,54 @@ class Report:
         return "\n".join(lines)
 
 
-class Fuzzer:
+class Batches:
+    """What both fuzzers share: seeded calls made in batches, every target checked after each.
+
+    A subclass gives ``targets`` (each with a ``name``), ``make_call(i)`` (call ``i``,
+    from the run's seed and ``i`` alone), ``invoke(call)`` (a classified
+    :class:`Result`), ``_alive(target)`` (raises if the target's process died) and
+    ``_unresponsive(target)`` (why a live target does not serve, or None).
+    """
+
+    targets: Sequence[Any]
+
+    def make_call(self, i: int) -> Any:
+        raise NotImplementedError
+
+    def invoke(self, call: Any) -> Result:
+        raise NotImplementedError
+
+    def _alive(self, target: Any) -> None:
+        raise NotImplementedError
+
+    def _unresponsive(self, target: Any) -> str | None:
+        raise NotImplementedError
+
+    def run(self, calls: int, *, workers: int = 4, batch: int = 100,
+            first: int = 0, progress: Callable[[Report], None] | None = None) -> Report:
+        """Make calls ``first .. first + calls - 1``, ``workers`` at a time, in batches.
+
+        After each batch of ``batch`` calls every target's process is checked and its
+        liveness probed; a target that fails either is a crash or a hang of that
+        batch. ``progress`` is called with the report so far after each batch.
+        """
+        return run_batches(lambda i: self.invoke(self.make_call(i)), self._after_batch,
+                           calls, workers=workers, batch=batch, first=first,
+                           progress=progress)
+
+    def _after_batch(self, report: Report, start: int, stop: int) -> None:
+        for t in self.targets:
+            try:
+                self._alive(t)
+            except Exception as e:  # noqa: BLE001
+                report.crashes.append(f"{t.name} died in calls {start}..{stop - 1}: {e}")
+                continue
+            why = self._unresponsive(t)
+            if why is not None:
+                report.hangs.append(f"{t.name} {why} in calls {start}..{stop - 1}")
+
+
+class Fuzzer(Batches):
     """Fuzz the RPCs of ``targets`` with seeded, reproducible malformed calls.
 
     Args:
@@ -472,28 +519,11 @@ class Fuzzer:
                 continue
         return False
 
-    def run(self, calls: int, *, workers: int = 4, batch: int = 100,
-            first: int = 0, progress: Callable[[Report], None] | None = None) -> Report:
-        """Make calls ``first .. first + calls - 1``, ``workers`` at a time, in batches.
+    def _alive(self, target: Target) -> None:
+        target.alive()
 
-        After each batch of ``batch`` calls every target's process is checked and its
-        liveness probed; a target that fails either is a crash or a hang of that
-        batch. ``progress`` is called with the report so far after each batch.
-        """
-        return run_batches(lambda i: self.invoke(self.make_call(i)), self._after_batch,
-                           calls, workers=workers, batch=batch, first=first,
-                           progress=progress)
-
-    def _after_batch(self, report: Report, start: int, stop: int) -> None:
-        for t in self.targets:
-            try:
-                t.alive()
-            except Exception as e:  # noqa: BLE001
-                report.crashes.append(f"{t.name} died in calls {start}..{stop - 1}: {e}")
-                continue
-            if not self.responsive(t):
-                report.hangs.append(f"{t.name} stopped answering {t.probe[0]} in calls "
-                                    f"{start}..{stop - 1}")
+    def _unresponsive(self, target: Target) -> str | None:
+        return None if self.responsive(target) else f"stopped answering {target.probe[0]}"
 
     def cleanup(self) -> list[str]:
         """Cancel the jobs fuzzed SubmitJob calls made (so they hold no nodes); returns

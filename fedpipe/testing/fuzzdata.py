@@ -3,7 +3,7 @@
 The socket listener's counterpart of :mod:`fedpipe.testing.fuzz`, whose
 machinery it uses: the hostile wire frames and random values of
 :mod:`fedpipe.testing.fuzzvalues`, the outcomes, report and batched run
-(:class:`~fedpipe.testing.fuzz.Report`, :func:`~fedpipe.testing.fuzz.run_batches`).
+(:class:`~fedpipe.testing.fuzz.Batches`, :class:`~fedpipe.testing.fuzz.Report`).
 Each call opens a raw TCP connection (with TLS: a mutual TLS connection with a
 certificate of the swarm) to the data port and sends one hostile sequence
 (:class:`~fedpipe.testing.fuzzrecords.Records`, contract
@@ -57,7 +57,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import grpc
 import torch
@@ -69,7 +69,7 @@ from ..proto import node_pb2
 from ..security import TlsConfig
 from ..security.tls import client_context
 from ..wire.format import WireError
-from .fuzz import PROBE_TRIES, Outcome, Report, Result, Target, run_batches
+from .fuzz import PROBE_TRIES, Batches, Outcome, Result, Target
 from .fuzzrecords import PROBE_NAME, End, Records
 from .fuzzvalues import Values
 
@@ -161,7 +161,7 @@ def answers(data: bytes) -> list[tuple[RecordType, int, Code | None, str]]:
     return out
 
 
-class DataFuzzer:
+class DataFuzzer(Batches):
     """Send seeded, reproducible hostile sequences to the data ports of ``targets``.
 
     Args:
@@ -345,25 +345,13 @@ class DataFuzzer:
         link.send(torch.zeros(16), envelope=node_pb2.Envelope(kind=node_pb2.KIND_PROBE),
                   flush=True)
 
-    def run(self, calls: int, *, workers: int = 4, batch: int = 100, first: int = 0,
-            progress: Callable[[Report], None] | None = None) -> Report:
-        """Make calls ``first .. first + calls - 1``, ``workers`` at a time, in batches;
-        after each batch every node is checked again over a fresh good connection."""
-        return run_batches(lambda i: self.invoke(self.make_call(i)), self._after_batch,
-                           calls, workers=workers, batch=batch, first=first,
-                           progress=progress)
+    def _alive(self, target: DataTarget) -> None:
+        target.node.alive()
 
-    def _after_batch(self, report: Report, start: int, stop: int) -> None:
-        for t in self.targets:
-            try:
-                t.node.alive()
-            except Exception as e:  # noqa: BLE001
-                report.crashes.append(f"{t.name} died in calls {start}..{stop - 1}: {e}")
-                continue
-            self._fresh(t)
-            if not self.serving(t):
-                report.hangs.append(f"{t.name} stopped serving (Ping and a probe tensor over "
-                                    f"a fresh connection) in calls {start}..{stop - 1}")
+    def _unresponsive(self, target: DataTarget) -> str | None:
+        self._fresh(target)
+        return None if self.serving(target) else (
+            "stopped serving (Ping and a probe tensor over a fresh connection)")
 
 
 class _NoInbound:
