@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
 
 
 def single_process(model, loss_fn, spec, batches) -> dict:
@@ -150,3 +151,26 @@ def not_bit_equal(got: dict, want: dict) -> list[str]:
     those ``got`` has beyond them): ``[]`` when the two state dicts are bit-equal."""
     extra = sorted(set(got) - set(want))
     return [k for k in want if k not in got or not torch.equal(got[k], want[k])] + extra
+
+
+def toy_stage(optimizer: str = "sgd"):
+    """A small stage with a buffer (BatchNorm) and its optimizer, seeded: ``sgd`` (momentum
+    0.9) alone, or ``adamw`` with a StepLR scheduler, returned as a third item."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, 3))
+    if optimizer == "sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def train_toy(model, opt, steps: int, seed: int, sched=None) -> None:
+    """``steps`` steps of :func:`toy_stage`'s model on seeded random (8, 5) -> (8, 3) batches."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()

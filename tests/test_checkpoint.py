@@ -3,30 +3,13 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from fedpipe.runtime import checkpoint
 from fedpipe.wire.codecs import WireError
 
+from reference import toy_stage, train_toy
+
 pytestmark = pytest.mark.timeout(60)
-
-
-def make():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, 3))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    return model, opt, sched
-
-
-def train(model, opt, sched, steps, seed):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
 
 
 def parts(model, opt, sched):
@@ -34,17 +17,17 @@ def parts(model, opt, sched):
 
 
 def test_a_restored_stage_continues_bit_for_bit():
-    model, opt, sched = make()
-    train(model, opt, sched, 3, seed=1)
+    model, opt, sched = toy_stage("adamw")
+    train_toy(model, opt, sched=sched, steps=3, seed=1)
     snap = checkpoint.take(parts(model, opt, sched), step=3)
-    train(model, opt, sched, 4, seed=2)  # the original goes on
+    train_toy(model, opt, sched=sched, steps=4, seed=2)  # the original goes on
 
-    other, oopt, osched = make()
-    train(other, oopt, osched, 1, seed=9)  # diverged on purpose before the restore
+    other, oopt, osched = toy_stage("adamw")
+    train_toy(other, oopt, sched=osched, steps=1, seed=9)  # diverged on purpose before the restore
     _, received = checkpoint.from_frames(checkpoint.to_frames(snap), max_bytes=2**20)
     assert received.step == 3
     checkpoint.restore(parts(other, oopt, osched), received)
-    train(other, oopt, osched, 4, seed=2)
+    train_toy(other, oopt, sched=osched, steps=4, seed=2)
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name
     assert osched.get_last_lr() == sched.get_last_lr()
@@ -52,10 +35,10 @@ def test_a_restored_stage_continues_bit_for_bit():
 
 
 def test_the_snapshot_is_a_copy():
-    model, opt, sched = make()
+    model, opt, sched = toy_stage("adamw")
     snap = checkpoint.take(parts(model, opt, sched), step=0)
     before = copy.deepcopy(snap.tensors)
-    train(model, opt, sched, 2, seed=1)
+    train_toy(model, opt, sched=sched, steps=2, seed=1)
     assert all(torch.equal(before[k], snap.tensors[k]) for k in before)
     assert snap.nbytes == sum(t.numel() * t.element_size() for t in before.values())
 
@@ -64,22 +47,22 @@ def test_a_restore_leaves_the_kept_snapshot_as_it_was_taken():
     """An optimizer keeps the tensors it is given as its state and trains them in place:
     a second restore of the same kept snapshot (two recoveries to one checkpoint) must
     find the state of its step, and continue bit for bit as the first did."""
-    model, opt, sched = make()
-    train(model, opt, sched, 3, seed=1)
+    model, opt, sched = toy_stage("adamw")
+    train_toy(model, opt, sched=sched, steps=3, seed=1)
     snap = checkpoint.take(parts(model, opt, sched), step=3)
     taken = copy.deepcopy(snap.tensors)
     runs = []
     for _ in range(2):
         checkpoint.restore(parts(model, opt, sched), snap)
-        train(model, opt, sched, 2, seed=2)
+        train_toy(model, opt, sched=sched, steps=2, seed=2)
         assert all(torch.equal(taken[k], snap.tensors[k]) for k in taken)
         runs.append(copy.deepcopy(model.state_dict()))
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
 
 def test_truncated_and_inconsistent_snapshots_are_refused():
-    model, opt, sched = make()
-    train(model, opt, sched, 2, seed=1)
+    model, opt, sched = toy_stage("adamw")
+    train_toy(model, opt, sched=sched, steps=2, seed=1)
     frames = list(checkpoint.to_frames(checkpoint.take(parts(model, opt, sched), step=2)))
     with pytest.raises(WireError, match="missing"):
         checkpoint.from_frames(frames[:-1], max_bytes=2**20)  # the last tensor lost
@@ -93,7 +76,7 @@ def test_truncated_and_inconsistent_snapshots_are_refused():
 
 
 def test_a_part_missing_from_the_snapshot_is_named():
-    model, opt, sched = make()
+    model, opt, sched = toy_stage("adamw")
     snap = checkpoint.take({"module": model}, step=0)
     with pytest.raises(WireError, match="optimizer"):
         checkpoint.restore({"module": model, "optimizer": opt}, snap)
@@ -130,7 +113,7 @@ def test_a_malformed_skeleton_is_a_wire_error(meta, match):
 
 
 def test_an_oversized_snapshot_is_refused_on_a_header():
-    model, opt, sched = make()
+    model, opt, sched = toy_stage("adamw")
     snap = checkpoint.take(parts(model, opt, sched), step=0)
     frames = list(checkpoint.to_frames(snap))
     with pytest.raises(checkpoint.SnapshotTooLarge, match="limit of 100 bytes"):
@@ -142,7 +125,7 @@ def test_an_oversized_snapshot_is_refused_on_a_header():
 def test_a_node_keeps_the_last_complete_checkpoint_however_many_newer_come():
     from fedpipe.node.snapshots import SnapshotStore
     from fedpipe.spec import StageKey
-    model, opt, sched = make()
+    model, opt, sched = toy_stage("adamw")
     store, key = SnapshotStore(keep=2), StageKey(0, 0)
     store.put("job", key, checkpoint.take(parts(model, opt, sched), step=100))
     store.protect("job", 100)  # the tracker: 100 is the last complete checkpoint
@@ -162,7 +145,7 @@ def test_a_node_names_the_acknowledged_steps_it_keeps_that_are_not_complete_yet(
     counts these again."""
     from fedpipe.node.snapshots import SnapshotStore
     from fedpipe.spec import StageKey
-    model, opt, sched = make()
+    model, opt, sched = toy_stage("adamw")
     store, key = SnapshotStore(keep=2), StageKey(0, 1)
     for step in (10, 20):
         store.put("job", key, checkpoint.take(parts(model, opt, sched), step=step))

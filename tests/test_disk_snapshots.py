@@ -8,7 +8,6 @@ import signal
 
 import pytest
 import torch
-from torch import nn
 
 from fedpipe.node.snapfiles import SnapshotDirInUse
 from fedpipe.node.snapshots import SnapshotDesk, SnapshotStore
@@ -17,24 +16,10 @@ from fedpipe.runtime import checkpoint, tensorfile
 from fedpipe.spec import Kind, StageKey
 from fedpipe.wire.codecs import WireError
 
+from reference import toy_stage, train_toy
+
 pytestmark = pytest.mark.timeout(60)
 KEY = StageKey(0, 1)
-
-
-def make():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    return model, opt
-
-
-def train(model, opt, steps, seed):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def files(directory) -> list[str]:
@@ -68,31 +53,31 @@ def test_a_tensor_file_writer_refuses_an_unannounced_tensor_and_abort_leaves_not
 
 
 def test_a_disk_store_keeps_files_not_tensors_and_a_restore_from_one_is_bit_for_bit(tmp_path):
-    model, opt = make()
-    train(model, opt, 3, seed=1)
+    model, opt = toy_stage()
+    train_toy(model, opt, 3, seed=1)
     store = SnapshotStore(keep=2, directory=tmp_path)
     # written from the stage's own tensors (no copy), then the stage goes on
     kept = store.put("job", KEY, checkpoint.take({"module": model, "optimizer": opt}, 3,
                                                  copy=False))
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    train(model, opt, 4, seed=2)
+    train_toy(model, opt, 4, seed=2)
     assert isinstance(kept.tensors, tensorfile.TensorFile)
     assert files(tmp_path) == [store.file("job", KEY, 3).name]
     assert kept.nbytes == store.nbytes > 0
 
-    other, oopt = make()
-    train(other, oopt, 1, seed=9)  # diverged on purpose before the restore
+    other, oopt = toy_stage()
+    train_toy(other, oopt, 1, seed=9)  # diverged on purpose before the restore
     snap = store.get("job", KEY, 3)
     assert snap is not None
     checkpoint.restore({"module": other, "optimizer": oopt}, snap)
     assert all(torch.equal(other.state_dict()[k], v) for k, v in want.items())
-    train(other, oopt, 4, seed=2)
+    train_toy(other, oopt, 4, seed=2)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  other.state_dict().values()))
 
 
 def test_a_disk_store_removes_the_files_it_prunes_or_drops(tmp_path):
-    model, opt = make()
+    model, opt = toy_stage()
     store = SnapshotStore(keep=2, directory=tmp_path)
     for step in (100, 200):
         store.put("job", KEY, checkpoint.take({"module": model}, step))
@@ -126,8 +111,8 @@ def envelope(step: int) -> node_pb2.Envelope:
 
 def test_a_buddys_snapshot_goes_to_disk_as_its_stream_comes_and_a_truncated_one_leaves_nothing(
         tmp_path):
-    model, opt = make()
-    train(model, opt, 2, seed=1)
+    model, opt = toy_stage()
+    train_toy(model, opt, 2, seed=1)
     snap = checkpoint.take({"module": model, "optimizer": opt}, 2)
     store = SnapshotStore(directory=tmp_path)
     desk = SnapshotDesk(store, lambda job: job == "j", 1 << 30)
@@ -152,7 +137,7 @@ def test_a_buddys_snapshot_goes_to_disk_as_its_stream_comes_and_a_truncated_one_
 def test_a_disk_store_refuses_a_buddys_snapshot_of_a_job_it_holds_nothing_of_before_writing(
         tmp_path):
     from fedpipe.node.errors import NoSuchStage
-    model, _ = make()
+    model, _ = toy_stage()
     store = SnapshotStore(directory=tmp_path)
     desk = SnapshotDesk(store, lambda job: False, 1 << 30)
     frames = checkpoint.to_frames(checkpoint.take({"module": model}, 1), envelope(1))
