@@ -208,6 +208,25 @@ def test_a_buddys_snapshot_that_the_disk_cannot_hold_leaves_no_file(tmp_path):
     assert files(tmp_path) == [] and store.steps("j", KEY) == []
 
 
+def test_a_final_state_the_disk_cannot_hold_is_logged_and_the_job_goes_on(tmp_path, caplog):
+    """The last step's state on a full disk: the stage's training is done, so it is a
+    warning naming what a save will miss, not an error that fails the job; no file stays."""
+    from types import SimpleNamespace
+
+    from fedpipe.node.peers import ChannelPool
+    from fedpipe.node.snapshots import Checkpoints
+    model, opt = toy_stage()
+    model[0].weight.data = torch.ones(300, 5)  # over the cap below
+    stage = SimpleNamespace(job_id="j", key=KEY, parts={"module": model, "optimizer": opt})
+    store = SnapshotStore(directory=tmp_path)
+    checkpoints = Checkpoints(store, ChannelPool(), reporter=None)
+    with files_capped(4 << 10):
+        checkpoints.keep_final(stage, 9)
+    assert "could not keep the final state (step 9)" in caplog.text
+    assert "Job.save() will not find it" in caplog.text
+    assert files(tmp_path) == [] and store.steps("j", KEY) == []
+
+
 def test_a_snapshot_dir_that_cannot_be_made_is_named_as_such(tmp_path):
     """``fedpipe node --snapshot-dir`` at a path that cannot be a directory: the error names
     the snapshot directory. It once said "cannot listen on data port 0 of 127.0.0.1"."""

@@ -251,9 +251,18 @@ class Checkpoints:
         self.shipper.submit(self._ship, stage, kept)
 
     def keep_final(self, stage: Stage, step: int) -> None:
-        """The final state, kept here only: what ``Job.save()`` of an ended job pulls."""
-        self.snapshots.put(stage.job_id, stage.key,
-                           checkpoint.take(stage.parts, step, copy=not self.snapshots.on_disk))
+        """The final state, kept here only: what ``Job.save()`` of an ended job pulls.
+
+        The job's training is done either way: a disk that cannot hold the state (full or
+        failing) is logged, not raised, and a later save is told the state is missing.
+        """
+        try:
+            self.snapshots.put(stage.job_id, stage.key,
+                               checkpoint.take(stage.parts, step, copy=not self.snapshots.on_disk))
+        except OSError as e:
+            log.warning("job %s stage %d: could not keep the final state (step %d) on disk, so "
+                        "Job.save() will not find it here: %s", stage.job_id, stage.key.stage,
+                        step, e)
 
     def _ship(self, stage: Stage, snap: Snapshot) -> None:
         buddy = stage.plan.buddy(stage.key, snap.step // stage.checkpoint_every) \
