@@ -404,6 +404,24 @@ def test_a_connection_that_does_not_start_with_a_preface_is_refused(pair):
     sock.close()
 
 
+def test_a_connection_closed_unheard_is_not_logged_as_a_refusal(pair, caplog):
+    """The tracker's dial-back at registration connects and closes: not worth a line at
+    INFO on every node, as it was; a connection that says something wrong still is."""
+    _, b, _, _ = pair
+    caplog.set_level("DEBUG", logger="fedpipe.net.dataplane.server")
+    socket.create_connection(("127.0.0.1", b.port), timeout=5).close()
+    with socket.create_connection(("127.0.0.1", b.port), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        _next_record(connection.Connection(sock, dialed=True))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not (
+            "refused a data connection" in caplog.text and "before its preface" in caplog.text):
+        time.sleep(0.01)
+    lines = [r.getMessage() for r in caplog.records
+             if r.levelname == "INFO" and "refused a data" in r.getMessage()]
+    assert len(lines) == 1 and "not a fedpipe connection record" in lines[0], lines
+
+
 def test_a_port_in_use_is_an_error(pair):
     _, b, _, _ = pair
     with pytest.raises(OSError):

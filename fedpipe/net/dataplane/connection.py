@@ -81,6 +81,8 @@ class Connection:
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # the read-ahead bytes not consumed yet
         self.closed = False
+        self.received = 0
+        """Bytes read from the socket so far."""
         self.until: float | None = None
         """A ``time.monotonic()`` by which every read must be done (the preface's
         deadline), or None: reads wait as long as the socket's timeout says."""
@@ -111,6 +113,7 @@ class Connection:
         n = self.sock.recv_into(view)
         if n == 0:
             raise Closed("the peer closed the connection")
+        self.received += n
         return n
 
     def read_exact(self, n: int) -> bytes:

@@ -32,7 +32,7 @@ from ...wire.format import WireError
 from .. import timeouts as net_timeouts
 from . import records
 from .caps import MAX_CALLER_CONNECTIONS, MAX_CONNECTIONS, Caps, Sources
-from .connection import Connection
+from .connection import Closed, Connection
 from .credits import LinkFailed
 from .ends import LinkEvents, Peer, Receiver
 from .link import DEFAULT_TIMEOUTS, WINDOW_BYTES, WINDOW_MESSAGES, Link, Timeouts
@@ -345,6 +345,7 @@ class DataPlane:
         :attr:`Timeouts.first_record` in all; its link, attached. None: refused (the
         peer was told why, with a GOAWAY, and the socket is closed)."""
         until = time.monotonic() + self.timeouts.first_record
+        conn: Connection | None = None
         try:
             sock.settimeout(self.timeouts.handshake)
             _tune(sock)
@@ -372,7 +373,11 @@ class DataPlane:
                 code, why = Code.DEADLINE_EXCEEDED, (
                     f"no preface within {self.timeouts.first_record} s of connecting "
                     "(fedpipe.net.timeouts.DATA_FIRST_RECORD)")
-            log.info("refused a data connection: %s", why)
+            if isinstance(e, Closed) and conn is not None and conn.received == 0:
+                # closed unheard: a reachability check (the tracker's dial-back at registration)
+                log.debug("a data connection closed before its preface")
+            else:
+                log.info("refused a data connection: %s", why)
             self._goaway(sock, code, why)
             return None
         except Exception as e:  # noqa: BLE001 — a bug here must close the connection, not leak it
