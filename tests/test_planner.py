@@ -369,6 +369,17 @@ def test_plan_table_shows_each_links_bytes_and_the_predicted_t(monkeypatch):
     assert f"= {1.25 * step:.3f} s" in text
 
 
+def test_plan_table_shows_a_cpu_nodes_speed_not_zero():
+    """A CPU node of 40 GFLOP/s read "TFLOP/s 0.0" in ``fedpipe plan``."""
+    nodes = [NodeSpec("cpu-a", 4e10, 10**12), NodeSpec("cpu-b", 4e10, 10**12)]
+    cluster = ClusterView(nodes, default_link=Link(1.25e9, 1e-4))
+    config = TrainConfig(batch_size=16, microbatches=4, stages=2)
+    prof = model(8, flops=1e8, act=10**4)
+    text = jsonio.format_plan(make_plan(cluster, prof, config, FAST), cluster, prof, config)
+    rows = [line.split() for line in text.splitlines() if line.startswith("0 ")]
+    assert [r[3] for r in rows] == ["0.04", "0.04"], text
+
+
 # --- JSON ----------------------------------------------------------------------
 
 CLUSTER_JSON = {

@@ -246,7 +246,7 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
             n = nodes.get(s.node_id)
             last = si == len(g.stages) - 1
             rows.append((str(gi), str(si), (n.name or n.node_id) if n else s.node_id,
-                         n.site if n else "", f"{n.flops / 1e12:.1f}" if n else "?",
+                         n.site if n else "", f"{n.flops / 1e12:.3g}" if n else "?",
                          f"{s.layer_start}-{s.layer_end - 1}",
                          "-" if last else s.activation_codec,
                          "-" if last else wire(s.activation_codec, s.layer_end),
