@@ -42,14 +42,16 @@ class LayerSeeds:
     def __init__(self, module: nn.Module, first_layer: int, seed: int, replica: int = 0):
         self.seed, self.replica = seed, replica
         self.key: tuple[int, int] | None = None  # (step, microbatch) while drawing
+        self._generators: list[torch.Generator] = []  # what the layers draw from, then
         for i, layer in enumerate(module.children()):
             layer.register_forward_pre_hook(self._hook(first_layer + i))
 
     def _hook(self, index: int) -> Any:
         def seed_layer(_module: nn.Module, _args: Any) -> None:
             if self.key is not None:
-                torch.manual_seed(layer_seed(self.seed, self.key[0], self.replica,
-                                             self.key[1], index))
+                seed = layer_seed(self.seed, self.key[0], self.replica, self.key[1], index)
+                for generator in self._generators:
+                    generator.manual_seed(seed)
         return seed_layer
 
     @contextmanager
@@ -58,8 +60,22 @@ class LayerSeeds:
         of the CPU (and of ``device`` when it is a GPU) is restored after."""
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            self.key = (step, microbatch)
+            self.key, self._generators = (step, microbatch), generators(device)
             try:
                 yield
             finally:
                 self.key = None
+
+
+def generators(device: torch.device) -> list[torch.Generator]:
+    """The default generators a layer on ``device`` draws from: the CPU's, and the GPU's
+    when ``device`` is one.
+
+    Seeded directly, not with ``torch.manual_seed``, which also queues a seed for every
+    uninitialised accelerator type (CUDA, MTIA, ...) and records a formatted stack with
+    each: once per layer and microbatch, that was a third of a CPU stage's step.
+    """
+    if device.type != "cuda":
+        return [torch.default_generator]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return [torch.default_generator, torch.cuda.default_generators[index]]
