@@ -130,10 +130,10 @@ class Mailbox:
                                        f"within {timeout:.0f} s")
                 self._cond.wait(POLL_SECONDS)
             item = self._items.pop(key)
+            self._forget(self.job_of(slot))
             if kind in self.bounded:  # room for a waiting put; no one else waits on a get
                 self._counts[(slot, kind)] -= 1
-            self._forget(self.job_of(slot))
-            self._cond.notify_all()
+                self._cond.notify_all()
             return item
 
     def drop(self, match: Callable[[Hashable], bool]) -> None:
