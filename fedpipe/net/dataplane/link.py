@@ -42,7 +42,8 @@ from . import records
 from .connection import Closed, Connection, read_head, read_tensor, skip_payload
 from .credits import Credits, LinkFailed
 from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused
-from .records import Code, Preface, RecordType
+from .fetch import Admit, Deliver, Fetches, Server, answer, read_request, take_answer
+from .records import Code, Method, Preface, RecordType
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +130,17 @@ class Link:
         dial: opens a new connection (the dialing side), or None (the accepting
             side: the peer dials again).
         window_bytes, window_messages: the credit this side grants its peer.
+        server: what answers the peer's fetches (:mod:`.fetch`; None: every FETCH is
+            answered UNIMPLEMENTED).
     """
 
     def __init__(self, name: str, role: str, peer: str, receiver: Receiver, *,
                  events: LinkEvents | None = None, dial: Dial | None = None,
                  window_bytes: int = WINDOW_BYTES, window_messages: int = WINDOW_MESSAGES,
-                 timeouts: Timeouts = DEFAULT_TIMEOUTS):
+                 timeouts: Timeouts = DEFAULT_TIMEOUTS, server: Server | None = None):
         self.name, self.role, self.peer_name = name, role, peer
-        self.receiver, self.events = receiver, events or _Quiet()
+        self.receiver, self.events, self.server = receiver, events or _Quiet(), server
+        self.fetches = Fetches(peer)
         self.dial, self.timeouts = dial, timeouts
         self.window_bytes, self.window_messages = window_bytes, window_messages
         self.session = secrets.token_hex(8)
@@ -184,12 +188,17 @@ class Link:
             error = self.refused.pop(keys[0]) if keys else None
         if error is not None:
             raise error
+        self._check_up()
+
+    def _check_up(self) -> None:
+        """Raise LinkFailed if the link is gone."""
         if self.credits.failed is not None:
             raise LinkFailed(f"link to {self.peer_name}: {self.credits.failed}")
 
     def send(self, tensor: torch.Tensor, *, envelope: node_pb2.Envelope | None = None,
-             name: str = "", codec: str = "raw", flush: bool = False) -> int:
-        """Send ``tensor`` (encoded with ``codec``) with its ``envelope`` or ``name``.
+             name: str = "", codec: str = "raw", flush: bool = False, fetch: int = 0) -> int:
+        """Send ``tensor`` (encoded with ``codec``) with its ``envelope`` or ``name``;
+        ``fetch``: as a tensor of the answer to the peer's fetch of that id (:mod:`.fetch`).
 
         A raw CPU tensor is written from its own memory: it must not be changed
         in place until the peer acknowledged it (:meth:`flush`). Blocks while the
@@ -204,16 +213,20 @@ class Link:
             WireError: the tensor cannot be encoded.
         """
         msg, payload = codecs.encode_payload(tensor, codec)
-        return self.send_encoded(msg, payload, envelope=envelope, name=name, flush=flush)
+        return self.send_encoded(msg, payload, envelope=envelope, name=name, flush=flush,
+                                 fetch=fetch)
 
     def send_encoded(self, msg: tensor_pb2.Tensor, payload: memoryview, *,
                      envelope: node_pb2.Envelope | None = None, name: str = "",
-                     flush: bool = False) -> int:
+                     flush: bool = False, fetch: int = 0) -> int:
         """:meth:`send` of a tensor already encoded
         (:func:`~fedpipe.wire.codecs.encode_payload`)."""
         owner = owner_of(envelope)
-        self.check(owner)
-        header = node_pb2.Frame(envelope=envelope, name=name)
+        if fetch:  # an answer is never refused: others' refusals stay theirs
+            self._check_up()
+        else:
+            self.check(owner)
+        header = node_pb2.Frame(envelope=envelope, name=name, fetch=fetch)
         header.tensor.CopyFrom(msg)
         header.tensor.payload_bytes = len(payload)
         frame_head = format.pack_head(header)
@@ -250,6 +263,48 @@ class Link:
         """
         self._sync()
         self._wait_idle(timeout, owner, through)
+
+    def fetch(self, method: Method, request: bytes, admit: Admit, deliver: Deliver,
+              timeout: float) -> int:
+        """Ask the peer for what ``method`` answers ``request`` with (a serialized
+        ``FetchStateRequest`` or ``FetchSnapshotRequest``); each tensor of the answer is
+        checked by ``admit`` (its size limit, before its payload is read) and handed to
+        ``deliver``, on the reader thread. Returns when the answer is complete: how many
+        tensors it had.
+
+        Raises:
+            PeerRefused: the peer refused the fetch (the code gRPC would end with).
+            LinkFailed: the link failed, its connection broke meanwhile (ask again), or
+                ``timeout`` passed.
+            WireError, or what ``admit``/``deliver`` raised: a tensor was refused here.
+        """
+        self._check_up()
+        pending = self.fetches.open(admit, deliver)
+        try:
+            with self._state:
+                self._control.append(records.pack_fetch(pending.id, method, request))
+            self._drain()
+            pending.wait(timeout)
+            return pending.tensors
+        finally:
+            self.fetches.close(pending)
+
+    def _serve(self, fetch: int, method: Method, request: bytes) -> None:
+        """Answer the peer's fetch (its own thread): the server's tensors, then FETCHED."""
+        try:
+            assert self.server is not None and self.peer is not None
+            end = answer(self.server, self.peer, method, request,
+                         lambda name, t: self.send(t, name=name, fetch=fetch))
+        finally:
+            self.fetches.stop_serving()
+        if end is not None:
+            self._answer(fetch, *end)
+
+    def _answer(self, fetch: int, code: Code, text: str) -> None:
+        """End the peer's fetch: a FETCHED, after every tensor of its answer."""
+        with self._state:
+            self._control.append(records.pack_text(RecordType.FETCHED, fetch, code, text))
+        self._drain()
 
     def _wait_idle(self, timeout: float | None, owner: str | None = None,
                    through: int | None = None) -> None:
@@ -365,6 +420,7 @@ class Link:
                 return  # already replaced or reported
             self.conn = None
         conn.close()
+        self.fetches.broken(why)
         if not self.closed:
             self.events.lost(self.peer_name, why)
 
@@ -375,6 +431,7 @@ class Link:
             first = self.credits.failed is None and not self.closed
             self._state.notify_all()
         self.credits.fail(why)
+        self.fetches.broken(why)
         with self._state:
             self.retained.clear()  # nothing will be resent: let the tensors go
             self._state.notify_all()
@@ -444,6 +501,11 @@ class Link:
         elif kind is RecordType.GOAWAY:
             code, text = self._read_text(conn)
             raise _GoAway(f"{records.code_of(code).name}: {text}")
+        elif kind is RecordType.FETCH:
+            self._on_fetch(conn, arg)
+        elif kind is RecordType.FETCHED:
+            code, text = self._read_text(conn)
+            self.fetches.ended(arg, code, text)
         else:
             raise WireError(f"a {kind.name} record in the middle of a connection")
 
@@ -453,6 +515,17 @@ class Link:
         if size > records.MAX_TEXT_BYTES:
             raise WireError(f"refusal text of {size} bytes exceeds {records.MAX_TEXT_BYTES}")
         return code, conn.read_exact(size).decode(errors="replace")
+
+    def _on_fetch(self, conn: Connection, fetch: int) -> None:
+        """The peer's FETCH: its request read (its length checked first), then served on a
+        thread of its own, so this reader goes on (the answer waits for credit it brings)."""
+        method, request = read_request(conn)
+        refused = self.fetches.refuse(method, self.server is not None, self.name)
+        if refused is not None:
+            self._answer(fetch, *refused)
+        else:
+            threading.Thread(target=self._serve, args=(fetch, Method(method), request),
+                             daemon=True, name=f"fetch-{self.peer_name}").start()
 
     def _on_tensor(self, conn: Connection, seq: int) -> None:
         header = read_head(conn)
@@ -466,6 +539,8 @@ class Link:
                      _describe(header))
             return
         assert self.peer is not None  # set by attach, before the reader starts
+        if header.fetch:
+            return self._on_answer(conn, seq, header)
         try:
             limit = self.receiver.admit(self.peer, header)
         except Refused as e:
@@ -483,6 +558,14 @@ class Link:
             self._done(seq, nbytes, Refused(Code.INTERNAL, f"the receiver failed: {e!r}"))
             return
         self._done(seq, nbytes)
+
+    def _on_answer(self, conn: Connection, seq: int, header: node_pb2.Frame) -> None:
+        """A tensor of the answer to one of this side's fetches: checked by the fetch's
+        ``admit`` before its payload is read, then delivered to it. One the fetch refuses
+        fails the fetch (never the link: the peer sent what it was asked for); one of a
+        fetch not waited for any more is dropped."""
+        take_answer(conn, header, self.fetches.get(header.fetch))
+        self._done(seq, header.tensor.payload_bytes)
 
     def _done(self, seq: int, nbytes: int, refused: Refused | None = None) -> None:
         """Tensor ``seq`` was delivered (or refused): count it; acknowledge when due."""

@@ -1,0 +1,230 @@
+"""Fetches over a link: a request (``FETCH``) answered by a stream of tensors and a ``FETCHED``.
+
+What ``FetchState`` and ``FetchSnapshot`` are on gRPC, between two ends of a link
+(contract: ``protos/fedpipe/v1/FRAMES.md``, "Fetches"). The asking side numbers its
+fetches on the link (:class:`Fetches`), sends the request as a control record, and
+takes the answer's tensors on its reader thread: each is ``TENSOR`` record like any
+other (sequence number, credit, resume), whose header's ``fetch`` names the fetch,
+checked by the fetch's own ``admit`` (its size limit, before a payload byte is
+read) and handed to its ``deliver``. The serving side runs the request on a
+thread of its own (:meth:`Server.serve` makes the checks gRPC's handler makes, and
+yields the tensors), sends the tensors, and ends with ``FETCHED``: ``OK``, or the
+status code and message the gRPC call would have ended with.
+
+A fetch whose connection breaks fails (``LinkFailed``; its caller asks again, or
+another source): its request or its end may have been lost with the connection,
+while its tensors resume; those of a fetch no longer waited for are read and
+dropped.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from ...proto import node_pb2
+from ...wire.format import WireError
+from . import records
+from .connection import Connection, read_tensor, skip_payload
+from .credits import LinkFailed
+from .ends import Peer, PeerRefused, Refused
+from .records import Code, Method, code_of
+
+log = logging.getLogger(__name__)
+
+MAX_SERVED = 4
+"""Fetches one link's peer may have this side serve at once; a FETCH past it is answered
+``RESOURCE_EXHAUSTED`` (a node restores a stage from one source at a time)."""
+
+Admit = Callable[[node_pb2.Frame], int]
+"""A fetch's check of an answer's tensor header: its size limit, bytes; raises to refuse."""
+Deliver = Callable[[node_pb2.Frame, torch.Tensor], None]
+"""Where a fetch's answer's tensors go (on the link's reader thread)."""
+
+
+class Server(Protocol):
+    """What serves the fetches a link's peer asks for (the node: its state and snapshots)."""
+
+    def serve(self, peer: Peer, method: Method, request: bytes
+              ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The answer to a FETCH of ``method`` with the serialized ``request``: named
+        tensors, in order. Runs on a thread of its own; may block.
+
+        Raises:
+            Refused: with the code the gRPC method would end with (also while iterating).
+        """
+
+
+class Pending:
+    """One fetch this side asked for, waiting for its answer.
+
+    Attributes:
+        id: its number on the link (the FETCH record's ``arg``), >= 1.
+        admit, deliver: the fetch's checks and sink for the answer's tensors.
+        error: why it failed (None: not failed).
+        tensors: the answer's tensors delivered so far.
+    """
+
+    def __init__(self, fetch: int, admit: Admit, deliver: Deliver):
+        self.id, self.admit, self.deliver = fetch, admit, deliver
+        self.error: BaseException | None = None
+        self.tensors = 0
+        self._done = threading.Event()
+
+    def end(self, error: BaseException | None = None) -> None:
+        """The answer ended (``error``: it failed); the first end counts."""
+        if not self._done.is_set():
+            self.error = error
+            self._done.set()
+
+    @property
+    def failed(self) -> bool:
+        return self._done.is_set() and self.error is not None
+
+    def wait(self, timeout: float) -> None:
+        """Wait for the answer's end.
+
+        Raises:
+            PeerRefused: the peer answered with an error (its code and message).
+            LinkFailed: the connection broke, the link failed, or ``timeout`` passed.
+            WireError, and what ``admit``/``deliver`` raised: a tensor of the answer
+                was refused here.
+        """
+        if not self._done.wait(timeout):
+            raise LinkFailed(f"fetch {self.id}: no answer within {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+
+class Fetches:
+    """A link's fetches: those this side waits for, and how many it serves. Thread-safe."""
+
+    def __init__(self, peer: str):
+        self.peer = peer
+        self._lock = threading.Lock()
+        self._next = 1
+        self._pending: dict[int, Pending] = {}
+        self._serving = 0
+        self.served = 0
+        """Fetches this side answered (OK or not)."""
+        self.answered = 0
+        """Fetches of this side's that the peer answered OK."""
+
+    def open(self, admit: Admit, deliver: Deliver) -> Pending:
+        """A new fetch, waiting for its answer until :meth:`close`."""
+        with self._lock:
+            pending = Pending(self._next, admit, deliver)
+            self._next += 1
+            self._pending[pending.id] = pending
+            return pending
+
+    def close(self, pending: Pending) -> None:
+        """Stop waiting for ``pending``: later tensors of its answer are dropped."""
+        with self._lock:
+            self._pending.pop(pending.id, None)
+
+    def get(self, fetch: int) -> Pending | None:
+        """The fetch an answer's tensor names, if it is still waited for and has not
+        failed (else the tensor is dropped)."""
+        with self._lock:
+            pending = self._pending.get(fetch)
+        return None if pending is None or pending.failed else pending
+
+    def ended(self, fetch: int, code: int, text: str) -> None:
+        """The peer's FETCHED for ``fetch`` (one not waited for is ignored)."""
+        with self._lock:
+            pending = self._pending.get(fetch)
+            if pending is not None and code == Code.OK:
+                self.answered += 1
+        if pending is not None:
+            pending.end(None if code == Code.OK else PeerRefused(code_of(code), text, 0))
+
+    def broken(self, why: str) -> None:
+        """The connection broke or the link failed: every fetch waited for fails."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for p in pending:
+            p.end(LinkFailed(f"fetch {p.id} from {self.peer}: the connection broke ({why})"))
+
+    def start_serving(self) -> bool:
+        """Whether this side may serve one more of the peer's fetches now (then
+        :meth:`stop_serving` when done)."""
+        with self._lock:
+            if self._serving >= MAX_SERVED:
+                return False
+            self._serving += 1
+            return True
+
+    def refuse(self, method: int, serves: bool, name: str) -> tuple[Code, str] | None:
+        """Why this side (``name``; ``serves``: it has a :class:`Server`) does not serve a
+        FETCH of ``method`` now, or None: it does (then :meth:`stop_serving` when done)."""
+        if method not in set(Method) or not serves:
+            return Code.UNIMPLEMENTED, f"{name} serves no fetch of method {method} here"
+        if not self.start_serving():
+            return Code.RESOURCE_EXHAUSTED, (f"{name} serves at most {MAX_SERVED} fetches of "
+                                             f"{self.peer} at once")
+        return None
+
+    def stop_serving(self) -> None:
+        with self._lock:
+            self._serving -= 1
+            self.served += 1
+
+
+def read_request(conn: Connection) -> tuple[int, bytes]:
+    """A FETCH record's method and request (after its prefix), the length checked before
+    the request is read.
+
+    Raises:
+        WireError: a request longer than :data:`~.records.MAX_REQUEST_BYTES`.
+    """
+    method, size = records.FETCH_BODY.unpack(conn.read_exact(records.FETCH_BODY.size))
+    if size > records.MAX_REQUEST_BYTES:
+        raise WireError(f"fetch request of {size} bytes exceeds {records.MAX_REQUEST_BYTES}")
+    return method, conn.read_exact(size)
+
+
+def take_answer(conn: Connection, header: node_pb2.Frame, pending: Pending | None) -> None:
+    """Read a tensor of the answer to one of this side's fetches (its header read): checked
+    by the fetch's ``admit`` before its payload is read, then delivered to it. One the fetch
+    refuses fails the fetch, not the link (the peer sent what it was asked for); one of a
+    fetch not waited for any more (``pending`` None) is read and dropped.
+
+    Raises:
+        WireError: a malformed tensor (a protocol error, as on any TENSOR).
+        Closed, OSError: the connection broke.
+    """
+    limit = None
+    if pending is not None:
+        try:
+            limit = pending.admit(header)
+        except Exception as e:  # noqa: BLE001 — what the fetch's checks raise fails it
+            pending.end(e)
+    if pending is None or limit is None:
+        skip_payload(conn, header)
+        return
+    tensor = read_tensor(conn, header, limit)
+    try:
+        pending.deliver(header, tensor)
+        pending.tensors += 1
+    except Exception as e:  # noqa: BLE001 — as above
+        pending.end(e)
+
+
+def answer(server: Server, peer: Peer, method: Method, request: bytes,
+           send: Callable[[str, torch.Tensor], object]) -> tuple[Code, str] | None:
+    """Serve a peer's fetch: ``server``'s tensors, each ``send`` on the link; how the
+    answer ends (its FETCHED's code and text), or None: the link failed, nobody to tell."""
+    try:
+        for name, tensor in server.serve(peer, method, request):
+            send(name, tensor)
+    except Refused as e:
+        return e.code, str(e)
+    except LinkFailed:
+        return None
+    except Exception as e:  # noqa: BLE001 — a server's bug fails one fetch, not the link
+        log.exception("serving a fetch of %s", peer.name)
+        return Code.INTERNAL, f"the server failed: {e!r}"
+    return Code.OK, ""
