@@ -173,6 +173,7 @@ class NodeReceiver:
         """
         with self._lock:
             self.fetches_served += 1
+        tensors: fetches.Named
         try:
             self._check_revoked(peer)
             policy.authorize(FETCH_METHODS[method], peer.identity)
