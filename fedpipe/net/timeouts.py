@@ -33,7 +33,8 @@ SUBMIT_RPC = _seconds("SUBMIT_RPC", 60.0)
 LOAD_STAGE_RPC = _seconds("LOAD_STAGE_RPC", 120.0)
 """Loading one stage: unpickling its layers and building its optimizer."""
 FETCH_STATE_RPC = _seconds("FETCH_STATE_RPC", 300.0)
-"""Streaming one stage's weights to a client."""
+"""Streaming one stage's weights to a client, or a stage's snapshot to the node restoring it
+(over gRPC or a socket link's fetch)."""
 PING_RPC = _seconds("PING_RPC", 30.0)
 """A Ping during a link measurement."""
 PROBE_SEND_RPC = _seconds("PROBE_SEND_RPC", 120.0)

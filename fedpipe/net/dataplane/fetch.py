@@ -98,11 +98,26 @@ class Pending:
             raise self.error
 
 
-class Fetches:
-    """A link's fetches: those this side waits for, and how many it serves. Thread-safe."""
+Send = Callable[[str, torch.Tensor, int], object]
+"""Send a named tensor on the link as part of the answer to the fetch of that id."""
 
-    def __init__(self, peer: str):
-        self.peer = peer
+
+class Fetches:
+    """A link's fetches: those this side asks and waits for, and those it serves.
+    Thread-safe.
+
+    Args:
+        peer, name: the link's peer and this side, by name (for messages).
+        server: what answers the peer's fetches (None: none are served).
+        control: queue a control record on the link (written after the tensors before).
+        send: send a tensor of an answer on the link.
+    """
+
+    def __init__(self, peer: str, name: str = "", server: Server | None = None,
+                 control: Callable[[bytes], None] = lambda record: None,
+                 send: Send | None = None):
+        self.peer, self.name, self.server = peer, name, server
+        self._control, self._send = control, send
         self._lock = threading.Lock()
         self._next = 1
         self._pending: dict[int, Pending] = {}
@@ -111,6 +126,60 @@ class Fetches:
         """Fetches this side answered (OK or not)."""
         self.answered = 0
         """Fetches of this side's that the peer answered OK."""
+
+    def ask(self, method: Method, request: bytes, admit: Admit, deliver: Deliver,
+            timeout: float) -> int:
+        """Ask the peer for what ``method`` answers ``request`` with (a serialized
+        ``FetchStateRequest`` or ``FetchSnapshotRequest``); each tensor of the answer is
+        checked by ``admit`` (its size limit, before its payload is read) and handed to
+        ``deliver``, on the link's reader thread. Returns when the answer is complete:
+        how many tensors it had.
+
+        Raises:
+            PeerRefused: the peer refused the fetch (the code gRPC would end with).
+            LinkFailed: the link failed, its connection broke meanwhile (ask again), or
+                ``timeout`` passed.
+            WireError, or what ``admit``/``deliver`` raised: a tensor was refused here.
+        """
+        pending = self.open(admit, deliver)
+        try:
+            self._control(records.pack_fetch(pending.id, method, request))
+            pending.wait(timeout)
+            return pending.tensors
+        finally:
+            self.close(pending)
+
+    def on_fetch(self, conn: Connection, fetch: int, peer: Peer) -> None:
+        """The peer's FETCH record (its prefix read): its request read, its length checked
+        first; then served on a thread of its own, so the link's reader goes on (the
+        answer waits for credit that the reader brings back).
+
+        Raises:
+            WireError: a request past :data:`~.records.MAX_REQUEST_BYTES`.
+        """
+        method, request = read_request(conn)
+        refused = self.refuse(method, self.server is not None, self.name)
+        if refused is not None:
+            self._answer(fetch, *refused)
+        else:
+            threading.Thread(target=self._serve, args=(fetch, Method(method), request, peer),
+                             daemon=True, name=f"fetch-{self.peer}").start()
+
+    def _serve(self, fetch: int, method: Method, request: bytes, peer: Peer) -> None:
+        """Answer the peer's fetch: the server's tensors, then FETCHED."""
+        try:
+            assert self.server is not None and self._send is not None
+            send = self._send
+            end = answer(self.server, peer, method, request,
+                         lambda name, t: send(name, t, fetch))
+        finally:
+            self.stop_serving()
+        if end is not None:
+            self._answer(fetch, *end)
+
+    def _answer(self, fetch: int, code: Code, text: str) -> None:
+        """End the peer's fetch: a FETCHED, after every tensor of its answer."""
+        self._control(records.pack_text(records.RecordType.FETCHED, fetch, code, text))
 
     def open(self, admit: Admit, deliver: Deliver) -> Pending:
         """A new fetch, waiting for its answer until :meth:`close`."""

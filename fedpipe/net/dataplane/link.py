@@ -42,7 +42,7 @@ from . import records
 from .connection import Closed, Connection, read_head, read_tensor, skip_payload
 from .credits import Credits, LinkFailed
 from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused
-from .fetch import Admit, Deliver, Fetches, Server, answer, read_request, take_answer
+from .fetch import Admit, Deliver, Fetches, Server, take_answer
 from .records import Code, Method, Preface, RecordType
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,8 @@ class Link:
                  timeouts: Timeouts = DEFAULT_TIMEOUTS, server: Server | None = None):
         self.name, self.role, self.peer_name = name, role, peer
         self.receiver, self.events, self.server = receiver, events or _Quiet(), server
-        self.fetches = Fetches(peer)
+        self.fetches = Fetches(peer, name, server, self._queue,
+                               lambda n, t, fetch: self.send(t, name=n, fetch=fetch))
         self.dial, self.timeouts = dial, timeouts
         self.window_bytes, self.window_messages = window_bytes, window_messages
         self.session = secrets.token_hex(8)
@@ -266,45 +267,13 @@ class Link:
 
     def fetch(self, method: Method, request: bytes, admit: Admit, deliver: Deliver,
               timeout: float) -> int:
-        """Ask the peer for what ``method`` answers ``request`` with (a serialized
-        ``FetchStateRequest`` or ``FetchSnapshotRequest``); each tensor of the answer is
-        checked by ``admit`` (its size limit, before its payload is read) and handed to
-        ``deliver``, on the reader thread. Returns when the answer is complete: how many
-        tensors it had.
+        """Ask the peer for what ``method`` answers ``request`` with: :meth:`.fetch.Fetches.ask`.
 
         Raises:
-            PeerRefused: the peer refused the fetch (the code gRPC would end with).
-            LinkFailed: the link failed, its connection broke meanwhile (ask again), or
-                ``timeout`` passed.
-            WireError, or what ``admit``/``deliver`` raised: a tensor was refused here.
+            LinkFailed: the link failed; and what :meth:`.fetch.Fetches.ask` raises.
         """
         self._check_up()
-        pending = self.fetches.open(admit, deliver)
-        try:
-            with self._state:
-                self._control.append(records.pack_fetch(pending.id, method, request))
-            self._drain()
-            pending.wait(timeout)
-            return pending.tensors
-        finally:
-            self.fetches.close(pending)
-
-    def _serve(self, fetch: int, method: Method, request: bytes) -> None:
-        """Answer the peer's fetch (its own thread): the server's tensors, then FETCHED."""
-        try:
-            assert self.server is not None and self.peer is not None
-            end = answer(self.server, self.peer, method, request,
-                         lambda name, t: self.send(t, name=name, fetch=fetch))
-        finally:
-            self.fetches.stop_serving()
-        if end is not None:
-            self._answer(fetch, *end)
-
-    def _answer(self, fetch: int, code: Code, text: str) -> None:
-        """End the peer's fetch: a FETCHED, after every tensor of its answer."""
-        with self._state:
-            self._control.append(records.pack_text(RecordType.FETCHED, fetch, code, text))
-        self._drain()
+        return self.fetches.ask(method, request, admit, deliver, timeout)
 
     def _wait_idle(self, timeout: float | None, owner: str | None = None,
                    through: int | None = None) -> None:
@@ -333,8 +302,12 @@ class Link:
                 or self.retained[0].seq > through, timeout)
 
     def _sync(self) -> None:
+        self._queue(records.pack(RecordType.SYNC, self.next_seq))
+
+    def _queue(self, record: bytes) -> None:
+        """Write a control record soon (:meth:`_drain`), after the tensors written before."""
         with self._state:
-            self._control.append(records.pack(RecordType.SYNC, self.next_seq))
+            self._control.append(record)
         self._drain()
 
     def _write(self, conn: Connection, *parts: bytes | memoryview) -> None:
@@ -502,7 +475,8 @@ class Link:
             code, text = self._read_text(conn)
             raise _GoAway(f"{records.code_of(code).name}: {text}")
         elif kind is RecordType.FETCH:
-            self._on_fetch(conn, arg)
+            assert self.peer is not None  # set by attach, before the reader starts
+            self.fetches.on_fetch(conn, arg, self.peer)
         elif kind is RecordType.FETCHED:
             code, text = self._read_text(conn)
             self.fetches.ended(arg, code, text)
@@ -515,17 +489,6 @@ class Link:
         if size > records.MAX_TEXT_BYTES:
             raise WireError(f"refusal text of {size} bytes exceeds {records.MAX_TEXT_BYTES}")
         return code, conn.read_exact(size).decode(errors="replace")
-
-    def _on_fetch(self, conn: Connection, fetch: int) -> None:
-        """The peer's FETCH: its request read (its length checked first), then served on a
-        thread of its own, so this reader goes on (the answer waits for credit it brings)."""
-        method, request = read_request(conn)
-        refused = self.fetches.refuse(method, self.server is not None, self.name)
-        if refused is not None:
-            self._answer(fetch, *refused)
-        else:
-            threading.Thread(target=self._serve, args=(fetch, Method(method), request),
-                             daemon=True, name=f"fetch-{self.peer_name}").start()
 
     def _on_tensor(self, conn: Connection, seq: int) -> None:
         header = read_head(conn)
