@@ -256,3 +256,25 @@ def test_the_peer_in_a_fetch_is_the_links(monkeypatch):
     with DataPlane("node0", Nothing()) as a, DataPlane("node1", r, server=r) as b:
         fetch_snapshot(a.link("node1", b.address), snapshot_request())
     assert [p.name for p in seen] == ["node0"]
+
+
+def test_a_clients_state_dict_comes_over_its_socket_plane_and_a_refusal_is_grpcs_error():
+    import grpc
+
+    from fedpipe.client import checkpoints, links
+    r, _ = serving_node()
+    plan = node_pb2.Plan(stages=[node_pb2.StageAssignment(
+        replica=0, stage=1, node_name="node1", address="127.0.0.1:1")])  # no gRPC there
+
+    def no_grpc(address):
+        raise AssertionError(f"FetchState went to {address} over gRPC")
+    with links.client_plane(None) as client, DataPlane("node1", r, server=r) as b:
+        plan.stages[0].data_address = b.address
+        got = checkpoints.stage_weights(no_grpc, "j", plan, plane=client)
+        assert set(got) == {"0.weight", "0.bias"}
+        assert torch.equal(got["0.bias"], MODEL.bias.detach())
+        plan.stages[0].stage = 0  # a stage node1 does not hold
+        with pytest.raises(grpc.RpcError) as e:
+            checkpoints.stage_weights(no_grpc, "j", plan, plane=client)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "node1 refused it" in str(
+        e.value.details())

@@ -15,6 +15,7 @@ resume without losing a tensor.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -184,7 +185,8 @@ def test_a_relay_without_tls_on_a_public_address_is_refused_at_start():
 def test_a_drained_relayed_nodes_stage_state_is_fetched_over_the_socket_plane_via_its_relay():
     """A drain hands a relayed node's stage over to the spare: the spare fetches the
     stage's state at the cut from the draining node through the relay's data port
-    (FRAMES.md, "Fetches"), not its relayed gRPC port; the job ends exact."""
+    (FRAMES.md, "Fetches"), not its relayed gRPC port; the job ends exact, and the
+    client fetches its weights over the socket plane too."""
     with LocalSwarm(n_nodes=0) as swarm:
         relay = f"127.0.0.1:{free_port()}"
         start_relay(swarm, int(relay.rpartition(":")[2]))
@@ -210,3 +212,8 @@ def test_a_drained_relayed_nodes_stage_state_is_fetched_over_the_socket_plane_vi
         # the socket plane: gRPC's FetchSnapshot would end the line "over gRPC"
         assert f"from {drained[0]}: " in fetched[0], fetched  # its relayed gRPC address
         assert fetched[0].endswith("over the socket data plane"), fetched
+        # and the client's state_dict (train's check) came over it too, a stage each
+        served = [line for p in swarm.nodes for line in swarm.log(p).splitlines()
+                  if re.search(r"serving FetchState to \S+#\w+ ", line)]
+        assert len(served) == 3 and all(line.endswith("over the socket data plane")
+                                        for line in served), served

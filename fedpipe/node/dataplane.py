@@ -189,6 +189,9 @@ class NodeReceiver:
             first = next(tensors, None)  # a generator's checks run at its first tensor
         except MAPPED as e:
             raise refusal(e) from None
+        # what a fetch over the socket plane served (tests count it from this line)
+        log.info("serving %s to %s over the socket data plane", FETCH_METHODS[method]
+                 .rpartition("/")[2], peer.name)
         return _refusing(first, tensors)
 
     # -- LinkEvents -------------------------------------------------------------
