@@ -9,6 +9,7 @@ Real links over loopback, a real snapshot desk and store.
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 import torch
@@ -278,3 +279,24 @@ def test_a_clients_state_dict_comes_over_its_socket_plane_and_a_refusal_is_grpcs
             checkpoints.stage_weights(no_grpc, "j", plan, plane=client)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "node1 refused it" in str(
         e.value.details())
+
+
+def test_an_accepted_connection_silent_after_its_preface_is_closed_and_gives_its_slot_back():
+    from fedpipe.net.dataplane import Timeouts
+    quick = Timeouts(silent=0.5, resume=0.5)
+    with DataPlane("node1", Nothing(), timeouts=quick) as b:
+        silent, talking = _raw_dial(b.port, "mallory"), _raw_dial(b.port, "node0")
+        talking.write(records.pack(RecordType.SYNC, 0))  # a record: the deadline is lifted
+        assert records.unpack(talking.read_exact(records.PREFIX_BYTES))[0] is RecordType.ACK
+        assert b.caps.held() == 2
+        silent.sock.settimeout(10)
+        with pytest.raises(connection.Closed):  # closed by the listener, without a word
+            silent.read_exact(1)
+        talking.write(records.pack(RecordType.SYNC, 0))  # past the deadline: still served
+        assert records.unpack(talking.read_exact(records.PREFIX_BYTES))[0] is RecordType.ACK
+        deadline = time.monotonic() + 5
+        while b.caps.held() != 1 and time.monotonic() < deadline:  # its thread lets go
+            time.sleep(0.01)
+        assert b.caps.held() == 1
+        silent.close()
+        talking.close()

@@ -67,6 +67,9 @@ class Timeouts:
         resync: a sender waiting for acknowledgements asks again this often.
         first_record: an accepted connection's TLS handshake and preface, in all
             (:data:`fedpipe.net.timeouts.DATA_FIRST_RECORD`).
+        silent: an accepted connection of a link that carried nothing yet must send a
+            record within this long of its preface, else it is closed
+            (:data:`fedpipe.net.timeouts.DATA_SILENT_AFTER_PREFACE`).
     """
 
     credit: float = 600.0
@@ -76,6 +79,7 @@ class Timeouts:
     backoff_max: float = 1.0
     resync: float = 1.0
     first_record: float = net_timeouts.DATA_FIRST_RECORD
+    silent: float = net_timeouts.DATA_SILENT_AFTER_PREFACE
 
 
 DEFAULT_TIMEOUTS = Timeouts()
@@ -457,6 +461,7 @@ class Link:
 
     def _read_record(self, conn: Connection) -> None:
         kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
+        conn.lift_deadline()  # the peer spoke (the deadline of a silent one after its preface)
         if kind is RecordType.TENSOR:
             self._on_tensor(conn, arg)
         elif kind is RecordType.ACK:
@@ -546,6 +551,12 @@ class Link:
                 self._ack_due = True
         if self._ack_due or self._control:
             self._drain()
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the link has carried no tensor either way yet."""
+        with self._state:
+            return self.next_seq == 0 and self.expected == 0 and self.received == 0
 
     def wait_up(self, timeout: float) -> bool:
         """Wait until a connection carries the link (or it fails); whether it does."""

@@ -368,6 +368,10 @@ class DataPlane:
             conn.write(link.preface().encode())
             sock.settimeout(None)
             link.attach(conn, theirs, peer)
+            if link.fresh:  # its first record must come (Timeouts.silent); the reader lifts it
+                conn.until = time.monotonic() + self.timeouts.silent
+                conn.late = (f"nothing came within {self.timeouts.silent} s of its preface "
+                             "(fedpipe.net.timeouts.DATA_SILENT_AFTER_PREFACE)")
         except (OSError, WireError, SecurityError, LinkFailed, _Capped) as e:
             code, why = _refusal_of(e)
             if isinstance(e, OSError) and time.monotonic() >= until:
