@@ -72,12 +72,14 @@ class Pending:
         self.error: BaseException | None = None
         self.tensors = 0
         self._done = threading.Event()
+        self._lock = threading.Lock()  # the reader and a break may end it at once
 
     def end(self, error: BaseException | None = None) -> None:
         """The answer ended (``error``: it failed); the first end counts."""
-        if not self._done.is_set():
-            self.error = error
-            self._done.set()
+        with self._lock:
+            if not self._done.is_set():
+                self.error = error
+                self._done.set()
 
     @property
     def failed(self) -> bool:

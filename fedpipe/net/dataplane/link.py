@@ -306,7 +306,9 @@ class Link:
                 or self.retained[0].seq > through, timeout)
 
     def _sync(self) -> None:
-        self._queue(records.pack(RecordType.SYNC, self.next_seq))
+        with self._state:
+            self._control.append(records.pack(RecordType.SYNC, self.next_seq))
+        self._drain()
 
     def _queue(self, record: bytes) -> None:
         """Write a control record soon (:meth:`_drain`), after the tensors written before."""
