@@ -15,6 +15,7 @@ resume without losing a tensor.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ import fedpipe
 from fedpipe.net.relay import Homing, Relay
 from fedpipe.proc import child_env, free_port
 from fedpipe.testing import LocalSwarm
-from reference import max_relative_difference, single_process
+from reference import job_info, max_relative_difference, single_process
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
 BATCH, MICROBATCHES = 16, 4
@@ -67,9 +68,10 @@ def relayed_swarm(swarm: LocalSwarm, relay: str, relays: str = "") -> dict:
     return nodes
 
 
-def train(swarm: LocalSwarm, steps: int, at_step=None, moved: bool = False):
+def train(swarm: LocalSwarm, steps: int, at_step=None, moved: bool = False, jobs=None):
     """Train a 3-stage job over the swarm; check its weights against PyTorch's and that its
-    plan names the nodes' relayed addresses (``moved``: their addresses when it ended)."""
+    plan names the nodes' relayed addresses (``moved``: their addresses when it ended;
+    ``jobs``: a list the job is appended to once submitted)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                           nn.Linear(16, 3))
@@ -80,6 +82,8 @@ def train(swarm: LocalSwarm, steps: int, at_step=None, moved: bool = False):
     nodes = {n.node_id: n for n in client.nodes()}
     job = client.submit(model, loss_fn, OPT, batches, steps=steps, microbatches=MICROBATCHES,
                         schedule="1f1b", stages=3, compression="none", rebalance="never")
+    if jobs is not None:
+        jobs.append(job)
     inj = None
     if at_step is not None:
         inj = swarm.inject(job.id)
@@ -176,3 +180,40 @@ def test_a_relay_without_tls_on_a_public_address_is_refused_at_start():
                           "--port", "0"], capture_output=True, text=True, timeout=60,
                          env=child_env(1))
     assert out.returncode == 1 and "without TLS" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_drained_relayed_nodes_stage_state_is_fetched_over_the_socket_plane_via_its_relay():
+    """A drain hands a relayed node's stage over to the spare: the spare fetches the
+    stage's state at the cut from the draining node through the relay's data port
+    (FRAMES.md, "Fetches"), not its relayed gRPC port; the job ends exact, and the
+    client fetches its weights over the socket plane too."""
+    with LocalSwarm(n_nodes=0) as swarm:
+        relay = f"127.0.0.1:{free_port()}"
+        start_relay(swarm, int(relay.rpartition(":")[2]))
+        for i in range(4):
+            swarm.add_node("--relay", relay)
+            swarm.wait_for_nodes(i + 1)
+        swarm.wait_for_links()
+        client = swarm.client()
+        drained: list[str] = []
+        jobs: list = []
+
+        def drain() -> None:
+            plan = job_info(client, jobs[0]).plan
+            victim = next(a for a in plan.stages if a.stage == 1)
+            drained.append(victim.address)
+            client.drain(victim.node_name)
+        status = train(swarm, steps=8, at_step=(3, "drain stage 1's node", drain), jobs=jobs)
+        assert [r.cause for r in status.recoveries] == ["drain"], status.recoveries
+        fetched = [line for p in swarm.nodes for line in swarm.log(p).splitlines()
+                   if "fetched the step" in line]
+        assert len(fetched) == 1, fetched
+        # from the draining node (in no plan the spare was given but the old one), over
+        # the socket plane: gRPC's FetchSnapshot would end the line "over gRPC"
+        assert f"from {drained[0]}: " in fetched[0], fetched  # its relayed gRPC address
+        assert fetched[0].endswith("over the socket data plane"), fetched
+        # and the client's state_dict (train's check) came over it too, a stage each
+        served = [line for p in swarm.nodes for line in swarm.log(p).splitlines()
+                  if re.search(r"serving FetchState to \S+#\w+ ", line)]
+        assert len(served) == 3 and all(line.endswith("over the socket data plane")
+                                        for line in served), served

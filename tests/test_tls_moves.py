@@ -45,7 +45,7 @@ HEAL_STEPS = 64
 NODES = 4
 """A 3-stage job and one spare (two 1-stage replica groups and two spares)."""
 FETCHED = re.compile(r"fetched the step (\d+) snapshot of job (\S+) stage (\d+) \(replica (\d+)\) "
-                     r"from (\S+): \d+ tensors")
+                     r"from (\S+): \d+ tensors, \d+ bytes, over (.+)$", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +102,12 @@ def refusals(swarm, job_id: str) -> list[str]:
 
 
 def fetches(swarm, job_id: str) -> list[tuple[int, int, int, str]]:
-    """(step, stage, replica, source address) of every snapshot any node fetched for the job."""
-    return [(int(m[1]), int(m[3]), int(m[4]), m[5]) for p in swarm.nodes
-            for m in FETCHED.finditer(swarm.log(p)) if m[2] == job_id]
+    """(step, stage, replica, source address) of every snapshot any node fetched for the job;
+    each over the socket data plane (every node has a data port), its TLS checked as
+    gRPC's."""
+    found = [m for p in swarm.nodes for m in FETCHED.finditer(swarm.log(p)) if m[2] == job_id]
+    assert {m[6] for m in found} <= {"the socket data plane"}, [m[0] for m in found]
+    return [(int(m[1]), int(m[3]), int(m[4]), m[5]) for m in found]
 
 
 def test_kill_9_of_a_stage_node_recovers_onto_the_spare_from_the_buddys_snapshot(swarm):

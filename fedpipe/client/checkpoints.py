@@ -48,6 +48,8 @@ from torch import nn
 
 from ..hf import checkpoint_names
 from ..net import timeouts
+from ..net.dataplane import DataPlane
+from ..net.dataplane.records import Method
 from ..proto import node_pb2
 from ..runtime import layerstate
 from ..runtime import checkpoint
@@ -59,6 +61,7 @@ from ..spec import JobSpec, PlanView, StageKey, state_name
 from ..wire import frames
 from ..wire.format import WireError
 from ..wire.codecs import MAX_TENSOR_BYTES
+from . import links
 from .errors import CheckpointGone
 
 TENSORS = "tensors.safetensors"
@@ -476,15 +479,18 @@ def gone_message(job_id: str, key: StageKey, step: int, state: int) -> str:
             f"snapshot of stage {key.stage} (replica group {key.replica}); {why}")
 
 
-def stage_weights(node: NodeOf, job_id: str, plan: node_pb2.Plan, stage: int | None = None
-                  ) -> dict[str, torch.Tensor]:
+def stage_weights(node: NodeOf, job_id: str, plan: node_pb2.Plan, stage: int | None = None,
+                  plane: DataPlane | None = None) -> dict[str, torch.Tensor]:
     """The trained weights of replica group 0's stages (or of stage ``stage`` alone),
     fetched from their nodes (``FetchState``), keyed as the model's own state_dict
-    (``"3.weight"``: layer 3's ``weight``).
+    (``"3.weight"``: layer 3's ``weight``): over ``plane`` (the client's socket data
+    plane) from a node that offers a data port (a relayed one through its relay's),
+    else over gRPC.
 
     Raises:
         ValueError: the plan has no stage ``stage``.
-        grpc.RpcError: a stage's node is unreachable or no longer holds the stage.
+        grpc.RpcError: a stage's node is unreachable or no longer holds the stage (over
+            the socket plane a :class:`~.links.LinkError` with the same code).
     """
     out: dict[str, torch.Tensor] = {}
     chain = PlanView(plan).chain(0)
@@ -492,10 +498,16 @@ def stage_weights(node: NodeOf, job_id: str, plan: node_pb2.Plan, stage: int | N
         chain = [a for a in chain if a.stage == stage]
         if not chain:
             raise ValueError(f"job {job_id} has no stage {stage}")
+    def keep(head: node_pb2.Frame, t: torch.Tensor) -> None:
+        out[head.name] = t
+
     for a in chain:
-        stream = node(a.address).FetchState(
-            node_pb2.FetchStateRequest(job_id=job_id, replica=a.replica, stage=a.stage),
-            timeout=timeouts.FETCH_STATE_RPC)
+        request = node_pb2.FetchStateRequest(job_id=job_id, replica=a.replica, stage=a.stage)
+        if plane is not None and a.data_address:
+            links.fetch(plane, a, Method.FETCH_STATE, request, lambda head: MAX_TENSOR_BYTES,
+                        keep)
+            continue
+        stream = node(a.address).FetchState(request, timeout=timeouts.FETCH_STATE_RPC)
         for head, t in frames.read_tensors(stream, in_place=True):  # gRPC's messages
-            out[head.name] = t
+            keep(head, t)
     return out

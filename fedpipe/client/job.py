@@ -410,7 +410,8 @@ class Job:
             ValueError: the plan has no stage ``stage``.
             grpc.RpcError: a stage's node is unreachable or no longer holds the stage.
         """
-        return checkpoints.stage_weights(self.client.node, self.id, self.plan, stage)
+        return checkpoints.stage_weights(self.client.node, self.id, self.plan, stage,
+                                         self.client.data_plane())
 
     def model(self) -> nn.Sequential:
         """A copy of the submitted model carrying the trained weights (the whole model,

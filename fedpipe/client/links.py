@@ -1,4 +1,5 @@
-"""A client's socket data plane: its feed (inputs, targets) to the nodes that offer one.
+"""A client's socket data plane: its feed (inputs, targets) to the nodes that offer one,
+and its fetches of a job's weights (``FetchState``, :func:`fetch`).
 
 The client dials each node's data port (:mod:`fedpipe.net.dataplane`) from one
 :class:`~fedpipe.net.dataplane.DataPlane` of role ``client`` that does not listen
@@ -14,6 +15,7 @@ gRPC ``Send`` would answer); a link that fails is UNAVAILABLE.
 from __future__ import annotations
 
 import socket
+from typing import Callable
 
 import grpc
 import torch
@@ -23,6 +25,8 @@ from ..proto import node_pb2
 from ..security import TlsConfig
 from ..status import StatusError
 from ..wire.format import WireError
+
+FetchRequest = node_pb2.FetchStateRequest | node_pb2.FetchSnapshotRequest
 
 
 class LinkError(StatusError):
@@ -76,4 +80,28 @@ def send(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
     except dataplane.LinkFailed as e:
         raise LinkError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
     except WireError as e:  # the tensor cannot be encoded
+        raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+
+def fetch(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
+          method: dataplane.records.Method, request: FetchRequest,
+          admit: Callable[[node_pb2.Frame], int],
+          deliver: Callable[[node_pb2.Frame, torch.Tensor], None]) -> None:
+    """Fetch ``request`` from ``node``'s data port (:meth:`~fedpipe.net.dataplane.Link.fetch`:
+    each tensor of the answer checked by ``admit``, then to ``deliver``); return once the
+    whole answer came.
+
+    Raises:
+        LinkError: the node refused it (the code its gRPC call would end with), the link
+            failed or broke meanwhile (UNAVAILABLE), or a tensor of the answer was refused
+            here (INVALID_ARGUMENT).
+    """
+    try:
+        plane.link(node.node_name, node.data_address).fetch(
+            method, request.SerializeToString(), admit, deliver, timeouts.FETCH_STATE_RPC)
+    except dataplane.PeerRefused as e:
+        raise LinkError(status_code(e.code), f"{node.node_name} refused it: {e}") from None
+    except dataplane.LinkFailed as e:
+        raise LinkError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+    except WireError as e:  # a tensor of the answer that this side refused
         raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None

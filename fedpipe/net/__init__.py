@@ -101,7 +101,8 @@ STREAMING_METHODS = frozenset(
 """Full gRPC method names of the streaming calls, the long-lived data-plane calls that
 :func:`server` caps: a node's ``Send`` (tensors from peers and the client's feed),
 ``FetchState`` (a stage's weights to a client), ``PutSnapshot`` (a checkpoint snapshot to
-its buddy) and ``FetchSnapshot`` (a snapshot to the node restoring a stage), and the
+its buddy) and ``FetchSnapshot`` (a snapshot to the node restoring a stage, where either
+node has no data port: :mod:`fedpipe.net.dataplane.fetch` otherwise), and the
 tracker's ``WatchJob`` (a job's events, for as long as it runs). Not the methods whose
 messages are wire frames: those are :data:`fedpipe.wire.rpc.FRAME_METHODS` (the unary
 ``SendOne`` is one of them, and is not capped)."""

@@ -33,7 +33,8 @@ SUBMIT_RPC = _seconds("SUBMIT_RPC", 60.0)
 LOAD_STAGE_RPC = _seconds("LOAD_STAGE_RPC", 120.0)
 """Loading one stage: unpickling its layers and building its optimizer."""
 FETCH_STATE_RPC = _seconds("FETCH_STATE_RPC", 300.0)
-"""Streaming one stage's weights to a client."""
+"""Streaming one stage's weights to a client, or a stage's snapshot to the node restoring it
+(over gRPC or a socket link's fetch)."""
 PING_RPC = _seconds("PING_RPC", 30.0)
 """A Ping during a link measurement."""
 PROBE_SEND_RPC = _seconds("PROBE_SEND_RPC", 120.0)
@@ -138,6 +139,13 @@ handshake and its first record (the preface) in all; then it is refused (GOAWAY
 DEADLINE_EXCEEDED, naming this limit) and closed. So a connection that stalls before its
 preface, or drips it a byte at a time, holds one of the listener's connection slots
 (:mod:`fedpipe.net.dataplane.caps`) for this long at most."""
+DATA_SILENT_AFTER_PREFACE = _seconds("DATA_SILENT_AFTER_PREFACE", 600.0)
+"""A connection accepted on a socket data port for a link that has carried nothing yet must
+send its first record after its preface within this long, else it is closed (no GOAWAY:
+a fedpipe dialer's link may redial it, and resumes). So a caller that prefaces and then
+falls silent holds a listener's slot (:mod:`fedpipe.net.dataplane.caps`) for this long
+at most, not for ever. A link that carried a tensor either way is never cut for idling:
+stages idle between DiLoCo outer steps on purpose."""
 GOAWAY_LINGER = _seconds("GOAWAY_LINGER", 1.0)
 """A socket data-plane side that refuses a connection (GOAWAY) reads what its peer still
 sends for this long at most before it closes, so the close does not reset the connection

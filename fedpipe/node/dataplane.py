@@ -18,6 +18,13 @@ job's snapshots (:meth:`~fedpipe.node.access.JobAccessBook.check_snapshot`, on
 the skeleton); the :class:`~fedpipe.node.snapshots.SnapshotDesk` puts the
 tensors together and keeps the snapshot once it has them all.
 
+A peer's fetch (``FetchState``, ``FetchSnapshot``: a node restoring a stage from
+this one's snapshot; :mod:`fedpipe.net.dataplane.fetch`) is served by
+:meth:`NodeReceiver.serve` on a thread of its own, with gRPC's checks: the
+deny list, the method's policy row, then :mod:`fedpipe.node.fetches` (the job's
+client or a node of its plans; the stage or snapshot held here). A stage's
+weights are copied as they are sent (the stage goes on training meanwhile).
+
 Delivery runs on the link's reader thread: it files the tensor in the stage's
 mailbox and never sends (the stage threads do), so a reader never waits on its
 own link's credit.
@@ -26,27 +33,35 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
+from google.protobuf.message import DecodeError
+
 from ..net.dataplane import Code, Peer, Refused
+from ..net.dataplane.records import Method
 from ..proto import node_pb2
 from ..security import Unauthenticated, policy
 from ..spec import Kind
 from .access import JobAccessBook
 from .admission import DataPlane as Admission
 from .admission import slot_of
-from .errors import MAPPED, NoSuchSnapshot, status_of
+from . import fetches
+from .errors import MAPPED, InvalidRequest, NoSuchSnapshot, status_of
 from .snapshots import SnapshotDesk
 from .stages import StageRegistry
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", node_pb2.FetchStateRequest, node_pb2.FetchSnapshotRequest)
 
 SEND_METHOD = "/fedpipe.v1.Node/Send"
 """The policy row a socket link's tensors are checked by: they are ``Send``'s frames."""
 PUT_SNAPSHOT_METHOD = "/fedpipe.v1.Node/PutSnapshot"
 """The policy row a socket link's snapshot tensors are checked by."""
+FETCH_METHODS = {Method.FETCH_STATE: "/fedpipe.v1.Node/FetchState",
+                 Method.FETCH_SNAPSHOT: "/fedpipe.v1.Node/FetchSnapshot"}
+"""The policy row a socket link's fetch is checked by: the gRPC method it stands for."""
 PIPELINE_KINDS = frozenset({Kind.ACTIVATION, Kind.GRADIENT})
 """Kinds whose sender is a pipeline neighbour: a link that broke after one is suspect."""
 
@@ -82,6 +97,8 @@ class NodeReceiver:
         """Tensors delivered over socket links (stage tensors and probes)."""
         self.snapshot_tensors = 0
         """Snapshot tensors taken over socket links (skeletons included)."""
+        self.fetches_served = 0
+        """Fetches (FetchState, FetchSnapshot) answered over socket links, refused or not."""
 
     def close(self) -> None:
         """Stop waiting for room in a mailbox (node shutdown)."""
@@ -97,10 +114,7 @@ class NodeReceiver:
         identity = peer.identity
         env = header.envelope
         try:
-            if identity is not None and self.revoked is not None \
-                    and identity.serial in self.revoked():
-                raise Unauthenticated(f"certificate of {identity} (serial {identity.serial}) "
-                                      "is revoked")
+            self._check_revoked(peer)
             if env.kind == Kind.SNAPSHOT:
                 return self._admit_snapshot(peer, header)
             policy.authorize(SEND_METHOD, identity)
@@ -109,6 +123,14 @@ class NodeReceiver:
             return self.admission.admit(env, tuple(header.tensor.shape))
         except MAPPED as e:
             raise refusal(e) from None
+
+    def _check_revoked(self, peer: Peer) -> None:
+        """Raise Unauthenticated if the peer's certificate is on the deny list now."""
+        identity = peer.identity
+        if identity is not None and self.revoked is not None \
+                and identity.serial in self.revoked():
+            raise Unauthenticated(f"certificate of {identity} (serial {identity.serial}) "
+                                  "is revoked")
 
     def _admit_snapshot(self, peer: Peer, header: node_pb2.Frame) -> int:
         """A snapshot tensor's checks: ``PutSnapshot``'s (module docstring)."""
@@ -141,6 +163,37 @@ class NodeReceiver:
             if env.kind in PIPELINE_KINDS:
                 self._last[peer.name] = env
 
+    # -- fetch Server ---------------------------------------------------------
+    def serve(self, peer: Peer, method: Method, request: bytes
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A peer's fetch, checked as on gRPC (module docstring); its answer's tensors.
+
+        Raises:
+            Refused: with the code gRPC would answer (checks run before the first tensor).
+        """
+        with self._lock:
+            self.fetches_served += 1
+        tensors: fetches.Named
+        try:
+            self._check_revoked(peer)
+            policy.authorize(FETCH_METHODS[method], peer.identity)
+            if method is Method.FETCH_STATE:
+                state = fetches.state(self.access, self.stages, peer.identity,
+                                      _parse(node_pb2.FetchStateRequest, request))
+                tensors = ((name, t.detach().to("cpu", copy=True)) for name, t in state)
+            else:
+                if self.desk is None:
+                    raise NoSuchSnapshot("this node keeps no snapshots")
+                tensors = fetches.snapshot(self.access, self.desk, peer.identity,
+                                           _parse(node_pb2.FetchSnapshotRequest, request))
+            first = next(tensors, None)  # a generator's checks run at its first tensor
+        except MAPPED as e:
+            raise refusal(e) from None
+        # what a fetch over the socket plane served (tests count it from this line)
+        log.info("serving %s to %s over the socket data plane", FETCH_METHODS[method]
+                 .rpartition("/")[2], peer.name)
+        return _refusing(first, tensors)
+
     # -- LinkEvents -------------------------------------------------------------
     def lost(self, peer: str, why: str) -> None:
         """A connection from ``peer`` broke (its link tries to resume): report the
@@ -158,3 +211,27 @@ class NodeReceiver:
             env = self._last.pop(peer, None)
         if env is not None:
             self.admission.suspect(env)
+
+
+def _parse(kind: type[M], body: bytes) -> M:
+    """A fetch's request from its bytes.
+
+    Raises:
+        InvalidRequest: they do not parse as ``kind``.
+    """
+    try:
+        return kind.FromString(body)
+    except DecodeError as e:
+        raise InvalidRequest(f"a fetch's request is not a {kind.__name__}: {e}") from None
+
+
+def _refusing(first: tuple[str, torch.Tensor] | None,
+              rest: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``first`` then ``rest``, a node domain error raised meanwhile (a snapshot file that
+    cannot be read) as the refusal gRPC's call would end with."""
+    try:
+        if first is not None:
+            yield first
+        yield from rest
+    except MAPPED as e:
+        raise refusal(e) from None

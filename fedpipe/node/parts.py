@@ -157,7 +157,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     device = torch.device(resources.device or "cpu")
     memory = StageMemory(device, resources.memory_bytes)
     reporter = StageReporter(node_id, report, metrics, memory)
-    restorer = Restorer(snapshots, channels)
+    restorer = Restorer(snapshots, channels, lambda: sockets[0] if sockets else None)
     # a snapshot goes to a buddy that offers a data port over the socket plane
     checkpoints = Checkpoints(snapshots, channels, reporter,
                               lambda: sockets[0] if sockets else None)
@@ -178,7 +178,8 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
                                 if verifier is not None else None, desk)
         try:
             sockets.append(SocketPlane(name, receiver, host=data_host, port=data_port,
-                                       tls=tls, events=receiver, sources=data_sources))
+                                       tls=tls, events=receiver, sources=data_sources,
+                                       server=receiver))
         except OSError as e:
             raise OSError(e.errno, f"cannot listen on data port {data_port} of {data_host}: "
                                    f"{e.strerror or e}") from e

@@ -3,15 +3,28 @@ the nodes the tracker names, or assembled from layers of the old plan's stages.
 
 The life cycle (:mod:`~fedpipe.node.stages`, :mod:`~fedpipe.node.running`) decides
 when; :class:`Restorer` only finds the snapshot and loads it into the stage's parts.
+
+A source that offers a data port (where this node has one too) is fetched from over
+the socket data plane (:mod:`fedpipe.net.dataplane.fetch`: a relayed node through its
+relay's data port, never its relayed gRPC port); one without, over gRPC's
+``FetchSnapshot``. The sources are gRPC addresses (what the tracker names); their
+nodes' names and data ports come from the load's plan and its ``snapshot_peers``
+(:meth:`Restorer.learn`).
 """
 from __future__ import annotations
 
 import logging
 from typing import Collection
 
+import threading
+from typing import Callable
+
 import grpc
 
 from ..net import timeouts
+from ..net.dataplane import DataPlane as SocketPlane
+from ..net.dataplane import LinkFailed
+from ..net.dataplane.records import Method
 from ..proto import node_pb2
 from ..runtime import checkpoint, layerstate
 from ..spec import StageKey
@@ -31,10 +44,27 @@ class Restorer:
         snapshots: the snapshots kept on this node (own and buddies'); a whole
             snapshot fetched for a stage's own key is kept there too.
         channels: the node's channels to the sources.
+        sockets: the node's socket data plane (None: it has none; every fetch is gRPC's).
     """
 
-    def __init__(self, snapshots: SnapshotStore, channels: ChannelPool):
-        self.snapshots, self.channels = snapshots, channels
+    def __init__(self, snapshots: SnapshotStore, channels: ChannelPool,
+                 sockets: Callable[[], SocketPlane | None] = lambda: None):
+        self.snapshots, self.channels, self.sockets = snapshots, channels, sockets
+        self._lock = threading.Lock()
+        self._peers: dict[str, node_pb2.Peer] = {}  # a node's gRPC address -> it
+        self.socket_fetches = 0
+        """Snapshots (or pieces) fetched over the socket data plane."""
+
+    def learn(self, request: node_pb2.LoadStageRequest) -> None:
+        """Remember the names and data ports of the nodes ``request``'s plan and its
+        ``snapshot_peers`` name, by address: where its sources are on the socket plane."""
+        with self._lock:
+            for a in request.plan.stages:
+                self._peers[a.address] = node_pb2.Peer(node_id=a.node_id, name=a.node_name,
+                                                       address=a.address,
+                                                       data_address=a.data_address)
+            for p in request.snapshot_peers:
+                self._peers[p.address] = p
 
     def restore(self, stage: Stage, sources: list[str],
                 pieces: Collection[node_pb2.SnapshotPiece] = ()) -> None:
@@ -82,16 +112,13 @@ class Restorer:
         """
         tried = []
         what = f"layers {layer_start}-{layer_end - 1} of " if layer_end > 0 else ""
+        request = node_pb2.FetchSnapshotRequest(
+            job_id=stage.job_id, replica=key.replica, stage=key.stage, step=stage.start,
+            layer_start=layer_start, layer_end=layer_end)
         for address in sources:
             try:
-                with self.channels.borrow(address) as ch:
-                    stream = rpc.NodeStub(ch).FetchSnapshot(
-                        node_pb2.FetchSnapshotRequest(
-                            job_id=stage.job_id, replica=key.replica, stage=key.stage,
-                            step=stage.start, layer_start=layer_start, layer_end=layer_end),
-                        timeout=timeouts.FETCH_STATE_RPC)
-                    _, snap = checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)
-            except (grpc.RpcError, WireError) as e:
+                snap, over = self._fetch_from(address, request)
+            except (grpc.RpcError, WireError, LinkFailed) as e:  # PeerRefused: a WireError
                 detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
                 log.info("could not fetch %sthe step %d snapshot of job %s stage %d (replica %d) "
                          "from %s: %s", what, stage.start, stage.job_id, key.stage,
@@ -102,9 +129,35 @@ class Restorer:
                 self.snapshots.put(stage.job_id, key, snap)
             # the state that changed hands (tests and benchmarks count it from this line)
             log.info("fetched %sthe step %d snapshot of job %s stage %d (replica %d) from %s: "
-                     "%d tensors, %d bytes", what, snap.step, stage.job_id, key.stage,
-                     key.replica, address, len(snap.tensors), snap.nbytes)
+                     "%d tensors, %d bytes, over %s", what, snap.step, stage.job_id, key.stage,
+                     key.replica, address, len(snap.tensors), snap.nbytes, over)
             return snap
         raise StageLoadError(f"no snapshot of step {stage.start} for stage {key.stage} "
                              f"(replica {key.replica}) of job {stage.job_id}: tried "
                              f"{'; '.join(tried) or 'no source'}")
+
+    def _fetch_from(self, address: str, request: node_pb2.FetchSnapshotRequest
+                    ) -> tuple[checkpoint.Snapshot, str]:
+        """The snapshot ``request`` asks for, from the node at ``address``: over the socket
+        data plane where both ends have a data port, else over gRPC; and which it was.
+
+        Raises:
+            grpc.RpcError, WireError (PeerRefused: the node refused), LinkFailed.
+        """
+        plane, peer = self.sockets(), self._peers.get(address)
+        if plane is not None and peer is not None and peer.data_address:
+            assembler = checkpoint.Assembler(MAX_SNAPSHOT_BYTES)
+            try:
+                plane.link(peer.name, peer.data_address).fetch(
+                    Method.FETCH_SNAPSHOT, request.SerializeToString(), assembler.admit,
+                    assembler.add, timeouts.FETCH_STATE_RPC)
+                _, snap = assembler.finish()
+            except BaseException:
+                assembler.abort()
+                raise
+            with self._lock:
+                self.socket_fetches += 1
+            return snap, "the socket data plane"
+        with self.channels.borrow(address) as ch:
+            stream = rpc.NodeStub(ch).FetchSnapshot(request, timeout=timeouts.FETCH_STATE_RPC)
+            return checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)[1], "gRPC"

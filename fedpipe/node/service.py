@@ -23,10 +23,9 @@ from ..net.emulation import LinkProfile
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, node_pb2_grpc, tracker_pb2
 from ..security import TlsConfig, identity_of
-from ..spec import StageKey
 from ..wire import frames
 from ..wire.format import WireError
-from ..runtime import checkpoint
+from . import fetches
 from .access import Quorum
 from .errors import InvalidRequest, maps_errors
 from .lifecycle import StageSlot
@@ -104,10 +103,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     @maps_errors
     def FetchState(self, request, context):
-        self.access.require_owner_or_assigned(identity_of(context), request.job_id)
-        stage = self.stages.get(StageSlot(request.job_id, request.replica, request.stage))
+        tensors = fetches.state(self.access, self.stages, identity_of(context), request)
         with self.streams.open(context, "FetchState", request.job_id) as watch:
-            for name, t in stage.weights():
+            for name, t in tensors:
                 yield from watch.track(frames.encode_frames(t, name=name))
 
     @maps_errors
@@ -132,11 +130,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     @maps_errors
     def FetchSnapshot(self, request, context):
-        self.access.require_owner_or_assigned(identity_of(context), request.job_id)
-        snap = self.desk.snapshot(request.job_id, StageKey(request.replica, request.stage),
-                                  request.step, request.layer_start, request.layer_end)
+        tensors = fetches.snapshot(self.access, self.desk, identity_of(context), request)
         with self.streams.open(context, "FetchSnapshot", request.job_id) as watch:
-            yield from watch.track(checkpoint.to_frames(snap))
+            for name, t in tensors:
+                yield from watch.track(frames.encode_frames(t, name=name))
 
     # -- data plane ---------------------------------------------------------
     @maps_errors

@@ -192,6 +192,7 @@ class StageRegistry:
         Raises:
             StageLoadError: as :meth:`load`.
         """
+        self.restorer.learn(request)  # where its snapshot's sources' data ports are
         peers = self.make_peers()
         try:
             stage = self.build(request, peers)

@@ -230,7 +230,7 @@ class ProbeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config", "resume_step", "snapshot_sources", "owner", "job_signature", "client_cert", "layer_digests", "snapshot_wait_seconds", "snapshot_pieces", "predicted_memory_bytes")
+    __slots__ = ("job_id", "replica", "stage", "layers", "plan", "config", "resume_step", "snapshot_sources", "owner", "job_signature", "client_cert", "layer_digests", "snapshot_wait_seconds", "snapshot_pieces", "predicted_memory_bytes", "snapshot_peers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class LoadStageRequest(_message.Message):
     SNAPSHOT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_PIECES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_PEERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica: int
     stage: int
@@ -261,7 +262,8 @@ class LoadStageRequest(_message.Message):
     snapshot_wait_seconds: float
     snapshot_pieces: _containers.RepeatedCompositeFieldContainer[SnapshotPiece]
     predicted_memory_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., resume_step: _Optional[int] = ..., snapshot_sources: _Optional[_Iterable[str]] = ..., owner: _Optional[str] = ..., job_signature: _Optional[bytes] = ..., client_cert: _Optional[bytes] = ..., layer_digests: _Optional[_Iterable[bytes]] = ..., snapshot_wait_seconds: _Optional[float] = ..., snapshot_pieces: _Optional[_Iterable[_Union[SnapshotPiece, _Mapping]]] = ..., predicted_memory_bytes: _Optional[int] = ...) -> None: ...
+    snapshot_peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[bytes]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., resume_step: _Optional[int] = ..., snapshot_sources: _Optional[_Iterable[str]] = ..., owner: _Optional[str] = ..., job_signature: _Optional[bytes] = ..., client_cert: _Optional[bytes] = ..., layer_digests: _Optional[_Iterable[bytes]] = ..., snapshot_wait_seconds: _Optional[float] = ..., snapshot_pieces: _Optional[_Iterable[_Union[SnapshotPiece, _Mapping]]] = ..., predicted_memory_bytes: _Optional[int] = ..., snapshot_peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
 
 class LoadStageReply(_message.Message):
     __slots__ = ()
@@ -322,18 +324,20 @@ class Envelope(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ..., microbatches: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("envelope", "tensor", "chunk", "name", "pad")
+    __slots__ = ("envelope", "tensor", "chunk", "name", "fetch", "pad")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     PAD_FIELD_NUMBER: _ClassVar[int]
     envelope: Envelope
     tensor: _tensor_pb2.Tensor
     chunk: bytes
     name: str
+    fetch: int
     pad: bytes
-    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., chunk: _Optional[bytes] = ..., name: _Optional[str] = ..., pad: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., chunk: _Optional[bytes] = ..., name: _Optional[str] = ..., fetch: _Optional[int] = ..., pad: _Optional[bytes] = ...) -> None: ...
 
 class SendReply(_message.Message):
     __slots__ = ()

@@ -50,6 +50,18 @@ def _no_pieces(key: StageKey) -> list[node_pb2.SnapshotPiece]:
     return []
 
 
+def _peers_outside(old: node_pb2.Plan | None, plan: node_pb2.Plan) -> list[node_pb2.Peer]:
+    """The nodes of ``old`` that ``plan`` does not name, once each: where a snapshot
+    source outside the new plan is, on the socket data plane too."""
+    if old is None:
+        return []
+    named = {a.address for a in plan.stages}
+    peers = {a.address: node_pb2.Peer(node_id=a.node_id, name=a.node_name, address=a.address,
+                                      data_address=a.data_address)
+             for a in old.stages if a.address not in named}
+    return list(peers.values())
+
+
 class Deployer:
     """Plans jobs and loads their stages.
 
@@ -130,12 +142,13 @@ class Deployer:
 
     def deploy(self, job_id: str, plan: node_pb2.Plan, job: JobSpec, resume_step: int = 0,
                sources: Callable[[StageKey], list[str]] = _no_sources,
-               pieces: Callable[[StageKey], list[node_pb2.SnapshotPiece]] = _no_pieces
-               ) -> dict[StageKey, str]:
+               pieces: Callable[[StageKey], list[node_pb2.SnapshotPiece]] = _no_pieces,
+               old: node_pb2.Plan | None = None) -> dict[StageKey, str]:
         """Load every stage at once (at ``resume_step``, restoring from a snapshot
         ``sources(key)`` may hold, or from the old stages' ``pieces(key)`` where the
         plan splits the layers otherwise); return why each stage that failed to load
-        failed.
+        failed. ``old``: the plan the snapshots were taken under; its nodes that
+        ``plan`` does not name go with each load (``snapshot_peers``: their data ports).
 
         Results are kept by :class:`~fedpipe.spec.StageKey`, so stage ``s``
         of one replica group never hides stage ``s`` of another.
@@ -150,6 +163,8 @@ class Deployer:
         if resume_step:  # state moves: its holders must serve the new plan's nodes
             self.assign(job_id, plan, {s for key in view.stages for s in sources(key)})
 
+        peers = _peers_outside(old, plan) if resume_step else []
+
         def load(a: node_pb2.StageAssignment) -> None:
             key = StageKey(a.replica, a.stage)
             self.nodes.load_stage(a.address, node_pb2.LoadStageRequest(
@@ -160,7 +175,8 @@ class Deployer:
                 snapshot_pieces=pieces(key) if resume_step else [],
                 owner=signed.owner, job_signature=signed.job_signature,
                 client_cert=signed.client_cert, layer_digests=signed.layer_digests,
-                predicted_memory_bytes=int(assignment_memory_bytes(plan, a, profile, priced))))
+                predicted_memory_bytes=int(assignment_memory_bytes(plan, a, profile, priced)),
+                snapshot_peers=peers))
 
         with futures.ThreadPoolExecutor(max(1, len(view.stages))) as pool:
             results = {key: pool.submit(load, a) for key, a in view.stages.items()}

@@ -354,7 +354,8 @@ class Recovery:
         step, spec = job.resume_step, self.specs.job(job_id)
         sources = snapshot_sources(rec.old_plan, plan, step, spec)
         failures = self.deployer.deploy(job_id, plan, spec, resume_step=step, sources=sources,
-                                        pieces=snapshot_pieces(rec.old_plan, plan, sources))
+                                        pieces=snapshot_pieces(rec.old_plan, plan, sources),
+                                        old=rec.old_plan)
         if failures:
             self._not_loaded(job, plan, failures)
             return

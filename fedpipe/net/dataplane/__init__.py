@@ -15,6 +15,9 @@ Contract: ``protos/fedpipe/v1/FRAMES.md``, "Connections".
 * :mod:`.server`: :class:`DataPlane`, a process's listener and links.
 * :mod:`.caps`: the listener's connection caps, in all and per caller, and who a
   relayed connection comes from.
+* :mod:`.fetch`: FetchState and FetchSnapshot over a link (``FETCH`` answered by
+  tensors and a ``FETCHED``): the asking side's pending fetches, the serving side's
+  :class:`~.fetch.Server`.
 
 How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.SocketSender`,
 ``fedpipe node --data-port``; a peer without a data port is served over gRPC):
@@ -50,8 +53,15 @@ What else travels over it, where both ends have a data port:
   tensors' acknowledgements only (``flush(through=...)``), and a refusal of it is
   raised to its shipper, never to a stage on the same link (:func:`owner_of`).
 
-Still on gRPC: FetchState, FetchSnapshot (request and answer), a client's
-PutSnapshot (restoring a saved checkpoint) and PutWeights.
+* a stage's snapshot to the node restoring it (``FetchSnapshot``;
+  :class:`fedpipe.node.restore.Restorer`, served by
+  :meth:`fedpipe.node.dataplane.NodeReceiver.serve` with gRPC's checks): the
+  asking node's ``link.fetch(Method.FETCH_SNAPSHOT, request, admit, deliver)``,
+  from a source with a data port (a relayed one through its relay's data port).
+
+Still on gRPC: a client's FetchState and FetchSnapshot (saves, ``state_dict``), its
+PutSnapshot (restoring a saved checkpoint) and PutWeights; a fetch from a node
+without a data port.
 """
 from .credits import LinkFailed
 from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused

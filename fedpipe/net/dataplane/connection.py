@@ -86,6 +86,8 @@ class Connection:
         self.until: float | None = None
         """A ``time.monotonic()`` by which every read must be done (the preface's
         deadline), or None: reads wait as long as the socket's timeout says."""
+        self.late = "the read's deadline passed"
+        """What a read past :attr:`until` raises TimeoutError with."""
 
     def __repr__(self) -> str:
         try:
@@ -93,6 +95,12 @@ class Connection:
         except OSError:
             peer = "closed"
         return f"Connection({peer}, {'TLS' if self.tls else 'plain'})"
+
+    def lift_deadline(self) -> None:
+        """Reads wait as long as they must from now on (:attr:`until` lifted)."""
+        if self.until is not None:
+            self.until = None
+            self.sock.settimeout(None)
 
     # -- writing: callers hold the link's write lock -----------------------------
     def write(self, *parts: Buffer) -> None:
@@ -108,7 +116,7 @@ class Connection:
         if self.until is not None:
             left = self.until - time.monotonic()
             if left <= 0:
-                raise TimeoutError("the read's deadline passed")
+                raise TimeoutError(self.late)
             self.sock.settimeout(left)
         n = self.sock.recv_into(view)
         if n == 0:

@@ -42,7 +42,8 @@ from . import records
 from .connection import Closed, Connection, read_head, read_tensor, skip_payload
 from .credits import Credits, LinkFailed
 from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused
-from .records import Code, Preface, RecordType
+from .fetch import Admit, Deliver, Fetches, Server, take_answer
+from .records import Code, Method, Preface, RecordType
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class Timeouts:
         resync: a sender waiting for acknowledgements asks again this often.
         first_record: an accepted connection's TLS handshake and preface, in all
             (:data:`fedpipe.net.timeouts.DATA_FIRST_RECORD`).
+        silent: an accepted connection of a link that carried nothing yet must send a
+            record within this long of its preface, else it is closed
+            (:data:`fedpipe.net.timeouts.DATA_SILENT_AFTER_PREFACE`).
     """
 
     credit: float = 600.0
@@ -75,6 +79,7 @@ class Timeouts:
     backoff_max: float = 1.0
     resync: float = 1.0
     first_record: float = net_timeouts.DATA_FIRST_RECORD
+    silent: float = net_timeouts.DATA_SILENT_AFTER_PREFACE
 
 
 DEFAULT_TIMEOUTS = Timeouts()
@@ -129,14 +134,18 @@ class Link:
         dial: opens a new connection (the dialing side), or None (the accepting
             side: the peer dials again).
         window_bytes, window_messages: the credit this side grants its peer.
+        server: what answers the peer's fetches (:mod:`.fetch`; None: every FETCH is
+            answered UNIMPLEMENTED).
     """
 
     def __init__(self, name: str, role: str, peer: str, receiver: Receiver, *,
                  events: LinkEvents | None = None, dial: Dial | None = None,
                  window_bytes: int = WINDOW_BYTES, window_messages: int = WINDOW_MESSAGES,
-                 timeouts: Timeouts = DEFAULT_TIMEOUTS):
+                 timeouts: Timeouts = DEFAULT_TIMEOUTS, server: Server | None = None):
         self.name, self.role, self.peer_name = name, role, peer
-        self.receiver, self.events = receiver, events or _Quiet()
+        self.receiver, self.events, self.server = receiver, events or _Quiet(), server
+        self.fetches = Fetches(peer, name, server, self._queue,
+                               lambda n, t, fetch: self.send(t, name=n, fetch=fetch))
         self.dial, self.timeouts = dial, timeouts
         self.window_bytes, self.window_messages = window_bytes, window_messages
         self.session = secrets.token_hex(8)
@@ -184,12 +193,17 @@ class Link:
             error = self.refused.pop(keys[0]) if keys else None
         if error is not None:
             raise error
+        self._check_up()
+
+    def _check_up(self) -> None:
+        """Raise LinkFailed if the link is gone."""
         if self.credits.failed is not None:
             raise LinkFailed(f"link to {self.peer_name}: {self.credits.failed}")
 
     def send(self, tensor: torch.Tensor, *, envelope: node_pb2.Envelope | None = None,
-             name: str = "", codec: str = "raw", flush: bool = False) -> int:
-        """Send ``tensor`` (encoded with ``codec``) with its ``envelope`` or ``name``.
+             name: str = "", codec: str = "raw", flush: bool = False, fetch: int = 0) -> int:
+        """Send ``tensor`` (encoded with ``codec``) with its ``envelope`` or ``name``;
+        ``fetch``: as a tensor of the answer to the peer's fetch of that id (:mod:`.fetch`).
 
         A raw CPU tensor is written from its own memory: it must not be changed
         in place until the peer acknowledged it (:meth:`flush`). Blocks while the
@@ -204,16 +218,20 @@ class Link:
             WireError: the tensor cannot be encoded.
         """
         msg, payload = codecs.encode_payload(tensor, codec)
-        return self.send_encoded(msg, payload, envelope=envelope, name=name, flush=flush)
+        return self.send_encoded(msg, payload, envelope=envelope, name=name, flush=flush,
+                                 fetch=fetch)
 
     def send_encoded(self, msg: tensor_pb2.Tensor, payload: memoryview, *,
                      envelope: node_pb2.Envelope | None = None, name: str = "",
-                     flush: bool = False) -> int:
+                     flush: bool = False, fetch: int = 0) -> int:
         """:meth:`send` of a tensor already encoded
         (:func:`~fedpipe.wire.codecs.encode_payload`)."""
         owner = owner_of(envelope)
-        self.check(owner)
-        header = node_pb2.Frame(envelope=envelope, name=name)
+        if fetch:  # an answer is never refused: others' refusals stay theirs
+            self._check_up()
+        else:
+            self.check(owner)
+        header = node_pb2.Frame(envelope=envelope, name=name, fetch=fetch)
         header.tensor.CopyFrom(msg)
         header.tensor.payload_bytes = len(payload)
         frame_head = format.pack_head(header)
@@ -251,6 +269,16 @@ class Link:
         self._sync()
         self._wait_idle(timeout, owner, through)
 
+    def fetch(self, method: Method, request: bytes, admit: Admit, deliver: Deliver,
+              timeout: float) -> int:
+        """Ask the peer for what ``method`` answers ``request`` with: :meth:`.fetch.Fetches.ask`.
+
+        Raises:
+            LinkFailed: the link failed; and what :meth:`.fetch.Fetches.ask` raises.
+        """
+        self._check_up()
+        return self.fetches.ask(method, request, admit, deliver, timeout)
+
     def _wait_idle(self, timeout: float | None, owner: str | None = None,
                    through: int | None = None) -> None:
         """Wait until the peer acknowledged everything (or every tensor up to ``through``),
@@ -280,6 +308,12 @@ class Link:
     def _sync(self) -> None:
         with self._state:
             self._control.append(records.pack(RecordType.SYNC, self.next_seq))
+        self._drain()
+
+    def _queue(self, record: bytes) -> None:
+        """Write a control record soon (:meth:`_drain`), after the tensors written before."""
+        with self._state:
+            self._control.append(record)
         self._drain()
 
     def _write(self, conn: Connection, *parts: bytes | memoryview) -> None:
@@ -365,6 +399,7 @@ class Link:
                 return  # already replaced or reported
             self.conn = None
         conn.close()
+        self.fetches.broken(why)
         if not self.closed:
             self.events.lost(self.peer_name, why)
 
@@ -375,6 +410,7 @@ class Link:
             first = self.credits.failed is None and not self.closed
             self._state.notify_all()
         self.credits.fail(why)
+        self.fetches.broken(why)
         with self._state:
             self.retained.clear()  # nothing will be resent: let the tensors go
             self._state.notify_all()
@@ -427,6 +463,7 @@ class Link:
 
     def _read_record(self, conn: Connection) -> None:
         kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
+        conn.lift_deadline()  # the peer spoke (the deadline of a silent one after its preface)
         if kind is RecordType.TENSOR:
             self._on_tensor(conn, arg)
         elif kind is RecordType.ACK:
@@ -444,6 +481,12 @@ class Link:
         elif kind is RecordType.GOAWAY:
             code, text = self._read_text(conn)
             raise _GoAway(f"{records.code_of(code).name}: {text}")
+        elif kind is RecordType.FETCH:
+            assert self.peer is not None  # set by attach, before the reader starts
+            self.fetches.on_fetch(conn, arg, self.peer)
+        elif kind is RecordType.FETCHED:
+            code, text = self._read_text(conn)
+            self.fetches.ended(arg, code, text)
         else:
             raise WireError(f"a {kind.name} record in the middle of a connection")
 
@@ -466,6 +509,8 @@ class Link:
                      _describe(header))
             return
         assert self.peer is not None  # set by attach, before the reader starts
+        if header.fetch:
+            return self._on_answer(conn, seq, header)
         try:
             limit = self.receiver.admit(self.peer, header)
         except Refused as e:
@@ -484,6 +529,14 @@ class Link:
             return
         self._done(seq, nbytes)
 
+    def _on_answer(self, conn: Connection, seq: int, header: node_pb2.Frame) -> None:
+        """A tensor of the answer to one of this side's fetches: checked by the fetch's
+        ``admit`` before its payload is read, then delivered to it. One the fetch refuses
+        fails the fetch (never the link: the peer sent what it was asked for); one of a
+        fetch not waited for any more is dropped."""
+        take_answer(conn, header, self.fetches.get(header.fetch))
+        self._done(seq, header.tensor.payload_bytes)
+
     def _done(self, seq: int, nbytes: int, refused: Refused | None = None) -> None:
         """Tensor ``seq`` was delivered (or refused): count it; acknowledge when due."""
         with self._state:
@@ -500,6 +553,12 @@ class Link:
                 self._ack_due = True
         if self._ack_due or self._control:
             self._drain()
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the link has carried no tensor either way yet."""
+        with self._state:
+            return self.next_seq == 0 and self.expected == 0 and self.received == 0
 
     def wait_up(self, timeout: float) -> bool:
         """Wait until a connection carries the link (or it fails); whether it does."""

@@ -29,6 +29,14 @@ offset  size  field
 * ``GOAWAY``: ``arg`` is zero; a code, a text length and the text follow as in
   ``REFUSED``. The sender closes the connection after it, and the link fails:
   it is not resumed.
+* ``FETCH``: ``arg`` is the fetch's id (the asking side's); a 4-byte :class:`Method`
+  and a 4-byte request length (at most :data:`MAX_REQUEST_BYTES`), then the
+  serialized request (``FetchStateRequest`` or ``FetchSnapshotRequest``). The
+  peer answers with ``TENSOR`` records whose header's ``fetch`` is that id, then
+  a ``FETCHED``.
+* ``FETCHED``: ``arg`` is the fetch's id; a code and text as in ``REFUSED``: ``OK``,
+  every tensor of the answer came before it; another code, the fetch failed
+  (what gRPC's call would have ended with).
 """
 from __future__ import annotations
 
@@ -56,6 +64,10 @@ MAX_PREFACE_BYTES = 4096
 """Largest preface body, bytes (names are short; a preface is a few hundred bytes)."""
 MAX_TEXT_BYTES = 4096
 """Longest refusal or goaway text a receiver reads, bytes; longer text is cut to this."""
+FETCH_BODY = struct.Struct("<II")
+"""A FETCH record's method and request length, after its prefix."""
+MAX_REQUEST_BYTES = 4096
+"""Largest request a FETCH record carries, bytes (a few ids and numbers: tens of bytes)."""
 
 
 class RecordType(enum.IntEnum):
@@ -67,6 +79,15 @@ class RecordType(enum.IntEnum):
     SYNC = 4
     REFUSED = 5
     GOAWAY = 6
+    FETCH = 7
+    FETCHED = 8
+
+
+class Method(enum.IntEnum):
+    """What a FETCH asks for: the gRPC method whose answer it is."""
+
+    FETCH_STATE = 1
+    FETCH_SNAPSHOT = 2
 
 
 class Code(enum.IntEnum):
@@ -129,6 +150,17 @@ def pack_text(kind: RecordType, arg: int, code: int, text: str) -> bytes:
     """A REFUSED (``arg``: the sequence number) or GOAWAY (``arg``: 0) record, whole."""
     body = text.encode()[:MAX_TEXT_BYTES]
     return pack(kind, arg) + TEXT.pack(code, len(body)) + body
+
+
+def pack_fetch(fetch: int, method: Method, request: bytes) -> bytes:
+    """A FETCH record, whole.
+
+    Raises:
+        WireError: the request is longer than :data:`MAX_REQUEST_BYTES`.
+    """
+    if len(request) > MAX_REQUEST_BYTES:
+        raise WireError(f"fetch request of {len(request)} bytes exceeds {MAX_REQUEST_BYTES}")
+    return pack(RecordType.FETCH, fetch) + FETCH_BODY.pack(method, len(request)) + request
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ from .caps import MAX_CALLER_CONNECTIONS, MAX_CONNECTIONS, Caps, Sources
 from .connection import Closed, Connection
 from .credits import LinkFailed
 from .ends import LinkEvents, Peer, Receiver
+from .fetch import Server
 from .link import DEFAULT_TIMEOUTS, WINDOW_BYTES, WINDOW_MESSAGES, Link, Timeouts
 from .records import Code, Preface, RecordType
 
@@ -178,6 +179,7 @@ class DataPlane:
             refused with a GOAWAY (RESOURCE_EXHAUSTED) that names the cap.
         sources: who connections spliced from a relay come from (:class:`.caps.Sources`,
             a relayed node's); None: each connection's source host is its caller.
+        server: what answers peers' fetches (:mod:`.fetch`; None: none are served).
 
     Raises:
         OSError: the port is in use (or cannot be bound).
@@ -190,9 +192,9 @@ class DataPlane:
                  window_bytes: int | None = None, window_messages: int | None = None,
                  max_connections: int = MAX_CONNECTIONS,
                  max_caller_connections: int = MAX_CALLER_CONNECTIONS,
-                 sources: Sources | None = None):
+                 sources: Sources | None = None, server: Server | None = None):
         self.caps = Caps(max_connections, max_caller_connections)
-        self.sources = sources
+        self.sources, self.server = sources, server
         self.name, self.role, self.receiver, self.events = name, role, receiver, events
         self.timeouts = timeouts
         self.window_bytes = window_bytes or WINDOW_BYTES
@@ -221,7 +223,7 @@ class DataPlane:
     def _new_link(self, peer: str, dial: bool, address: str = "") -> Link:
         link = Link(self.name, self.role, peer, self.receiver, events=self.events,
                     timeouts=self.timeouts, window_bytes=self.window_bytes,
-                    window_messages=self.window_messages)
+                    window_messages=self.window_messages, server=self.server)
         if dial:
             link.dial = lambda: self._dial(address, link)
         return link
@@ -367,6 +369,10 @@ class DataPlane:
             conn.write(link.preface().encode())
             sock.settimeout(None)
             link.attach(conn, theirs, peer)
+            if link.fresh:  # its first record must come (Timeouts.silent); the reader lifts it
+                conn.until = time.monotonic() + self.timeouts.silent
+                conn.late = (f"nothing came within {self.timeouts.silent} s of its preface "
+                             "(fedpipe.net.timeouts.DATA_SILENT_AFTER_PREFACE)")
         except (OSError, WireError, SecurityError, LinkFailed, _Capped) as e:
             code, why = _refusal_of(e)
             if isinstance(e, OSError) and time.monotonic() >= until:
