@@ -10,7 +10,8 @@ from torch import nn
 
 from fedpipe.proto import tensor_pb2 as pb
 from fedpipe.runtime import checkpoint
-from fedpipe.spec import CodecSpec, SpecError, check_compression, parse_codec
+from fedpipe.spec import (CodecSpec, JobSpec, JobSpecError, SpecError, check_compression,
+                          lowrank_problem, parse_codec)
 from fedpipe.wire.codecmodel import MODELS, Layout, lowrank_basis_bytes, lowrank_bytes_per_row
 from fedpipe.wire.codecs import ErrorFeedback, WireError, decode, encode
 from fedpipe.wire.lowrank import End, Subspace, principal
@@ -283,7 +284,7 @@ def test_a_basis_the_receiver_lacks_is_a_clear_error():
         encode(acts() * float("nan"), "lowrank:4", end=End(Subspace(), KEY, 0))
 
 
-def test_specs_parse_print_and_are_refused_for_jobs():
+def test_specs_parse_print_and_jobs_take_them_with_lowrank_activations_in_sync():
     assert parse_codec("lowrank8:8@50") == CodecSpec("lowrank8", rank=8, refresh=50)
     assert str(parse_codec("lowrank8:8@50")) == "lowrank8:8@50"
     assert str(parse_codec("lowrank:4")) == "lowrank:4"
@@ -291,8 +292,21 @@ def test_specs_parse_print_and_are_refused_for_jobs():
     for bad in ("lowrank:0", "lowrank:8@0", "lowrank:8@x", "int8:64@3"):
         with pytest.raises(SpecError):
             parse_codec(bad)
-    with pytest.raises(SpecError, match="data plane does not carry yet"):
-        check_compression("lowrank8:8", "activations")
+    assert check_compression("lowrank8:8", "activations") == "lowrank8:8"
+    with pytest.raises(SpecError, match="not DiLoCo's outer sync"):
+        check_compression("lowrank8:8", "outer")
+    assert lowrank_problem("lowrank8:8@5", "lowrank8:8", "1f1b") is None
+    assert lowrank_problem("lowrank:8", "int8", "gpipe") is None
+    assert lowrank_problem("int8", "none", "async") is None
+    for act, grad, schedule, error in [
+            ("lowrank8:8", "lowrank8:8", "async", "needs a synchronous schedule"),
+            ("int8", "lowrank8:8", "gpipe", "need a lowrank codec of rank 8 too, not 'int8'"),
+            ("auto", "lowrank:4", "gpipe", "rank 4 too, not 'auto'"),
+            ("lowrank:8", "lowrank:4", "gpipe", "rank 4 too, not 'lowrank:8'")]:
+        assert error in lowrank_problem(act, grad, schedule)
+        with pytest.raises(JobSpecError, match="activation_compression"):
+            JobSpec(steps=1, optimizer=b"o", loss_fn=b"l", schedule=schedule,
+                    activation_compression=act, gradient_compression=grad).validate()
 
 
 FIELDS = {"k": st.integers(0, 2**64 - 1), "basis": st.booleans(),
