@@ -27,11 +27,14 @@ CODEC = "lowrank8:8@4"
 """Rank 8 of the digits MLP's 32-wide hidden activations (10-wide logits), a new basis every
 4 steps: the kill at step 7 rewinds to the checkpoint of step 6, between two refreshes, so a
 stage that lost its bases would make new ones there and leave the uninterrupted run's path."""
+COMPRESSION = {"activations": CODEC, "gradients": "none"}
+"""Gradients raw: lowrank gradients go through their senders' error feedback, whose residuals
+are not yet part of a stage's checkpoint, so a recovered job would start them afresh."""
 
 
 @pytest.fixture(scope="module")
 def swarm():
-    """4 nodes (one spare for a 3-stage job)."""
+    """4 nodes (one spare for a 3-stage job: the killed one is replaced after the kill)."""
     with LocalSwarm(n_nodes=4, lease=5.0) as s:
         yield s
 
@@ -47,7 +50,7 @@ def make_model() -> nn.Sequential:
 def submit(client, data):
     model = make_model()
     job = client.submit(model, LOSS, ADAM, data, steps=STEPS, microbatches=2, stages=3,
-                        replicas=1, schedule="1f1b", compression={"activations": CODEC, "gradients": "none"},
+                        replicas=1, schedule="1f1b", compression=COMPRESSION,
                         checkpoint_every=EVERY, rebalance="never")
     return model, job
 
@@ -62,14 +65,26 @@ def mean_loss(model: nn.Module, data) -> float:
         return sum(LOSS(model(x), y).item() for x, y in data) / len(data)
 
 
-def test_a_lowrank8_job_trains_and_a_killed_one_recovers_to_the_same_weights(swarm):
-    client, data = swarm.client(), digit_batches(STEPS)
+def run(client, data):
+    """The job, uninterrupted: its final status, weights and trained model."""
     model, job = submit(client, data)
     status = job.wait(timeout=180, progress=False)
     assert status.state == "SUCCEEDED"
-    whole = job.state_dict()
-    trained = job.model()
+    weights, trained = job.state_dict(), job.model()
     job.release()
+    return model, status, weights, trained
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(swarm):
+    """The job's run on the socket data plane, to compare the others with."""
+    return run(swarm.client(), digit_batches(STEPS))
+
+
+def test_a_lowrank8_job_trains_and_a_killed_one_recovers_to_the_same_weights(swarm,
+                                                                              uninterrupted):
+    client, data = swarm.client(), digit_batches(STEPS)
+    model, status, whole, trained = uninterrupted
     stages = sorted(status.plan.stages, key=lambda a: a.stage)
     assert [a.layer_start for a in stages] == [0, 1, 2]
     assert [a.activation_codec for a in stages[:2]] == [CODEC, CODEC]
@@ -91,3 +106,13 @@ def test_a_lowrank8_job_trains_and_a_killed_one_recovers_to_the_same_weights(swa
     final = job_info(client, job)
     assert len(final.recoveries) == 1 and final.recoveries[0].checkpoint_step % EVERY == 0
     assert max_relative_difference(recovered, whole) <= 1e-5
+    swarm.add_node()  # the spare again, for the next test
+    swarm.wait_for_nodes(4)
+
+
+def test_over_grpc_the_job_ends_with_the_weights_it_has_over_sockets(uninterrupted):
+    """Nodes without a data port send over gRPC's Send stream (the other receive path)."""
+    with LocalSwarm(n_nodes=3, node_args=["--no-data-port"]) as grpc_only:
+        _, status, weights, _ = run(grpc_only.client(sockets=False), digit_batches(STEPS))
+    assert all(not a.data_address for a in status.plan.stages)
+    assert max_relative_difference(weights, uninterrupted[2]) <= 1e-5
