@@ -226,6 +226,65 @@ def test_a_recovered_job_equals_an_uninterrupted_one():
     assert any(k.startswith("feedback/residuals") for k in whole[1].tensors)
 
 
+def test_a_basis_received_while_a_stage_restores_is_kept_over_its_snapshots():
+    # a node's stage takes tensors while it restores: its restored peer's basis, carried in
+    # then, is what the peer uses now (a refresh at the resume step), not the snapshot's
+    link = Link()
+    link.forward(acts(seed=40), "lowrank:4@2", step=0)
+    saved = link.receiver.state_dict()
+    link.forward(acts(seed=41), "lowrank:4@2", step=2)  # version 2 arrives
+    link.receiver.load_state_dict(saved)  # the snapshot's version 1 loads after it
+    assert link.receiver.basis(KEY).version == 2
+    link.receiver.load_state_dict(saved)  # a later restore takes the snapshot again
+    assert link.receiver.basis(KEY).version == 1
+
+
+def test_both_receive_paths_decode_with_the_end_admission_gives():
+    """gRPC's frame reader (whole and chunked tensors) and the socket link's reader."""
+    from fedpipe.net.dataplane.connection import read_tensor
+    from fedpipe.wire import frames
+
+    sender, x = Subspace(), acts(shape=(64, 32), seed=50)
+    msg = encode(x, "lowrank8:4", end=End(sender, KEY, 0))
+    for chunk in (frames.CHUNK_BYTES, 100):  # one frame (decoded in place), several
+        receiver = Subspace()
+        admit = lambda head: frames.Admitted(1 << 20, End(receiver, KEY))  # noqa: E731
+        stream = frames.to_frames(msg, chunk_bytes=chunk)
+        (_, y), = frames.read_tensors(stream, admit, in_place=True)
+        assert receiver.basis(KEY).version == 1
+        torch.testing.assert_close(y, decode(msg, end=End(Subspace(), KEY)), rtol=0, atol=0)
+    with pytest.raises(WireError, match="needs the receiving stage's basis"):
+        list(frames.read_tensors(frames.to_frames(msg), lambda head: 1 << 20))
+
+    class Conn:  # the part of a socket Connection read_tensor uses
+        def read_into(self, view):
+            view[:] = msg.payload
+
+    receiver = Subspace()
+    head = frames.format.unpack(next(frames.to_frames(msg)))[0]
+    y = read_tensor(Conn(), head, 1 << 20, End(receiver, KEY))
+    assert receiver.basis(KEY).version == 1 and y.shape == x.shape
+
+
+def test_a_resplit_drops_the_bases_and_a_whole_snapshot_keeps_them():
+    from fedpipe.runtime import layerstate
+
+    link = Link()
+    link.forward(acts(seed=60), "lowrank:4", step=0)
+    mod = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    snap = checkpoint.take({"layers": layerstate.Layout(mod, 0), "module": mod,
+                            "codec": link.sender}, 3)
+    whole, pieces = Subspace(), Subspace()
+    layerstate.restore({"layers": layerstate.Layout(mod, 0), "module": mod, "codec": whole},
+                       snap)
+    assert whole.basis(KEY) is not None
+    torch.testing.assert_close(whole.basis(KEY).matrix, link.sender.basis(KEY).matrix)
+    layered = layerstate.merge([layerstate.split(snap, 0, 1), layerstate.split(snap, 1, 2)])
+    layerstate.restore({"layers": layerstate.Layout(mod, 0), "module": mod, "codec": pieces},
+                       layered)
+    assert len(pieces) == 0  # the boundaries moved: the next activations make new bases
+
+
 # --- hostile messages and callers -------------------------------------------------
 
 def _message(**fields):
