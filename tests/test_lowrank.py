@@ -248,7 +248,7 @@ def test_both_receive_paths_decode_with_the_end_admission_gives():
     msg = encode(x, "lowrank8:4", end=End(sender, KEY, 0))
     for chunk in (frames.CHUNK_BYTES, 100):  # one frame (decoded in place), several
         receiver = Subspace()
-        admit = lambda head: frames.Admitted(1 << 20, End(receiver, KEY))  # noqa: E731
+        admit = lambda head, r=receiver: frames.Admitted(1 << 20, End(r, KEY))  # noqa: E731
         stream = frames.to_frames(msg, chunk_bytes=chunk)
         (_, y), = frames.read_tensors(stream, admit, in_place=True)
         assert receiver.basis(KEY).version == 1

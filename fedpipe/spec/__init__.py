@@ -47,6 +47,7 @@ __all__ = [
     "Action", "CodecSpec", "Compression", "DiLoCo", "Group", "JobSpec", "JobSpecError",
     "JobState", "Kind", "Knobs", "Lifetime", "Placement", "PlanView", "Quorum", "Replicas",
     "SpecError", "StageKey", "Training", "async_stream", "check_compression", "check_field",
-    "check_schedule", "gpipe", "lowrank_problem", "one_f_one_b", "parse_codec", "schedule_order", "state_name",
+    "check_schedule", "gpipe", "lowrank_problem", "one_f_one_b", "parse_codec",
+    "schedule_order", "state_name",
     "WEIGHT_SOURCES", "WeightsSpec",
 ]
