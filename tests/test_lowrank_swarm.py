@@ -110,6 +110,31 @@ def test_a_lowrank8_job_trains_and_a_killed_one_recovers_to_the_same_weights(swa
     swarm.wait_for_nodes(4)
 
 
+def test_a_drained_node_hands_its_stage_over_with_its_bases(swarm, uninterrupted):
+    """The middle stage moves at a cut with its snapshot (no rewind), its bases with it: the
+    one it makes, and the one its neighbour made, whose next steps use it."""
+    client, data = swarm.client(), digit_batches(STEPS)
+    _, job = submit(client, data)
+
+    def drain() -> None:
+        victim = PlanView(job_info(client, job).plan)[StageKey(0, 1)].node_name
+        swarm.faulted.add(swarm.nodes[swarm.node_index(victim)])  # its exit is expected
+        client.drain(victim)
+    inj = swarm.inject(job.id).at_step(5, "drain", drain)
+    inj.start()
+    status = job.wait(timeout=180, progress=False)
+    inj.stop()
+    assert status.state == "SUCCEEDED", status.reason
+    moved = job.state_dict()
+    job.release()
+    final = job_info(client, job)
+    assert [r.cause for r in final.recoveries] == ["drain"]
+    assert final.recoveries[0].steps_recomputed == 0
+    assert max_relative_difference(moved, uninterrupted[2]) <= 1e-5
+    swarm.add_node()
+    swarm.wait_for_nodes(4)
+
+
 def test_over_grpc_the_job_ends_with_the_weights_it_has_over_sockets(uninterrupted):
     """Nodes without a data port send over gRPC's Send stream (the other receive path)."""
     with LocalSwarm(n_nodes=3, node_args=["--no-data-port"]) as grpc_only:
