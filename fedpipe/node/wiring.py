@@ -25,8 +25,8 @@ from ..runtime.materialize import norm_parameters
 from ..runtime.rng import LayerSeeds
 from ..runtime.ties import TiedGradients
 from ..runtime.stage import StageError, StepHook, SyncStageRunner, TimedTransport
-from ..spec import (LOWRANK_CODECS, JobSpec, Kind, PlanView, Quorum, StageKey, parse_codec,
-                    stage_recomputes)
+from ..spec import (CODEC_POLICIES, LOWRANK_CODECS, JobSpec, Kind, PlanView, Quorum, StageKey,
+                    parse_codec, stage_recomputes)
 from ..wire import lowrank
 from .errors import StageLoadError
 from .initial import make_layers
@@ -41,7 +41,7 @@ def uses_lowrank(plan: PlanView) -> bool:
     """Whether a stage of ``plan`` sends activations or gradients with a lowrank codec: then
     every stage keeps the bases of its boundaries (:attr:`~.lifecycle.Stage.subspace`)."""
     return any(parse_codec(c).name in LOWRANK_CODECS for a in plan.stages.values()
-               for c in (a.activation_codec, a.gradient_codec) if c)
+               for c in (a.activation_codec, a.gradient_codec) if c not in ("", *CODEC_POLICIES))
 
 
 class StageTransport:
