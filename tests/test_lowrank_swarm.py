@@ -1,8 +1,9 @@
 """The lowrank codec between real nodes: a 3-stage job sends its activations as lowrank8
-coefficients over both stage boundaries (and its gradients back in the same bases, with the
-senders' error feedback), trains, and a job whose middle node is killed (kill -9) mid-job
-recovers to the weights of the uninterrupted one (1e-5): the bases are part of each stage's
-checkpoint, so the replayed steps use the bases the original ones did.
+coefficients over both stage boundaries and trains; a job whose middle node is killed
+(kill -9) mid-job recovers to the weights of the uninterrupted one (1e-5), and so does one
+whose middle node is drained: the bases are part of each stage's checkpoint, so replayed or
+moved steps use the bases the original ones did. Over gRPC (nodes without a data port) the
+job ends with the weights it has over the socket data plane.
 
 The in-process two-stage equivalent (a checkpoint taken and restored between two steps) is
 ``tests/test_lowrank.py::test_a_recovered_job_equals_an_uninterrupted_one``.
