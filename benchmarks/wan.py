@@ -56,7 +56,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fedpipe  # noqa: E402
-from fedpipe.spec import LOWRANK_CODECS, parse_codec  # noqa: E402
 from fedpipe.examples.text import char_transformer, lm_loss, pydoc_text, text_batches  # noqa: E402
 from fedpipe.wire.codecs import ErrorFeedback, decode, encode  # noqa: E402
 from fedpipe.wire.lowrank import End, Subspace  # noqa: E402
@@ -78,13 +77,6 @@ class Config:
 
     def compression(self) -> dict[str, str]:
         return {"activations": self.activations, "gradients": self.gradients}
-
-    @property
-    def in_process_only(self) -> bool:
-        """Whether the swarm cannot run it: a lowrank codec's per-link state is not yet
-        carried by the node's data plane (:data:`fedpipe.spec.LOWRANK_CODECS`)."""
-        return any(parse_codec(c).name in LOWRANK_CODECS
-                   for c in (self.activations, self.gradients))
 
 
 CONFIGS = {c.name: c for c in (
@@ -486,10 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     elif not args.no_swarm:
         steps = args.swarm_steps or (7 if args.quick else 20)
         names = args.swarm_configs or (",".join(QUICK_SWARM) if args.quick else args.configs)
-        timed = [CONFIGS[n] for n in names.split(",") if not CONFIGS[n].in_process_only]
-        if len(timed) < len(names.split(",")):
-            print("  (lowrank configurations are not timed on the swarm: the node does "
-                  "not carry their per-link state yet)", flush=True)
+        timed = [CONFIGS[n] for n in names.split(",")]
         t0 = time.monotonic()
         shaped |= step_times(setup, timed, steps, link_profile(setup.blocks, args.mbps,
                                                                args.latency_ms))

@@ -10,7 +10,8 @@ from torch import nn
 
 from fedpipe.proto import tensor_pb2 as pb
 from fedpipe.runtime import checkpoint
-from fedpipe.spec import CodecSpec, SpecError, check_compression, parse_codec
+from fedpipe.spec import (CodecSpec, JobSpec, JobSpecError, SpecError, check_compression,
+                          lowrank_problem, parse_codec)
 from fedpipe.wire.codecmodel import MODELS, Layout, lowrank_basis_bytes, lowrank_bytes_per_row
 from fedpipe.wire.codecs import ErrorFeedback, WireError, decode, encode
 from fedpipe.wire.lowrank import End, Subspace, principal
@@ -225,6 +226,65 @@ def test_a_recovered_job_equals_an_uninterrupted_one():
     assert any(k.startswith("feedback/residuals") for k in whole[1].tensors)
 
 
+def test_a_basis_received_while_a_stage_restores_is_kept_over_its_snapshots():
+    # a node's stage takes tensors while it restores: its restored peer's basis, carried in
+    # then, is what the peer uses now (a refresh at the resume step), not the snapshot's
+    link = Link()
+    link.forward(acts(seed=40), "lowrank:4@2", step=0)
+    saved = link.receiver.state_dict()
+    link.forward(acts(seed=41), "lowrank:4@2", step=2)  # version 2 arrives
+    link.receiver.load_state_dict(saved)  # the snapshot's version 1 loads after it
+    assert link.receiver.basis(KEY).version == 2
+    link.receiver.load_state_dict(saved)  # a later restore takes the snapshot again
+    assert link.receiver.basis(KEY).version == 1
+
+
+def test_both_receive_paths_decode_with_the_end_admission_gives():
+    """gRPC's frame reader (whole and chunked tensors) and the socket link's reader."""
+    from fedpipe.net.dataplane.connection import read_tensor
+    from fedpipe.wire import frames
+
+    sender, x = Subspace(), acts(shape=(64, 32), seed=50)
+    msg = encode(x, "lowrank8:4", end=End(sender, KEY, 0))
+    for chunk in (frames.CHUNK_BYTES, 100):  # one frame (decoded in place), several
+        receiver = Subspace()
+        admit = lambda head, r=receiver: frames.Admitted(1 << 20, End(r, KEY))  # noqa: E731
+        stream = frames.to_frames(msg, chunk_bytes=chunk)
+        (_, y), = frames.read_tensors(stream, admit, in_place=True)
+        assert receiver.basis(KEY).version == 1
+        torch.testing.assert_close(y, decode(msg, end=End(Subspace(), KEY)), rtol=0, atol=0)
+    with pytest.raises(WireError, match="needs the receiving stage's basis"):
+        list(frames.read_tensors(frames.to_frames(msg), lambda head: 1 << 20))
+
+    class Conn:  # the part of a socket Connection read_tensor uses
+        def read_into(self, view):
+            view[:] = msg.payload
+
+    receiver = Subspace()
+    head = frames.format.unpack(next(frames.to_frames(msg)))[0]
+    y = read_tensor(Conn(), head, 1 << 20, End(receiver, KEY))
+    assert receiver.basis(KEY).version == 1 and y.shape == x.shape
+
+
+def test_a_resplit_drops_the_bases_and_a_whole_snapshot_keeps_them():
+    from fedpipe.runtime import layerstate
+
+    link = Link()
+    link.forward(acts(seed=60), "lowrank:4", step=0)
+    mod = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    snap = checkpoint.take({"layers": layerstate.Layout(mod, 0), "module": mod,
+                            "codec": link.sender}, 3)
+    whole, pieces = Subspace(), Subspace()
+    layerstate.restore({"layers": layerstate.Layout(mod, 0), "module": mod, "codec": whole},
+                       snap)
+    assert whole.basis(KEY) is not None
+    torch.testing.assert_close(whole.basis(KEY).matrix, link.sender.basis(KEY).matrix)
+    layered = layerstate.merge([layerstate.split(snap, 0, 1), layerstate.split(snap, 1, 2)])
+    layerstate.restore({"layers": layerstate.Layout(mod, 0), "module": mod, "codec": pieces},
+                       layered)
+    assert len(pieces) == 0  # the boundaries moved: the next activations make new bases
+
+
 # --- hostile messages and callers -------------------------------------------------
 
 def _message(**fields):
@@ -283,7 +343,7 @@ def test_a_basis_the_receiver_lacks_is_a_clear_error():
         encode(acts() * float("nan"), "lowrank:4", end=End(Subspace(), KEY, 0))
 
 
-def test_specs_parse_print_and_are_refused_for_jobs():
+def test_specs_parse_print_and_jobs_take_them_with_lowrank_activations_in_sync():
     assert parse_codec("lowrank8:8@50") == CodecSpec("lowrank8", rank=8, refresh=50)
     assert str(parse_codec("lowrank8:8@50")) == "lowrank8:8@50"
     assert str(parse_codec("lowrank:4")) == "lowrank:4"
@@ -291,8 +351,21 @@ def test_specs_parse_print_and_are_refused_for_jobs():
     for bad in ("lowrank:0", "lowrank:8@0", "lowrank:8@x", "int8:64@3"):
         with pytest.raises(SpecError):
             parse_codec(bad)
-    with pytest.raises(SpecError, match="data plane does not carry yet"):
-        check_compression("lowrank8:8", "activations")
+    assert check_compression("lowrank8:8", "activations") == "lowrank8:8"
+    with pytest.raises(SpecError, match="not DiLoCo's outer sync"):
+        check_compression("lowrank8:8", "outer")
+    assert lowrank_problem("lowrank8:8@5", "lowrank8:8", "1f1b") is None
+    assert lowrank_problem("lowrank:8", "int8", "gpipe") is None
+    assert lowrank_problem("int8", "none", "async") is None
+    for act, grad, schedule, error in [
+            ("lowrank8:8", "lowrank8:8", "async", "needs a synchronous schedule"),
+            ("int8", "lowrank8:8", "gpipe", "need a lowrank codec of rank 8 too, not 'int8'"),
+            ("auto", "lowrank:4", "gpipe", "rank 4 too, not 'auto'"),
+            ("lowrank:8", "lowrank:4", "gpipe", "rank 4 too, not 'lowrank:8'")]:
+        assert error in lowrank_problem(act, grad, schedule)
+        with pytest.raises(JobSpecError, match="activation_compression"):
+            JobSpec(steps=1, optimizer=b"o", loss_fn=b"l", schedule=schedule,
+                    activation_compression=act, gradient_compression=grad).validate()
 
 
 FIELDS = {"k": st.integers(0, 2**64 - 1), "basis": st.booleans(),

@@ -45,6 +45,9 @@ class FakeAdmission:
             raise NoSuchStage(f"no stage {env.stage} of job {env.job_id!r}")
         return 1 << 20
 
+    def admitted(self, env, shape=()):  # its stages keep no codec state: the limit alone
+        return self.admit(env, shape)
+
     def deliver(self, env, tensor, active):
         self.delivered.append(env)
 

@@ -78,9 +78,9 @@ class DataPlane:
                 :meth:`suspect`).
             Whatever ``check``, :meth:`admit` or :meth:`deliver` raise.
         """
-        def admit(head: node_pb2.Frame) -> int:
+        def admit(head: node_pb2.Frame) -> frames.Admitted:
             check(head)
-            return self.admit(head.envelope, tuple(head.tensor.shape))
+            return self.admitted(head.envelope, tuple(head.tensor.shape))
 
         last = None
         try:
@@ -128,6 +128,19 @@ class DataPlane:
                               f"{Kind(env.kind).name.lower()}: only a client's inputs "
                               "and targets hold several microbatches")
         return codecs.MAX_TENSOR_BYTES
+
+    def admitted(self, env: node_pb2.Envelope, shape: Sequence[int] = ()) -> frames.Admitted:
+        """:meth:`admit`'s limit, with the receiving stage's end of the link the tensor
+        crosses for a stateful codec to decode with (its lowrank bases:
+        :meth:`~fedpipe.node.lifecycle.Stage.codec_end`; None for any other tensor).
+
+        Raises:
+            As :meth:`admit`.
+        """
+        limit = self.admit(env, shape)
+        if env.kind == Kind.PROBE:
+            return frames.Admitted(limit)
+        return frames.Admitted(limit, self.stages.get(slot_of(env)).codec_end(env))
 
     def deliver(self, env: node_pb2.Envelope, tensor: torch.Tensor,
                 active: Callable[[], bool]) -> None:

@@ -44,6 +44,7 @@ from ..net.dataplane.records import Method
 from ..proto import node_pb2
 from ..security import Unauthenticated, policy
 from ..spec import Kind
+from ..wire.frames import Admitted
 from .access import JobAccessBook
 from .admission import DataPlane as Admission
 from .admission import slot_of
@@ -105,8 +106,9 @@ class NodeReceiver:
         self._closed.set()
 
     # -- Receiver ---------------------------------------------------------------
-    def admit(self, peer: Peer, header: node_pb2.Frame) -> int:
-        """As ``Send``'s checks on gRPC; the size limit of the tensor, bytes.
+    def admit(self, peer: Peer, header: node_pb2.Frame) -> int | Admitted:
+        """As ``Send``'s checks on gRPC; the size limit of the tensor, bytes (with the
+        receiving stage's end of its link for a stateful codec: :class:`Admitted`).
 
         Raises:
             Refused: with the code gRPC would answer.
@@ -120,7 +122,7 @@ class NodeReceiver:
             policy.authorize(SEND_METHOD, identity)
             policy.check_send_kind(identity, header)
             self.access.check_sender(identity, env, lambda e: self.stages.get(slot_of(e)).n_stages)
-            return self.admission.admit(env, tuple(header.tensor.shape))
+            return self.admission.admitted(env, tuple(header.tensor.shape))
         except MAPPED as e:
             raise refusal(e) from None
 

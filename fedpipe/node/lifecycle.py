@@ -35,9 +35,11 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 import torch
 from torch import nn
 
+from ..proto import node_pb2
 from ..runtime import checkpoint
 from ..runtime.stage import StageRunnerBase
-from ..spec import PlanView, StageKey
+from ..spec import Kind, PlanView, StageKey
+from ..wire import lowrank
 from .peers import StagePeers
 
 if TYPE_CHECKING:  # initial.py takes a Stage's slot: imported at run time it is a cycle
@@ -132,7 +134,11 @@ class Stage:
     checkpoint_every: int = 0
     plan: PlanView | None = None
     parts: dict[str, checkpoint.Checkpointable | None] = field(default_factory=dict)
-    """What a checkpoint snapshots: module, optimizer, LR schedule, DiLoCo outer state."""
+    """What a checkpoint snapshots: module, optimizer, LR schedule, DiLoCo outer state,
+    the lowrank codecs' bases (``"codec"``: :attr:`subspace`)."""
+    subspace: lowrank.Subspace | None = None
+    """The lowrank codecs' state of its stage boundaries, at both its links (None: its
+    job's pipeline uses no lowrank codec); its ``"codec"`` part."""
     pending: Pending | None = None
     """Its layers waiting for the client's stream of their initial weights (None: it has
     them, or restores a snapshot)."""
@@ -171,6 +177,21 @@ class Stage:
         log.debug("job %s stage %d (replica %d): %s -> %s: %s", self.slot.job_id,
                   self.slot.stage, self.slot.replica, before.name, to.name, reason)
         return True
+
+    def codec_end(self, env: node_pb2.Envelope, sending: bool = False) -> lowrank.End | None:
+        """The stage's end of the link the pipeline tensor of ``env`` crosses, to this
+        stage or (``sending``) from it, for a stateful codec; None without
+        :attr:`subspace` or for any other kind of tensor.
+
+        Both ends name a link by the boundary it crosses, ``boundary/<b>`` between stages
+        b and b + 1 (``env.stage`` is the tensor's destination); an activation sent times
+        the basis' refreshes by its step (:class:`~fedpipe.wire.lowrank.End`).
+        """
+        if self.subspace is None or env.kind not in (Kind.ACTIVATION, Kind.GRADIENT):
+            return None
+        forward = env.kind == Kind.ACTIVATION
+        return lowrank.End(self.subspace, f"boundary/{env.stage - 1 if forward else env.stage}",
+                           env.step if sending and forward else None)
 
     @property
     def live(self) -> bool:

@@ -30,7 +30,7 @@ from ..proto import node_pb2, tensor_pb2
 from ..runtime.stage import StageError
 from ..security import TlsConfig
 from ..spec import Kind
-from ..wire import codecs, frames, rpc
+from ..wire import codecs, frames, lowrank, rpc
 from ..wire.format import WireError
 from .errors import InvalidRequest
 
@@ -47,14 +47,16 @@ Shaper: TypeAlias = grpc.UnaryUnaryClientInterceptor
 
 
 def encode(envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
-           feedback: codecs.ErrorFeedback) -> tuple[tensor_pb2.Tensor, memoryview]:
+           feedback: codecs.ErrorFeedback, end: lowrank.End | None = None
+           ) -> tuple[tensor_pb2.Tensor, memoryview]:
     """``tensor`` encoded with ``codec`` for a peer, whichever transport carries it: a
     gradient through the sender's error ``feedback``, one residual per (stage, microbatch,
-    shape); an activation as it is (:func:`fedpipe.wire.codecs.encode_payload`)."""
+    shape); an activation as it is (:func:`fedpipe.wire.codecs.encode_payload`). ``end``:
+    the sending stage's end of the link, for a stateful (lowrank) codec."""
     if envelope.kind == Kind.GRADIENT:
         key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
-        return codecs.encode_payload(tensor, codec, feedback=feedback, key=key)
-    return codecs.encode_payload(tensor, codec)
+        return codecs.encode_payload(tensor, codec, feedback=feedback, key=key, end=end)
+    return codecs.encode_payload(tensor, codec, end=end)
 
 
 class ChannelPool:
@@ -176,9 +178,12 @@ class PeerSender:
         self._stream_lock = threading.Lock()
         self.feedback = codecs.ErrorFeedback()
 
-    def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
-        """Queue ``tensor`` for the peer, encoded with ``codec``. Tensors may arrive in
-        another order than submitted (the receiver keys them by their envelope).
+    def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
+               end: lowrank.End | None = None) -> None:
+        """Queue ``tensor`` for the peer, encoded with ``codec`` (a stateful one with the
+        stage's ``end`` of the link: :func:`encode`). Tensors may arrive in another order
+        than submitted (the receiver keys them by their envelope); those encoded in the
+        background (every codec but raw) are encoded in order.
 
         Raises:
             StageError: an earlier send to this peer failed.
@@ -188,15 +193,15 @@ class PeerSender:
                 and tensor.numel() * tensor.element_size() <= INLINE_BYTES):
             self._send(envelope, tensor, codec, True)
         else:
-            self.encoder.submit(self._send, envelope, tensor, codec, False)
+            self.encoder.submit(self._send, envelope, tensor, codec, False, end)
 
-    def _send(self, envelope, tensor, codec, inline):
+    def _send(self, envelope, tensor, codec, inline, end=None):
         with self._stream_lock:
-            self._send_locked(envelope, tensor, codec, inline)
+            self._send_locked(envelope, tensor, codec, inline, end)
 
-    def _send_locked(self, envelope, tensor, codec, inline):
+    def _send_locked(self, envelope, tensor, codec, inline, end=None):
         try:
-            msg, payload = encode(envelope, tensor, codec, self.feedback)
+            msg, payload = encode(envelope, tensor, codec, self.feedback, end)
             if self.metrics is not None:
                 self.metrics.sent(self.name, envelope.kind, tensor.numel() * tensor.element_size(),
                                   payload.nbytes)
@@ -296,7 +301,8 @@ class SocketSender:
         #                and epoch: :func:`~fedpipe.net.dataplane.owner_of`)
         self.last = -1  # the sequence number of the last tensor this sender wrote on the link
 
-    def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str) -> None:
+    def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
+               end: lowrank.End | None = None) -> None:
         """As :meth:`PeerSender.submit`.
 
         Raises:
@@ -309,12 +315,12 @@ class SocketSender:
             self._send(envelope, tensor, codec, 0.0)
         else:
             due = self.pacer.due() if self.pacer is not None else 0.0
-            self.encoder.submit(self._send, envelope, tensor, codec, due)
+            self.encoder.submit(self._send, envelope, tensor, codec, due, end)
 
     def _send(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
-              due: float) -> None:
+              due: float, end: lowrank.End | None = None) -> None:
         try:
-            msg, payload = encode(envelope, tensor, codec, self.feedback)
+            msg, payload = encode(envelope, tensor, codec, self.feedback, end)
             if self.metrics is not None:
                 self.metrics.sent(self.name, envelope.kind, tensor.numel() * tensor.element_size(),
                                   payload.nbytes, transport="socket")

@@ -25,7 +25,9 @@ from ..runtime.materialize import norm_parameters
 from ..runtime.rng import LayerSeeds
 from ..runtime.ties import TiedGradients
 from ..runtime.stage import StageError, StepHook, SyncStageRunner, TimedTransport
-from ..spec import JobSpec, Kind, PlanView, Quorum, StageKey, stage_recomputes
+from ..spec import (CODEC_POLICIES, LOWRANK_CODECS, JobSpec, Kind, PlanView, Quorum, StageKey,
+                    parse_codec, stage_recomputes)
+from ..wire import lowrank
 from .errors import StageLoadError
 from .initial import make_layers
 from .lifecycle import Stage, StageSlot
@@ -33,6 +35,13 @@ from .mailbox import Mailbox
 from .peers import StagePeers
 
 log = logging.getLogger(__name__)
+
+
+def uses_lowrank(plan: PlanView) -> bool:
+    """Whether a stage of ``plan`` sends activations or gradients with a lowrank codec: then
+    every stage keeps the bases of its boundaries (:attr:`~.lifecycle.Stage.subspace`)."""
+    return any(parse_codec(c).name in LOWRANK_CODECS for a in plan.stages.values()
+               for c in (a.activation_codec, a.gradient_codec) if c not in ("", *CODEC_POLICIES))
 
 
 class StageTransport:
@@ -101,7 +110,8 @@ class StageTransport:
         env = node_pb2.Envelope(job_id=self.stage.job_id, replica=peer.replica,
                                 stage=peer.stage, kind=Kind(kind).value, step=step,
                                 microbatch=tag, batch_size=batch_size, epoch=self.stage.epoch)
-        self.stage.peers.sender(peer).submit(env, tensor, codec)
+        self.stage.peers.sender(peer).submit(env, tensor, codec,
+                                             self.stage.codec_end(env, sending=True))
 
 
 class ElasticHooks:
@@ -226,7 +236,8 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
         raise ValueError(f"resume_step must be in [0, {cfg.steps}), got {request.resume_step}")
     stage = Stage(StageSlot(request.job_id, *key), n_stages, mine.layer_start, module,
                   cfg.steps, peers, epoch=request.plan.epoch, start=request.resume_step,
-                  checkpoint_every=cfg.checkpoint_every, plan=plan, pending=pending)
+                  checkpoint_every=cfg.checkpoint_every, plan=plan, pending=pending,
+                  subspace=lowrank.Subspace() if uses_lowrank(plan) else None)
     hooks = elastic(stage) if len(plan.replicas) > 1 and cfg.elastic and elastic else None
     # one timed transport for the runner and the syncs, so their waiting counts too
     transport = TimedTransport(StageTransport(stage, mailbox, device,
@@ -265,7 +276,8 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
     if pending is not None and outer is not None:  # its outer weights: the streamed ones
         pending.loaded.append(outer.anchor)
     stage.parts = {LAYOUT: layerstate.Layout(module, mine.layer_start), "module": module,
-                   "optimizer": opt, "lr_scheduler": schedule, "outer": outer}
+                   "optimizer": opt, "lr_scheduler": schedule, "outer": outer,
+                   "codec": stage.subspace}
     recompute = stage_recomputes(cfg.recompute, mine.recompute)
     common = dict(before_update=before, after_update=after)
     seeds = LayerSeeds(module, mine.layer_start, cfg.weights.seed, key.replica)

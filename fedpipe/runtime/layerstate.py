@@ -25,7 +25,11 @@ index maps to a *global* layer and a parameter name:
   state index ``k`` is the ``k``-th of those, and a segment's error-feedback
   residual (1-D, the segment's parameters flattened in order) is cut at the
   parameters' sizes. ``outer_step`` and the outer groups are shared;
-- ``lr_scheduler`` is shared whole.
+- ``lr_scheduler`` is shared whole;
+- ``codec`` (the lowrank codecs' bases, :class:`~fedpipe.wire.lowrank.Subspace`) is
+  state of the stage boundaries, not of layers: a plan that splits the layers otherwise
+  moves the boundaries, so it is dropped and an assembled stage starts with no basis
+  (its first activations make new ones, sent to both ends).
 
 The *layer form* of a snapshot is itself a :class:`~.checkpoint.Snapshot`, so it
 travels and is stored as any snapshot does: part ``layer/<L>`` holds layer
@@ -60,8 +64,8 @@ SHARED = "shared"
 """Part of a layer-form snapshot that holds what every layer shares."""
 LAYER = "layer/"
 """Prefix of a layer-form snapshot's per-layer parts: ``layer/<global index>``."""
-SPLITTABLE = {"module", "optimizer", "lr_scheduler", "outer", LAYOUT}
-"""The parts this module knows how to cut by layer."""
+SPLITTABLE = {"module", "optimizer", "lr_scheduler", "outer", "codec", LAYOUT}
+"""The parts this module knows how to cut by layer (``codec``: by dropping it)."""
 
 
 class SplitError(ValueError):
@@ -302,6 +306,8 @@ def assemble(snap: Snapshot, parts: Mapping[str, Checkpointable | None]) -> Snap
             [param(L, "optimizer", name) for L, name in trainable])
     if parts.get("lr_scheduler") is not None:
         out["lr_scheduler"] = need("lr_scheduler", "")
+    if parts.get("codec") is not None:  # the boundaries moved: no basis carries over
+        out["codec"] = {"bases": {}}
     outer = parts.get("outer")
     if outer is not None:
         everyone = [(first + i, n) for i, layer in enumerate(params) for n, _ in layer]

@@ -23,7 +23,7 @@ Every name is importable from ``fedpipe.spec`` itself, as before the split.
 from __future__ import annotations
 
 from .codecs import (CODEC_PARAMS, CODEC_POLICIES, GRADIENT_ONLY_CODECS, LOWRANK_CODECS,
-                     CodecSpec, check_compression, parse_codec)
+                     CodecSpec, check_compression, lowrank_problem, parse_codec)
 from .errors import JobSpecError, SpecError
 from .jobspec import (FIELD_RULES, MAX_MICROBATCHES, PRECISIONS, REBALANCE, RECOMPUTE, JobSpec,
                       check_field, stage_recomputes)
@@ -47,6 +47,7 @@ __all__ = [
     "Action", "CodecSpec", "Compression", "DiLoCo", "Group", "JobSpec", "JobSpecError",
     "JobState", "Kind", "Knobs", "Lifetime", "Placement", "PlanView", "Quorum", "Replicas",
     "SpecError", "StageKey", "Training", "async_stream", "check_compression", "check_field",
-    "check_schedule", "gpipe", "one_f_one_b", "parse_codec", "schedule_order", "state_name",
+    "check_schedule", "gpipe", "lowrank_problem", "one_f_one_b", "parse_codec",
+    "schedule_order", "state_name",
     "WEIGHT_SOURCES", "WeightsSpec",
 ]

@@ -147,19 +147,44 @@ def check_compression(setting: str, carries: Literal["activations", "gradients",
 
     ``setting`` is "auto", "none" or a codec spec; a gradients-only codec
     (top-k) is refused for activations, which it would mostly zero, and a lowrank
-    codec (:data:`LOWRANK_CODECS`) for a job.
+    codec (:data:`LOWRANK_CODECS`) for DiLoCo's outer sync, which has no stage boundary
+    to keep a basis on (a job's pair of settings: :func:`lowrank_problem`).
 
     Raises:
         SpecError: a bad codec spec, a gradients-only codec for activations, or a
-            lowrank codec.
+            lowrank codec for the outer sync.
     """
     if setting in CODEC_POLICIES:
         return setting
-    if parse_codec(setting).name in LOWRANK_CODECS:
-        raise SpecError(f"{setting!r} keeps a basis per link at both ends, which the node's "
-                        "data plane does not carry yet: it runs in one process only "
-                        "(fedpipe.wire.lowrank, benchmarks/wan.py)")
+    if parse_codec(setting).name in LOWRANK_CODECS and carries == "outer":
+        raise SpecError(f"{setting!r} keeps a basis per stage boundary: it compresses "
+                        "activations and their gradients, not DiLoCo's outer sync")
     if parse_codec(setting).gradients_only and carries == "activations":
         raise SpecError(f"{setting!r} drops most of each tensor: use it for gradients only, "
                         f"e.g. compression={{'activations': 'int8', 'gradients': 'topk:0.01'}}")
     return setting
+
+
+def lowrank_problem(activations: str, gradients: str, schedule: str) -> str | None:
+    """Why a job's valid compression settings cannot carry its lowrank codec, or None.
+
+    A lowrank codec's basis is made from the activations that cross a boundary and
+    their gradients go back in it (:mod:`fedpipe.wire.lowrank`), so lowrank gradients
+    need lowrank activations of the same rank; and both ends must agree on the basis
+    a step uses, which a synchronous schedule guarantees (under "async" the gradients
+    of one step cross while the next step's activations refresh the basis).
+    """
+    act = None if activations in CODEC_POLICIES else parse_codec(activations)
+    grad = None if gradients in CODEC_POLICIES else parse_codec(gradients)
+    lowrank = [c for c in (act, grad) if c is not None and c.name in LOWRANK_CODECS]
+    if not lowrank:
+        return None
+    if schedule == "async":
+        return (f"{lowrank[0]} needs a synchronous schedule: under \"async\" a step's "
+                "gradients would cross in a basis the next step's activations replaced")
+    if grad is not None and grad.name in LOWRANK_CODECS and (
+            act is None or act.name not in LOWRANK_CODECS or act.rank != grad.rank):
+        return (f"lowrank gradients {gradients!r} go back in the basis the activations "
+                f"make: the activations need a lowrank codec of rank {grad.rank} too, "
+                f"not {activations!r}")
+    return None

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Literal
 
 from ..proto import node_pb2
-from .codecs import check_compression
+from .codecs import check_compression, lowrank_problem
 from .errors import JobSpecError, SpecError
 from .replicas import REPLICA_SYNCS, DiLoCo
 from .schedules import check_schedule
@@ -207,6 +207,9 @@ class JobSpec:
              "tied parameters need a synchronous schedule: under \"async\" each stage "
              "updates its copy with gradients of other weight versions, so the copies "
              "would drift apart")
+        lowrank = lowrank_problem(self.activation_compression, self.gradient_compression,
+                                  self.schedule)
+        need(lowrank is None, "activation_compression", lowrank or "")
         return self
 
     @property

@@ -189,8 +189,14 @@ eigendecomposition per refresh), about had4's cost at R = 16."""
 
 def _lowrank_ratio(spec: CodecSpec) -> float:
     """Not known from the spec: the ratio is about R/d (lowrank8: (R+4)/(4d)), and d, the
-    activation's width, is the model's; the planner is told no saving (1.0) rather than a
-    guessed one. Exact sizes: :func:`lowrank_bytes_per_row`."""
+    activation's width, is the model's. The planner does not know it either: a model's
+    profile (:class:`fedpipe.planner.types.LayerProfile`, ``fedpipe.v1.LayerProfile``)
+    gives each layer's output as bytes per sample, which for a ``(batch, tokens, d)``
+    activation is ``4·tokens·d``, not d. So the planner is told no saving (1.0) rather
+    than a guessed one: it never prefers lowrank for its bytes, and a job that names it
+    gets it on every link. Pricing it needs the width in the profile (both profilers
+    see ``y.shape[-1]``) and at each link's pricing (``planner.costs.transfer_seconds``
+    and its callers). Exact sizes: :func:`lowrank_bytes_per_row`."""
     return 1.0
 
 

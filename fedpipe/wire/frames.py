@@ -15,12 +15,12 @@ once each way, as it does for raw-bytes calls.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
 from ..proto import node_pb2, tensor_pb2
-from . import codecs, format
+from . import codecs, format, lowrank
 from .format import WireError
 
 CHUNK_BYTES = 1 << 20
@@ -94,6 +94,25 @@ def _reserve(nbytes: int) -> memoryview:
         raise WireError(f"cannot reserve {nbytes} bytes for a tensor's payload: {e}") from None
 
 
+class Admitted(NamedTuple):
+    """What a receiver's admission of a tensor header may say besides its size limit: the
+    receiving end of its link for a stateful codec (:class:`.lowrank.End`: the stage's
+    basis of the boundary the tensor crosses), which its decode needs.
+
+    Attributes:
+        limit: the most bytes the tensor may take, encoded or decoded.
+        end: the link's end at the receiver (None: a stateless codec's tensor).
+    """
+
+    limit: int
+    end: lowrank.End | None = None
+
+
+def admitted(answer: "int | Admitted") -> Admitted:
+    """An admission's answer (a size limit, or an :class:`Admitted`) as an :class:`Admitted`."""
+    return answer if isinstance(answer, Admitted) else Admitted(answer)
+
+
 def encode_frames(t: torch.Tensor, codec: str = "raw", **kw: Any) -> Iterator[Frame]:
     """Encode ``t`` with ``codec`` (:func:`fedpipe.wire.codecs.encode_payload`) and
     split it; ``kw`` (``envelope``, ``name``, ``chunk_bytes``) goes to :func:`to_frames`."""
@@ -102,7 +121,7 @@ def encode_frames(t: torch.Tensor, codec: str = "raw", **kw: Any) -> Iterator[Fr
 
 
 def read_tensors(frames: Iterable[Frame],
-                 admit: Callable[[node_pb2.Frame], int] | None = None, *,
+                 admit: Callable[[node_pb2.Frame], "int | Admitted"] | None = None, *,
                  in_place: bool = False) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
     """Reassemble and decode the tensors of a wire-frame stream.
 
@@ -111,7 +130,8 @@ def read_tensors(frames: Iterable[Frame],
     ``fedpipe.v1.Frame`` without payload) carries the envelope and name.
     ``admit(header)``, called before any of a tensor's payload is buffered,
     may raise to refuse it and returns the most bytes the tensor may take,
-    encoded or decoded (default :data:`fedpipe.wire.codecs.MAX_TENSOR_BYTES`).
+    encoded or decoded (default :data:`fedpipe.wire.codecs.MAX_TENSOR_BYTES`), or an
+    :class:`Admitted` with that limit and the link's end a stateful codec decodes with.
     Every field of the frame (:func:`fedpipe.wire.format.unpack`) and of the
     tensor header (:func:`fedpipe.wire.codecs.check_header`) is checked before
     the payload is buffered. Then the tensor's ``payload_bytes`` are reserved
@@ -134,7 +154,7 @@ def read_tensors(frames: Iterable[Frame],
     head: node_pb2.Frame | None = None
     buf = memoryview(b"")  # the current tensor's payload, filled in as its pieces arrive
     size = want = 0
-    limit = codecs.MAX_TENSOR_BYTES
+    limit, end = codecs.MAX_TENSOR_BYTES, None
 
     def finish(first: node_pb2.Frame) -> tuple[node_pb2.Frame, torch.Tensor]:
         nonlocal buf
@@ -142,20 +162,21 @@ def read_tensors(frames: Iterable[Frame],
             raise WireError(f"tensor stream ended after {size} payload bytes, header declared "
                             f"{want}")
         payload, buf = buf, memoryview(b"")
-        return first, codecs.decode(first.tensor, payload=payload, max_bytes=limit)
+        return first, codecs.decode(first.tensor, payload=payload, max_bytes=limit, end=end)
 
     for frame in frames:
         header, piece = format.unpack(frame)
         if header is not None:
             if head is not None:
                 yield finish(head)  # raises: the previous tensor is incomplete
-            limit = admit(header) if admit is not None else codecs.MAX_TENSOR_BYTES
+            limit, end = admitted(admit(header)) if admit is not None \
+                else (codecs.MAX_TENSOR_BYTES, None)
             codecs.check_header(header.tensor, limit)
             head, want, size = header, header.tensor.payload_bytes, 0
             if in_place and len(piece) == want:  # the whole tensor, in memory handed over
                 head = None
                 yield header, codecs.decode(header.tensor, payload=piece, max_bytes=limit,
-                                            in_place=True)
+                                            in_place=True, end=end)
                 continue
             buf = _reserve(want)
         elif head is None:

@@ -123,6 +123,8 @@ class Subspace:
     def __init__(self) -> None:
         self._bases: dict[str, Basis] = {}
         self._announce: set[str] = set()  # links whose next message must carry the basis
+        self._received: set[str] = set()  # links whose basis a message carried since the
+        #                                   last load or forget (see load_state_dict)
 
     def basis(self, key: str) -> Basis | None:
         """The basis of link ``key``, or None."""
@@ -174,6 +176,7 @@ class Subspace:
             step = held.step if held is not None and held.version == version else -1
             held = Basis(matrix.clone(), version, step)
             self._bases[key] = held
+            self._received.add(key)
             return held
         if held is None:
             raise WireError(f"lowrank message on link {key!r} uses basis version {version}, "
@@ -190,17 +193,25 @@ class Subspace:
     def state_dict(self) -> dict[str, Any]:
         """Every link's basis: ``{"bases": {key: {"matrix", "version", "step"}}}``."""
         return {"bases": {k: {"matrix": b.matrix.clone(), "version": b.version, "step": b.step}
-                          for k, b in self._bases.items()}}
+                          for k, b in list(self._bases.items())}}  # a receive may add one
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the bases with a :meth:`state_dict`'s; each this end made is carried
-        again by its next outgoing message (the peer may have lost it)."""
-        self._bases = {str(k): Basis(v["matrix"].to(torch.float32).clone(), int(v["version"]),
-                                     int(v["step"]))
-                       for k, v in state["bases"].items()}
+        again by its next outgoing message (the peer may have lost it).
+
+        A basis a message carried in since this state was made (or last loaded) is kept
+        over the snapshot's: a node's stage takes tensors while it restores, and what its
+        restored peer sends is that peer's basis now, never an older one."""
+        loaded = {str(k): Basis(v["matrix"].to(torch.float32).clone(), int(v["version"]),
+                                int(v["step"]))
+                  for k, v in state["bases"].items()}
+        loaded.update({k: self._bases[k] for k in self._received if k in self._bases})
+        self._bases = loaded
         self._announce = {k for k, b in self._bases.items() if b.step >= 0}  # those it made
+        self._received.clear()
 
     def forget(self) -> None:
         """Drop every basis (a re-plan moved the links): the next activations make new ones."""
         self._bases.clear()
         self._announce.clear()
+        self._received.clear()

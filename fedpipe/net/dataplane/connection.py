@@ -28,7 +28,7 @@ import numpy
 import torch
 
 from ...proto import node_pb2, tensor_pb2
-from ...wire import codecs, format
+from ...wire import codecs, format, lowrank
 from ...wire.format import WireError
 
 READ_AHEAD = 256 * 1024
@@ -225,13 +225,15 @@ def reserve(nbytes: int) -> torch.Tensor:
         raise WireError(f"cannot reserve {nbytes} bytes for a tensor: {e}") from None
 
 
-def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int) -> torch.Tensor:
+def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int,
+                end: lowrank.End | None = None) -> torch.Tensor:
     """The payload of a checked header, read into a tensor reserved from the header.
 
     A raw tensor without zstd is received straight into a tensor of its dtype
     and shape (:func:`reserve`); others into a buffer of ``payload_bytes``,
     decoded in place (:func:`fedpipe.wire.codecs.decode`). The header is checked
-    against ``limit`` (the receiver's admission) before anything is reserved.
+    against ``limit`` (the receiver's admission) before anything is reserved. ``end``:
+    a stateful codec's end of the link at the receiver (:func:`fedpipe.wire.codecs.decode`).
 
     Raises:
         WireError: over ``limit``, memory that cannot be reserved, or a malformed
@@ -240,9 +242,9 @@ def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int) -> torch.T
     msg = header.tensor
     codecs.check_header(msg, limit)
     if not msg.payload_bytes:  # no elements (a raw empty tensor): nothing to receive
-        return codecs.decode(msg, payload=b"", max_bytes=limit)
+        return codecs.decode(msg, payload=b"", max_bytes=limit, end=end)
     buf = reserve(msg.payload_bytes)
     conn.read_into(buf.numpy().data)
     if msg.codec == tensor_pb2.CODEC_RAW and not msg.zstd:  # the tensor is the buffer
         return buf.view(codecs.TORCH_DTYPES[msg.dtype]).view(tuple(msg.shape))
-    return codecs.decode(msg, payload=buf.numpy().data, max_bytes=limit)
+    return codecs.decode(msg, payload=buf.numpy().data, max_bytes=limit, end=end)

@@ -13,6 +13,7 @@ import torch
 from ...proto import node_pb2
 from ...security import Identity
 from ...wire.format import WireError
+from ...wire.frames import Admitted
 from .records import Code
 
 
@@ -57,9 +58,11 @@ class Receiver(Protocol):
     another thread first, as a node's mailbox does.
     """
 
-    def admit(self, peer: Peer, header: node_pb2.Frame) -> int:
+    def admit(self, peer: Peer, header: node_pb2.Frame) -> int | Admitted:
         """Check a tensor's header before its payload is read; return its size limit in
-        bytes. Raises :class:`Refused` to refuse it (its payload is then skipped)."""
+        bytes, or an :class:`~fedpipe.wire.frames.Admitted` with the limit and the link's
+        end a stateful codec decodes with (the stage's lowrank basis). Raises
+        :class:`Refused` to refuse it (its payload is then skipped)."""
 
     def deliver(self, peer: Peer, header: node_pb2.Frame, tensor: torch.Tensor) -> None:
         """Take a received tensor; may block (the sender then runs out of credit).

@@ -35,7 +35,7 @@ import torch
 
 from ...proto import node_pb2, tensor_pb2
 from ...security.errors import SecurityError
-from ...wire import codecs, format
+from ...wire import codecs, format, frames
 from ...wire.format import WireError
 from .. import timeouts as net_timeouts
 from . import records
@@ -512,12 +512,12 @@ class Link:
         if header.fetch:
             return self._on_answer(conn, seq, header)
         try:
-            limit = self.receiver.admit(self.peer, header)
+            limit, end = frames.admitted(self.receiver.admit(self.peer, header))
         except Refused as e:
             skip_payload(conn, header)
             self._done(seq, nbytes, e)
             return
-        tensor = read_tensor(conn, header, limit)  # every field checked, then reserved
+        tensor = read_tensor(conn, header, limit, end)  # every field checked, then reserved
         try:
             self.receiver.deliver(self.peer, header, tensor)
         except Refused as e:
