@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Hashable
 
 import numpy as np
 
@@ -127,7 +128,8 @@ class PlanContext:
         self.boundary = np.zeros(L + 1)             # bytes crossing after layer j - 1
         for j in range(1, L):
             self.boundary[j] = boundary_bytes(profile, j, self.mb)
-        self._links: dict[tuple[float, float, float, float], LinkCosts] = {}
+        self.speeds = [node.codec_speeds for node in cluster.nodes]
+        self._links: dict[tuple[Hashable, ...], LinkCosts] = {}
 
     def state_on(self, node: int) -> np.ndarray:
         """:attr:`state` as held on ``node``: without snapshots in memory on a node that
@@ -137,17 +139,20 @@ class PlanContext:
 
     def link_costs(self, p: int, q: int) -> LinkCosts:
         """Costs of the boundary between node ``p`` (earlier stage) and node ``q`` (next stage)."""
-        key = (self.bw[p, q], self.lat[p, q], self.bw[q, p], self.lat[q, p])
+        key = (self.bw[p, q], self.lat[p, q], self.bw[q, p], self.lat[q, p], self.speeds[p],
+               self.speeds[q])
         found = self._links.get(key)
         if found is None:
-            fwd, bwd = Link(key[0], key[1]), Link(key[2], key[3])
+            fwd, bwd = Link(self.bw[p, q], self.lat[p, q]), Link(self.bw[q, p], self.lat[q, p])
             arrays = [np.full(self.L + 1, math.inf) for _ in range(4)]
             eb = self.profile.element_bytes
             for j in range(1, self.L):
                 x = self.boundary[j]
-                sends = ((fwd, self.act_codecs), (bwd, self.grad_codecs))
-                for out, (lk, specs) in zip((0, 2), sends):
-                    busy, lat = min(transfer_seconds(lk, x, c, eb) for c in specs)
+                sends = ((fwd, self.act_codecs, self.speeds[p], self.speeds[q]),
+                         (bwd, self.grad_codecs, self.speeds[q], self.speeds[p]))
+                for out, (lk, specs, enc, dec) in zip((0, 2), sends):
+                    busy, lat = min(transfer_seconds(lk, x, c, eb, 0.0, enc, dec)
+                                    for c in specs)
                     arrays[out][j], arrays[out + 1][j] = busy, busy + lat
             found = self._links[key] = LinkCosts(*arrays)
         return found
