@@ -39,8 +39,9 @@ costs at start-up (:mod:`fedpipe.wire.codecspeed`, a :class:`CodecSpeed` per
 codec, a fixed part per message and a part per byte, beyond raw's) and
 advertises them; the planner prices a link's codec with its sender's encode and
 its receiver's decode (:func:`cpu_seconds`), and with this table where a node
-measured none. On small tensors the fixed part dominates: an int8+zstd message
-of a 8 KiB activation cost ~0.1 ms of CPU, 30x the table's per-byte figure.
+measured none. On small tensors the fixed part dominates: int8+zstd on the
+digits MLP's 8 KiB activations measured ~50 us to encode and ~25-40 us to decode
+(load 20-30), ~3x the table's 27 us for both.
 
 Each codec also carries ``steps_factor``, its convergence cost: steps to a target
 loss against raw fp32, measured by ``benchmarks/wan.py`` (:data:`STEPS_MEASURED`);

@@ -1,18 +1,18 @@
 """Each codec's CPU cost on this machine, measured at a node's start-up, not assumed.
 
 The planner used to price a codec's encode + decode with a constant per byte
-(:data:`fedpipe.wire.codecmodel.MODELS`), measured once on large tensors. On
-the digits MLP's 8 KiB activations that missed most of the cost: a message
-pays a fixed part (the codec's torch calls, a zstd context) that a per-byte
-figure from a 1 MiB tensor does not see, so "auto" chose int8+zstd where raw
-was faster (issue 23).
+(:data:`fedpipe.wire.codecmodel.MODELS`), measured once on large tensors, on
+one machine. On the digits MLP's 8 KiB activations that missed most of the
+cost: a message pays a fixed part (the codec's torch calls, a zstd context)
+that a per-byte figure from a 1 MiB tensor does not see (issue 23), and a
+slower machine pays more per byte.
 
 :func:`measure` times each codec of :data:`CALIBRATED` on a ReLU-like float32
 activation (half zeros, as after a ReLU) at two sizes, :data:`SMALL_BYTES` and
 :data:`LARGE_BYTES`, and fits ``seconds = fixed + per_byte · bytes`` to the
 median times of each, encode and decode apart, less raw's at the same size.
-Idle, it takes ~30 ms; under load, longer, and the figures are then those of a
-loaded machine, as the training will be.
+It took 165 ms at load 18 on 2 cores; the figures are then those of a loaded
+machine, as the training will be.
 """
 from __future__ import annotations
 
