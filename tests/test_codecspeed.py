@@ -148,3 +148,17 @@ def test_the_predicted_step_and_the_plan_table_use_the_measured_costs():
         simulate(quick, cluster, prof, config).step_seconds + 4 * 2 * 1.6e7 * 1e-7
     table = jsonio.format_plan(costly, slow_cluster, prof, config)
     assert "act cpu/mb" in table and "3200.00 ms" in table  # 1.6e7 B × 1e-7 s/B × 2 ends
+
+
+def test_nodes_with_like_codec_costs_share_their_links_costs_in_the_search():
+    from fedpipe.planner.context import PlanContext
+
+    like, unlike = speeds(1.0e-9, 1e-5), speeds(4e-9, 1e-5)
+    nodes = [NodeSpec(f"n{i}", 1e12, 10**12, codec_speeds=sp)
+             for i, sp in enumerate((like, speeds(1.1e-9, 1.1e-5), unlike))]
+    prof = ModelProfile([LayerProfile(f"l{i}", 1e10, 4 * 10**6, 10**6) for i in range(4)])
+    ctx = PlanContext(ClusterView(nodes, default_link=Link(1.25e6, 0.02)), prof,
+                      TrainConfig(batch_size=16, microbatches=4))
+    assert ctx.speed_kind[0] == ctx.speed_kind[1] != ctx.speed_kind[2]
+    assert ctx.link_costs(0, 1) is ctx.link_costs(1, 0)
+    assert ctx.link_costs(0, 2) is not ctx.link_costs(0, 1)

@@ -12,6 +12,7 @@ from typing import Hashable
 
 import numpy as np
 
+from ..wire.codecmodel import CodecSpeed
 from . import codecs
 from .costs import (RECOMPUTE_FACTOR, StageCodecs, activation_scale, boundary_bytes,
                     codec_buffer_bytes, host_memory_shares, input_bytes, kept_activation_bytes,
@@ -62,6 +63,20 @@ class LinkCosts:
     act_total: np.ndarray
     grad_busy: np.ndarray
     grad_total: np.ndarray
+
+
+SPEED_STEP = 0.5
+"""Codec costs within a factor of 2**SPEED_STEP (1.41) of each other are one kind: links
+between nodes of one kind share their costs (:meth:`PlanContext.link_costs`), as they did
+before each node measured its own, so a swarm of like machines does not price every pair
+apart."""
+
+
+def speed_kind(speeds: tuple[CodecSpeed, ...]) -> tuple[Hashable, ...]:
+    """``speeds`` as a kind: each figure's log2 in steps of :data:`SPEED_STEP` (None for 0)."""
+    return tuple((s.codec, *(round(math.log2(f) / SPEED_STEP) if f > 0 else None
+                             for f in (s.encode_fixed, s.encode_per_byte, s.decode_fixed,
+                                       s.decode_per_byte))) for s in speeds)
 
 
 class PlanContext:
@@ -129,7 +144,9 @@ class PlanContext:
         for j in range(1, L):
             self.boundary[j] = boundary_bytes(profile, j, self.mb)
         self.speeds = [node.codec_speeds for node in cluster.nodes]
-        self._links: dict[tuple[Hashable, ...], LinkCosts] = {}
+        kinds: dict[tuple[Hashable, ...], int] = {}
+        self.speed_kind = [kinds.setdefault(speed_kind(sp), len(kinds)) for sp in self.speeds]
+        self._links: dict[tuple[float, float, float, float, int, int], LinkCosts] = {}
 
     def state_on(self, node: int) -> np.ndarray:
         """:attr:`state` as held on ``node``: without snapshots in memory on a node that
@@ -139,8 +156,8 @@ class PlanContext:
 
     def link_costs(self, p: int, q: int) -> LinkCosts:
         """Costs of the boundary between node ``p`` (earlier stage) and node ``q`` (next stage)."""
-        key = (self.bw[p, q], self.lat[p, q], self.bw[q, p], self.lat[q, p], self.speeds[p],
-               self.speeds[q])
+        key = (self.bw[p, q], self.lat[p, q], self.bw[q, p], self.lat[q, p],
+               self.speed_kind[p], self.speed_kind[q])
         found = self._links.get(key)
         if found is None:
             fwd, bwd = Link(self.bw[p, q], self.lat[p, q]), Link(self.bw[q, p], self.lat[q, p])
