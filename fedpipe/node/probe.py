@@ -11,6 +11,7 @@ import psutil
 import torch
 
 from ..proto import node_pb2
+from ..wire import codecspeed
 
 
 def resolve_device(device: str) -> str:
@@ -88,6 +89,8 @@ def probe(device: str = "cpu", memory_limit: int | None = None) -> node_pb2.Reso
     A CPU node also advertises its machine's available memory (``host_memory_bytes``),
     which the planner shares among the nodes of its host as it shares the cores
     (:func:`fedpipe.planner.costs.host_memory_shares`); a GPU's memory is its own.
+    Every node advertises its codecs' CPU costs (:func:`fedpipe.wire.codecspeed.measure`:
+    codecs run on the CPU whatever the device).
     """
     dev = torch.device(device)
     host_memory = 0
@@ -106,4 +109,13 @@ def probe(device: str = "cpu", memory_limit: int | None = None) -> node_pb2.Reso
                               host_id=host_id() if dev.type == "cpu" else "",
                               host_cores=host_cores(),
                               # the planner splits it among the nodes of one host
-                              host_memory_bytes=int(host_memory))
+                              host_memory_bytes=int(host_memory),
+                              codec_speeds=codec_speeds())
+
+
+def codec_speeds() -> list[node_pb2.CodecSpeed]:
+    """This machine's codec costs (:func:`fedpipe.wire.codecspeed.measure`) as messages."""
+    return [node_pb2.CodecSpeed(codec=s.codec, encode_fixed=s.encode_fixed,
+                                encode_per_byte=s.encode_per_byte, decode_fixed=s.decode_fixed,
+                                decode_per_byte=s.decode_per_byte)
+            for s in codecspeed.measure()]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..spec import SpecError, parse_codec
-from ..wire.codecmodel import hadamard_block_problem, model
+from ..wire.codecmodel import CodecSpeed, cpu_seconds, hadamard_block_problem, model
 from .types import PlanError, TrainConfig
 
 AUTO_ACTIVATION = ("raw", "bf16", "int8", "int8+zstd")
@@ -64,9 +64,14 @@ class CodecCost:
         (:func:`fedpipe.wire.codecs.encode_payload`)."""
         return 0.0 if self.spec == "raw" else self.wire_bytes(nbytes, element_bytes)
 
-    def seconds(self, nbytes: float) -> float:
-        """Encode + decode seconds for a tensor of ``nbytes`` bytes."""
-        return nbytes * self.seconds_per_byte
+    def seconds(self, nbytes: float, encoder: tuple[CodecSpeed, ...] = (),
+                decoder: tuple[CodecSpeed, ...] = ()) -> float:
+        """Encode + decode seconds for a tensor of ``nbytes`` bytes: with the sending node's
+        measured costs ``encoder`` and the receiving node's ``decoder`` where they price
+        this codec (:func:`fedpipe.wire.codecmodel.cpu_seconds`), else the table's."""
+        if not encoder and not decoder:
+            return nbytes * self.seconds_per_byte
+        return cpu_seconds(parse_codec(self.spec), nbytes, encoder, decoder)
 
 
 def codec_cost(spec: str) -> CodecCost:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Hashable
 
 import numpy as np
 
+from ..wire.codecmodel import CodecSpeed
 from . import codecs
 from .costs import (RECOMPUTE_FACTOR, StageCodecs, activation_scale, boundary_bytes,
                     codec_buffer_bytes, host_memory_shares, input_bytes, kept_activation_bytes,
@@ -61,6 +63,20 @@ class LinkCosts:
     act_total: np.ndarray
     grad_busy: np.ndarray
     grad_total: np.ndarray
+
+
+SPEED_STEP = 0.5
+"""Codec costs within a factor of 2**SPEED_STEP (1.41) of each other are one kind: links
+between nodes of one kind share their costs (:meth:`PlanContext.link_costs`), as they did
+before each node measured its own, so a swarm of like machines does not price every pair
+apart."""
+
+
+def speed_kind(speeds: tuple[CodecSpeed, ...]) -> tuple[Hashable, ...]:
+    """``speeds`` as a kind: each figure's log2 in steps of :data:`SPEED_STEP` (None for 0)."""
+    return tuple((s.codec, *(round(math.log2(f) / SPEED_STEP) if f > 0 else None
+                             for f in (s.encode_fixed, s.encode_per_byte, s.decode_fixed,
+                                       s.decode_per_byte))) for s in speeds)
 
 
 class PlanContext:
@@ -127,7 +143,10 @@ class PlanContext:
         self.boundary = np.zeros(L + 1)             # bytes crossing after layer j - 1
         for j in range(1, L):
             self.boundary[j] = boundary_bytes(profile, j, self.mb)
-        self._links: dict[tuple[float, float, float, float], LinkCosts] = {}
+        self.speeds = [node.codec_speeds for node in cluster.nodes]
+        kinds: dict[tuple[Hashable, ...], int] = {}
+        self.speed_kind = [kinds.setdefault(speed_kind(sp), len(kinds)) for sp in self.speeds]
+        self._links: dict[tuple[float, float, float, float, int, int], LinkCosts] = {}
 
     def state_on(self, node: int) -> np.ndarray:
         """:attr:`state` as held on ``node``: without snapshots in memory on a node that
@@ -137,17 +156,20 @@ class PlanContext:
 
     def link_costs(self, p: int, q: int) -> LinkCosts:
         """Costs of the boundary between node ``p`` (earlier stage) and node ``q`` (next stage)."""
-        key = (self.bw[p, q], self.lat[p, q], self.bw[q, p], self.lat[q, p])
+        key = (self.bw[p, q], self.lat[p, q], self.bw[q, p], self.lat[q, p],
+               self.speed_kind[p], self.speed_kind[q])
         found = self._links.get(key)
         if found is None:
-            fwd, bwd = Link(key[0], key[1]), Link(key[2], key[3])
+            fwd, bwd = Link(self.bw[p, q], self.lat[p, q]), Link(self.bw[q, p], self.lat[q, p])
             arrays = [np.full(self.L + 1, math.inf) for _ in range(4)]
             eb = self.profile.element_bytes
             for j in range(1, self.L):
                 x = self.boundary[j]
-                sends = ((fwd, self.act_codecs), (bwd, self.grad_codecs))
-                for out, (lk, specs) in zip((0, 2), sends):
-                    busy, lat = min(transfer_seconds(lk, x, c, eb) for c in specs)
+                sends = ((fwd, self.act_codecs, self.speeds[p], self.speeds[q]),
+                         (bwd, self.grad_codecs, self.speeds[q], self.speeds[p]))
+                for out, (lk, specs, enc, dec) in zip((0, 2), sends):
+                    busy, lat = min(transfer_seconds(lk, x, c, eb, 0.0, enc, dec)
+                                    for c in specs)
                     arrays[out][j], arrays[out + 1][j] = busy, busy + lat
             found = self._links[key] = LinkCosts(*arrays)
         return found

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
 
+from ..wire.codecmodel import CodecSpeed
 from .codecs import codec_cost
 from .types import Link, ModelProfile, NodeSpec, Overheads, TrainConfig
 
@@ -293,20 +294,25 @@ def boundary_bytes(profile: ModelProfile, end: int, samples: float) -> float:
 
 
 def transfer_seconds(link: Link, nbytes: float, codec: str,
-                     element_bytes: int = 4, message: float = 0.0) -> tuple[float, float]:
+                     element_bytes: int = 4, message: float = 0.0,
+                     encoder: tuple[CodecSpeed, ...] = (),
+                     decoder: tuple[CodecSpeed, ...] = ()) -> tuple[float, float]:
     """``(busy, latency)`` of sending an ``nbytes``-byte tensor over ``link``.
 
     ``busy`` is how long the link is occupied: encode + wire bytes / bandwidth
     + decode, plus ``message``, the runtime's fixed cost per message
     (:attr:`~fedpipe.planner.types.Overheads.message`), seconds; the tensor
-    arrives ``latency`` seconds after that.
+    arrives ``latency`` seconds after that. The encode and decode are priced by
+    the sending node's measured costs ``encoder`` and the receiving node's
+    ``decoder`` (:attr:`~fedpipe.planner.types.NodeSpec.codec_speeds`) where they
+    price ``codec``, else by the table (:meth:`~fedpipe.planner.codecs.CodecCost.seconds`).
 
     Raises:
         PlanError: unknown codec.
     """
     c = codec_cost(codec)
-    return (c.seconds(nbytes) + c.wire_bytes(nbytes, element_bytes) / link.bandwidth + message,
-            link.latency)
+    return (c.seconds(nbytes, encoder, decoder) + c.wire_bytes(nbytes, element_bytes)
+            / link.bandwidth + message, link.latency)
 
 
 def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
@@ -404,7 +410,8 @@ class ChainCosts:
 
 def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: float,
                 passes: Callable[[ChainStage], tuple[float, float]],
-                link: Callable[[str, str], Link], message: float = 0.0) -> ChainCosts:
+                link: Callable[[str, str], Link], message: float = 0.0,
+                speeds: Mapping[str, tuple[CodecSpeed, ...]] | None = None) -> ChainCosts:
     """Price one replica group's chain of stages for microbatches of ``samples`` samples:
     the one place a step time's parts are predicted (the simulator replays them, the
     analytic estimate and the tracker's rebalancing bound them).
@@ -414,10 +421,14 @@ def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: flo
             :func:`pass_seconds` at the node's speed).
         link: the link from one node id to another.
         message: the runtime's fixed cost per message, seconds (:func:`transfer_seconds`).
+        speeds: per node id, its measured codec costs
+            (:attr:`~fedpipe.planner.types.NodeSpec.codec_speeds`; None or a node absent:
+            the table's).
 
     Raises:
         PlanError: a stage names an unknown codec.
     """
+    speeds = speeds or {}
     out = ChainCosts([], [], [], [], [], [])
     for i, s in enumerate(chain):
         f, b = passes(s)
@@ -426,14 +437,15 @@ def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: flo
         if i + 1 < len(chain):
             nxt = chain[i + 1]
             nbytes = boundary_bytes(profile, s.layer_end, samples)
+            ends = speeds.get(s.node_id, ()), speeds.get(nxt.node_id, ())
             busy, lat = transfer_seconds(link(s.node_id, nxt.node_id), nbytes,
                                          s.activation_codec or "raw", profile.element_bytes,
-                                         message)
+                                         message, *ends)
             out.act_busy.append(busy)
             out.act_latency.append(lat)
             busy, lat = transfer_seconds(link(nxt.node_id, s.node_id), nbytes,
                                          nxt.gradient_codec or "raw", profile.element_bytes,
-                                         message)
+                                         message, *reversed(ends))
             out.grad_busy.append(busy)
             out.grad_latency.append(lat)
     return out

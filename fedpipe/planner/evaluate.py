@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+from ..wire.codecmodel import CodecSpeed
 from . import codecs
 from .context import PlanContext
 from .costs import (boundary_bytes, compute_seconds, in_flight, pipeline_estimate,
@@ -268,17 +269,20 @@ class _Links:
                                                              prof.element_bytes)
         self.fwd, self.bwd = zip(*(compute_seconds(prof, k, j, ctx.flops[node], samples)
                                    for node, (k, j) in zip(nodes, ranges)))
-        # sends[d][i]: (link, bytes) of link i in direction d (0: activations, 1: gradients)
-        self.sends: list[list[tuple[Link, float]]] = [[], []]
+        # sends[d][i]: (link, bytes, the sender's and the receiver's codec costs) of link i
+        # in direction d (0: activations, 1: gradients)
+        self.sends: list[list[tuple[Link, float, tuple[CodecSpeed, ...],
+                                    tuple[CodecSpeed, ...]]]] = [[], []]
         for i in range(len(nodes) - 1):
             x = boundary_bytes(prof, ranges[i][1], samples)
             a, b = ctx.ids[nodes[i]], ctx.ids[nodes[i + 1]]
-            self.sends[0].append((cl.link(a, b), x))
-            self.sends[1].append((cl.link(b, a), x))
+            sa, sb = ctx.speeds[nodes[i]], ctx.speeds[nodes[i + 1]]
+            self.sends[0].append((cl.link(a, b), x, sa, sb))
+            self.sends[1].append((cl.link(b, a), x, sb, sa))
 
     def busy(self, d: int, i: int, codec: str) -> float:
-        link, x = self.sends[d][i]
-        return transfer_seconds(link, x, codec, self.element_bytes)[0]
+        link, x, enc, dec = self.sends[d][i]
+        return transfer_seconds(link, x, codec, self.element_bytes, 0.0, enc, dec)[0]
 
     def step(self, choice: Sequence[Sequence[str]]) -> float:
         """The group's estimated step, seconds, with codecs ``choice[d][i]``."""

@@ -10,8 +10,10 @@ and ``latency_ms`` are accepted too.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from ..wire.codecmodel import CodecSpeed
 from .types import (ClusterView, DEFAULT_LINK, LayerProfile, Link, ModelProfile, NodeSpec, Plan,
                     ReplicaGroup, StagePlan, TrainConfig)
 
@@ -76,8 +78,9 @@ def cluster_from_json(obj: JsonObject) -> ClusterView:
     """A :class:`ClusterView` from its JSON form (see ``docs/planner.md``).
 
     Keys: ``nodes`` (list of ``{"id", "flops"|"tflops", "memory_bytes"|"memory_gb",
-    "name", "device", "site", "relay", "count"}``; with ``count`` n the entry stands for n
-    nodes whose ids replace ``{i}`` in ``id`` by 0..n-1, or append ``-i``),
+    "name", "device", "site", "relay", "codec_speeds", "count"}``, ``codec_speeds`` a list of
+    :class:`~fedpipe.wire.codecmodel.CodecSpeed`'s fields by name; with ``count`` n the
+    entry stands for n nodes whose ids replace ``{i}`` in ``id`` by 0..n-1, or append ``-i``),
     ``default_link``, ``sites`` (``{site: intra-site link}``), ``site_links``
     and ``links`` (lists of ``{"from", "to", link..., "symmetric"}``;
     symmetric defaults to true; later entries override earlier ones).
@@ -103,7 +106,8 @@ def cluster_from_json(obj: JsonObject) -> ClusterView:
             if count > 1 and "name" in e:
                 name = name.replace("{i}", str(k)) if "{i}" in name else f"{name}-{k}"
             nodes.append(NodeSpec(node_id, flops, memory, name, str(e.get("device", "cpu")),
-                                  str(e.get("site", "")), relay=str(e.get("relay", ""))))
+                                  str(e.get("site", "")), relay=str(e.get("relay", "")),
+                                  codec_speeds=_speeds(e.get("codec_speeds", []), where)))
     ids = [n.node_id for n in nodes]
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
@@ -116,6 +120,21 @@ def cluster_from_json(obj: JsonObject) -> ClusterView:
     return ClusterView(nodes, _pairs(obj.get("links", []), "links"), default, site_links)
 
 
+def _speeds(entries: Any, where: str) -> tuple[CodecSpeed, ...]:
+    """A node's ``codec_speeds`` from JSON: a list of objects with every field of
+    :class:`~fedpipe.wire.codecmodel.CodecSpeed`."""
+    fields = [f.name for f in dataclasses.fields(CodecSpeed)]
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and set(e) == set(fields) for e in entries):
+        raise JsonFormatError(f"{where}.codec_speeds: needs a list of objects with exactly "
+                              f"the keys {fields}")
+    try:
+        return tuple(CodecSpeed(str(e["codec"]), *(float(e[k]) for k in fields[1:]))
+                     for e in entries)
+    except (TypeError, ValueError) as e:
+        raise JsonFormatError(f"{where}.codec_speeds: {e}") from None
+
+
 def cluster_to_json(cluster: ClusterView) -> JsonObject:
     """The JSON form of a cluster (every link listed one way, bytes/s and seconds)."""
     def pairs(links: dict[tuple[str, str], Link]) -> list[JsonObject]:
@@ -124,7 +143,9 @@ def cluster_to_json(cluster: ClusterView) -> JsonObject:
 
     nodes = [{"id": n.node_id, "name": n.name, "flops": n.flops, "memory_bytes": n.memory_bytes,
               "device": n.device, **({"site": n.site} if n.site else {}),
-              **({"relay": n.relay} if n.relay else {})} for n in cluster.nodes]
+              **({"relay": n.relay} if n.relay else {}),
+              **({"codec_speeds": [dataclasses.asdict(s) for s in n.codec_speeds]}
+                 if n.codec_speeds else {})} for n in cluster.nodes]
     return {"nodes": nodes, "default_link": _link_json(cluster.default_link),
             "site_links": pairs(cluster.site_links), "links": pairs(cluster.links)}
 
@@ -225,14 +246,16 @@ def plan_from_json(obj: JsonObject) -> Plan:
 def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                 config: TrainConfig) -> str:
     """A readable table of the plan: group, stage, node, layers, codecs with the bytes each
-    sends per microbatch on its link, predicted times, and the predicted T (the step time ×
-    the steps factor of the plan's codecs, :func:`fedpipe.planner.codecs.steps_factor`)."""
+    sends per microbatch on its link and their encode + decode CPU time per microbatch (with
+    the nodes' measured codec costs, :func:`fedpipe.planner.costs.transfer_seconds`),
+    predicted times, and the predicted T (the step time × the steps factor of the plan's
+    codecs, :func:`fedpipe.planner.codecs.steps_factor`)."""
     from .codecs import codec_cost, steps_factor
     from .costs import boundary_bytes
 
     nodes = {n.node_id: n for n in cluster.nodes}
     header = ("group", "stage", "node", "site", "TFLOP/s", "layers", "activations", "act B/mb",
-              "gradients", "grad B/mb")
+              "act cpu/mb", "gradients", "grad B/mb", "grad cpu/mb")
     rows = []
     used = []
     for gi, g in enumerate(plan.groups):
@@ -242,6 +265,11 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
             used.append(codec)
             return _bytes(codec_cost(codec).wire_bytes(boundary_bytes(profile, end, per_mb),
                                                        profile.element_bytes))
+
+        def cpu(codec: str, end: int, sender: str, receiver: str, per_mb: float = per_mb) -> str:
+            ends = [nodes[i].codec_speeds if i in nodes else () for i in (sender, receiver)]
+            seconds = codec_cost(codec).seconds(boundary_bytes(profile, end, per_mb), *ends)
+            return f"{seconds * 1e3:.2f} ms"
         for si, s in enumerate(g.stages):
             n = nodes.get(s.node_id)
             last = si == len(g.stages) - 1
@@ -250,8 +278,12 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                          f"{s.layer_start}-{s.layer_end - 1}",
                          "-" if last else s.activation_codec,
                          "-" if last else wire(s.activation_codec, s.layer_end),
+                         "-" if last else cpu(s.activation_codec, s.layer_end, s.node_id,
+                                              g.stages[si + 1].node_id),
                          "-" if si == 0 else s.gradient_codec,
-                         "-" if si == 0 else wire(s.gradient_codec, s.layer_start)))
+                         "-" if si == 0 else wire(s.gradient_codec, s.layer_start),
+                         "-" if si == 0 else cpu(s.gradient_codec, s.layer_start, s.node_id,
+                                                 g.stages[si - 1].node_id)))
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = "  ".join
     out = [f"plan: {len(plan.groups)} replica group(s) of a {len(profile.layers)}-layer model, "

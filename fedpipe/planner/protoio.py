@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import ipaddress
 import statistics
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from ..proto import node_pb2, tracker_pb2
 from ..spec import SNAPSHOTS_KEPT, JobSpec, PlanView, StageKey
 from ..spec.optimizers import state_factor, step_scratch
+from ..wire.codecmodel import CodecSpeed
 from .costs import StageCodecs, host_memory_shares, stage_memory_bytes
 from .types import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, ReplicaGroup,
                     StagePlan, TrainConfig)
@@ -64,7 +65,8 @@ def cluster_view(nodes: list[tracker_pb2.NodeInfo],
                       n.resources.memory_bytes, n.name, n.resources.device, site_of(n.address),
                       n.resources.host_id, max(1, n.resources.cores), n.resources.host_cores,
                       n.resources.host_memory_bytes, relay=n.relay,
-                      snapshots_on_disk=n.resources.snapshots_on_disk)
+                      snapshots_on_disk=n.resources.snapshots_on_disk,
+                      codec_speeds=codec_speeds(n.resources.codec_speeds))
              for n in nodes]
     site = {s.node_id: s.site for s in specs}
     measured = {(m.src_id, m.dst_id): Link(m.bandwidth, m.latency)
@@ -235,3 +237,9 @@ def plan_from_message(msg: node_pb2.Plan) -> Plan:
             info.microbatches, info.samples, info.predicted_seconds))
     return Plan(groups, msg.predicted_step_seconds, sync_seconds=msg.sync_seconds,
                 calibrated=msg.calibrated)
+
+
+def codec_speeds(speeds: Iterable[node_pb2.CodecSpeed]) -> tuple[CodecSpeed, ...]:
+    """A node's advertised codec costs (``Resources.codec_speeds``) as the planner's."""
+    return tuple(CodecSpeed(s.codec, s.encode_fixed, s.encode_per_byte, s.decode_fixed,
+                            s.decode_per_byte) for s in speeds)

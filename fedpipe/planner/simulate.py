@@ -300,6 +300,7 @@ def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                    config: TrainConfig, host: dict[str, float]) -> SimResult:
     """:func:`simulate` with each node's host slowdown given."""
     nodes = {n.node_id: n for n in cluster.nodes}
+    speeds = {n.node_id: n.codec_speeds for n in cluster.nodes}
     over = cluster.overheads
     compute: dict[str, float] = {}  # node id -> its compute seconds per step
     group_seconds: list[float] = []
@@ -311,7 +312,7 @@ def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         def passes(s: ChainStage, mb: float = mb) -> tuple[float, float]:
             return _passes(profile, s, nodes[s.node_id], mb, config, over, host[s.node_id])
 
-        costs = chain_costs(profile, st, mb, passes, cluster.link, over.message)
+        costs = chain_costs(profile, st, mb, passes, cluster.link, over.message, speeds)
         fwd, bwd = costs.forward, costs.backward
         opt = [optimizer_seconds(profile, s.layer_start, s.layer_end, over, host[s.node_id])
                for s in st]
@@ -387,6 +388,7 @@ def stage_costs(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     if busy is None:
         busy = simulate(plan, cluster, profile, config).busy
     host = host_factors([nodes[i] for i in _node_ids(plan)], busy)
+    speeds = {n.node_id: n.codec_speeds for n in cluster.nodes}
     over = cluster.overheads
     out: dict[StageKey, StageCost] = {}
     for r, (g, (m, samples)) in enumerate(zip(plan.groups, group_shares(plan, config))):
@@ -395,7 +397,7 @@ def stage_costs(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         def passes(s: ChainStage, mb: float = mb) -> tuple[float, float]:
             return _passes(profile, s, nodes[s.node_id], mb, config, over, host[s.node_id])
 
-        costs = chain_costs(profile, g.stages, mb, passes, cluster.link, over.message)
+        costs = chain_costs(profile, g.stages, mb, passes, cluster.link, over.message, speeds)
         for i, s in enumerate(g.stages):
             fixed = 2 * m * over.microbatch
             fixed += optimizer_seconds(profile, s.layer_start, s.layer_end, over, host[s.node_id])

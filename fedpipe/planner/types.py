@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..wire.codecmodel import CodecSpeed
+
 
 class PlanError(ValueError):
     """No plan fits: the message names what did not fit and the numbers."""
@@ -36,6 +38,10 @@ class NodeSpec:
             legs, through the relay (:meth:`ClusterView.link`).
         snapshots_on_disk: the node keeps checkpoint snapshots on disk, not in memory
             (:func:`fedpipe.planner.costs.state_bytes`).
+        codec_speeds: its codecs' CPU costs as it measured them
+            (:class:`~fedpipe.wire.codecmodel.CodecSpeed`); a link's codec is priced by
+            its sender's encode and its receiver's decode
+            (:func:`fedpipe.planner.costs.transfer_seconds`). Empty: the table's.
     """
 
     node_id: str
@@ -50,6 +56,7 @@ class NodeSpec:
     host_memory: int = 0
     relay: str = ""
     snapshots_on_disk: bool = False
+    codec_speeds: tuple[CodecSpeed, ...] = ()
 
 
 @dataclass(frozen=True)

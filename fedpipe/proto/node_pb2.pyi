@@ -36,7 +36,7 @@ KIND_WEIGHTS: Kind
 KIND_TIED: Kind
 
 class Resources(_message.Message):
-    __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname", "host_id", "host_cores", "host_memory_bytes", "snapshots_on_disk")
+    __slots__ = ("device", "device_name", "cores", "memory_bytes", "flops", "hostname", "host_id", "host_cores", "host_memory_bytes", "snapshots_on_disk", "codec_speeds")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     CORES_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Resources(_message.Message):
     HOST_CORES_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_ON_DISK_FIELD_NUMBER: _ClassVar[int]
+    CODEC_SPEEDS_FIELD_NUMBER: _ClassVar[int]
     device: str
     device_name: str
     cores: int
@@ -57,7 +58,22 @@ class Resources(_message.Message):
     host_cores: int
     host_memory_bytes: int
     snapshots_on_disk: bool
-    def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., host_cores: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., snapshots_on_disk: _Optional[bool] = ...) -> None: ...
+    codec_speeds: _containers.RepeatedCompositeFieldContainer[CodecSpeed]
+    def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., host_cores: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., snapshots_on_disk: _Optional[bool] = ..., codec_speeds: _Optional[_Iterable[_Union[CodecSpeed, _Mapping]]] = ...) -> None: ...
+
+class CodecSpeed(_message.Message):
+    __slots__ = ("codec", "encode_fixed", "encode_per_byte", "decode_fixed", "decode_per_byte")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_FIXED_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIXED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
+    codec: str
+    encode_fixed: float
+    encode_per_byte: float
+    decode_fixed: float
+    decode_per_byte: float
+    def __init__(self, codec: _Optional[str] = ..., encode_fixed: _Optional[float] = ..., encode_per_byte: _Optional[float] = ..., decode_fixed: _Optional[float] = ..., decode_per_byte: _Optional[float] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec", "node_name", "data_address", "recompute", "snapshots_on_disk", "relay")

@@ -6,14 +6,20 @@ cloudpickle as the live nodes, since pickled layers and tensors travel between t
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
-from ..proto import tracker_pb2
+from ..proto import node_pb2, tracker_pb2
 from ..spec import PROTOCOL_VERSION
 from .errors import FailedPrecondition, InvalidArgument
 from .store import NodeRecord
 
 MAX_NAME = 256
 """Longest node name or address accepted, characters."""
+MAX_CODEC_SPEEDS = 32
+"""Most codec costs a node may advertise (``Resources.codec_speeds``)."""
+MAX_CODEC_SECONDS = 10.0
+"""Largest fixed cost per message, and per MiB, a codec cost may advertise, seconds: beyond
+it a figure is a broken clock, not a speed."""
 PICKLE_VERSIONS = ("python", "torch", "cloudpickle")
 """The :class:`Versions` fields every live node must agree on (pickles depend on them)."""
 
@@ -35,6 +41,7 @@ def validate_node(request: tracker_pb2.RegisterNodeRequest) -> None:
         raise InvalidArgument(f"node resources must have cores and host_cores >= 0 and a "
                               f"host_id of at most {MAX_NAME} characters; got cores {r.cores}, "
                               f"host_cores {r.host_cores}, a host_id of {len(r.host_id)}")
+    check_codec_speeds(r.codec_speeds)
     if len(request.name) > MAX_NAME or len(request.address) > MAX_NAME \
             or len(request.data_address) > MAX_NAME or len(request.relay) > MAX_NAME:
         raise InvalidArgument(f"node name and addresses must be at most {MAX_NAME} characters")
@@ -44,6 +51,27 @@ def validate_node(request: tracker_pb2.RegisterNodeRequest) -> None:
             if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
                 raise InvalidArgument(f"node {what} must be HOST:PORT with a port in "
                                       f"1..65535, got {value!r}")
+
+
+def check_codec_speeds(speeds: Sequence[node_pb2.CodecSpeed]) -> None:
+    """Check a node's measured codec costs (``Resources.codec_speeds``): at most
+    :data:`MAX_CODEC_SPEEDS`, each naming a codec in at most 64 characters, with finite
+    figures in [0, :data:`MAX_CODEC_SECONDS`] (per message, and per MiB).
+
+    Raises:
+        InvalidArgument: the first problem found.
+    """
+    if len(speeds) > MAX_CODEC_SPEEDS:
+        raise InvalidArgument(f"node resources may carry at most {MAX_CODEC_SPEEDS} codec "
+                              f"speeds, got {len(speeds)}")
+    for s in speeds:
+        figures = (s.encode_fixed, s.decode_fixed, s.encode_per_byte * 2**20,
+                   s.decode_per_byte * 2**20)
+        if not 0 < len(s.codec) <= 64 or not all(
+                math.isfinite(f) and 0 <= f <= MAX_CODEC_SECONDS for f in figures):
+            raise InvalidArgument(f"codec speed {s.codec[:64]!r} must name a codec in 1-64 "
+                                  f"characters and give costs in [0, {MAX_CODEC_SECONDS}] s per "
+                                  f"message and per MiB, got {list(figures)}")
 
 
 def check_versions(name: str, theirs: tracker_pb2.Versions, live: list[NodeRecord]) -> None:

@@ -34,6 +34,15 @@ lowrank8:R              (R+4)/4d     ~0.5 GB/s
 
 zstd after any codec adds :data:`ZSTD_SECONDS_PER_BYTE`.
 
+These figures are the fallback. Each node measures its own encode and decode
+costs at start-up (:mod:`fedpipe.wire.codecspeed`, a :class:`CodecSpeed` per
+codec, a fixed part per message and a part per byte, beyond raw's) and
+advertises them; the planner prices a link's codec with its sender's encode and
+its receiver's decode (:func:`cpu_seconds`), and with this table where a node
+measured none. On small tensors the fixed part dominates: int8+zstd on the
+digits MLP's 8 KiB activations measured ~50 us to encode and ~25-40 us to decode
+(load 20-30), ~3x the table's 27 us for both.
+
 Each codec also carries ``steps_factor``, its convergence cost: steps to a target
 loss against raw fp32, measured by ``benchmarks/wan.py`` (:data:`STEPS_MEASURED`);
 the planner predicts T = step time × that factor.
@@ -47,8 +56,9 @@ from ..spec import CODEC_PARAMS, CodecSpec
 
 __all__ = ["HADAMARD_BITS", "LOWRANK_COEFFICIENT_BYTES", "MODELS", "SPARSELOCO_CHUNK",
            "STEPS_FACTORS", "STEPS_MEASURED", "ZSTD_SECONDS_PER_BYTE",
-           "CodecModel", "Layout", "hadamard_block_problem", "index_bytes", "int8_blocks",
-           "lowrank_basis_bytes", "lowrank_bytes_per_row", "model", "sparseloco_chunk_bytes"]
+           "CodecModel", "CodecSpeed", "Layout", "cpu_seconds", "hadamard_block_problem",
+           "index_bytes", "int8_blocks", "lowrank_basis_bytes", "lowrank_bytes_per_row", "model",
+           "sparseloco_chunk_bytes", "speed_key"]
 
 _GB_PER_S = 1e-9
 """Seconds per byte of a pass at 1 GB/s: encode + decode of the cheap codecs."""
@@ -301,3 +311,48 @@ if set(MODELS) != set(CODEC_PARAMS):
 def model(spec: CodecSpec) -> CodecModel:
     """The model of the codec ``spec`` names (a parsed spec names a known codec)."""
     return MODELS[spec.name]
+
+
+@dataclass(frozen=True)
+class CodecSpeed:
+    """One codec's CPU cost on one node, as the node measured it
+    (:func:`fedpipe.wire.codecspeed.measure`), beyond raw's (raw's payload is a view of
+    the tensor, so raw costs 0 here and a message's own cost is
+    :attr:`fedpipe.planner.types.Overheads.message`).
+
+    Encoding a tensor of ``n`` bytes takes ``encode_fixed + encode_per_byte · n`` seconds,
+    decoding it ``decode_fixed + decode_per_byte · n``.
+
+    Attributes:
+        codec: the codec it prices, as :func:`speed_key` writes it ("int8+zstd").
+        encode_fixed, decode_fixed: seconds per message.
+        encode_per_byte, decode_per_byte: seconds per byte of the tensor.
+    """
+
+    codec: str
+    encode_fixed: float
+    encode_per_byte: float
+    decode_fixed: float
+    decode_per_byte: float
+
+
+def speed_key(spec: CodecSpec) -> str:
+    """The :attr:`CodecSpeed.codec` that prices ``spec``: its name, then "+zstd" when zstd
+    follows (a block size or a level changes the cost little)."""
+    return spec.name + ("+zstd" if spec.zstd_level is not None else "")
+
+
+def cpu_seconds(spec: CodecSpec, nbytes: float, encoder: tuple[CodecSpeed, ...] = (),
+                decoder: tuple[CodecSpeed, ...] = ()) -> float:
+    """Encode + decode seconds of an ``nbytes``-byte tensor under ``spec``: the encode as
+    the sending node measured it (``encoder``, its :class:`CodecSpeed` list), the decode
+    as the receiving node did (``decoder``); a side without a measure of this codec is
+    half of the table's :meth:`CodecModel.cpu_seconds_per_byte` (0 for raw)."""
+    if spec.name == "raw" and spec.zstd_level is None:
+        return 0.0
+    key = speed_key(spec)
+    half = model(spec).cpu_seconds_per_byte(spec) * nbytes / 2
+    enc = next((s for s in encoder if s.codec == key), None)
+    dec = next((s for s in decoder if s.codec == key), None)
+    return ((enc.encode_fixed + enc.encode_per_byte * nbytes if enc else half)
+            + (dec.decode_fixed + dec.decode_per_byte * nbytes if dec else half))
