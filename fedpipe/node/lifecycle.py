@@ -132,7 +132,8 @@ class Stage:
     checkpoint_every: int = 0
     plan: PlanView | None = None
     parts: dict[str, checkpoint.Checkpointable | None] = field(default_factory=dict)
-    """What a checkpoint snapshots: module, optimizer, LR schedule, DiLoCo outer state."""
+    """What a checkpoint snapshots: module, optimizer, LR schedule, DiLoCo outer state,
+    gradient error feedback."""
     pending: Pending | None = None
     """Its layers waiting for the client's stream of their initial weights (None: it has
     them, or restores a snapshot)."""
