@@ -64,6 +64,8 @@ class GradientFeedbackPart:
         self.settle()
         residuals = []
         for key, r in self.feedback.state_dict()["residuals"]:
+            if not isinstance(key, tuple) or len(key) != 3:
+                continue  # not a gradient slot of fedpipe.node.peers.encode's
             stage, microbatch, shape = key  # as fedpipe.node.peers.encode keys them
             if stage == self.receiver:
                 residuals.append([int(microbatch), [int(d) for d in shape], r])
