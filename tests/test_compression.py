@@ -8,10 +8,9 @@ Two stages, one compressed link, wherever the planner cuts: in-process replays
 of every cut gave 0.981-0.983 against 0.983 uncompressed. Over two compressed
 links a gradient top-k'd once is top-k'd again, and some 3-stage cuts ended
 1-3 points behind (0.950-0.983), so 3 stages would test the cut, not the codecs.
-No rebalancing: a migration mid-job (likelier under a heavy load) starts the
-gradients' error feedback afresh on the new sender, so the run would test the move too
-(a run at load 30 ended at 0.972 against 0.983; a migration is the likely cause, not
-confirmed).
+The default rebalancing: a migration mid-job (likelier under a heavy load) carries the
+gradients' error-feedback residuals in the moved stages' snapshots
+(:mod:`fedpipe.runtime.gradfeedback`), so it does not start them afresh.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ def train(swarm, compression):
                                 fedpipe.optimizer(torch.optim.AdamW, lr=3e-3),
                                 digits.batches(x_train, y_train, 64), steps=STEPS,
                                 microbatches=4, schedule="1f1b", stages=2,
-                                compression=compression, rebalance="never")
+                                compression=compression)
     status = job.wait(timeout=200, progress=False)
     trained = job.model()
     job.release()

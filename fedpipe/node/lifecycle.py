@@ -135,7 +135,7 @@ class Stage:
     plan: PlanView | None = None
     parts: dict[str, checkpoint.Checkpointable | None] = field(default_factory=dict)
     """What a checkpoint snapshots: module, optimizer, LR schedule, DiLoCo outer state,
-    the lowrank codecs' bases (``"codec"``: :attr:`subspace`)."""
+    the lowrank codecs' bases (``"codec"``: :attr:`subspace`), gradient error feedback."""
     subspace: lowrank.Subspace | None = None
     """The lowrank codecs' state of its stage boundaries, at both its links (None: its
     job's pipeline uses no lowrank codec); its ``"codec"`` part."""

@@ -162,12 +162,15 @@ class PeerSender:
         channel: a channel to it.
         name: the peer's node name (the ``dst`` of this node's link metrics).
         metrics: counts each tensor's bytes before and after its codec (None: off).
+        feedback: the gradients' error feedback (None: a new one of its own); a stage's
+            senders share the stage's (:attr:`StagePeers.feedback`).
     """
 
     END = None
 
     def __init__(self, address: str, channel: grpc.Channel, name: str = "",
-                 metrics: NodeMetrics | None = None):
+                 metrics: NodeMetrics | None = None,
+                 feedback: codecs.ErrorFeedback | None = None):
         self.address, self.name, self.metrics = address, name or address, metrics
         self.stub = rpc.NodeStub(channel)
         self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"send-{address}")
@@ -176,7 +179,7 @@ class PeerSender:
         # a tensor's frames go into the stream together (the receiver reassembles
         # them in order), from the encoder thread or a caller framing inline
         self._stream_lock = threading.Lock()
-        self.feedback = codecs.ErrorFeedback()
+        self.feedback = feedback if feedback is not None else codecs.ErrorFeedback()
 
     def submit(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
                end: lowrank.End | None = None) -> None:
@@ -288,15 +291,17 @@ class SocketSender:
         name: the peer's node name.
         metrics: counts each tensor's bytes (None: off).
         pacer: the emulated link to the peer (None: none).
+        feedback: as :class:`PeerSender`'s.
     """
 
     def __init__(self, link: dataplane.Link, address: str, name: str = "",
-                 metrics: NodeMetrics | None = None, pacer: Pacer | None = None):
+                 metrics: NodeMetrics | None = None, pacer: Pacer | None = None,
+                 feedback: codecs.ErrorFeedback | None = None):
         self.link, self.address, self.name = link, address, name or address
         self.metrics, self.pacer = metrics, pacer
         self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"data-{self.name}")
         self.error: Exception | None = None
-        self.feedback = codecs.ErrorFeedback()
+        self.feedback = feedback if feedback is not None else codecs.ErrorFeedback()
         self.job = ""  # whose refusals this sender raises (the link is shared by every job
         #                and epoch: :func:`~fedpipe.net.dataplane.owner_of`)
         self.last = -1  # the sequence number of the last tensor this sender wrote on the link
@@ -382,6 +387,11 @@ def waits_for(me: node_pb2.StageAssignment, peer: node_pb2.StageAssignment) -> b
 class StagePeers:
     """One stage's senders, one per peer address, over channels borrowed from a pool.
 
+    Its senders share one gradient error feedback (:attr:`feedback`), keyed by the
+    receiving stage, microbatch and shape (:func:`encode`): a stage sends gradients to
+    one stage, whichever node holds it, and the residuals are part of the stage's
+    checkpoint (:mod:`fedpipe.runtime.gradfeedback`).
+
     Args:
         pool: the node's channels.
         shaper_for: the emulated link to a peer, by the peer's node name (None: none).
@@ -399,6 +409,8 @@ class StagePeers:
         self._closed = False
         self.me: node_pb2.StageAssignment | None = None
         """This stage's own assignment (:meth:`connect`); None until it loaded."""
+        self.feedback = codecs.ErrorFeedback()
+        """The residuals of the gradients this stage's senders encoded (see above)."""
 
     def connect(self, me: node_pb2.StageAssignment,
                 plan: Iterable[node_pb2.StageAssignment]) -> list[threading.Thread]:
@@ -459,8 +471,8 @@ class StagePeers:
                                                  else f"{peer.node_name} offers no data port"),
                         peer=peer.address)
                 ch = self.pool.acquire(peer.address, self.shaper_for(peer.node_name))
-                sender = self._senders[peer.address] = PeerSender(peer.address, ch,
-                                                                  peer.node_name, self.metrics)
+                sender = self._senders[peer.address] = PeerSender(
+                    peer.address, ch, peer.node_name, self.metrics, self.feedback)
                 return sender
         plane = self.plane
         if self.me is not None and waits_for(self.me, peer):  # let the peer dial: direct
@@ -477,7 +489,7 @@ class StagePeers:
             raise StageError(f"sending to {peer.node_name} ({peer.address}) failed: "
                              f"{e}", peer=peer.address) from None
         new = SocketSender(link, peer.address, peer.node_name, self.metrics,
-                           self.pacer_for(peer.node_name))
+                           self.pacer_for(peer.node_name), self.feedback)
         with self._lock:
             sender = None if self._closed else self._senders.setdefault(peer.address, new)
         if sender is not new:
@@ -504,6 +516,16 @@ class StagePeers:
         """Wait until every peer has what was queued. Raises StageError if a send failed."""
         for s in self._all():
             s.flush()
+
+    def settle(self) -> None:
+        """Wait until every tensor submitted so far has been encoded (not sent): then
+        :attr:`feedback` holds the residuals of every gradient submitted. A sender that
+        was closed meanwhile encodes nothing more."""
+        for s in self._all():
+            try:
+                s.encoder.submit(lambda: None).result()
+            except RuntimeError:  # shut down (closed): nothing more is encoded
+                pass
 
     def forget(self, address: str) -> None:
         """Drop the sender to ``address`` (its failure is dealt with: a peer of a replica

@@ -15,7 +15,8 @@ from torch import nn
 
 from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint, layerstate, libraries
-from ..runtime.checkpoint import LAYOUT
+from ..runtime.checkpoint import FEEDBACK, LAYOUT
+from ..runtime.gradfeedback import GradientFeedbackPart
 from ..runtime.allreduce import GradientSync, StageSpan
 from ..runtime.async_stage import AsyncStageRunner
 from ..runtime.clip import GlobalNormClip
@@ -277,7 +278,9 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
         pending.loaded.append(outer.anchor)
     stage.parts = {LAYOUT: layerstate.Layout(module, mine.layer_start), "module": module,
                    "optimizer": opt, "lr_scheduler": schedule, "outer": outer,
-                   "codec": stage.subspace}
+                   "codec": stage.subspace,
+                   FEEDBACK: GradientFeedbackPart(peers.feedback, peers.settle,
+                                                  mine.layer_start, key.replica, key.stage - 1)}
     recompute = stage_recomputes(cfg.recompute, mine.recompute)
     common = dict(before_update=before, after_update=after)
     seeds = LayerSeeds(module, mine.layer_start, cfg.weights.seed, key.replica)

@@ -31,6 +31,12 @@ from ..wire.codecs import WireError
 LAYOUT = "layers"
 """The part of a stage snapshot that says which layers it holds
 (:class:`fedpipe.runtime.layerstate.Layout`); snapshots taken before it existed lack it."""
+FEEDBACK = "gradient_feedback"
+"""The part of a stage snapshot that holds its senders' gradient error-feedback residuals
+(:class:`fedpipe.runtime.gradfeedback.GradientFeedbackPart`); snapshots taken before it
+existed lack it (restored, the residuals start afresh)."""
+OPTIONAL = frozenset({LAYOUT, FEEDBACK})
+"""Parts :func:`restore` skips where a snapshot lacks them (an older fedpipe's)."""
 SKELETON = "__skeleton__"
 """Name of the tensor (uint8, JSON text) that carries a snapshot's non-tensor state."""
 MAX_SKELETON_BYTES = 64 * 2**20
@@ -156,8 +162,8 @@ def take(parts: Mapping[str, Checkpointable | None], step: int, copy: bool = Tru
 
 
 def restore(parts: Mapping[str, Checkpointable | None], snap: Snapshot) -> None:
-    """Load ``snap`` into ``parts`` (each part must be in the snapshot, but for a
-    :data:`LAYOUT`, which older snapshots lack).
+    """Load ``snap`` into ``parts`` (each part must be in the snapshot, but for the
+    :data:`OPTIONAL` ones, which older snapshots lack).
 
     Tensors are moved to each part's device by its own ``load_state_dict``
     (modules and optimizers do so). ``snap`` stays as it was: a module copies the
@@ -171,7 +177,7 @@ def restore(parts: Mapping[str, Checkpointable | None], snap: Snapshot) -> None:
         RuntimeError: a part refuses the state (torch's own error: shapes differ).
     """
     for name, part in parts.items():
-        if part is None or (name == LAYOUT and name not in snap.skeleton):
+        if part is None or (name in OPTIONAL and name not in snap.skeleton):
             continue
         if name not in snap.skeleton:
             raise WireError(f"the step {snap.step} snapshot has no {name!r} state; it has "

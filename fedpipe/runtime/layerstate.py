@@ -30,11 +30,16 @@ index maps to a *global* layer and a parameter name:
   state of the stage boundaries, not of layers: a plan that splits the layers otherwise
   moves the boundaries, so it is dropped and an assembled stage starts with no basis
   (its first activations make new ones, sent to both ends).
+- ``gradient_feedback`` (:mod:`~fedpipe.runtime.gradfeedback`): the residuals of the
+  gradients a stage sends back go with its first layer, the boundary they cross: a
+  stage assembled from pieces takes those its own first layer carries (none if that
+  layer was no stage's first: a new boundary starts afresh).
 
 The *layer form* of a snapshot is itself a :class:`~.checkpoint.Snapshot`, so it
 travels and is stored as any snapshot does: part ``layer/<L>`` holds layer
 ``L``'s ``{"module": {name: t}, "optimizer": {param: {"group": g, "state":
-{...}}}, "outer": {param: {"global": t, "state": {...}, "residual": t}}}`` and
+{...}}}, "outer": {param: {"global": t, "state": {...}, "residual": t}}}`` (a stage's
+first layer also ``"gradient_feedback": {"replica": g, "residuals": [...]}``) and
 part ``shared`` holds ``{"optimizer": {"param_groups": [...]}, "lr_scheduler":
 {...}, "outer": {"outer_step": n, "param_groups": [...]}}``. Pieces of several
 stages merge when their shared state agrees exactly (it does for the stages of
@@ -57,14 +62,14 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from .checkpoint import LAYOUT, Checkpointable, Snapshot, _flatten, _unflatten, \
+from .checkpoint import FEEDBACK, LAYOUT, Checkpointable, Snapshot, _flatten, _unflatten, \
     restore as _restore
 
 SHARED = "shared"
 """Part of a layer-form snapshot that holds what every layer shares."""
 LAYER = "layer/"
 """Prefix of a layer-form snapshot's per-layer parts: ``layer/<global index>``."""
-SPLITTABLE = {"module", "optimizer", "lr_scheduler", "outer", "codec", LAYOUT}
+SPLITTABLE = {"module", "optimizer", "lr_scheduler", "outer", "codec", FEEDBACK, LAYOUT}
 """The parts this module knows how to cut by layer (``codec``: by dropping it)."""
 
 
@@ -171,6 +176,13 @@ def split(snap: Snapshot, start: int = 0, end: int | None = None) -> Snapshot:
     outer = state.get("outer")
     if outer is not None:
         shared["outer"] = _split_outer(outer, everyone, per)
+    feedback = state.get(FEEDBACK)
+    if feedback is not None and feedback.get("residuals") and params:
+        if feedback.get("boundary") != first:
+            raise SplitError(f"{FEEDBACK}: residuals of boundary {feedback.get('boundary')}, "
+                             f"the stage's first layer is {first}")
+        per[first][FEEDBACK] = {"replica": feedback.get("replica"),
+                                "residuals": feedback["residuals"]}
     stop = end if end is not None else held.stop
     return _build(snap.step, {SHARED: shared, **{f"{LAYER}{L}": per[L] for L in held
                                                    if start <= L < stop}})
@@ -318,6 +330,10 @@ def assemble(snap: Snapshot, parts: Mapping[str, Checkpointable | None]) -> Snap
         out["outer"] = _assemble_outer(
             shape, [param(L, "outer", name) for L, name in everyone],
             need("outer", "param_groups"), need("outer", "outer_step"))
+    if parts.get(FEEDBACK) is not None:  # the residuals its first layer carries, if any
+        piece = per[first].get(FEEDBACK, {}) if params else {}
+        out[FEEDBACK] = {"boundary": first, "replica": piece.get("replica"),
+                         "residuals": piece.get("residuals", [])}
     return _build(snap.step, out)
 
 
