@@ -318,8 +318,7 @@ def assemble(snap: Snapshot, parts: Mapping[str, Checkpointable | None]) -> Snap
             [param(L, "optimizer", name) for L, name in trainable])
     if parts.get("lr_scheduler") is not None:
         out["lr_scheduler"] = need("lr_scheduler", "")
-    if parts.get("codec") is not None:  # the boundaries moved: no basis carries over
-        out["codec"] = {"bases": {}}
+    out.update(_boundary_state(parts, per, first, bool(params)))
     outer = parts.get("outer")
     if outer is not None:
         everyone = [(first + i, n) for i, layer in enumerate(params) for n, _ in layer]
@@ -330,11 +329,21 @@ def assemble(snap: Snapshot, parts: Mapping[str, Checkpointable | None]) -> Snap
         out["outer"] = _assemble_outer(
             shape, [param(L, "outer", name) for L, name in everyone],
             need("outer", "param_groups"), need("outer", "outer_step"))
-    if parts.get(FEEDBACK) is not None:  # the residuals its first layer carries, if any
-        piece = per[first].get(FEEDBACK, {}) if params else {}
+    return _build(snap.step, out)
+
+
+def _boundary_state(parts: Mapping[str, Checkpointable | None], per: dict[int, Any],
+                    first: int, has_layers: bool) -> dict[str, Any]:
+    """The assembled stage's state of its boundaries: no lowrank basis (the boundaries
+    moved), and the gradient residuals its first layer carries, if any."""
+    out: dict[str, Any] = {}
+    if parts.get("codec") is not None:
+        out["codec"] = {"bases": {}}
+    if parts.get(FEEDBACK) is not None:
+        piece = per[first].get(FEEDBACK, {}) if has_layers else {}
         out[FEEDBACK] = {"boundary": first, "replica": piece.get("replica"),
                          "residuals": piece.get("residuals", [])}
-    return _build(snap.step, out)
+    return out
 
 
 def _pieces(snap: Snapshot, held: range) -> dict[int, Any]:
