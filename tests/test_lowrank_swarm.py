@@ -28,9 +28,9 @@ CODEC = "lowrank8:8@4"
 """Rank 8 of the digits MLP's 32-wide hidden activations (10-wide logits), a new basis every
 4 steps: the kill at step 7 rewinds to the checkpoint of step 6, between two refreshes, so a
 stage that lost its bases would make new ones there and leave the uninterrupted run's path."""
-COMPRESSION = {"activations": CODEC, "gradients": "none"}
-"""Gradients raw: lowrank gradients go through their senders' error feedback, whose residuals
-are not yet part of a stage's checkpoint, so a recovered job would start them afresh."""
+COMPRESSION = {"activations": CODEC, "gradients": CODEC}
+"""Gradients lowrank too: projected onto the activations' basis, with their senders' error
+feedback, whose residuals are part of the stage's checkpoint."""
 
 
 @pytest.fixture(scope="module")
