@@ -480,3 +480,56 @@ def test_a_bottleneck_stage_is_not_put_behind_a_relay_when_a_direct_node_does_as
                  for n in "abc"]
         plan = make_plan(ClusterView(nodes, default_link=Link(1e9, 0.05)), profile, config)
         assert {s.node_id for g in plan.groups for s in g.stages} == set("abc") - {relayed}
+
+
+def _heavy_first_stage() -> tuple[ModelProfile, TrainConfig]:
+    """Two stages, one layer ten times the others': the stage that holds it is the
+    bottleneck however the layers are split."""
+    layers = [LayerProfile("big", 2e10, 1000, 1000)] + [
+        LayerProfile(f"l{i}", 1e9, 1000, 1000) for i in range(3)]
+    return (ModelProfile(layers, input_bytes=1000),
+            TrainConfig(batch_size=8, microbatches=2, stages=2, compression="none"))
+
+
+def test_pricing_alone_would_put_the_bottleneck_behind_a_fast_measured_relay():
+    # the rule's premise: a fast relayed node over a relayed link measured as fast as the
+    # direct ones wins the bottleneck stage on price (the simulator says so)
+    from fedpipe.planner.context import PlanContext
+    from fedpipe.planner.evaluate import build_plan
+    from fedpipe.planner.relayed import relayed_bottlenecks
+    profile, config = _heavy_first_stage()
+    fast = Link(1e9, 1e-4)
+    nodes = [NodeSpec("r", 4e9, 2**30, relay="relay:1"), NodeSpec("d", 1e9, 2**30),
+             NodeSpec("e", 1e9, 2**30)]
+    cluster = ClusterView(nodes, {(a, b): fast for a in "rde" for b in "rde" if a != b})
+    ctx = PlanContext(cluster, profile, config)
+    relayed = build_plan(ctx, [([0, 1], [(0, 1), (1, 4)])], [2])
+    direct = build_plan(ctx, [([1, 0], [(0, 1), (1, 4)])], [2])
+    assert relayed_bottlenecks(ctx, relayed) == [(0, 0)]
+    assert relayed_bottlenecks(ctx, direct) == []
+    assert relayed.predicted_step_seconds < direct.predicted_step_seconds
+
+
+def test_a_bottleneck_stage_goes_to_a_direct_node_though_a_fast_relayed_one_prices_better():
+    profile, config = _heavy_first_stage()
+    fast = Link(1e9, 1e-4)
+    nodes = [NodeSpec("r", 4e9, 2**30, relay="relay:1"), NodeSpec("d", 1e9, 2**30),
+             NodeSpec("e", 1e9, 2**30)]
+    cluster = ClusterView(nodes, {(a, b): fast for a in "rde" for b in "rde" if a != b})
+    plan = make_plan(cluster, profile, config, FAST)
+    big = next(s for s in stages_of(plan) if s.layer_start == 0)
+    assert big.node_id in ("d", "e")
+    # the relayed node still serves, where it is not the bottleneck (the light stage)
+    assert [s.node_id for s in stages_of(plan)].count("r") <= 1
+    # no direct alternative (no direct node can hold the big layer): the relay keeps it
+    from fedpipe.planner.context import PlanContext
+    from fedpipe.planner.evaluate import build_plan
+    from fedpipe.planner.relayed import keep_bottlenecks_direct
+    tight = ModelProfile([LayerProfile("big", 2e10, 1000, 2**26)] + list(profile.layers[1:]),
+                         input_bytes=1000)
+    cramped = [dataclasses.replace(n, memory_bytes=2**30 if n.relay else 2**26,
+                                   snapshots_on_disk=True) for n in nodes]
+    ctx = PlanContext(ClusterView(cramped, cluster.links), tight, config)
+    plan = build_plan(ctx, [([0, 1], [(0, 1), (1, 4)])], [2])
+    kept = keep_bottlenecks_direct(ctx, plan)
+    assert [s.node_id for s in stages_of(kept)] == ["r", "d"]
