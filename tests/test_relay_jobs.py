@@ -307,3 +307,21 @@ def test_a_relay_process_refuses_a_flooding_job_past_its_share_and_another_job_f
         proc.terminate()
         proc.wait(10)
         drain.close()
+
+
+def test_a_tag_that_comes_a_byte_at_a_time_is_read_whole(echo):
+    relay = Relay()
+    homing = Homing([relay.address], "n1", echo.port, None)
+    try:
+        alloc = homing.home(timeout=10)
+        with dial_address(alloc.grpc_address) as s:
+            for b in Tag("job-a", "peer", "n1").encode():
+                s.sendall(bytes([b]))
+                time.sleep(0.002)
+            kind, _, _ = records.unpack(read_exact(s, records.PREFIX_BYTES))
+            assert kind is RecordType.ACCEPTED
+            s.sendall(b"dripped")
+            assert read_exact(s, 7) == b"dripped"
+    finally:
+        homing.close()
+        relay.close()

@@ -62,6 +62,10 @@ JOB_WINDOW = 2 * WINDOW
 together: a job holds at most this much at the relay per node and direction, whatever
 its streams."""
 
+PEEK_AGAIN = 0.005
+"""Seconds the relay waits before it looks again at a dialer's first bytes that are a part
+of a TAG's magic (the rest is on its way; select would say "readable" at once)."""
+
 Connect = Callable[[records.Open], socket.socket]
 """The node side's way to a new stream's socket (a loopback connection to its own port)."""
 
@@ -239,7 +243,7 @@ class _Stream:
         wait = self.home.first_byte
         deadline = None if wait is None else time.monotonic() + wait
         while True:  # enough of the first bytes to tell a TAG (its magic) from the rest
-            left = None if deadline is None else deadline - time.monotonic()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([self.sock], [], [], left)
             if not ready:
                 raise TimeoutError(f"the dialer {self.opened.source} sent nothing within "
@@ -249,6 +253,7 @@ class _Stream:
             if not head or len(head) == len(records.MAGIC) \
                     or not records.MAGIC.startswith(head):
                 break  # (none: the dialer closed, or the stream was reset meanwhile)
+            time.sleep(PEEK_AGAIN)  # a part of the magic: the rest is on its way
         with self._cond:
             if self.reset:
                 return
