@@ -69,8 +69,10 @@ def keep_bottlenecks_direct(ctx: PlanContext, plan: Plan) -> Plan:
     """``plan``, its relayed bottleneck stages moved to direct nodes where one can take
     them (module docstring); ``plan`` itself when none is relayed or none can.
 
-    A rule, not a search: it runs whatever time the search had left (each round tries at
+    A rule, not a search: it runs even when the search spent all its time (each round tries at
     most :data:`DIRECT_TRIES` nodes per relayed bottleneck, and removes one at least)."""
+    if not any(ctx.cluster.node(s.node_id).relay for g in plan.groups for s in g.stages):
+        return plan
     bad = relayed_bottlenecks(ctx, plan)
     direct = sorted((i for i in range(ctx.n) if not ctx.cluster.nodes[i].relay),
                     key=lambda i: (-ctx.flops[i], i))[:DIRECT_TRIES]
