@@ -1,19 +1,28 @@
-"""The planner's rule for relays: a bottleneck stage is never behind a relay when a direct
-node can take it (issue 25).
+"""The planner's rule for relays: a bottleneck stage is not behind a relay when a direct
+alternative exists (issue 25).
 
 Pricing alone prefers direct links (an unmeasured relayed link costs two legs:
 :meth:`~fedpipe.planner.types.ClusterView.link`), but a relayed link measured fast, or a
-fast relayed node, can still win the slowest stage of a group. That stage sets the
+fast outbound-only node, can still win the slowest stage of a group. That stage sets the
 group's pace, and a relay's capacity is shared with every job and node it serves and
-can change without the tracker measuring it again, so the rule is a rule, not a price:
-after the search, each group's *bottleneck stage* (its most costly stage per step,
-compute plus sends, as :func:`~fedpipe.planner.simulate.stage_costs` prices it) on a
-relayed node (:attr:`~fedpipe.planner.types.NodeSpec.relay`) trades its node for a
-direct one: an unused node, or one of the plan's own at another stage, whichever plan
-is fastest among those with fewer relayed bottlenecks, and the stages still fit their
-nodes' memory. Layer ranges and microbatches stay as they were. It repeats until no
-group's bottleneck is relayed, or no trade removes one (no direct alternative: every
-direct node is too small, or takes the bottleneck role to a relayed node in turn).
+can change without the tracker measuring it again, so the rule is a rule, not a price.
+
+A stage is *behind a relay* (:func:`behind_relay`) when tensors it sends or receives
+go through one, as the runtime routes them (:func:`fedpipe.node.peers.dials`): its node
+is outbound-only (:attr:`~fedpipe.planner.types.NodeSpec.relay`) and a neighbouring
+stage's node is too (two outbound-only nodes talk through the relay; an outbound-only
+node dials a reachable one directly), or it is a group's first or last stage (the
+client feeds inputs and targets to the node's relayed address).
+
+After the search, a group whose *bottleneck stage* (its most costly stage per step,
+compute plus sends, as :func:`~fedpipe.planner.simulate.stage_costs` prices it) is
+behind a relay trades that stage's node for another (unused, or one of the plan's at
+another stage): of the trades that leave fewer bottlenecks behind a relay and keep
+every stage within its node's memory, the fastest, as long as it is at most
+:data:`RELAY_MARGIN` times the search's plan's predicted step time (a "direct
+alternative"; one far slower, such as a pipeline through a link much slower than the
+relayed one, is none). Layer ranges and microbatches stay as they were. It repeats
+until no bottleneck is behind a relay, or no trade qualifies.
 """
 from __future__ import annotations
 
@@ -25,19 +34,38 @@ from .simulate import stage_costs
 from .types import Plan
 
 DIRECT_TRIES = 16
-"""Direct nodes (the fastest first) tried for one relayed bottleneck stage: the search's
+"""Nodes (the fastest first) tried for one bottleneck stage behind a relay: the search's
 plan is good already; this bounds the simulations the rule adds on a large cluster."""
+RELAY_MARGIN = 1.25
+"""How much longer (as a factor of the predicted step time) a plan with no bottleneck
+stage behind a relay may be and still be preferred: the relayed path's measured speed is
+shared with the relay's other nodes and jobs, and is not measured again while it serves
+them. The benchmark measures a relayed hop at about 0.9x a direct one's throughput
+(``benchmarks/relay.py``); 1.25 leaves room for a loaded relay."""
+
+
+def behind_relay(ctx: PlanContext, stages: Sequence[str], i: int) -> bool:
+    """Whether stage ``i`` of a group whose stages are on nodes ``stages`` (ids, in order)
+    sends or receives tensors through a relay (module docstring)."""
+    def relayed(k: int) -> bool:
+        return bool(ctx.cluster.node(stages[k]).relay)
+
+    if not relayed(i):
+        return False
+    if i == 0 or i == len(stages) - 1:
+        return True  # the client's inputs or targets come to its relayed address
+    return relayed(i - 1) or relayed(i + 1)
 
 
 def relayed_bottlenecks(ctx: PlanContext, plan: Plan) -> list[tuple[int, int]]:
     """``(group, stage)`` of each group whose bottleneck stage (most compute plus send
-    seconds per step; the first of equals) is on a relayed node."""
+    seconds per step; the first of equals) is behind a relay (:func:`behind_relay`)."""
     costs = stage_costs(plan, ctx.cluster, ctx.profile, ctx.config)
     out = []
     for g, group in enumerate(plan.groups):
         totals = [costs[k].compute + costs[k].send for k in sorted(costs) if k[0] == g]
         i = totals.index(max(totals))
-        if ctx.cluster.node(group.stages[i].node_id).relay:
+        if behind_relay(ctx, [s.node_id for s in group.stages], i):
             out.append((g, i))
     return out
 
@@ -66,26 +94,29 @@ def _traded(splits: Sequence[Split], a: int, b: int) -> tuple[list[Split], list[
 
 
 def keep_bottlenecks_direct(ctx: PlanContext, plan: Plan) -> Plan:
-    """``plan``, its relayed bottleneck stages moved to direct nodes where one can take
-    them (module docstring); ``plan`` itself when none is relayed or none can.
+    """``plan``, its bottleneck stages behind a relay moved to nodes where they are not,
+    where a direct alternative exists (module docstring); else ``plan`` itself.
 
-    A rule, not a search: it runs even when the search spent all its time (each round tries at
-    most :data:`DIRECT_TRIES` nodes per relayed bottleneck, and removes one at least)."""
+    A rule, not a search: it runs even when the search spent all its time (each round
+    tries at most :data:`DIRECT_TRIES` nodes per bottleneck behind a relay, and removes one
+    at least)."""
     if not any(ctx.cluster.node(s.node_id).relay for g in plan.groups for s in g.stages):
         return plan
     bad = relayed_bottlenecks(ctx, plan)
-    direct = sorted((i for i in range(ctx.n) if not ctx.cluster.nodes[i].relay),
-                    key=lambda i: (-ctx.flops[i], i))[:DIRECT_TRIES]
+    most = plan.predicted_step_seconds * RELAY_MARGIN
+    nodes = sorted(range(ctx.n), key=lambda i: (-ctx.flops[i], i))
     splits, micro = splits_of(ctx, plan)
     while bad:
         best: tuple[tuple[int, float], Plan, list[Split]] | None = None
         for g, s in bad:
             node = splits[g][0][s]
-            for other in direct:
+            for other in [i for i in nodes if i != node][:DIRECT_TRIES]:
                 cand, changed = _traded(splits, node, other)
                 if not all(fits(ctx, *cand[h], micro[h]) for h in changed):
                     continue
                 new = build_plan(ctx, cand, micro)
+                if new.predicted_step_seconds > most:
+                    continue
                 key = (len(relayed_bottlenecks(ctx, new)), new.predicted_step_seconds)
                 if key[0] < len(bad) and (best is None or key < best[0]):
                     best = (key, new, cand)
