@@ -262,13 +262,14 @@ def test_a_node_that_sends_a_job_more_than_its_window_ends_its_home_naming_the_j
 
 
 @pytest.mark.processes
-def test_a_relay_process_refuses_a_flooding_job_past_its_share_and_another_job_flows(echo):
+def test_a_relay_process_refuses_a_flooding_job_past_its_share_and_another_job_flows(
+        echo, tmp_path):
     port = free_port()
+    log = open(tmp_path / "relay.log", "w")  # its log: a pipe nobody read would stall it
     proc = subprocess.Popen([sys.executable, "-m", "fedpipe", "relay", "--host", "127.0.0.1",
                              "--port", str(port), "--max-streams", "16", "--job-streams", "3",
                              "--job-bytes", str(1 << 20)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(1))
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=child_env(1))
     homing = None
     floods: list[socket.socket] = []
     stop = threading.Event()
@@ -305,7 +306,12 @@ def test_a_relay_process_refuses_a_flooding_job_past_its_share_and_another_job_f
         if homing is not None:
             homing.close()
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
         drain.close()
 
 
