@@ -19,8 +19,8 @@ offset  size  field
   (:class:`Hello`): which node homes, and the ports it would like again.
 * ``ALLOCATED`` (relay to node, stream 0): ``arg`` is the length of a JSON body
   (:class:`Allocation`): the addresses the relay listens on for the node.
-* ``OPEN`` (relay to node): a peer connected to one of the node's addresses;
-  ``arg`` is the length of a JSON body (:class:`Open`): the stream's source,
+* ``OPEN`` (relay to node): a peer connected to one of the node's addresses and
+  spoke; ``arg`` is the length of a JSON body (:class:`Open`): the stream's source,
   destination, service and job.
 * ``DATA`` (both ways): ``arg`` bytes of the stream follow, at most
   :data:`MAX_CHUNK`; the relay never decodes them (over TLS they are ciphertext).
@@ -223,7 +223,8 @@ class Open:
         source: the dialer's address as the relay sees it (``HOST:PORT``); the dialer's name
             is inside the TLS it runs with the node, which the relay does not read.
         destination: the node's name.
-        job: the job, when known ("": the relay does not decode the stream to learn it).
+        job: the job the dialer's TAG named (:class:`Tag`); "": it sent none (the relay
+            does not decode a stream to learn its job).
     """
 
     service: str

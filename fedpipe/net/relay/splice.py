@@ -382,7 +382,6 @@ class Home:
         Raises:
             RelayError: ``max_streams`` streams already run, or ``per_source`` from
                 ``opened.source``'s host, none of them idle (the caller closes ``sock``).
-            OSError: the home connection is broken.
         """
         host = opened.source.rpartition(":")[0]
         with self._lock:
