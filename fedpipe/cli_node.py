@@ -68,7 +68,9 @@ def cmd_relay(args) -> int:
     tls = _tls(args, args.name or None)
     net.check_plaintext(args.host, tls, args.insecure, "this relay")
     relay = Relay(args.host, args.port, advertise=args.advertise, tls=tls,
-                  max_nodes=args.max_nodes, max_streams=args.max_streams)
+                  max_nodes=args.max_nodes, max_streams=args.max_streams,
+                  job_streams=args.job_streams,
+                  **({"job_window": args.job_bytes} if args.job_bytes else {}))
     print(f"fedpipe relay listening on {args.host}:{relay.port}, allocating at "
           f"{relay.advertise}"
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'}", flush=True)
@@ -143,6 +145,14 @@ def add_cli(sub) -> None:
     r.add_argument("--max-nodes", type=int, default=64, help="nodes homed at once")
     r.add_argument("--max-streams", type=int, default=256,
                    help="connections spliced at once per homed node")
+    r.add_argument("--job-streams", type=int, default=0,
+                   help="streams one job (its dialers name it: a TAG record) may have spliced "
+                        "at once per homed node; its next is refused naming it (0: a quarter "
+                        "of --max-streams)")
+    r.add_argument("--job-bytes", type=int, default=None,
+                   help="bytes one job's streams may have in flight through the relay per "
+                        "homed node and direction, all together (its senders wait beyond; "
+                        "default: two streams' windows)")
     tls_args(r, None)  # the relay's certificate is its --name
     insecure_arg(r)
     r.set_defaults(func=cmd_relay)

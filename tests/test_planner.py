@@ -491,3 +491,78 @@ def test_a_bottleneck_stage_is_not_put_behind_a_relay_when_a_direct_node_does_as
                  for n in "abc"]
         plan = make_plan(ClusterView(nodes, default_link=Link(1e9, 0.05)), profile, config)
         assert {s.node_id for g in plan.groups for s in g.stages} == set("abc") - {relayed}
+
+
+def _heavy_first_stage() -> tuple[ModelProfile, TrainConfig]:
+    """Two stages, one layer twenty times the others': the stage that holds it is the
+    bottleneck however the layers are split."""
+    layers = [LayerProfile("big", 2e10, 1000, 1000)] + [
+        LayerProfile(f"l{i}", 1e9, 1000, 1000) for i in range(3)]
+    return (ModelProfile(layers, input_bytes=1000),
+            TrainConfig(batch_size=8, microbatches=2, stages=2, compression="none"))
+
+
+def _fast_links(names: str) -> dict:
+    return {(a, b): Link(1e9, 1e-4) for a in names for b in names if a != b}
+
+
+def test_pricing_alone_would_put_the_bottleneck_behind_a_fast_measured_relay():
+    # the rule's premise: a faster outbound-only node over relayed links measured as fast
+    # as the direct ones wins the bottleneck stage on price (the simulator says so)
+    from fedpipe.planner.context import PlanContext
+    from fedpipe.planner.evaluate import build_plan
+    from fedpipe.planner.relayed import RELAY_MARGIN, relayed_bottlenecks
+    profile, config = _heavy_first_stage()
+    nodes = [NodeSpec("r", 1.1e9, 2**30, relay="relay:1"), NodeSpec("d", 1e9, 2**30),
+             NodeSpec("e", 1e9, 2**30)]
+    ctx = PlanContext(ClusterView(nodes, _fast_links("rde")), profile, config)
+    relayed = build_plan(ctx, [([0, 1], [(0, 1), (1, 4)])], [2])
+    direct = build_plan(ctx, [([1, 0], [(0, 1), (1, 4)])], [2])
+    assert relayed_bottlenecks(ctx, relayed) == [(0, 0)]
+    assert relayed_bottlenecks(ctx, direct) == []
+    assert relayed.predicted_step_seconds < direct.predicted_step_seconds \
+        < RELAY_MARGIN * relayed.predicted_step_seconds
+
+
+def test_a_bottleneck_stage_goes_to_a_direct_node_though_a_fast_relayed_one_prices_better():
+    profile, config = _heavy_first_stage()
+    nodes = [NodeSpec("r", 1.1e9, 2**30, relay="relay:1"), NodeSpec("d", 1e9, 2**30),
+             NodeSpec("e", 1e9, 2**30)]
+    plan = make_plan(ClusterView(nodes, _fast_links("rde")), profile, config, FAST)
+    big = next(s for s in stages_of(plan) if s.layer_start == 0)
+    assert big.node_id in ("d", "e")
+
+
+def test_no_direct_alternative_leaves_the_bottleneck_behind_the_relay():
+    from fedpipe.planner.context import PlanContext
+    from fedpipe.planner.evaluate import build_plan
+    from fedpipe.planner.relayed import keep_bottlenecks_direct
+    profile, config = _heavy_first_stage()
+    # a direct node would be four times slower: past the margin, no alternative
+    nodes = [NodeSpec("r", 4e9, 2**30, relay="relay:1"), NodeSpec("d", 1e9, 2**30),
+             NodeSpec("e", 1e9, 2**30)]
+    plan = make_plan(ClusterView(nodes, _fast_links("rde")), profile, config, FAST)
+    assert next(s for s in stages_of(plan) if s.layer_start == 0).node_id == "r"
+    # no direct node can hold the big layer
+    tight = ModelProfile([LayerProfile("big", 2e10, 1000, 2**26)] + list(profile.layers[1:]),
+                         input_bytes=1000)
+    cramped = [dataclasses.replace(n, flops=1.1e9 if n.relay else 1e9,
+                                   memory_bytes=2**30 if n.relay else 2**26,
+                                   snapshots_on_disk=True) for n in nodes]
+    ctx = PlanContext(ClusterView(cramped, _fast_links("rde")), tight, config)
+    kept = keep_bottlenecks_direct(ctx, build_plan(ctx, [([0, 1], [(0, 1), (1, 4)])], [2]))
+    assert [s.node_id for s in stages_of(kept)] == ["r", "d"]
+
+
+def test_an_outbound_only_middle_stage_between_direct_nodes_is_not_behind_a_relay():
+    # it dials its reachable neighbours itself; only two outbound-only neighbours, or the
+    # client's feed to a first or last stage, go through the relay
+    from fedpipe.planner.context import PlanContext
+    from fedpipe.planner.relayed import behind_relay
+    nodes = [NodeSpec("d", 1e9, 2**30), NodeSpec("r", 1e9, 2**30, relay="relay:1"),
+             NodeSpec("s", 1e9, 2**30, relay="relay:1"), NodeSpec("e", 1e9, 2**30)]
+    ctx = PlanContext(ClusterView(nodes), *_heavy_first_stage())
+    assert not behind_relay(ctx, ["d", "r", "e"], 1)
+    assert behind_relay(ctx, ["d", "r", "s"], 1) and behind_relay(ctx, ["d", "r", "s"], 2)
+    assert behind_relay(ctx, ["r", "d", "e"], 0)
+    assert not behind_relay(ctx, ["r", "d", "e"], 1)

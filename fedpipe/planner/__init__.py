@@ -7,7 +7,8 @@ Modules: ``types`` (dataclasses), ``codecs`` (codec prices and choices), ``costs
 (the cost model), ``context`` (precomputed arrays), ``partition`` (the min-max
 layer split), ``ordering`` (bottleneck path, locality order), ``grouping``
 (replica groups), ``evaluate`` (estimate and plan building), ``simulate`` (the
-discrete-event simulator), ``search`` (:func:`make_plan`), ``baselines`` and
+discrete-event simulator), ``search`` (:func:`make_plan`), ``relayed`` (no bottleneck
+stage behind a relay), ``baselines`` and
 ``exhaustive`` (reference planners for benchmarks and tests), ``jsonio``, ``protoio``
 (to and from the protocol messages).
 """

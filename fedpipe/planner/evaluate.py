@@ -318,6 +318,14 @@ class _Links:
         return chosen
 
 
+def fits(ctx: PlanContext, nodes: Sequence[int], ranges: Sequence[tuple[int, int]],
+         microbatches: int) -> bool:
+    """Whether every stage of one group (``nodes`` and their layer ``ranges``) fits its
+    node's memory with ``microbatches`` microbatches."""
+    sol = describe(ctx, nodes, [(i, k, j) for i, (k, j) in enumerate(ranges)], microbatches)
+    return sol.max_microbatches >= microbatches
+
+
 POLISH_MAX_STAGES = 24
 """Plans with more stages than this (all groups together) are not polished."""
 
@@ -364,17 +372,13 @@ def polish(ctx: PlanContext, groups: Sequence[Split], micro: Sequence[int], roun
     if sum(len(n) for n, _ in splits) > POLISH_MAX_STAGES:
         return best
 
-    def fits(nodes: Sequence[int], ranges: Sequence[tuple[int, int]], m: int) -> bool:
-        sol = describe(ctx, nodes, [(i, k, j) for i, (k, j) in enumerate(ranges)], m)
-        return sol.max_microbatches >= m
-
     for _ in range(rounds):
         improved = False
         tries = _polish_moves(splits, micro, best)
         for changed, cand, m in tries:
             if time.perf_counter() > deadline:
                 return best
-            if not all(fits(*cand[g], m[g]) for g in changed):
+            if not all(fits(ctx, *cand[g], m[g]) for g in changed):
                 continue
             plan = build_plan(ctx, cand, m)
             if plan.predicted_step_seconds < best.predicted_step_seconds * (1 - 1e-9):

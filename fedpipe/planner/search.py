@@ -9,7 +9,9 @@
    two groups' places in the all-reduce ring.
 3. Build the best candidates' plans (codecs per link), polish the splits of
    those the discrete-event simulator finds fastest on the simulator
-   (:func:`~fedpipe.planner.evaluate.polish`), and return the fastest.
+   (:func:`~fedpipe.planner.evaluate.polish`), and return the fastest,
+4. with no group's bottleneck stage behind a relay where a direct node can take it
+   (:mod:`~fedpipe.planner.relayed`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .evaluate import Candidate, Chain, Evaluator, Split, build_plan, polish
 from .memfit import MEMORY_REMEDIES
 from .grouping import initial_groupings, site_subsets
 from .ordering import locality_order, path_cost, site_runs
+from .relayed import keep_bottlenecks_direct
 from .types import ClusterView, ModelProfile, Plan, PlanError, SearchOptions, TrainConfig
 
 MOVES = ("relocate", "swap", "reorder", "reverse", "merge", "split", "regroup")
@@ -80,7 +83,8 @@ def make_plan(cluster: ClusterView, profile: ModelProfile, config: TrainConfig,
     plans.sort()
     polished = [polish(ctx, groups, micro, deadline=deadline)
                 for _, _, groups, micro in plans[:max(1, options.polished)]]
-    return min(polished, key=lambda p: p.predicted_step_seconds)
+    best = min(polished, key=lambda p: p.predicted_step_seconds)
+    return keep_bottlenecks_direct(ctx, best)
 
 
 def _remember(archive: Archive, cand: Candidate) -> None:

@@ -180,7 +180,8 @@ class Homing:
             (alloc.grpc_address, alloc.data_address)
             != (self.allocation.grpc_address, self.allocation.data_address))
         self._home = Home(sock, f"node {self.node} at relay {relay}", window=alloc.window,
-                          max_streams=alloc.max_streams, connect=self._connect)
+                          max_streams=alloc.max_streams, connect=self._connect,
+                          job_streams=alloc.job_streams, job_window=alloc.job_window)
         self.allocation, self.relay = alloc, relay
         self.homings += 1
         log.info("node %s homed at relay %s: gRPC at %s, data at %s", self.node, relay,

@@ -19,8 +19,8 @@ offset  size  field
   (:class:`Hello`): which node homes, and the ports it would like again.
 * ``ALLOCATED`` (relay to node, stream 0): ``arg`` is the length of a JSON body
   (:class:`Allocation`): the addresses the relay listens on for the node.
-* ``OPEN`` (relay to node): a peer connected to one of the node's addresses;
-  ``arg`` is the length of a JSON body (:class:`Open`): the stream's source,
+* ``OPEN`` (relay to node): a peer connected to one of the node's addresses and
+  spoke; ``arg`` is the length of a JSON body (:class:`Open`): the stream's source,
   destination, service and job.
 * ``DATA`` (both ways): ``arg`` bytes of the stream follow, at most
   :data:`MAX_CHUNK`; the relay never decodes them (over TLS they are ciphertext).
@@ -30,7 +30,17 @@ offset  size  field
 * ``RESET`` (both ways): the stream is over, both ways, at once; ``arg`` is the
   length of a UTF-8 reason.
 * ``REFUSED`` (relay to node, stream 0): the relay does not home the node; ``arg``
-  is the length of a UTF-8 reason; the relay closes the connection after it.
+  is the length of a UTF-8 reason; the relay closes the connection after it. Also the
+  relay's answer to a refused ``TAG``, on the dialer's connection.
+
+A peer's connection to a relayed port (not a home connection) may start with one
+record of its own, in the clear, before the bytes it splices (its TLS, its preface):
+
+* ``TAG`` (dialer to relay): ``arg`` is the length of a JSON body (:class:`Tag`): the
+  stream's job, its source and its destination. The relay answers ``ACCEPTED`` (``arg``
+  0; the stream is spliced, its OPEN names the job) or ``REFUSED`` (a reason naming the
+  job or the destination; the relay closes the connection), and counts the stream, and
+  the bytes it holds for it, against the job's share of the node's (:class:`Allocation`).
 """
 from __future__ import annotations
 
@@ -74,6 +84,8 @@ class RecordType(enum.IntEnum):
     FIN = 6
     RESET = 7
     REFUSED = 8
+    TAG = 9
+    ACCEPTED = 10
 
 
 def pack(kind: RecordType, stream: int = 0, arg: int = 0) -> bytes:
@@ -174,6 +186,10 @@ class Allocation:
         window: bytes each side may send on one stream before the other's CREDIT.
         max_streams: streams the relay splices for this node at once; it refuses more
             connections (closes them at once).
+        job_streams: streams of one job (``TAG``-ged) the relay splices for this node at
+            once; it refuses the job's next TAG, naming the job.
+        job_window: bytes each side may send on the streams of one job, all together,
+            before the other's CREDIT (at most ``window`` per stream still).
     """
 
     relay: str
@@ -181,6 +197,8 @@ class Allocation:
     data_address: str
     window: int
     max_streams: int
+    job_streams: int
+    job_window: int
 
     def encode(self) -> bytes:
         """The whole ALLOCATED record."""
@@ -190,8 +208,9 @@ class Allocation:
     def decode(cls, body: bytes) -> "Allocation":
         """Raises: RelayError: a malformed body or a zero window."""
         alloc = _decode(cls, body, "relay ALLOCATED")
-        if alloc.window < 1 or alloc.max_streams < 1:
-            raise RelayError("relay ALLOCATED grants no window or no streams")
+        if min(alloc.window, alloc.max_streams, alloc.job_streams, alloc.job_window) < 1:
+            raise RelayError("relay ALLOCATED grants no window or no streams (per stream, "
+                             "node or job)")
         return alloc
 
 
@@ -204,7 +223,8 @@ class Open:
         source: the dialer's address as the relay sees it (``HOST:PORT``); the dialer's name
             is inside the TLS it runs with the node, which the relay does not read.
         destination: the node's name.
-        job: the job, when known ("": the relay does not decode the stream to learn it).
+        job: the job the dialer's TAG named (:class:`Tag`); "": it sent none (the relay
+            does not decode a stream to learn its job).
     """
 
     service: str
@@ -231,3 +251,35 @@ class Open:
 
 SERVICES = frozenset({"grpc", "data"})
 """The node's ports a relay splices: its gRPC service and its socket data plane."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tag:
+    """What a dialer may say first, in the clear, on its connection to a relayed port: the
+    envelope of one job's stream (the relay reads nothing after it: under TLS the rest is
+    ciphertext).
+
+    Attributes:
+        job: the job whose tensors the stream carries (only them: the relay bounds the
+            streams and bytes each job holds by it).
+        source: the dialer's name, as it says (the relay cannot check it; the identity
+            that counts is the one TLS shows the destination, end to end).
+        destination: the node the dialer means: the relayed port's node, or the relay
+            refuses the stream (the port was reallocated to another node).
+    """
+
+    job: str
+    source: str
+    destination: str
+
+    def encode(self) -> bytes:
+        """The whole TAG record."""
+        return _encode(RecordType.TAG, self)
+
+    @classmethod
+    def decode(cls, body: bytes) -> "Tag":
+        """Raises: RelayError: a malformed body, or no job or destination."""
+        tag = _decode(cls, body, "relay TAG")
+        if not tag.job or not tag.destination:
+            raise RelayError("relay TAG names no job or no destination")
+        return tag

@@ -12,7 +12,10 @@ cannot read.
 
 Bounds: at most ``max_nodes`` homed nodes, ``max_streams`` streams per node
 (half of them from one source host), ``window`` bytes per stream and direction
-(so at most ``2 * max_streams * window`` bytes held per node). A HELLO past a
+(so at most ``2 * max_streams * window`` bytes held per node); and per job, for
+the streams whose dialer named their job (a TAG record), ``job_streams`` streams
+and ``job_window`` bytes per direction, all its streams together (a job's next
+TAG past its streams is refused naming the job). A HELLO past a
 bound is refused with a REFUSED record naming it; a connection past a stream
 bound takes the place of the oldest one whose dialer has sent nothing yet, else
 it is closed at once; a dialer that sends nothing for ``first_byte`` seconds is
@@ -40,7 +43,7 @@ from ...security.tls import server_context, socket_identity
 from .. import timeouts
 from . import records
 from .records import RecordType, RelayError
-from .splice import MAX_STREAMS, WINDOW, Home, read_exact, tune
+from .splice import JOB_SHARE, JOB_WINDOW, MAX_STREAMS, WINDOW, Home, read_exact, tune
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,8 @@ class Relay:
             for 0.0.0.0).
         tls: this relay's certificate (role relay); homing nodes must show a node
             certificate of the same CA naming the node they home as. None: plaintext.
-        max_nodes, max_streams, window: the bounds (module docstring).
+        max_nodes, max_streams, window, job_streams, job_window: the bounds (module
+            docstring; ``job_streams`` 0: ``max_streams // JOB_SHARE``, at least 1).
         first_byte: seconds a dialer may stay silent before the relay closes it
             (:data:`~fedpipe.net.timeouts.RELAY_FIRST_BYTE`).
 
@@ -89,17 +93,20 @@ class Relay:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
                  tls: TlsConfig | None = None, max_nodes: int = MAX_NODES,
                  max_streams: int = MAX_STREAMS, window: int = WINDOW,
+                 job_streams: int = 0, job_window: int = JOB_WINDOW,
                  first_byte: float = timeouts.RELAY_FIRST_BYTE):
         if tls is not None and tls.identity.role is not Role.RELAY:
             raise ValueError(f"a relay needs a certificate with role relay, not "
                              f"{tls.identity} ({tls.directory})")
+        job_streams = job_streams or max(1, max_streams // JOB_SHARE)
         for what, value in (("max_nodes", max_nodes), ("max_streams", max_streams),
-                            ("window", window)):
+                            ("window", window), ("job_window", job_window)):
             if value < 1:
                 raise ValueError(f"a relay's {what} must be at least 1, got {value}")
         self.host = host
         self.advertise = advertise or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
         self.max_nodes, self.max_streams, self.window = max_nodes, max_streams, window
+        self.job_streams, self.job_window = job_streams, job_window
         self.first_byte = first_byte
         self._ctx = server_context(tls) if tls is not None else None
         self._auth = tls.authenticator() if tls is not None else None
@@ -115,6 +122,13 @@ class Relay:
         """The nodes homed now, each with the streams spliced for it."""
         with self._lock:
             return {name: h.home.streams for name, h in self._homed.items()}
+
+    def jobs(self, node: str) -> dict[str, int]:
+        """Bytes the relay sent to ``node`` on each job's tagged streams, not yet credited
+        back by it (at most ``job_window`` a job); {} if it is not homed here."""
+        with self._lock:
+            homed = self._homed.get(node)
+        return homed.home.jobs() if homed is not None else {}
 
     def _accept_loop(self) -> None:
         while True:
@@ -215,9 +229,11 @@ class Relay:
                      for svc, lsock in listeners.items()}
         alloc = records.Allocation(relay=self.address, grpc_address=addresses["grpc"],
                                    data_address=addresses.get("data", ""), window=self.window,
-                                   max_streams=self.max_streams)
+                                   max_streams=self.max_streams, job_streams=self.job_streams,
+                                   job_window=self.job_window)
         home = Home(sock, f"relay {self.address} for node {hello.node}", window=self.window,
-                    max_streams=self.max_streams, first_byte=self.first_byte)
+                    max_streams=self.max_streams, first_byte=self.first_byte,
+                    job_streams=self.job_streams, job_window=self.job_window)
         homed = _Homed(hello.node, home, listeners)
         with self._lock:
             why = ("the relay is shutting down" if self._closed else

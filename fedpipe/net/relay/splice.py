@@ -14,6 +14,14 @@ other returns them with CREDIT records as its socket takes them. So one slow
 socket never stalls the other streams, and a side holds at most ``window`` bytes
 per stream and direction: ``max_streams * window`` per homed node and direction.
 
+A stream whose dialer says which job it serves (a ``TAG`` record, in the clear, before
+its bytes: :class:`~.records.Tag`) counts against that job's share of the node: at
+most ``job_streams`` streams, and ``job_window`` bytes in flight per direction for all
+of them together (both ends wait for the job's CREDIT, as for a stream's). So one job
+flooding a relay takes its share, and the other jobs' streams still flow; a job past
+its streams is refused, with a REFUSED record naming the job. Untagged streams (a
+node's links shared by its jobs) have the stream bounds only.
+
 Closing is TCP's: a socket's end of stream becomes FIN (the other side then
 shuts its socket's writing half down: a half-close); an error on either side
 becomes RESET (both ways, at once). A stream ends when both directions finished
@@ -22,15 +30,17 @@ or on RESET. A home connection that breaks ends every stream on it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import select
 import socket
 import threading
+import time
 from typing import Callable
 
 from .. import timeouts
 from . import records
-from .records import RecordType, RelayError
+from .records import RecordType, RelayError, RelayRefused
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +54,17 @@ channels and one data-plane link)."""
 SOURCE_SHARE = 2
 """One source address (a dialer's host) may hold at most ``max_streams // SOURCE_SHARE``
 (at least 1) of a node's streams at the relay."""
+JOB_SHARE = 4
+"""One job's tagged streams may be at most ``max_streams // JOB_SHARE`` (at least 1) of a
+node's streams at the relay (the default of ``job_streams``)."""
+JOB_WINDOW = 2 * WINDOW
+"""Default bytes one direction of one job's tagged streams may have in flight, all
+together: a job holds at most this much at the relay per node and direction, whatever
+its streams."""
+
+PEEK_AGAIN = 0.005
+"""Seconds the relay waits before it looks again at a dialer's first bytes that are a part
+of a TAG's magic (the rest is on its way; select would say "readable" at once)."""
 
 Connect = Callable[[records.Open], socket.socket]
 """The node side's way to a new stream's socket (a loopback connection to its own port)."""
@@ -92,6 +113,8 @@ class _Stream:
         self.reset = ""                    # why the stream was reset ("": it was not)
         self._done = 0                     # pumps that ended (the stream ends at 2)
         self.heard = False                 # this side's socket has sent a byte
+        self.job = opened.job              # the job its TAG named ("": untagged)
+        self.job_sent = 0                  # bytes counted in the job's in-flight bytes
 
     def start(self) -> None:
         threading.Thread(target=self._write_loop, name=f"relay-w{self.sid}",
@@ -99,6 +122,12 @@ class _Stream:
 
     # -- from the home connection -------------------------------------------
     def on_data(self, data: bytes) -> None:
+        if self.job:
+            held = self.home.held(self.job) + len(data)
+            if held > self.home.job_window:
+                raise RelayError(f"job {self.job!r} has {held} bytes in flight on stream "
+                                 f"{self.sid} and its others, beyond its window of "
+                                 f"{self.home.job_window}: the other side ignores its credit")
         with self._cond:
             self.unacked += len(data)
             if self.unacked > self.home.window:
@@ -112,6 +141,7 @@ class _Stream:
         with self._cond:
             self.credit += n
             self._cond.notify_all()
+        self.home.unreserve(self, n)
 
     def on_fin(self) -> None:
         with self._cond:
@@ -122,6 +152,7 @@ class _Stream:
         with self._cond:
             self.reset = why or "reset"
             self._cond.notify_all()
+        self.home.wake()
         self._shut(socket.SHUT_RDWR)
 
     # -- pumps ----------------------------------------------------------------
@@ -166,17 +197,25 @@ class _Stream:
             self._end()
 
     def _read_loop(self) -> None:
-        """Socket -> home connection, within the other side's credit (on the relay, the
-        dialer's first byte within the home's ``first_byte`` seconds)."""
+        """Socket -> home connection, within the other side's credit for the stream and for
+        its job; on the relay, first the dialer's first byte within the home's
+        ``first_byte`` seconds, its TAG if it starts with one, and the stream's OPEN."""
         assert self.sock is not None
         try:
+            if self._connect is None:
+                self._announce()
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self.credit > 0 or self.reset)
                     if self.reset:
                         return
                     n = min(self.credit, records.MAX_CHUNK)
-                data = self._first() if not self.heard else self.sock.recv(n)
+                n = self.home.reserve(self, n)
+                if not n:  # reset while it waited for its job's credit
+                    return
+                data = self.sock.recv(n)
+                self.heard = True
+                self.home.unreserve(self, n - len(data))
                 if not data:
                     with self._cond:
                         if self.reset:
@@ -191,23 +230,63 @@ class _Stream:
         finally:
             self._end()
 
-    def _first(self) -> bytes:
-        """The socket's first bytes; on the relay within the home's ``first_byte`` seconds.
+    def _announce(self) -> None:
+        """The relay side: wait for the dialer's first bytes (within the home's
+        ``first_byte`` seconds), take its TAG if it starts with one, then OPEN the stream
+        at the node (so a dialer that never speaks costs the node nothing).
 
         Raises:
-            OSError: none came in time (:class:`TimeoutError`), or the socket broke.
+            OSError: nothing came in time (:class:`TimeoutError`), the socket broke, or a
+                malformed or refused TAG (:class:`RelayError`; the dialer was told why).
         """
         assert self.sock is not None
         wait = self.home.first_byte
-        if wait is not None:
-            ready, _, _ = select.select([self.sock], [], [], wait)
+        deadline = None if wait is None else time.monotonic() + wait
+        while True:  # enough of the first bytes to tell a TAG (its magic) from the rest
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self.sock], [], [], left)
             if not ready:
                 raise TimeoutError(f"the dialer {self.opened.source} sent nothing within "
                                    f"{wait:g} s")
-        data = self.sock.recv(records.MAX_CHUNK if self.credit > records.MAX_CHUNK
-                              else self.credit)
-        self.heard = True
-        return data
+            head = self.sock.recv(len(records.MAGIC), socket.MSG_PEEK)
+            self.heard = True
+            if not head or len(head) == len(records.MAGIC) \
+                    or not records.MAGIC.startswith(head):
+                break  # (none: the dialer closed, or the stream was reset meanwhile)
+            time.sleep(PEEK_AGAIN)  # a part of the magic: the rest is on its way
+        with self._cond:
+            if self.reset:
+                return
+        if head == records.MAGIC:  # no protocol a relay splices starts so (TLS, FPC, HTTP/2)
+            self._tagged(deadline)
+        self.home.send(self.opened.encode(self.sid))
+
+    def _tagged(self, deadline: float | None) -> None:
+        """Read the dialer's TAG, have the home admit it, answer ACCEPTED (or REFUSED).
+
+        Raises:
+            RelayError: a malformed TAG, or the home refused it (RelayRefused, naming the
+                job); the dialer was told why.
+            OSError: the socket broke or the TAG did not come whole before ``deadline``.
+        """
+        assert self.sock is not None
+        self.sock.settimeout(None if deadline is None
+                             else max(0.001, deadline - time.monotonic()))
+        try:
+            kind, _, arg = records.unpack(read_exact(self.sock, records.PREFIX_BYTES))
+            if kind is not RecordType.TAG or arg > records.MAX_BODY:
+                raise RelayError(f"a relayed connection may start with a TAG record of at "
+                                 f"most {records.MAX_BODY} bytes, not {kind.name} ({arg})")
+            self.home.admit(self, records.Tag.decode(read_exact(self.sock, arg)))
+            self.sock.sendall(records.pack(RecordType.ACCEPTED))
+        except RelayError as e:
+            try:
+                self.sock.sendall(records.pack_text(RecordType.REFUSED, 0, str(e)))
+            except OSError:
+                pass
+            raise
+        finally:
+            self.sock.settimeout(None)
 
     def _fail(self, why: str) -> None:
         """Reset the stream both ways, telling the other side why."""
@@ -216,6 +295,7 @@ class _Stream:
                 return
             self.reset = why
             self._cond.notify_all()
+        self.home.wake()
         log.debug("%s", why)
         self._shut(socket.SHUT_RDWR)
         try:
@@ -230,6 +310,7 @@ class _Stream:
         if over:
             if self.sock is not None:
                 self.sock.close()
+            self.home.unreserve(self, self.job_sent)
             self.home.forget(self.sid)
 
 
@@ -245,6 +326,10 @@ class Home:
             from one source host; past either bound :meth:`splice` makes room by closing
             the oldest stream (of that source, for its bound) whose dialer has sent nothing
             yet, else it refuses the new one.
+        job_streams: tagged streams of one job at once (default ``max_streams //
+            JOB_SHARE``, at least 1); the relay side refuses the job's next TAG.
+        job_window: bytes in flight per direction on one job's tagged streams together
+            (the ALLOCATED record's; default :data:`JOB_WINDOW`).
         connect: the node side's way to open a stream's local socket (OPEN records are a
             protocol error on the relay side, which passes None).
         first_byte: the relay side: a spliced dialer that sends nothing for this many
@@ -254,8 +339,13 @@ class Home:
 
     def __init__(self, sock: socket.socket, side: str, *, window: int = WINDOW,
                  max_streams: int = MAX_STREAMS, connect: Connect | None = None,
-                 first_byte: float | None = None):
+                 first_byte: float | None = None, job_streams: int | None = None,
+                 job_window: int = JOB_WINDOW):
         self.sock, self.side, self.window = sock, side, window
+        self.job_streams = job_streams or max(1, max_streams // JOB_SHARE)
+        self.job_window = job_window
+        self._budget = threading.Condition()  # guards _inflight
+        self._inflight: collections.Counter[str] = collections.Counter()
         self.max_streams, self._connect = max_streams, connect
         self.first_byte = first_byte
         self.per_source = max(1, max_streams // SOURCE_SHARE)
@@ -292,7 +382,6 @@ class Home:
         Raises:
             RelayError: ``max_streams`` streams already run, or ``per_source`` from
                 ``opened.source``'s host, none of them idle (the caller closes ``sock``).
-            OSError: the home connection is broken.
         """
         host = opened.source.rpartition(":")[0]
         with self._lock:
@@ -318,9 +407,74 @@ class Home:
         for s in evict:
             s._fail(f"{self.side}: the stream sent nothing yet, and a new connection needs "
                     "its place")
-        self.send(opened.encode(sid))
-        stream.start()
+        stream.start()  # its OPEN goes to the node once the dialer spoke (_announce)
         return sid
+
+    def admit(self, stream: _Stream, tag: records.Tag) -> None:
+        """Relay side: take a stream's TAG: it carries ``tag.job`` from now on.
+
+        Raises:
+            RelayRefused: the TAG names another node than this home's, or the job has
+                ``job_streams`` streams here already (the message names the job).
+        """
+        who = f"a stream of job {tag.job!r} from {tag.source or stream.opened.source}"
+        with self._lock:
+            if tag.destination != stream.opened.destination:
+                raise RelayRefused(f"{self.side}: {who} is for node {tag.destination!r}, but "
+                                   f"this port is for node {stream.opened.destination!r}")
+            held = sum(1 for s in self._streams.values() if s.job == tag.job)
+            if held >= self.job_streams:
+                raise RelayRefused(f"{self.side}: {who} is refused: job {tag.job!r} has "
+                                   f"{held} streams spliced, its share of the node's "
+                                   f"{self.max_streams} (at most {self.job_streams} a job)")
+            stream.job = tag.job
+            stream.opened = dataclasses.replace(stream.opened, job=tag.job)
+
+    def jobs(self) -> dict[str, int]:
+        """Bytes each job's tagged streams have in flight from this side now (sent, not
+        yet credited), by job."""
+        with self._budget:
+            return dict(self._inflight)
+
+    def held(self, job: str) -> int:
+        """Bytes of ``job``'s tagged streams this side received and has not written
+        onward yet (what it holds for the job)."""
+        with self._lock:
+            return sum(s.unacked for s in self._streams.values() if s.job == job)
+
+    def reserve(self, stream: _Stream, n: int) -> int:
+        """Up to ``n`` bytes ``stream`` may send now within its job's window (all of ``n``
+        for an untagged stream), counted in flight; waits while the job has none left.
+        0: the stream was reset meanwhile."""
+        if not stream.job:
+            return n
+        with self._budget:
+            self._budget.wait_for(lambda: bool(stream.reset)
+                                  or self._inflight[stream.job] < self.job_window)
+            if stream.reset:
+                return 0
+            n = min(n, self.job_window - self._inflight[stream.job])
+            self._inflight[stream.job] += n
+            stream.job_sent += n
+            return n
+
+    def unreserve(self, stream: _Stream, n: int) -> None:
+        """``n`` bytes of ``stream``'s are in flight no more (credited, not sent after all,
+        or the stream ended): its job may send them again."""
+        if not stream.job or n <= 0:
+            return
+        with self._budget:
+            n = min(n, stream.job_sent)
+            stream.job_sent -= n
+            self._inflight[stream.job] -= n
+            if self._inflight[stream.job] <= 0:
+                del self._inflight[stream.job]
+            self._budget.notify_all()
+
+    def wake(self) -> None:
+        """Wake the streams waiting for their job's window (one of them was reset)."""
+        with self._budget:
+            self._budget.notify_all()
 
     def forget(self, sid: int) -> None:
         with self._lock:
