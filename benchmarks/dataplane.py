@@ -432,7 +432,7 @@ def measure(pair: Pair, nbytes: int, rounds: int, count: int
     mbps: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
     times: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
     cpu = {t: 0.0 for t in TRANSPORTS}
-    n = max(1, count * min(16, (16 * MiB // nbytes) // 4))
+    n = count * max(1, min(16, (16 * MiB // nbytes) // 4))  # 16 MiB: count
     for r in range(rounds):
         for t in (TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1]):
             took, used = pair.run(t, nbytes, max(1, n // _per(t)))
