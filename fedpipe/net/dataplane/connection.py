@@ -34,12 +34,6 @@ from ...wire.format import WireError
 READ_AHEAD = 256 * 1024
 """Bytes a connection reads ahead when it waits for a record: a few small records per
 ``recv_into``; a large payload's tail is read straight into its tensor."""
-LOW_WATER = 256 * 1024
-"""While a payload of at least twice this is read, the reader wakes only once this many bytes
-(or what is left of the payload, if less) are queued (``SO_RCVLOWAT``), not at each
-segment: over TLS, whose reads take one 16 KiB record each, it wakes per 16 records; set
-back to 1 after the payload. Never more than the payload has left, so a read never waits
-for bytes that are not coming."""
 _SCRATCH = 1 << 20
 """Largest piece of a refused tensor's payload read at once while it is skipped, bytes."""
 
@@ -150,30 +144,13 @@ class Connection:
             self._start += got
         if self.until is None:  # the payload loop, tight: over TLS a call per 16 KiB record
             recv = self.sock.recv_into
-            lowat = self._low_water(size - got) if size - got >= 2 * LOW_WATER else 0
-            try:
-                while got < size:
-                    if lowat > size - got:  # never wait for more than the payload has left
-                        lowat = self._low_water(size - got)
-                    n = recv(target[got:])
-                    if not n:
-                        raise Closed("the peer closed the connection")
-                    got += n
-            finally:
-                if lowat:
-                    self._low_water(1)
+            while got < size:
+                n = recv(target[got:])
+                if not n:
+                    raise Closed("the peer closed the connection")
+                got += n
         while got < size:
             got += self._recv_into(target[got:])
-
-    def _low_water(self, nbytes: int) -> int:
-        """Wake the reader only once ``min(nbytes, LOW_WATER)`` bytes are queued
-        (``SO_RCVLOWAT``; 1: the default); the value set, or 0 where it cannot be."""
-        value = min(nbytes, LOW_WATER)
-        try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, value)
-        except OSError:  # closed, or a system without it: reads wake as they did
-            return 0
-        return value
 
     def skip(self, n: int) -> None:
         """Read and drop the next ``n`` bytes (a refused tensor's payload), in bounded pieces."""
