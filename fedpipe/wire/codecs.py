@@ -379,13 +379,14 @@ def _header(msg: pb.Tensor) -> tuple[fn.Header, Codec]:
         if field not in impl.fields and getattr(msg, field):
             raise WireError(f"field {field}={getattr(msg, field)} is set but codec "
                             f"{impl.name} does not use it")
-    if len(msg.shape) > MAX_DIMS:
-        raise WireError(f"tensor shape has {len(msg.shape)} dimensions, more than {MAX_DIMS}")
-    if any(d < 0 for d in msg.shape):
-        raise WireError(f"tensor shape {list(msg.shape)} has a negative dimension")
-    if any(d > 2**40 for d in msg.shape):  # a 0 elsewhere would hide it from the product
-        raise WireError(f"tensor shape {list(msg.shape)} has a dimension over 2**40")
-    return fn.Header(msg, dtype, math.prod(msg.shape)), impl
+    shape = tuple(msg.shape)  # read once: each read of a repeated field costs a call
+    if len(shape) > MAX_DIMS:
+        raise WireError(f"tensor shape has {len(shape)} dimensions, more than {MAX_DIMS}")
+    if shape and min(shape) < 0:
+        raise WireError(f"tensor shape {list(shape)} has a negative dimension")
+    if shape and max(shape) > 2**40:  # a 0 elsewhere would hide it from the product
+        raise WireError(f"tensor shape {list(shape)} has a dimension over 2**40")
+    return fn.Header(msg, dtype, math.prod(shape)), impl
 
 
 def _unzstd(payload: bytes | bytearray | memoryview, size: int) -> bytearray:
