@@ -29,11 +29,16 @@ time; the ratios are taken within each round and reported as the median over
 rounds with the interquartile range, with the load average before and after.
 Then: per-message latency at 64 KiB (median round trip), and the CPU per
 64 KiB message streamed (user + system CPU of both processes over
-``--messages`` messages, the receiver being a bench inbox: no admission or
-mailbox).
+``--messages`` messages, then one flush), in interleaved rounds, on four paths
+(:data:`CPU_PATHS`): issue 24's figure, ``node``, goes through a node's own
+receive path (:class:`NodePath`: its socket listener, NodeReceiver's admission
+checks, the mailbox, and a stage thread taking each tensor from it), plain and
+over mutual TLS; beside it the socket plane into a bench inbox (no admission,
+no mailbox: the figure printed before) and today's gRPC stream.
 
     python benchmarks/dataplane.py            # ~1 min
     python benchmarks/dataplane.py --quick
+    python benchmarks/dataplane.py --sizes --cpu-rounds 5   # only the CPU figure
 """
 from __future__ import annotations
 
@@ -109,6 +114,68 @@ def _raw_server() -> int:
     return int(listener.getsockname()[1])
 
 
+class NodePath:
+    """The node's own receive path (issue 24's CPU figure): a node's parts as ``fedpipe
+    node --data-port`` builds them (:func:`fedpipe.node.parts.build_parts`: its socket
+    listener, :class:`~fedpipe.node.dataplane.NodeReceiver`, the job access book, the
+    admission checks, the stage registry and the mailbox), one RUNNING stage of job
+    ``bench`` (stage 1 of 2) registered in it, the sender assigned to the job, and a
+    thread that takes each activation from the mailbox in order, as the stage's
+    transport does (:meth:`fedpipe.node.wiring.StageTransport.recv`), checking its size.
+
+    Args:
+        name: the node's name (the sender's link names it).
+        tls: mutual TLS (the sender's certificate then passes the policy and job checks).
+    """
+
+    def __init__(self, name: str, tls: Any = None):
+        import torch
+        from torch import nn
+
+        from fedpipe.node.lifecycle import Stage, StageSlot, StageState
+        from fedpipe.node.parts import build_parts
+        from fedpipe.proto import node_pb2
+
+        self.parts = build_parts(lambda: name, name, node_pb2.Resources(), lambda report: None,
+                                 tls=tls, data_port=0)
+        assert self.parts.sockets is not None
+        self.port = self.parts.sockets.port
+        slot = StageSlot("bench", 0, 1)
+        self.stage = Stage(slot, n_stages=2, layer_start=0, module=nn.Sequential(),
+                           steps=2**31 - 1, peers=self.parts.stages.make_peers())
+        self.stage.move(StageState.RUNNING, "benchmark")
+        with self.parts.stages.lock:
+            self.parts.stages.stages[slot] = self.stage
+        self.parts.access.learn("bench", "sender", ["sender", name], [slot.key])
+        self.taken, self.bad = 0, 0
+        self._cond = threading.Condition()
+        self._torch = torch
+        threading.Thread(target=self._take, daemon=True).start()
+
+    def _take(self) -> None:
+        from fedpipe.spec import Kind
+        mailbox, i = self.parts.stages.mailbox, 0
+        while True:
+            t, batch = mailbox.get(self.stage.inbox, Kind.ACTIVATION, i // NODE_MICROBATCHES,
+                                   i % NODE_MICROBATCHES, stopped=lambda: not self.stage.live)
+            i += 1
+            with self._cond:
+                self.taken += 1
+                self.bad += t.numel() * t.element_size() != batch
+                self._cond.notify_all()
+
+    def wait_taken(self, count: int, timeout: float = 120.0) -> int:
+        """Wait until the stage has taken ``count`` tensors in all; tensors of a wrong size."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.taken >= count, timeout):
+                raise TimeoutError(f"the stage took {self.taken} of {count} tensors")
+            return self.bad
+
+
+NODE_MICROBATCHES = 64
+"""Microbatches per step of the node path's stream (envelope step and microbatch)."""
+
+
 def serve(tls_dir: str) -> None:
     import grpc
 
@@ -144,17 +211,25 @@ def serve(tls_dir: str) -> None:
             if got != header.envelope.batch_size or not tensor.is_contiguous():
                 raise Refused(Code.INVALID_ARGUMENT, f"got {got} bytes")
 
+    nodes = {"node": NodePath("node"), "node tls": NodePath("node", _tls(tls_dir, "node"))}
+
+    def taken(request: bytes, context: Any) -> bytes:  # the stage took them all: its bad ones
+        which, count = json.loads(request)
+        return struct.pack("<Q", nodes[which].wait_taken(count))
+
     srv = net.server()
     rpc.add_node_servicer(BenchNode(), srv)
     srv.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Raw", {
         "Unary": grpc.unary_unary_rpc_method_handler(
-            lambda request, context: struct.pack("<Q", len(request)))})])
+            lambda request, context: struct.pack("<Q", len(request))),
+        "Taken": grpc.unary_unary_rpc_method_handler(taken)})])
     grpc_port = net.bind(srv, "127.0.0.1", 0)
     srv.start()
     plain = DataPlane("receiver", Inbox())
     tls = DataPlane("receiver", Inbox(), tls=_tls(tls_dir, "receiver"))
     print(json.dumps({"grpc": grpc_port, "data": plain.port, "tls": tls.port,
-                      "raw": _raw_server()}), flush=True)
+                      "raw": _raw_server(), "node": nodes["node"].port,
+                      "node tls": nodes["node tls"].port}), flush=True)
     _exit_when_parent_goes()
     threading.Event().wait()
 
@@ -191,6 +266,11 @@ class Sender:
                        DataPlane("sender", Nothing(), tls=_tls(tls_dir, "sender"))]
         self.link = self.planes[0].link("receiver", f"127.0.0.1:{ports['data']}")
         self.tls_link = self.planes[1].link("receiver", f"127.0.0.1:{ports['tls']}")
+        self.node_links = {"node": self.planes[0].link("node", f"127.0.0.1:{ports['node']}"),
+                           "node tls": self.planes[1].link(
+                               "node", f"127.0.0.1:{ports['node tls']}")}
+        self.node_sent = dict.fromkeys(self.node_links, 0)
+        self.taken = channel.unary_unary("/bench.Raw/Taken")
         self.raw = socket.create_connection(("127.0.0.1", ports["raw"]))
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -244,6 +324,18 @@ class Sender:
             for _ in range(count):
                 self.link.send(tensor, envelope=env)
             self.link.flush()
+        elif transport in self.node_links:  # a stage's stream: each its step and microbatch
+            link, first = self.node_links[transport], self.node_sent[transport]
+            for i in range(first, first + count):
+                link.send(tensor, envelope=node_pb2.Envelope(
+                    job_id="bench", stage=1, kind=node_pb2.KIND_ACTIVATION, batch_size=nbytes,
+                    step=i // NODE_MICROBATCHES, microbatch=i % NODE_MICROBATCHES))
+            link.flush()
+            self.node_sent[transport] = total = first + count
+            bad = struct.unpack("<Q", self.taken(json.dumps([transport, total]).encode(),
+                                                 timeout=120))[0]
+            if bad:
+                raise RuntimeError(f"the node's stage took {bad} tensors of the wrong size")
         else:
             for _ in range(count):
                 self.peer.submit(env, tensor, "raw")
@@ -286,13 +378,15 @@ class Pair:
     def __init__(self, tls_dir: str):
         from fedpipe.security import certs
         certs.make_ca(tls_dir)
-        for name in ("receiver", "sender"):
+        for name in ("receiver", "sender", "node"):
             certs.issue(tls_dir, "node", name)
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         args = [sys.executable, __file__, "--tls-dir", tls_dir]
         self.procs: list[subprocess.Popen[str]] = []
+        self.split = (0.0, 0.0)
+        """The last :meth:`run`'s CPU seconds: the sender's, the receiver's."""
         receiver = self._start(args + ["--role", "serve"], env)
         assert receiver.stdout is not None
         line = receiver.stdout.readline()
@@ -318,7 +412,8 @@ class Pair:
         if not line:
             raise RuntimeError(f"the sender died during {transport} {nbytes} B")
         out = json.loads(line)
-        return out["times"], out["cpu"] + _cpu_seconds(self.procs[0].pid) - receiver
+        self.split = (out["cpu"], _cpu_seconds(self.procs[0].pid) - receiver)
+        return out["times"], sum(self.split)
 
     def close(self) -> None:
         for p in reversed(self.procs):
@@ -337,7 +432,7 @@ def measure(pair: Pair, nbytes: int, rounds: int, count: int
     mbps: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
     times: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
     cpu = {t: 0.0 for t in TRANSPORTS}
-    n = max(1, count * min(16, (16 * MiB // nbytes) // 4))
+    n = count * max(1, min(16, (16 * MiB // nbytes) // 4))  # 16 MiB: count
     for r in range(rounds):
         for t in (TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1]):
             took, used = pair.run(t, nbytes, max(1, n // _per(t)))
@@ -378,21 +473,43 @@ def latency(times: dict[str, list[float]]) -> None:
     print(f"  dataplane / grpc call: {dp / gc:.2f}x the time")
 
 
-def cpu_per_message(pair: Pair, messages: int) -> list[str]:
+CPU_PATHS = {
+    "node": "socket plane into a node: NodeReceiver, admission, mailbox, the stage's take",
+    "node tls": "the same over mutual TLS (policy and job checks on the certificate)",
+    "dataplane": "socket plane into a bench inbox (no admission, no mailbox)",
+    "grpc stream": "today's gRPC stream (PeerSender) into a bench Send (no mailbox)",
+}
+"""The CPU-per-message paths, in the order printed; ``node`` is issue 24's figure."""
+
+
+def cpu_per_message(pair: Pair, messages: int, rounds: int) -> list[str]:
+    """User + system CPU of both processes per 64 KiB message, ``messages`` streamed then
+    one flush, for each of :data:`CPU_PATHS` in interleaved rounds; the median round."""
+    print(f"\nCPU per 64 KiB message, {messages} streamed then one flush (user + system of "
+          f"both processes, kernel ticks of 10 ms), {rounds} interleaved rounds:")
+    us: dict[str, list[float]] = {t: [] for t in CPU_PATHS}
+    rate: dict[str, list[float]] = {t: [] for t in CPU_PATHS}
+    sides: dict[str, list[tuple[float, float]]] = {t: [] for t in CPU_PATHS}
+    before = _load()
+    for r in range(rounds):
+        for t in (list(CPU_PATHS) if r % 2 == 0 else list(CPU_PATHS)[::-1]):
+            took, used = pair.run(t, 64 * KiB, messages, stream=True)
+            us[t].append(1e6 * used / messages)
+            sides[t].append(pair.split)
+            rate[t].append(messages * 64 * KiB / took[0] / 1e6)
+    after = _load()
     out = []
-    print(f"\nCPU per 64 KiB message, {messages} streamed then one flush (user + system, "
-          "both processes; the receiver a bench inbox, no admission or mailbox):")
-    for t in ("dataplane", "grpc stream"):
-        before = _load()
-        took, used = pair.run(t, 64 * KiB, messages, stream=True)
-        us = 1e6 * used / messages
-        line = (f"{t:<12} {us:6.1f} us/message, {messages * 64 * KiB / took[0] / 1e6:.0f} MB/s "
-                f"[load {before} -> {_load()}]")
-        if t == "dataplane":
+    for t, what in CPU_PATHS.items():
+        q1, q2, q3 = quartiles(us[t])
+        send, recv = (1e6 * statistics.median(x) / messages for x in zip(*sides[t]))
+        line = (f"{t:<12} {q2:6.1f} us/message (IQR {q1:.1f}-{q3:.1f}; sender {send:.0f} + "
+                f"receiver {recv:.0f}), {statistics.median(rate[t]):.0f} MB/s")
+        if t == "node":
             line += f", target <= {CPU_TARGET_US:.0f} us: " + (
-                "met" if us <= CPU_TARGET_US else f"NOT met by {us - CPU_TARGET_US:.1f} us")
-            out.append("64 KiB " + line)
-        print("  " + line)
+                "met" if q2 <= CPU_TARGET_US else f"NOT met by {q2 - CPU_TARGET_US:.1f} us")
+            out.append(f"64 KiB {line} [load {after}]")
+        print(f"  {line}  ({what})")
+    print(f"  load average before {before}, after {after}")
     return out
 
 
@@ -403,8 +520,11 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=4,
                     help="transfers per transport and round at 16 MiB (more when smaller)")
     ap.add_argument("--messages", type=int, default=10_000,
-                    help="64 KiB messages streamed for the CPU figure")
-    ap.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+                    help="64 KiB messages streamed for the CPU figure (0: none)")
+    ap.add_argument("--cpu-rounds", type=int,
+                    help="rounds of the CPU-per-message figure (default 5, quick 3)")
+    ap.add_argument("--sizes", nargs="*", choices=list(SIZES), default=list(SIZES),
+                    help="sizes to measure (none: only the CPU figure)")
     ap.add_argument("--role", choices=["serve", "send"], help=argparse.SUPPRESS)
     ap.add_argument("--ports", help=argparse.SUPPRESS)
     ap.add_argument("--tls-dir", help=argparse.SUPPRESS)
@@ -434,7 +554,9 @@ def main() -> None:
                 verdicts += report(size, mbps, cpu, (before, _load()))
                 if size == "64 KiB":
                     latency(times)
-            verdicts += cpu_per_message(pair, args.messages)
+            if args.messages:
+                verdicts += cpu_per_message(pair, args.messages, args.cpu_rounds or
+                                            (3 if args.quick else 5))
         finally:
             pair.close()
     print("\nTargets (issue 24), medians of per-round ratios:")

@@ -102,13 +102,15 @@ def test_every_dtype_and_shape_round_trips_exactly(pair):
     sent = [_sample(d) for d in codecs.DTYPES]
     sent += [torch.tensor(3.5), torch.empty(0, 4), _sample(torch.float32, (1, 2, 3, 4)),
              _sample(torch.float32, (4096, 257))]  # 0-dim, empty, 4-d, ~4 MiB
+    sent += [_sample(torch.float32, (4, 6)).t(), _sample(torch.bfloat16, (4, 6)).t(),
+             _sample(torch.float32).requires_grad_()]  # not contiguous; needs its graph
     for i, t in enumerate(sent):
         link.send(t, envelope=env(i))
     link.flush(10)
     assert b_in.steps() == list(range(len(sent)))
     for t, (head, got, peer) in zip(sent, b_in.got):
-        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
-        assert peer == "a" and head.envelope.job_id == "j"
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t.detach())
+        assert got.is_contiguous() and peer == "a" and head.envelope.job_id == "j"
         got.add_(1) if got.dtype not in (torch.bool,) else got.logical_not_()  # writable
 
 

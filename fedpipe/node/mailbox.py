@@ -100,6 +100,9 @@ class Mailbox:
         Raises:
             Stopped, Duplicate, Full: as :meth:`put`.
         """
+        if len(tensors) == 1:  # one tensor: put's own checks are all-or-none
+            self.put(slot, kind, step, first, tensors[0], batch, alive)
+            return
         job = self.job_of(slot)
         with self._cond:
             for i in range(len(tensors)):

@@ -148,11 +148,19 @@ class Connection:
         Raises:
             Closed: the stream ended first. OSError: the connection broke.
         """
-        got = min(self._end - self._start, len(target))
+        size = len(target)
+        got = min(self._end - self._start, size)
         if got:
             target[:got] = self._view[self._start:self._start + got]
             self._start += got
-        while got < len(target):
+        if self.until is None:  # the payload loop, tight: over TLS a call per 16 KiB record
+            recv = self.sock.recv_into
+            while got < size:
+                n = recv(target[got:])
+                if not n:
+                    raise Closed("the peer closed the connection")
+                got += n
+        while got < size:
             got += self._recv_into(target[got:])
 
     def skip(self, n: int) -> None:
@@ -207,22 +215,41 @@ def skip_payload(conn: Connection, header: node_pb2.Frame) -> None:
     conn.skip(header.tensor.payload_bytes)
 
 
-def reserve(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of writable, uninitialized memory as a 1-D uint8 CPU tensor.
+def reserve(nbytes: int) -> numpy.ndarray:
+    """``nbytes`` of writable, uninitialized memory as a 1-D uint8 numpy array (a tensor
+    is made of it once it is filled: :func:`read_tensor`).
 
     From malloc (numpy's allocator), not ``torch.empty``: torch's CPU allocator
     hands out freshly mapped pages for large tensors (1229 page faults for each
     16 MiB ``torch.empty`` measured here, against none from malloc with
     :func:`fedpipe.net.tune_malloc`'s settings, which keep freed buffers for
     reuse), and faulting a tensor's pages in costs about as much as receiving it.
+    A numpy array, not a tensor: numpy's views cost a fraction of torch's per call
+    (``benchmarks/dataplane.py``, CPU per 64 KiB message).
 
     Raises:
         WireError: the memory cannot be reserved.
     """
     try:
-        return torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8))
+        return numpy.empty(nbytes, dtype=numpy.uint8)
     except MemoryError as e:
         raise WireError(f"cannot reserve {nbytes} bytes for a tensor: {e}") from None
+
+
+def _numpy_dtypes() -> dict[int, numpy.dtype]:
+    """The numpy dtype of each wire dtype code numpy has (bfloat16 has none)."""
+    out = {}
+    for code, dtype in codecs.TORCH_DTYPES.items():
+        try:
+            out[code] = torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:
+            pass
+    return out
+
+
+_NUMPY_DTYPES = _numpy_dtypes()
+"""Wire dtype code -> numpy dtype: a received raw tensor is viewed and shaped in numpy, then
+made a tensor with one ``torch.from_numpy`` (two torch views cost about 10 us a tensor)."""
 
 
 def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int,
@@ -244,7 +271,11 @@ def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int,
     if not msg.payload_bytes:  # no elements (a raw empty tensor): nothing to receive
         return codecs.decode(msg, payload=b"", max_bytes=limit, end=end)
     buf = reserve(msg.payload_bytes)
-    conn.read_into(buf.numpy().data)
+    conn.read_into(buf.data)
     if msg.codec == tensor_pb2.CODEC_RAW and not msg.zstd:  # the tensor is the buffer
-        return buf.view(codecs.TORCH_DTYPES[msg.dtype]).view(tuple(msg.shape))
-    return codecs.decode(msg, payload=buf.numpy().data, max_bytes=limit, end=end)
+        shape = tuple(msg.shape)
+        dtype = _NUMPY_DTYPES.get(msg.dtype)
+        if dtype is not None:
+            return torch.from_numpy(buf.view(dtype).reshape(shape))
+        return torch.from_numpy(buf).view(codecs.TORCH_DTYPES[msg.dtype]).view(shape)
+    return codecs.decode(msg, payload=buf.data, max_bytes=limit, end=end)

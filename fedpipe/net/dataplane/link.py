@@ -187,6 +187,8 @@ class Link:
             PeerRefused: the peer refused a tensor sent earlier (raised once).
             LinkFailed: the link is gone.
         """
+        if not self.refused and self.credits.failed is None:  # each send: no lock when clear
+            return
         with self._state:
             keys = list(self.refused) if owner is None else [k for k in (owner, "")
                                                             if k in self.refused]

@@ -140,10 +140,14 @@ def unpack(prefix: bytes | bytearray | memoryview) -> tuple[RecordType, int]:
     if version != VERSION:
         raise WireError(f"connection record version {version} is not supported; this side "
                         f"speaks version {VERSION}")
-    try:
-        return RecordType(kind), arg
-    except ValueError:
-        raise WireError(f"unknown connection record type {kind}") from None
+    record = _TYPES.get(kind)
+    if record is None:
+        raise WireError(f"unknown connection record type {kind}")
+    return record, arg
+
+
+_TYPES = {t.value: t for t in RecordType}
+"""Record type byte -> :class:`RecordType` (a lookup, not the enum's call: a few us a record)."""
 
 
 def pack_text(kind: RecordType, arg: int, code: int, text: str) -> bytes:
