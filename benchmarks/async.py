@@ -24,7 +24,16 @@ optimizer, batches and number of steps:
 - ``DiLoCo H=10`` / ``H=50``: schedule "1f1b" inside each group, a DiLoCo
   outer step every H inner steps;
 - ``async+DiLoCo H=10`` / ``H=50``: both: no flush inside the groups, outer
-  steps between them.
+  steps between them;
+- ``elastic H=10``: ``async+DiLoCo H=10`` with elastic groups (``min_replicas=1``):
+  each outer step is agreed with the tracker (:mod:`fedpipe.runtime.elastic`),
+  and has no grace period (a group is in an outer step or out of it).
+
+Each DiLoCo stage logs where its outer steps spent their time at the job's
+last step (:class:`fedpipe.runtime.diloco.OuterTimes`); the tables print it:
+inner steps and tracker round trips per outer step (independent of the
+machine's load) and the wall-clock split (encode+send, waiting for the peers
+and the tracker, applying).
 
 DiLoCo here: outer lr 0.7, Nesterov momentum 0.5 (not DiLoCo's 0.9: in
 in-process runs of these tasks, 0.9 ended 14-16% above sync's loss after
@@ -64,6 +73,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import statistics
 import sys
 import time
@@ -109,6 +120,8 @@ CONFIGS = {          # name -> submit() arguments
                               replica_sync=fedpipe.DiLoCo(10, **OUTER)),
     "async+DiLoCo H=50": dict(schedule="async", max_staleness=1,
                               replica_sync=fedpipe.DiLoCo(50, **OUTER)),
+    "elastic H=10": dict(schedule="async", max_staleness=1, min_replicas=1,
+                         replica_sync=fedpipe.DiLoCo(10, **OUTER)),
 }
 
 
@@ -159,6 +172,8 @@ class Run:
     label: str = "A"
     missed: int = 0
     late: int = 0
+    outer: dict = field(default_factory=dict)  # "group/stage" -> OuterTimes figures
+    load: float = math.nan                     # 1-minute load average at the run's end
 
     def smoothed(self) -> list[float]:
         """The trailing mean of the loss over ``SMOOTH`` steps (fewer at the start)."""
@@ -242,7 +257,45 @@ def run_config(swarm: LocalSwarm, task: Task, config: str) -> Run:
     new = "".join(log[n:] for log, n in zip(node_logs(swarm), before))
     run.missed = new.count("within the grace period")
     run.late = new.count("applied replica")
+    run.outer = outer_times(new)
+    run.load = os.getloadavg()[0]
     return run
+
+
+OUTER_LINE = re.compile(
+    r"outer steps of stage (\d+/\d+): (\d+) outer steps in ([\d.]+) s, inner steps ([\d.]+) "
+    r"s; per outer step: send ([\d.]+) ms, wait ([\d.]+) ms, apply ([\d.]+) ms, "
+    r"tracker asks ([\d.]+)")
+
+
+def outer_times(log: str) -> dict:
+    """Each stage's outer-step figures from its node's log line (fedpipe.runtime.diloco.
+    OuterTimes.line): {"group/stage": {outer, outer_s, inner_s, send_ms, wait_ms,
+    apply_ms, asks}}."""
+    names = ("outer", "outer_s", "inner_s", "send_ms", "wait_ms", "apply_ms", "asks")
+    return {m.group(1): dict(zip(names, map(float, m.groups()[1:])))
+            for m in OUTER_LINE.finditer(log)}
+
+
+def report_outer(name: str, runs: list[Run], steps: int) -> None:
+    """Where a DiLoCo configuration's outer steps spent their time, per stage (mean of
+    the runs): the CPU-independent counts (inner steps and tracker asks per outer step)
+    and the wall-clock split."""
+    keys = sorted({k for r in runs for k in r.outer})
+    if not keys:
+        print(f"  {name}: no outer-step figures in the node logs")
+        return
+    mean = statistics.fmean
+    for k in keys:
+        got = [r.outer[k] for r in runs if k in r.outer]
+        outer = mean(g["outer"] for g in got)
+        ms = {f: mean(g[f] for g in got) for f in ("send_ms", "wait_ms", "apply_ms", "asks")}
+        print(f"  {name:<18} stage {k}: {outer:.0f} outer steps, {steps / outer:.1f} inner "
+              f"steps and {ms['asks']:.2f} tracker round trips per outer step; per outer "
+              f"step {ms['send_ms']:.1f} ms encode+send, {ms['wait_ms']:.1f} ms waiting "
+              f"(peers, tracker), {ms['apply_ms']:.1f} ms applying; outer steps "
+              f"{mean(g['outer_s'] for g in got):.1f} s of "
+              f"{mean(g['outer_s'] + g['inner_s'] for g in got):.1f} s")
 
 
 def fmt_s(x: float) -> str:
@@ -277,10 +330,15 @@ def report(task: Task, runs: dict[str, list[Run]], target: float) -> list[bool]:
         if "DiLoCo" in name:
             late += (f"; late pseudo-gradients {sum(r.missed for r in runs[name])}, "
                      f"applied late {sum(r.late for r in runs[name])}")
+        late += f"; load {statistics.fmean(r.load for r in runs[name]):.1f}"
         print(f"{name:<18} {fmt_s(t_of[name]):>14} {fmt_ratio(t_of[name] / t_of['sync']):>7} "
               f"{total[name]:>7.1f} s   {held[name]:>10.4f} {held[name] / held['sync']:>7.3f}"
               f"   {train[name]:>10.4f} {train[name] / train['sync']:>7.3f}"
               + (f"   {acc[name]:>8.4f}" if task.classifier else "") + late)
+    print("outer steps (from each stage's log line at the job's last step):")
+    for name in runs:
+        if "DiLoCo" in name:
+            report_outer(name, runs[name], task.steps)
     print("targets: time to target <= 0.5x sync, final loss (held-out, of the trained "
           "weights) at most 2% above sync's")
     met = []
@@ -351,8 +409,8 @@ def main() -> None:
                     print(f"[{task.name}/{config} #{rep + 1}, plan {r.label}] {r.total:.1f} s "
                           f"for {task.steps} steps, time to target {fmt_s(r.time_to(target))}, "
                           f"final (held-out) loss {r.held_out:.4f}, training loss {r.final:.4f}"
-                          + (f" (accuracy {r.accuracy:.4f})" if task.classifier else ""),
-                          flush=True)
+                          + (f" (accuracy {r.accuracy:.4f})" if task.classifier else "")
+                          + f", load average {r.load:.1f}", flush=True)
         verdicts += [(task.name, ok) for ok in report(task, runs, target)]
     met = sum(ok for _, ok in verdicts)
     print(f"\n{met} of {len(verdicts)} (task, config) pairs met both targets; "

@@ -28,6 +28,7 @@ plain all-reduce job.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
@@ -35,7 +36,7 @@ import torch
 from ..net import timeouts
 from ..spec import DiLoCo, Kind, Quorum, StageKey
 from .allreduce import Held, StageSpan, held_segments, ring_allreduce
-from .diloco import OuterSync, _flat, _unflat
+from .diloco import OuterSync, _flat
 from .stage import StageError, Transport
 
 log = logging.getLogger("fedpipe.elastic")
@@ -283,12 +284,23 @@ class ElasticOuterSync(OuterSync):
                  peer_failed: Callable[[str], None] | None = None, *,
                  last_step: int | None = None):
         super().__init__(module, me, stages, config, shares, transport, last_step=last_step)
-        self.me, self.ask, self.samples, self.peer_failed = me, ask, samples, peer_failed
+        self.me, self.samples, self.peer_failed = me, samples, peer_failed
+        self._ask = ask
         self.quorum: Quorum | None = None
         self.retries = 0
         self._inner = 0
         self._groups = len({s.key.replica for s in stages})
         self._samples: int | None = None  # the samples of the last inner step
+
+    def ask(self, step: int, version: int, reduced: bool, wait: float) -> Quorum:
+        """The tracker's quorum (:class:`AskQuorum`), its round trips and waits counted
+        in :attr:`times`."""
+        start = time.monotonic()
+        try:
+            return self._ask(step, version, reduced, wait)
+        finally:
+            self.times.asks += 1
+            self.times.wait += time.monotonic() - start
 
     def rescale_gradients(self, step: int) -> None:
         """``before_update`` hook: scale the gradients by ``B / n`` (class docstring)."""
@@ -319,22 +331,14 @@ class ElasticOuterSync(OuterSync):
         super().__call__(step)
 
     def _outer(self, k: int, deadline: float | None) -> None:
+        start = time.monotonic()
         own = []
         for i, (_, _, params) in enumerate(self.mine):
             with torch.no_grad():
                 delta = _flat(self.globals[i]) - _flat(params)
             own.append(self._encode(i, delta))
-        means = self._agree(self._inner, k, own)
-        assert self.optimizer is not None  # OuterSync steps outer only with parameters
-        for glob, mean in zip(self.globals, means):
-            for g, piece in zip(glob, _unflat(mean, glob)):
-                g.grad = piece
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for (_, _, params), glob in zip(self.mine, self.globals):
-                for p, g in zip(params, glob):
-                    p.copy_(g)
+        self.times.send += time.monotonic() - start
+        self._apply(self._agree(self._inner, k, own))
 
     def _agree(self, step: int, k: int, own: list[tuple[torch.Tensor, torch.Tensor]]
                ) -> list[torch.Tensor]:
@@ -375,11 +379,15 @@ class ElasticOuterSync(OuterSync):
 
     def _recv_outer(self, k: int, tag: int, q: Quorum) -> torch.Tensor:
         while True:
+            start = time.monotonic()
             try:
                 return self.transport.recv(Kind.OUTER, k, tag, timeouts.QUORUM_POLL)[0]
             except (TimeoutError, StageError) as e:
-                if isinstance(e, StageError):
-                    self._failed(e)
-                now = self.ask(self._inner, q.version, False, 0.0)
-                if now.dropped or now.version != q.version:
-                    raise _Superseded(now) from None
+                error = e
+            finally:
+                self.times.wait += time.monotonic() - start
+            if isinstance(error, StageError):
+                self._failed(error)
+            now = self.ask(self._inner, q.version, False, 0.0)
+            if now.dropped or now.version != q.version:
+                raise _Superseded(now) from None
