@@ -90,6 +90,7 @@ except ImportError:  # not installed: use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fedpipe
 from fedpipe.examples import digits  # noqa: E402
+from fedpipe.proto import tracker_pb2  # noqa: E402
 from fedpipe.examples.text import char_transformer, lm_loss, pydoc_text, text_batches  # noqa: E402
 from fedpipe.testing import LocalSwarm  # noqa: E402
 
@@ -173,6 +174,7 @@ class Run:
     missed: int = 0
     late: int = 0
     outer: dict = field(default_factory=dict)  # "group/stage" -> OuterTimes figures
+    inner: dict = field(default_factory=dict)  # "group/stage" -> (compute, wait, send) ms/step
     load: float = math.nan                     # 1-minute load average at the run's end
 
     def smoothed(self) -> list[float]:
@@ -246,6 +248,9 @@ def run_config(swarm: LocalSwarm, task: Task, config: str) -> Run:
     if status.state != "SUCCEEDED" or len(events) != task.steps:
         raise RuntimeError(f"{task.name}/{config}: {status} ({len(events)} step events)")
     run.steps, run.times, run.losses = (list(col) for col in zip(*events))
+    info = job.client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=30)
+    run.inner = {f"{t.replica}/{t.stage}": (t.compute_seconds * 1e3, t.wait_seconds * 1e3,
+                                            t.send_seconds * 1e3) for t in info.stage_times}
     trained = job.model()
     job.release()
     with torch.no_grad():
@@ -327,7 +332,7 @@ def report(task: Task, runs: dict[str, list[Run]], target: float) -> list[bool]:
     print("-" * len(head))
     for name in runs:
         late = "  plan " + "".join(r.label for r in runs[name])
-        if "DiLoCo" in name:
+        if "DiLoCo" in name or "elastic" in name:
             late += (f"; late pseudo-gradients {sum(r.missed for r in runs[name])}, "
                      f"applied late {sum(r.late for r in runs[name])}")
         late += f"; load {statistics.fmean(r.load for r in runs[name]):.1f}"
@@ -335,9 +340,17 @@ def report(task: Task, runs: dict[str, list[Run]], target: float) -> list[bool]:
               f"{total[name]:>7.1f} s   {held[name]:>10.4f} {held[name] / held['sync']:>7.3f}"
               f"   {train[name]:>10.4f} {train[name] / train['sync']:>7.3f}"
               + (f"   {acc[name]:>8.4f}" if task.classifier else "") + late)
+    print("a step's split per stage (the tracker's median of recent steps, ms: compute, "
+          "waiting for tensors, sending), mean of the runs:")
+    for name in runs:
+        keys = sorted({k for r in runs[name] for k in r.inner})
+        split = {k: [statistics.fmean(r.inner[k][j] for r in runs[name] if k in r.inner)
+                     for j in range(3)] for k in keys}
+        print(f"  {name:<18} " + "; ".join(
+            f"{k} " + "/".join(f"{x:.0f}" for x in split[k]) for k in keys))
     print("outer steps (from each stage's log line at the job's last step):")
     for name in runs:
-        if "DiLoCo" in name:
+        if "DiLoCo" in name or "elastic" in name:
             report_outer(name, runs[name], task.steps)
     print("targets: time to target <= 0.5x sync, final loss (held-out, of the trained "
           "weights) at most 2% above sync's")

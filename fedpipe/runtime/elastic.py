@@ -51,8 +51,10 @@ class AskQuorum(Protocol):
     """How a stage asks the tracker about a step's sync (see
     :meth:`fedpipe.tracker.replicas.ReplicaSet.ask`)."""
 
-    def __call__(self, step: int, version: int, reduced: bool, wait: float) -> Quorum:
-        """The quorum of ``step``; ``reduced``: the stage summed it under ``version``.
+    def __call__(self, step: int, version: int, reduced: bool, wait: float,
+                 next_step: int = 0) -> Quorum:
+        """The quorum of ``step``; ``reduced``: the stage summed it under ``version``;
+        ``next_step``: the step it syncs next (0: none), whose members a commit names.
 
         Raises:
             StageError: the tracker cannot be reached.
@@ -81,17 +83,28 @@ _T = TypeVar("_T")
 
 class _Member(Protocol):
     me: StageKey
-    ask: AskQuorum
     quorum: Quorum | None
+    ahead: Quorum | None
     retries: int
+
+    def ask(self, step: int, version: int, reduced: bool, wait: float,
+            next_step: int = 0) -> Quorum: ...
 
 
 def _commit(sync: _Member, step: int, what: str, done: str,
-            compute: Callable[[Quorum], _T]) -> tuple[_T, Quorum]:
+            compute: Callable[[Quorum], _T], next_step: int = 0) -> tuple[_T, Quorum]:
     """Run ``compute`` over the members the tracker names for ``step`` until the tracker
     commits ``step`` under the members it ran over; returns its result and that quorum
     (also kept in ``sync.quorum``). ``compute`` raises :class:`_Superseded` when the
     members changed under it; it is then run again over the new ones.
+
+    One round trip to the tracker per step once running: the commit of the step
+    before named this step's members (``sync.ahead``, asked for with ``next_step``:
+    the step synced after this one, 0: none), so the stage computes over them
+    without asking first. They are the tracker's members of ``step`` under their
+    version; if the membership changed since, the commit of ``step`` (or a poll
+    while ``compute`` waits) answers with the new version and ``compute`` runs
+    again, as when a change comes mid-step.
 
     Raises:
         GroupDropped: ``sync``'s group is no longer in the job.
@@ -99,7 +112,9 @@ def _commit(sync: _Member, step: int, what: str, done: str,
             than the one this stage ``done`` it under (e.g. "summed it").
     """
     version = sync.quorum.version if sync.quorum is not None else -1
-    q = sync.ask(step, version, False, 0.0)
+    ahead, sync.ahead = sync.ahead, None
+    q = ahead if ahead is not None and ahead.step == step else \
+        sync.ask(step, version, False, 0.0)
     while True:
         if q.dropped:
             raise GroupDropped(f"replica group {sync.me.replica} was dropped from the job "
@@ -111,9 +126,11 @@ def _commit(sync: _Member, step: int, what: str, done: str,
             continue
         answer = q
         while not (answer.committed or answer.dropped) and answer.version == q.version:
-            answer = sync.ask(step, q.version, True, timeouts.QUORUM_COMMIT_WAIT)
+            answer = sync.ask(step, q.version, True, timeouts.QUORUM_COMMIT_WAIT, next_step)
         if answer.committed and answer.version == q.version:
             sync.quorum = answer
+            if next_step > step and answer.next_members:
+                sync.ahead = Quorum(next_step, answer.version, answer.next_members)
             return result, q
         if answer.committed:
             raise StageError(f"{what} committed under replica epoch {answer.version} "
@@ -159,6 +176,7 @@ class ElasticGradientSync:
         self.transport, self.ask, self.samples = transport, ask, samples
         self.peer_failed = peer_failed
         self.quorum: Quorum | None = None
+        self.ahead: Quorum | None = None  # the next step's members, named by the last commit
         self.retries = 0
         self._held: dict[tuple[int, ...], list[Held]] = {}
 
@@ -183,7 +201,7 @@ class ElasticGradientSync:
                                  f"tags no longer fit")
             return self._reduce(step, q, n)
 
-        sums, q = _commit(self, step, f"step {step}", "summed it", reduce)
+        sums, q = _commit(self, step, f"step {step}", "summed it", reduce, step + 1)
         for (_, _, params), (total, count) in zip(self._mine(q.members), sums):
             scale = None if count == batch else batch / count
             offset = 0
@@ -287,17 +305,19 @@ class ElasticOuterSync(OuterSync):
         self.me, self.samples, self.peer_failed = me, samples, peer_failed
         self._ask = ask
         self.quorum: Quorum | None = None
+        self.ahead: Quorum | None = None  # the next outer step's members, named by the last
         self.retries = 0
         self._inner = 0
         self._groups = len({s.key.replica for s in stages})
         self._samples: int | None = None  # the samples of the last inner step
 
-    def ask(self, step: int, version: int, reduced: bool, wait: float) -> Quorum:
+    def ask(self, step: int, version: int, reduced: bool, wait: float,
+            next_step: int = 0) -> Quorum:
         """The tracker's quorum (:class:`AskQuorum`), its round trips and waits counted
         in :attr:`times`."""
         start = time.monotonic()
         try:
-            return self._ask(step, version, reduced, wait)
+            return self._ask(step, version, reduced, wait, next_step)
         finally:
             self.times.asks += 1
             self.times.wait += time.monotonic() - start
@@ -346,12 +366,20 @@ class ElasticOuterSync(OuterSync):
         once committed (``own``: this stage's ``(sent, seen)`` pseudo-gradients)."""
         means, q = _commit(
             self, step, f"outer step after step {step}", "averaged",
-            lambda q: [self._mean(k, i, q, sent, seen) for i, (sent, seen) in enumerate(own)])
+            lambda q: [self._mean(k, i, q, sent, seen) for i, (sent, seen) in enumerate(own)],
+            self._next_outer(step))
         if len(q.members) < self._groups:
             log.info("replica group %d stage %d: outer step %d (after step %d) over replica "
                      "groups %s of %d", self.me.replica, self.me.stage, k, step,
                      list(q.members), self._groups)
         return means
+
+    def _next_outer(self, step: int) -> int:
+        """The inner step after which the outer step after ``step`` comes (0: none)."""
+        nxt = step + self.config.inner_steps
+        if self.last_step is not None:
+            nxt = min(nxt, self.last_step)
+        return nxt if nxt > step else 0
 
     def _mean(self, k: int, i: int, q: Quorum, sent: torch.Tensor,
               seen: torch.Tensor) -> torch.Tensor:
