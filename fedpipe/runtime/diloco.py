@@ -29,8 +29,13 @@ data parallelism on the full batch (also with inner momentum, by linearity).
 step-``k`` pseudo-gradients until ``grace = max(grace_floor, grace_fraction ·
 T_H)`` seconds have passed (``T_H``: its own wall time of the last H inner
 steps), then goes on with those that came (set ``A_k``, itself included);
-for a holder that still owes an earlier step, known to be behind, it does
-not wait at all (a step-``k`` message already in is still used).
+a holder that still owes an earlier step is waited for within the same
+grace: first for that step's pseudo-gradient (which may be on its way over
+a slow link: a holder late once is not always behind, and if it were taken
+for behind from then on, as it was until December 2026, one hiccup left
+every later exchange with it one step late), and if that came, for step
+``k``'s; a holder whose earlier one is still not in by then is behind and is
+not waited for further (a step-``k`` message already in is still used).
 A pseudo-gradient of step ``j < k`` that arrived since is applied at step
 ``k`` with the staleness weight ``s(k - j) = 1 / (1 + k - j)``::
 
@@ -335,8 +340,9 @@ class OuterSync:
         late = []  # earlier steps' pseudo-gradients that came since: (rank, step, tensor)
         for entry in [e for e in self.owed if e.held == i]:
             r, j = entry.rank, entry.outer_step
-            # take it only if it is in already, except at the last step (which waits)
-            got = self._take(j, self._tag(i, r), None if deadline is None else -math.inf)
+            # wait for it within this step's grace too: it may be on its way over a slow
+            # link from a peer that is not behind (then this step's comes right after it)
+            got = self._take(j, self._tag(i, r), deadline)
             if got is not None:
                 self.owed.remove(entry)
                 late.append((r, j, got))
