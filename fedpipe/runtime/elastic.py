@@ -16,6 +16,10 @@ are in :mod:`fedpipe.tracker.replicas`):
    (every stage of every member group applies the same one), or sum again
    when the membership changed first.
 
+The commit's answer also names the members of the step the stage syncs next
+(``Quorum.next_members``), so once running a synced step costs one round trip
+to the tracker (its commit), not two (members, then commit).
+
 Loss scaling. Each group scales its microbatch losses by ``n / B`` (share of
 the step's global batch, :class:`~fedpipe.runtime.stage.StageRunnerBase`), so
 the sum of the groups' gradients is the global batch's gradient only if every

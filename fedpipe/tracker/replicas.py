@@ -25,7 +25,9 @@ A stage syncs step ``s`` (:meth:`ReplicaSet.ask`): it sums over
 *commits* under version ``v`` when every stage of every member group reported
 it under ``v`` while ``v`` was current; from then on every ask of ``s``
 answers "committed, with ``v``'s members", so every stage applies the same
-sum. A membership change before the commit makes every ask of ``s`` under an
+sum. A commit's answer also names the members of the stage's next sync step
+under ``v`` (when ``v`` is still current), so the stage's next sync starts
+without asking. A membership change before the commit makes every ask of ``s`` under an
 older version answer "retry with the new members": the stages sum again over
 the new set (their own gradients are untouched until the commit). So a step
 commits under exactly one membership, and a dead group is waited for only
