@@ -198,7 +198,7 @@ def test_a_pseudo_gradient_late_once_is_waited_for_within_the_next_grace():
     for m in models:
         nn.init.zeros_(m[0].weight)
     syncs = [OuterSync(m, StageKey(r, 0), spans, DiLoCo(1, 1.0, 0.0), [1, 1],
-                       wire.transport(StageKey(r, 0)), last_step=2, grace_floor=1.0)
+                       wire.transport(StageKey(r, 0)), last_step=2, grace_floor=2.0)
              for r, m in enumerate(models)]
     moves = [[1.0, 4.0, 16.0], [2.0, 8.0, 32.0]]
     seen: list[list[float]] = [[], []]
