@@ -68,6 +68,33 @@ loss within 2% of sync (a lower loss counts as within).
 
 Full run: 400 digits steps and 1,000 text steps per job, 2 runs per
 configuration (20 minutes on this 2-core machine); ``--quick``: 150 steps, 1 run.
+
+Where an outer step's time goes (2026-12-02, ``--configs "sync,async+DiLoCo
+H=10,elastic H=10" --repeats 1 --steps-text 400``, load average 25-35 on the
+2 shared cores, so the times are the load's, not fedpipe's: sync's steps were
+77 ms (digits) and 240 ms (text) of waiting for tensors against 5-150 ms of
+compute): a non-elastic DiLoCo job asks the tracker nothing per outer step
+(0.00 round trips: its outer steps are peer to peer, with a grace period);
+an elastic one asks once per outer step for its commit (1.02-1.45 with the
+polls made while a peer's pseudo-gradient is more than QUORUM_POLL late; two
+before this change). Encoding, sending and applying took 2-16 ms per outer
+step; the rest of an outer step is waiting for the other group (0.1-0.6 s per
+outer step, 0.2-25 s of a 35-100 s job): the groups' inner steps run at
+different speeds, and the slower sets the job's pace. Results: digits
+0.71x / +8.1 % (async+DiLoCo), 0.89x / +8.1 % (elastic, bit-equal weights:
+no late pseudo-gradient in either); text 1.64x / +6.0 % and 1.44x / +5.7 %:
+both targets missed under that load; not measured on a quiet machine.
+
+The final loss: in one process, at equal steps, without the async schedule,
+codecs or late pseudo-gradients (``OuterSync`` over an in-memory wire), 400
+steps, held-out loss against sync's: text, shares 8/24: outer lr 0.7 with
+Nesterov 0.5 (this benchmark's) +0.99 %, lr 1 without momentum +4.1 %, lr 1
+with 0.5 +5.7 %, lr 0.7 with 0.9 +18 %; text, shares 16/16, lr 0.7 / 0.5:
++2.6 %; digits, shares 16/48: lr 0.7 / 0.5 -3.1 %, lr 1 / 0 +4.8 %, lr 0.7 / 0
+-4.5 %; shares 32/32, lr 0.7 / 0.5: +2.0 %. So the defaults here are the best
+of those tried, and DiLoCo H=10 itself costs up to ~2.6 % at 400 steps; the
+rest of the swarm's gap is the async schedule inside the groups, the plan's
+lossy codecs and (text) late pseudo-gradients.
 """
 from __future__ import annotations
 
