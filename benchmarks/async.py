@@ -83,7 +83,12 @@ outer step, 0.2-25 s of a 35-100 s job): the groups' inner steps run at
 different speeds, and the slower sets the job's pace. Results: digits
 0.71x / +8.1 % (async+DiLoCo), 0.89x / +8.1 % (elastic, bit-equal weights:
 no late pseudo-gradient in either); text 1.64x / +6.0 % and 1.44x / +5.7 %:
-both targets missed under that load; not measured on a quiet machine.
+both targets missed under that load. Again at load 8-12 (same command):
+digits async+DiLoCo 0.41x / -0.2 % (met), elastic 0.54x / -0.2 % (the same
+weights); text 0.76x / +3.6 % and 0.59x / +3.6 % (again the same weights, no
+late pseudo-gradient): text misses both at 400 steps. Elastic: 1.02 tracker
+round trips per outer step; outer steps 0.9-8.5 s of 23-29 s, nearly all of
+it one group waiting for the other (up to 204 ms per outer step).
 
 The final loss: in one process, at equal steps, without the async schedule,
 codecs or late pseudo-gradients (``OuterSync`` over an in-memory wire), 400
