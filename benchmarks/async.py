@@ -24,7 +24,16 @@ optimizer, batches and number of steps:
 - ``DiLoCo H=10`` / ``H=50``: schedule "1f1b" inside each group, a DiLoCo
   outer step every H inner steps;
 - ``async+DiLoCo H=10`` / ``H=50``: both: no flush inside the groups, outer
-  steps between them.
+  steps between them;
+- ``elastic H=10``: ``async+DiLoCo H=10`` with elastic groups (``min_replicas=1``):
+  each outer step is agreed with the tracker (:mod:`fedpipe.runtime.elastic`),
+  and has no grace period (a group is in an outer step or out of it).
+
+Each DiLoCo stage logs where its outer steps spent their time at the job's
+last step (:class:`fedpipe.runtime.diloco.OuterTimes`); the tables print it:
+inner steps and tracker round trips per outer step (independent of the
+machine's load) and the wall-clock split (encode+send, waiting for the peers
+and the tracker, applying).
 
 DiLoCo here: outer lr 0.7, Nesterov momentum 0.5 (not DiLoCo's 0.9: in
 in-process runs of these tasks, 0.9 ended 14-16% above sync's loss after
@@ -59,11 +68,54 @@ loss within 2% of sync (a lower loss counts as within).
 
 Full run: 400 digits steps and 1,000 text steps per job, 2 runs per
 configuration (20 minutes on this 2-core machine); ``--quick``: 150 steps, 1 run.
+
+Where an outer step's time goes (2026-12-02, ``--configs "sync,async+DiLoCo
+H=10,elastic H=10" --repeats 1 --steps-text 400``, load average 25-35 on the
+2 shared cores, so the times are the load's, not fedpipe's: sync's steps were
+77 ms (digits) and 240 ms (text) of waiting for tensors against 5-150 ms of
+compute): a non-elastic DiLoCo job asks the tracker nothing per outer step
+(0.00 round trips: its outer steps are peer to peer, with a grace period);
+an elastic one asks once per outer step for its commit (1.02-1.45 with the
+polls made while a peer's pseudo-gradient is more than QUORUM_POLL late; two
+before this change). Encoding, sending and applying took 2-16 ms per outer
+step; the rest of an outer step is waiting for the other group (0.1-0.6 s per
+outer step, 0.2-25 s of a 35-100 s job): the groups' inner steps run at
+different speeds, and the slower sets the job's pace. Results: digits
+0.71x / +8.1 % (async+DiLoCo), 0.89x / +8.1 % (elastic, bit-equal weights:
+no late pseudo-gradient in either); text 1.64x / +6.0 % and 1.44x / +5.7 %:
+both targets missed under that load. Again at load 8-12 (same command):
+digits async+DiLoCo 0.41x / -0.2 % (met), elastic 0.54x / -0.2 % (the same
+weights); text 0.76x / +3.6 % and 0.59x / +3.6 % (again the same weights, no
+late pseudo-gradient): text misses both at 400 steps. Elastic: 1.02 tracker
+round trips per outer step; outer steps 0.9-8.5 s of 23-29 s, nearly all of
+it one group waiting for the other (up to 204 ms per outer step). Text at
+the full 1,000 steps (``--tasks text --configs "sync,async+DiLoCo H=10"
+--repeats 1``, load 9-11): async+DiLoCo 0.58x, final loss -1.0 % (met), no
+late pseudo-gradient; group 1 waited 204 ms per outer step for group 0,
+whose first stage computed 50 ms of each inner step: the time is missed on
+compute, not on the exchange (2-4 ms) or the tracker (0 round trips).
+
+The final loss: in one process, at equal steps, without the async schedule,
+codecs or late pseudo-gradients (``OuterSync`` over an in-memory wire), 400
+steps, held-out loss against sync's: text, shares 8/24: outer lr 0.7 with
+Nesterov 0.5 (this benchmark's) +0.99 %, lr 1 without momentum +4.1 %, lr 1
+with 0.5 +5.7 %, lr 0.7 with 0.9 +18 %; text, shares 16/16, lr 0.7 / 0.5:
++2.6 %; digits, shares 16/48: lr 0.7 / 0.5 -3.1 %, lr 1 / 0 +4.8 %, lr 0.7 / 0
+-4.5 %; shares 32/32, lr 0.7 / 0.5: +2.0 %. So the defaults here are the best
+of those tried, and DiLoCo H=10 itself costs up to ~2.6 % at 400 steps; the
+rest of the swarm's gap is the async schedule inside the groups, the plan's
+lossy codecs and (text) late pseudo-gradients. In the swarm (text, 400
+steps, load 14-18): ``DiLoCo H=10`` (1f1b inside the groups) +1.0 % (4 late
+pseudo-gradients), ``async+DiLoCo H=10`` +2.7 % (9 late): the async schedule
+costs about 1.7 points; time 1.06x and 0.97x (the text task's steps are
+compute-bound at that load).
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import statistics
 import sys
 import time
@@ -79,6 +131,7 @@ except ImportError:  # not installed: use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fedpipe
 from fedpipe.examples import digits  # noqa: E402
+from fedpipe.proto import tracker_pb2  # noqa: E402
 from fedpipe.examples.text import char_transformer, lm_loss, pydoc_text, text_batches  # noqa: E402
 from fedpipe.testing import LocalSwarm  # noqa: E402
 
@@ -109,6 +162,8 @@ CONFIGS = {          # name -> submit() arguments
                               replica_sync=fedpipe.DiLoCo(10, **OUTER)),
     "async+DiLoCo H=50": dict(schedule="async", max_staleness=1,
                               replica_sync=fedpipe.DiLoCo(50, **OUTER)),
+    "elastic H=10": dict(schedule="async", max_staleness=1, min_replicas=1,
+                         replica_sync=fedpipe.DiLoCo(10, **OUTER)),
 }
 
 
@@ -159,6 +214,9 @@ class Run:
     label: str = "A"
     missed: int = 0
     late: int = 0
+    outer: dict = field(default_factory=dict)  # "group/stage" -> OuterTimes figures
+    inner: dict = field(default_factory=dict)  # "group/stage" -> (compute, wait, send) ms/step
+    load: float = math.nan                     # 1-minute load average at the run's end
 
     def smoothed(self) -> list[float]:
         """The trailing mean of the loss over ``SMOOTH`` steps (fewer at the start)."""
@@ -231,6 +289,9 @@ def run_config(swarm: LocalSwarm, task: Task, config: str) -> Run:
     if status.state != "SUCCEEDED" or len(events) != task.steps:
         raise RuntimeError(f"{task.name}/{config}: {status} ({len(events)} step events)")
     run.steps, run.times, run.losses = (list(col) for col in zip(*events))
+    info = job.client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=30)
+    run.inner = {f"{t.replica}/{t.stage}": (t.compute_seconds * 1e3, t.wait_seconds * 1e3,
+                                            t.send_seconds * 1e3) for t in info.stage_times}
     trained = job.model()
     job.release()
     with torch.no_grad():
@@ -242,7 +303,45 @@ def run_config(swarm: LocalSwarm, task: Task, config: str) -> Run:
     new = "".join(log[n:] for log, n in zip(node_logs(swarm), before))
     run.missed = new.count("within the grace period")
     run.late = new.count("applied replica")
+    run.outer = outer_times(new)
+    run.load = os.getloadavg()[0]
     return run
+
+
+OUTER_LINE = re.compile(
+    r"outer steps of stage (\d+/\d+): (\d+) outer steps in ([\d.]+) s, inner steps ([\d.]+) "
+    r"s; per outer step: send ([\d.]+) ms, wait ([\d.]+) ms, apply ([\d.]+) ms, "
+    r"tracker asks ([\d.]+)")
+
+
+def outer_times(log: str) -> dict:
+    """Each stage's outer-step figures from its node's log line (fedpipe.runtime.diloco.
+    OuterTimes.line): {"group/stage": {outer, outer_s, inner_s, send_ms, wait_ms,
+    apply_ms, asks}}."""
+    names = ("outer", "outer_s", "inner_s", "send_ms", "wait_ms", "apply_ms", "asks")
+    return {m.group(1): dict(zip(names, map(float, m.groups()[1:])))
+            for m in OUTER_LINE.finditer(log)}
+
+
+def report_outer(name: str, runs: list[Run], steps: int) -> None:
+    """Where a DiLoCo configuration's outer steps spent their time, per stage (mean of
+    the runs): the CPU-independent counts (inner steps and tracker asks per outer step)
+    and the wall-clock split."""
+    keys = sorted({k for r in runs for k in r.outer})
+    if not keys:
+        print(f"  {name}: no outer-step figures in the node logs")
+        return
+    mean = statistics.fmean
+    for k in keys:
+        got = [r.outer[k] for r in runs if k in r.outer]
+        outer = mean(g["outer"] for g in got)
+        ms = {f: mean(g[f] for g in got) for f in ("send_ms", "wait_ms", "apply_ms", "asks")}
+        print(f"  {name:<18} stage {k}: {outer:.0f} outer steps, {steps / outer:.1f} inner "
+              f"steps and {ms['asks']:.2f} tracker round trips per outer step; per outer "
+              f"step {ms['send_ms']:.1f} ms encode+send, {ms['wait_ms']:.1f} ms waiting "
+              f"(peers, tracker), {ms['apply_ms']:.1f} ms applying; outer steps "
+              f"{mean(g['outer_s'] for g in got):.1f} s of "
+              f"{mean(g['outer_s'] + g['inner_s'] for g in got):.1f} s")
 
 
 def fmt_s(x: float) -> str:
@@ -274,13 +373,26 @@ def report(task: Task, runs: dict[str, list[Run]], target: float) -> list[bool]:
     print("-" * len(head))
     for name in runs:
         late = "  plan " + "".join(r.label for r in runs[name])
-        if "DiLoCo" in name:
+        if "DiLoCo" in name or "elastic" in name:
             late += (f"; late pseudo-gradients {sum(r.missed for r in runs[name])}, "
                      f"applied late {sum(r.late for r in runs[name])}")
+        late += f"; load {statistics.fmean(r.load for r in runs[name]):.1f}"
         print(f"{name:<18} {fmt_s(t_of[name]):>14} {fmt_ratio(t_of[name] / t_of['sync']):>7} "
               f"{total[name]:>7.1f} s   {held[name]:>10.4f} {held[name] / held['sync']:>7.3f}"
               f"   {train[name]:>10.4f} {train[name] / train['sync']:>7.3f}"
               + (f"   {acc[name]:>8.4f}" if task.classifier else "") + late)
+    print("a step's split per stage (the tracker's median of recent steps, ms: compute, "
+          "waiting for tensors, sending), mean of the runs:")
+    for name in runs:
+        keys = sorted({k for r in runs[name] for k in r.inner})
+        split = {k: [statistics.fmean(r.inner[k][j] for r in runs[name] if k in r.inner)
+                     for j in range(3)] for k in keys}
+        print(f"  {name:<18} " + "; ".join(
+            f"{k} " + "/".join(f"{x:.0f}" for x in split[k]) for k in keys))
+    print("outer steps (from each stage's log line at the job's last step):")
+    for name in runs:
+        if "DiLoCo" in name or "elastic" in name:
+            report_outer(name, runs[name], task.steps)
     print("targets: time to target <= 0.5x sync, final loss (held-out, of the trained "
           "weights) at most 2% above sync's")
     met = []
@@ -351,8 +463,8 @@ def main() -> None:
                     print(f"[{task.name}/{config} #{rep + 1}, plan {r.label}] {r.total:.1f} s "
                           f"for {task.steps} steps, time to target {fmt_s(r.time_to(target))}, "
                           f"final (held-out) loss {r.held_out:.4f}, training loss {r.final:.4f}"
-                          + (f" (accuracy {r.accuracy:.4f})" if task.classifier else ""),
-                          flush=True)
+                          + (f" (accuracy {r.accuracy:.4f})" if task.classifier else "")
+                          + f", load average {r.load:.1f}", flush=True)
         verdicts += [(task.name, ok) for ok in report(task, runs, target)]
     met = sum(ok for _, ok in verdicts)
     print(f"\n{met} of {len(verdicts)} (task, config) pairs met both targets; "

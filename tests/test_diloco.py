@@ -137,7 +137,8 @@ def test_lossy_codecs_keep_groups_identical(codec):
 
 def test_late_replica_does_not_stall_and_is_applied_with_its_staleness_weight():
     """Replica 1's outer step 0 reaches replica 0 only after replica 0's step 1,
-    its step 1 only after replica 0 went on too; the last step (2) waits for both."""
+    its step 1 only after replica 0 went on too; the last step (2) waits for both.
+    Each wait of replica 0 before the last step is bounded by the grace (1 s)."""
     gate = threading.Event()
     wire = OuterWire(lambda src, k: gate if (src, k) == (1, 0) else None)
     spans = [StageSpan(StageKey(0, 0), 0, 1), StageSpan(StageKey(1, 0), 0, 1)]
@@ -173,14 +174,58 @@ def test_late_replica_does_not_stall_and_is_applied_with_its_staleness_weight():
     # step 0: replica 0 waits the 1 s grace, then averages what came (itself)
     assert w0 == -1.0 and 0.5 < t0 < 3.0
     assert seen[1][0][0] == -(0.5 * 1 + 0.5 * 2)  # replica 1 had both
-    # step 1: replica 1 still owes step 0, so replica 0 does not wait for it at all
-    assert w1 == -1.0 - 4.0 and t1 < 0.5
+    # step 1: replica 1 still owes step 0: replica 0 waits for it within the grace (it is
+    # held back until after), then, still owed, takes replica 1 for behind: it does not
+    # wait for its step 1 beyond that
+    assert w1 == -1.0 - 4.0 and 0.5 < t1 < 3.0
     # step 2, the last: waits for everything; step 0 weighs 1/3, step 1 1/2 of its share
     late = staleness_weight(2) * 0.5 * 2.0 + staleness_weight(1) * 0.5 * 8.0
     assert w2 == pytest.approx(w1 - (0.5 * 16 + 0.5 * 32 + late), rel=1e-12) and t2 > 0.2
     assert (syncs[0].missed, syncs[0].late_applied, syncs[0].owed) == (2, 2, [])
     assert (syncs[1].missed, syncs[1].late_applied) == (0, 0)
     assert seen[1][2][0] == -1.5 - (0.5 * 4 + 0.5 * 8) - (0.5 * 16 + 0.5 * 32)
+
+
+def test_a_pseudo_gradient_late_once_is_waited_for_within_the_next_grace():
+    """Replica 1 is not behind, but its outer step 0 message is slow on the way (held
+    until 0.3 s into replica 0's step 1), and its step 1 comes 0.1 s into it: replica 0
+    waits for both within step 1's grace and applies both then (before December 2026
+    it took replica 1 for behind and missed its step 1 too)."""
+    gate, entered = threading.Event(), threading.Event()
+    wire = OuterWire(lambda src, k: gate if (src, k) == (1, 0) else None)
+    spans = [StageSpan(StageKey(0, 0), 0, 1), StageSpan(StageKey(1, 0), 0, 1)]
+    models = [nn.Sequential(nn.Linear(1, 1, bias=False)).double() for _ in range(2)]
+    for m in models:
+        nn.init.zeros_(m[0].weight)
+    syncs = [OuterSync(m, StageKey(r, 0), spans, DiLoCo(1, 1.0, 0.0), [1, 1],
+                       wire.transport(StageKey(r, 0)), last_step=2, grace_floor=2.0)
+             for r, m in enumerate(models)]
+    moves = [[1.0, 4.0, 16.0], [2.0, 8.0, 32.0]]
+    seen: list[list[float]] = [[], []]
+
+    def replica(r):
+        for step in range(3):
+            if r == 1 and step == 1:
+                entered.wait(10)
+                time.sleep(0.1)
+            with torch.no_grad():
+                models[r][0].weight -= moves[r][step]
+            if r == 0 and step == 1:
+                entered.set()
+                threading.Timer(0.3, gate.set).start()
+            syncs[r](step)
+            seen[r].append(models[r][0].weight.item())
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen[0][0] == -1.0  # step 0: the grace passed without replica 1's
+    # step 1: replica 1's step 0 (2.0) with staleness weight 1/2 of its share 1/2,
+    # and both step 1 pseudo-gradients on time
+    assert seen[0][1] == -1.0 - (0.5 * 4 + 0.5 * 8 + staleness_weight(1) * 0.5 * 2.0)
+    assert (syncs[0].missed, syncs[0].late_applied, syncs[0].owed) == (1, 1, [])
 
 
 def test_bad_settings_are_refused():

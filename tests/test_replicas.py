@@ -2,6 +2,7 @@
 quorum-driven all-reduce (ElasticGradientSync), with threads and queues."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedpipe.net import timeouts
 from fedpipe.proto import tracker_pb2
 from fedpipe.runtime.allreduce import StageSpan
 from fedpipe.runtime.elastic import ElasticGradientSync, GroupDropped
@@ -80,6 +82,23 @@ def test_a_joining_group_whose_donor_is_lost_drops_with_it():
     rs.join(2, 4, donor=1, committed_floor=0)
     rs.drop([1])
     assert rs.live == (0,)
+
+
+def test_a_commit_names_the_next_steps_members_only_while_the_membership_holds():
+    rs = ReplicaSet(two_stage_groups(3), min_replicas=1)
+    for key in (K(0, 0), K(0, 1), K(1, 0), K(1, 1), K(2, 0)):
+        assert rs.ask(key, 9, 0, reduced=True, next_step=19).next_members == ()  # not committed
+    q = rs.ask(K(2, 1), 9, 0, reduced=True, next_step=19)
+    assert q.committed and q.next_members == (0, 1, 2)
+    assert rs.ask(K(0, 0), 9, 0, reduced=False).next_members == ()  # not asked for
+    rs.drop([2])  # a later membership: the stage must ask (and may need the new plan)
+    assert rs.ask(K(0, 0), 9, 0, reduced=False, next_step=19).next_members == ()
+    v = rs.join(2, 15, donor=0, committed_floor=9)
+    for key in (K(0, 0), K(0, 1), K(1, 0), K(1, 1)):
+        q = rs.ask(key, 12, v, reduced=True, next_step=16)
+    assert q.committed and q.members == (0, 1) and q.next_members == (0, 1, 2)  # 2 joins at 15
+    assert rs.ask(K(0, 0), 12, v, reduced=False, next_step=13).next_members == (0, 1)
+    assert rs.ask(K(0, 0), 12, v, reduced=False, next_step=12).next_members == ()  # not later
 
 
 def test_a_waiting_ask_wakes_when_the_last_stage_reports():
@@ -167,7 +186,7 @@ def run_groups(data, groups, rs, *, kill=None, lr=0.1):
         holder = {}
         syncs[g] = sync = ElasticGradientSync(
             m, K(g, 0), spans, wire.transport(K(g, 0)),
-            lambda step, version, reduced, wait: rs.ask(K(g, 0), step, version, reduced, wait),
+            functools.partial(rs.ask, K(g, 0)),
             lambda: holder["n"])
         try:
             for step, (x, y) in enumerate(data):
@@ -218,10 +237,28 @@ def reference(data, lost_at=None, lost=None, n_groups=3, lr=0.1):
     return m
 
 
-def test_undisturbed_elastic_allreduce_is_full_batch_sgd_and_groups_agree_bit_for_bit():
+def test_undisturbed_elastic_allreduce_is_full_batch_sgd_and_groups_agree_bit_for_bit(
+        monkeypatch):
+    monkeypatch.setattr(timeouts, "QUORUM_POLL", 60.0)  # no look while a ring message is late
     data = batches(4)
     rs = ReplicaSet({g: frozenset({K(g, 0)}) for g in range(3)}, min_replicas=2)
+    asks = []
+    real = rs.ask
+
+    def ask(key, step, version, reduced, wait=0.0, next_step=0):
+        asks.append((key.replica, step, reduced))
+        return real(key, step, version, reduced, wait, next_step)
+
+    rs.ask = ask  # counts the round trips; the set answers
     models, syncs, _ = run_groups(data, range(3), rs)
+    # one round trip per step (its commit), the members of each later step named by the
+    # commit of the step before
+    for g in range(3):
+        first = {}
+        for replica, step, reduced in asks:
+            if replica == g:
+                first.setdefault(step, reduced)
+        assert first == {0: False, 1: True, 2: True, 3: True}
     ref = reference(data)
     for g in range(3):
         for p, q in zip(models[g].parameters(), models[0].parameters()):
@@ -257,7 +294,7 @@ def test_a_stage_of_a_dropped_group_is_told_to_stop():
     models, _, errors = run_groups(data, range(2), rs)
     sync = ElasticGradientSync(models[0], K(2, 0), [StageSpan(K(g, 0), 0, 3) for g in range(3)],
                                Wire().transport(K(2, 0)),
-                               lambda s, v, r, w: rs.ask(K(2, 0), s, v, r, w), lambda: (4, 12))
+                               functools.partial(rs.ask, K(2, 0)), lambda: (4, 12))
     with pytest.raises(GroupDropped, match="replica group 2 was dropped"):
         sync(3)
     assert not errors
@@ -281,7 +318,7 @@ def test_elastic_diloco_outer_steps_go_on_over_the_survivors_who_agree_bit_for_b
         holder = {}
         syncs[g] = sync = ElasticOuterSync(
             m, K(g, 0), spans, config, [1, 1, 1], wire.transport(K(g, 0)),
-            lambda step, version, reduced, wait: rs.ask(K(g, 0), step, version, reduced, wait),
+            functools.partial(rs.ask, K(g, 0)),
             lambda: holder["n"], last_step=len(data) - 1)
         for step, (x, y) in enumerate(data):
             members = rs.members(step)

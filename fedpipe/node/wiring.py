@@ -138,18 +138,19 @@ class ElasticHooks:
         self.node_id, self.keep, self.suspect = node_id, keep, suspect
         self.donate: tuple[int, ...] = ()
 
-    def ask(self, step: int, version: int, reduced: bool, wait: float) -> Quorum:
+    def ask(self, step: int, version: int, reduced: bool, wait: float,
+            next_step: int = 0) -> Quorum:
         """As :class:`~fedpipe.runtime.elastic.AskQuorum`."""
         st = self.stage
         reply = self.quorum(tracker_pb2.ReplicaQuorumRequest(
             job_id=st.job_id, epoch=st.epoch, replica=st.key.replica, stage=st.key.stage,
             node_id=self.node_id(), step=step, version=version, reduced=reduced,
-            wait_seconds=wait))
+            wait_seconds=wait, next_step=next_step))
         if reply.plan.stages and st.plan is not None:  # the membership changed: a joining
             st.plan = PlanView(reply.plan, st.plan.job_microbatches)  # group's nodes are new
             st.peers.keep_only({a.address for a in reply.plan.stages})
         q = Quorum(reply.step, reply.version, tuple(reply.members), reply.committed,
-                   reply.dropped, tuple(reply.donate_to))
+                   reply.dropped, tuple(reply.donate_to), tuple(reply.next_members))
         if q.committed:
             self.donate = q.donate_to
         return q

@@ -281,7 +281,7 @@ class ReplicaMember(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., since: _Optional[int] = ...) -> None: ...
 
 class ReplicaQuorumRequest(_message.Message):
-    __slots__ = ("job_id", "epoch", "replica", "stage", "node_id", "step", "version", "reduced", "wait_seconds")
+    __slots__ = ("job_id", "epoch", "replica", "stage", "node_id", "step", "version", "reduced", "wait_seconds", "next_step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class ReplicaQuorumRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REDUCED_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     replica: int
@@ -300,10 +301,11 @@ class ReplicaQuorumRequest(_message.Message):
     version: int
     reduced: bool
     wait_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., reduced: _Optional[bool] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    next_step: int
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., reduced: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., next_step: _Optional[int] = ...) -> None: ...
 
 class ReplicaQuorumReply(_message.Message):
-    __slots__ = ("step", "version", "members", "committed", "dropped", "donate_to", "plan")
+    __slots__ = ("step", "version", "members", "committed", "dropped", "donate_to", "plan", "next_members")
     STEP_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +313,7 @@ class ReplicaQuorumReply(_message.Message):
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     DONATE_TO_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     step: int
     version: int
     members: _containers.RepeatedScalarFieldContainer[int]
@@ -318,7 +321,8 @@ class ReplicaQuorumReply(_message.Message):
     dropped: bool
     donate_to: _containers.RepeatedScalarFieldContainer[int]
     plan: _node_pb2.Plan
-    def __init__(self, step: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., committed: _Optional[bool] = ..., dropped: _Optional[bool] = ..., donate_to: _Optional[_Iterable[int]] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ...) -> None: ...
+    next_members: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., committed: _Optional[bool] = ..., dropped: _Optional[bool] = ..., donate_to: _Optional[_Iterable[int]] = ..., plan: _Optional[_Union[_node_pb2.Plan, _Mapping]] = ..., next_members: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinReplicaRequest(_message.Message):
     __slots__ = ("job_id", "replica", "step")

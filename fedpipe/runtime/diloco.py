@@ -29,8 +29,13 @@ data parallelism on the full batch (also with inner momentum, by linearity).
 step-``k`` pseudo-gradients until ``grace = max(grace_floor, grace_fraction ·
 T_H)`` seconds have passed (``T_H``: its own wall time of the last H inner
 steps), then goes on with those that came (set ``A_k``, itself included);
-for a holder that still owes an earlier step, known to be behind, it does
-not wait at all (a step-``k`` message already in is still used).
+a holder that still owes an earlier step is waited for within the same
+grace: first for that step's pseudo-gradient (which may be on its way over
+a slow link: a holder late once is not always behind, and if it were taken
+for behind from then on, as it was until December 2026, one hiccup left
+every later exchange with it one step late), and if that came, for step
+``k``'s; a holder whose earlier one is still not in by then is behind and is
+not waited for further (a step-``k`` message already in is still used).
 A pseudo-gradient of step ``j < k`` that arrived since is applied at step
 ``k`` with the staleness weight ``s(k - j) = 1 / (1 + k - j)``::
 
@@ -97,6 +102,36 @@ def _unflat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tens
     return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
+class OuterTimes:
+    """Where a stage's outer steps spent their time (wall clock, seconds, summed over
+    its outer steps), logged at the job's last step (:meth:`line`; ``benchmarks/async.py``
+    reads it from the node logs).
+
+    Attributes:
+        steps: outer steps taken.
+        inner: inner steps (from the first one's end to the last one's), without
+            the outer steps between them.
+        send: pseudo-gradients made (the codec and its error feedback) and handed
+            to the transport.
+        wait: waiting for the other holders' pseudo-gradients (and, in an elastic
+            job, for the tracker's commit).
+        apply: the outer optimizer's step and the copy into the stage's weights.
+        asks: the tracker's round trips (elastic jobs: members and commits; 0 else).
+    """
+
+    def __init__(self) -> None:
+        self.steps = self.asks = 0
+        self.inner = self.send = self.wait = self.apply = 0.0
+
+    def line(self) -> str:
+        """One log line: the totals and the means per outer step (ms)."""
+        n = max(self.steps, 1)
+        return (f"{self.steps} outer steps in {self.send + self.wait + self.apply:.2f} s, "
+                f"inner steps {self.inner:.2f} s; per outer step: send {self.send / n * 1e3:.1f} "
+                f"ms, wait {self.wait / n * 1e3:.1f} ms, apply {self.apply / n * 1e3:.1f} ms, "
+                f"tracker asks {self.asks / n:.2f}")
+
+
 class Owed(NamedTuple):
     """A peer's pseudo-gradient not yet applied: of segment ``self.mine[held]``,
     from the holder of rank ``rank``, for outer step ``outer_step``."""
@@ -148,6 +183,7 @@ class OuterSync:
             raise ValueError(f"grace_fraction and grace_floor must be >= 0, got "
                              f"{grace_fraction}, {grace_floor}")
         self.module, self.config, self.transport = module, config, transport
+        self.me_name = f"{me.replica}/{me.stage}"
         self.codec = "raw" if config.compression in ("", "none") else config.compression
         parse_codec(self.codec)  # SpecError names what is wrong
         total = float(sum(shares))
@@ -167,6 +203,7 @@ class OuterSync:
         self.mark: float | None = None  # end of the last outer step (or of the first inner step)
         self.late_applied = 0
         self.missed = 0
+        self.times = OuterTimes()
 
     def anchor(self) -> None:
         """Take the module's weights now as the outer (global) weights: a stage whose
@@ -230,9 +267,13 @@ class OuterSync:
         if self.optimizer is None or (step + 1) % self.config.inner_steps and not final:
             return
         grace = max(self.grace_floor, self.grace_fraction * (now - self.mark))
+        self.times.inner += now - self.mark
         self._outer(self.outer_step, None if final else now + grace)
         self.outer_step += 1
+        self.times.steps += 1
         self.mark = time.monotonic()
+        if final:
+            log.info("outer steps of stage %s: %s", self.me_name, self.times.line())
 
     def _tag(self, index: int, rank: int) -> int:
         seg = self.mine[index].segment
@@ -241,11 +282,14 @@ class OuterSync:
     def _take(self, outer_step: int, tag: int, deadline: float | None) -> torch.Tensor | None:
         """The message ``(outer_step, tag)``, or None if it is not in by ``deadline``
         (a ``time.monotonic()`` time; None: wait for it however long it takes)."""
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        start = time.monotonic()
+        timeout = None if deadline is None else max(0.0, deadline - start)
         try:
             return self.transport.recv(Kind.OUTER, outer_step, tag, timeout)[0]
         except TimeoutError:
             return None
+        finally:
+            self.times.wait += time.monotonic() - start
 
     def _encode(self, index: int, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tensor to send, what every receiver will decode from it)."""
@@ -257,6 +301,7 @@ class OuterSync:
 
     def _outer(self, k: int, deadline: float | None) -> None:
         """Outer step ``k``: exchange pseudo-gradients, average, apply (module docstring)."""
+        start = time.monotonic()
         own = []
         for i, (seg, rank, params) in enumerate(self.mine):
             with torch.no_grad():
@@ -267,8 +312,16 @@ class OuterSync:
                     self.transport.send_to(h, Kind.OUTER, k, self._tag(i, rank), sent,
                                            codec=self.codec)
             own.append(seen)
-        for i, glob in enumerate(self.globals):
-            for g, piece in zip(glob, _unflat(self._average(i, k, own[i], deadline), glob)):
+        self.times.send += time.monotonic() - start
+        means = [self._average(i, k, own[i], deadline) for i in range(len(self.globals))]
+        self._apply(means)
+
+    def _apply(self, means: Sequence[torch.Tensor]) -> None:
+        """The outer optimizer's step with gradients ``means`` (one flat tensor per held
+        segment), then the outer weights copied into the stage's."""
+        start = time.monotonic()
+        for glob, mean in zip(self.globals, means):
+            for g, piece in zip(glob, _unflat(mean, glob)):
                 g.grad = piece
         assert self.optimizer is not None  # step() does not come here without parameters
         self.optimizer.step()
@@ -277,6 +330,7 @@ class OuterSync:
             for (_, _, params), glob in zip(self.mine, self.globals):
                 for p, g in zip(params, glob):
                     p.copy_(g)
+        self.times.apply += time.monotonic() - start
 
     def _average(self, i: int, k: int, own: torch.Tensor, deadline: float | None) -> torch.Tensor:
         """The outer gradient ``Δ_k`` of segment ``self.mine[i]`` (module docstring);
@@ -286,8 +340,9 @@ class OuterSync:
         late = []  # earlier steps' pseudo-gradients that came since: (rank, step, tensor)
         for entry in [e for e in self.owed if e.held == i]:
             r, j = entry.rank, entry.outer_step
-            # take it only if it is in already, except at the last step (which waits)
-            got = self._take(j, self._tag(i, r), None if deadline is None else -math.inf)
+            # wait for it within this step's grace too: it may be on its way over a slow
+            # link from a peer that is not behind (then this step's comes right after it)
+            got = self._take(j, self._tag(i, r), deadline)
             if got is not None:
                 self.owed.remove(entry)
                 late.append((r, j, got))

@@ -16,6 +16,10 @@ are in :mod:`fedpipe.tracker.replicas`):
    (every stage of every member group applies the same one), or sum again
    when the membership changed first.
 
+The commit's answer also names the members of the step the stage syncs next
+(``Quorum.next_members``), so once running a synced step costs one round trip
+to the tracker (its commit), not two (members, then commit).
+
 Loss scaling. Each group scales its microbatch losses by ``n / B`` (share of
 the step's global batch, :class:`~fedpipe.runtime.stage.StageRunnerBase`), so
 the sum of the groups' gradients is the global batch's gradient only if every
@@ -28,6 +32,7 @@ plain all-reduce job.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
@@ -35,7 +40,7 @@ import torch
 from ..net import timeouts
 from ..spec import DiLoCo, Kind, Quorum, StageKey
 from .allreduce import Held, StageSpan, held_segments, ring_allreduce
-from .diloco import OuterSync, _flat, _unflat
+from .diloco import OuterSync, _flat
 from .stage import StageError, Transport
 
 log = logging.getLogger("fedpipe.elastic")
@@ -50,8 +55,10 @@ class AskQuorum(Protocol):
     """How a stage asks the tracker about a step's sync (see
     :meth:`fedpipe.tracker.replicas.ReplicaSet.ask`)."""
 
-    def __call__(self, step: int, version: int, reduced: bool, wait: float) -> Quorum:
-        """The quorum of ``step``; ``reduced``: the stage summed it under ``version``.
+    def __call__(self, step: int, version: int, reduced: bool, wait: float,
+                 next_step: int = 0) -> Quorum:
+        """The quorum of ``step``; ``reduced``: the stage summed it under ``version``;
+        ``next_step``: the step it syncs next (0: none), whose members a commit names.
 
         Raises:
             StageError: the tracker cannot be reached.
@@ -80,17 +87,28 @@ _T = TypeVar("_T")
 
 class _Member(Protocol):
     me: StageKey
-    ask: AskQuorum
     quorum: Quorum | None
+    ahead: Quorum | None
     retries: int
+
+    def ask(self, step: int, version: int, reduced: bool, wait: float,
+            next_step: int = 0) -> Quorum: ...
 
 
 def _commit(sync: _Member, step: int, what: str, done: str,
-            compute: Callable[[Quorum], _T]) -> tuple[_T, Quorum]:
+            compute: Callable[[Quorum], _T], next_step: int = 0) -> tuple[_T, Quorum]:
     """Run ``compute`` over the members the tracker names for ``step`` until the tracker
     commits ``step`` under the members it ran over; returns its result and that quorum
     (also kept in ``sync.quorum``). ``compute`` raises :class:`_Superseded` when the
     members changed under it; it is then run again over the new ones.
+
+    One round trip to the tracker per step once running: the commit of the step
+    before named this step's members (``sync.ahead``, asked for with ``next_step``:
+    the step synced after this one, 0: none), so the stage computes over them
+    without asking first. They are the tracker's members of ``step`` under their
+    version; if the membership changed since, the commit of ``step`` (or a poll
+    while ``compute`` waits) answers with the new version and ``compute`` runs
+    again, as when a change comes mid-step.
 
     Raises:
         GroupDropped: ``sync``'s group is no longer in the job.
@@ -98,7 +116,9 @@ def _commit(sync: _Member, step: int, what: str, done: str,
             than the one this stage ``done`` it under (e.g. "summed it").
     """
     version = sync.quorum.version if sync.quorum is not None else -1
-    q = sync.ask(step, version, False, 0.0)
+    ahead, sync.ahead = sync.ahead, None
+    q = ahead if ahead is not None and ahead.step == step else \
+        sync.ask(step, version, False, 0.0)
     while True:
         if q.dropped:
             raise GroupDropped(f"replica group {sync.me.replica} was dropped from the job "
@@ -110,9 +130,11 @@ def _commit(sync: _Member, step: int, what: str, done: str,
             continue
         answer = q
         while not (answer.committed or answer.dropped) and answer.version == q.version:
-            answer = sync.ask(step, q.version, True, timeouts.QUORUM_COMMIT_WAIT)
+            answer = sync.ask(step, q.version, True, timeouts.QUORUM_COMMIT_WAIT, next_step)
         if answer.committed and answer.version == q.version:
             sync.quorum = answer
+            if next_step > step and answer.next_members:
+                sync.ahead = Quorum(next_step, answer.version, answer.next_members)
             return result, q
         if answer.committed:
             raise StageError(f"{what} committed under replica epoch {answer.version} "
@@ -158,6 +180,7 @@ class ElasticGradientSync:
         self.transport, self.ask, self.samples = transport, ask, samples
         self.peer_failed = peer_failed
         self.quorum: Quorum | None = None
+        self.ahead: Quorum | None = None  # the next step's members, named by the last commit
         self.retries = 0
         self._held: dict[tuple[int, ...], list[Held]] = {}
 
@@ -182,7 +205,7 @@ class ElasticGradientSync:
                                  f"tags no longer fit")
             return self._reduce(step, q, n)
 
-        sums, q = _commit(self, step, f"step {step}", "summed it", reduce)
+        sums, q = _commit(self, step, f"step {step}", "summed it", reduce, step + 1)
         for (_, _, params), (total, count) in zip(self._mine(q.members), sums):
             scale = None if count == batch else batch / count
             offset = 0
@@ -283,12 +306,25 @@ class ElasticOuterSync(OuterSync):
                  peer_failed: Callable[[str], None] | None = None, *,
                  last_step: int | None = None):
         super().__init__(module, me, stages, config, shares, transport, last_step=last_step)
-        self.me, self.ask, self.samples, self.peer_failed = me, ask, samples, peer_failed
+        self.me, self.samples, self.peer_failed = me, samples, peer_failed
+        self._ask = ask
         self.quorum: Quorum | None = None
+        self.ahead: Quorum | None = None  # the next outer step's members, named by the last
         self.retries = 0
         self._inner = 0
         self._groups = len({s.key.replica for s in stages})
         self._samples: int | None = None  # the samples of the last inner step
+
+    def ask(self, step: int, version: int, reduced: bool, wait: float,
+            next_step: int = 0) -> Quorum:
+        """The tracker's quorum (:class:`AskQuorum`), its round trips and waits counted
+        in :attr:`times`."""
+        start = time.monotonic()
+        try:
+            return self._ask(step, version, reduced, wait, next_step)
+        finally:
+            self.times.asks += 1
+            self.times.wait += time.monotonic() - start
 
     def rescale_gradients(self, step: int) -> None:
         """``before_update`` hook: scale the gradients by ``B / n`` (class docstring)."""
@@ -319,22 +355,14 @@ class ElasticOuterSync(OuterSync):
         super().__call__(step)
 
     def _outer(self, k: int, deadline: float | None) -> None:
+        start = time.monotonic()
         own = []
         for i, (_, _, params) in enumerate(self.mine):
             with torch.no_grad():
                 delta = _flat(self.globals[i]) - _flat(params)
             own.append(self._encode(i, delta))
-        means = self._agree(self._inner, k, own)
-        assert self.optimizer is not None  # OuterSync steps outer only with parameters
-        for glob, mean in zip(self.globals, means):
-            for g, piece in zip(glob, _unflat(mean, glob)):
-                g.grad = piece
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for (_, _, params), glob in zip(self.mine, self.globals):
-                for p, g in zip(params, glob):
-                    p.copy_(g)
+        self.times.send += time.monotonic() - start
+        self._apply(self._agree(self._inner, k, own))
 
     def _agree(self, step: int, k: int, own: list[tuple[torch.Tensor, torch.Tensor]]
                ) -> list[torch.Tensor]:
@@ -342,12 +370,20 @@ class ElasticOuterSync(OuterSync):
         once committed (``own``: this stage's ``(sent, seen)`` pseudo-gradients)."""
         means, q = _commit(
             self, step, f"outer step after step {step}", "averaged",
-            lambda q: [self._mean(k, i, q, sent, seen) for i, (sent, seen) in enumerate(own)])
+            lambda q: [self._mean(k, i, q, sent, seen) for i, (sent, seen) in enumerate(own)],
+            self._next_outer(step))
         if len(q.members) < self._groups:
             log.info("replica group %d stage %d: outer step %d (after step %d) over replica "
                      "groups %s of %d", self.me.replica, self.me.stage, k, step,
                      list(q.members), self._groups)
         return means
+
+    def _next_outer(self, step: int) -> int:
+        """The inner step after which the outer step after ``step`` comes (0: none)."""
+        nxt = step + self.config.inner_steps
+        if self.last_step is not None:
+            nxt = min(nxt, self.last_step)
+        return nxt if nxt > step else 0
 
     def _mean(self, k: int, i: int, q: Quorum, sent: torch.Tensor,
               seen: torch.Tensor) -> torch.Tensor:
@@ -375,11 +411,15 @@ class ElasticOuterSync(OuterSync):
 
     def _recv_outer(self, k: int, tag: int, q: Quorum) -> torch.Tensor:
         while True:
+            start = time.monotonic()
             try:
                 return self.transport.recv(Kind.OUTER, k, tag, timeouts.QUORUM_POLL)[0]
             except (TimeoutError, StageError) as e:
-                if isinstance(e, StageError):
-                    self._failed(e)
-                now = self.ask(self._inner, q.version, False, 0.0)
-                if now.dropped or now.version != q.version:
-                    raise _Superseded(now) from None
+                error = e
+            finally:
+                self.times.wait += time.monotonic() - start
+            if isinstance(error, StageError):
+                self._failed(error)
+            now = self.ask(self._inner, q.version, False, 0.0)
+            if now.dropped or now.version != q.version:
+                raise _Superseded(now) from None

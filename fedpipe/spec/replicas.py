@@ -94,6 +94,10 @@ class Quorum:
         dropped: the asking stage's group is no longer live: stop the stage.
         donate_to: groups that join at ``step + 1`` and take their state from the
             asking stage's group after this step (empty: none).
+        next_members: with ``committed``, when the stage named the step it syncs
+            next: that step's members under ``version`` (empty: it must ask), so
+            the stage syncs it without asking first (a membership change before
+            then supersedes them as it would any version's).
     """
 
     step: int
@@ -102,3 +106,4 @@ class Quorum:
     committed: bool = False
     dropped: bool = False
     donate_to: tuple[int, ...] = ()
+    next_members: tuple[int, ...] = ()

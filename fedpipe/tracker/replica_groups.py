@@ -228,10 +228,11 @@ class ElasticReplicas:
         if rs is None:
             return tracker_pb2.ReplicaQuorumReply(step=request.step, dropped=True)
         wait = min(max(0.0, request.wait_seconds), timeouts.QUORUM_COMMIT_WAIT)
-        q = rs.ask(key, request.step, request.version, request.reduced, wait)
+        q = rs.ask(key, request.step, request.version, request.reduced, wait,
+                   request.next_step)
         reply = tracker_pb2.ReplicaQuorumReply(
             step=q.step, version=q.version, members=q.members, committed=q.committed,
-            dropped=q.dropped, donate_to=q.donate_to)
+            dropped=q.dropped, donate_to=q.donate_to, next_members=q.next_members)
         if q.version != request.version:  # the live groups' stages: peers and buddies
             plan = self.jobs.get(request.job_id).plan
             reply.plan.CopyFrom(plan)

@@ -25,7 +25,9 @@ A stage syncs step ``s`` (:meth:`ReplicaSet.ask`): it sums over
 *commits* under version ``v`` when every stage of every member group reported
 it under ``v`` while ``v`` was current; from then on every ask of ``s``
 answers "committed, with ``v``'s members", so every stage applies the same
-sum. A membership change before the commit makes every ask of ``s`` under an
+sum. A commit's answer also names the members of the stage's next sync step
+under ``v`` (when ``v`` is still current), so the stage's next sync starts
+without asking. A membership change before the commit makes every ask of ``s`` under an
 older version answer "retry with the new members": the stages sum again over
 the new set (their own gradients are untouched until the commit). So a step
 commits under exactly one membership, and a dead group is waited for only
@@ -52,6 +54,7 @@ kept: the stages that reduced it report again when their ask fails.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -252,7 +255,7 @@ class ReplicaSet:
 
     # -- a stage's sync ------------------------------------------------------
     def ask(self, key: StageKey, step: int, version: int, reduced: bool,
-            wait: float = 0.0) -> Quorum:
+            wait: float = 0.0, next_step: int = 0) -> Quorum:
         """Stage ``key`` about its sync of ``step`` under ``version``.
 
         Args:
@@ -260,6 +263,10 @@ class ReplicaSet:
                 waits for the commit.
             wait: with ``reduced``, block up to this many seconds for the
                 step to commit or the membership to change.
+            next_step: the step the stage syncs next (0: none): a committed
+                answer names its members (``Quorum.next_members``) when the
+                membership has not changed since the commit, so the stage's
+                next sync needs one round trip (its commit), not two.
 
         Returns:
             The :class:`Quorum`: committed (apply), retry with other members,
@@ -272,9 +279,20 @@ class ReplicaSet:
                 left = deadline - time.monotonic()
                 if answer.committed or answer.dropped or answer.version != version \
                         or not reduced or left <= 0:
-                    return answer
+                    return self._with_next(answer, key, next_step)
                 self._cond.wait(left)
                 reduced = False  # counted once; later rounds only look
+
+    def _with_next(self, answer: Quorum, key: StageKey, next_step: int) -> Quorum:
+        """``answer`` with the members of ``next_step`` under the current version, if it
+        is a commit under that version (a later version's members may need a new plan,
+        which an ask brings) and ``key``'s group takes part in ``next_step``."""
+        if not answer.committed or next_step <= answer.step or answer.version != self.version:
+            return answer
+        members = self._members(next_step)
+        if key.replica not in members:
+            return answer
+        return dataclasses.replace(answer, next_members=members)
 
     def _answer(self, key: StageKey, step: int, version: int, reduced: bool) -> Quorum:
         done = self._committed.get(step)
