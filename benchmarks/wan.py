@@ -284,23 +284,71 @@ class Convergence:
         return first.forward_bytes, first.backward_bytes
 
 
-def converge(setup: Setup, configs: list[Config], log=print) -> Convergence:
-    """Steps to target for every configuration: raw fp32 first (it sets the target)."""
+def converge(setup: Setup, configs: list[Config], log=print, save: str = "") -> Convergence:
+    """Steps to target for every configuration: raw fp32 among them (it sets the target)."""
+    return convergence(setup, train_all(setup, configs, log, save))
+
+
+def train_all(setup: Setup, configs: list[Config], log=print, save: str = "",
+              seeds: list[int] | None = None) -> dict[str, list[Curve]]:
+    """Every configuration's curves, one per seed (``seeds``, default 0 to
+    ``setup.seeds - 1``: a long run can be split over processes). With ``save``, every
+    configuration's curves are written to that JSON file as soon as they are trained
+    (:func:`save_curves`), so a long run killed part-way keeps them."""
     train_data, test_data = pydoc_text()
     held = next(text_batches(test_data, setup.held_windows, setup.seq, seed=12345))
     curves: dict[str, list[Curve]] = {}
+    seeds = list(range(setup.seeds)) if seeds is None else seeds
     for config in configs:
         t0 = time.monotonic()
-        curves[config.name] = [train(setup, config, seed, train_data, held)
-                               for seed in range(setup.seeds)]
-        log(f"  trained {config.name:<10} {setup.seeds} seed(s) x {setup.budget} steps in "
+        curves[config.name] = [train(setup, config, seed, train_data, held) for seed in seeds]
+        log(f"  trained {config.name:<10} {len(seeds)} seed(s) x {setup.budget} steps in "
             f"{time.monotonic() - t0:5.0f} s; final held-out loss "
             f"{statistics.median(c.losses[-1] for c in curves[config.name]):.4f}; "
             f"load {os.getloadavg()[0]:.2f}")
+        if save:
+            save_curves(save, setup, curves)
+    return curves
+
+
+def convergence(setup: Setup, curves: dict[str, list[Curve]]) -> Convergence:
+    """The curves against their target: raw fp32's median held-out loss at
+    :data:`TARGET_AT` of the budget. Raises SystemExit when raw's curves are missing."""
+    if "raw" not in curves:
+        raise SystemExit(f"no raw fp32 curves among {sorted(curves)}: raw sets the target")
     at = max(setup.eval_every, round(TARGET_AT * setup.budget / setup.eval_every)
              * setup.eval_every)
     target = statistics.median(c.at(at) for c in curves["raw"])
     return Convergence(curves, target, setup.budget)
+
+
+def save_curves(path: str, setup: Setup, curves: dict[str, list[Curve]]) -> None:
+    """Write ``curves`` and the budget they ran for to ``path`` (JSON)."""
+    import json
+    from dataclasses import asdict
+
+    doc = {"budget": setup.budget, "eval_every": setup.eval_every,
+           "curves": {name: [asdict(c) for c in cs] for name, cs in curves.items()}}
+    Path(path).write_text(json.dumps(doc))
+
+
+def load_curves(paths: list[str], setup: Setup) -> dict[str, list[Curve]]:
+    """The curves :func:`save_curves` wrote to ``paths``, merged: a configuration's
+    curves from every file, one per seed (a seed in two files: the later file's). Raises
+    SystemExit when a file ran for another budget or evaluation period than ``setup``'s."""
+    import json
+
+    out: dict[str, dict[int, Curve]] = {}
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        if (doc["budget"], doc["eval_every"]) != (setup.budget, setup.eval_every):
+            raise SystemExit(f"{path}: curves of budget {doc['budget']} evaluated every "
+                             f"{doc['eval_every']} steps, not {setup.budget} / "
+                             f"{setup.eval_every}: pass the same --budget (and --quick)")
+        for name, cs in doc["curves"].items():
+            out.setdefault(name, {}).update((c["seed"], Curve(**c)) for c in cs)
+    ordered = sorted(out.items(), key=lambda kv: kv[0] != "raw")  # raw first
+    return {name: [by_seed[k] for k in sorted(by_seed)] for name, by_seed in ordered}
 
 
 # -- step time, over a shaped swarm ----------------------------------------------
@@ -445,6 +493,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(default: the fewest bytes/token within 1.3x raw's steps to target "
                     "and 2%% of its final loss)")
     ap.add_argument("--plot", default="", help="write the loss-against-wall-time plot here (PNG)")
+    ap.add_argument("--save-curves", default="", help="write the trained curves here (JSON), "
+                    "after each configuration")
+    ap.add_argument("--seed-list", default="", help="comma-separated seeds to train "
+                    "(default 0 to --seeds - 1), to split a run over processes with "
+                    "--save-curves and join them with --load-curves")
+    ap.add_argument("--load-curves", default="", help="comma-separated JSON files of "
+                    "--save-curves: train nothing, take steps to target from them (the "
+                    "configurations are theirs; --configs then only picks the swarm's)")
     return ap.parse_args(argv)
 
 
@@ -460,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
     setup = setup_of(args)
     args.mbps = args.mbps or (2.0 if args.quick else 12.0)
     configs = [CONFIGS[n] for n in args.configs.split(",")]
-    if configs[0].name != "raw":
+    if configs[0].name != "raw" and not args.save_curves:
         raise SystemExit("--configs must start with raw: it sets the target")
     torch.set_num_threads(1)
     print(f"{os.cpu_count()} cores; load %.2f %.2f %.2f" % os.getloadavg(), flush=True)
@@ -473,7 +529,18 @@ def main(argv: list[str] | None = None) -> None:
              else f"{args.latency_ms:g} ms one way"))
     print(f"raw fp32 activations per step and boundary: {wire * 1e3:.1f} ms on the link, "
           f"a stage's compute {compute * 1e3:.1f} ms: ratio {wire / compute:.1f}x", flush=True)
-    conv = converge(setup, configs, log=lambda s: print(s, flush=True))
+    if args.load_curves:
+        conv = convergence(setup, load_curves(args.load_curves.split(","), setup))
+        print(f"curves of {', '.join(conv.curves)} from {args.load_curves}", flush=True)
+        configs = [CONFIGS[n] for n in conv.curves]
+    else:
+        seeds = [int(x) for x in args.seed_list.split(",")] if args.seed_list else None
+        curves = train_all(setup, configs, log=lambda s: print(s, flush=True),
+                           save=args.save_curves, seeds=seeds)
+        if "raw" not in curves:  # a part of the configurations, raw's curves elsewhere
+            print(f"curves saved to {args.save_curves}; no target without raw's")
+            return
+        conv = convergence(setup, curves)
     shaped, floor = {c.name: math.nan for c in configs}, math.nan
     if args.netns:
         import wan_netns
