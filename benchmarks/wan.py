@@ -293,7 +293,7 @@ def train_all(setup: Setup, configs: list[Config], log=print, save: str = "",
               seeds: list[int] | None = None) -> dict[str, list[Curve]]:
     """Every configuration's curves, one per seed (``seeds``, default 0 to
     ``setup.seeds - 1``: a long run can be split over processes). With ``save``, every
-    configuration's curves are written to that JSON file as soon as they are trained
+    configuration's curves are written to that JSON file as soon as each seed's is trained
     (:func:`save_curves`), so a long run killed part-way keeps them."""
     train_data, test_data = pydoc_text()
     held = next(text_batches(test_data, setup.held_windows, setup.seq, seed=12345))
@@ -301,13 +301,15 @@ def train_all(setup: Setup, configs: list[Config], log=print, save: str = "",
     seeds = list(range(setup.seeds)) if seeds is None else seeds
     for config in configs:
         t0 = time.monotonic()
-        curves[config.name] = [train(setup, config, seed, train_data, held) for seed in seeds]
+        curves[config.name] = []
+        for seed in seeds:
+            curves[config.name].append(train(setup, config, seed, train_data, held))
+            if save:
+                save_curves(save, setup, curves)
         log(f"  trained {config.name:<10} {len(seeds)} seed(s) x {setup.budget} steps in "
             f"{time.monotonic() - t0:5.0f} s; final held-out loss "
             f"{statistics.median(c.losses[-1] for c in curves[config.name]):.4f}; "
             f"load {os.getloadavg()[0]:.2f}")
-        if save:
-            save_curves(save, setup, curves)
     return curves
 
 
