@@ -82,3 +82,9 @@ def test_curves_saved_by_parts_join_into_one_convergence(tmp_path):
         wan.load_curves([str(tmp_path / "a.json")], wan.Setup(budget=20, eval_every=5))
     with pytest.raises(SystemExit, match="no raw"):
         wan.convergence(setup, {"had2": curves["had2"]})
+
+
+def test_step_times_saved_load_back(tmp_path):
+    path = str(tmp_path / "t.json")
+    wan.save_times(path, {"raw": 1.25, "had2": 0.25}, 0.5)
+    assert wan.load_times(path) == ({"raw": 1.25, "had2": 0.25}, 0.5)
