@@ -27,7 +27,14 @@ codec outputs' bytes (zstd included) that crossed one boundary, per token.
     python benchmarks/wan.py [--quick] [--mbps M] [--latency-ms L] [--budget N]
                              [--seeds S] [--configs a,b,...] [--swarm-steps N]
                              [--swarm-configs a,b,...] [--plot wan.png] [--no-swarm]
-                             [--netns [--best NAME]]
+                             [--netns [--best NAME]] [--save-curves F] [--seed-list S]
+                             [--load-curves F,...] [--swarm-only] [--save-times F]
+                             [--load-times F]
+
+On a loaded machine the two parts can run apart: ``--save-curves`` (with ``--configs``
+and ``--seed-list``, a part per process) keeps each seed's curve as it is trained,
+``--swarm-only --save-times`` the swarm's step times, and ``--load-curves ...
+--load-times ...`` joins them into the report and the plot.
 
 ``--netns`` (root, iproute2): instead of the emulated swarm, the stages in network
 namespaces over veths shaped with ``tc ... tbf`` at ``--mbps`` (bandwidth only: no
@@ -276,23 +283,73 @@ class Convergence:
         return first.forward_bytes, first.backward_bytes
 
 
-def converge(setup: Setup, configs: list[Config], log=print) -> Convergence:
-    """Steps to target for every configuration: raw fp32 first (it sets the target)."""
+def converge(setup: Setup, configs: list[Config], log=print, save: str = "") -> Convergence:
+    """Steps to target for every configuration: raw fp32 among them (it sets the target)."""
+    return convergence(setup, train_all(setup, configs, log, save))
+
+
+def train_all(setup: Setup, configs: list[Config], log=print, save: str = "",
+              seeds: list[int] | None = None) -> dict[str, list[Curve]]:
+    """Every configuration's curves, one per seed (``seeds``, default 0 to
+    ``setup.seeds - 1``: a long run can be split over processes). With ``save``, every
+    configuration's curves are written to that JSON file as soon as each seed's is trained
+    (:func:`save_curves`), so a long run killed part-way keeps them."""
     train_data, test_data = pydoc_text()
     held = next(text_batches(test_data, setup.held_windows, setup.seq, seed=12345))
     curves: dict[str, list[Curve]] = {}
+    seeds = list(range(setup.seeds)) if seeds is None else seeds
     for config in configs:
         t0 = time.monotonic()
-        curves[config.name] = [train(setup, config, seed, train_data, held)
-                               for seed in range(setup.seeds)]
-        log(f"  trained {config.name:<10} {setup.seeds} seed(s) x {setup.budget} steps in "
+        curves[config.name] = []
+        for seed in seeds:
+            curves[config.name].append(train(setup, config, seed, train_data, held))
+            if save:
+                save_curves(save, setup, curves)
+        log(f"  trained {config.name:<10} {len(seeds)} seed(s) x {setup.budget} steps in "
             f"{time.monotonic() - t0:5.0f} s; final held-out loss "
             f"{statistics.median(c.losses[-1] for c in curves[config.name]):.4f}; "
             f"load {os.getloadavg()[0]:.2f}")
+    return curves
+
+
+def convergence(setup: Setup, curves: dict[str, list[Curve]]) -> Convergence:
+    """The curves against their target: raw fp32's median held-out loss at
+    :data:`TARGET_AT` of the budget. Raises SystemExit when raw's curves are missing."""
+    if "raw" not in curves:
+        raise SystemExit(f"no raw fp32 curves among {sorted(curves)}: raw sets the target")
     at = max(setup.eval_every, round(TARGET_AT * setup.budget / setup.eval_every)
              * setup.eval_every)
     target = statistics.median(c.at(at) for c in curves["raw"])
     return Convergence(curves, target, setup.budget)
+
+
+def save_curves(path: str, setup: Setup, curves: dict[str, list[Curve]]) -> None:
+    """Write ``curves`` and the budget they ran for to ``path`` (JSON)."""
+    import json
+    from dataclasses import asdict
+
+    doc = {"budget": setup.budget, "eval_every": setup.eval_every,
+           "curves": {name: [asdict(c) for c in cs] for name, cs in curves.items()}}
+    Path(path).write_text(json.dumps(doc))
+
+
+def load_curves(paths: list[str], setup: Setup) -> dict[str, list[Curve]]:
+    """The curves :func:`save_curves` wrote to ``paths``, merged: a configuration's
+    curves from every file, one per seed (a seed in two files: the later file's). Raises
+    SystemExit when a file ran for another budget or evaluation period than ``setup``'s."""
+    import json
+
+    out: dict[str, dict[int, Curve]] = {}
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        if (doc["budget"], doc["eval_every"]) != (setup.budget, setup.eval_every):
+            raise SystemExit(f"{path}: curves of budget {doc['budget']} evaluated every "
+                             f"{doc['eval_every']} steps, not {setup.budget} / "
+                             f"{setup.eval_every}: pass the same --budget (and --quick)")
+        for name, cs in doc["curves"].items():
+            out.setdefault(name, {}).update((c["seed"], Curve(**c)) for c in cs)
+    ordered = sorted(out.items(), key=lambda kv: kv[0] != "raw")  # raw first
+    return {name: [by_seed[k] for k in sorted(by_seed)] for name, by_seed in ordered}
 
 
 # -- step time, over a shaped swarm ----------------------------------------------
@@ -437,6 +494,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(default: the fewest bytes/token within 1.3x raw's steps to target "
                     "and 2%% of its final loss)")
     ap.add_argument("--plot", default="", help="write the loss-against-wall-time plot here (PNG)")
+    ap.add_argument("--save-curves", default="", help="write the trained curves here (JSON), "
+                    "after each configuration")
+    ap.add_argument("--seed-list", default="", help="comma-separated seeds to train "
+                    "(default 0 to --seeds - 1), to split a run over processes with "
+                    "--save-curves and join them with --load-curves")
+    ap.add_argument("--load-curves", default="", help="comma-separated JSON files of "
+                    "--save-curves: train nothing, take steps to target from them (the "
+                    "configurations are theirs; --configs then only picks the swarm's)")
+    ap.add_argument("--swarm-only", action="store_true", help="train nothing: time the "
+                    "swarm configurations on the shaped swarm and write the step times to "
+                    "--save-times")
+    ap.add_argument("--save-times", default="", help="write the swarm's step times here (JSON)")
+    ap.add_argument("--load-times", default="", help="take the step times from this JSON file "
+                    "of --save-times instead of measuring them")
     return ap.parse_args(argv)
 
 
@@ -447,13 +518,62 @@ def setup_of(args: argparse.Namespace) -> Setup:
     return Setup(budget=args.budget or 1000, seeds=args.seeds or 3)
 
 
+def swarm(setup: Setup, args: argparse.Namespace, wire: float) -> tuple[dict[str, float], float]:
+    """Steady step times over the shaped swarm of ``args``' swarm configurations, and the
+    unshaped floor: raw's step time without shaping."""
+    steps = args.swarm_steps or (7 if args.quick else 20)
+    names = args.swarm_configs or (",".join(QUICK_SWARM) if args.quick else args.configs)
+    timed = [CONFIGS[n] for n in names.split(",")]
+    t0 = time.monotonic()
+    shaped = step_times(setup, timed, steps, link_profile(setup.blocks, args.mbps,
+                                                          args.latency_ms))
+    floor = step_times(setup, [CONFIGS["raw"]], steps, None)["raw"]
+    print(f"  swarm measurements took {time.monotonic() - t0:.0f} s; raw fp32's link time "
+          f"is {wire / floor:.1f}x the unshaped swarm's step time", flush=True)
+    return shaped, floor
+
+
+def save_times(path: str, shaped: dict[str, float], floor: float) -> None:
+    """Write the swarm's step times (seconds) and the unshaped floor to ``path`` (JSON)."""
+    import json
+
+    Path(path).write_text(json.dumps({"shaped": shaped, "floor": floor}))
+
+
+def load_times(path: str) -> tuple[dict[str, float], float]:
+    """The step times and floor :func:`save_times` wrote to ``path``."""
+    import json
+
+    doc = json.loads(Path(path).read_text())
+    return {k: float(v) for k, v in doc["shaped"].items()}, float(doc["floor"])
+
+
+def steps_to_target(setup: Setup, args: argparse.Namespace,
+                    configs: list[Config]) -> Convergence | None:
+    """The configurations' convergence: trained here, or loaded (``--load-curves``); None
+    when this process trained only a part of them, without raw's (``--save-curves``)."""
+    if args.load_curves:
+        conv = convergence(setup, load_curves(args.load_curves.split(","), setup))
+        print(f"curves of {', '.join(conv.curves)} from {args.load_curves}", flush=True)
+        return conv
+    seeds = [int(x) for x in args.seed_list.split(",")] if args.seed_list else None
+    curves = train_all(setup, configs, log=lambda s: print(s, flush=True),
+                       save=args.save_curves, seeds=seeds)
+    if "raw" not in curves:  # a part of the configurations, raw's curves elsewhere
+        print(f"curves saved to {args.save_curves}; no target without raw's")
+        return None
+    return convergence(setup, curves)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup = setup_of(args)
     args.mbps = args.mbps or (2.0 if args.quick else 12.0)
     configs = [CONFIGS[n] for n in args.configs.split(",")]
-    if configs[0].name != "raw":
+    if configs[0].name != "raw" and not (args.save_curves or args.swarm_only):
         raise SystemExit("--configs must start with raw: it sets the target")
+    if args.swarm_only and not args.save_times:
+        raise SystemExit("--swarm-only needs --save-times: where its step times go")
     torch.set_num_threads(1)
     print(f"{os.cpu_count()} cores; load %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     compute = stage_compute_seconds(setup)
@@ -465,9 +585,19 @@ def main(argv: list[str] | None = None) -> None:
              else f"{args.latency_ms:g} ms one way"))
     print(f"raw fp32 activations per step and boundary: {wire * 1e3:.1f} ms on the link, "
           f"a stage's compute {compute * 1e3:.1f} ms: ratio {wire / compute:.1f}x", flush=True)
-    conv = converge(setup, configs, log=lambda s: print(s, flush=True))
-    shaped, floor = {c.name: math.nan for c in configs}, math.nan
-    if args.netns:
+    if args.swarm_only:
+        save_times(args.save_times, *swarm(setup, args, wire))
+        print(f"step times saved to {args.save_times}")
+        return
+    conv = steps_to_target(setup, args, configs)
+    if conv is None:
+        return
+    shaped, floor = {name: math.nan for name in conv.curves}, math.nan
+    if args.load_times:
+        measured, floor = load_times(args.load_times)
+        shaped |= measured
+        print(f"step times from {args.load_times}", flush=True)
+    elif args.netns:
         import wan_netns
 
         best = args.best or wan_netns.best_config(conv, {})
@@ -476,15 +606,10 @@ def main(argv: list[str] | None = None) -> None:
                                     (7 if args.quick else 20), best,
                                     log=lambda s: print(s, flush=True))
     elif not args.no_swarm:
-        steps = args.swarm_steps or (7 if args.quick else 20)
-        names = args.swarm_configs or (",".join(QUICK_SWARM) if args.quick else args.configs)
-        timed = [CONFIGS[n] for n in names.split(",")]
-        t0 = time.monotonic()
-        shaped |= step_times(setup, timed, steps, link_profile(setup.blocks, args.mbps,
-                                                               args.latency_ms))
-        floor = step_times(setup, configs[:1], steps, None)["raw"]
-        print(f"  swarm measurements took {time.monotonic() - t0:.0f} s; raw fp32's link time "
-              f"is {wire / floor:.1f}x the unshaped swarm's step time", flush=True)
+        measured, floor = swarm(setup, args, wire)
+        shaped |= measured
+        if args.save_times:
+            save_times(args.save_times, measured, floor)
     report(conv, shaped, floor, setup.batch * setup.seq)
     if args.plot:
         plot(conv, shaped, args.plot)

@@ -61,3 +61,30 @@ def test_quick_run_prints_the_table_end_to_end():
     for name in wan.CONFIGS:
         assert any(line.startswith(name + " ") for line in text.splitlines()), text
     assert "unshaped floor" in text and "ratio" in text and "load" in text
+
+
+def test_curves_saved_by_parts_join_into_one_convergence(tmp_path):
+    def curve(name, seed, last):
+        return wan.Curve(name, seed, steps=[5, 10], losses=[3.0, last],
+                         forward_bytes=1.0, backward_bytes=2.0)
+
+    setup = wan.Setup(budget=10, eval_every=5, seeds=2)
+    wan.save_curves(str(tmp_path / "a.json"), setup, {"had2": [curve("had2", 1, 2.5)]})
+    wan.save_curves(str(tmp_path / "b.json"), setup,
+                    {"raw": [curve("raw", 0, 2.0), curve("raw", 1, 2.2)],
+                     "had2": [curve("had2", 0, 2.4)]})
+    curves = wan.load_curves([str(tmp_path / "a.json"), str(tmp_path / "b.json")], setup)
+    assert list(curves) == ["raw", "had2"]  # raw first: it sets the target
+    assert [c.seed for c in curves["had2"]] == [0, 1]
+    conv = wan.convergence(setup, curves)
+    assert conv.target == pytest.approx(2.1) and conv.final("had2") == pytest.approx(2.45)
+    with pytest.raises(SystemExit, match="budget 10"):
+        wan.load_curves([str(tmp_path / "a.json")], wan.Setup(budget=20, eval_every=5))
+    with pytest.raises(SystemExit, match="no raw"):
+        wan.convergence(setup, {"had2": curves["had2"]})
+
+
+def test_step_times_saved_load_back(tmp_path):
+    path = str(tmp_path / "t.json")
+    wan.save_times(path, {"raw": 1.25, "had2": 0.25}, 0.5)
+    assert wan.load_times(path) == ({"raw": 1.25, "had2": 0.25}, 0.5)
