@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 from torch import nn
@@ -174,3 +175,12 @@ def train_toy(model, opt, steps: int, seed: int, sched=None) -> None:
         opt.zero_grad()
         if sched is not None:
             sched.step()
+
+
+def gated(batches: list, until: int, gate: threading.Event, wait: float = 120.0):
+    """``batches`` one by one, those from step ``until`` on only once ``gate`` is set: a job
+    fed so cannot complete step ``until`` before the fault that sets the gate fires (a
+    kill at the tracker's step 7 of a 12-step job once landed after the job had ended)."""
+    yield from batches[:until]
+    gate.wait(wait)
+    yield from batches[until:]

@@ -9,6 +9,8 @@ surviving nodes' files held.
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -17,7 +19,7 @@ import fedpipe
 from fedpipe.examples import digits
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
-from reference import digit_batches, job_info, max_relative_difference, single_process
+from reference import digit_batches, gated, job_info, max_relative_difference, single_process
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -31,12 +33,16 @@ def test_kill_9_recovers_exactly_from_snapshots_kept_on_disk():
         assert all(n.resources.snapshots_on_disk for n in client.nodes())
         torch.manual_seed(0)
         model = digits.make_model(hidden=32)
-        job = client.submit(model, LOSS, SGD, data, steps=STEPS, microbatches=2, stages=3,
-                            replicas=1, schedule="1f1b", compression="none",
-                            checkpoint_every=EVERY, rebalance="never")
+        killed = threading.Event()
+        job = client.submit(model, LOSS, SGD, gated(data, 9, killed), steps=STEPS,
+                            microbatches=2, stages=3, replicas=1, schedule="1f1b",
+                            compression="none", checkpoint_every=EVERY, rebalance="never")
+
+        def kill() -> None:
+            swarm.kill(PlanView(job_info(client, job).plan)[StageKey(0, 1)].address)
+            killed.set()
         inj = swarm.inject(job.id)
-        inj.at_step(7, "kill stage 1", lambda: swarm.kill(
-            PlanView(job_info(client, job).plan)[StageKey(0, 1)].address)).start()
+        inj.at_step(7, "kill stage 1", kill).start()
         status = job.wait(timeout=180, progress=False)
         inj.stop()
         assert status.state == "SUCCEEDED" and [f.name for f in inj.fired] == ["kill stage 1"]
