@@ -35,7 +35,8 @@ class Mailbox:
 
     Inputs and targets, which a client may send far ahead, are bounded: a put
     of a ``bounded`` kind waits while ``capacity`` of them are queued for the
-    slot (backpressure on the sender). Activations and gradients are bounded by
+    slot (backpressure on the sender; it is woken when the slot is half empty, or
+    finds room at its next look, :data:`POLL_SECONDS`). Activations and gradients are bounded by
     the schedule itself for an honest sender; against any other, every job may
     have at most ``job_cap`` tensors waiting, of all its slots and kinds, and a
     put past that is refused (:class:`Full`) instead of buffered.
@@ -136,7 +137,11 @@ class Mailbox:
             self._forget(self.job_of(slot))
             if kind in self.bounded:  # room for a waiting put; no one else waits on a get
                 self._counts[(slot, kind)] -= 1
-                self._cond.notify_all()
+                if self._counts[(slot, kind)] <= self.capacity // 2:
+                    # half empty: a sender far ahead (a client's feed) is woken once per
+                    # half a mailbox, not once per tensor (each wake-up costs the stage
+                    # thread the GIL)
+                    self._cond.notify_all()
             return item
 
     def drop(self, match: Callable[[Hashable], bool]) -> None:
