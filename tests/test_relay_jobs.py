@@ -8,6 +8,7 @@ it, and another job's stream still gets through.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -98,6 +99,19 @@ def tagged_round_trip(address: str, tag: Tag, payload: bytes) -> bytes:
     return bytes(got)
 
 
+@contextlib.contextmanager
+def homed(node_port: int, data_port: int | None, **relay_args):
+    """A relay (``relay_args``) and node "n1" homed on it (its gRPC port ``node_port``, its
+    data port ``data_port``): yields the relay, the homing and its allocation."""
+    relay = Relay(**relay_args)
+    homing = Homing([relay.address], "n1", node_port, data_port)
+    try:
+        yield relay, homing, homing.home(timeout=10)
+    finally:
+        homing.close()
+        relay.close()
+
+
 def wait_for(condition, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -127,37 +141,30 @@ def test_a_tagged_stream_is_spliced_and_its_open_names_the_job(echo):
 
 
 def test_a_job_past_its_streams_is_refused_naming_it_and_other_jobs_go_on(echo):
-    relay = Relay(max_streams=8, job_streams=2)
-    homing = Homing([relay.address], "n1", echo.port, echo.port)
     held = []
-    try:
-        alloc = homing.home(timeout=10)
-        for _ in range(2):
-            s = dial_job(alloc.data_address, Tag("job-a", "peer", "n1"))
-            s.sendall(b"x")  # it spoke: it holds its place
-            held.append(s)
-        with pytest.raises(RelayRefused) as refused:
-            dial_job(alloc.data_address, Tag("job-a", "peer", "n1"))
-        assert "job 'job-a' has 2 streams spliced" in str(refused.value)
-        assert "at most 2 a job" in str(refused.value)
-        assert tagged_round_trip(alloc.grpc_address, Tag("job-b", "peer", "n1"),
-                                 b"job b") == b"job b"
-        assert round_trip(alloc.data_address, b"untagged") == b"untagged"
-        for s in held:  # job a's streams still work
-            s.settimeout(10)
-            assert s.recv(1) == b"x"
-    finally:
-        for s in held:
-            s.close()
-        homing.close()
-        relay.close()
+    with homed(echo.port, echo.port, max_streams=8, job_streams=2) as (_, _, alloc):
+        try:
+            for _ in range(2):
+                s = dial_job(alloc.data_address, Tag("job-a", "peer", "n1"))
+                s.sendall(b"x")  # it spoke: it holds its place
+                held.append(s)
+            with pytest.raises(RelayRefused) as refused:
+                dial_job(alloc.data_address, Tag("job-a", "peer", "n1"))
+            assert "job 'job-a' has 2 streams spliced" in str(refused.value)
+            assert "at most 2 a job" in str(refused.value)
+            assert tagged_round_trip(alloc.grpc_address, Tag("job-b", "peer", "n1"),
+                                     b"job b") == b"job b"
+            assert round_trip(alloc.data_address, b"untagged") == b"untagged"
+            for s in held:  # job a's streams still work
+                s.settimeout(10)
+                assert s.recv(1) == b"x"
+        finally:
+            for s in held:
+                s.close()
 
 
 def test_a_tag_for_another_node_or_a_malformed_one_is_refused_clearly(echo):
-    relay = Relay()
-    homing = Homing([relay.address], "n1", echo.port, None)
-    try:
-        alloc = homing.home(timeout=10)
+    with homed(echo.port, None) as (_, _, alloc):
         with pytest.raises(RelayRefused, match="a stream of job 'job-a' from peer is for node "
                                                "'n2', but this port is for node 'n1'"):
             dial_job(alloc.grpc_address, Tag("job-a", "peer", "n2"))
@@ -167,9 +174,6 @@ def test_a_tag_for_another_node_or_a_malformed_one_is_refused_clearly(echo):
             assert kind is RecordType.REFUSED
             assert "missing fields" in read_exact(s, arg).decode()
         assert round_trip(alloc.grpc_address, b"still serving") == b"still serving"
-    finally:
-        homing.close()
-        relay.close()
 
 
 def test_a_flooding_job_holds_its_window_and_no_more_while_another_job_flows(echo):
@@ -316,18 +320,11 @@ def test_a_relay_process_refuses_a_flooding_job_past_its_share_and_another_job_f
 
 
 def test_a_tag_that_comes_a_byte_at_a_time_is_read_whole(echo):
-    relay = Relay()
-    homing = Homing([relay.address], "n1", echo.port, None)
-    try:
-        alloc = homing.home(timeout=10)
-        with dial_address(alloc.grpc_address) as s:
-            for b in Tag("job-a", "peer", "n1").encode():
-                s.sendall(bytes([b]))
-                time.sleep(0.002)
-            kind, _, _ = records.unpack(read_exact(s, records.PREFIX_BYTES))
-            assert kind is RecordType.ACCEPTED
-            s.sendall(b"dripped")
-            assert read_exact(s, 7) == b"dripped"
-    finally:
-        homing.close()
-        relay.close()
+    with homed(echo.port, None) as (_, _, alloc), dial_address(alloc.grpc_address) as s:
+        for b in Tag("job-a", "peer", "n1").encode():
+            s.sendall(bytes([b]))
+            time.sleep(0.002)
+        kind, _, _ = records.unpack(read_exact(s, records.PREFIX_BYTES))
+        assert kind is RecordType.ACCEPTED
+        s.sendall(b"dripped")
+        assert read_exact(s, 7) == b"dripped"
