@@ -22,9 +22,9 @@ from fedpipe.security.tls import server_context
 pytestmark = pytest.mark.timeout(60)
 
 
-class Echo:
-    """A server that sends back what it receives, then half-closes when its peer does;
-    counts what it served."""
+class Server:
+    """A loopback TCP server that hands each connection it accepts to :meth:`serve`;
+    counts them."""
 
     def __init__(self):
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -39,7 +39,20 @@ class Echo:
             except OSError:
                 return
             self.served += 1
-            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+            self.serve(conn)
+
+    def serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self):
+        self.sock.close()
+
+
+class Echo(Server):
+    """A server that sends back what it receives, then half-closes when its peer does."""
+
+    def serve(self, conn):
+        threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 
     @staticmethod
     def _echo(conn):
@@ -47,9 +60,6 @@ class Echo:
             while data := conn.recv(1 << 16):
                 conn.sendall(data)
             conn.shutdown(socket.SHUT_WR)
-
-    def close(self):
-        self.sock.close()
 
 
 @pytest.fixture

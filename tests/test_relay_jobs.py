@@ -21,33 +21,22 @@ from fedpipe.net.relay import Homing, Relay, RelayRefused, Tag, dial_job, record
 from fedpipe.net.relay.records import RecordType
 from fedpipe.net.relay.splice import Home, read_exact
 from fedpipe.proc import child_env, free_port
-from test_relay import Echo, dial_address, round_trip
+from test_relay import Echo, Server, dial_address, round_trip
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def echo():
-    e = Echo()
-    yield e
-    e.close()
+    with contextlib.closing(Echo()) as e:
+        yield e
 
 
-class Drain:
+class Drain(Server):
     """A server that reads everything and throws it away."""
 
-    def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
+    def serve(self, conn):
+        threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
 
     @staticmethod
     def _drain(conn):
@@ -58,30 +47,20 @@ class Drain:
             except OSError:
                 pass
 
-    def close(self):
-        self.sock.close()
 
-
-class Sink:
+class Sink(Server):
     """A server that accepts and never reads: what is sent to it piles up on the way."""
 
     def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
         self.conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            self.conns.append(conn)
+    def serve(self, conn):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.conns.append(conn)
 
     def close(self):
-        self.sock.close()
+        super().close()
         for c in self.conns:
             c.close()
 
