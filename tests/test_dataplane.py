@@ -326,7 +326,8 @@ def test_a_link_to_a_peer_that_moved_redials_its_new_address_and_loses_no_tensor
     assert all(torch.equal(t, s) for (_, t, _), s in zip(b_in.got, sent))
 
 
-def _raw_dial(port: int, name: str = "mallory") -> connection.Connection:
+def raw_dial(port: int, name: str = "mallory") -> connection.Connection:
+    """A connection to ``port`` that has sent a preface as ``name`` and read the answer's."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     conn = connection.Connection(sock, dialed=True)
     conn.write(Preface(name=name, role="node", session="00", window_bytes=1 << 20,
@@ -354,7 +355,7 @@ def _next_record(conn) -> tuple[RecordType, int, str]:
 
 def test_a_duplicate_sequence_number_is_refused(pair):
     _, b, _, b_in = pair
-    conn = _raw_dial(b.port)
+    conn = raw_dial(b.port)
     one = _tensor_record(0, torch.ones(4), env(0))
     conn.write(one + one + _tensor_record(1, torch.ones(4), env(1))
                + records.pack(RecordType.SYNC, 2))
@@ -383,7 +384,7 @@ def test_hostile_headers_are_refused_before_anything_is_reserved(monkeypatch, wh
     monkeypatch.setattr(connection, "reserve", reserve)
     inbox = Inbox(limit=1024)
     with DataPlane("b", inbox, timeouts=FAST) as b:
-        conn = _raw_dial(b.port)
+        conn = raw_dial(b.port)
         header = node_pb2.Frame(envelope=env(0), tensor=tensor_fields)
         conn.write(records.pack(RecordType.TENSOR, 0) + format.pack_head(header))
         kind, _, text = _next_record(conn)
@@ -532,7 +533,7 @@ def test_hostile_frame_sequences_after_a_preface_neither_crash_nor_hang_the_list
             rng = random.Random(24)
             frames = Frames(Values(rng))
             for i in range(300):
-                conn = _raw_dial(b.port, name=f"m{i % 7}")
+                conn = raw_dial(b.port, name=f"m{i % 7}")
                 seq = [records.pack(RecordType.TENSOR, 0) + f for f in frames.one()]
                 if rng.random() < 0.2:  # a record of another kind, or garbage, in between
                     seq.insert(rng.randrange(len(seq) + 1),

@@ -8,7 +8,6 @@ Real links over loopback, a real snapshot desk and store.
 """
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 from fedpipe.net.dataplane import Code, DataPlane, LinkFailed, Peer, PeerRefused, Refused
 from fedpipe.net.dataplane import connection, records
 from fedpipe.net.dataplane.fetch import MAX_SERVED
-from fedpipe.net.dataplane.records import Method, Preface, RecordType
+from fedpipe.net.dataplane.records import Method, RecordType
 from fedpipe.node.access import JobAccessBook
 from fedpipe.node.dataplane import NodeReceiver
 from fedpipe.node.errors import NoSuchSnapshot, NoSuchStage, status_of
@@ -27,6 +26,7 @@ from fedpipe.runtime import checkpoint
 from fedpipe.security import Identity, Role
 from fedpipe.runtime.checkpoint import SnapshotTooLarge
 from fedpipe.spec import StageKey
+from test_dataplane import raw_dial
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -185,17 +185,6 @@ def test_a_node_without_a_fetch_server_answers_unimplemented():
     assert e.value.code == Code.UNIMPLEMENTED
 
 
-def _raw_dial(port: int, name: str = "node0") -> connection.Connection:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    conn = connection.Connection(sock, dialed=True)
-    conn.write(Preface(name=name, role="node", session="00", window_bytes=1 << 20,
-                       window_messages=16).encode())
-    kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
-    assert kind is RecordType.PREFACE
-    Preface.decode(conn.read_exact(arg))
-    return conn
-
-
 def _read_text(conn) -> tuple[RecordType, int, Code, str]:
     kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
     code, size = records.TEXT.unpack(conn.read_exact(records.TEXT.size))
@@ -205,7 +194,7 @@ def _read_text(conn) -> tuple[RecordType, int, Code, str]:
 def test_a_fetch_request_longer_than_its_limit_ends_the_link_before_it_is_read():
     r, _ = serving_node()
     with DataPlane("node1", r, server=r) as b:
-        conn = _raw_dial(b.port)
+        conn = raw_dial(b.port, "node0")
         conn.write(records.pack(RecordType.FETCH, 1)
                    + records.FETCH_BODY.pack(Method.FETCH_SNAPSHOT, 1 << 30))  # 1 GiB, announced
         kind, _, code, text = _read_text(conn)
@@ -218,7 +207,7 @@ def test_a_fetch_request_longer_than_its_limit_ends_the_link_before_it_is_read()
 def test_unknown_methods_and_fetches_past_the_cap_are_refused_by_a_fetched_record():
     r, _ = serving_node()
     with DataPlane("node1", r, server=r) as b:
-        conn = _raw_dial(b.port)
+        conn = raw_dial(b.port, "node0")
         conn.write(records.pack(RecordType.FETCH, 7) + records.FETCH_BODY.pack(99, 0))
         assert _read_text(conn)[:3] == (RecordType.FETCHED, 7, Code.UNIMPLEMENTED)
         link = b.links()[0]
@@ -285,7 +274,7 @@ def test_an_accepted_connection_silent_after_its_preface_is_closed_and_gives_its
     from fedpipe.net.dataplane import Timeouts
     quick = Timeouts(silent=0.5, resume=0.5)
     with DataPlane("node1", Nothing(), timeouts=quick) as b:
-        silent, talking = _raw_dial(b.port, "mallory"), _raw_dial(b.port, "node0")
+        silent, talking = raw_dial(b.port, "mallory"), raw_dial(b.port, "node0")
         talking.write(records.pack(RecordType.SYNC, 0))  # a record: the deadline is lifted
         assert records.unpack(talking.read_exact(records.PREFIX_BYTES))[0] is RecordType.ACK
         assert b.caps.held() == 2
