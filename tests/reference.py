@@ -63,6 +63,22 @@ def job_info(client, job):
     return client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10)
 
 
+def running_plan(client, job, timeout: float = 120.0):
+    """The job's plan (a :class:`~fedpipe.spec.PlanView`) once it runs; fails if it ends or
+    does not run within ``timeout`` seconds."""
+    import time
+
+    from fedpipe.proto import tracker_pb2
+    from fedpipe.spec import PlanView
+    starting = (tracker_pb2.JOB_STATE_PENDING, tracker_pb2.JOB_STATE_PLANNING,
+                tracker_pb2.JOB_STATE_DEPLOYING)
+    deadline = time.monotonic() + timeout
+    while (now := job_info(client, job)).state != tracker_pb2.JOB_STATE_RUNNING:
+        assert time.monotonic() < deadline and now.state in starting, now.reason
+        time.sleep(0.1)
+    return PlanView(now.plan)
+
+
 def diloco_single_process(model, loss_fn, spec, batches, config, *, groups: int = 2,
                           microbatches: int = 1, fed=None, members=None, joins=None,
                           lr_scheduler=None) -> list[dict]:

@@ -21,7 +21,8 @@ from fedpipe.examples import digits
 from fedpipe.proto import tracker_pb2
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
-from reference import digit_batches, job_info, max_relative_difference, single_process
+from reference import (digit_batches, job_info, max_relative_difference, running_plan,
+                       single_process)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -41,13 +42,7 @@ def swarm():
 
 def holder(client, job, stage):
     """The assignment of ``stage`` of group 0 once the job runs."""
-    deadline = time.monotonic() + 120
-    while (now := job_info(client, job)).state != tracker_pb2.JOB_STATE_RUNNING:
-        assert time.monotonic() < deadline and now.state in (
-            tracker_pb2.JOB_STATE_PENDING, tracker_pb2.JOB_STATE_PLANNING,
-            tracker_pb2.JOB_STATE_DEPLOYING), now.reason
-        time.sleep(0.1)
-    return PlanView(now.plan)[StageKey(0, stage)]
+    return running_plan(client, job)[StageKey(0, stage)]
 
 
 def submit(client, data, stages=3, rebalance="never", schedule="1f1b", steps=STEPS):

@@ -25,10 +25,9 @@ import torch
 from torch import nn
 
 import fedpipe
-from fedpipe.proto import tracker_pb2
-from fedpipe.spec import PlanView
 from fedpipe.testing import LocalSwarm
-from reference import digit_batches, job_info, max_relative_difference, single_process
+from reference import (digit_batches, job_info, max_relative_difference, running_plan,
+                       single_process)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.02, momentum=0.9)
@@ -51,14 +50,6 @@ def submit(client, data, rebalance, stages=0):
     return client.submit(make_model(), LOSS, SGD, data, steps=STEPS, microbatches=8,
                          schedule="1f1b", compression="none", checkpoint_every=EVERY,
                          rebalance=rebalance, replicas=1, stages=stages)
-
-
-def running_plan(client, job) -> PlanView:
-    deadline = time.monotonic() + 120
-    while (now := job_info(client, job)).state != tracker_pb2.JOB_STATE_RUNNING:
-        assert time.monotonic() < deadline, now.reason
-        time.sleep(0.1)
-    return PlanView(now.plan)
 
 
 class Gate:

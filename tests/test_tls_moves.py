@@ -17,7 +17,6 @@ cut, not rebuilt from an older checkpoint or from the start.
 from __future__ import annotations
 
 import re
-import time
 
 import grpc
 import pytest
@@ -34,7 +33,8 @@ from fedpipe.security import TlsConfig
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames
-from reference import digit_batches, job_info, max_relative_difference, single_process
+from reference import (digit_batches, job_info, max_relative_difference, running_plan,
+                       single_process)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -63,17 +63,6 @@ def spare_again(swarm):
     for _ in range(NODES - alive):
         swarm.add_node()
     swarm.wait_for_nodes(NODES)
-
-
-def running_plan(client, job) -> PlanView:
-    """The job's plan once it runs."""
-    deadline = time.monotonic() + 120
-    while (now := job_info(client, job)).state != tracker_pb2.JOB_STATE_RUNNING:
-        assert time.monotonic() < deadline and now.state in (
-            tracker_pb2.JOB_STATE_PENDING, tracker_pb2.JOB_STATE_PLANNING,
-            tracker_pb2.JOB_STATE_DEPLOYING), now.reason
-        time.sleep(0.1)
-    return PlanView(now.plan)
 
 
 def submit(client, data, **kw):
