@@ -135,19 +135,26 @@ def test_lossy_codecs_keep_groups_identical(codec):
     assert 0 < max_relative_difference(models[0].state_dict(), plain[0].state_dict()) < 1e-2
 
 
+def two_replicas(wire: OuterWire, **sync_args):
+    """Two replica groups of one zeroed Linear(1, 1) stage each over ``wire``, DiLoCo(H=1,
+    outer lr 1, no momentum) to step 2: their models and OuterSyncs."""
+    spans = [StageSpan(StageKey(0, 0), 0, 1), StageSpan(StageKey(1, 0), 0, 1)]
+    models = [nn.Sequential(nn.Linear(1, 1, bias=False)).double() for _ in range(2)]
+    for m in models:
+        nn.init.zeros_(m[0].weight)
+    syncs = [OuterSync(m, StageKey(r, 0), spans, DiLoCo(1, 1.0, 0.0), [1, 1],
+                       wire.transport(StageKey(r, 0)), last_step=2, **sync_args)
+             for r, m in enumerate(models)]
+    return models, syncs
+
+
 def test_late_replica_does_not_stall_and_is_applied_with_its_staleness_weight():
     """Replica 1's outer step 0 reaches replica 0 only after replica 0's step 1,
     its step 1 only after replica 0 went on too; the last step (2) waits for both.
     Each wait of replica 0 before the last step is bounded by the grace (1 s)."""
     gate = threading.Event()
     wire = OuterWire(lambda src, k: gate if (src, k) == (1, 0) else None)
-    spans = [StageSpan(StageKey(0, 0), 0, 1), StageSpan(StageKey(1, 0), 0, 1)]
-    models = [nn.Sequential(nn.Linear(1, 1, bias=False)).double() for _ in range(2)]
-    for m in models:
-        nn.init.zeros_(m[0].weight)
-    syncs = [OuterSync(m, StageKey(r, 0), spans, DiLoCo(1, 1.0, 0.0), [1, 1],
-                       wire.transport(StageKey(r, 0)), last_step=2)
-             for r, m in enumerate(models)]
+    models, syncs = two_replicas(wire)
     moves = [[1.0, 4.0, 16.0], [2.0, 8.0, 32.0]]  # each inner step lowers the weight by this
     seen = [[], []]
     zero_done_1 = threading.Event()
@@ -193,13 +200,7 @@ def test_a_pseudo_gradient_late_once_is_waited_for_within_the_next_grace():
     it took replica 1 for behind and missed its step 1 too)."""
     gate, entered = threading.Event(), threading.Event()
     wire = OuterWire(lambda src, k: gate if (src, k) == (1, 0) else None)
-    spans = [StageSpan(StageKey(0, 0), 0, 1), StageSpan(StageKey(1, 0), 0, 1)]
-    models = [nn.Sequential(nn.Linear(1, 1, bias=False)).double() for _ in range(2)]
-    for m in models:
-        nn.init.zeros_(m[0].weight)
-    syncs = [OuterSync(m, StageKey(r, 0), spans, DiLoCo(1, 1.0, 0.0), [1, 1],
-                       wire.transport(StageKey(r, 0)), last_step=2, grace_floor=2.0)
-             for r, m in enumerate(models)]
+    models, syncs = two_replicas(wire, grace_floor=2.0)
     moves = [[1.0, 4.0, 16.0], [2.0, 8.0, 32.0]]
     seen: list[list[float]] = [[], []]
 
