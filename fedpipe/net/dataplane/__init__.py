@@ -64,8 +64,8 @@ PutSnapshot (restoring a saved checkpoint) and PutWeights; a fetch from a node
 without a data port.
 """
 from .credits import LinkFailed
-from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused
-from .link import Link, Timeouts, owner_of
+from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused, owner_of
+from .link import Link, Timeouts
 from .records import Code, Preface
 from .server import DataPlane, client_name
 

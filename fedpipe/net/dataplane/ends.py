@@ -1,7 +1,8 @@
 """What the two ends of a socket data-plane link are to each other: who the peer is
 (:class:`Peer`), where a link delivers what it receives (:class:`Receiver`) and reports
 what befalls it (:class:`LinkEvents`), and the refusals of one tensor, by a receiver
-(:class:`Refused`) and as the sender learns of it (:class:`PeerRefused`).
+(:class:`Refused`) and as the sender learns of it (:class:`PeerRefused`), and whose
+sender that is (:func:`owner_of`).
 """
 from __future__ import annotations
 
@@ -77,3 +78,16 @@ class LinkEvents(Protocol):
 
     def failed(self, peer: str, why: str) -> None:
         """The link is gone for good."""
+
+
+def owner_of(envelope: node_pb2.Envelope | None) -> str:
+    """Whose sender a refusal of a tensor with this envelope is raised to: its job at its
+    plan epoch ("" for none); a snapshot's tensor's to its shipper (by step), not to the
+    stage. A link is shared by every job and epoch, and a stage of an epoch a recovery
+    ended may still send for a moment (its node could not be told to stop, say, having
+    moved to another relay); the peer's refusal of that tensor must not fail the same
+    job's stage of the new epoch, nor a buddy's refusal of a snapshot the stage itself."""
+    if envelope is None:
+        return ""
+    snapshot = f"/snapshot {envelope.step}" if envelope.kind == node_pb2.KIND_SNAPSHOT else ""
+    return f"{envelope.job_id}@{envelope.epoch}{snapshot}"

@@ -41,7 +41,7 @@ from .. import timeouts as net_timeouts
 from . import records
 from .connection import Closed, Connection, read_head, read_tensor, skip_payload
 from .credits import Credits, LinkFailed
-from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused
+from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused, owner_of
 from .fetch import Admit, Deliver, Fetches, Server, take_answer
 from .records import Code, Method, Preface, RecordType
 
@@ -100,19 +100,6 @@ class _Out(NamedTuple):
     payload: memoryview  # the tensor's own memory (or its codec output)
     owner: str = ""      # its envelope's job and epoch (:func:`owner_of`): whose sender a
     #                      refusal of it is raised to
-
-
-def owner_of(envelope: node_pb2.Envelope | None) -> str:
-    """Whose sender a refusal of a tensor with this envelope is raised to: its job at its
-    plan epoch ("" for none); a snapshot's tensor's to its shipper (by step), not to the
-    stage. A link is shared by every job and epoch, and a stage of an epoch a recovery
-    ended may still send for a moment (its node could not be told to stop, say, having
-    moved to another relay); the peer's refusal of that tensor must not fail the same
-    job's stage of the new epoch, nor a buddy's refusal of a snapshot the stage itself."""
-    if envelope is None:
-        return ""
-    snapshot = f"/snapshot {envelope.step}" if envelope.kind == node_pb2.KIND_SNAPSHOT else ""
-    return f"{envelope.job_id}@{envelope.epoch}{snapshot}"
 
 
 class _GoAway(Exception):
