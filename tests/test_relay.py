@@ -388,12 +388,17 @@ def test_idle_connections_from_one_source_do_not_take_every_stream_slot_of_a_nod
         relay.close()
 
 
-def test_a_dialer_that_sends_nothing_is_closed_after_the_first_byte_timeout(echo):
+@pytest.mark.parametrize("first", [b"", records.MAGIC[:1], records.MAGIC[:-1]],
+                         ids=["nothing", "a byte of a TAG", "all but a byte of a TAG"])
+def test_a_dialer_that_falls_silent_is_closed_after_the_first_byte_timeout(echo, first):
+    # was (a part of a TAG's magic): the part stayed readable, so the relay polled it for
+    # ever and held the stream
     relay = Relay(first_byte=0.5)
     homing = Homing([relay.address], "n1", echo.port, None)
     try:
         alloc = homing.home(timeout=10)
         with dial_address(alloc.grpc_address) as silent:
+            silent.sendall(first)
             started = time.monotonic()
             silent.settimeout(10)
             try:

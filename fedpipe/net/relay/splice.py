@@ -249,11 +249,16 @@ class _Stream:
                 raise TimeoutError(f"the dialer {self.opened.source} sent nothing within "
                                    f"{wait:g} s")
             head = self.sock.recv(len(records.MAGIC), socket.MSG_PEEK)
-            self.heard = True
             if not head or len(head) == len(records.MAGIC) \
                     or not records.MAGIC.startswith(head):
                 break  # (none: the dialer closed, or the stream was reset meanwhile)
-            time.sleep(PEEK_AGAIN)  # a part of the magic: the rest is on its way
+            # a part of the magic: the rest is on its way, within the same deadline (the
+            # part stays readable, so select alone would never time out)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"the dialer {self.opened.source} sent {len(head)} "
+                                   f"bytes of a TAG, then nothing within {wait:g} s")
+            time.sleep(PEEK_AGAIN)
+        self.heard = True
         with self._cond:
             if self.reset:
                 return
