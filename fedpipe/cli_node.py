@@ -70,7 +70,7 @@ def cmd_relay(args) -> int:
     relay = Relay(args.host, args.port, advertise=args.advertise, tls=tls,
                   max_nodes=args.max_nodes, max_streams=args.max_streams,
                   job_streams=args.job_streams,
-                  **({"job_window": args.job_bytes} if args.job_bytes else {}))
+                  **({"job_window": args.job_bytes} if args.job_bytes is not None else {}))
     print(f"fedpipe relay listening on {args.host}:{relay.port}, allocating at "
           f"{relay.advertise}"
           f"{', mutual TLS as ' + str(tls.identity) if tls else ', plaintext'}", flush=True)

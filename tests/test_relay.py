@@ -416,9 +416,11 @@ def test_a_dialer_that_falls_silent_is_closed_after_the_first_byte_timeout(echo,
         relay.close()
 
 
-@pytest.mark.parametrize("bound", ["max_nodes", "max_streams", "window"])
-def test_a_relay_with_a_bound_below_one_is_refused_at_start(bound):
+@pytest.mark.parametrize("bound,value", [("max_nodes", 0), ("max_streams", 0), ("window", 0),
+                                         ("job_window", 0), ("job_streams", -1)])
+def test_a_relay_with_a_bound_below_one_is_refused_at_start(bound, value):
     # was: it started, then refused every node (max_nodes 0), or its nodes refused its
-    # allocation and retried without end (max_streams or window 0)
-    with pytest.raises(ValueError, match=f"{bound} must be at least 1, got 0"):
-        Relay(**{bound: 0})
+    # allocation and retried without end (max_streams or window 0), or every TAG
+    # (job_streams -1)
+    with pytest.raises(ValueError, match=f"{bound} must be at least 1.*got {value}"):
+        Relay(**{bound: value})

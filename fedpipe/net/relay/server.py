@@ -98,6 +98,9 @@ class Relay:
         if tls is not None and tls.identity.role is not Role.RELAY:
             raise ValueError(f"a relay needs a certificate with role relay, not "
                              f"{tls.identity} ({tls.directory})")
+        if job_streams < 0:
+            raise ValueError(f"a relay's job_streams must be at least 1 (0: the default), "
+                             f"got {job_streams}")
         job_streams = job_streams or max(1, max_streams // JOB_SHARE)
         for what, value in (("max_nodes", max_nodes), ("max_streams", max_streams),
                             ("window", window), ("job_window", job_window)):
