@@ -77,6 +77,11 @@ def test_the_tracker_refuses_a_broken_codec_cost(bad):
     request = tracker_pb2.RegisterNodeRequest(address="127.0.0.1:7000", resources=resources)
     with pytest.raises(InvalidArgument, match="codec speed"):
         validate_node(request)
+    # a cluster file is held to the same rule (was: Infinity reached the planner, which
+    # crashed converting it to an integer)
+    node = dict(id="n0", flops=1e9, memory_bytes=2**30, codec_speeds=[fields])
+    with pytest.raises(jsonio.JsonFormatError, match="codec_speeds: codec speed"):
+        jsonio.cluster_from_json({"nodes": [node]})
     many = node_pb2.Resources(flops=1e9, memory_bytes=2**30, codec_speeds=[
         node_pb2.CodecSpeed(codec="int8")] * (MAX_CODEC_SPEEDS + 1))
     with pytest.raises(InvalidArgument, match="at most"):

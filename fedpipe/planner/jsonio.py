@@ -129,8 +129,11 @@ def _speeds(entries: Any, where: str) -> tuple[CodecSpeed, ...]:
         raise JsonFormatError(f"{where}.codec_speeds: needs a list of objects with exactly "
                               f"the keys {fields}")
     try:
-        return tuple(CodecSpeed(str(e["codec"]), *(float(e[k]) for k in fields[1:]))
-                     for e in entries)
+        speeds = tuple(CodecSpeed(str(e["codec"]), *(float(e[k]) for k in fields[1:]))
+                       for e in entries)
+        for speed in speeds:
+            speed.check()
+        return speeds
     except (TypeError, ValueError) as e:
         raise JsonFormatError(f"{where}.codec_speeds: {e}") from None
 

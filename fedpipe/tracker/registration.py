@@ -10,6 +10,7 @@ from typing import Sequence
 
 from ..proto import node_pb2, tracker_pb2
 from ..spec import PROTOCOL_VERSION
+from ..planner.protoio import codec_speeds
 from .errors import FailedPrecondition, InvalidArgument
 from .store import NodeRecord
 
@@ -17,9 +18,6 @@ MAX_NAME = 256
 """Longest node name or address accepted, characters."""
 MAX_CODEC_SPEEDS = 32
 """Most codec costs a node may advertise (``Resources.codec_speeds``)."""
-MAX_CODEC_SECONDS = 10.0
-"""Largest fixed cost per message, and per MiB, a codec cost may advertise, seconds: beyond
-it a figure is a broken clock, not a speed."""
 PICKLE_VERSIONS = ("python", "torch", "cloudpickle")
 """The :class:`Versions` fields every live node must agree on (pickles depend on them)."""
 
@@ -55,8 +53,8 @@ def validate_node(request: tracker_pb2.RegisterNodeRequest) -> None:
 
 def check_codec_speeds(speeds: Sequence[node_pb2.CodecSpeed]) -> None:
     """Check a node's measured codec costs (``Resources.codec_speeds``): at most
-    :data:`MAX_CODEC_SPEEDS`, each naming a codec in at most 64 characters, with finite
-    figures in [0, :data:`MAX_CODEC_SECONDS`] (per message, and per MiB).
+    :data:`MAX_CODEC_SPEEDS`, each as :meth:`~fedpipe.wire.codecmodel.CodecSpeed.check`
+    wants it.
 
     Raises:
         InvalidArgument: the first problem found.
@@ -64,14 +62,11 @@ def check_codec_speeds(speeds: Sequence[node_pb2.CodecSpeed]) -> None:
     if len(speeds) > MAX_CODEC_SPEEDS:
         raise InvalidArgument(f"node resources may carry at most {MAX_CODEC_SPEEDS} codec "
                               f"speeds, got {len(speeds)}")
-    for s in speeds:
-        figures = (s.encode_fixed, s.decode_fixed, s.encode_per_byte * 2**20,
-                   s.decode_per_byte * 2**20)
-        if not 0 < len(s.codec) <= 64 or not all(
-                math.isfinite(f) and 0 <= f <= MAX_CODEC_SECONDS for f in figures):
-            raise InvalidArgument(f"codec speed {s.codec[:64]!r} must name a codec in 1-64 "
-                                  f"characters and give costs in [0, {MAX_CODEC_SECONDS}] s per "
-                                  f"message and per MiB, got {list(figures)}")
+    try:
+        for speed in codec_speeds(speeds):
+            speed.check()
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
 
 
 def check_versions(name: str, theirs: tracker_pb2.Versions, live: list[NodeRecord]) -> None:

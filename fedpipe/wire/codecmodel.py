@@ -49,6 +49,7 @@ the planner predicts T = step time × that factor.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
@@ -315,6 +316,11 @@ def model(spec: CodecSpec) -> CodecModel:
     return MODELS[spec.name]
 
 
+MAX_CODEC_SECONDS = 10.0
+"""Largest fixed cost per message, and per MiB, a codec cost may give, seconds: beyond it a
+figure is a broken clock, not a speed."""
+
+
 @dataclass(frozen=True)
 class CodecSpeed:
     """One codec's CPU cost on one node, as the node measured it
@@ -336,6 +342,21 @@ class CodecSpeed:
     encode_per_byte: float
     decode_fixed: float
     decode_per_byte: float
+
+    def check(self) -> None:
+        """Refuse a cost no clock measures: a codec named in 1-64 characters, every figure
+        finite, in [0, :data:`MAX_CODEC_SECONDS`] s per message and per MiB.
+
+        Raises:
+            ValueError: naming the codec and its figures.
+        """
+        figures = (self.encode_fixed, self.decode_fixed, self.encode_per_byte * 2**20,
+                   self.decode_per_byte * 2**20)
+        if not 0 < len(self.codec) <= 64 or not all(
+                math.isfinite(f) and 0 <= f <= MAX_CODEC_SECONDS for f in figures):
+            raise ValueError(f"codec speed {self.codec[:64]!r} must name a codec in 1-64 "
+                             f"characters and give costs in [0, {MAX_CODEC_SECONDS}] s per "
+                             f"message and per MiB, got {list(figures)}")
 
 
 def speed_key(spec: CodecSpec) -> str:
