@@ -99,7 +99,9 @@ class NodeReceiver:
         self.snapshot_tensors = 0
         """Snapshot tensors taken over socket links (skeletons included)."""
         self.fetches_served = 0
-        """Fetches (FetchState, FetchSnapshot) answered over socket links, refused or not."""
+        """Fetches (FetchState, FetchSnapshot) over socket links that reached this node's
+        answer, refused there or not (not those the link refused first: a method it does
+        not serve, too many at once)."""
 
     def close(self) -> None:
         """Stop waiting for room in a mailbox (node shutdown)."""

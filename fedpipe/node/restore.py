@@ -52,8 +52,6 @@ class Restorer:
         self.snapshots, self.channels, self.sockets = snapshots, channels, sockets
         self._lock = threading.Lock()
         self._peers: dict[str, node_pb2.Peer] = {}  # a node's gRPC address -> it
-        self.socket_fetches = 0
-        """Snapshots (or pieces) fetched over the socket data plane."""
 
     def learn(self, request: node_pb2.LoadStageRequest) -> None:
         """Remember the names and data ports of the nodes ``request``'s plan and its
@@ -118,7 +116,7 @@ class Restorer:
         for address in sources:
             try:
                 snap, over = self._fetch_from(address, request)
-            except (grpc.RpcError, WireError, LinkFailed) as e:  # PeerRefused: a WireError
+            except (grpc.RpcError, WireError) as e:  # PeerRefused: a WireError
                 detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
                 log.info("could not fetch %sthe step %d snapshot of job %s stage %d (replica %d) "
                          "from %s: %s", what, stage.start, stage.job_id, key.stage,
@@ -139,10 +137,11 @@ class Restorer:
     def _fetch_from(self, address: str, request: node_pb2.FetchSnapshotRequest
                     ) -> tuple[checkpoint.Snapshot, str]:
         """The snapshot ``request`` asks for, from the node at ``address``: over the socket
-        data plane where both ends have a data port, else over gRPC; and which it was.
+        data plane where both ends have a data port, else (or when that link fails) over
+        gRPC; and which it was.
 
         Raises:
-            grpc.RpcError, WireError (PeerRefused: the node refused), LinkFailed.
+            grpc.RpcError, WireError (PeerRefused: the node refused).
         """
         plane, peer = self.sockets(), self._peers.get(address)
         if plane is not None and peer is not None and peer.data_address:
@@ -151,13 +150,14 @@ class Restorer:
                 plane.link(peer.name, peer.data_address).fetch(
                     Method.FETCH_SNAPSHOT, request.SerializeToString(), assembler.admit,
                     assembler.add, timeouts.FETCH_STATE_RPC)
-                _, snap = assembler.finish()
+                return assembler.finish()[1], "the socket data plane"
+            except LinkFailed as e:  # its data port may be gone while its gRPC port is not
+                assembler.abort()
+                log.info("fetching a snapshot from %s over its data port failed (%s): over "
+                         "gRPC instead", address, e)
             except BaseException:
                 assembler.abort()
                 raise
-            with self._lock:
-                self.socket_fetches += 1
-            return snap, "the socket data plane"
         with self.channels.borrow(address) as ch:
             stream = rpc.NodeStub(ch).FetchSnapshot(request, timeout=timeouts.FETCH_STATE_RPC)
             return checkpoint.from_frames(stream, MAX_SNAPSHOT_BYTES)[1], "gRPC"

@@ -124,8 +124,6 @@ class Fetches:
         self._next = 1
         self._pending: dict[int, Pending] = {}
         self._serving = 0
-        self.served = 0
-        """Fetches this side answered (OK or not)."""
         self.answered = 0
         """Fetches of this side's that the peer answered OK."""
 
@@ -241,7 +239,6 @@ class Fetches:
     def stop_serving(self) -> None:
         with self._lock:
             self._serving -= 1
-            self.served += 1
 
 
 def read_request(conn: Connection) -> tuple[int, bytes]:
