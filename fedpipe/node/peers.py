@@ -518,9 +518,11 @@ class StagePeers:
             s.flush()
 
     def settle(self) -> None:
-        """Wait until every tensor submitted so far has been encoded (not sent): then
-        :attr:`feedback` holds the residuals of every gradient submitted. A sender that
-        was closed meanwhile encodes nothing more."""
+        """Wait until every tensor submitted so far has been encoded and handed to its
+        link or stream (a sender's encoder does both, so this may wait for the peer's
+        credit, as long as the link's own timeouts let it): then :attr:`feedback` holds
+        the residuals of every gradient submitted. A sender that was closed meanwhile
+        encodes nothing more."""
         for s in self._all():
             try:
                 s.encoder.submit(lambda: None).result()
