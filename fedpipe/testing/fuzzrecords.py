@@ -52,7 +52,7 @@ class Records:
     CASES = ("garbage", "bad-prefix", "not-preface-first", "preface-oversize",
              "preface-body", "preface-cut", "preface-lies", "stall", "frames", "seq",
              "payload-lies", "oversize", "envelopes", "second-preface", "control",
-             "credits", "sync-flood", "half-open")
+             "credits", "sync-flood", "half-open", "fetches")
 
     def __init__(self, values: Values, name: str, role: str = "node"):
         self.v, self.rng = values, values.rng
@@ -203,7 +203,7 @@ class Records:
     def _control_record(self, kind: RecordType) -> bytes:
         rng = self.rng
         arg = rng.choice((0, 1, 2**32, _U64))
-        if kind in (RecordType.REFUSED, RecordType.GOAWAY):
+        if kind in (RecordType.REFUSED, RecordType.GOAWAY, RecordType.FETCHED):
             text = self.v.text().encode()
             size = rng.choice((len(text), len(text) + 10, records.MAX_TEXT_BYTES + 1,
                                2**32 - 1))
@@ -230,6 +230,35 @@ class Records:
         n = self.rng.choice((1000, 100_000))
         return ([self._preface(), records.pack(RecordType.SYNC, 0) * n],
                 End.HOLD if n > 1000 else End.HALF_CLOSE)
+
+    def _fetch(self) -> bytes:
+        """A FETCH record: any method, a request that may lie about its length or be past
+        its limit, of random bytes or a request for a random job's stage."""
+        rng = self.rng
+        method = rng.choice((*records.Method, 0, 99, 2**32 - 1))
+        request = rng.choice((b"", rng.randbytes(rng.randrange(64)), self.v.message(
+            rng.choice((node_pb2.FetchStateRequest, node_pb2.FetchSnapshotRequest)).DESCRIPTOR
+        ).SerializeToString()))
+        size = rng.choice((len(request), len(request) + 7, records.MAX_REQUEST_BYTES + 1,
+                           2**32 - 1))
+        return (records.pack(RecordType.FETCH, rng.choice((0, 1, rng.randrange(8), _U64)))
+                + records.FETCH_BODY.pack(int(method), size) + request)
+
+    def _fetches(self):
+        # fetches (each a thread on the node, up to its cap), answers nobody asked for
+        # (FETCHED, a TENSOR of an unknown fetch), in any order
+        out = [self._preface()]
+        for seq in range(self.rng.randint(1, 40)):
+            kind = self.rng.randrange(3)
+            if kind == 0:
+                out.append(self._fetch())
+            elif kind == 1:
+                out.append(self._control_record(RecordType.FETCHED))
+            else:
+                header = self.frames.header(True)
+                header.fetch = self.rng.choice((1, 2, _U64))
+                out.append(tensor(seq, header, self.rng.randbytes(header.tensor.payload_bytes)))
+        return out, self.rng.choice((End.HALF_CLOSE, End.HALF_CLOSE, End.HOLD))
 
     def _half_open(self):
         whole = self._sane(0, self.rng.randint(64, 4096))
