@@ -10,6 +10,7 @@ import time
 import psutil
 import torch
 
+from ..planner import protoio
 from ..proto import node_pb2
 from ..wire import codecspeed
 
@@ -115,7 +116,4 @@ def probe(device: str = "cpu", memory_limit: int | None = None) -> node_pb2.Reso
 
 def codec_speeds() -> list[node_pb2.CodecSpeed]:
     """This machine's codec costs (:func:`fedpipe.wire.codecspeed.measure`) as messages."""
-    return [node_pb2.CodecSpeed(codec=s.codec, encode_fixed=s.encode_fixed,
-                                encode_per_byte=s.encode_per_byte, decode_fixed=s.decode_fixed,
-                                decode_per_byte=s.decode_per_byte)
-            for s in codecspeed.measure()]
+    return protoio.codec_speed_messages(codecspeed.measure())

@@ -10,6 +10,7 @@ No I/O and no torch, like the rest of the planner.
 """
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import statistics
 from typing import Iterable, Sequence
@@ -243,3 +244,9 @@ def codec_speeds(speeds: Iterable[node_pb2.CodecSpeed]) -> tuple[CodecSpeed, ...
     """A node's advertised codec costs (``Resources.codec_speeds``) as the planner's."""
     return tuple(CodecSpeed(s.codec, s.encode_fixed, s.encode_per_byte, s.decode_fixed,
                             s.decode_per_byte) for s in speeds)
+
+
+def codec_speed_messages(speeds: Iterable[CodecSpeed]) -> list[node_pb2.CodecSpeed]:
+    """Codec costs as a node advertises them (``Resources.codec_speeds``): the inverse of
+    :func:`codec_speeds`."""
+    return [node_pb2.CodecSpeed(**dataclasses.asdict(s)) for s in speeds]

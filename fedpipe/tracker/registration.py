@@ -28,10 +28,7 @@ def validate_node(request: tracker_pb2.RegisterNodeRequest) -> None:
     Raises:
         InvalidArgument: the first problem found.
     """
-    host, _, port = request.address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
-        raise InvalidArgument(f"node address must be HOST:PORT with a port in 1..65535, "
-                              f"got {request.address!r}")
+    _check_host_port("address", request.address)
     r = request.resources
     if not (math.isfinite(r.flops) and r.flops > 0) or r.memory_bytes <= 0:
         raise InvalidArgument("node resources must have finite flops > 0 and memory_bytes > 0")
@@ -45,10 +42,15 @@ def validate_node(request: tracker_pb2.RegisterNodeRequest) -> None:
         raise InvalidArgument(f"node name and addresses must be at most {MAX_NAME} characters")
     for what, value in (("data address", request.data_address), ("relay", request.relay)):
         if value:
-            host, _, port = value.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
-                raise InvalidArgument(f"node {what} must be HOST:PORT with a port in "
-                                      f"1..65535, got {value!r}")
+            _check_host_port(what, value)
+
+
+def _check_host_port(what: str, value: str) -> None:
+    """Raise InvalidArgument unless ``value`` (a node's ``what``) is HOST:PORT."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+        raise InvalidArgument(f"node {what} must be HOST:PORT with a port in 1..65535, "
+                              f"got {value!r}")
 
 
 def check_codec_speeds(speeds: Sequence[node_pb2.CodecSpeed]) -> None:
