@@ -115,9 +115,8 @@ class Fetches:
         send: send a tensor of an answer on the link.
     """
 
-    def __init__(self, peer: str, name: str = "", server: Server | None = None,
-                 control: Callable[[bytes], None] = lambda record: None,
-                 send: Send | None = None):
+    def __init__(self, peer: str, name: str, server: Server | None,
+                 control: Callable[[bytes], None], send: Send | None = None):
         self.peer, self.name, self.server = peer, name, server
         self._control, self._send = control, send
         self._lock = threading.Lock()
@@ -158,7 +157,7 @@ class Fetches:
             WireError: a request past :data:`~.records.MAX_REQUEST_BYTES`.
         """
         method, request = read_request(conn)
-        refused = self.refuse(method, self.server is not None, self.name)
+        refused = self._refusal(method)
         if refused is not None:
             self._answer(fetch, *refused)
         else:
@@ -226,14 +225,14 @@ class Fetches:
             self._serving += 1
             return True
 
-    def refuse(self, method: int, serves: bool, name: str) -> tuple[Code, str] | None:
-        """Why this side (``name``; ``serves``: it has a :class:`Server`) does not serve a
-        FETCH of ``method`` now, or None: it does (then :meth:`stop_serving` when done)."""
-        if method not in set(Method) or not serves:
-            return Code.UNIMPLEMENTED, f"{name} serves no fetch of method {method} here"
+    def _refusal(self, method: int) -> tuple[Code, str] | None:
+        """Why this side does not serve a FETCH of ``method`` now, or None: it does (then
+        :meth:`stop_serving` when done)."""
+        if method not in set(Method) or self.server is None:
+            return Code.UNIMPLEMENTED, f"{self.name} serves no fetch of method {method} here"
         if not self.start_serving():
-            return Code.RESOURCE_EXHAUSTED, (f"{name} serves at most {MAX_SERVED} fetches of "
-                                             f"{self.peer} at once")
+            return Code.RESOURCE_EXHAUSTED, (f"{self.name} serves at most {MAX_SERVED} "
+                                             f"fetches of {self.peer} at once")
         return None
 
     def stop_serving(self) -> None:
