@@ -14,16 +14,13 @@ nodes' names and data ports come from the load's plan and its ``snapshot_peers``
 from __future__ import annotations
 
 import logging
-from typing import Collection
-
 import threading
-from typing import Callable
+from typing import Callable, Collection
 
 import grpc
 
 from ..net import timeouts
-from ..net.dataplane import DataPlane as SocketPlane
-from ..net.dataplane import LinkFailed
+from ..net.dataplane import DataPlane as SocketPlane, LinkFailed
 from ..net.dataplane.records import Method
 from ..proto import node_pb2
 from ..runtime import checkpoint, layerstate

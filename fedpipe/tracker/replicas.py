@@ -54,10 +54,9 @@ kept: the stages that reduced it report again when their ask fails.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from ..spec import Quorum, StageKey
@@ -292,7 +291,7 @@ class ReplicaSet:
         members = self._members(next_step)
         if key.replica not in members:
             return answer
-        return dataclasses.replace(answer, next_members=members)
+        return replace(answer, next_members=members)
 
     def _answer(self, key: StageKey, step: int, version: int, reduced: bool) -> Quorum:
         done = self._committed.get(step)
