@@ -20,7 +20,8 @@ import contextlib
 import queue
 import socket
 import threading
-from typing import Callable, Iterator, cast
+import time
+from typing import Callable, Iterator
 
 import grpc
 import torch
@@ -135,8 +136,9 @@ def fetch(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
             method, request.SerializeToString(), admit, deliver, timeouts.FETCH_STATE_RPC)
 
 
-_END = object()
-"""The last item of a :func:`fetch_snapshot` hand-over: the answer is complete."""
+HAND_POLL = 0.1
+"""Seconds between looks at whether a :func:`fetch_snapshot`'s reader went away (while a
+tensor waits to be taken), or its fetch ended (while the reader waits for a tensor)."""
 
 
 def fetch_snapshot(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
@@ -152,55 +154,58 @@ def fetch_snapshot(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
     being read), however big the snapshot. A reader that stops early (its generator
     closed) has the rest refused here, which ends the fetch, not the link.
 
+    A reader that does neither within :data:`~fedpipe.net.timeouts.FETCH_STATE_RPC` of
+    the fetch's start (a stream dropped but not yet collected) has the rest refused
+    too, so the link's reader never waits longer.
+
     Raises:
         LinkError: before its skeleton came (the fetch failed: the node's refusal with
-            its code, e.g. NOT_FOUND; UNAVAILABLE); from the stream's tensors, as it
-            fails later (INVALID_ARGUMENT for a tensor or an end that fails the checks).
+            its code, e.g. NOT_FOUND; UNAVAILABLE; INVALID_ARGUMENT: an empty answer);
+            from the stream's tensors, as it fails later (INVALID_ARGUMENT for a tensor
+            refused here).
+        WireError: from the stream's end, as :func:`~fedpipe.runtime.checkpoint.stream_frames`'
+            (not exactly the tensors its skeleton names).
     """
     assembler = checkpoint.Assembler(max_bytes, keep=False)
-    handed: queue.Queue[object] = queue.Queue(maxsize=1)
+    handed: queue.Queue[tuple[node_pb2.Frame, torch.Tensor]] = queue.Queue(maxsize=1)
     stopped = threading.Event()  # the stream's reader went away
+    done = threading.Event()  # the fetch ended: every tensor of it was handed over
+    failed: list[LinkError] = []  # why it failed
+    deadline = time.monotonic() + timeouts.FETCH_STATE_RPC
 
-    def hand(item: object) -> None:
-        while not stopped.is_set():
+    def deliver(head: node_pb2.Frame, t: torch.Tensor) -> None:
+        assembler.add(head, t)  # checked here, before it is handed on
+        while not stopped.is_set() and time.monotonic() < deadline:
             try:
-                handed.put(item, timeout=0.1)
+                handed.put((head, t), timeout=HAND_POLL)
                 return
             except queue.Full:
                 continue
         raise WireError("the snapshot's reader stopped taking it")
 
-    def deliver(head: node_pb2.Frame, t: torch.Tensor) -> None:
-        assembler.add(head, t)  # checked here, before it is handed on
-        hand((head, t))
-
     def run() -> None:
-        end: object = _END
         try:
             fetch(plane, node, dataplane.records.Method.FETCH_SNAPSHOT, request,
                   assembler.admit, deliver)
         except LinkError as e:
-            end = e
-        with contextlib.suppress(WireError):
-            hand(end)
+            failed.append(e)
+        finally:
+            done.set()
 
     def pairs() -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
         try:
-            while (item := handed.get()) is not _END:
-                if isinstance(item, LinkError):
-                    raise item
-                yield cast(tuple[node_pb2.Frame, torch.Tensor], item)
+            while True:
+                try:
+                    yield handed.get(timeout=HAND_POLL)
+                except queue.Empty:
+                    if done.is_set() and handed.empty():  # nothing more will come
+                        if failed:
+                            raise failed[0] from None
+                        return
         finally:
             stopped.set()
 
     threading.Thread(target=run, daemon=True, name=f"fetch-snapshot-{node.node_name}").start()
     with link_errors(node):
-        return checkpoint.stream_tensors(assembler, _as_link_errors(node, pairs()),
-                                         added=True)[1]
+        return checkpoint.stream_tensors(assembler, pairs(), added=True)[1]
 
-
-def _as_link_errors(node: node_pb2.StageAssignment, items: Iterator[tuple[node_pb2.Frame,
-                    torch.Tensor]]) -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
-    """``items``, a WireError raised meanwhile as :func:`link_errors` raises it."""
-    with link_errors(node):
-        yield from items
