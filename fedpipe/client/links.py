@@ -12,7 +12,10 @@ A tensor goes from its own memory as ``SendOne`` would: one ``send`` with
 The feed's error handling is gRPC's (it retries RESOURCE_EXHAUSTED, waits for a
 recovery on UNAVAILABLE, ...), so a refusal is raised as a :class:`LinkError`,
 a ``grpc.RpcError`` with the status code the node gave it (the same code its
-gRPC ``Send`` would answer); a link that fails is UNAVAILABLE.
+gRPC call, ``Send``, ``PutSnapshot``, ``FetchState`` or ``FetchSnapshot``, would end
+with); a link that fails is UNAVAILABLE. Each falls back to gRPC where the node offers
+no data port or the client has no socket plane (``Client(sockets=False)``): the
+callers choose (:class:`~.feed.ChannelNodes`, :mod:`.checkpoints`).
 """
 from __future__ import annotations
 
