@@ -2,7 +2,8 @@
 127.0.0.1: two clients holding one certificate (two ``Client`` objects of one user, in one
 process or several) each get a link of their own at a node, so neither replaces the other's
 connection nor resets where the other's tensors resume, and each tensor is delivered once;
-and a ``Client`` feeds over the socket plane unless told not to."""
+a ``Client`` feeds over the socket plane unless told not to; and a client may put
+snapshots (restoring a saved checkpoint) of its own jobs only, by its certificate."""
 from __future__ import annotations
 
 import threading
@@ -55,6 +56,7 @@ def tls_dir(tmp_path_factory):
     certs.make_ca(d)
     certs.issue(d, certs.Role.NODE, "node0")
     certs.issue(d, certs.Role.CLIENT, "alice")
+    certs.issue(d, certs.Role.CLIENT, "bob")
     return d
 
 
@@ -96,3 +98,36 @@ def test_a_client_feeds_over_sockets_unless_told_not_to():
         plane = default.data_plane()
         assert plane is not None and plane.role == "client" and plane.port == 0  # dials only
         assert grpc_only.data_plane() is None
+
+
+def test_a_client_puts_snapshots_of_its_own_job_only_by_its_certificate(tls_dir):
+    import grpc
+
+    from fedpipe.client import links
+    from fedpipe.node.access import JobAccessBook
+    from fedpipe.node.dataplane import NodeReceiver
+    from fedpipe.node.snapshots import SnapshotDesk, SnapshotStore
+    from fedpipe.runtime import checkpoint
+    from fedpipe.spec import StageKey
+    access = JobAccessBook()
+    access.learn("j", "alice", ["node0"], [StageKey(0, 1)])  # alice's job
+    store = SnapshotStore()
+    r = NodeReceiver(access, None, None, desk=SnapshotDesk(  # type: ignore[arg-type]
+        store, lambda job: job == "j", 1 << 30))
+    snap = checkpoint.take({"module": torch.nn.Linear(4, 3)}, 5)
+    env = node_pb2.Envelope(job_id="j", replica=0, stage=1, kind=node_pb2.KIND_SNAPSHOT,
+                            step=5, batch_size=1)
+    with DataPlane("node0", r, tls=TlsConfig.load(tls_dir, "node0"), timeouts=FAST) as node:
+        a = node_pb2.StageAssignment(replica=0, stage=1, node_name="node0",
+                                     data_address=node.address)
+        with links.client_plane(TlsConfig.load(tls_dir, "bob")) as bob:
+            with pytest.raises(links.LinkError) as e:
+                links.put_snapshot(bob, a, env, snap)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+        assert "client 'bob' is not the owner of job j" in e.value.details()
+        assert store.get("j", StageKey(0, 1), 5) is None
+        with links.client_plane(TlsConfig.load(tls_dir, "alice")) as alice:
+            links.put_snapshot(alice, a, env, snap)
+    kept = store.get("j", StageKey(0, 1), 5)
+    assert kept is not None and torch.equal(kept.tensors["module/weight"],
+                                            snap.tensors["module/weight"])

@@ -289,3 +289,105 @@ def test_an_accepted_connection_silent_after_its_preface_is_closed_and_gives_its
         assert b.caps.held() == 1
         silent.close()
         talking.close()
+
+
+class NoGrpc:
+    """A client's node stubs and socket plane (:class:`fedpipe.client.feed.NodeStubs`) where
+    any gRPC call is a failure: the socket path must be taken."""
+
+    def __init__(self, plane):
+        self.plane = plane
+
+    def node(self, address):
+        raise AssertionError(f"a call went to {address} over gRPC")
+
+    def data_plane(self):
+        return self.plane
+
+
+def node1_plan(data_address: str, stage: int = 1) -> node_pb2.Plan:
+    return node_pb2.Plan(stages=[node_pb2.StageAssignment(
+        replica=0, stage=stage, node_name="node1", address="127.0.0.1:1",  # no gRPC there
+        data_address=data_address)])
+
+
+def snapshot_envelope(step: int, job: str = "j", stage: int = 1) -> node_pb2.Envelope:
+    return node_pb2.Envelope(job_id=job, replica=0, stage=stage, kind=node_pb2.KIND_SNAPSHOT,
+                             step=step, batch_size=1)
+
+
+def test_a_clients_save_pulls_each_snapshot_over_its_socket_plane_bit_for_bit():
+    from fedpipe.client import checkpoints, links
+    r, store = serving_node()
+    kept = store.get("j", StageKey(0, 1), 3)
+    assert kept is not None
+    with links.client_plane(None) as client, DataPlane("node1", r, server=r) as b:
+        stubs = NoGrpc(client)
+        [(key, snap)] = list(checkpoints.pull(stubs.node, "j", node1_plan(b.address), 3, 0,
+                                              client))
+        got = dict(snap.tensors)  # read as it comes, then checked complete
+        assert key == StageKey(0, 1) and snap.step == 3 and snap.skeleton == kept.skeleton
+        assert got.keys() == kept.tensors.keys()
+        assert all(torch.equal(got[k], t) for k, t in kept.tensors.items())
+        # a step no node keeps: NOT_FOUND over the socket plane, as on gRPC
+        with pytest.raises(checkpoints.CheckpointGone, match="checkpoint of step 4 is gone"):
+            list(checkpoints.pull(stubs.node, "j", node1_plan(b.address), 4, 0, client))
+        # a reader that stops after the skeleton's first tensor: the fetch ends, the
+        # link goes on
+        [(_, cut)] = list(checkpoints.pull(stubs.node, "j", node1_plan(b.address), 3, 0,
+                                           client))
+        next(cut.tensors)
+        cut.tensors.close()  # type: ignore[attr-defined]
+        [(_, again)] = list(checkpoints.pull(stubs.node, "j", node1_plan(b.address), 3, 0,
+                                             client))
+        assert dict(again.tensors).keys() == kept.tensors.keys()
+    assert r.fetches_served == 4
+
+
+def test_a_snapshot_answer_past_the_saves_limit_is_grpcs_invalid_argument():
+    import grpc
+
+    from fedpipe.client import links
+    r, _ = serving_node()
+    with links.client_plane(None) as client, DataPlane("node1", r, server=r) as b:
+        a = node1_plan(b.address).stages[0]
+        request = node_pb2.FetchSnapshotRequest.FromString(snapshot_request())
+        stream = links.fetch_snapshot(client, a, request, max_bytes=16)  # skeleton fits
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream.tensors)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "past its limit of 16 bytes" in e.value.details()
+
+
+def test_a_client_puts_a_snapshot_over_its_socket_plane_and_a_refusal_is_grpcs_error():
+    import grpc
+
+    from fedpipe.client import feed, links
+    r, store = serving_node()
+    torch.manual_seed(1)
+    snap = checkpoint.take({"module": torch.nn.Linear(4, 3)}, 5)
+    with links.client_plane(None) as client, DataPlane("node1", r, server=r) as b:
+        nodes = feed.ChannelNodes(NoGrpc(client))
+        a = node1_plan(b.address).stages[0]
+        nodes.put_snapshot(a, snapshot_envelope(5), snap)  # returns once it is kept
+        kept = store.get("j", StageKey(0, 1), 5)
+        assert kept is not None and kept.skeleton == snap.skeleton
+        assert kept.tensors.keys() == snap.tensors.keys()
+        assert all(torch.equal(kept.tensors[k], t) for k, t in snap.tensors.items())
+        # PutSnapshot's checks, with its codes: a stage of no plan of the job, a job this
+        # node knows no plan of, a job it runs no stage of (it keeps no snapshot of it);
+        # the link goes on
+        r.access.learn("h", "alice", ["node0", "node1"], [StageKey(0, 1)])
+        for env, code, why in [
+                (snapshot_envelope(5, stage=2), grpc.StatusCode.INVALID_ARGUMENT,
+                 "job 'j' has no stage 2 of replica group 0"),
+                (snapshot_envelope(5, job="k"), grpc.StatusCode.INVALID_ARGUMENT,
+                 "job 'k' has no stage 1 of replica group 0"),
+                (snapshot_envelope(5, job="h"), grpc.StatusCode.NOT_FOUND,
+                 "this node runs no stage of job 'h'")]:
+            with pytest.raises(links.LinkError) as e:
+                nodes.put_snapshot(a, env, snap)
+            assert e.value.code() == code and why in e.value.details(), e.value.details()
+            assert "node1 refused it" in e.value.details()
+        nodes.put_snapshot(a, snapshot_envelope(7), checkpoint.take({"module": MODEL}, 7))
+    assert 7 in store.steps("j", StageKey(0, 1)) and store.steps("h", StageKey(0, 1)) == []

@@ -3,7 +3,8 @@
 A client killed with ``kill -9`` leaves its job WAITING ("waiting for the
 client") until another process resumes it; a closed client detaches; a job
 nobody comes back to fails at its ``client_timeout``; ``Job.save`` and
-``submit(resume_from=)`` continue a job bit for bit; ``checkpoint_dir``
+``submit(resume_from=)`` continue a job bit for bit, their snapshots over the
+client's socket data plane (over gRPC with ``sockets=False``); ``checkpoint_dir``
 survives losing every node and the tracker. Each exactness check compares
 against the same job run undisturbed on the same swarm (synchronous schedule,
 no compression): the weights must be equal, not close.
@@ -11,6 +12,7 @@ no compression): the weights must be equal, not close.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -176,8 +178,29 @@ def test_a_closed_client_detaches_and_a_job_nobody_resumes_fails_at_its_client_t
     assert "waits for a client" in str(job.feed_error)  # the feed ended without cancelling
 
 
+SOCKET_SNAPSHOTS = re.compile(r"serving FetchSnapshot to \S+#\w+ over the socket data plane"
+                              r"|snapshot of job \S+ stage \d+ \(replica 0\) that \S+#\w+ put "
+                              r"over the socket data plane")
+"""A node's log line for a client's snapshot (a save's fetch, a restore's put) over its
+socket data plane (:mod:`fedpipe.node.dataplane`)."""
+
+
+def socket_snapshots(swarm, since: dict) -> list[str]:
+    """The nodes' lines of :data:`SOCKET_SNAPSHOTS` past ``since`` (each node's log length
+    then, by node: :func:`log_marks`)."""
+    return [m.group(0) for p in swarm.nodes
+            for m in SOCKET_SNAPSHOTS.finditer(swarm.log(p)[since.get(p, 0):])]
+
+
+def log_marks(swarm) -> dict:
+    return {p: len(swarm.log(p)) for p in swarm.nodes}
+
+
 def test_save_then_resume_from_continues_bit_for_bit(swarm, undisturbed, tmp_path):
+    """Over the client's socket data plane: a save's fetch and a restore's put of each
+    stage's snapshot (the nodes' logs say so)."""
     data = batches()
+    since = log_marks(swarm)
     with swarm.client() as client:
         folder = saved_after(client, data, 6, tmp_path / "ck")
         saved = checkpoints.read(folder)
@@ -191,13 +214,18 @@ def test_save_then_resume_from_continues_bit_for_bit(swarm, undisturbed, tmp_pat
         assert status.step == STEPS
         assert_equal(second.state_dict(), undisturbed)
         second.release()
+    lines = socket_snapshots(swarm, since)
+    assert sum("FetchSnapshot" in line for line in lines) == 2, lines  # a stage each
+    assert sum("put over" in line for line in lines) == 2, lines
 
 
 def test_a_checkpoint_saved_in_two_stages_resumes_in_one_exactly(swarm, undisturbed, tmp_path):
     """resume_from with another split: the one stage is assembled from the two saved
-    stages' layers (weights, AdamW moments, LR schedule), and ends as the 2-stage job."""
+    stages' layers (weights, AdamW moments, LR schedule), and ends as the 2-stage job.
+    A client without a socket plane: its save and restore go over gRPC."""
     data = batches()
-    with swarm.client() as client:
+    since = log_marks(swarm)
+    with swarm.client(sockets=False) as client:
         folder = saved_after(client, data, 4, tmp_path / "ck")
         assert checkpoints.read(folder).depth == 2
         second = submit(client, data, resume_from=folder, stages=1)
@@ -205,6 +233,7 @@ def test_a_checkpoint_saved_in_two_stages_resumes_in_one_exactly(swarm, undistur
         assert status.step == STEPS and len(status.plan.stages) == 1
         assert_equal(second.state_dict(), undisturbed)
         second.release()
+    assert socket_snapshots(swarm, since) == []
 
 
 def test_a_checkpoint_dir_outlives_every_node_and_the_tracker(swarm, undisturbed, tmp_path):

@@ -436,28 +436,30 @@ def layout(model: nn.Sequential | None, names: KeyMap | None, spec: JobSpec | No
     return out
 
 
-def pull(node: NodeOf, job_id: str, plan: node_pb2.Plan, step: int, state: int
-         ) -> Iterator[tuple[StageKey, SnapshotStream]]:
+def pull(node: NodeOf, job_id: str, plan: node_pb2.Plan, step: int, state: int,
+         plane: DataPlane | None = None) -> Iterator[tuple[StageKey, SnapshotStream]]:
     """Each stage's snapshot of ``step``, streamed when asked for (a tensor at a time:
     a save holds one tensor of it, :meth:`CheckpointWriter.add`), from its node, else
     any node of the plan (its buddy holds a copy) if it fails before the snapshot's
-    first frame. ``state``: the job's, for the error.
+    first frame: over ``plane`` (the client's socket data plane) from a node that offers
+    a data port, else over gRPC (:func:`fetch_snapshot`). ``state``: the job's, for the
+    error.
 
     Raises:
         CheckpointGone: every node answered NOT_FOUND for one stage's snapshot.
         grpc.RpcError: no node has one stage's snapshot (the last node's error, when
-            it is not NOT_FOUND), or a stream failed midway (from the tensors).
+            it is not NOT_FOUND), or a stream failed midway (from the tensors; over the
+            socket plane a :class:`~.links.LinkError` with the same code).
     """
     view = PlanView(plan)
+    nodes = {a.address: a for a in view.stages.values()}
     for key, a in sorted(view.stages.items()):
-        others = sorted(view.addresses() - {a.address})
-        for i, address in enumerate([a.address] + others):
+        others = [nodes[address] for address in sorted(nodes.keys() - {a.address})]
+        request = node_pb2.FetchSnapshotRequest(job_id=job_id, replica=key.replica,
+                                                stage=key.stage, step=step)
+        for i, source in enumerate([a] + others):
             try:
-                stream = node(address).FetchSnapshot(
-                    node_pb2.FetchSnapshotRequest(job_id=job_id, replica=key.replica,
-                                                  stage=key.stage, step=step),
-                    timeout=timeouts.FETCH_STATE_RPC)
-                _, snap = checkpoint.stream_frames(stream, MAX_TENSOR_BYTES, in_place=True)
+                snap = fetch_snapshot(node, source, request, plane)
             except grpc.RpcError as e:
                 if i < len(others):
                     continue
@@ -467,6 +469,27 @@ def pull(node: NodeOf, job_id: str, plan: node_pb2.Plan, step: int, state: int
             yield key, snap
             del snap
             break
+
+
+def fetch_snapshot(node: NodeOf, source: node_pb2.StageAssignment,
+                   request: node_pb2.FetchSnapshotRequest, plane: DataPlane | None = None
+                   ) -> SnapshotStream:
+    """The snapshot ``request`` names from the node of ``source`` (a stage assignment of
+    the plan: its gRPC address, name and data port), read as it comes: over ``plane``
+    (:func:`.links.fetch_snapshot`) where it offers a data port, else gRPC's
+    ``FetchSnapshot``; at most :data:`~fedpipe.wire.codecs.MAX_TENSOR_BYTES` in all, the
+    one assembly and its checks being :func:`~fedpipe.runtime.checkpoint.stream_tensors`.
+
+    Raises:
+        grpc.RpcError: the node refused it (NOT_FOUND: it holds no such snapshot) or is
+            unreachable, before its skeleton came (a :class:`~.links.LinkError` over
+            the socket plane).
+        WireError: a malformed snapshot (and, from its tensors, as they fail).
+    """
+    if plane is not None and source.data_address:
+        return links.fetch_snapshot(plane, source, request, MAX_TENSOR_BYTES)
+    stream = node(source.address).FetchSnapshot(request, timeout=timeouts.FETCH_STATE_RPC)
+    return checkpoint.stream_frames(stream, MAX_TENSOR_BYTES, in_place=True)[1]
 
 
 def gone_message(job_id: str, key: StageKey, step: int, state: int) -> str:

@@ -71,15 +71,16 @@ class Client:
     expired one, or the wrong role for the method
     (:mod:`fedpipe.security.explain`); the status code stays gRPC's.
 
-    The feed (each step's inputs and targets) goes over the socket data plane to a
+    The feed (each step's inputs and targets), ``state_dict``'s fetches, a save's
+    snapshots and a restore's (``resume_from``) go over the socket data plane to a
     node that offers a data port (:mod:`.links`; one connection per node, with the
     client's certificate under TLS), over gRPC to one that does not, or to every node
     with ``sockets=False``.
 
     Args:
         tracker: the tracker's ``HOST:PORT``.
-        sockets: feed over the socket data plane where a node offers it (the default;
-            False: over gRPC only).
+        sockets: use the socket data plane where a node offers it (the default; False:
+            gRPC only).
         tls: mutual TLS: a :class:`fedpipe.security.TlsConfig` (a certificate
             with role client, or admin for the operator), or a TLS directory
             holding one certificate with its key. None: ``$FEDPIPE_TLS_DIR`` if

@@ -112,7 +112,12 @@ class NodeLink(Protocol):
 
     def put_snapshot(self, node: node_pb2.StageAssignment, envelope: node_pb2.Envelope,
                      snapshot: checkpoint.Snapshot) -> None:
-        """Put a stage's snapshot on the node that runs the stage ``node``."""
+        """Put a stage's snapshot on the node that runs the stage ``node``; return once it
+        kept it.
+
+        Raises:
+            grpc.RpcError: the node refused it (PutSnapshot's checks), or is unreachable.
+        """
 
 
 class NodeStubs(Protocol):
@@ -125,9 +130,10 @@ class NodeStubs(Protocol):
 
 
 class ChannelNodes:
-    """:class:`NodeLink` over the client's links to the nodes: a tensor over the socket
-    data plane to a node that offers a data port (:mod:`.links`), over gRPC's ``Send``
-    to one that does not (or when the client has no socket plane)."""
+    """:class:`NodeLink` over the client's links to the nodes: a tensor (or a snapshot)
+    over the socket data plane to a node that offers a data port (:mod:`.links`), over
+    gRPC's ``Send`` (``PutSnapshot``) to one that does not (or when the client has no
+    socket plane)."""
 
     def __init__(self, stubs: NodeStubs):
         self.stubs = stubs
@@ -143,6 +149,10 @@ class ChannelNodes:
 
     def put_snapshot(self, node: node_pb2.StageAssignment, envelope: node_pb2.Envelope,
                      snapshot: checkpoint.Snapshot) -> None:
+        plane = self.stubs.data_plane() if node.data_address else None
+        if plane is not None:
+            links.put_snapshot(plane, node, envelope, snapshot)
+            return
         self.stubs.node(node.address).PutSnapshot(checkpoint.to_frames(snapshot, envelope),
                                                   timeout=timeouts.FETCH_STATE_RPC)
 

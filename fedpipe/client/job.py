@@ -271,7 +271,8 @@ class Job:
 
     def _pull(self, info: tracker_pb2.JobInfo, step: int
               ) -> Iterator[tuple[StageKey, checkpoint.SnapshotStream]]:
-        return checkpoints.pull(self.client.node, self.id, info.plan, step, info.state)
+        return checkpoints.pull(self.client.node, self.id, info.plan, step, info.state,
+                                self.client.data_plane())
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"

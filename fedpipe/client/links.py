@@ -1,5 +1,7 @@
 """A client's socket data plane: its feed (inputs, targets) to the nodes that offer one,
-and its fetches of a job's weights (``FetchState``, :func:`fetch`).
+its fetches of a job's weights (``FetchState``, :func:`fetch`) and snapshots
+(``FetchSnapshot`` for a save, :func:`fetch_snapshot`), and the snapshots it puts on
+them (``PutSnapshot``, restoring a saved checkpoint: :func:`put_snapshot`).
 
 The client dials each node's data port (:mod:`fedpipe.net.dataplane`) from one
 :class:`~fedpipe.net.dataplane.DataPlane` of role ``client`` that does not listen
@@ -10,18 +12,27 @@ A tensor goes from its own memory as ``SendOne`` would: one ``send`` with
 The feed's error handling is gRPC's (it retries RESOURCE_EXHAUSTED, waits for a
 recovery on UNAVAILABLE, ...), so a refusal is raised as a :class:`LinkError`,
 a ``grpc.RpcError`` with the status code the node gave it (the same code its
-gRPC ``Send`` would answer); a link that fails is UNAVAILABLE.
+gRPC call, ``Send``, ``PutSnapshot``, ``FetchState`` or ``FetchSnapshot``, would end
+with); a link that fails is UNAVAILABLE. Each falls back to gRPC where the node offers
+no data port or the client has no socket plane (``Client(sockets=False)``): the
+callers choose (:class:`~.feed.ChannelNodes`, :mod:`.checkpoints`).
 """
 from __future__ import annotations
 
+import contextlib
+import queue
 import socket
-from typing import Callable
+import threading
+import time
+from typing import Callable, Iterator
 
 import grpc
 import torch
 
 from ..net import dataplane, timeouts
 from ..proto import node_pb2
+from ..runtime import checkpoint
+from ..runtime.snapshot_link import send_snapshot
 from ..security import TlsConfig
 from ..status import StatusError
 from ..wire.format import WireError
@@ -72,15 +83,42 @@ def send(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
     Raises:
         LinkError: the node refused it (its code), or the link failed (UNAVAILABLE).
     """
-    try:
+    with link_errors(node):
         link = plane.link(node.node_name, node.data_address)
         link.send(tensor, envelope=envelope, flush=True)
+
+
+@contextlib.contextmanager
+def link_errors(node: node_pb2.StageAssignment) -> Iterator[None]:
+    """Raise a socket call's failure as the :class:`LinkError` its gRPC call would end
+    with: a refusal by ``node`` with its code, a failed link as UNAVAILABLE, a tensor that
+    cannot be encoded (or one of an answer refused here) as INVALID_ARGUMENT."""
+    try:
+        yield
     except dataplane.PeerRefused as e:
         raise LinkError(status_code(e.code), f"{node.node_name} refused it: {e}") from None
     except dataplane.LinkFailed as e:
         raise LinkError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-    except WireError as e:  # the tensor cannot be encoded
+    except WireError as e:
         raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+
+def put_snapshot(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
+                 envelope: node_pb2.Envelope, snap: checkpoint.Snapshot) -> None:
+    """Put a stage's snapshot on ``node`` over its data port
+    (:func:`~fedpipe.runtime.snapshot_link.send_snapshot`; ``envelope``: ``KIND_SNAPSHOT``
+    with the job, stage key and step); return once the node kept it. The node checks it
+    as a gRPC ``PutSnapshot`` (:mod:`fedpipe.node.dataplane`: the policy row, the job's
+    own client, a stage key of its plans, sizes, a job it runs).
+
+    Raises:
+        LinkError: the node refused it (the code ``PutSnapshot`` would end with: e.g.
+            PERMISSION_DENIED for a job that is not the caller's or that the node does
+            not know, INVALID_ARGUMENT for a stage of no plan of it), or the link failed
+            (UNAVAILABLE).
+    """
+    with link_errors(node):
+        send_snapshot(plane.link(node.node_name, node.data_address), envelope, snap)
 
 
 def fetch(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
@@ -96,12 +134,81 @@ def fetch(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
             failed or broke meanwhile (UNAVAILABLE), or a tensor of the answer was refused
             here (INVALID_ARGUMENT).
     """
-    try:
+    with link_errors(node):
         plane.link(node.node_name, node.data_address).fetch(
             method, request.SerializeToString(), admit, deliver, timeouts.FETCH_STATE_RPC)
-    except dataplane.PeerRefused as e:
-        raise LinkError(status_code(e.code), f"{node.node_name} refused it: {e}") from None
-    except dataplane.LinkFailed as e:
-        raise LinkError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-    except WireError as e:  # a tensor of the answer that this side refused
-        raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+
+HAND_POLL = 0.1
+"""Seconds between looks at whether a :func:`fetch_snapshot`'s reader went away (while a
+tensor waits to be taken), or its fetch ended (while the reader waits for a tensor)."""
+
+
+def fetch_snapshot(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
+                   request: node_pb2.FetchSnapshotRequest, max_bytes: int
+                   ) -> checkpoint.SnapshotStream:
+    """``FetchSnapshot`` from ``node``'s data port, read a tensor at a time as gRPC's
+    stream is (:func:`~fedpipe.runtime.checkpoint.stream_tensors`, the same assembly
+    and checks: at most ``max_bytes`` in all, exactly the tensors its skeleton names).
+
+    The fetch runs on a thread of its own (:func:`fetch`); each tensor of the answer is
+    checked on the link's reader thread and handed over one at a time: the reader waits
+    while the stream's reader holds one, so this side holds one tensor (and the one
+    being read), however big the snapshot. A reader that stops early (its generator
+    closed) has the rest refused here, which ends the fetch, not the link.
+
+    A reader that does neither within :data:`~fedpipe.net.timeouts.FETCH_STATE_RPC` of
+    the fetch's start (a stream dropped but not yet collected) has the rest refused
+    too, so the link's reader never waits longer.
+
+    Raises:
+        LinkError: before its skeleton came (the fetch failed: the node's refusal with
+            its code, e.g. NOT_FOUND; UNAVAILABLE; INVALID_ARGUMENT: an empty answer);
+            from the stream's tensors, as it fails later (INVALID_ARGUMENT for a tensor
+            refused here).
+        WireError: from the stream's end, as :func:`~fedpipe.runtime.checkpoint.stream_frames`'
+            (not exactly the tensors its skeleton names).
+    """
+    assembler = checkpoint.Assembler(max_bytes, keep=False)
+    handed: queue.Queue[tuple[node_pb2.Frame, torch.Tensor]] = queue.Queue(maxsize=1)
+    stopped = threading.Event()  # the stream's reader went away
+    done = threading.Event()  # the fetch ended: every tensor of it was handed over
+    failed: list[LinkError] = []  # why it failed
+    deadline = time.monotonic() + timeouts.FETCH_STATE_RPC
+
+    def deliver(head: node_pb2.Frame, t: torch.Tensor) -> None:
+        assembler.add(head, t)  # checked here, before it is handed on
+        while not stopped.is_set() and time.monotonic() < deadline:
+            try:
+                handed.put((head, t), timeout=HAND_POLL)
+                return
+            except queue.Full:
+                continue
+        raise WireError("the snapshot's reader stopped taking it")
+
+    def run() -> None:
+        try:
+            fetch(plane, node, dataplane.records.Method.FETCH_SNAPSHOT, request,
+                  assembler.admit, deliver)
+        except LinkError as e:
+            failed.append(e)
+        finally:
+            done.set()
+
+    def pairs() -> Iterator[tuple[node_pb2.Frame, torch.Tensor]]:
+        try:
+            while True:
+                try:
+                    yield handed.get(timeout=HAND_POLL)
+                except queue.Empty:
+                    if done.is_set() and handed.empty():  # nothing more will come
+                        if failed:
+                            raise failed[0] from None
+                        return
+        finally:
+            stopped.set()
+
+    threading.Thread(target=run, daemon=True, name=f"fetch-snapshot-{node.node_name}").start()
+    with link_errors(node):
+        return checkpoint.stream_tensors(assembler, pairs(), added=True)[1]
+

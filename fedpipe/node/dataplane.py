@@ -11,12 +11,16 @@ Identity is the peer's certificate (with TLS), as ``identity_of(context)`` is on
 gRPC. A node domain error refuses the one tensor with the status code the node's
 error table (:data:`fedpipe.node.errors.STATUS`) gives it on gRPC; the link goes on.
 
-A checkpoint snapshot from a buddy comes as its tensors (KIND_SNAPSHOT, each
-with its envelope and name; :func:`fedpipe.node.snapshots.send_snapshot`) and
-passes ``PutSnapshot``'s checks instead: its policy row, then who may move the
-job's snapshots (:meth:`~fedpipe.node.access.JobAccessBook.check_snapshot`, on
-the skeleton); the :class:`~fedpipe.node.snapshots.SnapshotDesk` puts the
-tensors together and keeps the snapshot once it has them all.
+A checkpoint snapshot from a buddy, or from the job's client restoring a saved
+checkpoint, comes as its tensors (KIND_SNAPSHOT, each with its envelope and name;
+:func:`fedpipe.runtime.snapshot_link.send_snapshot`) and passes ``PutSnapshot``'s
+checks instead, as on gRPC: its policy row (roles ``node`` and ``client``), then
+who may move the job's snapshots and for which stage key
+(:meth:`~fedpipe.node.access.JobAccessBook.check_snapshot`, on the skeleton: a
+node of the job's plans or its own client, a key of its plans); the
+:class:`~fedpipe.node.snapshots.SnapshotDesk` puts the tensors together within
+the snapshot and job size limits and keeps the snapshot once it has them all,
+if this node runs a stage of the job.
 
 A peer's fetch (``FetchState``, ``FetchSnapshot``: a node restoring a stage from
 this one's snapshot; :mod:`fedpipe.net.dataplane.fetch`) is served by
@@ -155,9 +159,13 @@ class NodeReceiver:
         try:
             if env.kind == Kind.SNAPSHOT:
                 assert self.desk is not None  # admit refused it otherwise
-                self.desk.add_part(peer.name, header, tensor)
+                kept = self.desk.add_part(peer.name, header, tensor)
                 with self._lock:
                     self.snapshot_tensors += 1
+                if kept and peer.role == "client":  # a saved checkpoint restored (rare)
+                    log.info("kept the step %d snapshot of job %s stage %d (replica %d) that "
+                             "%s put over the socket data plane", env.step, env.job_id,
+                             env.stage, env.replica, peer.name)
                 return
             self.admission.deliver(env, tensor, lambda: not self._closed.is_set())
         except MAPPED as e:

@@ -12,7 +12,6 @@ it is shipped, fetched or restored. Only the skeletons (a few KiB) stay in memor
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import logging
@@ -31,6 +30,7 @@ from ..net import dataplane, timeouts
 from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint, layerstate, tensorfile
 from ..runtime.checkpoint import Snapshot
+from ..runtime.snapshot_link import send_snapshot
 from ..spec import SNAPSHOTS_KEPT, Kind, StageKey
 from ..wire import WireError, rpc
 from ..wire.format import peek_header
@@ -311,33 +311,6 @@ class Checkpoints:
         self.shipper.shutdown(wait=False, cancel_futures=True)
 
 
-def send_snapshot(link: dataplane.Link, envelope: node_pb2.Envelope, snap: Snapshot) -> None:
-    """Put ``snap`` on the node at the other end of ``link``: its tensors in
-    :func:`~fedpipe.runtime.checkpoint.to_tensors`' order, each with ``envelope`` (the
-    receiver puts them together by it, :meth:`SnapshotDesk.admit_part`) and its name,
-    from their own memory (a snapshot is a copy nobody changes); returns once the node
-    kept it: its own tensors acknowledged, whatever the stages send on the link meanwhile,
-    within :data:`~fedpipe.net.timeouts.FETCH_STATE_RPC` (as ``PutSnapshot``'s deadline).
-
-    Raises:
-        PeerRefused: the node refused it (a WireError); a refusal is raised here only,
-            never to the stage's sender on the same link
-            (:func:`~fedpipe.net.dataplane.owner_of`).
-        LinkFailed: the link failed, or the node did not acknowledge it in time.
-    """
-    owner, last = dataplane.owner_of(envelope), -1
-    try:
-        for name, t in checkpoint.to_tensors(snap):
-            last = link.send(t, envelope=envelope, name=name)
-    except dataplane.PeerRefused:
-        # refused already (its other tensors are refused too): wait for what was sent, so
-        # that no refusal of this snapshot is left on the link, then say the first
-        with contextlib.suppress(dataplane.PeerRefused):
-            link.flush(timeout=timeouts.FETCH_STATE_RPC, owner=owner, through=last)
-        raise
-    link.flush(timeout=timeouts.FETCH_STATE_RPC, owner=owner, through=last)
-
-
 class SnapshotDesk:
     """Snapshots in and out of this node over RPC: a buddy's (or the job's client's,
     restoring a saved checkpoint) kept by PutSnapshot, and those FetchSnapshot serves;
@@ -424,9 +397,9 @@ class SnapshotDesk:
                 f"snapshot refused: {e} (a snapshot may take at most {MAX_SNAPSHOT_BYTES} "
                 f"bytes, one job's kept snapshots {self.job_bytes} bytes on this node)") from e
 
-    def add_part(self, sender: str, head: node_pb2.Frame, tensor: torch.Tensor) -> None:
+    def add_part(self, sender: str, head: node_pb2.Frame, tensor: torch.Tensor) -> bool:
         """Take one tensor :meth:`admit_part` admitted; keep the snapshot once it has them
-        all.
+        all; whether it was the last (the snapshot is kept now).
 
         Raises:
             WireError: a malformed snapshot (or a tensor of none started).
@@ -442,9 +415,10 @@ class SnapshotDesk:
                 raise WireError(f"snapshot tensor {head.name!r} of no snapshot started")
             assembler.add(head, tensor)
             if not assembler.complete:
-                return
+                return False
             self._drop(key)
             self._kept(*assembler.finish())
+            return True
         except (NoSuchStage, OSError):  # a full disk: its partial file goes, even if complete
             self._drop(key)
             if assembler is not None:

@@ -353,9 +353,29 @@ def stream_frames(stream: Iterable[bytes], max_bytes: int, *, in_place: bool = F
             tensor or the stream's end).
     """
     assembler = Assembler(max_bytes, keep=False)
-    pairs = frames.read_tensors(stream, assembler.admit, in_place=in_place)
+    return stream_tensors(assembler, frames.read_tensors(stream, assembler.admit,
+                                                         in_place=in_place))
+
+
+def stream_tensors(assembler: Assembler, pairs: Iterator[tuple[node_pb2.Frame, torch.Tensor]],
+                   *, added: bool = False) -> tuple[node_pb2.Frame, SnapshotStream]:
+    """A snapshot read a tensor at a time from ``pairs`` (each header already passed
+    ``assembler.admit``, a :class:`Assembler` with ``keep=False``): its skeleton read here,
+    each tensor taken by ``assembler`` as the returned stream's tensors are advanced,
+    and at their end checked complete. The one assembly of :func:`stream_frames` (a gRPC
+    stream) and of a fetch over the socket data plane
+    (:func:`fedpipe.client.links.fetch_snapshot`).
+
+    ``added``: each pair was already taken by ``assembler.add`` (a transport that checks
+    them on its own thread, before they are handed on).
+
+    Raises:
+        WireError, SnapshotTooLarge: as :func:`from_frames` (from the iterator, for a
+            tensor or the stream's end); what ``pairs`` raises.
+    """
+    take = (lambda head, t: None) if added else assembler.add
     for head, t in pairs:
-        assembler.add(head, t)
+        take(head, t)
         break
     if assembler.first is None or assembler.snap is None:
         raise WireError("empty snapshot stream")
@@ -363,7 +383,7 @@ def stream_frames(stream: Iterable[bytes], max_bytes: int, *, in_place: bool = F
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for head, t in pairs:
-            assembler.add(head, t)
+            take(head, t)
             yield head.name, t
             del t  # the next tensor is read without this one held here
         assembler.finish()

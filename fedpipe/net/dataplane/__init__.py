@@ -47,7 +47,7 @@ What else travels over it, where both ends have a data port:
   the client's plane is dial-only (``listen=False``), role ``client``, named
   ``NAME#SUFFIX`` (:func:`client_name`), and a node keys its link by that whole
   name, so two clients of one certificate have a link each;
-* checkpoint snapshots to a buddy (:func:`fedpipe.node.snapshots.send_snapshot`,
+* checkpoint snapshots to a buddy (:func:`fedpipe.runtime.snapshot_link.send_snapshot`,
   put together by the receiving node's snapshot desk), when the link to it is up (a
   broken one, waiting to resume, sends it over gRPC): the snapshot waits for its own
   tensors' acknowledgements only (``flush(through=...)``), and a refusal of it is
@@ -59,9 +59,13 @@ What else travels over it, where both ends have a data port:
   asking node's ``link.fetch(Method.FETCH_SNAPSHOT, request, admit, deliver)``,
   from a source with a data port (a relayed one through its relay's data port).
 
-Still on gRPC: a client's FetchState and FetchSnapshot (saves, ``state_dict``), its
-PutSnapshot (restoring a saved checkpoint) and PutWeights; a fetch from a node
-without a data port.
+* a client's ``FetchState`` (``state_dict``) and ``FetchSnapshot`` (saves), and its
+  snapshots put on the nodes when it restores a saved checkpoint (``PutSnapshot``'s
+  tensors, :func:`fedpipe.client.links.put_snapshot`, checked as a gRPC
+  ``PutSnapshot`` is), unless ``Client(sockets=False)``.
+
+Still on gRPC: a client's PutWeights; a fetch from or a put on a node without a data
+port.
 """
 from .credits import LinkFailed
 from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused, owner_of
