@@ -430,6 +430,11 @@ class Home:
             stream.job = tag.job
             stream.opened = dataclasses.replace(stream.opened, job=tag.job)
 
+    def tagged(self) -> dict[str, int]:
+        """Tagged streams spliced now, by job (at most ``job_streams`` a job)."""
+        with self._lock:
+            return dict(collections.Counter(s.job for s in self._streams.values() if s.job))
+
     def jobs(self) -> dict[str, int]:
         """Bytes each job's tagged streams have in flight from this side now (sent, not
         yet credited), by job."""
