@@ -165,3 +165,20 @@ def test_a_jobs_relayed_link_resumes_tagged_when_the_relay_comes_back():
             assert back.tagged("b") == {"job-1": 1}, "the redial was not tagged"
         finally:
             back.close()
+
+
+def test_a_job_over_closes_its_links_through_the_relay_and_no_others():
+    with relayed_node() as (relay, _, _, b_in, address), \
+            DataPlane("a", Inbox(), timeouts=FAST) as a:
+        for job in ("job-1", "job-2"):
+            a.link("b", address, job, relayed=True).send(torch.ones(1), envelope=env(job),
+                                                         flush=True)
+        two = a.link("b", address, "job-2", relayed=True)
+        assert relay.tagged("b") == {"job-1": 1, "job-2": 1}
+        assert a.end_job("job-1") == 1 and a.end_job("job-3") == 0
+        deadline = time.monotonic() + 20
+        while relay.tagged("b") != {"job-2": 1} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert relay.tagged("b") == {"job-2": 1}, "job 1's stream outlived the job"
+        two.send(torch.zeros(1), envelope=env("job-2"), flush=True)  # job 2's goes on
+        assert [g[2] for g in b_in.wait(3)] == ["job-1", "job-2", "job-2"]

@@ -531,6 +531,22 @@ class DataPlane:
         sock.close()
 
     # -- life cycle -------------------------------------------------------------
+    def end_job(self, job: str) -> int:
+        """``job`` is over here: close the links this side dialed through a relay for it
+        alone (:meth:`link`), so the relay's streams of the job end (the peer's end fails
+        after its resume window). Links shared by jobs stay. Returns how many closed."""
+        with self._lock:
+            mine = [key for key in self._dialed if job and key[1] == job]
+            links = [self._dialed.pop(key) for key in mine]
+            for key in mine:
+                self._addresses.pop(key, None)
+        for link in links:
+            link.close()
+        if links:
+            log.info("job %s is over: closed its %d data link(s) through relays", job,
+                     len(links))
+        return len(links)
+
     def links(self) -> list[Link]:
         """Every link now, dialed and accepted."""
         with self._lock:
