@@ -182,3 +182,30 @@ def test_a_job_over_closes_its_links_through_the_relay_and_no_others():
         assert relay.tagged("b") == {"job-2": 1}, "job 1's stream outlived the job"
         two.send(torch.zeros(1), envelope=env("job-2"), flush=True)  # job 2's goes on
         assert [g[2] for g in b_in.wait(3)] == ["job-1", "job-2", "job-2"]
+
+
+def test_of_two_outbound_only_nodes_the_one_dialed_through_its_relay_uses_that_jobs_link(
+        monkeypatch):
+    monkeypatch.setattr(timeouts, "REVERSE_DIAL_WAIT", 30.0)  # waited out: the test times out
+    with relayed_node() as (relay, homing, b, _, address), \
+            DataPlane("a", a_in := Inbox(), timeouts=FAST) as a:
+        # a sorts first: it dials b through b's relay; its own relayed address is never used
+        pa = node_pb2.StageAssignment(stage=0, node_id="id-a", node_name="a", address="a:1",
+                                      data_address="127.0.0.1:1", relay="127.0.0.1:2")
+        pb = node_pb2.StageAssignment(stage=1, node_id="id-b", node_name="b", address="b:1",
+                                      data_address=address, relay=homing.relay)
+        a_peers, b_peers = StagePeers(ChannelPool(), plane=a), StagePeers(ChannelPool(), plane=b)
+        try:
+            for th in a_peers.connect(pa, [pa, pb], "job-1"):
+                th.join(10)
+            b_peers.connect(pb, [pa, pb], "job-1")
+            started = time.monotonic()
+            back = b_peers.sender(pa)  # the link a dialed for job 1: no wait, no dial
+            assert time.monotonic() - started < 10 and back.link.dial is None
+            back.submit(env("job-1"), torch.ones(2), "raw")
+            back.flush()
+            assert a_in.wait(1) == [("b", "job-1", "job-1", [1.0, 1.0])]
+            assert relay.tagged("b") == {"job-1": 1}
+        finally:
+            a_peers.close()
+            b_peers.close()

@@ -493,7 +493,7 @@ class StagePeers:
                 return sender
         plane = self.plane
         if self.me is not None and waits_for(self.me, peer):  # let the peer dial: direct
-            if plane.wait_dialed_by(peer.node_name, timeouts.REVERSE_DIAL_WAIT):
+            if plane.wait_dialed_by(peer.node_name, timeouts.REVERSE_DIAL_WAIT, self.job):
                 log.info("data link to %s: it dialed this node (it is outbound-only)",
                          peer.node_name)
             else:

@@ -489,17 +489,22 @@ class DataPlane:
             if link.credits.failed is not None and self._accepted.get(key) is link:
                 del self._accepted[key]
 
-    def wait_dialed_by(self, peer: str, timeout: float) -> bool:
+    def wait_dialed_by(self, peer: str, timeout: float, job: str = "") -> bool:
         """Wait up to ``timeout`` seconds until ``peer`` (a node name) has a connected link
-        it dialed here; whether it has. :meth:`link` then returns that link, whatever
+        it dialed here (of any job, or of ``job`` alone through this side's relay);
+        whether it has. :meth:`link` given ``job`` then returns that link, whatever
         address it is given: a reachable node lets an outbound-only peer (behind NAT)
-        dial it, rather than dialing it through its relay."""
+        dial it, rather than dialing it through its relay, and of two outbound-only
+        nodes one waits for the other's link through its relay."""
         deadline = time.monotonic() + timeout
+        keys = ((peer, job), (peer, "")) if job else ((peer, ""),)
         with self._arrived:
             while True:
-                link = self._accepted.get((peer, ""))
-                if link is not None and link.credits.failed is None and link.conn is not None:
-                    return True
+                for key in keys:
+                    link = self._accepted.get(key)
+                    if link is not None and link.credits.failed is None \
+                            and link.conn is not None:
+                        return True
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     return False
