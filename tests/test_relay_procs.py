@@ -115,6 +115,32 @@ def test_a_job_whose_nodes_are_all_relayed_trains_exactly_as_pytorch():
         assert not status.recoveries
 
 
+def test_relayed_nodes_data_links_are_tagged_with_their_job_and_end_with_it():
+    """The relay (in this process, to read its counts) splices the nodes' data-plane links
+    as their job's (each dialed with a TAG naming it: one per peer and job, bounded by the
+    job's share), and they end when the job is released."""
+    relay = Relay()
+    try:
+        with LocalSwarm(n_nodes=0) as swarm:
+            nodes = relayed_swarm(swarm, relay.address)
+            seen: list[dict[str, dict[str, int]]] = []
+            jobs: list = []
+            train(swarm, steps=4, jobs=jobs, at_step=(2, "count the relay's tagged streams",
+                                                      lambda: seen.append(
+                                                          {n: relay.tagged(n) for n in nodes})))
+            job = jobs[0].id
+            tagged = [t for by_node in seen for t in by_node.values() if t]
+            # the pipeline's two links, each dialed by the node whose name sorts first
+            assert sum(t.get(job, 0) for t in tagged) >= 2, seen
+            assert all(set(t) == {job} for t in tagged), seen
+            deadline = time.monotonic() + 30
+            while any(relay.tagged(n) for n in nodes) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not any(relay.tagged(n) for n in nodes), "a released job's links stayed"
+    finally:
+        relay.close()
+
+
 def test_a_relay_killed_mid_job_and_restarted_loses_no_tensor_under_mutual_tls():
     with LocalSwarm(n_nodes=0, tls=True) as swarm:
         port = free_port()

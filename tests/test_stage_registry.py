@@ -95,9 +95,11 @@ class Node:
         mailbox = Mailbox(4, ())
         loop = StageLoop(reporter, Checkpoints(self.snapshots, ChannelPool(), reporter), mailbox,
                          self.restorer)  # type: ignore[arg-type]
+        self.over: list[str] = []  # jobs the registry said are over here
         self.registry = StageRegistry(self._build, self._peers,
                                       self.restorer, loop, mailbox,  # type: ignore[arg-type]
-                                      self.snapshots, reporter, memory)
+                                      self.snapshots, reporter, memory,
+                                      job_over=self.over.append)
 
     def _report(self, report):
         with self.cond:
@@ -227,6 +229,7 @@ def test_stop_job_stops_a_running_stage_and_release_frees_it_and_its_snapshots()
     node.registry.stop_job("j", release=True)
     assert moves(stage) == [S.RUNNING, S.STOPPED, S.RELEASED]
     assert not node.registry.holds("j") and node.snapshots.jobs() == set()
+    assert node.over == ["j"], "the job's links through relays were not closed"
     assert not any(r.status in (R.STATUS_DONE, R.STATUS_FAILED) for r in node.reports)
 
 
@@ -245,6 +248,7 @@ def test_reconciliation_drops_the_named_stages_and_every_stage_of_gone_jobs():
         {("a", 0), ("a", 1), ("c", 0), ("old", -1)}
     node.registry.drop([tracker_pb2.StageRef(job_id="a", stage=1, epoch=3)], ["c", "old"])
     assert b.state is S.RELEASED and c.state is S.RELEASED and a.live
+    assert sorted(node.over) == ["c", "old"], "job a still has a stage here: its links stay"
     assert [(r.job_id, r.stage) for r in node.registry.holdings()] == [("a", 0)]
     node.registry.stop_all()
     assert a.state is S.STOPPED

@@ -10,6 +10,10 @@ stage, epoch and sizes (:meth:`~fedpipe.node.admission.DataPlane.admit`).
 Identity is the peer's certificate (with TLS), as ``identity_of(context)`` is on
 gRPC. A node domain error refuses the one tensor with the status code the node's
 error table (:data:`fedpipe.node.errors.STATUS`) gives it on gRPC; the link goes on.
+A link through a relay for one job (:attr:`Peer.job <fedpipe.net.dataplane.Peer.job>`)
+refuses a tensor (its reader, before these checks) or a fetch of any other job
+(PERMISSION_DENIED, naming both: :meth:`~fedpipe.net.dataplane.Peer.check_job`), so
+no peer passes another job's frames under the one job's bound at the relay.
 
 A checkpoint snapshot from a buddy, or from the job's client restoring a saved
 checkpoint, comes as its tensors (KIND_SNAPSHOT, each with its envelope and name;
@@ -190,14 +194,16 @@ class NodeReceiver:
             self._check_revoked(peer)
             policy.authorize(FETCH_METHODS[method], peer.identity)
             if method is Method.FETCH_STATE:
-                state = fetches.state(self.access, self.stages, peer.identity,
-                                      _parse(node_pb2.FetchStateRequest, request))
+                asked = _parse(node_pb2.FetchStateRequest, request)
+                peer.check_job(asked.job_id, "fetch")
+                state = fetches.state(self.access, self.stages, peer.identity, asked)
                 tensors = ((name, t.detach().to("cpu", copy=True)) for name, t in state)
             else:
+                snap = _parse(node_pb2.FetchSnapshotRequest, request)
+                peer.check_job(snap.job_id, "fetch")
                 if self.desk is None:
                     raise NoSuchSnapshot("this node keeps no snapshots")
-                tensors = fetches.snapshot(self.access, self.desk, peer.identity,
-                                           _parse(node_pb2.FetchSnapshotRequest, request))
+                tensors = fetches.snapshot(self.access, self.desk, peer.identity, snap)
             first = next(tensors, None)  # a generator's checks run at its first tensor
         except MAPPED as e:
             raise refusal(e) from None

@@ -166,7 +166,8 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
                           snapshots.put, reporter, access.learning(quorum), memory)
     stages = StageRegistry(build, lambda: StagePeers(channels, shaper, metrics,
                                                      sockets[0] if sockets else None, pacer),
-                           restorer, loop, mailbox, snapshots, reporter, memory)
+                           restorer, loop, mailbox, snapshots, reporter, memory,
+                           job_over=lambda job: sockets[0].end_job(job) if sockets else 0)
     streams = StreamWatch(stages.runs, idle_stream,
                           revoked_serials=verifier.revoked_serials
                           if verifier is not None else None)

@@ -370,6 +370,18 @@ Sender: TypeAlias = PeerSender | SocketSender
 """How a stage sends to one peer: over gRPC, or over the socket data plane."""
 
 
+def link(plane: dataplane.DataPlane, peer: node_pb2.StageAssignment,
+         job: str) -> dataplane.Link:
+    """``plane``'s link to ``peer``'s data port for ``job``'s frames: through its relay
+    (``peer.relay``: it is outbound-only), the job's alone, which the relay bounds by the
+    job's share; else the one link to the peer that every job shares.
+
+    Raises:
+        LinkFailed: as :meth:`~fedpipe.net.dataplane.DataPlane.link`.
+    """
+    return plane.link(peer.node_name, peer.data_address, job, relayed=bool(peer.relay))
+
+
 def dials(me: node_pb2.StageAssignment, peer: node_pb2.StageAssignment) -> bool:
     """Whether ``me``'s node dials ``peer``'s data port itself when its stage loads: where
     one side is reachable it serves and the other dials, so an outbound-only node (behind
@@ -409,19 +421,23 @@ class StagePeers:
         self._closed = False
         self.me: node_pb2.StageAssignment | None = None
         """This stage's own assignment (:meth:`connect`); None until it loaded."""
+        self.job = ""
+        """This stage's job (:meth:`connect`): its links through a relay are the job's
+        alone (:meth:`fedpipe.net.dataplane.DataPlane.link`)."""
         self.feedback = codecs.ErrorFeedback()
         """The residuals of the gradients this stage's senders encoded (see above)."""
 
     def connect(self, me: node_pb2.StageAssignment,
-                plan: Iterable[node_pb2.StageAssignment]) -> list[threading.Thread]:
-        """The stage ``me`` loaded with ``plan``'s assignments: remember which is this node's
-        (to tell whether it is outbound-only), and if it is (``me.relay``: behind NAT,
+                plan: Iterable[node_pb2.StageAssignment], job: str = "") -> list[threading.Thread]:
+        """The stage ``me`` of ``job`` loaded with ``plan``'s assignments: remember which is
+        this node's (to tell whether it is outbound-only) and the job (a link to a peer's
+        relayed address is the job's alone: :func:`link`), and if it is (``me.relay``: behind NAT,
         homed at a relay), dial the data port of every other node of the plan this node
         is to dial (:func:`dials`) now, in the background, so that those that cannot dial
         it directly find its link when they first send (a failed dial is logged; the first
         send dials again and fails the stage if it must). Returns the dialing threads.
         """
-        self.me = me
+        self.me, self.job = me, job
         if self.plane is None or not me.relay:
             return []
         plane, seen, threads = self.plane, {me.node_id}, []
@@ -430,9 +446,10 @@ class StagePeers:
                 continue
             seen.add(a.node_id)
 
-            def dial(name: str = a.node_name, address: str = a.data_address) -> None:
+            def dial(peer: node_pb2.StageAssignment = a) -> None:
+                name, address = peer.node_name, peer.data_address
                 try:
-                    plane.link(name, address)
+                    link(plane, peer, job)
                 except dataplane.LinkFailed as e:
                     log.warning("outbound-only: cannot dial %s's data port at %s yet: %s",
                                 name, address, e)
@@ -476,7 +493,7 @@ class StagePeers:
                 return sender
         plane = self.plane
         if self.me is not None and waits_for(self.me, peer):  # let the peer dial: direct
-            if plane.wait_dialed_by(peer.node_name, timeouts.REVERSE_DIAL_WAIT):
+            if plane.wait_dialed_by(peer.node_name, timeouts.REVERSE_DIAL_WAIT, self.job):
                 log.info("data link to %s: it dialed this node (it is outbound-only)",
                          peer.node_name)
             else:
@@ -484,11 +501,11 @@ class StagePeers:
                             "through its relay %s (at %s)", peer.node_name,
                             timeouts.REVERSE_DIAL_WAIT, peer.relay, peer.data_address)
         try:
-            link = plane.link(peer.node_name, peer.data_address)
+            to = link(plane, peer, self.job)
         except dataplane.LinkFailed as e:
             raise StageError(f"sending to {peer.node_name} ({peer.address}) failed: "
                              f"{e}", peer=peer.address) from None
-        new = SocketSender(link, peer.address, peer.node_name, self.metrics,
+        new = SocketSender(to, peer.address, peer.node_name, self.metrics,
                            self.pacer_for(peer.node_name), self.feedback)
         with self._lock:
             sender = None if self._closed else self._senders.setdefault(peer.address, new)

@@ -273,8 +273,9 @@ class Checkpoints:
                                     epoch=stage.epoch, batch_size=1)
             plane = self.plane() if buddy.data_address else None
             try:
-                link = plane.link(buddy.node_name, buddy.data_address) \
-                    if plane is not None else None
+                # through the buddy's relay: the job's own link, bounded by its share there
+                link = plane.link(buddy.node_name, buddy.data_address, stage.job_id,
+                                  relayed=bool(buddy.relay)) if plane is not None else None
                 if link is not None and link.conn is None:
                     # broken, waiting to resume (the buddy may be dead): a socket send would
                     # wait out the resume window; gRPC fails at once if it is gone

@@ -58,14 +58,18 @@ class StageRegistry:
         reporter: forgets a released job's metrics.
         memory: admits a stage by its predicted memory and measures its peak (None:
             no check).
+        job_over: told a job's name once no stage of it is held here any more after a
+            release (the socket data plane closes the job's links through relays:
+            :meth:`~fedpipe.net.dataplane.DataPlane.end_job`); None: nothing is told.
     """
 
     def __init__(self, build: StageBuilder, make_peers: Callable[[], StagePeers],
                  restorer: Restorer, loop: StageLoop, mailbox: Mailbox,
                  snapshots: SnapshotStore, reporter: StageReporter,
-                 memory: StageMemory | None = None):
+                 memory: StageMemory | None = None,
+                 job_over: Callable[[str], object] | None = None):
         self.build, self.make_peers, self.restorer, self.loop = build, make_peers, restorer, loop
-        self.memory = memory
+        self.memory, self.job_over = memory, job_over
         self.mailbox, self.snapshots, self.reporter = mailbox, snapshots, reporter
         self.stages: dict[StageSlot, Stage] = {}
         self.lock = threading.Lock()
@@ -250,6 +254,7 @@ class StageRegistry:
             self._release(mine, "StopJob with release")
             self.snapshots.drop_job(job_id)
             self.reporter.forget_job(job_id)
+            self._over(job_id)
         return mine
 
     def drop(self, refs: Sequence[tracker_pb2.StageRef], jobs: Sequence[str] = ()) -> None:
@@ -268,6 +273,15 @@ class StageRegistry:
         for job_id in gone:
             self.snapshots.drop_job(job_id)
             self.reporter.forget_job(job_id)
+            self._over(job_id)
+
+    def _over(self, job_id: str) -> None:
+        """Tell :attr:`job_over` that ``job_id`` is over here, unless a stage of it is
+        still held or being loaded (its senders may hold the job's links)."""
+        with self.lock:
+            loading = any(slot.job_id == job_id for slot, *_ in self._loading)
+        if self.job_over is not None and not loading and not self.holds(job_id):
+            self.job_over(job_id)
 
     def stop_live(self, reason: str) -> list[Stage]:
         """Stop every stage, keeping them and their snapshots for the tracker's recovery

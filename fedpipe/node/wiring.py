@@ -294,7 +294,8 @@ def _build(request: node_pb2.LoadStageRequest, device: torch.device, mailbox: Ma
         stage.runner = SyncStageRunner(module, opt, loss_fn, cfg.schedule, key.stage, n_stages,
                                        microbatches, transport, **common,
                                        recompute=recompute, precision=cfg.precision, seeds=seeds)
-    peers.connect(mine, plan.stages.values())  # behind NAT: dial the plan's other nodes now
+    # behind NAT: dial the plan's other nodes now
+    peers.connect(mine, plan.stages.values(), request.job_id)
     return stage
 
 

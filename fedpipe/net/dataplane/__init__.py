@@ -29,7 +29,9 @@ How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.So
   tensor)`` is ``StageRegistry.deliver``; domain errors become ``Refused(Code.X,
   message)`` with the code the node's error table gives them on gRPC.
   ``events.lost``/``failed`` feed ``StageRegistry.suspect``.
-* a peer link holds a :class:`Link` (``plane.link(peer.node_name, data_address)``)
+* a peer link holds a :class:`Link` (``plane.link(peer.node_name, data_address, job,
+  relayed=bool(peer.relay))``: one per peer, but one per peer and job through a relay:
+  :mod:`.server`)
   instead of a channel: ``PeerSender.submit(envelope, tensor, codec)`` becomes
   ``codecs.encode_payload`` (with the sender's error feedback for gradients) and
   ``link.send_encoded(msg, payload, envelope=envelope)`` on the stage's own thread;

@@ -119,33 +119,38 @@ class Caps:
 
 
 class Sources:
-    """Who a spliced connection comes from, for the caps.
+    """Who a spliced connection comes from, for the caps, and which job it carries.
 
     A relayed node's :class:`~fedpipe.net.relay.Homing` connects each stream the relay
     opens for it to the node's own listener, from loopback: every relayed peer would be
     one caller, so one dialer through the relay could take every slot of
     :data:`MAX_CALLER_CONNECTIONS` and lock the others out. The Homing notes here, before
-    it connects, its socket's local address and the dialer's host as the relay saw it
-    (the stream's ``Open.source``); the listener's accept takes that host as the caller.
-    Thread-safe; each note is taken once (or dropped by the Homing if its connect fails).
+    it connects, its socket's local address, the dialer's host as the relay saw it
+    (the stream's ``Open.source``) and the job its ``TAG`` named (``Open.job``; "":
+    untagged); the listener's accept takes that host as the caller, and keys the link by
+    the job (:meth:`~fedpipe.net.dataplane.server.DataPlane.link`), refusing its frames
+    of any other job. Thread-safe; each note is taken once (or dropped by the Homing if
+    its connect fails).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._hosts: dict[tuple[str, int], str] = {}
+        self._hosts: dict[tuple[str, int], tuple[str, str]] = {}
 
-    def note(self, local: tuple[str, int], host: str) -> None:
-        """A connection from ``local`` (``(host, port)``) is a stream of ``host``'s."""
+    def note(self, local: tuple[str, int], host: str, job: str = "") -> None:
+        """A connection from ``local`` (``(host, port)``) is a stream of ``host``'s, of
+        ``job`` alone ("": of any job)."""
         with self._lock:
-            self._hosts[local] = host
+            self._hosts[local] = (host, job)
 
     def drop(self, local: tuple[str, int]) -> None:
         """The connection from ``local`` was not made."""
         with self._lock:
             self._hosts.pop(local, None)
 
-    def caller(self, source: tuple) -> str:
-        """The caller of an accepted connection from ``source`` (``(host, port, ...)``):
-        the host noted for it, else its own host."""
+    def caller(self, source: tuple) -> tuple[str, str]:
+        """``(caller, job)`` of an accepted connection from ``source`` (``(host, port,
+        ...)``): the host and job noted for it, else its own host and "" (any job)."""
         with self._lock:
-            return self._hosts.pop((str(source[0]), int(source[1])), None) or str(source[0])
+            noted = self._hosts.pop((str(source[0]), int(source[1])), None)
+        return noted or (str(source[0]), "")

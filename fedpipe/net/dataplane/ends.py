@@ -28,11 +28,31 @@ class Peer:
             :func:`~fedpipe.net.dataplane.server.client_name`).
         role: ``node`` or ``client``.
         identity: its certificate's identity (None without TLS).
+        job: the one job the link carries ("": any): a link through a relay dialed for
+            one job (its ``TAG`` named it, and the relay bounds it per job). The receiver
+            refuses any frame of another job on it.
     """
 
     name: str
     role: str
     identity: Identity | None = None
+    job: str = ""
+
+    def check_job(self, job: str, what: str) -> None:
+        """Refuse a ``what`` (a tensor, a fetch) of ``job`` on a link that carries another
+        job alone (:attr:`job`: the relay bounds the link by that job's share; a frame of
+        another job on it would pass that bound). The link's reader checks each tensor's
+        envelope; a fetch's server its request.
+
+        Raises:
+            Refused: PERMISSION_DENIED, naming both jobs.
+        """
+        if self.job and job != self.job:
+            raise Refused(Code.PERMISSION_DENIED,
+                          f"a {what} of job {job!r} from {self.name} is refused: it came on "
+                          f"the link through a relay that carries job {self.job!r} alone "
+                          f"(the relay bounds it by that job's share); job {job!r} goes "
+                          f"on a link of its own")
 
 
 class Refused(Exception):

@@ -500,7 +500,8 @@ class Link:
         assert self.peer is not None  # set by attach, before the reader starts
         if header.fetch:
             return self._on_answer(conn, seq, header)
-        try:
+        try:  # a link of one job alone (through a relay) takes no other's
+            self.peer.check_job(header.envelope.job_id, "tensor")
             limit, end = frames.admitted(self.receiver.admit(self.peer, header))
         except Refused as e:
             skip_payload(conn, header)

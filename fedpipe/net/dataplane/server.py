@@ -8,6 +8,13 @@ dialed to a peer is reused for that peer, and so is one the peer dialed here.
 If both sides dial each other at the same moment, each has two links; both
 work, and the one the peer dialed is preferred from then on.
 
+Except through a relay: a link dialed to a peer's relayed address (the peer is
+outbound-only, behind NAT) for one job is that job's alone, one per (peer, job).
+Its dialer says the job to the relay first (a ``TAG``: :func:`fedpipe.net.relay.dial_job`),
+so the relay bounds it by the job's share of the peer; the relay's ``OPEN`` tells
+the peer the job (:class:`~.caps.Sources`), and both ends key the link by
+``(peer, job)`` and refuse any frame of another job on it (:attr:`~.ends.Peer.job`).
+
 The dialing side owns reconnection: its reader thread redials a broken
 connection with backoff; the accepting side waits for it
 (:attr:`Timeouts.resume`), then fails the link.
@@ -18,18 +25,22 @@ thread waking for it, and its link fails unless the peer comes back.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import socket
 import ssl
 import threading
 import time
+from typing import Callable
 
 from ...security import Authenticator, TlsConfig
 from ...security.tls import client_context, server_context, socket_identity
 from ...security.errors import SecurityError
 from ...wire.format import WireError
 from .. import timeouts as net_timeouts
+from ..relay.records import Tag
+from ..relay.tagged import dial_job
 from . import records
 from .caps import MAX_CALLER_CONNECTIONS, MAX_CONNECTIONS, Caps, Sources
 from .connection import Closed, Connection
@@ -204,9 +215,10 @@ class DataPlane:
         self._auth = tls.authenticator() if tls is not None else None
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # a peer's dialed link attached
-        self._dialed: dict[str, Link] = {}
-        self._accepted: dict[str, Link] = {}
-        self._addresses: dict[str, str] = {}  # peer -> the address its dialed link dials
+        # links by (peer, job): job "" but for a link through a relay for one job
+        self._dialed: dict[tuple[str, str], Link] = {}
+        self._accepted: dict[tuple[str, str], Link] = {}
+        self._addresses: dict[tuple[str, str], str] = {}  # the address a dialed link dials
         self._closed = False
         self._listener = socket.create_server((host, port), backlog=BACKLOG) \
             if listen else None
@@ -220,39 +232,45 @@ class DataPlane:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _new_link(self, peer: str, dial: bool, address: str = "") -> Link:
+    def _new_link(self, peer: str, dial: bool, address: str = "", job: str = "") -> Link:
         link = Link(self.name, self.role, peer, self.receiver, events=self.events,
                     timeouts=self.timeouts, window_bytes=self.window_bytes,
                     window_messages=self.window_messages, server=self.server)
         if dial:
-            link.dial = lambda: self._dial(address, link)
+            link.dial = self._dialer(address, link, job)
         return link
 
     # -- dialing ----------------------------------------------------------------
-    def link(self, peer: str, address: str) -> Link:
+    def link(self, peer: str, address: str, job: str = "", relayed: bool = False) -> Link:
         """The link to ``peer`` (its node name) at ``address`` (``HOST:PORT``, its data
-        port): one it dialed here while connected, else one dialed before to the same
-        address, else a new one, connected now (a dialed link to another address, of a
-        peer since restarted elsewhere, is failed).
+        port) for ``job``'s frames ("": no job in particular): one the peer dialed here
+        while connected (for ``job`` through this side's relay, else one of any job);
+        else one dialed before to the same address, else a new one, connected now (a
+        dialed link to another address, of a peer since restarted elsewhere, is failed).
+
+        ``relayed``: ``address`` is a relay's (the peer is outbound-only). A link dialed
+        to it for a ``job`` is that job's alone (module docstring): dialed with a ``TAG``
+        naming the job, keyed by ``(peer, job)``, refusing frames of other jobs. Every
+        other link is one per peer, whatever ``job`` a caller names.
 
         Raises:
-            LinkFailed: ``address`` cannot be reached, or refused this side.
+            LinkFailed: ``address`` cannot be reached, or refused this side (the relay
+                refused the job's stream: the message names the job).
         """
+        key = (peer, job if relayed else "")
         with self._lock:
             if self._closed:
                 raise LinkFailed("the data plane is closed")
-            accepted, dialed = self._accepted.get(peer), self._dialed.get(peer)
-            # one the peer dialed, unless it broke: a broken one may be of a process that
-            # is gone (a restarted peer dials afresh only when it has to send)
-            if accepted is not None and accepted.credits.failed is None \
-                    and (accepted.conn is not None or accepted.peer is None):
+            accepted = self._accepted_for(peer, job)
+            if accepted is not None:
                 return accepted
+            dialed = self._dialed.get(key)
             if dialed is not None and dialed.credits.failed is None:
-                if self._addresses.get(peer) == address:
+                if self._addresses.get(key) == address:
                     return dialed
                 dialed.fail(f"{peer} moved to {address}")  # restarted on another port
-            link = self._dialed[peer] = self._new_link(peer, True, address)
-            self._addresses[peer] = address
+            link = self._dialed[key] = self._new_link(peer, True, address, key[1])
+            self._addresses[key] = address
         assert link.dial is not None
         try:
             conn, theirs, who = link.dial()
@@ -267,24 +285,57 @@ class DataPlane:
         threading.Thread(target=run, daemon=True, name=f"data-{peer}").start()
         return link
 
+    def _accepted_for(self, peer: str, job: str) -> Link | None:
+        """The link ``peer`` dialed here that :meth:`link` returns for ``job``: its link
+        of that job alone, else its link of any job; unless it broke (a broken one may be
+        of a process that is gone: a restarted peer dials afresh only when it has to
+        send). Holds :attr:`_lock`."""
+        for key in ((peer, job), (peer, "")) if job else ((peer, ""),):
+            accepted = self._accepted.get(key)
+            if accepted is not None and accepted.credits.failed is None \
+                    and (accepted.conn is not None or accepted.peer is None):
+                return accepted
+        return None
+
     def redirect(self, peer: str, old: str, new: str) -> bool:
         """``peer`` (a node name) moved from data address ``old`` to ``new`` (an
         outbound-only node re-homed at another relay): the link dialed to it at ``old``
         redials ``new`` from now on, and resumes where it broke (nothing lost, nothing
-        repeated); :meth:`link` given ``new`` returns it. Returns whether there was one."""
+        repeated); :meth:`link` given ``new`` returns it. So does each of its links of
+        one job (through ``old``, its old relay: the new one's ``TAG`` names the job
+        again). Returns whether there was one."""
         with self._lock:
-            link = self._dialed.get(peer)
-            if link is None or self._addresses.get(peer) != old:
-                return False
-            self._addresses[peer] = new
-            link.dial = lambda: self._dial(new, link)
-        log.info("data link to %s: redialing it at %s (it moved from %s)", peer, new, old)
-        return True
+            moved = [(key, link) for key, link in self._dialed.items()
+                     if key[0] == peer and self._addresses.get(key) == old]
+            for key, link in moved:
+                self._addresses[key] = new
+                link.dial = self._dialer(new, link, key[1])
+        if moved:
+            log.info("data link to %s: redialing it at %s (it moved from %s)", peer, new, old)
+        return bool(moved)
 
-    def _dial(self, address: str, link: Link) -> tuple[Connection, Preface, Peer]:
+    def _dialer(self, address: str, link: Link,
+                job: str) -> Callable[[], tuple[Connection, Preface, Peer]]:
+        """What ``link`` dials (and redials after a break): ``address``, for ``job``."""
+        return lambda: self._dial(address, link, job)
+
+    def _dial(self, address: str, link: Link, job: str = "") -> tuple[Connection, Preface,
+                                                                      Peer]:
+        """A connection to ``address`` for ``link``, prefaces exchanged; through a relay
+        for one ``job`` its ``TAG`` first (:func:`~fedpipe.net.relay.dial_job`).
+
+        Raises:
+            OSError: not reached, or the relay refused the job's stream (RelayRefused).
+            WireError, SecurityError: the peer's preface or certificate is not its.
+        """
         host, _, port = address.rpartition(":")
-        sock = socket.create_connection((host.strip("[]"), int(port)),
-                                        timeout=self.timeouts.handshake)
+        if job:
+            sock = dial_job(address, Tag(job, self.name, link.peer_name),
+                            timeout=self.timeouts.handshake)
+            sock.settimeout(self.timeouts.handshake)
+        else:
+            sock = socket.create_connection((host.strip("[]"), int(port)),
+                                            timeout=self.timeouts.handshake)
         try:
             _tune(sock)
             if self._client_ctx is not None:
@@ -294,7 +345,7 @@ class DataPlane:
             theirs = read_preface(conn)
             if theirs.name != link.peer_name:
                 raise WireError(f"{address} is {theirs.name!r}, not {link.peer_name!r}")
-            peer = peer_of(sock, theirs, self._auth)
+            peer = dataclasses.replace(peer_of(sock, theirs, self._auth), job=job)
             sock.settimeout(None)
             return conn, theirs, peer
         except BaseException:
@@ -308,20 +359,23 @@ class DataPlane:
                 sock, source = listener.accept()
             except OSError:
                 return  # closed
-            caller = self.sources.caller(source) if self.sources else str(source[0])
+            caller, job = self.sources.caller(source) if self.sources \
+                else (str(source[0]), "")
             refused = self.caps.take(caller)
             if refused is not None and not self.caps.start_refusal():
                 sock.close()  # even the refusals are at their cap: no word, no thread
                 continue
-            threading.Thread(target=self._serve, args=(sock, caller, refused), daemon=True,
-                             name="data-conn").start()
+            threading.Thread(target=self._serve, args=(sock, caller, refused, job),
+                             daemon=True, name="data-conn").start()
 
-    def _serve(self, sock: socket.socket, caller: str, refused: str | None) -> None:
+    def _serve(self, sock: socket.socket, caller: str, refused: str | None,
+               job: str = "") -> None:
         """One accepted connection: handshake, then its link's reader until it breaks.
 
         ``caller`` (its source host) holds a slot of :attr:`caps` unless ``refused``
         says why not: then the connection is only told so (after the TLS handshake, so
-        a TLS dialer can read it) and closed."""
+        a TLS dialer can read it) and closed. ``job``: the one job the relay that spliced
+        it said it carries ("": any)."""
         if refused is not None:
             try:
                 self._refuse(sock, refused)
@@ -330,7 +384,7 @@ class DataPlane:
             return
         slot: list[str | None] = [caller]  # whom the slot counts against (None: given back)
         try:
-            attached = self._handshake(sock, slot)
+            attached = self._handshake(sock, slot, job)
             if attached is None:
                 return
             link, conn = attached
@@ -341,11 +395,12 @@ class DataPlane:
         link.await_resume()
         self._forget(link)
 
-    def _handshake(self, sock: socket.socket,
-                   slot: list[str | None]) -> tuple[Link, Connection] | None:
+    def _handshake(self, sock: socket.socket, slot: list[str | None],
+                   job: str = "") -> tuple[Link, Connection] | None:
         """An accepted connection's TLS handshake and prefaces, within
-        :attr:`Timeouts.first_record` in all; its link, attached. None: refused (the
-        peer was told why, with a GOAWAY, and the socket is closed)."""
+        :attr:`Timeouts.first_record` in all; its link (``job``'s alone, if not ""),
+        attached. None: refused (the peer was told why, with a GOAWAY, and the socket is
+        closed)."""
         until = time.monotonic() + self.timeouts.first_record
         conn: Connection | None = None
         try:
@@ -365,10 +420,10 @@ class DataPlane:
                 if refused is not None:
                     raise _Capped(refused)
                 slot[0] = peer.identity.uri
-            link = self._accepted_link(peer.name)
+            link = self._accepted_link(peer.name, job)
             conn.write(link.preface().encode())
             sock.settimeout(None)
-            link.attach(conn, theirs, peer)
+            link.attach(conn, theirs, dataclasses.replace(peer, job=job))
             if link.fresh:  # its first record must come (Timeouts.silent); the reader lifts it
                 conn.until = time.monotonic() + self.timeouts.silent
                 conn.late = (f"nothing came within {self.timeouts.silent} s of its preface "
@@ -430,32 +485,38 @@ class DataPlane:
         """Drop an accepted link that failed (its dialer did not come back), so callers that
         come and go do not pile up links."""
         with self._lock:
-            if link.credits.failed is not None and self._accepted.get(link.peer_name) is link:
-                del self._accepted[link.peer_name]
+            key = (link.peer_name, link.peer.job if link.peer is not None else "")
+            if link.credits.failed is not None and self._accepted.get(key) is link:
+                del self._accepted[key]
 
-    def wait_dialed_by(self, peer: str, timeout: float) -> bool:
+    def wait_dialed_by(self, peer: str, timeout: float, job: str = "") -> bool:
         """Wait up to ``timeout`` seconds until ``peer`` (a node name) has a connected link
-        it dialed here; whether it has. :meth:`link` then returns that link, whatever
+        it dialed here (of any job, or of ``job`` alone through this side's relay);
+        whether it has. :meth:`link` given ``job`` then returns that link, whatever
         address it is given: a reachable node lets an outbound-only peer (behind NAT)
-        dial it, rather than dialing it through its relay."""
+        dial it, rather than dialing it through its relay, and of two outbound-only
+        nodes one waits for the other's link through its relay."""
         deadline = time.monotonic() + timeout
+        keys = ((peer, job), (peer, "")) if job else ((peer, ""),)
         with self._arrived:
             while True:
-                link = self._accepted.get(peer)
-                if link is not None and link.credits.failed is None and link.conn is not None:
-                    return True
+                for key in keys:
+                    link = self._accepted.get(key)
+                    if link is not None and link.credits.failed is None \
+                            and link.conn is not None:
+                        return True
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     return False
                 self._arrived.wait(left)
 
-    def _accepted_link(self, peer: str) -> Link:
+    def _accepted_link(self, peer: str, job: str = "") -> Link:
         with self._lock:
             if self._closed:
                 raise LinkFailed("the data plane is closed")
-            link = self._accepted.get(peer)
+            link = self._accepted.get((peer, job))
             if link is None or link.credits.failed is not None:
-                link = self._accepted[peer] = self._new_link(peer, False)
+                link = self._accepted[(peer, job)] = self._new_link(peer, False)
             return link
 
     @staticmethod
@@ -475,6 +536,22 @@ class DataPlane:
         sock.close()
 
     # -- life cycle -------------------------------------------------------------
+    def end_job(self, job: str) -> int:
+        """``job`` is over here: close the links this side dialed through a relay for it
+        alone (:meth:`link`), so the relay's streams of the job end (the peer's end fails
+        after its resume window). Links shared by jobs stay. Returns how many closed."""
+        with self._lock:
+            mine = [key for key in self._dialed if job and key[1] == job]
+            links = [self._dialed.pop(key) for key in mine]
+            for key in mine:
+                self._addresses.pop(key, None)
+        for link in links:
+            link.close()
+        if links:
+            log.info("job %s is over: closed its %d data link(s) through relays", job,
+                     len(links))
+        return len(links)
+
     def links(self) -> list[Link]:
         """Every link now, dialed and accepted."""
         with self._lock:

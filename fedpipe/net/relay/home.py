@@ -111,8 +111,9 @@ class Homing:
             changed the node's addresses.
         on_displaced: called (on the homing thread) with the relay's words when it homed
             another process under this node's name; this node then homes no more.
-        sources: where each stream's local connection is noted with its dialer's host
-            (the node's data-plane listener counts its caps by it: :class:`Sources`).
+        sources: where each stream's local connection is noted with its dialer's host and
+            the job its TAG named (the node's data-plane listener counts its caps by the
+            host, and keys the link by the job: :class:`Sources`).
     """
 
     def __init__(self, relays: Sequence[str], node: str, grpc_port: int,
@@ -159,7 +160,8 @@ class Homing:
             sock.bind((self.local_host, 0))
             local = sock.getsockname()[:2]
             if self.sources is not None:  # before the connect: the accept may come first
-                self.sources.note(local, opened.source.rpartition(":")[0] or opened.source)
+                self.sources.note(local, opened.source.rpartition(":")[0] or opened.source,
+                                  opened.job)
             try:
                 sock.connect((self.local_host, port))
             except BaseException:

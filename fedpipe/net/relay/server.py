@@ -133,6 +133,13 @@ class Relay:
             homed = self._homed.get(node)
         return homed.home.jobs() if homed is not None else {}
 
+    def tagged(self, node: str) -> dict[str, int]:
+        """Streams to ``node`` spliced now whose TAG named a job, by job ({} if it is not
+        homed here): a node's data-plane links through this relay, one per peer and job."""
+        with self._lock:
+            homed = self._homed.get(node)
+        return homed.home.tagged() if homed is not None else {}
+
     def _accept_loop(self) -> None:
         while True:
             try:

@@ -19,8 +19,9 @@ its bytes: :class:`~.records.Tag`) counts against that job's share of the node: 
 most ``job_streams`` streams, and ``job_window`` bytes in flight per direction for all
 of them together (both ends wait for the job's CREDIT, as for a stream's). So one job
 flooding a relay takes its share, and the other jobs' streams still flow; a job past
-its streams is refused, with a REFUSED record naming the job. Untagged streams (a
-node's links shared by its jobs) have the stream bounds only.
+its streams is refused, with a REFUSED record naming the job (a node's data-plane
+links through a relay are tagged: one per peer and job). Untagged streams (gRPC
+channels, a client's feed: shared by jobs) have the stream bounds only.
 
 Closing is TCP's: a socket's end of stream becomes FIN (the other side then
 shuts its socket's writing half down: a half-close); an error on either side
@@ -434,6 +435,11 @@ class Home:
                                    f"{self.max_streams} (at most {self.job_streams} a job)")
             stream.job = tag.job
             stream.opened = dataclasses.replace(stream.opened, job=tag.job)
+
+    def tagged(self) -> dict[str, int]:
+        """Tagged streams spliced now, by job (at most ``job_streams`` a job)."""
+        with self._lock:
+            return dict(collections.Counter(s.job for s in self._streams.values() if s.job))
 
     def jobs(self) -> dict[str, int]:
         """Bytes each job's tagged streams have in flight from this side now (sent, not

@@ -4,9 +4,11 @@ job the connection carries (a TAG record, in the clear). No torch.
 The relay counts such a stream, and the bytes it holds for it, against the job's share
 of the node (:class:`~.splice.Home`), so one job flooding a relay cannot take another
 job's place; past its share the relay refuses the job's stream, naming the job.
-Connections that carry several jobs (a node's data-plane link to a peer, its gRPC
-channels) are not tagged: the relay cannot tell their jobs apart without decoding
-them, which under TLS it cannot. Contract: ``protos/fedpipe/v1/FRAMES.md``, "Relays".
+A node's data-plane link to a peer it reaches through the peer's relay is one per
+(peer, job), dialed here (:meth:`fedpipe.net.dataplane.DataPlane.link`, ``relayed``);
+its links to reachable peers, a client's feed and gRPC channels carry several jobs
+and are not tagged: the relay cannot tell their jobs apart without decoding them,
+which under TLS it cannot. Contract: ``protos/fedpipe/v1/FRAMES.md``, "Relays".
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def dial_job(address: str, tag: records.Tag,
         OSError: it could not be reached, or did not answer within ``timeout`` seconds.
     """
     host, _, port = address.rpartition(":")
-    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     try:
         tune(sock)
         sock.sendall(tag.encode())
