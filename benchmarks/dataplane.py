@@ -17,6 +17,10 @@ Transports:
 * ``dataplane x8``: 8 sends, the last with ``flush=True`` (how a stage streams
   and then flushes); per tensor.
 * ``dataplane tls``: ``dataplane`` over mutual TLS (certificates made for the run).
+* ``raw tls``: ``raw tcp`` over a bare :class:`ssl.SSLSocket` with fedpipe's mutual-TLS
+  contexts (:func:`fedpipe.security.tls.server_context`, ``client_context``): what
+  Python's ``ssl`` itself allows, the ceiling of ``dataplane tls`` (no fedpipe code on
+  its path).
 * ``grpc raw``: one raw-bytes unary gRPC call of a prebuilt message.
 * ``grpc call``: today's gRPC data plane, ``rpc.send`` of ``frames.encode_frames``
   into a ``Send`` that runs ``frames.read_tensors(in_place=True)`` as the node does.
@@ -66,11 +70,11 @@ from benchmarks.wire import _cpu_seconds, _exit_when_parent_goes, _load, quartil
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"64 KiB": 64 * KiB, "1 MiB": MiB, "16 MiB": 16 * MiB}
 BURST = 8
-TRANSPORTS = ["raw tcp", "dataplane", f"dataplane x{BURST}", "dataplane tls", "grpc raw",
-              "grpc call", f"grpc stream x{BURST}"]
+TRANSPORTS = ["raw tcp", "dataplane", f"dataplane x{BURST}", "raw tls", "dataplane tls",
+              "grpc raw", "grpc call", f"grpc stream x{BURST}"]
 RATIOS = [("dataplane", "raw tcp"), (f"dataplane x{BURST}", "raw tcp"),
           ("dataplane", "grpc raw"), ("dataplane", "grpc call"),
-          ("dataplane tls", "dataplane")]
+          ("dataplane tls", "dataplane"), ("raw tls", "raw tcp"), ("dataplane tls", "raw tls")]
 TARGETS = {("16 MiB", "dataplane", "raw tcp"): 0.9, ("1 MiB", "dataplane", "raw tcp"): 0.8,
            ("16 MiB", "dataplane", "grpc raw"): 1.5, ("16 MiB", "dataplane tls", "dataplane"): 0.6}
 CPU_TARGET_US = 50.0
@@ -85,13 +89,16 @@ def _tls(directory: str, name: str) -> Any:
 # receiver process
 
 
-def _raw_server() -> int:
+def _raw_server(context: Any = None) -> int:
     """A raw TCP receiver: per transfer an 8-byte length, then that many bytes into a
-    preallocated buffer; answers one byte."""
+    preallocated buffer; answers one byte. ``context``: an :class:`ssl.SSLContext` to
+    serve each connection over (a bare ``SSLSocket``), or None for plain TCP."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve(conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if context is not None:
+            conn = context.wrap_socket(conn, server_side=True)
         buf = memoryview(bytearray(16 * MiB + 8))
         while True:
             got = 0
@@ -182,6 +189,7 @@ def serve(tls_dir: str) -> None:
     from fedpipe import net
     from fedpipe.net.dataplane import Code, DataPlane, Refused
     from fedpipe.proto import node_pb2, node_pb2_grpc
+    from fedpipe.security import tls as security_tls
     from fedpipe.wire import WireError, frames, rpc
 
     class BenchNode(node_pb2_grpc.NodeServicer):
@@ -227,8 +235,9 @@ def serve(tls_dir: str) -> None:
     srv.start()
     plain = DataPlane("receiver", Inbox())
     tls = DataPlane("receiver", Inbox(), tls=_tls(tls_dir, "receiver"))
+    raw_tls = _raw_server(security_tls.server_context(_tls(tls_dir, "receiver")))
     print(json.dumps({"grpc": grpc_port, "data": plain.port, "tls": tls.port,
-                      "raw": _raw_server(), "node": nodes["node"].port,
+                      "raw": _raw_server(), "raw tls": raw_tls, "node": nodes["node"].port,
                       "node tls": nodes["node tls"].port}), flush=True)
     _exit_when_parent_goes()
     threading.Event().wait()
@@ -248,6 +257,7 @@ class Sender:
         from fedpipe import net
         from fedpipe.net.dataplane import DataPlane
         from fedpipe.node.peers import PeerSender
+        from fedpipe.security import tls as security_tls
         from fedpipe.wire import rpc
 
         class Nothing:
@@ -273,6 +283,10 @@ class Sender:
         self.taken = channel.unary_unary("/bench.Raw/Taken")
         self.raw = socket.create_connection(("127.0.0.1", ports["raw"]))
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw_tls = socket.create_connection(("127.0.0.1", ports["raw tls"]))
+        raw_tls.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.raw_tls = security_tls.client_context(_tls(tls_dir, "sender")).wrap_socket(
+            raw_tls, server_hostname="127.0.0.1")
 
     def transfer(self, transport: str, nbytes: int) -> Callable[[], None]:
         import torch
@@ -284,12 +298,13 @@ class Sender:
         env = node_pb2.Envelope(job_id="bench", replica=0, stage=1,
                                 kind=node_pb2.KIND_ACTIVATION, batch_size=nbytes)
         burst = _per(transport)
-        if transport == "raw tcp":
+        if transport.startswith("raw"):
             prebuilt = memoryview(struct.pack("<Q", nbytes) + tensor.numpy().tobytes())
+            sock = self.raw_tls if transport == "raw tls" else self.raw
 
             def once() -> None:
-                self.raw.sendall(prebuilt)
-                assert self.raw.recv(1) == b"k"
+                sock.sendall(prebuilt)
+                assert sock.recv(1) == b"k"
         elif transport.startswith("dataplane"):
             use = self.tls_link if transport.endswith("tls") else self.link
 

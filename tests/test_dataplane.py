@@ -275,11 +275,14 @@ class CuttingProxy:
         self.listener.close()
 
 
-def test_a_connection_cut_mid_tensor_resumes_with_every_tensor_once():
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_connection_cut_mid_tensor_resumes_with_every_tensor_once(tls, tls_dir):
     rec, events = _events()
     b_in = Inbox()
-    with DataPlane("a", Inbox(), timeouts=FAST, events=events) as a, \
-            DataPlane("b", b_in, timeouts=FAST) as b:
+    a_tls, b_tls = ((TlsConfig.load(tls_dir[0], "a"), TlsConfig.load(tls_dir[0], "b")) if tls
+                    else (None, None))
+    with DataPlane("a", Inbox(), timeouts=FAST, events=events, tls=a_tls) as a, \
+            DataPlane("b", b_in, timeouts=FAST, tls=b_tls) as b:
         size = 1 << 20  # 4 MiB tensors; the cut falls in the middle of the third
         proxy = CuttingProxy(b.port, cut_after=int(2.5 * 4 * size))
         link = a.link("b", f"127.0.0.1:{proxy.port}")
@@ -492,6 +495,37 @@ def test_tensors_round_trip_over_mutual_tls_with_the_certificates_identity(tls_d
         assert accepted.peer.identity.role is certs.Role.NODE
     assert torch.equal(b_in.got[0][1], big) and b_in.steps() == [0, 1]
     assert a_in.steps() == [2]
+
+
+def test_tensors_around_a_tls_records_size_round_trip_whole(tls_dir):
+    """Writes over TLS are regrouped into whole TLS records (the head and the trailer copied
+    with the payload's ends): tensors whose record ends just before, at and after a TLS
+    record's boundary arrive whole, in order."""
+    d, _ = tls_dir
+    b_in = Inbox()
+    floats = [1, connection.TLS_RECORD // 4 - 40, connection.TLS_RECORD // 4,
+              connection.TLS_RECORD // 4 + 1, 3 * connection.TLS_RECORD // 4 - 17, 300_001]
+    sent = [torch.randn(n) for n in floats]
+    with DataPlane("a", Inbox(), tls=TlsConfig.load(d, "a"), timeouts=FAST) as a, \
+            DataPlane("b", b_in, tls=TlsConfig.load(d, "b"), timeouts=FAST) as b:
+        link = a.link("b", b.address)
+        for i, t in enumerate(sent):
+            link.send(t, envelope=env(i), flush=i % 2 == 0)
+        link.flush(20)
+    assert b_in.steps() == list(range(len(sent)))
+    assert all(torch.equal(t, s) for (_, t, _), s in zip(b_in.got, sent))
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [5], [5, 0, 7], [16384], [16383, 1, 2],
+                                   [40, 1 << 20, 13], [40, 16344, 13], [100_000, 100_000]])
+def test_tls_pieces_are_whole_records_but_the_last_and_copy_only_the_seams(sizes):
+    record = connection.TLS_RECORD
+    parts = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    pieces = connection._tls_pieces(parts)
+    assert b"".join(bytes(p) for p in pieces) == b"".join(parts)
+    assert all(len(p) and len(p) % record == 0 for p in pieces[:-1]), [len(p) for p in pieces]
+    assert all(len(p) <= record for p in pieces if isinstance(p, bytearray))  # seams only
+    assert not pieces or len(pieces[-1])
 
 
 def test_tls_refuses_a_certificate_of_another_ca_and_a_plaintext_peer(tls_dir):

@@ -4,9 +4,12 @@ A :class:`Connection` owns one connected TCP socket, plain or TLS
 (:class:`ssl.SSLSocket`). Writing is one call per record: ``socket.sendmsg``
 of the record's small head and the tensor's own memory, gathered by the
 kernel, so no ``bytes`` copy of a payload is made in Python. An
-``SSLSocket`` has no ``sendmsg``: the head and the payload are two
-``sendall`` calls of memoryviews (``ssl`` encrypts from the view; its
-own copy into TLS records is the only one).
+``SSLSocket`` has no ``sendmsg``, and each of its ``sendall`` calls ends in
+a TLS record of its own (a write and a TCP segment each): a record's parts
+are regrouped into whole TLS records (:func:`_tls_pieces`), the small head
+and trailer copied together with the ends of the payload (under 16 KiB
+each), the payload's whole records written from its own memory (``ssl``
+encrypts from the view; its own copy into TLS records is the only one).
 
 Reading goes through a small read-ahead buffer (:data:`READ_AHEAD` bytes),
 so a record's prefix and header, and a small tensor, cost one ``recv_into``
@@ -37,8 +40,9 @@ READ_AHEAD = 256 * 1024
 _SCRATCH = 1 << 20
 """Largest piece of a refused tensor's payload read at once while it is skipped, bytes."""
 
-_JOIN_TLS = 16 * 1024
-"""Over TLS, a record this small (a TLS record's payload) is joined into one write."""
+TLS_RECORD = 16 * 1024
+"""Bytes of data in a full TLS record (the protocol's largest, RFC 8446 section 5.1): one
+``SSLSocket.sendall`` makes records of this size, and a last one of what is left."""
 
 Buffer = bytes | bytearray | memoryview
 
@@ -47,14 +51,41 @@ class Closed(ConnectionError):
     """The peer closed the connection (end of stream) or it was closed on this side."""
 
 
+def _tls_pieces(parts: Sequence[Buffer]) -> list[Buffer]:
+    """``parts`` (their bytes, in order) regrouped so that every piece but the last is a
+    multiple of :data:`TLS_RECORD` bytes: a TLS record is never cut short at a part's end.
+
+    What falls between two record boundaries across parts (a head and the start of a
+    payload, a payload's end and a trailer) is copied into one ``bytearray`` of at most
+    :data:`TLS_RECORD` bytes; the whole records within a part stay views of its memory.
+    """
+    out: list[Buffer] = []
+    pending = bytearray()  # under one record, copied
+    for part in parts:
+        view = memoryview(part).cast("B")
+        if pending:  # fill the pending record from this part's front
+            take = min(TLS_RECORD - len(pending), len(view))
+            pending += view[:take]
+            view = view[take:]
+            if len(pending) < TLS_RECORD:
+                continue
+            out.append(pending)
+            pending = bytearray()
+        whole = len(view) - len(view) % TLS_RECORD
+        if whole:
+            out.append(view[:whole])
+        pending = bytearray(view[whole:])
+    if pending:
+        out.append(pending)
+    return out
+
+
 def _send_all(sock: socket.socket, parts: Sequence[Buffer]) -> None:
     """Write ``parts`` in order, whole: ``sendmsg`` (gathering, no copy) where the socket
-    has it, else ``sendall`` of each part (TLS)."""
+    has it, else ``sendall`` of each of :func:`_tls_pieces` (TLS)."""
     if isinstance(sock, ssl.SSLSocket):
-        if sum(map(len, parts)) <= _JOIN_TLS:  # one TLS record beats a copy this small
-            parts = [b"".join(parts)]
-        for p in parts:
-            sock.sendall(p)
+        for piece in _tls_pieces(parts):
+            sock.sendall(piece)
         return
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
