@@ -449,6 +449,9 @@ class Job:
                     timeout=timeouts.CONTROL_RPC)
             except grpc.RpcError as e:
                 log.warning("could not release job %s on %s: %s", self.id, address, e.details())
+        plane = self.client.data_plane()
+        if plane is not None:  # its own links through relays (the feed's, fetches')
+            plane.end_job(self.id)
 
     # -- data feeding -------------------------------------------------------
     def _halt_feed(self) -> None:

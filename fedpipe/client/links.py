@@ -84,8 +84,19 @@ def send(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
         LinkError: the node refused it (its code), or the link failed (UNAVAILABLE).
     """
     with link_errors(node):
-        link = plane.link(node.node_name, node.data_address)
-        link.send(tensor, envelope=envelope, flush=True)
+        link_to(plane, node, envelope.job_id).send(tensor, envelope=envelope, flush=True)
+
+
+def link_to(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
+            job: str) -> dataplane.Link:
+    """The client's link to ``node`` for ``job``'s frames: through its relay (an
+    outbound-only node) one of the job's own, tagged so the relay bounds it per job
+    (:meth:`~fedpipe.net.dataplane.DataPlane.link`).
+
+    Raises:
+        LinkFailed: the node cannot be reached, or its relay refused the job's stream.
+    """
+    return plane.link(node.node_name, node.data_address, job, relayed=bool(node.relay))
 
 
 @contextlib.contextmanager
@@ -118,7 +129,7 @@ def put_snapshot(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
             (UNAVAILABLE).
     """
     with link_errors(node):
-        send_snapshot(plane.link(node.node_name, node.data_address), envelope, snap)
+        send_snapshot(link_to(plane, node, envelope.job_id), envelope, snap)
 
 
 def fetch(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
@@ -135,7 +146,7 @@ def fetch(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
             here (INVALID_ARGUMENT).
     """
     with link_errors(node):
-        plane.link(node.node_name, node.data_address).fetch(
+        link_to(plane, node, request.job_id).fetch(
             method, request.SerializeToString(), admit, deliver, timeouts.FETCH_STATE_RPC)
 
 
