@@ -115,7 +115,16 @@ more than the time: +2.9 % and -0.2 % in two runs of one plan (9 late
 pseudo-gradients between them), +4.6 % at 400 steps with 3 late: a
 late pseudo-gradient (a group over the 1 s grace period behind, at load
 spikes) left the early group's outer step with its own shard alone and the
-late one applied at half weight. The grace period's floor is 2 s since.
+late one applied at half weight. The grace period's floor is 2 s since
+(:class:`fedpipe.runtime.diloco.OuterSync`); the same command then, load
+14-24: text 0.62x / -0.9 % (time missed: async+DiLoCo 58.6 and 61.7 s to
+the target, sync 96.0 and 97.8 s), both async+DiLoCo runs 0 late and the
+same final loss to the digit (1.4805: DiLoCo is deterministic when no
+pseudo-gradient is late); digits 0.33x / -0.9 % (0 late). Not done: the
+time. It would take the bigger group's compute or a split balanced for
+async+DiLoCo (the planner's, made for sync, leaves the node3 group idle a
+quarter of the time) or more microbatches in flight over node3's hop than
+1F1B's bound of two.
 
 The final loss: in one process, at equal steps, without the async schedule,
 codecs or late pseudo-gradients (``OuterSync`` over an in-memory wire), 400

@@ -328,7 +328,7 @@ def test_diloco_h1_equals_allreduce_and_single_process_sgd():
 SLOW_GROUP = {
     # everything node3 sends: about 10x slower than loopback (~200 MB/s here)
     # and 250 ms later, so node3's group (a round trip of at least one latency
-    # a step) falls behind by more than the 1 s grace period every 10 steps
+    # a step) falls behind by more than the 2 s grace period every 10 steps
     "links": [{"from": "node3", "to": "*", "mbps": 160, "latency_ms": 250, "oneway": True}],
 }
 

@@ -164,10 +164,11 @@ class OuterSync:
         grace_floor: the least wait for late peers, seconds. 2 s: on a machine
             shared at load 10-25 a group's outer step came over 1 s after its
             peer's now and then (``benchmarks/async.py``, text, December 2026:
-            3-9 late pseudo-gradients a run with 1 s, each applied at half
-            weight while the early group's outer step averaged its own shard
-            alone); in a job whose groups run every step, waiting does not
-            delay the job, whose pace is its slowest group's.
+            with 1 s, 9 late pseudo-gradients in two 1,000-step runs and 3 in
+            one of 400, each applied at half weight while the early group's
+            outer step averaged its own shard alone; with 2 s, none in two);
+            in a job whose groups run every step, waiting for the group behind
+            does not delay the job, whose pace is that group's.
 
     Attributes:
         missed: pseudo-gradients of peers that were not in within the grace period.
