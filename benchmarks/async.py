@@ -98,19 +98,20 @@ compute, not on the exchange (2-4 ms) or the tracker (0 round trips).
 Where text's time goes (2026-12-02, ``--configs "sync,async+DiLoCo H=10"
 --repeats 2``, load 10-25, and a py-spy profile of a 400-step run): the
 planner gives the 1 microbatch of 8 samples to the group behind node3's link
-(its first stage waits 61-71 ms a step for gradients over it: two
-microbatches in flight, one round trip) and 3 of 8 to the other, whose first
-stage computes 57-125 ms of each step on the shared cores and sets the
-job's pace: the node3 group ends its H steps first and waits 200-310 ms per
+(its first stage waits 57-61 ms a step for gradients over it: two
+microbatches in flight, one round trip) and 3 microbatches of 8 to the other, whose first
+stage computes 45-125 ms of each step on the shared cores and sets the
+job's pace: the node3 group ends its H steps first and waits 190-310 ms per
 outer step for it. Of that first stage's busy time, forward 36 %, backward
 47 %, the optimizer 5 %, weight stashing (snapshot copy, moving gradients,
 functional_call) 8 %, the outer steps 1 % (2-7 ms encode+send, 0.3-2.4 ms
 applying, 0 tracker round trips; node3 holds only the head, so the outer
 exchange over its link is small). So async+DiLoCo's time is the bigger
-group's compute under the machine's load (time to target 57-62 s in 3 runs)
-while sync's is its waiting for tensors (194-214 ms a step: the 1F1B flush
+group's compute under the machine's load (time to target 57-62 s in 4 runs)
+while sync's is its waiting for tensors (132-214 ms a step: the 1F1B flush
 over node3's hop and the all-reduce), which depends on the plan drawn: sync's
-time to target was 96-151 s in 3 runs, the ratio 0.41-0.61. The loss varied
+time to target was 96-151 s in 4 runs, the ratio 0.41 and 0.62 in two
+benchmark runs. The loss varied
 more than the time: +2.9 % and -0.2 % in two runs of one plan (9 late
 pseudo-gradients between them), +4.6 % at 400 steps with 3 late: a
 late pseudo-gradient (a group over the 1 s grace period behind, at load
