@@ -95,6 +95,38 @@ late pseudo-gradient; group 1 waited 204 ms per outer step for group 0,
 whose first stage computed 50 ms of each inner step: the time is missed on
 compute, not on the exchange (2-4 ms) or the tracker (0 round trips).
 
+Where text's time goes (2026-12-02, ``--configs "sync,async+DiLoCo H=10"
+--repeats 2``, load 10-25, and a py-spy profile of a 400-step run): the
+planner gives the 1 microbatch of 8 samples to the group behind node3's link
+(its first stage waits 57-61 ms a step for gradients over it: two
+microbatches in flight, one round trip) and 3 microbatches of 8 to the other, whose first
+stage computes 45-125 ms of each step on the shared cores and sets the
+job's pace: the node3 group ends its H steps first and waits 190-310 ms per
+outer step for it. Of that first stage's busy time, forward 36 %, backward
+47 %, the optimizer 5 %, weight stashing (snapshot copy, moving gradients,
+functional_call) 8 %, the outer steps 1 % (2-7 ms encode+send, 0.3-2.4 ms
+applying, 0 tracker round trips; node3 holds only the head, so the outer
+exchange over its link is small). So async+DiLoCo's time is the bigger
+group's compute under the machine's load (time to target 57-62 s in 4 runs)
+while sync's is its waiting for tensors (132-214 ms a step: the 1F1B flush
+over node3's hop and the all-reduce), which depends on the plan drawn: sync's
+time to target was 96-151 s in 4 runs, the ratio 0.41 and 0.62 in two
+benchmark runs. The loss varied
+more than the time: +2.9 % and -0.2 % in two runs of one plan (9 late
+pseudo-gradients between them), +4.6 % at 400 steps with 3 late: a
+late pseudo-gradient (a group over the 1 s grace period behind, at load
+spikes) left the early group's outer step with its own shard alone and the
+late one applied at half weight. The grace period's floor is 2 s since
+(:class:`fedpipe.runtime.diloco.OuterSync`); the same command then, load
+14-24: text 0.62x / -0.9 % (time missed: async+DiLoCo 58.6 and 61.7 s to
+the target, sync 96.0 and 97.8 s), both async+DiLoCo runs 0 late and the
+same final loss to the digit (1.4805: DiLoCo is deterministic when no
+pseudo-gradient is late); digits 0.33x / -0.9 % (0 late). Not done: the
+time. It would take the bigger group's compute or a split balanced for
+async+DiLoCo (the planner's, made for sync, leaves the node3 group idle a
+quarter of the time) or more microbatches in flight over node3's hop than
+1F1B's bound of two.
+
 The final loss: in one process, at equal steps, without the async schedule,
 codecs or late pseudo-gradients (``OuterSync`` over an in-memory wire), 400
 steps, held-out loss against sync's: text, shares 8/24: outer lr 0.7 with
@@ -464,6 +496,8 @@ def main() -> None:
                           f"for {task.steps} steps, time to target {fmt_s(r.time_to(target))}, "
                           f"final (held-out) loss {r.held_out:.4f}, training loss {r.final:.4f}"
                           + (f" (accuracy {r.accuracy:.4f})" if task.classifier else "")
+                          + (f", late pseudo-gradients {r.missed} (applied late {r.late})"
+                             if r.outer else "")
                           + f", load average {r.load:.1f}", flush=True)
         verdicts += [(task.name, ok) for ok in report(task, runs, target)]
     met = sum(ok for _, ok in verdicts)

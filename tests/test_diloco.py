@@ -154,7 +154,7 @@ def test_late_replica_does_not_stall_and_is_applied_with_its_staleness_weight():
     Each wait of replica 0 before the last step is bounded by the grace (1 s)."""
     gate = threading.Event()
     wire = OuterWire(lambda src, k: gate if (src, k) == (1, 0) else None)
-    models, syncs = two_replicas(wire)
+    models, syncs = two_replicas(wire, grace_floor=1.0)
     moves = [[1.0, 4.0, 16.0], [2.0, 8.0, 32.0]]  # each inner step lowers the weight by this
     seen = [[], []]
     zero_done_1 = threading.Event()
@@ -328,7 +328,7 @@ def test_diloco_h1_equals_allreduce_and_single_process_sgd():
 SLOW_GROUP = {
     # everything node3 sends: about 10x slower than loopback (~200 MB/s here)
     # and 250 ms later, so node3's group (a round trip of at least one latency
-    # a step) falls behind by more than the 1 s grace period every 10 steps
+    # a step) falls behind by more than the 2 s grace period every 10 steps
     "links": [{"from": "node3", "to": "*", "mbps": 160, "latency_ms": 250, "oneway": True}],
 }
 

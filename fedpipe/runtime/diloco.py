@@ -161,7 +161,14 @@ class OuterSync:
             which waits for every pseudo-gradient owed. None: no such step.
         grace_fraction: how long to wait for late peers, as a fraction of the
             wall time of the last H inner steps.
-        grace_floor: the least wait for late peers, seconds.
+        grace_floor: the least wait for late peers, seconds. 2 s: on a machine
+            shared at load 10-25 a group's outer step came over 1 s after its
+            peer's now and then (``benchmarks/async.py``, text, December 2026:
+            with 1 s, 9 late pseudo-gradients in two 1,000-step runs and 3 in
+            one of 400, each applied at half weight while the early group's
+            outer step averaged its own shard alone; with 2 s, none in two);
+            in a job whose groups run every step, waiting for the group behind
+            does not delay the job, whose pace is that group's.
 
     Attributes:
         missed: pseudo-gradients of peers that were not in within the grace period.
@@ -176,7 +183,7 @@ class OuterSync:
     def __init__(self, module: nn.Module, me: StageKey, stages: Sequence[StageSpan],
                  config: DiLoCo, shares: Sequence[float], transport: Transport, *,
                  last_step: int | None = None, grace_fraction: float = 0.25,
-                 grace_floor: float = 1.0):
+                 grace_floor: float = 2.0):
         if any(s <= 0 for s in shares):
             raise ValueError(f"replica shares must be positive, got {list(shares)}")
         if grace_fraction < 0 or grace_floor < 0:
