@@ -19,9 +19,9 @@ its bytes: :class:`~.records.Tag`) counts against that job's share of the node: 
 most ``job_streams`` streams, and ``job_window`` bytes in flight per direction for all
 of them together (both ends wait for the job's CREDIT, as for a stream's). So one job
 flooding a relay takes its share, and the other jobs' streams still flow; a job past
-its streams is refused, with a REFUSED record naming the job (a node's data-plane
-links through a relay are tagged: one per peer and job). Untagged streams (gRPC
-channels, a client's feed: shared by jobs) have the stream bounds only.
+its streams is refused, with a REFUSED record naming the job (nodes' and clients'
+data-plane links through a relay are tagged: one per peer and job). Untagged streams
+(gRPC channels: shared by jobs) have the stream bounds only.
 
 Closing is TCP's: a socket's end of stream becomes FIN (the other side then
 shuts its socket's writing half down: a half-close); an error on either side

@@ -4,10 +4,10 @@ job the connection carries (a TAG record, in the clear). No torch.
 The relay counts such a stream, and the bytes it holds for it, against the job's share
 of the node (:class:`~.splice.Home`), so one job flooding a relay cannot take another
 job's place; past its share the relay refuses the job's stream, naming the job.
-A node's data-plane link to a peer it reaches through the peer's relay is one per
-(peer, job), dialed here (:meth:`fedpipe.net.dataplane.DataPlane.link`, ``relayed``);
-its links to reachable peers, a client's feed and gRPC channels carry several jobs
-and are not tagged: the relay cannot tell their jobs apart without decoding them,
+A node's or a client's data-plane link to a node it reaches through that node's relay
+is one per (peer, job), dialed here (:meth:`fedpipe.net.dataplane.DataPlane.link`,
+``relayed``); links to reachable peers and gRPC channels carry several jobs and are not
+tagged: the relay cannot tell their jobs apart without decoding them,
 which under TLS it cannot. Contract: ``protos/fedpipe/v1/FRAMES.md``, "Relays".
 """
 from __future__ import annotations
