@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fedpipe
-from fedpipe.client.weights import meta_copy, package, weight_frames
+from fedpipe.client.weights import meta_copy, package, weight_frames, weight_tensors
 from fedpipe.node.initial import WeightsRefused, allocate, make_layers
 from fedpipe.proto import node_pb2
 from fedpipe.runtime.weights import layer_digest, save_layers
@@ -61,7 +61,7 @@ def test_a_streamed_stage_waits_then_takes_its_layers_and_refuses_a_changed_tens
     with pytest.raises(WeightsRefused, match="layer 1 is not one of"):
         pending.fill([("1.weight", model[0].weight)])
     env = node_pb2.Envelope(job_id="j", kind=node_pb2.KIND_WEIGHTS)
-    sent = frames.read_tensors(weight_frames(env, 2, 4, code.tensors))
+    sent = frames.read_tensors(weight_frames(env, weight_tensors(2, 4, code.tensors)))
     pending.fill((h.name, t) for h, t in sent)
     assert pending.arrived.is_set()
     _same(made[0], model[2])

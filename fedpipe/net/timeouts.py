@@ -163,3 +163,6 @@ FEED_UNREACHABLE = _seconds("FEED_UNREACHABLE", 10.0)
 """A client feeding a node whose address refuses connections (an outbound-only node whose
 relay restarts) tries again this long while the job's epoch holds, before it waits for the
 job to recover."""
+WEIGHTS_IDLE = _seconds("WEIGHTS_IDLE", 120.0)
+"""A stage's initial-weights stream that took no tensor for this long may be taken over by
+another stream (its client went mid-stream): :class:`fedpipe.node.initial.Pending`."""
