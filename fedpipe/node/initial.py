@@ -135,16 +135,21 @@ class Pending:
             WeightsRefused: not ``owner``'s stream now (none started, or another's), a
                 name that is not ``LAYER.KEY`` of a layer here, or a tensor it sent already.
             WeightsError: a key the layer lacks, or another shape.
+            A refusal ends the stream (the stage waits for another).
         """
         with self._lock:
             fill = self._current(owner)
-            index, key = self._place(fill, name)
-        target = self.layers[index].state_dict(keep_vars=True).get(key)
-        if target is None:
-            raise WeightsError(f"layer {index}: unexpected tensor {key!r}")
-        if tuple(shape) != tuple(target.shape):
-            raise WeightsError(f"layer {index}: {key!r} is {tuple(shape)}, the layer's is "
-                               f"{tuple(target.shape)}")
+            try:
+                index, key = self._place(fill, name)
+                target = self.layers[index].state_dict(keep_vars=True).get(key)
+                if target is None:
+                    raise WeightsError(f"layer {index}: unexpected tensor {key!r}")
+                if tuple(shape) != tuple(target.shape):
+                    raise WeightsError(f"layer {index}: {key!r} is {tuple(shape)}, the "
+                                       f"layer's is {tuple(target.shape)}")
+            except WeightsError:
+                self._fill = None  # the stream is refused: the stage waits for another
+                raise
         return target.numel() * target.element_size()
 
     def take(self, owner: object, name: str, tensor: torch.Tensor) -> None:
@@ -182,7 +187,8 @@ class Pending:
         with self._lock:
             fill = self._current(owner)
             self._fill = None
-            missing = sorted(set(self.layers) - fill.done)
+            missing = sorted(i for i, layer in self.layers.items()
+                             if i not in fill.done and layer.state_dict())  # not ReLU's
             if missing:
                 i = missing[0]
                 keys = sorted(set(self.layers[i].state_dict()) - set(fill.partial.get(i, {})))
