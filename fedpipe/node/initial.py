@@ -10,8 +10,8 @@ Each node gives its own layers their weights:
 - ``"files"``: the layers' tensors read from the job's safetensors path, when this
   node can read it (:func:`~fedpipe.runtime.weights.load_layers`);
 - ``"stream"``, or ``"files"`` on a node that cannot read the path: the stage waits
-  (state AWAITING_WEIGHTS) for the client to stream them (``PutWeights``, straight
-  from the client, never through the tracker).
+  (state AWAITING_WEIGHTS) for the client to stream them (``PutWeights``, over the
+  node's socket data port or gRPC, straight from the client, never through the tracker).
 
 Read or streamed tensors are checked against the job's signed per-layer digests
 (:func:`~fedpipe.runtime.weights.layer_digest`) before the stage takes a step.
