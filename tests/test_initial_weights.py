@@ -136,3 +136,27 @@ def test_layer_digests_match_between_client_and_node():
     layer = nn.Linear(3, 2)
     assert layer_digest(layer.state_dict()) == layer_digest(
         {k: v.clone() for k, v in layer.state_dict().items()})
+
+
+def test_one_stream_fills_a_stage_at_a_time_and_an_idle_one_is_taken_over(monkeypatch):
+    from fedpipe.client.weights import weight_tensors
+    from fedpipe.net import timeouts
+    torch.manual_seed(5)
+    model = mlp()
+    code = package(model, torch.zeros(2, 6))
+    assert code.tensors is not None
+    _, pending = make_layers(_request(code.layers[2:4]), code.weights, 2, torch.device("cpu"))
+    assert pending is not None
+    first, *rest = weight_tensors(2, 4, code.tensors)
+    pending.begin("a")
+    pending.take("a", *first)
+    with pytest.raises(WeightsRefused, match="another stream is loading"):
+        pending.begin("b")  # a is under way
+    monkeypatch.setattr(timeouts, "WEIGHTS_IDLE", 0.0)  # a went quiet: b takes over
+    pending.begin("b")
+    with pytest.raises(WeightsRefused, match="of no stream started here"):
+        pending.take("a", *rest[0])
+    for name, t in [first, *rest]:
+        pending.take("b", name, t)
+    pending.end("b")
+    assert pending.arrived.is_set()
