@@ -99,9 +99,13 @@ def test_a_model_with_weights_is_streamed_to_the_nodes_and_trains_bit_equal(swar
     assert code.weights.source == "stream"
     assert sum(map(len, code.layers)) < 8 * 1024  # code only: a few KiB, no weights
     since = log_marks(swarm)
-    got, _ = _train(swarm, model)
+    got, job = _train(swarm, model)
     assert not_bit_equal(got, expected) == []
-    assert socket_weights(swarm, since) == [0, 1, 2]  # each stage's, over the socket plane
+    # each stage with tensors got them over the socket plane (one of activations only,
+    # a Tanh alone, say, waits for none)
+    streamed = [a.stage for a in job.plan.stages
+                if any(model[i].state_dict() for i in range(a.layer_start, a.layer_end))]
+    assert len(streamed) >= 2 and socket_weights(swarm, since) == sorted(streamed)
 
 
 def test_weights_from_a_safetensors_file_are_read_by_the_nodes(swarm, tmp_path):
