@@ -5,13 +5,15 @@ Real processes: a tracker and 3 nodes on 127.0.0.1 (the session swarm). Three wa
 - a model built under ``torch.device("meta")``: each node makes its own layers from the
   job's seed; the reference is ``fedpipe.materialize(model, seed)`` trained in one process;
 - a model with its weights (the API before meta jobs): the client streams each stage's
-  layers to its node (``PutWeights``);
+  layers to its node (``PutWeights``: over the socket data plane, the nodes' logs say so;
+  over gRPC for a client without one);
 - ``weights=PATH`` (a safetensors file): the nodes read their own layers' tensors.
 In each case the tracker stores only code: each layer pickled on the meta device.
 """
 from __future__ import annotations
 
 import copy
+import re
 import time
 
 import pytest
@@ -28,6 +30,21 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
 STEPS, BATCH, MICROBATCHES = 4, 32, 4
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
 LOSS = nn.functional.cross_entropy
+SOCKET_WEIGHTS = re.compile(r"stage (\d+) of job \S+ \(replica 0\) took its initial weights "
+                            r"from \S+ over the socket data plane")
+"""A node's log line for a stage's streamed weights taken over its socket data plane
+(:mod:`fedpipe.node.dataplane`)."""
+
+
+def log_marks(swarm) -> dict:
+    """Each node's log length now."""
+    return {p: len(swarm.log(p)) for p in swarm.nodes}
+
+
+def socket_weights(swarm, since: dict) -> list[int]:
+    """The stages whose weights came over the socket plane past ``since``, sorted."""
+    return sorted(int(m.group(1)) for p in swarm.nodes
+                  for m in SOCKET_WEIGHTS.finditer(swarm.log(p)[since.get(p, 0):]))
 
 
 def mlp() -> nn.Sequential:
@@ -81,8 +98,14 @@ def test_a_model_with_weights_is_streamed_to_the_nodes_and_trains_bit_equal(swar
     code = package(model, torch.zeros(BATCH, 64))
     assert code.weights.source == "stream"
     assert sum(map(len, code.layers)) < 8 * 1024  # code only: a few KiB, no weights
-    got, _ = _train(swarm, model)
+    since = log_marks(swarm)
+    got, job = _train(swarm, model)
     assert not_bit_equal(got, expected) == []
+    # each stage with tensors got them over the socket plane (one of activations only,
+    # a Tanh alone, say, waits for none)
+    streamed = [a.stage for a in job.plan.stages
+                if any(model[i].state_dict() for i in range(a.layer_start, a.layer_end))]
+    assert len(streamed) >= 2 and socket_weights(swarm, since) == sorted(streamed)
 
 
 def test_weights_from_a_safetensors_file_are_read_by_the_nodes(swarm, tmp_path):
@@ -123,7 +146,8 @@ def test_weights_that_do_not_fit_the_model_are_refused_at_submit(swarm, tmp_path
 def test_a_streamed_job_taken_over_before_its_first_checkpoint_gets_its_weights_again(swarm):
     """Client A streams the weights, feeds 2 steps and goes; the job parks at its start (no
     checkpoint yet). Client B, attached by id, resumes it with the model: the rewound stages
-    wait for their weights and B streams them, so the job ends as if nothing happened."""
+    wait for their weights and B streams them, so the job ends as if nothing happened.
+    B has no socket plane: its weights go over gRPC's PutWeights."""
     import threading
 
     torch.manual_seed(6)
@@ -144,11 +168,13 @@ def test_a_streamed_job_taken_over_before_its_first_checkpoint_gets_its_weights_
     while job.status().step < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     a.close()
+    since = log_marks(swarm)
     gate.set()
-    b = swarm.client()
+    b = swarm.client(sockets=False)
     resumed = b.job(job.id).resume(batches, model=model)
     status = resumed.wait(timeout=180, progress=False)
     assert status.state == "SUCCEEDED", status
+    assert socket_weights(swarm, since) == []  # B's went over gRPC
     assert [r.checkpoint_step for r in status.recoveries] == [0]
     got = resumed.state_dict()
     resumed.release()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fedpipe
-from fedpipe.client.weights import meta_copy, package, weight_frames
+from fedpipe.client.weights import meta_copy, package, weight_frames, weight_tensors
 from fedpipe.node.initial import WeightsRefused, allocate, make_layers
 from fedpipe.proto import node_pb2
 from fedpipe.runtime.weights import layer_digest, save_layers
@@ -61,7 +61,7 @@ def test_a_streamed_stage_waits_then_takes_its_layers_and_refuses_a_changed_tens
     with pytest.raises(WeightsRefused, match="layer 1 is not one of"):
         pending.fill([("1.weight", model[0].weight)])
     env = node_pb2.Envelope(job_id="j", kind=node_pb2.KIND_WEIGHTS)
-    sent = frames.read_tensors(weight_frames(env, 2, 4, code.tensors))
+    sent = frames.read_tensors(weight_frames(env, weight_tensors(2, 4, code.tensors)))
     pending.fill((h.name, t) for h, t in sent)
     assert pending.arrived.is_set()
     _same(made[0], model[2])
@@ -136,3 +136,27 @@ def test_layer_digests_match_between_client_and_node():
     layer = nn.Linear(3, 2)
     assert layer_digest(layer.state_dict()) == layer_digest(
         {k: v.clone() for k, v in layer.state_dict().items()})
+
+
+def test_one_stream_fills_a_stage_at_a_time_and_an_idle_one_is_taken_over(monkeypatch):
+    from fedpipe.client.weights import weight_tensors
+    from fedpipe.net import timeouts
+    torch.manual_seed(5)
+    model = mlp()
+    code = package(model, torch.zeros(2, 6))
+    assert code.tensors is not None
+    _, pending = make_layers(_request(code.layers[2:4]), code.weights, 2, torch.device("cpu"))
+    assert pending is not None
+    first, *rest = weight_tensors(2, 4, code.tensors)
+    pending.begin("a")
+    pending.take("a", *first)
+    with pytest.raises(WeightsRefused, match="another stream is loading"):
+        pending.begin("b")  # a is under way
+    monkeypatch.setattr(timeouts, "WEIGHTS_IDLE", 0.0)  # a went quiet: b takes over
+    pending.begin("b")
+    with pytest.raises(WeightsRefused, match="of no stream started here"):
+        pending.take("a", *rest[0])
+    for name, t in [first, *rest]:
+        pending.take("b", name, t)
+    pending.end("b")
+    assert pending.arrived.is_set()

@@ -59,7 +59,7 @@ from ..wire import frames, rpc
 from . import checkpoints, links
 from .elastic import ElasticFeed, ElasticTracker
 from .watch import Halted, JobWatch
-from .weights import WeightStreamer
+from .weights import WeightStreamer, weight_frames
 
 log = logging.getLogger("fedpipe.client")
 
@@ -130,9 +130,10 @@ class NodeStubs(Protocol):
 
 
 class ChannelNodes:
-    """:class:`NodeLink` over the client's links to the nodes: a tensor (or a snapshot)
-    over the socket data plane to a node that offers a data port (:mod:`.links`), over
-    gRPC's ``Send`` (``PutSnapshot``) to one that does not (or when the client has no
+    """:class:`NodeLink` (and :class:`~.weights.WeightLink`) over the client's links to the
+    nodes: a tensor (a snapshot, a stage's initial weights) over the socket data plane to
+    a node that offers a data port (:mod:`.links`), over gRPC's ``Send``
+    (``PutSnapshot``, ``PutWeights``) to one that does not (or when the client has no
     socket plane)."""
 
     def __init__(self, stubs: NodeStubs):
@@ -155,6 +156,22 @@ class ChannelNodes:
             return
         self.stubs.node(node.address).PutSnapshot(checkpoint.to_frames(snapshot, envelope),
                                                   timeout=timeouts.FETCH_STATE_RPC)
+
+    def put_weights(self, node: node_pb2.StageAssignment, envelope: node_pb2.Envelope,
+                    tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A stage's initial weights (``("LAYER.KEY", tensor)``, read as they are sent) to
+        the node that runs it; return once the stage has them (a :class:`WeightLink`).
+
+        Raises:
+            grpc.RpcError: the node refused them (``PutWeights``' checks), or is
+                unreachable.
+        """
+        plane = self.stubs.data_plane() if node.data_address else None
+        if plane is not None:
+            links.put_weights(plane, node, envelope, tensors)
+            return
+        self.stubs.node(node.address).PutWeights(weight_frames(envelope, tensors),
+                                                 timeout=timeouts.PUT_WEIGHTS_RPC)
 
 
 @dataclass(frozen=True)

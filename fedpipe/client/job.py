@@ -137,9 +137,10 @@ class Job:
                          on_event=self._on_event, halted=self._halted,
                          reach=self.client.reach)
         watch.open()
-        streamer = WeightStreamer(self.id, self._weights, self.client.node) \
+        nodes = ChannelNodes(self.client)
+        streamer = WeightStreamer(self.id, self._weights, nodes) \
             if self._weights is not None else None
-        feed = Feed(self.id, self.client.stub, ChannelNodes(self.client), watch, batches,
+        feed = Feed(self.id, self.client.stub, nodes, watch, batches,
                     microbatches=self.microbatches, restore=restore, weights=streamer)
         try:
             self._check_open(add=True)

@@ -1,7 +1,8 @@
 """A client's socket data plane: its feed (inputs, targets) to the nodes that offer one,
 its fetches of a job's weights (``FetchState``, :func:`fetch`) and snapshots
 (``FetchSnapshot`` for a save, :func:`fetch_snapshot`), and the snapshots it puts on
-them (``PutSnapshot``, restoring a saved checkpoint: :func:`put_snapshot`).
+them (``PutSnapshot``, restoring a saved checkpoint: :func:`put_snapshot`), and the
+stages' initial weights it streams (``PutWeights``: :func:`put_weights`).
 
 The client dials each node's data port (:mod:`fedpipe.net.dataplane`) from one
 :class:`~fedpipe.net.dataplane.DataPlane` of role ``client`` that does not listen
@@ -12,7 +13,7 @@ A tensor goes from its own memory as ``SendOne`` would: one ``send`` with
 The feed's error handling is gRPC's (it retries RESOURCE_EXHAUSTED, waits for a
 recovery on UNAVAILABLE, ...), so a refusal is raised as a :class:`LinkError`,
 a ``grpc.RpcError`` with the status code the node gave it (the same code its
-gRPC call, ``Send``, ``PutSnapshot``, ``FetchState`` or ``FetchSnapshot``, would end
+gRPC call, ``Send``, ``PutSnapshot``, ``PutWeights``, ``FetchState`` or ``FetchSnapshot``, would end
 with); a link that fails is UNAVAILABLE. Each falls back to gRPC where the node offers
 no data port or the client has no socket plane (``Client(sockets=False)``): the
 callers choose (:class:`~.feed.ChannelNodes`, :mod:`.checkpoints`).
@@ -24,7 +25,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import grpc
 import torch
@@ -33,6 +34,7 @@ from ..net import dataplane, timeouts
 from ..proto import node_pb2
 from ..runtime import checkpoint
 from ..runtime.snapshot_link import send_snapshot
+from ..runtime.weights_link import send_weights
 from ..security import TlsConfig
 from ..status import StatusError
 from ..wire.format import WireError
@@ -130,6 +132,26 @@ def put_snapshot(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
     """
     with link_errors(node):
         send_snapshot(link_to(plane, node, envelope.job_id), envelope, snap)
+
+
+def put_weights(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
+                envelope: node_pb2.Envelope, tensors: Iterable[tuple[str, torch.Tensor]]
+                ) -> None:
+    """Put a stage's initial weights on ``node`` over its data port
+    (:func:`~fedpipe.runtime.weights_link.send_weights`; ``envelope``: ``KIND_WEIGHTS``
+    with the job, stage key and plan epoch; ``tensors``: ``("LAYER.KEY", tensor)``);
+    return once the stage has them. The node checks them as a gRPC ``PutWeights``
+    (:mod:`fedpipe.node.dataplane`).
+
+    Raises:
+        LinkError: the node refused them (the code ``PutWeights`` would end with:
+            ALREADY_EXISTS for a stage that has its weights, INVALID_ARGUMENT for a
+            digest or shape that differs, NOT_FOUND for a stage it does not run,
+            FAILED_PRECONDITION for another plan epoch, PERMISSION_DENIED for a job
+            that is not the caller's), or the link failed (UNAVAILABLE).
+    """
+    with link_errors(node):
+        send_weights(plane.link(node.node_name, node.data_address), envelope, tensors)
 
 
 def fetch(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,

@@ -12,7 +12,9 @@ size (issue 22). Where the weights come from (:class:`~fedpipe.spec.WeightsSpec`
   and shapes are checked against the model here, reading only headers; each node
   reads its own layers' tensors from PATH if it can, else the client streams them;
 - a model with its weights (the API before meta jobs): the client streams each
-  stage's layers to that stage's node (``PutWeights``).
+  stage's layers to that stage's node (``PutWeights``: over the socket data plane to a
+  node that offers a data port, :func:`fedpipe.runtime.weights_link.send_weights`;
+  over gRPC otherwise, :class:`~.feed.ChannelNodes` chooses).
 
 The job's config carries each layer's weight digest
 (:func:`~fedpipe.runtime.weights.layer_digest`, signed with the job under TLS); a
@@ -26,16 +28,16 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import torch
 from torch import nn
 
-from ..net import timeouts
 from ..planner.types import ModelProfile
 from ..proto import node_pb2, tracker_pb2
 from ..runtime.materialize import (InitFn, MaterializeError, TiedGroup, check_initializable,
@@ -43,7 +45,7 @@ from ..runtime.materialize import (InitFn, MaterializeError, TiedGroup, check_in
 from ..runtime.weights import (KeyMap, WeightFiles, check_weights, layer_digest, layer_tensors,
                                sequential_keys)
 from ..spec import PlanView, StageKey, WeightsSpec
-from ..wire import frames, rpc
+from ..wire import frames
 from .packaging import dumps
 from .profile import profile_model
 
@@ -219,16 +221,38 @@ def _meta_only(layers: list[nn.Module]) -> list[nn.Module]:
             for layer in layers]
 
 
-def weight_frames(envelope: node_pb2.Envelope, start: int, end: int, tensors: TensorsOf
-                  ) -> Iterator[bytes]:
-    """The PutWeights stream of layers ``[start, end)``: the envelope on the first frame,
-    each tensor named ``"LAYER.KEY"``, one layer read at a time."""
-    env: node_pb2.Envelope | None = envelope
+def weight_tensors(start: int, end: int, tensors: TensorsOf
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Layers ``[start, end)``'s tensors as a stage's weights stream names them
+    (``"LAYER.KEY"``), on the CPU, one layer read at a time."""
     for i in range(start, end):
         for key, t in tensors(i).items():
-            yield from frames.encode_frames(t.detach().to("cpu").contiguous(),
-                                            name=f"{i}.{key}", envelope=env)
-            env = None
+            yield f"{i}.{key}", t.detach().to("cpu").contiguous()
+
+
+def weight_frames(envelope: node_pb2.Envelope, tensors: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[bytes]:
+    """gRPC's PutWeights stream of ``tensors`` (:func:`weight_tensors`): the envelope on
+    the first frame, each tensor with its name."""
+    env: node_pb2.Envelope | None = envelope
+    for name, t in tensors:
+        yield from frames.encode_frames(t, name=name, envelope=env)
+        env = None
+
+
+class WeightLink(Protocol):
+    """How a :class:`WeightStreamer` reaches a node (:class:`~.feed.ChannelNodes`)."""
+
+    def put_weights(self, node: node_pb2.StageAssignment, envelope: node_pb2.Envelope,
+                    tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Put a stage's initial weights on the node that runs it; return once the stage
+        has them.
+
+        Raises:
+            grpc.RpcError: the node refused them with PutWeights' status code
+                (ALREADY_EXISTS: the stage has its weights; INVALID_ARGUMENT: a digest
+                that differs), or is unreachable.
+        """
 
 
 class WeightStreamer:
@@ -237,12 +261,11 @@ class WeightStreamer:
     Args:
         job_id: the job.
         tensors: a layer's state_dict tensors.
-        node: the stub of the node at an address.
+        link: how the weights reach a node (socket data plane or gRPC).
     """
 
-    def __init__(self, job_id: str, tensors: TensorsOf,
-                 node: Callable[[str], rpc.NodeStub]):
-        self.job_id, self.tensors, self.node = job_id, tensors, node
+    def __init__(self, job_id: str, tensors: TensorsOf, link: WeightLink):
+        self.job_id, self.tensors, self.link = job_id, tensors, link
 
     def stream(self, info: tracker_pb2.JobInfo) -> list[StageKey]:
         """Stream every stage of ``info``'s plan its layers, all at once, if the epoch
@@ -265,9 +288,8 @@ class WeightStreamer:
             env = node_pb2.Envelope(job_id=self.job_id, replica=key.replica, stage=key.stage,
                                     kind=node_pb2.KIND_WEIGHTS, epoch=info.epoch)
             try:
-                self.node(a.address).PutWeights(
-                    weight_frames(env, a.layer_start, a.layer_end, self.tensors),
-                    timeout=timeouts.PUT_WEIGHTS_RPC)
+                self.link.put_weights(a, env, weight_tensors(a.layer_start, a.layer_end,
+                                                             self.tensors))
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.ALREADY_EXISTS:
                     return False

@@ -128,7 +128,8 @@ WEIGHTS_WAIT = _seconds("WEIGHTS_WAIT", 600.0)
 """A stage whose initial weights the client streams (PutWeights) waits this long for them,
 then fails (the client is gone, or cannot reach the node)."""
 PUT_WEIGHTS_RPC = _seconds("PUT_WEIGHTS_RPC", 1800.0)
-"""Deadline of one PutWeights call: a stage's weights, streamed by the client."""
+"""Deadline of one PutWeights call: a stage's weights, streamed by the client (over a socket
+link: from its last tensor sent to the node's acknowledgement of the stream's end)."""
 REVERSE_DIAL_WAIT = _seconds("REVERSE_DIAL_WAIT", 10.0)
 """A reachable node about to send to an outbound-only peer (one behind NAT, homed at a relay)
 waits this long for the data link that peer dials itself when its stage loads (a direct
@@ -163,3 +164,6 @@ FEED_UNREACHABLE = _seconds("FEED_UNREACHABLE", 10.0)
 """A client feeding a node whose address refuses connections (an outbound-only node whose
 relay restarts) tries again this long while the job's epoch holds, before it waits for the
 job to recover."""
+WEIGHTS_IDLE = _seconds("WEIGHTS_IDLE", 120.0)
+"""A stage's initial-weights stream that took no tensor for this long may be taken over by
+another stream (its client went mid-stream): :class:`fedpipe.node.initial.Pending`."""

@@ -26,6 +26,16 @@ node of the job's plans or its own client, a key of its plans); the
 the snapshot and job size limits and keeps the snapshot once it has them all,
 if this node runs a stage of the job.
 
+A client's initial weights for a stage (KIND_WEIGHTS, each tensor with its envelope;
+:func:`fedpipe.runtime.weights_link.send_weights`) pass ``PutWeights``' checks, as
+on gRPC: its policy row (role ``client``), the job's own client
+(:meth:`~fedpipe.node.access.JobAccessBook.require_owner`), then the
+:class:`~fedpipe.node.initial.WeightsDesk`: a stage of the envelope's epoch that
+waits for its weights, and each tensor's name and shape one of its layers', checked
+on the header before its payload is buffered. They fill the stage's
+:class:`~fedpipe.node.initial.Pending` a tensor at a time (each layer's digest checked
+once it is in); the stream's last marker is taken only once the stage has them all.
+
 A peer's fetch (``FetchState``, ``FetchSnapshot``: a node restoring a stage from
 this one's snapshot; :mod:`fedpipe.net.dataplane.fetch`) is served by
 :meth:`NodeReceiver.serve` on a thread of its own, with gRPC's checks: the
@@ -58,6 +68,7 @@ from .admission import DataPlane as Admission
 from .admission import slot_of
 from . import fetches
 from .errors import MAPPED, InvalidRequest, NoSuchSnapshot, status_of
+from .initial import WeightsDesk
 from .snapshots import SnapshotDesk
 from .stages import StageRegistry
 
@@ -68,6 +79,8 @@ SEND_METHOD = "/fedpipe.v1.Node/Send"
 """The policy row a socket link's tensors are checked by: they are ``Send``'s frames."""
 PUT_SNAPSHOT_METHOD = "/fedpipe.v1.Node/PutSnapshot"
 """The policy row a socket link's snapshot tensors are checked by."""
+PUT_WEIGHTS_METHOD = "/fedpipe.v1.Node/PutWeights"
+"""The policy row a socket link's initial-weight tensors are checked by."""
 FETCH_METHODS = {Method.FETCH_STATE: "/fedpipe.v1.Node/FetchState",
                  Method.FETCH_SNAPSHOT: "/fedpipe.v1.Node/FetchSnapshot"}
 """The policy row a socket link's fetch is checked by: the gRPC method it stands for."""
@@ -92,13 +105,14 @@ class NodeReceiver:
         revoked: the certificate serials refused now (the node's deny list, as its
             gRPC streams check it at each message); None without TLS.
         desk: where snapshots are kept (None: snapshots are refused).
+        weights: where stages' streamed initial weights go (None: they are refused).
     """
 
     def __init__(self, access: JobAccessBook, admission: Admission, stages: StageRegistry,
                  revoked: Callable[[], frozenset[int]] | None = None,
-                 desk: SnapshotDesk | None = None):
+                 desk: SnapshotDesk | None = None, weights: WeightsDesk | None = None):
         self.access, self.admission, self.stages = access, admission, stages
-        self.revoked, self.desk = revoked, desk
+        self.revoked, self.desk, self.weights = revoked, desk, weights
         self._lock = threading.Lock()
         self._last: dict[str, node_pb2.Envelope] = {}  # peer -> its last pipeline tensor's
         self._closed = threading.Event()
@@ -106,6 +120,8 @@ class NodeReceiver:
         """Tensors delivered over socket links (stage tensors and probes)."""
         self.snapshot_tensors = 0
         """Snapshot tensors taken over socket links (skeletons included)."""
+        self.weight_tensors = 0
+        """Initial-weight tensors taken over socket links (markers included)."""
         self.fetches_served = 0
         """Fetches (FetchState, FetchSnapshot) over socket links that reached this node's
         answer, refused there or not (not those the link refused first: a method it does
@@ -129,6 +145,8 @@ class NodeReceiver:
             self._check_revoked(peer)
             if env.kind == Kind.SNAPSHOT:
                 return self._admit_snapshot(peer, header)
+            if env.kind == Kind.WEIGHTS:
+                return self._admit_weights(peer, header)
             policy.authorize(SEND_METHOD, identity)
             policy.check_send_kind(identity, header)
             self.access.check_sender(identity, env, lambda e: self.stages.get(slot_of(e)).n_stages)
@@ -152,9 +170,31 @@ class NodeReceiver:
         return self.desk.admit_part(
             peer.name, header, lambda env: self.access.check_snapshot(peer.identity, env))
 
+    def _admit_weights(self, peer: Peer, header: node_pb2.Frame) -> int:
+        """An initial-weight tensor's checks: ``PutWeights``' (module docstring)."""
+        if self.weights is None:
+            raise InvalidRequest("this node takes no initial weights over its data port")
+        identity = peer.identity
+        policy.authorize(PUT_WEIGHTS_METHOD, identity)
+        return self.weights.admit_part(
+            peer.name, header, lambda env: self.access.require_owner(identity, env.job_id))
+
+    def _deliver_weights(self, peer: Peer, header: node_pb2.Frame,
+                         tensor: torch.Tensor) -> None:
+        """Into the stage's :class:`~fedpipe.node.initial.Pending`; logs a stage's
+        weights complete."""
+        assert self.weights is not None  # admit refused it otherwise
+        complete = self.weights.add_part(peer.name, header, tensor)
+        with self._lock:
+            self.weight_tensors += 1
+        if complete:  # tests read this line: the socket path was taken
+            env = header.envelope
+            log.info("stage %d of job %s (replica %d) took its initial weights from %s over "
+                     "the socket data plane", env.stage, env.job_id, env.replica, peer.name)
+
     def deliver(self, peer: Peer, header: node_pb2.Frame, tensor: torch.Tensor) -> None:
         """File an admitted tensor for its stage (a client's inputs wait for room); a
-        snapshot's for the snapshot desk.
+        snapshot's for the snapshot desk; an initial weight into its stage's layers.
 
         Raises:
             Refused: with the code gRPC would answer.
@@ -170,6 +210,9 @@ class NodeReceiver:
                     log.info("kept the step %d snapshot of job %s stage %d (replica %d) that "
                              "%s put over the socket data plane", env.step, env.job_id,
                              env.stage, env.replica, peer.name)
+                return
+            if env.kind == Kind.WEIGHTS:
+                self._deliver_weights(peer, header, tensor)
                 return
             self.admission.deliver(env, tensor, lambda: not self._closed.is_set())
         except MAPPED as e:

@@ -10,8 +10,8 @@ Each node gives its own layers their weights:
 - ``"files"``: the layers' tensors read from the job's safetensors path, when this
   node can read it (:func:`~fedpipe.runtime.weights.load_layers`);
 - ``"stream"``, or ``"files"`` on a node that cannot read the path: the stage waits
-  (state AWAITING_WEIGHTS) for the client to stream them (``PutWeights``, straight
-  from the client, never through the tracker).
+  (state AWAITING_WEIGHTS) for the client to stream them (``PutWeights``, over the
+  node's socket data port or gRPC, straight from the client, never through the tracker).
 
 Read or streamed tensors are checked against the job's signed per-layer digests
 (:func:`~fedpipe.runtime.weights.layer_digest`) before the stage takes a step.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +36,9 @@ import cloudpickle
 import torch
 from torch import nn
 
+from ..net import timeouts
 from ..proto import node_pb2
+from ..runtime import weights_link
 from ..runtime.materialize import materialize_layers
 from ..runtime.weights import (WeightsError, layer_digest, load_layer, load_layers,
                                sequential_keys)
@@ -52,8 +55,28 @@ class WeightsRefused(WeightsError):
 
 
 @dataclass
+class _Fill:
+    """One stream's fill of a :class:`Pending` under way: its layers' tensors so far."""
+
+    owner: object
+    partial: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+
+
+@dataclass
 class Pending:
-    """A stage's layers that wait for their streamed weights.
+    """A stage's layers that wait for their streamed weights: the one home of how a
+    stream fills them, whether it comes over gRPC (``PutWeights``, :meth:`fill`) or a
+    socket link (:class:`WeightsDesk`: :meth:`begin`, :meth:`expect`, :meth:`take`,
+    :meth:`end`, a tensor at a time).
+
+    A stream names each tensor ``"LAYER.KEY"`` (global layer index and the layer's
+    state_dict key); a layer is checked against its digest and loaded as soon as its
+    last tensor is in (so a stream holds at most one layer's tensors here), and the
+    stage has its weights once every layer is. One stream at a time: another is
+    refused while one is under way and has taken a tensor within
+    :data:`~fedpipe.net.timeouts.WEIGHTS_IDLE` (a client gone mid-stream does not keep
+    the stage for ever); a refused stream leaves the stage waiting for another.
 
     Attributes:
         layers: global layer index -> the stage's layer (materialized, storage only).
@@ -68,38 +91,137 @@ class Pending:
     digests: Sequence[str]
     loaded: list[Callable[[], None]] = field(default_factory=list)
     arrived: threading.Event = field(default_factory=threading.Event)
-    _taking: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _fill: _Fill | None = None
+    _last: float = 0.0  # monotonic time of the fill's last tensor
 
     def fill(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load the named tensors (``"LAYER.KEY"``: global layer index and the layer's
-        state_dict key) into the layers, check each layer's digest, and set
-        :attr:`arrived`. One stream at a time; a refused stream leaves the stage waiting
-        for another.
+        """Load a whole stream's named tensors (gRPC's ``PutWeights``): :meth:`begin`,
+        :meth:`take` each, :meth:`end`.
 
         Raises:
-            WeightsRefused: as the class says, or another stream fills them now.
-            WeightsError: a layer's tensor missing, unexpected or of another shape.
+            As :meth:`begin`, :meth:`take` and :meth:`end`.
         """
-        if not self._taking.acquire(blocking=False):
-            raise WeightsRefused("another stream is loading this stage's weights")
+        owner = object()
+        self.begin(owner)
         try:
-            by_layer: dict[int, dict[str, torch.Tensor]] = {i: {} for i in self.layers}
             for name, t in tensors:
-                index, _, key = name.partition(".")
-                if not index.isdigit() or not key:
-                    raise WeightsRefused(f"a streamed tensor is named {name!r}, not LAYER.KEY")
-                if int(index) not in by_layer:
-                    raise WeightsRefused(f"layer {index} is not one of this stage's layers "
-                                         f"{min(self.layers)}..{max(self.layers)}")
-                by_layer[int(index)][key] = t
-            for i, tensors_i in by_layer.items():
-                check_digest(i, tensors_i, self.digests)
-                load_layer(self.layers[i], i, tensors_i)
+                self.take(owner, name, t)
+            self.end(owner)
+        finally:
+            self.abort(owner)
+
+    def begin(self, owner: object) -> None:
+        """Start ``owner``'s stream (one it started before starts over).
+
+        Raises:
+            HasWeights: the stage has its weights.
+            WeightsRefused: another stream fills them now.
+        """
+        with self._lock:
+            if self.arrived.is_set():
+                raise HasWeights("the stage has its weights already")
+            busy = self._fill is not None and self._fill.owner != owner \
+                and time.monotonic() - self._last < timeouts.WEIGHTS_IDLE
+            if busy:
+                raise WeightsRefused("another stream is loading this stage's weights")
+            self._fill, self._last = _Fill(owner), time.monotonic()
+
+    def expect(self, owner: object, name: str, shape: Sequence[int]) -> int:
+        """Check a tensor's name and ``shape`` (from its header, before its payload is
+        read) for ``owner``'s stream; the bytes its layer's tensor takes (its size limit).
+
+        Raises:
+            WeightsRefused: not ``owner``'s stream now (none started, or another's), a
+                name that is not ``LAYER.KEY`` of a layer here, or a tensor it sent already.
+            WeightsError: a key the layer lacks, or another shape.
+            A refusal ends the stream (the stage waits for another).
+        """
+        with self._lock:
+            fill = self._current(owner)
+            try:
+                index, key = self._place(fill, name)
+                target = self.layers[index].state_dict(keep_vars=True).get(key)
+                if target is None:
+                    raise WeightsError(f"layer {index}: unexpected tensor {key!r}")
+                if tuple(shape) != tuple(target.shape):
+                    raise WeightsError(f"layer {index}: {key!r} is {tuple(shape)}, the "
+                                       f"layer's is {tuple(target.shape)}")
+            except WeightsError:
+                self._fill = None  # the stream is refused: the stage waits for another
+                raise
+        return target.numel() * target.element_size()
+
+    def take(self, owner: object, name: str, tensor: torch.Tensor) -> None:
+        """Take one tensor of ``owner``'s stream; check and load its layer once that has
+        all its tensors. A refusal ends the stream (the stage waits for another).
+
+        Raises:
+            WeightsRefused: as :meth:`expect`, or its layer's digest differs.
+            WeightsError: a layer's tensor unexpected or of another shape.
+        """
+        with self._lock:
+            fill = self._current(owner)
+            try:
+                index, key = self._place(fill, name)
+                got = fill.partial.setdefault(index, {})
+                got[key] = tensor
+                self._last = time.monotonic()
+                if got.keys() >= self.layers[index].state_dict().keys():
+                    del fill.partial[index]
+                    check_digest(index, got, self.digests)
+                    load_layer(self.layers[index], index, got)
+                    fill.done.add(index)
+            except WeightsError:
+                self._fill = None
+                raise
+
+    def end(self, owner: object) -> None:
+        """End ``owner``'s stream: the stage has its weights (:attr:`loaded` called,
+        :attr:`arrived` set) if every layer is loaded.
+
+        Raises:
+            WeightsRefused: not ``owner``'s stream now.
+            WeightsError: a layer's tensor missing (the stream is refused).
+        """
+        with self._lock:
+            fill = self._current(owner)
+            self._fill = None
+            missing = sorted(i for i, layer in self.layers.items()
+                             if i not in fill.done and layer.state_dict())  # not ReLU's
+            if missing:
+                i = missing[0]
+                keys = sorted(set(self.layers[i].state_dict()) - set(fill.partial.get(i, {})))
+                raise WeightsError(f"layer {i}: no tensor for {', '.join(map(repr, keys))} "
+                                   f"(the stream ended without layer(s) {missing})")
             for hook in self.loaded:
                 hook()
             self.arrived.set()
-        finally:
-            self._taking.release()
+
+    def abort(self, owner: object) -> None:
+        """Drop ``owner``'s stream if it is under way (the stage waits for another)."""
+        with self._lock:
+            if self._fill is not None and self._fill.owner == owner:
+                self._fill = None
+
+    def _current(self, owner: object) -> _Fill:
+        if self._fill is None or self._fill.owner != owner:
+            raise WeightsRefused("a weights tensor of no stream started here (refused "
+                                 "already, or taken over by another stream)")
+        return self._fill
+
+    def _place(self, fill: _Fill, name: str) -> tuple[int, str]:
+        """``name``'s layer index and key; refused unless a layer here still needs it."""
+        index, _, key = name.partition(".")
+        if not index.isdigit() or not key:
+            raise WeightsRefused(f"a streamed tensor is named {name!r}, not LAYER.KEY")
+        i = int(index)
+        if i not in self.layers:
+            raise WeightsRefused(f"layer {index} is not one of this stage's layers "
+                                 f"{min(self.layers)}..{max(self.layers)}")
+        if i in fill.done or key in fill.partial.get(i, {}):
+            raise WeightsRefused(f"tensor {name!r} came twice in one stream")
+        return i, key
 
 
 def check_digest(index: int, tensors: Mapping[str, torch.Tensor],
@@ -194,7 +316,9 @@ def make_layers(request: node_pb2.LoadStageRequest, weights: WeightsSpec, first:
 
 
 class WeightsDesk:
-    """Takes a stage's streamed initial weights in (``PutWeights``).
+    """Takes stages' streamed initial weights in: a gRPC ``PutWeights`` stream
+    (:meth:`receive`) or a socket link's tensors (:meth:`admit_part`, :meth:`add_part`;
+    :mod:`fedpipe.runtime.weights_link`), both into the stage's :class:`Pending`.
 
     Args:
         stage_of: the loaded stage of a slot (raises NoSuchStage).
@@ -210,9 +334,7 @@ class WeightsDesk:
 
         Raises:
             WireError: a malformed stream, or an envelope that is not KIND_WEIGHTS.
-            NoSuchStage: no such stage here.
-            StaleEpoch: the stage is of another plan epoch than the stream.
-            HasWeights: the stage does not wait for weights.
+            NoSuchStage, StaleEpoch, HasWeights: as :meth:`pending`.
             WeightsError: as :meth:`Pending.fill`.
             SecurityError: as ``check`` raises.
         """
@@ -224,6 +346,18 @@ class WeightsDesk:
         if env.kind != node_pb2.KIND_WEIGHTS:
             raise WireError(f"a weights stream needs a KIND_WEIGHTS envelope, got kind {env.kind}")
         check(env)
+        pending = self.pending(env)
+        tensors = frames.read_tensors(itertools.chain([first], stream), in_place=True)
+        pending.fill((h.name, t) for h, t in tensors)
+
+    def pending(self, env: node_pb2.Envelope) -> Pending:
+        """The :class:`Pending` of the stage ``env`` names, which waits for its weights.
+
+        Raises:
+            NoSuchStage: no such stage here.
+            StaleEpoch: the stage is of another plan epoch than ``env``.
+            HasWeights: the stage does not wait for weights.
+        """
         stage = self.stage_of(StageSlot(env.job_id, env.replica, env.stage))
         if stage.epoch != env.epoch:
             raise StaleEpoch(f"stage {env.stage} of job {env.job_id!r} here is of plan epoch "
@@ -232,5 +366,44 @@ class WeightsDesk:
         if pending is None or pending.arrived.is_set():
             raise HasWeights(f"stage {env.stage} of job {env.job_id!r} (replica {env.replica}) "
                              f"has its weights already ({stage.state.value})")
-        tensors = frames.read_tensors(itertools.chain([first], stream), in_place=True)
-        pending.fill((h.name, t) for h, t in tensors)
+        return pending
+
+    def admit_part(self, sender: str, head: node_pb2.Frame,
+                   check: Callable[[node_pb2.Envelope], None]) -> int:
+        """Check one tensor of a weights stream coming over a socket link from ``sender``
+        (``PutWeights``' checks: ``check``, then :meth:`pending`, then the tensor's name and
+        shape against the stage's layer) before its payload is read; its size limit,
+        bytes. A :data:`~fedpipe.runtime.weights_link.BEGIN` starts ``sender``'s stream.
+
+        Raises:
+            SecurityError: as ``check`` raises.
+            NoSuchStage, StaleEpoch, HasWeights: as :meth:`pending`.
+            WeightsError: as :meth:`Pending.begin` and :meth:`Pending.expect`.
+        """
+        check(head.envelope)
+        pending = self.pending(head.envelope)
+        if head.name == weights_link.BEGIN:
+            pending.begin(sender)
+            return 0
+        if head.name == weights_link.END:
+            return 0
+        return pending.expect(sender, head.name, head.tensor.shape)
+
+    def add_part(self, sender: str, head: node_pb2.Frame, tensor: torch.Tensor) -> bool:
+        """Take one tensor :meth:`admit_part` admitted into the stage's :class:`Pending`;
+        whether the stage has its weights now (the stream's
+        :data:`~fedpipe.runtime.weights_link.END`).
+
+        Raises:
+            NoSuchStage, StaleEpoch, HasWeights: as :meth:`pending` (the stage went
+                meanwhile).
+            WeightsError: as :meth:`Pending.take` and :meth:`Pending.end`.
+        """
+        pending = self.pending(head.envelope)
+        if head.name == weights_link.BEGIN:
+            return False  # begun on admission
+        if head.name == weights_link.END:
+            pending.end(sender)
+            return True
+        pending.take(sender, head.name, tensor)
+        return False

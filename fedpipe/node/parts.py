@@ -173,10 +173,11 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
                           if verifier is not None else None)
     data = DataPlane(stages, mailbox, reporter)
     desk = SnapshotDesk(snapshots, stages.holds, job_snapshot_bytes)
+    weights = WeightsDesk(stages.get)
     receiver = None
     if data_port is not None:
         receiver = NodeReceiver(access, data, stages, verifier.revoked_serials
-                                if verifier is not None else None, desk)
+                                if verifier is not None else None, desk, weights)
         try:
             sockets.append(SocketPlane(name, receiver, host=data_host, port=data_port,
                                        tls=tls, events=receiver, sources=data_sources,
@@ -188,7 +189,7 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
                      desk=desk,
                      access=access, streams=streams, channels=channels, shaper=shaper,
                      pacer=pacer,
-                     weights=WeightsDesk(stages.get),
+                     weights=weights,
                      sockets=sockets[0] if sockets else None, receiver=receiver)
 
 

@@ -66,8 +66,13 @@ What else travels over it, where both ends have a data port:
   tensors, :func:`fedpipe.client.links.put_snapshot`, checked as a gRPC
   ``PutSnapshot`` is), unless ``Client(sockets=False)``.
 
-Still on gRPC: a client's PutWeights; a fetch from or a put on a node without a data
-port.
+* a client's stream of a stage's initial weights (``PutWeights``' tensors between two
+  markers, :func:`fedpipe.runtime.weights_link.send_weights`, checked as a gRPC
+  ``PutWeights`` is and loaded into the stage's
+  :class:`~fedpipe.node.initial.Pending`), unless ``Client(sockets=False)``.
+
+Still on gRPC: a fetch from or a put on a node without a data port (and every call of a
+client without a socket plane).
 """
 from .credits import LinkFailed
 from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused, owner_of

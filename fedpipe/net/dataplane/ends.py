@@ -106,8 +106,11 @@ def owner_of(envelope: node_pb2.Envelope | None) -> str:
     stage. A link is shared by every job and epoch, and a stage of an epoch a recovery
     ended may still send for a moment (its node could not be told to stop, say, having
     moved to another relay); the peer's refusal of that tensor must not fail the same
-    job's stage of the new epoch, nor a buddy's refusal of a snapshot the stage itself."""
+    job's stage of the new epoch, nor a buddy's refusal of a snapshot the stage itself (nor
+    a node's refusal of one stage's initial weights another stage's stream)."""
     if envelope is None:
         return ""
     snapshot = f"/snapshot {envelope.step}" if envelope.kind == node_pb2.KIND_SNAPSHOT else ""
+    if envelope.kind == node_pb2.KIND_WEIGHTS:  # one client stream per stage
+        snapshot = f"/weights {envelope.replica}.{envelope.stage}"
     return f"{envelope.job_id}@{envelope.epoch}{snapshot}"
