@@ -151,7 +151,7 @@ def put_weights(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
             that is not the caller's), or the link failed (UNAVAILABLE).
     """
     with link_errors(node):
-        send_weights(plane.link(node.node_name, node.data_address), envelope, tensors)
+        send_weights(link_to(plane, node, envelope.job_id), envelope, tensors)
 
 
 def fetch(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,
