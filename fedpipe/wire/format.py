@@ -204,7 +204,7 @@ def parse_header(body: Buffer) -> node_pb2.Frame:
         WireError: naming what is wrong.
     """
     try:
-        header = node_pb2.Frame.FromString(bytes(body))
+        header: node_pb2.Frame = node_pb2.Frame.FromString(bytes(body))
     except DecodeError as e:
         raise WireError(f"frame header does not parse as fedpipe.v1.Frame: {e}") from None
     if not header.HasField("tensor"):
