@@ -239,9 +239,9 @@ class Link:
             fixed.payload_bytes = len(payload)
             msg = fixed
         frame_head = format.pack_head_of(envelope, msg, name, fetch)
-        if not self.credits.available(len(payload)):
+        if not self.credits.try_take(len(payload)):
             self._sync()  # ask for the acknowledgements that give credit back
-        self.credits.take(len(payload), self.timeouts.credit, f" by {self.peer_name}")
+            self.credits.take(len(payload), self.timeouts.credit, f" by {self.peer_name}")
         with self._wlock:
             with self._state:
                 seq = self.next_seq
