@@ -722,3 +722,20 @@ def test_a_preface_number_past_what_a_record_carries_is_refused_as_malformed(pai
     conn.close()
     with pytest.raises(WireError):
         Preface.decode(body)
+
+
+def test_credit_is_taken_at_once_while_it_fits_and_not_past_the_window_or_a_failure():
+    from fedpipe.net.dataplane.credits import Credits
+    credits = Credits(window_bytes=100, window_messages=3)
+    assert credits.try_take(200)  # nothing outstanding: any one tensor goes
+    assert not credits.try_take(1)  # its bytes fill the window
+    credits.give_back(200, 1)
+    assert credits.try_take(60) and credits.try_take(40) and not credits.try_take(1)
+    assert (credits.bytes_out, credits.messages_out) == (100, 2)
+    credits.give_back(100, 2)
+    assert all(credits.try_take(1) for _ in range(3)) and not credits.try_take(1)  # messages
+    credits.fail("gone")
+    credits.give_back(3, 3)
+    assert not credits.try_take(1)
+    with pytest.raises(LinkFailed, match="gone"):
+        credits.take(1, timeout=1)

@@ -241,3 +241,22 @@ def test_a_clients_send_kinds_are_read_from_the_frame_header():
     check_send_kind(node, activation)
     check_send_kind(alice, format.pack_more(b"abc"))  # no envelope: nothing to check
     check_send_kind(alice, b"garbage")  # malformed: the servicer refuses it, with the reason
+
+
+@pytest.mark.parametrize("t", [torch.randn(16384), torch.zeros(3, 5, 7, dtype=torch.bfloat16),
+                               torch.tensor(2.5), torch.zeros(300, 2**12, dtype=torch.uint8)])
+@pytest.mark.parametrize("envelope, name, fetch", [
+    (env(step=70000, microbatch=3, epoch=2), "", 0), (None, "3.weight", 0),
+    (None, "x" * 200, 2**40 + 7), (env(), "n", 1)])
+def test_pack_head_of_is_pack_head_of_the_frame_byte_for_byte(t, envelope, name, fetch):
+    # the socket plane's sender packs a header from its parts' serializations: the
+    # same bytes as the Frame protobuf would write, and they unpack to that Frame
+    msg, _ = codecs.encode_payload(t, "raw")
+    frame = node_pb2.Frame(envelope=envelope, tensor=msg, name=name, fetch=fetch)
+    packed = format.pack_head_of(envelope, msg, name, fetch)
+    assert packed == format.pack_head(frame)
+    header, piece = format.unpack(packed)
+    header.ClearField("pad")
+    assert header == frame and not len(piece) and len(packed) % format.PAYLOAD_ALIGN == 0
+    with pytest.raises(WireError, match="must not carry payload bytes"):
+        format.pack_head_of(envelope, tensor_pb2.Tensor(payload=b"x"))

@@ -113,8 +113,14 @@ class DataPlane:
             BadEnvelope: an unknown kind, a batch size below 1, a step or
                 microbatch out of range, inputs or targets for the wrong stage.
         """
-        if env.kind == Kind.PROBE:
-            return MAX_PROBE_BYTES
+        return self.admitted(env, shape).limit
+
+    def _checked_stage(self, env: node_pb2.Envelope, shape: Sequence[int]) -> Stage:
+        """:meth:`admit`'s checks of a stage's tensor (not a probe); the stage.
+
+        Raises:
+            As :meth:`admit`.
+        """
         stage = self.stages.get(slot_of(env))
         if env.epoch != stage.epoch:
             raise StaleEpoch(f"a tensor of plan epoch {env.epoch} for stage {env.stage} of job "
@@ -129,7 +135,7 @@ class DataPlane:
             raise BadEnvelope(f"microbatches={env.microbatches} on a tensor of kind "
                               f"{Kind(env.kind).name.lower()}: only a client's inputs "
                               "and targets hold several microbatches")
-        return codecs.MAX_TENSOR_BYTES
+        return stage
 
     def admitted(self, env: node_pb2.Envelope, shape: Sequence[int] = ()) -> frames.Admitted:
         """:meth:`admit`'s limit, with the receiving stage's end of the link the tensor
@@ -139,10 +145,10 @@ class DataPlane:
         Raises:
             As :meth:`admit`.
         """
-        limit = self.admit(env, shape)
-        if env.kind == Kind.PROBE:
-            return frames.Admitted(limit)
-        return frames.Admitted(limit, self.stages.get(slot_of(env)).codec_end(env))
+        if env.kind == Kind.PROBE:  # no stage's: it only has to arrive
+            return frames.Admitted(MAX_PROBE_BYTES)
+        return frames.Admitted(codecs.MAX_TENSOR_BYTES,
+                               self._checked_stage(env, shape).codec_end(env))
 
     def deliver(self, env: node_pb2.Envelope, tensor: torch.Tensor,
                 active: Callable[[], bool]) -> None:

@@ -56,7 +56,11 @@ class Mailbox:
         self._items: dict[_Key, tuple[torch.Tensor, int]] = {}  # -> (tensor, batch size)
         self._counts: dict[tuple[Hashable, Kind], int] = defaultdict(int)  # bounded kinds
         self._jobs: dict[Hashable, int] = defaultdict(int)  # every kind, by job
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # puts waiting for room
+        # the gets waiting, each on a lock of its own that the put of its key releases: a
+        # put wakes the one stage thread that waits for that tensor, no other waiter
+        self._wanted: dict[_Key, list[Any]] = {}
 
     def waiting(self, job: Hashable) -> int:
         """Tensors of ``job`` waiting now."""
@@ -88,7 +92,8 @@ class Mailbox:
                 self._counts[(slot, kind)] += 1
             self._jobs[job] += 1
             self._items[key] = (tensor, batch)
-            self._cond.notify_all()
+            for waiter in self._wanted.pop(key, ()):
+                waiter.release()
 
     def put_all(self, slot: Hashable, kind: Kind, step: int, first: int,
                 tensors: Sequence[torch.Tensor], batch: int,
@@ -125,15 +130,16 @@ class Mailbox:
         """
         key = _Key(slot, kind, step, mb)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while key not in self._items:
+        with self._lock:
+            item = self._items.pop(key, None)
+            while item is None:
                 if stopped():
                     raise Stopped(f"stage {slot} stopped")
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"no {_name(kind)} for step {step} microbatch {mb} "
                                        f"within {timeout:.0f} s")
-                self._cond.wait(POLL_SECONDS)
-            item = self._items.pop(key)
+                self._wait_for(key)
+                item = self._items.pop(key, None)
             self._forget(self.job_of(slot))
             if kind in self.bounded:  # room for a waiting put; no one else waits on a get
                 self._counts[(slot, kind)] -= 1
@@ -153,6 +159,27 @@ class Mailbox:
             for key in [k for k in self._counts if match(k[0])]:  # k: (slot, kind)
                 del self._counts[key]
             self._cond.notify_all()
+            for waiters in self._wanted.values():  # they look whether to stop
+                for waiter in waiters:
+                    waiter.release()
+            self._wanted.clear()
+
+    def _wait_for(self, key: _Key) -> None:
+        """Wait (the lock held, released meanwhile) until a put of ``key``, a drop, or
+        :data:`POLL_SECONDS` passed."""
+        waiter = threading.Lock()
+        waiter.acquire()
+        self._wanted.setdefault(key, []).append(waiter)
+        self._lock.release()
+        try:
+            waiter.acquire(True, POLL_SECONDS)
+        finally:
+            self._lock.acquire()
+            waiters = self._wanted.get(key)
+            if waiters is not None and waiter in waiters:  # not woken: no longer waiting
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._wanted[key]
 
     def _refusal(self, job: Hashable, kind: Kind, step: int, mb: int) -> str:
         """Why a tensor of ``job`` is refused at the job's cap (under the lock)."""

@@ -185,6 +185,9 @@ class NodeMetrics:
         self._transport = m["fedpipe_link_transport_tensors_total"]
         self._lock = threading.Lock()
         self._stages: dict[str, set[tuple[str, str]]] = {}
+        # the link counters' children by (dst, kind, transport): a labels() lookup costs
+        # several us, four a tensor sent (link series are never removed)
+        self._links: dict[tuple[str, int, str], tuple[Any, Any, Any, Any]] = {}
 
     def _key(self, job: str, replica: int, stage: int) -> tuple[str, str, str]:
         with self._lock:
@@ -226,10 +229,19 @@ class NodeMetrics:
         if raw_bytes < 0 or encoded_bytes < 0:
             raise ValueError(f"sizes must be >= 0 bytes, got raw {raw_bytes}, "
                              f"encoded {encoded_bytes}")
-        self._bytes.labels(self.node, dst, "raw").inc(raw_bytes)
-        self._bytes.labels(self.node, dst, "encoded").inc(encoded_bytes)
-        self._tensors.labels(self.node, dst, Kind(kind).name.lower()).inc()
-        self._transport.labels(self.node, dst, transport).inc()
+        key = (dst, int(kind), transport)
+        children = self._links.get(key)
+        if children is None:  # Kind() raises ValueError for a kind that is none
+            children = self._links[key] = (
+                self._bytes.labels(self.node, dst, "raw"),
+                self._bytes.labels(self.node, dst, "encoded"),
+                self._tensors.labels(self.node, dst, Kind(kind).name.lower()),
+                self._transport.labels(self.node, dst, transport))
+        raw, encoded, tensors, via = children
+        raw.inc(raw_bytes)
+        encoded.inc(encoded_bytes)
+        tensors.inc()
+        via.inc()
 
     def forget_job(self, job: str) -> None:
         """Stop exporting the stage series of ``job`` (its stages were dropped)."""

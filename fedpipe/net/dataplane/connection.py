@@ -230,9 +230,7 @@ def read_head(conn: Connection) -> node_pb2.Frame:
     if size > format.MAX_HEADER_BYTES:
         raise WireError(f"frame header length {size} exceeds the limit of "
                         f"{format.MAX_HEADER_BYTES}")
-    header, _ = format.unpack(prefix + conn.read_exact(size))
-    assert header is not None  # a HEAD frame
-    return header
+    return format.parse_header(conn.read_exact(size))
 
 
 def skip_payload(conn: Connection, header: node_pb2.Frame) -> None:

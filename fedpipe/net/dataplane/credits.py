@@ -48,10 +48,15 @@ class Credits:
         return (self.messages_out < self.window_messages
                 and self.bytes_out + nbytes <= self.window_bytes)
 
-    def available(self, nbytes: int) -> bool:
-        """Whether a tensor of ``nbytes`` would be admitted now without waiting."""
+    def try_take(self, nbytes: int) -> bool:
+        """Take credit for one tensor of ``nbytes`` if it fits now, without waiting; whether
+        it was taken (not when the link failed: :meth:`take` raises why)."""
         with self._cond:
-            return self._failed is None and self._fits(nbytes)
+            if self._failed is not None or not self._fits(nbytes):
+                return False
+            self.bytes_out += nbytes
+            self.messages_out += 1
+            return True
 
     def take(self, nbytes: int, timeout: float, why_waiting: str = "") -> None:
         """Take credit for one tensor of ``nbytes``, waiting up to ``timeout`` seconds.

@@ -220,13 +220,15 @@ class Link:
             self._check_up()
         else:
             self.check(owner)
-        header = node_pb2.Frame(envelope=envelope, name=name, fetch=fetch)
-        header.tensor.CopyFrom(msg)
-        header.tensor.payload_bytes = len(payload)
-        frame_head = format.pack_head(header)
-        if not self.credits.available(len(payload)):
+        if msg.payload_bytes != len(payload):  # the header says the payload's length
+            fixed = tensor_pb2.Tensor()
+            fixed.CopyFrom(msg)
+            fixed.payload_bytes = len(payload)
+            msg = fixed
+        frame_head = format.pack_head_of(envelope, msg, name, fetch)
+        if not self.credits.try_take(len(payload)):
             self._sync()  # ask for the acknowledgements that give credit back
-        self.credits.take(len(payload), self.timeouts.credit, f" by {self.peer_name}")
+            self.credits.take(len(payload), self.timeouts.credit, f" by {self.peer_name}")
         with self._wlock:
             with self._state:
                 seq = self.next_seq

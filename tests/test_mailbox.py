@@ -1,0 +1,69 @@
+"""The node's mailbox: a stage's get waits for its own tensor, woken by that tensor's put,
+by a drop (then it stops), or by its timeout."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fedpipe.node.mailbox import Mailbox, Stopped
+from fedpipe.spec import Kind
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def taking(box: Mailbox, step: int, stopped=lambda: False, timeout=None):
+    """A thread getting the activation of ``step``; what it got or raised, once joined."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(box.get("s", Kind.ACTIVATION, step, 0, stopped, timeout))
+        except (Stopped, TimeoutError) as e:
+            out.append(e)
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, out
+
+
+def wait_waiting(box: Mailbox, count: int) -> None:
+    """Until ``count`` gets wait in the mailbox (they registered for their tensor)."""
+    for _ in range(2000):
+        with box._lock:
+            if sum(map(len, box._wanted.values())) == count:
+                return
+        threading.Event().wait(0.005)
+    raise AssertionError(f"{count} gets never waited")
+
+
+def test_a_get_is_given_its_own_tensor_and_others_wait_on():
+    box = Mailbox(4, bounded=())
+    first, got1 = taking(box, 1)
+    second, got2 = taking(box, 2)
+    wait_waiting(box, 2)
+    t1, t2 = torch.ones(3), torch.zeros(3)
+    box.put("s", Kind.GRADIENT, 1, 0, torch.full((1,), 9.0), 5)  # another kind's: no one's
+    box.put("s", Kind.ACTIVATION, 2, 0, t2, 7)
+    second.join(10)
+    assert got2 and got2[0][0] is t2 and got2[0][1] == 7
+    assert first.is_alive() and not got1  # step 1's get still waits for its own
+    box.put("s", Kind.ACTIVATION, 1, 0, t1, 6)
+    first.join(10)
+    assert got1[0][0] is t1 and got1[0][1] == 6
+    assert box._wanted == {} and box.waiting("s") == 1  # the gradient
+
+
+def test_a_drop_wakes_a_waiting_get_which_stops_and_a_timeout_ends_one():
+    box = Mailbox(4, bounded=())
+    stop = threading.Event()
+    th, got = taking(box, 0, stopped=stop.is_set)
+    wait_waiting(box, 1)
+    stop.set()
+    box.drop(lambda slot: slot == "s")
+    th.join(10)
+    assert isinstance(got[0], Stopped) and box._wanted == {}
+    th, got = taking(box, 3, timeout=0.2)
+    th.join(10)
+    assert isinstance(got[0], TimeoutError) and "step 3 microbatch 0" in str(got[0])
+    assert box._wanted == {}
