@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import threading
 import time
 from typing import Sequence
 
@@ -112,6 +113,12 @@ class Connection:
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # the read-ahead bytes not consumed yet
         self.closed = False
+        # threads in a call on the socket: its descriptor is closed only once none is, so
+        # no call made before close() reaches a socket that reuses the number (an ssl
+        # call holds the number for all its records: it would write or read another
+        # connection's stream)
+        self._calls = 0
+        self._calls_lock = threading.Lock()
         self.received = 0
         """Bytes read from the socket so far."""
         self.until: float | None = None
@@ -140,7 +147,26 @@ class Connection:
         Raises:
             OSError: the connection broke (some of ``parts`` may have gone).
         """
-        _send_all(self.sock, parts)
+        self._enter()
+        try:
+            _send_all(self.sock, parts)
+        finally:
+            self._leave()
+
+    def _enter(self) -> None:
+        """A call on the socket begins (raises OSError once it is closed)."""
+        with self._calls_lock:
+            if self.closed:
+                raise OSError("the connection was closed on this side")
+            self._calls += 1
+
+    def _leave(self) -> None:
+        """A call on the socket ended: the last one after :meth:`close` closes it."""
+        with self._calls_lock:
+            self._calls -= 1
+            last = self.closed and self._calls == 0
+        if last:
+            self.sock.close()
 
     # -- reading: the reader thread only -----------------------------------------
     def _recv_into(self, view: memoryview) -> int:
@@ -149,7 +175,11 @@ class Connection:
             if left <= 0:
                 raise TimeoutError(self.late)
             self.sock.settimeout(left)
-        n = self.sock.recv_into(view)
+        self._enter()
+        try:
+            n = self.sock.recv_into(view)
+        finally:
+            self._leave()
         if n == 0:
             raise Closed("the peer closed the connection")
         self.received += n
@@ -184,13 +214,17 @@ class Connection:
         if got:
             target[:got] = self._view[self._start:self._start + got]
             self._start += got
-        if self.until is None:  # the payload loop, tight: over TLS a call per 16 KiB record
-            recv = self.sock.recv_into
-            while got < size:
-                n = recv(target[got:])
-                if not n:
-                    raise Closed("the peer closed the connection")
-                got += n
+        if self.until is None and got < size:  # the payload loop, tight: over TLS a call
+            recv = self.sock.recv_into           # per 16 KiB record
+            self._enter()
+            try:
+                while got < size:
+                    n = recv(target[got:])
+                    if not n:
+                        raise Closed("the peer closed the connection")
+                    got += n
+            finally:
+                self._leave()
         while got < size:
             got += self._recv_into(target[got:])
 
@@ -203,13 +237,17 @@ class Connection:
             n -= len(piece)
 
     def close(self) -> None:
-        """Close the socket; a thread blocked reading or writing it returns with an error."""
-        self.closed = True
+        """Close the socket; a thread blocked reading or writing it returns with an error
+        (the descriptor itself is closed when the last such call returns)."""
+        with self._calls_lock:
+            self.closed = True
+            now = self._calls == 0
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # not connected any more
-        self.sock.close()
+        if now:
+            self.sock.close()
 
 
 def read_head(conn: Connection) -> node_pb2.Frame:
