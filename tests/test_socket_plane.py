@@ -45,10 +45,14 @@ def transports(port: int, by: str = "transport") -> dict[tuple[str, str], float]
             if s.name == name}
 
 
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3))
+
+
 def train(swarm: LocalSwarm, client: fedpipe.Client | None = None):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                          nn.Linear(16, 3))
+    model = mlp()
     batches = [(torch.randn(BATCH, 8), torch.randint(0, 3, (BATCH,))) for _ in range(STEPS)]
     loss_fn = nn.CrossEntropyLoss()
     expected = single_process(model, loss_fn, OPT, batches)
@@ -63,6 +67,15 @@ def train(swarm: LocalSwarm, client: fedpipe.Client | None = None):
     assert max_relative_difference(got, model.state_dict()) > 1e-3
     assert max_relative_difference(got, expected) <= 1e-5
     return status
+
+
+def weights_streamed(status) -> dict[str, int]:
+    """Tensors of each node's initial-weights stream (``fedpipe.runtime.weights_link``: a
+    begin marker, its stage's layers' tensors, an end marker), by node name."""
+    layers = list(mlp())
+    return {a.node_name: 2 + sum(len(layers[i].state_dict())
+                                 for i in range(a.layer_start, a.layer_end))
+            for a in status.plan.stages}
 
 
 def fed(client: fedpipe.Client) -> dict[str, int]:
@@ -95,8 +108,10 @@ def test_a_two_stage_job_sends_its_tensors_over_the_socket_plane_and_trains_exac
         status = train(swarm, client)
         assert all(a.data_address for a in status.plan.stages), status.plan
         # the feed: one tensor a step to each end of the pipeline (inputs to the first
-        # stage's node, targets to the last's), over sockets
-        assert fed(client) == {"node0": STEPS, "node1": STEPS}
+        # stage's node, targets to the last's), after each stage's initial weights, all
+        # over sockets
+        streamed = weights_streamed(status)
+        assert fed(client) == {n: STEPS + streamed[n] for n in ("node0", "node1")}
         sent = [transports(p) for p in ports]
         # activations one way, gradients the other, and each stage's checkpoint snapshots
         # to its buddy (the other node): all over the socket plane, none on gRPC
@@ -113,9 +128,10 @@ def test_a_node_without_a_data_port_is_served_over_grpc_and_the_job_trains_exact
         nodes = {n.name: n for n in swarm.client().nodes()}
         assert nodes["node0"].data_address and not nodes["node1"].data_address
         client = swarm.client()
-        train(swarm, client)
-        # the client feeds node0 over sockets, node1 (gRPC only) over gRPC
-        assert fed(client) == {"node0": STEPS}
+        status = train(swarm, client)
+        # the client feeds (and streams the initial weights to) node0 over sockets,
+        # node1 (gRPC only) over gRPC
+        assert fed(client) == {"node0": STEPS + weights_streamed(status)["node0"]}
         sent = [transports(p) for p in ports]
         for mine, peer in ((sent[0], "node1"), (sent[1], "node0")):
             assert mine.get((peer, "grpc"), 0) >= STEPS * MICROBATCHES, mine
