@@ -81,15 +81,19 @@ from fedpipe.spec import DiLoCo, StageKey
 from fedpipe.testing.outer import OuterWire
 
 GROUPS, BATCH, SEQ, H = 2, 32, 64, 5
+LR, LR_FLOOR = 3e-3, 3e-4
+"""The groups' inner AdamW learning rate, and where ``--cosine`` takes it by the last step."""
 CONFIGS = {
     "DiLoCo": DiLoCo(inner_steps=H, outer_lr=0.7, outer_momentum=0.5),
     "SparseLoCo": DiLoCo.sparseloco(inner_steps=H, outer_lr=2.0, fraction=0.02),
 }
 
 
-def run(config: DiLoCo, seed: int, steps: int, train, held) -> tuple[float, float, int]:
+def run(config: DiLoCo, seed: int, steps: int, train, held,
+        cosine: bool = False) -> tuple[float, float, int]:
     """One DiLoCo run: (held-out loss of the final model, seconds, bytes per outer step
-    per holder)."""
+    per holder). ``cosine``: the inner lr decays from :data:`LR` to :data:`LR_FLOOR` over
+    the ``steps`` (``CosineAnnealingLR``, stepped after each inner step), else stays at LR."""
     model = char_transformer(seq=SEQ, seed=seed)
     batches = text_batches(train, BATCH, SEQ, seed=seed)
     data = [next(batches) for _ in range(steps)]
@@ -104,13 +108,18 @@ def run(config: DiLoCo, seed: int, steps: int, train, held) -> tuple[float, floa
     def group(r: int) -> None:
         try:
             m, sync = replicas[r], syncs[r]
-            opt = fedpipe.optimizer(torch.optim.AdamW, lr=3e-3).build(m.parameters())
+            opt = fedpipe.optimizer(torch.optim.AdamW, lr=LR).build(m.parameters())
+            schedule = (fedpipe.lr_scheduler(torch.optim.lr_scheduler.CosineAnnealingLR,
+                                             T_max=steps, eta_min=LR_FLOOR).build(opt)
+                        if cosine else None)
             for step, (x, y) in enumerate(data):
                 xs, ys = x.chunk(GROUPS)[r], y.chunk(GROUPS)[r]
                 (lm_loss(m(xs), ys) * (len(xs) / len(x))).backward()
                 sync.rescale_gradients(step)
                 opt.step()
                 opt.zero_grad()
+                if schedule is not None:
+                    schedule.step()
                 sync(step)
         except Exception as e:  # noqa: BLE001 — raised below, once both threads ended
             errors.append(e)
@@ -136,6 +145,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--quick", action="store_true", help="60 steps, seed 0: a smoke run")
+    parser.add_argument("--cosine", action="store_true",
+                        help="decay the inner lr from 3e-3 to 3e-4 over the run (cosine)")
     args = parser.parse_args()
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     steps = 60 if args.quick else args.steps
@@ -146,12 +157,14 @@ def main() -> None:
     load0 = os.getloadavg()
     print(f"in-process emulation: {GROUPS} replica groups (threads) running OuterSync over "
           f"wire-encoded messages; char transformer ({params:,} parameters), batch {BATCH}, "
-          f"H={H}, {steps} steps, seeds {seeds}; load average {load0[0]:.2f} {load0[1]:.2f} "
+          f"H={H}, {steps} steps, inner AdamW lr {LR:g}"
+          f"{f' cosine to {LR_FLOOR:g}' if args.cosine else ' constant'}, seeds {seeds}; "
+          f"load average {load0[0]:.2f} {load0[1]:.2f} "
           f"{load0[2]:.2f}")
     results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in CONFIGS}
     for seed in seeds:  # interleaved, so load changes hit both alike
         for name, config in CONFIGS.items():
-            loss, seconds, nbytes = run(config, seed, steps, train, held)
+            loss, seconds, nbytes = run(config, seed, steps, train, held, args.cosine)
             results[name].append((loss, seconds, nbytes))
             print(f"  {name:<11} seed {seed}: held-out loss {loss:.4f}  ({seconds:.0f} s, "
                   f"{nbytes:,} B per outer step per holder)", flush=True)
