@@ -310,12 +310,28 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     factor = steps_factor(used)
     out.append(f"predicted T: {factor:.2f} x the steps of raw fp32 (the codecs' measured "
                f"factor) x {plan.predicted_step_seconds:.3f} s = "
-               f"{factor * plan.predicted_step_seconds:.3f} s per raw fp32 step to a target")
+               f"{factor * plan.predicted_step_seconds:.3f} s per raw fp32 step to a target"
+               f"{_factor_note(used)}")
     if plan.unused:
         names = [nodes[i].name or i if i in nodes else i for i in plan.unused]
         shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
         out.append(f"unused: {shown}")
     return "\n".join(out)
+
+
+def _factor_note(specs: list[str]) -> str:
+    """What the plan table adds to its predicted T about codecs ``specs``' factors: those
+    never measured (taken as 1) and those whose measured run never reached the target
+    (a lower bound), :data:`fedpipe.wire.codecmodel.STEPS_MEASURED`; "" for none."""
+    from ..spec import parse_codec
+    from ..wire import codecmodel
+
+    names = sorted({parse_codec(s).name for s in specs} - {"raw"})
+    unmeasured = [n for n in names if n not in codecmodel.STEPS_MEASURED]
+    bound = [n for n in names if n in codecmodel.STEPS_LOWER_BOUND]
+    notes = ([f"{', '.join(unmeasured)} not measured, taken as 1"] if unmeasured else []) + (
+        [f"{', '.join(bound)} never reached the target: a lower bound"] if bound else [])
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _bytes(n: float) -> str:
