@@ -61,6 +61,7 @@ bytes, 1.7041 against 1.6041 (+6.2 %), DiLoCo's spread 2.05 %, SparseLoCo's 2.15
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import threading
@@ -140,6 +141,25 @@ def run(config: DiLoCo, seed: int, steps: int, train, held,
     return loss, seconds, wire.sent_bytes[0] // syncs[0].outer_step
 
 
+_DATA: dict[str, object] = {}
+"""The text and held-out batch, set before a pool forks (its workers inherit them)."""
+
+
+def _task(task: tuple[str, int, int, bool]) -> tuple[float, float, int]:
+    name, seed, steps, cosine = task
+    return run(CONFIGS[name], seed, steps, _DATA["train"], _DATA["held"], cosine)
+
+
+def runs(tasks: list[tuple[str, int, int, bool]], jobs: int):
+    """Each task's :func:`run` result, in order: one at a time, or ``jobs`` processes at once
+    (forked, one torch thread each as set before)."""
+    if jobs <= 1:
+        yield from map(_task, tasks)
+        return
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        yield from pool.imap(_task, tasks)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -147,27 +167,31 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="60 steps, seed 0: a smoke run")
     parser.add_argument("--cosine", action="store_true",
                         help="decay the inner lr from 3e-3 to 3e-4 over the run (cosine)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each in a process of its own (default 1)")
     args = parser.parse_args()
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     steps = 60 if args.quick else args.steps
     torch.set_num_threads(1)
     train, test = pydoc_text()
     held = next(text_batches(test, 512, SEQ, seed=1000))
+    _DATA.update(train=train, held=held)
     params = sum(p.numel() for p in char_transformer(seq=SEQ).parameters())
     load0 = os.getloadavg()
     print(f"in-process emulation: {GROUPS} replica groups (threads) running OuterSync over "
           f"wire-encoded messages; char transformer ({params:,} parameters), batch {BATCH}, "
           f"H={H}, {steps} steps, inner AdamW lr {LR:g}"
-          f"{f' cosine to {LR_FLOOR:g}' if args.cosine else ' constant'}, seeds {seeds}; "
+          f"{f' cosine to {LR_FLOOR:g}' if args.cosine else ' constant'}, seeds {seeds}, "
+          f"{args.jobs} run(s) at once; "
           f"load average {load0[0]:.2f} {load0[1]:.2f} "
           f"{load0[2]:.2f}")
     results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in CONFIGS}
-    for seed in seeds:  # interleaved, so load changes hit both alike
-        for name, config in CONFIGS.items():
-            loss, seconds, nbytes = run(config, seed, steps, train, held, args.cosine)
-            results[name].append((loss, seconds, nbytes))
-            print(f"  {name:<11} seed {seed}: held-out loss {loss:.4f}  ({seconds:.0f} s, "
-                  f"{nbytes:,} B per outer step per holder)", flush=True)
+    tasks = [(name, seed, steps, args.cosine)  # interleaved, so load changes hit both alike
+             for seed in seeds for name in CONFIGS]
+    for (name, seed, _, _), (loss, seconds, nbytes) in zip(tasks, runs(tasks, args.jobs)):
+        results[name].append((loss, seconds, nbytes))
+        print(f"  {name:<11} seed {seed}: held-out loss {loss:.4f}  ({seconds:.0f} s, "
+              f"{nbytes:,} B per outer step per holder)", flush=True)
     print()
     dense_bytes = results["DiLoCo"][0][2]
     base = sum(r[0] for r in results["DiLoCo"]) / len(seeds)
