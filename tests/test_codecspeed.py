@@ -34,6 +34,18 @@ def test_calibration_gives_one_nonnegative_cost_per_codec_in_order():
         assert s.decode_fixed + s.decode_per_byte * large > 0, s
 
 
+def test_the_codecs_a_job_may_name_for_a_link_are_measured_too():
+    named = ("had4", "had2:64", "topk:0.05", "lowrank", "lowrank8:8@5")
+    assert set(named) - set(codecspeed.CALIBRATED) == {"had2:64", "topk:0.05", "lowrank8:8@5"}
+    speeds = codecspeed.measure(named, reps=2)  # lowrank: over a link holding its basis
+    assert [s.codec for s in speeds] == ["had4", "had2", "topk", "lowrank", "lowrank8"]
+    for s in speeds:
+        figures = (s.encode_fixed, s.encode_per_byte, s.decode_fixed, s.decode_per_byte)
+        assert all(math.isfinite(f) and f >= 0 for f in figures), s
+    for s in speeds[:3]:  # a rotation each way, a top-k: well above raw's view of the tensor
+        assert s.encode_fixed + s.encode_per_byte * codecspeed.LARGE_BYTES > 0, s
+
+
 def test_the_calibration_fits_the_line_through_its_two_sizes():
     small, large = codecspeed.SMALL_BYTES, codecspeed.LARGE_BYTES
     fixed, per_byte = codecspeed._fit(1e-4 + 2e-9 * small, 1e-4 + 2e-9 * large)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..planner.types import row_width
 from ..proto import tracker_pb2
 
 
@@ -25,7 +26,8 @@ def profile_model(model: nn.Sequential, sample: torch.Tensor) -> tracker_pb2.Mod
 
     Returns:
         a ModelProfile: per layer forward+backward FLOP per sample, output
-        activation bytes per sample, parameter bytes.
+        activation bytes per sample and width (:func:`fedpipe.planner.types.row_width`),
+        parameter bytes.
 
     Raises:
         TypeError: a layer's output is not a single tensor (the message names the layer).
@@ -47,7 +49,7 @@ def profile_model(model: nn.Sequential, sample: torch.Tensor) -> tracker_pb2.Mod
         flops = max(counter.get_total_flops(), 3 * y.numel())
         prof.layers.append(tracker_pb2.LayerProfile(
             name=f"{i}:{type(layer).__name__}", flops=flops / n,
-            activation_bytes=_nbytes(y) // n,
+            activation_bytes=_nbytes(y) // n, activation_width=row_width(y.shape),
             parameter_bytes=sum(_nbytes(p) for p in layer.parameters())))
         x = y
     return prof
@@ -58,4 +60,5 @@ def profile_json(model: nn.Sequential, sample: torch.Tensor) -> dict:
     prof = profile_model(model, sample)
     return {"input_bytes": prof.input_bytes,
             "layers": [{"name": la.name, "flops": la.flops, "activation_bytes": la.activation_bytes,
-                        "parameter_bytes": la.parameter_bytes} for la in prof.layers]}
+                        "parameter_bytes": la.parameter_bytes,
+                        "activation_width": la.activation_width} for la in prof.layers]}

@@ -91,7 +91,8 @@ def profile_message(p: ModelProfile) -> tracker_pb2.ModelProfile:
     """The planner's profile as the tracker takes it."""
     return tracker_pb2.ModelProfile(input_bytes=p.input_bytes, layers=[
         tracker_pb2.LayerProfile(name=x.name, flops=x.flops, activation_bytes=x.activation_bytes,
-                                 parameter_bytes=x.parameter_bytes) for x in p.layers])
+                                 parameter_bytes=x.parameter_bytes,
+                                 activation_width=x.activation_width) for x in p.layers])
 
 
 def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,

@@ -6,18 +6,33 @@ read from :data:`fedpipe.wire.codecmodel.MODELS` (their one home, torch-free,
 with the table of figures); this module keeps none of its own.
 
 Top-k is never used for activations.
+
+A lowrank codec's size depends on the activation's row width d (its last
+dimension: the rank R is out of d) and on how often its d×R basis is sent
+(once per refresh period, with the first activation of that step): the profile
+gives each layer's width (:attr:`~fedpipe.planner.types.LayerProfile.activation_width`)
+and the pricing the microbatches per step (:meth:`CodecCost.wire_bytes`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..spec import SpecError, parse_codec
-from ..wire.codecmodel import CodecSpeed, cpu_seconds, hadamard_block_problem, model
+from ..spec import LOWRANK_CODECS, SpecError, parse_codec
+from ..wire import codecmodel
+from ..wire.codecmodel import (CodecSpeed, cpu_seconds, hadamard_block_problem,
+                               lowrank_bytes_per_row, model)
 from .types import PlanError, TrainConfig
 
 AUTO_ACTIVATION = ("raw", "bf16", "int8", "int8+zstd")
-"""Codecs "auto" may give activations, weakest (most faithful) first."""
+"""Codecs "auto" may always give activations, weakest (most faithful) first."""
+AUTO_LOWRANK = ("lowrank8:16@50",)
+"""Lowrank settings "auto" may give activations after :data:`AUTO_ACTIVATION` (strongest
+last), under a synchronous schedule, only once their convergence is measured and reached
+the target (:func:`converges`): ``benchmarks/wan.py`` measured ``lowrank8:16@50``, which
+never reached it (:data:`fedpipe.wire.codecmodel.STEPS_LOWER_BOUND`), so "auto" offers no
+lowrank codec today; a job that names one gets it."""
 AUTO_GRADIENT = AUTO_ACTIVATION
 """Codecs "auto" may give gradients, weakest first. Top-k is not among them:
 on activation gradients it slowed the digits demo's convergence several-fold
@@ -38,6 +53,11 @@ class CodecCost:
             residual per microbatch (:class:`fedpipe.wire.feedback.ErrorFeedback`).
         steps_factor: steps to a target loss against raw fp32 (its model's
             :attr:`~fedpipe.wire.codecmodel.CodecModel.steps_factor`, measured).
+        row_bytes: lowrank codecs: ``row_bytes(width, rows_per_basis)``, wire bytes per
+            row of ``width`` values with the basis sent once per ``rows_per_basis`` rows,
+            zstd included (:func:`~fedpipe.wire.codecmodel.lowrank_bytes_per_row`);
+            None for the others.
+        refresh: lowrank codecs: steps between two bases (the spec's ``@N``); 0 otherwise.
     """
 
     spec: str
@@ -46,15 +66,29 @@ class CodecCost:
     gradients_only: bool = False
     lossy: bool = False
     steps_factor: float = 1.0
+    row_bytes: Callable[[int, float], float] | None = None
+    refresh: int = 0
 
-    def wire_bytes(self, nbytes: float, element_bytes: int = 4) -> float:
+    def wire_bytes(self, nbytes: float, element_bytes: int = 4, width: int = 0,
+                   messages_per_step: int = 0) -> float:
         """Bytes on the wire for a tensor of ``nbytes`` bytes of ``element_bytes``-byte elements.
 
         Factors are relative to float32; a codec never makes a tensor bigger
-        than it is (bf16 of a bf16 tensor stays the same size).
+        than it is (bf16 of a bf16 tensor stays the same size). A lowrank codec with
+        the tensor's row ``width`` known is priced by its size model: ``nbytes /
+        (element_bytes · width)`` rows of R float32 coefficients (lowrank8: R int8
+        and a float32 scale), plus its ``4·width·R``-byte basis once per ``refresh ×
+        messages_per_step`` messages (``messages_per_step``: the microbatches per
+        step, for activations, whose first message of a refresh step carries it; 0 for
+        gradients, which go back in the basis the activations carried). Without the
+        width (0) it is priced as no saving.
         """
         if self.spec == "raw":
             return nbytes
+        if self.row_bytes is not None and width > 0 and nbytes > 0:
+            rows = nbytes / (element_bytes * width)
+            messages = self.refresh * messages_per_step if messages_per_step > 0 else math.inf
+            return rows * self.row_bytes(width, rows * messages)
         return nbytes * min(1.0, self.wire_factor * 4 / element_bytes)
 
     def buffer_bytes(self, nbytes: float, element_bytes: int = 4) -> float:
@@ -89,9 +123,35 @@ def codec_cost(spec: str) -> CodecCost:
     if problem:
         raise PlanError(f"bad codec {spec!r}: {problem}")
     m = model(parsed)
+    row_bytes = None
+    if parsed.name in LOWRANK_CODECS:
+        zstd = m.zstd_ratio if parsed.zstd_level is not None else 1.0
+
+        def row_bytes(width: int, rows_per_basis: float) -> float:
+            return zstd * lowrank_bytes_per_row(parsed.name, width, parsed.rank, rows_per_basis)
     return CodecCost(spec, m.wire_factor(parsed), m.cpu_seconds_per_byte(parsed),
                      gradients_only=parsed.gradients_only, lossy=m.lossy,
-                     steps_factor=m.steps_factor)
+                     steps_factor=m.steps_factor, row_bytes=row_bytes,
+                     refresh=parsed.refresh if parsed.name in LOWRANK_CODECS else 0)
+
+
+def converges(spec: str) -> bool:
+    """Whether codec ``spec``'s convergence factor is measured and its run reached the
+    target (:data:`~fedpipe.wire.codecmodel.STEPS_MEASURED` has it and
+    :data:`~fedpipe.wire.codecmodel.STEPS_LOWER_BOUND` does not): only then may "auto"
+    choose a codec it offers on condition (:data:`AUTO_LOWRANK`)."""
+    name = parse_codec(spec).name
+    return name in codecmodel.STEPS_MEASURED and name not in codecmodel.STEPS_LOWER_BOUND
+
+
+def auto_activation(schedule: str) -> tuple[str, ...]:
+    """The codecs "auto" may give activations under ``schedule``, weakest first:
+    :data:`AUTO_ACTIVATION`, then those of :data:`AUTO_LOWRANK` that :func:`converges`
+    allows, but none under "async" (a lowrank basis needs a synchronous schedule,
+    :func:`fedpipe.spec.lowrank_problem`)."""
+    if schedule == "async":
+        return AUTO_ACTIVATION
+    return AUTO_ACTIVATION + tuple(c for c in AUTO_LOWRANK if converges(c))
 
 
 def steps_factor(specs: Sequence[str]) -> float:
@@ -118,7 +178,7 @@ def candidates(config: TrainConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
     ``compression`` applies to both unless ``activation_compression`` or
     ``gradient_compression`` overrides it: "auto" gives the ladders
-    :data:`AUTO_ACTIVATION` / :data:`AUTO_GRADIENT`, "none" gives raw only, a
+    :func:`auto_activation` / :data:`AUTO_GRADIENT`, "none" gives raw only, a
     codec spec gives that codec only.
 
     Raises:
@@ -126,7 +186,8 @@ def candidates(config: TrainConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """
     act = config.activation_compression or config.compression
     grad = config.gradient_compression or config.compression
-    return _resolve(act, AUTO_ACTIVATION, "activation"), _resolve(grad, AUTO_GRADIENT, "gradient")
+    return (_resolve(act, auto_activation(config.schedule), "activation"),
+            _resolve(grad, AUTO_GRADIENT, "gradient"))
 
 
 def fastest(specs: Sequence[str], busy_seconds: Callable[[str], float]) -> str:

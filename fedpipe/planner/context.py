@@ -15,8 +15,9 @@ import numpy as np
 from ..wire.codecmodel import CodecSpeed
 from . import codecs
 from .costs import (RECOMPUTE_FACTOR, StageCodecs, activation_scale, boundary_bytes,
-                    codec_buffer_bytes, host_memory_shares, input_bytes, kept_activation_bytes,
-                    precision_flops, state_bytes, stash_bytes, transfer_seconds)
+                    boundary_width, codec_buffer_bytes, host_memory_shares, input_bytes,
+                    kept_activation_bytes, precision_flops, state_bytes, stash_bytes,
+                    transfer_seconds)
 from .types import ClusterView, Link, ModelProfile, PlanError, TrainConfig
 
 
@@ -168,7 +169,9 @@ class PlanContext:
                 sends = ((fwd, self.act_codecs, self.speeds[p], self.speeds[q]),
                          (bwd, self.grad_codecs, self.speeds[q], self.speeds[p]))
                 for out, (lk, specs, enc, dec) in zip((0, 2), sends):
-                    busy, lat = min(transfer_seconds(lk, x, c, eb, 0.0, enc, dec)
+                    busy, lat = min(transfer_seconds(lk, x, c, eb, 0.0, enc, dec,
+                                                     boundary_width(self.profile, j),
+                                                     self.M if out == 0 else 0)
                                     for c in specs)
                     arrays[out][j], arrays[out + 1][j] = busy, busy + lat
             found = self._links[key] = LinkCosts(*arrays)

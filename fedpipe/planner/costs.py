@@ -293,11 +293,23 @@ def boundary_bytes(profile: ModelProfile, end: int, samples: float) -> float:
     return profile.layers[end - 1].activation_bytes * samples
 
 
+def boundary_width(profile: ModelProfile, end: int) -> int:
+    """The row width (last dimension) of the tensor that crosses from layer ``end - 1`` to
+    layer ``end``; 0 when the profile does not say."""
+    return profile.layers[end - 1].activation_width
+
+
 def transfer_seconds(link: Link, nbytes: float, codec: str,
                      element_bytes: int = 4, message: float = 0.0,
                      encoder: tuple[CodecSpeed, ...] = (),
-                     decoder: tuple[CodecSpeed, ...] = ()) -> tuple[float, float]:
+                     decoder: tuple[CodecSpeed, ...] = (), width: int = 0,
+                     messages_per_step: int = 0) -> tuple[float, float]:
     """``(busy, latency)`` of sending an ``nbytes``-byte tensor over ``link``.
+
+    ``width`` (the tensor's row width, :func:`boundary_width`) and ``messages_per_step``
+    (the microbatches per step, for activations; 0 for gradients) price a lowrank
+    codec's coefficients and the basis it sends once per refresh period
+    (:meth:`~fedpipe.planner.codecs.CodecCost.wire_bytes`).
 
     ``busy`` is how long the link is occupied: encode + wire bytes / bandwidth
     + decode, plus ``message``, the runtime's fixed cost per message
@@ -311,8 +323,9 @@ def transfer_seconds(link: Link, nbytes: float, codec: str,
         PlanError: unknown codec.
     """
     c = codec_cost(codec)
-    return (c.seconds(nbytes, encoder, decoder) + c.wire_bytes(nbytes, element_bytes)
-            / link.bandwidth + message, link.latency)
+    return (c.seconds(nbytes, encoder, decoder)
+            + c.wire_bytes(nbytes, element_bytes, width, messages_per_step) / link.bandwidth
+            + message, link.latency)
 
 
 def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
@@ -411,7 +424,8 @@ class ChainCosts:
 def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: float,
                 passes: Callable[[ChainStage], tuple[float, float]],
                 link: Callable[[str, str], Link], message: float = 0.0,
-                speeds: Mapping[str, tuple[CodecSpeed, ...]] | None = None) -> ChainCosts:
+                speeds: Mapping[str, tuple[CodecSpeed, ...]] | None = None,
+                microbatches: int = 1) -> ChainCosts:
     """Price one replica group's chain of stages for microbatches of ``samples`` samples:
     the one place a step time's parts are predicted (the simulator replays them, the
     analytic estimate and the tracker's rebalancing bound them).
@@ -424,6 +438,8 @@ def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: flo
         speeds: per node id, its measured codec costs
             (:attr:`~fedpipe.planner.types.NodeSpec.codec_speeds`; None or a node absent:
             the table's).
+        microbatches: the group's microbatches per step (the activations' messages a
+            lowrank basis is amortised over, :func:`transfer_seconds`).
 
     Raises:
         PlanError: a stage names an unknown codec.
@@ -437,15 +453,17 @@ def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: flo
         if i + 1 < len(chain):
             nxt = chain[i + 1]
             nbytes = boundary_bytes(profile, s.layer_end, samples)
+            width = boundary_width(profile, s.layer_end)
             ends = speeds.get(s.node_id, ()), speeds.get(nxt.node_id, ())
             busy, lat = transfer_seconds(link(s.node_id, nxt.node_id), nbytes,
                                          s.activation_codec or "raw", profile.element_bytes,
-                                         message, *ends)
+                                         message, *ends, width=width,
+                                         messages_per_step=microbatches)
             out.act_busy.append(busy)
             out.act_latency.append(lat)
             busy, lat = transfer_seconds(link(nxt.node_id, s.node_id), nbytes,
                                          nxt.gradient_codec or "raw", profile.element_bytes,
-                                         message, *reversed(ends))
+                                         message, ends[1], ends[0], width=width)
             out.grad_busy.append(busy)
             out.grad_latency.append(lat)
     return out

@@ -18,7 +18,7 @@ from typing import Hashable, Sequence
 from ..wire.codecmodel import CodecSpeed
 from . import codecs
 from .context import PlanContext
-from .costs import (boundary_bytes, compute_seconds, in_flight, pipeline_estimate,
+from .costs import (boundary_bytes, boundary_width, compute_seconds, in_flight, pipeline_estimate,
                     schedule_sync, sync_per_step, sync_segments, transfer_seconds)
 from .partition import GroupSolution, all_solved, describe, proportional_split, solve_chain
 from .simulate import simulate
@@ -273,8 +273,10 @@ class _Links:
         # in direction d (0: activations, 1: gradients)
         self.sends: list[list[tuple[Link, float, tuple[CodecSpeed, ...],
                                     tuple[CodecSpeed, ...]]]] = [[], []]
+        self.widths: list[int] = []  # link i's row width (lowrank's size model)
         for i in range(len(nodes) - 1):
             x = boundary_bytes(prof, ranges[i][1], samples)
+            self.widths.append(boundary_width(prof, ranges[i][1]))
             a, b = ctx.ids[nodes[i]], ctx.ids[nodes[i + 1]]
             sa, sb = ctx.speeds[nodes[i]], ctx.speeds[nodes[i + 1]]
             self.sends[0].append((cl.link(a, b), x, sa, sb))
@@ -282,7 +284,8 @@ class _Links:
 
     def busy(self, d: int, i: int, codec: str) -> float:
         link, x, enc, dec = self.sends[d][i]
-        return transfer_seconds(link, x, codec, self.element_bytes, 0.0, enc, dec)[0]
+        return transfer_seconds(link, x, codec, self.element_bytes, 0.0, enc, dec,
+                                self.widths[i], self.microbatches if d == 0 else 0)[0]
 
     def step(self, choice: Sequence[Sequence[str]]) -> float:
         """The group's estimated step, seconds, with codecs ``choice[d][i]``."""

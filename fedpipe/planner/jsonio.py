@@ -155,7 +155,8 @@ def cluster_to_json(cluster: ClusterView) -> JsonObject:
 
 def profile_from_json(obj: JsonObject) -> ModelProfile:
     """A :class:`ModelProfile` from ``{"layers": [{"name", "flops", "activation_bytes",
-    "parameter_bytes", "count"}], "input_bytes", "element_bytes"}``.
+    "parameter_bytes", "activation_width", "count"}], "input_bytes", "element_bytes"}``
+    (``activation_width`` optional: 0, unknown).
 
     ``flops`` is forward + backward FLOP per sample; an entry with ``count`` n
     stands for n equal layers named ``name.0`` .. ``name.(n-1)``.
@@ -175,8 +176,10 @@ def profile_from_json(obj: JsonObject) -> ModelProfile:
         par = int(_number(e, {"parameter_bytes": 1.0}, where, 0.0))
         count = int(e.get("count", 1))
         name = str(e.get("name", f"layer{i}"))
+        width = int(_number(e, {"activation_width": 1.0}, where, 0.0))
         for k in range(count):
-            layers.append(LayerProfile(f"{name}.{k}" if count > 1 else name, flops, act, par))
+            layers.append(LayerProfile(f"{name}.{k}" if count > 1 else name, flops, act, par,
+                                       width))
     return ModelProfile(layers, int(obj.get("input_bytes", 0)), int(obj.get("element_bytes", 4)))
 
 
@@ -184,7 +187,8 @@ def profile_to_json(profile: ModelProfile) -> JsonObject:
     """The JSON form of a profile (one entry per layer)."""
     return {"input_bytes": profile.input_bytes, "element_bytes": profile.element_bytes,
             "layers": [{"name": la.name, "flops": la.flops, "activation_bytes": la.activation_bytes,
-                        "parameter_bytes": la.parameter_bytes} for la in profile.layers]}
+                        "parameter_bytes": la.parameter_bytes,
+                        "activation_width": la.activation_width} for la in profile.layers]}
 
 
 _CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "state_factor", "stages", "replicas",
@@ -249,12 +253,14 @@ def plan_from_json(obj: JsonObject) -> Plan:
 def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                 config: TrainConfig) -> str:
     """A readable table of the plan: group, stage, node, layers, codecs with the bytes each
-    sends per microbatch on its link and their encode + decode CPU time per microbatch (with
+    sends per microbatch on its link (a lowrank basis amortised over the messages between
+    two, :meth:`~fedpipe.planner.codecs.CodecCost.wire_bytes`) and their encode + decode CPU
+    time per microbatch (with
     the nodes' measured codec costs, :func:`fedpipe.planner.costs.transfer_seconds`),
     predicted times, and the predicted T (the step time × the steps factor of the plan's
     codecs, :func:`fedpipe.planner.codecs.steps_factor`)."""
     from .codecs import codec_cost, steps_factor
-    from .costs import boundary_bytes
+    from .costs import boundary_bytes, boundary_width
 
     nodes = {n.node_id: n for n in cluster.nodes}
     header = ("group", "stage", "node", "site", "TFLOP/s", "layers", "activations", "act B/mb",
@@ -264,10 +270,11 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     for gi, g in enumerate(plan.groups):
         per_mb = g.samples / g.microbatches if g.microbatches else 0.0
 
-        def wire(codec: str, end: int, per_mb: float = per_mb) -> str:
+        def wire(codec: str, end: int, messages: int, per_mb: float = per_mb) -> str:
             used.append(codec)
             return _bytes(codec_cost(codec).wire_bytes(boundary_bytes(profile, end, per_mb),
-                                                       profile.element_bytes))
+                                                       profile.element_bytes,
+                                                       boundary_width(profile, end), messages))
 
         def cpu(codec: str, end: int, sender: str, receiver: str, per_mb: float = per_mb) -> str:
             ends = [nodes[i].codec_speeds if i in nodes else () for i in (sender, receiver)]
@@ -280,11 +287,11 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                          n.site if n else "", f"{n.flops / 1e12:.3g}" if n else "?",
                          f"{s.layer_start}-{s.layer_end - 1}",
                          "-" if last else s.activation_codec,
-                         "-" if last else wire(s.activation_codec, s.layer_end),
+                         "-" if last else wire(s.activation_codec, s.layer_end, g.microbatches),
                          "-" if last else cpu(s.activation_codec, s.layer_end, s.node_id,
                                               g.stages[si + 1].node_id),
                          "-" if si == 0 else s.gradient_codec,
-                         "-" if si == 0 else wire(s.gradient_codec, s.layer_start),
+                         "-" if si == 0 else wire(s.gradient_codec, s.layer_start, 0),
                          "-" if si == 0 else cpu(s.gradient_codec, s.layer_start, s.node_id,
                                                  g.stages[si - 1].node_id)))
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
@@ -306,12 +313,28 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     factor = steps_factor(used)
     out.append(f"predicted T: {factor:.2f} x the steps of raw fp32 (the codecs' measured "
                f"factor) x {plan.predicted_step_seconds:.3f} s = "
-               f"{factor * plan.predicted_step_seconds:.3f} s per raw fp32 step to a target")
+               f"{factor * plan.predicted_step_seconds:.3f} s per raw fp32 step to a target"
+               f"{_factor_note(used)}")
     if plan.unused:
         names = [nodes[i].name or i if i in nodes else i for i in plan.unused]
         shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
         out.append(f"unused: {shown}")
     return "\n".join(out)
+
+
+def _factor_note(specs: list[str]) -> str:
+    """What the plan table adds to its predicted T about codecs ``specs``' factors: those
+    never measured (taken as 1) and those whose measured run never reached the target
+    (a lower bound), :data:`fedpipe.wire.codecmodel.STEPS_MEASURED`; "" for none."""
+    from ..spec import parse_codec
+    from ..wire import codecmodel
+
+    names = sorted({parse_codec(s).name for s in specs} - {"raw"})
+    unmeasured = [n for n in names if n not in codecmodel.STEPS_MEASURED]
+    bound = [n for n in names if n in codecmodel.STEPS_LOWER_BOUND]
+    notes = ([f"{', '.join(unmeasured)} not measured, taken as 1"] if unmeasured else []) + (
+        [f"{', '.join(bound)} never reached the target: a lower bound"] if bound else [])
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _bytes(n: float) -> str:

@@ -151,8 +151,8 @@ def memory_shares(nodes: list[tracker_pb2.NodeInfo]) -> dict[str, int]:
 
 def model_profile(p: tracker_pb2.ModelProfile) -> ModelProfile:
     """The planner's model profile from its message (FLOP per sample, bytes per sample)."""
-    return ModelProfile([LayerProfile(lp.name, lp.flops, lp.activation_bytes, lp.parameter_bytes)
-                         for lp in p.layers], p.input_bytes)
+    return ModelProfile([LayerProfile(lp.name, lp.flops, lp.activation_bytes, lp.parameter_bytes,
+                                      lp.activation_width) for lp in p.layers], p.input_bytes)
 
 
 def train_config(spec: JobSpec) -> TrainConfig:

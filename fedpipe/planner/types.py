@@ -6,6 +6,7 @@ bandwidth, seconds for latency and times.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from ..wire.codecmodel import CodecSpeed
 
@@ -170,12 +171,24 @@ class LayerProfile:
         flops: forward + backward FLOP per sample.
         activation_bytes: bytes of the layer's output per sample.
         parameter_bytes: bytes of the layer's parameters.
+        activation_width: the output's last dimension, values (``d`` of a ``(batch,
+            tokens, d)`` activation): what a lowrank codec's rank is out of
+            (:meth:`fedpipe.planner.codecs.CodecCost.wire_bytes`); 0 when unknown
+            (then lowrank is priced as no saving).
     """
 
     name: str
     flops: float
     activation_bytes: int
     parameter_bytes: int
+    activation_width: int = 0
+
+
+def row_width(shape: Sequence[int]) -> int:
+    """The width of a layer's output of ``shape`` (a batch's): its last dimension, the
+    values of one row a lowrank codec projects (:mod:`fedpipe.wire.lowrank`); 0 for fewer
+    than 2 dimensions (the last is then the batch's)."""
+    return int(shape[-1]) if len(shape) >= 2 else 0
 
 
 @dataclass

@@ -181,16 +181,18 @@ class ListNodesReply(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[_node_pb2.LinkMeasurement, _Mapping]]] = ...) -> None: ...
 
 class LayerProfile(_message.Message):
-    __slots__ = ("name", "flops", "activation_bytes", "parameter_bytes")
+    __slots__ = ("name", "flops", "activation_bytes", "parameter_bytes", "activation_width")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FLOPS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_WIDTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     flops: float
     activation_bytes: int
     parameter_bytes: int
-    def __init__(self, name: _Optional[str] = ..., flops: _Optional[float] = ..., activation_bytes: _Optional[int] = ..., parameter_bytes: _Optional[int] = ...) -> None: ...
+    activation_width: int
+    def __init__(self, name: _Optional[str] = ..., flops: _Optional[float] = ..., activation_bytes: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., activation_width: _Optional[int] = ...) -> None: ...
 
 class ModelProfile(_message.Message):
     __slots__ = ("layers", "input_bytes")

@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..planner.types import LayerProfile, ModelProfile
+from ..planner.types import LayerProfile, ModelProfile, row_width
 
 InitFn = Callable[[nn.Module, int, torch.Generator], None]
 """``init_fn(layer, layer_index, generator)``: initializes ``layer`` in place (its tensors
@@ -308,7 +308,8 @@ def meta_profile(model: Sequence[nn.Module], sample: torch.Tensor) -> ModelProfi
     Returns:
         a :class:`~fedpipe.planner.types.ModelProfile`: per layer forward + backward
         FLOP per sample (at least :data:`ELEMENTWISE_FLOPS` per output element),
-        output activation bytes per sample and parameter bytes; ``element_bytes``
+        output activation bytes per sample and width (its last dimension,
+        :func:`~fedpipe.planner.types.row_width`) and parameter bytes; ``element_bytes``
         of the last floating-point activation.
 
     Raises:
@@ -328,7 +329,8 @@ def meta_profile(model: Sequence[nn.Module], sample: torch.Tensor) -> ModelProfi
             element_bytes = y.element_size()
         layers.append(LayerProfile(name=f"{i}:{type(layer).__name__}", flops=flops / n,
                                    activation_bytes=_nbytes(y) // n,
-                                   parameter_bytes=sum(_nbytes(p) for p in layer.parameters())))
+                                   parameter_bytes=sum(_nbytes(p) for p in layer.parameters()),
+                                   activation_width=row_width(y.shape)))
         x = y
     return ModelProfile(layers=layers, input_bytes=_nbytes(sample) // n,
                         element_bytes=element_bytes)

@@ -45,7 +45,7 @@ def predict_step_seconds(plan: node_pb2.Plan, cluster: planner.ClusterView,
             return compute_seconds(profile, a.layer_start, a.layer_end,
                                    max(speed(a.node_id), 1.0), samples)
 
-        costs = chain_costs(profile, chain, samples, passes, cluster.link)
+        costs = chain_costs(profile, chain, samples, passes, cluster.link, microbatches=m)
         worst = max(worst, costs.step_seconds(m, schedule))
     return worst
 

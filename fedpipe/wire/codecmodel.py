@@ -56,7 +56,7 @@ from typing import Callable, NamedTuple
 from ..spec import CODEC_PARAMS, CodecSpec
 
 __all__ = ["HADAMARD_BITS", "LOWRANK_COEFFICIENT_BYTES", "MODELS", "SPARSELOCO_CHUNK",
-           "STEPS_FACTORS", "STEPS_MEASURED", "ZSTD_SECONDS_PER_BYTE",
+           "STEPS_FACTORS", "STEPS_LOWER_BOUND", "STEPS_MEASURED", "ZSTD_SECONDS_PER_BYTE",
            "CodecModel", "CodecSpeed", "Layout", "cpu_seconds", "hadamard_block_problem",
            "index_bytes", "int8_blocks", "lowrank_basis_bytes", "lowrank_bytes_per_row", "model",
            "sparseloco_chunk_bytes", "speed_key"]
@@ -200,14 +200,11 @@ eigendecomposition per refresh), about had4's cost at R = 16."""
 
 def _lowrank_ratio(spec: CodecSpec) -> float:
     """Not known from the spec: the ratio is about R/d (lowrank8: (R+4)/(4d)), and d, the
-    activation's width, is the model's. The planner does not know it either: a model's
-    profile (:class:`fedpipe.planner.types.LayerProfile`, ``fedpipe.v1.LayerProfile``)
-    gives each layer's output as bytes per sample, which for a ``(batch, tokens, d)``
-    activation is ``4·tokens·d``, not d. So the planner is told no saving (1.0) rather
-    than a guessed one: it never prefers lowrank for its bytes, and a job that names it
-    gets it on every link. Pricing it needs the width in the profile (both profilers
-    see ``y.shape[-1]``) and at each link's pricing (``planner.costs.transfer_seconds``
-    and its callers). Exact sizes: :func:`lowrank_bytes_per_row`."""
+    activation's width, is the model's. The planner prices lowrank by
+    :func:`lowrank_bytes_per_row` with the width the model's profile gives
+    (:attr:`fedpipe.planner.types.LayerProfile.activation_width`,
+    :meth:`fedpipe.planner.codecs.CodecCost.wire_bytes`); this ratio, no saving (1.0),
+    is what it falls back to where a profile gives no width."""
     return 1.0
 
 
@@ -298,6 +295,10 @@ took to reach lowrank8's final loss (median of 3 seeds). bf16 is the reduced run
 seed of 200 steps, 150 against raw's 150: ``--budget 200 --seeds 1``, load 6-9).
 int8+zstd is int8 (zstd is lossless); fp16, topk, sparseloco and lowrank were not
 measured."""
+STEPS_LOWER_BOUND = frozenset({"lowrank8"})
+"""Codecs of :data:`STEPS_MEASURED` whose runs never reached the target in the budget: their
+factor is a lower bound, and "auto" does not choose them
+(:func:`fedpipe.planner.codecs.converges`)."""
 STEPS_FACTORS: dict[str, float] = {name: max(1.0, f) for name, f in STEPS_MEASURED.items()}
 """The convergence factor the planner uses: the measured one, but never under 1 (a lossy
 codec is not credited with converging faster than raw: had2's 0.80 over 3 seeds, with a

@@ -11,8 +11,17 @@ slower machine pays more per byte.
 activation (half zeros, as after a ReLU) at two sizes, :data:`SMALL_BYTES` and
 :data:`LARGE_BYTES`, and fits ``seconds = fixed + per_byte · bytes`` to the
 median times of each, encode and decode apart, less raw's at the same size.
-It took 165 ms at load 18 on 2 cores; the figures are then those of a loaded
-machine, as the training will be.
+The five codecs "auto" chose from took 165 ms at load 18 on 2 cores; the figures
+are then those of a loaded machine, as the training will be.
+
+A lowrank codec is timed on a link's steady state: a basis is made by the
+warm-up call (as a link's first message makes one) and the timed messages use
+it without carrying it, so the figure leaves out the eigendecomposition and the
+basis sent once per refresh period (the planner prices that basis' bytes,
+:meth:`fedpipe.planner.codecs.CodecCost.wire_bytes`). A codec's parameter is
+not part of its key (:func:`~fedpipe.wire.codecmodel.speed_key`): had4 and had2
+are timed at their default 128-value blocks, topk at 1 %, lowrank at rank 16,
+the settings "auto" and the benchmarks use.
 """
 from __future__ import annotations
 
@@ -22,15 +31,18 @@ from typing import Callable
 
 import torch
 
-from .codecmodel import CodecSpeed
+from ..spec import LOWRANK_CODECS, parse_codec
+from .codecmodel import CodecSpeed, speed_key
 from .codecs import decode, encode
+from .lowrank import End, Subspace
 
 __all__ = ["CALIBRATED", "LARGE_BYTES", "SMALL_BYTES", "measure", "relu_like"]
 
-CALIBRATED = ("fp16", "bf16", "int8", "int8+zstd", "bf16+zstd")
-"""The codecs a node measures: those "auto" may choose and their neighbours. The others
-(had4, had2: 10-20 ms a call on 1 MiB; lowrank: its basis; topk, sparseloco: gradients)
-are priced by the table."""
+CALIBRATED = ("fp16", "bf16", "int8", "int8+zstd", "bf16+zstd", "had4", "had2", "topk",
+              "lowrank", "lowrank8")
+"""The codecs a node measures: those "auto" may choose, their neighbours, and the codecs a
+job may name for a link (had4, had2, topk, lowrank, lowrank8). sparseloco (DiLoCo's outer
+sync, which the planner prices by its bytes only) is priced by the table."""
 SMALL_BYTES = 16 * 1024
 """The small tensor's size, bytes: a small model's microbatch activation."""
 LARGE_BYTES = 512 * 1024
@@ -58,10 +70,17 @@ def _median_seconds(fn: Callable[[], object], reps: int) -> float:
 
 
 def _times(codec: str, x: torch.Tensor, reps: int) -> tuple[float, float]:
-    """Median ``(encode, decode)`` seconds of ``x`` under ``codec``."""
-    msg = encode(x, codec)
-    return (_median_seconds(lambda: encode(x, codec), reps),
-            _median_seconds(lambda: decode(msg), reps))
+    """Median ``(encode, decode)`` seconds of ``x`` under ``codec``; a lowrank codec's over
+    a link whose ends hold the basis its first message carried (see the module's doc)."""
+    if parse_codec(codec).name not in LOWRANK_CODECS:
+        msg = encode(x, codec)
+        return (_median_seconds(lambda: encode(x, codec), reps),
+                _median_seconds(lambda: decode(msg), reps))
+    sender, receiver = End(Subspace(), "calibration", 0), End(Subspace(), "calibration")
+    decode(encode(x, codec, end=sender), end=receiver)  # both ends now hold the basis
+    msg = encode(x, codec, end=sender)  # step 0 again: no refresh, no basis carried
+    return (_median_seconds(lambda: encode(x, codec, end=sender), reps),
+            _median_seconds(lambda: decode(msg, end=receiver), reps))
 
 
 def _fit(small: float, large: float) -> tuple[float, float]:
@@ -82,12 +101,8 @@ def measure(codecs: tuple[str, ...] = CALIBRATED, reps: int = 3) -> list[CodecSp
         reps: timed calls per codec, size and direction (the median is kept).
 
     Raises:
-        WireError: a codec that does not parse or cannot encode a float32 tensor
-            without a link's state (lowrank).
+        SpecError: a codec that does not parse.
     """
-    from ..spec import parse_codec
-    from .codecmodel import speed_key
-
     tensors = (relu_like(SMALL_BYTES), relu_like(LARGE_BYTES))
     raw = [_times("raw", x, reps) for x in tensors]
     out = []
