@@ -104,28 +104,17 @@ def test_e2e_scores_the_weights_at_the_plans_boundaries_as_the_trainer_does():
     model = TINY.model(0)
     for p in model.parameters():  # weights other than a fresh model's
         p.data.add_(0.01 * torch.randn_like(p))
-    state = model.state_dict()
+    state, losses = model.state_dict(), {}
     for name in ("raw", "had4"):
         links = [wan.Link(i, wan.CONFIGS[name]) for i in range(len(TINY.cuts))]
         want = wan.evaluate(model, links, TINY.cuts, held)
         got = wan_e2e.deployed_loss(TINY, wan.CONFIGS[name], state, TINY.cuts, held,
                                     wan_e2e.last_batch(TINY, 3))
         assert got == want
-    # lowrank: the nodes' bases are not fetched; bases made afresh from the last batch
+        losses[name] = got
+    # lowrank (rank 16 of d = 32): the nodes' bases are not fetched; made afresh from the
+    # last batch, they lose what lies outside them
     lowrank = wan_e2e.deployed_loss(TINY, wan.CONFIGS["lowrank8"], state, TINY.cuts, held,
                                     wan_e2e.last_batch(TINY, 3))
-    assert math.isfinite(lowrank) and lowrank != want
+    assert math.isfinite(lowrank) and lowrank != losses["raw"]
 
-
-@pytest.mark.processes
-@pytest.mark.timeout(300)
-def test_quick_e2e_runs_raw_and_the_best_configuration_the_whole_way():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--quick",
-                          "--configs", "raw,had4", "--no-swarm", "--e2e", "--best", "had4"],
-                         capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    runs = [line for line in out.stdout.splitlines() if line.startswith("e2e ")]
-    assert [line.split()[1] for line in runs] == ["raw", "had4"], out.stdout
-    for line in runs:
-        assert "wall/T" in line and "held-out loss" in line and "load" in line
