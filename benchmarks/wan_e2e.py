@@ -13,7 +13,8 @@ every pair of nodes is joined by wan's emulated link (:func:`wan.link_profile`):
   the swarm's start and the job's set-up are left out, as T leaves them out);
 * its trained weights (:meth:`fedpipe.client.Job.state_dict`), scored on wan's held-out
   windows as the in-process trainer's deployed evaluation scores them (:func:`wan.evaluate`:
-  the activations through the configuration's codecs, at the job plan's stage boundaries).
+  the activations through the configuration's codecs, at the job plan's stage boundaries),
+  and, to tell the training from the codecs' cost at evaluation, without codecs.
 
 Printed per configuration: steps run, the wall time, the predicted T (steps × the table's
 steady step time; without one, e.g. ``--no-swarm``, the job's own), their ratio, the held-out
@@ -54,6 +55,7 @@ class Run:
     wall: float                # seconds, first step event to last
     steady: float              # the job's own steady step time, seconds (:func:`wan.steady`)
     loss: float                # held-out loss of its weights, as deployed
+    plain: float               # ... and without codecs (the weights alone)
     cuts: tuple[int, ...]      # children after which its plan's stages end
 
 
@@ -103,8 +105,10 @@ def run(swarm: Any, setup: wan.Setup, config: wan.Config, steps: int,
     state = job.state_dict()
     job.release()
     cuts = cuts_of(wan.plan_ranges(status.plan))
-    loss = deployed_loss(setup, config, state, cuts, held, last_batch(setup, steps))
-    return Run(config.name, steps, times[-1] - times[0], wan.steady(times), loss, cuts)
+    batch = last_batch(setup, steps)
+    loss = deployed_loss(setup, config, state, cuts, held, batch)
+    plain = deployed_loss(setup, wan.CONFIGS["raw"], state, cuts, held, batch)
+    return Run(config.name, steps, times[-1] - times[0], wan.steady(times), loss, plain, cuts)
 
 
 def line(r: Run, conv: wan.Convergence, step_time: float, setup: wan.Setup) -> str:
@@ -118,7 +122,8 @@ def line(r: Run, conv: wan.Convergence, step_time: float, setup: wan.Setup) -> s
             f"{'the table' if told else 'this job'}'s step); wall/T {r.wall / predicted:.3f}; "
             f"held-out loss {r.loss:.4f} vs target {conv.target:.4f}: "
             f"{'reached' if r.loss <= conv.target else 'NOT reached'} "
-            f"(in-process seed 0 at its evaluation <= step {r.steps}: {seed0:.4f}; "
+            f"(without codecs {r.plain:.4f}; in-process seed 0 at its evaluation "
+            f"<= step {r.steps}: {seed0:.4f}; "
             f"the job's own step {r.steady * 1e3:.1f} ms"
             + ("" if r.cuts == setup.cuts else f"; its plan cut at {r.cuts}") + ")")
 
