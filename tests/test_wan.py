@@ -4,6 +4,7 @@ import importlib.util
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -118,3 +119,23 @@ def test_e2e_scores_the_weights_at_the_plans_boundaries_as_the_trainer_does():
                                     wan_e2e.last_batch(TINY, 3))
     assert math.isfinite(lowrank) and lowrank != losses["raw"]
 
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_e2e_raw_job_lands_on_the_in_process_curve():
+    """``--e2e`` on a small budget over fast links: the swarm's raw job of ceil(steps to
+    target) steps scores, as deployed, what the in-process trainer scored at that step (the
+    target is raw's own held-out loss there)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--quick",
+                          "--budget", "30", "--mbps", "50", "--configs", "raw,had4",
+                          "--no-swarm", "--e2e", "--best", "had4"],
+                         capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = {line.split()[1]: line for line in out.stdout.splitlines() if line.startswith("e2e ")}
+    assert list(runs) == ["raw", "had4"], out.stdout
+    loss, target = map(float, re.search(r"held-out loss ([\d.]+) vs target ([\d.]+)",
+                                        runs["raw"]).groups())
+    assert loss == pytest.approx(target, rel=1e-3), runs["raw"]
+    assert all("wall/T" in line and "load" in line for line in runs.values())
