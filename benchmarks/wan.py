@@ -29,7 +29,7 @@ codec outputs' bytes (zstd included) that crossed one boundary, per token.
                              [--swarm-configs a,b,...] [--plot wan.png] [--no-swarm]
                              [--netns [--best NAME]] [--save-curves F] [--seed-list S]
                              [--load-curves F,...] [--swarm-only] [--save-times F]
-                             [--load-times F]
+                             [--load-times F] [--e2e [--best NAME]]
 
 On a loaded machine the two parts can run apart: ``--save-curves`` (with ``--configs``
 and ``--seed-list``, a part per process) keeps each seed's curve as it is trained,
@@ -40,6 +40,10 @@ and ``--seed-list``, a part per process) keeps each seed's curve as it is traine
 namespaces over veths shaped with ``tc ... tbf`` at ``--mbps`` (bandwidth only: no
 latency), fedpipe's raw and best configurations beside torch.distributed.pipelining, T
 side by side (``benchmarks/wan_netns.py``).
+
+``--e2e``: then one job each of raw and of the best configuration runs the whole way on the
+shaped swarm, ceil(steps to target) steps: its wall time against the predicted T, its
+trained weights' held-out loss against the target (``benchmarks/wan_e2e.py``).
 
 Full run: a budget of 1,000 steps and 3 seeds. ``--quick``: a smoke run (a
 small budget, 1 seed, few swarm steps) in under 2 minutes on an idle machine.
@@ -288,14 +292,20 @@ def converge(setup: Setup, configs: list[Config], log=print, save: str = "") -> 
     return convergence(setup, train_all(setup, configs, log, save))
 
 
+def held_out(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+    """The held-out windows every evaluation scores: ``setup.held_windows`` random
+    windows (inputs, targets; ``(held_windows, seq)`` byte ids each) of the last 10 %."""
+    return next(text_batches(pydoc_text()[1], setup.held_windows, setup.seq, seed=12345))
+
+
 def train_all(setup: Setup, configs: list[Config], log=print, save: str = "",
               seeds: list[int] | None = None) -> dict[str, list[Curve]]:
     """Every configuration's curves, one per seed (``seeds``, default 0 to
     ``setup.seeds - 1``: a long run can be split over processes). With ``save``, every
     configuration's curves are written to that JSON file as soon as each seed's is trained
     (:func:`save_curves`), so a long run killed part-way keeps them."""
-    train_data, test_data = pydoc_text()
-    held = next(text_batches(test_data, setup.held_windows, setup.seq, seed=12345))
+    train_data, _ = pydoc_text()
+    held = held_out(setup)
     curves: dict[str, list[Curve]] = {}
     seeds = list(range(setup.seeds)) if seeds is None else seeds
     for config in configs:
@@ -373,17 +383,27 @@ def timed_job(swarm: Any, setup: Setup, config: Config,
               steps: int) -> tuple[float, list[tuple[int, int]]]:
     """One 4-stage job of ``steps`` steps on ``swarm``: its steady step time, seconds, and
     its plan's layer range ``(start, end)`` per stage (children of :meth:`Setup.model`)."""
-    train_data, _ = pydoc_text()
-    job = swarm.client().submit(
-        setup.model(0), lm_loss, fedpipe.optimizer(torch.optim.AdamW, lr=setup.lr),
-        text_batches(train_data, setup.batch, setup.seq), steps=steps,
-        microbatches=setup.microbatches, schedule=SCHEDULE, stages=setup.blocks,
-        replicas=1, compression=config.compression())
+    job = submit(swarm, setup, config, steps)
     times = [ev.time for ev in job.events() if ev.step > 0]
     status = job.wait(progress=False)
     job.release()
-    ranges = sorted((a.stage, a.layer_start, a.layer_end) for a in status.plan.stages)
-    return steady(times), [(start, end) for _, start, end in ranges]
+    return steady(times), plan_ranges(status.plan)
+
+
+def submit(swarm: Any, setup: Setup, config: Config, steps: int) -> Any:
+    """A 4-stage job of ``steps`` steps on ``swarm`` with ``config``'s codecs, seed 0's model
+    and data (as :func:`train` trains seed 0): the :class:`fedpipe.client.Job`."""
+    return swarm.client().submit(
+        setup.model(0), lm_loss, fedpipe.optimizer(torch.optim.AdamW, lr=setup.lr),
+        text_batches(pydoc_text()[0], setup.batch, setup.seq, seed=0), steps=steps,
+        microbatches=setup.microbatches, schedule=SCHEDULE, stages=setup.blocks,
+        replicas=1, compression=config.compression())
+
+
+def plan_ranges(plan: Any) -> list[tuple[int, int]]:
+    """A job plan's layer range ``(start, end)`` per stage, in stage order."""
+    ranges = sorted((a.stage, a.layer_start, a.layer_end) for a in plan.stages)
+    return [(start, end) for _, start, end in ranges]
 
 
 def step_time(swarm: Any, setup: Setup, config: Config, steps: int) -> float:
@@ -490,9 +510,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "fedpipe (raw, then its best) beside torch.distributed.pipelining, the "
                     "stages in network namespaces over veths shaped with tc tbf at --mbps, "
                     "no latency (benchmarks/wan_netns.py; needs root and iproute2)")
-    ap.add_argument("--best", default="", help="--netns: fedpipe's best configuration "
-                    "(default: the fewest bytes/token within 1.3x raw's steps to target "
-                    "and 2%% of its final loss)")
+    ap.add_argument("--best", default="", help="--netns, --e2e: fedpipe's best configuration "
+                    "(default: among those within 1.3x raw's steps to target and 2%% of its "
+                    "final loss, the least T; without step times, the fewest bytes/token)")
+    ap.add_argument("--e2e", action="store_true", help="after the table: a job each of raw "
+                    "and the best configuration for ceil(steps to target) steps on the shaped "
+                    "swarm, wall time against T, held-out loss against the target "
+                    "(benchmarks/wan_e2e.py)")
     ap.add_argument("--plot", default="", help="write the loss-against-wall-time plot here (PNG)")
     ap.add_argument("--save-curves", default="", help="write the trained curves here (JSON), "
                     "after each configuration")
@@ -574,6 +598,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--configs must start with raw: it sets the target")
     if args.swarm_only and not args.save_times:
         raise SystemExit("--swarm-only needs --save-times: where its step times go")
+    if args.e2e and (args.netns or args.swarm_only):
+        raise SystemExit("--e2e runs on the emulated swarm: not with --netns or --swarm-only")
     torch.set_num_threads(1)
     print(f"{os.cpu_count()} cores; load %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     compute = stage_compute_seconds(setup)
@@ -613,6 +639,10 @@ def main(argv: list[str] | None = None) -> None:
     report(conv, shaped, floor, setup.batch * setup.seq)
     if args.plot:
         plot(conv, shaped, args.plot)
+    if args.e2e:
+        import wan_e2e
+
+        wan_e2e.main(setup, conv, shaped, args)
     print("load %.2f %.2f %.2f (a shared machine: other sessions run on these cores)"
           % os.getloadavg())
 

@@ -4,10 +4,12 @@ import importlib.util
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("wan", ROOT / "benchmarks" / "wan.py")
@@ -88,3 +90,52 @@ def test_step_times_saved_load_back(tmp_path):
     path = str(tmp_path / "t.json")
     wan.save_times(path, {"raw": 1.25, "had2": 0.25}, 0.5)
     assert wan.load_times(path) == ({"raw": 1.25, "had2": 0.25}, 0.5)
+
+
+def _wan_e2e():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import wan_e2e
+    return wan_e2e
+
+
+def test_e2e_scores_the_weights_at_the_plans_boundaries_as_the_trainer_does():
+    wan_e2e = _wan_e2e()
+    assert wan_e2e.cuts_of([(0, 2), (2, 3), (3, 4), (4, 6)]) == TINY.cuts
+    held = wan.held_out(TINY)
+    model = TINY.model(0)
+    for p in model.parameters():  # weights other than a fresh model's
+        p.data.add_(0.01 * torch.randn_like(p))
+    state, losses = model.state_dict(), {}
+    for name in ("raw", "had4"):
+        links = [wan.Link(i, wan.CONFIGS[name]) for i in range(len(TINY.cuts))]
+        want = wan.evaluate(model, links, TINY.cuts, held)
+        got = wan_e2e.deployed_loss(TINY, wan.CONFIGS[name], state, TINY.cuts, held,
+                                    wan_e2e.last_batch(TINY, 3))
+        assert got == want
+        losses[name] = got
+    # lowrank (rank 16 of d = 32): the nodes' bases are not fetched; made afresh from the
+    # last batch, they lose what lies outside them
+    lowrank = wan_e2e.deployed_loss(TINY, wan.CONFIGS["lowrank8"], state, TINY.cuts, held,
+                                    wan_e2e.last_batch(TINY, 3))
+    assert math.isfinite(lowrank) and lowrank != losses["raw"]
+
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_e2e_raw_job_lands_on_the_in_process_curve():
+    """``--e2e`` on a small budget over fast links: the swarm's raw job of ceil(steps to
+    target) steps scores, as deployed, what the in-process trainer scored at that step (the
+    target is raw's own held-out loss there)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--quick",
+                          "--budget", "30", "--mbps", "50", "--configs", "raw,had4",
+                          "--no-swarm", "--e2e", "--best", "had4"],
+                         capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = {line.split()[1]: line for line in out.stdout.splitlines() if line.startswith("e2e ")}
+    assert list(runs) == ["raw", "had4"], out.stdout
+    loss, target = map(float, re.search(r"held-out loss ([\d.]+) vs target ([\d.]+)",
+                                        runs["raw"]).groups())
+    assert loss == pytest.approx(target, rel=1e-3), runs["raw"]
+    assert all("wall/T" in line and "load" in line for line in runs.values())

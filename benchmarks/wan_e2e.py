@@ -1,0 +1,169 @@
+"""``benchmarks/wan.py --e2e``: one end-to-end run each of raw fp32 and of the best
+configuration over the shaped swarm, the check that wan's T predicts the product (issue 23).
+
+wan.py's T is two measurements joined: steps to target counted in one process
+(:class:`wan.Convergence`) times a steady step time from a short job on the shaped swarm.
+Here a job runs the whole way instead, for each of raw and the best configuration
+(:func:`wan_netns.best_config`, or ``--best``), on a :class:`fedpipe.testing.LocalSwarm` whose
+every pair of nodes is joined by wan's emulated link (:func:`wan.link_profile`):
+
+* the job: ``ceil(steps to target)`` steps (the median over the seeds), seed 0's model and
+  data, 4 stages, 1F1B, as :func:`wan.submit` submits every wan job;
+* its wall time: seconds from its first step event to its last (so ``steps - 1`` step gaps;
+  the swarm's start and the job's set-up are left out, as T leaves them out);
+* its trained weights (:meth:`fedpipe.client.Job.state_dict`), scored on wan's held-out
+  windows as the in-process trainer's deployed evaluation scores them (:func:`wan.evaluate`:
+  the activations through the configuration's codecs, at the job plan's stage boundaries),
+  and, to tell the training from the codecs' cost at evaluation, without codecs.
+
+Printed per configuration: steps run, the wall time, the predicted T (steps × the table's
+steady step time; without one, e.g. ``--no-swarm``, the job's own), their ratio, the held-out
+loss against the target, and whether the job reached it. The swarm's
+nodes do not hand out a lowrank codec's bases, so a lowrank configuration is scored with bases
+made afresh from the trained model's activations on the job's last batch (an approximation of
+the nodes' bases, which the trainer refreshed every ``@N`` steps).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+for _p in (str(HERE.parent), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+
+import wan  # noqa: E402
+
+SWARM_TIMEOUT = 180.0
+"""Seconds the swarm's tracker and 4 nodes may take to come up (a loaded machine)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One end-to-end job and what its trained weights score."""
+
+    config: str
+    steps: int                 # steps the job ran
+    wall: float                # seconds, first step event to last
+    steady: float              # the job's own steady step time, seconds (:func:`wan.steady`)
+    loss: float                # held-out loss of its weights, as deployed
+    plain: float               # ... and without codecs (the weights alone)
+    cuts: tuple[int, ...]      # children after which its plan's stages end
+
+
+def cuts_of(ranges: list[tuple[int, int]]) -> tuple[int, ...]:
+    """The stage boundaries of a plan's layer ranges (``[(0, 2), (2, 3), ...]`` -> ``(2, 3, ...)``),
+    as :func:`wan.staged_forward` takes them."""
+    return tuple(start for start, _ in ranges[1:])
+
+
+def deployed_loss(setup: wan.Setup, config: wan.Config, state: dict[str, torch.Tensor],
+                  cuts: tuple[int, ...], held: tuple[torch.Tensor, torch.Tensor],
+                  last_batch: torch.Tensor) -> float:
+    """The held-out loss of ``state`` (the model's state_dict) with ``config``'s codecs at
+    ``cuts``, as :func:`wan.evaluate` scores the in-process trainer's model. A lowrank
+    codec's bases are first made from the activations of ``last_batch``'s first
+    microbatch (``(batch, seq)`` byte ids: the job's last inputs)."""
+    model = setup.model(0)
+    model.load_state_dict(state)
+    links = [wan.Link(i, config) for i in range(len(cuts))]
+    if "lowrank" in config.activations:
+        with torch.no_grad():
+            for link in links:
+                link.step = 0
+            wan.staged_forward(model, links, cuts, last_batch.chunk(setup.microbatches)[0])
+            for link in links:
+                link.step = None
+    return wan.evaluate(model, links, cuts, held)
+
+
+def last_batch(setup: wan.Setup, steps: int) -> torch.Tensor:
+    """The inputs of step ``steps`` of seed 0's data (as :func:`wan.submit` feeds them)."""
+    batches = wan.text_batches(wan.pydoc_text()[0], setup.batch, setup.seq, seed=0)
+    for _ in range(steps - 1):
+        next(batches)
+    return next(batches)[0]
+
+
+def run(swarm: Any, setup: wan.Setup, config: wan.Config, steps: int,
+        held: tuple[torch.Tensor, torch.Tensor]) -> Run:
+    """A job of ``steps`` steps of ``config`` on ``swarm``, timed and scored."""
+    job = wan.submit(swarm, setup, config, steps)
+    times = [ev.time for ev in job.events() if ev.step > 0]
+    status = job.wait(progress=False)
+    if status.step < steps:
+        raise RuntimeError(f"the {config.name} job ended at step {status.step} of {steps}: "
+                           f"{status}")
+    state = job.state_dict()
+    job.release()
+    cuts = cuts_of(wan.plan_ranges(status.plan))
+    batch = last_batch(setup, steps)
+    loss = deployed_loss(setup, config, state, cuts, held, batch)
+    plain = deployed_loss(setup, wan.CONFIGS["raw"], state, cuts, held, batch)
+    return Run(config.name, steps, times[-1] - times[0], wan.steady(times), loss, plain, cuts)
+
+
+def line(r: Run, conv: wan.Convergence, step_time: float, setup: wan.Setup) -> str:
+    """The report of ``r``: against T predicted with ``step_time`` (nan: the job's own)."""
+    told = math.isfinite(step_time)
+    st = step_time if told else r.steady
+    predicted = r.steps * st
+    seed0 = conv.curves[r.config][0].at(r.steps)
+    return (f"e2e {r.config:<10} {r.steps:5d} steps; wall {r.wall:7.1f} s; predicted T "
+            f"{predicted:7.1f} s ({r.steps} x {st * 1e3:.1f} ms, "
+            f"{'the table' if told else 'this job'}'s step); wall/T {r.wall / predicted:.3f}; "
+            f"held-out loss {r.loss:.4f} vs target {conv.target:.4f}: "
+            f"{'reached' if r.loss <= conv.target else 'NOT reached'} "
+            f"(without codecs {r.plain:.4f}; in-process seed 0 at its evaluation "
+            f"<= step {r.steps}: {seed0:.4f}; "
+            f"the job's own step {r.steady * 1e3:.1f} ms"
+            + ("" if r.cuts == setup.cuts else f"; its plan cut at {r.cuts}") + ")")
+
+
+def check(setup: wan.Setup, conv: wan.Convergence, shaped: dict[str, float], profile: dict,
+          best: str, log: Callable[[str], None] = print) -> list[Run]:
+    """Raw's and ``best``'s end-to-end jobs on one swarm shaped by ``profile``, each
+    reported by ``log`` against its T from ``shaped`` (seconds per step; nan or absent:
+    the job's own steady step time). Raises SystemExit when a configuration never
+    reached the target in process (no step count to run) or has no curves."""
+    names = ["raw"] + ([best] if best != "raw" else [])
+    for name in names:
+        if name not in conv.curves:
+            raise SystemExit(f"--e2e: no curves of {name!r} (have {', '.join(conv.curves)})")
+        if not math.isfinite(conv.steps(name)):
+            raise SystemExit(f"--e2e: {name} never reached the target {conv.target:.4f} in "
+                             "process, so there is no step count to run end to end")
+    from fedpipe.testing import LocalSwarm
+
+    held = wan.held_out(setup)
+    runs = []
+    with LocalSwarm(n_nodes=setup.blocks, link_profile=profile, timeout=SWARM_TIMEOUT) as swarm:
+        for name in names:
+            r = run(swarm, setup, wan.CONFIGS[name], math.ceil(conv.steps(name)), held)
+            log(line(r, conv, shaped.get(name, math.nan), setup)
+                + f"; load {os.getloadavg()[0]:.2f}")
+            runs.append(r)
+    return runs
+
+
+def main(setup: wan.Setup, conv: wan.Convergence, shaped: dict[str, float],
+         args: argparse.Namespace) -> list[Run]:
+    """``wan.py --e2e``: raw's and the best configuration's (``--best``, or
+    :func:`wan_netns.best_config` by ``shaped``'s step times) jobs, on links of ``args``'
+    bandwidth and latency."""
+    import wan_netns
+
+    best = args.best or wan_netns.best_config(conv, shaped)
+    print(f"\nend to end on the shaped swarm: raw and the best configuration, {best}",
+          flush=True)
+    return check(setup, conv, shaped, wan.link_profile(setup.blocks, args.mbps,
+                                                       args.latency_ms),
+                 best, log=lambda s: print(s, flush=True))
