@@ -150,6 +150,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         _current.pop()
 
 
+@pytest.fixture(scope="module")
+def ca_dir(tmp_path_factory) -> Path:
+    """A CA directory with node node0's certificate and clients alice's and bob's."""
+    from fedpipe.security import certs
+
+    d = tmp_path_factory.mktemp("tls")
+    certs.make_ca(d)
+    certs.issue(d, certs.Role.NODE, "node0")
+    certs.issue(d, certs.Role.CLIENT, "alice")
+    certs.issue(d, certs.Role.CLIENT, "bob")
+    return d
+
+
 @pytest.fixture(scope="session")
 def swarm():
     """A tracker and 3 nodes, shared by the tests that do not disturb them."""

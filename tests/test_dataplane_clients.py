@@ -15,7 +15,7 @@ from fedpipe.client import Client
 from fedpipe.client.links import NoInbound
 from fedpipe.net.dataplane import DataPlane, Timeouts, client_name
 from fedpipe.proto import node_pb2
-from fedpipe.security import TlsConfig, certs
+from fedpipe.security import TlsConfig
 
 pytestmark = pytest.mark.timeout(60)
 FAST = Timeouts(credit=20.0, resume=5.0, handshake=5.0, backoff_min=0.02, backoff_max=0.2)
@@ -50,26 +50,16 @@ class Breaks:
         self.seen.append((peer, why))
 
 
-@pytest.fixture(scope="module")
-def tls_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    certs.make_ca(d)
-    certs.issue(d, certs.Role.NODE, "node0")
-    certs.issue(d, certs.Role.CLIENT, "alice")
-    certs.issue(d, certs.Role.CLIENT, "bob")
-    return d
-
-
 def target(step: int) -> node_pb2.Envelope:
     return node_pb2.Envelope(job_id="j", stage=1, step=step, kind=node_pb2.KIND_TARGET,
                              batch_size=2)
 
 
-def test_two_clients_of_one_certificate_get_a_link_each_and_every_tensor_arrives_once(tls_dir):
+def test_two_clients_of_one_certificate_get_a_link_each_and_every_tensor_arrives_once(ca_dir):
     kept = Kept()
-    alice = TlsConfig.load(tls_dir, "alice")
+    alice = TlsConfig.load(ca_dir, "alice")
     breaks = [Breaks(), Breaks()]
-    with DataPlane("node0", kept, tls=TlsConfig.load(tls_dir, "node0"), timeouts=FAST) as node:
+    with DataPlane("node0", kept, tls=TlsConfig.load(ca_dir, "node0"), timeouts=FAST) as node:
         clients = [DataPlane(client_name("alice"), NoInbound(), role="client", listen=False,
                              tls=alice, events=b, timeouts=FAST) for b in breaks]
         try:
@@ -100,7 +90,7 @@ def test_a_client_feeds_over_sockets_unless_told_not_to():
         assert grpc_only.data_plane() is None
 
 
-def test_a_client_puts_snapshots_of_its_own_job_only_by_its_certificate(tls_dir):
+def test_a_client_puts_snapshots_of_its_own_job_only_by_its_certificate(ca_dir):
     import grpc
 
     from fedpipe.client import links
@@ -117,16 +107,16 @@ def test_a_client_puts_snapshots_of_its_own_job_only_by_its_certificate(tls_dir)
     snap = checkpoint.take({"module": torch.nn.Linear(4, 3)}, 5)
     env = node_pb2.Envelope(job_id="j", replica=0, stage=1, kind=node_pb2.KIND_SNAPSHOT,
                             step=5, batch_size=1)
-    with DataPlane("node0", r, tls=TlsConfig.load(tls_dir, "node0"), timeouts=FAST) as node:
+    with DataPlane("node0", r, tls=TlsConfig.load(ca_dir, "node0"), timeouts=FAST) as node:
         a = node_pb2.StageAssignment(replica=0, stage=1, node_name="node0",
                                      data_address=node.address)
-        with links.client_plane(TlsConfig.load(tls_dir, "bob")) as bob:
+        with links.client_plane(TlsConfig.load(ca_dir, "bob")) as bob:
             with pytest.raises(links.LinkError) as e:
                 links.put_snapshot(bob, a, env, snap)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
         assert "client 'bob' is not the owner of job j" in e.value.details()
         assert store.get("j", StageKey(0, 1), 5) is None
-        with links.client_plane(TlsConfig.load(tls_dir, "alice")) as alice:
+        with links.client_plane(TlsConfig.load(ca_dir, "alice")) as alice:
             links.put_snapshot(alice, a, env, snap)
     kept = store.get("j", StageKey(0, 1), 5)
     assert kept is not None and torch.equal(kept.tensors["module/weight"],

@@ -25,7 +25,7 @@ from fedpipe.node.errors import NoSuchStage
 from fedpipe.node.initial import Pending, WeightsDesk, make_layers
 from fedpipe.node.lifecycle import StageSlot, StageState
 from fedpipe.proto import node_pb2
-from fedpipe.security import TlsConfig, certs
+from fedpipe.security import TlsConfig
 from fedpipe.spec import StageKey
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,16 +34,6 @@ EPOCH = 3
 
 def mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4), nn.Linear(4, 3))
-
-
-@pytest.fixture(scope="module")
-def tls_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    certs.make_ca(d)
-    certs.issue(d, certs.Role.NODE, "node0")
-    certs.issue(d, certs.Role.CLIENT, "alice")
-    certs.issue(d, certs.Role.CLIENT, "bob")
-    return d
 
 
 class Plane:
@@ -64,7 +54,7 @@ class Node:
     ReLU, which has no tensors, then two Linears),
     waiting for its streamed weights: the real receiver, access book and weights desk."""
 
-    def __init__(self, tls_dir, model: nn.Sequential):
+    def __init__(self, ca_dir, model: nn.Sequential):
         code = package(model, torch.zeros(2, 6))
         assert code.weights.source == "stream" and code.tensors is not None
         self.tensors: TensorsOf = code.tensors
@@ -84,11 +74,11 @@ class Node:
             return stage
         self.receiver = NodeReceiver(access, None, None,  # type: ignore[arg-type]
                                      weights=WeightsDesk(stage_of))  # type: ignore[arg-type]
-        self.plane = DataPlane("node0", self.receiver, tls=TlsConfig.load(tls_dir, "node0"))
+        self.plane = DataPlane("node0", self.receiver, tls=TlsConfig.load(ca_dir, "node0"))
         self.at = node_pb2.StageAssignment(replica=0, stage=1, node_name="node0",
                                            data_address=self.plane.address, address="unused")
 
-    def put(self, tls_dir, tensors, user: str = "alice", epoch: int = EPOCH, stage: int = 1
+    def put(self, ca_dir, tensors, user: str = "alice", epoch: int = EPOCH, stage: int = 1
             ) -> None:
         env = node_pb2.Envelope(job_id="j", replica=0, stage=stage, epoch=epoch,
                                 kind=node_pb2.KIND_WEIGHTS)
@@ -98,23 +88,23 @@ class Node:
         # a fresh plane (a new connection, the same name) per put: was, about 1 run in 3,
         # the closed plane's ssl call went on writing records into the next connection,
         # which reused its descriptor (the node: "UNEXPECTED_MESSAGE" at its handshake)
-        with client_plane(TlsConfig.load(tls_dir, user)) as plane:
+        with client_plane(TlsConfig.load(ca_dir, user)) as plane:
             ChannelNodes(Plane(plane)).put_weights(at, env, tensors)
 
 
-def refused(node: Node, tls_dir, tensors, **kw) -> LinkError:
+def refused(node: Node, ca_dir, tensors, **kw) -> LinkError:
     with pytest.raises(LinkError) as e:
-        node.put(tls_dir, tensors, **kw)
+        node.put(ca_dir, tensors, **kw)
     assert not node.pending.arrived.is_set()  # the stage still waits
     return e.value
 
 
-def test_a_streamed_stage_takes_its_weights_exactly_over_the_socket_plane(tls_dir):
+def test_a_streamed_stage_takes_its_weights_exactly_over_the_socket_plane(ca_dir):
     torch.manual_seed(0)
     model = mlp()
-    node = Node(tls_dir, model)
+    node = Node(ca_dir, model)
     with node.plane:
-        node.put(tls_dir, weight_tensors(1, 4, node.tensors))
+        node.put(ca_dir, weight_tensors(1, 4, node.tensors))
         assert node.pending.arrived.is_set()
         for made, want in zip(node.layers, model[2:4]):
             got, expected = made.state_dict(), want.state_dict()
@@ -122,44 +112,44 @@ def test_a_streamed_stage_takes_its_weights_exactly_over_the_socket_plane(tls_di
             assert all(torch.equal(got[k], expected[k]) for k in got)
         # 4 tensors between the two markers
         assert node.receiver.weight_tensors == 6
-        again = refused_after(node, tls_dir)
+        again = refused_after(node, ca_dir)
     assert again.code() == grpc.StatusCode.ALREADY_EXISTS, again.details()
     assert "has its weights already" in again.details()
 
 
-def refused_after(node: Node, tls_dir) -> LinkError:
+def refused_after(node: Node, ca_dir) -> LinkError:
     with pytest.raises(LinkError) as e:
-        node.put(tls_dir, weight_tensors(1, 4, node.tensors))
+        node.put(ca_dir, weight_tensors(1, 4, node.tensors))
     return e.value
 
 
-def test_refusals_say_what_was_wrong_and_leave_the_stage_waiting(tls_dir):
+def test_refusals_say_what_was_wrong_and_leave_the_stage_waiting(ca_dir):
     torch.manual_seed(1)
     model = mlp()
-    node = Node(tls_dir, model)
+    node = Node(ca_dir, model)
     good = list(weight_tensors(1, 4, node.tensors))
     forged = [(n, t.clone() + (1 if n == "3.bias" else 0)) for n, t in good]
     wide = [(n, torch.zeros(7, 5) if n == "2.weight" else t) for n, t in good]
     with node.plane:
-        e = refused(node, tls_dir, forged)
+        e = refused(node, ca_dir, forged)
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "layer 3: its weights digest to" in e.details(), e.details()
-        e = refused(node, tls_dir, wide)
+        e = refused(node, ca_dir, wide)
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "layer 2: 'weight' is (7, 5), the layer's is (4, 5)" in e.details(), e.details()
-        e = refused(node, tls_dir, good[:3])  # layer 3's bias never came
+        e = refused(node, ca_dir, good[:3])  # layer 3's bias never came
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "layer 3: no tensor for 'bias'" in e.details(), e.details()
-        e = refused(node, tls_dir, [("0.weight", model[0].weight.detach())])
+        e = refused(node, ca_dir, [("0.weight", model[0].weight.detach())])
         assert "layer 0 is not one of this stage's layers 1..3" in e.details(), e.details()
-        e = refused(node, tls_dir, good, epoch=EPOCH - 1)
+        e = refused(node, ca_dir, good, epoch=EPOCH - 1)
         assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e.details()
         assert "plan epoch 3, the weights of epoch 2" in e.details()
-        e = refused(node, tls_dir, good, stage=2)
+        e = refused(node, ca_dir, good, stage=2)
         assert e.code() == grpc.StatusCode.NOT_FOUND, e.details()
-        e = refused(node, tls_dir, good, user="bob")
+        e = refused(node, ca_dir, good, user="bob")
         assert e.code() == grpc.StatusCode.PERMISSION_DENIED, e.details()
         assert "not the owner of job j" in e.details()
-        node.put(tls_dir, good)  # a good stream after all of those
+        node.put(ca_dir, good)  # a good stream after all of those
     assert node.pending.arrived.is_set()
     assert all(torch.equal(a.weight, b.weight) for a, b in zip(node.layers, model[2:4]))
