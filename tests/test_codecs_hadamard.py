@@ -10,7 +10,7 @@ import torch
 from fedpipe.planner.codecs import codec_cost
 from fedpipe.planner.types import PlanError
 from fedpipe.proto import tensor_pb2 as pb
-from fedpipe.spec import parse_codec
+from fedpipe.spec import SpecError, check_compression, parse_codec
 from fedpipe.wire import hadamard
 from fedpipe.wire.codecmodel import Layout, model
 from fedpipe.wire.codecs import ErrorFeedback, WireError, check_header, decode, encode
@@ -162,8 +162,11 @@ def test_hostile_headers_are_refused_before_decoding(case):
         decode(wire(_had_msg(**fields)))
 
 
-def test_a_block_size_that_is_no_power_of_two_is_refused_at_both_ends():
-    with pytest.raises(WireError, match="power of two"):
+def test_a_block_size_that_is_no_power_of_two_is_refused_where_the_codec_is_named():
+    # was: a job's compression="had4:100" was accepted at submit and failed at planning
+    with pytest.raises(SpecError, match="power of two"):
+        check_compression("had4:100", "activations")
+    with pytest.raises(SpecError, match="power of two"):
         encode(gaussian(100, 1), "had4:100")
     with pytest.raises(PlanError, match="power of two"):
         codec_cost("had2:100")

@@ -22,8 +22,9 @@ Every name is importable from ``fedpipe.spec`` itself, as before the split.
 """
 from __future__ import annotations
 
-from .codecs import (CODEC_PARAMS, CODEC_POLICIES, GRADIENT_ONLY_CODECS, LOWRANK_CODECS,
-                     CodecSpec, check_compression, lowrank_problem, parse_codec)
+from .codecs import (CODEC_PARAMS, CODEC_POLICIES, GRADIENT_ONLY_CODECS, HADAMARD_CODECS,
+                     LOWRANK_CODECS, CodecSpec, check_compression, hadamard_block_problem,
+                     lowrank_problem, parse_codec)
 from .errors import JobSpecError, SpecError
 from .jobspec import (FIELD_RULES, MAX_MICROBATCHES, PRECISIONS, REBALANCE, RECOMPUTE, JobSpec,
                       check_field, stage_recomputes)
@@ -40,14 +41,14 @@ from .weights import WEIGHT_SOURCES, WeightsSpec
 
 __all__ = [
     "ACTIVE", "CLIENT_TIMEOUT", "CODEC_PARAMS", "CODEC_POLICIES", "FIELD_RULES", "FLAT_KNOBS",
-    "GRADIENT_ONLY_CODECS", "GROUPS", "LOWRANK_CODECS", "MAX_MICROBATCHES", "NODE_DRAINED",
-    "NODE_LEFT",
+    "GRADIENT_ONLY_CODECS", "GROUPS", "HADAMARD_CODECS", "LOWRANK_CODECS", "MAX_MICROBATCHES",
+    "NODE_DRAINED", "NODE_LEFT",
     "PRECISIONS", "PROTOCOL_VERSION", "REBALANCE", "RECOMPUTE", "stage_recomputes",
     "REPLICA_SYNCS", "SCHEDULES", "SNAPSHOTS_KEPT", "SYNC_SCHEDULES", "TERMINAL", "WAITING",
     "Action", "CodecSpec", "Compression", "DiLoCo", "Group", "JobSpec", "JobSpecError",
     "JobState", "Kind", "Knobs", "Lifetime", "Placement", "PlanView", "Quorum", "Replicas",
     "SpecError", "StageKey", "Training", "async_stream", "check_compression", "check_field",
-    "check_schedule", "gpipe", "lowrank_problem", "one_f_one_b", "parse_codec",
-    "schedule_order", "state_name",
+    "check_schedule", "gpipe", "hadamard_block_problem", "lowrank_problem", "one_f_one_b",
+    "parse_codec", "schedule_order", "state_name",
     "WEIGHT_SOURCES", "WeightsSpec",
 ]

@@ -20,6 +20,8 @@ CODEC_PARAMS: dict[str, str | None] = {"raw": None, "fp16": None, "bf16": None,
 GRADIENT_ONLY_CODECS = frozenset({"topk", "sparseloco"})
 """Codecs that drop most of a tensor: usable for gradients (with error feedback) only."""
 LOWRANK_CODECS = frozenset({"lowrank", "lowrank8"})
+HADAMARD_CODECS = frozenset({"had4", "had2"})
+"""Codecs that rotate blocks with a Hadamard transform: their block size is a power of two."""
 """Codecs with state at both ends of a link: a basis per stage boundary (see
 :mod:`fedpipe.wire.lowrank`); their spec's parameter is ``R[@N]``, the rank and refresh period."""
 CODEC_POLICIES = ("auto", "none")
@@ -69,6 +71,9 @@ class CodecSpec:
         if self.name not in CODEC_PARAMS:
             raise SpecError(f"unknown codec {self.name!r}; known: {sorted(CODEC_PARAMS)}")
         _check_range("int8 block_size", self.block_size, 16, 65536)
+        problem = hadamard_block_problem(self.name, self.block_size)
+        if problem:
+            raise SpecError(problem)
         _check_range(f"{self.name} fraction", self.fraction, 1e-6, 1.0)
         _check_range(f"{self.name} rank", self.rank, 1, 4096)
         _check_range(f"{self.name} refresh", self.refresh, 1, 10**6)
@@ -90,6 +95,14 @@ class CodecSpec:
         if self.name in LOWRANK_CODECS and self.refresh != CodecSpec.refresh:
             text += f"@{self.refresh}"
         return text if self.zstd_level is None else f"{text}+zstd:{self.zstd_level}"
+
+
+def hadamard_block_problem(name: str, block: int) -> str | None:
+    """Why ``block`` cannot be codec ``name``'s block size, or None if it can (or ``name``
+    is not a Hadamard codec): the rotation needs a power of two in [16, 65536]."""
+    if name in HADAMARD_CODECS and not (16 <= block <= 65536 and block & (block - 1) == 0):
+        return f"{name} block_size must be a power of two in [16, 65536], got {block}"
+    return None
 
 
 def _check_range(what: str, value: float, lo: float, hi: float) -> None:

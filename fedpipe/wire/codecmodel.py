@@ -53,7 +53,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
-from ..spec import CODEC_PARAMS, CodecSpec
+from ..spec import CODEC_PARAMS, HADAMARD_CODECS, CodecSpec, hadamard_block_problem
 
 __all__ = ["HADAMARD_BITS", "LOWRANK_COEFFICIENT_BYTES", "MODELS", "SPARSELOCO_CHUNK",
            "STEPS_FACTORS", "STEPS_LOWER_BOUND", "STEPS_MEASURED", "ZSTD_SECONDS_PER_BYTE",
@@ -119,14 +119,6 @@ HADAMARD_BITS = {"had4": 4, "had2": 2}
 _HAD_SECONDS_PER_BYTE = 2 * _GB_PER_S
 """had4/had2 encode + decode, seconds per float32 byte: measured side by side on one
 core at B=128, 0.55x int8's speed (the rotation is a B-point matmul each way)."""
-
-
-def hadamard_block_problem(name: str, block: int) -> str | None:
-    """Why ``block`` cannot be codec ``name``'s block size, or None if it can (or ``name``
-    is not a Hadamard codec): the rotation needs a power of two in [16, 65536]."""
-    if name in HADAMARD_BITS and not (16 <= block <= 65536 and block & (block - 1) == 0):
-        return f"{name} block_size must be a power of two in [16, 65536], got {block}"
-    return None
 
 
 def _had_bytes(bits: int) -> Callable[[Layout], int]:
@@ -317,6 +309,9 @@ may regularise, not a property to plan larger ones by); 1 where not measured."""
 MODELS = {name: replace(m, steps_factor=STEPS_FACTORS.get(name, 1.0))
           for name, m in MODELS.items()}
 
+if set(HADAMARD_BITS) != HADAMARD_CODECS:
+    raise ImportError(f"Hadamard codecs {sorted(HADAMARD_CODECS)} and their bits "
+                      f"{sorted(HADAMARD_BITS)} differ")
 if set(MODELS) != set(CODEC_PARAMS):
     raise ImportError(f"fedpipe.wire.codecmodel and fedpipe.spec.CODEC_PARAMS disagree on the "
                       f"codecs: {sorted(set(MODELS) ^ set(CODEC_PARAMS))}")
