@@ -32,7 +32,7 @@ def cmd_node(args) -> int:
                         insecure=args.insecure, drain_timeout=args.drain_timeout,
                         host_id=args.host_id,
                         data_port=None if args.no_data_port else args.data_port,
-                        relays=split_relays(args.relay) if args.relay else None,
+                        relays=None if args.relay is None else split_relays(args.relay),
                         snapshot_dir=args.snapshot_dir)
     daemon.install_signal_handlers()
     if daemon.homing is None:

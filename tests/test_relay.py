@@ -15,6 +15,7 @@ import pytest
 
 from fedpipe.net import timeouts
 from fedpipe.net.relay import Homing, Relay, RelayError, RelayRefused, dial, records
+from fedpipe.net.relay.home import split_relays
 from fedpipe.security import PermissionDenied, Role, TlsConfig, certs
 from fedpipe.security.policy import POLICY, authorize
 from fedpipe.security.tls import server_context
@@ -424,3 +425,15 @@ def test_a_relay_with_a_bound_below_one_is_refused_at_start(bound, value):
     # (job_streams -1)
     with pytest.raises(ValueError, match=f"{bound} must be at least 1.*got {value}"):
         Relay(**{bound: value})
+
+
+@pytest.mark.parametrize("text,why", [
+    ("http://127.0.0.1:7071", "is not HOST:PORT"),   # was: accepted, then retried for ever
+    ("127.0.0.1", "is not HOST:PORT"),
+    ("relay:0", "is not HOST:PORT"),
+    ("", "names no relay"),                          # was (the CLI's --relay ''): ignored
+    (" , ", "names no relay")])
+def test_a_bad_relay_list_is_refused_naming_the_entry(text, why):
+    with pytest.raises(ValueError, match=why):
+        split_relays(text)
+    assert split_relays("a:1, b:2") == ["a:1", "b:2"]

@@ -44,15 +44,17 @@ def split_relays(text: str) -> list[str]:
     """``HOST:PORT[,HOST:PORT]`` as a list.
 
     Raises:
-        ValueError: an empty list, or an entry that is not ``HOST:PORT`` with a port in 1..65535.
+        ValueError: an empty list, or an entry that is not ``HOST:PORT`` with a port in
+            1..65535 (a URL's scheme or path included: the tracker would refuse it).
     """
     relays = [r.strip() for r in text.split(",") if r.strip()]
     if not relays:
         raise ValueError(f"--relay {text!r} names no relay (HOST:PORT[,HOST:PORT])")
     for r in relays:
         host, _, port = r.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"relay {r!r} is not HOST:PORT with a port in 1..65535")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+            raise ValueError(f"relay {r!r} is not HOST:PORT with a port in 1..65535 "
+                             f"(no scheme, no path)")
     return relays
 
 
