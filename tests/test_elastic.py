@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import threading
 import time
 
 import pytest
@@ -21,7 +22,7 @@ from fedpipe.examples import digits
 from fedpipe.proto import tracker_pb2
 from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
-from reference import (digit_batches, job_info, max_relative_difference, running_plan,
+from reference import (digit_batches, gated, job_info, max_relative_difference, running_plan,
                        single_process)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
@@ -105,14 +106,31 @@ def test_fedpipe_drain_mid_job_moves_the_stage_with_no_step_recomputed(swarm):
     replace_gone(swarm)
 
 
+def draining(client, name: str, done: threading.Event, timeout: float = 120.0) -> None:
+    """Set ``done`` once the tracker lists node ``name`` as draining (or gone), or after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        flags = {n.name: n.draining for n in client.nodes()}
+        if flags.get(name, True):
+            break
+        time.sleep(0.05)
+    done.set()
+
+
 def test_sigterm_drains_a_node_which_then_exits(swarm):
     client, data = swarm.client(), digit_batches(STEPS)
-    model, job = submit(client, data, schedule="gpipe")
+    # fed past step 12 only once the tracker knows of the drain: was, at times, the job
+    # (faster since this round's data-plane cuts) ended before the drain's cut
+    noticed = threading.Event()
+    model, job = submit(client, gated(data, 12, noticed), schedule="gpipe")
     victim = holder(client, job, 2)
     proc = swarm.nodes[swarm.node_index(victim.node_name)]
     swarm.faulted.add(proc)
     inj = swarm.inject(job.id).at_step(4, "SIGTERM", proc.terminate)
     inj.start()
+    threading.Thread(target=draining, args=(client, victim.node_name, noticed),
+                     daemon=True).start()
     final = finish_exact(client, model, job, data)
     inj.stop()
     assert the_handover(final, "drain").steps_recomputed == 0
