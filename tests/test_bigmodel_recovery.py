@@ -38,12 +38,12 @@ def mlp() -> nn.Sequential:
 
 def _run_with_a_loss(swarm, model, **kw) -> dict:
     client, data = swarm.client(), digit_batches(STEPS)
-    job = client.submit(model, LOSS, SGD, data, steps=STEPS, microbatches=MICROBATCHES,
-                        stages=3, replicas=1, schedule="1f1b", compression="none",
-                        checkpoint_every=EVERY, rebalance="never", **kw)
-    inj = swarm.inject(job.id)
-    inj.at_step(KILL_AT, "kill stage 1", lambda: swarm.kill(
-        PlanView(job_info(client, job).plan)[StageKey(0, 1)].address)).start()
+    inj = swarm.inject().at_step(KILL_AT, "kill stage 1", lambda: swarm.kill(
+        PlanView(job_info(client, job).plan)[StageKey(0, 1)].address))
+    job = client.submit(model, LOSS, SGD, inj.feed(data), steps=STEPS,
+                        microbatches=MICROBATCHES, stages=3, replicas=1, schedule="1f1b",
+                        compression="none", checkpoint_every=EVERY, rebalance="never", **kw)
+    inj.start(job.id)
     status = job.wait(timeout=240, progress=False)
     inj.stop()
     assert status.state == "SUCCEEDED", status

@@ -88,12 +88,12 @@ def the_handover(final: tracker_pb2.JobInfo, cause: str) -> tracker_pb2.Recovery
 
 def test_fedpipe_drain_mid_job_moves_the_stage_with_no_step_recomputed(swarm):
     client, data = swarm.client(), digit_batches(STEPS)
-    model, job = submit(client, data)
+    inj = swarm.inject().at_step(3, "drain", lambda: client.drain(victim.node_name))
+    model, job = submit(client, inj.feed(data))
     victim = holder(client, job, 1)
     proc = swarm.nodes[swarm.node_index(victim.node_name)]
     swarm.faulted.add(proc)  # its exit is expected
-    inj = swarm.inject(job.id).at_step(3, "drain", lambda: client.drain(victim.node_name))
-    inj.start()
+    inj.start(job.id)
     final = finish_exact(client, model, job, data)
     inj.stop()
     h = the_handover(final, "drain")

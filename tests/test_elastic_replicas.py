@@ -121,10 +121,11 @@ def held_out_loss(model, state):
 def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exactly(swarm, sync):
     client, data = swarm.client(), digit_batches(STEPS)
     marks = [len(swarm.log(p)) for p in swarm.nodes]
-    model, job = submit(client, data, min_replicas=1, sync=DILOCO if sync == "diloco" else sync)
-    inj = swarm.inject(job.id)
-    inj.at_step(KILL_AT, "kill group 1", lambda: swarm.kill(
-        PlanView(job_info(client, job).plan)[StageKey(1, 0)].address)).start()
+    inj = swarm.inject().at_step(KILL_AT, "kill group 1", lambda: swarm.kill(
+        PlanView(job_info(client, job).plan)[StageKey(1, 0)].address))
+    model, job = submit(client, inj.feed(data), min_replicas=1,
+                        sync=DILOCO if sync == "diloco" else sync)
+    inj.start(job.id)
     status = job.wait(timeout=240, progress=False)
     inj.stop()
     assert status.state == "SUCCEEDED" and [f.name for f in inj.fired] == ["kill group 1"]
@@ -158,10 +159,10 @@ def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exac
 
 def test_below_min_replicas_the_job_rewinds_and_ends_exact(swarm):
     client, data = swarm.client(), digit_batches(STEPS)
-    model, job = submit(client, data, min_replicas=2)
-    inj = swarm.inject(job.id)
-    inj.at_step(KILL_AT, "kill group 1", lambda: swarm.kill(
-        PlanView(job_info(client, job).plan)[StageKey(1, 0)].address)).start()
+    inj = swarm.inject().at_step(KILL_AT, "kill group 1", lambda: swarm.kill(
+        PlanView(job_info(client, job).plan)[StageKey(1, 0)].address))
+    model, job = submit(client, inj.feed(data), min_replicas=2)
+    inj.start(job.id)
     status = job.wait(timeout=240, progress=False)
     inj.stop()
     assert status.state == "SUCCEEDED"

@@ -35,14 +35,14 @@ def test_kill_9_of_the_leading_tracker_mid_job_the_standby_leads_and_the_job_is_
         s = two.swarm
         assert leader_of(a) == a and leader_of(b) == a
         client, data = s.client(), digit_batches(STEPS)
-        model, job = submit(client, data, steps=STEPS, every=EVERY)
         killed: list[float] = []
 
         def kill_leader() -> None:
             two.procs[a].kill()
             killed.append(time.monotonic())
-        inj = s.inject(job.id)
-        inj.at_step(5, "kill -9 the leader", kill_leader).start()
+        inj = s.inject().at_step(5, "kill -9 the leader", kill_leader)
+        model, job = submit(client, inj.feed(data), steps=STEPS, every=EVERY)
+        inj.start(job.id)
         wait_serving(b, TRACKER_SERVICE, 60)  # b leads once a's lease lapses
         took = time.monotonic() - killed[0]
         status = job.wait(timeout=200, progress=False)

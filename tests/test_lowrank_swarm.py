@@ -95,9 +95,9 @@ def test_a_lowrank8_job_trains_and_a_killed_one_recovers_to_the_same_weights(swa
     # the codec was on the path: uncompressed training ends elsewhere
     assert max_relative_difference(whole, single_process(model, LOSS, ADAM, data)) > 1e-3
 
-    _, job = submit(client, data)
-    inj = swarm.inject(job.id)
-    inj.at_step(7, "kill stage 1", lambda: swarm.kill(holder(client, job, 1))).start()
+    inj = swarm.inject().at_step(7, "kill stage 1", lambda: swarm.kill(holder(client, job, 1)))
+    _, job = submit(client, inj.feed(data))
+    inj.start(job.id)
     status = job.wait(timeout=180, progress=False)
     inj.stop()
     assert status.state == "SUCCEEDED"
@@ -115,14 +115,14 @@ def test_a_drained_node_hands_its_stage_over_with_its_bases(swarm, uninterrupted
     """The middle stage moves at a cut with its snapshot (no rewind), its bases with it: the
     one it makes, and the one its neighbour made, whose next steps use it."""
     client, data = swarm.client(), digit_batches(STEPS)
-    _, job = submit(client, data)
 
     def drain() -> None:
         victim = PlanView(job_info(client, job).plan)[StageKey(0, 1)].node_name
         swarm.faulted.add(swarm.nodes[swarm.node_index(victim)])  # its exit is expected
         client.drain(victim)
-    inj = swarm.inject(job.id).at_step(5, "drain", drain)
-    inj.start()
+    inj = swarm.inject().at_step(5, "drain", drain)
+    _, job = submit(client, inj.feed(data))
+    inj.start(job.id)
     status = job.wait(timeout=180, progress=False)
     inj.stop()
     assert status.state == "SUCCEEDED", status.reason

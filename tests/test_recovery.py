@@ -68,9 +68,9 @@ def check_exact(client, model, job, data):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_kill_9_of_a_middle_stage_node_recovers_exactly(swarm, schedule):
     client, data = swarm.client(), digit_batches(STEPS)
-    model, job = submit(client, data, schedule)
-    inj = swarm.inject(job.id)
-    inj.at_step(7, "kill stage 1", lambda: swarm.kill(holder(client, job, 1))).start()
+    inj = swarm.inject().at_step(7, "kill stage 1", lambda: swarm.kill(holder(client, job, 1)))
+    model, job = submit(client, inj.feed(data), schedule)
+    inj.start(job.id)
     final = check_exact(client, model, job, data)
     inj.stop()
     assert [f.name for f in inj.fired] == ["kill stage 1"]
@@ -83,11 +83,11 @@ def test_kill_9_of_a_middle_stage_node_recovers_exactly(swarm, schedule):
 
 def test_two_losses_in_one_job_recover_exactly(swarm):
     client, data = swarm.client(), digit_batches(STEPS)
-    model, job = submit(client, data)
-    inj = swarm.inject(job.id)
+    inj = swarm.inject()
     inj.at_step(4, "kill stage 1", lambda: swarm.kill(holder(client, job, 1)))
     inj.at_step(11, "kill stage 2", lambda: swarm.kill(holder(client, job, 2)))
-    inj.start()
+    model, job = submit(client, inj.feed(data))
+    inj.start(job.id)
     final = check_exact(client, model, job, data)
     inj.stop()
     assert len(inj.fired) == 2 and len(final.recoveries) == 2
@@ -96,9 +96,9 @@ def test_two_losses_in_one_job_recover_exactly(swarm):
 
 def test_a_tracker_killed_mid_job_restarts_and_the_job_succeeds(swarm):
     client, data = swarm.client(), digit_batches(STEPS)
-    model, job = submit(client, data)
-    inj = swarm.inject(job.id)
-    inj.at_step(5, "kill the tracker", swarm.restart_tracker).start()
+    inj = swarm.inject().at_step(5, "kill the tracker", swarm.restart_tracker)
+    model, job = submit(client, inj.feed(data))
+    inj.start(job.id)
     check_exact(client, model, job, data)
     inj.stop()
     assert [f.name for f in inj.fired] == ["kill the tracker"]

@@ -98,10 +98,10 @@ def spare(swarm):
 def test_kill_9_mid_job_recovers_to_the_undisturbed_codec_run(swarm, data, undisturbed, spare,
                                                               stage):
     client = swarm.client()
-    job = submit(client, data)
-    inj = swarm.inject(job.id)
-    inj.at_step(7, f"kill stage {stage}",
-                lambda: swarm.kill(holder(client, job, stage).address)).start()
+    inj = swarm.inject().at_step(7, f"kill stage {stage}",
+                                 lambda: swarm.kill(holder(client, job, stage).address))
+    job = submit(client, inj.feed(data))
+    inj.start(job.id)
     got = finish(job)
     inj.stop()
     assert [f.name for f in inj.fired] == [f"kill stage {stage}"]
@@ -113,12 +113,12 @@ def test_kill_9_mid_job_recovers_to_the_undisturbed_codec_run(swarm, data, undis
 def test_a_drain_mid_job_hands_over_to_the_undisturbed_codec_run(swarm, data, undisturbed,
                                                                  spare):
     client = swarm.client()
-    job = submit(client, data)
+    inj = swarm.inject().at_step(4, "drain", lambda: client.drain(victim.node_name))
+    job = submit(client, inj.feed(data))
     victim = holder(client, job, 2)
     proc = swarm.nodes[swarm.node_index(victim.node_name)]
     swarm.faulted.add(proc)  # its exit is expected
-    inj = swarm.inject(job.id).at_step(4, "drain", lambda: client.drain(victim.node_name))
-    inj.start()
+    inj.start(job.id)
     got = finish(job)
     inj.stop()
     assert proc.wait(timeout=30) == 0  # the drained node leaves once no job needs it

@@ -80,18 +80,18 @@ def train(swarm: LocalSwarm, steps: int, at_step=None, moved: bool = False, jobs
     expected = single_process(model, loss_fn, OPT, batches)
     client = swarm.client()
     nodes = {n.node_id: n for n in client.nodes()}
-    job = client.submit(model, loss_fn, OPT, batches, steps=steps, microbatches=MICROBATCHES,
-                        schedule="1f1b", stages=3, compression="none", rebalance="never")
+    inj = swarm.inject()
+    if at_step is not None:
+        inj.at_step(*at_step)
+    job = client.submit(model, loss_fn, OPT, inj.feed(batches), steps=steps,
+                        microbatches=MICROBATCHES, schedule="1f1b", stages=3,
+                        compression="none", rebalance="never")
     if jobs is not None:
         jobs.append(job)
-    inj = None
-    if at_step is not None:
-        inj = swarm.inject(job.id)
-        inj.at_step(*at_step).start()
+    inj.start(job.id)
     status = job.wait(timeout=180, progress=False)
-    if inj is not None:
-        inj.stop()
-        assert len(inj.fired) == 1, inj.fired
+    inj.stop()
+    assert len(inj.fired) == len(inj.plans), inj.fired
     assert status.state == "SUCCEEDED" and status.step == steps, status
     assert len(status.plan.stages) == 3, status.plan
     if moved:

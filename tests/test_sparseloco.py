@@ -184,17 +184,18 @@ def test_a_two_group_sparseloco_job_succeeds_and_a_recovered_run_equals_the_unin
     with LocalSwarm(n_nodes=3, lease=5.0) as swarm:
         client = swarm.client()
         for kill in (False, True):
-            job = client.submit(model, nn.functional.cross_entropy, sgd, data, steps=steps,
-                                microbatches=2, stages=1, replicas=2, replica_sync=config,
-                                compression="none", checkpoint_every=every, min_replicas=2,
-                                rebalance="never")
+            inj, running = swarm.inject(), []
             if kill:
-                inj = swarm.inject(job.id)
-                inj.at_step(10, "kill group 1", lambda job=job: swarm.kill(
-                    PlanView(job_info(client, job).plan)[StageKey(1, 0)].address)).start()
+                inj.at_step(10, "kill group 1", lambda running=running: swarm.kill(
+                    PlanView(job_info(client, running[0]).plan)[StageKey(1, 0)].address))
+            job = client.submit(model, nn.functional.cross_entropy, sgd, inj.feed(data),
+                                steps=steps, microbatches=2, stages=1, replicas=2,
+                                replica_sync=config, compression="none",
+                                checkpoint_every=every, min_replicas=2, rebalance="never")
+            running.append(job)
+            inj.start(job.id)
             status = job.wait(timeout=150, progress=False)
-            if kill:
-                inj.stop()
+            inj.stop()
             assert status.state == "SUCCEEDED", status
             info = job_info(client, job)
             assert len(info.recoveries) == (1 if kill else 0)

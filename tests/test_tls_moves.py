@@ -101,12 +101,12 @@ def fetches(swarm, job_id: str) -> list[tuple[int, int, int, str]]:
 
 def test_kill_9_of_a_stage_node_recovers_onto_the_spare_from_the_buddys_snapshot(swarm):
     client, data = swarm.client(), digit_batches(STEPS)
-    model, job = submit(client, data, stages=3, replicas=1, schedule="1f1b")
+    inj = swarm.inject().at_step(7, "kill stage 1", lambda: swarm.kill(victim.address))
+    model, job = submit(client, inj.feed(data), stages=3, replicas=1, schedule="1f1b")
     before = running_plan(client, job)
     spare = {n.name for n in client.nodes()} - {a.node_name for a in before.stages.values()}
     victim = before[StageKey(0, 1)]
-    inj = swarm.inject(job.id).at_step(7, "kill stage 1", lambda: swarm.kill(victim.address))
-    inj.start()
+    inj.start(job.id)
     final = finish_exact(client, model, job, data)
     inj.stop()
     assert [f.name for f in inj.fired] == ["kill stage 1"]
@@ -125,14 +125,14 @@ def test_kill_9_of_a_stage_node_recovers_onto_the_spare_from_the_buddys_snapshot
 
 def test_a_drain_hands_the_stage_over_to_a_node_no_plan_named(swarm):
     client, data = swarm.client(), digit_batches(STEPS)
-    model, job = submit(client, data, stages=3, replicas=1, schedule="gpipe")
+    admin = Client(swarm.tracker, tls=swarm.admin_tls)  # only the operator drains others
+    inj = swarm.inject().at_step(3, "drain", lambda: admin.drain(victim.node_name))
+    model, job = submit(client, inj.feed(data), stages=3, replicas=1, schedule="gpipe")
     before = running_plan(client, job)
     victim = before[StageKey(0, 1)]
     proc = swarm.nodes[swarm.node_index(victim.node_name)]
     swarm.faulted.add(proc)  # its exit is expected
-    admin = Client(swarm.tracker, tls=swarm.admin_tls)  # only the operator drains others
-    inj = swarm.inject(job.id).at_step(3, "drain", lambda: admin.drain(victim.node_name))
-    inj.start()
+    inj.start(job.id)
     try:
         final = finish_exact(client, model, job, data)
     finally:

@@ -48,10 +48,12 @@ class LocalSwarm(_Swarm):
             self.stop_process(self.tracker_proc, kill=kill)
         return self.start_tracker()
 
-    def inject(self, job_id: str) -> "faults.FaultInjector":
+    def inject(self, job_id: str = "") -> "faults.FaultInjector":
         """A :class:`~fedpipe.testing.faults.FaultInjector` for ``job_id``: add faults
-        with ``at_step(step, name, action)``, then ``start()`` it."""
+        with ``at_step(step, name, action)``, then ``start()`` it. Made before the job
+        (no ``job_id``) it can hold the job's feed at each fault's step (``feed``); then
+        ``start(job.id)``."""
         client = self._admin()
         self._clients.append(client)
-        return faults.FaultInjector(lambda: client.stub.GetJob(
-            tracker_pb2.GetJobRequest(job_id=job_id), timeout=timeouts.CONTROL_RPC))
+        return faults.FaultInjector(lambda jid: client.stub.GetJob(
+            tracker_pb2.GetJobRequest(job_id=jid), timeout=timeouts.CONTROL_RPC), job_id)

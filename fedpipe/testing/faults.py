@@ -13,7 +13,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from ..proto import tracker_pb2
 
@@ -55,17 +55,22 @@ class FaultInjector:
     """Fire faults when a job reaches given steps.
 
     Args:
-        get_job: returns the job's ``JobInfo`` (e.g. ``lambda: stub.GetJob(...)``).
+        get_job: returns the ``JobInfo`` of the job with the id given (e.g.
+            ``lambda job_id: stub.GetJob(...)``).
+        job_id: the job watched; or give it to :meth:`start`.
         poll: seconds between looks at the job's step.
 
-    Use: ``inj.at_step(5, "kill node1", lambda: swarm.kill(1)); inj.start()``.
+    Use: ``inj.at_step(5, "kill node1", lambda: swarm.kill(1)); inj.start(job.id)``.
     Faults fire in step order, each once, as soon as the job's last completed
-    step is at least theirs; :attr:`fired` lists what fired.
+    step is at least theirs; :attr:`fired` lists what fired. A job fed through
+    :meth:`feed` cannot run past a fault's step before the fault fires, however
+    fast it trains (the tracker learns of steps a little after the stages take them).
     """
 
-    def __init__(self, get_job: Callable[[], tracker_pb2.JobInfo], poll: float = 0.02):
-        self.get_job, self.poll = get_job, poll
-        self.plans: list[tuple[int, str, Callable[[], None]]] = []
+    def __init__(self, get_job: Callable[[str], tracker_pb2.JobInfo], job_id: str = "",
+                 poll: float = 0.02):
+        self.get_job, self.job_id, self.poll = get_job, job_id, poll
+        self.plans: list[tuple[int, str, Callable[[], None], threading.Event]] = []
         self.fired: list[Fired] = []
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
@@ -73,35 +78,59 @@ class FaultInjector:
 
     def at_step(self, step: int, name: str, action: Callable[[], None]) -> "FaultInjector":
         """Run ``action`` once the job has completed ``step`` steps."""
-        self.plans.append((step, name, action))
+        self.plans.append((step, name, action, threading.Event()))
         self.plans.sort(key=lambda p: p[0])
         return self
 
-    def start(self) -> "FaultInjector":
-        """Start watching (a daemon thread)."""
+    def feed(self, batches: Iterable[Any], wait: float = 120.0) -> Iterator[Any]:
+        """``batches`` one by one, holding the batch of each fault's step (0-based, so the
+        job has completed exactly that many steps) until the fault has fired (or
+        ``wait`` seconds, or the watch ended). Plan the faults (:meth:`at_step`) before
+        the job takes its first batch."""
+        for i, batch in enumerate(batches):
+            for step, _, _, done in self.plans:
+                if step == i:
+                    done.wait(wait)
+            yield batch
+
+    def start(self, job_id: str = "") -> "FaultInjector":
+        """Start watching job ``job_id`` (default: the one given at construction) from a
+        daemon thread.
+
+        Raises:
+            ValueError: no job was named.
+        """
+        self.job_id = job_id or self.job_id
+        if not self.job_id:
+            raise ValueError("FaultInjector.start: no job to watch (give its id)")
         self._thread = threading.Thread(target=self._run, name="fault-injector", daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
         pending = list(self.plans)
-        while pending and not self._stop.is_set():
-            try:
-                job = self.get_job()
-            except Exception:  # noqa: BLE001 — the tracker may be the fault; look again
-                time.sleep(self.poll)
-                continue
-            while pending and job.step >= pending[0][0]:
-                step, name, action = pending.pop(0)
+        try:
+            while pending and not self._stop.is_set():
                 try:
-                    action()
-                    self.fired.append(Fired(name, job.step))
-                except BaseException as e:  # noqa: BLE001 — kept for the test to raise
-                    self.errors.append(e)
-            if job.state in (tracker_pb2.JOB_STATE_SUCCEEDED, tracker_pb2.JOB_STATE_FAILED,
-                             tracker_pb2.JOB_STATE_CANCELLED):
-                return
-            time.sleep(self.poll)
+                    job = self.get_job(self.job_id)
+                except Exception:  # noqa: BLE001 — the tracker may be the fault; look again
+                    time.sleep(self.poll)
+                    continue
+                while pending and job.step >= pending[0][0]:
+                    step, name, action, done = pending.pop(0)
+                    try:
+                        action()
+                        self.fired.append(Fired(name, job.step))
+                    except BaseException as e:  # noqa: BLE001 — kept for the test to raise
+                        self.errors.append(e)
+                    done.set()
+                if job.state in (tracker_pb2.JOB_STATE_SUCCEEDED, tracker_pb2.JOB_STATE_FAILED,
+                                 tracker_pb2.JOB_STATE_CANCELLED):
+                    return
+                time.sleep(self.poll)
+        finally:
+            for *_, done in pending:
+                done.set()  # a feed held for a fault that will not fire goes on
 
     def stop(self) -> None:
         """Stop watching; raise the first error an action raised."""
