@@ -46,11 +46,12 @@ class FakeStream:
         return True
 
 
-def plan(groups: int = 1, depth: int = 2, epoch: int = 1) -> node_pb2.Plan:
-    """A plan of ``groups`` replica groups of ``depth`` stages; node addresses "rR-sS"."""
+def plan(groups: int = 1, depth: int = 2, epoch: int = 1, relay: str = "") -> node_pb2.Plan:
+    """A plan of ``groups`` replica groups of ``depth`` stages; node addresses "rR-sS"
+    (``relay``: every node is outbound-only behind that relay)."""
     return node_pb2.Plan(epoch=epoch, stages=[
         node_pb2.StageAssignment(replica=r, stage=s, address=f"r{r}-s{s}", node_id=f"r{r}-s{s}",
-                                 layer_start=s, layer_end=s + 1)
+                                 layer_start=s, layer_end=s + 1, relay=relay)
         for r in range(groups) for s in range(depth)])
 
 
@@ -147,10 +148,12 @@ class FakeTracker:
                              S.JOB_STATE_CANCELLED):
                     s.q.put(_END)
 
-    def run(self, *, epoch: int, resume_step: int = 0, groups: int = 1) -> None:
-        """The job RUNS in a new plan ``epoch`` from ``resume_step``."""
+    def run(self, *, epoch: int, resume_step: int = 0, groups: int = 1, relay: str = ""
+            ) -> None:
+        """The job RUNS in a new plan ``epoch`` from ``resume_step`` (``relay``: on
+        outbound-only nodes behind it)."""
         with self.lock:
-            self.info.plan.CopyFrom(plan(groups, epoch=epoch))
+            self.info.plan.CopyFrom(plan(groups, epoch=epoch, relay=relay))
         self.move(S.JOB_STATE_RECOVERING if epoch > 1 else S.JOB_STATE_DEPLOYING,
                   epoch=epoch)
         self.move(S.JOB_STATE_RUNNING, epoch=epoch, resume_step=resume_step)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from client_fakes import FakeNodes, FakeRpcError, FakeTracker, running_watch
-from fedpipe.client import Client, feed as feed_mod, watch as watch_mod
+from fedpipe.client import Client, feed as feed_mod, links, watch as watch_mod
 from fedpipe.client.feed import Feed, KeptBatches, GroupFeed
 from fedpipe.client.watch import Halted, JobWatch
 from fedpipe.proto import node_pb2, tracker_pb2 as S
@@ -132,6 +132,53 @@ def test_a_busy_node_is_sent_to_again_until_it_takes_the_step(monkeypatch):
     feed.thread.join(5)
     assert not errors and [s for s, _ in nodes.inputs()] == [0, 1, 2]
     assert nodes.attempts == 3 * 2 + 2
+
+
+def test_a_relayed_nodes_failed_link_is_fed_again_at_the_address_its_plan_moved_it_to():
+    """Its relay stayed away: the node re-homed at another relay (the tracker rewrote the
+    plan in the same epoch), and the link to the old one failed; the tensor is sent again
+    there, and one the node already took before the break (ALREADY_EXISTS) counts as
+    delivered."""
+    moved = {"done": False}
+
+    def on_send(address, env):
+        if env.step == 1 and env.kind == node_pb2.KIND_INPUT and not moved["done"]:
+            moved["done"] = True
+            with tracker.lock:
+                first = next(a for a in tracker.info.plan.stages if a.stage == 0)
+                first.address, first.data_address = "r0-s0-moved", "r0-s0-moved-data"
+            raise links.LinkError(UNAVAILABLE, "cannot reach r0-s0 again within 10.0 s")
+        if env.step == 2 and env.kind == node_pb2.KIND_TARGET and nodes.attempts == 7:
+            raise links.LinkError(UNAVAILABLE, "the connection broke")
+        if env.step == 2 and env.kind == node_pb2.KIND_TARGET and nodes.attempts == 8:
+            raise FakeRpcError(grpc.StatusCode.ALREADY_EXISTS, "duplicate target for step 2")
+
+    tracker, nodes = FakeTracker(steps=3), FakeNodes(on_send)
+    feed, _, errors = start(tracker, nodes, batches(3))
+    tracker.run(epoch=1, relay="relay:1")
+    wait_until(lambda: nodes.attempts == 8)
+    tracker.move(S.JOB_STATE_SUCCEEDED)
+    feed.thread.join(5)
+    assert not errors
+    assert [(a, e.step) for a, e, _ in nodes.sent if e.kind == node_pb2.KIND_INPUT] == [
+        ("r0-s0", 0), ("r0-s0-moved", 1), ("r0-s0-moved", 2)]
+    assert [e.step for _, e, _ in nodes.sent if e.kind == node_pb2.KIND_TARGET] == [0, 1]
+
+
+def test_a_direct_nodes_failed_link_waits_for_the_recovery():
+    """A node dialed directly whose link failed is gone (its job recovers): not fed again."""
+    def on_send(address, env):
+        if env.step == 1:
+            raise links.LinkError(UNAVAILABLE, "cannot reach r0-s0 again within 2.0 s")
+
+    tracker, nodes = FakeTracker(steps=3), FakeNodes(on_send)
+    feed, _, errors = start(tracker, nodes, batches(3))
+    tracker.run(epoch=1)
+    wait_until(lambda: nodes.attempts == 3)  # step 0's input and target, step 1's input
+    time.sleep(0.3)
+    assert nodes.attempts == 3  # not sent again within the epoch
+    tracker.move(S.JOB_STATE_FAILED)
+    feed.thread.join(5)
 
 
 def test_a_node_busy_past_the_attempts_fails_the_feed(monkeypatch):

@@ -460,14 +460,17 @@ class Feed:
 
     def _send_one(self, a: node_pb2.StageAssignment, env: node_pb2.Envelope,
                   t: torch.Tensor) -> None:
-        """One feed tensor to stage ``a``'s node, sent again while the node is busy, or while its
-        address refuses connections and the job's epoch holds, up to
-        :data:`~fedpipe.net.timeouts.FEED_UNREACHABLE` seconds.
+        """One feed tensor to stage ``a``'s node, sent again while the node is busy, or,
+        while the job's epoch holds, for up to :data:`~fedpipe.net.timeouts.FEED_UNREACHABLE`
+        seconds after its address first refused connections, or after the link to an
+        outbound-only node failed (its relay stayed away: the node re-homed at another
+        relay, and the plan names its new addresses). A tensor sent again that the node
+        says it already has (ALREADY_EXISTS: it came before the link broke) is delivered.
 
         Raises:
             grpc.RpcError: any other error, or one of those past its bound.
         """
-        deadline = time.monotonic() + timeouts.FEED_UNREACHABLE
+        deadline, again = None, False
         while True:
             try:
                 # RESOURCE_EXHAUSTED is the node's back-pressure (its data-plane slots are
@@ -478,19 +481,25 @@ class Feed:
                           stop=self.halted.is_set, codes=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
                 return
             except grpc.RpcError as e:
+                if again and e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    return
                 # refused connection: the call was never sent. An outbound-only node's relay
                 # restarting looks so for a moment, while the node lives and comes back at the
                 # same address, or at another relay's (the plan follows it: read it again);
                 # a dead node's job moves to a new epoch meanwhile
-                info = None if not unsent(e) or time.monotonic() > deadline \
+                deadline = deadline or time.monotonic() + timeouts.FEED_UNREACHABLE
+                away = unsent(e) or (bool(a.relay) and isinstance(e, links.LinkError)
+                                     and e.code() == grpc.StatusCode.UNAVAILABLE)
+                info = None if not away or time.monotonic() > deadline \
                     or self.halted.is_set() else self.watch.info()
                 if info is None or info.epoch != env.epoch:
                     raise
-                log.info("job %s: %s refuses connections (%s); feeding again", self.job_id,
+                log.info("job %s: %s is away (%s); feeding again", self.job_id,
                          a.address, e.details())
                 now = PlanView(info.plan).get(StageKey(a.replica, a.stage))
                 if now is not None and now.node_id == a.node_id:
                     a.CopyFrom(now)  # in the epoch's plan: later steps go there too
+                again = True
                 self.halted.wait(FEED_REDIAL)
 
     def _restore(self, info: S.JobInfo, saved: checkpoints.SavedCheckpoint

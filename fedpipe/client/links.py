@@ -74,7 +74,8 @@ def client_plane(tls: TlsConfig | None) -> dataplane.DataPlane:
     base = tls.name if tls is not None else f"client-{socket.gethostname()}"
     resume = dataplane.Timeouts(resume=timeouts.CLIENT_LINK_RESUME)
     return dataplane.DataPlane(dataplane.client_name(base), NoInbound(), role="client",
-                               listen=False, tls=tls, timeouts=resume)
+                               listen=False, tls=tls, timeouts=resume,
+                               relayed_timeouts=dataplane.Timeouts())
 
 
 def send(plane: dataplane.DataPlane, node: node_pb2.StageAssignment,

@@ -46,9 +46,12 @@ FEED_RPC = _seconds("FEED_RPC", 600.0)
 """One Send of a step's inputs or targets from the client: it may wait that long for room in
 the first stage's bounded inbox, which a slow pipeline empties one step at a time."""
 CLIENT_LINK_RESUME = _seconds("CLIENT_LINK_RESUME", 2.0)
-"""A client's socket data-plane link to a node (:mod:`fedpipe.client.links`) that broke is
-dialed again for this long, then failed: its send then fails UNAVAILABLE, and the feed
-waits for the job to recover, as a gRPC Send to a node that died does at once."""
+"""A client's socket data-plane link to a node it dials directly (:mod:`fedpipe.client.links`)
+that broke is dialed again for this long, then failed: its send then fails UNAVAILABLE, and
+the feed waits for the job to recover, as a gRPC Send to a node that died does at once. A
+link through an outbound-only node's relay is dialed again as long as the nodes' own links
+are (:attr:`fedpipe.net.dataplane.Timeouts.resume`): a relay restarting, or the node
+re-homing at the next relay, takes seconds, and the link resumes with nothing lost."""
 PEER_PING_RPC = _seconds("PEER_PING_RPC", 1.0)
 """The Ping that confirms a node a peer reported unreachable is gone: a killed node's
 port refuses at once; a paused (SIGSTOP) one misses this deadline."""

@@ -184,6 +184,11 @@ class DataPlane:
             :attr:`port` is 0 and nothing listens.
         tls: mutual TLS with these certificates (None: plaintext).
         events: where links report breaks and failures.
+        timeouts: each link's deadlines.
+        relayed_timeouts: those of a link dialed to a relay (an outbound-only peer), when
+            they differ (default: ``timeouts``): such a peer may be away while its relay
+            restarts, or while it re-homes at the next relay, and comes back within the
+            nodes' own :attr:`~.link.Timeouts.resume`.
         window_bytes, window_messages: the credit each link grants its peer.
         max_connections, max_caller_connections: the listener's caps on connections
             held at once, in all and per caller (:mod:`.caps`); past them a connection is
@@ -200,6 +205,7 @@ class DataPlane:
                  host: str = "127.0.0.1", port: int = 0, listen: bool = True,
                  tls: TlsConfig | None = None,
                  events: LinkEvents | None = None, timeouts: Timeouts = DEFAULT_TIMEOUTS,
+                 relayed_timeouts: Timeouts | None = None,
                  window_bytes: int | None = None, window_messages: int | None = None,
                  max_connections: int = MAX_CONNECTIONS,
                  max_caller_connections: int = MAX_CALLER_CONNECTIONS,
@@ -207,7 +213,7 @@ class DataPlane:
         self.caps = Caps(max_connections, max_caller_connections)
         self.sources, self.server = sources, server
         self.name, self.role, self.receiver, self.events = name, role, receiver, events
-        self.timeouts = timeouts
+        self.timeouts, self.relayed_timeouts = timeouts, relayed_timeouts or timeouts
         self.window_bytes = window_bytes or WINDOW_BYTES
         self.window_messages = window_messages or WINDOW_MESSAGES
         self._server_ctx = server_context(tls) if tls is not None else None
@@ -232,9 +238,11 @@ class DataPlane:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _new_link(self, peer: str, dial: bool, address: str = "", job: str = "") -> Link:
+    def _new_link(self, peer: str, dial: bool, address: str = "", job: str = "",
+                  relayed: bool = False) -> Link:
         link = Link(self.name, self.role, peer, self.receiver, events=self.events,
-                    timeouts=self.timeouts, window_bytes=self.window_bytes,
+                    timeouts=self.relayed_timeouts if relayed else self.timeouts,
+                    window_bytes=self.window_bytes,
                     window_messages=self.window_messages, server=self.server)
         if dial:
             link.dial = self._dialer(address, link, job)
@@ -269,7 +277,7 @@ class DataPlane:
                 if self._addresses.get(key) == address:
                     return dialed
                 dialed.fail(f"{peer} moved to {address}")  # restarted on another port
-            link = self._dialed[key] = self._new_link(peer, True, address, key[1])
+            link = self._dialed[key] = self._new_link(peer, True, address, key[1], relayed)
             self._addresses[key] = address
         assert link.dial is not None
         try:
