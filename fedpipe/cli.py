@@ -9,7 +9,8 @@ import sys
 
 import grpc
 
-from .cli_args import TRACKER_HELP, insecure_arg, metrics_args, tls as _tls, tls_args
+from .cli_args import (TRACKER_HELP, insecure_arg, metrics_args, tls as _tls, tls_args,
+                       tracker_target)
 from .cli_node import add_cli as add_node_cli
 from .observe.serving import LOCALHOST
 
@@ -365,7 +366,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="the swarm (nodes, links), or one job: its plan, "
                                       "per-stage timings and event log")
     where = s.add_mutually_exclusive_group(required=True)
-    where.add_argument("--tracker", help=TRACKER_HELP)
+    where.add_argument("--tracker", type=tracker_target, help=TRACKER_HELP)
     where.add_argument("--dashboard", help="the tracker's dashboard URL (http://HOST:PORT): "
                                            "adds each stage's predicted and measured timings")
     s.add_argument("job", nargs="?", help="job id")
@@ -376,7 +377,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_status)
 
     o = sub.add_parser("plot", help="draw a job's loss and throughput curves")
-    o.add_argument("--tracker", required=True, help=TRACKER_HELP)
+    o.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
     o.add_argument("job", help="job id")
     o.add_argument("-o", "--output", required=True, help="picture file (.png, .svg, .pdf)")
     tls_args(o, client_name)
@@ -397,8 +398,9 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="plan a model over a cluster file or a live swarm")
     where = pl.add_mutually_exclusive_group(required=True)
     where.add_argument("--cluster", help="cluster JSON (nodes and links; see README)")
-    where.add_argument("--tracker", help="plan over this tracker's live nodes and measured links "
-                                          "(" + TRACKER_HELP + ")")
+    where.add_argument("--tracker", type=tracker_target,
+                       help="plan over this tracker's live nodes and measured links ("
+                            + TRACKER_HELP + ")")
     pl.add_argument("--model", required=True, help="model profile JSON (layers; see README)")
     pl.add_argument("--batch", type=int, default=64, help="samples per step")
     pl.add_argument("--microbatches", type=int, default=4)
@@ -412,20 +414,20 @@ def parser() -> argparse.ArgumentParser:
 
     dr = sub.add_parser("drain", help="drain a node: its stages move to other nodes at the "
                                       "next step boundary, then it exits (admin)")
-    dr.add_argument("--tracker", required=True, help=TRACKER_HELP)
+    dr.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
     dr.add_argument("node", help="the node's name or id")
     tls_args(dr, "the admin certificate in --tls-dir (default: its only one)")
     dr.set_defaults(func=cmd_drain)
 
     c = sub.add_parser("cancel", help="cancel a job")
-    c.add_argument("--tracker", required=True, help=TRACKER_HELP)
+    c.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
     c.add_argument("job", help="job id")
     c.add_argument("--reason", default="cancelled from the command line")
     tls_args(c, client_name)
     c.set_defaults(func=cmd_cancel)
 
     u = sub.add_parser("submit", help="train the built-in digits example on a swarm")
-    u.add_argument("--tracker", required=True, help=TRACKER_HELP)
+    u.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
     train_args(u)
     tls_args(u, client_name)
     u.set_defaults(func=cmd_submit)

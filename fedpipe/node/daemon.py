@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from .. import __version__, net
-from ..net import timeouts
+from ..net import timeouts, trackers
 from ..net.emulation import LinkProfile
 from ..net.dataplane.caps import Sources
 from ..net.relay import Allocation, Homing
@@ -96,7 +96,9 @@ class NodeDaemon:
             for the relay's loopback streams. Empty: this node is reachable.
 
     Raises:
-        ValueError: an unusable device, a malformed link profile, or a ``name``
+        ValueError: a ``tracker`` that is not ``HOST:PORT``
+            (:func:`fedpipe.net.trackers.addresses`), an unusable device, a malformed
+            link profile, or a ``name``
             that is not the TLS certificate's, or plaintext on a non-loopback ``host``
             without ``insecure``.
         RelayRefused: every relay of ``relays`` refused this node (their reasons).
@@ -112,6 +114,7 @@ class NodeDaemon:
                  drain_timeout: float = DRAIN_TIMEOUT, host_id: str | None = None,
                  data_port: int | None = 0, relays: list[str] | None = None,
                  snapshot_dir: str | None = None):
+        trackers.addresses(tracker)  # a bad address now, not as UNAVAILABLE for ever
         net.check_plaintext(host, tls, insecure, "this node")
         if tls is not None:
             if trust_code:
