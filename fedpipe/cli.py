@@ -470,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as e:  # a refusal or an unreachable peer, said in one line
         if args.verbose:
             raise
-        print(f"fedpipe {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        from .net import reason
+
+        print(f"fedpipe {args.command}: {reason(e)}", file=sys.stderr)
         return 1
     except Exception as e:  # the CLI's last word: one line, not a traceback
         if args.verbose:

@@ -35,7 +35,7 @@ LEADER_KEY = "fedpipe-leader"
 SEPARATOR = ","
 """Between the addresses of several trackers in one target: ``a:7070,b:7070``."""
 _FOLLOW = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_UNSENT = "failed to connect to all addresses"
+UNSENT = "failed to connect to all addresses"
 """gRPC core's details when no connection could be made: the call was never sent."""
 
 
@@ -81,7 +81,7 @@ def unsent(error: grpc.RpcError) -> bool:
     code = getattr(error, "code", None)
     details = getattr(error, "details", lambda: "")() or ""
     return (code is not None and code() == grpc.StatusCode.UNAVAILABLE
-            and details.startswith(_UNSENT))
+            and details.startswith(UNSENT))
 
 
 def leader_of(error: grpc.RpcError) -> str | None:
