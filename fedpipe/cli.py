@@ -131,6 +131,30 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _compression_arg(text: str) -> str:
+    """``--compression``'s value: "auto", "none" or a codec spec that may carry
+    activations (it sets theirs too), with the codec grammar's reason if not; the hint for
+    a gradients-only codec is in flags, not in Python's ``compression={...}``."""
+    from .spec import CODEC_POLICIES, parse_codec
+
+    _gradient_compression_arg(text)
+    if text not in CODEC_POLICIES and parse_codec(text).gradients_only:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} drops most of each tensor, so it cannot carry activations: use it "
+            f"for gradients only, e.g. --compression int8 --gradient-compression {text}")
+    return text
+
+
+def _gradient_compression_arg(text: str) -> str:
+    """``--gradient-compression``'s value: "auto", "none" or a codec spec."""
+    from .spec import SpecError, check_compression
+
+    try:
+        return check_compression(text, "gradients")
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_status(args) -> int:
     """``fedpipe status [JOB] [--watch]``: the swarm, or one job with its plan, per-stage
     timings and event log, in the terminal (``--json``: once, machine-readable)."""
@@ -211,7 +235,8 @@ def cmd_plan(args) -> int:
         cluster = cluster_view(list(reply.nodes), list(reply.links))
     config = planner.TrainConfig(batch_size=args.batch, microbatches=args.microbatches,
                                  schedule=args.schedule, stages=args.stages or 0,
-                                 compression=args.compression)
+                                 compression=args.compression,
+                                 gradient_compression=args.gradient_compression)
     plan = planner.make_plan(cluster, profile, config)
     if args.json:
         print(json.dumps(jsonio.plan_to_json(plan), indent=1))
@@ -383,14 +408,17 @@ def parser() -> argparse.ArgumentParser:
     tls_args(o, client_name)
     o.set_defaults(func=cmd_plot)
 
+    def compression_args(q):
+        q.add_argument("--compression", type=_compression_arg, default="auto",
+                       help="activation and gradient codec: auto, none or a codec spec")
+        q.add_argument("--gradient-compression", type=_gradient_compression_arg, default=None,
+                       help="gradient codec, if not --compression's (e.g. topk:0.01)")
+
     def train_args(q):
         q.add_argument("--steps", type=int, default=300)
         q.add_argument("--microbatches", type=int, default=4)
         q.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
-        q.add_argument("--compression", default="auto",
-                       help="activation and gradient codec: auto, none or a codec spec")
-        q.add_argument("--gradient-compression", default=None,
-                       help="gradient codec, if not --compression's (e.g. topk:0.01)")
+        compression_args(q)
         q.add_argument("--stages", type=int, default=None,
                        help="pipeline depth (default: submit lets the planner choose; "
                             "demo uses every node)")
@@ -406,7 +434,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--microbatches", type=int, default=4)
     pl.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
     pl.add_argument("--stages", type=int, default=None, help="pin the pipeline depth")
-    pl.add_argument("--compression", default="auto", help="auto, none or a codec spec")
+    compression_args(pl)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--draw", metavar="FILE", help="also draw the plan (.png, .svg, .pdf)")
     tls_args(pl, client_name)
