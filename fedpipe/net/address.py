@@ -1,6 +1,6 @@
 """The one rule for a ``HOST:PORT`` address: a tracker's (``--tracker``), a relay's
 (``--relay``), a registering node's. Each caller names the address in its own error;
-:func:`problem` says what is wrong with it. Nothing here imports torch or grpc.
+:func:`problem` says what is wrong with it.
 """
 from __future__ import annotations
 
