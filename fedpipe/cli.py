@@ -9,7 +9,8 @@ import sys
 
 import grpc
 
-from .cli_args import TRACKER_HELP, insecure_arg, metrics_args, tls as _tls, tls_args
+from .cli_args import (TRACKER_HELP, insecure_arg, metrics_args, tls as _tls, tls_args,
+                       tracker_target)
 from .cli_node import add_cli as add_node_cli
 from .observe.serving import LOCALHOST
 
@@ -130,6 +131,30 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _compression_arg(text: str) -> str:
+    """``--compression``'s value: "auto", "none" or a codec spec that may carry
+    activations (it sets theirs too), with the codec grammar's reason if not; the hint for
+    a gradients-only codec is in flags, not in Python's ``compression={...}``."""
+    from .spec import CODEC_POLICIES, parse_codec
+
+    _gradient_compression_arg(text)
+    if text not in CODEC_POLICIES and parse_codec(text).gradients_only:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} drops most of each tensor, so it cannot carry activations: use it "
+            f"for gradients only, e.g. --compression int8 --gradient-compression {text}")
+    return text
+
+
+def _gradient_compression_arg(text: str) -> str:
+    """``--gradient-compression``'s value: "auto", "none" or a codec spec."""
+    from .spec import SpecError, check_compression
+
+    try:
+        return check_compression(text, "gradients")
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_status(args) -> int:
     """``fedpipe status [JOB] [--watch]``: the swarm, or one job with its plan, per-stage
     timings and event log, in the terminal (``--json``: once, machine-readable)."""
@@ -210,7 +235,8 @@ def cmd_plan(args) -> int:
         cluster = cluster_view(list(reply.nodes), list(reply.links))
     config = planner.TrainConfig(batch_size=args.batch, microbatches=args.microbatches,
                                  schedule=args.schedule, stages=args.stages or 0,
-                                 compression=args.compression)
+                                 compression=args.compression,
+                                 gradient_compression=args.gradient_compression)
     plan = planner.make_plan(cluster, profile, config)
     if args.json:
         print(json.dumps(jsonio.plan_to_json(plan), indent=1))
@@ -365,7 +391,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="the swarm (nodes, links), or one job: its plan, "
                                       "per-stage timings and event log")
     where = s.add_mutually_exclusive_group(required=True)
-    where.add_argument("--tracker", help=TRACKER_HELP)
+    where.add_argument("--tracker", type=tracker_target, help=TRACKER_HELP)
     where.add_argument("--dashboard", help="the tracker's dashboard URL (http://HOST:PORT): "
                                            "adds each stage's predicted and measured timings")
     s.add_argument("job", nargs="?", help="job id")
@@ -376,20 +402,23 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_status)
 
     o = sub.add_parser("plot", help="draw a job's loss and throughput curves")
-    o.add_argument("--tracker", required=True, help=TRACKER_HELP)
+    o.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
     o.add_argument("job", help="job id")
     o.add_argument("-o", "--output", required=True, help="picture file (.png, .svg, .pdf)")
     tls_args(o, client_name)
     o.set_defaults(func=cmd_plot)
 
+    def compression_args(q):
+        q.add_argument("--compression", type=_compression_arg, default="auto",
+                       help="activation and gradient codec: auto, none or a codec spec")
+        q.add_argument("--gradient-compression", type=_gradient_compression_arg, default=None,
+                       help="gradient codec, if not --compression's (e.g. topk:0.01)")
+
     def train_args(q):
         q.add_argument("--steps", type=int, default=300)
         q.add_argument("--microbatches", type=int, default=4)
         q.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
-        q.add_argument("--compression", default="auto",
-                       help="activation and gradient codec: auto, none or a codec spec")
-        q.add_argument("--gradient-compression", default=None,
-                       help="gradient codec, if not --compression's (e.g. topk:0.01)")
+        compression_args(q)
         q.add_argument("--stages", type=int, default=None,
                        help="pipeline depth (default: submit lets the planner choose; "
                             "demo uses every node)")
@@ -397,14 +426,15 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="plan a model over a cluster file or a live swarm")
     where = pl.add_mutually_exclusive_group(required=True)
     where.add_argument("--cluster", help="cluster JSON (nodes and links; see README)")
-    where.add_argument("--tracker", help="plan over this tracker's live nodes and measured links "
-                                          "(" + TRACKER_HELP + ")")
+    where.add_argument("--tracker", type=tracker_target,
+                       help="plan over this tracker's live nodes and measured links ("
+                            + TRACKER_HELP + ")")
     pl.add_argument("--model", required=True, help="model profile JSON (layers; see README)")
     pl.add_argument("--batch", type=int, default=64, help="samples per step")
     pl.add_argument("--microbatches", type=int, default=4)
     pl.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
     pl.add_argument("--stages", type=int, default=None, help="pin the pipeline depth")
-    pl.add_argument("--compression", default="auto", help="auto, none or a codec spec")
+    compression_args(pl)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--draw", metavar="FILE", help="also draw the plan (.png, .svg, .pdf)")
     tls_args(pl, client_name)
@@ -412,20 +442,20 @@ def parser() -> argparse.ArgumentParser:
 
     dr = sub.add_parser("drain", help="drain a node: its stages move to other nodes at the "
                                       "next step boundary, then it exits (admin)")
-    dr.add_argument("--tracker", required=True, help=TRACKER_HELP)
+    dr.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
     dr.add_argument("node", help="the node's name or id")
     tls_args(dr, "the admin certificate in --tls-dir (default: its only one)")
     dr.set_defaults(func=cmd_drain)
 
     c = sub.add_parser("cancel", help="cancel a job")
-    c.add_argument("--tracker", required=True, help=TRACKER_HELP)
+    c.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
     c.add_argument("job", help="job id")
     c.add_argument("--reason", default="cancelled from the command line")
     tls_args(c, client_name)
     c.set_defaults(func=cmd_cancel)
 
     u = sub.add_parser("submit", help="train the built-in digits example on a swarm")
-    u.add_argument("--tracker", required=True, help=TRACKER_HELP)
+    u.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
     train_args(u)
     tls_args(u, client_name)
     u.set_defaults(func=cmd_submit)
@@ -468,7 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as e:  # a refusal or an unreachable peer, said in one line
         if args.verbose:
             raise
-        print(f"fedpipe {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        from .net import reason
+
+        print(f"fedpipe {args.command}: {reason(e)}", file=sys.stderr)
         return 1
     except Exception as e:  # the CLI's last word: one line, not a traceback
         if args.verbose:

@@ -1,5 +1,6 @@
 """Arguments and helpers shared by the ``fedpipe`` subcommands (:mod:`fedpipe.cli`,
-:mod:`fedpipe.cli_node`): the tracker address, TLS, ``--insecure`` and metrics flags."""
+:mod:`fedpipe.cli_node`): the tracker address (:func:`tracker_target`), TLS, ``--insecure``
+and metrics flags."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,21 @@ from .observe.serving import LOCALHOST
 
 TRACKER_HELP = ("the tracker's HOST:PORT; several trackers sharing one database: "
                 "HOST:PORT,HOST:PORT (calls follow whichever leads)")
+
+
+def tracker_target(text: str) -> str:
+    """``--tracker``'s value, checked as :func:`fedpipe.net.trackers.addresses` checks it,
+    so a bad one is refused before any call (not with gRPC's UNAVAILABLE after one).
+
+    Raises:
+        argparse.ArgumentTypeError: an address that is not ``HOST:PORT``.
+    """
+    from .net.trackers import target_problem
+
+    why = target_problem(text)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why)
+    return text
 
 
 def tls(args, name: str | None):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_args import TRACKER_HELP, insecure_arg, metrics_args, tls as _tls, tls_args
+from .cli_args import (TRACKER_HELP, insecure_arg, metrics_args, tls as _tls, tls_args,
+                       tracker_target)
 
 
 def _positive_bytes(text: str) -> int:
@@ -86,7 +87,7 @@ def add_cli(sub) -> None:
     """Add ``fedpipe node`` and ``fedpipe relay`` to the CLI's subparsers ``sub``; each sets
     ``func(args) -> int``, as the other commands do."""
     n = sub.add_parser("node", help="run a node (compute)")
-    n.add_argument("--tracker", required=True, help=TRACKER_HELP)
+    n.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
     n.add_argument("--host", default="0.0.0.0", help="address to listen on")
     n.add_argument("--port", type=int, default=0, help="port (0: any free port)")
     n.add_argument("--advertise", help="host peers should dial (default: --host)")

@@ -1,5 +1,6 @@
 """Tests of fedpipe.wire.codecs: round trips, error bounds, error feedback, hostile messages."""
 import math
+import re
 import tracemalloc
 import warnings
 
@@ -9,6 +10,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fedpipe.planner.codecs import codec_cost
+from fedpipe.planner.types import PlanError
 from fedpipe.proto import tensor_pb2 as pb
 from fedpipe.spec import CodecSpec, SpecError, parse_codec
 from fedpipe.wire.codecs import CODECS, ErrorFeedback, WireError, decode, encode
@@ -243,6 +246,24 @@ def test_bad_codec_specs_are_spec_errors(text):
         parse_codec(text)
     with pytest.raises(SpecError):
         encode(torch.ones(3), text)
+
+
+@pytest.mark.parametrize("text,why", [
+    ("int8+zstd:99", "zstd level must be in [1, 22], got 99"),  # was (planning): unknown codec
+    ("int8+zstd:fast", "zstd level 'fast' is not a whole number"),
+    ("int8:8", "int8 block_size must be in [16, 65536], got 8"),
+    ("topk:1.5", "topk fraction must be in [1e-06, 1.0], got 1.5"),
+    ("sparseloco:x", "sparseloco fraction 'x' is not a number"),
+    ("lowrank:5000", "lowrank rank must be in [1, 4096], got 5000"),
+    ("lowrank8:8@0", "lowrank8 refresh must be in [1, 1000000], got 0"),
+    ("lowrank:4.5", "lowrank rank '4.5' is not a whole number"),
+    ("had4:100", "had4 block_size must be a power of two in [16, 65536], got 100"),
+    ("had2:0", "had2 block_size must be a power of two in [16, 65536], got 0")])  # was: int8
+def test_a_numeric_codec_parameter_out_of_range_is_named_with_its_range(text, why):
+    with pytest.raises(SpecError, match=re.escape(f"bad codec spec {text!r}: {why}")):
+        parse_codec(text)
+    with pytest.raises(PlanError, match=re.escape(f"bad codec spec {text!r}: {why}")):
+        codec_cost(text)
 
 
 def test_registry_covers_the_proto_enum():

@@ -127,9 +127,11 @@ def test_node_retries_an_unreachable_tracker_then_registers(tmp_path):
     s.tracker = f"127.0.0.1:{port}"
     try:
         node = s.add_node()
-        wait_until(lambda: "retrying" in s.log(node), what="a retry in the node's log")
-        assert re.search(r"registering with tracker 127\.0\.0\.1:\d+ failed \(UNAVAILABLE",
-                         s.log(node))
+        wait_until(lambda: "registering again" in s.log(node), what="a retry in the node's log")
+        assert re.search(rf"tracker 127\.0\.0\.1:{port} is unreachable \(UNAVAILABLE: Failed to "
+                         rf"connect to remote host: Connection refused\); registering again in "
+                         rf"[\d.]+ s", s.log(node))
+        assert "failed to connect to all addresses" not in s.log(node)  # gRPC core's preamble
         s.start_tracker()  # on the port the node keeps dialling
         s.wait_for_nodes(1)
     finally:

@@ -1,7 +1,12 @@
-"""Peer-address checks behind the node's refusal of pickled code from remote peers."""
+"""Peer-address checks behind the node's refusal of pickled code from remote peers; a failed
+call's reason and retry line."""
+import logging
+
+import grpc
 import pytest
 
 from fedpipe import net
+from fedpipe.status import StatusError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -68,3 +73,28 @@ def test_emulated_link_delays_each_message_of_a_stream_and_keeps_them_in_flight(
         i = frame.chunk[0]
         assert time.monotonic() - produced[i] >= 0.25 - 1e-3
     assert time.monotonic() - start < 8 * 0.25 / 2
+
+
+def test_a_retry_against_an_unreachable_tracker_logs_one_short_readable_line(caplog):
+    # was: "registering with tracker ... failed (UNAVAILABLE: failed to connect to all
+    # addresses; last error: UNKNOWN: ipv4:127.0.0.1:PORT: Failed to connect to remote
+    # host: Connection refused); retrying in 0.2 s"
+    from fedpipe.proto import tracker_pb2, tracker_pb2_grpc
+    from fedpipe.testing import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    stub = tracker_pb2_grpc.TrackerStub(net.channel(address))
+    with pytest.raises(grpc.RpcError) as refused, caplog.at_level(logging.WARNING, "fedpipe.net"):
+        net.retry(lambda: stub.ListNodes(tracker_pb2.ListNodesRequest(), timeout=5),
+                  "registering", peer=f"tracker {address}", attempts=2, first_delay=0.01)
+    assert net.reason(refused.value) == ("UNAVAILABLE: Failed to connect to remote host: "
+                                         "Connection refused")
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == (f"tracker {address} is unreachable (UNAVAILABLE: Failed to connect to "
+                    f"remote host: Connection refused); registering again in 0.0 s")
+
+
+def test_a_reason_is_the_code_and_the_first_line_of_the_details():
+    assert net.reason(StatusError(grpc.StatusCode.INTERNAL, "boom\n  at frame 1")) == \
+        "INTERNAL: boom"
+    assert net.reason(StatusError(grpc.StatusCode.DEADLINE_EXCEEDED)) == "DEADLINE_EXCEEDED"

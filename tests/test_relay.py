@@ -428,9 +428,9 @@ def test_a_relay_with_a_bound_below_one_is_refused_at_start(bound, value):
 
 
 @pytest.mark.parametrize("text,why", [
-    ("http://127.0.0.1:7071", "is not HOST:PORT"),   # was: accepted, then retried for ever
-    ("127.0.0.1", "is not HOST:PORT"),
-    ("relay:0", "is not HOST:PORT"),
+    ("http://127.0.0.1:7071", "not a URL"),   # was: accepted, then retried for ever
+    ("127.0.0.1", "expected HOST:PORT"),
+    ("relay:0", "a port in 1..65535"),
     ("", "names no relay"),                          # was (the CLI's --relay ''): ignored
     (" , ", "names no relay")])
 def test_a_bad_relay_list_is_refused_naming_the_entry(text, why):

@@ -5,6 +5,7 @@ tests are process tests."""
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -28,9 +29,26 @@ LEASE = 1.0
 def test_tracker_targets_are_split_checked_and_deduplicated():
     assert trackers.addresses("a:1, b:2,a:1") == ["a:1", "b:2"]
     assert trackers.several("a:1,b:2") and not trackers.several("a:1")
-    for bad in ("a:1,", "a:1,b", "a:x,b:2"):
-        with pytest.raises(ValueError, match="is not HOST:PORT"):
+    for bad, why in (("a:1,", "'' in 'a:1,': expected HOST:PORT"),
+                     ("a:1,b", "'b' in 'a:1,b': expected HOST:PORT"),
+                     ("a:x,b:2", "port in 1..65535, not 'x'"),
+                     ("127.0.0.1", "'127.0.0.1': expected HOST:PORT"),
+                     ("t:70000", "port in 1..65535, not '70000'"),
+                     ("http://t:7070", "not a URL")):
+        with pytest.raises(ValueError, match=re.escape(why)):
             trackers.addresses(bad)
+
+
+def test_a_client_or_a_node_refuses_a_tracker_address_without_a_port_at_once():
+    # was: 127.0.0.1 meant port 443, and the first call failed with gRPC's UNAVAILABLE
+    # (the node retried it for ever)
+    from fedpipe import Client
+    from fedpipe.node.daemon import NodeDaemon
+
+    with pytest.raises(ValueError, match="tracker '127.0.0.1': expected HOST:PORT"):
+        Client("127.0.0.1")
+    with pytest.raises(ValueError, match="tracker '127.0.0.1': expected HOST:PORT"):
+        NodeDaemon("127.0.0.1")
 
 
 @pytest.fixture

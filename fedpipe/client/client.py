@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import net
-from ..net import timeouts
+from ..net import timeouts, trackers
 from ..net.dataplane import DataPlane
 from ..planner.memfit import is_memory_refusal
 from ..proto import tracker_pb2, tracker_pb2_grpc
@@ -87,11 +87,13 @@ class Client:
             set, else plaintext.
 
     Raises:
+        ValueError: ``tracker`` is not ``HOST:PORT`` (:func:`fedpipe.net.trackers.addresses`).
         fedpipe.security.CertError: an unusable TLS directory or certificate.
     """
 
     def __init__(self, tracker: str, tls: TlsConfig | str | os.PathLike | None = None, *,
                  sockets: bool = True):
+        trackers.addresses(tracker)  # a bad address now, not as UNAVAILABLE at the first call
         self.address, self.sockets = tracker, sockets
         self.tls = resolve_tls(tls)
         self.channel = explained(net.channel(tracker, tls=self.tls), tracker, self.tls)

@@ -33,6 +33,7 @@ import ipaddress
 import logging
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -465,19 +466,46 @@ def check_plaintext(host: str, tls: TlsConfig | None, insecure: bool, what: str)
                 "every RPC", what, host or "every interface")
 
 
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_CONNECT_DETAILS = re.compile("^" + re.escape(trackers.UNSENT) + r"; last error: "
+                              r"(?:[A-Z_]+: )?(?:(?:ipv4|ipv6|unix):\S+?: )?")
+"""gRPC core's wording of a connection that could not be made, up to its own reason:
+``failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: `` before
+``Failed to connect to remote host: Connection refused``."""
+
+
+def reason(error: grpc.RpcError) -> str:
+    """A failed call's reason in one short line for a log or the CLI: its status code and
+    the first line of its details, without gRPC core's preamble to a failed connection
+    (``UNAVAILABLE: Failed to connect to remote host: Connection refused``)."""
+    code = getattr(error, "code", None)
+    details = getattr(error, "details", None)
+    if code is None or details is None:
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    first = ((details() or "").strip().splitlines() or [""])[0]
+    first = _CONNECT_DETAILS.sub("", first)
+    return f"{code().name}: {first}" if first else code().name
+
+
 def retry(call: Callable[[], T], what: str, *, attempts: int | None = None,
           first_delay: float = 0.2, max_delay: float = 10.0,
           stop: Callable[[], bool] = lambda: False,
           codes: Collection[grpc.StatusCode] = (grpc.StatusCode.UNAVAILABLE,
                                                 grpc.StatusCode.DEADLINE_EXCEEDED),
-          on_retry: Callable[[grpc.RpcError], None] | None = None) -> T:
+          on_retry: Callable[[grpc.RpcError], None] | None = None, peer: str = "") -> T:
     """Call ``call()`` until it succeeds, with exponential backoff and jitter.
 
     Retries on ``grpc.RpcError`` with a status in ``codes`` (UNAVAILABLE or
-    DEADLINE_EXCEEDED unless told), logging each failure with ``what`` and the
-    reason. Other errors propagate.
+    DEADLINE_EXCEEDED unless told), logging each failure with ``what`` and its short
+    :func:`reason`: ``"registering failed (...); retrying in 0.4 s"``, or, with ``peer``
+    and a peer that did not answer (UNAVAILABLE, DEADLINE_EXCEEDED), ``"tracker
+    10.0.0.1:7070 is unreachable (UNAVAILABLE: Failed to connect to remote host:
+    Connection refused); registering again in 0.4 s"``. Other errors propagate.
 
     Args:
+        what: what the call does, for the log line ("registering").
+        peer: who is called ("tracker HOST:PORT"), named when it cannot be reached
+            ("": say that ``what`` failed).
         attempts: give up after this many calls (None: never).
         first_delay, max_delay: backoff bounds, seconds.
         stop: checked between attempts; when true the last error is raised.
@@ -501,7 +529,10 @@ def retry(call: Callable[[], T], what: str, *, attempts: int | None = None,
             if on_retry is not None:
                 on_retry(e)
             else:
-                log.warning("%s failed (%s: %s); retrying in %.1f s", what, e.code().name,
-                            e.details(), delay)
+                if peer and e.code() in _UNREACHABLE:
+                    log.warning("%s is unreachable (%s); %s again in %.1f s", peer,
+                                reason(e), what, delay)
+                else:
+                    log.warning("%s failed (%s); retrying in %.1f s", what, reason(e), delay)
             time.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(max_delay, delay * 2)

@@ -28,12 +28,14 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
+from .address import problem
+
 LEADER_KEY = "fedpipe-leader"
 """Trailing-metadata key under which a standby tracker names the leader's ``HOST:PORT``."""
 SEPARATOR = ","
 """Between the addresses of several trackers in one target: ``a:7070,b:7070``."""
 _FOLLOW = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_UNSENT = "failed to connect to all addresses"
+UNSENT = "failed to connect to all addresses"
 """gRPC core's details when no connection could be made: the call was never sent."""
 
 
@@ -42,21 +44,34 @@ def several(target: str) -> bool:
     return SEPARATOR in target
 
 
+def target_problem(target: str) -> str | None:
+    """What is wrong with ``target`` as one tracker's ``HOST:PORT`` or several,
+    comma-separated (:func:`fedpipe.net.address.problem` for each), naming the address
+    at fault: ``"'127.0.0.1': expected HOST:PORT"``; None: nothing."""
+    for part in target.split(SEPARATOR):
+        address = part.strip()
+        why = problem(address)
+        if why is not None:
+            if several(target):
+                return (f"{address!r} in {target!r}: {why} (several trackers: "
+                        f"HOST:PORT,HOST:PORT)")
+            return f"{address!r}: {why}"
+    return None
+
+
 def addresses(target: str) -> list[str]:
     """The ``HOST:PORT`` addresses of ``target`` (comma-separated), in order, each once.
 
     Raises:
-        ValueError: an empty address, or one without a port.
+        ValueError: an address that is not ``HOST:PORT`` (:func:`target_problem`).
     """
+    why = target_problem(target)
+    if why is not None:
+        raise ValueError(f"tracker {why}")
     out: list[str] = []
     for part in target.split(SEPARATOR):
-        address = part.strip()
-        host, colon, port = address.rpartition(":")
-        if not (host and colon and port.isdigit()):
-            raise ValueError(f"tracker address {address!r} in {target!r} is not HOST:PORT "
-                             f"(several trackers: HOST:PORT,HOST:PORT)")
-        if address not in out:
-            out.append(address)
+        if part.strip() not in out:
+            out.append(part.strip())
     return out
 
 
@@ -66,7 +81,7 @@ def unsent(error: grpc.RpcError) -> bool:
     code = getattr(error, "code", None)
     details = getattr(error, "details", lambda: "")() or ""
     return (code is not None and code() == grpc.StatusCode.UNAVAILABLE
-            and details.startswith(_UNSENT))
+            and details.startswith(UNSENT))
 
 
 def leader_of(error: grpc.RpcError) -> str | None:

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from .. import __version__, net
-from ..net import timeouts
+from ..net import timeouts, trackers
 from ..net.emulation import LinkProfile
 from ..net.dataplane.caps import Sources
 from ..net.relay import Allocation, Homing
@@ -96,7 +96,9 @@ class NodeDaemon:
             for the relay's loopback streams. Empty: this node is reachable.
 
     Raises:
-        ValueError: an unusable device, a malformed link profile, or a ``name``
+        ValueError: a ``tracker`` that is not ``HOST:PORT``
+            (:func:`fedpipe.net.trackers.addresses`), an unusable device, a malformed
+            link profile, or a ``name``
             that is not the TLS certificate's, or plaintext on a non-loopback ``host``
             without ``insecure``.
         RelayRefused: every relay of ``relays`` refused this node (their reasons).
@@ -112,6 +114,7 @@ class NodeDaemon:
                  drain_timeout: float = DRAIN_TIMEOUT, host_id: str | None = None,
                  data_port: int | None = 0, relays: list[str] | None = None,
                  snapshot_dir: str | None = None):
+        trackers.addresses(tracker)  # a bad address now, not as UNAVAILABLE for ever
         net.check_plaintext(host, tls, insecure, "this node")
         if tls is not None:
             if trust_code:
@@ -254,7 +257,7 @@ class NodeDaemon:
                                               data_address=self.data_address,
                                               relay=self.homing.relay if self.homing else "")
         reply = net.retry(lambda: self.tracker.RegisterNode(req, timeout=timeouts.CONTROL_RPC),
-                          f"registering with tracker {self.tracker_address}",
+                          "registering", peer=f"tracker {self.tracker_address}",
                           max_delay=5.0, stop=self.stop_event.is_set)
         self.node_id = reply.node_id
         self._lease_from(reply)
@@ -314,8 +317,8 @@ class NodeDaemon:
             except grpc.RpcError as e:
                 if e.code() in UNREACHABLE:
                     self.drain_clock.unreachable()
-                log.warning("heartbeat to tracker %s failed (%s: %s)", self.tracker_address,
-                            e.code().name, e.details())
+                log.warning("heartbeat to tracker %s failed (%s)", self.tracker_address,
+                            net.reason(e))
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT or :meth:`stop`."""
@@ -341,7 +344,8 @@ class NodeDaemon:
                                                                     leaving=True),
                                        timeout=timeouts.LEAVING_RPC)
             except grpc.RpcError as e:
-                log.warning("could not tell the tracker this node is leaving: %s", e.details())
+                log.warning("could not tell the tracker this node is leaving (%s)",
+                            net.reason(e))
         self.server.stop(grace=1).wait()
         if self.homing is not None:
             self.homing.close()
@@ -387,7 +391,7 @@ class NodeDaemon:
                 or self.drain_clock.over() is not None, on_retry=unreachable)
         except grpc.RpcError as e:
             log.warning("could not ask the tracker to drain this node (%s); the heartbeats "
-                        "say it", e.details())
+                        "say it", net.reason(e))
             return
         self.drain_clock.reached()
         if reply.drained:  # no job needs this node: exit now, not a heartbeat later

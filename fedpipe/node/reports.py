@@ -12,7 +12,7 @@ from typing import Any, Callable, Protocol
 
 import grpc
 
-from ..net import timeouts
+from ..net import reason, timeouts
 from ..observe.metrics import NodeMetrics
 from ..proto import tracker_pb2
 from ..runtime.stage import StepResult
@@ -183,9 +183,9 @@ class ReportQueue:
         (one line for the node's calls that wait for a leader, not one per try)."""
         if self._down_since is None:
             self._down_since = time.monotonic()
-            log.warning("the tracker is unreachable (%s: %s); this node's stages train on "
+            log.warning("the tracker is unreachable (%s); this node's stages train on "
                         "and it keeps their reports (at most %d) for the tracker that leads "
-                        "next", e.code().name, e.details(), self.limit)
+                        "next", reason(e), self.limit)
 
     def _reached(self) -> None:
         if self._down_since is not None:

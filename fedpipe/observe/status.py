@@ -112,14 +112,17 @@ def swarm_renderable(swarm: dict) -> RenderableType:
 
 def _plan_renderables(plan: dict) -> list[RenderableType]:
     """A job's plan (:func:`~fedpipe.observe.views.layout_view`) as a table: per stage
-    its node, layers and codecs, whether it recomputes (when any does), its predicted and
-    measured timings and its predicted and measured peak memory, once reported."""
+    its node, how peers reach it (when any is outbound-only, as the swarm's nodes say it),
+    layers and codecs, whether it recomputes (when any does), its predicted and measured
+    timings and its predicted and measured peak memory, once reported."""
     t = Table(title="plan" + (f" ({plan['schedule']})" if plan["schedule"] else ""),
               box=box.SIMPLE_HEAD, title_justify="left")
     stages = [st for group in plan["groups"] for st in group]
     timed = any(st["measured"] or st["predicted_compute"] is not None for st in stages)
-    cols = [("group", "right"), ("stage", "right"), ("node", "left"), ("layers", "left"),
-            ("sends act/grad", "left")]
+    relayed = any(st.get("relay") for st in stages)
+    cols = [("group", "right"), ("stage", "right"), ("node", "left")]
+    cols += [("reach", "left")] if relayed else []
+    cols += [("layers", "left"), ("sends act/grad", "left")]
     recomputes = any(st.get("recompute") for st in stages)
     if recomputes:
         cols += [("recompute", "left")]
@@ -140,7 +143,8 @@ def _plan_renderables(plan: dict) -> list[RenderableType]:
                       _s(m.get("wait")), _s(m.get("send"))]
         if sized:
             times.append(_memory(st["memory"]))
-        t.add_row(str(st["replica"]), str(st["stage"]), st["node_name"],
+        reach = [Text(st["reach"], style="yellow" if st["relay"] else "")] if relayed else []
+        t.add_row(str(st["replica"]), str(st["stage"]), st["node_name"], *reach,
                   f"{st['layer_start']}-{st['layer_end'] - 1}",
                   f"{st['activation_codec']} / {st['gradient_codec']}", *times,
                   Text("bottleneck", style="bold red") if st["bottleneck"] else "")
@@ -202,6 +206,7 @@ def job_dict(source: JobSource, job_id: str) -> dict:
         measured, predicted = stage_timings(info)
         layout = plan_layout(plan_from_message(info.plan),
                              names={a.node_id: a.node_name for a in info.plan.stages},
+                             relays={a.node_id: a.relay for a in info.plan.stages},
                              measured_step=measured_step_seconds(history.records),
                              stage_times=measured, predicted=predicted)
     return job_view(info, history, layout)

@@ -163,6 +163,9 @@ class StageBox:
         measured: the stage's reported split of its last step, if reported.
         recompute: the stage re-runs its forward in backward, keeping only its inputs
             (``StageAssignment.recompute``: ``recompute=True``, or chosen by "auto").
+        relay: the relay its node is homed at, outbound-only behind NAT
+            (``StageAssignment.relay``, :attr:`fedpipe.planner.NodeSpec.relay`; "": its
+            node is reached directly). Said in words by :func:`reach`.
     """
 
     replica: int
@@ -178,6 +181,7 @@ class StageBox:
     predicted_send: float | None = None
     measured: StageTime | None = None
     recompute: bool = False
+    relay: str = ""
 
     @property
     def key(self) -> StageKey:
@@ -233,6 +237,7 @@ def predicted_stage_seconds(plan: planner.Plan, cluster: planner.ClusterView,
 
 def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
                 devices: Mapping[str, str] | None = None,
+                relays: Mapping[str, str] | None = None,
                 cluster: planner.ClusterView | None = None,
                 profile: planner.ModelProfile | None = None,
                 config: planner.TrainConfig | None = None,
@@ -244,8 +249,8 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
 
     Args:
         plan: the planner's plan (a job's: :func:`plan_from_message`).
-        names, devices: node id -> name and device (default: from ``cluster``,
-            else the id and "").
+        names, devices, relays: node id -> name, device and the relay an outbound-only
+            node is homed at (default: from ``cluster``, else the id, "" and "").
         cluster, profile, config: when all three are given, each stage gets its
             predicted compute and send seconds (:func:`predicted_stage_seconds`).
         stage_times: the stages' reported step splits; when every stage has
@@ -260,10 +265,12 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
     """
     names = dict(names or {})
     devices = dict(devices or {})
+    relays = dict(relays or {})
     if cluster is not None:
         for n in cluster.nodes:
             names.setdefault(n.node_id, n.name or n.node_id)
             devices.setdefault(n.node_id, n.device)
+            relays.setdefault(n.node_id, n.relay)
     priced: Mapping[StageKey, tuple[float | None, float | None]] = (
         dict(predicted or {}) if cluster is None or profile is None or config is None
         else predicted_stage_seconds(plan, cluster, profile, config))
@@ -277,7 +284,8 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
             boxes.append(StageBox(r, i, s.node_id, names.get(s.node_id, s.node_id),
                                   devices.get(s.node_id, ""), s.layer_start, s.layer_end,
                                   s.activation_codec, s.gradient_codec, comp, send,
-                                  measured.get(key), s.recompute))
+                                  measured.get(key), s.recompute,
+                                  relays.get(s.node_id, "")))
         groups.append(tuple(boxes))
     boxes = [b for g in groups for b in g]
     bottleneck, basis = None, ""
@@ -326,13 +334,13 @@ def node_view(n: tracker_pb2.NodeInfo, now: float) -> dict:
             "device": r.device, "device_name": r.device_name, "cores": r.cores,
             "flops": r.flops, "memory_bytes": r.memory_bytes, "hostname": r.hostname,
             "last_heartbeat": n.last_heartbeat, "registered": n.registered,
-            "relay": n.relay, "reach": reach(n)}
+            "relay": n.relay, "reach": reach(n.relay)}
 
 
-def reach(n: tracker_pb2.NodeInfo) -> str:
-    """How peers reach node ``n``: "outbound-only via RELAY" (it is homed at that relay),
-    or "direct"."""
-    return f"outbound-only via {n.relay}" if n.relay else "direct"
+def reach(relay: str) -> str:
+    """How peers reach a node homed at ``relay`` (a node's, or a plan's stage's): in
+    words, "outbound-only via RELAY", or "direct" for "" (no relay)."""
+    return f"outbound-only via {relay}" if relay else "direct"
 
 
 def swarm_view(nodes: Sequence[tracker_pb2.NodeInfo],
@@ -443,6 +451,7 @@ def layout_view(layout: PlanLayout) -> dict:
                 "predicted_send": _num(b.predicted_send),
                 "measured": _stage_time_view(b.measured),
                 "memory": _memory_view(b.measured), "recompute": b.recompute,
+                "relay": b.relay, "reach": reach(b.relay),
                 "bottleneck": layout.bottleneck == b.key}
 
     return {"groups": [[box(b) for b in g] for g in layout.groups],

@@ -70,10 +70,10 @@ class CodecSpec:
     def __post_init__(self) -> None:
         if self.name not in CODEC_PARAMS:
             raise SpecError(f"unknown codec {self.name!r}; known: {sorted(CODEC_PARAMS)}")
-        _check_range("int8 block_size", self.block_size, 16, 65536)
         problem = hadamard_block_problem(self.name, self.block_size)
         if problem:
             raise SpecError(problem)
+        _check_range(f"{self.name} block_size", self.block_size, 16, 65536)
         _check_range(f"{self.name} fraction", self.fraction, 1e-6, 1.0)
         _check_range(f"{self.name} rank", self.rank, 1, 4096)
         _check_range(f"{self.name} refresh", self.refresh, 1, 10**6)
@@ -130,28 +130,35 @@ def parse_codec(spec: str) -> CodecSpec:
     if name not in CODEC_PARAMS:
         raise SpecError(f"bad codec spec {spec!r}: unknown codec {name!r}; "
                         f"known: {sorted(CODEC_PARAMS)}")
-    kwargs: dict[str, Any] = {"zstd_level": (1 if level is None else _number(spec, level, int))
-                    if m["zstd"] else None}
+    kwargs: dict[str, Any] = {
+        "zstd_level": (1 if level is None else _number(spec, "zstd level", level, int))
+        if m["zstd"] else None}
     if param is not None:
         param_field = CODEC_PARAMS[name]
         if param_field is None:
             raise SpecError(f"bad codec spec {spec!r}: codec {name!r} takes no parameter")
         if name in LOWRANK_CODECS and "@" in param:
             param, refresh = param.split("@", 1)
-            kwargs["refresh"] = _number(spec, refresh, int)
-        kwargs[param_field] = _number(spec, param, type(getattr(CodecSpec, param_field)))
+            kwargs["refresh"] = _number(spec, f"{name} refresh", refresh, int)
+        kwargs[param_field] = _number(spec, f"{name} {param_field}", param,
+                                      type(getattr(CodecSpec, param_field)))
     try:
         return CodecSpec(name, **kwargs)
     except SpecError as e:
         raise SpecError(f"bad codec spec {spec!r}: {e}") from None
 
 
-def _number(spec: str, text: str, kind: type[int] | type[float]) -> int | float:
+def _number(spec: str, what: str, text: str, kind: type[int] | type[float]) -> int | float:
+    """``text``, codec ``spec``'s ``what`` ("zstd level"), as a ``kind``.
+
+    Raises:
+        SpecError: ``text`` is not one, naming ``what``.
+    """
     try:
         return kind(text)
     except ValueError:
-        raise SpecError(f"bad codec spec {spec!r}: {text!r} is not a valid {kind.__name__}"
-                        ) from None
+        raise SpecError(f"bad codec spec {spec!r}: {what} {text!r} is not "
+                        f"{'a whole number' if kind is int else 'a number'}") from None
 
 
 def check_compression(setting: str, carries: Literal["activations", "gradients", "outer"]

@@ -180,6 +180,7 @@ class Dashboard:
         plan = plan_from_message(info.plan)
         nodes = self.source.nodes(include_lost=True)
         names = {a.node_id: a.node_name for a in info.plan.stages}
+        relays = {a.node_id: a.relay for a in info.plan.stages}
         devices = {n.node_id: n.resources.device for n in nodes}
         kw: dict[str, Any] = {}
         try:
@@ -193,12 +194,12 @@ class Dashboard:
         except (KeyError, ValueError) as e:  # an unknown node or a bad spec: no prediction
             log.debug("job %s: no per-stage prediction: %s", info.job_id, e)
         try:
-            return plan_layout(plan, names=names, devices=devices,
+            return plan_layout(plan, names=names, devices=devices, relays=relays,
                                stage_times=stage_times_of(self.source, info.job_id),
                                measured_step=measured_step_seconds(history.records), **kw)
         except (KeyError, ValueError) as e:
             log.debug("job %s: no per-stage prediction: %s", info.job_id, e)
-            return plan_layout(plan, names=names, devices=devices,
+            return plan_layout(plan, names=names, devices=devices, relays=relays,
                                measured_step=measured_step_seconds(history.records))
 
 

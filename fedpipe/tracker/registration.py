@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from ..net import address
 from ..proto import node_pb2, tracker_pb2
 from ..spec import PROTOCOL_VERSION
 from ..planner.protoio import codec_speeds
@@ -46,11 +47,11 @@ def validate_node(request: tracker_pb2.RegisterNodeRequest) -> None:
 
 
 def _check_host_port(what: str, value: str) -> None:
-    """Raise InvalidArgument unless ``value`` (a node's ``what``) is HOST:PORT."""
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
-        raise InvalidArgument(f"node {what} must be HOST:PORT with a port in 1..65535, "
-                              f"got {value!r}")
+    """Raise InvalidArgument unless ``value`` (a node's ``what``) is HOST:PORT
+    (:func:`fedpipe.net.address.problem`)."""
+    why = address.problem(value)
+    if why is not None:
+        raise InvalidArgument(f"node {what} {value!r}: {why}")
 
 
 def check_codec_speeds(speeds: Sequence[node_pb2.CodecSpeed]) -> None:

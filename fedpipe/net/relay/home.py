@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 from ...security import Role, TlsConfig
 from ...security.errors import SecurityError
 from ...security.tls import client_context, socket_identity
-from .. import timeouts
+from .. import address, timeouts
 from ..dataplane.caps import Sources
 from . import records
 from .records import Allocation, RecordType, RelayError, RelayRefused
@@ -44,17 +44,17 @@ def split_relays(text: str) -> list[str]:
     """``HOST:PORT[,HOST:PORT]`` as a list.
 
     Raises:
-        ValueError: an empty list, or an entry that is not ``HOST:PORT`` with a port in
-            1..65535 (a URL's scheme or path included: the tracker would refuse it).
+        ValueError: an empty list, or an entry that is not ``HOST:PORT``
+            (:func:`fedpipe.net.address.problem`; a URL's scheme or path included: the
+            tracker would refuse it).
     """
     relays = [r.strip() for r in text.split(",") if r.strip()]
     if not relays:
         raise ValueError(f"--relay {text!r} names no relay (HOST:PORT[,HOST:PORT])")
     for r in relays:
-        host, _, port = r.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
-            raise ValueError(f"relay {r!r} is not HOST:PORT with a port in 1..65535 "
-                             f"(no scheme, no path)")
+        why = address.problem(r)
+        if why is not None:
+            raise ValueError(f"relay {r!r}: {why}")
     return relays
 
 

@@ -235,7 +235,7 @@ function renderPlan(job) {
                                width: BW, height: BH, rx: 6, "data-stage": `${r}-${i}` }));
       const lines = [`stage ${i} · ${s.node_name}`,
                      `layers ${s.layer_start}–${s.layer_end - 1}` + (s.recompute ? " · recompute" : ""),
-                     s.device || "", s.measured ?
+                     (s.device || "") + (s.relay ? " · outbound-only" : ""), s.measured ?
                        `measured ${fmtSeconds(s.measured.compute + s.measured.wait + s.measured.send)}` :
                        (s.predicted_compute !== null ? `predicted ${fmtSeconds(s.predicted_compute + (s.predicted_send || 0))}` : "")];
       lines.forEach((t, k) => box.append(svg("text", { x: x + 8, y: y + 16 + k * 15 }, t)));
@@ -263,7 +263,9 @@ function renderPlan(job) {
           bar.append(seg);
         }
       }
-      rows.push(el("tr", {}, el("td", {}, r), el("td", {}, i), el("td", {}, s.node_name),
+      rows.push(el("tr", {}, el("td", {}, r), el("td", {}, i),
+        el("td", s.relay ? { class: "relayed", title: s.reach } : {},
+           s.relay ? `${s.node_name} (${s.reach})` : s.node_name),
         el("td", {}, `${s.layer_start}–${s.layer_end - 1}`),
         el("td", { "data-recompute": `${r}-${i}` }, s.recompute ? "yes" : "no"),
         el("td", { class: "num" }, fmtSeconds(s.predicted_compute)),

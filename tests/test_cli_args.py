@@ -1,0 +1,71 @@
+"""The command line's arguments and hints, in-process: ``fedpipe.cli.parser()`` refuses a
+bad value at once, naming the flag (no subprocess, no swarm)."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from fedpipe.cli import main, parser
+
+pytestmark = pytest.mark.timeout(30)
+
+TRACKER_COMMANDS = [["status"], ["plot", "JOB", "-o", "x.png"],
+                    ["plan", "--model", "m.json"], ["drain", "NODE"], ["cancel", "JOB"],
+                    ["submit"], ["node"]]
+
+
+@pytest.mark.parametrize("command", TRACKER_COMMANDS, ids=lambda c: c[0])
+def test_every_command_refuses_a_tracker_address_without_a_port_before_any_call(command,
+                                                                                 capsys):
+    # was (fedpipe status --tracker 127.0.0.1): gRPC's raw UNAVAILABLE, from port 443
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args([*command, "--tracker", "127.0.0.1"])
+    assert exit.value.code == 2
+    assert "argument --tracker: '127.0.0.1': expected HOST:PORT" in capsys.readouterr().err
+    args = parser().parse_args([*command, "--tracker", "a:7070,b:7071"])
+    assert args.tracker == "a:7070,b:7071"
+
+
+def test_a_bad_address_among_several_trackers_is_named(capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["status", "--tracker", "a:7070,b"])
+    assert "'b' in 'a:7070,b': expected HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["submit", "--tracker", "a:7070"], ["demo"],
+                                     ["plan", "--cluster", "c.json", "--model", "m.json"]],
+                         ids=lambda c: c[0])
+def test_a_gradients_only_codec_for_compression_is_refused_with_a_hint_in_flags(command,
+                                                                                  capsys):
+    # was (at submit): "... e.g. compression={'activations': 'int8', 'gradients': ...}",
+    # Python's syntax on a command line
+    with pytest.raises(SystemExit):
+        parser().parse_args([*command, "--compression", "topk:0.05"])
+    err = capsys.readouterr().err
+    assert ("argument --compression: 'topk:0.05' drops most of each tensor, so it cannot "
+            "carry activations: use it for gradients only, e.g. --compression int8 "
+            "--gradient-compression topk:0.05") in err
+    assert "compression=" not in err
+    args = parser().parse_args([*command, "--compression", "int8", "--gradient-compression",
+                                "topk:0.05"])
+    assert (args.compression, args.gradient_compression) == ("int8", "topk:0.05")
+
+
+def test_a_codec_level_out_of_range_is_refused_naming_the_flag_and_the_range(capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["demo", "--gradient-compression", "int8+zstd:99"])
+    assert ("argument --gradient-compression: bad codec spec 'int8+zstd:99': zstd level must "
+            "be in [1, 22], got 99") in capsys.readouterr().err
+
+
+def test_plan_takes_a_gradient_codec_of_its_own(capsys):
+    root = pathlib.Path(__file__).resolve().parent.parent
+    assert main(["plan", "--cluster", str(root / "benchmarks/clusters/S2.json"), "--model",
+                 str(root / "benchmarks/models/uneven16.json"), "--stages", "2",
+                 "--compression", "int8", "--gradient-compression", "topk:0.05",
+                 "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["groups"][0]["stages"]
+    assert {s["gradient_codec"] for s in stages[1:]} == {"topk:0.05"}
+    assert {s["activation_codec"] for s in stages[:-1]} == {"int8"}
