@@ -127,8 +127,11 @@ class Setup:
 
     @property
     def cuts(self) -> tuple[int, ...]:
-        """Children after which a stage ends: embedding + block 0, then one block each
-        (the last stage also holds the head), so 3 boundaries for 4 blocks."""
+        """The child index at which each stage but the first begins
+        (:mod:`fedpipe.spec.cuts`): embedding + block 0, then one block each (the last
+        stage also holds the head), so 3 boundaries for 4 blocks. Every wan job is
+        submitted with these cuts pinned (:func:`submit`), so the swarm's stages end
+        where the in-process steps were counted."""
         return tuple(range(2, self.blocks + 1))
 
     @property
@@ -392,11 +395,13 @@ def timed_job(swarm: Any, setup: Setup, config: Config,
 
 def submit(swarm: Any, setup: Setup, config: Config, steps: int) -> Any:
     """A 4-stage job of ``steps`` steps on ``swarm`` with ``config``'s codecs, seed 0's model
-    and data (as :func:`train` trains seed 0): the :class:`fedpipe.client.Job`."""
+    and data, cut at :attr:`Setup.cuts` (as :func:`train` trains seed 0; a codec's cost in
+    steps depends on where the boundaries are): the :class:`fedpipe.client.Job`."""
     return swarm.client().submit(
         setup.model(0), lm_loss, fedpipe.optimizer(torch.optim.AdamW, lr=setup.lr),
         text_batches(pydoc_text()[0], setup.batch, setup.seq, seed=0), steps=steps,
-        microbatches=setup.microbatches, schedule=SCHEDULE, stages=setup.blocks,
+        microbatches=setup.microbatches, schedule=SCHEDULE,
+        placement=fedpipe.Placement(stages=setup.blocks, cuts=setup.cuts),
         replicas=1, compression=config.compression())
 
 

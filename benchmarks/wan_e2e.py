@@ -8,7 +8,8 @@ Here a job runs the whole way instead, for each of raw and the best configuratio
 every pair of nodes is joined by wan's emulated link (:func:`wan.link_profile`):
 
 * the job: ``ceil(steps to target)`` steps (the median over the seeds), seed 0's model and
-  data, 4 stages, 1F1B, as :func:`wan.submit` submits every wan job;
+  data, 4 stages cut where the in-process steps were counted (``Setup.cuts``, pinned), 1F1B,
+  as :func:`wan.submit` submits every wan job;
 * its wall time: seconds from its first step event to its last (so ``steps - 1`` step gaps;
   the swarm's start and the job's set-up are left out, as T leaves them out);
 * its trained weights (:meth:`fedpipe.client.Job.state_dict`), scored on wan's held-out
@@ -40,6 +41,7 @@ for _p in (str(HERE.parent), str(HERE)):
 
 import torch  # noqa: E402
 
+import fedpipe.spec  # noqa: E402
 import wan  # noqa: E402
 
 SWARM_TIMEOUT = 180.0
@@ -56,13 +58,12 @@ class Run:
     steady: float              # the job's own steady step time, seconds (:func:`wan.steady`)
     loss: float                # held-out loss of its weights, as deployed
     plain: float               # ... and without codecs (the weights alone)
-    cuts: tuple[int, ...]      # children after which its plan's stages end
+    cuts: tuple[int, ...]      # its plan's stage boundaries (fedpipe.spec.cuts)
 
 
-def cuts_of(ranges: list[tuple[int, int]]) -> tuple[int, ...]:
-    """The stage boundaries of a plan's layer ranges (``[(0, 2), (2, 3), ...]`` -> ``(2, 3, ...)``),
-    as :func:`wan.staged_forward` takes them."""
-    return tuple(start for start, _ in ranges[1:])
+cuts_of = fedpipe.spec.cuts_of
+"""The stage boundaries of a plan's layer ranges (``[(0, 2), (2, 3), ...]`` -> ``(2, 3, ...)``),
+as :func:`wan.staged_forward` takes them and ``fedpipe.Placement(cuts=...)`` pins them."""
 
 
 def deployed_loss(setup: wan.Setup, config: wan.Config, state: dict[str, torch.Tensor],
