@@ -42,7 +42,7 @@ latency), fedpipe's raw and best configurations beside torch.distributed.pipelin
 side by side (``benchmarks/wan_netns.py``).
 
 ``--e2e``: then one job each of raw and of the best configuration runs the whole way on the
-shaped swarm, ceil(steps to target) steps: its wall time against the predicted T, its
+shaped swarm, as its median seed ran in process: its wall time against the predicted T, its
 trained weights' held-out loss against the target (``benchmarks/wan_e2e.py``).
 
 Full run: a budget of 1,000 steps and 3 seeds. ``--quick``: a smoke run (a
@@ -282,6 +282,14 @@ class Convergence:
     def steps(self, name: str) -> float:
         return statistics.median(c.steps_to(self.target) for c in self.curves[name])
 
+    def median_seed(self, name: str) -> Curve:
+        """The curve of ``name`` whose steps to target are the median of its seeds' (of an
+        even number of seeds, the lower of the middle two; a tie, the lowest seed): the one
+        run that stands for the configuration's :meth:`steps`, its seed's model and data
+        (:func:`train`) the ones an end-to-end job of it runs (``benchmarks/wan_e2e.py``)."""
+        curves = sorted(self.curves[name], key=lambda c: (c.steps_to(self.target), c.seed))
+        return curves[(len(curves) - 1) // 2]
+
     def final(self, name: str) -> float:
         return statistics.median(c.at(self.budget) for c in self.curves[name])
 
@@ -386,20 +394,20 @@ def timed_job(swarm: Any, setup: Setup, config: Config,
               steps: int) -> tuple[float, list[tuple[int, int]]]:
     """One 4-stage job of ``steps`` steps on ``swarm``: its steady step time, seconds, and
     its plan's layer range ``(start, end)`` per stage (children of :meth:`Setup.model`)."""
-    job = submit(swarm, setup, config, steps)
+    job = submit(swarm, setup, config, steps, seed=0)
     times = [ev.time for ev in job.events() if ev.step > 0]
     status = job.wait(progress=False)
     job.release()
     return steady(times), plan_ranges(status.plan)
 
 
-def submit(swarm: Any, setup: Setup, config: Config, steps: int) -> Any:
-    """A 4-stage job of ``steps`` steps on ``swarm`` with ``config``'s codecs, seed 0's model
-    and data, cut at :attr:`Setup.cuts` (as :func:`train` trains seed 0; a codec's cost in
-    steps depends on where the boundaries are): the :class:`fedpipe.client.Job`."""
+def submit(swarm: Any, setup: Setup, config: Config, steps: int, *, seed: int) -> Any:
+    """A 4-stage job of ``steps`` steps on ``swarm`` with ``config``'s codecs, ``seed``'s
+    model and data, cut at :attr:`Setup.cuts` (as :func:`train` trains ``seed``; a codec's
+    cost in steps depends on where the boundaries are): the :class:`fedpipe.client.Job`."""
     return swarm.client().submit(
-        setup.model(0), lm_loss, fedpipe.optimizer(torch.optim.AdamW, lr=setup.lr),
-        text_batches(pydoc_text()[0], setup.batch, setup.seq, seed=0), steps=steps,
+        setup.model(seed), lm_loss, fedpipe.optimizer(torch.optim.AdamW, lr=setup.lr),
+        text_batches(pydoc_text()[0], setup.batch, setup.seq, seed=seed), steps=steps,
         microbatches=setup.microbatches, schedule=SCHEDULE,
         placement=fedpipe.Placement(stages=setup.blocks, cuts=setup.cuts),
         replicas=1, compression=config.compression())
@@ -519,9 +527,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(default: among those within 1.3x raw's steps to target and 2%% of its "
                     "final loss, the least T; without step times, the fewest bytes/token)")
     ap.add_argument("--e2e", action="store_true", help="after the table: a job each of raw "
-                    "and the best configuration for ceil(steps to target) steps on the shaped "
-                    "swarm, wall time against T, held-out loss against the target "
-                    "(benchmarks/wan_e2e.py)")
+                    "and the best configuration on the shaped swarm, its median seed's model "
+                    "and data for ceil(that seed's steps to target) steps, wall time against "
+                    "T, held-out loss against the target (benchmarks/wan_e2e.py)")
     ap.add_argument("--plot", default="", help="write the loss-against-wall-time plot here (PNG)")
     ap.add_argument("--save-curves", default="", help="write the trained curves here (JSON), "
                     "after each configuration")
