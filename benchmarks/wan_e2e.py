@@ -7,13 +7,17 @@ Here a job runs the whole way instead, for each of raw and the best configuratio
 (:func:`wan_netns.best_config`, or ``--best``), on a :class:`fedpipe.testing.LocalSwarm` whose
 every pair of nodes is joined by wan's emulated link (:func:`wan.link_profile`):
 
-* the job: the configuration's median seed (:meth:`wan.Convergence.median_seed`: the seed
-  whose steps to target are the median of the seeds', the run the table's step count stands
-  for), its model and data, for ``ceil`` of that seed's own steps to target: the same run as
-  that seed's in-process curve. (Not seed 0 at the median's count: had2's seeds need 693.6,
-  620.3 and 616.9 steps, and seed 0's job of 621 steps missed the target as seed 0 did in
-  process.) 4 stages cut where the in-process steps were counted (``Setup.cuts``, pinned),
-  1F1B, as :func:`wan.submit` submits every wan job;
+* the job (:func:`job_of`): the configuration's median seed
+  (:meth:`wan.Convergence.median_seed`: the seed whose steps to target are the median of the
+  seeds', the run the table's step count stands for), its model and data, to that seed's
+  first evaluated step at or under the target (:meth:`wan.Curve.evaluated_steps_to`): the
+  same run as that seed's in-process curve, stopped where that curve shows the target
+  reached, and judged there. Not the table's count: that is interpolated between evaluations
+  25 steps apart (:meth:`wan.Curve.steps_to`), a step no evaluation scored (had2 seed 1:
+  620.3, and at step 621 its loss is 1.4633 against a target of 1.4495; at 625, 1.4438); nor
+  seed 0 at the median's count (had2's seeds need 693.6, 620.3 and 616.9 steps). 4 stages
+  cut where the in-process steps were counted (``Setup.cuts``, pinned), 1F1B, as
+  :func:`wan.submit` submits every wan job;
 * its wall time: seconds from its first step event to its last (so ``steps - 1`` step gaps;
   the swarm's start and the job's set-up are left out, as T leaves them out);
 * its trained weights (:meth:`fedpipe.client.Job.state_dict`), scored on wan's held-out
@@ -21,11 +25,12 @@ every pair of nodes is joined by wan's emulated link (:func:`wan.link_profile`):
   the activations through the configuration's codecs, at the job plan's stage boundaries),
   and, to tell the training from the codecs' cost at evaluation, without codecs.
 
-Printed per configuration: steps run, the seed that ran and its own steps to target, the
-wall time, the predicted T (steps × the table's steady step time; without one, e.g.
-``--no-swarm``, the job's own), their ratio, the held-out loss against the target, whether
-the job reached it, and that seed's in-process held-out loss at its last evaluation at or
-before the job's last step. The swarm's nodes do not hand out a lowrank codec's bases, so a
+Printed per configuration: steps run (the seed's first evaluated step at or under the
+target), the seed that ran, its interpolated steps to target and the table's (the median of
+the seeds' interpolated), the wall time, the predicted T (steps run × the table's steady step
+time; without one, e.g. ``--no-swarm``, the job's own), their ratio, the held-out loss against
+the target, whether the job reached it (at or under), and that seed's in-process held-out
+loss at the same evaluated step. The swarm's nodes do not hand out a lowrank codec's bases, so a
 lowrank configuration is scored with bases made afresh from the trained model's activations
 on the job's last batch (an approximation of the nodes' bases, which the trainer refreshed
 every ``@N`` steps).
@@ -121,21 +126,42 @@ def run(swarm: Any, setup: wan.Setup, config: wan.Config, steps: int, seed: int,
                cuts)
 
 
+def job_of(conv: wan.Convergence, name: str) -> tuple[wan.Curve, int]:
+    """The run an end-to-end job of ``name`` repeats and how far: its median seed's curve
+    (:meth:`wan.Convergence.median_seed`) and that curve's first evaluated step at or under
+    ``conv.target`` (:meth:`wan.Curve.evaluated_steps_to`), where the job is judged. Raises
+    SystemExit when ``conv`` has no curves of ``name`` or its median seed never reached the
+    target in process (no step count to run)."""
+    if name not in conv.curves:
+        raise SystemExit(f"--e2e: no curves of {name!r} (have {', '.join(conv.curves)})")
+    curve = conv.median_seed(name)
+    steps = curve.evaluated_steps_to(conv.target)
+    if not math.isfinite(steps):
+        raise SystemExit(f"--e2e: {name}'s median seed {curve.seed} never reached the "
+                         f"target {conv.target:.4f} in process, so there is no step count "
+                         "to run end to end")
+    return curve, int(steps)
+
+
 def line(r: Run, conv: wan.Convergence, step_time: float, setup: wan.Setup) -> str:
     """The report of ``r``: against T predicted with ``step_time`` (nan: the job's own),
-    beside its seed's in-process curve in ``conv``."""
+    beside its seed's in-process curve in ``conv``: the first evaluated step at or under the
+    target (what the job ran, :func:`job_of`) and the interpolated steps to target (the
+    seed's and the median of the seeds', the table's)."""
     told = math.isfinite(step_time)
     st = step_time if told else r.steady
     predicted = r.steps * st
     curve = next(c for c in conv.curves[r.config] if c.seed == r.seed)
-    return (f"e2e {r.config:<10} {r.steps:5d} steps, seed {r.seed} (its own steps to target "
-            f"{curve.steps_to(conv.target):.1f}; the median of {len(conv.curves[r.config])} "
-            f"seeds' {conv.steps(r.config):.1f}); wall {r.wall:7.1f} s; predicted T "
+    return (f"e2e {r.config:<10} {r.steps:5d} steps, seed {r.seed} (its first evaluated step "
+            f"at or under the target {curve.evaluated_steps_to(conv.target):.0f}; its "
+            f"interpolated steps to target {curve.steps_to(conv.target):.1f}, the median of "
+            f"{len(conv.curves[r.config])} seeds' {conv.steps(r.config):.1f}, the table's); "
+            f"wall {r.wall:7.1f} s; predicted T "
             f"{predicted:7.1f} s ({r.steps} x {st * 1e3:.1f} ms, "
             f"{'the table' if told else 'this job'}'s step); wall/T {r.wall / predicted:.3f}; "
             f"held-out loss {r.loss:.4f} vs target {conv.target:.4f}: "
             f"{'reached' if r.loss <= conv.target else 'NOT reached'} "
-            f"(without codecs {r.plain:.4f}; in-process seed {r.seed} at its evaluation "
+            f"(without codecs {r.plain:.4f}; in-process seed {r.seed} at its last evaluation "
             f"<= step {r.steps}: {curve.at(r.steps):.4f}; "
             f"the job's own step {r.steady * 1e3:.1f} ms"
             + ("" if r.cuts == setup.cuts else f"; its plan cut at {r.cuts}") + ")")
@@ -144,29 +170,20 @@ def line(r: Run, conv: wan.Convergence, step_time: float, setup: wan.Setup) -> s
 def check(setup: wan.Setup, conv: wan.Convergence, shaped: dict[str, float], profile: dict,
           best: str, log: Callable[[str], None] = print) -> list[Run]:
     """Raw's and ``best``'s end-to-end jobs on one swarm shaped by ``profile``, each its
-    median seed's (:meth:`wan.Convergence.median_seed`) for ceil(that seed's steps to
-    target), reported by ``log`` against its T from ``shaped`` (seconds per step; nan or
-    absent: the job's own steady step time). Raises SystemExit when a configuration's
-    median seed never reached the target in process (no step count to run) or it has no
-    curves."""
+    median seed's to that seed's first evaluated step at or under the target
+    (:func:`job_of`), reported by ``log`` against its T from ``shaped`` (seconds per step;
+    nan or absent: the job's own steady step time). Raises SystemExit (before any swarm
+    starts) when a configuration has no curves or its median seed never reached the target
+    in process."""
     names = ["raw"] + ([best] if best != "raw" else [])
-    for name in names:
-        if name not in conv.curves:
-            raise SystemExit(f"--e2e: no curves of {name!r} (have {', '.join(conv.curves)})")
-        seed = conv.median_seed(name)
-        if not math.isfinite(seed.steps_to(conv.target)):
-            raise SystemExit(f"--e2e: {name}'s median seed {seed.seed} never reached the "
-                             f"target {conv.target:.4f} in process, so there is no step count "
-                             "to run end to end")
+    jobs = {name: job_of(conv, name) for name in names}
     from fedpipe.testing import LocalSwarm
 
     held = wan.held_out(setup)
     runs = []
     with LocalSwarm(n_nodes=setup.blocks, link_profile=profile, timeout=SWARM_TIMEOUT) as swarm:
-        for name in names:
-            seed = conv.median_seed(name)
-            r = run(swarm, setup, wan.CONFIGS[name], math.ceil(seed.steps_to(conv.target)),
-                    seed.seed, held)
+        for name, (curve, steps) in jobs.items():
+            r = run(swarm, setup, wan.CONFIGS[name], steps, curve.seed, held)
             log(line(r, conv, shaped.get(name, math.nan), setup)
                 + f"; load {os.getloadavg()[0]:.2f}")
             runs.append(r)
