@@ -13,8 +13,10 @@ Two measurements per codec configuration, each where it can be made on 2 cores:
   as the node's peers key it; a lowrank codec's basis is held at both ends of
   each boundary (:mod:`fedpipe.wire.lowrank`), refreshed at training steps only.
   The target is the held-out loss raw fp32 reaches at 80 % of the budget
-  (median of the seeds); steps to target are the first evaluated step at or
-  under it, median of the seeds;
+  (median of the seeds). A seed's steps to target are where its held-out loss
+  first reaches the target, interpolated linearly between the evaluations
+  (every ``eval_every`` steps) either side (:meth:`Curve.steps_to`, so not a
+  whole step); the table's steps are the median of the seeds';
 * **steady step time**, over a real swarm (:class:`fedpipe.testing.LocalSwarm`,
   4 nodes, 4 stages, every pair of nodes joined by an emulated link,
   :mod:`fedpipe.net.emulation`): the median gap between step events after
@@ -42,8 +44,10 @@ latency), fedpipe's raw and best configurations beside torch.distributed.pipelin
 side by side (``benchmarks/wan_netns.py``).
 
 ``--e2e``: then one job each of raw and of the best configuration runs the whole way on the
-shaped swarm, ceil(steps to target) steps: its wall time against the predicted T, its
-trained weights' held-out loss against the target (``benchmarks/wan_e2e.py``).
+shaped swarm, as its median seed ran in process, to that seed's first evaluated step at or
+under the target (:meth:`Curve.evaluated_steps_to`: the step its curve shows reached, not the
+interpolated count): its wall time against the predicted T, its trained weights' held-out loss
+there against the target (``benchmarks/wan_e2e.py``).
 
 Full run: a budget of 1,000 steps and 3 seeds. ``--quick``: a smoke run (a
 small budget, 1 seed, few swarm steps) in under 2 minutes on an idle machine.
@@ -127,8 +131,11 @@ class Setup:
 
     @property
     def cuts(self) -> tuple[int, ...]:
-        """Children after which a stage ends: embedding + block 0, then one block each
-        (the last stage also holds the head), so 3 boundaries for 4 blocks."""
+        """The child index at which each stage but the first begins
+        (:mod:`fedpipe.spec.cuts`): embedding + block 0, then one block each (the last
+        stage also holds the head), so 3 boundaries for 4 blocks. Every wan job is
+        submitted with these cuts pinned (:func:`submit`), so the swarm's stages end
+        where the in-process steps were counted."""
         return tuple(range(2, self.blocks + 1))
 
     @property
@@ -213,7 +220,9 @@ class Curve:
 
     def steps_to(self, target: float) -> float:
         """The step at which the held-out loss first reaches ``target``, linearly
-        interpolated between evaluations (inf: it never does)."""
+        interpolated between the evaluation before it and the first at or under it (the
+        first evaluation's step when that one is; inf: it never does). A fraction of a
+        step: the table's steps to target (:meth:`Convergence.steps`)."""
         points = list(zip(self.steps, self.losses))
         for i, (s, v) in enumerate(points):
             if v <= target:
@@ -222,6 +231,15 @@ class Curve:
                 s0, v0 = points[i - 1]
                 return s0 + (s - s0) * (v0 - target) / (v0 - v)
         return math.inf
+
+    def evaluated_steps_to(self, target: float) -> float:
+        """The first evaluated step whose held-out loss is at or under ``target`` (inf: none
+        is): the step count an end-to-end job runs (``benchmarks/wan_e2e.py``), where the
+        curve shows the target reached. At least :meth:`steps_to`; the loss between
+        evaluations is not a line, so a job at ``ceil(steps_to)`` may miss the target
+        (had2 seed 1: 620.3 interpolated, 1.4633 at step 621, 1.4438 at 625)."""
+        return next((float(s) for s, v in zip(self.steps, self.losses) if v <= target),
+                    math.inf)
 
     def at(self, step: int) -> float:
         """The held-out loss at the last evaluation at or before ``step``."""
@@ -277,7 +295,18 @@ class Convergence:
     budget: int
 
     def steps(self, name: str) -> float:
+        """``name``'s steps to target: the median of its seeds' :meth:`Curve.steps_to`
+        (interpolated between evaluations; inf when most seeds never reach it)."""
         return statistics.median(c.steps_to(self.target) for c in self.curves[name])
+
+    def median_seed(self, name: str) -> Curve:
+        """The curve of ``name`` whose steps to target are the median of its seeds' (of an
+        even number of seeds, the lower of the middle two; a tie, the lowest seed): the one
+        run that stands for the configuration's :meth:`steps`, its seed's model and data
+        (:func:`train`) the ones an end-to-end job of it runs, to its
+        :meth:`Curve.evaluated_steps_to` (``benchmarks/wan_e2e.py``)."""
+        curves = sorted(self.curves[name], key=lambda c: (c.steps_to(self.target), c.seed))
+        return curves[(len(curves) - 1) // 2]
 
     def final(self, name: str) -> float:
         return statistics.median(c.at(self.budget) for c in self.curves[name])
@@ -383,20 +412,22 @@ def timed_job(swarm: Any, setup: Setup, config: Config,
               steps: int) -> tuple[float, list[tuple[int, int]]]:
     """One 4-stage job of ``steps`` steps on ``swarm``: its steady step time, seconds, and
     its plan's layer range ``(start, end)`` per stage (children of :meth:`Setup.model`)."""
-    job = submit(swarm, setup, config, steps)
+    job = submit(swarm, setup, config, steps, seed=0)
     times = [ev.time for ev in job.events() if ev.step > 0]
     status = job.wait(progress=False)
     job.release()
     return steady(times), plan_ranges(status.plan)
 
 
-def submit(swarm: Any, setup: Setup, config: Config, steps: int) -> Any:
-    """A 4-stage job of ``steps`` steps on ``swarm`` with ``config``'s codecs, seed 0's model
-    and data (as :func:`train` trains seed 0): the :class:`fedpipe.client.Job`."""
+def submit(swarm: Any, setup: Setup, config: Config, steps: int, *, seed: int) -> Any:
+    """A 4-stage job of ``steps`` steps on ``swarm`` with ``config``'s codecs, ``seed``'s
+    model and data, cut at :attr:`Setup.cuts` (as :func:`train` trains ``seed``; a codec's
+    cost in steps depends on where the boundaries are): the :class:`fedpipe.client.Job`."""
     return swarm.client().submit(
-        setup.model(0), lm_loss, fedpipe.optimizer(torch.optim.AdamW, lr=setup.lr),
-        text_batches(pydoc_text()[0], setup.batch, setup.seq, seed=0), steps=steps,
-        microbatches=setup.microbatches, schedule=SCHEDULE, stages=setup.blocks,
+        setup.model(seed), lm_loss, fedpipe.optimizer(torch.optim.AdamW, lr=setup.lr),
+        text_batches(pydoc_text()[0], setup.batch, setup.seq, seed=seed), steps=steps,
+        microbatches=setup.microbatches, schedule=SCHEDULE,
+        placement=fedpipe.Placement(stages=setup.blocks, cuts=setup.cuts),
         replicas=1, compression=config.compression())
 
 
@@ -452,7 +483,8 @@ def link_seconds(setup: Setup, mbps: float, latency_ms: float) -> float:
 def report(conv: Convergence, shaped: dict[str, float], floor: float, tokens: int) -> None:
     raw_t = conv.steps("raw") * shaped["raw"]  # nan without a swarm: T/T_raw then nan
     print(f"\ntarget held-out loss {conv.target:.4f} (raw fp32 at {TARGET_AT:.0%} of "
-          f"{conv.budget} steps); T = steps to target x steady step time")
+          f"{conv.budget} steps); T = steps to target (interpolated between evaluations, median "
+          f"of the seeds) x steady step time")
     print(f"{'config':<11} {'act B/tok':>9} {'grad B/tok':>10} {'steps':>7} {'step ms':>8} "
           f"{'T s':>8} {'T/T_raw':>8} {'final loss':>10} {'vs raw':>7}")
     for name in conv.curves:
@@ -514,8 +546,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(default: among those within 1.3x raw's steps to target and 2%% of its "
                     "final loss, the least T; without step times, the fewest bytes/token)")
     ap.add_argument("--e2e", action="store_true", help="after the table: a job each of raw "
-                    "and the best configuration for ceil(steps to target) steps on the shaped "
-                    "swarm, wall time against T, held-out loss against the target "
+                    "and the best configuration on the shaped swarm, its median seed's model "
+                    "and data to that seed's first evaluated step at or under the target, "
+                    "wall time against T, held-out loss there against the target "
                     "(benchmarks/wan_e2e.py)")
     ap.add_argument("--plot", default="", help="write the loss-against-wall-time plot here (PNG)")
     ap.add_argument("--save-curves", default="", help="write the trained curves here (JSON), "

@@ -60,7 +60,7 @@ def _layer_count_context(ctx: PlanContext, chain: Sequence[int]) -> PlanContext:
                            ctx.profile.input_bytes, ctx.profile.element_bytes)
     mb = ctx.config.batch_size / ctx.config.microbatches
     config = dataclasses.replace(ctx.config, compression="none", activation_compression=None,
-                                 gradient_compression=None, stages=0)
+                                 gradient_compression=None, stages=0, cuts=())
     blind = PlanContext(ClusterView(nodes, {}, Link(math.inf, 0.0)), profile, config)
     blind.work = blind.work / mb     # one unit per layer, whatever the microbatch size
     return blind

@@ -12,6 +12,7 @@ from typing import Hashable
 
 import numpy as np
 
+from ..spec.cuts import cuts_problem, stage_ranges
 from ..wire.codecmodel import CodecSpeed
 from . import codecs
 from .costs import (RECOMPUTE_FACTOR, StageCodecs, activation_scale, boundary_bytes,
@@ -85,7 +86,8 @@ class PlanContext:
 
     Raises:
         PlanError: no node, no layer, a bad batch size / microbatch count /
-            schedule / codec, or ``config.stages`` larger than the layers.
+            schedule / codec, ``config.stages`` larger than the layers, or bad
+            ``config.cuts``.
     """
 
     def __init__(self, cluster: ClusterView, profile: ModelProfile, config: TrainConfig):
@@ -101,6 +103,9 @@ class PlanContext:
         self.L = L = len(profile.layers)
         self.M = config.microbatches
         self.mb = config.batch_size / config.microbatches
+        # every group's layer ranges when the config pins its cuts, else None (the search
+        # splits each chain)
+        self.pinned = stage_ranges(config.cuts, L) if config.cuts else None
         self.act_codecs, self.grad_codecs = codecs.candidates(config)
         stash_samples = math.ceil(self.mb)
         # the codecs whose buffers cost a stage most, of those its links may get: the
@@ -270,9 +275,7 @@ def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -
     if config.schedule not in ("gpipe", "1f1b", "async"):
         raise PlanError(f"unknown schedule {config.schedule!r}; "
                         f"the planner knows 'gpipe', '1f1b' and 'async'")
-    if config.stages < 0 or config.stages > min(len(cluster.nodes), len(profile.layers)):
-        raise PlanError(f"{config.stages} stages asked for, but there are {len(cluster.nodes)} "
-                        f"node(s) and {len(profile.layers)} layer(s)")
+    _check_depth(cluster, profile, config)
     if config.replicas < 0 or config.replicas > min(config.microbatches, len(cluster.nodes)):
         raise PlanError(f"{config.replicas} replica groups asked for, but there are "
                         f"{len(cluster.nodes)} node(s) and {config.microbatches} microbatches")
@@ -280,3 +283,18 @@ def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -
         if not node.flops > 0:
             raise PlanError(f"node {node.node_id!r} has speed {node.flops} FLOP/s; it must be > 0")
     codecs.candidates(config)
+
+
+def _check_depth(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -> None:
+    """Check ``config.stages`` against the nodes and layers, and ``config.cuts``
+    (:func:`~fedpipe.spec.cuts.cuts_problem`).
+
+    Raises:
+        PlanError: the first problem, with the numbers.
+    """
+    if config.stages < 0 or config.stages > min(len(cluster.nodes), len(profile.layers)):
+        raise PlanError(f"{config.stages} stages asked for, but there are {len(cluster.nodes)} "
+                        f"node(s) and {len(profile.layers)} layer(s)")
+    cuts = cuts_problem(config.cuts, config.stages, len(profile.layers))
+    if cuts is not None:
+        raise PlanError(f"cuts: {cuts}")

@@ -93,13 +93,19 @@ class Evaluator:
 
         ``fast``: give every node a share of the work proportional to its speed
         (:func:`~fedpipe.planner.partition.proportional_split`) instead of
-        running the dynamic program; for screening many groupings.
+        running the dynamic program; for screening many groupings. With pinned cuts
+        (:attr:`PlanContext.pinned`) a chain of the pinned depth gets their ranges,
+        whatever ``fast`` says.
         """
         key = (chain, microbatches, fast)
         if key not in self._cache:
             pinned = self.ctx.config.stages
             if pinned and len(chain) != pinned:
                 self._cache[key] = None
+            elif self.ctx.pinned is not None:
+                sol = describe(self.ctx, chain, [(i, k, j) for i, (k, j)
+                                                 in enumerate(self.ctx.pinned)], microbatches)
+                self._cache[key] = sol if sol.max_microbatches >= 1 else None
             elif fast and len(chain) <= self.ctx.L:
                 sol = proportional_split(self.ctx, chain, microbatches)
                 fits = sol.max_microbatches >= 1
@@ -333,13 +339,14 @@ POLISH_MAX_STAGES = 24
 """Plans with more stages than this (all groups together) are not polished."""
 
 
-def _polish_moves(splits: Sequence[Split], micro: Sequence[int], best: Plan
-                  ) -> list[tuple[list[int], list[Split], list[int]]]:
+def _polish_moves(splits: Sequence[Split], micro: Sequence[int], best: Plan,
+                  shift: bool = True) -> list[tuple[list[int], list[Split], list[int]]]:
     """:func:`polish`'s tries from ``splits``: each (the groups it changes, every group's
-    split, microbatches per group). First every stage boundary shifted by one layer, then
-    one microbatch moved from the slowest group of ``best`` to its fastest."""
+    split, microbatches per group). First every stage boundary shifted by one layer
+    (unless not ``shift``: the cuts are pinned), then one microbatch moved from the
+    slowest group of ``best`` to its fastest."""
     tries: list[tuple[list[int], list[Split], list[int]]] = []
-    for g, (nodes, ranges) in enumerate(splits):
+    for g, (nodes, ranges) in enumerate(splits if shift else ()):
         for b in range(len(ranges) - 1):
             for delta in (-1, 1):
                 cut = ranges[b][1] + delta
@@ -364,7 +371,8 @@ def polish(ctx: PlanContext, groups: Sequence[Split], micro: Sequence[int], roun
     """:func:`build_plan`, then hill climbing on the simulator's step time.
 
     Moves: shift one stage boundary by one layer (when both stages still fit
-    in memory), or move one microbatch from the slowest group to the fastest.
+    in memory, and the config pins no cuts), or move one microbatch from the slowest
+    group to the fastest.
     The analytic estimate often ties splits the simulator tells apart; this
     settles them. Skipped for plans of more than :data:`POLISH_MAX_STAGES`
     stages; stops at ``deadline`` (a ``time.perf_counter()`` value).
@@ -377,7 +385,7 @@ def polish(ctx: PlanContext, groups: Sequence[Split], micro: Sequence[int], roun
 
     for _ in range(rounds):
         improved = False
-        tries = _polish_moves(splits, micro, best)
+        tries = _polish_moves(splits, micro, best, shift=ctx.pinned is None)
         for changed, cand, m in tries:
             if time.perf_counter() > deadline:
                 return best

@@ -187,9 +187,20 @@ def _kept_splits(ctx: PlanContext, ev: Evaluator, orders_per_subset: int, descri
                  ) -> dict[frozenset[int], list[GroupSolution]]:
     """Steps 1-2: per node subset, the orders whose min-max split is best for some
     microbatch count or whose bottleneck is among the least, split again by the
-    full program; kept: every split that is best for some count."""
+    full program; kept: every split that is best for some count. With pinned cuts
+    (:attr:`PlanContext.pinned`) every order of the pinned depth, at the cuts."""
     M = ctx.M
     kept: dict[frozenset[int], list[GroupSolution]] = {}
+    if ctx.pinned is not None:  # pinned cuts fix every split: each ordered chain, priced
+        found: dict[frozenset[int], list[GroupSolution]] = {}
+        for chain in itertools.permutations(range(ctx.n), len(ctx.pinned)):
+            sol = ev.solve(chain, M)
+            if sol is not None:
+                found.setdefault(frozenset(chain), []).append(sol)
+        for key, sols in found.items():
+            best = {id(min(sols, key=lambda s: s.seconds(m))) for m in range(1, M + 1)}
+            kept[key] = [s for s in sols if id(s) in best]
+        return kept
     for key, chains in _chains_minmax(ctx).items():
         first = [describe(ctx, chain, stages, M) for _, chain, stages in sorted(chains)[:described]]
         picks = {min(first, key=lambda s: s.seconds(m)).nodes for m in range(1, M + 1)}

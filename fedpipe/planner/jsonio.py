@@ -191,9 +191,9 @@ def profile_to_json(profile: ModelProfile) -> JsonObject:
                         "activation_width": la.activation_width} for la in profile.layers]}
 
 
-_CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "state_factor", "stages", "replicas",
-                "compression", "activation_compression", "gradient_compression", "sync_every",
-                "recompute", "precision")
+_CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "state_factor", "stages", "cuts",
+                "replicas", "compression", "activation_compression", "gradient_compression",
+                "sync_every", "recompute", "precision")
 
 
 def config_from_json(obj: JsonObject) -> TrainConfig:
@@ -207,12 +207,15 @@ def config_from_json(obj: JsonObject) -> TrainConfig:
     unknown = sorted(set(obj) - set(_CONFIG_KEYS))
     if unknown:
         raise JsonFormatError(f"config: unknown key(s) {unknown}; known: {list(_CONFIG_KEYS)}")
+    if "cuts" in obj:  # a JSON array
+        obj = {**obj, "cuts": tuple(obj["cuts"])}
     return TrainConfig(**obj)
 
 
 def config_to_json(config: TrainConfig) -> JsonObject:
     """The JSON form of a config."""
-    return {k: getattr(config, k) for k in _CONFIG_KEYS if getattr(config, k) is not None}
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k in _CONFIG_KEYS if (v := getattr(config, k)) is not None}
 
 
 def plan_to_json(plan: Plan) -> JsonObject:

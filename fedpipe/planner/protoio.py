@@ -162,7 +162,7 @@ def train_config(spec: JobSpec) -> TrainConfig:
     return TrainConfig(batch_size=spec.batch_size, microbatches=spec.microbatches,
                        schedule=spec.schedule, state_factor=state_factor(spec.optimizer_kind),
                        step_scratch=step_scratch(spec.optimizer_kind),
-                       stages=spec.stages, replicas=spec.replicas,
+                       stages=spec.stages, cuts=spec.cuts, replicas=spec.replicas,
                        activation_compression=spec.activation_compression,
                        gradient_compression=spec.gradient_compression,
                        sync_every=spec.sync_every, snapshot_copies=2 * SNAPSHOTS_KEPT,

@@ -304,8 +304,9 @@ def no_fit_error(ctx: PlanContext) -> PlanError:
     state = float(ctx.state[0, ctx.L])
     biggest = max(float(ctx.state[k, k + 1]) for k in range(ctx.L))
     top = max(ctx.mem)
-    what = (f"{ctx.config.stages} stages per group" if ctx.config.stages
-            else f"the model's {ctx.L} layers")
+    what = (f"{ctx.config.stages} stages per group at the pinned cuts {ctx.config.cuts}"
+            if ctx.config.cuts else f"{ctx.config.stages} stages per group"
+            if ctx.config.stages else f"the model's {ctx.L} layers")
     return PlanError(
         f"no split of {what} fits the nodes' memory: weights, gradients and optimizer "
         f"state need {binary_bytes(state)} in all and {binary_bytes(biggest)} for the "

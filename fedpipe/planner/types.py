@@ -232,6 +232,10 @@ class TrainConfig:
             checkpoints are off.
         stages: pipeline depth the user asked for: every replica group gets
             exactly this many stages (0: the planner chooses).
+        cuts: pinned stage boundaries (:mod:`fedpipe.spec.cuts`; ``stages - 1`` of
+            them): every replica group's stages hold exactly the layer ranges they
+            make, and the planner chooses only the nodes, their order, the groups,
+            the microbatches and the codecs. ``()``: the planner splits the layers.
         replicas: number of replica groups the user asked for (0: the
             planner chooses).
         compression: codec policy for every pipeline link: "auto" (the planner
@@ -261,6 +265,7 @@ class TrainConfig:
     snapshot_copies: float = 0.0
     step_scratch: float = 0.0
     stages: int = 0
+    cuts: tuple[int, ...] = ()
     replicas: int = 0
     compression: str = "auto"
     activation_compression: str | None = None

@@ -134,7 +134,7 @@ class Plan(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., sync_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., calibrated: _Optional[bool] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every", "client_timeout", "rebalance", "min_replicas", "weights", "recompute", "precision", "optimizer_kind", "libraries", "outer_feedback_decay")
+    __slots__ = ("steps", "microbatches", "schedule", "optimizer", "loss_fn", "activation_compression", "stages", "gradient_compression", "max_staleness", "replica_sync", "outer_every", "outer_lr", "outer_momentum", "outer_compression", "replicas", "batch_size", "lr_scheduler", "clip_grad_norm", "checkpoint_every", "client_timeout", "rebalance", "min_replicas", "weights", "recompute", "precision", "optimizer_kind", "cuts", "libraries", "outer_feedback_decay")
     class LibrariesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class JobConfig(_message.Message):
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_KIND_FIELD_NUMBER: _ClassVar[int]
+    CUTS_FIELD_NUMBER: _ClassVar[int]
     LIBRARIES_FIELD_NUMBER: _ClassVar[int]
     OUTER_FEEDBACK_DECAY_FIELD_NUMBER: _ClassVar[int]
     steps: int
@@ -196,9 +197,10 @@ class JobConfig(_message.Message):
     recompute: str
     precision: str
     optimizer_kind: str
+    cuts: _containers.RepeatedScalarFieldContainer[int]
     libraries: _containers.ScalarMap[str, str]
     outer_feedback_decay: float
-    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., client_timeout: _Optional[float] = ..., rebalance: _Optional[str] = ..., min_replicas: _Optional[int] = ..., weights: _Optional[_Union[WeightsConfig, _Mapping]] = ..., recompute: _Optional[str] = ..., precision: _Optional[str] = ..., optimizer_kind: _Optional[str] = ..., libraries: _Optional[_Mapping[str, str]] = ..., outer_feedback_decay: _Optional[float] = ...) -> None: ...
+    def __init__(self, steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., optimizer: _Optional[bytes] = ..., loss_fn: _Optional[bytes] = ..., activation_compression: _Optional[str] = ..., stages: _Optional[int] = ..., gradient_compression: _Optional[str] = ..., max_staleness: _Optional[int] = ..., replica_sync: _Optional[str] = ..., outer_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ..., replicas: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr_scheduler: _Optional[bytes] = ..., clip_grad_norm: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., client_timeout: _Optional[float] = ..., rebalance: _Optional[str] = ..., min_replicas: _Optional[int] = ..., weights: _Optional[_Union[WeightsConfig, _Mapping]] = ..., recompute: _Optional[str] = ..., precision: _Optional[str] = ..., optimizer_kind: _Optional[str] = ..., cuts: _Optional[_Iterable[int]] = ..., libraries: _Optional[_Mapping[str, str]] = ..., outer_feedback_decay: _Optional[float] = ...) -> None: ...
 
 class WeightsConfig(_message.Message):
     __slots__ = ("source", "seed", "init_fn", "path", "digests", "names", "ties", "tie_sources")

@@ -14,6 +14,7 @@ One module per concern, each importing only those above it in this list:
 - :mod:`.protocol`: the data plane's message kinds (:class:`Kind`) and protocol constants.
 - :mod:`.replicas`: how replica groups agree (:class:`DiLoCo`, :class:`Quorum`).
 - :mod:`.weights`: where a job's initial weights come from (:class:`WeightsSpec`).
+- :mod:`.cuts`: pinned stage boundaries (:func:`cuts_problem`, :func:`stage_ranges`).
 - :mod:`.jobspec`: the job's configuration (:class:`JobSpec`, :data:`FIELD_RULES`).
 - :mod:`.knobs`: ``submit``'s knob groups (:class:`Training`, ... :class:`Knobs`).
 - :mod:`.plans`: questions about a plan message (:class:`PlanView`, :class:`StageKey`).
@@ -25,6 +26,7 @@ from __future__ import annotations
 from .codecs import (CODEC_PARAMS, CODEC_POLICIES, GRADIENT_ONLY_CODECS, HADAMARD_CODECS,
                      LOWRANK_CODECS, CodecSpec, check_compression, hadamard_block_problem,
                      lowrank_problem, parse_codec)
+from .cuts import cuts_of, cuts_problem, stage_ranges
 from .errors import JobSpecError, SpecError
 from .jobspec import (FIELD_RULES, MAX_MICROBATCHES, PRECISIONS, REBALANCE, RECOMPUTE, JobSpec,
                       check_field, stage_recomputes)
@@ -48,7 +50,8 @@ __all__ = [
     "Action", "CodecSpec", "Compression", "DiLoCo", "Group", "JobSpec", "JobSpecError",
     "JobState", "Kind", "Knobs", "Lifetime", "Placement", "PlanView", "Quorum", "Replicas",
     "SpecError", "StageKey", "Training", "async_stream", "check_compression", "check_field",
-    "check_schedule", "gpipe", "hadamard_block_problem", "lowrank_problem", "one_f_one_b",
-    "parse_codec", "schedule_order", "state_name",
+    "check_schedule", "cuts_of", "cuts_problem", "gpipe", "hadamard_block_problem",
+    "lowrank_problem", "one_f_one_b",
+    "parse_codec", "schedule_order", "stage_ranges", "state_name",
     "WEIGHT_SOURCES", "WeightsSpec",
 ]

@@ -8,6 +8,7 @@ from typing import Any, Callable, Literal
 
 from ..proto import node_pb2
 from .codecs import check_compression, lowrank_problem
+from .cuts import cuts_problem
 from .errors import JobSpecError, SpecError
 from .replicas import REPLICA_SYNCS, DiLoCo
 from .schedules import check_schedule
@@ -122,6 +123,9 @@ class JobSpec:
         clip_grad_norm: clip gradients to this global L2 norm (over every stage
             and, under all-reduce, every replica group); 0 = no clipping.
         stages: pipeline depth asked for (0: the planner chooses).
+        cuts: pinned stage boundaries (:mod:`fedpipe.spec.cuts`: the child index at which
+            each stage but the first begins; ``stages - 1`` of them), or ``()``: the
+            planner splits the layers.
         replicas: replica groups asked for (0: the planner chooses).
         activation_compression, gradient_compression: "auto", "none" or a codec spec.
         max_staleness: async only: steps a forward may run ahead of the updates.
@@ -158,6 +162,7 @@ class JobSpec:
     lr_scheduler: bytes = b""
     clip_grad_norm: float = 0.0
     stages: int = 0
+    cuts: tuple[int, ...] = ()
     replicas: int = 0
     activation_compression: str = "auto"
     gradient_compression: str = "auto"
@@ -178,7 +183,7 @@ class JobSpec:
         """Check every field; return self.
 
         Args:
-            n_layers: the model's layer count, if known (bounds ``stages``).
+            n_layers: the model's layer count, if known (bounds ``stages`` and ``cuts``).
 
         Raises:
             JobSpecError: the first invalid field, named, with its value.
@@ -197,6 +202,8 @@ class JobSpec:
         need(self.stages >= 0 and (n_layers is None or self.stages <= n_layers), "stages",
              f"must be between 0 and the {n_layers} layers, got {self.stages}"
              if n_layers is not None else f"must be >= 0, got {self.stages}")
+        cuts = cuts_problem(self.cuts, self.stages, n_layers)
+        need(cuts is None, "cuts", cuts or "")
         need(0 <= self.replicas <= self.microbatches, "replicas",
              f"must be between 0 and the {self.microbatches} microbatches (each group needs "
              f"one), got {self.replicas}")
@@ -262,7 +269,7 @@ class JobSpec:
         return cls(steps=msg.steps, microbatches=msg.microbatches, batch_size=msg.batch_size,
                    schedule=msg.schedule, optimizer=msg.optimizer, loss_fn=msg.loss_fn,
                    lr_scheduler=msg.lr_scheduler, clip_grad_norm=msg.clip_grad_norm,
-                   stages=msg.stages, replicas=msg.replicas,
+                   stages=msg.stages, cuts=tuple(msg.cuts), replicas=msg.replicas,
                    activation_compression=msg.activation_compression or "auto",
                    gradient_compression=msg.gradient_compression or "auto",
                    max_staleness=msg.max_staleness, replica_sync=msg.replica_sync or "auto",

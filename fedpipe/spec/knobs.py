@@ -7,6 +7,7 @@ import numbers
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from .cuts import cuts_problem
 from .errors import JobSpecError
 from .jobspec import JobSpec, check_field
 from .replicas import DiLoCo
@@ -225,20 +226,42 @@ class Placement:
         rebalance: "auto": the tracker may move stages to a better plan at a step
             boundary when the predicted gain pays for moving the state; "never": only
             drains and losses move stages.
+        cuts: pinned stage boundaries, as ``torch.distributed.pipelining``'s split points:
+            the index of the model's top-level child at which each stage but the first
+            begins (so stage ``i`` ends just before child ``cuts[i]``), ``stages - 1`` of
+            them, strictly increasing, each in ``1 .. n_layers - 1``. ``Placement(stages=4,
+            cuts=(2, 3, 4))`` over 6 children gives every replica group the layer ranges
+            ``(0, 2), (2, 3), (3, 4), (4, 6)`` in every plan: the first, re-plans after a
+            loss or drain, and rebalances (which may move stages between nodes, never the
+            cuts). ``()``: the planner splits the layers (:mod:`fedpipe.spec.cuts`). A list
+            is taken as a tuple.
     """
 
     stages: int = 0
     rebalance: str = "auto"
+    cuts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cuts, list):
+            object.__setattr__(self, "cuts", tuple(self.cuts))
 
     def validate(self) -> "Placement":
         """Check every field; return self.
 
         Raises:
             TypeError: a field of the wrong type (named, with the type expected).
-            JobSpecError: the first invalid field.
+            JobSpecError: the first invalid field; ``cuts`` of the wrong length for
+                ``stages``, not increasing, or below 1 (against the model's layer count
+                when the client knows it: :meth:`JobSpec.validate`).
         """
         _check_types(self, {"stages": ("stages", "int"), "rebalance": ("rebalance", "str")})
+        if not isinstance(self.cuts, tuple):
+            raise TypeError(f"cuts (Placement.cuts) must be a tuple of ints, got "
+                            f"{type(self.cuts).__name__} {self.cuts!r}")
         _check_fields(self, {"stages": "stages", "rebalance": "rebalance"})
+        problem = cuts_problem(self.cuts, self.stages)
+        if problem is not None:
+            raise JobSpecError("cuts", problem)
         return self
 
 
@@ -346,7 +369,8 @@ class Knobs:
                        optimizer_kind=optimizer_kind,
                        activation_compression=self.compression.activations,
                        gradient_compression=self.compression.gradients,
-                       stages=self.placement.stages, replicas=r.groups,
+                       stages=self.placement.stages, cuts=self.placement.cuts,
+                       replicas=r.groups,
                        max_staleness=t.max_staleness, replica_sync=r.sync_name,
                        diloco=r.diloco, clip_grad_norm=t.clip_grad_norm,
                        checkpoint_every=t.checkpoint_every,
