@@ -1,7 +1,8 @@
 """A node's data-plane links through a relay are one per (peer, job), tagged (issue 25): the
 relay bounds each by its job's share, the homed end learns the job from the relay's OPEN
 and refuses frames of any other job on it, replies go back on it, and it resumes, tagged
-again, when the relay comes back.
+again, when the relay comes back. A stage's sender and a restoring stage's snapshot fetch
+take them.
 
 In one process over real loopback sockets: a :class:`~fedpipe.net.relay.Relay`, a node
 "b" (a :class:`DataPlane` homed there by a :class:`~fedpipe.net.relay.Homing`) and
@@ -20,9 +21,15 @@ import torch
 from fedpipe.net import timeouts
 from fedpipe.net.dataplane import DataPlane, LinkFailed, PeerRefused, Timeouts
 from fedpipe.net.dataplane.caps import Sources
+from fedpipe.net.dataplane.fetch import Server
 from fedpipe.net.relay import Homing, Relay
+from fedpipe.node.lifecycle import Stage, StageSlot
 from fedpipe.node.peers import ChannelPool, StagePeers
+from fedpipe.node.restore import Restorer
+from fedpipe.node.snapshots import SnapshotStore
 from fedpipe.proto import node_pb2
+from fedpipe.spec import StageKey, peer_of
+from test_fetch_socket import MODEL, serving_node
 
 pytestmark = pytest.mark.timeout(90)
 FAST = Timeouts(credit=20.0, resume=5.0, handshake=5.0, backoff_min=0.02, backoff_max=0.2)
@@ -56,12 +63,12 @@ def env(job: str) -> node_pb2.Envelope:
 
 
 @contextlib.contextmanager
-def relayed_node(timeouts_: Timeouts = FAST, **relay_args):
-    """Node "b"'s plane homed at a relay (``relay_args``): yields the relay, b's plane, its
-    inbox and its relayed data address."""
+def relayed_node(timeouts_: Timeouts = FAST, server: Server | None = None, **relay_args):
+    """Node "b"'s plane homed at a relay (``relay_args``), serving fetches with ``server``:
+    yields the relay, b's homing, plane and inbox, and its relayed data address."""
     relay = Relay(**relay_args)
     inbox, sources = Inbox(), Sources()
-    plane = DataPlane("b", inbox, timeouts=timeouts_, sources=sources)
+    plane = DataPlane("b", inbox, timeouts=timeouts_, sources=sources, server=server)
     homing = Homing([relay.address], "b", plane.port, plane.port, sources=sources)
     try:
         alloc = homing.home(timeout=20)
@@ -209,3 +216,29 @@ def test_of_two_outbound_only_nodes_the_one_dialed_through_its_relay_uses_that_j
         finally:
             a_peers.close()
             b_peers.close()
+
+
+@pytest.mark.parametrize("learned_from", ["plan", "snapshot_peers"])
+def test_a_restoring_stage_fetches_a_relayed_holders_snapshot_on_its_jobs_tagged_link(
+        learned_from):
+    receiver, _ = serving_node()  # b keeps job j's stage (0, 1) snapshot of step 3
+    with relayed_node(server=receiver) as (relay, homing, _, _, address), \
+            DataPlane("node0", Inbox(), timeouts=FAST) as a:
+        # no gRPC port at b's address: a failed socket fetch fails the restore at once
+        holder = node_pb2.StageAssignment(replica=0, stage=1, node_id="id-b", node_name="b",
+                                          address="127.0.0.1:1", data_address=address,
+                                          relay=homing.relay)
+        load = node_pb2.LoadStageRequest(plan=node_pb2.Plan(stages=[holder])) \
+            if learned_from == "plan" else \
+            node_pb2.LoadStageRequest(snapshot_peers=[peer_of(holder)])  # the tracker's
+        store = SnapshotStore()
+        restorer = Restorer(store, ChannelPool(), lambda: a)
+        restorer.learn(load)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        stage = Stage(slot=StageSlot("j", 0, 1), n_stages=2, layer_start=0, module=module,
+                      steps=10, peers=StagePeers(ChannelPool()), start=3,
+                      parts={"module": module[0]})
+        restorer.restore(stage, [holder.address])
+        assert torch.equal(module[0].weight, MODEL.weight)
+        assert store.get("j", StageKey(0, 1), 3) is not None  # kept here, as fetched
+        assert relay.tagged("b") == {"j": 1}, "the fetch rode an untagged link"

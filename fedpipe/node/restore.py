@@ -6,9 +6,10 @@ when; :class:`Restorer` only finds the snapshot and loads it into the stage's pa
 
 A source that offers a data port (where this node has one too) is fetched from over
 the socket data plane (:mod:`fedpipe.net.dataplane.fetch`: a relayed node through its
-relay's data port, never its relayed gRPC port); one without, over gRPC's
-``FetchSnapshot``. The sources are gRPC addresses (what the tracker names); their
-nodes' names and data ports come from the load's plan and its ``snapshot_peers``
+relay's data port, never its relayed gRPC port, on the job's own tagged link, which the
+relay bounds by the job's share); one without, over gRPC's ``FetchSnapshot``. The
+sources are gRPC addresses (what the tracker names); their nodes' names, data ports and
+relays come from the load's plan and its ``snapshot_peers``
 (:meth:`Restorer.learn`).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..net.dataplane import DataPlane as SocketPlane, LinkFailed
 from ..net.dataplane.records import Method
 from ..proto import node_pb2
 from ..runtime import checkpoint, layerstate
-from ..spec import StageKey
+from ..spec import StageKey, peer_of
 from ..wire import WireError, rpc
 from .errors import StageLoadError
 from .lifecycle import Stage
@@ -51,13 +52,11 @@ class Restorer:
         self._peers: dict[str, node_pb2.Peer] = {}  # a node's gRPC address -> it
 
     def learn(self, request: node_pb2.LoadStageRequest) -> None:
-        """Remember the names and data ports of the nodes ``request``'s plan and its
-        ``snapshot_peers`` name, by address: where its sources are on the socket plane."""
+        """Remember the names, data ports and relays of the nodes ``request``'s plan and
+        its ``snapshot_peers`` name, by address: where its sources are on the socket plane."""
         with self._lock:
             for a in request.plan.stages:
-                self._peers[a.address] = node_pb2.Peer(node_id=a.node_id, name=a.node_name,
-                                                       address=a.address,
-                                                       data_address=a.data_address)
+                self._peers[a.address] = peer_of(a)
             for p in request.snapshot_peers:
                 self._peers[p.address] = p
 
@@ -144,7 +143,9 @@ class Restorer:
         if plane is not None and peer is not None and peer.data_address:
             assembler = checkpoint.Assembler(MAX_SNAPSHOT_BYTES)
             try:
-                plane.link(peer.name, peer.data_address).fetch(
+                # through the source's relay: the job's own link, bounded by its share there
+                plane.link(peer.name, peer.data_address, request.job_id,
+                           relayed=bool(peer.relay)).fetch(
                     Method.FETCH_SNAPSHOT, request.SerializeToString(), assembler.admit,
                     assembler.add, timeouts.FETCH_STATE_RPC)
                 return assembler.finish()[1], "the socket data plane"

@@ -224,7 +224,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             _SocketProbeFailed: the link failed or the peer refused a probe.
         """
         try:
-            return measure_socket_link(
+            return measure_socket_link(  # a probe is no job's: the peer's untagged link
                 plane.link(peer.name, peer.data_address),
                 self.parts.pacer(peer.name), pings=pings, max_bytes=max_bytes, seconds=seconds)
         except (LinkFailed, WireError, OSError) as e:  # PeerRefused is a WireError

@@ -388,16 +388,18 @@ class FetchSnapshotRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., replica: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class Peer(_message.Message):
-    __slots__ = ("node_id", "name", "address", "data_address")
+    __slots__ = ("node_id", "name", "address", "data_address", "relay")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     address: str
     data_address: str
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
+    relay: str
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., data_address: _Optional[str] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class MeasureLinksRequest(_message.Message):
     __slots__ = ("peers", "pings", "max_probe_bytes", "probe_seconds")

@@ -17,7 +17,8 @@ One module per concern, each importing only those above it in this list:
 - :mod:`.cuts`: pinned stage boundaries (:func:`cuts_problem`, :func:`stage_ranges`).
 - :mod:`.jobspec`: the job's configuration (:class:`JobSpec`, :data:`FIELD_RULES`).
 - :mod:`.knobs`: ``submit``'s knob groups (:class:`Training`, ... :class:`Knobs`).
-- :mod:`.plans`: questions about a plan message (:class:`PlanView`, :class:`StageKey`).
+- :mod:`.plans`: questions about a plan message (:class:`PlanView`, :class:`StageKey`,
+  :func:`peer_of`).
 
 Every name is importable from ``fedpipe.spec`` itself, as before the split.
 """
@@ -32,7 +33,7 @@ from .jobspec import (FIELD_RULES, MAX_MICROBATCHES, PRECISIONS, REBALANCE, RECO
                       check_field, stage_recomputes)
 from .knobs import (FLAT_KNOBS, GROUPS, Compression, Group, Knobs, Lifetime, Placement,
                     Replicas, Training)
-from .plans import PlanView, StageKey
+from .plans import PlanView, StageKey, peer_of
 from .protocol import PROTOCOL_VERSION, SNAPSHOTS_KEPT, Kind
 from .replicas import REPLICA_SYNCS, DiLoCo, Quorum
 from .schedules import (SCHEDULES, SYNC_SCHEDULES, Action, async_stream, check_schedule, gpipe,
@@ -51,7 +52,7 @@ __all__ = [
     "JobState", "Kind", "Knobs", "Lifetime", "Placement", "PlanView", "Quorum", "Replicas",
     "SpecError", "StageKey", "Training", "async_stream", "check_compression", "check_field",
     "check_schedule", "cuts_of", "cuts_problem", "gpipe", "hadamard_block_problem",
-    "lowrank_problem", "one_f_one_b",
-    "parse_codec", "schedule_order", "stage_ranges", "state_name",
+    "lowrank_problem", "one_f_one_b", "parse_codec", "peer_of", "schedule_order",
+    "stage_ranges", "state_name",
     "WEIGHT_SOURCES", "WeightsSpec",
 ]

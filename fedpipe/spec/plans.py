@@ -1,4 +1,5 @@
-"""Typed, read-only questions about a plan message: :class:`StageKey`, :class:`PlanView`."""
+"""Typed, read-only questions about a plan message: :class:`StageKey`, :class:`PlanView`,
+:func:`peer_of`."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -11,6 +12,13 @@ class StageKey(NamedTuple):
 
     replica: int
     stage: int
+
+
+def peer_of(a: node_pb2.StageAssignment) -> node_pb2.Peer:
+    """The node that holds assignment ``a``, as a ``Peer``: how to reach it (gRPC and data
+    addresses, and its relay when it is outbound-only) without the stage it holds."""
+    return node_pb2.Peer(node_id=a.node_id, name=a.node_name, address=a.address,
+                         data_address=a.data_address, relay=a.relay)
 
 
 class PlanView:

@@ -19,7 +19,7 @@ from .. import planner
 from ..planner.protoio import (assignment_memory_bytes, cluster_view, plan_from_message,
                                plan_message, train_config)
 from ..proto import node_pb2, tracker_pb2
-from ..spec import JobSpec, PlanView, StageKey
+from ..spec import JobSpec, PlanView, StageKey, peer_of
 from .calibration import Calibration
 from .jobs import Jobs, stage_name
 from .nodes import NodeCallError, NodeCalls
@@ -52,13 +52,11 @@ def _no_pieces(key: StageKey) -> list[node_pb2.SnapshotPiece]:
 
 def _peers_outside(old: node_pb2.Plan | None, plan: node_pb2.Plan) -> list[node_pb2.Peer]:
     """The nodes of ``old`` that ``plan`` does not name, once each: where a snapshot
-    source outside the new plan is, on the socket data plane too."""
+    source outside the new plan is, on the socket data plane too (through its relay)."""
     if old is None:
         return []
     named = {a.address for a in plan.stages}
-    peers = {a.address: node_pb2.Peer(node_id=a.node_id, name=a.node_name, address=a.address,
-                                      data_address=a.data_address)
-             for a in old.stages if a.address not in named}
+    peers = {a.address: peer_of(a) for a in old.stages if a.address not in named}
     return list(peers.values())
 
 
