@@ -67,3 +67,36 @@ def test_a_drop_wakes_a_waiting_get_which_stops_and_a_timeout_ends_one():
     th.join(10)
     assert isinstance(got[0], TimeoutError) and "step 3 microbatch 0" in str(got[0])
     assert box._wanted == {}
+
+
+def test_an_input_sent_again_after_its_step_was_taken_is_a_duplicate_not_a_new_tensor():
+    """A client resends an input whose link broke after it came (its acknowledgement lost):
+    once the stage took that microbatch of that step, the resend is refused (ALREADY_EXISTS
+    for the client, which counts it delivered), not kept for a get that will not come."""
+    from fedpipe.node.mailbox import Duplicate
+
+    box = Mailbox(2, (Kind.INPUT,))
+    t = torch.zeros(2)
+    box.put_all("s", Kind.INPUT, 0, 0, [t, t], 4)
+    box.get("s", Kind.INPUT, 0, 0, lambda: False)  # microbatch 0 taken, 1 waits
+    with pytest.raises(Duplicate, match="for step 0 microbatch 0: the stage already took"):
+        box.put_all("s", Kind.INPUT, 0, 0, [t, t], 4)  # all or none
+    box.get("s", Kind.INPUT, 0, 1, lambda: False)
+    with pytest.raises(Duplicate, match="already took step 0"):
+        box.put("s", Kind.INPUT, 0, 1, t, 4)
+    box.put_all("s", Kind.INPUT, 1, 0, [t, t], 4)  # the next step is new
+    assert box.waiting("s") == 2
+    # a microbatch of the step being taken may still come after another was taken
+    box.get("s", Kind.INPUT, 1, 0, lambda: False)
+    box.put("s", Kind.INPUT, 2, 0, t, 4)
+    box.drop(lambda slot: slot == "s")  # a new stage in the slot starts afresh
+    box.put("s", Kind.INPUT, 0, 0, t, 4)
+
+
+def test_a_duplicate_for_a_full_slot_is_refused_at_once_not_after_room():
+    from fedpipe.node.mailbox import Duplicate
+
+    box = Mailbox(1, (Kind.INPUT,))
+    box.put("s", Kind.INPUT, 0, 0, torch.zeros(1), 1)
+    with pytest.raises(Duplicate):  # was: waited for room first (for ever if alive)
+        box.put("s", Kind.INPUT, 0, 0, torch.zeros(1), 1)

@@ -28,13 +28,19 @@ LEASE = 1.0
 
 def test_tracker_targets_are_split_checked_and_deduplicated():
     assert trackers.addresses("a:1, b:2,a:1") == ["a:1", "b:2"]
+    assert trackers.addresses("[::1]:7070") == ["[::1]:7070"]
     assert trackers.several("a:1,b:2") and not trackers.several("a:1")
     for bad, why in (("a:1,", "'' in 'a:1,': expected HOST:PORT"),
                      ("a:1,b", "'b' in 'a:1,b': expected HOST:PORT"),
                      ("a:x,b:2", "port in 1..65535, not 'x'"),
                      ("127.0.0.1", "'127.0.0.1': expected HOST:PORT"),
                      ("t:70000", "port in 1..65535, not '70000'"),
-                     ("http://t:7070", "not a URL")):
+                     ("http://t:7070", "not a URL"),
+                     ("::1:7070", "an IPv6 host in brackets"),  # gRPC would dial port 443
+                     ("fe80::1%eth0:7070", "an IPv6 host in brackets"),
+                     ("t:\u00b2", "port in 1..65535, not '\u00b2'"),  # was: int() raised
+                     ("t:\u0667\u0660", "port in 1..65535"),  # non-ASCII digits
+                     ("ho st:7070", "no spaces")):
         with pytest.raises(ValueError, match=re.escape(why)):
             trackers.addresses(bad)
 

@@ -12,8 +12,12 @@ def problem(address: str) -> str | None:
     host, colon, port = address.rpartition(":")
     if "/" in address:
         return "expected HOST:PORT, not a URL (no scheme, no path)"
+    if any(c.isspace() for c in address):
+        return "expected HOST:PORT, with no spaces"
     if not (host and colon and port):
         return "expected HOST:PORT"
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        return "expected HOST:PORT, an IPv6 host in brackets ([::1]:7070)"
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         return f"expected HOST:PORT with a port in 1..65535, not {port!r}"
     return None

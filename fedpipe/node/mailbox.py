@@ -56,6 +56,8 @@ class Mailbox:
         self._items: dict[_Key, tuple[torch.Tensor, int]] = {}  # -> (tensor, batch size)
         self._counts: dict[tuple[Hashable, Kind], int] = defaultdict(int)  # bounded kinds
         self._jobs: dict[Hashable, int] = defaultdict(int)  # every kind, by job
+        # bounded kinds: the last step taken, by (slot, kind, microbatch)
+        self._taken: dict[tuple[Hashable, Kind, int], int] = {}
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # puts waiting for room
         # the gets waiting, each on a lock of its own that the put of its key releases: a
@@ -79,13 +81,13 @@ class Mailbox:
         key = _Key(slot, kind, step, mb)
         job = self.job_of(slot)
         with self._cond:
+            self._check_new(key)  # a duplicate is refused at once, not after a wait for room
             if kind in self.bounded:
                 while self._counts[(slot, kind)] >= self.capacity:
                     if not alive():
                         raise Stopped(f"{_name(kind)} for {slot} was not taken")
                     self._cond.wait(POLL_SECONDS)
-            if key in self._items:
-                raise Duplicate(f"duplicate {_name(kind)} for step {step} microbatch {mb}")
+            self._check_new(key)
             if self._jobs[job] >= self.job_cap:
                 raise Full(self._refusal(job, kind, step, mb))
             if kind in self.bounded:
@@ -112,9 +114,7 @@ class Mailbox:
         job = self.job_of(slot)
         with self._cond:
             for i in range(len(tensors)):
-                if _Key(slot, kind, step, first + i) in self._items:
-                    raise Duplicate(f"duplicate {_name(kind)} for step {step} microbatch "
-                                   f"{first + i}")
+                self._check_new(_Key(slot, kind, step, first + i))
             if self._jobs[job] + len(tensors) > self.job_cap:
                 raise Full(self._refusal(job, kind, step, first))
         for i, t in enumerate(tensors):
@@ -142,6 +142,7 @@ class Mailbox:
                 item = self._items.pop(key, None)
             self._forget(self.job_of(slot))
             if kind in self.bounded:  # room for a waiting put; no one else waits on a get
+                self._taken[(slot, kind, mb)] = max(step, self._taken.get((slot, kind, mb), -1))
                 self._counts[(slot, kind)] -= 1
                 if self._counts[(slot, kind)] <= self.capacity // 2:
                     # half empty: a sender far ahead (a client's feed) is woken once per
@@ -158,6 +159,8 @@ class Mailbox:
                 self._forget(self.job_of(item.slot))
             for key in [k for k in self._counts if match(k[0])]:  # k: (slot, kind)
                 del self._counts[key]
+            for key in [k for k in self._taken if match(k[0])]:
+                del self._taken[key]
             self._cond.notify_all()
             for waiters in self._wanted.values():  # they look whether to stop
                 for waiter in waiters:
@@ -180,6 +183,25 @@ class Mailbox:
                 waiters.remove(waiter)
                 if not waiters:
                     del self._wanted[key]
+
+    def _check_new(self, key: _Key) -> None:
+        """Refuse ``key`` if it waits already, or (a bounded kind) if its slot already
+        took that microbatch of its step: a client's input sent again after a link broke,
+        which had come before the break, must not wait for ever for a get that will not
+        come. A slot takes each microbatch of a bounded kind in step order (an epoch's
+        stage consumes its inputs and targets once each, in order; a rewind is a new
+        epoch, so a new slot) (under the lock).
+
+        Raises:
+            Duplicate: either case.
+        """
+        if key in self._items:
+            raise Duplicate(f"duplicate {_name(key.kind)} for step {key.step} "
+                            f"microbatch {key.tag}")
+        if key.kind in self.bounded and \
+                key.step <= self._taken.get((key.slot, key.kind, key.tag), -1):
+            raise Duplicate(f"duplicate {_name(key.kind)} for step {key.step} microbatch "
+                            f"{key.tag}: the stage already took step {key.step}")
 
     def _refusal(self, job: Hashable, kind: Kind, step: int, mb: int) -> str:
         """Why a tensor of ``job`` is refused at the job's cap (under the lock)."""

@@ -77,7 +77,15 @@ class FaultInjector:
         self._thread: threading.Thread | None = None
 
     def at_step(self, step: int, name: str, action: Callable[[], None]) -> "FaultInjector":
-        """Run ``action`` once the job has completed ``step`` steps."""
+        """Run ``action`` once the job has completed ``step`` steps.
+
+        Raises:
+            RuntimeError: the injector already started (a fault planned now would never
+                fire).
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"fault {name!r} planned after the injector started: plan "
+                               "every fault before start()")
         self.plans.append((step, name, action, threading.Event()))
         self.plans.sort(key=lambda p: p[0])
         return self
@@ -85,13 +93,24 @@ class FaultInjector:
     def feed(self, batches: Iterable[Any], wait: float = 120.0) -> Iterator[Any]:
         """``batches`` one by one, holding the batch of each fault's step (0-based, so the
         job has completed exactly that many steps) until the fault has fired (or
-        ``wait`` seconds, or the watch ended). Plan the faults (:meth:`at_step`) before
-        the job takes its first batch."""
-        for i, batch in enumerate(batches):
-            for step, _, _, done in self.plans:
-                if step == i:
+        ``wait`` seconds, or the watch ended). Plan the faults (:meth:`at_step`) first.
+
+        Raises:
+            ValueError: a fault at step 0: the job takes its first batch before it exists,
+                so before it can be watched (fire such a fault without the feed).
+        """
+        early = [name for step, name, _, _ in self.plans if step < 1]
+        if early:
+            raise ValueError(f"faults at step 0 cannot hold a feed: {', '.join(early)}")
+        held = {step: [done for s, _, _, done in self.plans if s == step]
+                for step, _, _, _ in self.plans}
+
+        def fed() -> Iterator[Any]:
+            for i, batch in enumerate(batches):
+                for done in held.get(i, ()):
                     done.wait(wait)
-            yield batch
+                yield batch
+        return fed()
 
     def start(self, job_id: str = "") -> "FaultInjector":
         """Start watching job ``job_id`` (default: the one given at construction) from a
