@@ -159,8 +159,8 @@ class Mailbox:
                 self._forget(self.job_of(item.slot))
             for key in [k for k in self._counts if match(k[0])]:  # k: (slot, kind)
                 del self._counts[key]
-            for key in [k for k in self._taken if match(k[0])]:
-                del self._taken[key]
+            for taken in [k for k in self._taken if match(k[0])]:  # (slot, kind, mb)
+                del self._taken[taken]
             self._cond.notify_all()
             for waiters in self._wanted.values():  # they look whether to stop
                 for waiter in waiters:
