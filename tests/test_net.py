@@ -98,3 +98,36 @@ def test_a_reason_is_the_code_and_the_first_line_of_the_details():
     assert net.reason(StatusError(grpc.StatusCode.INTERNAL, "boom\n  at frame 1")) == \
         "INTERNAL: boom"
     assert net.reason(StatusError(grpc.StatusCode.DEADLINE_EXCEEDED)) == "DEADLINE_EXCEEDED"
+
+
+UNRESOLVED = ("errors resolving 127.0.01:7070: [field:hostname lookup error:address lookup "
+              "failed for 127.0.01:7070: Domain name not found]")
+"""gRPC core's details for a host its resolver cannot resolve (a typo'd IP address here:
+the operating system takes 127.0.01 as 127.0.0.1, gRPC does not)."""
+
+
+@pytest.mark.parametrize("details", [
+    UNRESOLVED,
+    "DNS resolution failed for 127.0.01:7070: C-ares status is not ARES_SUCCESS",
+])
+def test_a_host_grpc_cannot_resolve_is_said_in_one_line_by_the_cli_and_the_client(details):
+    from fedpipe.security.explain import _Explainer
+
+    line = ("cannot resolve host '127.0.01' (127.0.01:7070): neither an IP address nor a "
+            "name DNS knows")
+    error = StatusError(grpc.StatusCode.UNAVAILABLE, details)
+    assert net.reason(error) == f"UNAVAILABLE: {line}"  # the CLI's line (fedpipe status)
+    # a Client's channel: the same line, with gRPC's status code, and no probe of the host
+    explained = _Explainer("127.0.01:7070", None).explain_rpc(error)
+    assert (explained.code(), explained.details()) == (grpc.StatusCode.UNAVAILABLE, line)
+    assert str(explained) == f"UNAVAILABLE: {line}"
+
+
+def test_an_unresolved_ipv6_host_is_named_without_its_brackets():
+    from fedpipe.security.tls import unresolved
+
+    assert unresolved("errors resolving [fe80::zz]:7070: [Domain name not found]") == (
+        "cannot resolve host 'fe80::zz' ([fe80::zz]:7070): neither an IP address nor a name "
+        "DNS knows")
+    assert unresolved("failed to connect to all addresses; last error: UNKNOWN: "
+                      "ipv4:127.0.0.1:7070: Connection refused") is None

@@ -45,6 +45,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..proto import node_pb2, tracker_pb2
 from ..security import AuthInterceptor, Role, TlsConfig, identity_of
+from ..security.tls import unresolved
 from . import timeouts, trackers
 from .decode import ParseRequests
 
@@ -477,13 +478,14 @@ _CONNECT_DETAILS = re.compile("^" + re.escape(trackers.UNSENT) + r"; last error:
 def reason(error: grpc.RpcError) -> str:
     """A failed call's reason in one short line for a log or the CLI: its status code and
     the first line of its details, without gRPC core's preamble to a failed connection
-    (``UNAVAILABLE: Failed to connect to remote host: Connection refused``)."""
+    (``UNAVAILABLE: Failed to connect to remote host: Connection refused``), and a host its
+    resolver could not resolve in a line of fedpipe's (:func:`~fedpipe.security.tls.unresolved`)."""
     code = getattr(error, "code", None)
     details = getattr(error, "details", None)
     if code is None or details is None:
         return str(error).splitlines()[0] if str(error) else type(error).__name__
     first = ((details() or "").strip().splitlines() or [""])[0]
-    first = _CONNECT_DETAILS.sub("", first)
+    first = unresolved(first) or _CONNECT_DETAILS.sub("", first)
     return f"{code().name}: {first}" if first else code().name
 
 

@@ -6,7 +6,8 @@ wrapped by :func:`explained` keeps every call and status code as they were, and
 replaces the error of a failed call by an :class:`Explained` one whose
 ``details()`` (and ``str()``) is one line:
 
-- UNAVAILABLE on a channel that has never completed a call: the cause
+- UNAVAILABLE on a channel that has never completed a call: a host gRPC
+  could not resolve (:func:`fedpipe.security.tls.unresolved`), else the cause
   :func:`fedpipe.security.tls.diagnose` finds (no certificate, a certificate of
   another CA, an expired one, a server without TLS, ...), else gRPC's own;
 - UNAUTHENTICATED and PERMISSION_DENIED (e.g. the wrong role for a method):
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from ..status import StatusError
-from .tls import TlsConfig, diagnose
+from .tls import TlsConfig, diagnose, unresolved
 
 REASON_SECONDS = 5.0
 """How long one diagnosis is reused for the calls of a channel that fail together, seconds."""
@@ -77,7 +78,7 @@ class _Explainer:
         if code in _REFUSED:
             return Explained(error, error.details() or code.name.lower())
         if code == grpc.StatusCode.UNAVAILABLE and not self.connected:
-            reason = self._diagnosis()
+            reason = unresolved(error.details() or "") or self._diagnosis()
             if reason:
                 return Explained(error, reason)
         return error

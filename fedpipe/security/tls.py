@@ -29,6 +29,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import pathlib
+import re
 import socket
 import ssl
 import threading
@@ -405,6 +406,30 @@ def _names_host(cert: x509.Certificate, host: str) -> bool:
             d.startswith("*.") and host.lower().partition(".")[2] == d[2:] for d in dns)
 
 
+_UNRESOLVED = re.compile(r"(?:errors resolving|DNS resolution failed for(?: service:)?) (\S+):")
+"""gRPC core's wording of a target its resolver could not turn into addresses
+(``errors resolving 127.0.01:7070: [... Domain name not found]``; older cores say
+``DNS resolution failed for 127.0.01:7070: ...``), up to the target dialled."""
+
+
+def unresolved(details: str) -> str | None:
+    """A failed call's details, when gRPC could not resolve the host dialled, in one line:
+    ``cannot resolve host '127.0.01' (127.0.01:7070): neither an IP address nor a name
+    DNS knows``; None for any other failure.
+
+    gRPC's resolver is stricter than the operating system's (``socket`` takes
+    ``127.0.01`` as 127.0.0.1), so its own verdict is read here, not probed again.
+    """
+    m = _UNRESOLVED.search(details)
+    if m is None:
+        return None
+    target = m.group(1)
+    host = target.rpartition(":")[0] if ":" in target else target
+    host = host.removeprefix("[").removesuffix("]")
+    return (f"cannot resolve host {host!r} ({target}): neither an IP address nor a name "
+            f"DNS knows")
+
+
 def diagnose(address: str, tls: TlsConfig | None, *, timeout: float = PROBE_SECONDS) -> str | None:
     """Why a call to ``address`` failed to connect, in one line; None if TLS is not the cause.
 
@@ -495,7 +520,8 @@ def _load_chain(ctx: ssl.SSLContext, tls: TlsConfig) -> None:
 
 
 def explain(error: grpc.RpcError, address: str, tls: TlsConfig | None) -> str:
-    """A one-line message for a failed call: the TLS cause when :func:`diagnose` finds one.
+    """A one-line message for a failed call: a host gRPC could not resolve
+    (:func:`unresolved`), or the TLS cause when :func:`diagnose` finds one.
 
     gRPC reports every failed connection, a refused handshake included, as
     UNAVAILABLE; only then is the server probed. Returns ``"CODE: details"``
@@ -503,7 +529,7 @@ def explain(error: grpc.RpcError, address: str, tls: TlsConfig | None) -> str:
     """
     code, details = error.code(), error.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE:
-        reason = diagnose(address, tls)
+        reason = unresolved(details) or diagnose(address, tls)
         if reason:
             return reason
     return f"{code.name}: {details}"
