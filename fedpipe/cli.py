@@ -135,14 +135,19 @@ def _compression_arg(text: str) -> str:
     """``--compression``'s value: "auto", "none" or a codec spec that may carry
     activations (it sets theirs too), with the codec grammar's reason if not; the hint for
     a gradients-only codec is in flags, not in Python's ``compression={...}``."""
-    from .spec import CODEC_POLICIES, parse_codec
+    from .spec import SpecError, check_compression
 
-    _gradient_compression_arg(text)
-    if text not in CODEC_POLICIES and parse_codec(text).gradients_only:
+    try:
+        return check_compression(text, "activations")
+    except SpecError as e:
+        try:
+            check_compression(text, "gradients")
+        except SpecError:  # no codec at all: the reason, with what activations take
+            raise argparse.ArgumentTypeError(str(e)) from None
         raise argparse.ArgumentTypeError(
             f"{text!r} drops most of each tensor, so it cannot carry activations: use it "
-            f"for gradients only, e.g. --compression int8 --gradient-compression {text}")
-    return text
+            f"for gradients only, e.g. --compression int8 --gradient-compression {text}"
+        ) from e
 
 
 def _gradient_compression_arg(text: str) -> str:

@@ -53,6 +53,18 @@ def test_a_gradients_only_codec_for_compression_is_refused_with_a_hint_in_flags(
     assert (args.compression, args.gradient_compression) == ("int8", "topk:0.05")
 
 
+def test_an_unknown_codec_for_compression_lists_those_that_carry_activations(capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["demo", "--compression", "int9"])
+    assert ("argument --compression: bad codec spec 'int9': unknown codec 'int9'; valid: "
+            "['auto', 'none', 'bf16', 'fp16', 'had2', 'had4', 'int8', 'lowrank', 'lowrank8', "
+            "'raw']") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser().parse_args(["demo", "--gradient-compression", "zstd"])
+    assert ("argument --gradient-compression: bad codec spec 'zstd': zstd is a suffix to a "
+            "codec, not a codec: e.g. 'raw+zstd' or 'int8+zstd'") in capsys.readouterr().err
+
+
 def test_a_codec_level_out_of_range_is_refused_naming_the_flag_and_the_range(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["demo", "--gradient-compression", "int8+zstd:99"])

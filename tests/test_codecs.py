@@ -266,6 +266,44 @@ def test_a_numeric_codec_parameter_out_of_range_is_named_with_its_range(text, wh
         codec_cost(text)
 
 
+def test_an_unknown_codec_lists_what_its_field_takes():
+    # was, for every field: "unknown codec 'int9'; known: [..., 'sparseloco', ...]", without
+    # 'auto' and 'none', and with codecs the field refuses
+    from fedpipe.spec import Compression, DiLoCo, JobSpecError
+
+    with pytest.raises(JobSpecError) as e:
+        Compression("int9", "auto").validate()
+    assert str(e.value) == (
+        "activation_compression: bad codec spec 'int9': unknown codec 'int9'; valid: ['auto', "
+        "'none', 'bf16', 'fp16', 'had2', 'had4', 'int8', 'lowrank', 'lowrank8', 'raw']")
+    with pytest.raises(JobSpecError, match=re.escape(
+            "gradient_compression: bad codec spec 'int9': unknown codec 'int9'; valid: ['auto', "
+            "'none', 'bf16', 'fp16', 'had2', 'had4', 'int8', 'lowrank', 'lowrank8', 'raw', "
+            "'sparseloco', 'topk']")):
+        Compression("auto", "int9").validate()
+    with pytest.raises(SpecError, match=re.escape(  # DiLoCo's outer sync keeps no basis
+            "valid: ['auto', 'none', 'bf16', 'fp16', 'had2', 'had4', 'int8', 'raw', "
+            "'sparseloco', 'topk']")):
+        DiLoCo(compression="int9")
+    with pytest.raises(SpecError, match=re.escape(  # a bare spec: codecs only
+            "valid: ['bf16', 'fp16', 'had2', 'had4', 'int8', 'lowrank', 'lowrank8', 'raw', "
+            "'sparseloco', 'topk']")):
+        parse_codec("int9")
+
+
+@pytest.mark.parametrize("text", ["zstd", "zstd:3"])
+def test_zstd_alone_is_said_to_be_a_suffix_to_a_codec(text):
+    from fedpipe.spec import Compression
+
+    why = (f"bad codec spec {text!r}: zstd is a suffix to a codec, not a codec: e.g. "
+           f"'raw+zstd' or 'int8+zstd' (NAME[:PARAM]+zstd[:LEVEL])")
+    with pytest.raises(SpecError, match=re.escape(why)):
+        parse_codec(text)
+    with pytest.raises(SpecError, match=re.escape(f"activation_compression: {why}")):
+        Compression(text, text).validate()
+    assert str(parse_codec("raw+zstd")) == "raw+zstd:1"
+
+
 def test_registry_covers_the_proto_enum():
     codes = {c.code for c in CODECS.values()}
     assert codes == {v for v in pb.Codec.values() if v != pb.CODEC_UNSPECIFIED}

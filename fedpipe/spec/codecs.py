@@ -128,8 +128,7 @@ def parse_codec(spec: str) -> CodecSpec:
                         f"e.g. 'int8:64+zstd'")
     name, param, level = m["name"], m["param"], m["level"]
     if name not in CODEC_PARAMS:
-        raise SpecError(f"bad codec spec {spec!r}: unknown codec {name!r}; "
-                        f"known: {sorted(CODEC_PARAMS)}")
+        raise SpecError(_unknown_codec(spec, name, sorted(CODEC_PARAMS)))
     kwargs: dict[str, Any] = {
         "zstd_level": (1 if level is None else _number(spec, "zstd level", level, int))
         if m["zstd"] else None}
@@ -146,6 +145,24 @@ def parse_codec(spec: str) -> CodecSpec:
         return CodecSpec(name, **kwargs)
     except SpecError as e:
         raise SpecError(f"bad codec spec {spec!r}: {e}") from None
+
+
+def _unknown_codec(spec: str, name: str, valid: list[str]) -> str:
+    """The error for codec spec ``spec`` whose codec ``name`` is not one: what is valid
+    there (``valid``), or, for ``zstd``, that it is a suffix to a codec."""
+    if name == "zstd":
+        return (f"bad codec spec {spec!r}: zstd is a suffix to a codec, not a codec: e.g. "
+                f"'raw+zstd' or 'int8+zstd' (NAME[:PARAM]+zstd[:LEVEL])")
+    return f"bad codec spec {spec!r}: unknown codec {name!r}; valid: {valid}"
+
+
+def valid_settings(carries: Literal["activations", "gradients", "outer"]) -> list[str]:
+    """The compression settings :func:`check_compression` takes for tensors of kind
+    ``carries``, each codec by name: "auto", "none", then the codecs allowed there, sorted
+    (each takes its parameter and ``+zstd`` as :class:`CodecSpec`'s grammar says)."""
+    refused = {"activations": GRADIENT_ONLY_CODECS, "gradients": frozenset(),
+               "outer": LOWRANK_CODECS}[carries]
+    return [*CODEC_POLICIES, *sorted(set(CODEC_PARAMS) - refused)]
 
 
 def _number(spec: str, what: str, text: str, kind: type[int] | type[float]) -> int | float:
@@ -171,11 +188,14 @@ def check_compression(setting: str, carries: Literal["activations", "gradients",
     to keep a basis on (a job's pair of settings: :func:`lowrank_problem`).
 
     Raises:
-        SpecError: a bad codec spec, a gradients-only codec for activations, or a
-            lowrank codec for the outer sync.
+        SpecError: a bad codec spec (an unknown codec's lists :func:`valid_settings`), a
+            gradients-only codec for activations, or a lowrank codec for the outer sync.
     """
     if setting in CODEC_POLICIES:
         return setting
+    m = _SPEC_RE.fullmatch(setting) if isinstance(setting, str) else None
+    if m is not None and m["name"] not in CODEC_PARAMS:
+        raise SpecError(_unknown_codec(setting, m["name"], valid_settings(carries)))
     if parse_codec(setting).name in LOWRANK_CODECS and carries == "outer":
         raise SpecError(f"{setting!r} keeps a basis per stage boundary: it compresses "
                         "activations and their gradients, not DiLoCo's outer sync")
