@@ -150,6 +150,17 @@ def _compression_arg(text: str) -> str:
         ) from e
 
 
+def _cuts_arg(text: str) -> tuple[int, ...]:
+    """``--cuts``' value: comma-separated child indices (``2,3,4``); the rule they follow
+    with the depth and the model is :func:`fedpipe.spec.cuts_problem`'s, checked by
+    :func:`cmd_plan` once the model is read."""
+    try:
+        return tuple(int(c) for c in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected child indices separated by commas, e.g. 2,3,4; got {text!r}") from None
+
+
 def _gradient_compression_arg(text: str) -> str:
     """``--gradient-compression``'s value: "auto", "none" or a codec spec."""
     from .spec import SpecError, check_compression
@@ -219,7 +230,11 @@ def cmd_plot(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    """``fedpipe plan``: the plan a job would get over a cluster file or a live swarm, its
+    predicted step time and samples/s; ``--cuts`` pins its stage boundaries (and, without
+    ``--stages``, its depth)."""
     from . import planner
+    from .spec import cuts_problem
     from .planner import jsonio
 
     def load(path):
@@ -227,6 +242,12 @@ def cmd_plan(args) -> int:
             return json.load(f)
 
     profile = jsonio.profile_from_json(load(args.model))
+    stages = args.stages or (len(args.cuts) + 1 if args.cuts else 0)
+    problem = cuts_problem(args.cuts, stages, len(profile.layers))
+    if problem:
+        print(f"fedpipe plan: --cuts {','.join(map(str, args.cuts))}: {problem}",
+              file=sys.stderr)
+        return 2
     if args.cluster:
         cluster = jsonio.cluster_from_json(load(args.cluster))
     else:
@@ -239,7 +260,7 @@ def cmd_plan(args) -> int:
                                           timeout=timeouts.CONTROL_RPC)
         cluster = cluster_view(list(reply.nodes), list(reply.links))
     config = planner.TrainConfig(batch_size=args.batch, microbatches=args.microbatches,
-                                 schedule=args.schedule, stages=args.stages or 0,
+                                 schedule=args.schedule, stages=stages, cuts=args.cuts,
                                  compression=args.compression,
                                  gradient_compression=args.gradient_compression)
     plan = planner.make_plan(cluster, profile, config)
@@ -339,6 +360,8 @@ def _keep(tracker: str, http_port: int) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from .spec import Training
+
     p = argparse.ArgumentParser(prog="fedpipe", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
@@ -437,8 +460,14 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", required=True, help="model profile JSON (layers; see README)")
     pl.add_argument("--batch", type=int, default=64, help="samples per step")
     pl.add_argument("--microbatches", type=int, default=4)
-    pl.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    pl.add_argument("--schedule", default=Training.schedule, choices=["gpipe", "1f1b"],
+                    help="pipeline schedule (default: %(default)s, as submit()'s)")
     pl.add_argument("--stages", type=int, default=None, help="pin the pipeline depth")
+    pl.add_argument("--cuts", type=_cuts_arg, default=(), metavar="C,C,...",
+                    help="pin the stage boundaries: the child indices at which a stage "
+                         "begins, as Placement(cuts=...) (e.g. 2,3,4: four stages, children "
+                         "0-1, 2, 3, 4-); --stages, if given, must be one more than their "
+                         "count")
     compression_args(pl)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--draw", metavar="FILE", help="also draw the plan (.png, .svg, .pdf)")

@@ -81,3 +81,40 @@ def test_plan_takes_a_gradient_codec_of_its_own(capsys):
     stages = json.loads(capsys.readouterr().out)["groups"][0]["stages"]
     assert {s["gradient_codec"] for s in stages[1:]} == {"topk:0.05"}
     assert {s["activation_codec"] for s in stages[:-1]} == {"int8"}
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PLAN = ["plan", "--cluster", str(ROOT / "benchmarks/clusters/S2.json"), "--model",
+        str(ROOT / "benchmarks/models/uneven16.json")]
+
+
+def test_plan_pins_the_stage_boundaries_of_cuts_and_their_depth(capsys):
+    assert main([*PLAN, "--cuts", "4,9", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["groups"][0]["stages"]
+    assert [(s["layer_start"], s["layer_end"]) for s in stages] == [(0, 4), (4, 9), (9, 16)]
+
+
+@pytest.mark.parametrize("cuts,stages,why", [
+    ("9,4", [], "cuts must strictly increase (each stage holds at least one layer); 4 "
+                "follows 9 in (9, 4)"),
+    ("4,99", [], "cut 99 is out of range: the model has 16 layers (top-level children "
+                 "0..15), so each cut must be in 1..15; got (4, 99)"),
+    ("4,9", ["--stages", "2"], "2 stages need 1 cut(s), one after each stage but the last; "
+                               "got 2: (4, 9)")])
+def test_plan_refuses_cuts_that_break_placements_rule_naming_the_flag(cuts, stages, why,
+                                                                       capsys):
+    assert main([*PLAN, "--cuts", cuts, *stages]) == 2
+    assert capsys.readouterr().err == f"fedpipe plan: --cuts {cuts}: {why}\n"
+    with pytest.raises(SystemExit):
+        parser().parse_args([*PLAN, "--cuts", "2;3"])
+    assert "argument --cuts: expected child indices separated by commas, e.g. 2,3,4; got " \
+           "'2;3'" in capsys.readouterr().err
+
+
+def test_plans_schedule_is_submits_default_and_its_help_says_which(capsys):
+    from fedpipe.spec import Training
+
+    assert parser().parse_args(PLAN).schedule == Training().schedule == "gpipe"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["plan", "--help"])
+    assert "(default: gpipe, as submit()'s)" in " ".join(capsys.readouterr().out.split())
