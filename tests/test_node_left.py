@@ -84,6 +84,7 @@ def test_status_shows_a_drained_node_as_left():
     status.run_status(Source(), console=console)
     text = console.export_text()
     assert "left the swarm after its drain" in text and "no heartbeat" not in text
+    assert "1 node(s) alive, 1 left, 0 lost;" in text  # was: "1 node(s) alive, 1 lost"
 
 
 def test_the_dashboards_nodes_say_a_drained_node_left():

@@ -192,11 +192,35 @@ def test_a_lost_node_shows_why_in_the_swarm_view_and_status(store):
     lost = [n for n in view["nodes"] if not n["alive"]]
     assert [n["name"] for n in lost] == ["mid"]
     assert re.fullmatch(r"lost: no heartbeat for 3\d s \(last \d\d:\d\d:\d\d\)", lost[0]["why"])
-    assert view["totals"] == {"alive": 2, "lost": 1, "flops": 135e9,
+    assert view["totals"] == {"alive": 2, "left": 0, "lost": 1, "flops": 135e9,
                               "memory_bytes": (8 << 30) + (2 << 30)}
     console = Console(width=160, record=True, color_system=None)
     status.run_status(s, console=console)
     assert "lost: no heartbeat for" in console.export_text()
+
+
+def test_nodes_that_left_on_purpose_are_counted_apart_from_lost_ones():
+    # was, after `fedpipe drain n1`: "2 node(s) alive, 1 lost", n1 saying it left
+    from fedpipe.observe.views import swarm_view
+    from fedpipe.proto import node_pb2, tracker_pb2
+    from fedpipe.spec import NODE_DRAINED, NODE_LEFT
+
+    def node(name, alive=True, lost_reason=""):
+        return tracker_pb2.NodeInfo(node_id=name, name=name, alive=alive,
+                                    lost_reason=lost_reason, last_heartbeat=time.time(),
+                                    resources=node_pb2.Resources(flops=1e9))
+
+    nodes = [node("n0"), node("n1", False, NODE_DRAINED), node("n2"),
+             node("n3", False, NODE_LEFT), node("n4", False, "missed its lease")]
+    view = swarm_view(nodes, [])
+    assert {k: view["totals"][k] for k in ("alive", "left", "lost")} == \
+        {"alive": 2, "left": 2, "lost": 1}
+    assert [n["state"] for n in view["nodes"]] == ["alive", "left", "alive", "left", "lost"]
+    console = Console(width=160, record=True, color_system=None)
+    console.print(status.swarm_renderable(view))
+    text = console.export_text()
+    assert "2 node(s) alive, 2 left, 1 lost;" in text
+    assert "left the swarm after its drain" in text and "lost: missed its lease" in text
 
 
 def test_throughput_timeline_draws_the_bins_events_and_baseline_with_a_legend(tmp_path):

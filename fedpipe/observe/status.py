@@ -39,7 +39,7 @@ from .views import History, job_view, measured_step_seconds, plan_from_message, 
 STATE_STYLE = {"RUNNING": "green", "SUCCEEDED": "bold green", "FAILED": "bold red",
                "CANCELLED": "red", "RECOVERING": "yellow", "PENDING": "yellow", "WAITING": "yellow",
                "PLANNING": "yellow", "DEPLOYING": "yellow", "alive": "green", "lost": "red",
-               "draining": "yellow"}
+               "draining": "yellow", "left": "dim"}
 EVENTS_SHOWN = 15
 PIPED_WIDTH = 160
 """Characters a line of ``fedpipe status`` may take when its output is not a terminal (a
@@ -83,10 +83,11 @@ def _clock(t: float) -> str:
 
 
 def swarm_renderable(swarm: dict) -> RenderableType:
-    """The swarm (a :func:`~fedpipe.observe.views.swarm_view`): nodes, alive or lost
-    and why, capacity, and the measured links."""
+    """The swarm (a :func:`~fedpipe.observe.views.swarm_view`): nodes, alive, left or
+    lost and why, capacity, and the measured links."""
     t = swarm["totals"]
-    nodes = Table(title=f"{t['alive']} node(s) alive, {t['lost']} lost; "
+    left = f", {t['left']} left" if t["left"] else ""
+    nodes = Table(title=f"{t['alive']} node(s) alive{left}, {t['lost']} lost; "
                         f"{t['flops'] / 1e9:.0f} GFLOP/s, {binary_bytes(t['memory_bytes'])} in all",
                   box=box.SIMPLE_HEAD, title_justify="left")
     for col, just in (("node", "left"), ("name", "left"), ("address", "left"),

@@ -322,7 +322,7 @@ def node_view(n: tracker_pb2.NodeInfo, now: float) -> dict:
     last = time.strftime("%H:%M:%S", time.localtime(n.last_heartbeat))
     if n.alive:
         why = ""
-    elif n.lost_reason in (NODE_LEFT, NODE_DRAINED):
+    elif _left(n):
         why = f"{n.lost_reason} (last heartbeat {last})"
     elif n.lost_reason:
         why = f"lost: {n.lost_reason} (last heartbeat {last})"
@@ -330,11 +330,18 @@ def node_view(n: tracker_pb2.NodeInfo, now: float) -> dict:
         why = (f"lost: no heartbeat for {max(0.0, now - n.last_heartbeat):.0f} s "
                f"(last {last})")
     return {"id": n.node_id, "name": n.name, "address": n.address, "alive": n.alive,
-            "state": ("draining" if n.draining else "alive") if n.alive else "lost", "why": why,
+            "state": (("draining" if n.draining else "alive") if n.alive
+                      else "left" if _left(n) else "lost"), "why": why,
             "device": r.device, "device_name": r.device_name, "cores": r.cores,
             "flops": r.flops, "memory_bytes": r.memory_bytes, "hostname": r.hostname,
             "last_heartbeat": n.last_heartbeat, "registered": n.registered,
             "relay": n.relay, "reach": reach(n.relay)}
+
+
+def _left(n: tracker_pb2.NodeInfo) -> bool:
+    """Whether node ``n`` is gone because it left on purpose (stopped, or drained), not
+    lost: the tracker's reason says so."""
+    return not n.alive and n.lost_reason in (NODE_LEFT, NODE_DRAINED)
 
 
 def reach(relay: str) -> str:
@@ -349,8 +356,9 @@ def swarm_view(nodes: Sequence[tracker_pb2.NodeInfo],
 
     ``matrix`` is over the nodes in order (``names``, ``ids``):
     ``bandwidth[i][j]`` (bytes/s) and ``latency[i][j]`` (seconds) of the link
-    from node i to node j, None where unmeasured. ``totals`` sums the live
-    nodes' FLOP/s and memory bytes.
+    from node i to node j, None where unmeasured. ``totals`` counts the nodes alive,
+    those that left on purpose (stopped or drained) and those lost apart, and sums the
+    live nodes' FLOP/s and memory bytes.
     """
     now = time.time() if now is None else now
     ids = [n.node_id for n in nodes]
@@ -369,12 +377,13 @@ def swarm_view(nodes: Sequence[tracker_pb2.NodeInfo],
             bw[at[m.src_id]][at[m.dst_id]] = _num(m.bandwidth)
             lat[at[m.src_id]][at[m.dst_id]] = _num(m.latency)
     live = [n for n in nodes if n.alive]
+    left = sum(1 for n in nodes if _left(n))
     return {"time": now,
             "nodes": [node_view(n, now) for n in nodes],
             "links": out_links,
             "matrix": {"ids": ids, "names": [names[i] for i in ids], "bandwidth": bw,
                        "latency": lat},
-            "totals": {"alive": len(live), "lost": len(nodes) - len(live),
+            "totals": {"alive": len(live), "left": left, "lost": len(nodes) - len(live) - left,
                        "flops": sum(n.resources.flops for n in live),
                        "memory_bytes": sum(n.resources.memory_bytes for n in live)}}
 

@@ -62,7 +62,8 @@ async function getJSON(url) {
 // -- swarm ----------------------------------------------------------------------------
 function renderSwarm(swarm) {
   const t = swarm.totals;
-  $("totals").textContent = `${t.alive} node(s) alive, ${t.lost} lost · ` +
+  $("totals").textContent = `${t.alive} node(s) alive${t.left ? `, ${t.left} left` : ""}, ` +
+    `${t.lost} lost · ` +
     `${(t.flops / 1e9).toFixed(0)} GFLOP/s · ${fmtBytes(t.memory_bytes)}`;
   fill($("nodes").tBodies[0], swarm.nodes.map((n) => el("tr", { "data-node": n.id },
     el("td", {}, n.name), el("td", {}, n.address),
