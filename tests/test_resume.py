@@ -11,6 +11,7 @@ no compression): the weights must be equal, not close.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ from torch import nn
 
 import fedpipe
 from fedpipe.client import checkpoints
+from fedpipe.client.job import Job
 from fedpipe.examples import digits
 from fedpipe.testing import LocalSwarm
 
@@ -234,6 +236,41 @@ def test_a_checkpoint_saved_in_two_stages_resumes_in_one_exactly(swarm, undistur
         assert_equal(second.state_dict(), undisturbed)
         second.release()
     assert socket_snapshots(swarm, since) == []
+
+
+def test_a_checkpoint_dir_the_job_outruns_keeps_its_newest_and_names_each_one_skipped(
+        swarm, tmp_path, monkeypatch, caplog):
+    """A client that pulls slower than the job takes checkpoints: the nodes drop the
+    snapshots of its first checkpoint (they keep a stage's newest) between its two stages'
+    pulls. The client keeps the newest instead, says which it did not keep, and leaves no
+    ``.tmp-*`` folder behind."""
+    keep = tmp_path / "checkpoints"
+    real = Job._pull
+
+    def overtaken(self, info, step):  # a slow client: stage 1 is asked for when 2 later
+        stages = real(self, info, step)  # checkpoints completed (their nodes moved on)
+        yield next(stages)
+        if step == EVERY:
+            wait_for("2 later checkpoints",
+                     lambda: self.status().checkpoint_step >= step + 3 * EVERY)
+        yield from stages
+
+    monkeypatch.setattr(Job, "_pull", overtaken)
+    with swarm.client() as client, caplog.at_level(logging.INFO, logger="fedpipe.client"):
+        job = submit(client, batches(), checkpoint_dir=keep)
+        job.wait(timeout=180, progress=False)
+        job.release()
+    said = [r.getMessage() for r in caplog.records if r.name == "fedpipe.client"]
+    kept = {int(m) for line in said for m in re.findall(r"checkpoint of step (\d+) kept", line)}
+    skipped = {int(m) for line in said
+               for steps in re.findall(r"checkpoints? of steps? ([\d, ]+?) (?:not kept|in )", line)
+               for m in re.findall(r"\d+", steps)}
+    assert kept | skipped == set(range(EVERY, STEPS + 1, EVERY)), said
+    assert EVERY in skipped and not kept & skipped
+    assert sorted(p.name for p in keep.iterdir() if p.name.startswith(".")) == []
+    folders = sorted(p.name for p in keep.iterdir())
+    assert folders[-1] == f"step-{STEPS:08d}" and len(folders) <= checkpoints.KEEP
+    assert set(folders) <= {f"step-{s:08d}" for s in kept}
 
 
 def test_a_checkpoint_dir_outlives_every_node_and_the_tracker(swarm, undisturbed, tmp_path):

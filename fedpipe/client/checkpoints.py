@@ -71,6 +71,8 @@ FORMAT = "fedpipe-checkpoint/2"
 FORMAT_1 = "fedpipe-checkpoint/1"
 KEEP = 2
 """Checkpoints a checkpoint directory keeps (the newest)."""
+TMP_PREFIX = ".tmp-step-"
+"""A checkpoint directory's folder of a checkpoint being written (:func:`keep`)."""
 
 
 class CheckpointError(ValueError):
@@ -393,22 +395,37 @@ def keep(directory: str | os.PathLike, step: int,
          plan: node_pb2.Plan, *, steps: int, config: dict | None = None,
          **layout: Any) -> Path:
     """Add the checkpoint of ``step`` to a checkpoint directory (written a stage at a
-    time, as :func:`write` with ``layout``: names, skip, model_config) and drop all but
-    the newest :data:`KEEP`; return its folder.
+    time, as :func:`write` with ``layout``: names, skip, model_config, into
+    ``.tmp-step-NNNNNNNN`` beside it, renamed when complete) and drop all but the newest
+    :data:`KEEP`; return its folder. A checkpoint that fails midway leaves nothing (its
+    ``.tmp-`` folder is removed) and the directory as it was.
 
     Raises:
         OSError: the directory cannot be written.
+        Whatever pulling ``snapshots`` raises (:func:`pull`).
     """
     directory = Path(directory)
     folder = directory / f"step-{step:08d}"
-    tmp = directory / f".tmp-step-{step:08d}"
+    tmp = directory / f"{TMP_PREFIX}{step:08d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp, step, snapshots, plan, steps=steps, config=config, **layout)
+    try:
+        write(tmp, step, snapshots, plan, steps=steps, config=config, **layout)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     for old in sorted(directory.glob("step-*"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+def sweep(directory: str | os.PathLike) -> None:
+    """Remove the ``.tmp-`` folders of checkpoints :func:`keep` did not finish in a
+    checkpoint directory (a process killed while it wrote one); call it only while
+    nothing keeps a checkpoint there."""
+    for tmp in Path(directory).glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # -- pulling a job's state from its nodes (Job.save, checkpoint_dir, Job.state_dict) ----

@@ -243,8 +243,9 @@ class Client:
                 checkpoint's; a plan that splits the layers otherwise restores
                 each stage from the saved stages that held its layers
                 (:mod:`fedpipe.runtime.layerstate`), exactly.
-            checkpoint_dir: keep the newest complete checkpoints in this folder
-                (pulled from the nodes as each completes), so the job can be
+            checkpoint_dir: keep the newest :data:`~.checkpoints.KEEP` complete
+                checkpoints in this folder (pulled from the nodes as each completes;
+                one skipped or not kept is named in a warning), so the job can be
                 resumed (``resume_from=checkpoint_dir``) even if every node and
                 the tracker are lost.
             weights: a safetensors file or a Hugging Face sharded directory the

@@ -111,7 +111,11 @@ class Job:
         self.feed_error: BaseException | None = None
         self._spec = spec
         self._checkpoint_dir = checkpoint_dir
-        self._saved_step = 0  # the newest checkpoint kept in checkpoint_dir
+        self._kept_steps: set[int] = set()  # every checkpoint kept in checkpoint_dir
+        self._heard: set[int] = set()  # checkpoints completed, neither kept nor said not kept
+        # checkpoints up to this step completed before this Job kept any (a resumed job's
+        # watch replays their events): none is named as not kept; None: not known yet
+        self._keeping_since: int | None = 0
         self._feeder: threading.Thread | None = None
         self._follower: threading.Thread | None = None
         self._feeder_id = os.urandom(8).hex()
@@ -207,9 +211,11 @@ class Job:
                 raise
             # the tracker is away (restarting): the watch retries, and the tracker
             # refuses the take-over of an ended job itself
+            self._keeping_since = None
         else:
             if info.state in TERMINAL:
                 raise JobEnded(self._ended_message(info.state, info.reason))
+            self._keeping_since = info.checkpoint_step
         if checkpoint_dir is not None:
             self._checkpoint_dir = checkpoint_dir
         if model is not None:
@@ -376,6 +382,7 @@ class Job:
         if self._follower is not None and self._checkpoint_dir is not None:
             # the watch keeps the job's last checkpoints in checkpoint_dir: let it finish
             self._follower.join(timeouts.FETCH_STATE_RPC)
+            self._sweep_checkpoints()
         status = self._status(self._info())
         if status.state != "SUCCEEDED":
             detail = f"; feeding data failed: {self.feed_error}" if self.feed_error else ""
@@ -466,30 +473,101 @@ class Job:
         for thread in (self._feeder, self._follower):
             if thread is not None:
                 thread.join(timeout)
+        self._sweep_checkpoints()
+
+    def _sweep_checkpoints(self) -> None:
+        """Remove what unfinished checkpoints left in ``checkpoint_dir`` once the watch
+        that keeps them has ended (:func:`.checkpoints.sweep`)."""
+        if self._checkpoint_dir is not None and not (
+                self._follower is not None and self._follower.is_alive()):
+            checkpoints.sweep(self._checkpoint_dir)
 
     def _on_event(self, ev: tracker_pb2.JobEvent) -> None:
         """On the watch thread: keep each complete checkpoint in ``checkpoint_dir``."""
-        if self._checkpoint_dir is not None and (
-                ev.checkpoint_step or ev.state == S.JOB_STATE_SUCCEEDED):
+        if self._checkpoint_dir is None:
+            return
+        step = ev.checkpoint_step
+        if self._keeping_since is None or step <= self._keeping_since:
+            pass  # completed before this Job kept checkpoints: not its to name
+        elif step > self._saved_step:
+            self._heard.add(step)
+        elif step not in self._kept_steps:  # heard of after a newer one was kept
+            log.warning("job %s: %s not kept in %s: the client had kept step %d's, newer, "
+                        "when it heard that it completed", self.id, _checkpoints([step]),
+                        self._checkpoint_dir, self._saved_step)
+        if step or ev.state == S.JOB_STATE_SUCCEEDED:
             self._keep_checkpoint()
 
     def _keep_checkpoint(self) -> None:
         """Pull the job's newest complete checkpoint into ``checkpoint_dir`` if it is
-        newer than the one kept there (best effort: a failure is logged)."""
+        newer than the one kept there (:func:`.checkpoints.keep`: the newest
+        :data:`~.checkpoints.KEEP` stay).
+
+        Best effort, and every checkpoint the job completed is either kept or named in
+        one warning line: one that failed, with why, and each one skipped. A client
+        that pulls slower than the job takes checkpoints skips to the newest: the
+        nodes keep a stage's newest :data:`~fedpipe.spec.SNAPSHOTS_KEPT` snapshots
+        beside the last complete one, so an older checkpoint can be gone before the
+        client asks for it, and one that goes midway (:class:`CheckpointGone` while a
+        newer one has completed) is pulled again at the newest. Never raises: the
+        watch thread that calls it goes on."""
         assert self._checkpoint_dir is not None
+        step = 0
         try:
             info = self._info()
-            step = info.steps if info.state == S.JOB_STATE_SUCCEEDED else info.checkpoint_step
-            if step <= self._saved_step:
+            while (step := self._newest(info)) > self._saved_step:
+                try:
+                    folder = checkpoints.keep(self._checkpoint_dir, step,
+                                              self._pull(info, step), info.plan,
+                                              steps=info.steps, config=self._config(),
+                                              **self._layout())
+                except CheckpointGone:
+                    info = self._info()
+                    if self._newest(info) > step:  # its nodes dropped it for newer ones
+                        continue
+                    raise
+                self._kept(step, folder)
                 return
-            folder = checkpoints.keep(self._checkpoint_dir, step, self._pull(info, step),
-                                      info.plan, steps=info.steps, config=self._config(),
-                                      **self._layout())
-            self._saved_step = step
-            log.info("job %s: checkpoint of step %d kept in %s", self.id, step, folder)
         except (grpc.RpcError, CheckpointGone, OSError, ValueError) as e:
-            log.warning("job %s: could not keep its checkpoint in %s: %s", self.id,
-                        self._checkpoint_dir, one_line(e))
+            self._not_kept(step, one_line(e))
+        except Exception as e:  # noqa: BLE001 — a bug here must not end the job's watch
+            self._not_kept(step, f"{type(e).__name__}: {e}", trace=e)
+
+    @property
+    def _saved_step(self) -> int:
+        """The newest checkpoint kept in ``checkpoint_dir`` (0: none)."""
+        return max(self._kept_steps, default=0)
+
+    @staticmethod
+    def _newest(info: tracker_pb2.JobInfo) -> int:
+        """The step of the job's newest complete checkpoint (its last, once SUCCEEDED)."""
+        return info.steps if info.state == S.JOB_STATE_SUCCEEDED else info.checkpoint_step
+
+    def _kept(self, step: int, folder: os.PathLike) -> None:
+        """Checkpoint ``step`` is in ``folder``: say so, and name the older ones that
+        completed since the last kept and were skipped."""
+        skipped = sorted(s for s in self._heard if s < step)
+        self._heard = {s for s in self._heard if s > step}
+        self._kept_steps.add(step)
+        if self._keeping_since is None:
+            self._keeping_since = step
+        if skipped:
+            log.warning("job %s: %s not kept in %s: the job completed step %d's before the "
+                        "client pulled %s (its nodes keep only each stage's newest "
+                        "snapshots); kept step %d's", self.id, _checkpoints(skipped),
+                        self._checkpoint_dir, step, "it" if len(skipped) == 1 else "them",
+                        step)
+        log.info("job %s: checkpoint of step %d kept in %s", self.id, step, folder)
+
+    def _not_kept(self, step: int, why: str, trace: BaseException | None = None) -> None:
+        """Keeping checkpoint ``step`` (0: the step is unknown) failed for ``why``: one
+        warning naming it and the others completed since the last kept (with the
+        traceback of ``trace``, an error nobody expected)."""
+        missed = sorted(self._heard | {step} - {0})
+        self._heard.clear()
+        which = _checkpoints(missed) if missed else "newest checkpoint"
+        log.warning("job %s: could not keep its %s in %s: %s", self.id, which,
+                    self._checkpoint_dir, why, exc_info=trace)
 
     def _info(self) -> tracker_pb2.JobInfo:
         """The job's info, asked again while the tracker is unreachable (restarting), at
@@ -555,6 +633,13 @@ class Job:
             self.cancel(reason)
         except (grpc.RpcError, ValueError) as e:  # ValueError: the channel is closed
             log.error("could not cancel job %s either: %s", self.id, e)
+
+
+def _checkpoints(steps: list[int]) -> str:
+    """``"checkpoint of step 2"`` or ``"checkpoints of steps 2, 4, 6"``."""
+    if len(steps) == 1:
+        return f"checkpoint of step {steps[0]}"
+    return f"checkpoints of steps {', '.join(map(str, steps))}"
 
 
 def one_line(e: BaseException) -> str:
