@@ -160,3 +160,31 @@ def test_a_node_names_the_acknowledged_steps_it_keeps_that_are_not_complete_yet(
     assert store.acked_steps("job", key, 1) == [20]  # 10 was pruned; 30 is not acked
     store.drop_job("job")
     assert store.acked_steps("job", key, 1) == []
+
+
+@pytest.mark.parametrize("state, said", [("DONE", True), ("RUNNING", True),
+                                         ("STOPPED", False)])
+def test_a_shipped_checkpoint_is_reported_unless_its_stage_was_stopped(state, said):
+    """A last stage may run its last steps while its snapshot still travels to its buddy: a
+    DONE stage still reports the checkpoint (it was once dropped, so the tracker never
+    completed the job's last checkpoint); a stopped one (an old epoch's) says nothing."""
+    from types import SimpleNamespace
+
+    from fedpipe.node.lifecycle import StageSlot, StageState
+    from fedpipe.node.peers import ChannelPool
+    from fedpipe.node.reports import StageReporter
+    from fedpipe.node.snapshots import Checkpoints, SnapshotStore
+    from fedpipe.proto import tracker_pb2
+
+    model, opt, sched = toy_stage("adamw")
+    sent: list = []
+    store = SnapshotStore(keep=2)
+    shipping = Checkpoints(store, ChannelPool(), StageReporter(lambda: "n", sent.append))
+    slot = StageSlot("job", 0, 1)
+    stage = SimpleNamespace(job_id="job", slot=slot, key=slot.key, epoch=1, plan=None,
+                            parts=parts(model, opt, sched), state=StageState[state],
+                            live=StageState[state] == StageState.RUNNING)
+    shipping.take(stage, 4)
+    shipping.shipper.shutdown(wait=True)
+    reported = [(r.status, r.step) for r in sent]
+    assert reported == ([(tracker_pb2.StageReport.STATUS_CHECKPOINT, 4)] if said else [])

@@ -35,7 +35,7 @@ from ..spec import SNAPSHOTS_KEPT, Kind, StageKey
 from ..wire import WireError, rpc
 from ..wire.format import peek_header
 from .errors import NoSuchSnapshot, NoSuchStage
-from .lifecycle import Stage
+from .lifecycle import Stage, StageState
 from .peers import ChannelPool
 from .reports import StageReporter
 from .snapfiles import SnapshotWriter, claim_dir
@@ -293,7 +293,9 @@ class Checkpoints:
                             "%s", stage.job_id, stage.key.stage, snap.step, buddy.node_name,
                             e.details() if isinstance(e, grpc.RpcError) else e)
                 return
-        if stage.live:
+        # a stage that ran its last steps while its buddy took this snapshot (DONE) still
+        # says so: the checkpoint is complete (one stopped, of an old epoch, says nothing)
+        if stage.live or stage.state == StageState.DONE:
             self.reporter.report(stage, tracker_pb2.StageReport.STATUS_CHECKPOINT,
                                  step=snap.step)
             # the heartbeats say it too, for a tracker that takes over before it counts this
