@@ -254,3 +254,20 @@ def test_a_job_that_ends_while_recovering_drops_its_record():
     assert w.recovery.old_nodes(w.job) == set()
     w.recovery.resume(w.job, w.membership.nodes())  # nothing to resume
     assert w.state() == "CANCELLED"
+
+
+def test_a_swap_of_two_nodes_reads_as_each_stages_move():
+    """``moves`` pairs each moved stage's old and new node in stage order: a rebalance that
+    swapped two nodes' stages once read "moved n3, nat1 -> n3, nat1", as if nothing moved."""
+    from fedpipe.recovery_text import recovery_what
+    from fedpipe.tracker.replan import moves
+
+    def plan(*names):
+        return node_pb2.Plan(stages=[node_pb2.StageAssignment(stage=s, node_id=n, node_name=n)
+                                     for s, n in enumerate(names)])
+
+    assert moves(plan("n3", "nat1", "n5"), plan("nat1", "n3", "n5")) == ("n3, nat1", "nat1, n3")
+    rec = tracker_pb2.Recovery(cause="rebalance", moved_from="n3, nat1", moved_to="nat1, n3")
+    assert recovery_what(rec) == "moved n3, nat1 -> nat1, n3"
+    assert moves(plan("a", "b"), plan("a", "b")) == ("", "")
+    assert moves(plan("a"), plan("a", "c")) == ("-", "c")  # a stage new to the plan

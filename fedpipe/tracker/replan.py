@@ -83,10 +83,12 @@ def moved(before: node_pb2.Plan, after: node_pb2.Plan) -> list[StageKey]:
 
 def moves(before: node_pb2.Plan, after: node_pb2.Plan) -> tuple[str, str]:
     """``(from, to)``: the names of the nodes the :func:`moved` stages left and went to,
-    each sorted and joined by ", " ("" when none moved; a stage new to ``after`` has no
-    "from")."""
+    each joined by ", " in the same stage order, so the i-th name of each is one stage's
+    move: two nodes that swapped stages read ``("n3, nat1", "nat1, n3")`` (a set of each
+    said ``n3, nat1 -> n3, nat1``, as if nothing moved). "" when none moved; a stage new
+    to ``after`` has "-" for its "from"."""
     old, new = PlanView(before), PlanView(after)
     keys = moved(before, after)
-    left = sorted({old[k].node_name for k in keys if old.get(k) is not None})
-    went = sorted({new[k].node_name for k in keys})
+    left = [old[k].node_name if old.get(k) is not None else "-" for k in keys]
+    went = [new[k].node_name for k in keys]
     return ", ".join(left), ", ".join(went)
