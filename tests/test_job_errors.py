@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from client_fakes import FakeRpcError, FakeTracker
-from fedpipe.client import CheckpointGone, Client, JobEnded, JobFailed, NotEnoughMemory
+from fedpipe.client import CheckpointGone, Client, Job, JobEnded, JobFailed, NotEnoughMemory
+from fedpipe.client.keeping import CheckpointKeeper
 from fedpipe.node.errors import MemoryTooSmall
 from fedpipe.node.memory import StageMemory
 from fedpipe.proto import node_pb2
@@ -90,15 +91,19 @@ def test_save_after_the_snapshots_are_gone_names_the_job_the_step_and_why(client
     assert not (tmp_path / "run").exists()
 
 
+def keeper(job: Job, folder) -> CheckpointKeeper:
+    """The keeper of ``job``'s checkpoints in ``folder``, wired as ``Job`` wires it."""
+    return CheckpointKeeper(job.id, folder, info=job._info, pull=job._pull,
+                            layout=job._layout)
+
+
 def test_a_checkpoint_that_cannot_be_kept_is_one_warning_line(client, tmp_path, caplog):
     tracker = FakeTracker(steps=3)
     tracker.move(S.JOB_STATE_RUNNING, checkpoint_step=2)
     client.stub = tracker
     client.node = lambda address: GoneSnapshots()
-    job = client.job("j")
-    job._checkpoint_dir = tmp_path
     with caplog.at_level(logging.WARNING, logger="fedpipe.client"):
-        job._keep_checkpoint()
+        keeper(client.job("j"), tmp_path).keep()
     [record] = [r for r in caplog.records if "could not keep" in r.getMessage()]
     message = record.getMessage()
     assert "\n" not in message and "Rendezvous" not in message and "<" not in message
@@ -117,10 +122,8 @@ def test_a_grpc_error_in_the_checkpoint_warning_is_its_code_and_details(client, 
     tracker.move(S.JOB_STATE_RUNNING, checkpoint_step=2)
     client.stub = tracker
     client.node = lambda address: Unreachable()
-    job = client.job("j")
-    job._checkpoint_dir = tmp_path
     with caplog.at_level(logging.WARNING, logger="fedpipe.client"):
-        job._keep_checkpoint()
+        keeper(client.job("j"), tmp_path).keep()
     [record] = [r for r in caplog.records if "could not keep" in r.getMessage()]
     assert record.getMessage().endswith(": UNAVAILABLE: connection refused")
 

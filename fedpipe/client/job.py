@@ -3,7 +3,8 @@
 A :class:`Job` that feeds its job runs two threads: the feeder's watch
 (:mod:`.watch`, the one source of the job's state) and the feed (:mod:`.feed`, what
 is sent each step). ``Job`` starts them, ends them when its client closes, and turns
-what ended the feed into the job's fate (:attr:`Job.feed_error`).
+what ended the feed into the job's fate (:attr:`Job.feed_error`). With a
+``checkpoint_dir``, the watch thread keeps the job's checkpoints there (:mod:`.keeping`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ..spec import TERMINAL, JobSpec, PlanView, StageKey, state_name
 from . import checkpoints
 from .errors import CheckpointGone, JobEnded, JobFailed, NotEnoughMemory, TrackerBusy
 from .feed import FEED_KEEP_CHECKPOINTS, Batch, ChannelNodes, Feed, GroupFeed, cycle, shard
+from .keeping import CheckpointKeeper, newest_checkpoint
 from .watch import RETRYABLE, Halted, JobWatch, NoLeader
 from .weights import TensorsOf, WeightStreamer, streamed
 
@@ -111,11 +113,7 @@ class Job:
         self.feed_error: BaseException | None = None
         self._spec = spec
         self._checkpoint_dir = checkpoint_dir
-        self._kept_steps: set[int] = set()  # every checkpoint kept in checkpoint_dir
-        self._heard: set[int] = set()  # checkpoints completed, neither kept nor said not kept
-        # checkpoints up to this step completed before this Job kept any (a resumed job's
-        # watch replays their events): none is named as not kept; None: not known yet
-        self._keeping_since: int | None = 0
+        self._keeper: CheckpointKeeper | None = None  # keeps checkpoint_dir, while it feeds
         self._feeder: threading.Thread | None = None
         self._follower: threading.Thread | None = None
         self._feeder_id = os.urandom(8).hex()
@@ -124,9 +122,12 @@ class Job:
         self._feed: Feed | None = None  # the feed, once this Job feeds
 
     def _start_feed(self, batches: Iterator, *, take_over: bool = False,
-                    restore: checkpoints.SavedCheckpoint | None = None) -> None:
+                    restore: checkpoints.SavedCheckpoint | None = None,
+                    keeping_since: int | None = 0) -> None:
         """Open the feeder's watch (a refusal is raised here, before any thread starts),
         then start its thread and the feed of ``batches`` (from the job's first step).
+        With a ``checkpoint_dir``, the watch keeps the job's checkpoints there
+        (:class:`.CheckpointKeeper`; ``keeping_since``: its own).
 
         Raises:
             RuntimeError: this Job feeds the job already.
@@ -137,9 +138,12 @@ class Job:
             raise RuntimeError(f"job {self.id} is being fed by this Job already")
         self._check_open()
         self._halted.clear()  # a resume refused earlier left it set
+        keeper = None if self._checkpoint_dir is None else CheckpointKeeper(
+            self.id, self._checkpoint_dir, info=self._info, pull=self._pull,
+            layout=self._layout, keeping_since=keeping_since)
         watch = JobWatch(self.client.stub, self.id, self._feeder_id, take_over=take_over,
-                         on_event=self._on_event, halted=self._halted,
-                         reach=self.client.reach)
+                         on_event=keeper.on_event if keeper is not None else None,
+                         halted=self._halted, reach=self.client.reach)
         watch.open()
         nodes = ChannelNodes(self.client)
         streamer = WeightStreamer(self.id, self._weights, nodes) \
@@ -151,7 +155,7 @@ class Job:
         except ValueError:
             watch.halt()
             raise
-        self._watch, self._feed = watch, feed
+        self._watch, self._feed, self._keeper = watch, feed, keeper
         self._follower = threading.Thread(target=watch.run, name=f"watch-{self.id}",
                                           daemon=True)
         self._feeder = threading.Thread(target=self._run_feed, args=(feed,),
@@ -211,18 +215,18 @@ class Job:
                 raise
             # the tracker is away (restarting): the watch retries, and the tracker
             # refuses the take-over of an ended job itself
-            self._keeping_since = None
+            since = None
         else:
             if info.state in TERMINAL:
                 raise JobEnded(self._ended_message(info.state, info.reason))
-            self._keeping_since = info.checkpoint_step
+            since = info.checkpoint_step  # completed before: not this Job's to name
         if checkpoint_dir is not None:
             self._checkpoint_dir = checkpoint_dir
         if model is not None:
             self._model = model
             self._weights = streamed(model)
         try:
-            self._start_feed(cycle(data), take_over=True)
+            self._start_feed(cycle(data), take_over=True, keeping_since=since)
         except grpc.RpcError as e:
             # a take-over is refused FAILED_PRECONDITION only for a job that ended
             # between GetJob and the watch (fedpipe.tracker.clients.Feeders.attach)
@@ -262,19 +266,18 @@ class Job:
             OSError: the folder cannot be written.
         """
         info = self._info()
-        step = info.steps if info.state == S.JOB_STATE_SUCCEEDED else info.checkpoint_step
+        step = newest_checkpoint(info)
         if step <= 0:
             raise RuntimeError(f"job {self.id} has no complete checkpoint yet "
                                f"({state_name(info.state)} at step {info.step})")
         return str(checkpoints.write(path, step, self._pull(info, step), info.plan,
-                                     steps=info.steps, config=self._config(),
-                                     **self._layout()))
-
-    def _config(self) -> dict:
-        return self._spec.summary() if self._spec is not None else {}
+                                     steps=info.steps, **self._layout()))
 
     def _layout(self) -> dict[str, Any]:
-        return checkpoints.layout(self._model, self._names, self._spec)
+        """How a checkpoint of this job is written (:func:`.checkpoints.write`'s keywords):
+        its config, and how its weights are named (:func:`.checkpoints.layout`)."""
+        return {"config": self._spec.summary() if self._spec is not None else {},
+                **checkpoints.layout(self._model, self._names, self._spec)}
 
     def _pull(self, info: tracker_pb2.JobInfo, step: int
               ) -> Iterator[tuple[StageKey, checkpoint.SnapshotStream]]:
@@ -379,7 +382,7 @@ class Job:
                     time.sleep(timeouts.WATCH_RESUME)
         finally:
             bar.close()
-        if self._follower is not None and self._checkpoint_dir is not None:
+        if self._follower is not None and self._keeper is not None:
             # the watch keeps the job's last checkpoints in checkpoint_dir: let it finish
             self._follower.join(timeouts.FETCH_STATE_RPC)
             self._sweep_checkpoints()
@@ -477,97 +480,10 @@ class Job:
 
     def _sweep_checkpoints(self) -> None:
         """Remove what unfinished checkpoints left in ``checkpoint_dir`` once the watch
-        that keeps them has ended (:func:`.checkpoints.sweep`)."""
-        if self._checkpoint_dir is not None and not (
+        that keeps them has ended (:meth:`.CheckpointKeeper.sweep`)."""
+        if self._keeper is not None and not (
                 self._follower is not None and self._follower.is_alive()):
-            checkpoints.sweep(self._checkpoint_dir)
-
-    def _on_event(self, ev: tracker_pb2.JobEvent) -> None:
-        """On the watch thread: keep each complete checkpoint in ``checkpoint_dir``."""
-        if self._checkpoint_dir is None:
-            return
-        step = ev.checkpoint_step
-        if self._keeping_since is None or step <= self._keeping_since:
-            pass  # completed before this Job kept checkpoints: not its to name
-        elif step > self._saved_step:
-            self._heard.add(step)
-        elif step not in self._kept_steps:  # heard of after a newer one was kept
-            log.warning("job %s: %s not kept in %s: the client had kept step %d's, newer, "
-                        "when it heard that it completed", self.id, _checkpoints([step]),
-                        self._checkpoint_dir, self._saved_step)
-        if step or ev.state == S.JOB_STATE_SUCCEEDED:
-            self._keep_checkpoint()
-
-    def _keep_checkpoint(self) -> None:
-        """Pull the job's newest complete checkpoint into ``checkpoint_dir`` if it is
-        newer than the one kept there (:func:`.checkpoints.keep`: the newest
-        :data:`~.checkpoints.KEEP` stay).
-
-        Best effort, and every checkpoint the job completed is either kept or named in
-        one warning line: one that failed, with why, and each one skipped. A client
-        that pulls slower than the job takes checkpoints skips to the newest: the
-        nodes keep a stage's newest :data:`~fedpipe.spec.SNAPSHOTS_KEPT` snapshots
-        beside the last complete one, so an older checkpoint can be gone before the
-        client asks for it, and one that goes midway (:class:`CheckpointGone` while a
-        newer one has completed) is pulled again at the newest. Never raises: the
-        watch thread that calls it goes on."""
-        assert self._checkpoint_dir is not None
-        step = 0
-        try:
-            info = self._info()
-            while (step := self._newest(info)) > self._saved_step:
-                try:
-                    folder = checkpoints.keep(self._checkpoint_dir, step,
-                                              self._pull(info, step), info.plan,
-                                              steps=info.steps, config=self._config(),
-                                              **self._layout())
-                except CheckpointGone:
-                    info = self._info()
-                    if self._newest(info) > step:  # its nodes dropped it for newer ones
-                        continue
-                    raise
-                self._kept(step, folder)
-                return
-        except (grpc.RpcError, CheckpointGone, OSError, ValueError) as e:
-            self._not_kept(step, one_line(e))
-        except Exception as e:  # noqa: BLE001 — a bug here must not end the job's watch
-            self._not_kept(step, f"{type(e).__name__}: {e}", trace=e)
-
-    @property
-    def _saved_step(self) -> int:
-        """The newest checkpoint kept in ``checkpoint_dir`` (0: none)."""
-        return max(self._kept_steps, default=0)
-
-    @staticmethod
-    def _newest(info: tracker_pb2.JobInfo) -> int:
-        """The step of the job's newest complete checkpoint (its last, once SUCCEEDED)."""
-        return info.steps if info.state == S.JOB_STATE_SUCCEEDED else info.checkpoint_step
-
-    def _kept(self, step: int, folder: os.PathLike) -> None:
-        """Checkpoint ``step`` is in ``folder``: say so, and name the older ones that
-        completed since the last kept and were skipped."""
-        skipped = sorted(s for s in self._heard if s < step)
-        self._heard = {s for s in self._heard if s > step}
-        self._kept_steps.add(step)
-        if self._keeping_since is None:
-            self._keeping_since = step
-        if skipped:
-            log.warning("job %s: %s not kept in %s: the job completed step %d's before the "
-                        "client pulled %s (its nodes keep only each stage's newest "
-                        "snapshots); kept step %d's", self.id, _checkpoints(skipped),
-                        self._checkpoint_dir, step, "it" if len(skipped) == 1 else "them",
-                        step)
-        log.info("job %s: checkpoint of step %d kept in %s", self.id, step, folder)
-
-    def _not_kept(self, step: int, why: str, trace: BaseException | None = None) -> None:
-        """Keeping checkpoint ``step`` (0: the step is unknown) failed for ``why``: one
-        warning naming it and the others completed since the last kept (with the
-        traceback of ``trace``, an error nobody expected)."""
-        missed = sorted(self._heard | {step} - {0})
-        self._heard.clear()
-        which = _checkpoints(missed) if missed else "newest checkpoint"
-        log.warning("job %s: could not keep its %s in %s: %s", self.id, which,
-                    self._checkpoint_dir, why, exc_info=trace)
+            self._keeper.sweep()
 
     def _info(self) -> tracker_pb2.JobInfo:
         """The job's info, asked again while the tracker is unreachable (restarting), at
@@ -633,18 +549,3 @@ class Job:
             self.cancel(reason)
         except (grpc.RpcError, ValueError) as e:  # ValueError: the channel is closed
             log.error("could not cancel job %s either: %s", self.id, e)
-
-
-def _checkpoints(steps: list[int]) -> str:
-    """``"checkpoint of step 2"`` or ``"checkpoints of steps 2, 4, 6"``."""
-    if len(steps) == 1:
-        return f"checkpoint of step {steps[0]}"
-    return f"checkpoints of steps {', '.join(map(str, steps))}"
-
-
-def one_line(e: BaseException) -> str:
-    """``e`` in one line: a gRPC error as ``CODE: details`` (its ``str()`` is the call's
-    multi-line repr), anything else as ``str()``."""
-    if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)):
-        return f"{e.code().name}: {e.details()}"
-    return str(e)
