@@ -15,6 +15,12 @@ from .cli_node import add_cli as add_node_cli
 from .observe.serving import LOCALHOST
 
 
+DEMO_MICROBATCHES, DEMO_SCHEDULE = 4, "1f1b"
+"""``fedpipe demo``'s own defaults: its stages, one per node, overlap on several
+microbatches. ``fedpipe submit`` and ``fedpipe plan`` take ``submit()``'s
+(:data:`fedpipe.spec.MICROBATCHES`, :attr:`fedpipe.spec.Training.schedule`)."""
+
+
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -442,10 +448,16 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--gradient-compression", type=_gradient_compression_arg, default=None,
                        help="gradient codec, if not --compression's (e.g. topk:0.01)")
 
-    def train_args(q):
+    def pipeline_args(q, microbatches: int, schedule: str, whose: str):
+        """``--microbatches`` and ``--schedule``, defaulting to ``whose`` defaults."""
+        q.add_argument("--microbatches", type=int, default=microbatches,
+                       help=f"microbatches per step (default: %(default)s, {whose})")
+        q.add_argument("--schedule", default=schedule, choices=["gpipe", "1f1b"],
+                       help=f"pipeline schedule (default: %(default)s, {whose})")
+
+    def train_args(q, microbatches: int, schedule: str, whose: str):
         q.add_argument("--steps", type=int, default=300)
-        q.add_argument("--microbatches", type=int, default=4)
-        q.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+        pipeline_args(q, microbatches, schedule, whose)
         compression_args(q)
         q.add_argument("--stages", type=int, default=None,
                        help="pipeline depth (default: submit lets the planner choose; "
@@ -459,9 +471,7 @@ def parser() -> argparse.ArgumentParser:
                             + TRACKER_HELP + ")")
     pl.add_argument("--model", required=True, help="model profile JSON (layers; see README)")
     pl.add_argument("--batch", type=int, default=64, help="samples per step")
-    pl.add_argument("--microbatches", type=int, default=4)
-    pl.add_argument("--schedule", default=Training.schedule, choices=["gpipe", "1f1b"],
-                    help="pipeline schedule (default: %(default)s, as submit()'s)")
+    pipeline_args(pl, Training.microbatches, Training.schedule, "as submit()'s")
     pl.add_argument("--stages", type=int, default=None, help="pin the pipeline depth")
     pl.add_argument("--cuts", type=_cuts_arg, default=(), metavar="C,C,...",
                     help="pin the stage boundaries: the child indices at which a stage "
@@ -490,7 +500,8 @@ def parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("submit", help="train the built-in digits example on a swarm")
     u.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
-    train_args(u)
+    train_args(u, Training.microbatches, Training.schedule,
+               "as submit()'s and fedpipe plan's")
     tls_args(u, client_name)
     u.set_defaults(func=cmd_submit)
 
@@ -502,7 +513,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the dashboard's port (0: any free one)")
     d.add_argument("--tls", action="store_true",
                    help="run the whole swarm over mutual TLS, with a CA made in a temp dir")
-    train_args(d)
+    train_args(d, DEMO_MICROBATCHES, DEMO_SCHEDULE, "the demo's, to show the pipeline at work")
     d.set_defaults(func=cmd_demo)
 
     from .security.certs import add_cli as add_certs_cli

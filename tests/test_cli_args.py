@@ -118,3 +118,23 @@ def test_plans_schedule_is_submits_default_and_its_help_says_which(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["plan", "--help"])
     assert "(default: gpipe, as submit()'s)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_plan_and_submit_on_the_command_line_take_submits_microbatches_and_schedule(capsys):
+    # was: fedpipe plan and fedpipe submit 4 microbatches, submit() and the planner 1
+    from fedpipe.planner import TrainConfig
+    from fedpipe.spec import MICROBATCHES, JobSpec, Training
+
+    plan, submit = parser().parse_args(PLAN), parser().parse_args(["submit", "--tracker", "a:1"])
+    assert (plan.microbatches == submit.microbatches == Training().microbatches
+            == JobSpec(steps=1).microbatches == TrainConfig(batch_size=1).microbatches
+            == MICROBATCHES)
+    assert plan.schedule == submit.schedule == Training().schedule
+    demo = parser().parse_args(["demo"])
+    assert (demo.microbatches, demo.schedule) == (4, "1f1b")  # the demo's own, said in --help
+    assert main([*PLAN, "--stages", "2"]) == 0
+    assert f"batch 64 in {MICROBATCHES} microbatches, schedule gpipe" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser().parse_args(["plan", "--help"])
+    assert (f"microbatches per step (default: {MICROBATCHES}, as submit()'s)"
+            in " ".join(capsys.readouterr().out.split()))

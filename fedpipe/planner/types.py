@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..spec.jobspec import MICROBATCHES
 from ..wire.codecmodel import CodecSpeed
 
 
@@ -218,7 +219,8 @@ class TrainConfig:
 
     Attributes:
         batch_size: samples per optimizer step.
-        microbatches: microbatches per batch.
+        microbatches: microbatches per batch (default
+            :data:`fedpipe.spec.MICROBATCHES`, submit's).
         schedule: "gpipe" or "1f1b" (or "async", later).
         state_factor: bytes kept per parameter byte for a stage: weights,
             gradients and optimizer state (4 for AdamW: weights, grads, two moments;
@@ -259,7 +261,7 @@ class TrainConfig:
     """
 
     batch_size: int
-    microbatches: int = 1
+    microbatches: int = MICROBATCHES
     schedule: str = "gpipe"
     state_factor: float = 4.0
     snapshot_copies: float = 0.0
