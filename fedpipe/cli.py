@@ -159,7 +159,7 @@ def _compression_arg(text: str) -> str:
 def _cuts_arg(text: str) -> tuple[int, ...]:
     """``--cuts``' value: comma-separated child indices (``2,3,4``); the rule they follow
     with the depth and the model is :func:`fedpipe.spec.cuts_problem`'s, checked by
-    :func:`cmd_plan` once the model is read."""
+    :func:`_pinned` once the model is known."""
     try:
         return tuple(int(c) for c in text.split(","))
     except ValueError:
@@ -240,7 +240,6 @@ def cmd_plan(args) -> int:
     predicted step time and samples/s; ``--cuts`` pins its stage boundaries (and, without
     ``--stages``, its depth)."""
     from . import planner
-    from .spec import cuts_problem
     from .planner import jsonio
 
     def load(path):
@@ -248,11 +247,9 @@ def cmd_plan(args) -> int:
             return json.load(f)
 
     profile = jsonio.profile_from_json(load(args.model))
-    stages = args.stages or (len(args.cuts) + 1 if args.cuts else 0)
-    problem = cuts_problem(args.cuts, stages, len(profile.layers))
+    stages, problem = _pinned(args, len(profile.layers))
     if problem:
-        print(f"fedpipe plan: --cuts {','.join(map(str, args.cuts))}: {problem}",
-              file=sys.stderr)
+        print(f"fedpipe plan: {problem}", file=sys.stderr)
         return 2
     if args.cluster:
         cluster = jsonio.cluster_from_json(load(args.cluster))
@@ -283,6 +280,18 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _pinned(args, n_layers: int) -> tuple[int, str | None]:
+    """``(stages, problem)``: the depth ``--stages`` and ``--cuts`` pin (the cuts' count
+    plus one unless ``--stages`` is given; 0: the planner chooses), and what is wrong with
+    the cuts for a model of ``n_layers`` top-level children, naming the flag
+    (:func:`fedpipe.spec.cuts_problem`, Placement's rule), or None."""
+    from .spec import cuts_problem
+
+    stages = args.stages or (len(args.cuts) + 1 if args.cuts else 0)
+    problem = cuts_problem(args.cuts, stages, n_layers)
+    return stages, (f"--cuts {','.join(map(str, args.cuts))}: {problem}" if problem else None)
+
+
 def cmd_cancel(args) -> int:
     with _client(args) as client:
         print(client.job(args.job).cancel(args.reason))
@@ -300,11 +309,18 @@ def cmd_drain(args) -> int:
 
 
 def cmd_submit(args) -> int:
+    """``fedpipe submit``: train the digits example on a swarm; ``--cuts`` pins its stage
+    boundaries as ``fedpipe plan --cuts`` does (refused before any call if they break
+    Placement's rule for its model)."""
     from .examples import digits
 
+    stages, problem = _pinned(args, len(digits.make_model()))
+    if problem:
+        print(f"fedpipe submit: {problem}", file=sys.stderr)
+        return 2
     with _client(args) as client:
         digits.train(client, steps=args.steps, microbatches=args.microbatches,
-                     schedule=args.schedule, stages=args.stages or 0,
+                     schedule=args.schedule, stages=stages, cuts=args.cuts,
                      compression=_compression(args))
     return 0
 
@@ -448,6 +464,13 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--gradient-compression", type=_gradient_compression_arg, default=None,
                        help="gradient codec, if not --compression's (e.g. topk:0.01)")
 
+    def cuts_arg(q):
+        q.add_argument("--cuts", type=_cuts_arg, default=(), metavar="C,C,...",
+                       help="pin the stage boundaries: the child indices at which a stage "
+                            "begins, as Placement(cuts=...) (e.g. 2,3,4: four stages, "
+                            "children 0-1, 2, 3, 4-); --stages, if given, must be one more "
+                            "than their count")
+
     def pipeline_args(q, microbatches: int, schedule: str, whose: str):
         """``--microbatches`` and ``--schedule``, defaulting to ``whose`` defaults."""
         q.add_argument("--microbatches", type=int, default=microbatches,
@@ -473,11 +496,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=int, default=64, help="samples per step")
     pipeline_args(pl, Training.microbatches, Training.schedule, "as submit()'s")
     pl.add_argument("--stages", type=int, default=None, help="pin the pipeline depth")
-    pl.add_argument("--cuts", type=_cuts_arg, default=(), metavar="C,C,...",
-                    help="pin the stage boundaries: the child indices at which a stage "
-                         "begins, as Placement(cuts=...) (e.g. 2,3,4: four stages, children "
-                         "0-1, 2, 3, 4-); --stages, if given, must be one more than their "
-                         "count")
+    cuts_arg(pl)
     compression_args(pl)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--draw", metavar="FILE", help="also draw the plan (.png, .svg, .pdf)")
@@ -502,6 +521,7 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
     train_args(u, Training.microbatches, Training.schedule,
                "as submit()'s and fedpipe plan's")
+    cuts_arg(u)
     tls_args(u, client_name)
     u.set_defaults(func=cmd_submit)
 

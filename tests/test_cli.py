@@ -90,3 +90,11 @@ def test_a_node_refuses_a_memory_limit_below_one_byte(value):
                   "--tracker", "127.0.0.1:1")
     assert out.returncode == 2, out.stderr
     assert "--memory-limit" in out.stderr and "at least 1 byte" in out.stderr
+
+
+def test_submit_pins_the_digits_stages_at_cuts(swarm):
+    out = fedpipe("submit", "--tracker", swarm.tracker, "--steps", "3", "--cuts", "2,4")
+    assert out.returncode == 0, out.stderr
+    stages = re.findall(r"^  group 0 stage (\d) on \S+ \(\S+\): (.*?)  \[", out.stdout, re.M)
+    assert stages == [("0", "0:Linear, 1:ReLU"), ("1", "2:Linear, 3:ReLU"), ("2", "4:Linear")]
+    assert "held-out accuracy: " in out.stdout

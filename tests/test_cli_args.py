@@ -138,3 +138,19 @@ def test_plan_and_submit_on_the_command_line_take_submits_microbatches_and_sched
         parser().parse_args(["plan", "--help"])
     assert (f"microbatches per step (default: {MICROBATCHES}, as submit()'s)"
             in " ".join(capsys.readouterr().out.split()))
+
+
+def test_submit_takes_cuts_as_plan_does_and_refuses_bad_ones_before_any_call(capsys):
+    args = parser().parse_args(["submit", "--tracker", "127.0.0.1:1", "--cuts", "2,4"])
+    assert (args.cuts, args.stages) == ((2, 4), None)
+    # the digits MLP has 5 children; no tracker listens at port 1, so a call would fail
+    assert main(["submit", "--tracker", "127.0.0.1:1", "--cuts", "2,9"]) == 2
+    assert capsys.readouterr().err == (
+        "fedpipe submit: --cuts 2,9: cut 9 is out of range: the model has 5 layers (top-level "
+        "children 0..4), so each cut must be in 1..4; got (2, 9)\n")
+    assert main(["submit", "--tracker", "127.0.0.1:1", "--cuts", "2,4", "--stages", "2"]) == 2
+    assert "fedpipe submit: --cuts 2,4: 2 stages need 1 cut(s)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser().parse_args(["submit", "--tracker", "a:1", "--cuts", "2;3"])
+    assert "argument --cuts: expected child indices separated by commas" in \
+        capsys.readouterr().err
