@@ -61,6 +61,13 @@ class NodeSpec:
     codec_speeds: tuple[CodecSpeed, ...] = ()
 
 
+def reach(relay: str) -> str:
+    """How peers reach a node homed at ``relay`` (:attr:`NodeSpec.relay`, a node's or a
+    plan's stage's) in words: "outbound-only via RELAY", or "direct" for "" (no relay).
+    The one wording of ``fedpipe plan``, ``fedpipe status`` and the dashboard."""
+    return f"outbound-only via {relay}" if relay else "direct"
+
+
 @dataclass(frozen=True)
 class Link:
     """A directed link: bandwidth in bytes/s, one-way latency in seconds."""
