@@ -9,8 +9,8 @@ import sys
 
 import grpc
 
-from .cli_args import (TRACKER_HELP, insecure_arg, metrics_args, tls as _tls, tls_args,
-                       tracker_target)
+from .cli_args import (TRACKER_HELP, address_arg, insecure_arg, metrics_args, tls as _tls,
+                       tls_args, tracker_target)
 from .cli_node import add_cli as add_node_cli
 from .observe.serving import LOCALHOST
 
@@ -405,7 +405,7 @@ def parser() -> argparse.ArgumentParser:
                         "this many seconds, the others stand by and take over when it "
                         "lapses (default: fedpipe.tracker.leader.LEASE, 5, for a "
                         "postgresql:// store; 0, the only tracker, otherwise)")
-    t.add_argument("--advertise", default=None, metavar="HOST:PORT",
+    t.add_argument("--advertise", type=address_arg, default=None, metavar="HOST:PORT",
                    help="the address standbys name to callers when this tracker leads "
                         "(default: --host:--port, 127.0.0.1 for 0.0.0.0)")
     t.add_argument("--lease", type=float, default=10.0,

@@ -154,3 +154,21 @@ def test_submit_takes_cuts_as_plan_does_and_refuses_bad_ones_before_any_call(cap
         parser().parse_args(["submit", "--tracker", "a:1", "--cuts", "2;3"])
     assert "argument --cuts: expected child indices separated by commas" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("advertise,why", [
+    ("127.0.0.1", "'127.0.0.1': expected HOST:PORT"),
+    ("http://h:7070", "'http://h:7070': expected HOST:PORT, not a URL (no scheme, no path)"),
+    ("h:99999", "'h:99999': expected HOST:PORT with a port in 1..65535, not '99999'")])
+def test_the_trackers_advertise_is_refused_at_parse_by_the_rule_and_words_of_tracker(
+        advertise, why, capsys):
+    # was: taken as given, and named to callers by standbys as the leader's address
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args(["tracker", "--advertise", advertise])
+    assert exit.value.code == 2
+    assert f"argument --advertise: {why}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser().parse_args(["status", "--tracker", advertise])
+    assert f"argument --tracker: {why}" in capsys.readouterr().err  # the same words
+    assert parser().parse_args(["tracker", "--advertise", "[::1]:7070"]).advertise == \
+        "[::1]:7070"
