@@ -570,5 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the CLI's last word: one line, not a traceback
         if args.verbose:
             raise
-        print(f"fedpipe {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        from .planner.memfit import for_command_line  # remedies in flags, not in Python's
+
+        print(f"fedpipe {args.command}: {type(e).__name__}: {for_command_line(str(e))}",
+              file=sys.stderr)
         return 1

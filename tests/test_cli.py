@@ -98,3 +98,15 @@ def test_submit_pins_the_digits_stages_at_cuts(swarm):
     stages = re.findall(r"^  group 0 stage (\d) on \S+ \(\S+\): (.*?)  \[", out.stdout, re.M)
     assert stages == [("0", "0:Linear, 1:ReLU"), ("1", "2:Linear, 3:ReLU"), ("2", "4:Linear")]
     assert "held-out accuracy: " in out.stdout
+
+
+def test_submit_refused_for_memory_says_the_remedies_in_flags():
+    from fedpipe.testing import LocalSwarm
+
+    with LocalSwarm(n_nodes=2, node_args=["--memory-limit", "20000"]) as small:
+        out = fedpipe("submit", "--tracker", small.tracker, "--steps", "3")
+    assert out.returncode == 1
+    assert out.stderr.startswith("fedpipe submit: NotEnoughMemory: job digits-mlp was refused "
+                                 "at submit: ")
+    assert "; to fit, give a larger --microbatches, add nodes" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -172,3 +172,22 @@ def test_the_trackers_advertise_is_refused_at_parse_by_the_rule_and_words_of_tra
     assert f"argument --tracker: {why}" in capsys.readouterr().err  # the same words
     assert parser().parse_args(["tracker", "--advertise", "[::1]:7070"]).advertise == \
         "[::1]:7070"
+
+
+def test_a_plan_that_fits_no_memory_says_the_remedies_in_flags(tmp_path, capsys):
+    # was: '... to fit, submit with recompute="auto" (or True), more microbatches, ...'
+    # on the command line, which takes --microbatches
+    from fedpipe.planner.memfit import MEMORY_REMEDIES, for_command_line, is_memory_refusal
+
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps({"nodes": [{"id": "a", "tflops": 1, "memory_bytes": 20000}]}))
+    assert main(["plan", "--cluster", str(tiny), "--model",
+                 str(ROOT / "benchmarks/models/uneven16.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fedpipe plan: PlanError: no split of ")
+    assert err.endswith("; to fit, give a larger --microbatches, add nodes, or (in Python) "
+                        "submit with recompute=\"auto\" (or True) or "
+                        "precision=\"bf16-mixed\"\n")
+    assert MEMORY_REMEDIES not in err
+    assert is_memory_refusal(f"x{MEMORY_REMEDIES}")  # the client still tells one by its text
+    assert for_command_line("no memory words") == "no memory words"
