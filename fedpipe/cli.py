@@ -9,10 +9,16 @@ import sys
 
 import grpc
 
-from .cli_args import (TRACKER_HELP, insecure_arg, metrics_args, tls as _tls, tls_args,
-                       tracker_target)
+from .cli_args import (TRACKER_HELP, address_arg, insecure_arg, metrics_args, tls as _tls,
+                       tls_args, tracker_target)
 from .cli_node import add_cli as add_node_cli
 from .observe.serving import LOCALHOST
+
+
+DEMO_MICROBATCHES, DEMO_SCHEDULE = 4, "1f1b"
+"""``fedpipe demo``'s own defaults: its stages, one per node, overlap on several
+microbatches. ``fedpipe submit`` and ``fedpipe plan`` take ``submit()``'s
+(:data:`fedpipe.spec.MICROBATCHES`, :attr:`fedpipe.spec.Training.schedule`)."""
 
 
 def _logging(verbose: bool) -> None:
@@ -153,7 +159,7 @@ def _compression_arg(text: str) -> str:
 def _cuts_arg(text: str) -> tuple[int, ...]:
     """``--cuts``' value: comma-separated child indices (``2,3,4``); the rule they follow
     with the depth and the model is :func:`fedpipe.spec.cuts_problem`'s, checked by
-    :func:`cmd_plan` once the model is read."""
+    :func:`_pinned` once the model is known."""
     try:
         return tuple(int(c) for c in text.split(","))
     except ValueError:
@@ -234,7 +240,6 @@ def cmd_plan(args) -> int:
     predicted step time and samples/s; ``--cuts`` pins its stage boundaries (and, without
     ``--stages``, its depth)."""
     from . import planner
-    from .spec import cuts_problem
     from .planner import jsonio
 
     def load(path):
@@ -242,11 +247,9 @@ def cmd_plan(args) -> int:
             return json.load(f)
 
     profile = jsonio.profile_from_json(load(args.model))
-    stages = args.stages or (len(args.cuts) + 1 if args.cuts else 0)
-    problem = cuts_problem(args.cuts, stages, len(profile.layers))
+    stages, problem = _pinned(args, len(profile.layers))
     if problem:
-        print(f"fedpipe plan: --cuts {','.join(map(str, args.cuts))}: {problem}",
-              file=sys.stderr)
+        print(f"fedpipe plan: {problem}", file=sys.stderr)
         return 2
     if args.cluster:
         cluster = jsonio.cluster_from_json(load(args.cluster))
@@ -277,6 +280,18 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _pinned(args, n_layers: int) -> tuple[int, str | None]:
+    """``(stages, problem)``: the depth ``--stages`` and ``--cuts`` pin (the cuts' count
+    plus one unless ``--stages`` is given; 0: the planner chooses), and what is wrong with
+    the cuts for a model of ``n_layers`` top-level children, naming the flag
+    (:func:`fedpipe.spec.cuts_problem`, Placement's rule), or None."""
+    from .spec import cuts_problem
+
+    stages = args.stages or (len(args.cuts) + 1 if args.cuts else 0)
+    problem = cuts_problem(args.cuts, stages, n_layers)
+    return stages, (f"--cuts {','.join(map(str, args.cuts))}: {problem}" if problem else None)
+
+
 def cmd_cancel(args) -> int:
     with _client(args) as client:
         print(client.job(args.job).cancel(args.reason))
@@ -294,11 +309,18 @@ def cmd_drain(args) -> int:
 
 
 def cmd_submit(args) -> int:
+    """``fedpipe submit``: train the digits example on a swarm; ``--cuts`` pins its stage
+    boundaries as ``fedpipe plan --cuts`` does (refused before any call if they break
+    Placement's rule for its model)."""
     from .examples import digits
 
+    stages, problem = _pinned(args, len(digits.make_model()))
+    if problem:
+        print(f"fedpipe submit: {problem}", file=sys.stderr)
+        return 2
     with _client(args) as client:
         digits.train(client, steps=args.steps, microbatches=args.microbatches,
-                     schedule=args.schedule, stages=args.stages or 0,
+                     schedule=args.schedule, stages=stages, cuts=args.cuts,
                      compression=_compression(args))
     return 0
 
@@ -383,7 +405,7 @@ def parser() -> argparse.ArgumentParser:
                         "this many seconds, the others stand by and take over when it "
                         "lapses (default: fedpipe.tracker.leader.LEASE, 5, for a "
                         "postgresql:// store; 0, the only tracker, otherwise)")
-    t.add_argument("--advertise", default=None, metavar="HOST:PORT",
+    t.add_argument("--advertise", type=address_arg, default=None, metavar="HOST:PORT",
                    help="the address standbys name to callers when this tracker leads "
                         "(default: --host:--port, 127.0.0.1 for 0.0.0.0)")
     t.add_argument("--lease", type=float, default=10.0,
@@ -442,10 +464,23 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--gradient-compression", type=_gradient_compression_arg, default=None,
                        help="gradient codec, if not --compression's (e.g. topk:0.01)")
 
-    def train_args(q):
+    def cuts_arg(q):
+        q.add_argument("--cuts", type=_cuts_arg, default=(), metavar="C,C,...",
+                       help="pin the stage boundaries: the child indices at which a stage "
+                            "begins, as Placement(cuts=...) (e.g. 2,3,4: four stages, "
+                            "children 0-1, 2, 3, 4-); --stages, if given, must be one more "
+                            "than their count")
+
+    def pipeline_args(q, microbatches: int, schedule: str, whose: str):
+        """``--microbatches`` and ``--schedule``, defaulting to ``whose`` defaults."""
+        q.add_argument("--microbatches", type=int, default=microbatches,
+                       help=f"microbatches per step (default: %(default)s, {whose})")
+        q.add_argument("--schedule", default=schedule, choices=["gpipe", "1f1b"],
+                       help=f"pipeline schedule (default: %(default)s, {whose})")
+
+    def train_args(q, microbatches: int, schedule: str, whose: str):
         q.add_argument("--steps", type=int, default=300)
-        q.add_argument("--microbatches", type=int, default=4)
-        q.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+        pipeline_args(q, microbatches, schedule, whose)
         compression_args(q)
         q.add_argument("--stages", type=int, default=None,
                        help="pipeline depth (default: submit lets the planner choose; "
@@ -459,15 +494,9 @@ def parser() -> argparse.ArgumentParser:
                             + TRACKER_HELP + ")")
     pl.add_argument("--model", required=True, help="model profile JSON (layers; see README)")
     pl.add_argument("--batch", type=int, default=64, help="samples per step")
-    pl.add_argument("--microbatches", type=int, default=4)
-    pl.add_argument("--schedule", default=Training.schedule, choices=["gpipe", "1f1b"],
-                    help="pipeline schedule (default: %(default)s, as submit()'s)")
+    pipeline_args(pl, Training.microbatches, Training.schedule, "as submit()'s")
     pl.add_argument("--stages", type=int, default=None, help="pin the pipeline depth")
-    pl.add_argument("--cuts", type=_cuts_arg, default=(), metavar="C,C,...",
-                    help="pin the stage boundaries: the child indices at which a stage "
-                         "begins, as Placement(cuts=...) (e.g. 2,3,4: four stages, children "
-                         "0-1, 2, 3, 4-); --stages, if given, must be one more than their "
-                         "count")
+    cuts_arg(pl)
     compression_args(pl)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--draw", metavar="FILE", help="also draw the plan (.png, .svg, .pdf)")
@@ -490,7 +519,9 @@ def parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("submit", help="train the built-in digits example on a swarm")
     u.add_argument("--tracker", type=tracker_target, required=True, help=TRACKER_HELP)
-    train_args(u)
+    train_args(u, Training.microbatches, Training.schedule,
+               "as submit()'s and fedpipe plan's")
+    cuts_arg(u)
     tls_args(u, client_name)
     u.set_defaults(func=cmd_submit)
 
@@ -502,7 +533,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the dashboard's port (0: any free one)")
     d.add_argument("--tls", action="store_true",
                    help="run the whole swarm over mutual TLS, with a CA made in a temp dir")
-    train_args(d)
+    train_args(d, DEMO_MICROBATCHES, DEMO_SCHEDULE, "the demo's, to show the pipeline at work")
     d.set_defaults(func=cmd_demo)
 
     from .security.certs import add_cli as add_certs_cli
@@ -539,5 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the CLI's last word: one line, not a traceback
         if args.verbose:
             raise
-        print(f"fedpipe {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        from .planner.memfit import for_command_line  # remedies in flags, not in Python's
+
+        print(f"fedpipe {args.command}: {type(e).__name__}: {for_command_line(str(e))}",
+              file=sys.stderr)
         return 1

@@ -1,6 +1,6 @@
 """Arguments and helpers shared by the ``fedpipe`` subcommands (:mod:`fedpipe.cli`,
-:mod:`fedpipe.cli_node`): the tracker address (:func:`tracker_target`), TLS, ``--insecure``
-and metrics flags."""
+:mod:`fedpipe.cli_node`): the tracker address (:func:`tracker_target`) and any other
+``HOST:PORT`` (:func:`address_arg`), TLS, ``--insecure`` and metrics flags."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +23,22 @@ def tracker_target(text: str) -> str:
     why = target_problem(text)
     if why is not None:
         raise argparse.ArgumentTypeError(why)
+    return text
+
+
+def address_arg(text: str) -> str:
+    """One ``HOST:PORT`` flag's value (the tracker's ``--advertise``), checked with the rule
+    ``--tracker`` and ``--relay`` follow (:func:`fedpipe.net.address.problem`) and refused
+    in the same words: ``"'127.0.0.1': expected HOST:PORT"``.
+
+    Raises:
+        argparse.ArgumentTypeError: an address that is not ``HOST:PORT``.
+    """
+    from .net.address import problem
+
+    why = problem(text)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {why}")
     return text
 
 

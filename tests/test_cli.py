@@ -90,3 +90,23 @@ def test_a_node_refuses_a_memory_limit_below_one_byte(value):
                   "--tracker", "127.0.0.1:1")
     assert out.returncode == 2, out.stderr
     assert "--memory-limit" in out.stderr and "at least 1 byte" in out.stderr
+
+
+def test_submit_pins_the_digits_stages_at_cuts(swarm):
+    out = fedpipe("submit", "--tracker", swarm.tracker, "--steps", "3", "--cuts", "2,4")
+    assert out.returncode == 0, out.stderr
+    stages = re.findall(r"^  group 0 stage (\d) on \S+ \(\S+\): (.*?)  \[", out.stdout, re.M)
+    assert stages == [("0", "0:Linear, 1:ReLU"), ("1", "2:Linear, 3:ReLU"), ("2", "4:Linear")]
+    assert "held-out accuracy: " in out.stdout
+
+
+def test_submit_refused_for_memory_says_the_remedies_in_flags():
+    from fedpipe.testing import LocalSwarm
+
+    with LocalSwarm(n_nodes=2, node_args=["--memory-limit", "20000"]) as small:
+        out = fedpipe("submit", "--tracker", small.tracker, "--steps", "3")
+    assert out.returncode == 1
+    assert out.stderr.startswith("fedpipe submit: NotEnoughMemory: job digits-mlp was refused "
+                                 "at submit: ")
+    assert "; to fit, give a larger --microbatches, add nodes" in out.stderr
+    assert "Traceback" not in out.stderr

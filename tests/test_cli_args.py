@@ -118,3 +118,76 @@ def test_plans_schedule_is_submits_default_and_its_help_says_which(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["plan", "--help"])
     assert "(default: gpipe, as submit()'s)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_plan_and_submit_on_the_command_line_take_submits_microbatches_and_schedule(capsys):
+    # was: fedpipe plan and fedpipe submit 4 microbatches, submit() and the planner 1
+    from fedpipe.planner import TrainConfig
+    from fedpipe.spec import MICROBATCHES, JobSpec, Training
+
+    plan, submit = parser().parse_args(PLAN), parser().parse_args(["submit", "--tracker", "a:1"])
+    assert (plan.microbatches == submit.microbatches == Training().microbatches
+            == JobSpec(steps=1).microbatches == TrainConfig(batch_size=1).microbatches
+            == MICROBATCHES)
+    assert plan.schedule == submit.schedule == Training().schedule
+    demo = parser().parse_args(["demo"])
+    assert (demo.microbatches, demo.schedule) == (4, "1f1b")  # the demo's own, said in --help
+    assert main([*PLAN, "--stages", "2"]) == 0
+    assert f"batch 64 in {MICROBATCHES} microbatches, schedule gpipe" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser().parse_args(["plan", "--help"])
+    assert (f"microbatches per step (default: {MICROBATCHES}, as submit()'s)"
+            in " ".join(capsys.readouterr().out.split()))
+
+
+def test_submit_takes_cuts_as_plan_does_and_refuses_bad_ones_before_any_call(capsys):
+    args = parser().parse_args(["submit", "--tracker", "127.0.0.1:1", "--cuts", "2,4"])
+    assert (args.cuts, args.stages) == ((2, 4), None)
+    # the digits MLP has 5 children; no tracker listens at port 1, so a call would fail
+    assert main(["submit", "--tracker", "127.0.0.1:1", "--cuts", "2,9"]) == 2
+    assert capsys.readouterr().err == (
+        "fedpipe submit: --cuts 2,9: cut 9 is out of range: the model has 5 layers (top-level "
+        "children 0..4), so each cut must be in 1..4; got (2, 9)\n")
+    assert main(["submit", "--tracker", "127.0.0.1:1", "--cuts", "2,4", "--stages", "2"]) == 2
+    assert "fedpipe submit: --cuts 2,4: 2 stages need 1 cut(s)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser().parse_args(["submit", "--tracker", "a:1", "--cuts", "2;3"])
+    assert "argument --cuts: expected child indices separated by commas" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("advertise,why", [
+    ("127.0.0.1", "'127.0.0.1': expected HOST:PORT"),
+    ("http://h:7070", "'http://h:7070': expected HOST:PORT, not a URL (no scheme, no path)"),
+    ("h:99999", "'h:99999': expected HOST:PORT with a port in 1..65535, not '99999'")])
+def test_the_trackers_advertise_is_refused_at_parse_by_the_rule_and_words_of_tracker(
+        advertise, why, capsys):
+    # was: taken as given, and named to callers by standbys as the leader's address
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args(["tracker", "--advertise", advertise])
+    assert exit.value.code == 2
+    assert f"argument --advertise: {why}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser().parse_args(["status", "--tracker", advertise])
+    assert f"argument --tracker: {why}" in capsys.readouterr().err  # the same words
+    assert parser().parse_args(["tracker", "--advertise", "[::1]:7070"]).advertise == \
+        "[::1]:7070"
+
+
+def test_a_plan_that_fits_no_memory_says_the_remedies_in_flags(tmp_path, capsys):
+    # was: '... to fit, submit with recompute="auto" (or True), more microbatches, ...'
+    # on the command line, which takes --microbatches
+    from fedpipe.planner.memfit import MEMORY_REMEDIES, for_command_line, is_memory_refusal
+
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps({"nodes": [{"id": "a", "tflops": 1, "memory_bytes": 20000}]}))
+    assert main(["plan", "--cluster", str(tiny), "--model",
+                 str(ROOT / "benchmarks/models/uneven16.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fedpipe plan: PlanError: no split of ")
+    assert err.endswith("; to fit, give a larger --microbatches, add nodes, or (in Python) "
+                        "submit with recompute=\"auto\" (or True) or "
+                        "precision=\"bf16-mixed\"\n")
+    assert MEMORY_REMEDIES not in err
+    assert is_memory_refusal(f"x{MEMORY_REMEDIES}")  # the client still tells one by its text
+    assert for_command_line("no memory words") == "no memory words"

@@ -6,8 +6,9 @@
 :mod:`.watch` the feeder's watch of the job's state.
 """
 from .client import Client
-from .errors import CheckpointGone, JobEnded, JobFailed, NotEnoughMemory, TrackerBusy
+from .errors import (CheckpointGone, JobEnded, JobFailed, LayerInputError, NotEnoughMemory,
+                     TrackerBusy)
 from .job import Job, JobStatus
 
 __all__ = ["CheckpointGone", "Client", "Job", "JobEnded", "JobFailed", "JobStatus",
-           "NotEnoughMemory", "TrackerBusy"]
+           "LayerInputError", "NotEnoughMemory", "TrackerBusy"]

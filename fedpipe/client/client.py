@@ -277,6 +277,9 @@ class Client:
                 ``client_timeout``; each documented at its group.
 
         Raises:
+            LayerInputError: a layer of ``model`` cannot take the batch's inputs or the
+                output of the layer before it (its index, name and type, the shape it
+                got and what it expects; a ValueError).
             fedpipe.runtime.materialize.MaterializeError: a meta layer has a tensor
                 nothing initializes (named; a ValueError).
             fedpipe.runtime.weights.WeightsError: ``weights`` lacks a layer's tensor or

@@ -1,6 +1,11 @@
 """The errors a client raises about a job (re-exported by :mod:`fedpipe.client`)."""
 from __future__ import annotations
 
+from ..runtime.layercall import LayerInputError
+
+__all__ = ["CheckpointGone", "JobEnded", "JobFailed", "LayerInputError", "NotEnoughMemory",
+           "TrackerBusy"]
+
 
 class JobFailed(RuntimeError):
     """The job ended FAILED or CANCELLED; the message is the tracker's reason."""

@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..planner.types import row_width
 from ..proto import tracker_pb2
+from ..runtime.layercall import call_layer
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -30,20 +31,18 @@ def profile_model(model: nn.Sequential, sample: torch.Tensor) -> tracker_pb2.Mod
         parameter bytes.
 
     Raises:
+        LayerInputError: a layer cannot take its input (a shape that does not fit:
+            the message names the layer, the shape it got and what it expects).
         TypeError: a layer's output is not a single tensor (the message names the layer).
     """
     n = sample.shape[0] if sample.dim() else 1
     prof = tracker_pb2.ModelProfile(input_bytes=_nbytes(sample) // n)
     x = sample
-    for i, layer in enumerate(copy.deepcopy(model)):
+    for i, (name, layer) in enumerate(copy.deepcopy(model).named_children()):
         x = x.detach().requires_grad_(x.is_floating_point())
         counter = FlopCounterMode(display=False)
         with counter:
-            y = layer(x)
-            if not isinstance(y, torch.Tensor):
-                raise TypeError(f"layer {i} ({type(layer).__name__}) returned "
-                                f"{type(y).__name__}, not a single tensor: each child of the "
-                                "nn.Sequential must map one tensor to one tensor")
+            y = call_layer(layer, x, i, name)
             if y.requires_grad:
                 y.backward(torch.ones_like(y))
         flops = max(counter.get_total_flops(), 3 * y.numel())

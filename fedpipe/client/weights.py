@@ -40,6 +40,7 @@ from torch import nn
 
 from ..planner.types import ModelProfile
 from ..proto import node_pb2, tracker_pb2
+from ..runtime.layercall import LayerInputError
 from ..runtime.materialize import (InitFn, MaterializeError, TiedGroup, check_initializable,
                                    meta_profile, shared_across_layers, uninitializable)
 from ..runtime.weights import (KeyMap, WeightFiles, check_weights, layer_digest, layer_tensors,
@@ -110,6 +111,8 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
             (:attr:`fedpipe.hf.HFLayers.tied_parameters`).
 
     Raises:
+        LayerInputError: a layer cannot take ``sample`` or the output of the layer before
+            it (naming the layer, the shape it got and what it expects).
         TypeError: some layers on the meta device and others not (naming the first).
         MaterializeError: a meta layer's tensor nothing initializes, named; or a
             parameter shared by two layers that no tie names (naming both).
@@ -149,14 +152,16 @@ def package(model: nn.Sequential, sample: torch.Tensor, *, seed: int = 0,
             with WeightFiles(path) as files:
                 return layer_tensors(files, i, code[i], keys)
         return ModelCode([dumps(layer) for layer in code], spec,
-                         profile_message(meta_profile(_meta_only(code), sample)), from_files)
+                         profile_message(meta_profile(_meta_only(code), sample, _names(model))),
+                         from_files)
     if any(on_meta):
         check_initializable(list(model), init_fn, groups)
         spec = WeightsSpec(source="seed", seed=seed,
                            init_fn=dumps(init_fn) if init_fn is not None else b"",
                            ties=groups, tie_sources=_tie_sources(list(model), groups))
         return ModelCode([dumps(layer) for layer in model], spec,
-                         profile_message(meta_profile(list(model), sample)), None)
+                         profile_message(meta_profile(list(model), sample, _names(model))),
+                         None)
     code = [meta_copy(layer) for layer in model]
     spec = WeightsSpec(source="stream", ties=groups, seed=seed,
                        digests=tuple(layer_digest(layer.state_dict()) for layer in model))
@@ -203,9 +208,16 @@ def _profile(model: nn.Sequential, code: list[nn.Module], sample: torch.Tensor
     """A model's profile, on meta tensors where its layers run there (no copy of the
     weights: the same FLOP and bytes, shapes being all they depend on), else on a copy."""
     try:
-        return profile_message(meta_profile(_meta_only(code), sample))
-    except (RuntimeError, NotImplementedError, MaterializeError):  # a layer makes a CPU
-        return profile_model(model, sample)  # tensor of its own, say: run it for real
+        return profile_message(meta_profile(_meta_only(code), sample, _names(model)))
+    except (RuntimeError, NotImplementedError, MaterializeError, LayerInputError):
+        pass  # a layer makes a CPU tensor of its own, say: run it for real, whose error
+        # (a LayerInputError of the real tensors) is then the one to show, unchained
+    return profile_model(model, sample)
+
+
+def _names(model: nn.Sequential) -> list[str]:
+    """The names of ``model``'s children ("0", "1", ... unless it was built from a dict)."""
+    return [name for name, _ in model.named_children()]
 
 
 def _tie_sources(layers: Sequence[nn.Module], ties: Sequence[TiedGroup]

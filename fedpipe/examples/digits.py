@@ -59,10 +59,11 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int = 4,
-          schedule: str = "1f1b", stages: int = 0, compression: str | dict = "auto",
-          lr: float = 3e-3,
+          schedule: str = "1f1b", stages: int = 0, cuts: tuple[int, ...] = (),
+          compression: str | dict = "auto", lr: float = 3e-3,
           progress: bool = True, out=print) -> float:
     """Train the digits MLP on a swarm through ``client``; return held-out accuracy.
+    ``stages`` and ``cuts`` are its ``fedpipe.Placement``'s.
 
     Prints the plan (which node holds which layers) and the accuracy as
     ``held-out accuracy: 0.XXXX``.
@@ -77,7 +78,8 @@ def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int =
     job = client.submit(model, nn.functional.cross_entropy,
                         fedpipe.optimizer(torch.optim.AdamW, lr=lr),
                         batches(x_train, y_train, batch_size), steps=steps,
-                        microbatches=microbatches, schedule=schedule, stages=stages,
+                        microbatches=microbatches, schedule=schedule,
+                        placement=fedpipe.Placement(stages=stages, cuts=tuple(cuts)),
                         compression=compression, name="digits-mlp")
     status = job.status()
     while not status.plan.stages and status.state in ("PENDING", "PLANNING"):

@@ -26,7 +26,7 @@ from typing import Iterable, Mapping, Sequence
 from .. import planner
 from ..planner.protoio import plan_from_message
 from ..planner.simulate import stage_costs
-from ..planner.types import StageTime
+from ..planner.types import StageTime, reach
 from ..proto import node_pb2, tracker_pb2
 from ..recovery_text import recovery_headline, recovery_what
 from ..spec import ACTIVE, NODE_DRAINED, NODE_LEFT, TERMINAL, StageKey, state_name
@@ -342,12 +342,6 @@ def _left(n: tracker_pb2.NodeInfo) -> bool:
     """Whether node ``n`` is gone because it left on purpose (stopped, or drained), not
     lost: the tracker's reason says so."""
     return not n.alive and n.lost_reason in (NODE_LEFT, NODE_DRAINED)
-
-
-def reach(relay: str) -> str:
-    """How peers reach a node homed at ``relay`` (a node's, or a plan's stage's): in
-    words, "outbound-only via RELAY", or "direct" for "" (no relay)."""
-    return f"outbound-only via {relay}" if relay else "direct"
 
 
 def swarm_view(nodes: Sequence[tracker_pb2.NodeInfo],

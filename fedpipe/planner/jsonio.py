@@ -15,7 +15,7 @@ from typing import Any
 
 from ..wire.codecmodel import CodecSpeed
 from .types import (ClusterView, DEFAULT_LINK, LayerProfile, Link, ModelProfile, NodeSpec, Plan,
-                    ReplicaGroup, StagePlan, TrainConfig)
+                    ReplicaGroup, StagePlan, TrainConfig, reach)
 
 JsonObject = dict[str, Any]
 """A JSON object as :func:`json.loads` gives it."""
@@ -253,22 +253,29 @@ def plan_from_json(obj: JsonObject) -> Plan:
         raise JsonFormatError(f"plan: {e}") from None
 
 
+def _without(row: tuple[str, ...], column: int) -> tuple[str, ...]:
+    return row[:column] + row[column + 1:]
+
+
 def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                 config: TrainConfig) -> str:
-    """A readable table of the plan: group, stage, node, layers, codecs with the bytes each
-    sends per microbatch on its link (a lowrank basis amortised over the messages between
-    two, :meth:`~fedpipe.planner.codecs.CodecCost.wire_bytes`) and their encode + decode CPU
-    time per microbatch (with
-    the nodes' measured codec costs, :func:`fedpipe.planner.costs.transfer_seconds`),
-    predicted times, and the predicted T (the step time × the steps factor of the plan's
-    codecs, :func:`fedpipe.planner.codecs.steps_factor`)."""
+    """A readable table of the plan: group, stage, node, how peers reach it when any
+    stage's node is outbound-only (:func:`~fedpipe.planner.types.reach`, as ``fedpipe
+    status`` says it), layers, codecs with the bytes each sends per microbatch on its link
+    (a lowrank basis amortised over the messages between two,
+    :meth:`~fedpipe.planner.codecs.CodecCost.wire_bytes`) and their encode + decode CPU
+    time per microbatch (with the nodes' measured codec costs,
+    :func:`fedpipe.planner.costs.transfer_seconds`), predicted times, and the predicted T
+    (the step time × the steps factor of the plan's codecs,
+    :func:`fedpipe.planner.codecs.steps_factor`)."""
     from .codecs import codec_cost, steps_factor
     from .costs import boundary_bytes, boundary_width
 
     nodes = {n.node_id: n for n in cluster.nodes}
-    header = ("group", "stage", "node", "site", "TFLOP/s", "layers", "activations", "act B/mb",
-              "act cpu/mb", "gradients", "grad B/mb", "grad cpu/mb")
-    rows = []
+    header: tuple[str, ...] = (
+        "group", "stage", "node", "reach", "site", "TFLOP/s", "layers", "activations",
+        "act B/mb", "act cpu/mb", "gradients", "grad B/mb", "grad cpu/mb")
+    rows: list[tuple[str, ...]] = []
     used = []
     for gi, g in enumerate(plan.groups):
         per_mb = g.samples / g.microbatches if g.microbatches else 0.0
@@ -287,7 +294,8 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
             n = nodes.get(s.node_id)
             last = si == len(g.stages) - 1
             rows.append((str(gi), str(si), (n.name or n.node_id) if n else s.node_id,
-                         n.site if n else "", f"{n.flops / 1e12:.3g}" if n else "?",
+                         reach(n.relay if n else ""), n.site if n else "",
+                         f"{n.flops / 1e12:.3g}" if n else "?",
                          f"{s.layer_start}-{s.layer_end - 1}",
                          "-" if last else s.activation_codec,
                          "-" if last else wire(s.activation_codec, s.layer_end, g.microbatches),
@@ -297,6 +305,9 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
                          "-" if si == 0 else wire(s.gradient_codec, s.layer_start, 0),
                          "-" if si == 0 else cpu(s.gradient_codec, s.layer_start, s.node_id,
                                                  g.stages[si - 1].node_id)))
+    staged = {s.node_id for g in plan.groups for s in g.stages}
+    if not any(n.relay for n in cluster.nodes if n.node_id in staged):  # all direct: no column
+        header, rows = _without(header, 3), [_without(r, 3) for r in rows]
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = "  ".join
     out = [f"plan: {len(plan.groups)} replica group(s) of a {len(profile.layers)}-layer model, "

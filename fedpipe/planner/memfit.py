@@ -20,6 +20,19 @@ MEMORY_REMEDIES = ("; to fit, submit with recompute=\"auto\" (or True), more mic
 ``LoadStage``, :class:`~fedpipe.node.memory.StageMemory`)."""
 
 
+CLI_MEMORY_REMEDIES = ("; to fit, give a larger --microbatches, add nodes, or (in Python) "
+                       "submit with recompute=\"auto\" (or True) or precision=\"bf16-mixed\"")
+""":data:`MEMORY_REMEDIES` as the command line says them (:func:`for_command_line`): in its
+flags where it has one (``fedpipe plan`` and ``fedpipe submit`` take ``--microbatches``),
+in ``submit()``'s keywords, said to be Python's, where it has none."""
+
+
+def for_command_line(text: str) -> str:
+    """``text`` (an error's) with :data:`MEMORY_REMEDIES`, if it carries them, said as
+    :data:`CLI_MEMORY_REMEDIES`: what the ``fedpipe`` command prints."""
+    return text.replace(MEMORY_REMEDIES, CLI_MEMORY_REMEDIES)
+
+
 def is_memory_refusal(text: str) -> bool:
     """Whether a refusal's (or a failed job's) text is one of memory: it carries
     :data:`MEMORY_REMEDIES` (the client raises ``NotEnoughMemory`` for it)."""

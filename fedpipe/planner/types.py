@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..spec.jobspec import MICROBATCHES
 from ..wire.codecmodel import CodecSpeed
 
 
@@ -58,6 +59,13 @@ class NodeSpec:
     relay: str = ""
     snapshots_on_disk: bool = False
     codec_speeds: tuple[CodecSpeed, ...] = ()
+
+
+def reach(relay: str) -> str:
+    """How peers reach a node homed at ``relay`` (:attr:`NodeSpec.relay`, a node's or a
+    plan's stage's) in words: "outbound-only via RELAY", or "direct" for "" (no relay).
+    The one wording of ``fedpipe plan``, ``fedpipe status`` and the dashboard."""
+    return f"outbound-only via {relay}" if relay else "direct"
 
 
 @dataclass(frozen=True)
@@ -218,7 +226,8 @@ class TrainConfig:
 
     Attributes:
         batch_size: samples per optimizer step.
-        microbatches: microbatches per batch.
+        microbatches: microbatches per batch (default
+            :data:`fedpipe.spec.MICROBATCHES`, submit's).
         schedule: "gpipe" or "1f1b" (or "async", later).
         state_factor: bytes kept per parameter byte for a stage: weights,
             gradients and optimizer state (4 for AdamW: weights, grads, two moments;
@@ -259,7 +268,7 @@ class TrainConfig:
     """
 
     batch_size: int
-    microbatches: int = 1
+    microbatches: int = MICROBATCHES
     schedule: str = "gpipe"
     state_factor: float = 4.0
     snapshot_copies: float = 0.0

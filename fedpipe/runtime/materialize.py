@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..planner.types import LayerProfile, ModelProfile, row_width
+from .layercall import call_layer
 
 InitFn = Callable[[nn.Module, int, torch.Generator], None]
 """``init_fn(layer, layer_index, generator)``: initializes ``layer`` in place (its tensors
@@ -281,29 +282,30 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _layer_flops(layer: nn.Module, x: torch.Tensor, i: int) -> tuple[torch.Tensor, float]:
-    """Forward + backward FLOP of one layer on meta input ``x`` and its output. Runs a
-    copy (cheap on meta), so no ``.grad`` is left on the model."""
+def _layer_flops(layer: nn.Module, x: torch.Tensor, i: int, name: str
+                 ) -> tuple[torch.Tensor, float]:
+    """Forward + backward FLOP of one layer (child ``i``, named ``name``) on meta input
+    ``x`` and its output. Runs a copy (cheap on meta), so no ``.grad`` is left on the
+    model."""
     layer = copy.deepcopy(layer)
     counter = FlopCounterMode(display=False)
     with counter:
-        y = layer(x)
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"layer {i} ({type(layer).__name__}) returned {type(y).__name__}, "
-                            "not a single tensor: each child of the nn.Sequential must map "
-                            "one tensor to one tensor")
+        y = call_layer(layer, x, i, name)
         if y.requires_grad:
             y.backward(torch.ones_like(y))
     return y, float(max(counter.get_total_flops(), ELEMENTWISE_FLOPS * y.numel()))
 
 
-def meta_profile(model: Sequence[nn.Module], sample: torch.Tensor) -> ModelProfile:
+def meta_profile(model: Sequence[nn.Module], sample: torch.Tensor,
+                 names: Sequence[str] = ()) -> ModelProfile:
     """The planner's per-layer costs of a meta model, allocating no weights.
 
     Args:
         model: the layers, on the meta device.
         sample: a batch (first dim = samples), on any device: only its shape and
             dtype are used (token ids' values do not matter on meta).
+        names: the layers' names in their ``nn.Sequential`` (for errors; default: those
+            of ``model`` if it is one, else their indices).
 
     Returns:
         a :class:`~fedpipe.planner.types.ModelProfile`: per layer forward + backward
@@ -313,9 +315,14 @@ def meta_profile(model: Sequence[nn.Module], sample: torch.Tensor) -> ModelProfi
         of the last floating-point activation.
 
     Raises:
+        LayerInputError: a layer cannot take its input (a shape that does not fit:
+            the message names the layer, the shape it got and what it expects).
         TypeError: a layer's output is not a single tensor (naming the layer).
         MaterializeError: a layer has tensors off the meta device.
+        NotImplementedError: an operator with no meta kernel.
     """
+    if not names and isinstance(model, nn.Sequential):
+        names = [name for name, _ in model.named_children()]
     n = sample.shape[0] if sample.dim() else 1
     x = torch.empty_like(sample, device="meta")
     layers, element_bytes = [], 4
@@ -324,7 +331,7 @@ def meta_profile(model: Sequence[nn.Module], sample: torch.Tensor) -> ModelProfi
         if off_meta:
             raise MaterializeError(f"layer {i} has tensors off the meta device: {off_meta[0]}")
         x = x.detach().requires_grad_(x.is_floating_point())
-        y, flops = _layer_flops(layer, x, i)
+        y, flops = _layer_flops(layer, x, i, names[i] if names else "")
         if y.is_floating_point():
             element_bytes = y.element_size()
         layers.append(LayerProfile(name=f"{i}:{type(layer).__name__}", flops=flops / n,

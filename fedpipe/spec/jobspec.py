@@ -15,6 +15,11 @@ from .schedules import check_schedule
 from .states import CLIENT_TIMEOUT
 from .weights import WeightsSpec
 
+MICROBATCHES = 1
+"""A job's microbatches per step unless told (each batch whole): the one default of
+``submit``'s (:class:`~fedpipe.spec.knobs.Training`, :class:`JobSpec`), the planner's
+(``TrainConfig``) and ``fedpipe plan``'s and ``fedpipe submit``'s, so a plan previews
+what a submit does."""
 MAX_MICROBATCHES = 4096
 REBALANCE = ("auto", "never")
 """Whether the tracker may migrate a running job to a better plan (a node joined, or one is
@@ -154,7 +159,7 @@ class JobSpec:
     """
 
     steps: int
-    microbatches: int = 1
+    microbatches: int = MICROBATCHES
     batch_size: int = 1
     schedule: str = "gpipe"
     optimizer: bytes = b""

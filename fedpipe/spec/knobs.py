@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 
 from .cuts import cuts_problem
 from .errors import JobSpecError
-from .jobspec import JobSpec, check_field
+from .jobspec import MICROBATCHES, JobSpec, check_field
 from .replicas import DiLoCo
 from .states import CLIENT_TIMEOUT
 
@@ -73,7 +73,7 @@ class Training:
             bfloat16); weights, gradients, optimizer state and the loss stay float32.
     """
 
-    microbatches: int = 1
+    microbatches: int = MICROBATCHES
     schedule: str = "gpipe"
     max_staleness: int = 1
     lr_scheduler: object | None = None
