@@ -42,6 +42,22 @@ def address_arg(text: str) -> str:
     return text
 
 
+def relays_arg(text: str) -> list[str]:
+    """``fedpipe node --relay``'s value, ``HOST:PORT[,HOST:PORT]``, checked at parse as
+    :func:`fedpipe.net.relay.split_relays` checks it (it was only checked once the node
+    started).
+
+    Raises:
+        argparse.ArgumentTypeError: an empty list, or an entry that is not ``HOST:PORT``.
+    """
+    from .net.relay import split_relays
+
+    try:
+        return split_relays(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def tls(args, name: str | None):
     """The TLS configuration of ``--tls-dir`` (or ``$FEDPIPE_TLS_DIR``) and certificate ``name``
     (None: the directory's only one); None without either (plaintext)."""

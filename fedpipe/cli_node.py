@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_args import (TRACKER_HELP, insecure_arg, metrics_args, tls as _tls, tls_args,
-                       tracker_target)
+from .cli_args import (TRACKER_HELP, insecure_arg, metrics_args, relays_arg, tls as _tls,
+                       tls_args, tracker_target)
 
 
 def _positive_bytes(text: str) -> int:
@@ -22,7 +22,6 @@ def _positive_bytes(text: str) -> int:
 
 
 def cmd_node(args) -> int:
-    from .net.relay import split_relays
     from .node.daemon import NodeDaemon
 
     daemon = NodeDaemon(args.tracker, args.host, args.port, advertise=args.advertise,
@@ -33,7 +32,7 @@ def cmd_node(args) -> int:
                         insecure=args.insecure, drain_timeout=args.drain_timeout,
                         host_id=args.host_id,
                         data_port=None if args.no_data_port else args.data_port,
-                        relays=None if args.relay is None else split_relays(args.relay),
+                        relays=args.relay,
                         snapshot_dir=args.snapshot_dir)
     daemon.install_signal_handlers()
     if daemon.homing is None:
@@ -123,7 +122,7 @@ def add_cli(sub) -> None:
                    help="on SIGTERM, seconds to hand this node's stages over to other nodes "
                         "before it exits anyway (0: exit at once; SIGINT always exits at "
                         "once); node/fedpipe-node.service's TimeoutStopSec matches it")
-    n.add_argument("--relay", default=None,
+    n.add_argument("--relay", type=relays_arg, default=None,
                    help="outbound-only (behind NAT): home at the first of these relays "
                         "(HOST:PORT[,HOST:PORT], each a `fedpipe relay`) that answers and "
                         "advertise the addresses it opens for this node; re-home at the same "

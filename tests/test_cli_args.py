@@ -191,3 +191,17 @@ def test_a_plan_that_fits_no_memory_says_the_remedies_in_flags(tmp_path, capsys)
     assert MEMORY_REMEDIES not in err
     assert is_memory_refusal(f"x{MEMORY_REMEDIES}")  # the client still tells one by its text
     assert for_command_line("no memory words") == "no memory words"
+
+
+@pytest.mark.parametrize("relay,why", [
+    ("127.0.0.1", "relay '127.0.0.1': expected HOST:PORT"),
+    (",", "--relay ',' names no relay (HOST:PORT[,HOST:PORT])"),
+    ("r1:7000,http://r2:7000", "relay 'http://r2:7000': expected HOST:PORT, not a URL")])
+def test_a_nodes_relay_is_refused_at_parse_naming_the_entry_at_fault(relay, why, capsys):
+    # was: checked only when the node started, after its other arguments were taken
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args(["node", "--tracker", "t:7070", "--relay", relay])
+    assert exit.value.code == 2
+    assert f"argument --relay: {why}" in capsys.readouterr().err
+    assert parser().parse_args(["node", "--tracker", "t:7070", "--relay",
+                                "r1:7000, [::1]:7001"]).relay == ["r1:7000", "[::1]:7001"]

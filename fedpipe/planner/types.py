@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..spec.jobspec import MICROBATCHES
+from ..spec.jobspec import MICROBATCHES, SCHEDULE
 from ..wire.codecmodel import CodecSpeed
 
 
@@ -269,7 +269,7 @@ class TrainConfig:
 
     batch_size: int
     microbatches: int = MICROBATCHES
-    schedule: str = "gpipe"
+    schedule: str = SCHEDULE
     state_factor: float = 4.0
     snapshot_copies: float = 0.0
     step_scratch: float = 0.0

@@ -30,7 +30,7 @@ from .codecs import (CODEC_PARAMS, CODEC_POLICIES, GRADIENT_ONLY_CODECS, HADAMAR
 from .cuts import cuts_of, cuts_problem, stage_ranges
 from .errors import JobSpecError, SpecError
 from .jobspec import (FIELD_RULES, MAX_MICROBATCHES, MICROBATCHES, PRECISIONS, REBALANCE,
-                      RECOMPUTE, JobSpec, check_field, stage_recomputes)
+                      RECOMPUTE, SCHEDULE, JobSpec, check_field, stage_recomputes)
 from .knobs import (FLAT_KNOBS, GROUPS, Compression, Group, Knobs, Lifetime, Placement,
                     Replicas, Training)
 from .plans import PlanView, StageKey, peer_of
@@ -45,7 +45,7 @@ from .weights import WEIGHT_SOURCES, WeightsSpec
 __all__ = [
     "ACTIVE", "CLIENT_TIMEOUT", "CODEC_PARAMS", "CODEC_POLICIES", "FIELD_RULES", "FLAT_KNOBS",
     "GRADIENT_ONLY_CODECS", "GROUPS", "HADAMARD_CODECS", "LOWRANK_CODECS", "MAX_MICROBATCHES",
-    "MICROBATCHES",
+    "MICROBATCHES", "SCHEDULE",
     "NODE_DRAINED", "NODE_LEFT",
     "PRECISIONS", "PROTOCOL_VERSION", "REBALANCE", "RECOMPUTE", "stage_recomputes",
     "REPLICA_SYNCS", "SCHEDULES", "SNAPSHOTS_KEPT", "SYNC_SCHEDULES", "TERMINAL", "WAITING",

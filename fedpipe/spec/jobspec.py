@@ -20,6 +20,9 @@ MICROBATCHES = 1
 ``submit``'s (:class:`~fedpipe.spec.knobs.Training`, :class:`JobSpec`), the planner's
 (``TrainConfig``) and ``fedpipe plan``'s and ``fedpipe submit``'s, so a plan previews
 what a submit does."""
+SCHEDULE = "gpipe"
+"""A job's pipeline schedule unless told: the one default of ``submit``'s, the planner's
+and the command line's, as :data:`MICROBATCHES` is."""
 MAX_MICROBATCHES = 4096
 REBALANCE = ("auto", "never")
 """Whether the tracker may migrate a running job to a better plan (a node joined, or one is
@@ -161,7 +164,7 @@ class JobSpec:
     steps: int
     microbatches: int = MICROBATCHES
     batch_size: int = 1
-    schedule: str = "gpipe"
+    schedule: str = SCHEDULE
     optimizer: bytes = b""
     loss_fn: bytes = b""
     lr_scheduler: bytes = b""

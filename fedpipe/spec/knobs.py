@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 
 from .cuts import cuts_problem
 from .errors import JobSpecError
-from .jobspec import MICROBATCHES, JobSpec, check_field
+from .jobspec import MICROBATCHES, SCHEDULE, JobSpec, check_field
 from .replicas import DiLoCo
 from .states import CLIENT_TIMEOUT
 
@@ -74,7 +74,7 @@ class Training:
     """
 
     microbatches: int = MICROBATCHES
-    schedule: str = "gpipe"
+    schedule: str = SCHEDULE
     max_staleness: int = 1
     lr_scheduler: object | None = None
     clip_grad_norm: float = 0.0
