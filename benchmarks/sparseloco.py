@@ -138,6 +138,7 @@ def run(config: DiLoCo, seed: int, steps: int, train, held,
                 sync(step)
         except Exception as e:  # noqa: BLE001 — raised below, once both threads ended
             errors.append(e)
+            wire.fail(e)  # the other group stops waiting for this one's outer messages
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=group, args=(r,)) for r in range(GROUPS)]

@@ -358,3 +358,23 @@ def test_diloco_with_one_replica_behind_a_slow_link_finishes_and_converges():
           f"period: {missed}, applied late: {late}")
     assert late >= 1, "no replica was late: the slow link did not slow a group enough"
     assert accuracy >= 0.9
+
+
+def test_a_failed_holder_on_the_outer_wire_stops_its_peers_waiting():
+    # benchmarks/sparseloco.py hung for good when one group's thread failed: the other
+    # waited for its outer messages with no timeout
+    wire = OuterWire()
+    me = wire.transport(StageKey(0, 0))
+    got: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            me.recv(fedpipe.spec.Kind.OUTER, 5, 0)
+        except RuntimeError as e:
+            got.append(e)
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    wire.fail(ValueError("group 1 broke"))
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert "a peer of" in str(got[0]) and "group 1 broke" in str(got[0])

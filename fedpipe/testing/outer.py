@@ -32,6 +32,14 @@ class OuterWire:
         self.cond = threading.Condition()
         self.hold = hold
         self.sent_bytes: collections.Counter[int] = collections.Counter()
+        self.failed: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """A holder failed with ``error``: every holder's waiting and later ``recv`` raises
+        RuntimeError naming it (its peers would wait for its messages for ever)."""
+        with self.cond:
+            self.failed = error
+            self.cond.notify_all()
 
     def transport(self, me: StageKey) -> "OuterTransport":
         """The :class:`~fedpipe.runtime.stage.Transport` of holder ``me``."""
@@ -70,8 +78,11 @@ class OuterTransport:
         assert kind == Kind.OUTER
         key = (self.me, step, tag)
         with self.wire.cond:
-            if not self.wire.cond.wait_for(lambda: key in self.wire.boxes, timeout):
+            if not self.wire.cond.wait_for(
+                    lambda: key in self.wire.boxes or self.wire.failed is not None, timeout):
                 raise TimeoutError(key)
+            if key not in self.wire.boxes:
+                raise RuntimeError(f"a peer of {self.me} failed: {self.wire.failed!r}")
             return self.wire.boxes.pop(key), 1
 
     def send(self, kind, step, microbatch, tensor, batch_size):
