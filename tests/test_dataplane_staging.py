@@ -387,7 +387,10 @@ def test_a_cuda_tensor_round_trips_through_pinned_buffers_and_back_to_the_device
         odd = torch.randn(64, 33, device=device).t()  # not contiguous
         sender.submit(env(1), odd, "raw")
         sender.submit(env(2), torch.randn(100, device=device), "fp16")  # a codec: as today
-        sender.flush()
+        try:
+            sender.flush()
+        finally:
+            sender.close()
         link.flush(WAIT)
     assert len(b_in.got) == 3
     got0, got1 = b_in.got[0], b_in.got[1]
