@@ -80,6 +80,16 @@ def test_a_stages_tensors_are_admitted_with_the_tensor_limit(plane):
     assert data.admit(env(1, Kind.GRADIENT)) == codecs.MAX_TENSOR_BYTES
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["cpu node", "cuda node"])
+def test_a_cuda_nodes_stage_tensors_are_received_into_pinned_memory_and_probes_never(pinned):
+    stages = Lookup(stage(0), stage(1), stage(2))
+    data = DataPlane(stages, Mailbox(2, bounded=BOUNDED_KINDS, job_of=inbox_job),
+                     StageReporter(lambda: "n0", [].append), pinned=pinned)
+    assert data.admitted(env(1, Kind.ACTIVATION)).pinned is pinned
+    assert data.admitted(env(0, Kind.INPUT)).pinned is pinned
+    assert data.admitted(node_pb2.Envelope(kind=Kind.PROBE)).pinned is False
+
+
 @pytest.mark.parametrize("envelope,error,says", [
     (env(job_id="other"), NoSuchStage, "no stage 0"),
     (env(epoch=1), StaleEpoch, "plan epoch 1"),

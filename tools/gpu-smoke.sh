@@ -3,14 +3,20 @@
 #
 #   tools/gpu-smoke.sh prepare   # on a machine with network: download Python 3.12 wheels of
 #                                # what fedpipe needs besides torch and numpy into $WHEELS
-#   tools/gpu-smoke.sh run       # on the GPU machine (python3.12 and its own CUDA torch):
+#   tools/gpu-smoke.sh [run]     # on the GPU machine (python3.12 and its own CUDA torch):
 #                                # install the wheels offline into a private folder, then
 #                                # 1. a 2-node swarm, both nodes --device cuda
 #                                # 2. a mixed job: one --device cpu node, one --device cuda node
 #                                # each trained job's weights checked against single-process
 #                                # training on the CPU (max relative difference <= $TOL, TF32 off)
-#   tools/gpu-smoke.sh check-cpu # the same checks with two CPU nodes, installing nothing:
-#                                # proves the script and its checks on a machine without a GPU
+#                                # 3. the steady step time (ms) of a 2-stage 1F1B job whose
+#                                # stages exchange 8 MiB activations, on cuda,cuda next to
+#                                # cpu,cpu (tools/gpu_smoke.py --measure)
+#                                # Where torch sees no CUDA device it says so in one line and
+#                                # exits 0, having measured nothing.
+#   tools/gpu-smoke.sh check-cpu # the same checks with two CPU nodes, and a small step
+#                                # measurement on cpu,cpu, installing nothing: proves the
+#                                # script and its checks on a machine without a GPU
 #
 # Nothing is installed into the GPU machine's Python: the wheels go to $SITE, put first on
 # PYTHONPATH. torch and numpy are the machine's own (never downloaded, never replaced).
@@ -55,9 +61,26 @@ install() {
   export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 }
 
-case "${1:-}" in
+# Exit 0 with one line where torch sees no CUDA device (nothing to measure there); exit 2
+# with one line where $PYTHON cannot import torch. Needs only the machine's own torch.
+require_cuda() {
+  local out
+  if ! out=$("$PYTHON" -c 'import torch; print(torch.__version__, torch.cuda.is_available())' \
+             2>&1); then
+    echo "gpu-smoke: $PYTHON cannot import torch: $(tail -n 1 <<<"$out")" >&2
+    exit 2
+  fi
+  out=$(tail -n 1 <<<"$out")  # after any warning torch printed
+  if [[ ${out##* } != True ]]; then
+    echo "gpu-smoke: no CUDA device (torch ${out% *} sees none): nothing was measured"
+    exit 0
+  fi
+}
+
+case "${1:-run}" in
   prepare) prepare ;;
   run)
+    require_cuda
     install
     # TF32 off in every process (the nodes inherit the environment): full float32 matmuls
     export NVIDIA_TF32_OVERRIDE=0
@@ -68,10 +91,13 @@ print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
 PY
     "$PYTHON" "$ROOT/tools/gpu_smoke.py" --devices cuda,cuda --tol "$TOL"
     "$PYTHON" "$ROOT/tools/gpu_smoke.py" --devices cpu,cuda --tol "$TOL"
+    "$PYTHON" "$ROOT/tools/gpu_smoke.py" --measure cuda,cuda cpu,cpu
     ;;
   check-cpu)
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     "$PYTHON" "$ROOT/tools/gpu_smoke.py" --devices cpu,cpu --tol "$TOL"
+    "$PYTHON" "$ROOT/tools/gpu_smoke.py" --measure cpu,cpu --width 1024 --batch 256 \
+      --steps 8 --warmup 2
     ;;
-  *) sed -n '2,20p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,24p' "$0" >&2; exit 2 ;;
 esac

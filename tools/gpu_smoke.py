@@ -9,11 +9,21 @@ another order than the CPU's, so bit equality is not expected; with TF32 off the
 differences stay near 1e-6, far below 1e-4 (with TF32 on they reach about 1e-3).
 
 Prints one line per job and exits non-zero on the first failure.
+
+``--measure DEVICES [DEVICES ...]`` measures instead: for each entry (``cuda,cuda``,
+``cpu,cpu``) a 2-stage 1F1B job whose stage boundary carries wide activations (a
+``Linear(64, --width)``, ``Tanh``, ``Linear(--width, 10)``: little compute, ``--batch`` /
+4 rows of ``--width`` float32 each way per microbatch, 8 MiB by default) trains
+``--steps`` steps on the socket data plane, raw; its steady step time is the median of
+``batch / samples_per_second`` over the steps after ``--warmup`` (the tracker's
+per-step records, :meth:`fedpipe.Job.history`). One line per entry, then the entries
+side by side.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -102,12 +112,75 @@ def run(devices: list[str], tol: float) -> float:
     return diff
 
 
+def wide_model(width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, width), nn.Tanh(), nn.Linear(width, 10))
+
+
+def measure(devices: list[str], width: int, batch: int, steps: int, warmup: int) -> float:
+    """The steady step time, ms, of a 2-stage 1F1B job on nodes on ``devices`` (module
+    docstring); prints one line.
+
+    Raises:
+        AssertionError: the nodes are not on ``devices``, the job did not succeed with
+            one stage on each node, or fewer than one step was recorded after ``warmup``.
+    """
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(batch, 64, generator=g), torch.randint(0, 10, (batch,), generator=g))
+               for _ in range(steps)]
+    with LocalSwarm(n_nodes=0, timeout=180) as swarm:
+        for i, device in enumerate(devices):
+            swarm.add_node("--device", device)
+            swarm.wait_for_nodes(i + 1)
+        swarm.wait_for_links()
+        client = swarm.client()
+        seen = sorted(n.resources.device.split(":")[0] for n in client.nodes())
+        assert seen == sorted(d.split(":")[0] for d in devices), \
+            f"nodes report devices {seen}, asked for {devices}"
+        job = client.submit(wide_model(width), nn.functional.cross_entropy, SGD, batches,
+                            steps=steps, microbatches=MICROBATCHES, schedule="1f1b",
+                            stages=len(devices), compression="none")
+        status = job.wait(timeout=600, progress=False)
+        assert status.state == "SUCCEEDED" and status.step == steps, \
+            f"job ended {status.state} at step {status.step}"
+        assert len({a.node_id for a in status.plan.stages}) == len(devices), \
+            "expected one stage on each node"
+        records = job.history()
+        job.release()
+    ms = [1000.0 * batch / r.samples_per_second for r in records
+          if r.step > warmup and r.samples_per_second > 0]
+    assert ms, f"no step recorded after the first {warmup} (records: {len(records)})"
+    step = statistics.median(ms)
+    mib = batch // MICROBATCHES * width * 4 / 2**20
+    print(f"step {','.join(devices)}: {step:.1f} ms steady (median of {len(ms)} steps after "
+          f"{warmup}; 2-stage 1F1B, {MICROBATCHES} microbatches of {batch // MICROBATCHES} "
+          f"rows, {mib:.1f} MiB of activations per microbatch each way, raw)", flush=True)
+    return step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", default="cuda,cuda",
                     help="one node per comma-separated device (cpu, cuda, cuda:N)")
     ap.add_argument("--tol", type=float, default=1e-4, help="max relative difference allowed")
+    ap.add_argument("--measure", nargs="+", metavar="DEVICES",
+                    help="measure the steady step time on each DEVICES (e.g. cuda,cuda "
+                         "cpu,cpu) instead of checking the weights")
+    ap.add_argument("--width", type=int, default=8192,
+                    help="--measure: features of the activations between the stages")
+    ap.add_argument("--batch", type=int, default=1024, help="--measure: rows per step")
+    ap.add_argument("--steps", type=int, default=30, help="--measure: steps of the job")
+    ap.add_argument("--warmup", type=int, default=5,
+                    help="--measure: first steps left out of the median")
     args = ap.parse_args()
+    if args.measure:
+        if args.steps <= args.warmup:
+            ap.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
+        times = {d: measure(d.split(","), args.width, args.batch, args.steps, args.warmup)
+                 for d in args.measure}
+        print("steady step time: " + ", ".join(f"{d} {ms:.1f} ms" for d, ms in times.items()),
+              flush=True)
+        return
     # the reference stays in full float32 too
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -64,10 +64,16 @@ class DataPlane:
         stages: finds a stage by its slot.
         mailbox: where delivered tensors wait for their stage.
         reporter: reports a neighbour whose stream broke.
+        pinned: the stages run on a CUDA device: a stage's raw tensor is received into
+            pinned host memory on the socket data plane (:attr:`frames.Admitted.pinned`),
+            so its transport's move to the device is asynchronous
+            (:meth:`~fedpipe.node.wiring.StageTransport.recv`).
     """
 
-    def __init__(self, stages: StageLookup, mailbox: Mailbox, reporter: StageReporter):
+    def __init__(self, stages: StageLookup, mailbox: Mailbox, reporter: StageReporter,
+                 pinned: bool = False):
         self.stages, self.mailbox, self.reporter = stages, mailbox, reporter
+        self.pinned = pinned
 
     def receive(self, stream: Iterable[bytes], check: Callable[[node_pb2.Frame], None],
                 active: Callable[[], bool]) -> None:
@@ -140,7 +146,9 @@ class DataPlane:
     def admitted(self, env: node_pb2.Envelope, shape: Sequence[int] = ()) -> frames.Admitted:
         """:meth:`admit`'s limit, with the receiving stage's end of the link the tensor
         crosses for a stateful codec to decode with (its lowrank bases:
-        :meth:`~fedpipe.node.lifecycle.Stage.codec_end`; None for any other tensor).
+        :meth:`~fedpipe.node.lifecycle.Stage.codec_end`; None for any other tensor), and
+        for a stage's tensor whether to receive it into pinned memory (``pinned``; a
+        probe never is).
 
         Raises:
             As :meth:`admit`.
@@ -148,7 +156,7 @@ class DataPlane:
         if env.kind == Kind.PROBE:  # no stage's: it only has to arrive
             return frames.Admitted(MAX_PROBE_BYTES)
         return frames.Admitted(codecs.MAX_TENSOR_BYTES,
-                               self._checked_stage(env, shape).codec_end(env))
+                               self._checked_stage(env, shape).codec_end(env), self.pinned)
 
     def deliver(self, env: node_pb2.Envelope, tensor: torch.Tensor,
                 active: Callable[[], bool]) -> None:

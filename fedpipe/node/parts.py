@@ -17,6 +17,7 @@ import torch
 
 from ..net import timeouts
 from ..net.dataplane import DataPlane as SocketPlane
+from ..net.dataplane import staging
 from ..net.dataplane.caps import Sources
 from ..net.emulation import LinkProfile, Pacer
 from ..observe.metrics import NodeMetrics
@@ -164,14 +165,17 @@ def build_parts(node_id: Callable[[], str], name: str, resources: node_pb2.Resou
     loop = StageLoop(reporter, checkpoints, mailbox, restorer)
     build = stage_builder(device, mailbox, node_id,
                           snapshots.put, reporter, access.learning(quorum), memory)
+    # a CUDA node stages what it sends through pinned host memory, and receives into it
+    copier = staging.CudaCopier() if device.type == "cuda" else None
     stages = StageRegistry(build, lambda: StagePeers(channels, shaper, metrics,
-                                                     sockets[0] if sockets else None, pacer),
+                                                     sockets[0] if sockets else None, pacer,
+                                                     copier),
                            restorer, loop, mailbox, snapshots, reporter, memory,
                            job_over=lambda job: sockets[0].end_job(job) if sockets else 0)
     streams = StreamWatch(stages.runs, idle_stream,
                           revoked_serials=verifier.revoked_serials
                           if verifier is not None else None)
-    data = DataPlane(stages, mailbox, reporter)
+    data = DataPlane(stages, mailbox, reporter, pinned=device.type == "cuda")
     desk = SnapshotDesk(snapshots, stages.holds, job_snapshot_bytes)
     weights = WeightsDesk(stages.get)
     receiver = None

@@ -24,6 +24,7 @@ import torch
 
 from .. import net
 from ..net import dataplane, timeouts, trackers
+from ..net.dataplane import staging
 from ..net.emulation import Pacer
 from ..observe.metrics import NodeMetrics
 from ..proto import node_pb2, tensor_pb2
@@ -279,7 +280,12 @@ class SocketSender:
     A raw CPU tensor of at most :data:`INLINE_BYTES` is written on the caller's
     thread, from its own memory (a header and a ``memoryview``, no copy); others
     (a codec to run, a large or CUDA tensor) and every tensor on an emulated link
-    go through one background thread, in order. The link keeps a tensor until the
+    go through one background thread, in order. With a ``copier``, a raw tensor on a
+    device is staged to pinned host memory in chunks on the caller's thread (the copies
+    are queued right after the kernels that made the tensor, and run while it computes
+    on), and the background thread writes each chunk as soon as its copy is done
+    (:mod:`fedpipe.net.dataplane.staging`); without one (or with a codec) it is encoded
+    there as :func:`encode` does. The link keeps a tensor until the
     peer acknowledged it (to resend it after a break), so a tensor must not be
     changed in place until :meth:`flush`. The link is the node's, shared with its
     other stages that send to this peer: closing this sender leaves it open.
@@ -292,13 +298,17 @@ class SocketSender:
         metrics: counts each tensor's bytes (None: off).
         pacer: the emulated link to the peer (None: none).
         feedback: as :class:`PeerSender`'s.
+        copier: stages a device tensor's bytes to host memory (a CUDA node's
+            :class:`~fedpipe.net.dataplane.staging.CudaCopier`; None: a device tensor is
+            copied as :func:`encode` copies it).
     """
 
     def __init__(self, link: dataplane.Link, address: str, name: str = "",
                  metrics: NodeMetrics | None = None, pacer: Pacer | None = None,
-                 feedback: codecs.ErrorFeedback | None = None):
+                 feedback: codecs.ErrorFeedback | None = None,
+                 copier: staging.Copier | None = None):
         self.link, self.address, self.name = link, address, name or address
-        self.metrics, self.pacer = metrics, pacer
+        self.metrics, self.pacer, self.copier = metrics, pacer, copier
         self.encoder = futures.ThreadPoolExecutor(1, thread_name_prefix=f"data-{self.name}")
         self.error: Exception | None = None
         self.feedback = feedback if feedback is not None else codecs.ErrorFeedback()
@@ -320,19 +330,32 @@ class SocketSender:
             self._send(envelope, tensor, codec, 0.0)
         else:
             due = self.pacer.due() if self.pacer is not None else 0.0
-            self.encoder.submit(self._send, envelope, tensor, codec, due, end)
+            staged = None
+            if self.copier is not None and staging.stageable(tensor, codec):
+                try:  # here, so the copy is ordered right after the kernels that made it
+                    staged = staging.stage(tensor, self.copier)
+                except Exception as e:  # noqa: BLE001 — raised as this sender's StageError
+                    self.error = self.error or e
+                    self.check()
+            self.encoder.submit(self._send, envelope, tensor, codec, due, end, staged)
 
     def _send(self, envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
-              due: float, end: lowrank.End | None = None) -> None:
+              due: float, end: lowrank.End | None = None,
+              staged: tuple[tensor_pb2.Tensor, staging.Staged] | None = None) -> None:
         try:
-            msg, payload = encode(envelope, tensor, codec, self.feedback, end)
+            marks: tuple[staging.Mark, ...] = ()
+            if staged is not None:
+                msg, (payload, marks) = staged
+            else:
+                msg, payload = encode(envelope, tensor, codec, self.feedback, end)
             if self.metrics is not None:
                 self.metrics.sent(self.name, envelope.kind, tensor.numel() * tensor.element_size(),
                                   payload.nbytes, transport="socket")
             if self.pacer is not None:
                 time.sleep(max(0.0, due - time.monotonic()))
                 self.pacer.take(payload.nbytes)
-            self.last = max(self.last, self.link.send_encoded(msg, payload, envelope=envelope))
+            self.last = max(self.last, self.link.send_encoded(msg, payload, envelope=envelope,
+                                                              marks=marks))
         except Exception as e:  # noqa: BLE001 — kept for the stage thread, which reports it
             self.error = self.error or e
 
@@ -408,14 +431,19 @@ class StagePeers:
         pool: the node's channels.
         shaper_for: the emulated link to a peer, by the peer's node name (None: none).
         metrics: where the senders count the bytes they send (None: off).
+        plane: the node's socket data plane (None: every peer over gRPC).
+        pacer_for: the emulated socket link to a peer, by its node name (None: none).
+        copier: how the socket senders stage a device tensor to host memory
+            (:class:`SocketSender`; None: as :func:`encode` does).
     """
 
     def __init__(self, pool: ChannelPool,
                  shaper_for: Callable[[str], Shaper | None] = lambda name: None,
                  metrics: NodeMetrics | None = None, plane: dataplane.DataPlane | None = None,
-                 pacer_for: Callable[[str], Pacer | None] = lambda name: None):
+                 pacer_for: Callable[[str], Pacer | None] = lambda name: None,
+                 copier: staging.Copier | None = None):
         self.pool, self.shaper_for, self.metrics = pool, shaper_for, metrics
-        self.plane, self.pacer_for = plane, pacer_for
+        self.plane, self.pacer_for, self.copier = plane, pacer_for, copier
         self._senders: dict[str, Sender] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -506,7 +534,7 @@ class StagePeers:
             raise StageError(f"sending to {peer.node_name} ({peer.address}) failed: "
                              f"{e}", peer=peer.address) from None
         new = SocketSender(to, peer.address, peer.node_name, self.metrics,
-                           self.pacer_for(peer.node_name), self.feedback)
+                           self.pacer_for(peer.node_name), self.feedback, self.copier)
         with self._lock:
             sender = None if self._closed else self._senders.setdefault(peer.address, new)
         if sender is not new:

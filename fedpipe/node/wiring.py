@@ -52,7 +52,7 @@ class StageTransport:
         stage: the stage (its slot, state, peers, and plan: to find peers and the codecs
             of this stage's links).
         mailbox: where the node puts what arrives for its stages.
-        device: where received tensors go.
+        device: where received tensors go (to a CUDA device asynchronously: :meth:`recv`).
         foreign_failed: elastic replica groups: called with the address of another
             group's stage a send failed to, instead of failing this stage (None: every
             failure fails it).
@@ -61,6 +61,7 @@ class StageTransport:
     def __init__(self, stage: Stage, mailbox: Mailbox, device: torch.device,
                  foreign_failed: Callable[[str], None] | None = None):
         self.stage, self.mailbox, self.device = stage, mailbox, device
+        self._async = device.type == "cuda"
         self.foreign_failed = foreign_failed
         mine = self.plan[stage.key]
         prev, nxt = self.plan.neighbours(stage.key)
@@ -77,10 +78,21 @@ class StageTransport:
 
     def recv(self, kind: Kind, step: int, tag: int,
              timeout: float | None = None) -> tuple[torch.Tensor, int]:
-        """As :meth:`Transport.recv`; also raises Stopped when the stage is stopped."""
+        """As :meth:`Transport.recv`; also raises Stopped when the stage is stopped.
+
+        To a CUDA device the tensor is copied with ``non_blocking=True``: from pinned
+        memory (the socket data plane receives a CUDA stage's raw tensors into it:
+        :attr:`fedpipe.wire.frames.Admitted.pinned`) the copy is queued on the current
+        stream and this returns at once; the stage's kernels on that stream run after
+        it, and torch's caching host allocator keeps the pinned block from being reused
+        until the copy completed (PyTorch's "A guide on good usage of ``non_blocking``
+        and ``pin_memory()``"). From pageable memory (gRPC's tensors) the driver copies
+        it out before the call returns, as a blocking copy does. On the CPU nothing
+        changes: the tensor is returned as it is.
+        """
         t, batch = self.mailbox.get(self.stage.inbox, kind, step, tag, stopped=self._stopped,
                                     timeout=timeout)
-        return t.to(self.device), batch
+        return t.to(self.device, non_blocking=self._async), batch
 
     def _stopped(self) -> bool:
         """Whether to give up waiting: the stage was stopped; StageError if a send failed

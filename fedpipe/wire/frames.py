@@ -97,15 +97,21 @@ def _reserve(nbytes: int) -> memoryview:
 class Admitted(NamedTuple):
     """What a receiver's admission of a tensor header may say besides its size limit: the
     receiving end of its link for a stateful codec (:class:`.lowrank.End`: the stage's
-    basis of the boundary the tensor crosses), which its decode needs.
+    basis of the boundary the tensor crosses), which its decode needs; and whether the
+    tensor goes on to a CUDA device.
 
     Attributes:
         limit: the most bytes the tensor may take, encoded or decoded.
         end: the link's end at the receiver (None: a stateless codec's tensor).
+        pinned: the receiver moves the tensor to a CUDA device: the socket data plane
+            receives a raw payload into pinned host memory, from which that copy is
+            asynchronous (:func:`fedpipe.net.dataplane.connection.read_tensor`). gRPC's
+            receive path ignores it (its payloads arrive in gRPC's own messages).
     """
 
     limit: int
     end: lowrank.End | None = None
+    pinned: bool = False
 
 
 def admitted(answer: "int | Admitted") -> Admitted:
@@ -169,8 +175,8 @@ def read_tensors(frames: Iterable[Frame],
         if header is not None:
             if head is not None:
                 yield finish(head)  # raises: the previous tensor is incomplete
-            limit, end = admitted(admit(header)) if admit is not None \
-                else (codecs.MAX_TENSOR_BYTES, None)
+            limit, end, _ = admitted(admit(header)) if admit is not None \
+                else (codecs.MAX_TENSOR_BYTES, None, False)
             codecs.check_header(header.tensor, limit)
             head, want, size = header, header.tensor.payload_bytes, 0
             if in_place and len(piece) == want:  # the whole tensor, in memory handed over

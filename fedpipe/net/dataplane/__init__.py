@@ -9,6 +9,8 @@ Contract: ``protos/fedpipe/v1/FRAMES.md``, "Connections".
 * :mod:`.records`: the records a connection carries and the preface (no torch).
 * :mod:`.credits`: the sender's window.
 * :mod:`.connection`: one socket: writing records, reading tensors.
+* :mod:`.staging`: a device tensor's bytes copied to pinned host memory in chunks, each
+  written as soon as it is in (the copy overlaps the send).
 * :mod:`.ends`: the peer, the receiver and events a link reports to, refusals.
 * :mod:`.link`: one peer's state across connections: sequence numbers, resume,
   duplicates, acknowledgements.
@@ -40,7 +42,11 @@ How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.So
   of one tensor (``SendOne``: probes, a client's feed) is ``link.send`` then
   ``link.flush``.
 * a raw CPU tensor is sent from its own memory and kept until acknowledged, so a
-  stage must not change it in place before ``flush`` (copy it where it would).
+  stage must not change it in place before ``flush`` (copy it where it would). A CUDA
+  node's raw device tensor is staged through pinned host memory
+  (:mod:`.staging`: ``SocketSender(copier=CudaCopier())``), and its stages' raw tensors
+  are received into pinned memory (``Admitted.pinned``), moved to the device with
+  ``non_blocking=True``.
 
 What else travels over it, where both ends have a data port:
 

@@ -10,13 +10,16 @@ are regrouped into whole TLS records (:func:`_tls_pieces`), the small head
 and trailer copied together with the ends of the payload (under 16 KiB
 each), the payload's whole records written from its own memory (``ssl``
 encrypts from the view; its own copy into TLS records is the only one).
+A tensor staged from a device (:mod:`.staging`) is written a chunk at a time as its
+copies complete (:meth:`Connection.write_staged`), so the copy overlaps the send.
 
 Reading goes through a small read-ahead buffer (:data:`READ_AHEAD` bytes),
 so a record's prefix and header, and a small tensor, cost one ``recv_into``
 for several records; a payload is read with ``recv_into`` straight into the
-tensor reserved for it (:func:`read_tensor`), after copying in whatever part
-of it was already read ahead. Every field of a tensor's header is checked
-before that memory is reserved (:func:`read_head`).
+tensor reserved for it (:func:`read_tensor`; in pinned memory where the receiver
+moves it to a CUDA device), after copying in whatever part of it was already read
+ahead. Every field of a tensor's header is checked before that memory is reserved
+(:func:`read_head`).
 
 Only the link's reader thread reads; writers hold the link's write lock.
 """
@@ -34,6 +37,7 @@ import torch
 from ...proto import node_pb2, tensor_pb2
 from ...wire import codecs, format, lowrank
 from ...wire.format import WireError
+from .staging import Mark, pinned_empty
 
 READ_AHEAD = 256 * 1024
 """Bytes a connection reads ahead when it waits for a record: a few small records per
@@ -152,6 +156,42 @@ class Connection:
             _send_all(self.sock, parts)
         finally:
             self._leave()
+
+    def write_staged(self, head: Buffer, payload: memoryview, marks: Sequence[Mark],
+                     *tail: Buffer) -> None:
+        """Write ``head``, ``payload`` and ``tail`` as one piece of the stream, the payload
+        a chunk at a time as it reaches host memory (:mod:`.staging`): before writing up
+        to each mark's ``end``, wait for its ``ready``; so chunk i is on the wire while
+        chunk i+1 is still being copied, and no byte is written before its chunk is in.
+
+        The waits hold no call on the socket (:meth:`close` is not kept waiting by a
+        copy). Over TLS the tail of each chunk short of a whole TLS record is held back
+        and written with the next chunk, so a chunk's end adds no short record.
+
+        Args:
+            head: the record's prefix and frame head, written with the first chunk.
+            payload: the staged host buffer.
+            marks: ends covering ``payload`` exactly, in order (:func:`.staging.check_marks`).
+            tail: written with the last chunk (a SYNC).
+
+        Raises:
+            OSError: the connection broke (some of the record may have gone).
+        """
+        held: list[Buffer] = [head]
+        start, last = 0, len(marks) - 1
+        for i, (end, ready) in enumerate(marks):
+            ready()
+            parts = [*held, payload[start:end]]
+            start = end
+            if i == last:
+                self.write(*parts, *tail)
+                return
+            held = []
+            if self.tls:
+                parts = list(_tls_pieces(parts))
+                if len(parts[-1]) % TLS_RECORD:
+                    held = [parts.pop()]
+            self.write(*parts)
 
     def _enter(self) -> None:
         """A call on the socket begins (raises OSError once it is closed)."""
@@ -303,6 +343,20 @@ def reserve(nbytes: int) -> numpy.ndarray:
         raise WireError(f"cannot reserve {nbytes} bytes for a tensor: {e}") from None
 
 
+def reserve_pinned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of writable, uninitialized page-locked host memory as a 1-D uint8 tensor
+    (:func:`.staging.pinned_empty`), for a raw tensor its receiver moves to a CUDA
+    device: from pinned memory that copy is asynchronous (``non_blocking=True``), from
+    pageable memory it is not. Where pinning is unavailable the memory is pageable, from
+    :func:`reserve` (a warning is logged once, naming why).
+
+    Raises:
+        WireError: the memory cannot be reserved.
+    """
+    host = pinned_empty(nbytes)
+    return host if host is not None else torch.from_numpy(reserve(nbytes))
+
+
 def _numpy_dtypes() -> dict[int, numpy.dtype]:
     """The numpy dtype of each wire dtype code numpy has (bfloat16 has none)."""
     out = {}
@@ -320,14 +374,16 @@ made a tensor with one ``torch.from_numpy`` (two torch views cost about 10 us a 
 
 
 def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int,
-                end: lowrank.End | None = None) -> torch.Tensor:
+                end: lowrank.End | None = None, pinned: bool = False) -> torch.Tensor:
     """The payload of a checked header, read into a tensor reserved from the header.
 
     A raw tensor without zstd is received straight into a tensor of its dtype
-    and shape (:func:`reserve`); others into a buffer of ``payload_bytes``,
-    decoded in place (:func:`fedpipe.wire.codecs.decode`). The header is checked
-    against ``limit`` (the receiver's admission) before anything is reserved. ``end``:
-    a stateful codec's end of the link at the receiver (:func:`fedpipe.wire.codecs.decode`).
+    and shape (:func:`reserve`; with ``pinned``, :func:`reserve_pinned`: the receiver
+    moves it to a CUDA device); others into a buffer of ``payload_bytes``, decoded in
+    place (:func:`fedpipe.wire.codecs.decode`; ``pinned`` does not apply: decoding makes
+    a new tensor). The header is checked against ``limit`` (the receiver's admission)
+    before anything is reserved. ``end``: a stateful codec's end of the link at the
+    receiver (:func:`fedpipe.wire.codecs.decode`).
 
     Raises:
         WireError: over ``limit``, memory that cannot be reserved, or a malformed
@@ -337,6 +393,11 @@ def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int,
     codecs.check_header(msg, limit)
     if not msg.payload_bytes:  # no elements (a raw empty tensor): nothing to receive
         return codecs.decode(msg, payload=b"", max_bytes=limit, end=end)
+    if pinned and msg.codec == tensor_pb2.CODEC_RAW and not msg.zstd:
+        host = reserve_pinned(msg.payload_bytes)
+        conn.read_into(host.numpy().data)
+        # torch views, not numpy's: the tensor keeps the pinned block's allocation context
+        return host.view(codecs.TORCH_DTYPES[msg.dtype]).view(tuple(msg.shape))
     buf = reserve(msg.payload_bytes)
     conn.read_into(buf.data)
     if msg.codec == tensor_pb2.CODEC_RAW and not msg.zstd:  # the tensor is the buffer

@@ -29,7 +29,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ from ...wire.format import WireError
 from .. import timeouts as net_timeouts
 from . import records
 from .connection import Closed, Connection, read_head, read_tensor, skip_payload
+from .staging import Mark, check_marks
 from .credits import Credits, LinkFailed
 from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused, owner_of
 from .fetch import Admit, Deliver, Fetches, Server, take_answer
@@ -97,9 +98,11 @@ class _Out(NamedTuple):
 
     seq: int
     head: bytes          # record prefix and HEAD frame (prefix, header)
-    payload: memoryview  # the tensor's own memory (or its codec output)
+    payload: memoryview  # the tensor's own memory (or its codec output, or a staged copy)
     owner: str = ""      # its envelope's job and epoch (:func:`owner_of`): whose sender a
     #                      refusal of it is raised to
+    marks: tuple[Mark, ...] = ()  # a staged payload's chunks (:mod:`.staging`): each
+    #                               write, a resend too, waits for them
 
 
 class _GoAway(Exception):
@@ -212,9 +215,20 @@ class Link:
 
     def send_encoded(self, msg: tensor_pb2.Tensor, payload: memoryview, *,
                      envelope: node_pb2.Envelope | None = None, name: str = "",
-                     flush: bool = False, fetch: int = 0) -> int:
+                     flush: bool = False, fetch: int = 0, marks: Sequence[Mark] = ()) -> int:
         """:meth:`send` of a tensor already encoded
-        (:func:`~fedpipe.wire.codecs.encode_payload`)."""
+        (:func:`~fedpipe.wire.codecs.encode_payload`), or staged from a device
+        (:func:`.staging.stage`): then ``payload`` is the host buffer being filled and
+        ``marks`` its chunks; each is written once its copy is done
+        (:meth:`~.connection.Connection.write_staged`), and a resend writes the same buffer.
+
+        Raises:
+            As :meth:`send`; ValueError: ``marks`` do not cover ``payload`` exactly.
+        """
+        chunks: tuple[Mark, ...] = ()
+        if marks:
+            chunks = tuple(marks)
+            check_marks(chunks, len(payload))
         owner = owner_of(envelope)
         if fetch:  # an answer is never refused: others' refusals stay theirs
             self._check_up()
@@ -234,12 +248,12 @@ class Link:
                 seq = self.next_seq
                 self.next_seq += 1
                 out = _Out(seq, records.pack(RecordType.TENSOR, seq) + frame_head, payload,
-                           owner)
+                           owner, chunks)
                 self.retained.append(out)
                 conn = self.conn
             if conn is not None:  # else the tensor goes when the link resumes
                 sync = (records.pack(RecordType.SYNC, seq + 1),) if flush else ()
-                self._write(conn, out.head, out.payload, *sync)
+                self._write_out(conn, out, *sync)
         self._drain()
         if flush:
             self._wait_idle(None, owner, seq)
@@ -314,6 +328,17 @@ class Link:
         except OSError as e:
             self._broken(conn, f"write failed: {e}")
 
+    def _write_out(self, conn: Connection, out: _Out, *tail: bytes) -> None:
+        """Write tensor ``out`` (and ``tail``) on ``conn`` (the write lock held): a staged
+        one chunk by chunk as its copies complete; a failure breaks ``conn``."""
+        try:
+            if out.marks:
+                conn.write_staged(out.head, out.payload, out.marks, *tail)
+            else:
+                conn.write(out.head, out.payload, *tail)
+        except OSError as e:
+            self._broken(conn, f"write failed: {e}")
+
     def _drain(self) -> None:
         """Write the queued control records, unless another thread holds the write lock: it
         drains them after its own record (see the module docstring)."""
@@ -369,7 +394,7 @@ class Link:
                 self.conn = conn
                 self._state.notify_all()
             for out in resend:
-                self._write(conn, out.head, out.payload)
+                self._write_out(conn, out)
             if resend:
                 self._control.append(records.pack(RecordType.SYNC, self.next_seq))
         self._drain()
@@ -504,12 +529,12 @@ class Link:
             return self._on_answer(conn, seq, header)
         try:  # a link of one job alone (through a relay) takes no other's
             self.peer.check_job(header.envelope.job_id, "tensor")
-            limit, end = frames.admitted(self.receiver.admit(self.peer, header))
+            limit, end, pinned = frames.admitted(self.receiver.admit(self.peer, header))
         except Refused as e:
             skip_payload(conn, header)
             self._done(seq, nbytes, e)
             return
-        tensor = read_tensor(conn, header, limit, end)  # every field checked, then reserved
+        tensor = read_tensor(conn, header, limit, end, pinned)  # fields checked, then reserved
         try:
             self.receiver.deliver(self.peer, header, tensor)
         except Refused as e:
