@@ -52,7 +52,7 @@ model out of constant-lr noise, which the 3-seed spread measures too. ``--jobs N
 runs at once, each in a forked process (the results are the same, bit for bit: each run
 is seeded; the run times are not).
 
-Measured (default run, 2026-12-02, load average 10.6 at the start, 12.4 at the end):
+Measured (300 steps, 2026-12-02, load average 10.6 at the start, 12.4 at the end):
 SparseLoCo 4,440 B per outer step per holder against DiLoCo's 482,816 (109x fewer);
 mean held-out loss 2.1043 against 1.9935 (+5.6 %: the 2 % target is missed); DiLoCo's
 3-seed spread 1.34 % (the < 1 % target is missed too: 300 steps is still early in
