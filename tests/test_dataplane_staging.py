@@ -15,7 +15,8 @@ import threading
 import pytest
 import torch
 
-from fedpipe.net.dataplane import DataPlane, Link, Peer, Timeouts, connection, staging
+from fedpipe.net.dataplane import (DataPlane, Link, LinkFailed, Peer, Timeouts, connection,
+                                   staging)
 from fedpipe.net.dataplane.connection import Connection
 from fedpipe.net.dataplane.staging import Mark, Staged
 from fedpipe.proto import node_pb2
@@ -308,6 +309,76 @@ def test_a_tensor_staged_while_the_link_is_down_is_written_once_its_copies_are_d
         a_link.close()
         b_link.close()
     assert len(b_in.got) == 1 and torch.equal(b_in.got[0], source)
+
+
+class FailingCopier:
+    """A :class:`~fedpipe.net.dataplane.staging.Copier` whose chunk ``fails`` cannot be
+    copied: its mark's ``ready`` raises (as a CUDA event's ``synchronize`` does after a
+    device error); the chunks before it are copied at once."""
+
+    def __init__(self, chunk_bytes: int, fails: int):
+        self.chunk_bytes, self.fails = chunk_bytes, fails
+
+    def stage(self, flat: torch.Tensor) -> Staged:
+        ends = staging.chunk_ends(flat.numel(), self.chunk_bytes)
+
+        def ready(i: int):
+            def wait() -> None:
+                if i >= self.fails:
+                    raise RuntimeError("CUDA error: an illegal memory access (injected)")
+            return wait
+        return Staged(memoryview(bytearray(flat.numpy().tobytes())),
+                      tuple(Mark(e, ready(i)) for i, e in enumerate(ends)))
+
+
+class Breaks:
+    """LinkEvents that note the first break or failure of a link."""
+
+    def __init__(self):
+        self.seen = threading.Event()
+
+    def lost(self, peer, why):
+        self.seen.set()
+
+    def failed(self, peer, why):
+        self.seen.set()
+
+
+def test_a_chunk_whose_copy_fails_fails_the_link_and_its_cut_record_is_never_delivered():
+    """The record's head and first chunk are on the wire when the second chunk's copy
+    fails: nothing may follow them on that connection (the peer would take the next
+    record's bytes for the rest of the payload), and the tensor can never be resent."""
+    b_in, b_events = Inbox(), Breaks()
+    with DataPlane("a", Inbox(), timeouts=FAST) as a, \
+            DataPlane("b", b_in, timeouts=FAST, events=b_events) as b:
+        link = a.link("b", b.address)
+        msg, staged = staging.stage(torch.randn(3 * 4096), FailingCopier(16 * 1024, fails=1))
+        with pytest.raises(LinkFailed, match="injected"):
+            link.send_encoded(msg, staged.payload, envelope=env(0), marks=staged.marks)
+        assert link.credits.failed is not None and not link.retained
+        with pytest.raises(LinkFailed):
+            link.send(torch.arange(100_000, dtype=torch.float32), envelope=env(1))
+        assert b_events.seen.wait(WAIT), "the peer never saw the connection end"
+    assert b_in.got == []
+
+
+def test_a_resend_whose_copy_fails_fails_the_link():
+    a_link = Link("a", "node", "b", Inbox(), timeouts=FAST)
+    b_link = Link("b", "node", "a", Inbox(), timeouts=FAST)
+    msg, staged = staging.stage(torch.randn(5000), FailingCopier(4096, fails=1))
+    a_link.send_encoded(msg, staged.payload, envelope=env(0), marks=staged.marks)
+    assert a_link.conn is None and len(a_link.retained) == 1  # kept for the connection
+    a_sock, b_sock = socket.socketpair()
+    a_conn, b_conn = Connection(a_sock, dialed=True), Connection(b_sock, dialed=False)
+    try:
+        b_link.attach(b_conn, a_link.preface(), Peer("a", "node"))
+        with pytest.raises(LinkFailed, match="injected"):  # what attach's callers handle
+            a_link.attach(a_conn, b_link.preface(), Peer("b", "node"))
+        assert a_link.credits.failed is not None and a_link.conn is None
+        assert a_conn.closed and not a_link.retained
+    finally:
+        a_link.close()
+        b_link.close()
 
 
 def test_tls_link_carries_a_staged_tensor_and_a_cpu_tensor_in_order(tls_dir):

@@ -37,7 +37,7 @@ import torch
 from ...proto import node_pb2, tensor_pb2
 from ...wire import codecs, format, lowrank
 from ...wire.format import WireError
-from .staging import Mark, pinned_empty
+from .staging import Mark, pinned_empty, wait
 
 READ_AHEAD = 256 * 1024
 """Bytes a connection reads ahead when it waits for a record: a few small records per
@@ -176,11 +176,15 @@ class Connection:
 
         Raises:
             OSError: the connection broke (some of the record may have gone).
+            CopyFailed: a chunk's copy failed (:func:`.staging.wait`; the record's head
+                and the chunks before may have gone: nothing may follow them on this
+                connection).
         """
         held: list[Buffer] = [head]
         start, last = 0, len(marks) - 1
-        for i, (end, ready) in enumerate(marks):
-            ready()
+        for i, mark in enumerate(marks):
+            wait(mark, start)
+            end = mark.end
             parts = [*held, payload[start:end]]
             start = end
             if i == last:

@@ -40,7 +40,7 @@ from ...wire.format import WireError
 from .. import timeouts as net_timeouts
 from . import records
 from .connection import Closed, Connection, read_head, read_tensor, skip_payload
-from .staging import Mark, check_marks
+from .staging import CopyFailed, Mark, check_marks
 from .credits import Credits, LinkFailed
 from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused, owner_of
 from .fetch import Admit, Deliver, Fetches, Server, take_answer
@@ -224,6 +224,7 @@ class Link:
 
         Raises:
             As :meth:`send`; ValueError: ``marks`` do not cover ``payload`` exactly.
+            LinkFailed: a chunk's copy failed (the link fails: :meth:`_write_out`).
         """
         chunks: tuple[Mark, ...] = ()
         if marks:
@@ -330,7 +331,13 @@ class Link:
 
     def _write_out(self, conn: Connection, out: _Out, *tail: bytes) -> None:
         """Write tensor ``out`` (and ``tail``) on ``conn`` (the write lock held): a staged
-        one chunk by chunk as its copies complete; a failure breaks ``conn``."""
+        one chunk by chunk as its copies complete; a failure breaks ``conn``.
+
+        Raises:
+            LinkFailed: a staged chunk's copy failed (:class:`.staging.CopyFailed`): the
+                link fails, as the record may be cut on the stream and can never be
+                completed or resent (its sequence number would be missing).
+        """
         try:
             if out.marks:
                 conn.write_staged(out.head, out.payload, out.marks, *tail)
@@ -338,6 +345,10 @@ class Link:
                 conn.write(out.head, out.payload, *tail)
         except OSError as e:
             self._broken(conn, f"write failed: {e}")
+        except CopyFailed as e:
+            why = f"tensor {out.seq} cannot be sent: {e}"
+            self.fail(why)
+            raise LinkFailed(f"link to {self.peer_name}: {why}") from e
 
     def _drain(self) -> None:
         """Write the queued control records, unless another thread holds the write lock: it

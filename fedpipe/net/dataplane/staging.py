@@ -68,6 +68,25 @@ class Mark(NamedTuple):
     ready: Callable[[], object]
 
 
+class CopyFailed(Exception):
+    """A staged chunk's copy to host memory failed: its mark's ``ready`` raised (a CUDA
+    error; chained). The payload can never be written whole, nor resent."""
+
+
+def wait(mark: Mark, start: int) -> None:
+    """Block until ``mark``'s chunk (bytes ``[start, mark.end)``) is in host memory.
+
+    Raises:
+        CopyFailed: ``ready`` raised (whatever it raised: never taken for a broken
+            connection, which would resend the payload and wait for the mark again).
+    """
+    try:
+        mark.ready()
+    except Exception as e:  # noqa: BLE001 — any failure of the copy is the payload's end
+        raise CopyFailed(f"copying bytes {start}..{mark.end} of a staged payload to host "
+                         f"memory failed: {e!r}") from e
+
+
 class Staged(NamedTuple):
     """A payload being copied to host memory, with the marks a writer follows.
 
