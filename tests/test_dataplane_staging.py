@@ -287,7 +287,13 @@ def test_a_tensor_staged_while_the_link_is_down_is_written_once_its_copies_are_d
     source = torch.randn(5000)
     copier = GatedCopier(4096)
     msg, staged = staging.stage(source, copier)
-    a_link.send_encoded(msg, staged.payload, envelope=env(0), marks=staged.marks)
+    send = threading.Thread(target=a_link.send_encoded, args=(msg, staged.payload),
+                            kwargs=dict(envelope=env(0), marks=staged.marks), daemon=True)
+    send.start()
+    copier.wait_for_writer(0)  # the first chunk's copy is waited for before it is kept
+    assert not a_link.retained
+    copier.release(0)
+    send.join(WAIT)
     assert a_link.conn is None and len(a_link.retained) == 1  # kept for the connection
     a_sock, b_sock = socket.socketpair()
     a_conn, b_conn = Connection(a_sock, dialed=True), Connection(b_sock, dialed=False)
@@ -296,7 +302,7 @@ def test_a_tensor_staged_while_the_link_is_down_is_written_once_its_copies_are_d
     attach = threading.Thread(target=a_link.attach,
                               args=(a_conn, b_link.preface(), Peer("b", "node")), daemon=True)
     attach.start()  # resends the tensor: waits for its chunks
-    for i in range(len(staged.marks)):
+    for i in range(1, len(staged.marks)):
         copier.wait_for_writer(i)
         copier.release(i)
     attach.join(WAIT)
@@ -362,6 +368,20 @@ def test_a_chunk_whose_copy_fails_fails_the_link_and_its_cut_record_is_never_del
     assert b_in.got == []
 
 
+def test_a_first_chunk_whose_copy_fails_is_not_sent_and_leaves_the_link_up():
+    b_in = Inbox()
+    with DataPlane("a", Inbox(), timeouts=FAST) as a, DataPlane("b", b_in, timeouts=FAST) as b:
+        link = a.link("b", b.address)
+        msg, staged = staging.stage(torch.randn(3 * 4096), FailingCopier(16 * 1024, fails=0))
+        with pytest.raises(staging.CopyFailed, match="injected"):
+            link.send_encoded(msg, staged.payload, envelope=env(0), marks=staged.marks)
+        assert link.credits.failed is None and not link.retained
+        plain = torch.arange(10)
+        link.send(plain, envelope=env(1))
+        link.flush(WAIT)
+    assert len(b_in.got) == 1 and torch.equal(b_in.got[0], plain)
+
+
 def test_a_resend_whose_copy_fails_fails_the_link():
     a_link = Link("a", "node", "b", Inbox(), timeouts=FAST)
     b_link = Link("b", "node", "a", Inbox(), timeouts=FAST)
@@ -379,6 +399,33 @@ def test_a_resend_whose_copy_fails_fails_the_link():
     finally:
         a_link.close()
         b_link.close()
+
+
+def test_a_staged_tensor_keeps_no_other_sender_waiting_for_its_first_chunk():
+    """The first chunk's copy waits for the kernels that made the tensor: the link's write
+    lock is not held meanwhile, so another tensor (another stage's) goes first."""
+    b_in = Inbox()
+    with DataPlane("a", Inbox(), timeouts=FAST) as a, DataPlane("b", b_in, timeouts=FAST) as b:
+        link = a.link("b", b.address)
+        source, plain = torch.randn(3 * 4096), torch.arange(10)
+        copier = GatedCopier(16 * 1024)
+        msg, staged = staging.stage(source, copier)
+        first = threading.Thread(target=link.send_encoded, args=(msg, staged.payload),
+                                 kwargs=dict(envelope=env(0), marks=staged.marks), daemon=True)
+        other = threading.Thread(target=link.send, args=(plain,),
+                                 kwargs=dict(envelope=env(1)), daemon=True)
+        first.start()
+        try:
+            copier.wait_for_writer(0)
+            other.start()
+            b_in.wait(1)
+        finally:
+            copier.release_all()
+        first.join(WAIT)
+        other.join(WAIT)
+        link.flush(WAIT)
+    assert len(b_in.got) == 2
+    assert torch.equal(b_in.got[0], plain) and torch.equal(b_in.got[1], source)
 
 
 def test_tls_link_carries_a_staged_tensor_and_a_cpu_tensor_in_order(tls_dir):

@@ -17,9 +17,9 @@ receiver stops reading, and its sender runs out of credit.
 Acknowledgements are lazy: the reader acknowledges when a quarter of its
 window was delivered since the last one, and at once when asked (``SYNC``:
 a sender out of credit, or flushing). A reader never waits for the write
-lock (a sender may hold it for the length of a large tensor while its peer
-does the same): it queues its record and whoever holds the lock writes it on
-release (:meth:`Link._drain`).
+lock (a sender may hold it for the length of a large tensor, a staged one's
+copies after its first chunk included, while its peer does the same): it queues
+its record and whoever holds the lock writes it on release (:meth:`Link._drain`).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from ...wire.format import WireError
 from .. import timeouts as net_timeouts
 from . import records
 from .connection import Closed, Connection, read_head, read_tensor, skip_payload
-from .staging import CopyFailed, Mark, check_marks
+from .staging import CopyFailed, Mark, check_marks, wait
 from .credits import Credits, LinkFailed
 from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused, owner_of
 from .fetch import Admit, Deliver, Fetches, Server, take_answer
@@ -221,15 +221,20 @@ class Link:
         (:func:`.staging.stage`): then ``payload`` is the host buffer being filled and
         ``marks`` its chunks; each is written once its copy is done
         (:meth:`~.connection.Connection.write_staged`), and a resend writes the same buffer.
+        The first chunk's copy, which waits for the kernels that made the tensor, is
+        waited for before the write lock is taken: the link's other senders and its
+        acknowledgements are not kept waiting by a device's computation.
 
         Raises:
             As :meth:`send`; ValueError: ``marks`` do not cover ``payload`` exactly.
-            LinkFailed: a chunk's copy failed (the link fails: :meth:`_write_out`).
+            CopyFailed: the first chunk's copy failed (nothing was sent). LinkFailed: a
+            later chunk's copy failed (the link fails: :meth:`_write_out`).
         """
         chunks: tuple[Mark, ...] = ()
         if marks:
             chunks = tuple(marks)
             check_marks(chunks, len(payload))
+            wait(chunks[0], 0)
         owner = owner_of(envelope)
         if fetch:  # an answer is never refused: others' refusals stay theirs
             self._check_up()
