@@ -61,7 +61,8 @@ install() {
   export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 }
 
-# Exit 0 with one line where torch sees no CUDA device (nothing to measure there); exit 2
+# Exit 0 with one line where torch sees no CUDA device and nvidia-smi lists none (nothing to
+# measure there), 1 where nvidia-smi lists a GPU that torch cannot use; exit 2
 # with one line where $PYTHON cannot import torch. Needs only the machine's own torch.
 require_cuda() {
   local out
@@ -72,6 +73,11 @@ require_cuda() {
   fi
   out=$(tail -n 1 <<<"$out")  # after any warning torch printed
   if [[ ${out##* } != True ]]; then
+    if command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then
+      # a GPU is there but torch cannot use it (a CPU build, a driver mismatch): a failure
+      echo "gpu-smoke: nvidia-smi lists a GPU but torch ${out% *} sees no CUDA device" >&2
+      exit 1
+    fi
     echo "gpu-smoke: no CUDA device (torch ${out% *} sees none): nothing was measured"
     exit 0
   fi

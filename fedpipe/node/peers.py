@@ -331,9 +331,10 @@ class SocketSender:
         else:
             due = self.pacer.due() if self.pacer is not None else 0.0
             staged = None
-            if self.copier is not None and staging.stageable(tensor, codec):
+            if self.copier is not None:
                 try:  # here, so the copy is ordered right after the kernels that made it
-                    staged = staging.stage(tensor, self.copier)
+                    if staging.stageable(tensor, codec):  # (a bad codec: a StageError too)
+                        staged = staging.stage(tensor, self.copier)
                 except Exception as e:  # noqa: BLE001 — raised as this sender's StageError
                     self.error = self.error or e
                     self.check()

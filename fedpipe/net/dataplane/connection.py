@@ -37,7 +37,7 @@ import torch
 from ...proto import node_pb2, tensor_pb2
 from ...wire import codecs, format, lowrank
 from ...wire.format import WireError
-from .staging import Mark, pinned_empty, wait
+from .staging import Mark, check_marks, pinned_empty, wait
 
 READ_AHEAD = 256 * 1024
 """Bytes a connection reads ahead when it waits for a record: a few small records per
@@ -180,6 +180,7 @@ class Connection:
                 and the chunks before may have gone: nothing may follow them on this
                 connection).
         """
+        check_marks(marks, len(payload))  # (none would write nothing, not even the head)
         held: list[Buffer] = [head]
         start, last = 0, len(marks) - 1
         for i, mark in enumerate(marks):
@@ -352,7 +353,10 @@ def reserve_pinned(nbytes: int) -> torch.Tensor:
     (:func:`.staging.pinned_empty`), for a raw tensor its receiver moves to a CUDA
     device: from pinned memory that copy is asynchronous (``non_blocking=True``), from
     pageable memory it is not. Where pinning is unavailable the memory is pageable, from
-    :func:`reserve` (a warning is logged once, naming why).
+    :func:`reserve` (a warning is logged once, naming why). Pinned memory is not given
+    back to the system: torch's caching host allocator rounds each block up to a power
+    of two and keeps it for reuse, so a CUDA node holds about twice its largest
+    in-flight tensors' bytes locked for its life.
 
     Raises:
         WireError: the memory cannot be reserved.

@@ -203,7 +203,8 @@ def pinned_empty(nbytes: int) -> torch.Tensor | None:
 
 
 class CudaCopier:
-    """:class:`Copier` for CUDA tensors: pinned host buffers, one copy stream per device.
+    """:class:`Copier` for CUDA tensors: pinned host buffers, one copy stream per device and
+    calling thread (two stage threads' copies never queue behind each other's kernels).
 
     Each :meth:`stage` waits (on the copy stream, not the host) for the work queued so
     far on the calling thread's current stream of the tensor's device, which produced
@@ -221,15 +222,16 @@ class CudaCopier:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be at least 1, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._lock = threading.Lock()
+        self._local = threading.local()  # .streams: this thread's, by device
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        with self._lock:
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)
-            return stream
+        streams = getattr(self._local, "streams", None)
+        if streams is None:
+            streams = self._local.streams = {}
+        stream = streams.get(device)
+        if stream is None:
+            stream = streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def stage(self, flat: torch.Tensor) -> Staged:
         """As :meth:`Copier.stage`; ``flat`` on a CUDA device.
@@ -251,7 +253,7 @@ class CudaCopier:
         with torch.cuda.stream(stream):
             for end in chunk_ends(nbytes, self.chunk_bytes):
                 host[start:end].copy_(flat[start:end], non_blocking=True)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=True)  # a waiting sender sleeps, not spins
                 done.record(stream)
                 marks.append(Mark(end, done.synchronize))
                 start = end
