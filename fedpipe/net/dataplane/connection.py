@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import struct
 import threading
 import time
 from typing import Sequence
@@ -88,7 +89,18 @@ def _send_all(sock: socket.socket, parts: Sequence[Buffer]) -> None:
         for piece in _tls_pieces(parts):
             sock.sendall(piece)
         return
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    sent = sock.sendmsg(parts)  # usually all of it: views are made only for a short write
+    first = 0  # the first part not all sent
+    for part in parts:
+        size = part.nbytes if isinstance(part, memoryview) else len(part)
+        if sent < size:
+            break
+        sent -= size
+        first += 1
+    else:
+        return
+    views = [memoryview(p).cast("B") for p in parts[first:] if len(p)]
+    views[0] = views[0][sent:]
     while views:
         sent = sock.sendmsg(views)
         while views and sent >= len(views[0]):  # a short write: go on after what went
@@ -260,15 +272,20 @@ def read_head(conn: Connection) -> node_pb2.Frame:
         WireError: a malformed frame, naming the field.
     """
     prefix = conn.read_exact(format.HEAD_PREFIX_BYTES)
-    if prefix[:3] != format.MAGIC or prefix[3] != format.VERSION or prefix[4] != format.HEAD:
+    magic, version, kind, size = _HEAD_PREFIX.unpack(prefix)
+    if magic != format.MAGIC or version != format.VERSION or kind != format.HEAD:
         format.unpack(prefix[:5])  # names what is wrong: the magic, version or kind
-        raise WireError(f"a TENSOR record carries wire frame kind {prefix[4]}, not HEAD "
+        raise WireError(f"a TENSOR record carries wire frame kind {kind}, not HEAD "
                         f"({format.HEAD}): a connection never cuts a tensor into frames")
-    size = int.from_bytes(prefix[5:9], "little")
     if size > format.MAX_HEADER_BYTES:
         raise WireError(f"frame header length {size} exceeds the limit of "
                         f"{format.MAX_HEADER_BYTES}")
     return format.parse_header(conn.read_exact(size))
+
+
+_HEAD_PREFIX = struct.Struct("<3sBBI")
+"""A HEAD frame's prefix: magic, version, kind, header length (``format.HEAD_PREFIX_BYTES``)."""
+assert _HEAD_PREFIX.size == format.HEAD_PREFIX_BYTES
 
 
 def skip_payload(conn: Connection, header: node_pb2.Frame) -> None:
@@ -297,10 +314,19 @@ def reserve(nbytes: int) -> numpy.ndarray:
     Raises:
         WireError: the memory cannot be reserved.
     """
+    return _empty(nbytes, numpy.uint8)
+
+
+def _empty(shape: int | list[int], dtype: type | numpy.dtype) -> numpy.ndarray:
+    """:func:`reserve`'s memory as an array of ``shape`` and ``dtype``.
+
+    Raises:
+        WireError: the memory cannot be reserved.
+    """
     try:
-        return numpy.empty(nbytes, dtype=numpy.uint8)
+        return numpy.empty(shape, dtype=dtype)
     except MemoryError as e:
-        raise WireError(f"cannot reserve {nbytes} bytes for a tensor: {e}") from None
+        raise WireError(f"cannot reserve {shape} of {dtype} for a tensor: {e}") from None
 
 
 def _numpy_dtypes() -> dict[int, numpy.dtype]:
@@ -335,14 +361,18 @@ def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int,
     """
     msg = header.tensor
     codecs.check_header(msg, limit)
-    if not msg.payload_bytes:  # no elements (a raw empty tensor): nothing to receive
+    nbytes = msg.payload_bytes
+    if not nbytes:  # no elements (a raw empty tensor): nothing to receive
         return codecs.decode(msg, payload=b"", max_bytes=limit, end=end)
-    buf = reserve(msg.payload_bytes)
-    conn.read_into(buf.data)
     if msg.codec == tensor_pb2.CODEC_RAW and not msg.zstd:  # the tensor is the buffer
-        shape = tuple(msg.shape)
         dtype = _NUMPY_DTYPES.get(msg.dtype)
-        if dtype is not None:
-            return torch.from_numpy(buf.view(dtype).reshape(shape))
-        return torch.from_numpy(buf).view(codecs.TORCH_DTYPES[msg.dtype]).view(shape)
+        if dtype is not None:  # checked: payload_bytes is the shape's bytes in dtype
+            array = _empty(msg.shape[:], dtype)
+            conn.read_into(array.data.cast("B"))
+            return torch.from_numpy(array)
+        buf = reserve(nbytes)
+        conn.read_into(buf.data)
+        return torch.from_numpy(buf).view(codecs.TORCH_DTYPES[msg.dtype]).view(tuple(msg.shape))
+    buf = reserve(nbytes)
+    conn.read_into(buf.data)
     return codecs.decode(msg, payload=buf.data, max_bytes=limit, end=end)

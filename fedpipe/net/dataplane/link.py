@@ -84,6 +84,11 @@ class Timeouts:
 
 DEFAULT_TIMEOUTS = Timeouts()
 
+_TENSOR, _SYNC, _ACK = RecordType.TENSOR, RecordType.SYNC, RecordType.ACK
+"""The record types of every tensor, as names of this module: reading an enum's member
+costs a lookup in its metaclass, and these are read per tensor."""
+
+
 class _Quiet:
     def lost(self, peer: str, why: str) -> None:
         log.info("data connection to %s lost: %s", peer, why)
@@ -141,7 +146,10 @@ class Link:
         # one reader at a time: a replaced connection's reader may still be delivering
         # a tensor; the next one waits for it, so a tensor is never delivered twice
         self._reader = threading.Lock()
-        self._state = threading.Condition()  # everything below
+        # everything below; the hot paths take the condition's own lock (``_lock``), whose
+        # ``with`` costs half a Condition's, where they neither wait nor notify
+        self._lock = threading.RLock()
+        self._state = threading.Condition(self._lock)
         self.conn: Connection | None = None
         self.closed = False
         # outbound
@@ -230,17 +238,19 @@ class Link:
             self._sync()  # ask for the acknowledgements that give credit back
             self.credits.take(len(payload), self.timeouts.credit, f" by {self.peer_name}")
         with self._wlock:
-            with self._state:
+            with self._lock:
                 seq = self.next_seq
-                self.next_seq += 1
-                out = _Out(seq, records.pack(RecordType.TENSOR, seq) + frame_head, payload,
-                           owner)
+                self.next_seq = seq + 1
+                out = _Out(seq, records.pack(_TENSOR, seq) + frame_head, payload, owner)
                 self.retained.append(out)
                 conn = self.conn
             if conn is not None:  # else the tensor goes when the link resumes
-                sync = (records.pack(RecordType.SYNC, seq + 1),) if flush else ()
-                self._write(conn, out.head, out.payload, *sync)
-        self._drain()
+                if flush:
+                    self._write(conn, out.head, payload, records.pack(_SYNC, seq + 1))
+                else:
+                    self._write(conn, out.head, payload)
+        if self._control or self._ack_due:
+            self._drain()
         if flush:
             self._wait_idle(None, owner, seq)
         return seq
@@ -455,12 +465,12 @@ class Link:
     def _read_record(self, conn: Connection) -> None:
         kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
         conn.lift_deadline()  # the peer spoke (the deadline of a silent one after its preface)
-        if kind is RecordType.TENSOR:
+        if kind is _TENSOR:
             self._on_tensor(conn, arg)
-        elif kind is RecordType.ACK:
+        elif kind is _ACK:
             with self._state:
                 self._forget_below(arg)
-        elif kind is RecordType.SYNC:
+        elif kind is _SYNC:
             with self._state:
                 self._ack_due = True
             self._drain()
@@ -499,19 +509,21 @@ class Link:
             log.info("refused a duplicate tensor %d from %s (%s)", seq, self.peer_name,
                      _describe(header))
             return
-        assert self.peer is not None  # set by attach, before the reader starts
+        peer = self.peer
+        assert peer is not None  # set by attach, before the reader starts
         if header.fetch:
             return self._on_answer(conn, seq, header)
-        try:  # a link of one job alone (through a relay) takes no other's
-            self.peer.check_job(header.envelope.job_id, "tensor")
-            limit, end = frames.admitted(self.receiver.admit(self.peer, header))
+        try:
+            if peer.job:  # a link of one job alone (through a relay) takes no other's
+                peer.check_job(header.envelope.job_id, "tensor")
+            limit, end = frames.admitted(self.receiver.admit(peer, header))
         except Refused as e:
             skip_payload(conn, header)
             self._done(seq, nbytes, e)
             return
         tensor = read_tensor(conn, header, limit, end)  # every field checked, then reserved
         try:
-            self.receiver.deliver(self.peer, header, tensor)
+            self.receiver.deliver(peer, header, tensor)
         except Refused as e:
             self._done(seq, nbytes, e)
             return
@@ -531,17 +543,18 @@ class Link:
 
     def _done(self, seq: int, nbytes: int, refused: Refused | None = None) -> None:
         """Tensor ``seq`` was delivered (or refused): count it; acknowledge when due."""
-        with self._state:
+        with self._lock:
             self.expected = seq + 1
             self.received += 1
-            self._unacked[0] += nbytes
-            self._unacked[1] += 1
+            unacked = self._unacked
+            unacked[0] += nbytes
+            unacked[1] += 1
             if refused is not None:
                 self._control.append(records.pack_text(RecordType.REFUSED, seq, refused.code,
                                                        str(refused)))
                 self._ack_due = True
-            if (4 * self._unacked[0] >= self.window_bytes
-                    or 4 * self._unacked[1] >= self.window_messages):
+            if (4 * unacked[0] >= self.window_bytes
+                    or 4 * unacked[1] >= self.window_messages):
                 self._ack_due = True
         if self._ack_due or self._control:
             self._drain()
