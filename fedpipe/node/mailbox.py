@@ -80,22 +80,26 @@ class Mailbox:
         """
         key = _Key(slot, kind, step, mb)
         job = self.job_of(slot)
-        with self._cond:
+        bounded = kind in self.bounded
+        with self._lock:  # the condition's own lock: a Condition's ``with`` costs twice
             self._check_new(key)  # a duplicate is refused at once, not after a wait for room
-            if kind in self.bounded:
+            if bounded and self._counts[(slot, kind)] >= self.capacity:
                 while self._counts[(slot, kind)] >= self.capacity:
                     if not alive():
                         raise Stopped(f"{_name(kind)} for {slot} was not taken")
                     self._cond.wait(POLL_SECONDS)
-            self._check_new(key)
-            if self._jobs[job] >= self.job_cap:
+                self._check_new(key)  # another put of it may have come meanwhile
+            jobs = self._jobs
+            if jobs[job] >= self.job_cap:
                 raise Full(self._refusal(job, kind, step, mb))
-            if kind in self.bounded:
+            if bounded:
                 self._counts[(slot, kind)] += 1
-            self._jobs[job] += 1
+            jobs[job] += 1
             self._items[key] = (tensor, batch)
-            for waiter in self._wanted.pop(key, ()):
-                waiter.release()
+            waiters = self._wanted.pop(key, None)
+            if waiters is not None:
+                for waiter in waiters:
+                    waiter.release()
 
     def put_all(self, slot: Hashable, kind: Kind, step: int, first: int,
                 tensors: Sequence[torch.Tensor], batch: int,
