@@ -155,12 +155,14 @@ class DataPlane:
                                self._checked_stage(env, shape).codec_end(env))
 
     def deliver(self, env: node_pb2.Envelope, tensor: torch.Tensor,
-                active: Callable[[], bool]) -> None:
+                active: Callable[[], bool], defer: bool = False) -> Callable[[], None] | None:
         """Hand an admitted tensor to its stage's mailbox (probes are dropped);
         for inputs and targets wait for room while ``active()`` and the stage is live.
 
         A tensor of several microbatches (``env.microbatches`` > 1, a client's
         inputs or targets) is filed as its pieces (:func:`microbatches`), all or none.
+        ``defer``: the stage thread waiting for it is not woken; its wake-up is returned
+        (:meth:`~fedpipe.node.mailbox.Mailbox.put`).
 
         Raises:
             NoSuchStage: the stage was released meanwhile.
@@ -172,16 +174,16 @@ class DataPlane:
         """
         kind = env.kind
         if kind == _PROBE:
-            return  # a link measurement: it only had to arrive
+            return None  # a link measurement: it only had to arrive
         slot = slot_of(env)
         stage = self.stages.get(slot)
         epoch = env.epoch
         if stage.epoch != epoch:  # replaced since the tensor was admitted
             raise StaleEpoch(f"stage {env.stage} of job {env.job_id!r} now runs epoch "
                              f"{stage.epoch}, not {epoch}")
-        self.mailbox.put_all((slot, epoch), _KINDS.get(kind) or Kind(kind), env.step,
-                             env.microbatch, microbatches(env, tensor), env.batch_size,
-                             alive=lambda: active() and stage.live)
+        return self.mailbox.put_all((slot, epoch), _KINDS.get(kind) or Kind(kind), env.step,
+                                    env.microbatch, microbatches(env, tensor), env.batch_size,
+                                    alive=lambda: active() and stage.live, defer=defer)
 
     def suspect(self, env: node_pb2.Envelope) -> None:
         """A stream that brought ``env``'s stage its pipeline tensors broke: report the

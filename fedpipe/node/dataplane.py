@@ -208,9 +208,14 @@ class NodeReceiver:
             log.info("stage %d of job %s (replica %d) took its initial weights from %s over "
                      "the socket data plane", env.stage, env.job_id, env.replica, peer.name)
 
-    def deliver(self, peer: Peer, header: node_pb2.Frame, tensor: torch.Tensor) -> None:
+    def deliver(self, peer: Peer, header: node_pb2.Frame,
+                tensor: torch.Tensor) -> Callable[[], None] | None:
         """File an admitted tensor for its stage (a client's inputs wait for room); a
         snapshot's for the snapshot desk; an initial weight into its stage's layers.
+
+        Returns the wake-up of the stage thread that waits for the tensor, if one does:
+        the link runs it once it has read the tensors that came with this one
+        (:meth:`~fedpipe.net.dataplane.connection.Connection.later`).
 
         Raises:
             Refused: with the code gRPC would answer.
@@ -227,17 +232,18 @@ class NodeReceiver:
                     log.info("kept the step %d snapshot of job %s stage %d (replica %d) that "
                              "%s put over the socket data plane", env.step, env.job_id,
                              env.stage, env.replica, peer.name)
-                return
+                return None
             if kind == _WEIGHTS:
                 self._deliver_weights(peer, header, tensor)
-                return
-            self.admission.deliver(env, tensor, self._open)
+                return None
+            wake = self.admission.deliver(env, tensor, self._open, defer=True)
         except MAPPED as e:
             raise refusal(e) from None
         with self._lock:
             self.received += 1
             if kind in PIPELINE_KINDS:
                 self._last[peer.name] = env
+        return wake
 
     # -- fetch Server ---------------------------------------------------------
     def serve(self, peer: Peer, method: Method, request: bytes

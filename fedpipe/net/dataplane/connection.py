@@ -27,7 +27,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy
 import torch
@@ -41,6 +41,14 @@ READ_AHEAD = 256 * 1024
 ``recv_into``; a large payload's tail is read straight into its tensor."""
 _SCRATCH = 1 << 20
 """Largest piece of a refused tensor's payload read at once while it is skipped, bytes."""
+LATER_BYTES = 1 << 20
+"""How far a reader reads on, bytes, while wake-ups it put off wait
+(:meth:`Connection.later`), if the socket keeps it busy that long: at 64 KiB a tensor,
+the stage thread that takes them is woken once per 16 of a stream, not once each."""
+
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+"""recv's flag to return at once when nothing is there (0 where the OS has none: then a
+reader runs what it put off before every read, :meth:`Connection.later`)."""
 
 TLS_RECORD = 16 * 1024
 """Bytes of data in a full TLS record (the protocol's largest, RFC 8446 section 5.1): one
@@ -138,6 +146,8 @@ class Connection:
         deadline), or None: reads wait as long as the socket's timeout says."""
         self.late = "the read's deadline passed"
         """What a read past :attr:`until` raises TimeoutError with."""
+        self._later: list[Callable[[], None]] = []  # run before the reader waits
+        self._later_left = 0  # bytes the reader may read on before it runs them
 
     def __repr__(self) -> str:
         try:
@@ -181,6 +191,50 @@ class Connection:
             self.sock.close()
 
     # -- reading: the reader thread only -----------------------------------------
+    def later(self, wake: Callable[[], None]) -> None:
+        """Run ``wake`` (the wake-up of a thread that waits for a tensor this reader
+        filed) before the reader next waits for the socket, or once it has read
+        :data:`LATER_BYTES` more, whichever comes first, or at :meth:`run_later`.
+
+        Tensors that arrived together then wake the thread that takes them once, not
+        once each: a wake-up costs both threads a few context switches and a hand-over
+        of the GIL, more CPU than a 64 KiB tensor's own receive (``benchmarks/dataplane.py``,
+        CPU per message through a node). While the socket has nothing more, nothing waits.
+        """
+        if not self._later:
+            self._later_left = LATER_BYTES
+        elif self._later[-1] == wake:  # the same wake-up again (a mailbox's wakes them all)
+            return
+        self._later.append(wake)
+
+    def run_later(self) -> None:
+        """Run what :meth:`later` put off, now: before the reader does anything that may
+        wait (a write, a fetch's answer) or stops reading."""
+        while self._later:
+            later, self._later = self._later, []
+            for wake in later:
+                wake()
+
+    def _receive(self, view: memoryview) -> int:
+        """``sock.recv_into(view)``, running what :meth:`later` put off first if the
+        socket has nothing to read now (or the reader read on its budget). The caller
+        holds a call on the socket (:meth:`_enter`)."""
+        if self._later:
+            if self._later_left > 0 and self.until is None:
+                try:
+                    if not self.tls and _DONTWAIT:
+                        n = self.sock.recv_into(view, 0, _DONTWAIT)
+                        self._later_left -= n
+                        return n
+                    if self.tls and self.sock.pending():  # type: ignore[attr-defined]
+                        n = self.sock.recv_into(view)  # bytes decrypted, waiting in it
+                        self._later_left -= n
+                        return n
+                except BlockingIOError:
+                    pass  # nothing there: wake them before waiting
+            self.run_later()
+        return self.sock.recv_into(view)
+
     def _recv_into(self, view: memoryview) -> int:
         if self.until is not None:
             left = self.until - time.monotonic()
@@ -189,7 +243,7 @@ class Connection:
             self.sock.settimeout(left)
         self._enter()
         try:
-            n = self.sock.recv_into(view)
+            n = self._receive(view)
         finally:
             self._leave()
         if n == 0:
@@ -227,7 +281,7 @@ class Connection:
             target[:got] = self._view[self._start:self._start + got]
             self._start += got
         if self.until is None and got < size:  # the payload loop, tight: over TLS a call
-            recv = self.sock.recv_into           # per 16 KiB record
+            recv = self._receive                 # per 16 KiB record
             self._enter()
             try:
                 while got < size:

@@ -12,7 +12,9 @@ sequence number.
 Threads: any number of senders (:meth:`Link.send`, :meth:`Link.flush`), one
 reader per connection (started by whoever attached it), which delivers
 received tensors to the :class:`Receiver` on its own thread, so a slow
-receiver stops reading, and its sender runs out of credit.
+receiver stops reading, and its sender runs out of credit. A receiver may leave
+waking the thread that takes a tensor to the reader, which does it once it has
+read what arrived with it (:meth:`.connection.Connection.later`).
 
 Acknowledgements are lazy: the reader acknowledges when a quarter of its
 window was delivered since the last one, and at once when asked (``SYNC``:
@@ -431,7 +433,10 @@ class Link:
         """Read ``conn`` until it breaks (the reader thread's loop); a protocol error or a
         GOAWAY fails the link. Returns when the connection is gone."""
         with self._reader:
-            self._read_all(conn)
+            try:
+                self._read_all(conn)
+            finally:
+                conn.run_later()  # wake-ups its last tensors put off
 
     def _read_all(self, conn: Connection) -> None:
         try:
@@ -467,7 +472,9 @@ class Link:
         conn.lift_deadline()  # the peer spoke (the deadline of a silent one after its preface)
         if kind is _TENSOR:
             self._on_tensor(conn, arg)
-        elif kind is _ACK:
+            return
+        conn.run_later()  # what follows may write or wait: wake the stage threads first
+        if kind is _ACK:
             with self._state:
                 self._forget_below(arg)
         elif kind is _SYNC:
@@ -519,30 +526,35 @@ class Link:
             limit, end = frames.admitted(self.receiver.admit(peer, header))
         except Refused as e:
             skip_payload(conn, header)
-            self._done(seq, nbytes, e)
+            self._done(conn, seq, nbytes, e)
             return
         tensor = read_tensor(conn, header, limit, end)  # every field checked, then reserved
         try:
-            self.receiver.deliver(peer, header, tensor)
+            wake = self.receiver.deliver(peer, header, tensor)
         except Refused as e:
-            self._done(seq, nbytes, e)
+            self._done(conn, seq, nbytes, e)
             return
         except Exception as e:  # noqa: BLE001 — a receiver's bug refuses one tensor, not the link
             log.exception("delivering a tensor from %s", self.peer_name)
-            self._done(seq, nbytes, Refused(Code.INTERNAL, f"the receiver failed: {e!r}"))
+            self._done(conn, seq, nbytes, Refused(Code.INTERNAL, f"the receiver failed: {e!r}"))
             return
-        self._done(seq, nbytes)
+        if wake is not None:  # woken once the reader has read what came with it
+            conn.later(wake)
+        self._done(conn, seq, nbytes)
 
     def _on_answer(self, conn: Connection, seq: int, header: node_pb2.Frame) -> None:
         """A tensor of the answer to one of this side's fetches: checked by the fetch's
         ``admit`` before its payload is read, then delivered to it. One the fetch refuses
         fails the fetch (never the link: the peer sent what it was asked for); one of a
         fetch not waited for any more is dropped."""
+        conn.run_later()  # the fetch's delivery may wait: wake the stage threads first
         take_answer(conn, header, self.fetches.get(header.fetch))
-        self._done(seq, header.tensor.payload_bytes)
+        self._done(conn, seq, header.tensor.payload_bytes)
 
-    def _done(self, seq: int, nbytes: int, refused: Refused | None = None) -> None:
-        """Tensor ``seq`` was delivered (or refused): count it; acknowledge when due."""
+    def _done(self, conn: Connection, seq: int, nbytes: int,
+              refused: Refused | None = None) -> None:
+        """Tensor ``seq`` was delivered (or refused): count it; acknowledge when due (what
+        ``conn``'s reader put off runs first: the write may wait)."""
         with self._lock:
             self.expected = seq + 1
             self.received += 1
@@ -557,6 +569,7 @@ class Link:
                     or 4 * unacked[1] >= self.window_messages):
                 self._ack_due = True
         if self._ack_due or self._control:
+            conn.run_later()
             self._drain()
 
     @property
