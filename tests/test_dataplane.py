@@ -772,3 +772,22 @@ def test_a_reader_runs_what_it_put_off_before_it_waits_for_the_socket_not_while_
     assert conn.read_exact(1) == b"f" and ran == [1, 2]  # past it: run, though data was there
     conn.close()
     theirs.close()
+
+
+def test_a_tensor_header_that_passed_is_taken_again_only_with_its_exact_fields_and_limit():
+    """The reader remembers headers that passed check_header (a stream's tensors share a
+    few): the same bytes under the same limit pass again; any field apart, or a lower
+    limit, is checked anew and refused as before."""
+    msg, _ = codecs.encode_payload(torch.zeros(4, 4), "raw")
+    connection._check_header(msg, 1 << 20)
+    connection._check_header(msg, 1 << 20)  # remembered
+    wrong = node_pb2.Frame(tensor=msg).tensor
+    wrong.encoded_bytes += 4
+    with pytest.raises(WireError, match="encoded_bytes is 68"):
+        connection._check_header(wrong, 1 << 20)
+    unused = node_pb2.Frame(tensor=msg).tensor
+    unused.block_size = 8
+    with pytest.raises(WireError, match="block_size=8 is set"):
+        connection._check_header(unused, 1 << 20)
+    with pytest.raises(WireError, match="exceeds the limit of 32"):
+        connection._check_header(msg, 32)

@@ -399,6 +399,34 @@ _NUMPY_DTYPES = _numpy_dtypes()
 made a tensor with one ``torch.from_numpy`` (two torch views cost about 10 us a tensor)."""
 
 
+_CHECKED: dict[tuple[bytes, int], bool] = {}
+"""Tensor headers (serialized, no payload of their own) and limits that passed
+:func:`fedpipe.wire.codecs.check_header`, at most :data:`_CHECKED_MAX`."""
+_CHECKED_MAX = 1024
+
+
+def _check_header(msg: tensor_pb2.Tensor, limit: int) -> None:
+    """:func:`fedpipe.wire.codecs.check_header` of a frame's tensor header (its payload
+    follows it, so it has none) against ``limit``, remembered for the header's exact bytes.
+
+    The check is a function of the header's fields and the limit alone, and equal
+    fields serialize to equal bytes: a header met before passes as it did then, and any
+    other (one field apart) is checked field by field. A stream's tensors share a few
+    headers; checking one costs 2-3 us, serializing it to look it up a tenth of that
+    (``benchmarks/dataplane.py``, CPU per 64 KiB message).
+
+    Raises:
+        WireError: as :func:`~fedpipe.wire.codecs.check_header`.
+    """
+    key = (msg.SerializeToString(), limit)
+    if key in _CHECKED:
+        return
+    codecs.check_header(msg, limit)
+    if len(_CHECKED) >= _CHECKED_MAX:  # many shapes: start again rather than grow
+        _CHECKED.clear()
+    _CHECKED[key] = True
+
+
 def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int,
                 end: lowrank.End | None = None) -> torch.Tensor:
     """The payload of a checked header, read into a tensor reserved from the header.
@@ -414,7 +442,7 @@ def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int,
             payload. Closed, OSError: the connection broke mid-payload.
     """
     msg = header.tensor
-    codecs.check_header(msg, limit)
+    _check_header(msg, limit)
     nbytes = msg.payload_bytes
     if not nbytes:  # no elements (a raw empty tensor): nothing to receive
         return codecs.decode(msg, payload=b"", max_bytes=limit, end=end)
