@@ -235,13 +235,25 @@ def encode_payload(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
         copy: the tensor must not be modified while the payload is in use.
     """
     spec = codec if isinstance(codec, CodecSpec) else parse_codec(codec)
-    if (spec.name == "raw" and spec.zstd_level is None and t.dtype in DTYPES
-            and t.is_cpu and t.numel()):
-        return pb.Tensor.FromString(_raw_header(t.dtype, t.shape)), _own_bytes(t)
+    if spec.name == "raw" and spec.zstd_level is None:
+        raw = raw_payload(t)
+        if raw is not None:
+            return pb.Tensor.FromString(raw[0]), raw[1]
     msg = encode(t, spec, feedback=feedback, key=key, seed=seed, end=end)
     payload = msg.payload
     msg.ClearField("payload")
     return msg, memoryview(payload)
+
+
+def raw_payload(t: torch.Tensor) -> tuple[bytes, memoryview] | None:
+    """:func:`encode_payload` of ``t`` with codec ``raw``, its header serialized, where the
+    payload is the tensor's own memory (a CPU tensor of a dtype in :data:`DTYPES`, with
+    elements); else None. The bytes are what ``encode_payload(t)[0].SerializeToString()``
+    gives (a sender that frames the header saves parsing them and serializing them again).
+    """
+    if t.dtype in DTYPES and t.is_cpu and t.numel():
+        return _raw_header(t.dtype, t.shape), _own_bytes(t)
+    return None
 
 
 @functools.lru_cache(maxsize=256)

@@ -116,7 +116,9 @@ def owner_of(envelope: node_pb2.Envelope | None) -> str:
     a node's refusal of one stage's initial weights another stage's stream)."""
     if envelope is None:
         return ""
-    snapshot = f"/snapshot {envelope.step}" if envelope.kind == node_pb2.KIND_SNAPSHOT else ""
-    if envelope.kind == node_pb2.KIND_WEIGHTS:  # one client stream per stage
-        snapshot = f"/weights {envelope.replica}.{envelope.stage}"
-    return f"{envelope.job_id}@{envelope.epoch}{snapshot}"
+    kind = envelope.kind
+    if kind == node_pb2.KIND_SNAPSHOT:
+        return f"{envelope.job_id}@{envelope.epoch}/snapshot {envelope.step}"
+    if kind == node_pb2.KIND_WEIGHTS:  # one client stream per stage
+        return f"{envelope.job_id}@{envelope.epoch}/weights {envelope.replica}.{envelope.stage}"
+    return f"{envelope.job_id}@{envelope.epoch}"

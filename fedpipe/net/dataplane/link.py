@@ -216,26 +216,43 @@ class Link:
             LinkFailed: the link failed, or no credit came back in time.
             WireError: the tensor cannot be encoded.
         """
-        msg, payload = codecs.encode_payload(tensor, codec)
-        return self.send_encoded(msg, payload, envelope=envelope, name=name, flush=flush,
-                                 fetch=fetch)
+        raw = codecs.raw_payload(tensor) if codec == "raw" else None
+        if raw is None:
+            msg, payload = codecs.encode_payload(tensor, codec)
+            return self.send_encoded(msg, payload, envelope=envelope, name=name, flush=flush,
+                                     fetch=fetch)
+        owner = self._sender_check(envelope, fetch)
+        header, payload = raw  # the header serialized: framed as it is
+        return self._send(format.pack_head_of(envelope, header, name, fetch), payload, owner,
+                          flush)
 
     def send_encoded(self, msg: tensor_pb2.Tensor, payload: memoryview, *,
                      envelope: node_pb2.Envelope | None = None, name: str = "",
                      flush: bool = False, fetch: int = 0) -> int:
         """:meth:`send` of a tensor already encoded
         (:func:`~fedpipe.wire.codecs.encode_payload`)."""
-        owner = owner_of(envelope)
-        if fetch:  # an answer is never refused: others' refusals stay theirs
-            self._check_up()
-        else:
-            self.check(owner)
+        owner = self._sender_check(envelope, fetch)
         if msg.payload_bytes != len(payload):  # the header says the payload's length
             fixed = tensor_pb2.Tensor()
             fixed.CopyFrom(msg)
             fixed.payload_bytes = len(payload)
             msg = fixed
-        frame_head = format.pack_head_of(envelope, msg, name, fetch)
+        return self._send(format.pack_head_of(envelope, msg, name, fetch), payload, owner,
+                          flush)
+
+    def _sender_check(self, envelope: node_pb2.Envelope | None, fetch: int) -> str:
+        """Raise what a send raises before it writes (:meth:`check`; for a fetch's answer,
+        only a failed link); the tensor's owner (:func:`owner_of`)."""
+        owner = owner_of(envelope)
+        if fetch:  # an answer is never refused: others' refusals stay theirs
+            self._check_up()
+        else:
+            self.check(owner)
+        return owner
+
+    def _send(self, frame_head: bytes, payload: memoryview, owner: str, flush: bool) -> int:
+        """The rest of :meth:`send_encoded`, the tensor framed (``frame_head``: its HEAD wire
+        frame's prefix and header, :func:`~fedpipe.wire.format.pack_head_of`)."""
         if not self.credits.try_take(len(payload)):
             self._sync()  # ask for the acknowledgements that give credit back
             self.credits.take(len(payload), self.timeouts.credit, f" by {self.peer_name}")
