@@ -18,6 +18,10 @@ tensor reserved for it (:func:`read_tensor`), after copying in whatever part
 of it was already read ahead. Every field of a tensor's header is checked
 before that memory is reserved (:func:`read_head`).
 
+A reader may put wake-ups off (:meth:`Connection.later`: a stage thread's, for a
+tensor the node filed) until it would wait for the socket, so the tensors that arrived
+together wake their consumer once.
+
 Only the link's reader thread reads; writers hold the link's write lock.
 """
 from __future__ import annotations
