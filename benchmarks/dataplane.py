@@ -43,6 +43,7 @@ no mailbox: the figure printed before) and today's gRPC stream.
     python benchmarks/dataplane.py            # ~1 min
     python benchmarks/dataplane.py --quick
     python benchmarks/dataplane.py --sizes --cpu-rounds 5   # only the CPU figure
+    python benchmarks/dataplane.py --sizes --paths node dataplane  # of these paths
 """
 from __future__ import annotations
 
@@ -497,24 +498,28 @@ CPU_PATHS = {
 """The CPU-per-message paths, in the order printed; ``node`` is issue 24's figure."""
 
 
-def cpu_per_message(pair: Pair, messages: int, rounds: int) -> list[str]:
+def cpu_per_message(pair: Pair, messages: int, rounds: int,
+                    paths: list[str] | None = None) -> list[str]:
     """User + system CPU of both processes per 64 KiB message, ``messages`` streamed then
-    one flush, for each of :data:`CPU_PATHS` in interleaved rounds; the median round."""
+    one flush, for each of ``paths`` (default: all of :data:`CPU_PATHS`) in interleaved
+    rounds; the median round."""
+    paths = [t for t in CPU_PATHS if paths is None or t in paths]
     print(f"\nCPU per 64 KiB message, {messages} streamed then one flush (user + system of "
           f"both processes, kernel ticks of 10 ms), {rounds} interleaved rounds:")
-    us: dict[str, list[float]] = {t: [] for t in CPU_PATHS}
-    rate: dict[str, list[float]] = {t: [] for t in CPU_PATHS}
-    sides: dict[str, list[tuple[float, float]]] = {t: [] for t in CPU_PATHS}
+    us: dict[str, list[float]] = {t: [] for t in paths}
+    rate: dict[str, list[float]] = {t: [] for t in paths}
+    sides: dict[str, list[tuple[float, float]]] = {t: [] for t in paths}
     before = _load()
     for r in range(rounds):
-        for t in (list(CPU_PATHS) if r % 2 == 0 else list(CPU_PATHS)[::-1]):
+        for t in (paths if r % 2 == 0 else paths[::-1]):
             took, used = pair.run(t, 64 * KiB, messages, stream=True)
             us[t].append(1e6 * used / messages)
             sides[t].append(pair.split)
             rate[t].append(messages * 64 * KiB / took[0] / 1e6)
     after = _load()
     out = []
-    for t, what in CPU_PATHS.items():
+    for t in paths:
+        what = CPU_PATHS[t]
         q1, q2, q3 = quartiles(us[t])
         send, recv = (1e6 * statistics.median(x) / messages for x in zip(*sides[t]))
         line = (f"{t:<12} {q2:6.1f} us/message (IQR {q1:.1f}-{q3:.1f}; sender {send:.0f} + "
@@ -540,6 +545,8 @@ def main() -> None:
                     help="rounds of the CPU-per-message figure (default 5, quick 3)")
     ap.add_argument("--sizes", nargs="*", choices=list(SIZES), default=list(SIZES),
                     help="sizes to measure (none: only the CPU figure)")
+    ap.add_argument("--paths", nargs="+", choices=list(CPU_PATHS), default=list(CPU_PATHS),
+                    help="paths of the CPU figure (default: all)")
     ap.add_argument("--role", choices=["serve", "send"], help=argparse.SUPPRESS)
     ap.add_argument("--ports", help=argparse.SUPPRESS)
     ap.add_argument("--tls-dir", help=argparse.SUPPRESS)
@@ -571,7 +578,7 @@ def main() -> None:
                     latency(times)
             if args.messages:
                 verdicts += cpu_per_message(pair, args.messages, args.cpu_rounds or
-                                            (3 if args.quick else 5))
+                                            (3 if args.quick else 5), args.paths)
         finally:
             pair.close()
     print("\nTargets (issue 24), medians of per-round ratios:")

@@ -739,3 +739,55 @@ def test_credit_is_taken_at_once_while_it_fits_and_not_past_the_window_or_a_fail
     assert not credits.try_take(1)
     with pytest.raises(LinkFailed, match="gone"):
         credits.take(1, timeout=1)
+
+
+def test_a_reader_runs_what_it_put_off_before_it_waits_for_the_socket_not_while_data_is_there(
+        monkeypatch):
+    """A wake-up put off by the reader (Connection.later: a stage thread's, for a tensor it
+    filed) waits while more of the stream is already there, and runs before the reader
+    waits for the socket, or once the reader has read LATER_BYTES on."""
+    mine, theirs = socket.socketpair()
+    conn = connection.Connection(mine, dialed=False)
+    ran: list[int] = []
+    theirs.sendall(b"ab")
+    conn.later(lambda: ran.append(1))
+    assert conn.read_exact(1) == b"a" and conn.read_exact(1) == b"b" and ran == []
+    read: list[bytes] = []
+    reader = threading.Thread(target=lambda: read.append(conn.read_exact(1)), daemon=True)
+    reader.start()
+    for _ in range(2000):  # nothing more was sent: the reader runs it, then waits
+        if ran:
+            break
+        time.sleep(0.005)
+    assert ran == [1] and not read
+    theirs.sendall(b"c")
+    reader.join(10)
+    assert read == [b"c"]
+
+    monkeypatch.setattr(connection, "LATER_BYTES", 2)  # a budget of two bytes read on
+    conn.later(lambda: ran.append(2))
+    theirs.sendall(b"de")
+    assert conn.read_exact(2) == b"de" and ran == [1]  # within the budget
+    theirs.sendall(b"f")
+    assert conn.read_exact(1) == b"f" and ran == [1, 2]  # past it: run, though data was there
+    conn.close()
+    theirs.close()
+
+
+def test_a_tensor_header_that_passed_is_taken_again_only_with_its_exact_fields_and_limit():
+    """The reader remembers headers that passed check_header (a stream's tensors share a
+    few): the same bytes under the same limit pass again; any field apart, or a lower
+    limit, is checked anew and refused as before."""
+    msg, _ = codecs.encode_payload(torch.zeros(4, 4), "raw")
+    connection._check_header(msg, 1 << 20)
+    connection._check_header(msg, 1 << 20)  # remembered
+    wrong = node_pb2.Frame(tensor=msg).tensor
+    wrong.encoded_bytes += 4
+    with pytest.raises(WireError, match="encoded_bytes is 68"):
+        connection._check_header(wrong, 1 << 20)
+    unused = node_pb2.Frame(tensor=msg).tensor
+    unused.block_size = 8
+    with pytest.raises(WireError, match="block_size=8 is set"):
+        connection._check_header(unused, 1 << 20)
+    with pytest.raises(WireError, match="exceeds the limit of 32"):
+        connection._check_header(msg, 32)

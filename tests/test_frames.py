@@ -251,7 +251,7 @@ def test_a_clients_send_kinds_are_read_from_the_frame_header():
 def test_pack_head_of_is_pack_head_of_the_frame_byte_for_byte(t, envelope, name, fetch):
     # the socket plane's sender packs a header from its parts' serializations: the
     # same bytes as the Frame protobuf would write, and they unpack to that Frame
-    msg, _ = codecs.encode_payload(t, "raw")
+    msg, own = codecs.encode_payload(t, "raw")
     frame = node_pb2.Frame(envelope=envelope, tensor=msg, name=name, fetch=fetch)
     packed = format.pack_head_of(envelope, msg, name, fetch)
     assert packed == format.pack_head(frame)
@@ -260,3 +260,10 @@ def test_pack_head_of_is_pack_head_of_the_frame_byte_for_byte(t, envelope, name,
     assert header == frame and not len(piece) and len(packed) % format.PAYLOAD_ALIGN == 0
     with pytest.raises(WireError, match="must not carry payload bytes"):
         format.pack_head_of(envelope, tensor_pb2.Tensor(payload=b"x"))
+    # a raw CPU tensor's header as the socket plane's sender frames it: serialized once
+    # per dtype and shape, the same bytes as the message's
+    raw = codecs.raw_payload(t)
+    assert raw is not None
+    serialized, payload = raw
+    assert serialized == msg.SerializeToString() and bytes(payload) == bytes(own)
+    assert format.pack_head_of(envelope, serialized, name, fetch) == packed

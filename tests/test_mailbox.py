@@ -100,3 +100,46 @@ def test_a_duplicate_for_a_full_slot_is_refused_at_once_not_after_room():
     box.put("s", Kind.INPUT, 0, 0, torch.zeros(1), 1)
     with pytest.raises(Duplicate):  # was: waited for room first (for ever if alive)
         box.put("s", Kind.INPUT, 0, 0, torch.zeros(1), 1)
+
+
+def test_a_put_may_leave_its_gets_wake_up_to_its_caller_and_runs_it_before_waiting_for_room():
+    """A socket link's reader files the tensors that arrived together with ``defer`` and
+    wakes the stage thread once for them all: the put returns the wake-up (None when no
+    get waits), which wakes every get deferred so, once; a put that must wait for room
+    runs them first (the stage thread that would make room may be one of them)."""
+    box = Mailbox(1, (Kind.INPUT,))
+    assert box.put("s", Kind.ACTIVATION, 0, 0, torch.zeros(1), 1, defer=True) is None
+    th, got = taking(box, 1)
+    wait_waiting(box, 1)
+    wake = box.put("s", Kind.ACTIVATION, 1, 0, torch.ones(1), 1, defer=True)
+    assert wake is not None and len(box._deferred) == 1 and box._wanted == {}
+    wake()
+    th.join(10)
+    assert got[0][0].item() == 1 and box._deferred == []
+    wake()  # again: nothing left to wake
+
+    th, got = taking(box, 2)
+    wait_waiting(box, 1)
+    assert box.put("s", Kind.ACTIVATION, 2, 0, torch.ones(1), 1, defer=True) is not None
+    box.put("s", Kind.INPUT, 0, 0, torch.zeros(1), 1)
+    stop = threading.Event()
+    errors: list = []
+
+    def put_past_room() -> None:
+        try:
+            box.put("s", Kind.INPUT, 0, 1, torch.zeros(1), 1, alive=lambda: not stop.is_set())
+        except Stopped as e:
+            errors.append(e)
+    putter = threading.Thread(target=put_past_room, daemon=True)
+    putter.start()
+    for _ in range(2000):  # the put waits for room: it woke the deferred get first
+        with box._lock:
+            if not box._deferred:
+                break
+        threading.Event().wait(0.005)
+    assert box._deferred == []
+    th.join(10)
+    assert got[0][0].item() == 1
+    stop.set()
+    putter.join(10)
+    assert errors and "was not taken" in str(errors[0])

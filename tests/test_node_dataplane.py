@@ -48,7 +48,7 @@ class FakeAdmission:
     def admitted(self, env, shape=()):  # its stages keep no codec state: the limit alone
         return self.admit(env, shape)
 
-    def deliver(self, env, tensor, active):
+    def deliver(self, env, tensor, active, defer=False):
         self.delivered.append(env)
 
     def suspect(self, env):

@@ -29,6 +29,10 @@ _KINDS = {k.value: k for k in Kind}
 """Envelope kind -> :class:`Kind` (a lookup: the enum's call costs a few us a tensor)."""
 BOUNDED_KINDS = (Kind.INPUT, Kind.TARGET)
 """Kinds a client may send far ahead: their inbox is bounded (backpressure)."""
+_PROBE = int(Kind.PROBE)
+"""``Kind.PROBE`` as a plain int: reading an enum's member costs a dict lookup in its
+metaclass, and the checks here run per tensor (``benchmarks/dataplane.py``)."""
+_BOUNDED = frozenset(int(k) for k in BOUNDED_KINDS)
 
 
 def microbatches(env: node_pb2.Envelope, tensor: torch.Tensor) -> Sequence[torch.Tensor]:
@@ -88,7 +92,7 @@ class DataPlane:
         """
         def admit(head: node_pb2.Frame) -> frames.Admitted:
             check(head)
-            return self.admitted(head.envelope, tuple(head.tensor.shape))
+            return self.admitted(head.envelope, head.tensor.shape)
 
         last = None
         try:
@@ -134,12 +138,12 @@ class DataPlane:
         if not stage.live:
             raise NoSuchStage(f"stage {env.stage} of job {env.job_id!r} (replica "
                               f"{env.replica}) is stopped")
-        _check_envelope(env, stage)
-        if env.kind in BOUNDED_KINDS:
+        kind = _check_envelope(env, stage)
+        if kind in _BOUNDED:
             _check_feed(env, stage, shape)
         elif env.microbatches > 1:
             raise BadEnvelope(f"microbatches={env.microbatches} on a tensor of kind "
-                              f"{Kind(env.kind).name.lower()}: only a client's inputs "
+                              f"{Kind(kind).name.lower()}: only a client's inputs "
                               "and targets hold several microbatches")
         return stage
 
@@ -153,18 +157,20 @@ class DataPlane:
         Raises:
             As :meth:`admit`.
         """
-        if env.kind == Kind.PROBE:  # no stage's: it only has to arrive
+        if env.kind == _PROBE:  # no stage's: it only has to arrive
             return frames.Admitted(MAX_PROBE_BYTES)
         return frames.Admitted(codecs.MAX_TENSOR_BYTES,
                                self._checked_stage(env, shape).codec_end(env), self.pinned)
 
     def deliver(self, env: node_pb2.Envelope, tensor: torch.Tensor,
-                active: Callable[[], bool]) -> None:
+                active: Callable[[], bool], defer: bool = False) -> Callable[[], None] | None:
         """Hand an admitted tensor to its stage's mailbox (probes are dropped);
         for inputs and targets wait for room while ``active()`` and the stage is live.
 
         A tensor of several microbatches (``env.microbatches`` > 1, a client's
         inputs or targets) is filed as its pieces (:func:`microbatches`), all or none.
+        ``defer``: the stage thread waiting for it is not woken; its wake-up is returned
+        (:meth:`~fedpipe.node.mailbox.Mailbox.put`).
 
         Raises:
             NoSuchStage: the stage was released meanwhile.
@@ -174,16 +180,18 @@ class DataPlane:
             Full: the job has as many tensors waiting on this node as one job may
                 (:class:`~fedpipe.node.mailbox.Mailbox`).
         """
-        if env.kind == Kind.PROBE:
-            return  # a link measurement: it only had to arrive
+        kind = env.kind
+        if kind == _PROBE:
+            return None  # a link measurement: it only had to arrive
         slot = slot_of(env)
         stage = self.stages.get(slot)
-        if stage.epoch != env.epoch:  # replaced since the tensor was admitted
+        epoch = env.epoch
+        if stage.epoch != epoch:  # replaced since the tensor was admitted
             raise StaleEpoch(f"stage {env.stage} of job {env.job_id!r} now runs epoch "
-                             f"{stage.epoch}, not {env.epoch}")
-        self.mailbox.put_all((slot, env.epoch), _KINDS.get(env.kind) or Kind(env.kind), env.step,
-                             env.microbatch, microbatches(env, tensor), env.batch_size,
-                             alive=lambda: active() and stage.live)
+                             f"{stage.epoch}, not {epoch}")
+        return self.mailbox.put_all((slot, epoch), _KINDS.get(kind) or Kind(kind), env.step,
+                                    env.microbatch, microbatches(env, tensor), env.batch_size,
+                                    alive=lambda: active() and stage.live, defer=defer)
 
     def suspect(self, env: node_pb2.Envelope) -> None:
         """A stream that brought ``env``'s stage its pipeline tensors broke: report the
@@ -203,21 +211,24 @@ class DataPlane:
                                  error=f"the stream from {sender.node_name} broke")
 
 
-def _check_envelope(env: node_pb2.Envelope, stage: Stage) -> None:
-    """The fields every stage tensor's envelope must have in range.
+def _check_envelope(env: node_pb2.Envelope, stage: Stage) -> int:
+    """The fields every stage tensor's envelope must have in range; its kind.
 
     Raises:
         BadEnvelope: one is not.
     """
-    if env.kind not in STAGE_KINDS:
-        raise BadEnvelope(f"unknown envelope kind {env.kind}")
+    kind = env.kind
+    if kind not in STAGE_KINDS:
+        raise BadEnvelope(f"unknown envelope kind {kind}")
     if env.batch_size <= 0:
         raise BadEnvelope(f"envelope batch_size must be positive, got {env.batch_size}")
-    if not 0 <= env.step < stage.steps or env.microbatch < 0:
-        raise BadEnvelope(f"step {env.step} / microbatch {env.microbatch} out of range for "
+    step = env.step
+    if not 0 <= step < stage.steps or env.microbatch < 0:
+        raise BadEnvelope(f"step {step} / microbatch {env.microbatch} out of range for "
                           f"a job of {stage.steps} steps")
     if env.microbatches < 0:
         raise BadEnvelope(f"envelope microbatches must be >= 0, got {env.microbatches}")
+    return kind
 
 
 def _check_feed(env: node_pb2.Envelope, stage: Stage, shape: Sequence[int]) -> None:

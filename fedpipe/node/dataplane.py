@@ -86,6 +86,9 @@ FETCH_METHODS = {Method.FETCH_STATE: "/fedpipe.v1.Node/FetchState",
 """The policy row a socket link's fetch is checked by: the gRPC method it stands for."""
 PIPELINE_KINDS = frozenset({Kind.ACTIVATION, Kind.GRADIENT})
 """Kinds whose sender is a pipeline neighbour: a link that broke after one is suspect."""
+_SNAPSHOT, _WEIGHTS = int(Kind.SNAPSHOT), int(Kind.WEIGHTS)
+"""The kinds that take other checks than ``Send``'s, as plain ints: an enum member's read
+costs a lookup in its metaclass, and these are compared per tensor."""
 
 
 def refusal(error: BaseException) -> Refused:
@@ -143,16 +146,29 @@ class NodeReceiver:
         env = header.envelope
         try:
             self._check_revoked(peer)
-            if env.kind == Kind.SNAPSHOT:
+            kind = env.kind
+            if kind == _SNAPSHOT:
                 return self._admit_snapshot(peer, header)
-            if env.kind == Kind.WEIGHTS:
+            if kind == _WEIGHTS:
                 return self._admit_weights(peer, header)
             policy.authorize(SEND_METHOD, identity)
             policy.check_send_kind(identity, header)
-            self.access.check_sender(identity, env, lambda e: self.stages.get(slot_of(e)).n_stages)
-            return self.admission.admitted(env, tuple(header.tensor.shape))
+            self.access.check_sender(identity, env, self._depth)
+            return self.admission.admitted(env, header.tensor.shape)
         except MAPPED as e:
             raise refusal(e) from None
+
+    def _depth(self, env: node_pb2.Envelope) -> int:
+        """The depth of the pipeline of ``env``'s stage (a client's feeds are checked with it).
+
+        Raises:
+            NoSuchStage: the stage is not held here.
+        """
+        return self.stages.get(slot_of(env)).n_stages
+
+    def _open(self) -> bool:
+        """Whether deliveries may still wait for room (not after :meth:`close`)."""
+        return not self._closed.is_set()
 
     def _check_revoked(self, peer: Peer) -> None:
         """Raise Unauthenticated if the peer's certificate is on the deny list now."""
@@ -192,16 +208,22 @@ class NodeReceiver:
             log.info("stage %d of job %s (replica %d) took its initial weights from %s over "
                      "the socket data plane", env.stage, env.job_id, env.replica, peer.name)
 
-    def deliver(self, peer: Peer, header: node_pb2.Frame, tensor: torch.Tensor) -> None:
+    def deliver(self, peer: Peer, header: node_pb2.Frame,
+                tensor: torch.Tensor) -> Callable[[], None] | None:
         """File an admitted tensor for its stage (a client's inputs wait for room); a
         snapshot's for the snapshot desk; an initial weight into its stage's layers.
+
+        Returns the wake-up of the stage thread that waits for the tensor, if one does:
+        the link runs it once it has read the tensors that came with this one
+        (:meth:`~fedpipe.net.dataplane.connection.Connection.later`).
 
         Raises:
             Refused: with the code gRPC would answer.
         """
         env = header.envelope
+        kind = env.kind
         try:
-            if env.kind == Kind.SNAPSHOT:
+            if kind == _SNAPSHOT:
                 assert self.desk is not None  # admit refused it otherwise
                 kept = self.desk.add_part(peer.name, header, tensor)
                 with self._lock:
@@ -210,17 +232,18 @@ class NodeReceiver:
                     log.info("kept the step %d snapshot of job %s stage %d (replica %d) that "
                              "%s put over the socket data plane", env.step, env.job_id,
                              env.stage, env.replica, peer.name)
-                return
-            if env.kind == Kind.WEIGHTS:
+                return None
+            if kind == _WEIGHTS:
                 self._deliver_weights(peer, header, tensor)
-                return
-            self.admission.deliver(env, tensor, lambda: not self._closed.is_set())
+                return None
+            wake = self.admission.deliver(env, tensor, self._open, defer=True)
         except MAPPED as e:
             raise refusal(e) from None
         with self._lock:
             self.received += 1
-            if env.kind in PIPELINE_KINDS:
+            if kind in PIPELINE_KINDS:
                 self._last[peer.name] = env
+        return wake
 
     # -- fetch Server ---------------------------------------------------------
     def serve(self, peer: Peer, method: Method, request: bytes

@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 class StageState(enum.Enum):
     """Where a stage is in its life (see the module docstring)."""
 
+    # a member is equal only to itself, so identity's hash will do, and it runs in C;
+    # Enum's own hashes the name in Python (:attr:`Stage.live` looks one up per tensor)
+    __hash__ = object.__hash__
+
     LOADING = "loading"
     """Built from its LoadStage request; not stepping yet."""
     AWAITING_WEIGHTS = "awaiting weights"

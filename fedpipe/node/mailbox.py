@@ -63,6 +63,8 @@ class Mailbox:
         # the gets waiting, each on a lock of its own that the put of its key releases: a
         # put wakes the one stage thread that waits for that tensor, no other waiter
         self._wanted: dict[_Key, list[Any]] = {}
+        # the locks of gets whose tensor came in a put with ``defer``, to release soon
+        self._deferred: list[Any] = []
 
     def waiting(self, job: Hashable) -> int:
         """Tensors of ``job`` waiting now."""
@@ -70,8 +72,16 @@ class Mailbox:
             return self._jobs.get(job, 0)
 
     def put(self, slot: Hashable, kind: Kind, step: int, mb: int, tensor: torch.Tensor,
-            batch: int, alive: Callable[[], bool] = lambda: True) -> None:
+            batch: int, alive: Callable[[], bool] = lambda: True, *,
+            defer: bool = False) -> Callable[[], None] | None:
         """Store a tensor; for bounded kinds wait for room while ``alive()``.
+
+        A get waiting for the tensor is woken, unless ``defer``: then its wake-up is
+        returned (None if nothing waits), for the caller to run soon, and until then the
+        get sleeps on (for at most :data:`POLL_SECONDS`, when it looks again). A
+        socket link's reader defers so, while more tensors arrived behind this one, and
+        wakes the stage thread once for all of them (:meth:`wake_deferred`). A put that
+        must wait for room first wakes every get deferred so.
 
         Raises:
             Stopped: ``alive()`` turned false while waiting for room.
@@ -80,45 +90,68 @@ class Mailbox:
         """
         key = _Key(slot, kind, step, mb)
         job = self.job_of(slot)
-        with self._cond:
+        bounded = kind in self.bounded
+        with self._lock:  # the condition's own lock: a Condition's ``with`` costs twice
             self._check_new(key)  # a duplicate is refused at once, not after a wait for room
-            if kind in self.bounded:
+            if bounded and self._counts[(slot, kind)] >= self.capacity:
+                self._release_deferred()  # the stage thread to make room may be one
                 while self._counts[(slot, kind)] >= self.capacity:
                     if not alive():
                         raise Stopped(f"{_name(kind)} for {slot} was not taken")
                     self._cond.wait(POLL_SECONDS)
-            self._check_new(key)
-            if self._jobs[job] >= self.job_cap:
+                self._check_new(key)  # another put of it may have come meanwhile
+            jobs = self._jobs
+            if jobs[job] >= self.job_cap:
                 raise Full(self._refusal(job, kind, step, mb))
-            if kind in self.bounded:
+            if bounded:
                 self._counts[(slot, kind)] += 1
-            self._jobs[job] += 1
+            jobs[job] += 1
             self._items[key] = (tensor, batch)
-            for waiter in self._wanted.pop(key, ()):
+            waiters = self._wanted.pop(key, None)
+            if waiters is None:
+                return None
+            if defer:
+                self._deferred += waiters
+                return self.wake_deferred
+            for waiter in waiters:
                 waiter.release()
+            return None
+
+    def wake_deferred(self) -> None:
+        """Wake the gets whose tensors came in puts with ``defer`` (any caller's)."""
+        with self._lock:
+            self._release_deferred()
+
+    def _release_deferred(self) -> None:
+        """:meth:`wake_deferred`, the lock held."""
+        deferred, self._deferred = self._deferred, []
+        for waiter in deferred:
+            waiter.release()
 
     def put_all(self, slot: Hashable, kind: Kind, step: int, first: int,
                 tensors: Sequence[torch.Tensor], batch: int,
-                alive: Callable[[], bool] = lambda: True) -> None:
+                alive: Callable[[], bool] = lambda: True, *,
+                defer: bool = False) -> Callable[[], None] | None:
         """Store ``tensors`` as microbatches ``first``, ``first + 1``, ... of ``step``, each
         as :meth:`put` does; none is stored when one of them would be a duplicate or
         past the job's cap (so a refused message leaves nothing behind, and the sender
-        may send it again).
+        may send it again). ``defer``: as :meth:`put`'s (the wake-up returned is for all).
 
         Raises:
             Stopped, Duplicate, Full: as :meth:`put`.
         """
         if len(tensors) == 1:  # one tensor: put's own checks are all-or-none
-            self.put(slot, kind, step, first, tensors[0], batch, alive)
-            return
+            return self.put(slot, kind, step, first, tensors[0], batch, alive, defer=defer)
         job = self.job_of(slot)
         with self._cond:
             for i in range(len(tensors)):
                 self._check_new(_Key(slot, kind, step, first + i))
             if self._jobs[job] + len(tensors) > self.job_cap:
                 raise Full(self._refusal(job, kind, step, first))
+        wake = None
         for i, t in enumerate(tensors):
-            self.put(slot, kind, step, first + i, t, batch, alive)
+            wake = self.put(slot, kind, step, first + i, t, batch, alive, defer=defer) or wake
+        return wake
 
     def get(self, slot: Hashable, kind: Kind, step: int, mb: int,
             stopped: Callable[[], bool], timeout: float | None = None) -> tuple[torch.Tensor, int]:
@@ -166,6 +199,7 @@ class Mailbox:
                 for waiter in waiters:
                     waiter.release()
             self._wanted.clear()
+            self._release_deferred()
 
     def _wait_for(self, key: _Key) -> None:
         """Wait (the lock held, released meanwhile) until a put of ``key``, a drop, or

@@ -53,9 +53,10 @@ to ``raw`` (zstd still applies), so any tensor can be sent on any link.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 import torch
@@ -116,11 +117,18 @@ class Codec:
     decode: Callable[[fn.Buffer, fn.Header], torch.Tensor]
     fields: tuple[str, ...] = ()
     stateful: bool = False
+    unused: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    """The codec parameter fields it does not use (a header must leave them zero)."""
+    lossy: bool = field(init=False, repr=False, compare=False)
+    """Floating tensors only; other dtypes fall back to raw (its model's ``lossy``)."""
 
-    @property
-    def lossy(self) -> bool:
-        """Floating tensors only; other dtypes fall back to raw (its model's ``lossy``)."""
-        return MODELS[self.name].lossy
+    def __post_init__(self) -> None:  # derived once: a receiver checks them per tensor
+        object.__setattr__(self, "unused", tuple(f for f in _PARAM_FIELDS
+                                                 if f not in self.fields))
+        object.__setattr__(self, "lossy", MODELS[self.name].lossy)
+
+
+_PARAM_FIELDS = ("block_size", "k", "value_dtype", "basis", "basis_version")
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (
@@ -140,7 +148,6 @@ CODECS: dict[str, Codec] = {c.name: c for c in (
       for name, code in (("lowrank", pb.CODEC_LOWRANK), ("lowrank8", pb.CODEC_LOWRANK8))),
 )}
 _BY_CODE: dict[int, Codec] = {c.code: c for c in CODECS.values()}
-_PARAM_FIELDS = ("block_size", "k", "value_dtype", "basis", "basis_version")
 
 _missing = sorted((set(CODEC_PARAMS) | set(MODELS)) ^ set(CODECS))
 _missing += [pb.Codec.Name(v) for v in pb.Codec.values() if v and v not in _BY_CODE]
@@ -228,15 +235,36 @@ def encode_payload(t: torch.Tensor, codec: str | CodecSpec = "raw", *,
         copy: the tensor must not be modified while the payload is in use.
     """
     spec = codec if isinstance(codec, CodecSpec) else parse_codec(codec)
-    if (spec.name == "raw" and spec.zstd_level is None and t.dtype in DTYPES
-            and t.device.type == "cpu" and t.numel()):
-        view = _own_bytes(t)
-        return pb.Tensor(dtype=DTYPES[t.dtype], shape=t.shape, codec=pb.CODEC_RAW,
-                         encoded_bytes=len(view), payload_bytes=len(view)), view
+    if spec.name == "raw" and spec.zstd_level is None:
+        raw = raw_payload(t)
+        if raw is not None:
+            return pb.Tensor.FromString(raw[0]), raw[1]
     msg = encode(t, spec, feedback=feedback, key=key, seed=seed, end=end)
     payload = msg.payload
     msg.ClearField("payload")
     return msg, memoryview(payload)
+
+
+def raw_payload(t: torch.Tensor) -> tuple[bytes, memoryview] | None:
+    """:func:`encode_payload` of ``t`` with codec ``raw``, its header serialized, where the
+    payload is the tensor's own memory (a CPU tensor of a dtype in :data:`DTYPES`, with
+    elements); else None. The bytes are what ``encode_payload(t)[0].SerializeToString()``
+    gives (a sender that frames the header saves parsing them and serializing them again).
+    """
+    if t.dtype in DTYPES and t.is_cpu and t.numel():
+        return _raw_header(t.dtype, t.shape), _own_bytes(t)
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _raw_header(dtype: torch.dtype, shape: torch.Size) -> bytes:
+    """The serialized header of a raw tensor of ``dtype`` and ``shape`` (its payload, the
+    tensor's own bytes, apart): parsing it costs a fifth of building the message, and a
+    stage sends tensors of a few shapes, step after step."""
+    size = math.prod(shape) * dtype.itemsize
+    header: bytes = pb.Tensor(dtype=DTYPES[dtype], shape=shape, codec=pb.CODEC_RAW,
+                              encoded_bytes=size, payload_bytes=size).SerializeToString()
+    return header
 
 
 def _own_bytes(t: torch.Tensor) -> memoryview:
@@ -374,11 +402,11 @@ def _header(msg: pb.Tensor) -> tuple[fn.Header, Codec]:
         raise WireError(f"unknown codec code {msg.codec}")
     if impl.lossy and not dtype.is_floating_point:
         raise WireError(f"codec {impl.name} needs a floating dtype, message has {dtype}")
-    for field in _PARAM_FIELDS:
-        if field not in impl.fields and getattr(msg, field):
-            raise WireError(f"field {field}={getattr(msg, field)} is set but codec "
+    for name in impl.unused:
+        if getattr(msg, name):
+            raise WireError(f"field {name}={getattr(msg, name)} is set but codec "
                             f"{impl.name} does not use it")
-    shape = tuple(msg.shape)  # read once: each read of a repeated field costs a call
+    shape = msg.shape[:]  # read once, as a list (a tuple() of the field costs twice as much)
     if len(shape) > MAX_DIMS:
         raise WireError(f"tensor shape has {len(shape)} dimensions, more than {MAX_DIMS}")
     if shape and min(shape) < 0:

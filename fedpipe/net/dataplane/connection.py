@@ -21,15 +21,20 @@ moves it to a CUDA device), after copying in whatever part of it was already rea
 ahead. Every field of a tensor's header is checked before that memory is reserved
 (:func:`read_head`).
 
+A reader may put wake-ups off (:meth:`Connection.later`: a stage thread's, for a
+tensor the node filed) until it would wait for the socket, so the tensors that arrived
+together wake their consumer once.
+
 Only the link's reader thread reads; writers hold the link's write lock.
 """
 from __future__ import annotations
 
 import socket
 import ssl
+import struct
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy
 import torch
@@ -44,6 +49,14 @@ READ_AHEAD = 256 * 1024
 ``recv_into``; a large payload's tail is read straight into its tensor."""
 _SCRATCH = 1 << 20
 """Largest piece of a refused tensor's payload read at once while it is skipped, bytes."""
+LATER_BYTES = 1 << 20
+"""How far a reader reads on, bytes, while wake-ups it put off wait
+(:meth:`Connection.later`), if the socket keeps it busy that long: at 64 KiB a tensor,
+the stage thread that takes them is woken once per 16 of a stream, not once each."""
+
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+"""recv's flag to return at once when nothing is there (0 where the OS has none: then a
+reader runs what it put off before every read, :meth:`Connection.later`)."""
 
 TLS_RECORD = 16 * 1024
 """Bytes of data in a full TLS record (the protocol's largest, RFC 8446 section 5.1): one
@@ -92,7 +105,18 @@ def _send_all(sock: socket.socket, parts: Sequence[Buffer]) -> None:
         for piece in _tls_pieces(parts):
             sock.sendall(piece)
         return
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    sent = sock.sendmsg(parts)  # usually all of it: views are made only for a short write
+    first = 0  # the first part not all sent
+    for part in parts:
+        size = part.nbytes if isinstance(part, memoryview) else len(part)
+        if sent < size:
+            break
+        sent -= size
+        first += 1
+    else:
+        return
+    views = [memoryview(p).cast("B") for p in parts[first:] if len(p)]
+    views[0] = views[0][sent:]
     while views:
         sent = sock.sendmsg(views)
         while views and sent >= len(views[0]):  # a short write: go on after what went
@@ -130,6 +154,8 @@ class Connection:
         deadline), or None: reads wait as long as the socket's timeout says."""
         self.late = "the read's deadline passed"
         """What a read past :attr:`until` raises TimeoutError with."""
+        self._later: list[Callable[[], None]] = []  # run before the reader waits
+        self._later_left = 0  # bytes the reader may read on before it runs them
 
     def __repr__(self) -> str:
         try:
@@ -214,6 +240,50 @@ class Connection:
             self.sock.close()
 
     # -- reading: the reader thread only -----------------------------------------
+    def later(self, wake: Callable[[], None]) -> None:
+        """Run ``wake`` (the wake-up of a thread that waits for a tensor this reader
+        filed) before the reader next waits for the socket, or once it has read
+        :data:`LATER_BYTES` more, whichever comes first, or at :meth:`run_later`.
+
+        Tensors that arrived together then wake the thread that takes them once, not
+        once each: a wake-up costs both threads a few context switches and a hand-over
+        of the GIL, more CPU than a 64 KiB tensor's own receive (``benchmarks/dataplane.py``,
+        CPU per message through a node). While the socket has nothing more, nothing waits.
+        """
+        if not self._later:
+            self._later_left = LATER_BYTES
+        elif self._later[-1] == wake:  # the same wake-up again (a mailbox's wakes them all)
+            return
+        self._later.append(wake)
+
+    def run_later(self) -> None:
+        """Run what :meth:`later` put off, now: before the reader does anything that may
+        wait (a write, a fetch's answer) or stops reading."""
+        while self._later:
+            later, self._later = self._later, []
+            for wake in later:
+                wake()
+
+    def _receive(self, view: memoryview) -> int:
+        """``sock.recv_into(view)``, running what :meth:`later` put off first if the
+        socket has nothing to read now (or the reader read on its budget). The caller
+        holds a call on the socket (:meth:`_enter`)."""
+        if self._later:
+            if self._later_left > 0 and self.until is None:
+                try:
+                    if not self.tls and _DONTWAIT:
+                        n = self.sock.recv_into(view, 0, _DONTWAIT)
+                        self._later_left -= n
+                        return n
+                    if self.tls and self.sock.pending():  # type: ignore[attr-defined]
+                        n = self.sock.recv_into(view)  # bytes decrypted, waiting in it
+                        self._later_left -= n
+                        return n
+                except BlockingIOError:
+                    pass  # nothing there: wake them before waiting
+            self.run_later()
+        return self.sock.recv_into(view)
+
     def _recv_into(self, view: memoryview) -> int:
         if self.until is not None:
             left = self.until - time.monotonic()
@@ -222,7 +292,7 @@ class Connection:
             self.sock.settimeout(left)
         self._enter()
         try:
-            n = self.sock.recv_into(view)
+            n = self._receive(view)
         finally:
             self._leave()
         if n == 0:
@@ -260,7 +330,7 @@ class Connection:
             target[:got] = self._view[self._start:self._start + got]
             self._start += got
         if self.until is None and got < size:  # the payload loop, tight: over TLS a call
-            recv = self.sock.recv_into           # per 16 KiB record
+            recv = self._receive                 # per 16 KiB record
             self._enter()
             try:
                 while got < size:
@@ -305,15 +375,20 @@ def read_head(conn: Connection) -> node_pb2.Frame:
         WireError: a malformed frame, naming the field.
     """
     prefix = conn.read_exact(format.HEAD_PREFIX_BYTES)
-    if prefix[:3] != format.MAGIC or prefix[3] != format.VERSION or prefix[4] != format.HEAD:
+    magic, version, kind, size = _HEAD_PREFIX.unpack(prefix)
+    if magic != format.MAGIC or version != format.VERSION or kind != format.HEAD:
         format.unpack(prefix[:5])  # names what is wrong: the magic, version or kind
-        raise WireError(f"a TENSOR record carries wire frame kind {prefix[4]}, not HEAD "
+        raise WireError(f"a TENSOR record carries wire frame kind {kind}, not HEAD "
                         f"({format.HEAD}): a connection never cuts a tensor into frames")
-    size = int.from_bytes(prefix[5:9], "little")
     if size > format.MAX_HEADER_BYTES:
         raise WireError(f"frame header length {size} exceeds the limit of "
                         f"{format.MAX_HEADER_BYTES}")
     return format.parse_header(conn.read_exact(size))
+
+
+_HEAD_PREFIX = struct.Struct("<3sBBI")
+"""A HEAD frame's prefix: magic, version, kind, header length (``format.HEAD_PREFIX_BYTES``)."""
+assert _HEAD_PREFIX.size == format.HEAD_PREFIX_BYTES
 
 
 def skip_payload(conn: Connection, header: node_pb2.Frame) -> None:
@@ -342,10 +417,19 @@ def reserve(nbytes: int) -> numpy.ndarray:
     Raises:
         WireError: the memory cannot be reserved.
     """
+    return _empty(nbytes, numpy.uint8)
+
+
+def _empty(shape: int | list[int], dtype: type | numpy.dtype) -> numpy.ndarray:
+    """:func:`reserve`'s memory as an array of ``shape`` and ``dtype``.
+
+    Raises:
+        WireError: the memory cannot be reserved.
+    """
     try:
-        return numpy.empty(nbytes, dtype=numpy.uint8)
+        return numpy.empty(shape, dtype=dtype)
     except MemoryError as e:
-        raise WireError(f"cannot reserve {nbytes} bytes for a tensor: {e}") from None
+        raise WireError(f"cannot reserve {shape} of {dtype} for a tensor: {e}") from None
 
 
 def reserve_pinned(nbytes: int) -> torch.Tensor:
@@ -381,6 +465,34 @@ _NUMPY_DTYPES = _numpy_dtypes()
 made a tensor with one ``torch.from_numpy`` (two torch views cost about 10 us a tensor)."""
 
 
+_CHECKED: dict[tuple[bytes, int], bool] = {}
+"""Tensor headers (serialized, no payload of their own) and limits that passed
+:func:`fedpipe.wire.codecs.check_header`, at most :data:`_CHECKED_MAX`."""
+_CHECKED_MAX = 1024
+
+
+def _check_header(msg: tensor_pb2.Tensor, limit: int) -> None:
+    """:func:`fedpipe.wire.codecs.check_header` of a frame's tensor header (its payload
+    follows it, so it has none) against ``limit``, remembered for the header's exact bytes.
+
+    The check is a function of the header's fields and the limit alone, and equal
+    fields serialize to equal bytes: a header met before passes as it did then, and any
+    other (one field apart) is checked field by field. A stream's tensors share a few
+    headers; checking one costs 2-3 us, serializing it to look it up a tenth of that
+    (``benchmarks/dataplane.py``, CPU per 64 KiB message).
+
+    Raises:
+        WireError: as :func:`~fedpipe.wire.codecs.check_header`.
+    """
+    key = (msg.SerializeToString(), limit)
+    if key in _CHECKED:
+        return
+    codecs.check_header(msg, limit)
+    if len(_CHECKED) >= _CHECKED_MAX:  # many shapes: start again rather than grow
+        _CHECKED.clear()
+    _CHECKED[key] = True
+
+
 def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int,
                 end: lowrank.End | None = None, pinned: bool = False) -> torch.Tensor:
     """The payload of a checked header, read into a tensor reserved from the header.
@@ -398,20 +510,24 @@ def read_tensor(conn: Connection, header: node_pb2.Frame, limit: int,
             payload. Closed, OSError: the connection broke mid-payload.
     """
     msg = header.tensor
-    codecs.check_header(msg, limit)
-    if not msg.payload_bytes:  # no elements (a raw empty tensor): nothing to receive
+    _check_header(msg, limit)
+    nbytes = msg.payload_bytes
+    if not nbytes:  # no elements (a raw empty tensor): nothing to receive
         return codecs.decode(msg, payload=b"", max_bytes=limit, end=end)
     if pinned and msg.codec == tensor_pb2.CODEC_RAW and not msg.zstd:
-        host = reserve_pinned(msg.payload_bytes)
+        host = reserve_pinned(nbytes)
         conn.read_into(host.numpy().data)
         # torch views, not numpy's: the tensor keeps the pinned block's allocation context
         return host.view(codecs.TORCH_DTYPES[msg.dtype]).view(tuple(msg.shape))
-    buf = reserve(msg.payload_bytes)
-    conn.read_into(buf.data)
     if msg.codec == tensor_pb2.CODEC_RAW and not msg.zstd:  # the tensor is the buffer
-        shape = tuple(msg.shape)
         dtype = _NUMPY_DTYPES.get(msg.dtype)
-        if dtype is not None:
-            return torch.from_numpy(buf.view(dtype).reshape(shape))
-        return torch.from_numpy(buf).view(codecs.TORCH_DTYPES[msg.dtype]).view(shape)
+        if dtype is not None:  # checked: payload_bytes is the shape's bytes in dtype
+            array = _empty(msg.shape[:], dtype)
+            conn.read_into(array.data.cast("B"))
+            return torch.from_numpy(array)
+        buf = reserve(nbytes)
+        conn.read_into(buf.data)
+        return torch.from_numpy(buf).view(codecs.TORCH_DTYPES[msg.dtype]).view(tuple(msg.shape))
+    buf = reserve(nbytes)
+    conn.read_into(buf.data)
     return codecs.decode(msg, payload=buf.data, max_bytes=limit, end=end)

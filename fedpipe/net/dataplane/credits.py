@@ -31,7 +31,8 @@ class Credits:
     """
 
     def __init__(self, window_bytes: int, window_messages: int):
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # waiters for credit back
         self.window_bytes, self.window_messages = window_bytes, window_messages
         self.bytes_out = self.messages_out = 0
         self._failed: str | None = None
@@ -51,7 +52,7 @@ class Credits:
     def try_take(self, nbytes: int) -> bool:
         """Take credit for one tensor of ``nbytes`` if it fits now, without waiting; whether
         it was taken (not when the link failed: :meth:`take` raises why)."""
-        with self._cond:
+        with self._lock:  # the condition's lock (no wait, no notify): half its ``with``
             if self._failed is not None or not self._fits(nbytes):
                 return False
             self.bytes_out += nbytes

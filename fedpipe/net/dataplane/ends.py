@@ -7,7 +7,7 @@ sender that is (:func:`owner_of`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -85,9 +85,15 @@ class Receiver(Protocol):
         end a stateful codec decodes with (the stage's lowrank basis). Raises
         :class:`Refused` to refuse it (its payload is then skipped)."""
 
-    def deliver(self, peer: Peer, header: node_pb2.Frame, tensor: torch.Tensor) -> None:
+    def deliver(self, peer: Peer, header: node_pb2.Frame,
+                tensor: torch.Tensor) -> Callable[[], None] | None:
         """Take a received tensor; may block (the sender then runs out of credit).
-        Raises :class:`Refused` to refuse it."""
+        Raises :class:`Refused` to refuse it.
+
+        May return the wake-up of a thread that waits for the tensor instead of waking it:
+        the link runs it before its reader waits for the socket, or has read
+        :data:`~.connection.LATER_BYTES` more (:meth:`~.connection.Connection.later`), so
+        tensors that arrived together wake their consumer once. None: nothing to run."""
 
 
 class LinkEvents(Protocol):
@@ -110,7 +116,9 @@ def owner_of(envelope: node_pb2.Envelope | None) -> str:
     a node's refusal of one stage's initial weights another stage's stream)."""
     if envelope is None:
         return ""
-    snapshot = f"/snapshot {envelope.step}" if envelope.kind == node_pb2.KIND_SNAPSHOT else ""
-    if envelope.kind == node_pb2.KIND_WEIGHTS:  # one client stream per stage
-        snapshot = f"/weights {envelope.replica}.{envelope.stage}"
-    return f"{envelope.job_id}@{envelope.epoch}{snapshot}"
+    kind = envelope.kind
+    if kind == node_pb2.KIND_SNAPSHOT:
+        return f"{envelope.job_id}@{envelope.epoch}/snapshot {envelope.step}"
+    if kind == node_pb2.KIND_WEIGHTS:  # one client stream per stage
+        return f"{envelope.job_id}@{envelope.epoch}/weights {envelope.replica}.{envelope.stage}"
+    return f"{envelope.job_id}@{envelope.epoch}"

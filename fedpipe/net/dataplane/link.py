@@ -12,7 +12,9 @@ sequence number.
 Threads: any number of senders (:meth:`Link.send`, :meth:`Link.flush`), one
 reader per connection (started by whoever attached it), which delivers
 received tensors to the :class:`Receiver` on its own thread, so a slow
-receiver stops reading, and its sender runs out of credit.
+receiver stops reading, and its sender runs out of credit. A receiver may leave
+waking the thread that takes a tensor to the reader, which does it once it has
+read what arrived with it (:meth:`.connection.Connection.later`).
 
 Acknowledgements are lazy: the reader acknowledges when a quarter of its
 window was delivered since the last one, and at once when asked (``SYNC``:
@@ -85,6 +87,11 @@ class Timeouts:
 
 DEFAULT_TIMEOUTS = Timeouts()
 
+_TENSOR, _SYNC, _ACK = RecordType.TENSOR, RecordType.SYNC, RecordType.ACK
+"""The record types of every tensor, as names of this module: reading an enum's member
+costs a lookup in its metaclass, and these are read per tensor."""
+
+
 class _Quiet:
     def lost(self, peer: str, why: str) -> None:
         log.info("data connection to %s lost: %s", peer, why)
@@ -144,7 +151,10 @@ class Link:
         # one reader at a time: a replaced connection's reader may still be delivering
         # a tensor; the next one waits for it, so a tensor is never delivered twice
         self._reader = threading.Lock()
-        self._state = threading.Condition()  # everything below
+        # everything below; the hot paths take the condition's own lock (``_lock``), whose
+        # ``with`` costs half a Condition's, where they neither wait nor notify
+        self._lock = threading.RLock()
+        self._state = threading.Condition(self._lock)
         self.conn: Connection | None = None
         self.closed = False
         # outbound
@@ -209,9 +219,15 @@ class Link:
             LinkFailed: the link failed, or no credit came back in time.
             WireError: the tensor cannot be encoded.
         """
-        msg, payload = codecs.encode_payload(tensor, codec)
-        return self.send_encoded(msg, payload, envelope=envelope, name=name, flush=flush,
-                                 fetch=fetch)
+        raw = codecs.raw_payload(tensor) if codec == "raw" else None
+        if raw is None:
+            msg, payload = codecs.encode_payload(tensor, codec)
+            return self.send_encoded(msg, payload, envelope=envelope, name=name, flush=flush,
+                                     fetch=fetch)
+        owner = self._sender_check(envelope, fetch)
+        header, payload = raw  # the header serialized: framed as it is
+        return self._send(format.pack_head_of(envelope, header, name, fetch), payload, owner,
+                          flush)
 
     def send_encoded(self, msg: tensor_pb2.Tensor, payload: memoryview, *,
                      envelope: node_pb2.Envelope | None = None, name: str = "",
@@ -235,32 +251,51 @@ class Link:
             chunks = tuple(marks)
             check_marks(chunks, len(payload))
             wait(chunks[0], 0)
-        owner = owner_of(envelope)
-        if fetch:  # an answer is never refused: others' refusals stay theirs
-            self._check_up()
-        else:
-            self.check(owner)
+        owner = self._sender_check(envelope, fetch)
         if msg.payload_bytes != len(payload):  # the header says the payload's length
             fixed = tensor_pb2.Tensor()
             fixed.CopyFrom(msg)
             fixed.payload_bytes = len(payload)
             msg = fixed
-        frame_head = format.pack_head_of(envelope, msg, name, fetch)
+        return self._send(format.pack_head_of(envelope, msg, name, fetch), payload, owner,
+                          flush, chunks)
+
+    def _sender_check(self, envelope: node_pb2.Envelope | None, fetch: int) -> str:
+        """Raise what a send raises before it writes (:meth:`check`; for a fetch's answer,
+        only a failed link); the tensor's owner (:func:`owner_of`)."""
+        owner = owner_of(envelope)
+        if fetch:  # an answer is never refused: others' refusals stay theirs
+            self._check_up()
+        else:
+            self.check(owner)
+        return owner
+
+    def _send(self, frame_head: bytes, payload: memoryview, owner: str, flush: bool,
+              chunks: tuple[Mark, ...] = ()) -> int:
+        """The rest of :meth:`send_encoded`, the tensor framed (``frame_head``: its HEAD wire
+        frame's prefix and header, :func:`~fedpipe.wire.format.pack_head_of`; ``chunks``: a
+        staged payload's marks)."""
         if not self.credits.try_take(len(payload)):
             self._sync()  # ask for the acknowledgements that give credit back
             self.credits.take(len(payload), self.timeouts.credit, f" by {self.peer_name}")
         with self._wlock:
-            with self._state:
+            with self._lock:
                 seq = self.next_seq
-                self.next_seq += 1
-                out = _Out(seq, records.pack(RecordType.TENSOR, seq) + frame_head, payload,
-                           owner, chunks)
+                self.next_seq = seq + 1
+                out = _Out(seq, records.pack(_TENSOR, seq) + frame_head, payload, owner,
+                           chunks)
                 self.retained.append(out)
                 conn = self.conn
             if conn is not None:  # else the tensor goes when the link resumes
-                sync = (records.pack(RecordType.SYNC, seq + 1),) if flush else ()
-                self._write_out(conn, out, *sync)
-        self._drain()
+                if chunks:
+                    sync = (records.pack(_SYNC, seq + 1),) if flush else ()
+                    self._write_out(conn, out, *sync)
+                elif flush:
+                    self._write(conn, out.head, payload, records.pack(_SYNC, seq + 1))
+                else:
+                    self._write(conn, out.head, payload)
+        if self._control or self._ack_due:
+            self._drain()
         if flush:
             self._wait_idle(None, owner, seq)
         return seq
@@ -462,7 +497,10 @@ class Link:
         """Read ``conn`` until it breaks (the reader thread's loop); a protocol error or a
         GOAWAY fails the link. Returns when the connection is gone."""
         with self._reader:
-            self._read_all(conn)
+            try:
+                self._read_all(conn)
+            finally:
+                conn.run_later()  # wake-ups its last tensors put off
 
     def _read_all(self, conn: Connection) -> None:
         try:
@@ -496,12 +534,14 @@ class Link:
     def _read_record(self, conn: Connection) -> None:
         kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
         conn.lift_deadline()  # the peer spoke (the deadline of a silent one after its preface)
-        if kind is RecordType.TENSOR:
+        if kind is _TENSOR:
             self._on_tensor(conn, arg)
-        elif kind is RecordType.ACK:
+            return
+        conn.run_later()  # what follows may write or wait: wake the stage threads first
+        if kind is _ACK:
             with self._state:
                 self._forget_below(arg)
-        elif kind is RecordType.SYNC:
+        elif kind is _SYNC:
             with self._state:
                 self._ack_due = True
             self._drain()
@@ -540,51 +580,60 @@ class Link:
             log.info("refused a duplicate tensor %d from %s (%s)", seq, self.peer_name,
                      _describe(header))
             return
-        assert self.peer is not None  # set by attach, before the reader starts
+        peer = self.peer
+        assert peer is not None  # set by attach, before the reader starts
         if header.fetch:
             return self._on_answer(conn, seq, header)
-        try:  # a link of one job alone (through a relay) takes no other's
-            self.peer.check_job(header.envelope.job_id, "tensor")
-            limit, end, pinned = frames.admitted(self.receiver.admit(self.peer, header))
+        try:
+            if peer.job:  # a link of one job alone (through a relay) takes no other's
+                peer.check_job(header.envelope.job_id, "tensor")
+            limit, end, pinned = frames.admitted(self.receiver.admit(peer, header))
         except Refused as e:
             skip_payload(conn, header)
-            self._done(seq, nbytes, e)
+            self._done(conn, seq, nbytes, e)
             return
         tensor = read_tensor(conn, header, limit, end, pinned)  # fields checked, then reserved
         try:
-            self.receiver.deliver(self.peer, header, tensor)
+            wake = self.receiver.deliver(peer, header, tensor)
         except Refused as e:
-            self._done(seq, nbytes, e)
+            self._done(conn, seq, nbytes, e)
             return
         except Exception as e:  # noqa: BLE001 — a receiver's bug refuses one tensor, not the link
             log.exception("delivering a tensor from %s", self.peer_name)
-            self._done(seq, nbytes, Refused(Code.INTERNAL, f"the receiver failed: {e!r}"))
+            self._done(conn, seq, nbytes, Refused(Code.INTERNAL, f"the receiver failed: {e!r}"))
             return
-        self._done(seq, nbytes)
+        if wake is not None:  # woken once the reader has read what came with it
+            conn.later(wake)
+        self._done(conn, seq, nbytes)
 
     def _on_answer(self, conn: Connection, seq: int, header: node_pb2.Frame) -> None:
         """A tensor of the answer to one of this side's fetches: checked by the fetch's
         ``admit`` before its payload is read, then delivered to it. One the fetch refuses
         fails the fetch (never the link: the peer sent what it was asked for); one of a
         fetch not waited for any more is dropped."""
+        conn.run_later()  # the fetch's delivery may wait: wake the stage threads first
         take_answer(conn, header, self.fetches.get(header.fetch))
-        self._done(seq, header.tensor.payload_bytes)
+        self._done(conn, seq, header.tensor.payload_bytes)
 
-    def _done(self, seq: int, nbytes: int, refused: Refused | None = None) -> None:
-        """Tensor ``seq`` was delivered (or refused): count it; acknowledge when due."""
-        with self._state:
+    def _done(self, conn: Connection, seq: int, nbytes: int,
+              refused: Refused | None = None) -> None:
+        """Tensor ``seq`` was delivered (or refused): count it; acknowledge when due (what
+        ``conn``'s reader put off runs first: the write may wait)."""
+        with self._lock:
             self.expected = seq + 1
             self.received += 1
-            self._unacked[0] += nbytes
-            self._unacked[1] += 1
+            unacked = self._unacked
+            unacked[0] += nbytes
+            unacked[1] += 1
             if refused is not None:
                 self._control.append(records.pack_text(RecordType.REFUSED, seq, refused.code,
                                                        str(refused)))
                 self._ack_due = True
-            if (4 * self._unacked[0] >= self.window_bytes
-                    or 4 * self._unacked[1] >= self.window_messages):
+            if (4 * unacked[0] >= self.window_bytes
+                    or 4 * unacked[1] >= self.window_messages):
                 self._ack_due = True
         if self._ack_due or self._control:
+            conn.run_later()
             self._drain()
 
     @property
