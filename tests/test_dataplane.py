@@ -745,7 +745,8 @@ def test_a_reader_runs_what_it_put_off_before_it_waits_for_the_socket_not_while_
         monkeypatch):
     """A wake-up put off by the reader (Connection.later: a stage thread's, for a tensor it
     filed) waits while more of the stream is already there, and runs before the reader
-    waits for the socket, or once the reader has read LATER_BYTES on."""
+    waits for the socket, or once the reader has read on for LATER_SECONDS."""
+    monkeypatch.setattr(connection, "LATER_SECONDS", 3600.0)  # no run for the time alone
     mine, theirs = socket.socketpair()
     conn = connection.Connection(mine, dialed=False)
     ran: list[int] = []
@@ -764,12 +765,10 @@ def test_a_reader_runs_what_it_put_off_before_it_waits_for_the_socket_not_while_
     reader.join(10)
     assert read == [b"c"]
 
-    monkeypatch.setattr(connection, "LATER_BYTES", 2)  # a budget of two bytes read on
+    monkeypatch.setattr(connection, "LATER_SECONDS", 0.0)  # its time is up at once
     conn.later(lambda: ran.append(2))
-    theirs.sendall(b"de")
-    assert conn.read_exact(2) == b"de" and ran == [1]  # within the budget
-    theirs.sendall(b"f")
-    assert conn.read_exact(1) == b"f" and ran == [1, 2]  # past it: run, though data was there
+    theirs.sendall(b"d")
+    assert conn.read_exact(1) == b"d" and ran == [1, 2]  # run, though data was there
     conn.close()
     theirs.close()
 

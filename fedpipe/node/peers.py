@@ -47,6 +47,10 @@ Shaper: TypeAlias = grpc.UnaryUnaryClientInterceptor
 """An emulated link (:class:`fedpipe.net.emulation.Shaper`) a channel's calls go through."""
 
 
+_GRADIENT = int(Kind.GRADIENT)
+"""As a plain int: an enum member's read costs a lookup in its metaclass, per tensor sent."""
+
+
 def encode(envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
            feedback: codecs.ErrorFeedback, end: lowrank.End | None = None
            ) -> tuple[tensor_pb2.Tensor, memoryview]:
@@ -54,7 +58,7 @@ def encode(envelope: node_pb2.Envelope, tensor: torch.Tensor, codec: str,
     gradient through the sender's error ``feedback``, one residual per (stage, microbatch,
     shape); an activation as it is (:func:`fedpipe.wire.codecs.encode_payload`). ``end``:
     the sending stage's end of the link, for a stateful (lowrank) codec."""
-    if envelope.kind == Kind.GRADIENT:
+    if envelope.kind == _GRADIENT:
         key = (envelope.stage, envelope.microbatch, tuple(tensor.shape))
         return codecs.encode_payload(tensor, codec, feedback=feedback, key=key, end=end)
     return codecs.encode_payload(tensor, codec, end=end)
@@ -193,7 +197,7 @@ class PeerSender:
             StageError: an earlier send to this peer failed.
         """
         self.check()
-        if (codec == "raw" and tensor.device.type == "cpu"
+        if (codec == "raw" and tensor.is_cpu
                 and tensor.numel() * tensor.element_size() <= INLINE_BYTES):
             self._send(envelope, tensor, codec, True)
         else:
@@ -325,7 +329,7 @@ class SocketSender:
         """
         self.job = dataplane.owner_of(envelope)
         self.check()
-        if self.pacer is None and codec == "raw" and tensor.device.type == "cpu" \
+        if self.pacer is None and codec == "raw" and tensor.is_cpu \
                 and tensor.numel() * tensor.element_size() <= INLINE_BYTES:
             self._send(envelope, tensor, codec, 0.0)
         else:

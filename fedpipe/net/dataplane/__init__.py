@@ -32,7 +32,7 @@ How a node uses it (:mod:`fedpipe.node.dataplane`, :class:`fedpipe.node.peers.So
   message)`` with the code the node's error table gives them on gRPC. ``deliver``
   returns the wake-up of the stage thread waiting for the tensor rather than wake it:
   the reader runs it before it waits for the socket (or has read
-  :data:`~.connection.LATER_BYTES` on), so a stream's tensors wake their stage once.
+  on for :data:`~.connection.LATER_SECONDS`), so a stream's tensors wake their stage once.
   ``events.lost``/``failed`` feed ``StageRegistry.suspect``.
 * a peer link holds a :class:`Link` (``plane.link(peer.node_name, data_address, job,
   relayed=bool(peer.relay))``: one per peer, but one per peer and job through a relay:

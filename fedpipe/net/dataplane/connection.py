@@ -49,10 +49,13 @@ READ_AHEAD = 256 * 1024
 ``recv_into``; a large payload's tail is read straight into its tensor."""
 _SCRATCH = 1 << 20
 """Largest piece of a refused tensor's payload read at once while it is skipped, bytes."""
-LATER_BYTES = 1 << 20
-"""How far a reader reads on, bytes, while wake-ups it put off wait
-(:meth:`Connection.later`), if the socket keeps it busy that long: at 64 KiB a tensor,
-the stage thread that takes them is woken once per 16 of a stream, not once each."""
+LATER_SECONDS = 1e-3
+"""How long a reader may read on while wake-ups it put off wait (:meth:`Connection.later`),
+if the socket keeps it busy that long (it runs them as soon as it would wait): a stage
+learns of a tensor at most about this late, and a stream of 64 KiB tensors that keeps
+a reader busy wakes the stage thread once per some 30 of them. A time, not bytes: over
+a slow link a tensor's bytes trickle in and each read finds some, so a reader that
+counted bytes would put its wake-ups off for as long as the link takes to bring them."""
 
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 """recv's flag to return at once when nothing is there (0 where the OS has none: then a
@@ -155,7 +158,7 @@ class Connection:
         self.late = "the read's deadline passed"
         """What a read past :attr:`until` raises TimeoutError with."""
         self._later: list[Callable[[], None]] = []  # run before the reader waits
-        self._later_left = 0  # bytes the reader may read on before it runs them
+        self._later_by = 0.0  # the time.monotonic() by which it runs them
 
     def __repr__(self) -> str:
         try:
@@ -242,8 +245,8 @@ class Connection:
     # -- reading: the reader thread only -----------------------------------------
     def later(self, wake: Callable[[], None]) -> None:
         """Run ``wake`` (the wake-up of a thread that waits for a tensor this reader
-        filed) before the reader next waits for the socket, or once it has read
-        :data:`LATER_BYTES` more, whichever comes first, or at :meth:`run_later`.
+        filed) before the reader next waits for the socket, or once it has read on for
+        :data:`LATER_SECONDS`, whichever comes first, or at :meth:`run_later`.
 
         Tensors that arrived together then wake the thread that takes them once, not
         once each: a wake-up costs both threads a few context switches and a hand-over
@@ -251,7 +254,7 @@ class Connection:
         CPU per message through a node). While the socket has nothing more, nothing waits.
         """
         if not self._later:
-            self._later_left = LATER_BYTES
+            self._later_by = time.monotonic() + LATER_SECONDS
         elif self._later[-1] == wake:  # the same wake-up again (a mailbox's wakes them all)
             return
         self._later.append(wake)
@@ -266,19 +269,15 @@ class Connection:
 
     def _receive(self, view: memoryview) -> int:
         """``sock.recv_into(view)``, running what :meth:`later` put off first if the
-        socket has nothing to read now (or the reader read on its budget). The caller
+        socket has nothing to read now (or the reader read on for its time). The caller
         holds a call on the socket (:meth:`_enter`)."""
         if self._later:
-            if self._later_left > 0 and self.until is None:
+            if self.until is None and time.monotonic() < self._later_by:
                 try:
                     if not self.tls and _DONTWAIT:
-                        n = self.sock.recv_into(view, 0, _DONTWAIT)
-                        self._later_left -= n
-                        return n
+                        return self.sock.recv_into(view, 0, _DONTWAIT)
                     if self.tls and self.sock.pending():  # type: ignore[attr-defined]
-                        n = self.sock.recv_into(view)  # bytes decrypted, waiting in it
-                        self._later_left -= n
-                        return n
+                        return self.sock.recv_into(view)  # bytes decrypted, waiting in it
                 except BlockingIOError:
                     pass  # nothing there: wake them before waiting
             self.run_later()

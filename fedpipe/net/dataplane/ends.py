@@ -92,7 +92,7 @@ class Receiver(Protocol):
 
         May return the wake-up of a thread that waits for the tensor instead of waking it:
         the link runs it before its reader waits for the socket, or has read
-        :data:`~.connection.LATER_BYTES` more (:meth:`~.connection.Connection.later`), so
+        on for :data:`~.connection.LATER_SECONDS` (:meth:`~.connection.Connection.later`), so
         tensors that arrived together wake their consumer once. None: nothing to run."""
 
 
