@@ -151,7 +151,9 @@ class Connection:
         self._calls = 0
         self._calls_lock = threading.Lock()
         self.received = 0
-        """Bytes read from the socket so far."""
+        """Bytes read from the socket through the read-ahead buffer (records' heads and
+        small payloads; a payload's tail received straight into its tensor is not
+        counted): non-zero once the peer sent anything."""
         self.until: float | None = None
         """A ``time.monotonic()`` by which every read must be done (the preface's
         deadline), or None: reads wait as long as the socket's timeout says."""
