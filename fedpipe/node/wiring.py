@@ -121,7 +121,7 @@ class StageTransport:
     def _submit(self, peer: node_pb2.StageAssignment, kind: Kind, step: int, tag: int,
                 tensor: torch.Tensor, batch_size: int, codec: str) -> None:
         env = node_pb2.Envelope(job_id=self.stage.job_id, replica=peer.replica,
-                                stage=peer.stage, kind=int(kind), step=step,
+                                stage=peer.stage, kind=Kind(kind).value, step=step,
                                 microbatch=tag, batch_size=batch_size, epoch=self.stage.epoch)
         self.stage.peers.sender(peer).submit(env, tensor, codec,
                                              self.stage.codec_end(env, sending=True))
