@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from .. import planner
-from ..planner.protoio import plan_from_message
+from ..planner.costs import host_memory_shares
+from ..planner.protoio import cluster_view, plan_from_message
 from ..planner.simulate import stage_costs
 from ..planner.types import StageTime, reach
 from ..proto import node_pb2, tracker_pb2
@@ -350,9 +351,12 @@ def swarm_view(nodes: Sequence[tracker_pb2.NodeInfo],
 
     ``matrix`` is over the nodes in order (``names``, ``ids``):
     ``bandwidth[i][j]`` (bytes/s) and ``latency[i][j]`` (seconds) of the link
-    from node i to node j, None where unmeasured. ``totals`` counts the nodes alive,
-    those that left on purpose (stopped or drained) and those lost apart, and sums the
-    live nodes' FLOP/s and memory bytes.
+    from node i to node j, None where unmeasured; ``links`` lists those between live
+    nodes only (a gone node's stay in the matrix, not in the links table). ``totals`` counts
+    the nodes alive, those that left on purpose (stopped or drained) and those lost
+    apart, and sums the live nodes' FLOP/s and memory bytes, nodes that share a host
+    counted within its memory, as the planner counts them
+    (:func:`~fedpipe.planner.costs.host_memory_shares`).
     """
     now = time.time() if now is None else now
     ids = [n.node_id for n in nodes]
@@ -361,12 +365,14 @@ def swarm_view(nodes: Sequence[tracker_pb2.NodeInfo],
     bw: list[list[float | None]] = [[None] * len(ids) for _ in ids]
     lat: list[list[float | None]] = [[None] * len(ids) for _ in ids]
     out_links = []
+    alive = {n.node_id for n in nodes if n.alive}
     for m in links:
-        out_links.append({"src": m.src_id, "dst": m.dst_id,
-                          "src_name": names.get(m.src_id, m.src_id),
-                          "dst_name": names.get(m.dst_id, m.dst_id),
-                          "bandwidth": m.bandwidth, "latency": m.latency,
-                          "measured_at": m.measured_at})
+        if m.src_id in alive and m.dst_id in alive:
+            out_links.append({"src": m.src_id, "dst": m.dst_id,
+                              "src_name": names.get(m.src_id, m.src_id),
+                              "dst_name": names.get(m.dst_id, m.dst_id),
+                              "bandwidth": m.bandwidth, "latency": m.latency,
+                              "measured_at": m.measured_at})
         if m.src_id in at and m.dst_id in at:
             bw[at[m.src_id]][at[m.dst_id]] = _num(m.bandwidth)
             lat[at[m.src_id]][at[m.dst_id]] = _num(m.latency)
@@ -379,7 +385,8 @@ def swarm_view(nodes: Sequence[tracker_pb2.NodeInfo],
                        "latency": lat},
             "totals": {"alive": len(live), "left": left, "lost": len(nodes) - len(live) - left,
                        "flops": sum(n.resources.flops for n in live),
-                       "memory_bytes": sum(n.resources.memory_bytes for n in live)}}
+                       "memory_bytes": sum(host_memory_shares(
+                           cluster_view(live, []).nodes).values())}}
 
 
 def _event_view(ev: tracker_pb2.JobEvent) -> dict:
