@@ -73,6 +73,38 @@ def max_relative_difference(a: dict, b: dict) -> float:
                for k in b)
 
 
+def train_on(devices: list[str], model: nn.Module, batches: list, steps: int,
+             timeout: float) -> tuple[dict, list]:
+    """Train ``model`` on ``batches`` for ``steps`` in a 2-stage 1F1B job (``compression
+    "none"``) on a fresh swarm of one node per entry of ``devices``
+    (``fedpipe node --device D``): its trained weights and its step records.
+
+    Raises:
+        AssertionError: the nodes are not on ``devices``, or the job did not succeed with
+            one stage on each node within ``timeout`` seconds.
+    """
+    with LocalSwarm(n_nodes=0, timeout=180) as swarm:
+        for i, device in enumerate(devices):
+            swarm.add_node("--device", device)  # the last --device wins over LocalSwarm's
+            swarm.wait_for_nodes(i + 1)
+        swarm.wait_for_links()
+        client = swarm.client()
+        seen = sorted(n.resources.device.split(":")[0] for n in client.nodes())
+        assert seen == sorted(d.split(":")[0] for d in devices), \
+            f"nodes report devices {seen}, asked for {devices}"
+        job = client.submit(model, nn.functional.cross_entropy, SGD, batches, steps=steps,
+                            microbatches=MICROBATCHES, schedule="1f1b", stages=len(devices),
+                            compression="none")
+        status = job.wait(timeout=timeout, progress=False)
+        assert status.state == "SUCCEEDED" and status.step == steps, \
+            f"job ended {status.state} at step {status.step}"
+        assert len({a.node_id for a in status.plan.stages}) == len(devices), \
+            "expected one stage on each node"
+        got, records = job.state_dict(), job.history()
+        job.release()
+    return got, records
+
+
 def run(devices: list[str], tol: float) -> float:
     """Train on a swarm of nodes on ``devices``; the max relative difference to the reference.
 
@@ -82,30 +114,13 @@ def run(devices: list[str], tol: float) -> float:
     """
     model, batches = make_model(), make_batches()
     want = single_process(model, batches)
-    with LocalSwarm(n_nodes=0, timeout=180) as swarm:
-        for i, device in enumerate(devices):
-            swarm.add_node("--device", device)  # the last --device wins over LocalSwarm's
-            swarm.wait_for_nodes(i + 1)
-        swarm.wait_for_links()
-        client = swarm.client()
-        seen = sorted(n.resources.device.split(":")[0] for n in client.nodes())
-        assert seen == sorted(devices), f"nodes report devices {seen}, asked for {devices}"
-        start = time.monotonic()
-        job = client.submit(model, nn.functional.cross_entropy, SGD, batches, steps=STEPS,
-                            microbatches=MICROBATCHES, schedule="1f1b", stages=len(devices),
-                            compression="none")
-        status = job.wait(timeout=300, progress=False)
-        assert status.state == "SUCCEEDED" and status.step == STEPS, \
-            f"job ended {status.state} at step {status.step}"
-        assert len({a.node_id for a in status.plan.stages}) == len(devices), \
-            "expected one stage on each node"
-        got = job.state_dict()
-        job.release()
-        seconds = time.monotonic() - start
+    start = time.monotonic()
+    got, _ = train_on(devices, model, batches, STEPS, timeout=300)
+    seconds = time.monotonic() - start
     moved = max_relative_difference(got, model.state_dict())
     assert moved > 1e-3, f"the weights barely moved ({moved:.1e}): nothing was trained"
     diff = max_relative_difference(got, want)
-    print(f"devices {','.join(devices)}: job SUCCEEDED in {seconds:.1f} s, max relative "
+    print(f"devices {','.join(devices)}: swarm and job done in {seconds:.1f} s, max relative "
           f"difference to single-process CPU training {diff:.2e} (tolerance {tol:g})",
           flush=True)
     assert diff <= tol, f"max relative difference {diff:.2e} exceeds {tol:g}"
@@ -128,25 +143,7 @@ def measure(devices: list[str], width: int, batch: int, steps: int, warmup: int)
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(batch, 64, generator=g), torch.randint(0, 10, (batch,), generator=g))
                for _ in range(steps)]
-    with LocalSwarm(n_nodes=0, timeout=180) as swarm:
-        for i, device in enumerate(devices):
-            swarm.add_node("--device", device)
-            swarm.wait_for_nodes(i + 1)
-        swarm.wait_for_links()
-        client = swarm.client()
-        seen = sorted(n.resources.device.split(":")[0] for n in client.nodes())
-        assert seen == sorted(d.split(":")[0] for d in devices), \
-            f"nodes report devices {seen}, asked for {devices}"
-        job = client.submit(wide_model(width), nn.functional.cross_entropy, SGD, batches,
-                            steps=steps, microbatches=MICROBATCHES, schedule="1f1b",
-                            stages=len(devices), compression="none")
-        status = job.wait(timeout=600, progress=False)
-        assert status.state == "SUCCEEDED" and status.step == steps, \
-            f"job ended {status.state} at step {status.step}"
-        assert len({a.node_id for a in status.plan.stages}) == len(devices), \
-            "expected one stage on each node"
-        records = job.history()
-        job.release()
+    _, records = train_on(devices, wide_model(width), batches, steps, timeout=600)
     ms = [1000.0 * batch / r.samples_per_second for r in records
           if r.step > warmup and r.samples_per_second > 0]
     assert ms, f"no step recorded after the first {warmup} (records: {len(records)})"
