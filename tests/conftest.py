@@ -163,6 +163,29 @@ def ca_dir(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def node_ca(tmp_path_factory) -> Path:
+    """A CA directory with nodes a's, b's and c's certificates (two data planes and a third)."""
+    from fedpipe.security import certs
+
+    d = tmp_path_factory.mktemp("tls")
+    certs.make_ca(d)
+    for name in ("a", "b", "c"):
+        certs.issue(d, certs.Role.NODE, name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory) -> Path:
+    """Another CA's directory, with a node certificate named a as :func:`node_ca`'s is."""
+    from fedpipe.security import certs
+
+    d = tmp_path_factory.mktemp("other")
+    certs.make_ca(d)
+    certs.issue(d, certs.Role.NODE, "a")
+    return d
+
+
 @pytest.fixture(scope="session")
 def swarm():
     """A tracker and 3 nodes, shared by the tests that do not disturb them."""

@@ -276,10 +276,10 @@ class CuttingProxy:
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
-def test_a_connection_cut_mid_tensor_resumes_with_every_tensor_once(tls, tls_dir):
+def test_a_connection_cut_mid_tensor_resumes_with_every_tensor_once(tls, node_ca):
     rec, events = _events()
     b_in = Inbox()
-    a_tls, b_tls = ((TlsConfig.load(tls_dir[0], "a"), TlsConfig.load(tls_dir[0], "b")) if tls
+    a_tls, b_tls = ((TlsConfig.load(node_ca, "a"), TlsConfig.load(node_ca, "b")) if tls
                     else (None, None))
     with DataPlane("a", Inbox(), timeouts=FAST, events=events, tls=a_tls) as a, \
             DataPlane("b", b_in, timeouts=FAST, tls=b_tls) as b:
@@ -465,20 +465,8 @@ def test_a_dial_to_nobody_fails_at_once(pair):
 
 # -- mutual TLS ---------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tls_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    certs.make_ca(d)
-    for name in ("a", "b"):
-        certs.issue(d, "node", name)
-    other = tmp_path_factory.mktemp("other")
-    certs.make_ca(other)
-    certs.issue(other, "node", "a")
-    return d, other
-
-
-def test_tensors_round_trip_over_mutual_tls_with_the_certificates_identity(tls_dir):
-    d, _ = tls_dir
+def test_tensors_round_trip_over_mutual_tls_with_the_certificates_identity(node_ca):
+    d = node_ca
     a_in, b_in = Inbox(), Inbox()
     with DataPlane("a", a_in, tls=TlsConfig.load(d, "a"), timeouts=FAST) as a, \
             DataPlane("b", b_in, tls=TlsConfig.load(d, "b"), timeouts=FAST) as b:
@@ -497,11 +485,11 @@ def test_tensors_round_trip_over_mutual_tls_with_the_certificates_identity(tls_d
     assert a_in.steps() == [2]
 
 
-def test_tensors_around_a_tls_records_size_round_trip_whole(tls_dir):
+def test_tensors_around_a_tls_records_size_round_trip_whole(node_ca):
     """Writes over TLS are regrouped into whole TLS records (the head and the trailer copied
     with the payload's ends): tensors whose record ends just before, at and after a TLS
     record's boundary arrive whole, in order."""
-    d, _ = tls_dir
+    d = node_ca
     b_in = Inbox()
     floats = [1, connection.TLS_RECORD // 4 - 40, connection.TLS_RECORD // 4,
               connection.TLS_RECORD // 4 + 1, 3 * connection.TLS_RECORD // 4 - 17, 300_001]
@@ -528,8 +516,8 @@ def test_tls_pieces_are_whole_records_but_the_last_and_copy_only_the_seams(sizes
     assert not pieces or len(pieces[-1])
 
 
-def test_tls_refuses_a_certificate_of_another_ca_and_a_plaintext_peer(tls_dir):
-    d, other = tls_dir
+def test_tls_refuses_a_certificate_of_another_ca_and_a_plaintext_peer(node_ca, other_ca):
+    d, other = node_ca, other_ca
     with DataPlane("b", Inbox(), tls=TlsConfig.load(d, "b"), timeouts=FAST) as b:
         with DataPlane("a", Inbox(), tls=TlsConfig.load(other, "a"), timeouts=FAST) as a:
             with pytest.raises(LinkFailed):
@@ -539,8 +527,8 @@ def test_tls_refuses_a_certificate_of_another_ca_and_a_plaintext_peer(tls_dir):
                 plain.link("b", b.address)
 
 
-def test_tls_refuses_a_preface_that_names_another_node(tls_dir):
-    d, _ = tls_dir
+def test_tls_refuses_a_preface_that_names_another_node(node_ca):
+    d = node_ca
     with DataPlane("b", Inbox(), tls=TlsConfig.load(d, "b"), timeouts=FAST) as b:
         # a's certificate, but it says it is "c"
         with DataPlane("c", Inbox(), tls=TlsConfig.load(d, "a"), timeouts=FAST) as c:

@@ -13,7 +13,7 @@ import pytest
 from fedpipe.net.dataplane import DataPlane, LinkFailed, Preface, Timeouts, connection, records
 from fedpipe.net.dataplane.caps import Sources
 from fedpipe.net.dataplane.records import Code, RecordType
-from fedpipe.security import TlsConfig, certs
+from fedpipe.security import TlsConfig
 
 pytestmark = pytest.mark.timeout(60)
 QUICK = Timeouts(credit=5.0, resume=0.3, handshake=2.0, backoff_min=0.02, backoff_max=0.1,
@@ -127,26 +127,17 @@ def test_a_caller_that_comes_and_goes_leaves_no_link_behind():
         assert b.caps.held() == 0
 
 
-@pytest.fixture(scope="module")
-def tls_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    certs.make_ca(d)
-    for name in ("a", "b", "c"):
-        certs.issue(d, "node", name)
-    return d
-
-
-def test_with_tls_a_caller_is_its_certificate_and_its_refusal_is_readable_over_tls(tls_dir):
-    with DataPlane("b", Inbox(), tls=TlsConfig.load(tls_dir, "b"), timeouts=QUICK,
+def test_with_tls_a_caller_is_its_certificate_and_its_refusal_is_readable_over_tls(node_ca):
+    with DataPlane("b", Inbox(), tls=TlsConfig.load(node_ca, "b"), timeouts=QUICK,
                    max_caller_connections=1) as b:
-        a = DataPlane("a", Inbox(), tls=TlsConfig.load(tls_dir, "a"), timeouts=QUICK)
+        a = DataPlane("a", Inbox(), tls=TlsConfig.load(node_ca, "a"), timeouts=QUICK)
         a.link("b", b.address)
         # same host, another certificate: another caller
-        c = DataPlane("c", Inbox(), tls=TlsConfig.load(tls_dir, "c"), timeouts=QUICK)
+        c = DataPlane("c", Inbox(), tls=TlsConfig.load(node_ca, "c"), timeouts=QUICK)
         c.link("b", b.address)
         assert b.caps.held("fedpipe://node/a") == 1 and b.caps.held("fedpipe://node/c") == 1
         # a second process with a's certificate: past a's cap, told so over TLS
-        a2 = DataPlane("a", Inbox(), tls=TlsConfig.load(tls_dir, "a"), timeouts=QUICK)
+        a2 = DataPlane("a", Inbox(), tls=TlsConfig.load(node_ca, "a"), timeouts=QUICK)
         with pytest.raises(LinkFailed, match="RESOURCE_EXHAUSTED.*MAX_CALLER_CONNECTIONS"):
             a2.link("b", b.address)
         for p in (a, a2, c):
@@ -154,8 +145,8 @@ def test_with_tls_a_caller_is_its_certificate_and_its_refusal_is_readable_over_t
         assert _wait(lambda: b.caps.held() == 0)
 
 
-def test_with_tls_a_stalled_handshake_is_closed_at_the_first_record_deadline(tls_dir):
-    with DataPlane("b", Inbox(), tls=TlsConfig.load(tls_dir, "b"), timeouts=QUICK,
+def test_with_tls_a_stalled_handshake_is_closed_at_the_first_record_deadline(node_ca):
+    with DataPlane("b", Inbox(), tls=TlsConfig.load(node_ca, "b"), timeouts=QUICK,
                    max_caller_connections=1) as b:
         stalled = _connect(b.port)
         t0 = time.monotonic()
@@ -164,16 +155,16 @@ def test_with_tls_a_stalled_handshake_is_closed_at_the_first_record_deadline(tls
         assert time.monotonic() - t0 < 3.0
         stalled.close()
         assert _wait(lambda: b.caps.held() == 0)
-        a = DataPlane("a", Inbox(), tls=TlsConfig.load(tls_dir, "a"), timeouts=QUICK)
+        a = DataPlane("a", Inbox(), tls=TlsConfig.load(node_ca, "a"), timeouts=QUICK)
         a.link("b", b.address)
         a.close()
 
 
-def test_with_tls_a_preface_that_stalls_after_the_handshake_is_refused_over_tls(tls_dir):
+def test_with_tls_a_preface_that_stalls_after_the_handshake_is_refused_over_tls(node_ca):
     from fedpipe.security.tls import client_context
 
-    with DataPlane("b", Inbox(), tls=TlsConfig.load(tls_dir, "b"), timeouts=QUICK) as b:
-        tls = client_context(TlsConfig.load(tls_dir, "a")).wrap_socket(
+    with DataPlane("b", Inbox(), tls=TlsConfig.load(node_ca, "b"), timeouts=QUICK) as b:
+        tls = client_context(TlsConfig.load(node_ca, "a")).wrap_socket(
             _connect(b.port), server_hostname="127.0.0.1")
         tls.sendall(Preface(name="a", role="node", session="00", window_bytes=1,
                             window_messages=1).encode()[:10])  # and no more

@@ -20,7 +20,7 @@ from fedpipe.net.dataplane import (DataPlane, Link, LinkFailed, Peer, Timeouts, 
 from fedpipe.net.dataplane.connection import Connection
 from fedpipe.net.dataplane.staging import Mark, Staged
 from fedpipe.proto import node_pb2
-from fedpipe.security import TlsConfig, certs
+from fedpipe.security import TlsConfig
 from fedpipe.security.tls import client_context, server_context
 from fedpipe.wire import codecs, frames
 
@@ -143,12 +143,12 @@ def test_a_staged_tensor_has_the_header_a_raw_cpu_tensor_has():
     assert bytes(staged.payload) == bytes(payload)
 
 
-def _tls_pair(tls_dir) -> tuple[ssl.SSLSocket, ssl.SSLSocket]:
+def _tls_pair(node_ca) -> tuple[ssl.SSLSocket, ssl.SSLSocket]:
     """Two ends of a socketpair over mutual TLS, as the data plane's dialer and listener
     make them (the certificates of nodes ``a`` and ``b``)."""
     plain_a, plain_b = socket.socketpair()
-    server = server_context(TlsConfig.load(tls_dir, "b"))
-    client = client_context(TlsConfig.load(tls_dir, "a"))
+    server = server_context(TlsConfig.load(node_ca, "b"))
+    client = client_context(TlsConfig.load(node_ca, "a"))
     out: dict[str, ssl.SSLSocket] = {}
 
     def accept() -> None:
@@ -160,21 +160,12 @@ def _tls_pair(tls_dir) -> tuple[ssl.SSLSocket, ssl.SSLSocket]:
     return a, out["b"]
 
 
-@pytest.fixture(scope="module")
-def tls_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    certs.make_ca(d)
-    for name in ("a", "b"):
-        certs.issue(d, "node", name)
-    return d
-
-
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
-def test_the_writer_writes_each_chunk_once_it_is_copied_and_before_the_next_is(tls, tls_dir):
+def test_the_writer_writes_each_chunk_once_it_is_copied_and_before_the_next_is(tls, node_ca):
     """Chunk i is let go only after the peer received chunk i-1 in full: a writer that
     waited for the whole payload would never finish (the peer's read times out), and one
     that wrote a chunk before its copy would send :data:`UNCOPIED` bytes."""
-    writer_sock, peer = _tls_pair(tls_dir) if tls else socket.socketpair()
+    writer_sock, peer = _tls_pair(node_ca) if tls else socket.socketpair()
     peer.settimeout(WAIT)
     conn = Connection(writer_sock, dialed=True)
     # chunks across TLS records: the held-back seams must still arrive in order
@@ -428,10 +419,10 @@ def test_a_staged_tensor_keeps_no_other_sender_waiting_for_its_first_chunk():
     assert torch.equal(b_in.got[0], plain) and torch.equal(b_in.got[1], source)
 
 
-def test_tls_link_carries_a_staged_tensor_and_a_cpu_tensor_in_order(tls_dir):
+def test_tls_link_carries_a_staged_tensor_and_a_cpu_tensor_in_order(node_ca):
     b_in = Inbox()
-    with DataPlane("a", Inbox(), tls=TlsConfig.load(tls_dir, "a"), timeouts=FAST) as a, \
-            DataPlane("b", b_in, tls=TlsConfig.load(tls_dir, "b"), timeouts=FAST) as b:
+    with DataPlane("a", Inbox(), tls=TlsConfig.load(node_ca, "a"), timeouts=FAST) as a, \
+            DataPlane("b", b_in, tls=TlsConfig.load(node_ca, "b"), timeouts=FAST) as b:
         link = a.link("b", b.address)
         staged_t, plain_t = torch.randn(70_001), torch.arange(10)
         msg, staged = staging.stage(staged_t, GatedCopier(50_000, free=True))
