@@ -76,6 +76,18 @@ def test_a_job_that_ends_before_the_take_over_is_refused_by_the_tracker_as_ended
     assert job._feeder is None and len(tracker.watch_requests) == 1
 
 
+def test_a_refused_resume_leaves_the_jobs_folder_and_model_as_they_were(client, tmp_path):
+    tracker = FakeTracker(steps=3, watch_errors=[FakeRpcError(
+        grpc.StatusCode.PERMISSION_DENIED, "job j belongs to another client")])
+    client.stub = tracker
+    job = client.job("j")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with pytest.raises(grpc.RpcError):
+        job.resume(batches(3), checkpoint_dir=tmp_path / "kept", model=model)
+    assert (job._checkpoint_dir, job._model, job._weights) == (None, None, None)
+    assert job._feeder is None and not (tmp_path / "kept").exists()
+
+
 def test_save_after_the_snapshots_are_gone_names_the_job_the_step_and_why(client, tmp_path):
     tracker = FakeTracker(steps=3)
     tracker.move(S.JOB_STATE_CANCELLED, reason="stopped", checkpoint_step=2)

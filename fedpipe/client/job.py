@@ -197,6 +197,9 @@ class Job:
         Returns:
             self, being fed (:meth:`wait` for it).
 
+        A resume refused (any error below) leaves this Job as it was: its checkpoint
+        folder and model are the ones it had.
+
         Raises:
             JobEnded: the job has ended (SUCCEEDED, FAILED or CANCELLED): nothing is left
                 to feed (``submit(..., resume_from=checkpoint_dir)`` starts a new job
@@ -220,6 +223,7 @@ class Job:
             if info.state in TERMINAL:
                 raise JobEnded(self._ended_message(info.state, info.reason))
             since = info.checkpoint_step  # completed before: not this Job's to name
+        kept = self._checkpoint_dir, self._model, self._weights  # as they were, if refused
         if checkpoint_dir is not None:
             self._checkpoint_dir = checkpoint_dir
         if model is not None:
@@ -227,10 +231,12 @@ class Job:
             self._weights = streamed(model)
         try:
             self._start_feed(cycle(data), take_over=True, keeping_since=since)
-        except grpc.RpcError as e:
+        except BaseException as e:
+            self._checkpoint_dir, self._model, self._weights = kept
             # a take-over is refused FAILED_PRECONDITION only for a job that ended
             # between GetJob and the watch (fedpipe.tracker.clients.Feeders.attach)
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            if isinstance(e, grpc.RpcError) and \
+                    e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise JobEnded(f"job {self.id} cannot be resumed: {e.details()}") from None
             raise
         return self
