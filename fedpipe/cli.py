@@ -115,7 +115,7 @@ def _observe_tracker(tracker, args) -> list:
     from .observe.source import Histories
     from .tracker.http import TrackerSource, start_http
 
-    source = TrackerSource(tracker.store, tracker.stage_times, tracker.calibration,
+    source = TrackerSource(tracker.store, tracker.stage_times,
                            tracker.feeders, tracker.registry)
     histories = Histories(source)  # shared, so each event is read once
     registry = tracker_registry(source, histories)

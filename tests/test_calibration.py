@@ -12,7 +12,7 @@ from fedpipe.observe.status import job_dict, job_renderable
 from fedpipe.observe.views import plan_from_message
 from fedpipe.planner import calibrate
 from fedpipe.planner.costs import host_factors
-from fedpipe.planner.protoio import cluster_view, model_profile, train_config
+from fedpipe.planner.protoio import cluster_view, model_profile, predicted_of, train_config
 from fedpipe.planner.simulate import simulate, stage_costs
 from fedpipe.planner.types import (ClusterView, LayerProfile, ModelProfile, NodeSpec, Overheads,
                                    Plan, ReplicaGroup, StagePlan, TrainConfig)
@@ -167,6 +167,11 @@ def heavy(**kw) -> tracker_pb2.SubmitJobRequest:
     return req
 
 
+def compute_of(plan) -> dict[StageKey, float]:
+    """Each stage's predicted compute seconds per step, as the plan carries it."""
+    return {k: compute for k, (compute, _) in predicted_of(plan).items()}
+
+
 def test_the_tracker_fits_from_reports_and_a_replan_uses_the_calibrated_prediction():
     tracker, nodes, clock = make_tracker(lease=10.0)
     ids = join(tracker, 3)
@@ -175,7 +180,7 @@ def test_the_tracker_fits_from_reports_and_a_replan_uses_the_calibrated_predicti
     info = tracker.jobs.get(job)
     assert not info.plan.calibrated
     first = info.plan.predicted_step_seconds
-    predicted = tracker.calibration.predicted(job, 0)
+    predicted = compute_of(info.plan)  # each stage's, as the plan carries it
     assert set(predicted) == {StageKey(0, 0), StageKey(0, 1)}
     # the stages take 5x the predicted compute: once a window past warm-up is in, the
     # tracker has fitted a correction for both nodes, and predicts what they measured
@@ -193,10 +198,11 @@ def test_the_tracker_fits_from_reports_and_a_replan_uses_the_calibrated_predicti
     again = stage_costs(plan_from_message(info.plan), tracker.calibration.cluster(probed),
                         profile, config)
     assert {k: c.compute for k, c in again.items()} == pytest.approx(slow)
-    # GetJob carries each stage's measured split and its predicted compute
+    # GetJob carries each stage's measured split; its plan, the predicted split
     timed = tracker.progress.info(job)
-    assert {(t.replica, t.stage): (t.compute_seconds, t.predicted_compute_seconds)
-            for t in timed.stage_times} == {tuple(k): (slow[k], predicted[k]) for k in slow}
+    assert {(t.replica, t.stage): t.compute_seconds for t in timed.stage_times} == \
+        {tuple(k): slow[k] for k in slow}
+    assert compute_of(timed.plan) == predicted
     # a node is lost; the replan moves its stage to the spare and predicts the step
     # with the calibrated model, not the first plan's figure
     for key in PlanView(info.plan).stages:
@@ -219,6 +225,13 @@ def test_the_tracker_fits_from_reports_and_a_replan_uses_the_calibrated_predicti
         plan_from_message(after.plan), cluster_view(tracker.store.nodes(), tracker.store.links()),
         profile, config)
     assert after.plan.predicted_step_seconds == pytest.approx(want.predicted_step_seconds)
+    # and each stage's prediction on the replanned plan is the calibrated model's
+    priced = stage_costs(plan_from_message(after.plan), tracker.calibration.cluster(
+        cluster_view(tracker.store.nodes(), tracker.store.links())), profile, config)
+    got = predicted_of(after.plan)
+    assert set(got) == set(priced)
+    assert [x for k in sorted(got) for x in got[k]] == pytest.approx(
+        [x for k in sorted(priced) for x in (priced[k].compute, priced[k].send)])
     assert after.plan.predicted_step_seconds > 2 * first
     assert set(ids) - used  # there was a spare to move to
 
@@ -229,7 +242,7 @@ def test_a_later_job_on_the_same_nodes_is_planned_on_the_calibrated_model():
     job = tracker.jobs.submit(heavy(steps=20, stages=2))
     tracker.tick()
     first = tracker.jobs.get(job).plan
-    predicted = tracker.calibration.predicted(job, 0)
+    predicted = compute_of(tracker.jobs.get(job).plan)
     feed_steps(tracker, job, range(1, 2 * STAGE_TIME_WINDOW + 1),
                {k: 3 * v for k, v in predicted.items()})
     second = tracker.jobs.submit(heavy(steps=20, stages=2))
@@ -244,7 +257,7 @@ def test_status_shows_each_stage_predicted_against_measured_and_the_step_error()
     join(tracker, 2)
     job = tracker.jobs.submit(submission(steps=20, stages=2))
     tracker.tick()
-    predicted = tracker.calibration.predicted(job, 0)
+    predicted = compute_of(tracker.jobs.get(job).plan)
     measured = {k: 1.5 * v for k, v in predicted.items()}
     for step in range(1, 8):
         clock.advance(0.25)

@@ -147,6 +147,10 @@ def test_api_job_matches_get_job_and_its_events(running):
         [(a.replica, a.stage, a.node_id, a.node_name, a.layer_start, a.layer_end,
           a.activation_codec, a.gradient_codec)
          for a in sorted(info.plan.stages, key=lambda a: (a.replica, a.stage))]
+    # each stage's predicted split is the one its plan carries (as fedpipe status shows it)
+    assert [(s["predicted_compute"], s["predicted_send"]) for s in stages] == \
+        [(a.predicted_compute_seconds, a.predicted_send_seconds)
+         for a in sorted(info.plan.stages, key=lambda a: (a.replica, a.stage))]
     assert len(stages) == 2 and all(s["predicted_compute"] > 0 for s in stages)
     assert sum(s["bottleneck"] for s in stages) == 1
     assert api["config"]["batch_size"] == 32 and api["config"]["microbatches"] == 2
@@ -376,6 +380,7 @@ def test_status_of_a_job_prints_its_plan_per_stage_timings_and_events(running):
                    if f" {s['node_name']} " in line and f"{s['layer_start']}-" in line)
         for part in ("compute", "wait", "send"):
             assert status._s(s["measured"][part]) in row, (part, row)
+        assert status._s(s["predicted_compute"]) in row, row  # the dashboard's figure
     out = cli("status", "--dashboard", ports.url, "nosuchjob")
     assert out.returncode == 1 and "nosuchjob" in out.stderr
 

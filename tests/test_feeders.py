@@ -77,7 +77,7 @@ def test_a_waiting_jobs_reason_counts_down_its_time_left_when_shown():
     info = tracker.jobs.get(job)
     assert state_name(info.state) == "WAITING"
     assert "fails in" not in info.reason  # as stored (and in the job's events): no countdown
-    source = TrackerSource(tracker.store, tracker.stage_times, tracker.calibration,
+    source = TrackerSource(tracker.store, tracker.stage_times,
                            tracker.feeders)  # the dashboard's
     for waited in (timeouts.CLIENT_GRACE + 1, timeouts.CLIENT_GRACE + 101):
         for shown in (tracker.feeders.shown(tracker.jobs.get(job)), source.job(job)):

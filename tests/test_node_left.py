@@ -95,7 +95,7 @@ def test_the_dashboards_nodes_say_a_drained_node_left():
     a, _b = join(tracker, 2)
     tracker.rebalancer.drain(a)
     svc.Heartbeat(S.HeartbeatRequest(node_id=a, leaving=True), Context())
-    source = TrackerSource(tracker.store, tracker.stage_times, tracker.calibration,
+    source = TrackerSource(tracker.store, tracker.stage_times,
                            tracker.feeders, tracker.registry)
     [why] = [n["why"] for n in Dashboard(source).nodes()["nodes"] if n["id"] == a]
     assert why.startswith("left the swarm after its drain (last heartbeat ")

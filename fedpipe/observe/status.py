@@ -33,8 +33,7 @@ from ..units import binary_bytes
 
 from ..net import timeouts
 from .source import JobSource, SwarmSource
-from .views import History, job_view, measured_step_seconds, plan_from_message, plan_layout, \
-    stage_timings, swarm_view
+from .views import History, job_layout, job_view, swarm_view
 
 STATE_STYLE = {"RUNNING": "green", "SUCCEEDED": "bold green", "FAILED": "bold red",
                "CANCELLED": "red", "RECOVERING": "yellow", "PENDING": "yellow", "WAITING": "yellow",
@@ -196,21 +195,13 @@ def job_renderable(job: dict) -> RenderableType:
 
 
 def job_dict(source: JobSource, job_id: str) -> dict:
-    """Job ``job_id``'s :func:`~fedpipe.observe.views.job_view` from ``source``, with
-    each stage's measured split and predicted compute as the tracker serves them
-    (``JobInfo.stage_times``). Raises KeyError for an unknown job."""
+    """Job ``job_id``'s :func:`~fedpipe.observe.views.job_view` from ``source``, laid out
+    as the dashboard lays it out (:func:`~fedpipe.observe.views.job_layout`). Raises
+    KeyError for an unknown job."""
     info = source.job(job_id)
     history = History()
     history.extend(source.events(job_id, 0))
-    layout = None
-    if info.plan.stages:
-        measured, predicted = stage_timings(info)
-        layout = plan_layout(plan_from_message(info.plan),
-                             names={a.node_id: a.node_name for a in info.plan.stages},
-                             relays={a.node_id: a.relay for a in info.plan.stages},
-                             measured_step=measured_step_seconds(history.records),
-                             stage_times=measured, predicted=predicted)
-    return job_view(info, history, layout)
+    return job_view(info, history, job_layout(info, history))
 
 
 class Views(Protocol):

@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 
 from .. import planner
 from ..planner.costs import host_memory_shares
-from ..planner.protoio import cluster_view, plan_from_message
+from ..planner.protoio import cluster_view, plan_from_message, predicted_of
 from ..planner.simulate import stage_costs
 from ..planner.types import StageTime, reach
 from ..proto import node_pb2, tracker_pb2
@@ -394,18 +394,29 @@ def _event_view(ev: tracker_pb2.JobEvent) -> dict:
             "epoch": ev.epoch, "checkpoint_step": ev.checkpoint_step}
 
 
-def stage_timings(info: tracker_pb2.JobInfo
-                  ) -> tuple[list[StageTime], dict[StageKey, tuple[float | None, float | None]]]:
-    """A job's per-stage timings as ``GetJob`` carries them (``JobInfo.stage_times``):
-    the measured splits, and per stage its predicted ``(compute, None)`` seconds per
-    step (left out where the tracker made no prediction)."""
-    measured = [StageTime(t.replica, t.stage, t.compute_seconds, t.wait_seconds,
-                          t.send_seconds, t.peak_memory_bytes, t.predicted_memory_bytes)
-                for t in info.stage_times]
-    predicted: dict[StageKey, tuple[float | None, float | None]] = {
-        StageKey(t.replica, t.stage): (t.predicted_compute_seconds, None)
-        for t in info.stage_times if t.predicted_compute_seconds > 0}
-    return measured, predicted
+def stage_timings(info: tracker_pb2.JobInfo) -> list[StageTime]:
+    """A job's measured per-stage step splits as ``GetJob`` carries them
+    (``JobInfo.stage_times``)."""
+    return [StageTime(t.replica, t.stage, t.compute_seconds, t.wait_seconds, t.send_seconds,
+                      t.peak_memory_bytes, t.predicted_memory_bytes) for t in info.stage_times]
+
+
+def job_layout(info: tracker_pb2.JobInfo, history: History,
+               stage_times: Sequence[StageTime] | None = None,
+               devices: Mapping[str, str] | None = None) -> PlanLayout | None:
+    """Job ``info``'s plan laid out (:func:`plan_layout`), the same for ``fedpipe status``
+    and the dashboard: each stage's predicted split is the one the tracker priced the plan
+    with (:func:`~fedpipe.planner.protoio.predicted_of`), its measured split
+    ``stage_times`` (a source that keeps them), else what ``GetJob`` carries
+    (:func:`stage_timings`); ``devices``: node id -> device. None before it is planned."""
+    if not info.plan.stages:
+        return None
+    return plan_layout(plan_from_message(info.plan),
+                       names={a.node_id: a.node_name for a in info.plan.stages},
+                       relays={a.node_id: a.relay for a in info.plan.stages}, devices=devices,
+                       stage_times=stage_timings(info) if stage_times is None else stage_times,
+                       measured_step=measured_step_seconds(history.records),
+                       predicted=predicted_of(info.plan))
 
 
 def _stage_time_view(t: StageTime | None) -> dict | None:
@@ -508,7 +519,8 @@ def job_view(info: tracker_pb2.JobInfo, history: History, layout: PlanLayout | N
 
 
 __all__ = ["History", "PlanLayout", "StageBox", "StageTime", "StepRecord", "is_step_event",
-           "is_checkpoint_event", "job_summary", "job_view", "latest_per_step", "layout_view",
+           "is_checkpoint_event", "job_layout", "job_summary", "job_view", "latest_per_step",
+           "layout_view",
            "measured_step_seconds", "node_view", "plan_from_message", "plan_layout",
            "predicted_stage_seconds", "record_view", "recovery_headline", "recovery_view",
            "recovery_what", "stage_timings",

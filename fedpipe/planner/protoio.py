@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import statistics
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from ..proto import node_pb2, tracker_pb2
 from ..spec import SNAPSHOTS_KEPT, JobSpec, PlanView, StageKey
 from ..spec.optimizers import state_factor, step_scratch
 from ..wire.codecmodel import CodecSpeed
 from .costs import StageCodecs, host_memory_shares, stage_memory_bytes
+from .simulate import StageCost
 from .types import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, ReplicaGroup,
                     StagePlan, TrainConfig)
 
@@ -222,6 +223,25 @@ def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2
             parts.append(f"{group_tag}{n.name}: layers {s.layer_start}-{s.layer_end - 1}")
     msg.summary = "; ".join(parts)
     return msg
+
+
+def set_predicted(msg: node_pb2.Plan, costs: Mapping[StageKey, StageCost]) -> None:
+    """Write each stage's predicted compute and send seconds per step (``costs``, from
+    :func:`~fedpipe.planner.simulate.stage_costs` as the tracker priced the plan) on its
+    assignment in ``msg``: the one home of a plan's per-stage prediction, which ``fedpipe
+    status`` and the dashboard both show. A stage ``costs`` lacks keeps 0 (none)."""
+    for a in msg.stages:
+        cost = costs.get(StageKey(a.replica, a.stage))
+        a.predicted_compute_seconds = cost.compute if cost is not None else 0.0
+        a.predicted_send_seconds = cost.send if cost is not None else 0.0
+
+
+def predicted_of(msg: node_pb2.Plan) -> dict[StageKey, tuple[float, float]]:
+    """Per stage of ``msg``, its ``(compute, send)`` predicted seconds per step as the
+    tracker priced them when it made the plan (:func:`set_predicted`); stages without a
+    prediction are left out."""
+    return {StageKey(a.replica, a.stage): (a.predicted_compute_seconds, a.predicted_send_seconds)
+            for a in msg.stages if a.predicted_compute_seconds > 0}
 
 
 def plan_from_message(msg: node_pb2.Plan) -> Plan:

@@ -76,7 +76,7 @@ class CodecSpeed(_message.Message):
     def __init__(self, codec: _Optional[str] = ..., encode_fixed: _Optional[float] = ..., encode_per_byte: _Optional[float] = ..., decode_fixed: _Optional[float] = ..., decode_per_byte: _Optional[float] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec", "node_name", "data_address", "recompute", "snapshots_on_disk", "relay")
+    __slots__ = ("replica", "stage", "node_id", "address", "layer_start", "layer_end", "activation_codec", "gradient_codec", "node_name", "data_address", "recompute", "snapshots_on_disk", "relay", "predicted_compute_seconds", "predicted_send_seconds")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class StageAssignment(_message.Message):
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_ON_DISK_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     replica: int
     stage: int
     node_id: str
@@ -103,7 +105,9 @@ class StageAssignment(_message.Message):
     recompute: bool
     snapshots_on_disk: bool
     relay: str
-    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., node_name: _Optional[str] = ..., data_address: _Optional[str] = ..., recompute: _Optional[bool] = ..., snapshots_on_disk: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
+    predicted_compute_seconds: float
+    predicted_send_seconds: float
+    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., activation_codec: _Optional[str] = ..., gradient_codec: _Optional[str] = ..., node_name: _Optional[str] = ..., data_address: _Optional[str] = ..., recompute: _Optional[bool] = ..., snapshots_on_disk: _Optional[bool] = ..., relay: _Optional[str] = ..., predicted_compute_seconds: _Optional[float] = ..., predicted_send_seconds: _Optional[float] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("microbatches", "samples", "predicted_seconds")

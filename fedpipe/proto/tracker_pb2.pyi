@@ -347,13 +347,12 @@ class JoinReplicaReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ...) -> None: ...
 
 class StageTiming(_message.Message):
-    __slots__ = ("replica", "stage", "compute_seconds", "wait_seconds", "send_seconds", "predicted_compute_seconds", "peak_memory_bytes", "predicted_memory_bytes")
+    __slots__ = ("replica", "stage", "compute_seconds", "wait_seconds", "send_seconds", "peak_memory_bytes", "predicted_memory_bytes")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    PREDICTED_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     replica: int
@@ -361,10 +360,9 @@ class StageTiming(_message.Message):
     compute_seconds: float
     wait_seconds: float
     send_seconds: float
-    predicted_compute_seconds: float
     peak_memory_bytes: int
     predicted_memory_bytes: int
-    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., predicted_compute_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., predicted_memory_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., predicted_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Recovery(_message.Message):
     __slots__ = ("time", "lost", "checkpoint_step", "steps_recomputed", "detect_seconds", "replan_seconds", "restore_seconds", "epoch", "cause", "bytes_moved", "moved_from", "moved_to")

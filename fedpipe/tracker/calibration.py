@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..planner import calibrate
-from ..planner.simulate import simulate, stage_costs
+from ..planner.simulate import StageCost, simulate, stage_costs
 from ..planner.types import (RUNTIME_OVERHEADS, ClusterView, ModelProfile, Overheads, Plan,
                              TrainConfig)
 from ..spec import StageKey
@@ -121,9 +121,11 @@ class Calibration:
 
     # -- what the tracker tells it ---------------------------------------------
     def planned(self, job_id: str, epoch: int, plan: Plan, probed: ClusterView,
-                profile: ModelProfile, config: TrainConfig) -> None:
+                profile: ModelProfile, config: TrainConfig) -> dict[StageKey, StageCost]:
         """Job ``job_id`` runs ``plan`` in ``epoch``; ``probed`` is the cluster at
-        probed speeds (only the plan's nodes are kept).
+        probed speeds (only the plan's nodes are kept). Returns each stage's predicted
+        seconds per step on the calibrated cluster (what the plan message carries:
+        :func:`~fedpipe.planner.protoio.set_predicted`).
 
         Raises:
             KeyError, PlanError: as :func:`~fedpipe.planner.simulate.stage_costs`.
@@ -132,20 +134,14 @@ class Calibration:
         # the fit prices the fixed costs as the planner does, so corrections scale FLOP only
         mine = dataclasses.replace(probed, nodes=[n for n in probed.nodes if n.node_id in used],
                                    overheads=self.base)
-        predicted = {k: c.compute for k, c in
-                     stage_costs(plan, self.cluster(mine), profile, config).items()}
+        costs = stage_costs(plan, self.cluster(mine), profile, config)
+        predicted = {k: c.compute for k, c in costs.items()}
         with self._lock:
             self._planned.pop((job_id, epoch), None)
             self._planned[(job_id, epoch)] = _Planned(plan, mine, profile, config, predicted)
             while len(self._planned) > 4 * self.max_plans:
                 self._planned.popitem(last=False)
-
-    def predicted(self, job_id: str, epoch: int) -> dict[StageKey, float]:
-        """Per stage of the job's plan of ``epoch``: predicted compute seconds per step
-        (``{}`` for a plan not made here)."""
-        with self._lock:
-            p = self._planned.get((job_id, epoch))
-            return dict(p.predicted) if p is not None else {}
+        return costs
 
     def observe(self, job_id: str, epoch: int, measured: Mapping[StageKey, float],
                 step_seconds: float) -> bool:

@@ -17,7 +17,7 @@ from typing import Callable
 
 from .. import planner
 from ..planner.protoio import (assignment_memory_bytes, cluster_view, plan_from_message,
-                               plan_message, train_config)
+                               plan_message, set_predicted, train_config)
 from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec, PlanView, StageKey, peer_of
 from .calibration import Calibration
@@ -99,8 +99,8 @@ class Deployer:
             cluster = self.calibration.cluster(probed)
             plan, job = self.planner.plan(cluster, spec.profile, spec.job)
             plan = dataclasses.replace(plan, calibrated=self.calibration.covers(plan, probed))
-            self.calibration.planned(job_id, self.store.job(job_id).epoch, plan, probed,
-                                     spec.profile, train_config(job))
+            costs = self.calibration.planned(job_id, self.store.job(job_id).epoch, plan,
+                                             probed, spec.profile, train_config(job))
         except planner.PlanError as e:
             self.jobs.fail(job_id, f"no plan: {e}")
             return
@@ -109,6 +109,7 @@ class Deployer:
             self.jobs.fail(job_id, f"planning failed: {type(e).__name__}: {e}")
             return
         msg = plan_message(plan, {n.node_id: n for n in nodes})
+        set_predicted(msg, costs)
         sync = f" (replica groups sync by {job.replica_sync})" if len(plan.groups) > 1 else ""
         self.plan_ready(job_id, msg, job, sync)
 
@@ -230,6 +231,7 @@ class Deployer:
             plan.predicted_step_seconds, plan.sync_seconds = (new.predicted_step_seconds,
                                                               new.sync_seconds)
             plan.calibrated = new.calibrated
-            self.calibration.planned(job_id, plan.epoch, new, probed, spec.profile, spec.config)
+            set_predicted(plan, self.calibration.planned(job_id, plan.epoch, new, probed,
+                                                         spec.profile, spec.config))
         except (planner.PlanError, KeyError) as e:
             log.warning("job %s: cannot predict the replanned step time: %s", job_id, e)

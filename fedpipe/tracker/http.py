@@ -42,7 +42,6 @@ import re
 import time
 from http.server import BaseHTTPRequestHandler
 from importlib import resources
-from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -50,15 +49,9 @@ from prometheus_client.exposition import generate_latest
 
 from ..observe.serving import LOCALHOST, Served, serve
 from ..observe.source import Histories, Source, stage_times_of
-from ..observe.views import (PlanLayout, StageTime, job_summary, job_view, measured_step_seconds,
-                             plan_from_message, plan_layout, swarm_view)
-# the tracker's own conversions, so a stage's prediction prices what the planner priced
-from ..planner.protoio import cluster_view, model_profile, train_config
-from ..planner.types import ClusterView
+from ..observe.views import PlanLayout, StageTime, job_layout, job_summary, job_view, swarm_view
 from ..proto import node_pb2, tracker_pb2
-from ..spec import JobSpec
 from .clients import Feeders
-from .calibration import Calibration
 from .registry import Registry
 from .stagetimes import StageTimes
 from .store import Store
@@ -84,17 +77,15 @@ class TrackerSource:
         store: the tracker's store.
         stage_times: the stage times the tracker keeps in memory
             (:class:`~fedpipe.tracker.stagetimes.StageTimes`).
-        calibration: the tracker's calibrated cost model.
         feeders: the tracker's :class:`~fedpipe.tracker.clients.Feeders`, which count
             down a WAITING job's time left as it is shown (None: reasons as stored).
         registry: the tracker's :class:`~fedpipe.tracker.registry.Registry`, which
             says why each lost node went (``NodeInfo.lost_reason``; None: not said).
     """
 
-    def __init__(self, store: Store, stage_times: StageTimes, calibration: Calibration,
-                 feeders: Feeders | None = None, registry: Registry | None = None):
-        self.store, self.times, self.feeders = store, stage_times, feeders
-        self.calibration, self.registry = calibration, registry
+    def __init__(self, store: Store, stage_times: StageTimes, feeders: Feeders | None = None,
+                 registry: Registry | None = None):
+        self.store, self.times, self.feeders, self.registry = store, stage_times, feeders, registry
 
     def nodes(self, include_lost: bool = False) -> list[tracker_pb2.NodeInfo]:
         nodes = self.store.nodes(include_lost)
@@ -118,10 +109,6 @@ class TrackerSource:
 
     def stage_times(self, job_id: str) -> list[StageTime]:
         return self.times.of(job_id)
-
-    def cluster(self, nodes: list[tracker_pb2.NodeInfo]) -> ClusterView:
-        """The planner's view of ``nodes`` as the tracker plans on it: calibrated."""
-        return self.calibration.cluster(cluster_view(nodes, self.store.links()))
 
 
 class BadRequest(ValueError):
@@ -173,34 +160,12 @@ class Dashboard:
         return out
 
     def layout(self, info: tracker_pb2.JobInfo, history) -> PlanLayout | None:
-        """The job's plan laid out, with predicted per-stage times where the
-        model profile and the nodes are known; None before it is planned."""
-        if not info.plan.stages:
-            return None
-        plan = plan_from_message(info.plan)
-        nodes = self.source.nodes(include_lost=True)
-        names = {a.node_id: a.node_name for a in info.plan.stages}
-        relays = {a.node_id: a.relay for a in info.plan.stages}
-        devices = {n.node_id: n.resources.device for n in nodes}
-        kw: dict[str, Any] = {}
-        try:
-            spec = self.source.spec(info.job_id)
-            if spec.profile.layers:
-                cluster = (self.source.cluster(nodes) if isinstance(self.source, TrackerSource)
-                           else cluster_view(nodes, self.source.links()))
-                kw = {"cluster": cluster,
-                      "profile": model_profile(spec.profile),
-                      "config": train_config(JobSpec.from_proto(spec.config))}
-        except (KeyError, ValueError) as e:  # an unknown node or a bad spec: no prediction
-            log.debug("job %s: no per-stage prediction: %s", info.job_id, e)
-        try:
-            return plan_layout(plan, names=names, devices=devices, relays=relays,
-                               stage_times=stage_times_of(self.source, info.job_id),
-                               measured_step=measured_step_seconds(history.records), **kw)
-        except (KeyError, ValueError) as e:
-            log.debug("job %s: no per-stage prediction: %s", info.job_id, e)
-            return plan_layout(plan, names=names, devices=devices, relays=relays,
-                               measured_step=measured_step_seconds(history.records))
+        """The job's plan laid out as ``fedpipe status`` lays it out
+        (:func:`~fedpipe.observe.views.job_layout`), with the nodes' devices and the
+        stage times the tracker keeps; None before it is planned."""
+        devices = {n.node_id: n.resources.device for n in self.source.nodes(include_lost=True)}
+        return job_layout(info, history, stage_times_of(self.source, info.job_id) or None,
+                          devices)
 
 
 def _int(query: dict, name: str, default: int) -> int:

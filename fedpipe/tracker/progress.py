@@ -234,19 +234,17 @@ class Progress:
         self.listener.on_checkpoint(job.job_id, report.step)
 
     def info(self, job_id: str) -> tracker_pb2.JobInfo:
-        """The job with each stage's recent step split and its predicted compute, and
-        its measured peak and predicted memory (``JobInfo.stage_times``), for ``GetJob``.
+        """The job with each stage's recent step split, and its measured peak and
+        predicted memory (``JobInfo.stage_times``), for ``GetJob``. (Each stage's
+        predicted step split is on its plan: ``StageAssignment.predicted_*_seconds``.)
 
         Raises:
             NotFound: no such job.
         """
         job = self.jobs.get(job_id)
-        predicted = self.calibration.predicted(job_id, job.epoch)
         for t in self.stage_times.of(job_id):
             job.stage_times.add(replica=t.replica, stage=t.stage, compute_seconds=t.compute,
                                 wait_seconds=t.wait, send_seconds=t.send,
-                                predicted_compute_seconds=predicted.get(
-                                    StageKey(t.replica, t.stage), 0.0),
                                 peak_memory_bytes=t.peak_memory,
                                 predicted_memory_bytes=t.predicted_memory)
         return job
