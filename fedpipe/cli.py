@@ -265,7 +265,8 @@ def cmd_plan(args) -> int:
     config = planner.TrainConfig(batch_size=args.batch, microbatches=args.microbatches,
                                  schedule=args.schedule, stages=stages, cuts=args.cuts,
                                  compression=args.compression,
-                                 gradient_compression=args.gradient_compression)
+                                 gradient_compression=args.gradient_compression,
+                                 recompute=args.recompute, precision=args.precision)
     plan = planner.make_plan(cluster, profile, config)
     if args.json:
         print(json.dumps(jsonio.plan_to_json(plan), indent=1))
@@ -321,7 +322,8 @@ def cmd_submit(args) -> int:
     with _client(args) as client:
         digits.train(client, steps=args.steps, microbatches=args.microbatches,
                      schedule=args.schedule, stages=stages, cuts=args.cuts,
-                     compression=_compression(args))
+                     compression=_compression(args), precision=args.precision,
+                     recompute={"off": False, "on": True}.get(args.recompute, args.recompute))
     return 0
 
 
@@ -382,7 +384,7 @@ def _keep(tracker: str, http_port: int) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .spec import Training
+    from .spec import PRECISIONS, RECOMPUTE, Training
 
     p = argparse.ArgumentParser(prog="fedpipe", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -478,6 +480,17 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--schedule", default=schedule, choices=["gpipe", "1f1b"],
                        help=f"pipeline schedule (default: %(default)s, {whose})")
 
+    def memory_args(q):
+        """``--recompute`` and ``--precision``, as ``submit()``'s ``recompute`` and
+        ``precision`` (the planner prices both: memory, and compute and bytes)."""
+        q.add_argument("--recompute", default="off", choices=RECOMPUTE,
+                       help="activation recomputation: off, on (every stage keeps only its "
+                            "inputs and re-runs its forward in backward), auto (the planner "
+                            "turns it on where a stage would not fit otherwise); default off")
+        q.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                       help="compute precision: fp32, or bf16-mixed (forward under autocast "
+                            "to bfloat16; activations of half the bytes); default fp32")
+
     def train_args(q, microbatches: int, schedule: str, whose: str):
         q.add_argument("--steps", type=int, default=300)
         pipeline_args(q, microbatches, schedule, whose)
@@ -498,6 +511,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--stages", type=int, default=None, help="pin the pipeline depth")
     cuts_arg(pl)
     compression_args(pl)
+    memory_args(pl)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--draw", metavar="FILE", help="also draw the plan (.png, .svg, .pdf)")
     tls_args(pl, client_name)
@@ -522,6 +536,7 @@ def parser() -> argparse.ArgumentParser:
     train_args(u, Training.microbatches, Training.schedule,
                "as submit()'s and fedpipe plan's")
     cuts_arg(u)
+    memory_args(u)
     tls_args(u, client_name)
     u.set_defaults(func=cmd_submit)
 

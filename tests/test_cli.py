@@ -92,11 +92,15 @@ def test_a_node_refuses_a_memory_limit_below_one_byte(value):
     assert "--memory-limit" in out.stderr and "at least 1 byte" in out.stderr
 
 
-def test_submit_pins_the_digits_stages_at_cuts(swarm):
-    out = fedpipe("submit", "--tracker", swarm.tracker, "--steps", "3", "--cuts", "2,4")
+def test_submit_pins_the_digits_stages_at_cuts_and_takes_recompute_and_precision(swarm):
+    out = fedpipe("submit", "--tracker", swarm.tracker, "--steps", "3", "--cuts", "2,4",
+                  "--recompute", "on", "--precision", "bf16-mixed")
     assert out.returncode == 0, out.stderr
-    stages = re.findall(r"^  group 0 stage (\d) on \S+ \(\S+\): (.*?)  \[", out.stdout, re.M)
-    assert stages == [("0", "0:Linear, 1:ReLU"), ("1", "2:Linear, 3:ReLU"), ("2", "4:Linear")]
+    stages = re.findall(r"^  group 0 stage (\d) on \S+ \(\S+\): (.*?)  \[(.*)\]$", out.stdout,
+                        re.M)
+    assert [s[:2] for s in stages] == [("0", "0:Linear, 1:ReLU"), ("1", "2:Linear, 3:ReLU"),
+                                       ("2", "4:Linear")]
+    assert all(s[2].endswith("; recomputes its forward") for s in stages), stages
     assert "held-out accuracy: " in out.stdout
 
 
@@ -108,5 +112,5 @@ def test_submit_refused_for_memory_says_the_remedies_in_flags():
     assert out.returncode == 1
     assert out.stderr.startswith("fedpipe submit: NotEnoughMemory: job digits-mlp was refused "
                                  "at submit: ")
-    assert "; to fit, give a larger --microbatches, add nodes" in out.stderr
+    assert "; to fit, give --recompute auto (or on), a larger --microbatches" in out.stderr
     assert "Traceback" not in out.stderr

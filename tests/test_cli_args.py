@@ -185,12 +185,33 @@ def test_a_plan_that_fits_no_memory_says_the_remedies_in_flags(tmp_path, capsys)
                  str(ROOT / "benchmarks/models/uneven16.json")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("fedpipe plan: PlanError: no split of ")
-    assert err.endswith("; to fit, give a larger --microbatches, add nodes, or (in Python) "
-                        "submit with recompute=\"auto\" (or True) or "
-                        "precision=\"bf16-mixed\"\n")
+    assert err.endswith("; to fit, give --recompute auto (or on), a larger --microbatches, "
+                        "--precision bf16-mixed, or add nodes\n")
     assert MEMORY_REMEDIES not in err
     assert is_memory_refusal(f"x{MEMORY_REMEDIES}")  # the client still tells one by its text
     assert for_command_line("no memory words") == "no memory words"
+
+
+def test_plan_and_submit_take_recompute_and_precision_as_submit_does(tmp_path, capsys):
+    # was: only submit()'s keywords; the command line's memory remedies named none of them
+    small = tmp_path / "small.json"  # one node: the model fits in bf16 only
+    small.write_text(json.dumps({"nodes": [{"id": "a", "tflops": 1,
+                                            "memory_bytes": int(3.5 * 2**30)}]}))
+    model = ["--model", str(ROOT / "benchmarks/models/uneven16.json")]
+    assert main(["plan", "--cluster", str(small), *model]) == 1
+    assert "--precision bf16-mixed" in capsys.readouterr().err
+    assert main(["plan", "--cluster", str(small), *model, "--precision", "bf16-mixed"]) == 0
+    assert ", precision bf16-mixed, recompute off" in capsys.readouterr().out.splitlines()[0]
+    assert main([*PLAN, "--stages", "2", "--recompute", "on", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["groups"][0]["stages"]
+    assert [s["recompute"] for s in stages] == [True, True]
+    args = parser().parse_args(["submit", "--tracker", "a:1", "--recompute", "auto",
+                                "--precision", "bf16-mixed"])
+    assert (args.recompute, args.precision) == ("auto", "bf16-mixed")
+    with pytest.raises(SystemExit):
+        parser().parse_args(["submit", "--tracker", "a:1", "--precision", "fp16"])
+    assert "argument --precision: invalid choice: 'fp16' (choose from 'fp32', 'bf16-mixed')" \
+        in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("relay,why", [

@@ -61,9 +61,11 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int = 4,
           schedule: str = "1f1b", stages: int = 0, cuts: tuple[int, ...] = (),
           compression: str | dict = "auto", lr: float = 3e-3,
+          recompute: bool | str = False, precision: str = "fp32",
           progress: bool = True, out=print) -> float:
     """Train the digits MLP on a swarm through ``client``; return held-out accuracy.
-    ``stages`` and ``cuts`` are its ``fedpipe.Placement``'s.
+    ``stages`` and ``cuts`` are its ``fedpipe.Placement``'s; ``recompute`` and
+    ``precision`` are ``submit()``'s.
 
     Prints the plan (which node holds which layers) and the accuracy as
     ``held-out accuracy: 0.XXXX``.
@@ -80,7 +82,8 @@ def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int =
                         batches(x_train, y_train, batch_size), steps=steps,
                         microbatches=microbatches, schedule=schedule,
                         placement=fedpipe.Placement(stages=stages, cuts=tuple(cuts)),
-                        compression=compression, name="digits-mlp")
+                        compression=compression, recompute=recompute,
+                        precision=precision, name="digits-mlp")
     status = job.status()
     while not status.plan.stages and status.state in ("PENDING", "PLANNING"):
         time.sleep(0.1)
@@ -92,7 +95,7 @@ def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int =
                            for i in range(a.layer_start, a.layer_end))
         out(f"  group {a.replica} stage {a.stage} on {a.node_name} ({a.address}): {layers}"
             f"  [sends activations {a.activation_codec or 'raw'}, gradients "
-            f"{a.gradient_codec or 'raw'}]")
+            f"{a.gradient_codec or 'raw'}{'; recomputes its forward' if a.recompute else ''}]")
     status = job.wait(progress=progress)
     trained = job.model()
     job.release()

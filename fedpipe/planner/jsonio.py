@@ -312,7 +312,8 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     line = "  ".join
     out = [f"plan: {len(plan.groups)} replica group(s) of a {len(profile.layers)}-layer model, "
            f"batch {config.batch_size} in {config.microbatches} microbatches, "
-           f"schedule {plan.schedule or config.schedule}",
+           f"schedule {plan.schedule or config.schedule}, precision {config.precision}, "
+           f"recompute {_recomputed(plan, config.recompute)}",
            line(h.ljust(w) for h, w in zip(header, widths)),
            line("-" * w for w in widths)]
     out += [line(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
@@ -334,6 +335,16 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
         out.append(f"unused: {shown}")
     return "\n".join(out)
+
+
+def _recomputed(plan: Plan, mode: str) -> str:
+    """Activation recomputation as the plan table says it: ``mode``, and under "auto" the
+    stages the planner turned it on for (``StagePlan.recompute``)."""
+    if mode != "auto":
+        return mode
+    on = [f"{gi}/{si}" for gi, g in enumerate(plan.groups) for si, s in enumerate(g.stages)
+          if s.recompute]
+    return f"auto (on at group/stage {', '.join(on)})" if on else "auto (on at no stage)"
 
 
 def _factor_note(specs: list[str]) -> str:

@@ -20,11 +20,10 @@ MEMORY_REMEDIES = ("; to fit, submit with recompute=\"auto\" (or True), more mic
 ``LoadStage``, :class:`~fedpipe.node.memory.StageMemory`)."""
 
 
-CLI_MEMORY_REMEDIES = ("; to fit, give a larger --microbatches, add nodes, or (in Python) "
-                       "submit with recompute=\"auto\" (or True) or precision=\"bf16-mixed\"")
-""":data:`MEMORY_REMEDIES` as the command line says them (:func:`for_command_line`): in its
-flags where it has one (``fedpipe plan`` and ``fedpipe submit`` take ``--microbatches``),
-in ``submit()``'s keywords, said to be Python's, where it has none."""
+CLI_MEMORY_REMEDIES = ("; to fit, give --recompute auto (or on), a larger --microbatches, "
+                       "--precision bf16-mixed, or add nodes")
+""":data:`MEMORY_REMEDIES` as the command line says them (:func:`for_command_line`): in the
+flags ``fedpipe plan`` and ``fedpipe submit`` take for ``submit()``'s keywords."""
 
 
 def for_command_line(text: str) -> str:
