@@ -495,8 +495,9 @@ class Link:
 
     # -- reading (:mod:`.reading`) --------------------------------------------
     def read(self, conn: Connection) -> None:
-        """Read ``conn`` until it breaks (the reader thread's loop):
-        :meth:`.reading.Reader.read`. Returns when the connection is gone."""
+        """Read ``conn`` until it breaks (the reader thread's loop:
+        :meth:`.reading.Reader.read`); a protocol error or a GOAWAY fails the link. Returns
+        when the connection is gone."""
         self.reader.read(conn)
 
     def goaway(self, conn: Connection, code: Code, why: str) -> None:
