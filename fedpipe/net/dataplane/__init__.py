@@ -12,8 +12,10 @@ Contract: ``protos/fedpipe/v1/FRAMES.md``, "Connections".
 * :mod:`.staging`: a device tensor's bytes copied to pinned host memory in chunks, each
   written as soon as it is in (the copy overlaps the send).
 * :mod:`.ends`: the peer, the receiver and events a link reports to, refusals.
-* :mod:`.link`: one peer's state across connections: sequence numbers, resume,
-  duplicates, acknowledgements.
+* :mod:`.link`: one peer's state across connections: sequence numbers, credit, resume,
+  the control records this side writes.
+* :mod:`.reading`: a link's reading side: the peer's records, tensors delivered in
+  order, duplicates refused, the acknowledgements owed; one reader per connection.
 * :mod:`.server`: :class:`DataPlane`, a process's listener and links.
 * :mod:`.caps`: the listener's connection caps, in all and per caller, and who a
   relayed connection comes from.

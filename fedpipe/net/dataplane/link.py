@@ -9,19 +9,18 @@ resumes, the cut tensor and every later unacknowledged one are resent, and a
 tensor the receiver already delivered is refused as a duplicate by its
 sequence number.
 
-Threads: any number of senders (:meth:`Link.send`, :meth:`Link.flush`), one
-reader per connection (started by whoever attached it), which delivers
-received tensors to the :class:`Receiver` on its own thread, so a slow
-receiver stops reading, and its sender runs out of credit. A receiver may leave
-waking the thread that takes a tensor to the reader, which does it once it has
-read what arrived with it (:meth:`.connection.Connection.later`).
+The link keeps the sending side (sequence numbers, retained tensors, credit,
+refusals to raise), the connection's life (attach, break, resume, fail) and the queue
+of control records both sides write. What the peer sends is read by the link's
+:class:`~.reading.Reader`: tensors delivered in order, duplicates refused, the
+acknowledgements owed (lazy: :mod:`.reading`).
 
-Acknowledgements are lazy: the reader acknowledges when a quarter of its
-window was delivered since the last one, and at once when asked (``SYNC``:
-a sender out of credit, or flushing). A reader never waits for the write
-lock (a sender may hold it for the length of a large tensor, a staged one's
-copies after its first chunk included, while its peer does the same): it queues
-its record and whoever holds the lock writes it on release (:meth:`Link._drain`).
+Threads: any number of senders (:meth:`Link.send`, :meth:`Link.flush`), and one
+reader per connection (started by whoever attached it: :meth:`Link.read`), one at a
+time (:mod:`.reading`). A reader never waits for the write lock (a sender may hold it
+for the length of a large tensor, a staged one's copies after its first chunk
+included, while its peer does the same): it queues its record and whoever holds the
+lock writes it on release (:meth:`Link.drain`).
 """
 from __future__ import annotations
 
@@ -37,15 +36,16 @@ import torch
 
 from ...proto import node_pb2, tensor_pb2
 from ...security.errors import SecurityError
-from ...wire import codecs, format, frames
+from ...wire import codecs, format
 from ...wire.format import WireError
 from .. import timeouts as net_timeouts
 from . import records
-from .connection import Closed, Connection, read_head, read_tensor, skip_payload
+from .connection import Connection
 from .staging import CopyFailed, Mark, check_marks, wait
 from .credits import Credits, LinkFailed
-from .ends import LinkEvents, Peer, PeerRefused, Receiver, Refused, owner_of
-from .fetch import Admit, Deliver, Fetches, Server, take_answer
+from .ends import LinkEvents, Peer, PeerRefused, Receiver, owner_of
+from .fetch import Admit, Deliver, Fetches, Server
+from .reading import Reader
 from .records import Code, Method, Preface, RecordType
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,9 @@ class Timeouts:
 
 DEFAULT_TIMEOUTS = Timeouts()
 
-_TENSOR, _SYNC, _ACK = RecordType.TENSOR, RecordType.SYNC, RecordType.ACK
-"""The record types of every tensor, as names of this module: reading an enum's member
-costs a lookup in its metaclass, and these are read per tensor."""
+_TENSOR, _SYNC = RecordType.TENSOR, RecordType.SYNC
+"""The record types of every tensor sent, as names of this module: reading an enum's
+member costs a lookup in its metaclass, and these are read per tensor."""
 
 
 class _Quiet:
@@ -112,10 +112,6 @@ class _Out(NamedTuple):
     #                               write, a resend too, waits for them
 
 
-class _GoAway(Exception):
-    """The peer said GOAWAY: it will not take this link's tensors again."""
-
-
 Dial = Callable[[], tuple[Connection, Preface, Peer]]
 """Open a new connection to the peer, prefaces exchanged (:meth:`Link.preface` sent)."""
 
@@ -126,7 +122,7 @@ class Link:
     Args:
         name, role: this side's identity, for its prefaces.
         peer: the peer's name (its preface must say so).
-        receiver: where received tensors go.
+        receiver: where received tensors go (by the link's :class:`~.reading.Reader`).
         events: where breaks and failures are reported.
         dial: opens a new connection (the dialing side), or None (the accepting
             side: the peer dials again).
@@ -140,7 +136,7 @@ class Link:
                  window_bytes: int = WINDOW_BYTES, window_messages: int = WINDOW_MESSAGES,
                  timeouts: Timeouts = DEFAULT_TIMEOUTS, server: Server | None = None):
         self.name, self.role, self.peer_name = name, role, peer
-        self.receiver, self.events, self.server = receiver, events or _Quiet(), server
+        self.events, self.server = events or _Quiet(), server
         self.fetches = Fetches(peer, name, server, self._queue,
                                lambda n, t, fetch: self.send(t, name=n, fetch=fetch))
         self.dial, self.timeouts = dial, timeouts
@@ -148,11 +144,9 @@ class Link:
         self.session = secrets.token_hex(8)
         self.peer: Peer | None = None
         self._wlock = threading.Lock()      # one record at a time on the stream
-        # one reader at a time: a replaced connection's reader may still be delivering
-        # a tensor; the next one waits for it, so a tensor is never delivered twice
-        self._reader = threading.Lock()
-        # everything below; the hot paths take the condition's own lock (``_lock``), whose
-        # ``with`` costs half a Condition's, where they neither wait nor notify
+        # everything below, and the reader's counters; the hot paths take the condition's
+        # own lock (``_lock``), whose ``with`` costs half a Condition's, where they neither
+        # wait nor notify
         self._lock = threading.RLock()
         self._state = threading.Condition(self._lock)
         self.conn: Connection | None = None
@@ -164,14 +158,9 @@ class Link:
         # refusals not raised yet, by the refused tensor's job ("": not known); one link
         # carries every stage's tensors to the peer, so each job's sender sees only its own
         self.refused: dict[str, PeerRefused] = {}
-        # inbound
-        self.peer_session = ""
-        self.expected = 0
-        self._unacked = [0, 0]  # bytes, tensors delivered since the last ACK
-        self._control: list[bytes] = []
-        self._ack_due = False
-        self.duplicates = 0
-        self.received = 0
+        self._control: list[bytes] = []  # control records to write (:meth:`drain`)
+        self.reader = Reader(self, receiver, self.fetches, self._lock, window_bytes,
+                             window_messages)
 
     def __repr__(self) -> str:
         return f"Link({self.name} <-> {self.peer_name}, {'up' if self.conn else 'down'})"
@@ -294,8 +283,8 @@ class Link:
                     self._write(conn, out.head, payload, records.pack(_SYNC, seq + 1))
                 else:
                     self._write(conn, out.head, payload)
-        if self._control or self._ack_due:
-            self._drain()
+        if self._control or self.reader.ack_due:
+            self.drain()
         if flush:
             self._wait_idle(None, owner, seq)
         return seq
@@ -354,20 +343,30 @@ class Link:
     def _sync(self) -> None:
         with self._state:
             self._control.append(records.pack(RecordType.SYNC, self.next_seq))
-        self._drain()
+        self.drain()
 
     def _queue(self, record: bytes) -> None:
-        """Write a control record soon (:meth:`_drain`), after the tensors written before."""
+        """Write a control record soon (:meth:`drain`), after the tensors written before."""
+        self.enqueue(record)
+        self.drain()
+
+    def enqueue(self, record: bytes) -> None:
+        """Queue a control record after those queued before, for the next :meth:`drain`;
+        writes nothing (the caller may hold the link's lock: the reader queues a refusal
+        with its count, so the ACK past it follows it)."""
         with self._state:
             self._control.append(record)
-        self._drain()
+
+    def queued(self) -> bool:
+        """Whether control records wait for a :meth:`drain`."""
+        return bool(self._control)
 
     def _write(self, conn: Connection, *parts: bytes | memoryview) -> None:
         """Write on ``conn`` (the write lock held); a failure breaks it (the link resumes)."""
         try:
             conn.write(*parts)
         except OSError as e:
-            self._broken(conn, f"write failed: {e}")
+            self.broken(conn, f"write failed: {e}")
 
     def _write_out(self, conn: Connection, out: _Out, *tail: bytes) -> None:
         """Write tensor ``out`` (and ``tail``) on ``conn`` (the write lock held): a staged
@@ -384,25 +383,27 @@ class Link:
             else:
                 conn.write(out.head, out.payload, *tail)
         except OSError as e:
-            self._broken(conn, f"write failed: {e}")
+            self.broken(conn, f"write failed: {e}")
         except CopyFailed as e:
             why = f"tensor {out.seq} cannot be sent: {e}"
             self.fail(why)
             raise LinkFailed(f"link to {self.peer_name}: {why}") from e
 
-    def _drain(self) -> None:
-        """Write the queued control records, unless another thread holds the write lock: it
+    def drain(self) -> None:
+        """Write the queued control records, and the acknowledgement the reader owes
+        (:meth:`.reading.Reader.take_ack`), unless another thread holds the write lock: it
         drains them after its own record (see the module docstring)."""
-        while (self._control or self._ack_due) and self._wlock.acquire(blocking=False):
+        reader = self.reader
+        while (self._control or reader.ack_due) and self._wlock.acquire(blocking=False):
             try:
                 with self._state:
                     conn = self.conn
                     if conn is None:
                         return  # the next connection's prefaces say it all
                     recs, self._control = self._control, []
-                    if self._ack_due:
-                        recs.append(records.pack(RecordType.ACK, self.expected))
-                        self._ack_due, self._unacked = False, [0, 0]
+                    ack = reader.take_ack()
+                    if ack is not None:
+                        recs.append(ack)
                 self._write(conn, b"".join(recs))
             finally:
                 self._wlock.release()
@@ -413,7 +414,8 @@ class Link:
         with self._state:
             base = self.retained[0].seq if self.retained else self.next_seq
             return Preface(name=self.name, role=self.role, session=self.session, base=base,
-                           resume_session=self.peer_session, resume=self.expected,
+                           resume_session=self.reader.peer_session,
+                           resume=self.reader.expected,
                            window_bytes=self.window_bytes,
                            window_messages=self.window_messages)
 
@@ -428,16 +430,13 @@ class Link:
             old, self.conn = self.conn, None
         if old is not None:
             old.close()  # a writer or reader stuck on it returns, and lets go of its lock
-        with self._reader, self._wlock:
+        with self.reader.turn, self._wlock:
             with self._state:
                 if self.closed or self.credits.failed is not None:
                     conn.close()
                     raise LinkFailed(f"link to {self.peer_name} is closed")
                 self.peer = peer
-                if theirs.session != self.peer_session:  # a new peer, or one restarted
-                    self.peer_session, self.expected = theirs.session, theirs.base
-                # the preface said what was delivered; refusals still queued go out below
-                self._unacked, self._ack_due = [0, 0], False
+                self.reader.resume(theirs)  # refusals still queued go out below
                 if theirs.resume_session == self.session:
                     self._forget_below(theirs.resume)
                 self.credits.regrant(theirs.window_bytes, theirs.window_messages)
@@ -448,7 +447,7 @@ class Link:
                 self._write_out(conn, out)
             if resend:
                 self._control.append(records.pack(RecordType.SYNC, self.next_seq))
-        self._drain()
+        self.drain()
 
     def _forget_below(self, seq: int) -> None:
         """The peer has every tensor below ``seq``: drop them, give their credit back."""
@@ -460,7 +459,9 @@ class Link:
             self.credits.give_back(nbytes, count)
             self._state.notify_all()  # a flush through a sequence number looks again
 
-    def _broken(self, conn: Connection, why: str) -> None:
+    def broken(self, conn: Connection, why: str) -> None:
+        """``conn`` broke (a write failed, or its reader's read did): let it go, and report
+        the loss; the link resumes on another connection, or fails."""
         with self._state:
             if self.conn is not conn:
                 return  # already replaced or reported
@@ -492,37 +493,17 @@ class Link:
             self.closed = True
         self.fail("closed by this side")
 
-    # -- reading --------------------------------------------------------------
+    # -- reading (:mod:`.reading`) --------------------------------------------
     def read(self, conn: Connection) -> None:
-        """Read ``conn`` until it breaks (the reader thread's loop); a protocol error or a
-        GOAWAY fails the link. Returns when the connection is gone."""
-        with self._reader:
-            try:
-                self._read_all(conn)
-            finally:
-                conn.run_later()  # wake-ups its last tensors put off
+        """Read ``conn`` until it breaks (the reader thread's loop:
+        :meth:`.reading.Reader.read`); a protocol error or a GOAWAY fails the link. Returns
+        when the connection is gone."""
+        self.reader.read(conn)
 
-    def _read_all(self, conn: Connection) -> None:
-        try:
-            while not conn.closed:
-                self._read_record(conn)
-            raise Closed("the connection was replaced")
-        except (Closed, OSError) as e:
-            self._broken(conn, str(e) or type(e).__name__)
-        except WireError as e:  # the peer broke the protocol: tell it why, give it up
-            log.warning("data link from %s: %s", self.peer_name, e)
-            self._goaway(conn, Code.INVALID_ARGUMENT, str(e))
-            self.fail(f"protocol error: {e}")
-        except _GoAway as e:
-            self.fail(f"the peer ended the link: {e}")
-        except Exception as e:  # noqa: BLE001 — a bug here must end the link, not hang it
-            log.exception("data link from %s", self.peer_name)
-            self._goaway(conn, Code.INTERNAL, f"the receiver failed: {e!r}")
-            self.fail(f"the reader failed: {e!r}")
-
-    def _goaway(self, conn: Connection, code: Code, why: str) -> None:
-        """Tell the peer why the link ends: best effort, and never behind a writer stuck
-        on a peer that stopped reading."""
+    def goaway(self, conn: Connection, code: Code, why: str) -> None:
+        """Tell the peer why the link ends (the reader, on a protocol error or its own
+        failure): best effort, and never behind a writer stuck on a peer that stopped
+        reading."""
         if self._wlock.acquire(timeout=self.timeouts.handshake):
             try:
                 conn.write(records.pack_text(RecordType.GOAWAY, 0, code, why))
@@ -531,116 +512,34 @@ class Link:
             finally:
                 self._wlock.release()
 
-    def _read_record(self, conn: Connection) -> None:
-        kind, arg = records.unpack(conn.read_exact(records.PREFIX_BYTES))
-        conn.lift_deadline()  # the peer spoke (the deadline of a silent one after its preface)
-        if kind is _TENSOR:
-            self._on_tensor(conn, arg)
-            return
-        conn.run_later()  # what follows may write or wait: wake the stage threads first
-        if kind is _ACK:
-            with self._state:
-                self._forget_below(arg)
-        elif kind is _SYNC:
-            with self._state:
-                self._ack_due = True
-            self._drain()
-        elif kind is RecordType.REFUSED:
-            code, text = self._read_text(conn)
-            with self._state:  # the refused tensor is retained until its ACK, which follows
-                owner = next((o.owner for o in self.retained if o.seq == arg), "")
-                self.refused.setdefault(owner, PeerRefused(records.code_of(code), text, arg))
-        elif kind is RecordType.GOAWAY:
-            code, text = self._read_text(conn)
-            raise _GoAway(f"{records.code_of(code).name}: {text}")
-        elif kind is RecordType.FETCH:
-            assert self.peer is not None  # set by attach, before the reader starts
-            self.fetches.on_fetch(conn, arg, self.peer)
-        elif kind is RecordType.FETCHED:
-            code, text = self._read_text(conn)
-            self.fetches.ended(arg, code, text)
-        else:
-            raise WireError(f"a {kind.name} record in the middle of a connection")
+    def peer_acknowledged(self, seq: int) -> None:
+        """The peer has every tensor below ``seq`` (its ACK, read by the reader)."""
+        with self._state:
+            self._forget_below(seq)
 
-    @staticmethod
-    def _read_text(conn: Connection) -> tuple[int, str]:
-        code, size = records.TEXT.unpack(conn.read_exact(records.TEXT.size))
-        if size > records.MAX_TEXT_BYTES:
-            raise WireError(f"refusal text of {size} bytes exceeds {records.MAX_TEXT_BYTES}")
-        return code, conn.read_exact(size).decode(errors="replace")
+    def peer_refused(self, seq: int, error: PeerRefused) -> None:
+        """The peer refused tensor ``seq`` (its REFUSED, read by the reader): keep ``error``
+        for the sender of that tensor's job (:meth:`check`)."""
+        with self._state:  # the refused tensor is retained until its ACK, which follows
+            owner = next((o.owner for o in self.retained if o.seq == seq), "")
+            self.refused.setdefault(owner, error)
 
-    def _on_tensor(self, conn: Connection, seq: int) -> None:
-        header = read_head(conn)
-        nbytes = header.tensor.payload_bytes
-        if seq != self.expected:
-            if seq > self.expected:
-                raise WireError(f"tensor sequence number {seq} skips {self.expected}")
-            skip_payload(conn, header)  # resent, but delivered before: refused by its number
-            self.duplicates += 1
-            log.info("refused a duplicate tensor %d from %s (%s)", seq, self.peer_name,
-                     _describe(header))
-            return
-        peer = self.peer
-        assert peer is not None  # set by attach, before the reader starts
-        if header.fetch:
-            return self._on_answer(conn, seq, header)
-        try:
-            if peer.job:  # a link of one job alone (through a relay) takes no other's
-                peer.check_job(header.envelope.job_id, "tensor")
-            limit, end, pinned = frames.admitted(self.receiver.admit(peer, header))
-        except Refused as e:
-            skip_payload(conn, header)
-            self._done(conn, seq, nbytes, e)
-            return
-        tensor = read_tensor(conn, header, limit, end, pinned)  # fields checked, then reserved
-        try:
-            wake = self.receiver.deliver(peer, header, tensor)
-        except Refused as e:
-            self._done(conn, seq, nbytes, e)
-            return
-        except Exception as e:  # noqa: BLE001 — a receiver's bug refuses one tensor, not the link
-            log.exception("delivering a tensor from %s", self.peer_name)
-            self._done(conn, seq, nbytes, Refused(Code.INTERNAL, f"the receiver failed: {e!r}"))
-            return
-        if wake is not None:  # woken once the reader has read what came with it
-            conn.later(wake)
-        self._done(conn, seq, nbytes)
+    @property
+    def duplicates(self) -> int:
+        """Resent tensors the reader refused by their sequence number."""
+        return self.reader.duplicates
 
-    def _on_answer(self, conn: Connection, seq: int, header: node_pb2.Frame) -> None:
-        """A tensor of the answer to one of this side's fetches: checked by the fetch's
-        ``admit`` before its payload is read, then delivered to it. One the fetch refuses
-        fails the fetch (never the link: the peer sent what it was asked for); one of a
-        fetch not waited for any more is dropped."""
-        conn.run_later()  # the fetch's delivery may wait: wake the stage threads first
-        take_answer(conn, header, self.fetches.get(header.fetch))
-        self._done(conn, seq, header.tensor.payload_bytes)
-
-    def _done(self, conn: Connection, seq: int, nbytes: int,
-              refused: Refused | None = None) -> None:
-        """Tensor ``seq`` was delivered (or refused): count it; acknowledge when due (what
-        ``conn``'s reader put off runs first: the write may wait)."""
-        with self._lock:
-            self.expected = seq + 1
-            self.received += 1
-            unacked = self._unacked
-            unacked[0] += nbytes
-            unacked[1] += 1
-            if refused is not None:
-                self._control.append(records.pack_text(RecordType.REFUSED, seq, refused.code,
-                                                       str(refused)))
-                self._ack_due = True
-            if (4 * unacked[0] >= self.window_bytes
-                    or 4 * unacked[1] >= self.window_messages):
-                self._ack_due = True
-        if self._ack_due or self._control:
-            conn.run_later()
-            self._drain()
+    @property
+    def received(self) -> int:
+        """Tensors the reader delivered or refused."""
+        return self.reader.received
 
     @property
     def fresh(self) -> bool:
         """Whether the link has carried no tensor either way yet."""
         with self._state:
-            return self.next_seq == 0 and self.expected == 0 and self.received == 0
+            return (self.next_seq == 0 and self.reader.expected == 0
+                    and self.reader.received == 0)
 
     def wait_up(self, timeout: float) -> bool:
         """Wait until a connection carries the link (or it fails); whether it does."""
@@ -677,8 +576,3 @@ class Link:
             self.read(conn)
             pause, deadline = self.timeouts.backoff_min, time.monotonic() + self.timeouts.resume
 
-
-def _describe(header: node_pb2.Frame) -> str:
-    e = header.envelope
-    return (f"job {e.job_id!r} stage {e.stage} step {e.step} microbatch {e.microbatch} "
-            f"kind {e.kind}" if header.HasField("envelope") else f"name {header.name!r}")
