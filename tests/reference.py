@@ -63,6 +63,23 @@ def job_info(client, job):
     return client.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job.id), timeout=10)
 
 
+def wait_rebuilt(client, job, timeout: float = 120.0) -> None:
+    """Wait until the tracker has rebuilt a dropped replica group of ``job`` on spare nodes
+    (``JobInfo.replica_ready``; the client's feed then has it join at its next step), or
+    the job has ended, or ``timeout`` seconds passed. A heal test holds its feed on this,
+    so the job cannot run out of steps before the group is back, however fast it trains."""
+    import time
+
+    from fedpipe.spec import TERMINAL
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(client, job)
+        if info.replica_ready or info.state in TERMINAL:
+            return
+        time.sleep(0.05)
+
+
 def running_plan(client, job, timeout: float = 120.0):
     """The job's plan (a :class:`~fedpipe.spec.PlanView`) once it runs; fails if it ends or
     does not run within ``timeout`` seconds."""

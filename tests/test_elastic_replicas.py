@@ -38,7 +38,7 @@ from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames
 from reference import (digit_batches, diloco_single_process, job_info,
-                       max_relative_difference, single_process)
+                       max_relative_difference, single_process, wait_rebuilt)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
 # a setting in which a few half batches move the held-out loss by < 1 % (checked against
@@ -123,12 +123,14 @@ def test_a_lost_group_drops_out_the_other_loses_no_step_and_the_group_heals_exac
     marks = [len(swarm.log(p)) for p in swarm.nodes]
     inj = swarm.inject().at_step(KILL_AT, "kill group 1", lambda: swarm.kill(
         PlanView(job_info(client, job).plan)[StageKey(1, 0)].address))
+    inj.at_step(KILL_AT + 2, "group 1 rebuilt", lambda: wait_rebuilt(client, job))
     model, job = submit(client, inj.feed(data), min_replicas=1,
                         sync=DILOCO if sync == "diloco" else sync)
     inj.start(job.id)
     status = job.wait(timeout=240, progress=False)
     inj.stop()
-    assert status.state == "SUCCEEDED" and [f.name for f in inj.fired] == ["kill group 1"]
+    assert status.state == "SUCCEEDED"
+    assert [f.name for f in inj.fired] == ["kill group 1", "group 1 rebuilt"]
     final = job_info(client, job)
     assert final.epoch == 0 and not final.recoveries  # never rewound
     reasons = [ev.reason for ev in job.events()]

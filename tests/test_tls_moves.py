@@ -34,14 +34,14 @@ from fedpipe.spec import PlanView, StageKey
 from fedpipe.testing import LocalSwarm
 from fedpipe.wire import frames
 from reference import (digit_batches, job_info, max_relative_difference, running_plan,
-                       single_process)
+                       single_process, wait_rebuilt)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
 LOSS = nn.functional.cross_entropy
 STEPS, EVERY = 18, 3
 HEAL_STEPS = 64
-"""Enough steps for a lost group to be noticed, rebuilt and joined before the job ends."""
+"""Steps of the heal test (its feed waits at step 10 until the lost group is rebuilt)."""
 NODES = 4
 """A 3-stage job and one spare (two 1-stage replica groups and two spares)."""
 FETCHED = re.compile(r"fetched the step (\d+) snapshot of job (\S+) stage (\d+) \(replica (\d+)\) "
@@ -156,16 +156,18 @@ def test_a_lost_replica_group_heals_on_a_spare_from_its_donor(swarm):
     client, data = swarm.client(), digit_batches(HEAL_STEPS)
     torch.manual_seed(0)
     model = digits.make_model(hidden=32)
-    job = client.submit(model, LOSS, SGD, data, steps=HEAL_STEPS, microbatches=2, stages=1,
-                        replicas=2, replica_sync="allreduce", compression="none",
+    inj = swarm.inject().at_step(8, "kill group 1", lambda: swarm.kill(lost.address))
+    inj.at_step(10, "group 1 rebuilt", lambda: wait_rebuilt(client, job))
+    job = client.submit(model, LOSS, SGD, inj.feed(data), steps=HEAL_STEPS, microbatches=2,
+                        stages=1, replicas=2, replica_sync="allreduce", compression="none",
                         checkpoint_every=4, min_replicas=1)
     before = running_plan(client, job)
     donor, lost = before[StageKey(0, 0)], before[StageKey(1, 0)]
-    inj = swarm.inject(job.id).at_step(8, "kill group 1", lambda: swarm.kill(lost.address))
-    inj.start()
+    inj.start(job.id)
     status = job.wait(timeout=240, progress=False)
     inj.stop()
     assert status.state == "SUCCEEDED", status.reason
+    assert [f.name for f in inj.fired] == ["kill group 1", "group 1 rebuilt"]
     reasons = [ev.reason for ev in job.events()]
     assert any("replica group 1 joins at step" in r for r in reasons), reasons
     final = job_info(client, job)
