@@ -21,10 +21,12 @@ seed's steps to target are where its held-out loss first reaches the target, int
 linearly between the evaluations either side (:meth:`Curve.steps_to`, so not a whole
 step); a configuration's are the median of its seeds' (:meth:`Convergence.steps`).
 
-Used by ``benchmarks/wan.py`` (the command: it trains here, or loads curves saved here by
-parts, :func:`save_curves` / :func:`load_curves`, then times the swarm and reports T), and
-by ``benchmarks/wan_e2e.py`` and ``benchmarks/wan_netns.py``, which take its
-:class:`Convergence` and score deployed weights with :func:`evaluate`.
+Not a command: ``python benchmarks/wan.py`` runs it (:func:`train_all`, then
+:func:`convergence`; or a run split over processes, each saving its curves with
+``--save-curves`` (:func:`save_curves`), joined by ``--load-curves`` (:func:`load_curves`)),
+then times the swarm and reports T. ``benchmarks/wan_netns.py`` and
+``benchmarks/wan_e2e.py`` take its :class:`Convergence`; wan_e2e also scores a swarm job's
+trained weights as :func:`evaluate` scores the trainer's.
 """
 from __future__ import annotations
 
