@@ -2,28 +2,30 @@
 configuration over the shaped swarm, the check that wan's T predicts the product (issue 23).
 
 wan.py's T is two measurements joined: steps to target counted in one process
-(:class:`wan.Convergence`) times a steady step time from a short job on the shaped swarm.
-Here a job runs the whole way instead, for each of raw and the best configuration
+(:class:`wan_converge.Convergence`) times a steady step time from a short job on the shaped
+swarm. Here a job runs the whole way instead, for each of raw and the best configuration
 (:func:`wan_netns.best_config`, or ``--best``), on a :class:`fedpipe.testing.LocalSwarm` whose
 every pair of nodes is joined by wan's emulated link (:func:`wan.link_profile`):
 
 * the job (:func:`job_of`): the configuration's median seed
-  (:meth:`wan.Convergence.median_seed`: the seed whose steps to target are the median of the
-  seeds', the run the table's step count stands for), its model and data, to that seed's
-  first evaluated step at or under the target (:meth:`wan.Curve.evaluated_steps_to`): the
-  same run as that seed's in-process curve, stopped where that curve shows the target
-  reached, and judged there. Not the table's count: that is interpolated between evaluations
-  25 steps apart (:meth:`wan.Curve.steps_to`), a step no evaluation scored (had2 seed 1:
-  620.3, and at step 621 its loss is 1.4633 against a target of 1.4495; at 625, 1.4438); nor
-  seed 0 at the median's count (had2's seeds need 693.6, 620.3 and 616.9 steps). 4 stages
-  cut where the in-process steps were counted (``Setup.cuts``, pinned), 1F1B, as
+  (:meth:`wan_converge.Convergence.median_seed`: the seed whose steps to target are the
+  median of the seeds', the run the table's step count stands for), its model and data, to
+  that seed's first evaluated step at or under the target
+  (:meth:`wan_converge.Curve.evaluated_steps_to`): the same run as that seed's in-process
+  curve, stopped where that curve shows the target reached, and judged there. Not the
+  table's count: that is interpolated between evaluations 25 steps apart
+  (:meth:`wan_converge.Curve.steps_to`), a step no evaluation scored (had2 seed 1: 620.3,
+  and at step 621 its loss is 1.4633 against a target of 1.4495; at 625, 1.4438); nor seed
+  0 at the median's count (had2's seeds need 693.6, 620.3 and 616.9 steps). 4 stages cut
+  where the in-process steps were counted (``Setup.cuts``, pinned), 1F1B, as
   :func:`wan.submit` submits every wan job;
 * its wall time: seconds from its first step event to its last (so ``steps - 1`` step gaps;
   the swarm's start and the job's set-up are left out, as T leaves them out);
 * its trained weights (:meth:`fedpipe.client.Job.state_dict`), scored on wan's held-out
-  windows as the in-process trainer's deployed evaluation scores them (:func:`wan.evaluate`:
-  the activations through the configuration's codecs, at the job plan's stage boundaries),
-  and, to tell the training from the codecs' cost at evaluation, without codecs.
+  windows as the in-process trainer's deployed evaluation scores them
+  (:func:`wan_converge.evaluate`: the activations through the configuration's codecs, at the
+  job plan's stage boundaries), and, to tell the training from the codecs' cost at
+  evaluation, without codecs.
 
 Printed per configuration: steps run (the seed's first evaluated step at or under the
 target), the seed that ran, its interpolated steps to target and the table's (the median of
@@ -54,6 +56,8 @@ import torch  # noqa: E402
 
 import fedpipe.spec  # noqa: E402
 import wan  # noqa: E402
+import wan_converge  # noqa: E402
+from fedpipe.examples.text import pydoc_text, text_batches  # noqa: E402
 
 SWARM_TIMEOUT = 180.0
 """Seconds the swarm's tracker and 4 nodes may take to come up (a loaded machine)."""
@@ -64,7 +68,7 @@ class Run:
     """One end-to-end job and what its trained weights score."""
 
     config: str
-    seed: int                  # the seed whose model and data it ran (wan.Curve.seed)
+    seed: int                  # the seed whose model and data it ran (wan_converge.Curve.seed)
     steps: int                 # steps the job ran
     wall: float                # seconds, first step event to last
     steady: float              # the job's own steady step time, seconds (:func:`wan.steady`)
@@ -75,38 +79,38 @@ class Run:
 
 cuts_of = fedpipe.spec.cuts_of
 """The stage boundaries of a plan's layer ranges (``[(0, 2), (2, 3), ...]`` -> ``(2, 3, ...)``),
-as :func:`wan.staged_forward` takes them and ``fedpipe.Placement(cuts=...)`` pins them."""
+as :func:`wan_converge.staged_forward` takes them and ``fedpipe.Placement(cuts=...)`` pins them."""
 
 
-def deployed_loss(setup: wan.Setup, config: wan.Config, state: dict[str, torch.Tensor],
-                  cuts: tuple[int, ...], held: tuple[torch.Tensor, torch.Tensor],
-                  last_batch: torch.Tensor) -> float:
+def deployed_loss(setup: wan_converge.Setup, config: wan_converge.Config,
+                  state: dict[str, torch.Tensor], cuts: tuple[int, ...],
+                  held: tuple[torch.Tensor, torch.Tensor], last_batch: torch.Tensor) -> float:
     """The held-out loss of ``state`` (the model's state_dict) with ``config``'s codecs at
-    ``cuts``, as :func:`wan.evaluate` scores the in-process trainer's model. A lowrank
+    ``cuts``, as :func:`wan_converge.evaluate` scores the in-process trainer's model. A lowrank
     codec's bases are first made from the activations of ``last_batch``'s first
     microbatch (``(batch, seq)`` byte ids: the job's last inputs)."""
     model = setup.model(0)
     model.load_state_dict(state)
-    links = [wan.Link(i, config) for i in range(len(cuts))]
+    links = [wan_converge.Link(i, config) for i in range(len(cuts))]
     if "lowrank" in config.activations:
         with torch.no_grad():
             for link in links:
                 link.step = 0
-            wan.staged_forward(model, links, cuts, last_batch.chunk(setup.microbatches)[0])
+            wan_converge.staged_forward(model, links, cuts, last_batch.chunk(setup.microbatches)[0])
             for link in links:
                 link.step = None
-    return wan.evaluate(model, links, cuts, held)
+    return wan_converge.evaluate(model, links, cuts, held)
 
 
-def last_batch(setup: wan.Setup, steps: int, *, seed: int) -> torch.Tensor:
+def last_batch(setup: wan_converge.Setup, steps: int, *, seed: int) -> torch.Tensor:
     """The inputs of step ``steps`` of ``seed``'s data (as :func:`wan.submit` feeds them)."""
-    batches = wan.text_batches(wan.pydoc_text()[0], setup.batch, setup.seq, seed=seed)
+    batches = text_batches(pydoc_text()[0], setup.batch, setup.seq, seed=seed)
     for _ in range(steps - 1):
         next(batches)
     return next(batches)[0]
 
 
-def run(swarm: Any, setup: wan.Setup, config: wan.Config, steps: int, seed: int,
+def run(swarm: Any, setup: wan_converge.Setup, config: wan_converge.Config, steps: int, seed: int,
         held: tuple[torch.Tensor, torch.Tensor]) -> Run:
     """A job of ``steps`` steps of ``config`` on ``swarm``, ``seed``'s model and data,
     timed and scored. Raises RuntimeError when the job ends short of ``steps``."""
@@ -121,15 +125,15 @@ def run(swarm: Any, setup: wan.Setup, config: wan.Config, steps: int, seed: int,
     cuts = cuts_of(wan.plan_ranges(status.plan))
     batch = last_batch(setup, steps, seed=seed)
     loss = deployed_loss(setup, config, state, cuts, held, batch)
-    plain = deployed_loss(setup, wan.CONFIGS["raw"], state, cuts, held, batch)
+    plain = deployed_loss(setup, wan_converge.CONFIGS["raw"], state, cuts, held, batch)
     return Run(config.name, seed, steps, times[-1] - times[0], wan.steady(times), loss, plain,
                cuts)
 
 
-def job_of(conv: wan.Convergence, name: str) -> tuple[wan.Curve, int]:
+def job_of(conv: wan_converge.Convergence, name: str) -> tuple[wan_converge.Curve, int]:
     """The run an end-to-end job of ``name`` repeats and how far: its median seed's curve
-    (:meth:`wan.Convergence.median_seed`) and that curve's first evaluated step at or under
-    ``conv.target`` (:meth:`wan.Curve.evaluated_steps_to`), where the job is judged. Raises
+    (:meth:`wan_converge.Convergence.median_seed`) and that curve's first evaluated step at or under
+    ``conv.target`` (:meth:`wan_converge.Curve.evaluated_steps_to`), where the job is judged. Raises
     SystemExit when ``conv`` has no curves of ``name`` or its median seed never reached the
     target in process (no step count to run)."""
     if name not in conv.curves:
@@ -143,7 +147,8 @@ def job_of(conv: wan.Convergence, name: str) -> tuple[wan.Curve, int]:
     return curve, int(steps)
 
 
-def line(r: Run, conv: wan.Convergence, step_time: float, setup: wan.Setup) -> str:
+def line(r: Run, conv: wan_converge.Convergence, step_time: float,
+         setup: wan_converge.Setup) -> str:
     """The report of ``r``: against T predicted with ``step_time`` (nan: the job's own),
     beside its seed's in-process curve in ``conv``: the first evaluated step at or under the
     target (what the job ran, :func:`job_of`) and the interpolated steps to target (the
@@ -167,8 +172,8 @@ def line(r: Run, conv: wan.Convergence, step_time: float, setup: wan.Setup) -> s
             + ("" if r.cuts == setup.cuts else f"; its plan cut at {r.cuts}") + ")")
 
 
-def check(setup: wan.Setup, conv: wan.Convergence, shaped: dict[str, float], profile: dict,
-          best: str, log: Callable[[str], None] = print) -> list[Run]:
+def check(setup: wan_converge.Setup, conv: wan_converge.Convergence, shaped: dict[str, float],
+          profile: dict, best: str, log: Callable[[str], None] = print) -> list[Run]:
     """Raw's and ``best``'s end-to-end jobs on one swarm shaped by ``profile``, each its
     median seed's to that seed's first evaluated step at or under the target
     (:func:`job_of`), reported by ``log`` against its T from ``shaped`` (seconds per step;
@@ -179,18 +184,18 @@ def check(setup: wan.Setup, conv: wan.Convergence, shaped: dict[str, float], pro
     jobs = {name: job_of(conv, name) for name in names}
     from fedpipe.testing import LocalSwarm
 
-    held = wan.held_out(setup)
+    held = wan_converge.held_out(setup)
     runs = []
     with LocalSwarm(n_nodes=setup.blocks, link_profile=profile, timeout=SWARM_TIMEOUT) as swarm:
         for name, (curve, steps) in jobs.items():
-            r = run(swarm, setup, wan.CONFIGS[name], steps, curve.seed, held)
+            r = run(swarm, setup, wan_converge.CONFIGS[name], steps, curve.seed, held)
             log(line(r, conv, shaped.get(name, math.nan), setup)
                 + f"; load {os.getloadavg()[0]:.2f}")
             runs.append(r)
     return runs
 
 
-def main(setup: wan.Setup, conv: wan.Convergence, shaped: dict[str, float],
+def main(setup: wan_converge.Setup, conv: wan_converge.Convergence, shaped: dict[str, float],
          args: argparse.Namespace) -> list[Run]:
     """``wan.py --e2e``: raw's and the best configuration's (``--best``, or
     :func:`wan_netns.best_config` by ``shaped``'s step times) jobs, on links of ``args``'

@@ -1,10 +1,11 @@
 """``benchmarks/wan.py --netns``: fedpipe beside torch.distributed.pipelining over real shaped
 links (issue 23, item 2).
 
-wan.py's model, split, microbatches and schedule (:class:`wan.Setup`, :data:`wan.SCHEDULE`),
-its stages in network namespaces of :class:`fedpipe.testing.stagenet.StageNetwork`: one per
-stage, joined by a bridge, every veth shaped with ``tc ... tbf`` at ``--mbps`` each way,
-bandwidth only (this kernel has no ``netem``, and gloo cannot be given latency).
+wan.py's model, split, microbatches and schedule (:class:`wan_converge.Setup`,
+:data:`wan.SCHEDULE`), its stages in network namespaces of
+:class:`fedpipe.testing.stagenet.StageNetwork`: one per stage, joined by a bridge, every veth
+shaped with ``tc ... tbf`` at ``--mbps`` each way, bandwidth only (this kernel has no
+``netem``, and gloo cannot be given latency).
 
 * **fedpipe**: a tracker in the hub namespace and one node per stage namespace
   (:class:`fedpipe.testing.LocalSwarm` with ``places``), driven from a process in the hub
@@ -15,7 +16,7 @@ bandwidth only (this kernel has no ``netem``, and gloo cannot be given latency).
   0's veth address, ``GLOO_SOCKET_IFNAME=eth0``, 1 torch thread), with the layer ranges
   of fedpipe's raw plan, so the split is the same; AdamW at wan's learning rate.
 
-Steps to target come from wan's one-process :class:`wan.Convergence`; torch trains raw
+Steps to target come from wan's one-process :class:`wan_converge.Convergence`; torch trains raw
 fp32 with the same model, data, microbatches and optimizer, so its steps are raw's. Then
 T = steps × steady step time, and each T against torch's.
 
@@ -53,6 +54,8 @@ for _p in (str(HERE.parent), str(HERE)):
 import torch  # noqa: E402
 
 import wan  # noqa: E402
+import wan_converge  # noqa: E402
+from fedpipe.examples.text import lm_loss, pydoc_text, text_batches  # noqa: E402
 from fedpipe.proc import child_env, die_with_parent  # noqa: E402
 from fedpipe.testing.natnet import Host  # noqa: E402
 from fedpipe.testing.stagenet import DEV, StageNetwork  # noqa: E402
@@ -73,7 +76,7 @@ TARGETS = {"raw": 1.2, "best": 0.3}
 """fedpipe's T at most this × torch's (issue 23)."""
 
 
-def best_config(conv: wan.Convergence, shaped: dict[str, float]) -> str:
+def best_config(conv: wan_converge.Convergence, shaped: dict[str, float]) -> str:
     """fedpipe's best configuration among those that keep convergence (at most
     :data:`STEPS_FACTOR` × raw's steps to target, a final loss within :data:`FINAL_LOSS`
     of raw's): the least T among those with a measured step time in ``shaped``; without
@@ -131,11 +134,11 @@ def _wait(procs: Sequence[subprocess.Popen], timeout: float, what: str,
         raise RuntimeError(f"{what} {state} (process, exit code: {bad}):\n{tails}")
 
 
-def _setup_json(setup: wan.Setup) -> str:
+def _setup_json(setup: wan_converge.Setup) -> str:
     return json.dumps(dataclasses.asdict(setup))
 
 
-def fedpipe_side(net: StageNetwork, setup: wan.Setup, configs: Sequence[str], steps: int,
+def fedpipe_side(net: StageNetwork, setup: wan_converge.Setup, configs: Sequence[str], steps: int,
                  workdir: Path, procs: list[subprocess.Popen]) -> dict[str, Any]:
     """Run ``configs``' jobs on a swarm in ``net`` (the driver in the hub namespace);
     by name, ``{"seconds": steady step time, "ranges": [[start, end], ...]}``, and
@@ -153,7 +156,7 @@ def fedpipe_side(net: StageNetwork, setup: wan.Setup, configs: Sequence[str], st
     return json.loads(out.read_text())
 
 
-def torch_side(net: StageNetwork, setup: wan.Setup, ranges: Sequence[Sequence[int]],
+def torch_side(net: StageNetwork, setup: wan_converge.Setup, ranges: Sequence[Sequence[int]],
                steps: int, workdir: Path, procs: list[subprocess.Popen]) -> float:
     """torch.distributed.pipelining over ``net``, one process per stage namespace: its
     steady step time, seconds (rank 0's clock). Appends the processes to ``procs``."""
@@ -175,7 +178,7 @@ def torch_side(net: StageNetwork, setup: wan.Setup, ranges: Sequence[Sequence[in
 
 # -- the comparison ----------------------------------------------------------------------
 
-def compare(setup: wan.Setup, conv: wan.Convergence, mbps: float, steps: int,
+def compare(setup: wan_converge.Setup, conv: wan_converge.Convergence, mbps: float, steps: int,
             best: str, log: Callable[[str], None] = print) -> dict[str, float]:
     """Both systems over one :class:`StageNetwork` of ``setup.blocks`` stages at ``mbps``;
     prints the table, returns fedpipe's step times by configuration (raw and ``best``)."""
@@ -197,7 +200,7 @@ def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _both(setup: wan.Setup, mbps: float, steps: int, configs: list[str],
+def _both(setup: wan_converge.Setup, mbps: float, steps: int, configs: list[str],
           procs: list[subprocess.Popen],
           log: Callable[[str], None]) -> tuple[dict[str, Any], float]:
     """fedpipe's jobs, then torch's, over one fresh :class:`StageNetwork`; everything
@@ -224,7 +227,7 @@ def _both(setup: wan.Setup, mbps: float, steps: int, configs: list[str],
     return fp, torch_s
 
 
-def report(conv: wan.Convergence, torch_s: float, fedpipe_s: dict[str, float], best: str,
+def report(conv: wan_converge.Convergence, torch_s: float, fedpipe_s: dict[str, float], best: str,
            mbps: float) -> None:
     """The side-by-side table and the targets' verdicts."""
     raw_steps = conv.steps("raw")
@@ -253,7 +256,7 @@ def report(conv: wan.Convergence, torch_s: float, fedpipe_s: dict[str, float], b
 def _fedpipe_main(args: argparse.Namespace) -> None:
     from fedpipe.testing import LocalSwarm
 
-    setup = wan.Setup(**json.loads(args.setup))
+    setup = wan_converge.Setup(**json.loads(args.setup))
     places = [Host(*p.split(":")) for p in args.places.split(",")]
     workdir = Path(args.workdir) / "swarm"
     workdir.mkdir()
@@ -269,7 +272,7 @@ def _fedpipe_main(args: argparse.Namespace) -> None:
         print(f"swarm up in {out['up_seconds']:.0f} s; load {os.getloadavg()[0]:.2f}",
               flush=True)
         for name in args.configs.split(","):
-            seconds, ranges = wan.timed_job(swarm, setup, wan.CONFIGS[name], args.steps)
+            seconds, ranges = wan.timed_job(swarm, setup, wan_converge.CONFIGS[name], args.steps)
             out[name] = {"seconds": seconds, "ranges": ranges}
             print(f"{name}: {seconds * 1e3:.1f} ms {ranges}", flush=True)
     Path(args.out).write_text(json.dumps(out))
@@ -280,13 +283,13 @@ def _torch_main(args: argparse.Namespace) -> None:
 
     import vs_torch
 
-    setup = wan.Setup(**json.loads(args.setup))
-    train_data, _ = wan.pydoc_text()
+    setup = wan_converge.Setup(**json.loads(args.setup))
+    train_data, _ = pydoc_text()
     ranges = [tuple(r) for r in json.loads(args.ranges)]
     cfg = vs_torch.Config(
         "wan", len(ranges), build=functools.partial(setup.model, 0),
-        batch=lambda: next(wan.text_batches(train_data, setup.batch, setup.seq)),
-        microbatches=setup.microbatches, loss=wan.lm_loss,
+        batch=lambda: next(text_batches(train_data, setup.batch, setup.seq)),
+        microbatches=setup.microbatches, loss=lm_loss,
         optimizer=functools.partial(torch.optim.AdamW, lr=setup.lr))
     vs_torch.torch_stage(args.rank, cfg, ranges, args.steps, wan.SCHEDULE,
                          f"tcp://{args.master}", args.out)

@@ -14,25 +14,25 @@ import pytest
 from fedpipe.testing import stagenet
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-for _name in ("wan", "wan_netns"):
+for _name in ("wan_converge", "wan", "wan_netns"):  # each after the modules it imports
     _spec = importlib.util.spec_from_file_location(_name, ROOT / "benchmarks" / f"{_name}.py")
     if _name not in sys.modules:
         sys.modules[_name] = importlib.util.module_from_spec(_spec)
         _spec.loader.exec_module(sys.modules[_name])
-wan, wan_netns = sys.modules["wan"], sys.modules["wan_netns"]
+wan_converge, wan_netns = sys.modules["wan_converge"], sys.modules["wan_netns"]
 
-TINY = wan.Setup(d=16, heads=2, blocks=2, seq=16, batch=8, microbatches=2)
+TINY = wan_converge.Setup(d=16, heads=2, blocks=2, seq=16, batch=8, microbatches=2)
 
 
 def _conv(steps: dict[str, float], nbytes: dict[str, float],
-          final: dict[str, float] | None = None) -> "wan.Convergence":
+          final: dict[str, float] | None = None) -> "wan_converge.Convergence":
     curves = {}
     for name, s in steps.items():
         loss = (final or {}).get(name, 1.0)
-        c = wan.Curve(name, 0, steps=[s, 100], losses=[1.0, loss], forward_bytes=nbytes[name],
-                      backward_bytes=nbytes[name])
+        c = wan_converge.Curve(name, 0, steps=[s, 100], losses=[1.0, loss],
+                               forward_bytes=nbytes[name], backward_bytes=nbytes[name])
         curves[name] = [c]
-    return wan.Convergence(curves, target=1.0, budget=100)
+    return wan_converge.Convergence(curves, target=1.0, budget=100)
 
 
 def test_best_keeps_convergence_then_has_the_least_t_or_the_fewest_bytes():
