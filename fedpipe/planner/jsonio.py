@@ -269,7 +269,7 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     (the step time × the steps factor of the plan's codecs,
     :func:`fedpipe.planner.codecs.steps_factor`)."""
     from .codecs import codec_cost, steps_factor
-    from .costs import boundary_bytes, boundary_width
+    from .costs import boundary_bytes, boundary_element_bytes, boundary_width
 
     nodes = {n.node_id: n for n in cluster.nodes}
     header: tuple[str, ...] = (
@@ -282,13 +282,15 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
 
         def wire(codec: str, end: int, messages: int, per_mb: float = per_mb) -> str:
             used.append(codec)
-            return _bytes(codec_cost(codec).wire_bytes(boundary_bytes(profile, end, per_mb),
-                                                       profile.element_bytes,
-                                                       boundary_width(profile, end), messages))
+            return _bytes(codec_cost(codec).wire_bytes(
+                boundary_bytes(profile, end, per_mb, config.precision),
+                boundary_element_bytes(profile, config.precision), boundary_width(profile, end),
+                messages))
 
         def cpu(codec: str, end: int, sender: str, receiver: str, per_mb: float = per_mb) -> str:
             ends = [nodes[i].codec_speeds if i in nodes else () for i in (sender, receiver)]
-            seconds = codec_cost(codec).seconds(boundary_bytes(profile, end, per_mb), *ends)
+            seconds = codec_cost(codec).seconds(
+                boundary_bytes(profile, end, per_mb, config.precision), *ends)
             return f"{seconds * 1e3:.2f} ms"
         for si, s in enumerate(g.stages):
             n = nodes.get(s.node_id)
