@@ -203,8 +203,9 @@ def test_plan_and_submit_take_recompute_and_precision_as_submit_does(tmp_path, c
     assert main(["plan", "--cluster", str(small), *model, "--precision", "bf16-mixed"]) == 0
     assert ", precision bf16-mixed, recompute off" in capsys.readouterr().out.splitlines()[0]
     assert main([*PLAN, "--stages", "2", "--recompute", "on", "--json"]) == 0
-    stages = json.loads(capsys.readouterr().out)["groups"][0]["stages"]
-    assert [s["recompute"] for s in stages] == [True, True]
+    planned = json.loads(capsys.readouterr().out)
+    assert [s["recompute"] for s in planned["groups"][0]["stages"]] == [True, True]
+    assert (planned["precision"], planned["recompute"]) == ("fp32", "on")
     args = parser().parse_args(["submit", "--tracker", "a:1", "--recompute", "auto",
                                 "--precision", "bf16-mixed"])
     assert (args.recompute, args.precision) == ("auto", "bf16-mixed")
