@@ -133,7 +133,9 @@ def test_plan_and_submit_on_the_command_line_take_submits_microbatches_and_sched
     demo = parser().parse_args(["demo"])
     assert (demo.microbatches, demo.schedule) == (4, "1f1b")  # the demo's own, said in --help
     assert main([*PLAN, "--stages", "2"]) == 0
-    assert f"batch 64 in {MICROBATCHES} microbatches, schedule gpipe" in capsys.readouterr().out
+    plural = "es" if MICROBATCHES != 1 else ""
+    assert f"batch 64 in {MICROBATCHES} microbatch{plural}, schedule gpipe" in \
+        capsys.readouterr().out
     with pytest.raises(SystemExit):
         parser().parse_args(["plan", "--help"])
     assert (f"microbatches per step (default: {MICROBATCHES}, as submit()'s)"

@@ -70,7 +70,8 @@ class JobStatus:
     recoveries: tuple[tracker_pb2.Recovery, ...] = ()
 
     def __str__(self) -> str:
-        text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
+        loss = f"{self.loss:.4f}" if self.step else "-"  # no step done: no loss yet
+        text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {loss}"
         for r in self.recoveries:
             text += (f"\n  {recovery_headline(r)}: rewound to step "
                      f"{r.checkpoint_step}, {r.steps_recomputed} steps recomputed, "
