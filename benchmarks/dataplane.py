@@ -37,7 +37,9 @@ Then: per-message latency at 64 KiB (median round trip), and the CPU per
 (:data:`CPU_PATHS`): issue 24's figure, ``node``, goes through a node's own
 receive path (:class:`NodePath`: its socket listener, NodeReceiver's admission
 checks, the mailbox, and a stage thread taking each tensor from it), plain and
-over mutual TLS; beside it the socket plane into a bench inbox (no admission,
+over mutual TLS; beside it the floor, ``raw tcp`` (the same bytes by ``sendall``
+into ``recv_into``, one answer byte per message read at the end: the kernel's
+copies and two Python loops), the socket plane into a bench inbox (no admission,
 no mailbox: the figure printed before) and today's gRPC stream.
 
     python benchmarks/dataplane.py            # ~1 min
@@ -336,7 +338,14 @@ class Sender:
         tensor = torch.randn(nbytes // 4)
         env = node_pb2.Envelope(job_id="bench", stage=1, kind=node_pb2.KIND_ACTIVATION,
                                 batch_size=nbytes)
-        if transport == "dataplane":
+        if transport == "raw tcp":  # the floor: the bytes and one answer byte each, read last
+            prebuilt = memoryview(struct.pack("<Q", nbytes) + tensor.numpy().tobytes())
+            for _ in range(count):
+                self.raw.sendall(prebuilt)
+            answered = 0
+            while answered < count:
+                answered += len(self.raw.recv(count - answered))
+        elif transport == "dataplane":
             for _ in range(count):
                 self.link.send(tensor, envelope=env)
             self.link.flush()
@@ -490,6 +499,7 @@ def latency(times: dict[str, list[float]]) -> None:
 
 
 CPU_PATHS = {
+    "raw tcp": "the floor: sendall of a prebuilt message into recv_into, no framing or checks",
     "node": "socket plane into a node: NodeReceiver, admission, mailbox, the stage's take",
     "node tls": "the same over mutual TLS (policy and job checks on the certificate)",
     "dataplane": "socket plane into a bench inbox (no admission, no mailbox)",
@@ -527,6 +537,8 @@ def cpu_per_message(pair: Pair, messages: int, rounds: int,
         if t == "node":
             line += f", target <= {CPU_TARGET_US:.0f} us: " + (
                 "met" if q2 <= CPU_TARGET_US else f"NOT met by {q2 - CPU_TARGET_US:.1f} us")
+            if us.get("raw tcp"):
+                line += f" (raw tcp's floor {statistics.median(us['raw tcp']):.1f} us)"
             out.append(f"64 KiB {line} [load {after}]")
         print(f"  {line}  ({what})")
     print(f"  load average before {before}, after {after}")
