@@ -1,6 +1,6 @@
 """The command line's and the client's one-line errors about what they were pointed at,
 in-process (no subprocess): an unknown job on a tracker or its dashboard, a dashboard
-nothing serves.
+nothing serves, a node's port or an HTTP port given as the tracker's.
 
 The servers run in this process: the real dashboard over an empty store, a gRPC server
 with a node's service only, and a stand-in tracker that knows no job (a real tracker
@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
+from torch import nn
 
+import fedpipe
 from fedpipe import net
 from fedpipe.cli import main
 from fedpipe.client import Client, JobNotFound
@@ -117,6 +120,35 @@ def test_a_dashboard_url_that_is_no_dashboard_is_named(dashboard, node, capsys):
     assert said(capsys, ["status", "--dashboard", f"http://{node}"]) == (
         f"fedpipe status: http://{node} does not speak HTTP/1.1 (is it the tracker's --port? "
         f"give the tracker's --http-port)\n")
+
+
+def test_a_nodes_port_given_as_the_trackers_is_named_by_the_cli_and_the_client(node, capsys):
+    # was: "fedpipe status: UNIMPLEMENTED: Method not found!"; from Python, gRPC's raw
+    # _InactiveRpcError
+    line = (f"{node} is not a fedpipe tracker (it does not serve the tracker's calls; is it "
+            f"a node's port?)")
+    assert said(capsys, ["status", "--tracker", node]) == \
+        f"fedpipe status: UNIMPLEMENTED: {line}\n"
+    with Client(node) as client:
+        with pytest.raises(grpc.RpcError) as e:
+            client.nodes()
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.UNIMPLEMENTED, line)
+        assert str(e.value) == f"UNIMPLEMENTED: {line}"
+    with Client(node) as client:
+        with pytest.raises(grpc.RpcError) as e:
+            client.submit(nn.Sequential(nn.Linear(3, 2)), nn.functional.mse_loss,
+                          fedpipe.optimizer(torch.optim.SGD, lr=0.1),
+                          [(torch.zeros(4, 3), torch.zeros(4, 2))], steps=1)
+        assert e.value.details() == line
+
+
+def test_the_trackers_http_port_given_as_its_port_is_named(dashboard, capsys):
+    # was: "UNAVAILABLE: Failed parsing HTTP/2 (Expected SETTINGS frame as the first
+    # frame, got frame type 79)"
+    address = dashboard.removeprefix("http://")
+    assert said(capsys, ["status", "--tracker", address]) == (
+        f"fedpipe status: UNAVAILABLE: {address} does not speak gRPC (is it the tracker's "
+        f"--http-port? give the tracker's --port)\n")
 
 
 def test_an_unknown_job_is_job_not_found_from_status_wait_and_history(tracker):
