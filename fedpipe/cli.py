@@ -263,8 +263,9 @@ def cmd_plan(args) -> int:
                                  gradient_compression=args.gradient_compression,
                                  recompute=args.recompute, precision=args.precision)
     plan = planner.make_plan(cluster, profile, config)
-    if args.json:
-        print(json.dumps(jsonio.plan_to_json(plan), indent=1))
+    if args.json:  # with the settings it was planned for, as the table's first line says
+        print(json.dumps({**jsonio.plan_to_json(plan), "precision": config.precision,
+                          "recompute": config.recompute}, indent=1))
     else:
         print(jsonio.format_plan(plan, cluster, profile, config))
     if args.draw:

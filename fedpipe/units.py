@@ -1,4 +1,4 @@
-"""Sizes in words, one way everywhere a message or a table gives bytes (no imports)."""
+"""Sizes and ranges in words, one way everywhere a message or a table gives them (no imports)."""
 from __future__ import annotations
 
 
@@ -8,3 +8,8 @@ def binary_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.{digits}f} {unit}"
     return f"{n:.0f} B"
+
+
+def layer_range(start: int, end: int) -> str:
+    """Layers ``[start, end)`` in words: "layer 3" for one, "layers 3-5" for several."""
+    return f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"

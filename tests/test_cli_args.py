@@ -133,7 +133,9 @@ def test_plan_and_submit_on_the_command_line_take_submits_microbatches_and_sched
     demo = parser().parse_args(["demo"])
     assert (demo.microbatches, demo.schedule) == (4, "1f1b")  # the demo's own, said in --help
     assert main([*PLAN, "--stages", "2"]) == 0
-    assert f"batch 64 in {MICROBATCHES} microbatches, schedule gpipe" in capsys.readouterr().out
+    plural = "es" if MICROBATCHES != 1 else ""
+    assert f"batch 64 in {MICROBATCHES} microbatch{plural}, schedule gpipe" in \
+        capsys.readouterr().out
     with pytest.raises(SystemExit):
         parser().parse_args(["plan", "--help"])
     assert (f"microbatches per step (default: {MICROBATCHES}, as submit()'s)"
@@ -203,8 +205,9 @@ def test_plan_and_submit_take_recompute_and_precision_as_submit_does(tmp_path, c
     assert main(["plan", "--cluster", str(small), *model, "--precision", "bf16-mixed"]) == 0
     assert ", precision bf16-mixed, recompute off" in capsys.readouterr().out.splitlines()[0]
     assert main([*PLAN, "--stages", "2", "--recompute", "on", "--json"]) == 0
-    stages = json.loads(capsys.readouterr().out)["groups"][0]["stages"]
-    assert [s["recompute"] for s in stages] == [True, True]
+    planned = json.loads(capsys.readouterr().out)
+    assert [s["recompute"] for s in planned["groups"][0]["stages"]] == [True, True]
+    assert (planned["precision"], planned["recompute"]) == ("fp32", "on")
     args = parser().parse_args(["submit", "--tracker", "a:1", "--recompute", "auto",
                                 "--precision", "bf16-mixed"])
     assert (args.recompute, args.precision) == ("auto", "bf16-mixed")

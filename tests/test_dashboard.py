@@ -154,6 +154,7 @@ def test_api_job_matches_get_job_and_its_events(running):
     assert len(stages) == 2 and all(s["predicted_compute"] > 0 for s in stages)
     assert sum(s["bottleneck"] for s in stages) == 1
     assert api["config"]["batch_size"] == 32 and api["config"]["microbatches"] == 2
+    assert (api["config"]["precision"], api["config"]["recompute"]) == ("fp32", "off")
     # the history is the tracker's step events, one per step so far
     steps = [(h["step"], h["loss"], h["samples_per_second"]) for h in api["history"]]
     assert [s for s, _, _ in steps] == list(range(1, HELD_AT + 1))

@@ -248,10 +248,9 @@ def test_the_peer_in_a_fetch_is_the_links(monkeypatch):
     assert [p.name for p in seen] == ["node0"]
 
 
-def test_a_clients_state_dict_comes_over_its_socket_plane_and_a_refusal_is_grpcs_error():
-    import grpc
-
-    from fedpipe.client import checkpoints, links
+def test_a_clients_state_dict_comes_over_its_socket_plane_and_a_gone_stage_is_named():
+    from fedpipe.client import CheckpointGone, checkpoints, links
+    from fedpipe.proto import tracker_pb2
     r, _ = serving_node()
     plan = node_pb2.Plan(stages=[node_pb2.StageAssignment(
         replica=0, stage=1, node_name="node1", address="127.0.0.1:1")])  # no gRPC there
@@ -263,11 +262,15 @@ def test_a_clients_state_dict_comes_over_its_socket_plane_and_a_refusal_is_grpcs
         got = checkpoints.stage_weights(no_grpc, "j", plan, plane=client)
         assert set(got) == {"0.weight", "0.bias"}
         assert torch.equal(got["0.bias"], MODEL.bias.detach())
-        plan.stages[0].stage = 0  # a stage node1 does not hold
-        with pytest.raises(grpc.RpcError) as e:
-            checkpoints.stage_weights(no_grpc, "j", plan, plane=client)
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "node1 refused it" in str(
-        e.value.details())
+        plan.stages[0].stage = 0  # a stage node1 does not hold (released): NOT_FOUND
+        with pytest.raises(CheckpointGone) as e:
+            checkpoints.stage_weights(no_grpc, "j", plan, plane=client,
+                                      state=tracker_pb2.JOB_STATE_SUCCEEDED)
+    # the same words as over gRPC (tests/test_job_errors.py), not the link's refusal
+    assert str(e.value).startswith("job j: the trained weights of stage 0 (replica group 0) "
+                                   "are gone: its nodes no longer hold them (released, or "
+                                   "they restarted); "), str(e.value)
+    assert "refused it" not in str(e.value)
 
 
 def test_an_accepted_connection_silent_after_its_preface_is_closed_and_gives_its_slot_back():

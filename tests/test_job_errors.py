@@ -1,7 +1,7 @@
 """A Job's one-line errors, in-process against a fake tracker and fake nodes: ``submit``
 of a loss that is not callable, ``resume`` of a job that has ended, ``save`` of a
-checkpoint whose snapshots are gone, and the warning of a checkpoint that could not be
-kept."""
+checkpoint whose snapshots are gone, ``state_dict``/``model`` of a job whose weights were
+released, and the warning of a checkpoint that could not be kept."""
 from __future__ import annotations
 
 import logging
@@ -118,6 +118,80 @@ def test_save_after_the_snapshots_are_gone_names_the_job_the_step_and_why(client
                             "and its nodes dropped its snapshots")
     assert len(node.asked) == 2  # the stage's node, then the plan's other node (a buddy)
     assert not (tmp_path / "run").exists()
+
+
+class ReleasedStages:
+    """A node that released the job's stages (``job.release()``, or it restarted): its
+    ``FetchState`` stream ends NOT_FOUND at its first message, worded as a node's
+    :class:`~fedpipe.node.errors.NoSuchStage`."""
+
+    def __init__(self):
+        self.asked: list = []
+
+    def FetchState(self, request, timeout=None):
+        self.asked.append(request)
+
+        def stream():
+            raise FakeRpcError(NOT_FOUND, f"no stage {request.stage} of job "
+                                          f"{request.job_id!r} (replica {request.replica}) "
+                                          f"on this node")
+            yield  # a generator: the refusal comes when the stream is read, as gRPC's
+        return stream()
+
+
+RELEASED = ("its nodes no longer hold them (released, or they restarted); to keep a job's "
+            "weights, fetch them before it is released (job.state_dict(), job.save(path)), "
+            "or submit it with checkpoint_dir=CHECKPOINT_DIR: "
+            "submit(..., resume_from=CHECKPOINT_DIR) starts a new job from a kept checkpoint")
+
+
+def test_state_dict_and_model_after_release_name_the_job_the_stage_and_what_to_do(client):
+    tracker = FakeTracker(steps=3)
+    tracker.move(S.JOB_STATE_SUCCEEDED, reason="all 3 steps done", step=3)
+    client.stub = tracker
+    node = ReleasedStages()
+    client.node = lambda address: node
+    job = Job(client, "j", model=torch.nn.Sequential(torch.nn.Linear(3, 3),
+                                                      torch.nn.Linear(3, 2)))
+    with pytest.raises(CheckpointGone) as e:
+        job.state_dict()
+    assert str(e.value) == f"job j: the trained weights of stage 0 (replica group 0) are " \
+                           f"gone: {RELEASED}"
+    with pytest.raises(CheckpointGone) as e:
+        job.state_dict(stage=1)
+    assert str(e.value).startswith("job j: the trained weights of stage 1 (replica group 0) "
+                                   "are gone: ")
+    with pytest.raises(CheckpointGone) as e:
+        job.model()
+    assert str(e.value).endswith(RELEASED)
+    assert "LinkError" not in str(e.value) and "NOT_FOUND" not in str(e.value)
+    assert [(r.job_id, r.stage) for r in node.asked] == [("j", 0), ("j", 1), ("j", 0)]
+
+
+def test_state_dict_of_a_cancelled_job_says_its_nodes_dropped_its_weights(client):
+    tracker = FakeTracker(steps=3)
+    tracker.move(S.JOB_STATE_CANCELLED, reason="stopped")
+    client.stub = tracker
+    client.node = lambda address: ReleasedStages()
+    with pytest.raises(CheckpointGone, match=r"^job j: the trained weights of stage 0 "
+                                             r"\(replica group 0\) are gone: the job was "
+                                             r"cancelled and its nodes dropped its weights; "
+                                             r"to keep a job's weights, "):
+        client.job("j").state_dict()
+
+
+def test_state_dict_from_an_unreachable_node_is_still_grpcs_error(client):
+    class Unreachable:
+        def FetchState(self, request, timeout=None):
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    tracker = FakeTracker(steps=3)
+    tracker.move(S.JOB_STATE_SUCCEEDED)
+    client.stub = tracker
+    client.node = lambda address: Unreachable()
+    with pytest.raises(grpc.RpcError) as e:
+        client.job("j").state_dict()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def keeper(job: Job, folder) -> CheckpointKeeper:

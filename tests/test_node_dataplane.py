@@ -4,12 +4,15 @@
 admission: the policy's roles for ``Send``, the kinds a client may send, who is
 assigned to the job, then the stage; each refusal carries the gRPC status
 code the node's error table gives the same error on gRPC. A link that broke
-after a neighbour's pipeline tensor reports that neighbour (the suspect path).
+after a neighbour's pipeline tensor reports that neighbour (the suspect path). A client
+that leaves once its jobs are over here ends quietly ("client X left"); one whose link
+broke mid-job is still a warning.
 A stage's :class:`~fedpipe.node.peers.SocketSender` on an emulated link
 (``--link-profile``) pays the link's latency and bandwidth as gRPC's shaper does.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -137,6 +140,67 @@ def test_a_broken_link_reports_the_neighbour_whose_pipeline_tensor_came_last():
     r.deliver(peer(Role.NODE, "node0"), header(Kind.ACTIVATION), torch.zeros(1))
     r.lost("node0", "reset")
     assert [e.kind for e in admission.suspected] == [Kind.ACTIVATION.value]
+
+
+class LiveJobs(FakeStages):
+    """Stages of job ``j`` (as FakeStages); ``live``: the jobs with a live stage here
+    (:meth:`fedpipe.node.stages.StageRegistry.runs`), changed by the test."""
+
+    def __init__(self, live: set[str]):
+        self.live = live
+
+    def runs(self, job_id: str) -> bool:
+        return job_id in self.live
+
+
+def logged(caplog, text: str, level: int, timeout: float = 10.0) -> logging.LogRecord:
+    """The first record of ``fedpipe.node.dataplane`` at ``level`` whose message holds
+    ``text``, waited for (a link's events come on its own threads)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for r in list(caplog.records):
+            if r.name == "fedpipe.node.dataplane" and r.levelno == level \
+                    and text in r.getMessage():
+                return r
+        assert time.monotonic() < deadline, f"no {logging.getLevelName(level)} " \
+            f"{text!r} in {[r.getMessage() for r in caplog.records]}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("live_at_break, live_at_failure, left", [
+    (False, False, True),   # the job ended (and was released) before the client went
+    (True, True, False),    # the client went mid-job
+    (True, False, False),   # mid-job, and the job was parked before the link failed
+])
+def test_a_client_that_leaves_after_its_jobs_ended_is_no_warning_but_mid_job_it_is(
+        caplog, live_at_break, live_at_failure, left):
+    from fedpipe.client.links import NoInbound
+    from fedpipe.net.dataplane import Timeouts, client_name
+    access = JobAccessBook()
+    access.learn("j", "", ["node0"])
+    stages = LiveJobs({"j"} if live_at_break else set())
+    r = NodeReceiver(access, FakeAdmission(), stages)  # type: ignore[arg-type]
+    quick = Timeouts(resume=0.5)  # how long the node waits for the client to dial again
+    name = client_name("alice")
+    with caplog.at_level(logging.DEBUG, logger="fedpipe.node.dataplane"), \
+            DataPlane("node0", r, events=r, timeouts=quick) as node:
+        with DataPlane(name, NoInbound(), role="client", listen=False) as client:
+            client.link("node0", node.address, "j").send(
+                torch.zeros(2), envelope=header(Kind.INPUT, stage=0).envelope, flush=True)
+        if live_at_break:  # the break was seen while the job ran
+            logged(caplog, f"data connection to {name} broke", logging.INFO)
+        else:
+            logged(caplog, f"data connection to client {name} closed", logging.DEBUG)
+        stages.live = {"j"} if live_at_failure else set()
+        if left:
+            logged(caplog, f"client {name} left: no job it fed runs on this node",
+                   logging.INFO)
+        else:
+            logged(caplog, f"data link to {name} failed: {name} did not reconnect",
+                   logging.WARNING)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                and r.name == "fedpipe.node.dataplane"]
+    assert (warnings == []) == left, warnings
 
 
 class Arrivals:

@@ -15,8 +15,9 @@ import pytest
 from fedpipe.planner import (ClusterView, LayerProfile, ModelProfile, NodeSpec, Plan, PlanError,
                              ReplicaGroup, SearchOptions, StagePlan, TrainConfig, make_plan,
                              simulate, stage_memory_bytes)
-from fedpipe.planner.costs import compute_seconds
-from fedpipe.planner.types import Overheads
+from fedpipe.planner.costs import boundary_bytes, boundary_element_bytes, compute_seconds
+from fedpipe.planner.codecs import codec_cost
+from fedpipe.planner.types import Link, Overheads
 
 pytestmark = pytest.mark.timeout(60)
 FAST = SearchOptions(iterations=40, time_limit_s=5)
@@ -140,3 +141,28 @@ def test_a_stages_recompute_and_the_configs_knobs_survive_json_and_the_plan_mess
     assert [s.recompute for s in again.groups[0].stages] == [True, False]
     cfg = config(recompute="auto", precision="bf16-mixed")
     assert jsonio.config_from_json(jsonio.config_to_json(cfg)) == cfg
+
+
+def test_bf16_mixed_sends_half_the_bytes_and_a_codec_counts_bfloat16_elements():
+    # two stages over a slow link: the step is the boundary's transfer; a stage under
+    # bf16-mixed sends its autocast output as it is, bfloat16 (test_recompute.py's
+    # test_a_bf16_mixed_stage_sends_bfloat16_activations)
+    prof = profile()
+    assert boundary_bytes(prof, 2, 8, "bf16-mixed") == boundary_bytes(prof, 2, 8) / 2 == 4000
+    assert boundary_element_bytes(prof, "bf16-mixed") == 2 and boundary_element_bytes(
+        prof, "fp32") == 4
+    # int8 of a bfloat16 tensor keeps twice the fraction it keeps of a float32 one (1 byte
+    # of 2, not of 4); "bf16" of one leaves it as it is
+    assert codec_cost("int8").wire_bytes(4000, 2) == pytest.approx(
+        2 * codec_cost("int8").wire_bytes(4000, 4))
+    assert codec_cost("bf16").wire_bytes(4000, 2) == 4000
+    slow = Link(bandwidth=1e4, latency=0.0)  # bytes/s: the transfer dwarfs the compute
+    cluster = ClusterView([NodeSpec("a", 1e12, 10**9), NodeSpec("b", 1e12, 10**9)],
+                          links={("a", "b"): slow, ("b", "a"): slow}, overheads=Overheads())
+    plan = Plan([ReplicaGroup([StagePlan("a", 0, 2), StagePlan("b", 2, 4)], 1, 8)], 0.0)
+    cfg = TrainConfig(batch_size=8, microbatches=1, compression="none")
+    fp32 = simulate(plan, cluster, prof, cfg).step_seconds
+    bf16 = simulate(plan, cluster, prof, dataclasses.replace(cfg, precision="bf16-mixed"))
+    assert fp32 == pytest.approx(2 * 8000 / 1e4, rel=0.01)  # activation and gradient
+    assert bf16.step_seconds == pytest.approx(fp32 / 2, rel=0.01)
+

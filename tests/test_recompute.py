@@ -87,6 +87,25 @@ class Wires:
         raise AssertionError("a lone stage sends to no peer")
 
 
+def test_a_bf16_mixed_stage_sends_bfloat16_activations_and_gradients():
+    """What the planner prices a bf16-mixed boundary at (half of float32's bytes,
+    ``fedpipe.planner.costs.boundary_bytes``): a middle stage's autocast output, sent as
+    it is, and the gradient of its input, of its input's dtype."""
+    sent = {}
+    for precision in ("fp32", "bf16-mixed"):
+        torch.manual_seed(0)
+        layers = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+        wires = Wires({(Kind.ACTIVATION, 0, 0): torch.randn(8, 64, dtype=dtype),
+                       (Kind.GRADIENT, 0, 0): torch.ones(8, 32, dtype=dtype)})
+        runner = SyncStageRunner(layers, None, None, "gpipe", 1, 3, 1, wires,
+                                 precision=precision)
+        list(runner.run(1))
+        sent[precision] = {kind: t.dtype for (kind, _, _), t in wires.sent.items()}
+    assert sent["fp32"] == {Kind.ACTIVATION: torch.float32, Kind.GRADIENT: torch.float32}
+    assert sent["bf16-mixed"] == {Kind.ACTIVATION: torch.bfloat16, Kind.GRADIENT: torch.bfloat16}
+
+
 def _saved_bytes(recompute: bool) -> tuple[int, torch.Tensor]:
     """Bytes autograd keeps for backward after the forward of one microbatch through a
     middle stage of 4 layers of width 256, and the input's gradient after backward."""

@@ -70,8 +70,8 @@ class Gate:
 
 def ranges(summary: str) -> dict[str, tuple[int, int]]:
     """A plan's one-line summary as node name -> (first layer, last layer + 1)."""
-    return {m.group(1): (int(m.group(2)), int(m.group(3)) + 1)
-            for m in re.finditer(r"(\S+): layers (\d+)-(\d+)", summary)}
+    return {m.group(1): (int(m.group(2)), int(m.group(3) or m.group(2)) + 1)
+            for m in re.finditer(r"(\S+): layers? (\d+)(?:-(\d+))?", summary)}
 
 
 def test_a_join_re_splits_two_stages_into_three_moving_only_the_layers_that_change_hands():

@@ -482,7 +482,7 @@ def pull(node: NodeOf, job_id: str, plan: node_pb2.Plan, step: int, state: int,
                     continue
                 if e.code() != grpc.StatusCode.NOT_FOUND:
                     raise
-                raise CheckpointGone(gone_message(job_id, key, step, state)) from None
+                raise CheckpointGone(gone_message(job_id, key, state, step)) from None
             yield key, snap
             del snap
             break
@@ -509,28 +509,50 @@ def fetch_snapshot(node: NodeOf, source: node_pb2.StageAssignment,
     return checkpoint.stream_frames(stream, MAX_TENSOR_BYTES, in_place=True)[1]
 
 
-def gone_message(job_id: str, key: StageKey, step: int, state: int) -> str:
-    """:class:`CheckpointGone`'s message: the job, the step, the stage and why."""
-    why = {"CANCELLED": "the job was cancelled and its nodes dropped its snapshots",
-           "FAILED": "the job failed and its nodes dropped its snapshots",
-           }.get(state_name(state), "its nodes no longer hold it (released, or they "
-                                    "restarted)")
-    return (f"job {job_id}: the checkpoint of step {step} is gone: no node holds the "
-            f"snapshot of stage {key.stage} (replica group {key.replica}); {why}")
+KEEP_WEIGHTS = ("to keep a job's weights, fetch them before it is released "
+                "(job.state_dict(), job.save(path)), or submit it with "
+                "checkpoint_dir=CHECKPOINT_DIR: submit(..., resume_from=CHECKPOINT_DIR) starts "
+                "a new job from a kept checkpoint")
+"""What to do about weights that are gone (the end of :func:`gone_message`'s for them)."""
+
+
+def gone_message(job_id: str, key: StageKey, state: int, step: int | None = None) -> str:
+    """:class:`CheckpointGone`'s message: the job, the stage and why its state is gone.
+
+    Args:
+        state: the job's (why: a cancelled or failed job's nodes dropped it; else they
+            no longer hold it: released, or restarted).
+        step: the checkpoint step whose snapshot is gone (:meth:`Job.save`); None: the
+            stage's trained weights are gone (:meth:`Job.state_dict`), and the message
+            ends with what to do (:data:`KEEP_WEIGHTS`).
+    """
+    what, them = ("snapshots", "it") if step is not None else ("weights", "them")
+    why = {"CANCELLED": f"the job was cancelled and its nodes dropped its {what}",
+           "FAILED": f"the job failed and its nodes dropped its {what}",
+           }.get(state_name(state), f"its nodes no longer hold {them} (released, or they "
+                                    f"restarted)")
+    where = f"stage {key.stage} (replica group {key.replica})"
+    if step is not None:
+        return (f"job {job_id}: the checkpoint of step {step} is gone: no node holds the "
+                f"snapshot of {where}; {why}")
+    return f"job {job_id}: the trained weights of {where} are gone: {why}; {KEEP_WEIGHTS}"
 
 
 def stage_weights(node: NodeOf, job_id: str, plan: node_pb2.Plan, stage: int | None = None,
-                  plane: DataPlane | None = None) -> dict[str, torch.Tensor]:
+                  plane: DataPlane | None = None, state: int = 0) -> dict[str, torch.Tensor]:
     """The trained weights of replica group 0's stages (or of stage ``stage`` alone),
     fetched from their nodes (``FetchState``), keyed as the model's own state_dict
     (``"3.weight"``: layer 3's ``weight``): over ``plane`` (the client's socket data
     plane) from a node that offers a data port (a relayed one through its relay's),
-    else over gRPC.
+    else over gRPC. ``state``: the job's, for the error (0: not known).
 
     Raises:
         ValueError: the plan has no stage ``stage``.
-        grpc.RpcError: a stage's node is unreachable or no longer holds the stage (over
-            the socket plane a :class:`~.links.LinkError` with the same code).
+        CheckpointGone: a stage's node no longer holds the stage (it answered NOT_FOUND,
+            on either plane: the weights were released, or the node restarted); the
+            message names the job and the stage (:func:`gone_message`).
+        grpc.RpcError: a stage's node is unreachable or refused otherwise (over the
+            socket plane a :class:`~.links.LinkError` with the same code).
     """
     out: dict[str, torch.Tensor] = {}
     chain = PlanView(plan).chain(0)
@@ -543,11 +565,17 @@ def stage_weights(node: NodeOf, job_id: str, plan: node_pb2.Plan, stage: int | N
 
     for a in chain:
         request = node_pb2.FetchStateRequest(job_id=job_id, replica=a.replica, stage=a.stage)
-        if plane is not None and a.data_address:
-            links.fetch(plane, a, Method.FETCH_STATE, request, lambda head: MAX_TENSOR_BYTES,
-                        keep)
-            continue
-        stream = node(a.address).FetchState(request, timeout=timeouts.FETCH_STATE_RPC)
-        for head, t in frames.read_tensors(stream, in_place=True):  # gRPC's messages
-            keep(head, t)
+        try:
+            if plane is not None and a.data_address:
+                links.fetch(plane, a, Method.FETCH_STATE, request,
+                            lambda head: MAX_TENSOR_BYTES, keep)
+                continue
+            stream = node(a.address).FetchState(request, timeout=timeouts.FETCH_STATE_RPC)
+            for head, t in frames.read_tensors(stream, in_place=True):  # gRPC's messages
+                keep(head, t)
+        except grpc.RpcError as e:  # a LinkError too: a refusal over the socket plane
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            raise CheckpointGone(gone_message(job_id, StageKey(a.replica, a.stage),
+                                              state)) from None
     return out

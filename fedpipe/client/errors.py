@@ -29,6 +29,8 @@ class TrackerBusy(RuntimeError):
 
 
 class CheckpointGone(RuntimeError):
-    """No node holds a stage's snapshot of the step asked for any more (the job was
-    cancelled or failed and its nodes dropped its snapshots, or its weights were
-    released); the message names the job, the step and the stage."""
+    """No node holds a stage's snapshot of the step asked for any more (``Job.save``), or a
+    stage's trained weights (``Job.state_dict``, ``Job.model``): the job was cancelled or
+    failed and its nodes dropped them, or its weights were released, or its nodes
+    restarted. The message names the job, the stage (and the step of a snapshot), why,
+    and for weights what to do (:func:`fedpipe.client.checkpoints.gone_message`)."""

@@ -70,7 +70,8 @@ class JobStatus:
     recoveries: tuple[tracker_pb2.Recovery, ...] = ()
 
     def __str__(self) -> str:
-        text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {self.loss:.4f}"
+        loss = f"{self.loss:.4f}" if self.step else "-"  # no step done: no loss yet
+        text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {loss}"
         for r in self.recoveries:
             text += (f"\n  {recovery_headline(r)}: rewound to step "
                      f"{r.checkpoint_step}, {r.steps_recomputed} steps recomputed, "
@@ -438,10 +439,16 @@ class Job:
 
         Raises:
             ValueError: the plan has no stage ``stage``.
-            grpc.RpcError: a stage's node is unreachable or no longer holds the stage.
+            CheckpointGone: a stage's node no longer holds it: the weights were released
+                (:meth:`release`, which ``fedpipe submit`` does at its end), the job was
+                cancelled, or the node restarted; the message names the job and the stage,
+                and how to keep weights (a kept checkpoint, ``resume_from=``).
+            grpc.RpcError: a stage's node is unreachable, or refused otherwise.
         """
-        return checkpoints.stage_weights(self.client.node, self.id, self.plan, stage,
-                                         self.client.data_plane())
+        info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
+                                       timeout=timeouts.CONTROL_RPC)
+        return checkpoints.stage_weights(self.client.node, self.id, info.plan, stage,
+                                         self.client.data_plane(), info.state)
 
     def model(self) -> nn.Sequential:
         """A copy of the submitted model carrying the trained weights (the whole model,
@@ -452,6 +459,9 @@ class Job:
                 its model was built on the meta device: one that big is not gathered
                 into one process (use :meth:`save`, which writes it a stage at a time,
                 or :meth:`state_dict` with ``stage=``).
+            CheckpointGone: a stage's weights are gone (released, or its node restarted),
+                as :meth:`state_dict` says.
+            grpc.RpcError: as :meth:`state_dict`.
         """
         if self._model is None:
             raise RuntimeError("this Job was attached by id; use state_dict() instead")

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -90,12 +91,16 @@ def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int =
         status = job.status()
     plan = status.plan
     out(f"plan ({plan.predicted_step_seconds * 1e3:.1f} ms/step predicted):")
+    depth = collections.Counter(a.replica for a in plan.stages)
     for a in plan.stages:
         layers = ", ".join(f"{i}:{type(model[i]).__name__}"
                            for i in range(a.layer_start, a.layer_end))
+        sends = ([f"activations {a.activation_codec or 'raw'}"]
+                 if a.stage < depth[a.replica] - 1 else [])
+        sends += [f"gradients {a.gradient_codec or 'raw'}"] if a.stage > 0 else []
         out(f"  group {a.replica} stage {a.stage} on {a.node_name} ({a.address}): {layers}"
-            f"  [sends activations {a.activation_codec or 'raw'}, gradients "
-            f"{a.gradient_codec or 'raw'}{'; recomputes its forward' if a.recompute else ''}]")
+            f"  [sends {', '.join(sends) or 'nothing (one stage)'}"
+            f"{'; recomputes its forward' if a.recompute else ''}]")
     status = job.wait(progress=progress)
     trained = job.model()
     job.release()

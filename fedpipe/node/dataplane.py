@@ -46,6 +46,14 @@ weights are copied as they are sent (the stage goes on training meanwhile).
 Delivery runs on the link's reader thread: it files the tensor in the stage's
 mailbox and never sends (the stage threads do), so a reader never waits on its
 own link's credit.
+
+A link that fails is a warning, but for a client that left once its jobs were over:
+the receiver keeps, for each client peer, the jobs it sent tensors for (its feed,
+initial weights, snapshots; a client that only fetched has none), and a client's
+link whose connection broke while none of them ran a live stage here
+(:meth:`~fedpipe.node.stages.StageRegistry.runs`: they ended, or were released), and
+none runs when the link fails, ends with "client X left" at INFO. One whose connection
+broke mid-job keeps the warning, even if the job was parked meanwhile.
 """
 from __future__ import annotations
 
@@ -118,6 +126,9 @@ class NodeReceiver:
         self.revoked, self.desk, self.weights = revoked, desk, weights
         self._lock = threading.Lock()
         self._last: dict[str, node_pb2.Envelope] = {}  # peer -> its last pipeline tensor's
+        self._clients: dict[str, set[str]] = {}  # a client peer -> the jobs it sent for
+        self._broke_busy: dict[str, bool] = {}  # a client peer -> whether a job of those
+        # ran here when its connection last broke (read when its link fails)
         self._closed = threading.Event()
         self.received = 0
         """Tensors delivered over socket links (stage tensors and probes)."""
@@ -144,6 +155,8 @@ class NodeReceiver:
         """
         identity = peer.identity
         env = header.envelope
+        if peer.role == "client":
+            self._client_sent(peer.name, env.job_id)
         try:
             self._check_revoked(peer)
             kind = env.kind
@@ -255,6 +268,8 @@ class NodeReceiver:
         """
         with self._lock:
             self.fetches_served += 1
+            if peer.role == "client":  # a client known here, its fetches no job it feeds
+                self._clients.setdefault(peer.name, set())
         tensors: fetches.Named
         try:
             self._check_revoked(peer)
@@ -278,16 +293,49 @@ class NodeReceiver:
                  .rpartition("/")[2], peer.name)
         return _refusing(first, tensors)
 
+    # -- clients ----------------------------------------------------------------
+    def _client_sent(self, peer: str, job: str) -> None:
+        """Client ``peer`` sent a tensor for ``job`` (one of the jobs its link serves)."""
+        with self._lock:
+            jobs = self._clients.get(peer)
+            if jobs is None:
+                jobs = self._clients[peer] = set()
+            jobs.add(job)
+
+    def _runs_any(self, jobs: set[str]) -> bool:
+        """Whether any of ``jobs`` has a live stage here."""
+        return any(self.stages.runs(job) for job in jobs)
+
     # -- LinkEvents -------------------------------------------------------------
     def lost(self, peer: str, why: str) -> None:
         """A connection from ``peer`` broke (its link tries to resume): report the
-        neighbour to the tracker, as a broken ``Send`` stream is."""
-        log.info("data connection to %s broke: %s", peer, why)
+        neighbour to the tracker, as a broken ``Send`` stream is. A client none of whose
+        jobs runs here is only going away (DEBUG)."""
+        with self._lock:
+            known = self._clients.get(peer)
+            jobs = None if known is None else set(known)
+        busy = None if jobs is None else self._runs_any(jobs)  # None: not a client's link
+        if busy is not None:
+            with self._lock:
+                self._broke_busy[peer] = busy
+        if busy is False:
+            log.debug("data connection to client %s closed (no job it fed runs here): %s",
+                      peer, why)
+        else:
+            log.info("data connection to %s broke: %s", peer, why)
         self._suspect(peer)
 
     def failed(self, peer: str, why: str) -> None:
-        """The link to ``peer`` is gone for good."""
-        log.warning("data link to %s failed: %s", peer, why)
+        """The link to ``peer`` is gone for good: a warning, but for a client that left with
+        none of its jobs running here, at its last break nor now (module docstring)."""
+        with self._lock:
+            jobs = self._clients.pop(peer, None)
+            broke_busy = self._broke_busy.pop(peer, False)
+        if jobs is not None and not broke_busy and not self._runs_any(jobs):
+            log.info("client %s left: no job it fed runs on this node (its data link "
+                     "ended: %s)", peer, why)
+        else:
+            log.warning("data link to %s failed: %s", peer, why)
         self._suspect(peer)
 
     def _suspect(self, peer: str) -> None:

@@ -31,6 +31,7 @@ from .errors import StageLoadError
 from .lifecycle import Stage
 from .peers import ChannelPool
 from .snapshots import MAX_SNAPSHOT_BYTES, SnapshotStore
+from ..units import layer_range
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class Restorer:
             StageLoadError: no source had it.
         """
         tried = []
-        what = f"layers {layer_start}-{layer_end - 1} of " if layer_end > 0 else ""
+        what = f"{layer_range(layer_start, layer_end)} of " if layer_end > 0 else ""
         request = node_pb2.FetchSnapshotRequest(
             job_id=stage.job_id, replica=key.replica, stage=key.stage, step=stage.start,
             layer_start=layer_start, layer_end=layer_end)

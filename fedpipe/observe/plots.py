@@ -19,6 +19,7 @@ from ..recovery_text import recovery_what
 from ..spec import state_name
 from .source import JobSource
 from .views import PlanLayout, StepRecord, latest_per_step, step_records
+from ..units import layer_range
 
 LOSS_TITLE = "loss"
 THROUGHPUT_TITLE = "throughput"
@@ -133,7 +134,7 @@ def plan_figure(layout: PlanLayout, title: str = "") -> Figure:
                                         linewidth=2.2 if hot else 1.0))
             busy = (f"measured {_seconds(b.measured.total)}" if b.measured is not None
                     else f"predicted {_seconds(b.predicted)}" if b.predicted is not None else "")
-            lines = [f"stage {i}: {b.node_name}", f"layers {b.layer_start}-{b.layer_end - 1}",
+            lines = [f"stage {i}: {b.node_name}", layer_range(b.layer_start, b.layer_end),
                      b.device, busy]
             ax.text(x + 0.12, y + BOX_H - 0.15, "\n".join(s for s in lines if s), va="top",
                     fontsize=8, linespacing=1.4)

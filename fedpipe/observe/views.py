@@ -514,7 +514,9 @@ def job_view(info: tracker_pb2.JobInfo, history: History, layout: PlanLayout | N
                          "schedule": config.schedule, "replica_sync": config.replica_sync,
                          "activation_compression": config.activation_compression,
                          "gradient_compression": config.gradient_compression,
-                         "checkpoint_every": config.checkpoint_every}
+                         "checkpoint_every": config.checkpoint_every,
+                         "precision": config.precision or "fp32",
+                         "recompute": config.recompute or "off"}
     return out
 
 

@@ -16,9 +16,9 @@ from ..spec.cuts import cuts_problem, stage_ranges
 from ..wire.codecmodel import CodecSpeed
 from . import codecs
 from .costs import (RECOMPUTE_FACTOR, StageCodecs, activation_scale, boundary_bytes,
-                    boundary_width, codec_buffer_bytes, host_memory_shares, input_bytes,
-                    kept_activation_bytes, precision_flops, state_bytes, stash_bytes,
-                    transfer_seconds)
+                    boundary_element_bytes, boundary_width, codec_buffer_bytes,
+                    host_memory_shares, input_bytes, kept_activation_bytes, precision_flops,
+                    state_bytes, stash_bytes, transfer_seconds)
 from .types import ClusterView, Link, ModelProfile, PlanError, TrainConfig
 
 
@@ -130,7 +130,7 @@ class PlanContext:
             for j in range(k + 1, L + 1):
                 self.work[k, j] = (prefix[j] - prefix[k]) * self.mb
                 buffers = codec_buffer_bytes(profile, k, j, stash_samples,
-                                             config.microbatches, worst)
+                                             config.microbatches, worst, config.precision)
                 self.state[k, j] = state_bytes(profile, k, j, config) + buffers
                 self.disk_state[k, j] = state_bytes(profile, k, j, config, True) + buffers
                 self.stash[k, j] = stash_bytes(profile, k, j, stash_samples)
@@ -148,7 +148,7 @@ class PlanContext:
         self.scale = activation_scale(profile, config.precision)
         self.boundary = np.zeros(L + 1)             # bytes crossing after layer j - 1
         for j in range(1, L):
-            self.boundary[j] = boundary_bytes(profile, j, self.mb)
+            self.boundary[j] = boundary_bytes(profile, j, self.mb, config.precision)
         self.speeds = [node.codec_speeds for node in cluster.nodes]
         kinds: dict[tuple[Hashable, ...], int] = {}
         self.speed_kind = [kinds.setdefault(speed_kind(sp), len(kinds)) for sp in self.speeds]
@@ -168,7 +168,7 @@ class PlanContext:
         if found is None:
             fwd, bwd = Link(self.bw[p, q], self.lat[p, q]), Link(self.bw[q, p], self.lat[q, p])
             arrays = [np.full(self.L + 1, math.inf) for _ in range(4)]
-            eb = self.profile.element_bytes
+            eb = boundary_element_bytes(self.profile, self.config.precision)
             for j in range(1, self.L):
                 x = self.boundary[j]
                 sends = ((fwd, self.act_codecs, self.speeds[p], self.speeds[q]),

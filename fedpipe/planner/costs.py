@@ -199,9 +199,9 @@ RAW_CODECS = StageCodecs()
 
 
 def codec_buffer_bytes(profile: ModelProfile, start: int, end: int, samples: float,
-                       microbatches: int, codecs: StageCodecs) -> float:
+                       microbatches: int, codecs: StageCodecs, precision: str = "fp32") -> float:
     """Bytes a stage holding layers ``[start, end)`` keeps for its boundary tensors'
-    codecs, microbatches of ``samples`` samples:
+    codecs, microbatches of ``samples`` samples, under ``precision`` (:func:`boundary_bytes`):
 
     - one encoded copy of each tensor it sends and one of each it receives
       (:meth:`~fedpipe.planner.codecs.CodecCost.buffer_bytes`: 0 under plain raw);
@@ -211,14 +211,14 @@ def codec_buffer_bytes(profile: ModelProfile, start: int, end: int, samples: flo
     Raises:
         PlanError: an unknown codec.
     """
-    eb = profile.element_bytes
+    eb = boundary_element_bytes(profile, precision)
     total = 0.0
     if end < len(profile.layers):       # the output goes on, its gradient comes back
-        out = boundary_bytes(profile, end, samples)
+        out = boundary_bytes(profile, end, samples, precision)
         total += codec_cost(codecs.sent_activation).buffer_bytes(out, eb)
         total += codec_cost(codecs.received_gradient).buffer_bytes(out, eb)
     if start > 0:                       # the input came in, its gradient goes back
-        inp = boundary_bytes(profile, start, samples)
+        inp = boundary_bytes(profile, start, samples, precision)
         grad = codec_cost(codecs.sent_gradient)
         total += codec_cost(codecs.received_activation).buffer_bytes(inp, eb)
         total += grad.buffer_bytes(inp, eb) + (microbatches * inp if grad.lossy else 0.0)
@@ -267,7 +267,7 @@ def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: Trai
     # a synchronous step's optimizer runs once its backward passes have freed the stash
     live = stash + scratch if config.schedule == "async" else max(stash, scratch)
     return (state_bytes(profile, start, end, config, snapshots_on_disk) + live
-            + codec_buffer_bytes(profile, start, end, samples, m, codecs))
+            + codec_buffer_bytes(profile, start, end, samples, m, codecs, config.precision))
 
 
 def host_memory_shares(nodes: Sequence[NodeSpec]) -> dict[str, int]:
@@ -287,10 +287,21 @@ def host_memory_shares(nodes: Sequence[NodeSpec]) -> dict[str, int]:
                         if n.host and n.host_memory > 0 else n.memory_bytes) for n in nodes}
 
 
-def boundary_bytes(profile: ModelProfile, end: int, samples: float) -> float:
+def boundary_bytes(profile: ModelProfile, end: int, samples: float,
+                   precision: str = "fp32") -> float:
     """Bytes of the tensor that crosses from layer ``end - 1`` to layer ``end``
-    for ``samples`` samples (the gradient going back has the same size)."""
-    return profile.layers[end - 1].activation_bytes * samples
+    for ``samples`` samples under ``precision`` (the gradient going back has the same
+    size): a "bf16-mixed" stage sends its autocast output as it is, bfloat16
+    (:func:`activation_scale`, as its memory is priced)."""
+    return profile.layers[end - 1].activation_bytes * samples * activation_scale(profile,
+                                                                                 precision)
+
+
+def boundary_element_bytes(profile: ModelProfile, precision: str) -> int:
+    """Bytes of one element of a boundary tensor under ``precision`` (a codec's size model
+    counts in elements: int8 halves a bfloat16 tensor, not quarters it): 2 under
+    "bf16-mixed", else as profiled."""
+    return min(profile.element_bytes, 2) if precision == "bf16-mixed" else profile.element_bytes
 
 
 def boundary_width(profile: ModelProfile, end: int) -> int:
@@ -425,7 +436,7 @@ def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: flo
                 passes: Callable[[ChainStage], tuple[float, float]],
                 link: Callable[[str, str], Link], message: float = 0.0,
                 speeds: Mapping[str, tuple[CodecSpeed, ...]] | None = None,
-                microbatches: int = 1) -> ChainCosts:
+                microbatches: int = 1, precision: str = "fp32") -> ChainCosts:
     """Price one replica group's chain of stages for microbatches of ``samples`` samples:
     the one place a step time's parts are predicted (the simulator replays them, the
     analytic estimate and the tracker's rebalancing bound them).
@@ -440,11 +451,13 @@ def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: flo
             the table's).
         microbatches: the group's microbatches per step (the activations' messages a
             lowrank basis is amortised over, :func:`transfer_seconds`).
+        precision: the job's (:func:`boundary_bytes`: the bytes each boundary sends).
 
     Raises:
         PlanError: a stage names an unknown codec.
     """
     speeds = speeds or {}
+    eb = boundary_element_bytes(profile, precision)
     out = ChainCosts([], [], [], [], [], [])
     for i, s in enumerate(chain):
         f, b = passes(s)
@@ -452,17 +465,17 @@ def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: flo
         out.backward.append(b)
         if i + 1 < len(chain):
             nxt = chain[i + 1]
-            nbytes = boundary_bytes(profile, s.layer_end, samples)
+            nbytes = boundary_bytes(profile, s.layer_end, samples, precision)
             width = boundary_width(profile, s.layer_end)
             ends = speeds.get(s.node_id, ()), speeds.get(nxt.node_id, ())
             busy, lat = transfer_seconds(link(s.node_id, nxt.node_id), nbytes,
-                                         s.activation_codec or "raw", profile.element_bytes,
+                                         s.activation_codec or "raw", eb,
                                          message, *ends, width=width,
                                          messages_per_step=microbatches)
             out.act_busy.append(busy)
             out.act_latency.append(lat)
             busy, lat = transfer_seconds(link(nxt.node_id, s.node_id), nbytes,
-                                         nxt.gradient_codec or "raw", profile.element_bytes,
+                                         nxt.gradient_codec or "raw", eb,
                                          message, ends[1], ends[0], width=width)
             out.grad_busy.append(busy)
             out.grad_latency.append(lat)

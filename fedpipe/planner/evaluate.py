@@ -18,8 +18,9 @@ from typing import Hashable, Sequence
 from ..wire.codecmodel import CodecSpeed
 from . import codecs
 from .context import PlanContext
-from .costs import (boundary_bytes, boundary_width, compute_seconds, in_flight, pipeline_estimate,
-                    schedule_sync, sync_per_step, sync_segments, transfer_seconds)
+from .costs import (boundary_bytes, boundary_element_bytes, boundary_width, compute_seconds,
+                    in_flight, pipeline_estimate, schedule_sync, sync_per_step, sync_segments,
+                    transfer_seconds)
 from .partition import GroupSolution, all_solved, describe, proportional_split, solve_chain
 from .simulate import simulate
 from .types import Link, Plan, ReplicaGroup, StagePlan
@@ -271,8 +272,9 @@ class _Links:
     def __init__(self, ctx: PlanContext, nodes: Sequence[int],
                  ranges: Sequence[tuple[int, int]], samples: float, microbatches: int):
         prof, cl = ctx.profile, ctx.cluster
-        self.sched, self.microbatches, self.element_bytes = (ctx.config.schedule, microbatches,
-                                                             prof.element_bytes)
+        precision = ctx.config.precision
+        self.sched, self.microbatches, self.element_bytes = (
+            ctx.config.schedule, microbatches, boundary_element_bytes(prof, precision))
         self.fwd, self.bwd = zip(*(compute_seconds(prof, k, j, ctx.flops[node], samples)
                                    for node, (k, j) in zip(nodes, ranges)))
         # sends[d][i]: (link, bytes, the sender's and the receiver's codec costs) of link i
@@ -281,7 +283,7 @@ class _Links:
                                     tuple[CodecSpeed, ...]]]] = [[], []]
         self.widths: list[int] = []  # link i's row width (lowrank's size model)
         for i in range(len(nodes) - 1):
-            x = boundary_bytes(prof, ranges[i][1], samples)
+            x = boundary_bytes(prof, ranges[i][1], samples, precision)
             self.widths.append(boundary_width(prof, ranges[i][1]))
             a, b = ctx.ids[nodes[i]], ctx.ids[nodes[i + 1]]
             sa, sb = ctx.speeds[nodes[i]], ctx.speeds[nodes[i + 1]]

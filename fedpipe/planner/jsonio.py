@@ -269,7 +269,7 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     (the step time × the steps factor of the plan's codecs,
     :func:`fedpipe.planner.codecs.steps_factor`)."""
     from .codecs import codec_cost, steps_factor
-    from .costs import boundary_bytes, boundary_width
+    from .costs import boundary_bytes, boundary_element_bytes, boundary_width
 
     nodes = {n.node_id: n for n in cluster.nodes}
     header: tuple[str, ...] = (
@@ -282,13 +282,15 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
 
         def wire(codec: str, end: int, messages: int, per_mb: float = per_mb) -> str:
             used.append(codec)
-            return _bytes(codec_cost(codec).wire_bytes(boundary_bytes(profile, end, per_mb),
-                                                       profile.element_bytes,
-                                                       boundary_width(profile, end), messages))
+            return _bytes(codec_cost(codec).wire_bytes(
+                boundary_bytes(profile, end, per_mb, config.precision),
+                boundary_element_bytes(profile, config.precision), boundary_width(profile, end),
+                messages))
 
         def cpu(codec: str, end: int, sender: str, receiver: str, per_mb: float = per_mb) -> str:
             ends = [nodes[i].codec_speeds if i in nodes else () for i in (sender, receiver)]
-            seconds = codec_cost(codec).seconds(boundary_bytes(profile, end, per_mb), *ends)
+            seconds = codec_cost(codec).seconds(
+                boundary_bytes(profile, end, per_mb, config.precision), *ends)
             return f"{seconds * 1e3:.2f} ms"
         for si, s in enumerate(g.stages):
             n = nodes.get(s.node_id)
@@ -311,7 +313,8 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = "  ".join
     out = [f"plan: {len(plan.groups)} replica group(s) of a {len(profile.layers)}-layer model, "
-           f"batch {config.batch_size} in {config.microbatches} microbatches, "
+           f"batch {config.batch_size} in {config.microbatches} "
+           f"microbatch{'es' if config.microbatches != 1 else ''}, "
            f"schedule {plan.schedule or config.schedule}, precision {config.precision}, "
            f"recompute {_recomputed(plan, config.recompute)}",
            line(h.ljust(w) for h, w in zip(header, widths)),
@@ -324,7 +327,7 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
     if len(plan.groups) > 1:
         out.append(f"syncing the groups adds {plan.sync_seconds:.3f} s per step")
     out.append(f"predicted step: {plan.predicted_step_seconds:.3f} s, "
-               f"{plan.predicted_samples_per_second:.1f} samples/s")
+               f"{_rate(plan.predicted_samples_per_second)} samples/s")
     factor = steps_factor(used)
     out.append(f"predicted T: {factor:.2f} x the steps of raw fp32 (the codecs' measured "
                f"factor) x {plan.predicted_step_seconds:.3f} s = "
@@ -335,6 +338,12 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
         out.append(f"unused: {shown}")
     return "\n".join(out)
+
+
+def _rate(per_second: float) -> str:
+    """A rate for the plan table: one decimal, or three significant digits below 1 (a
+    big model on small nodes plans 0.0064 samples/s, not 0.0)."""
+    return f"{per_second:.1f}" if per_second >= 1 else f"{per_second:.3g}"
 
 
 def _recomputed(plan: Plan, mode: str) -> str:

@@ -23,6 +23,7 @@ from .costs import StageCodecs, host_memory_shares, stage_memory_bytes
 from .simulate import StageCost
 from .types import (ClusterView, LayerProfile, Link, ModelProfile, NodeSpec, Plan, ReplicaGroup,
                     StagePlan, TrainConfig)
+from ..units import layer_range
 
 
 def site_of(address: str) -> str:
@@ -220,7 +221,7 @@ def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2
                 activation_codec=s.activation_codec, gradient_codec=s.gradient_codec,
                 recompute=s.recompute, snapshots_on_disk=n.resources.snapshots_on_disk))
             group_tag = f"group {r} " if len(plan.groups) > 1 else ""
-            parts.append(f"{group_tag}{n.name}: layers {s.layer_start}-{s.layer_end - 1}")
+            parts.append(f"{group_tag}{n.name}: {layer_range(s.layer_start, s.layer_end)}")
     msg.summary = "; ".join(parts)
     return msg
 

@@ -312,7 +312,8 @@ def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         def passes(s: ChainStage, mb: float = mb) -> tuple[float, float]:
             return _passes(profile, s, nodes[s.node_id], mb, config, over, host[s.node_id])
 
-        costs = chain_costs(profile, st, mb, passes, cluster.link, over.message, speeds, m)
+        costs = chain_costs(profile, st, mb, passes, cluster.link, over.message, speeds, m,
+                            config.precision)
         fwd, bwd = costs.forward, costs.backward
         opt = [optimizer_seconds(profile, s.layer_start, s.layer_end, over, host[s.node_id])
                for s in st]
@@ -398,7 +399,7 @@ def stage_costs(plan: Plan, cluster: ClusterView, profile: ModelProfile,
             return _passes(profile, s, nodes[s.node_id], mb, config, over, host[s.node_id])
 
         costs = chain_costs(profile, g.stages, mb, passes, cluster.link, over.message, speeds,
-                            m)
+                            m, config.precision)
         for i, s in enumerate(g.stages):
             fixed = 2 * m * over.microbatch
             fixed += optimizer_seconds(profile, s.layer_start, s.layer_end, over, host[s.node_id])

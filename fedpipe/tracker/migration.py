@@ -29,11 +29,12 @@ log = logging.getLogger("fedpipe.tracker")
 
 def predict_step_seconds(plan: node_pb2.Plan, cluster: planner.ClusterView,
                          profile: planner.ModelProfile, schedule: str,
-                         speed: Callable[[str], float]) -> float:
+                         speed: Callable[[str], float], precision: str = "fp32") -> float:
     """Predicted seconds of one step of ``plan``: the slowest replica group's analytic
     step (:meth:`~fedpipe.planner.costs.ChainCosts.step_seconds` of the planner's own
     :func:`~fedpipe.planner.costs.chain_costs`), with node ``n`` computing at
-    ``speed(n)`` FLOP/s and the links of ``cluster``.
+    ``speed(n)`` FLOP/s, the links of ``cluster`` and the job's ``precision`` (the
+    bytes its boundaries send).
     """
     view = PlanView(plan)
     worst = 0.0
@@ -45,7 +46,8 @@ def predict_step_seconds(plan: node_pb2.Plan, cluster: planner.ClusterView,
             return compute_seconds(profile, a.layer_start, a.layer_end,
                                    max(speed(a.node_id), 1.0), samples)
 
-        costs = chain_costs(profile, chain, samples, passes, cluster.link, microbatches=m)
+        costs = chain_costs(profile, chain, samples, passes, cluster.link, microbatches=m,
+                            precision=precision)
         worst = max(worst, costs.step_seconds(m, schedule))
     return worst
 

@@ -470,7 +470,8 @@ class Rebalancer:
             return assignment_memory_bytes(job.plan, a, spec.profile, spec.config)
 
         def predict(p: node_pb2.Plan) -> float:
-            return predict_step_seconds(p, cluster, spec.profile, spec.job.schedule, speed)
+            return predict_step_seconds(p, cluster, spec.profile, spec.job.schedule, speed,
+                                        spec.job.precision)
 
         now_t = predict(job.plan)
         cand = reassign(job.plan, nodes, predict, need)
