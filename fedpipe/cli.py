@@ -195,13 +195,8 @@ def cmd_status(args) -> int:
     with _client(args) as client:
         if args.json:
             return _status_json(client, args)
-        try:
-            status.run_status(GrpcSource(client.stub), args.job, watch=args.watch,
-                              interval=args.interval)
-        except KeyError:
-            print(f"fedpipe status: no job {args.job!r} on tracker {args.tracker}",
-                  file=sys.stderr)
-            return 1
+        status.run_status(GrpcSource(client.stub, tracker=args.tracker), args.job,
+                          watch=args.watch, interval=args.interval)
     return 0
 
 
@@ -230,7 +225,7 @@ def cmd_plot(args) -> int:
     from .observe.source import GrpcSource
 
     with _client(args) as client:
-        plot_job(GrpcSource(client.stub), args.job, args.output)
+        plot_job(GrpcSource(client.stub, tracker=args.tracker), args.job, args.output)
     print(f"wrote {args.output}")
     return 0
 
@@ -586,8 +581,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the CLI's last word: one line, not a traceback
         if args.verbose:
             raise
-        from .planner.memfit import for_command_line  # remedies in flags, not in Python's
-
-        print(f"fedpipe {args.command}: {type(e).__name__}: {for_command_line(str(e))}",
-              file=sys.stderr)
+        print(f"fedpipe {args.command}: {_last_word(e)}", file=sys.stderr)
         return 1
+
+
+def _last_word(e: Exception) -> str:
+    """The one line :func:`main` prints for ``e``: the words of an error that names what is
+    at fault itself (an unknown job and where it was asked, a dashboard that cannot be
+    reached), else its type and message, with memory remedies in flags."""
+    from .observe.source import JobNotFound
+    from .observe.status import DashboardError
+
+    if isinstance(e, (JobNotFound, DashboardError)):
+        return str(e)
+    from .planner.memfit import for_command_line  # remedies in flags, not in Python's
+
+    return f"{type(e).__name__}: {for_command_line(str(e))}"

@@ -68,6 +68,21 @@ def test_plan_and_status_for_a_live_swarm(swarm, tmp_path):
                           re.M)) == 6
 
 
+def test_an_unknown_job_and_a_nodes_port_are_named_in_one_line_by_a_real_swarm(swarm,
+                                                                                tmp_path):
+    # the in-process stand-ins of test_cli_errors, against a real tracker and node
+    for command in (["plot", "deadbeef0000", "-o", str(tmp_path / "x.png")],
+                    ["status", "deadbeef0000"]):
+        out = fedpipe(*command, "--tracker", swarm.tracker)
+        assert (out.returncode, out.stderr) == (
+            1, f"fedpipe {command[0]}: no job 'deadbeef0000' on tracker {swarm.tracker}\n")
+    node = swarm.client().nodes()[0].address
+    out = fedpipe("status", "--tracker", node)
+    assert (out.returncode, out.stderr) == (
+        1, f"fedpipe status: UNIMPLEMENTED: {node} is not a fedpipe tracker (it does not "
+           f"serve the tracker's calls; is it a node's port?)\n")
+
+
 def test_a_reader_that_closes_the_pipe_early_gets_no_traceback():
     # `fedpipe plan --json | head -0`: the reader has left before anything is written
     cmd = [sys.executable, "-m", "fedpipe", "plan", "--cluster",

@@ -1,7 +1,7 @@
-"""A Job's one-line errors, in-process against a fake tracker and fake nodes: ``resume``
-of a job that has ended, ``save`` of a checkpoint whose snapshots are gone,
-``state_dict``/``model`` of a job whose weights were released, and the warning of a
-checkpoint that could not be kept."""
+"""A Job's one-line errors, in-process against a fake tracker and fake nodes: ``submit``
+of a loss that is not callable, ``resume`` of a job that has ended, ``save`` of a
+checkpoint whose snapshots are gone, ``state_dict``/``model`` of a job whose weights were
+released, and the warning of a checkpoint that could not be kept."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+import fedpipe
 from client_fakes import FakeRpcError, FakeTracker
 from fedpipe.client import CheckpointGone, Client, Job, JobEnded, JobFailed, NotEnoughMemory
 from fedpipe.client.keeping import CheckpointKeeper
@@ -44,6 +45,21 @@ def client():
     client = Client("127.0.0.1:1")  # never dialled: the fakes answer
     yield client
     client.close()
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", None], ids=["a name", "None"])
+def test_a_loss_that_is_not_callable_is_refused_at_submit_before_anything_is_sent(client,
+                                                                                   loss):
+    # was: accepted, and the job failed on a node with "TypeError: 'str' object is not
+    # callable"
+    tracker = FakeTracker(steps=3)
+    client.stub = tracker
+    with pytest.raises(TypeError) as e:
+        client.submit(torch.nn.Sequential(torch.nn.Linear(3, 2)), loss,
+                      fedpipe.optimizer(torch.optim.SGD, lr=0.1), batches(3), steps=3)
+    assert str(e.value) == ("loss_fn must be callable (e.g. torch.nn.functional."
+                            f"cross_entropy), got {type(loss).__name__} {loss!r}")
+    assert not hasattr(tracker, "submitted") and tracker.watch_requests == []
 
 
 @pytest.mark.parametrize("state", [S.JOB_STATE_CANCELLED, S.JOB_STATE_SUCCEEDED,

@@ -6,9 +6,9 @@
 :mod:`.watch` the feeder's watch of the job's state.
 """
 from .client import Client
-from .errors import (CheckpointGone, JobEnded, JobFailed, LayerInputError, NotEnoughMemory,
-                     TrackerBusy)
+from .errors import (CheckpointGone, JobEnded, JobFailed, JobNotFound, LayerInputError,
+                     NotEnoughMemory, TrackerBusy)
 from .job import Job, JobStatus
 
-__all__ = ["CheckpointGone", "Client", "Job", "JobEnded", "JobFailed", "JobStatus",
-           "LayerInputError", "NotEnoughMemory", "TrackerBusy"]
+__all__ = ["CheckpointGone", "Client", "Job", "JobEnded", "JobFailed", "JobNotFound",
+           "JobStatus", "LayerInputError", "NotEnoughMemory", "TrackerBusy"]

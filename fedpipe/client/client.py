@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import reprlib
 import threading
 import time
 from dataclasses import replace
@@ -284,9 +285,10 @@ class Client:
                 nothing initializes (named; a ValueError).
             fedpipe.runtime.weights.WeightsError: ``weights`` lacks a layer's tensor or
                 holds another shape (named; a ValueError).
-            TypeError: not an nn.Sequential, a layer not tensor-to-tensor, a bad
-                optimizer or lr_scheduler, an unknown keyword, or a knob given both
-                in its group and as a flat keyword.
+            TypeError: not an nn.Sequential, a layer not tensor-to-tensor, a ``loss_fn``
+                that is not callable (a name such as "cross_entropy"), a bad optimizer or
+                lr_scheduler, an unknown keyword, or a knob given both in its group and
+                as a flat keyword.
             fedpipe.spec.JobSpecError: a bad setting (a ValueError; ``field`` names it).
             ValueError: empty data, a batch too small for the microbatches, an
                 lr_scheduler whose arguments do not fit it or the optimizer, or
@@ -304,6 +306,7 @@ class Client:
         given = Knobs.gather({"training": training, "compression": compression,
                               "replicas": replicas, "placement": placement,
                               "lifetime": lifetime}, knobs)
+        _check_loss(loss_fn)
         lr_scheduler = _check_optimizers(optimizer, given.training.lr_scheduler)
         restore = None
         if resume_from is not None:
@@ -367,6 +370,14 @@ class Client:
         it, or feed it again (:meth:`Job.resume`)."""
         return Job(self, job_id)
 
+
+
+def _check_loss(loss_fn: object) -> None:
+    """Raise TypeError unless ``loss_fn`` can be called, naming what it is instead: a loss
+    given by name would be sent and fail on a node at the first step."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (e.g. torch.nn.functional.cross_entropy), "
+                        f"got {type(loss_fn).__name__} {reprlib.repr(loss_fn)}")
 
 
 def _check_optimizers(optimizer: object, lr_scheduler: object | None

@@ -1,10 +1,11 @@
 """The errors a client raises about a job (re-exported by :mod:`fedpipe.client`)."""
 from __future__ import annotations
 
+from ..observe.source import JobNotFound
 from ..runtime.layercall import LayerInputError
 
-__all__ = ["CheckpointGone", "JobEnded", "JobFailed", "LayerInputError", "NotEnoughMemory",
-           "TrackerBusy"]
+__all__ = ["CheckpointGone", "JobEnded", "JobFailed", "JobNotFound", "LayerInputError",
+           "NotEnoughMemory", "TrackerBusy"]
 
 
 class JobFailed(RuntimeError):

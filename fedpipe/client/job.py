@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import net
 from ..net import timeouts
-from ..observe.source import GrpcSource
+from ..observe.source import GrpcSource, raise_unknown_job
 from ..planner.memfit import is_memory_refusal
 from ..observe.views import StepRecord, recovery_headline, step_records
 from ..proto import node_pb2, tracker_pb2
@@ -302,9 +302,17 @@ class Job:
         return feed.fed if feed is not None else 0
 
     def status(self) -> JobStatus:
-        """The job's current state, reason, progress and plan."""
-        return self._status(self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
-                                                    timeout=timeouts.CONTROL_RPC))
+        """The job's current state, reason, progress and plan.
+
+        Raises:
+            JobNotFound: the tracker knows no such job (named, with the tracker).
+            grpc.RpcError: the tracker is unreachable or refused the call.
+        """
+        return self._status(self._source().job(self.id))
+
+    def _source(self) -> GrpcSource:
+        """The job's tracker as a read-only source (its unknown job: JobNotFound)."""
+        return GrpcSource(self.client.stub, tracker=self.client.address)
 
     @staticmethod
     def _status(info: S.JobInfo) -> JobStatus:
@@ -328,9 +336,9 @@ class Job:
         tracker's gRPC API does not carry them; its dashboard's ``/api/jobs/ID`` does).
 
         Raises:
-            KeyError: the tracker does not know the job.
+            JobNotFound: (a KeyError) the tracker does not know the job.
         """
-        return step_records(GrpcSource(self.client.stub).events(self.id, 0))
+        return step_records(self._source().events(self.id, 0))
 
     def plot(self, path: str):
         """Draw the job's loss and throughput curves (recoveries marked) to ``path``
@@ -338,11 +346,11 @@ class Job:
 
         Raises:
             ValueError: no step is recorded yet.
-            KeyError: the tracker does not know the job.
+            JobNotFound: (a KeyError) the tracker does not know the job.
         """
         from ..observe.plots import plot_job  # matplotlib loads only when a picture is drawn
 
-        return plot_job(GrpcSource(self.client.stub), self.id, path)
+        return plot_job(self._source(), self.id, path)
 
     def wait(self, timeout: float | None = None, progress: bool = True) -> JobStatus:
         """Block until the job ends, showing a progress bar (step, loss, samples/s) and
@@ -350,6 +358,7 @@ class Job:
         the job's last checkpoint (its final state) is kept there.
 
         Raises:
+            JobNotFound: the tracker knows no such job (named, with the tracker).
             JobFailed: the job ended FAILED or CANCELLED.
             NotEnoughMemory: (a JobFailed) it FAILED for want of memory: no plan fits the
                 nodes' memory, or a node refused to load a stage; the message gives both
@@ -364,7 +373,10 @@ class Job:
 
         if self._watch is not None and self._watch.error is not None:
             raise self._watch.error  # the tracker refused this client's feeder's watch
-        status = self._status(self._info())  # asked again while no tracker leads
+        try:
+            status = self._status(self._info())  # asked again while no tracker leads
+        except grpc.RpcError as e:
+            raise_unknown_job(e, self.id, self.client.address)
         bar = tqdm(total=status.steps, desc=f"job {self.id}", unit="step", disable=not progress)
         deadline = None if timeout is None else time.monotonic() + timeout
         seq, last_state = 0, None
@@ -409,7 +421,7 @@ class Job:
             raise TrackerBusy(f"the tracker refused to watch job {self.id}: "
                               f"{e.details()}") from None
         if e.code() != grpc.StatusCode.UNAVAILABLE:
-            raise e
+            raise_unknown_job(e, self.id, self.client.address)
         if isinstance(self.feed_error, NoLeader):  # no tracker to say so
             raise JobFailed(f"job {self.id} FAILED: {self.feed_error}") from None
         self.client.reach.lost(e)  # one line while it lasts

@@ -79,7 +79,8 @@ def plot_job(source: JobSource, job_id: str, path: str | Path) -> Figure:
     """``fedpipe plot JOB -o FILE``: job ``job_id``'s curves, its recoveries marked.
 
     Raises:
-        KeyError: no such job.
+        KeyError: no such job (:class:`~fedpipe.observe.source.JobNotFound` from a
+            :class:`~fedpipe.observe.source.GrpcSource`).
         ValueError: it has no step recorded yet.
     """
     info = source.job(job_id)

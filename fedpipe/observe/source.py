@@ -14,13 +14,49 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol, Sequence, runtime_checkable
+from typing import NoReturn, Protocol, Sequence, runtime_checkable
 
 import grpc
 
 from ..net import timeouts
 from ..proto import node_pb2, tracker_pb2, tracker_pb2_grpc
 from .views import History, StageTime
+
+
+class JobNotFound(KeyError):
+    """No job of this id where it was asked (a tracker, or its dashboard); ``str()`` names
+    both: ``no job 'deadbeef0000' on tracker 10.0.0.1:7070``.
+
+    A KeyError (so a LookupError), as a :class:`JobSource` raises for an unknown job, so
+    callers that catch that catch this too. Raised by :class:`GrpcSource`,
+    :class:`fedpipe.observe.status.HttpSource` and :class:`fedpipe.Job`'s calls (it is
+    exported by :mod:`fedpipe.client`).
+
+    Attributes:
+        job_id: the id asked for.
+        where: where it was asked: ``tracker HOST:PORT``, ``the dashboard at URL``.
+    """
+
+    def __init__(self, job_id: str, where: str):
+        super().__init__(job_id)
+        self.job_id, self.where = job_id, where
+
+    def __str__(self) -> str:  # KeyError's would be the repr of its argument
+        return f"no job {self.job_id!r} on {self.where}"
+
+
+def on_tracker(tracker: str) -> str:
+    """A :attr:`JobNotFound.where` for the tracker at ``tracker`` ("": not known)."""
+    return f"tracker {tracker}" if tracker else "the tracker"
+
+
+def raise_unknown_job(error: grpc.RpcError, job_id: str, tracker: str = "") -> NoReturn:
+    """Raise the failure ``error`` of a tracker call about job ``job_id``: as a
+    :class:`JobNotFound` naming ``tracker`` (its ``HOST:PORT``; "": not known) if it is
+    NOT_FOUND (the tracker knows no such job), else as it is."""
+    if error.code() == grpc.StatusCode.NOT_FOUND:
+        raise JobNotFound(job_id, on_tracker(tracker)) from None
+    raise error
 
 
 @runtime_checkable
@@ -83,12 +119,15 @@ class GrpcSource:
     Args:
         stub: a ``TrackerStub``; the caller owns its channel.
         catch_up: see :data:`CATCH_UP_SECONDS`, seconds.
+        tracker: the tracker's ``HOST:PORT``, named by :class:`JobNotFound` ("": not known).
 
-    Errors other than an unknown job propagate as ``grpc.RpcError``.
+    An unknown job raises :class:`JobNotFound`; other errors propagate as
+    ``grpc.RpcError``.
     """
 
-    def __init__(self, stub: tracker_pb2_grpc.TrackerStub, catch_up: float = CATCH_UP_SECONDS):
-        self.stub, self.catch_up = stub, catch_up
+    def __init__(self, stub: tracker_pb2_grpc.TrackerStub, catch_up: float = CATCH_UP_SECONDS,
+                 *, tracker: str = ""):
+        self.stub, self.catch_up, self.tracker = stub, catch_up, tracker
 
     def _list(self, include_lost: bool) -> tracker_pb2.ListNodesReply:
         return self.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=include_lost),
@@ -105,9 +144,7 @@ class GrpcSource:
             return self.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job_id),
                                     timeout=timeouts.CONTROL_RPC)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                raise KeyError(job_id) from None
-            raise
+            raise_unknown_job(e, job_id, self.tracker)
 
     def events(self, job_id: str, after_seq: int) -> list[tracker_pb2.JobEvent]:
         # WatchJob streams a running job's events for ever: read until the stream
@@ -124,10 +161,8 @@ class GrpcSource:
                     after_seq, got = ev.seq, got + 1
                 return out
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    raise KeyError(job_id) from None
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise
+                    raise_unknown_job(e, job_id, self.tracker)
             if not got or out[-1].time >= began:
                 return out
 

@@ -13,6 +13,7 @@ them once, or keeps them live with ``watch``. They come from either
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
@@ -32,7 +33,7 @@ from rich.text import Text
 from ..units import binary_bytes
 
 from ..net import timeouts
-from .source import JobSource, SwarmSource
+from .source import JobNotFound, JobSource, SwarmSource
 from .views import History, job_layout, job_view, swarm_view
 
 STATE_STYLE = {"RUNNING": "green", "SUCCEEDED": "bold green", "FAILED": "bold red",
@@ -197,7 +198,8 @@ def job_renderable(job: dict) -> RenderableType:
 def job_dict(source: JobSource, job_id: str) -> dict:
     """Job ``job_id``'s :func:`~fedpipe.observe.views.job_view` from ``source``, laid out
     as the dashboard lays it out (:func:`~fedpipe.observe.views.job_layout`). Raises
-    KeyError for an unknown job."""
+    KeyError for an unknown job (:class:`~fedpipe.observe.source.JobNotFound` from a
+    :class:`~fedpipe.observe.source.GrpcSource`)."""
     info = source.job(job_id)
     history = History()
     history.extend(source.events(job_id, 0))
@@ -211,7 +213,8 @@ class Views(Protocol):
         """The swarm (:func:`~fedpipe.observe.views.swarm_view`)."""
 
     def job_dict(self, job_id: str) -> dict:
-        """One job (:func:`~fedpipe.observe.views.job_view`). KeyError if unknown."""
+        """One job (:func:`~fedpipe.observe.views.job_view`). KeyError if unknown
+        (:class:`~fedpipe.observe.source.JobNotFound` from fedpipe's own)."""
 
 
 class SourceViews:
@@ -228,6 +231,16 @@ class SourceViews:
         return job_dict(self.source, job_id)
 
 
+class DashboardError(OSError):
+    """A tracker's dashboard could not be reached, or answered otherwise than a dashboard
+    does; the message names its URL and what went wrong, in one line: ``cannot reach the
+    dashboard at http://127.0.0.1:7080: connection refused``."""
+
+
+ERROR_BYTES = 4096
+"""The most bytes of an HTTP error's body read for the dashboard's reason."""
+
+
 class HttpSource:
     """:class:`Views` as a tracker's dashboard serves them (``GET /api/nodes``,
     ``GET /api/jobs/ID``): each stage's predicted and measured timings included.
@@ -236,27 +249,60 @@ class HttpSource:
         url: the dashboard, ``http://HOST:PORT``.
         timeout: seconds per request.
 
-    Errors: KeyError for an unknown job; ``urllib.error.URLError`` (an
-    ``OSError``) when the dashboard cannot be reached or answers an error.
+    Errors: :class:`~fedpipe.observe.source.JobNotFound` (a KeyError) for an unknown job;
+    :class:`DashboardError` (an ``OSError``) when the dashboard cannot be reached or
+    answers an error.
     """
 
     def __init__(self, url: str, timeout: float = timeouts.CONTROL_RPC):
         self.url, self.timeout = url.rstrip("/"), timeout
 
-    def _get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=self.timeout) as r:
-            return json.loads(r.read())
+    def _get(self, path: str, job_id: str | None = None) -> dict:
+        """``GET path``'s JSON; a 404 that says ``no job ...`` is :class:`JobNotFound`
+        for ``job_id``, anything else amiss a :class:`DashboardError`."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=self.timeout) as r:
+                body = r.read()
+        except urllib.error.HTTPError as e:
+            said = _error_of(e)
+            if e.code == 404 and job_id is not None and said.startswith("no job "):
+                raise JobNotFound(job_id, f"the dashboard at {self.url}") from None
+            raise DashboardError(f"the dashboard at {self.url} answered GET {path} with "
+                                 f"HTTP {e.code}: {said or e.reason}") from None
+        except OSError as e:  # refused, timed out, reset (URLError, TimeoutError, ...)
+            raise DashboardError(f"cannot reach the dashboard at {self.url}: "
+                                 f"{_why(e)}") from None
+        except http.client.HTTPException:  # an answer that is not HTTP/1 (gRPC's HTTP/2)
+            raise DashboardError(f"{self.url} does not speak HTTP/1.1 (is it the tracker's "
+                                 f"--port? give the tracker's --http-port)") from None
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise DashboardError(f"{self.url} answered GET {path} with something other "
+                                 f"than JSON: is it a fedpipe tracker's dashboard (its "
+                                 f"--http-port)?") from None
 
     def swarm_dict(self) -> dict:
         return self._get("/api/nodes")
 
     def job_dict(self, job_id: str) -> dict:
-        try:
-            return self._get("/api/jobs/" + urllib.parse.quote(job_id, safe=""))
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                raise KeyError(job_id) from None
-            raise
+        return self._get("/api/jobs/" + urllib.parse.quote(job_id, safe=""), job_id)
+
+
+def _error_of(e: urllib.error.HTTPError) -> str:
+    """The dashboard's reason in an HTTP error's body (``{"error": ...}``), or ""."""
+    try:
+        said = json.loads(e.read(ERROR_BYTES)).get("error", "")
+    except (OSError, ValueError, AttributeError, http.client.HTTPException):
+        return ""
+    return said if isinstance(said, str) else ""
+
+
+def _why(e: BaseException) -> str:
+    """Why a request failed, in a few words: ``connection refused``, ``timed out``."""
+    cause = e.reason if isinstance(e, urllib.error.URLError) else e
+    text = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
+    return text[:1].lower() + text[1:]
 
 
 def status_console() -> Console:
@@ -279,8 +325,10 @@ def run_status(source: Views | SwarmSource | JobSource, job_id: str | None = Non
             are computed from here (a :class:`~fedpipe.observe.source.GrpcSource`).
 
     Raises:
-        KeyError: no such job.
-        grpc.RpcError, OSError: the tracker or its dashboard is unreachable.
+        KeyError: no such job (:class:`~fedpipe.observe.source.JobNotFound` from
+            fedpipe's sources, naming the job and where it was asked).
+        grpc.RpcError: the tracker is unreachable or refused the call.
+        DashboardError: (an OSError) the dashboard is unreachable or answered an error.
     """
     console = console or status_console()
     views = source if hasattr(source, "job_dict") else SourceViews(source)

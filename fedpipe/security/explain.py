@@ -1,21 +1,28 @@
-"""A client channel whose failed calls say in one line what is wrong with the TLS set-up.
+"""A client channel whose failed calls say in one line what is wrong with the set-up: the
+address dialled, or TLS.
 
 gRPC reports a refused TLS handshake as a bare ``UNAVAILABLE: Socket closed`` (or
-``failed to connect to all addresses``), whichever side was wrong. A channel
-wrapped by :func:`explained` keeps every call and status code as they were, and
-replaces the error of a failed call by an :class:`Explained` one whose
-``details()`` (and ``str()``) is one line:
+``failed to connect to all addresses``), whichever side was wrong; a port that serves
+other calls (a node's, dialled as the tracker) as ``UNIMPLEMENTED: Method not found!``;
+an HTTP port (the tracker's ``--http-port``) as ``Failed parsing HTTP/2 (Expected
+SETTINGS frame ...)``. A channel wrapped by :func:`explained` keeps every call and status
+code as they were, and replaces the error of a failed call by an :class:`Explained` one
+whose ``details()`` (and ``str()``) is one line:
 
 - UNAVAILABLE on a channel that has never completed a call: a host gRPC
-  could not resolve (:func:`fedpipe.security.tls.unresolved`), else the cause
+  could not resolve (:func:`fedpipe.security.tls.unresolved`), a port that does not
+  speak gRPC (:func:`not_grpc`), else the cause
   :func:`fedpipe.security.tls.diagnose` finds (no certificate, a certificate of
   another CA, an expired one, a server without TLS, ...), else gRPC's own;
+- UNIMPLEMENTED for a method the server does not have, on a channel that has never
+  completed a call: the address is not a fedpipe tracker (or node) (:func:`not_served`);
 - UNAUTHENTICATED and PERMISSION_DENIED (e.g. the wrong role for a method):
   the server's own one-line reason, with the status code in front.
 
-Once a call on the channel has succeeded, the TLS set-up is known to work and an
+Once a call on the channel has succeeded, the set-up is known to work and an
 UNAVAILABLE is left as it is (a peer that went away), so recovery paths pay
-for no probe.
+for no probe; so is an UNIMPLEMENTED (a server of another fedpipe version that lacks
+one method).
 """
 from __future__ import annotations
 
@@ -31,6 +38,47 @@ from .tls import TlsConfig, diagnose, unresolved
 REASON_SECONDS = 5.0
 """How long one diagnosis is reused for the calls of a channel that fail together, seconds."""
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+ROLES = {"fedpipe.v1.Tracker": "tracker", "fedpipe.v1.Node": "node"}
+"""The fedpipe role that serves each gRPC service, by the service's full name."""
+NOT_SERVED_HINT = {"tracker": "is it a node's port?", "node": "is it the tracker's port?"}
+"""What a port dialled as a role's but serving none of its calls more likely is."""
+NOT_GRPC_HINT = {"tracker": "is it the tracker's --http-port? give the tracker's --port"}
+"""What a port dialled as a role's but not speaking gRPC more likely is."""
+METHOD_NOT_FOUND = "Method not found!"
+"""grpc's details of UNIMPLEMENTED for a method the server has no handler for (a
+servicer's own UNIMPLEMENTED says "Method not implemented!")."""
+NOT_HTTP2 = "Failed parsing HTTP/2"
+"""gRPC core's words, in a failed connection's details, for a server that answered
+something other than HTTP/2 (an HTTP/1 server answers with ``HTTP/1.0 ...``)."""
+
+
+def _role(method: str) -> str | None:
+    """The fedpipe role whose service ``method`` (``/fedpipe.v1.Tracker/ListNodes``)
+    belongs to; None for another service's."""
+    return ROLES.get(method.lstrip("/").partition("/")[0])
+
+
+def not_served(details: str, address: str, method: str) -> str | None:
+    """A call of ``method`` to ``address`` that failed UNIMPLEMENTED with ``details``, in
+    one line, when the server has no such method at all: ``127.0.0.1:7071 is not a
+    fedpipe tracker (it does not serve the tracker's calls; is it a node's port?)``.
+    None for a method of no fedpipe role, or a servicer's own UNIMPLEMENTED."""
+    role = _role(method)
+    if role is None or details != METHOD_NOT_FOUND:
+        return None
+    return (f"{address} is not a fedpipe {role} (it does not serve the {role}'s calls; "
+            f"{NOT_SERVED_HINT[role]})")
+
+
+def not_grpc(details: str, address: str, method: str) -> str | None:
+    """A call of ``method`` to ``address`` that failed UNAVAILABLE with ``details``, in one
+    line, when the server does not speak gRPC (HTTP/2): ``127.0.0.1:8080 does not speak
+    gRPC (is it the tracker's --http-port? give the tracker's --port)``; None otherwise."""
+    if NOT_HTTP2 not in details:
+        return None
+    hint = NOT_GRPC_HINT.get(_role(method) or "")
+    return f"{address} does not speak gRPC" + (f" ({hint})" if hint else "")
 
 
 class Explained(StatusError):
@@ -65,23 +113,31 @@ class _Explainer:
         self._lock = threading.Lock()
         self._reason: tuple[float, str | None] | None = None
 
-    def explain(self, error: BaseException | None) -> BaseException | None:
-        """``error`` with a one-line reason where one is known (see the module docstring)."""
+    def explain(self, error: BaseException | None, method: str = "") -> BaseException | None:
+        """``error`` of a call of ``method`` with a one-line reason where one is known (see
+        the module docstring)."""
         if not isinstance(error, grpc.RpcError):
             return error
-        return self.explain_rpc(error)
+        return self.explain_rpc(error, method)
 
-    def explain_rpc(self, error: grpc.RpcError) -> grpc.RpcError:
+    def explain_rpc(self, error: grpc.RpcError, method: str = "") -> grpc.RpcError:
+        """``error`` of a call of ``method`` (``/fedpipe.v1.Tracker/ListNodes``; "": not
+        known) as an :class:`Explained` one where a reason is known, else itself."""
         if isinstance(error, Explained):
             return error
         code = error.code() if callable(getattr(error, "code", None)) else None
         if code in _REFUSED:
             return Explained(error, error.details() or code.name.lower())
-        if code == grpc.StatusCode.UNAVAILABLE and not self.connected:
-            reason = unresolved(error.details() or "") or self._diagnosis()
-            if reason:
-                return Explained(error, reason)
-        return error
+        if self.connected:
+            return error
+        details = error.details() or ""
+        reason = None
+        if code == grpc.StatusCode.UNAVAILABLE:
+            reason = (unresolved(details) or not_grpc(details, self.address, method)
+                      or self._diagnosis())
+        elif code == grpc.StatusCode.UNIMPLEMENTED:
+            reason = not_served(details, self.address, method)
+        return Explained(error, reason) if reason else error
 
     def _diagnosis(self) -> str | None:
         with self._lock:  # calls that fail together share one probe of the server
@@ -92,16 +148,16 @@ class _Explainer:
 
 
 class _Outcome(grpc.Call, grpc.Future):
-    """A unary response (a call and a future) whose error is explained."""
+    """A unary response (a call and a future) of ``method`` whose error is explained."""
 
-    def __init__(self, inner, explainer: _Explainer):
-        self._inner, self._x = inner, explainer
+    def __init__(self, inner, explainer: _Explainer, method: str):
+        self._inner, self._x, self._method = inner, explainer, method
 
     def result(self, timeout=None):
         try:
             out = self._inner.result(timeout)
         except grpc.RpcError as e:
-            raise self._x.explain_rpc(e) from None
+            raise self._x.explain_rpc(e, self._method) from None
         self._x.connected = True
         return out
 
@@ -109,7 +165,7 @@ class _Outcome(grpc.Call, grpc.Future):
         e = self._inner.exception(timeout)
         if e is None:
             self._x.connected = True
-        return self._x.explain(e)
+        return self._x.explain(e, self._method)
 
     def traceback(self, timeout=None):
         return self._inner.traceback(timeout)
@@ -165,22 +221,23 @@ class _Responses(_Outcome):
         try:
             out = next(self._inner)
         except grpc.RpcError as e:
-            raise self._x.explain_rpc(e) from None
+            raise self._x.explain_rpc(e, self._method) from None
         self._x.connected = True
         return out
 
 
 class _Unary:
-    """A unary-response multicallable (unary-unary or stream-unary) whose errors are explained."""
+    """A unary-response multicallable (unary-unary or stream-unary) of ``method`` whose
+    errors are explained."""
 
-    def __init__(self, inner, explainer: _Explainer):
-        self._inner, self._x = inner, explainer
+    def __init__(self, inner, explainer: _Explainer, method: str):
+        self._inner, self._x, self._method = inner, explainer, method
 
     def __call__(self, request, **kw):
         try:
             out = self._inner(request, **kw)
         except grpc.RpcError as e:
-            raise self._x.explain_rpc(e) from None
+            raise self._x.explain_rpc(e, self._method) from None
         self._x.connected = True
         return out
 
@@ -188,25 +245,26 @@ class _Unary:
         try:
             out = self._inner.with_call(request, **kw)
         except grpc.RpcError as e:
-            raise self._x.explain_rpc(e) from None
+            raise self._x.explain_rpc(e, self._method) from None
         self._x.connected = True
         return out
 
     def future(self, request, **kw):
-        return _Outcome(self._inner.future(request, **kw), self._x)
+        return _Outcome(self._inner.future(request, **kw), self._x, self._method)
 
 
 class _Streaming:
-    """A response-streaming multicallable (unary-stream or stream-stream), explained."""
+    """A response-streaming multicallable (unary-stream or stream-stream) of ``method``,
+    explained."""
 
-    def __init__(self, inner, explainer: _Explainer):
-        self._inner, self._x = inner, explainer
+    def __init__(self, inner, explainer: _Explainer, method: str):
+        self._inner, self._x, self._method = inner, explainer, method
 
     def __call__(self, request, **kw):
         try:
-            return _Responses(self._inner(request, **kw), self._x)
+            return _Responses(self._inner(request, **kw), self._x, self._method)
         except grpc.RpcError as e:
-            raise self._x.explain_rpc(e) from None
+            raise self._x.explain_rpc(e, self._method) from None
 
 
 class _ExplainedChannel(grpc.Channel):
@@ -225,16 +283,16 @@ class _ExplainedChannel(grpc.Channel):
         self._ch.unsubscribe(callback)
 
     def unary_unary(self, method, *args, **kw):
-        return _Unary(self._ch.unary_unary(method, *args, **kw), self._x)
+        return _Unary(self._ch.unary_unary(method, *args, **kw), self._x, method)
 
     def stream_unary(self, method, *args, **kw):
-        return _Unary(self._ch.stream_unary(method, *args, **kw), self._x)
+        return _Unary(self._ch.stream_unary(method, *args, **kw), self._x, method)
 
     def unary_stream(self, method, *args, **kw):
-        return _Streaming(self._ch.unary_stream(method, *args, **kw), self._x)
+        return _Streaming(self._ch.unary_stream(method, *args, **kw), self._x, method)
 
     def stream_stream(self, method, *args, **kw):
-        return _Streaming(self._ch.stream_stream(method, *args, **kw), self._x)
+        return _Streaming(self._ch.stream_stream(method, *args, **kw), self._x, method)
 
     def close(self):
         self._ch.close()
