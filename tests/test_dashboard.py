@@ -384,6 +384,12 @@ def test_status_of_a_job_prints_its_plan_per_stage_timings_and_events(running):
         assert status._s(s["predicted_compute"]) in row, row  # the dashboard's figure
     out = cli("status", "--dashboard", ports.url, "nosuchjob")
     assert out.returncode == 1 and "nosuchjob" in out.stderr
+    # the swarm's status lists the jobs, the dashboard's and the tracker's alike
+    for where in (["--dashboard", ports.url], ["--tracker", swarm.tracker]):
+        out = cli("status", *where)
+        assert out.returncode == 0, out.stderr
+        row = next(line for line in out.stdout.splitlines() if job.id in line)
+        assert "RUNNING" in row and f"{HELD_AT}/50" in row, row
 
 
 def test_fedpipe_plot_and_job_history_show_the_steps_the_api_shows(running, tmp_path):

@@ -36,6 +36,7 @@ EXPECTED = {
     "/fedpipe.v1.Tracker/ListNodes": {"node", "tracker", "client", "admin"},
     "/fedpipe.v1.Tracker/SubmitJob": {"client"},
     "/fedpipe.v1.Tracker/GetJob": {"client", "admin"},
+    "/fedpipe.v1.Tracker/ListJobs": {"client", "admin"},  # a client sees its own
     "/fedpipe.v1.Tracker/WatchJob": {"client", "admin"},
     "/fedpipe.v1.Tracker/CancelJob": {"client", "admin"},
     "/fedpipe.v1.Tracker/DrainNode": {"admin", "node"},

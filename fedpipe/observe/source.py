@@ -101,6 +101,15 @@ class StageTimeSource(Protocol):
         """Each stage's split of its last reported step, any order."""
 
 
+@runtime_checkable
+class JobListSource(Protocol):
+    """A source that lists the jobs its caller may see (``ListJobs``)."""
+
+    def jobs(self) -> list[tracker_pb2.JobInfo] | None:
+        """The jobs, newest first, without their plans; None where the caller may not
+        list them."""
+
+
 def stage_times_of(source: object, job_id: str) -> list[StageTime]:
     """The stages' step times from ``source`` if it keeps them, else ``[]``."""
     if isinstance(source, StageTimeSource):
@@ -145,6 +154,18 @@ class GrpcSource:
                                     timeout=timeouts.CONTROL_RPC)
         except grpc.RpcError as e:
             raise_unknown_job(e, job_id, self.tracker)
+
+    def jobs(self) -> list[tracker_pb2.JobInfo] | None:
+        """:class:`JobListSource`'s: a client's own jobs, the operator's every job; None
+        for a caller that may not list them (a node's certificate) or a tracker without
+        ``ListJobs``."""
+        try:
+            return list(self.stub.ListJobs(tracker_pb2.ListJobsRequest(),
+                                           timeout=timeouts.CONTROL_RPC).jobs)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED):
+                return None
+            raise
 
     def events(self, job_id: str, after_seq: int) -> list[tracker_pb2.JobEvent]:
         # WatchJob streams a running job's events for ever: read until the stream

@@ -33,8 +33,8 @@ from rich.text import Text
 from ..units import binary_bytes
 
 from ..net import timeouts
-from .source import JobNotFound, JobSource, SwarmSource
-from .views import History, job_layout, job_view, swarm_view
+from .source import JobListSource, JobNotFound, JobSource, SwarmSource
+from .views import History, job_layout, job_summary, job_view, swarm_view
 
 STATE_STYLE = {"RUNNING": "green", "SUCCEEDED": "bold green", "FAILED": "bold red",
                "CANCELLED": "red", "RECOVERING": "yellow", "PENDING": "yellow", "WAITING": "yellow",
@@ -108,7 +108,24 @@ def swarm_renderable(swarm: dict) -> RenderableType:
             links.add_row(m["src_name"], m["dst_name"], f"{m['bandwidth'] * 8 / 1e6:.1f}",
                           _s(m["latency"]), _clock(m["measured_at"]))
         parts.append(links)
+    if "jobs" in swarm:  # the jobs its caller may see (a client its own), newest first
+        parts.append(_jobs_renderable(swarm["jobs"]))
     return Group(*parts)
+
+
+def _jobs_renderable(jobs: list[dict]) -> RenderableType:
+    """Jobs (each a :func:`~fedpipe.observe.views.job_summary`) as a table: where a job id
+    for ``fedpipe status JOB`` is found."""
+    if not jobs:
+        return Text("no jobs", style="dim")
+    t = Table(title="jobs, newest first", box=box.SIMPLE_HEAD, title_justify="left")
+    for col, just in (("job", "left"), ("name", "left"), ("state", "left"),
+                      ("step", "right"), ("loss", "right"), ("created", "right")):
+        t.add_column(col, justify=just)
+    for j in jobs:
+        t.add_row(j["id"], j["name"], Text(j["state"], style=STATE_STYLE.get(j["state"], "")),
+                  f"{j['step']}/{j['steps']}", _f(j["loss"], 4), _clock(j["created"]))
+    return t
 
 
 def _plan_renderables(plan: dict) -> list[RenderableType]:
@@ -225,7 +242,11 @@ class SourceViews:
         self.source = source
 
     def swarm_dict(self) -> dict:
-        return swarm_view(self.source.nodes(include_lost=True), self.source.links())
+        out = swarm_view(self.source.nodes(include_lost=True), self.source.links())
+        jobs = self.source.jobs() if isinstance(self.source, JobListSource) else None
+        if jobs is not None:  # None: this caller may not list them
+            out["jobs"] = [job_summary(j, None) for j in jobs]
+        return out
 
     def job_dict(self, job_id: str) -> dict:
         return job_dict(self.source, job_id)
@@ -283,7 +304,7 @@ class HttpSource:
                                  f"--http-port)?") from None
 
     def swarm_dict(self) -> dict:
-        return self._get("/api/nodes")
+        return {**self._get("/api/nodes"), "jobs": self._get("/api/jobs")["jobs"]}
 
     def job_dict(self, job_id: str) -> dict:
         return self._get("/api/jobs/" + urllib.parse.quote(job_id, safe=""), job_id)

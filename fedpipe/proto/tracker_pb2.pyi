@@ -180,6 +180,18 @@ class ListNodesReply(_message.Message):
     links: _containers.RepeatedCompositeFieldContainer[_node_pb2.LinkMeasurement]
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[_node_pb2.LinkMeasurement, _Mapping]]] = ...) -> None: ...
 
+class ListJobsRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class ListJobsReply(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
+
 class LayerProfile(_message.Message):
     __slots__ = ("name", "flops", "activation_bytes", "parameter_bytes", "activation_width")
     NAME_FIELD_NUMBER: _ClassVar[int]

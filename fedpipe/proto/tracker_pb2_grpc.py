@@ -59,6 +59,11 @@ class TrackerStub:
                 request_serializer=fedpipe_dot_v1_dot_tracker__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.JobInfo.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/fedpipe.v1.Tracker/ListJobs',
+                request_serializer=fedpipe_dot_v1_dot_tracker__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_v1_dot_tracker__pb2.ListJobsReply.FromString,
+                _registered_method=True)
         self.WatchJob = channel.unary_stream(
                 '/fedpipe.v1.Tracker/WatchJob',
                 request_serializer=fedpipe_dot_v1_dot_tracker__pb2.WatchJobRequest.SerializeToString,
@@ -124,6 +129,12 @@ class TrackerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -198,6 +209,11 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.GetJob,
                     request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.GetJobRequest.FromString,
                     response_serializer=fedpipe_dot_v1_dot_tracker__pb2.JobInfo.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=fedpipe_dot_v1_dot_tracker__pb2.ListJobsRequest.FromString,
+                    response_serializer=fedpipe_dot_v1_dot_tracker__pb2.ListJobsReply.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchJob,
@@ -370,6 +386,33 @@ class Tracker:
             '/fedpipe.v1.Tracker/GetJob',
             fedpipe_dot_v1_dot_tracker__pb2.GetJobRequest.SerializeToString,
             fedpipe_dot_v1_dot_tracker__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.v1.Tracker/ListJobs',
+            fedpipe_dot_v1_dot_tracker__pb2.ListJobsRequest.SerializeToString,
+            fedpipe_dot_v1_dot_tracker__pb2.ListJobsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -104,6 +104,8 @@ POLICY: Mapping[str, Rule] = {
         "SubmitJob": Rule(_roles(CLIENT), service_check="the job's owner is identity.name"),
         # the operator may look at and cancel any job (require_owner admits admin)
         "GetJob": Rule(_roles(CLIENT, ADMIN), service_check="require_owner(identity, owner)"),
+        "ListJobs": Rule(_roles(CLIENT, ADMIN), service_check="a client's own jobs only; the "
+                                                              "operator's, every job"),
         "WatchJob": Rule(_roles(CLIENT, ADMIN), service_check="require_owner(identity, owner)"),
         "CancelJob": Rule(_roles(CLIENT, ADMIN), service_check="require_owner(identity, owner)"),
         "ReportStage": Rule(_roles(NODE), service_check="require_self(identity, the stage's "

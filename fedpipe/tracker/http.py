@@ -52,6 +52,7 @@ from ..observe.source import Histories, Source, stage_times_of
 from ..observe.views import PlanLayout, StageTime, job_layout, job_summary, job_view, swarm_view
 from ..proto import node_pb2, tracker_pb2
 from .clients import Feeders
+from .jobs import JOB_STATES, MAX_LIST_JOBS
 from .registry import Registry
 from .stagetimes import StageTimes
 from .store import Store
@@ -63,9 +64,6 @@ STATIC = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; 
 """The dashboard's files (in ``fedpipe/tracker/static``) and their content types."""
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-ALL_STATES = tuple(v for v in tracker_pb2.JobState.values()
-                   if v != tracker_pb2.JOB_STATE_UNSPECIFIED)
-MAX_JOBS = 1000
 
 
 class TrackerSource:
@@ -134,10 +132,10 @@ class Dashboard:
 
     def jobs(self, limit: int = 100) -> dict:
         """``GET /api/jobs``: the ``limit`` most recent jobs, newest first."""
-        if not 1 <= limit <= MAX_JOBS:
-            raise BadRequest(f"limit must be 1..{MAX_JOBS}, got {limit}")
+        if not 1 <= limit <= MAX_LIST_JOBS:
+            raise BadRequest(f"limit must be 1..{MAX_LIST_JOBS}, got {limit}")
         out = []
-        for job_id in reversed(self.source.jobs_in(*ALL_STATES)[-limit:]):
+        for job_id in reversed(self.source.jobs_in(*JOB_STATES)[-limit:]):
             try:
                 info = self.source.job(job_id)
             except KeyError:

@@ -41,9 +41,18 @@ from ..planner.protoio import cluster_view, model_profile, train_config
 from ..proto import node_pb2, tracker_pb2
 from ..spec import TERMINAL, WAITING, JobSpec, JobSpecError, PlanView, StageKey, state_name
 from .errors import InvalidArgument, NotFound, ResourceExhausted
+
 from .nodes import NodeCallError, NodeCalls
 from .specs import JobSpecs
 from .store import Store
+
+JOB_STATES = tuple(v for v in tracker_pb2.JobState.values()
+                   if v != tracker_pb2.JOB_STATE_UNSPECIFIED)
+"""Every state a job may be in (listing every job)."""
+LIST_JOBS = 100
+"""Jobs ``ListJobs`` gives by default, newest first."""
+MAX_LIST_JOBS = 1000
+"""The most jobs one ``ListJobs`` (or the dashboard's ``/api/jobs``) gives."""
 
 log = logging.getLogger("fedpipe.tracker")
 S = tracker_pb2
@@ -253,6 +262,30 @@ class Jobs:
             return self.store.job(job_id)
         except KeyError:
             raise NotFound(f"no job {job_id!r}") from None
+
+    def listed(self, owner: str | None, limit: int = LIST_JOBS) -> list[tracker_pb2.JobInfo]:
+        """The ``limit`` newest jobs of ``owner`` (None: everyone's), newest first, each
+        without its plan and stage times (``ListJobs``).
+
+        Raises:
+            InvalidArgument: ``limit`` is not in 1..:data:`MAX_LIST_JOBS`.
+        """
+        if not 1 <= limit <= MAX_LIST_JOBS:
+            raise InvalidArgument(f"limit must be 1..{MAX_LIST_JOBS}, got {limit}")
+        out = []
+        for job_id in reversed(self.store.jobs_in(*JOB_STATES)):
+            try:
+                job = self.store.job(job_id)
+            except KeyError:  # gone since it was listed (retention)
+                continue
+            if owner is not None and job.owner != owner:
+                continue
+            job.ClearField("plan")
+            job.ClearField("stage_times")
+            out.append(job)
+            if len(out) == limit:
+                break
+        return out
 
     def cancel(self, job_id: str, reason: str = "", keep_weights: bool = False
                ) -> tracker_pb2.JobInfo:

@@ -29,6 +29,7 @@ from ..net.trackers import LEADER_KEY
 from . import errors
 from .admission import MAX_JOB_BYTES, MAX_JOBS_PER_OWNER, Admission, NodeNames
 from .nodes import GrpcNodeCalls
+from .jobs import LIST_JOBS
 from .leader import LeaderFence, Leadership
 from .rebalance import REBALANCE_THRESHOLD
 from .registry import HEARTBEAT_RATE
@@ -170,6 +171,12 @@ class TrackerService(tracker_pb2_grpc.TrackerServicer):
         job = self.tracker.replicas.annotate(self.tracker.progress.info(request.job_id))
         job.feeder = self.tracker.feeders.feeder(request.job_id)
         return self.tracker.feeders.shown(job)
+
+    @unary
+    def ListJobs(self, request, context):
+        identity = identity_of(context)  # without TLS, and for the operator: every job
+        owner = None if identity is None or identity.role is Role.ADMIN else identity.name
+        return S.ListJobsReply(jobs=self.tracker.jobs.listed(owner, request.limit or LIST_JOBS))
 
     @unary
     def CancelJob(self, request, context):
