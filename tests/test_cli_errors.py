@@ -37,6 +37,9 @@ class NoJobs(tracker_pb2_grpc.TrackerServicer):
     def WatchJob(self, request, context):
         context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
 
+    def CancelJob(self, request, context):
+        context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
+
 
 class Pinged(node_pb2_grpc.NodeServicer):
     """A node's gRPC port: the node's service, none of the tracker's calls."""
@@ -96,6 +99,8 @@ def test_plot_and_status_of_an_unknown_job_name_the_job_and_the_tracker(tracker,
     assert said(capsys, ["status", "--tracker", tracker, JOB]) == f"fedpipe status: {line}"
     assert said(capsys, ["status", "--tracker", tracker, JOB, "--json"]) == \
         f"fedpipe status: {line}"
+    # was (cancel): "fedpipe cancel: NOT_FOUND: no job 'deadbeef0000'", no tracker named
+    assert said(capsys, ["cancel", "--tracker", tracker, JOB]) == f"fedpipe cancel: {line}"
 
 
 def test_status_of_an_unknown_job_on_the_dashboard_names_the_job_and_the_url(dashboard,

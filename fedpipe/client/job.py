@@ -427,9 +427,17 @@ class Job:
         self.client.reach.lost(e)  # one line while it lasts
 
     def cancel(self, reason: str = "cancelled by the client") -> JobStatus:
-        """Cancel the job; its stages stop and drop their weights."""
-        self.client.stub.CancelJob(S.CancelJobRequest(job_id=self.id, reason=reason),
-                                   timeout=timeouts.CONTROL_RPC)
+        """Cancel the job; its stages stop and drop their weights.
+
+        Raises:
+            JobNotFound: the tracker knows no such job (named, with the tracker).
+            grpc.RpcError: the tracker is unreachable or refused the call.
+        """
+        try:
+            self.client.stub.CancelJob(S.CancelJobRequest(job_id=self.id, reason=reason),
+                                       timeout=timeouts.CONTROL_RPC)
+        except grpc.RpcError as e:
+            raise_unknown_job(e, self.id, self.client.address)
         return self.status()
 
     def state_dict(self, stage: int | None = None) -> dict[str, torch.Tensor]:
