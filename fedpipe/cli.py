@@ -9,8 +9,8 @@ import sys
 
 import grpc
 
-from .cli_args import (TRACKER_HELP, address_arg, insecure_arg, metrics_args, tls as _tls,
-                       tls_args, tracker_target)
+from .cli_args import (TRACKER_HELP, address_arg, dashboard_arg, insecure_arg, metrics_args,
+                       tls as _tls, tls_args, tracker_target)
 from .cli_node import add_cli as add_node_cli
 from .observe.serving import LOCALHOST
 
@@ -440,8 +440,9 @@ def parser() -> argparse.ArgumentParser:
                                       "per-stage timings and event log")
     where = s.add_mutually_exclusive_group(required=True)
     where.add_argument("--tracker", type=tracker_target, help=TRACKER_HELP)
-    where.add_argument("--dashboard", help="the tracker's dashboard URL (http://HOST:PORT): "
-                                           "adds each stage's predicted and measured timings")
+    where.add_argument("--dashboard", type=dashboard_arg,
+                       help="the tracker's dashboard URL (http://HOST:PORT, its --http-port), "
+                            "instead of --tracker")
     s.add_argument("job", nargs="?", help="job id")
     s.add_argument("--watch", action="store_true", help="keep it live until Ctrl-C")
     s.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")

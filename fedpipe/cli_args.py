@@ -42,6 +42,25 @@ def address_arg(text: str) -> str:
     return text
 
 
+def dashboard_arg(text: str) -> str:
+    """``fedpipe status --dashboard``'s value: the dashboard's URL, ``http://HOST:PORT``
+    (or ``https://``), checked at parse (it failed at the first request, as "unknown url
+    type").
+
+    Raises:
+        argparse.ArgumentTypeError: no http(s) scheme, or no host.
+    """
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme in ("http", "https") and parts.hostname:
+        return text
+    hint = f"; did you mean http://{text}?" if "://" not in text else ""
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected the dashboard's URL, http://HOST:PORT (the tracker's "
+        f"--http-port){hint}")
+
+
 def relays_arg(text: str) -> list[str]:
     """``fedpipe node --relay``'s value, ``HOST:PORT[,HOST:PORT]``, checked at parse as
     :func:`fedpipe.net.relay.split_relays` checks it (it was only checked once the node

@@ -229,3 +229,17 @@ def test_a_nodes_relay_is_refused_at_parse_naming_the_entry_at_fault(relay, why,
     assert f"argument --relay: {why}" in capsys.readouterr().err
     assert parser().parse_args(["node", "--tracker", "t:7070", "--relay",
                                 "r1:7000, [::1]:7001"]).relay == ["r1:7000", "[::1]:7001"]
+
+
+@pytest.mark.parametrize("url,hint", [("127.0.0.1:17080", "; did you mean http://127.0.0.1:17080?"),
+                                      ("localhost:17080", "; did you mean http://localhost:17080?"),
+                                      ("ftp://h:1", "")])
+def test_a_dashboard_url_without_http_is_refused_at_parse_with_what_to_give(url, hint, capsys):
+    # was: taken, then "fedpipe status: ValueError: unknown url type: '127.0.0.1:17080'"
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args(["status", "--dashboard", url])
+    assert exit.value.code == 2
+    assert (f"argument --dashboard: {url!r}: expected the dashboard's URL, http://HOST:PORT "
+            f"(the tracker's --http-port){hint}") in " ".join(capsys.readouterr().err.split())
+    assert parser().parse_args(["status", "--dashboard", "http://h:7080"]).dashboard == \
+        "http://h:7080"
