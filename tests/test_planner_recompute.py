@@ -166,3 +166,18 @@ def test_bf16_mixed_sends_half_the_bytes_and_a_codec_counts_bfloat16_elements():
     assert fp32 == pytest.approx(2 * 8000 / 1e4, rel=0.01)  # activation and gradient
     assert bf16.step_seconds == pytest.approx(fp32 / 2, rel=0.01)
 
+
+
+def test_a_lossy_gradient_codecs_residuals_are_counted_in_float32_under_bf16_mixed():
+    # its encoded copies halve with bf16's tensors; the error-feedback residuals do not
+    # (wire.feedback keeps them at least float32): found by review, priced at half before
+    from fedpipe.planner.costs import StageCodecs, codec_buffer_bytes
+
+    prof, last = profile(), len(profile().layers)
+    lossy, raw = StageCodecs(sent_gradient="int8"), StageCodecs()
+    for precision in ("fp32", "bf16-mixed"):
+        kept = codec_buffer_bytes(prof, 2, last, 8, 4, lossy, precision) - \
+            codec_buffer_bytes(prof, 2, last, 8, 4, raw, precision)
+        encoded = codec_cost("int8").buffer_bytes(boundary_bytes(prof, 2, 8, precision),
+                                                  boundary_element_bytes(prof, precision))
+        assert kept - encoded == pytest.approx(4 * boundary_bytes(prof, 2, 8)), precision

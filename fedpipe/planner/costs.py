@@ -206,7 +206,9 @@ def codec_buffer_bytes(profile: ModelProfile, start: int, end: int, samples: flo
     - one encoded copy of each tensor it sends and one of each it receives
       (:meth:`~fedpipe.planner.codecs.CodecCost.buffer_bytes`: 0 under plain raw);
     - under a lossy gradient codec, the error-feedback residual the sender keeps
-      per microbatch, the size of the gradient (``microbatches`` of them).
+      per microbatch, the size of the gradient in float32 (``microbatches`` of them;
+      :class:`~fedpipe.wire.feedback.ErrorFeedback` keeps them at least float32,
+      a bf16-mixed stage's too).
 
     Raises:
         PlanError: an unknown codec.
@@ -221,7 +223,10 @@ def codec_buffer_bytes(profile: ModelProfile, start: int, end: int, samples: flo
         inp = boundary_bytes(profile, start, samples, precision)
         grad = codec_cost(codecs.sent_gradient)
         total += codec_cost(codecs.received_activation).buffer_bytes(inp, eb)
-        total += grad.buffer_bytes(inp, eb) + (microbatches * inp if grad.lossy else 0.0)
+        total += grad.buffer_bytes(inp, eb)
+        if grad.lossy:  # the error-feedback residuals are float32 whatever the precision
+            residual = boundary_bytes(profile, start, samples) * max(4, profile.element_bytes)
+            total += microbatches * residual / profile.element_bytes
     return total
 
 
