@@ -140,6 +140,27 @@ def test_a_lost_stage_moves_only_where_its_hosts_share_of_memory_holds_it():
         {"a": 500, "b": 500, "c": 1000}
 
 
+def test_a_moved_stage_takes_its_new_nodes_snapshot_keeping_and_drops_its_old_price():
+    # found by review: a moved stage kept the lost node's predicted split (status and the
+    # dashboard showed it on the new node) and its snapshots_on_disk flag
+    def node(name: str, disk: bool) -> tracker_pb2.NodeInfo:
+        return tracker_pb2.NodeInfo(node_id=name, name=name, address=f"{name}:1",
+                                    resources=node_pb2.Resources(
+                                        flops=1e12, memory_bytes=1000, snapshots_on_disk=disk))
+    plan = node_pb2.Plan(stages=[
+        node_pb2.StageAssignment(stage=0, node_id="a", node_name="a", layer_start=0,
+                                 layer_end=1, predicted_compute_seconds=1.0),
+        node_pb2.StageAssignment(stage=1, node_id="gone", node_name="gone", layer_start=1,
+                                 layer_end=3, predicted_compute_seconds=2.0,
+                                 predicted_send_seconds=0.5)])
+    moved = substitute(plan, {"gone"}, [node("a", False), node("b", True)], lambda a: 100)
+    kept, new = moved.stages
+    assert (kept.node_id, kept.predicted_compute_seconds) == ("a", 1.0)
+    assert (new.node_id, new.snapshots_on_disk) == ("b", True)
+    assert (new.predicted_compute_seconds, new.predicted_send_seconds) == (0.0, 0.0)
+    assert moved.summary == "a: layer 0; b: layers 1-2"
+
+
 def test_a_node_that_keeps_snapshots_on_disk_is_priced_without_them_and_gets_the_stage():
     """``fedpipe node --snapshot-dir``: the stage's snapshots (2 own + 2 a buddy's, each
     weights and momentum) are not in memory; only the tensor in flight, at most its

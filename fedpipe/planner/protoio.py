@@ -207,7 +207,6 @@ def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2
     """
     msg = node_pb2.Plan(predicted_step_seconds=plan.predicted_step_seconds,
                         sync_seconds=plan.sync_seconds, calibrated=plan.calibrated)
-    parts = []
     for r, group in enumerate(plan.groups):
         msg.replicas.append(node_pb2.ReplicaInfo(microbatches=group.microbatches,
                                                  samples=group.samples,
@@ -220,10 +219,28 @@ def plan_message(plan: Plan, nodes: dict[str, tracker_pb2.NodeInfo]) -> node_pb2
                 layer_start=s.layer_start, layer_end=s.layer_end,
                 activation_codec=s.activation_codec, gradient_codec=s.gradient_codec,
                 recompute=s.recompute, snapshots_on_disk=n.resources.snapshots_on_disk))
-            group_tag = f"group {r} " if len(plan.groups) > 1 else ""
-            parts.append(f"{group_tag}{n.name}: {layer_range(s.layer_start, s.layer_end)}")
-    msg.summary = "; ".join(parts)
+    msg.summary = plan_summary(msg)
     return msg
+
+
+def plan_summary(msg: node_pb2.Plan) -> str:
+    """A plan message's one-line summary: each stage's node and layers, in order, each
+    after "group R " when there are several groups ("node0: layers 0-2; node1: layer 3")."""
+    view = PlanView(msg)
+    tag = len(view.replicas) > 1
+    return "; ".join(f"{'group %d ' % k.replica if tag else ''}{a.node_name}: "
+                     f"{layer_range(a.layer_start, a.layer_end)}"
+                     for k, a in sorted(view.stages.items()))
+
+
+def move_to(a: node_pb2.StageAssignment, node: tracker_pb2.NodeInfo) -> None:
+    """Stage ``a`` moves to ``node`` (a recovery, a drain, a rebuilt replica group): its
+    addresses and snapshot keeping become the node's, and its predicted split, priced on
+    the node it had, is cleared until the plan is priced again (:func:`set_predicted`)."""
+    a.node_id, a.node_name, a.address = node.node_id, node.name, node.address
+    a.data_address, a.relay = node.data_address, node.relay
+    a.snapshots_on_disk = node.resources.snapshots_on_disk
+    a.predicted_compute_seconds = a.predicted_send_seconds = 0.0
 
 
 def set_predicted(msg: node_pb2.Plan, costs: Mapping[StageKey, StageCost]) -> None:

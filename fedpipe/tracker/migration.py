@@ -20,7 +20,7 @@ from typing import Callable
 
 from .. import planner
 from ..planner.costs import chain_costs, compute_seconds, state_bytes
-from ..planner.protoio import memory_shares, plan_message, train_config
+from ..planner.protoio import memory_shares, move_to, plan_message, plan_summary, train_config
 from ..proto import node_pb2, tracker_pb2
 from ..spec import JobSpec, PlanView, StageKey
 
@@ -108,12 +108,8 @@ def _assign(plan: node_pb2.Plan, key: StageKey, node: tracker_pb2.NodeInfo) -> n
     out.CopyFrom(plan)
     for a in out.stages:
         if (a.replica, a.stage) == key:
-            a.node_id, a.node_name, a.address = node.node_id, node.name, node.address
-            a.data_address, a.relay = node.data_address, node.relay
-    view = PlanView(out)
-    out.summary = "; ".join(
-        f"{'group %d ' % k.replica if len(view.replicas) > 1 else ''}{a.node_name}: layers "
-        f"{a.layer_start}-{a.layer_end - 1}" for k, a in sorted(view.stages.items()))
+            move_to(a, node)
+    out.summary = plan_summary(out)
     return out
 
 

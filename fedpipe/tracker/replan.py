@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..planner import PlanError
-from ..planner.protoio import memory_shares
+from ..planner.protoio import memory_shares, move_to, plan_summary
 from ..proto import node_pb2, tracker_pb2
 from ..spec import PlanView, StageKey
 
@@ -65,12 +65,8 @@ def substitute(plan: node_pb2.Plan, lost: set[str], live: list[tracker_pb2.NodeI
                             f"most {most / 2**20:.1f} MiB left")
         taken.setdefault(a.node_id, target)
         free[target] -= want
-        n = alive[target]
-        a.node_id, a.node_name, a.address = n.node_id, n.name, n.address
-        a.data_address, a.relay = n.data_address, n.relay
-    out.summary = "; ".join(
-        f"{'group %d ' % k.replica if len(view.replicas) > 1 else ''}{a.node_name}: layers "
-        f"{a.layer_start}-{a.layer_end - 1}" for k, a in sorted(PlanView(out).stages.items()))
+        move_to(a, alive[target])
+    out.summary = plan_summary(out)
     return out
 
 
