@@ -180,6 +180,19 @@ def test_state_dict_of_a_cancelled_job_says_its_nodes_dropped_its_weights(client
         client.job("j").state_dict()
 
 
+@pytest.mark.parametrize("state", [S.JOB_STATE_DEPLOYING, S.JOB_STATE_RECOVERING])
+def test_state_dict_while_a_stage_is_being_loaded_is_not_called_gone(client, state):
+    # found by review: a stage not loaded yet (deploying, recovering) answers NOT_FOUND too,
+    # and was reported as released weights with advice to fetch them before release
+    tracker = FakeTracker(steps=3)
+    tracker.move(state)
+    client.stub = tracker
+    client.node = lambda address: ReleasedStages()
+    with pytest.raises(grpc.RpcError) as e:
+        client.job("j").state_dict()
+    assert e.value.code() == NOT_FOUND and not isinstance(e.value, CheckpointGone)
+
+
 def test_state_dict_from_an_unreachable_node_is_still_grpcs_error(client):
     class Unreachable:
         def FetchState(self, request, timeout=None):

@@ -57,7 +57,8 @@ from ..runtime.checkpoint import Snapshot, SnapshotStream
 from ..runtime.tensorfile import TensorFileError, TensorFileWriter
 from ..runtime.weights import (INDEX_NAME, SINGLE_NAME, KeyMap, WeightFiles, WeightsError,
                                sequential_keys)
-from ..spec import JobSpec, PlanView, StageKey, state_name
+from ..spec import TERMINAL, JobSpec, PlanView, StageKey, state_name
+from ..units import layer_range
 from ..wire import frames
 from ..wire.format import WireError
 from ..wire.codecs import MAX_TENSOR_BYTES
@@ -195,7 +196,7 @@ class CheckpointWriter:
         if not (local.isascii() and local.isdigit()) or (
                 key in self._ranges and int(local) >= end - start):
             raise WireError(f"stage {key.stage}'s snapshot names {path!r}: not a layer of the "
-                            f"stage's {end - start} (layers {start}-{end})")
+                            f"stage's {end - start} ({layer_range(start, end)})")
         layer = start + int(local)
         if self._skip(layer, name):
             return None
@@ -548,11 +549,14 @@ def stage_weights(node: NodeOf, job_id: str, plan: node_pb2.Plan, stage: int | N
 
     Raises:
         ValueError: the plan has no stage ``stage``.
-        CheckpointGone: a stage's node no longer holds the stage (it answered NOT_FOUND,
-            on either plane: the weights were released, or the node restarted); the
-            message names the job and the stage (:func:`gone_message`).
-        grpc.RpcError: a stage's node is unreachable or refused otherwise (over the
-            socket plane a :class:`~.links.LinkError` with the same code).
+        CheckpointGone: the job has ended (``state``) and a stage's node no longer holds
+            the stage (it answered NOT_FOUND, on either plane: the weights were released,
+            or the node restarted); the message names the job and the stage
+            (:func:`gone_message`).
+        grpc.RpcError: a stage's node is unreachable or refused otherwise, NOT_FOUND
+            included while the job is active (a stage being loaded: deploying,
+            recovering); over the socket plane a :class:`~.links.LinkError` with the
+            same code.
     """
     out: dict[str, torch.Tensor] = {}
     chain = PlanView(plan).chain(0)
@@ -574,7 +578,8 @@ def stage_weights(node: NodeOf, job_id: str, plan: node_pb2.Plan, stage: int | N
             for head, t in frames.read_tensors(stream, in_place=True):  # gRPC's messages
                 keep(head, t)
         except grpc.RpcError as e:  # a LinkError too: a refusal over the socket plane
-            if e.code() != grpc.StatusCode.NOT_FOUND:
+            # an active job's stage may not be loaded yet (deploying, recovering): not gone
+            if e.code() != grpc.StatusCode.NOT_FOUND or state not in TERMINAL:
                 raise
             raise CheckpointGone(gone_message(job_id, StageKey(a.replica, a.stage),
                                               state)) from None

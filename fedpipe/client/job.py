@@ -135,8 +135,7 @@ class Job:
             ValueError: the client is closed.
             grpc.RpcError: the tracker refused the watch (:meth:`.JobWatch.open`).
         """
-        if self._feeder is not None:
-            raise RuntimeError(f"job {self.id} is being fed by this Job already")
+        self._check_not_feeding()
         self._check_open()
         self._halted.clear()  # a resume refused earlier left it set
         keeper = None if self._checkpoint_dir is None else CheckpointKeeper(
@@ -163,6 +162,11 @@ class Job:
                                         name=f"feed-{self.id}", daemon=True)
         self._follower.start()
         self._feeder.start()
+
+    def _check_not_feeding(self) -> None:
+        """Raise RuntimeError if this Job feeds the job already."""
+        if self._feeder is not None:
+            raise RuntimeError(f"job {self.id} is being fed by this Job already")
 
     def _check_open(self, add: bool = False) -> None:
         """Raise ValueError if the client is closed; else, with ``add``, count this Job
@@ -224,6 +228,7 @@ class Job:
             if info.state in TERMINAL:
                 raise JobEnded(self._ended_message(info.state, info.reason))
             since = info.checkpoint_step  # completed before: not this Job's to name
+        self._check_not_feeding()  # before anything changes: its keeper reads the model
         kept = self._checkpoint_dir, self._model, self._weights  # as they were, if refused
         if checkpoint_dir is not None:
             self._checkpoint_dir = checkpoint_dir
@@ -447,14 +452,16 @@ class Job:
 
         Raises:
             ValueError: the plan has no stage ``stage``.
-            CheckpointGone: a stage's node no longer holds it: the weights were released
-                (:meth:`release`, which ``fedpipe submit`` does at its end), the job was
-                cancelled, or the node restarted; the message names the job and the stage,
-                and how to keep weights (a kept checkpoint, ``resume_from=``).
-            grpc.RpcError: a stage's node is unreachable, or refused otherwise.
+            CheckpointGone: the job has ended and a stage's node no longer holds it: the
+                weights were released (:meth:`release`, which ``fedpipe submit`` does at its
+                end), the job was cancelled, or the node restarted; the message names the
+                job and the stage, and how to keep weights (a kept checkpoint,
+                ``resume_from=``).
+            JobNotFound: the tracker knows no such job.
+            grpc.RpcError: a stage's node is unreachable, or refused otherwise (NOT_FOUND
+                while the job is active: a stage not loaded yet, deploying or recovering).
         """
-        info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
-                                       timeout=timeouts.CONTROL_RPC)
+        info = self._source().job(self.id)
         return checkpoints.stage_weights(self.client.node, self.id, info.plan, stage,
                                          self.client.data_plane(), info.state)
 
