@@ -179,43 +179,25 @@ def _gradient_compression_arg(text: str) -> str:
 
 def cmd_status(args) -> int:
     """``fedpipe status [JOB] [--watch]``: the swarm, or one job with its plan, per-stage
-    timings and event log, in the terminal (``--json``: once, machine-readable)."""
-    from .observe import status
+    timings and event log, in the terminal (``--json``: once, machine-readable: the same
+    views from a tracker as from its dashboard's API)."""
+    import contextlib
 
-    if args.dashboard:
-        source = status.HttpSource(args.dashboard)
-        if args.json:
-            print(json.dumps(source.job_dict(args.job) if args.job else source.swarm_dict(),
-                             indent=1))
-            return 0
-        status.run_status(source, args.job, watch=args.watch, interval=args.interval)
-        return 0
+    from .observe import status
     from .observe.source import GrpcSource
 
-    with _client(args) as client:
+    with contextlib.ExitStack() as stack:
+        views: status.Views
+        if args.dashboard:
+            views = status.HttpSource(args.dashboard)
+        else:
+            client = stack.enter_context(_client(args))
+            views = status.SourceViews(GrpcSource(client.stub, tracker=args.tracker))
         if args.json:
-            return _status_json(client, args)
-        status.run_status(GrpcSource(client.stub, tracker=args.tracker), args.job,
-                          watch=args.watch, interval=args.interval)
-    return 0
-
-
-def _status_json(client, args) -> int:
-    """``fedpipe status --json``: one job's state and plan, or the nodes and measured links."""
-    from google.protobuf import json_format
-
-    from .net import timeouts
-    from .proto import tracker_pb2
-
-    if args.job:
-        info = client.job(args.job).status()
-        print(json.dumps({"state": info.state, "reason": info.reason, "step": info.step,
-                          "steps": info.steps, "loss": info.loss,
-                          "plan": json_format.MessageToDict(info.plan)}, indent=1))
-        return 0
-    reply = client.stub.ListNodes(tracker_pb2.ListNodesRequest(include_lost=True),
-                                   timeout=timeouts.CONTROL_RPC)
-    print(json_format.MessageToJson(reply))
+            print(json.dumps(views.job_dict(args.job) if args.job else views.swarm_dict(),
+                             indent=1))
+        else:
+            status.run_status(views, args.job, watch=args.watch, interval=args.interval)
     return 0
 
 

@@ -66,6 +66,14 @@ def test_plan_and_status_for_a_live_swarm(swarm, tmp_path):
     assert "latency" in status.stdout  # and one row per directed link
     assert len(re.findall(r"^ *node\d +node\d +[\d.]+ +[\d.]+ [µm]?s ", status.stdout,
                           re.M)) == 6
+    # --json: the same view, shaped as the dashboard's /api/nodes (was protobuf's JSON:
+    # camelCase, and a field at its default left out)
+    status = fedpipe("status", "--tracker", swarm.tracker, "--json")
+    assert status.returncode == 0, status.stderr
+    view = json.loads(status.stdout)
+    assert view["totals"]["alive"] == 3 and len(view["links"]) == 6
+    assert {n["name"] for n in view["nodes"]} == {"node0", "node1", "node2"}
+    assert all(m["src_name"] != m["dst_name"] and m["bandwidth"] > 0 for m in view["links"])
 
 
 def test_an_unknown_job_and_a_nodes_port_are_named_in_one_line_by_a_real_swarm(swarm,

@@ -84,9 +84,8 @@ def test_measured_links_over_a_tbf_shaped_veth(namespaces, tmp_path):
                                   tracker, "--json"], capture_output=True, text=True,
                                  env=child_env(), timeout=30)
             if out.returncode == 0:
-                reply = json.loads(out.stdout)
-                names = {n["nodeId"]: n["name"] for n in reply.get("nodes", [])}
-                links = [(names[m["srcId"]], names[m["dstId"]], m) for m in reply.get("links", [])]
+                reply = json.loads(out.stdout)  # the dashboard API's /api/nodes shape
+                links = [(m["src_name"], m["dst_name"], m) for m in reply["links"]]
         logs = "\n".join((tmp_path / f"{i}.log").read_text() for i in range(len(procs)))
         assert len(links) == 2, f"links were not measured:\n{logs}"
         for src, dst, m in links:
