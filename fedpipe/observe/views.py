@@ -258,8 +258,9 @@ def plan_layout(plan: planner.Plan, *, names: Mapping[str, str] | None = None,
             one, the bottleneck is the measured one.
         measured_step: the job's measured step time, seconds.
         predicted: per stage, ``(compute, send)`` predicted seconds per step as
-            the tracker priced them (``JobInfo.stage_times``; either may be
-            None); used where ``cluster``, ``profile`` and ``config`` are not given.
+            the tracker priced them when it made the plan (the plan's assignments:
+            :func:`~fedpipe.planner.protoio.predicted_of`; either may be None); used
+            where ``cluster``, ``profile`` and ``config`` are not given.
 
     Raises:
         KeyError, PlanError: as :func:`predicted_stage_seconds`.
