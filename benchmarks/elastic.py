@@ -116,7 +116,7 @@ BIN = 10.0               # seconds per throughput bin (churn)
 BATCH, MICRO = 64, 4
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
 LOSS = nn.functional.cross_entropy
-FETCHED = re.compile(r"fetched (?:layers \d+-\d+ of )?the step \d+ snapshot of job (\S+) .*: "
+FETCHED = re.compile(r"fetched (?:layers? \d+(?:-\d+)? of )?the step \d+ snapshot of job (\S+) .*: "
                      r"(\d+) tensors, (\d+) bytes")  # a whole stage's, or a re-split's layers
 
 
@@ -237,7 +237,7 @@ def section_join(args) -> dict:
 
 
 # -- resplit ------------------------------------------------------------------------
-PIECE = re.compile(r"fetched layers (\d+)-(\d+) of the step \d+ snapshot of job (\S+) .*: "
+PIECE = re.compile(r"fetched layers? (\d+)(?:-(\d+))? of the step \d+ snapshot of job (\S+) .*: "
                    r"\d+ tensors, (\d+) bytes")
 
 
@@ -271,12 +271,13 @@ def section_resplit(args) -> dict:
             after_step = (moved[-1].checkpoint_step if moved else args.join_at) + 3
             before = run.throughput(run.time_at(2), run.time_at(args.join_at))
             after = run.throughput(run.time_at(after_step), run.trace[-1][0])
-            pieces = [(int(m.group(1)), int(m.group(2)), int(m.group(4))) for p in swarm.nodes
+            pieces = [(int(m.group(1)), int(m.group(2) or m.group(1)), int(m.group(4)))
+                      for p in swarm.nodes
                       for m in PIECE.finditer(swarm.log(p)) if m.group(3) == job.id]
             fetched = sum(int(m.group(3)) for p in swarm.nodes  # whole stages and pieces
                           for m in FETCHED.finditer(swarm.log(p)) if m.group(1) == job.id)
             tracker_log = swarm.log(swarm.tracker_proc)
-            plans = [len(re.findall(r"layers \d+-\d+", line)) for line in re.findall(
+            plans = [len(re.findall(r"layers? \d+", line)) for line in re.findall(
                 rf"job {job.id} (?:DEPLOYING: loading stages|RUNNING: migrated).*", tracker_log)]
             print(f"  rebalance={mode:5s}: {state_name(info.state)}; stages per plan {plans}; "
                   f"migrations {len(moved)} (steps recomputed "

@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.processes]
 SGD = fedpipe.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
 LOSS = nn.functional.cross_entropy
 STEPS, EVERY = 24, 8
-FETCHED = re.compile(r"fetched (?:layers (\d+)-(\d+) of )?the step (\d+) snapshot of job (\S+) "
-                     r"stage (\d+) \(replica (\d+)\) from \S+: (\d+) tensors, (\d+) bytes")
+FETCHED = re.compile(r"fetched (?:layers? (\d+)(?:-(\d+))? of )?the step (\d+) snapshot of job "
+                     r"(\S+) stage (\d+) \(replica (\d+)\) from \S+: (\d+) tensors, (\d+) bytes")
 """A fetched snapshot: a whole stage's, or (a re-split) some layers of one."""
 
 
@@ -193,8 +193,8 @@ def test_a_node_joining_mid_job_takes_a_stage_when_it_pays_and_weights_stay_exac
         fetched = by[2]
         assert fetched and not by[0] and not by[1], by
         whole = {k.stage: (a.layer_start, a.layer_end) for k, a in before.stages.items()}
-        spans = sorted((int(f[0]), int(f[1]) + 1) if f[0] is not None else whole[int(f[4])]
-                       for f in fetched)
+        spans = sorted((int(f[0]), int(f[1] or f[0]) + 1) if f[0] is not None  # "layer 3"
+                       else whole[int(f[4])] for f in fetched)
         assert (spans[0][0], spans[-1][1]) == (moved.layer_start, moved.layer_end)
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         layers = list(model)[moved.layer_start:moved.layer_end]
