@@ -167,3 +167,15 @@ def test_an_unknown_job_is_job_not_found_from_status_wait_and_history(tracker):
             assert str(e.value) == f"no job 'nope' on tracker {tracker}"
             assert (e.value.job_id, e.value.where) == ("nope", f"tracker {tracker}")
             assert isinstance(e.value, LookupError) and isinstance(e.value, KeyError)
+
+
+def test_every_job_call_on_an_unknown_job_names_it_and_the_tracker(tracker, tmp_path):
+    # was: resume, events and save raised gRPC's raw NOT_FOUND (status, wait, cancel did not)
+    with Client(tracker) as client:
+        job = client.job(JOB)
+        for call in (lambda: job.resume([]), lambda: list(job.events()),
+                     lambda: job.save(tmp_path / "kept")):
+            with pytest.raises(JobNotFound) as e:
+                call()
+            assert str(e.value) == f"no job '{JOB}' on tracker {tracker}"
+        assert job._feeder is None and not (tmp_path / "kept").exists()

@@ -211,16 +211,18 @@ class Job:
                 from a kept checkpoint). Raised at once, before any thread starts.
             RuntimeError: this Job feeds the job already.
             ValueError: the client is closed.
+            JobNotFound: the tracker knows no such job (named, with the tracker), raised
+                at once, before any thread starts.
             grpc.RpcError: the tracker refused to let this client feed the job
-                (PERMISSION_DENIED: another client's job; NOT_FOUND), raised at once,
-                before any thread starts (:mod:`.watch`).
+                (PERMISSION_DENIED: another client's job), raised at once, before any
+                thread starts (:mod:`.watch`).
         """
         try:
             info = self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
                                            timeout=timeouts.CONTROL_RPC)
         except grpc.RpcError as e:
             if e.code() not in RETRYABLE:
-                raise
+                raise_unknown_job(e, self.id, self.client.address)
             # the tracker is away (restarting): the watch retries, and the tracker
             # refuses the take-over of an ended job itself
             since = None
@@ -241,9 +243,10 @@ class Job:
             self._checkpoint_dir, self._model, self._weights = kept
             # a take-over is refused FAILED_PRECONDITION only for a job that ended
             # between GetJob and the watch (fedpipe.tracker.clients.Feeders.attach)
-            if isinstance(e, grpc.RpcError) and \
-                    e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise JobEnded(f"job {self.id} cannot be resumed: {e.details()}") from None
+            if isinstance(e, grpc.RpcError):
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise JobEnded(f"job {self.id} cannot be resumed: {e.details()}") from None
+                raise_unknown_job(e, self.id, self.client.address)
             raise
         return self
 
@@ -268,6 +271,7 @@ class Job:
 
         Raises:
             RuntimeError: no checkpoint has completed yet.
+            JobNotFound: the tracker knows no such job (named, with the tracker).
             CheckpointGone: no node holds a stage's snapshot of that step any more (a
                 cancelled or failed job's nodes drop its snapshots).
             grpc.RpcError: a node could not be asked (UNAVAILABLE, ...), or its stream
@@ -277,7 +281,10 @@ class Job:
             fedpipe.wire.WireError: a node's snapshot stream was malformed or cut short.
             OSError: the folder cannot be written.
         """
-        info = self._info()
+        try:
+            info = self._info()
+        except grpc.RpcError as e:
+            raise_unknown_job(e, self.id, self.client.address)
         step = newest_checkpoint(info)
         if step <= 0:
             raise RuntimeError(f"job {self.id} has no complete checkpoint yet "
@@ -330,8 +337,16 @@ class Job:
         return self.status().plan
 
     def events(self) -> Iterator[tracker_pb2.JobEvent]:
-        """The job's events from the start, until it ends."""
-        yield from self.client.stub.WatchJob(S.WatchJobRequest(job_id=self.id))
+        """The job's events from the start, until it ends.
+
+        Raises:
+            JobNotFound: the tracker knows no such job (named, with the tracker).
+            grpc.RpcError: the tracker is unreachable or refused the call.
+        """
+        try:
+            yield from self.client.stub.WatchJob(S.WatchJobRequest(job_id=self.id))
+        except grpc.RpcError as e:
+            raise_unknown_job(e, self.id, self.client.address)
 
     def history(self) -> list[StepRecord]:
         """The job's completed steps so far, in the order the tracker recorded them (a step
