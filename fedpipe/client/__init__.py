@@ -8,7 +8,8 @@
 from .client import Client
 from .errors import (CheckpointGone, JobEnded, JobFailed, JobNotFound, LayerInputError,
                      NotEnoughMemory, TrackerBusy)
-from .job import Job, JobStatus
+from .job import Job
+from .status import JobStatus
 
 __all__ = ["CheckpointGone", "Client", "Job", "JobEnded", "JobFailed", "JobNotFound",
            "JobStatus", "LayerInputError", "NotEnoughMemory", "TrackerBusy"]

@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import grpc
@@ -24,7 +23,7 @@ from .. import net
 from ..net import timeouts
 from ..observe.source import GrpcSource, raise_unknown_job
 from ..planner.memfit import is_memory_refusal
-from ..observe.views import StepRecord, recovery_headline, step_records
+from ..observe.views import StepRecord, step_records
 from ..proto import node_pb2, tracker_pb2
 from ..runtime import checkpoint
 from ..runtime.weights import KeyMap
@@ -33,6 +32,7 @@ from . import checkpoints
 from .errors import CheckpointGone, JobEnded, JobFailed, NotEnoughMemory, TrackerBusy
 from .feed import FEED_KEEP_CHECKPOINTS, Batch, ChannelNodes, Feed, GroupFeed, cycle, shard
 from .keeping import CheckpointKeeper, newest_checkpoint
+from .status import JobStatus
 from .watch import RETRYABLE, Halted, JobWatch, NoLeader
 from .weights import TensorsOf, WeightStreamer, streamed
 
@@ -47,38 +47,6 @@ __all__ = ["Job", "JobFailed", "JobEnded", "CheckpointGone", "JobStatus", "Track
 
 log = logging.getLogger("fedpipe.client")
 S = tracker_pb2
-
-
-@dataclass
-class JobStatus:
-    """A job's state and the reason for it, its progress and its plan.
-
-    Attributes:
-        checkpoint_step: the last complete checkpoint (0: none yet).
-        recoveries: each recovery from a lost node: who was lost, the
-            checkpoint step it rewound to, steps recomputed, and the seconds
-            spent detecting, replanning and restoring.
-    """
-
-    state: str
-    reason: str
-    step: int
-    steps: int
-    loss: float
-    plan: node_pb2.Plan
-    checkpoint_step: int = 0
-    recoveries: tuple[tracker_pb2.Recovery, ...] = ()
-
-    def __str__(self) -> str:
-        loss = f"{self.loss:.4f}" if self.step else "-"  # no step done: no loss yet
-        text = f"{self.state} ({self.reason}); step {self.step}/{self.steps}, loss {loss}"
-        for r in self.recoveries:
-            text += (f"\n  {recovery_headline(r)}: rewound to step "
-                     f"{r.checkpoint_step}, {r.steps_recomputed} steps recomputed, "
-                     f"{r.detect_seconds + r.replan_seconds + r.restore_seconds:.1f} s "
-                     f"(detect {r.detect_seconds:.1f}, replan {r.replan_seconds:.1f}, "
-                     f"restore {r.restore_seconds:.1f})")
-        return text
 
 
 class Job:
@@ -320,16 +288,11 @@ class Job:
             JobNotFound: the tracker knows no such job (named, with the tracker).
             grpc.RpcError: the tracker is unreachable or refused the call.
         """
-        return self._status(self._source().job(self.id))
+        return JobStatus.of(self._source().job(self.id))
 
     def _source(self) -> GrpcSource:
         """The job's tracker as a read-only source (its unknown job: JobNotFound)."""
         return GrpcSource(self.client.stub, tracker=self.client.address)
-
-    @staticmethod
-    def _status(info: S.JobInfo) -> JobStatus:
-        return JobStatus(state_name(info.state), info.reason, info.step, info.steps, info.loss,
-                         info.plan, info.checkpoint_step, tuple(info.recoveries))
 
     @property
     def plan(self) -> node_pb2.Plan:
@@ -394,7 +357,7 @@ class Job:
         if self._watch is not None and self._watch.error is not None:
             raise self._watch.error  # the tracker refused this client's feeder's watch
         try:
-            status = self._status(self._info())  # asked again while no tracker leads
+            status = JobStatus.of(self._info())  # asked again while no tracker leads
         except grpc.RpcError as e:
             raise_unknown_job(e, self.id, self.client.address)
         bar = tqdm(total=status.steps, desc=f"job {self.id}", unit="step", disable=not progress)
@@ -425,7 +388,7 @@ class Job:
             # the watch keeps the job's last checkpoints in checkpoint_dir: let it finish
             self._follower.join(timeouts.FETCH_STATE_RPC)
             self._sweep_checkpoints()
-        status = self._status(self._info())
+        status = JobStatus.of(self._info())
         if status.state != "SUCCEEDED":
             detail = f"; feeding data failed: {self.feed_error}" if self.feed_error else ""
             failed = NotEnoughMemory if is_memory_refusal(status.reason) else JobFailed
