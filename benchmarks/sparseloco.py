@@ -81,7 +81,6 @@ the start, 11.4 at the end; ``benchmarks/results/sparseloco-3000.txt``), now the
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import sys
 import threading
@@ -100,6 +99,7 @@ from fedpipe.runtime.allreduce import StageSpan
 from fedpipe.runtime.diloco import OuterSync
 from fedpipe.spec import DiLoCo, StageKey
 from fedpipe.testing.outer import OuterWire
+from pool import imap  # benchmarks/, beside this script
 
 GROUPS, BATCH, SEQ, H = 2, 32, 64, 5
 LR, LR_FLOOR = 3e-3, 3e-4
@@ -171,16 +171,6 @@ def _task(task: tuple[str, int, int, bool]) -> tuple[float, float, int]:
     return run(CONFIGS[name], seed, steps, _DATA["train"], _DATA["held"], cosine)
 
 
-def runs(tasks: list[tuple[str, int, int, bool]], jobs: int):
-    """Each task's :func:`run` result, in order: one at a time, or ``jobs`` processes at once
-    (forked, one torch thread each as set before)."""
-    if jobs <= 1:
-        yield from map(_task, tasks)
-        return
-    with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        yield from pool.imap(_task, tasks)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
@@ -209,7 +199,8 @@ def main() -> None:
     results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in CONFIGS}
     tasks = [(name, seed, steps, args.cosine)  # interleaved, so load changes hit both alike
              for seed in seeds for name in CONFIGS]
-    for (name, seed, _, _), (loss, seconds, nbytes) in zip(tasks, runs(tasks, args.jobs)):
+    for (name, seed, _, _), (loss, seconds, nbytes) in zip(tasks, imap(_task, tasks,
+                                                                       args.jobs)):
         results[name].append((loss, seconds, nbytes))
         print(f"  {name:<11} seed {seed}: held-out loss {loss:.4f}  ({seconds:.0f} s, "
               f"{nbytes:,} B per outer step per holder)", flush=True)

@@ -26,7 +26,11 @@ codec outputs' bytes (zstd included) that crossed one boundary, per token.
                              [--swarm-configs a,b,...] [--plot wan.png] [--no-swarm]
                              [--netns [--best NAME]] [--save-curves F] [--seed-list S]
                              [--load-curves F,...] [--swarm-only] [--save-times F]
-                             [--load-times F] [--e2e [--best NAME]]
+                             [--load-times F] [--e2e [--best NAME]] [--jobs N]
+
+``--jobs N`` (default 2) trains N (configuration, seed) runs at once, a process each
+(``benchmarks/pool.py``); every run is seeded by itself, so the curves are the same for
+any N.
 
 On a loaded machine the two parts can run apart: ``--save-curves`` (with ``--configs``
 and ``--seed-list``, a part per process) keeps each seed's curve as it is trained,
@@ -224,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     f"swarm measures (default all; --quick {','.join(QUICK_SWARM)})")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated, raw first: {', '.join(CONFIGS)}")
+    ap.add_argument("--jobs", type=int, default=2, help="training runs (configuration, "
+                    "seed) at once, a process each (default 2: this machine's 2 cores)")
     ap.add_argument("--no-swarm", action="store_true", help="steps to target only")
     ap.add_argument("--netns", action="store_true", help="instead of the emulated swarm: "
                     "fedpipe (raw, then its best) beside torch.distributed.pipelining, the "
@@ -302,7 +308,7 @@ def steps_to_target(setup: Setup, args: argparse.Namespace,
         return conv
     seeds = [int(x) for x in args.seed_list.split(",")] if args.seed_list else None
     curves = train_all(setup, configs, log=lambda s: print(s, flush=True),
-                       save=args.save_curves, seeds=seeds)
+                       save=args.save_curves, seeds=seeds, jobs=args.jobs)
     if "raw" not in curves:  # a part of the configurations, raw's curves elsewhere
         print(f"curves saved to {args.save_curves}; no target without raw's")
         return None

@@ -42,11 +42,14 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+for _p in (Path(__file__).resolve().parent.parent, Path(__file__).resolve().parent):
+    if str(_p) not in sys.path:  # fedpipe from the checkout; pool from beside this module
+        sys.path.insert(0, str(_p))
 
 from fedpipe.examples.text import char_transformer, lm_loss, pydoc_text, text_batches  # noqa: E402
 from fedpipe.wire.codecs import ErrorFeedback, decode, encode  # noqa: E402
 from fedpipe.wire.lowrank import End, Subspace  # noqa: E402
+from pool import imap  # noqa: E402  (benchmarks/, beside this module)
 
 TARGET_AT = 0.8      # the target is raw fp32's held-out loss at this fraction of the budget
 
@@ -294,27 +297,39 @@ def held_out(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
     return next(text_batches(pydoc_text()[1], setup.held_windows, setup.seq, seed=12345))
 
 
+_DATA: dict[str, Any] = {}
+"""The training text and held-out windows, set before :func:`pool.imap` forks (its workers
+inherit them)."""
+
+
+def _train(task: tuple[Setup, Config, int]) -> Curve:
+    setup, config, seed = task
+    return train(setup, config, seed, _DATA["train"], _DATA["held"])
+
+
 def train_all(setup: Setup, configs: list[Config], log=print, save: str = "",
-              seeds: list[int] | None = None) -> dict[str, list[Curve]]:
+              seeds: list[int] | None = None, jobs: int = 1) -> dict[str, list[Curve]]:
     """Every configuration's curves, one per seed (``seeds``, default 0 to
-    ``setup.seeds - 1``: a long run can be split over processes). With ``save``, every
-    configuration's curves are written to that JSON file as soon as each seed's is trained
-    (:func:`save_curves`), so a long run killed part-way keeps them."""
-    train_data, _ = pydoc_text()
-    held = held_out(setup)
-    curves: dict[str, list[Curve]] = {}
+    ``setup.seeds - 1``: a long run can be split over processes), ``jobs`` runs at once
+    (:func:`pool.imap`: each (configuration, seed) is its own run, seeded by itself, so
+    the curves do not depend on ``jobs``). With ``save``, every configuration's curves are
+    written to that JSON file as soon as each seed's is trained (:func:`save_curves`), so a
+    long run killed part-way keeps them."""
+    _DATA.update(train=pydoc_text()[0], held=held_out(setup))
     seeds = list(range(setup.seeds)) if seeds is None else seeds
-    for config in configs:
-        t0 = time.monotonic()
-        curves[config.name] = []
-        for seed in seeds:
-            curves[config.name].append(train(setup, config, seed, train_data, held))
-            if save:
-                save_curves(save, setup, curves)
-        log(f"  trained {config.name:<10} {len(seeds)} seed(s) x {setup.budget} steps in "
-            f"{time.monotonic() - t0:5.0f} s; final held-out loss "
-            f"{statistics.median(c.losses[-1] for c in curves[config.name]):.4f}; "
-            f"load {os.getloadavg()[0]:.2f}")
+    tasks = [(setup, config, seed) for config in configs for seed in seeds]
+    curves: dict[str, list[Curve]] = {}
+    t0 = time.monotonic()
+    for (_, config, _), curve in zip(tasks, imap(_train, tasks, jobs)):
+        curves.setdefault(config.name, []).append(curve)
+        if save:
+            save_curves(save, setup, curves)
+        if len(curves[config.name]) == len(seeds):
+            log(f"  trained {config.name:<10} {len(seeds)} seed(s) x {setup.budget} steps, "
+                f"done {time.monotonic() - t0:5.0f} s in ({jobs} run(s) at once); final "
+                f"held-out loss "
+                f"{statistics.median(c.losses[-1] for c in curves[config.name]):.4f}; "
+                f"load {os.getloadavg()[0]:.2f}")
     return curves
 
 
