@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import net
 from ..net import timeouts
-from ..observe.source import GrpcSource, raise_unknown_job
+from ..observe.source import GrpcSource, naming_job, raise_unknown_job
 from ..planner.memfit import is_memory_refusal
 from ..observe.views import StepRecord, step_records
 from ..proto import node_pb2, tracker_pb2
@@ -249,10 +249,7 @@ class Job:
             fedpipe.wire.WireError: a node's snapshot stream was malformed or cut short.
             OSError: the folder cannot be written.
         """
-        try:
-            info = self._info()
-        except grpc.RpcError as e:
-            raise_unknown_job(e, self.id, self.client.address)
+        info = self._info()
         step = newest_checkpoint(info)
         if step <= 0:
             raise RuntimeError(f"job {self.id} has no complete checkpoint yet "
@@ -306,10 +303,8 @@ class Job:
             JobNotFound: the tracker knows no such job (named, with the tracker).
             grpc.RpcError: the tracker is unreachable or refused the call.
         """
-        try:
+        with naming_job(self.id, self.client.address):
             yield from self.client.stub.WatchJob(S.WatchJobRequest(job_id=self.id))
-        except grpc.RpcError as e:
-            raise_unknown_job(e, self.id, self.client.address)
 
     def history(self) -> list[StepRecord]:
         """The job's completed steps so far, in the order the tracker recorded them (a step
@@ -356,10 +351,7 @@ class Job:
 
         if self._watch is not None and self._watch.error is not None:
             raise self._watch.error  # the tracker refused this client's feeder's watch
-        try:
-            status = JobStatus.of(self._info())  # asked again while no tracker leads
-        except grpc.RpcError as e:
-            raise_unknown_job(e, self.id, self.client.address)
+        status = JobStatus.of(self._info())  # asked again while no tracker leads
         bar = tqdm(total=status.steps, desc=f"job {self.id}", unit="step", disable=not progress)
         deadline = None if timeout is None else time.monotonic() + timeout
         seq, last_state = 0, None
@@ -416,11 +408,9 @@ class Job:
             JobNotFound: the tracker knows no such job (named, with the tracker).
             grpc.RpcError: the tracker is unreachable or refused the call.
         """
-        try:
+        with naming_job(self.id, self.client.address):
             self.client.stub.CancelJob(S.CancelJobRequest(job_id=self.id, reason=reason),
                                        timeout=timeouts.CONTROL_RPC)
-        except grpc.RpcError as e:
-            raise_unknown_job(e, self.id, self.client.address)
         return self.status()
 
     def state_dict(self, stage: int | None = None) -> dict[str, torch.Tensor]:
@@ -511,13 +501,15 @@ class Job:
         most :data:`~fedpipe.net.timeouts.RECONNECT_BACKOFF_MAX` apart.
 
         Raises:
-            grpc.RpcError: a refusal that cannot pass (:data:`.watch.RETRYABLE`).
+            JobNotFound: the tracker knows no such job (named, with the tracker).
+            grpc.RpcError: another refusal that cannot pass (:data:`.watch.RETRYABLE`).
         """
-        info = net.retry(lambda: self.client.stub.GetJob(S.GetJobRequest(job_id=self.id),
-                                                         timeout=timeouts.CONTROL_RPC),
-                         f"asking the tracker about job {self.id}", codes=RETRYABLE,
-                         max_delay=timeouts.RECONNECT_BACKOFF_MAX, stop=self._halted.is_set,
-                         on_retry=self.client.reach.lost)
+        with naming_job(self.id, self.client.address):
+            info = net.retry(lambda: self.client.stub.GetJob(
+                                 S.GetJobRequest(job_id=self.id), timeout=timeouts.CONTROL_RPC),
+                             f"asking the tracker about job {self.id}", codes=RETRYABLE,
+                             max_delay=timeouts.RECONNECT_BACKOFF_MAX,
+                             stop=self._halted.is_set, on_retry=self.client.reach.lost)
         self.client.reach.reached()
         return info
 

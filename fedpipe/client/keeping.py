@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
+from ..observe.source import JobNotFound
 from ..proto import tracker_pb2
 from ..runtime.checkpoint import SnapshotStream
 from ..spec import StageKey
@@ -107,7 +108,7 @@ class CheckpointKeeper:
                     raise
                 self._kept(step, folder)
                 return
-        except (grpc.RpcError, CheckpointGone, OSError, ValueError) as e:
+        except (grpc.RpcError, JobNotFound, CheckpointGone, OSError, ValueError) as e:
             self._not_kept(step, one_line(e))
         except Exception as e:  # noqa: BLE001 — a bug here must not end the job's watch
             self._not_kept(step, f"{type(e).__name__}: {e}", trace=e)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn, Protocol, Sequence, runtime_checkable
 
 import grpc
@@ -57,6 +59,17 @@ def raise_unknown_job(error: grpc.RpcError, job_id: str, tracker: str = "") -> N
     if error.code() == grpc.StatusCode.NOT_FOUND:
         raise JobNotFound(job_id, on_tracker(tracker)) from None
     raise error
+
+
+@contextmanager
+def naming_job(job_id: str, tracker: str = "") -> Iterator[None]:
+    """Within: a tracker call's failure raised as :func:`raise_unknown_job` raises it
+    (NOT_FOUND as :class:`JobNotFound` naming ``job_id`` and ``tracker``), for a call
+    that has no other failure to tell apart."""
+    try:
+        yield
+    except grpc.RpcError as e:
+        raise_unknown_job(e, job_id, tracker)
 
 
 @runtime_checkable
@@ -149,11 +162,9 @@ class GrpcSource:
         return list(self._list(False).links)
 
     def job(self, job_id: str) -> tracker_pb2.JobInfo:
-        try:
+        with naming_job(job_id, self.tracker):
             return self.stub.GetJob(tracker_pb2.GetJobRequest(job_id=job_id),
                                     timeout=timeouts.CONTROL_RPC)
-        except grpc.RpcError as e:
-            raise_unknown_job(e, job_id, self.tracker)
 
     def jobs(self) -> list[tracker_pb2.JobInfo] | None:
         """:class:`JobListSource`'s: a client's own jobs, the operator's every job; None
