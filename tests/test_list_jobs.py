@@ -93,3 +93,34 @@ def test_status_of_the_swarm_shows_the_jobs_its_caller_may_see(svc):
     text = shown(Stub(svc, Context(), denied))
     assert "node(s) alive" in text and "jobs" not in text
     assert "no jobs" in shown(Stub(svc, caller(Role.CLIENT, "carol")))
+
+
+class Vanishing:
+    """The tracker's store, but the job ``gone`` was dropped (retention) between the
+    listing of ids and its reading."""
+
+    def __init__(self, store, gone: str):
+        self.store, self.gone = store, gone
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def job(self, job_id: str):
+        if job_id == self.gone:
+            raise KeyError(job_id)
+        return self.store.job(job_id)
+
+
+def test_the_dashboards_job_list_is_list_jobs_and_a_job_dropped_meanwhile_is_left_out(svc):
+    from fedpipe.tracker.http import Dashboard  # one walk of the jobs: observe.newest_jobs
+
+    every = [j.job_id for j in svc.ListJobs(S.ListJobsRequest(), Context()).jobs]
+    store = svc.tracker.jobs.store
+    assert [j["id"] for j in Dashboard(store).jobs()["jobs"]] == every
+    assert [j["id"] for j in Dashboard(store).jobs(limit=2)["jobs"]] == every[:2]
+    # the newest dropped: the limit is still filled from older jobs
+    dropped = Dashboard(Vanishing(store, every[0])).jobs(limit=2)["jobs"]
+    assert [j["id"] for j in dropped] == every[1:]
+    svc.tracker.jobs.store = Vanishing(store, every[0])
+    assert [j.job_id for j in svc.ListJobs(S.ListJobsRequest(limit=2), Context()).jobs] == \
+        every[1:]

@@ -36,6 +36,7 @@ job or path) or 500 (a fault reading the state; the server keeps serving).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -48,11 +49,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from ..observe.serving import LOCALHOST, Served, serve
-from ..observe.source import Histories, Source, stage_times_of
+from ..observe.source import Histories, Source, newest_jobs, stage_times_of
 from ..observe.views import PlanLayout, StageTime, job_layout, job_summary, job_view, swarm_view
 from ..proto import node_pb2, tracker_pb2
 from .clients import Feeders
-from .jobs import JOB_STATES, MAX_LIST_JOBS
+from .jobs import MAX_LIST_JOBS
 from .registry import Registry
 from .stagetimes import StageTimes
 from .store import Store
@@ -134,14 +135,9 @@ class Dashboard:
         """``GET /api/jobs``: the ``limit`` most recent jobs, newest first."""
         if not 1 <= limit <= MAX_LIST_JOBS:
             raise BadRequest(f"limit must be 1..{MAX_LIST_JOBS}, got {limit}")
-        out = []
-        for job_id in reversed(self.source.jobs_in(*JOB_STATES)[-limit:]):
-            try:
-                info = self.source.job(job_id)
-            except KeyError:
-                continue
-            out.append(job_summary(info, self.histories.get(job_id).last))
-        return {"time": time.time(), "jobs": out}
+        return {"time": time.time(),
+                "jobs": [job_summary(info, self.histories.get(info.job_id).last)
+                         for info in itertools.islice(newest_jobs(self.source), limit)]}
 
     def job(self, job_id: str, after_seq: int = 0) -> dict:
         """``GET /api/jobs/ID``. Raises KeyError for an unknown job."""

@@ -29,6 +29,7 @@ in-process with fakes. Errors a caller made are raised as :mod:`~.errors` classe
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -36,6 +37,7 @@ import time
 from typing import Callable, Iterable, Mapping, Protocol
 
 from ..net import timeouts
+from ..observe.source import newest_jobs
 from ..planner import memfit
 from ..planner.protoio import cluster_view, model_profile, train_config
 from ..proto import node_pb2, tracker_pb2
@@ -46,9 +48,6 @@ from .nodes import NodeCallError, NodeCalls
 from .specs import JobSpecs
 from .store import Store
 
-JOB_STATES = tuple(v for v in tracker_pb2.JobState.values()
-                   if v != tracker_pb2.JOB_STATE_UNSPECIFIED)
-"""Every state a job may be in (listing every job)."""
 LIST_JOBS = 100
 """Jobs ``ListJobs`` gives by default, newest first."""
 MAX_LIST_JOBS = 1000
@@ -272,19 +271,10 @@ class Jobs:
         """
         if not 1 <= limit <= MAX_LIST_JOBS:
             raise InvalidArgument(f"limit must be 1..{MAX_LIST_JOBS}, got {limit}")
-        out = []
-        for job_id in reversed(self.store.jobs_in(*JOB_STATES)):
-            try:
-                job = self.store.job(job_id)
-            except KeyError:  # gone since it was listed (retention)
-                continue
-            if owner is not None and job.owner != owner:
-                continue
+        out = list(itertools.islice(newest_jobs(self.store, owner), limit))
+        for job in out:
             job.ClearField("plan")
             job.ClearField("stage_times")
-            out.append(job)
-            if len(out) == limit:
-                break
         return out
 
     def cancel(self, job_id: str, reason: str = "", keep_weights: bool = False
