@@ -48,7 +48,9 @@ under the target (:meth:`wan_converge.Curve.evaluated_steps_to`: the step its cu
 reached, not the interpolated count): its wall time against the predicted T, its trained
 weights' held-out loss there against the target (``benchmarks/wan_e2e.py``).
 
-Full run: a budget of 1,000 steps and 3 seeds. ``--quick``: a smoke run (a
+Full run: a budget of 1,000 steps and 3 seeds of each of
+:data:`wan_converge.DEFAULT`'s configurations (``--configs all``: every one), with
+``--e2e --plot F`` the whole benchmark in one command. ``--quick``: a smoke run (a
 small budget, 1 seed, few swarm steps) in under 2 minutes on an idle machine.
 """
 from __future__ import annotations
@@ -72,7 +74,7 @@ import torch  # noqa: E402
 
 import fedpipe  # noqa: E402
 from fedpipe.examples.text import lm_loss, pydoc_text, text_batches  # noqa: E402
-from wan_converge import (CONFIGS, TARGET_AT, Config, Convergence, Setup,  # noqa: E402
+from wan_converge import (CONFIGS, DEFAULT, TARGET_AT, Config, Convergence, Setup,  # noqa: E402
                           convergence, load_curves, train_all)
 
 SCHEDULE = "1f1b"     # the pipeline schedule of every swarm job (and of torch's, --netns)
@@ -225,9 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--swarm-steps", type=int, default=0, help="steps per swarm job "
                     "(default 20; --quick 7)")
     ap.add_argument("--swarm-configs", default="", help="configurations whose step time the "
-                    f"swarm measures (default all; --quick {','.join(QUICK_SWARM)})")
-    ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated, raw first: {', '.join(CONFIGS)}")
+                    f"swarm measures (default: --configs; --quick {','.join(QUICK_SWARM)})")
+    ap.add_argument("--configs", default=",".join(DEFAULT),
+                    help=f"comma-separated, raw first, or all (default {','.join(DEFAULT)}): "
+                    f"{', '.join(CONFIGS)}")
     ap.add_argument("--jobs", type=int, default=2, help="training runs (configuration, "
                     "seed) at once, a process each (default 2: this machine's 2 cores)")
     ap.add_argument("--no-swarm", action="store_true", help="steps to target only")
@@ -258,7 +261,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--save-times", default="", help="write the swarm's step times here (JSON)")
     ap.add_argument("--load-times", default="", help="take the step times from this JSON file "
                     "of --save-times instead of measuring them")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.configs == "all":
+        args.configs = ",".join(CONFIGS)
+    return args
 
 
 def setup_of(args: argparse.Namespace) -> Setup:

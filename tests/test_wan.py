@@ -99,7 +99,7 @@ def test_quick_run_prints_the_table_end_to_end():
                          capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    for name in wan_converge.CONFIGS:
+    for name in wan_converge.DEFAULT:
         assert any(line.startswith(name + " ") for line in text.splitlines()), text
     assert "unshaped floor" in text and "ratio" in text and "load" in text
 
