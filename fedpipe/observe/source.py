@@ -123,24 +123,6 @@ class JobListSource(Protocol):
         list them."""
 
 
-JOB_STATES = tuple(v for v in tracker_pb2.JobState.values()
-                   if v != tracker_pb2.JOB_STATE_UNSPECIFIED)
-"""Every state a job may be in (listing every job)."""
-
-
-def newest_jobs(source: JobSource, owner: str | None = None) -> Iterator[tracker_pb2.JobInfo]:
-    """Every job of ``source``, newest first (``owner``'s only, when given), read as it is
-    reached, so a caller that takes the first N reads only as far as it must. A job gone
-    between the listing and its reading (the store's retention) is left out."""
-    for job_id in reversed(source.jobs_in(*JOB_STATES)):
-        try:
-            job = source.job(job_id)
-        except KeyError:
-            continue
-        if owner is None or job.owner == owner:
-            yield job
-
-
 def stage_times_of(source: object, job_id: str) -> list[StageTime]:
     """The stages' step times from ``source`` if it keeps them, else ``[]``."""
     if isinstance(source, StageTimeSource):

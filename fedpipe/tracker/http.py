@@ -49,11 +49,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from ..observe.serving import LOCALHOST, Served, serve
-from ..observe.source import Histories, Source, newest_jobs, stage_times_of
+from ..observe.source import Histories, Source, stage_times_of
 from ..observe.views import PlanLayout, StageTime, job_layout, job_summary, job_view, swarm_view
 from ..proto import node_pb2, tracker_pb2
 from .clients import Feeders
-from .jobs import MAX_LIST_JOBS
+from .jobs import MAX_LIST_JOBS, newest_jobs
 from .registry import Registry
 from .stagetimes import StageTimes
 from .store import Store

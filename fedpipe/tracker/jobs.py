@@ -34,10 +34,9 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Iterator, Mapping, Protocol
 
 from ..net import timeouts
-from ..observe.source import newest_jobs
 from ..planner import memfit
 from ..planner.protoio import cluster_view, model_profile, train_config
 from ..proto import node_pb2, tracker_pb2
@@ -48,6 +47,9 @@ from .nodes import NodeCallError, NodeCalls
 from .specs import JobSpecs
 from .store import Store
 
+JOB_STATES = tuple(v for v in tracker_pb2.JobState.values()
+                   if v != tracker_pb2.JOB_STATE_UNSPECIFIED)
+"""Every state a job may be in (listing every job)."""
 LIST_JOBS = 100
 """Jobs ``ListJobs`` gives by default, newest first."""
 MAX_LIST_JOBS = 1000
@@ -55,6 +57,28 @@ MAX_LIST_JOBS = 1000
 
 log = logging.getLogger("fedpipe.tracker")
 S = tracker_pb2
+
+
+class Listing(Protocol):
+    """What :func:`newest_jobs` reads: the store, or the dashboard's source over it."""
+
+    def jobs_in(self, *states: int) -> list[str]: ...
+
+    def job(self, job_id: str) -> tracker_pb2.JobInfo: ...
+
+
+def newest_jobs(source: Listing, owner: str | None = None) -> Iterator[tracker_pb2.JobInfo]:
+    """Every job of ``source``, newest first (``owner``'s only, when given), read as it is
+    reached, so a caller that takes the first N reads only as far as it must: ``ListJobs``
+    (:meth:`Jobs.listed`) and the dashboard's ``/api/jobs``. A job gone between the
+    listing and its reading (the store's retention) is left out."""
+    for job_id in reversed(source.jobs_in(*JOB_STATES)):
+        try:
+            job = source.job(job_id)
+        except KeyError:
+            continue
+        if owner is None or job.owner == owner:
+            yield job
 
 RESTARTED = ("the tracker restarted while the job was being planned or deployed; "
              "submit it again")
