@@ -58,28 +58,6 @@ MAX_LIST_JOBS = 1000
 log = logging.getLogger("fedpipe.tracker")
 S = tracker_pb2
 
-
-class Listing(Protocol):
-    """What :func:`newest_jobs` reads: the store, or the dashboard's source over it."""
-
-    def jobs_in(self, *states: int) -> list[str]: ...
-
-    def job(self, job_id: str) -> tracker_pb2.JobInfo: ...
-
-
-def newest_jobs(source: Listing, owner: str | None = None) -> Iterator[tracker_pb2.JobInfo]:
-    """Every job of ``source``, newest first (``owner``'s only, when given), read as it is
-    reached, so a caller that takes the first N reads only as far as it must: ``ListJobs``
-    (:meth:`Jobs.listed`) and the dashboard's ``/api/jobs``. A job gone between the
-    listing and its reading (the store's retention) is left out."""
-    for job_id in reversed(source.jobs_in(*JOB_STATES)):
-        try:
-            job = source.job(job_id)
-        except KeyError:
-            continue
-        if owner is None or job.owner == owner:
-            yield job
-
 RESTARTED = ("the tracker restarted while the job was being planned or deployed; "
              "submit it again")
 """Why a job found PLANNING or DEPLOYING at start-up failed: its deploy was cut short."""
@@ -107,6 +85,28 @@ TRANSITIONS: Mapping[int, frozenset[int]] = {
 }
 """State -> the states a job may move to from it. SUCCEEDED comes from any state in which
 stages run (their last report may race a recovery's start); terminal states have none."""
+
+
+class Listing(Protocol):
+    """What :func:`newest_jobs` reads: the store, or the dashboard's source over it."""
+
+    def jobs_in(self, *states: int) -> list[str]: ...
+
+    def job(self, job_id: str) -> tracker_pb2.JobInfo: ...
+
+
+def newest_jobs(source: Listing, owner: str | None = None) -> Iterator[tracker_pb2.JobInfo]:
+    """Every job of ``source``, newest first (``owner``'s only, when given), read as it is
+    reached, so a caller that takes the first N reads only as far as it must: ``ListJobs``
+    (:meth:`Jobs.listed`) and the dashboard's ``/api/jobs``. A job gone between the
+    listing and its reading (the store's retention) is left out."""
+    for job_id in reversed(source.jobs_in(*JOB_STATES)):
+        try:
+            job = source.job(job_id)
+        except KeyError:
+            continue
+        if owner is None or job.owner == owner:
+            yield job
 
 
 def may_move(current: int, to: int) -> bool:
