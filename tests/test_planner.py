@@ -17,7 +17,7 @@ from fedpipe.planner import (ClusterView, LayerProfile, Link, ModelProfile, Node
 from fedpipe.planner import codecs, jsonio
 from fedpipe.planner.context import PlanContext, link_arrays
 from fedpipe.planner.costs import (boundary_bytes, compute_seconds, pipeline_estimate,
-                                   transfer_seconds)
+                                   step_estimate, transfer_seconds)
 from fedpipe.planner.evaluate import choose_codecs
 from fedpipe.planner.exhaustive import exhaustive_plan
 from fedpipe.planner.ordering import bottleneck_path, path_cost
@@ -259,6 +259,64 @@ def test_estimate_tracks_the_simulator():
                                           busy, [x + y for x, y in zip(busy, lat)], m, sched)
         sim = simulate_group(f, b, busy, lat, busy, lat, m, sched).finish
         assert 0.97 * sim <= sigma + (m - 1) * period <= 1.25 * sim
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_async_estimate_tracks_the_stream_simulator(staleness):
+    """Under "async" steps overlap: the analytic step (the stream's period per microbatch,
+    or a flushed step over the steps in flight) against the simulated stream's steady
+    state, long latencies included."""
+    rng = random.Random(7 + staleness)
+    for _ in range(60):
+        n, m = rng.randint(1, 5), rng.choice([1, 2, 4, 8])
+        f = [rng.uniform(0.01, 0.1) for _ in range(n)]
+        b = [2 * x for x in f]
+        busy = [rng.uniform(0, 0.1) for _ in range(n - 1)]
+        lat = [rng.uniform(0, 0.2) for _ in range(n - 1)]
+        total = [x + y for x, y in zip(busy, lat)]
+        sigma, period = pipeline_estimate(f, b, busy, total, busy, total, m, "async",
+                                          staleness + 1)
+        sim = simulate_group(f, b, busy, lat, busy, lat, m, "async",
+                             max_staleness=staleness).finish
+        flushed = simulate_group(f, b, busy, lat, busy, lat, m, "1f1b").finish
+        assert 0.85 * sim <= step_estimate(sigma, period, m, staleness + 1) <= 1.25 * sim
+        assert sim <= flushed * (1 + 1e-9)  # overlapping steps never makes a step longer
+
+
+def test_async_without_staleness_simulates_flushed_1f1b_steps():
+    f, b, busy, lat = [0.03, 0.05, 0.02], [0.06, 0.1, 0.04], [0.01, 0.08], [0.05, 0.1]
+    for m in (1, 3, 8):
+        opt = [0.01, 0.02, 0.01]
+        flushed = simulate_group(f, b, busy, lat, busy, lat, m, "1f1b", opt)
+        stream = simulate_group(f, b, busy, lat, busy, lat, m, "async", opt, max_staleness=0)
+        assert stream.finish == pytest.approx(flushed.finish)
+        assert stream.order == flushed.order
+        assert stream.last_backward == pytest.approx(flushed.last_backward)
+
+
+def test_async_gives_the_group_behind_a_slow_hop_the_work_its_latency_no_longer_costs():
+    """Two groups of two stages; every link of node "far" is slow and far away, so one
+    group has that hop inside it. A flushed 1F1B step pays its round trip every step and
+    the planner gives that group one microbatch; under "async" (PipeDream-style, steps
+    overlapped) the round trip is shared by the steps in flight, so it gets more, and the
+    predicted step is shorter."""
+    nodes = [NodeSpec(f"n{i}", TF, 10**12) for i in range(3)] + [NodeSpec("far", TF, 10**12)]
+    slow = Link(12.5e6, 0.05)
+    links = {pair: slow for n in ("n0", "n1", "n2") for pair in ((n, "far"), ("far", n))}
+    cluster = ClusterView(nodes, links, default_link=Link(1.25e9, 1e-4))
+    profile = model(8, flops=1e9, act=10**5)
+
+    def far_share(schedule):
+        plan = make_plan(cluster, profile, TrainConfig(batch_size=32, microbatches=8, replicas=2,
+                                                       stages=2, schedule=schedule), FAST)
+        far = next(g for g in plan.groups if "far" in {s.node_id for s in g.stages})
+        return far.microbatches, plan.predicted_step_seconds
+
+    (flushed, flushed_step), (overlapped, overlapped_step) = far_share("1f1b"), far_share("async")
+    assert overlapped > flushed
+    assert overlapped_step < flushed_step
+    with pytest.raises(PlanError, match="max_staleness"):
+        make_plan(cluster, profile, TrainConfig(batch_size=32, schedule="async", max_staleness=-1))
 
 
 # --- codecs ------------------------------------------------------------------

@@ -18,7 +18,7 @@ from . import codecs
 from .costs import (RECOMPUTE_FACTOR, StageCodecs, activation_scale, boundary_bytes,
                     boundary_element_bytes, boundary_width, codec_buffer_bytes,
                     host_memory_shares, input_bytes, kept_activation_bytes, precision_flops,
-                    state_bytes, stash_bytes, transfer_seconds)
+                    state_bytes, stash_bytes, steps_in_flight, transfer_seconds)
 from .types import ClusterView, Link, ModelProfile, PlanError, TrainConfig
 
 
@@ -102,6 +102,7 @@ class PlanContext:
         self.bw, self.lat = link_arrays(cluster)
         self.L = L = len(profile.layers)
         self.M = config.microbatches
+        self.overlap = steps_in_flight(config.schedule, config.max_staleness)
         self.mb = config.batch_size / config.microbatches
         # every group's layer ranges when the config pins its cuts, else None (the search
         # splits each chain)
@@ -275,6 +276,8 @@ def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -
     if config.schedule not in ("gpipe", "1f1b", "async"):
         raise PlanError(f"unknown schedule {config.schedule!r}; "
                         f"the planner knows 'gpipe', '1f1b' and 'async'")
+    if config.max_staleness < 0:
+        raise PlanError(f"max_staleness must be >= 0, got {config.max_staleness}")
     _check_depth(cluster, profile, config)
     if config.replicas < 0 or config.replicas > min(config.microbatches, len(cluster.nodes)):
         raise PlanError(f"{config.replicas} replica groups asked for, but there are "

@@ -181,6 +181,33 @@ def in_flight(schedule: str, stage: int, n_stages: int, microbatches: int) -> in
     return min(microbatches, n_stages - stage)
 
 
+def steps_in_flight(schedule: str, max_staleness: int) -> int:
+    """Optimizer steps whose microbatches a pipeline may run at once: 1 under a schedule
+    that flushes every step ("gpipe", "1f1b"); under "async", ``max_staleness + 1`` (a
+    forward of step ``s`` waits only for the update of step ``s - 1 - max_staleness``:
+    :func:`fedpipe.spec.async_stream`)."""
+    return max_staleness + 1 if schedule == "async" else 1
+
+
+def step_estimate(sigma: float, period: float, microbatches: int, overlap: int = 1) -> float:
+    """Analytic seconds per optimizer step of one pipeline (:func:`pipeline_estimate`'s
+    ``sigma`` and ``period``).
+
+    A flushed step takes ``sigma + (microbatches - 1) · period``: one microbatch's way
+    through and back, then one period per further microbatch. Under PipeDream-style
+    asynchronous training ``overlap`` steps share the pipeline (:func:`steps_in_flight`;
+    Narayanan et al., "PipeDream", SOSP 2019): in the steady state of the stream a step
+    takes the larger of its microbatches' periods, ``microbatches · period`` (the
+    busiest stage or link, and 1F1B's round-trip bound over its stash depth), and a
+    flushed step's time over ``overlap`` (step ``s + overlap`` starts only once step
+    ``s`` updated). With ``overlap`` 1 that is the flushed step (``sigma >= period``).
+    A slow hop's latency inside a group then costs a fraction of a step, not a whole
+    round trip each step.
+    """
+    flushed = sigma + (microbatches - 1) * period
+    return max(microbatches * period, flushed / overlap)
+
+
 @dataclass(frozen=True)
 class StageCodecs:
     """The codecs of the tensors a stage sends and receives ("raw" where none crosses):
@@ -347,7 +374,8 @@ def transfer_seconds(link: Link, nbytes: float, codec: str,
 def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
                       act_busy: Sequence[float], act_total: Sequence[float],
                       grad_busy: Sequence[float], grad_total: Sequence[float],
-                      microbatches: int, schedule: str) -> tuple[float, float]:
+                      microbatches: int, schedule: str, overlap: int = 1
+                      ) -> tuple[float, float]:
     """Analytic ``(sigma, period)`` of one pipeline; its step takes about
     ``sigma + (microbatches - 1) · period`` seconds.
 
@@ -362,7 +390,11 @@ def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
     ``w_s + 1 - w_t = t - s + 1`` microbatches: the cycles of the schedule's
     event graph, whose largest ratio is the steady-state period (max-plus
     theory; Baccelli et al., "Synchronization and Linearity", 1992). These
-    bounds make 1F1B slow over slow links.
+    bounds make 1F1B slow over slow links. When steps overlap (``overlap`` > 1: "async"
+    with staleness, :func:`steps_in_flight`) the stages run one stream of microbatches
+    across steps (:func:`fedpipe.spec.async_stream`), so every window bounds the period
+    whatever a step's ``microbatches`` (a flushed step with fewer microbatches than a
+    window's depth never reaches its steady state).
 
     Args:
         forward, backward: per stage, seconds per microbatch.
@@ -370,7 +402,8 @@ def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
             the link busy, and busy + latency.
         grad_busy, grad_total: the same for the gradient i+1 -> i.
         microbatches: microbatches per step.
-        schedule: "gpipe" or "1f1b".
+        schedule: "gpipe", else priced as 1F1B ("1f1b", "async").
+        overlap: steps in the pipeline at once (:func:`steps_in_flight`).
     """
     n = len(forward)
     work = [f + b for f, b in zip(forward, backward)]
@@ -380,9 +413,10 @@ def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
         period = (max([*forward, *act_busy]) + max([*backward, *grad_busy]))
         return sigma, period
     period = max([*work, *act_busy, *grad_busy])
-    warm = [min(n - s - 1, microbatches) for s in range(n)]
+    stream = math.inf if overlap > 1 else microbatches
+    warm = [min(n - s - 1, stream) for s in range(n)]
     for s in range(n):
-        if warm[s] >= microbatches:
+        if warm[s] >= stream:
             continue            # stage s never alternates: no steady state to bound
         trip = 0.0
         for t in range(s, n):
@@ -426,15 +460,16 @@ class ChainCosts:
     grad_busy: list[float]
     grad_latency: list[float]
 
-    def step_seconds(self, microbatches: int, schedule: str) -> float:
-        """The analytic step: ``sigma + (microbatches - 1) · period``
-        (:func:`pipeline_estimate`; a schedule other than "gpipe" is priced as 1F1B)."""
+    def step_seconds(self, microbatches: int, schedule: str, max_staleness: int = 0) -> float:
+        """The analytic step (:func:`step_estimate` of :func:`pipeline_estimate`; under
+        "async" with its steps overlapped as ``max_staleness`` allows)."""
         act_total = [b + lat for b, lat in zip(self.act_busy, self.act_latency)]
         grad_total = [b + lat for b, lat in zip(self.grad_busy, self.grad_latency)]
+        overlap = steps_in_flight(schedule, max_staleness)
         sigma, period = pipeline_estimate(self.forward, self.backward, self.act_busy, act_total,
-                                          self.grad_busy, grad_total, microbatches,
-                                          "gpipe" if schedule == "gpipe" else "1f1b")
-        return sigma + (microbatches - 1) * period
+                                          self.grad_busy, grad_total, microbatches, schedule,
+                                          overlap)
+        return step_estimate(sigma, period, microbatches, overlap)
 
 
 def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: float,

@@ -19,8 +19,8 @@ from ..wire.codecmodel import CodecSpeed
 from . import codecs
 from .context import PlanContext
 from .costs import (boundary_bytes, boundary_element_bytes, boundary_width, compute_seconds,
-                    in_flight, pipeline_estimate, schedule_sync, sync_per_step, sync_segments,
-                    transfer_seconds)
+                    in_flight, pipeline_estimate, schedule_sync, step_estimate, sync_per_step,
+                    sync_segments, transfer_seconds)
 from .partition import GroupSolution, all_solved, describe, proportional_split, solve_chain
 from .simulate import simulate
 from .types import Link, Plan, ReplicaGroup, StagePlan
@@ -275,6 +275,7 @@ class _Links:
         precision = ctx.config.precision
         self.sched, self.microbatches, self.element_bytes = (
             ctx.config.schedule, microbatches, boundary_element_bytes(prof, precision))
+        self.overlap = ctx.overlap
         self.fwd, self.bwd = zip(*(compute_seconds(prof, k, j, ctx.flops[node], samples)
                                    for node, (k, j) in zip(nodes, ranges)))
         # sends[d][i]: (link, bytes, the sender's and the receiver's codec costs) of link i
@@ -301,8 +302,9 @@ class _Links:
         totals = [[t + self.sends[d][i][0].latency for i, t in enumerate(times[d])]
                   for d in (0, 1)]
         sigma, period = pipeline_estimate(self.fwd, self.bwd, times[0], totals[0], times[1],
-                                          totals[1], self.microbatches, self.sched)
-        return sigma + (self.microbatches - 1) * period
+                                          totals[1], self.microbatches, self.sched,
+                                          self.overlap)
+        return step_estimate(sigma, period, self.microbatches, self.overlap)
 
     def choose(self, allowed: Sequence[Sequence[str]]) -> list[list[str]]:
         """Each link's codec among ``allowed[d]`` (weakest first), as

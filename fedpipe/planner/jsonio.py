@@ -191,9 +191,9 @@ def profile_to_json(profile: ModelProfile) -> JsonObject:
                         "activation_width": la.activation_width} for la in profile.layers]}
 
 
-_CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "state_factor", "stages", "cuts",
-                "replicas", "compression", "activation_compression", "gradient_compression",
-                "sync_every", "recompute", "precision")
+_CONFIG_KEYS = ("batch_size", "microbatches", "schedule", "max_staleness", "state_factor",
+                "stages", "cuts", "replicas", "compression", "activation_compression",
+                "gradient_compression", "sync_every", "recompute", "precision")
 
 
 def config_from_json(obj: JsonObject) -> TrainConfig:

@@ -31,7 +31,7 @@ import numpy as np
 
 from .context import PlanContext
 from .costs import (FORWARD_FRACTION, RECOMPUTE_FACTOR, in_flight, pipeline_estimate,  # noqa: F401
-                    stage_memory_bytes)  # (re-export)
+                    stage_memory_bytes, step_estimate)  # (re-export)
 
 THRESHOLDS = (10, 5)
 """How many thresholds the second pass tries (for chains of up to 10 nodes, and
@@ -60,6 +60,8 @@ class GroupSolution:
             group's last one (the backward passes and gradient sends below it).
         max_microbatches: the most microbatches the split fits in memory (inf: any).
         positions: where the stages' nodes sit in the chain that was split.
+        overlap: steps the schedule runs in the pipeline at once
+            (:func:`~fedpipe.planner.costs.steps_in_flight`).
     """
 
     nodes: tuple[int, ...]
@@ -70,10 +72,12 @@ class GroupSolution:
     drain: tuple[float, ...]
     max_microbatches: float
     positions: tuple[int, ...] = ()
+    overlap: int = 1
 
     def seconds(self, microbatches: int) -> float:
-        """Estimated seconds of one step of ``microbatches`` microbatches."""
-        return self.sigma + (microbatches - 1) * self.period
+        """Estimated seconds of one step of ``microbatches`` microbatches
+        (:func:`~fedpipe.planner.costs.step_estimate`)."""
+        return step_estimate(self.sigma, self.period, microbatches, self.overlap)
 
 
 def all_solved(solutions: Sequence[GroupSolution | None]) -> list[GroupSolution] | None:
@@ -284,14 +288,14 @@ def describe(ctx: PlanContext, chain: Sequence[int], stages: Sequence[tuple[int,
         if room > 0 and sched != "gpipe" and room >= n_st - s:
             room = math.inf   # 1F1B never stashes more than n_stages - s
         cap = min(cap, room)
-    sigma, period = pipeline_estimate(fwd, bwd, ab, at, gb, gt, microbatches, sched)
+    sigma, period = pipeline_estimate(fwd, bwd, ab, at, gb, gt, microbatches, sched, ctx.overlap)
     drain, acc = [], 0.0
     for s in range(n_st):
         drain.append(acc)
         acc += bwd[s] + (gt[s] if s < n_st - 1 else 0.0)
     return GroupSolution(tuple(chain[i] for i, _, _ in stages), tuple((k, j) for _, k, j in stages),
                          float(sigma), float(bottleneck), float(period), tuple(drain), cap,
-                         tuple(i for i, _, _ in stages))
+                         tuple(i for i, _, _ in stages), ctx.overlap)
 
 
 def proportional_split(ctx: PlanContext, chain: Sequence[int], microbatches: int) -> GroupSolution:

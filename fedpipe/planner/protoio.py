@@ -162,7 +162,8 @@ def train_config(spec: JobSpec) -> TrainConfig:
     checkpoint snapshots and, as a buddy, as many of another stage's; the state kept
     per parameter byte is the job's optimizer's (:func:`fedpipe.spec.optimizers.state_factor`)."""
     return TrainConfig(batch_size=spec.batch_size, microbatches=spec.microbatches,
-                       schedule=spec.schedule, state_factor=state_factor(spec.optimizer_kind),
+                       schedule=spec.schedule, max_staleness=spec.max_staleness,
+                       state_factor=state_factor(spec.optimizer_kind),
                        step_scratch=step_scratch(spec.optimizer_kind),
                        stages=spec.stages, cuts=spec.cuts, replicas=spec.replicas,
                        activation_compression=spec.activation_compression,

@@ -1,4 +1,4 @@
-"""Discrete-event simulator of one training step under the GPipe and 1F1B schedules.
+"""Discrete-event simulator of one training step under the GPipe, 1F1B and async schedules.
 
 Each stage is a resource that runs its forward (F) and backward (B) passes in
 the order its schedule gives; each directed link is a resource that sends one
@@ -17,9 +17,10 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
-from ..spec import Action, SpecError, StageKey, schedule_order, stage_recomputes
+from ..spec import Action, SpecError, StageKey, async_stream, schedule_order, stage_recomputes
 from .costs import (ChainStage, chain_costs, host_factors, optimizer_seconds, pass_seconds,
-                    precision_flops, schedule_sync, sync_per_step, sync_segments)
+                    precision_flops, schedule_sync, steps_in_flight, sync_per_step,
+                    sync_segments)
 from .types import (ClusterView, ModelProfile, NodeSpec, Overheads, Plan, PlanError,
                     TrainConfig)
 
@@ -179,8 +180,17 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
                    act_busy: Sequence[float], act_latency: Sequence[float],
                    grad_busy: Sequence[float], grad_latency: Sequence[float],
                    microbatches: int, schedule: str,
-                   optimizer: Sequence[float] | None = None) -> GroupTimeline:
+                   optimizer: Sequence[float] | None = None,
+                   max_staleness: int = 0) -> GroupTimeline:
     """Simulate one pipeline for one step.
+
+    Under "async" steps overlap (:func:`fedpipe.spec.async_stream`), so one step alone
+    says little: a stream of :data:`STREAM_STEPS` rounds of ``max_staleness + 1`` steps
+    is simulated, each stage's optimizer step after the last backward of each step, and
+    the timeline is its steady state: ``finish`` is the seconds per step over the
+    stream's last ``max_staleness + 1`` steps, ``last_backward`` each stage's last
+    backward of the last step counted from that step's start (``finish`` before the
+    stream's end; 0 at least), ``order`` the last step's passes.
 
     Args:
         forward, backward: per stage, seconds of one microbatch's pass.
@@ -188,49 +198,69 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
             seconds the activation keeps the link busy and its latency.
         grad_busy, grad_latency: the same for the gradient sent from i+1 to i.
         microbatches: microbatches in the step.
-        schedule: "gpipe" or "1f1b".
+        schedule: "gpipe", "1f1b" or "async".
         optimizer: per stage, seconds of its optimizer step, run after its
             last pass (None: none); ``finish`` includes it, ``last_backward`` not.
+        max_staleness: under "async", steps a forward may run ahead of the updates.
 
     Raises:
         PlanError: unknown schedule.
     """
-    n = len(forward)
+    n, m = len(forward), microbatches
+    overlap = steps_in_flight(schedule, max_staleness)
+    steps = STREAM_STEPS * overlap if schedule == "async" else 1
     eng = _Engine()
     stage_res = [eng.resource(fixed_order=True) for _ in range(n)]
     act_res = [eng.resource(fixed_order=False) for _ in range(n - 1)]
     grad_res = [eng.resource(fixed_order=False) for _ in range(n - 1)]
     F: list[dict[int, int]] = [{} for _ in range(n)]
     B: list[dict[int, int]] = [{} for _ in range(n)]
+    updates: list[list[int]] = [[] for _ in range(n)]  # per stage, its steps' last ops
     for s in range(n):
         try:  # the very list of actions the stage's runtime runs
-            order = schedule_order(schedule, s, n, microbatches)
+            order = (async_stream(s, n, m, steps, max_staleness) if schedule == "async"
+                     else schedule_order(schedule, s, n, m))
         except SpecError as e:
             raise PlanError(str(e)) from None
         for action in order:
+            i = action.microbatch
             if action.kind == "F":
-                F[s][action.microbatch] = eng.op(stage_res[s], forward[s])
-            else:
-                B[s][action.microbatch] = eng.op(stage_res[s], backward[s])
-    for m in range(microbatches):
+                F[s][i] = eng.op(stage_res[s], forward[s])
+                continue
+            B[s][i] = eng.op(stage_res[s], backward[s])
+            if i % m == m - 1:  # the step's last backward (backwards run in order)
+                updates[s].append(B[s][i] if optimizer is None
+                                  else eng.op(stage_res[s], optimizer[s]))
+    for i in range(steps * m):
         for s in range(n):
-            eng.dep(F[s][m], B[s][m])
+            eng.dep(F[s][i], B[s][i])
             if s + 1 < n:
                 ta = eng.op(act_res[s], act_busy[s], act_latency[s])
-                eng.dep(F[s][m], ta)
-                eng.dep(ta, F[s + 1][m])
+                eng.dep(F[s][i], ta)
+                eng.dep(ta, F[s + 1][i])
                 tg = eng.op(grad_res[s], grad_busy[s], grad_latency[s])
-                eng.dep(B[s + 1][m], tg)
-                eng.dep(tg, B[s][m])
-    if optimizer is not None:
-        for s in range(n):  # last in the stage's fixed order: after its last pass
-            eng.op(stage_res[s], optimizer[s])
+                eng.dep(B[s + 1][i], tg)
+                eng.dep(tg, B[s][i])
     end = eng.run()
-    last_b = [max(end[B[s][m]] for m in range(microbatches)) for s in range(n)]
-    ran = [sorted([(end[op] - eng.dur[op], Action("F", m)) for m, op in F[s].items()]
-                  + [(end[op] - eng.dur[op], Action("B", m)) for m, op in B[s].items()],
+    done = [max(end[u[k]] for u in updates) for k in range(steps)]  # each step's end
+    if steps == 1:
+        finish, start = max(end, default=0.0), 0.0
+    else:
+        finish = (done[-1] - done[-1 - overlap]) / overlap
+        start = done[-1] - finish
+    first = (steps - 1) * m  # the last step's first microbatch
+    last_b = [max(0.0, end[B[s][first + m - 1]] - start) for s in range(n)]
+    ran = [sorted([(end[op] - eng.dur[op], Action("F", i - first))
+                   for i, op in F[s].items() if i >= first]
+                  + [(end[op] - eng.dur[op], Action("B", i - first))
+                     for i, op in B[s].items() if i >= first],
                   key=lambda e: e[0]) for s in range(n)]
-    return GroupTimeline(max(end, default=0.0), last_b, [[a for _, a in r] for r in ran])
+    return GroupTimeline(finish, last_b, [[a for _, a in r] for r in ran])
+
+
+STREAM_STEPS = 3
+"""Rounds of ``max_staleness + 1`` steps :func:`simulate_group` runs of an "async"
+stream: the first fills the pipeline, the last is timed."""
 
 
 @dataclass
@@ -318,7 +348,7 @@ def _simulate_once(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         opt = [optimizer_seconds(profile, s.layer_start, s.layer_end, over, host[s.node_id])
                for s in st]
         tl = simulate_group(fwd, bwd, costs.act_busy, costs.act_latency, costs.grad_busy,
-                            costs.grad_latency, m, config.schedule, opt)
+                            costs.grad_latency, m, config.schedule, opt, config.max_staleness)
         for s, f, b, o in zip(st, fwd, bwd, opt):
             compute[s.node_id] = compute.get(s.node_id, 0.0) + m * (f + b) + o
         group_seconds.append(tl.finish)

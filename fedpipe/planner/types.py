@@ -228,7 +228,10 @@ class TrainConfig:
         batch_size: samples per optimizer step.
         microbatches: microbatches per batch (default
             :data:`fedpipe.spec.MICROBATCHES`, submit's).
-        schedule: "gpipe" or "1f1b" (or "async", later).
+        schedule: "gpipe", "1f1b" or "async".
+        max_staleness: under "async", steps a forward may run ahead of the updates
+            (:attr:`fedpipe.spec.JobSpec.max_staleness`): the steps a group's step is
+            priced as overlapping (:func:`~fedpipe.planner.costs.steps_in_flight`).
         state_factor: bytes kept per parameter byte for a stage: weights,
             gradients and optimizer state (4 for AdamW: weights, grads, two moments;
             3 for SGD with momentum, 2 for plain SGD). The tracker derives it from the
@@ -270,6 +273,7 @@ class TrainConfig:
     batch_size: int
     microbatches: int = MICROBATCHES
     schedule: str = SCHEDULE
+    max_staleness: int = 1
     state_factor: float = 4.0
     snapshot_copies: float = 0.0
     step_scratch: float = 0.0

@@ -29,12 +29,13 @@ log = logging.getLogger("fedpipe.tracker")
 
 def predict_step_seconds(plan: node_pb2.Plan, cluster: planner.ClusterView,
                          profile: planner.ModelProfile, schedule: str,
-                         speed: Callable[[str], float], precision: str = "fp32") -> float:
+                         speed: Callable[[str], float], precision: str = "fp32",
+                         max_staleness: int = 0) -> float:
     """Predicted seconds of one step of ``plan``: the slowest replica group's analytic
     step (:meth:`~fedpipe.planner.costs.ChainCosts.step_seconds` of the planner's own
     :func:`~fedpipe.planner.costs.chain_costs`), with node ``n`` computing at
     ``speed(n)`` FLOP/s, the links of ``cluster`` and the job's ``precision`` (the
-    bytes its boundaries send).
+    bytes its boundaries send) and, under "async", its ``max_staleness``.
     """
     view = PlanView(plan)
     worst = 0.0
@@ -48,7 +49,7 @@ def predict_step_seconds(plan: node_pb2.Plan, cluster: planner.ClusterView,
 
         costs = chain_costs(profile, chain, samples, passes, cluster.link, microbatches=m,
                             precision=precision)
-        worst = max(worst, costs.step_seconds(m, schedule))
+        worst = max(worst, costs.step_seconds(m, schedule, max_staleness))
     return worst
 
 

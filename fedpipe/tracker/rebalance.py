@@ -471,7 +471,7 @@ class Rebalancer:
 
         def predict(p: node_pb2.Plan) -> float:
             return predict_step_seconds(p, cluster, spec.profile, spec.job.schedule, speed,
-                                        spec.job.precision)
+                                        spec.job.precision, spec.job.max_staleness)
 
         now_t = predict(job.plan)
         cand = reassign(job.plan, nodes, predict, need)
