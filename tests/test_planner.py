@@ -16,8 +16,8 @@ from fedpipe.planner import (ClusterView, LayerProfile, Link, ModelProfile, Node
                              stage_memory_bytes)
 from fedpipe.planner import codecs, jsonio
 from fedpipe.planner.context import PlanContext, link_arrays
-from fedpipe.planner.costs import (boundary_bytes, compute_seconds, pipeline_estimate,
-                                   step_estimate, transfer_seconds)
+from fedpipe.planner.costs import (boundary_bytes, compute_seconds, in_flight,
+                                   pipeline_estimate, step_estimate, transfer_seconds)
 from fedpipe.planner.evaluate import choose_codecs
 from fedpipe.planner.exhaustive import exhaustive_plan
 from fedpipe.planner.ordering import bottleneck_path, path_cost
@@ -317,6 +317,17 @@ def test_async_gives_the_group_behind_a_slow_hop_the_work_its_latency_no_longer_
     assert overlapped_step < flushed_step
     with pytest.raises(PlanError, match="max_staleness"):
         make_plan(cluster, profile, TrainConfig(batch_size=32, schedule="async", max_staleness=-1))
+
+
+def test_async_stashes_the_next_steps_microbatches_too():
+    """With fewer microbatches per step than a stage's depth, "async" fills the pipeline
+    from the next step (as max_staleness allows), so its stage keeps more in flight."""
+    assert in_flight("1f1b", 0, 3, 1) == 1
+    assert in_flight("async", 0, 3, 1, overlap=2) == 2 and in_flight("async", 2, 3, 1, 2) == 1
+    profile = model(8)
+    stale0, stale1 = (stage_memory_bytes(profile, 0, 3, TrainConfig(
+        batch_size=8, microbatches=1, schedule="async", max_staleness=k), 0, 3) for k in (0, 1))
+    assert stale1 > stale0
 
 
 # --- codecs ------------------------------------------------------------------

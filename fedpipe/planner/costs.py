@@ -173,12 +173,15 @@ def activation_memory_bytes(profile: ModelProfile, start: int, end: int, config:
                                        activation_scale(profile, config.precision)))
 
 
-def in_flight(schedule: str, stage: int, n_stages: int, microbatches: int) -> int:
+def in_flight(schedule: str, stage: int, n_stages: int, microbatches: int,
+              overlap: int = 1) -> int:
     """Microbatches a stage stashes at once: all of them under GPipe, at most
-    ``n_stages - stage`` under 1F1B (Narayanan et al., ICML 2021)."""
+    ``n_stages - stage`` under 1F1B (Narayanan et al., ICML 2021), of the ``overlap``
+    steps in the pipeline at once (:func:`steps_in_flight`: "async" takes the next
+    step's microbatches before a step ends)."""
     if schedule == "gpipe":
         return microbatches
-    return min(microbatches, n_stages - stage)
+    return min(overlap * microbatches, n_stages - stage)
 
 
 def steps_in_flight(schedule: str, max_staleness: int) -> int:
@@ -293,7 +296,9 @@ def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: Trai
     samples = math.ceil(config.batch_size / config.microbatches)
     rc = config.recompute != "off" if recompute is None else recompute
     stash = activation_memory_bytes(profile, start, end, config, samples,
-                                    in_flight(config.schedule, stage, n_stages, m), rc)
+                                    in_flight(config.schedule, stage, n_stages, m,
+                                              steps_in_flight(config.schedule,
+                                                              config.max_staleness)), rc)
     scratch = config.step_scratch * sum(layer.parameter_bytes
                                         for layer in profile.layers[start:end])
     # a synchronous step's optimizer runs once its backward passes have freed the stash

@@ -205,7 +205,7 @@ def build_plan(ctx: PlanContext, groups: Sequence[Split], micro: Sequence[int],
             ["raw"] * len(nodes), ["raw"] * len(nodes))
         sched, n = ctx.config.schedule, len(nodes)
         stages = [StagePlan(ctx.ids[node], k, j, a, g,
-                            ctx.recomputes(node, k, j, in_flight(sched, i, n, m)))
+                            ctx.recomputes(node, k, j, in_flight(sched, i, n, m, ctx.overlap)))
                   for i, (node, (k, j), a, g) in enumerate(zip(nodes, ranges, act, grad))]
         out.append(ReplicaGroup(stages, microbatches=m, samples=n_samples))
     used = {s.node_id for g in out for s in g.stages}

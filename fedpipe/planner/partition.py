@@ -94,7 +94,7 @@ def _in_flight_bound(ctx: PlanContext, m: int, i: int, n: int) -> np.ndarray | i
     if ctx.config.schedule == "gpipe":
         return m
     later = np.minimum(n - 1 - i, ctx.L - np.arange(ctx.L + 1))
-    bound: np.ndarray = np.minimum(m, 1 + np.maximum(later, 0))
+    bound: np.ndarray = np.minimum(ctx.overlap * m, 1 + np.maximum(later, 0))
     return bound
 
 
@@ -270,7 +270,7 @@ def describe(ctx: PlanContext, chain: Sequence[int], stages: Sequence[tuple[int,
     for s, (i, k, j) in enumerate(stages):
         node = chain[i]
         w = ctx.work[k, j] / ctx.flops[node]
-        if ctx.recomputes(node, k, j, in_flight(sched, s, n_st, microbatches)):
+        if ctx.recomputes(node, k, j, in_flight(sched, s, n_st, microbatches, ctx.overlap)):
             w *= RECOMPUTE_FACTOR
         fwd.append(w * FORWARD_FRACTION)
         bwd.append(w * (1 - FORWARD_FRACTION))
@@ -285,8 +285,9 @@ def describe(ctx: PlanContext, chain: Sequence[int], stages: Sequence[tuple[int,
                     else max(w, ab[-1], gb[-1]))
         bottleneck = max(bottleneck, cost)
         room = ctx.room(node, k, j)
-        if room > 0 and sched != "gpipe" and room >= n_st - s:
-            room = math.inf   # 1F1B never stashes more than n_stages - s
+        if room > 0 and sched != "gpipe":
+            # 1F1B never stashes more than n_stages - s, of ``overlap`` steps at once
+            room = math.inf if room >= n_st - s else room // ctx.overlap
         cap = min(cap, room)
     sigma, period = pipeline_estimate(fwd, bwd, ab, at, gb, gt, microbatches, sched, ctx.overlap)
     drain, acc = [], 0.0
