@@ -167,6 +167,17 @@ def _cuts_arg(text: str) -> tuple[int, ...]:
             f"expected child indices separated by commas, e.g. 2,3,4; got {text!r}") from None
 
 
+def _non_negative(text: str) -> int:
+    """An integer >= 0 (``--max-staleness``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _gradient_compression_arg(text: str) -> str:
     """``--gradient-compression``'s value: "auto", "none" or a codec spec."""
     from .spec import SpecError, check_compression
@@ -240,8 +251,8 @@ def cmd_plan(args) -> int:
                                           timeout=timeouts.CONTROL_RPC)
         cluster = cluster_view(list(reply.nodes), list(reply.links))
     config = planner.TrainConfig(batch_size=args.batch, microbatches=args.microbatches,
-                                 schedule=args.schedule, stages=stages, cuts=args.cuts,
-                                 compression=args.compression,
+                                 schedule=args.schedule, max_staleness=args.max_staleness,
+                                 stages=stages, cuts=args.cuts, compression=args.compression,
                                  gradient_compression=args.gradient_compression,
                                  recompute=args.recompute, precision=args.precision)
     plan = planner.make_plan(cluster, profile, config)
@@ -299,7 +310,8 @@ def cmd_submit(args) -> int:
         return 2
     with _client(args) as client:
         digits.train(client, steps=args.steps, microbatches=args.microbatches,
-                     schedule=args.schedule, stages=stages, cuts=args.cuts,
+                     schedule=args.schedule, max_staleness=args.max_staleness,
+                     stages=stages, cuts=args.cuts,
                      compression=_compression(args), precision=args.precision,
                      recompute={"off": False, "on": True}.get(args.recompute, args.recompute))
     return 0
@@ -328,7 +340,8 @@ def cmd_demo(args) -> int:
         # the digits MLP is so small that one node would be fastest: the demo
         # pins one stage per node to show the pipeline
         acc = digits.train(client, steps=args.steps, microbatches=args.microbatches,
-                           schedule=args.schedule, stages=args.stages or args.nodes,
+                           schedule=args.schedule, max_staleness=args.max_staleness,
+                           stages=args.stages or args.nodes,
                            compression=_compression(args))
         if args.keep:
             _keep(swarm.tracker, http_port)
@@ -362,7 +375,7 @@ def _keep(tracker: str, http_port: int) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .spec import PRECISIONS, RECOMPUTE, Training
+    from .spec import PRECISIONS, RECOMPUTE, SCHEDULES, Training
 
     p = argparse.ArgumentParser(prog="fedpipe", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -456,8 +469,12 @@ def parser() -> argparse.ArgumentParser:
         """``--microbatches`` and ``--schedule``, defaulting to ``whose`` defaults."""
         q.add_argument("--microbatches", type=int, default=microbatches,
                        help=f"microbatches per step (default: %(default)s, {whose})")
-        q.add_argument("--schedule", default=schedule, choices=["gpipe", "1f1b"],
-                       help=f"pipeline schedule (default: %(default)s, {whose})")
+        q.add_argument("--schedule", default=schedule, choices=SCHEDULES,
+                       help=f"pipeline schedule (default: %(default)s, {whose}); async: "
+                            "PipeDream-style, no flush, weight stashing")
+        q.add_argument("--max-staleness", type=_non_negative, default=Training.max_staleness,
+                       help="async only: steps a forward may run ahead of the updates "
+                            "(default: %(default)s, as submit()'s)")
 
     def memory_args(q):
         """``--recompute`` and ``--precision``, as ``submit()``'s ``recompute`` and

@@ -225,3 +225,13 @@ def test_tls_config_checks_the_certificate_at_load(tmp_path):
         TlsConfig.load(tmp_path / "nowhere", "n1")
     with pytest.raises(CertError, match="nobody.crt is missing"):
         TlsConfig.load(tmp_path, "nobody")
+
+
+def test_a_tls_directory_under_home_is_given_as_a_shell_would(tmp_path, monkeypatch):
+    from fedpipe.security.tls import resolve, tls_dir
+    monkeypatch.setenv("HOME", str(tmp_path))
+    certs.make_ca(tmp_path / ".fedpipe")
+    certs.issue(tmp_path / ".fedpipe", "client", "me")
+    assert tls_dir("~/.fedpipe") == tmp_path / ".fedpipe"
+    cfg = resolve("~/.fedpipe")
+    assert cfg is not None and cfg.identity.name == "me"

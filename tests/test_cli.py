@@ -33,6 +33,14 @@ def test_plan_from_cluster_and_model_files():
     assert layers[0][0] == 0 and layers[-1][1] == 16
 
 
+def test_plan_previews_the_async_schedule_with_its_staleness():
+    out = fedpipe("plan", "--cluster", str(ROOT / "benchmarks/clusters/S2.json"),
+                  "--model", str(ROOT / "benchmarks/models/uneven16.json"), "--batch", "32",
+                  "--microbatches", "8", "--schedule", "async", "--max-staleness", "2")
+    assert out.returncode == 0, out.stderr
+    assert "schedule async (max_staleness 2)" in out.stdout.splitlines()[0]
+
+
 def test_plan_draw_writes_a_picture_of_the_plan(tmp_path):
     png = tmp_path / "plan.png"
     out = fedpipe("plan", "--cluster", str(ROOT / "benchmarks/clusters/S2.json"),

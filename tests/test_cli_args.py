@@ -243,3 +243,15 @@ def test_a_dashboard_url_without_http_is_refused_at_parse_with_what_to_give(url,
             f"(the tracker's --http-port){hint}") in " ".join(capsys.readouterr().err.split())
     assert parser().parse_args(["status", "--dashboard", "http://h:7080"]).dashboard == \
         "http://h:7080"
+
+
+@pytest.mark.parametrize("command", [["submit", "--tracker", "a:7070"], ["demo"],
+                                     ["plan", "--cluster", "c.json", "--model", "m.json"]],
+                         ids=lambda c: c[0])
+def test_the_async_schedule_and_its_staleness_are_flags(command, capsys):
+    args = parser().parse_args([*command, "--schedule", "async", "--max-staleness", "2"])
+    assert (args.schedule, args.max_staleness) == ("async", 2)
+    assert parser().parse_args(command).max_staleness == 1  # submit()'s default
+    with pytest.raises(SystemExit):
+        parser().parse_args([*command, "--max-staleness", "-1"])
+    assert "argument --max-staleness: expected an integer >= 0, got '-1'" in capsys.readouterr().err

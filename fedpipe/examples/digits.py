@@ -34,7 +34,7 @@ def load(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch
 
 
 def make_model(hidden: int = 128, seed: int = 0) -> nn.Sequential:
-    """An MLP for digits: 64 -> hidden -> hidden -> 10 logits, six children."""
+    """An MLP for digits: 64 -> hidden -> hidden -> 10 logits, five children."""
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(64, hidden), nn.ReLU(),
@@ -60,13 +60,14 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int = 4,
-          schedule: str = "1f1b", stages: int = 0, cuts: tuple[int, ...] = (),
+          schedule: str = "1f1b", max_staleness: int = 1, stages: int = 0,
+          cuts: tuple[int, ...] = (),
           compression: str | dict = "auto", lr: float = 3e-3,
           recompute: bool | str = False, precision: str = "fp32",
           progress: bool = True, out=print) -> float:
     """Train the digits MLP on a swarm through ``client``; return held-out accuracy.
-    ``stages`` and ``cuts`` are its ``fedpipe.Placement``'s; ``recompute`` and
-    ``precision`` are ``submit()``'s.
+    ``stages`` and ``cuts`` are its ``fedpipe.Placement``'s; ``max_staleness``
+    (``schedule="async"`` only), ``recompute`` and ``precision`` are ``submit()``'s.
 
     Prints the plan (which node holds which layers) and the accuracy as
     ``held-out accuracy: 0.XXXX``.
@@ -82,6 +83,7 @@ def train(client, *, steps: int = 300, batch_size: int = 64, microbatches: int =
                         fedpipe.optimizer(torch.optim.AdamW, lr=lr),
                         batches(x_train, y_train, batch_size), steps=steps,
                         microbatches=microbatches, schedule=schedule,
+                        max_staleness=max_staleness,
                         placement=fedpipe.Placement(stages=stages, cuts=tuple(cuts)),
                         compression=compression, recompute=recompute,
                         precision=precision, name="digits-mlp")

@@ -312,10 +312,13 @@ def format_plan(plan: Plan, cluster: ClusterView, profile: ModelProfile,
         header, rows = _without(header, 3), [_without(r, 3) for r in rows]
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = "  ".join
+    schedule = plan.schedule or config.schedule
+    if schedule == "async":
+        schedule += f" (max_staleness {config.max_staleness})"
     out = [f"plan: {len(plan.groups)} replica group(s) of a {len(profile.layers)}-layer model, "
            f"batch {config.batch_size} in {config.microbatches} "
            f"microbatch{'es' if config.microbatches != 1 else ''}, "
-           f"schedule {plan.schedule or config.schedule}, precision {config.precision}, "
+           f"schedule {schedule}, precision {config.precision}, "
            f"recompute {_recomputed(plan, config.recompute)}",
            line(h.ljust(w) for h, w in zip(header, widths)),
            line("-" * w for w in widths)]

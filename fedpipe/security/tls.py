@@ -59,12 +59,13 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("0000000400000
 
 
 def tls_dir(explicit: str | os.PathLike | None = None) -> pathlib.Path | None:
-    """The TLS directory to use: ``explicit`` (``--tls-dir``, ``tls=``), else ``$FEDPIPE_TLS_DIR``.
+    """The TLS directory to use: ``explicit`` (``--tls-dir``, ``tls=``), else ``$FEDPIPE_TLS_DIR``;
+    a leading ``~`` is the user's home, as a shell would expand it (``tls="~/.fedpipe"``).
 
     Returns None when neither is set: plaintext, with the loopback rules.
     """
     value = explicit if explicit is not None else os.environ.get(TLS_DIR_ENV) or None
-    return pathlib.Path(value) if value is not None else None
+    return pathlib.Path(value).expanduser() if value is not None else None
 
 
 def resolve(tls: "TlsConfig | str | os.PathLike | None", name: str | None = None
