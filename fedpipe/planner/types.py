@@ -340,7 +340,7 @@ class Plan:
         sync_seconds: predicted time the cross-group sync adds after the slowest
             group's last backward pass, per step (divided by the config's
             ``sync_every``), seconds (0 for one group).
-        schedule: the schedule the prediction assumes ("gpipe" or "1f1b").
+        schedule: the schedule the prediction assumes ("gpipe", "1f1b" or "async").
         calibrated: the prediction used corrections fitted from measured step
             times (:mod:`fedpipe.planner.calibrate`), not the probed figures alone.
     """

@@ -103,7 +103,7 @@ SYNC_SCHEDULES = ("gpipe", "1f1b")
 """Schedules that flush every step, so training equals single-process gradient accumulation."""
 _ORDERS = {"gpipe": gpipe, "1f1b": one_f_one_b,
            # one step of "async" in isolation is 1F1B's order; the runner follows
-           # async_stream, which lets steps overlap, so a flushed step bounds its time
+           # async_stream, which lets steps overlap (and so does the planner's simulator)
            "async": one_f_one_b}
 
 
