@@ -235,3 +235,5 @@ def test_a_tls_directory_under_home_is_given_as_a_shell_would(tmp_path, monkeypa
     assert tls_dir("~/.fedpipe") == tmp_path / ".fedpipe"
     cfg = resolve("~/.fedpipe")
     assert cfg is not None and cfg.identity.name == "me"
+    with pytest.raises(CertError, match="TLS directory ~nosuchuser0/x: cannot expand its ~"):
+        tls_dir("~nosuchuser0/x")

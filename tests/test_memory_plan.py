@@ -62,11 +62,12 @@ def test_stage_memory_by_hand():
     assert stage_memory_bytes(PROFILE, 1, 2, cfg("adamw"), 1, 3) == 20000 + 120
     assert stage_memory_bytes(PROFILE, 1, 2, cfg("sgd"), 1, 3) == 8000 + 120
     # AdamW's step takes sqrt of its second moments into new tensors: 1 × 2000 bytes of
-    # scratch, after the backward passes freed the 120 stashed (under "async", both)
+    # scratch, after the backward passes freed the 120 stashed (under "async", both, and
+    # weight stashing's copies: one per version in use, max_staleness 1 -> 2 x 2000)
     scratch = dataclasses.replace(cfg("adamw"), step_scratch=step_scratch("adamw"))
     assert stage_memory_bytes(PROFILE, 1, 2, scratch, 1, 3) == 20000 + 2000
     assert stage_memory_bytes(PROFILE, 1, 2, dataclasses.replace(scratch, schedule="async"),
-                              1, 3) == 20000 + 2000 + 120
+                              1, 3) == 20000 + 2000 + 120 + 2 * 2000
     assert step_scratch("sgd-momentum") == 0 and train_config(JobSpec(
         steps=1, optimizer=b"o", loss_fn=b"l", optimizer_kind="adamw")).step_scratch == 1
     # the first stage receives raw input from the data, sends nothing back: only its

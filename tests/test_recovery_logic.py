@@ -115,7 +115,8 @@ def test_a_lost_node_rewinds_the_job_to_its_checkpoint_and_its_stage_moves_to_th
     w = World()
     w.checkpoint(10)
     w.store.record_step(w.job, 13, 1.0, 8.0, w.clock())
-    lost = w.plan()[StageKey(0, 1)]
+    before = w.plan()
+    lost = before[StageKey(0, 1)]
     w.clock.advance(2)
     w.store.mark_lost(lost.node_id)
     w.recovery.nodes_lost({lost.node_id}, "left the swarm")
@@ -137,8 +138,13 @@ def test_a_lost_node_rewinds_the_job_to_its_checkpoint_and_its_stage_moves_to_th
     assert view[StageKey(0, 0)].node_id == w.plan()[StageKey(0, 0)].node_id  # kept
     loads = {StageKey(r.replica, r.stage): r for r in w.nodes.loads}
     assert {r.resume_step for r in loads.values()} == {10}
-    # the moved stage looks for its snapshot on its old node first, then its buddy
-    assert list(loads[StageKey(0, 1)].snapshot_sources)[0] == lost.address
+    # the moved stage looks for its snapshot on the live nodes (its buddy, the others),
+    # on its lost node last: a restorer that tried it first would wait out its data link's
+    # redial (10 s) before the buddy's copy
+    places = list(loads[StageKey(0, 1)].snapshot_sources)
+    assert places[-1] == lost.address and lost.address not in places[:-1]
+    buddy = before.buddy(StageKey(0, 1), 10 // 5)  # checkpoint_every=5
+    assert buddy is not None and places[0] == buddy.address
     (rec,) = info.recoveries
     assert (rec.cause, rec.lost, rec.checkpoint_step, rec.steps_recomputed) == \
         ("loss", lost.node_name, 10, 3)

@@ -18,7 +18,8 @@ from . import codecs
 from .costs import (RECOMPUTE_FACTOR, StageCodecs, activation_scale, boundary_bytes,
                     boundary_element_bytes, boundary_width, codec_buffer_bytes,
                     host_memory_shares, input_bytes, kept_activation_bytes, precision_flops,
-                    state_bytes, stash_bytes, steps_in_flight, transfer_seconds)
+                    state_bytes, stash_bytes, stashed_weight_copies, steps_in_flight,
+                    transfer_seconds)
 from .types import ClusterView, Link, ModelProfile, PlanError, TrainConfig
 
 
@@ -126,6 +127,7 @@ class PlanContext:
         # stage fits when state + max(stash × in flight, scratch) does (under "async" the
         # step overlaps the stash: the scratch is in ``state``)
         self.scratch = np.zeros((L + 1, L + 1))
+        copies = stashed_weight_copies(config, self.overlap * self.M)
         prefix = np.concatenate([[0.0], np.cumsum([layer.flops for layer in profile.layers])])
         for k in range(L):
             for j in range(k + 1, L + 1):
@@ -135,9 +137,10 @@ class PlanContext:
                 self.state[k, j] = state_bytes(profile, k, j, config) + buffers
                 self.disk_state[k, j] = state_bytes(profile, k, j, config, True) + buffers
                 self.stash[k, j] = stash_bytes(profile, k, j, stash_samples)
-                scratch = config.step_scratch * sum(
-                    layer.parameter_bytes for layer in profile.layers[k:j])
-                if config.schedule == "async":
+                params = sum(layer.parameter_bytes for layer in profile.layers[k:j])
+                scratch = config.step_scratch * params
+                if config.schedule == "async":  # and the stashed weights, as many as any
+                    scratch += copies * params    # stage of the job may keep
                     self.state[k, j] += scratch
                     self.disk_state[k, j] += scratch
                 else:
@@ -276,8 +279,8 @@ def validate(cluster: ClusterView, profile: ModelProfile, config: TrainConfig) -
     if config.schedule not in ("gpipe", "1f1b", "async"):
         raise PlanError(f"unknown schedule {config.schedule!r}; "
                         f"the planner knows 'gpipe', '1f1b' and 'async'")
-    if config.max_staleness < 0:
-        raise PlanError(f"max_staleness must be >= 0, got {config.max_staleness}")
+    if not isinstance(config.max_staleness, int) or config.max_staleness < 0:
+        raise PlanError(f"max_staleness must be an integer >= 0, got {config.max_staleness!r}")
     _check_depth(cluster, profile, config)
     if config.replicas < 0 or config.replicas > min(config.microbatches, len(cluster.nodes)):
         raise PlanError(f"{config.replicas} replica groups asked for, but there are "

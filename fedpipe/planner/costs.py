@@ -192,9 +192,29 @@ def steps_in_flight(schedule: str, max_staleness: int) -> int:
     return max_staleness + 1 if schedule == "async" else 1
 
 
-def step_estimate(sigma: float, period: float, microbatches: int, overlap: int = 1) -> float:
-    """Analytic seconds per optimizer step of one pipeline (:func:`pipeline_estimate`'s
-    ``sigma`` and ``period``).
+def useful_overlap(overlap: int, microbatches: int, n_stages: int) -> int:
+    """Of ``overlap`` steps allowed to share a pipeline of ``n_stages`` stages running
+    ``microbatches`` per step, those that can: a stage keeps at most ``n_stages - stage``
+    microbatches in flight, so a staleness beyond ``(microbatches + n_stages - 2) //
+    microbatches`` never holds a forward back (:func:`fedpipe.spec.async_stream`)."""
+    return min(overlap, 1 + (microbatches + n_stages - 2) // microbatches)
+
+
+def stashed_weight_copies(config: TrainConfig, microbatches_in_flight: int) -> int:
+    """Copies of a stage's parameters that weight stashing keeps under "async"
+    (:class:`fedpipe.runtime.async_stage.AsyncStageRunner`'s snapshots): one per weight
+    version in use, ``min(max_staleness + 1, microbatches_in_flight)``, at least one;
+    none under a schedule that flushes."""
+    if config.schedule != "async":
+        return 0
+    return max(1, min(config.max_staleness + 1, microbatches_in_flight))
+
+
+def step_estimate(sigma: float, period: float, microbatches: int, n_stages: int,
+                  overlap: int = 1) -> float:
+    """Analytic seconds per optimizer step of one pipeline of ``n_stages`` stages
+    (:func:`pipeline_estimate`'s ``sigma`` and ``period``, the latter for the same
+    ``overlap``).
 
     A flushed step takes ``sigma + (microbatches - 1) · period``: one microbatch's way
     through and back, then one period per further microbatch. Under PipeDream-style
@@ -202,13 +222,14 @@ def step_estimate(sigma: float, period: float, microbatches: int, overlap: int =
     Narayanan et al., "PipeDream", SOSP 2019): in the steady state of the stream a step
     takes the larger of its microbatches' periods, ``microbatches · period`` (the
     busiest stage or link, and 1F1B's round-trip bound over its stash depth), and a
-    flushed step's time over ``overlap`` (step ``s + overlap`` starts only once step
-    ``s`` updated). With ``overlap`` 1 that is the flushed step (``sigma >= period``).
-    A slow hop's latency inside a group then costs a fraction of a step, not a whole
-    round trip each step.
+    flushed step's time over the steps that can overlap (:func:`useful_overlap`; step
+    ``s + overlap`` starts only once step ``s`` updated). With ``overlap`` 1 that is the
+    flushed step (``sigma >= period``). A slow hop's latency inside a group then costs a
+    fraction of a step, not a whole round trip each step.
     """
     flushed = sigma + (microbatches - 1) * period
-    return max(microbatches * period, flushed / overlap)
+    return max(microbatches * period,
+               flushed / useful_overlap(overlap, microbatches, n_stages))
 
 
 @dataclass(frozen=True)
@@ -279,6 +300,7 @@ def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: Trai
       more, the optimizer's scratch during its step (``config.step_scratch`` ×
       parameter bytes), which a synchronous schedule runs once the stash is freed
       (under "async", both);
+    - under "async", the stashed copies of its weights (:func:`stashed_weight_copies`);
     - the codecs' buffers of its boundary tensors (:func:`codec_buffer_bytes`).
 
     Args:
@@ -295,15 +317,15 @@ def stage_memory_bytes(profile: ModelProfile, start: int, end: int, config: Trai
     m = config.microbatches if microbatches is None else microbatches
     samples = math.ceil(config.batch_size / config.microbatches)
     rc = config.recompute != "off" if recompute is None else recompute
-    stash = activation_memory_bytes(profile, start, end, config, samples,
-                                    in_flight(config.schedule, stage, n_stages, m,
-                                              steps_in_flight(config.schedule,
-                                                              config.max_staleness)), rc)
-    scratch = config.step_scratch * sum(layer.parameter_bytes
-                                        for layer in profile.layers[start:end])
+    flight = in_flight(config.schedule, stage, n_stages, m,
+                       steps_in_flight(config.schedule, config.max_staleness))
+    stash = activation_memory_bytes(profile, start, end, config, samples, flight, rc)
+    params = sum(layer.parameter_bytes for layer in profile.layers[start:end])
+    scratch = config.step_scratch * params
     # a synchronous step's optimizer runs once its backward passes have freed the stash
     live = stash + scratch if config.schedule == "async" else max(stash, scratch)
     return (state_bytes(profile, start, end, config, snapshots_on_disk) + live
+            + stashed_weight_copies(config, flight) * params
             + codec_buffer_bytes(profile, start, end, samples, m, codecs, config.precision))
 
 
@@ -418,15 +440,20 @@ def pipeline_estimate(forward: Sequence[float], backward: Sequence[float],
         period = (max([*forward, *act_busy]) + max([*backward, *grad_busy]))
         return sigma, period
     period = max([*work, *act_busy, *grad_busy])
-    stream = math.inf if overlap > 1 else microbatches
-    warm = [min(n - s - 1, stream) for s in range(n)]
+    # microbatches each stage keeps in flight: 1F1B's warm-up plus one within a step; over
+    # a stream of overlapping steps, as many as the staleness lets in: between
+    # ``(overlap - 1) · m + 1`` and ``overlap · m`` as the oldest moves through its step,
+    # the fewer taken, so the period is never below the stream's (up to 2x above where
+    # the staleness, not the stash, bounds a deep pipeline; the simulator times it)
+    depth = [min(n - s, (overlap - 1) * microbatches + 1 if overlap > 1
+                 else microbatches + 1) for s in range(n)]
     for s in range(n):
-        if warm[s] >= stream:
+        if overlap == 1 and depth[s] > microbatches:
             continue            # stage s never alternates: no steady state to bound
         trip = 0.0
         for t in range(s, n):
             trip += work[t] + (hops[t - 1] if t > s else 0.0)
-            period = max(period, trip / (warm[s] + 1 - warm[t]))
+            period = max(period, trip / (depth[s] + 1 - depth[t]))
     return sigma, period
 
 
@@ -474,7 +501,7 @@ class ChainCosts:
         sigma, period = pipeline_estimate(self.forward, self.backward, self.act_busy, act_total,
                                           self.grad_busy, grad_total, microbatches, schedule,
                                           overlap)
-        return step_estimate(sigma, period, microbatches, overlap)
+        return step_estimate(sigma, period, microbatches, len(self.forward), overlap)
 
 
 def chain_costs(profile: ModelProfile, chain: Sequence[ChainStage], samples: float,

@@ -170,7 +170,7 @@ class Evaluator:
         groups = []
         for s, t in zip(sols, times):
             groups.append([(node, k, j) for node, (k, j) in zip(s.nodes, s.ranges)])
-            ready.update((node, t - d) for node, d in zip(s.nodes, s.drain))
+            ready.update((node, max(0.0, t - d)) for node, d in zip(s.nodes, s.drain))
         segs = sync_segments(groups, ctx.profile,
                              lambda a, b: (ctx.bw[a, b], ctx.lat[a, b]))
         slowest = max(times)
@@ -304,7 +304,7 @@ class _Links:
         sigma, period = pipeline_estimate(self.fwd, self.bwd, times[0], totals[0], times[1],
                                           totals[1], self.microbatches, self.sched,
                                           self.overlap)
-        return step_estimate(sigma, period, self.microbatches, self.overlap)
+        return step_estimate(sigma, period, self.microbatches, len(self.fwd), self.overlap)
 
     def choose(self, allowed: Sequence[Sequence[str]]) -> list[list[str]]:
         """Each link's codec among ``allowed[d]`` (weakest first), as

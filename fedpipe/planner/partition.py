@@ -77,7 +77,8 @@ class GroupSolution:
     def seconds(self, microbatches: int) -> float:
         """Estimated seconds of one step of ``microbatches`` microbatches
         (:func:`~fedpipe.planner.costs.step_estimate`)."""
-        return step_estimate(self.sigma, self.period, microbatches, self.overlap)
+        return step_estimate(self.sigma, self.period, microbatches, len(self.nodes),
+                             self.overlap)
 
 
 def all_solved(solutions: Sequence[GroupSolution | None]) -> list[GroupSolution] | None:

@@ -20,7 +20,7 @@ from typing import Hashable, Mapping, Sequence
 from ..spec import Action, SpecError, StageKey, async_stream, schedule_order, stage_recomputes
 from .costs import (ChainStage, chain_costs, host_factors, optimizer_seconds, pass_seconds,
                     precision_flops, schedule_sync, steps_in_flight, sync_per_step,
-                    sync_segments)
+                    sync_segments, useful_overlap)
 from .types import (ClusterView, ModelProfile, NodeSpec, Overheads, Plan, PlanError,
                     TrainConfig)
 
@@ -184,13 +184,15 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
                    max_staleness: int = 0) -> GroupTimeline:
     """Simulate one pipeline for one step.
 
-    Under "async" steps overlap (:func:`fedpipe.spec.async_stream`), so one step alone
-    says little: a stream of :data:`STREAM_STEPS` rounds of ``max_staleness + 1`` steps
-    is simulated, each stage's optimizer step after the last backward of each step, and
-    the timeline is its steady state: ``finish`` is the seconds per step over the
-    stream's last ``max_staleness + 1`` steps, ``last_backward`` each stage's last
-    backward of the last step counted from that step's start (``finish`` before the
-    stream's end; 0 at least), ``order`` the last step's passes.
+    Under "async" with staleness, steps overlap (:func:`fedpipe.spec.async_stream`), so
+    one step alone says little: a stream of :data:`STREAM_ROUNDS` rounds of ``k + 1``
+    steps is simulated (``k`` the staleness that can bind,
+    :func:`~fedpipe.planner.costs.useful_overlap`), each stage's optimizer step after the
+    last backward of each step, and the timeline is its steady state, away from both
+    ends of the stream: ``finish`` is the seconds per step over the middle rounds
+    (:data:`TIMED_ROUNDS`), ``last_backward`` each stage's last backward of the last
+    timed step counted from that step's start (0 at least), ``order`` that step's passes.
+    With staleness 0 it is one flushed step, as "1f1b".
 
     Args:
         forward, backward: per stage, seconds of one microbatch's pass.
@@ -207,8 +209,8 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
         PlanError: unknown schedule.
     """
     n, m = len(forward), microbatches
-    overlap = steps_in_flight(schedule, max_staleness)
-    steps = STREAM_STEPS * overlap if schedule == "async" else 1
+    overlap = useful_overlap(steps_in_flight(schedule, max_staleness), m, n)
+    steps = STREAM_ROUNDS * overlap if overlap > 1 else 1
     eng = _Engine()
     stage_res = [eng.resource(fixed_order=True) for _ in range(n)]
     act_res = [eng.resource(fixed_order=False) for _ in range(n - 1)]
@@ -218,7 +220,7 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
     updates: list[list[int]] = [[] for _ in range(n)]  # per stage, its steps' last ops
     for s in range(n):
         try:  # the very list of actions the stage's runtime runs
-            order = (async_stream(s, n, m, steps, max_staleness) if schedule == "async"
+            order = (async_stream(s, n, m, steps, overlap - 1) if overlap > 1
                      else schedule_order(schedule, s, n, m))
         except SpecError as e:
             raise PlanError(str(e)) from None
@@ -244,23 +246,29 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
     end = eng.run()
     done = [max(end[u[k]] for u in updates) for k in range(steps)]  # each step's end
     if steps == 1:
-        finish, start = max(end, default=0.0), 0.0
+        timed, finish, start = 0, max(end, default=0.0), 0.0
     else:
-        finish = (done[-1] - done[-1 - overlap]) / overlap
-        start = done[-1] - finish
-    first = (steps - 1) * m  # the last step's first microbatch
+        lo, hi = (r * overlap - 1 for r in TIMED_ROUNDS)  # the steps ending the rounds
+        timed = hi
+        finish = (done[hi] - done[lo]) / (hi - lo)
+        start = done[hi] - finish
+    first = timed * m  # the timed step's first microbatch
     last_b = [max(0.0, end[B[s][first + m - 1]] - start) for s in range(n)]
     ran = [sorted([(end[op] - eng.dur[op], Action("F", i - first))
-                   for i, op in F[s].items() if i >= first]
+                   for i, op in F[s].items() if first <= i < first + m]
                   + [(end[op] - eng.dur[op], Action("B", i - first))
-                     for i, op in B[s].items() if i >= first],
+                     for i, op in B[s].items() if first <= i < first + m],
                   key=lambda e: e[0]) for s in range(n)]
     return GroupTimeline(finish, last_b, [[a for _, a in r] for r in ran])
 
 
-STREAM_STEPS = 3
-"""Rounds of ``max_staleness + 1`` steps :func:`simulate_group` runs of an "async"
-stream: the first fills the pipeline, the last is timed."""
+STREAM_ROUNDS = 5
+"""Rounds of ``k + 1`` steps (``k`` the staleness) :func:`simulate_group` runs of an
+"async" stream."""
+TIMED_ROUNDS = (2, 4)
+"""The rounds whose steps :func:`simulate_group` times: after the first two (the stream
+fills the pipeline) and before the last (it drains with no later forwards competing); two
+rounds, as the steady state may repeat over more than one."""
 
 
 @dataclass

@@ -63,9 +63,17 @@ def tls_dir(explicit: str | os.PathLike | None = None) -> pathlib.Path | None:
     a leading ``~`` is the user's home, as a shell would expand it (``tls="~/.fedpipe"``).
 
     Returns None when neither is set: plaintext, with the loopback rules.
+
+    Raises:
+        CertError: a ``~user`` whose home is unknown.
     """
     value = explicit if explicit is not None else os.environ.get(TLS_DIR_ENV) or None
-    return pathlib.Path(value).expanduser() if value is not None else None
+    if value is None:
+        return None
+    try:
+        return pathlib.Path(value).expanduser()
+    except RuntimeError as e:  # ~nobody: no such user, or no home
+        raise CertError(f"TLS directory {value}: cannot expand its ~ ({e})") from None
 
 
 def resolve(tls: "TlsConfig | str | os.PathLike | None", name: str | None = None

@@ -136,11 +136,14 @@ def snapshot_pieces(old: node_pb2.Plan, new: node_pb2.Plan,
     return pieces
 
 
-def snapshot_sources(old: node_pb2.Plan, new: node_pb2.Plan, step: int, spec: JobSpec
-                     ) -> Callable[[StageKey], list[str]]:
+def snapshot_sources(old: node_pb2.Plan, new: node_pb2.Plan, step: int, spec: JobSpec,
+                     live: set[str] | None = None) -> Callable[[StageKey], list[str]]:
     """Where each stage's snapshot of ``step`` may be, best first: its node in the
     plan it was taken under, the buddy it went to, then every other node of either
-    plan (buddies rotate, and a node may hold an older copy)."""
+    plan (buddies rotate, and a node may hold an older copy). With ``live`` (the
+    addresses of the nodes alive now), the places of nodes not among them come last, in
+    the same order: a restorer that tried a lost node first would wait out its data
+    link's redial (``Timeouts.resume``, 10 s) before the buddy's copy."""
     old_view, new_view = PlanView(old), PlanView(new)
     every = sorted(old_view.addresses() | new_view.addresses())
     every_ck = max(1, spec.checkpoint_every)
@@ -152,7 +155,10 @@ def snapshot_sources(old: node_pb2.Plan, new: node_pb2.Plan, step: int, spec: Jo
             buddy = old_view.buddy(key, step // every_ck)
             if buddy is not None:
                 first.append(buddy.address)
-        return list(dict.fromkeys(first + every))
+        places = list(dict.fromkeys(first + every))
+        if live is None:
+            return places
+        return [a for a in places if a in live] + [a for a in places if a not in live]
 
     return sources
 
@@ -342,6 +348,7 @@ class Recovery:
         with self.records.lock:
             rec = self.records.recovering.setdefault(job_id, Record(
                 self.clock(), self.clock(), set(), job.step, job.plan))
+        live = {n.address for n in nodes}  # a draining node still holds its snapshots
         nodes = self.drains.usable(nodes)  # a draining node takes no new work
         t_replan = self.clock()
         replanned = self._replan(job, rec, nodes)
@@ -352,7 +359,7 @@ class Recovery:
         self.store.set_plan(job_id, plan)
         t_restore = self.clock()
         step, spec = job.resume_step, self.specs.job(job_id)
-        sources = snapshot_sources(rec.old_plan, plan, step, spec)
+        sources = snapshot_sources(rec.old_plan, plan, step, spec, live)
         failures = self.deployer.deploy(job_id, plan, spec, resume_step=step, sources=sources,
                                         pieces=snapshot_pieces(rec.old_plan, plan, sources),
                                         old=rec.old_plan)
