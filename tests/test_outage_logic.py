@@ -271,3 +271,33 @@ def test_fedpipe_drain_with_no_tracker_leading_asks_again_then_says_none_led(mon
             client.drain("node3")
     assert time.monotonic() - t0 >= 1.0  # asked again for LEADER_WAIT, not failed at once
     assert len(reach_lines(caplog)) == 1, reach_lines(caplog)
+
+
+def test_a_pause_is_the_process_stopping_not_a_round_that_waited():
+    from fedpipe.tracker.pauses import PauseWatch
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    clock, stop = Clock(), threading.Event()
+    watch = PauseWatch(stop, clock)
+    clock.t = 0.25
+    watch.note()
+    clock.t = 8.25  # SIGSTOPped: the watch's thread did not wake for 8 s
+    watch.note()
+    clock.t = 8.5
+    assert watch.take() == 8.0
+    assert watch.take() == 0.0  # counted once
+    # a scheduler round that waits 1.5 s on the network is no pause: the watch runs on
+    live = PauseWatch(stop)
+    thread = threading.Thread(target=live.run, daemon=True)
+    thread.start()
+    try:
+        time.sleep(1.5)
+        assert live.take() < 1.2
+    finally:
+        stop.set()
+        thread.join(2)

@@ -87,9 +87,10 @@ CLIENT_GRACE = _seconds("CLIENT_GRACE", 3.0)
 """A job's feeding client may be gone this long (a dropped connection being redialled)
 before the job stops its stages and waits for a client (WAITING)."""
 TRACKER_PAUSED = _seconds("TRACKER_PAUSED", 3.0)
-"""A tracker whose scheduler rounds start this far apart (they run at least every second)
-did not run meanwhile (SIGSTOPped, starved of CPU): it gives every live node a fresh lease
-and every gone client its grace again, instead of judging them by a time it did not see."""
+"""A tracker whose process stopped running this long (a thread that wakes 4 times a second
+saw that gap: SIGSTOPped, starved of CPU; :class:`fedpipe.tracker.pauses.PauseWatch`) gives
+every live node a fresh lease and every gone client its grace again, instead of judging
+them by a time it did not see."""
 TRACKER_SILENT = _seconds("TRACKER_SILENT", 2.0)
 """A feeding client that has heard nothing of its job from the tracker for this long (a
 step's event comes at every step) counts it as gone, and feeds on past its kept-batch

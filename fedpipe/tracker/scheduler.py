@@ -49,6 +49,7 @@ from .jobs import Jobs
 from .links import LinkMeasurer
 from .nodes import NodeCallError, NodeCalls
 from .planning import Planner
+from .pauses import PauseWatch
 from .progress import Progress
 from .readdress import readdress
 from .rebalance import REBALANCE_THRESHOLD, Drains, Rebalancer
@@ -196,6 +197,7 @@ class Tracker:
         for n in store.nodes():
             self.links.add(n.node_id, n.name, n.address, n.registered)
         self.stop_event = threading.Event()
+        self.pauses = PauseWatch(self.stop_event)
         self._moves = futures.ThreadPoolExecutor(1, thread_name_prefix="readdress")
         self.measure_now = self.links.added
         self.jobs.recover()
@@ -207,7 +209,9 @@ class Tracker:
         if background:
             self.threads = [threading.Thread(target=self._scheduler, name="scheduler",
                                              daemon=True),
-                            threading.Thread(target=self._measurer, name="links", daemon=True)]
+                            threading.Thread(target=self._measurer, name="links", daemon=True),
+                            threading.Thread(target=self.pauses.run, name="pauses",
+                                             daemon=True)]
             for th in self.threads:
                 th.start()
 
@@ -362,16 +366,16 @@ class Tracker:
             self._store_down = False
 
     def _scheduler(self) -> None:
-        last = time.monotonic()
+        self.pauses.take()
         while not self.stop_event.is_set():
-            self.pardon_pause(time.monotonic() - last)
-            last = time.monotonic()
+            self.pardon_pause(self.pauses.take())
             self.guarded_tick()
             self.jobs.wait(min(TICK, self.lease / 4))
 
     def pardon_pause(self, gap: float) -> bool:
-        """After ``gap`` seconds between the starts of two scheduler rounds: if that is
-        past :data:`~fedpipe.net.timeouts.TRACKER_PAUSED`, this tracker itself did not run
+        """After a gap of ``gap`` seconds in this process's run (:class:`~.pauses.PauseWatch`;
+        a round that waited on the network is none): if that is past
+        :data:`~fedpipe.net.timeouts.TRACKER_PAUSED`, this tracker itself did not run
         (SIGSTOPped, or starved of CPU) and heard no heartbeat and no client meanwhile,
         so it judges none by that time: every live node gets a fresh lease and every
         client gone its grace again, as at a start (:class:`~.registry.Registry`). Returns
