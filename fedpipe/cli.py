@@ -178,6 +178,23 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _staleness(args: argparse.Namespace) -> str:
+    """Settle ``--max-staleness`` (a command without it: nothing): submit()'s default
+    when not given; a problem when given without ``--schedule async``, which alone uses
+    it (else "")."""
+    if not hasattr(args, "max_staleness"):
+        return ""
+    if args.max_staleness is None:
+        from .spec import Training
+
+        args.max_staleness = Training.max_staleness
+        return ""
+    if args.schedule != "async":
+        return (f"--max-staleness applies to --schedule async only (this is "
+                f"--schedule {args.schedule}, which flushes every step)")
+    return ""
+
+
 def _gradient_compression_arg(text: str) -> str:
     """``--gradient-compression``'s value: "auto", "none" or a codec spec."""
     from .spec import SpecError, check_compression
@@ -472,9 +489,9 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--schedule", default=schedule, choices=SCHEDULES,
                        help=f"pipeline schedule (default: %(default)s, {whose}); async: "
                             "PipeDream-style, no flush, weight stashing")
-        q.add_argument("--max-staleness", type=_non_negative, default=Training.max_staleness,
-                       help="async only: steps a forward may run ahead of the updates "
-                            "(default: %(default)s, as submit()'s)")
+        q.add_argument("--max-staleness", type=_non_negative, default=None,
+                       help="with --schedule async only: steps a forward may run ahead of "
+                            f"the updates (default: {Training.max_staleness}, as submit()'s)")
 
     def memory_args(q):
         """``--recompute`` and ``--precision``, as ``submit()``'s ``recompute`` and
@@ -554,6 +571,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    problem = _staleness(args)
+    if problem:
+        print(f"fedpipe {args.command}: {problem}", file=sys.stderr)
+        return 2
     _logging(args.verbose)
     from .net import tune_malloc
 

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from fedpipe.cli import main, parser
+from fedpipe.cli import _staleness, main, parser
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -251,7 +251,13 @@ def test_a_dashboard_url_without_http_is_refused_at_parse_with_what_to_give(url,
 def test_the_async_schedule_and_its_staleness_are_flags(command, capsys):
     args = parser().parse_args([*command, "--schedule", "async", "--max-staleness", "2"])
     assert (args.schedule, args.max_staleness) == ("async", 2)
-    assert parser().parse_args(command).max_staleness == 1  # submit()'s default
+    assert _staleness(args) == "" and args.max_staleness == 2
+    args = parser().parse_args([*command, "--schedule", "async"])
+    assert _staleness(args) == "" and args.max_staleness == 1  # submit()'s default
     with pytest.raises(SystemExit):
         parser().parse_args([*command, "--max-staleness", "-1"])
     assert "argument --max-staleness: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+    # given where nothing uses it: said, not ignored
+    assert main([*command, "--schedule", "1f1b", "--max-staleness", "2"]) == 2
+    assert ("--max-staleness applies to --schedule async only (this is --schedule 1f1b"
+            in capsys.readouterr().err)

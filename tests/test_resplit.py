@@ -88,7 +88,7 @@ def test_a_join_re_splits_two_stages_into_three_moving_only_the_layers_that_chan
         assert len(before.stages) == 2, before.plan.summary  # the planner uses both nodes
         swarm.add_node()  # joins mid-job; the job waits for data at step 12 till it is measured
         deadline = time.monotonic() + 120
-        while "measured the links of 3 node(s)" not in swarm.log(swarm.tracker_proc):
+        while "made 3 link measurement(s)" not in swarm.log(swarm.tracker_proc):
             assert time.monotonic() < deadline, "node2 was not measured"
             time.sleep(0.2)
         gate.release()

@@ -286,5 +286,6 @@ class LinkMeasurer:
             log.warning("%d link measurement(s) failed this round, e.g. %s", len(errors),
                         "; ".join(errors[:ERRORS_NAMED]))
         if taken:
-            log.info("measured the links of %d node(s); %d live", taken, len(self._members))
+            log.info("made %d link measurement(s) this round (a node's, when it joined or "
+                     "its links were due); %d node(s) live", taken, len(self._members))
         return taken, errors
