@@ -17,6 +17,9 @@ from typing import Callable
 
 EVERY = 0.25
 """How often the watch wakes, seconds."""
+LEAST = 4 * EVERY
+"""The shortest gap a pause may be, seconds, whatever ``FEDPIPE_TRACKER_PAUSED`` says: the
+watch's own wakes are that far apart."""
 
 
 class PauseWatch:
@@ -35,8 +38,8 @@ class PauseWatch:
 
     def note(self) -> None:
         """The watch woke now: the time since its last wake is a gap in its run."""
-        now = self._clock()
-        with self._lock:
+        with self._lock:  # the clock read inside: two notes never count one gap twice
+            now = self._clock()
             self._longest = max(self._longest, now - self._last)
             self._last = now
 

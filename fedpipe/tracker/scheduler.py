@@ -49,6 +49,7 @@ from .jobs import Jobs
 from .links import LinkMeasurer
 from .nodes import NodeCallError, NodeCalls
 from .planning import Planner
+from . import pauses
 from .pauses import PauseWatch
 from .progress import Progress
 from .readdress import readdress
@@ -380,7 +381,7 @@ class Tracker:
         so it judges none by that time: every live node gets a fresh lease and every
         client gone its grace again, as at a start (:class:`~.registry.Registry`). Returns
         whether it pardoned."""
-        if gap <= timeouts.TRACKER_PAUSED:
+        if gap <= max(timeouts.TRACKER_PAUSED, pauses.LEAST):
             return False
         log.warning("this tracker did not run for %.1f s (stopped, or starved of CPU): every "
                     "live node gets a fresh lease and every client its grace again", gap)
