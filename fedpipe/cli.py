@@ -9,8 +9,9 @@ import sys
 
 import grpc
 
-from .cli_args import (TRACKER_HELP, address_arg, dashboard_arg, insecure_arg, metrics_args,
-                       tls as _tls, tls_args, tracker_target)
+from .cli_args import (TRACKER_HELP, address_arg, compression_arg, cut_indices, dashboard_arg,
+                       gradient_compression_arg, insecure_arg, metrics_args, non_negative,
+                       settle_staleness, tls as _tls, tls_args, tracker_target)
 from .cli_node import add_cli as add_node_cli
 from .observe.serving import LOCALHOST
 
@@ -135,74 +136,6 @@ def _fraction(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), got {text}")
     return value
-
-
-def _compression_arg(text: str) -> str:
-    """``--compression``'s value: "auto", "none" or a codec spec that may carry
-    activations (it sets theirs too), with the codec grammar's reason if not; the hint for
-    a gradients-only codec is in flags, not in Python's ``compression={...}``."""
-    from .spec import SpecError, check_compression
-
-    try:
-        return check_compression(text, "activations")
-    except SpecError as e:
-        try:
-            check_compression(text, "gradients")
-        except SpecError:  # no codec at all: the reason, with what activations take
-            raise argparse.ArgumentTypeError(str(e)) from None
-        raise argparse.ArgumentTypeError(
-            f"{text!r} drops most of each tensor, so it cannot carry activations: use it "
-            f"for gradients only, e.g. --compression int8 --gradient-compression {text}"
-        ) from e
-
-
-def _cuts_arg(text: str) -> tuple[int, ...]:
-    """``--cuts``' value: comma-separated child indices (``2,3,4``); the rule they follow
-    with the depth and the model is :func:`fedpipe.spec.cuts_problem`'s, checked by
-    :func:`_pinned` once the model is known."""
-    try:
-        return tuple(int(c) for c in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected child indices separated by commas, e.g. 2,3,4; got {text!r}") from None
-
-
-def _non_negative(text: str) -> int:
-    """An integer >= 0 (``--max-staleness``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _staleness(args: argparse.Namespace) -> str:
-    """Settle ``--max-staleness`` (a command without it: nothing): submit()'s default
-    when not given; a problem when given without ``--schedule async``, which alone uses
-    it (else "")."""
-    if not hasattr(args, "max_staleness"):
-        return ""
-    if args.max_staleness is None:
-        from .spec import Training
-
-        args.max_staleness = Training.max_staleness
-        return ""
-    if args.schedule != "async":
-        return (f"--max-staleness applies to --schedule async only (this is "
-                f"--schedule {args.schedule}, which flushes every step)")
-    return ""
-
-
-def _gradient_compression_arg(text: str) -> str:
-    """``--gradient-compression``'s value: "auto", "none" or a codec spec."""
-    from .spec import SpecError, check_compression
-
-    try:
-        return check_compression(text, "gradients")
-    except SpecError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_status(args) -> int:
@@ -470,13 +403,13 @@ def parser() -> argparse.ArgumentParser:
     o.set_defaults(func=cmd_plot)
 
     def compression_args(q):
-        q.add_argument("--compression", type=_compression_arg, default="auto",
+        q.add_argument("--compression", type=compression_arg, default="auto",
                        help="activation and gradient codec: auto, none or a codec spec")
-        q.add_argument("--gradient-compression", type=_gradient_compression_arg, default=None,
+        q.add_argument("--gradient-compression", type=gradient_compression_arg, default=None,
                        help="gradient codec, if not --compression's (e.g. topk:0.01)")
 
     def cuts_arg(q):
-        q.add_argument("--cuts", type=_cuts_arg, default=(), metavar="C,C,...",
+        q.add_argument("--cuts", type=cut_indices, default=(), metavar="C,C,...",
                        help="pin the stage boundaries: the child indices at which a stage "
                             "begins, as Placement(cuts=...) (e.g. 2,3,4: four stages, "
                             "children 0-1, 2, 3, 4-); --stages, if given, must be one more "
@@ -489,7 +422,7 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--schedule", default=schedule, choices=SCHEDULES,
                        help=f"pipeline schedule (default: %(default)s, {whose}); async: "
                             "PipeDream-style, no flush, weight stashing")
-        q.add_argument("--max-staleness", type=_non_negative, default=None,
+        q.add_argument("--max-staleness", type=non_negative, default=None,
                        help="with --schedule async only: steps a forward may run ahead of "
                             f"the updates (default: {Training.max_staleness}, as submit()'s)")
 
@@ -571,7 +504,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    problem = _staleness(args)
+    problem = settle_staleness(args)
     if problem:
         print(f"fedpipe {args.command}: {problem}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """Arguments and helpers shared by the ``fedpipe`` subcommands (:mod:`fedpipe.cli`,
 :mod:`fedpipe.cli_node`): the tracker address (:func:`tracker_target`) and any other
-``HOST:PORT`` (:func:`address_arg`), TLS, ``--insecure`` and metrics flags."""
+``HOST:PORT`` (:func:`address_arg`), TLS, ``--insecure`` and metrics flags, and the
+training flags' values (codecs, cuts, staleness)."""
 from __future__ import annotations
 
 import argparse
@@ -109,3 +110,71 @@ def metrics_args(q: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics on this port (0: off); see docs/metrics.md")
     q.add_argument("--metrics-host", default=LOCALHOST,
                    help="address the metrics bind (they have no authentication)")
+
+
+def compression_arg(text: str) -> str:
+    """``--compression``'s value: "auto", "none" or a codec spec that may carry
+    activations (it sets theirs too), with the codec grammar's reason if not; the hint for
+    a gradients-only codec is in flags, not in Python's ``compression={...}``."""
+    from .spec import SpecError, check_compression
+
+    try:
+        return check_compression(text, "activations")
+    except SpecError as e:
+        try:
+            check_compression(text, "gradients")
+        except SpecError:  # no codec at all: the reason, with what activations take
+            raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} drops most of each tensor, so it cannot carry activations: use it "
+            f"for gradients only, e.g. --compression int8 --gradient-compression {text}"
+        ) from e
+
+
+def cut_indices(text: str) -> tuple[int, ...]:
+    """``--cuts``' value: comma-separated child indices (``2,3,4``); the rule they follow
+    with the depth and the model is :func:`fedpipe.spec.cuts_problem`'s, checked by
+    :func:`fedpipe.cli._pinned` once the model is known."""
+    try:
+        return tuple(int(c) for c in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected child indices separated by commas, e.g. 2,3,4; got {text!r}") from None
+
+
+def non_negative(text: str) -> int:
+    """An integer >= 0 (``--max-staleness``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def settle_staleness(args: argparse.Namespace) -> str:
+    """Settle ``--max-staleness`` (a command without it: nothing): submit()'s default
+    when not given; a problem when given without ``--schedule async``, which alone uses
+    it (else "")."""
+    if not hasattr(args, "max_staleness"):
+        return ""
+    if args.max_staleness is None:
+        from .spec import Training
+
+        args.max_staleness = Training.max_staleness
+        return ""
+    if args.schedule != "async":
+        return (f"--max-staleness applies to --schedule async only (this is "
+                f"--schedule {args.schedule}, which flushes every step)")
+    return ""
+
+
+def gradient_compression_arg(text: str) -> str:
+    """``--gradient-compression``'s value: "auto", "none" or a codec spec."""
+    from .spec import SpecError, check_compression
+
+    try:
+        return check_compression(text, "gradients")
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -7,7 +7,8 @@ import pathlib
 
 import pytest
 
-from fedpipe.cli import _staleness, main, parser
+from fedpipe.cli import main, parser
+from fedpipe.cli_args import settle_staleness
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -251,9 +252,9 @@ def test_a_dashboard_url_without_http_is_refused_at_parse_with_what_to_give(url,
 def test_the_async_schedule_and_its_staleness_are_flags(command, capsys):
     args = parser().parse_args([*command, "--schedule", "async", "--max-staleness", "2"])
     assert (args.schedule, args.max_staleness) == ("async", 2)
-    assert _staleness(args) == "" and args.max_staleness == 2
+    assert settle_staleness(args) == "" and args.max_staleness == 2
     args = parser().parse_args([*command, "--schedule", "async"])
-    assert _staleness(args) == "" and args.max_staleness == 1  # submit()'s default
+    assert settle_staleness(args) == "" and args.max_staleness == 1  # submit()'s default
     with pytest.raises(SystemExit):
         parser().parse_args([*command, "--max-staleness", "-1"])
     assert "argument --max-staleness: expected an integer >= 0, got '-1'" in capsys.readouterr().err
