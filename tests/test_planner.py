@@ -17,9 +17,9 @@ from fedpipe.planner import (ClusterView, LayerProfile, Link, ModelProfile, Node
                              stage_memory_bytes)
 from fedpipe.planner import codecs, jsonio
 from fedpipe.planner.context import PlanContext, link_arrays
-from fedpipe.planner.costs import (boundary_bytes, compute_seconds, in_flight,
-                                   pipeline_estimate, stashed_weight_copies, step_estimate,
+from fedpipe.planner.costs import (boundary_bytes, compute_seconds, stashed_weight_copies,
                                    transfer_seconds)
+from fedpipe.planner.steptime import in_flight, pipeline_estimate, step_estimate
 from fedpipe.planner.evaluate import choose_codecs
 from fedpipe.planner.exhaustive import exhaustive_plan
 from fedpipe.planner.ordering import bottleneck_path, path_cost

@@ -18,8 +18,8 @@ from . import codecs
 from .costs import (RECOMPUTE_FACTOR, StageCodecs, activation_scale, boundary_bytes,
                     boundary_element_bytes, boundary_width, codec_buffer_bytes,
                     host_memory_shares, input_bytes, kept_activation_bytes, precision_flops,
-                    state_bytes, stash_bytes, stashed_weight_copies, steps_in_flight,
-                    transfer_seconds)
+                    state_bytes, stash_bytes, stashed_weight_copies, transfer_seconds)
+from .steptime import steps_in_flight
 from .types import ClusterView, Link, ModelProfile, PlanError, TrainConfig
 
 

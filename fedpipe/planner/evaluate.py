@@ -19,10 +19,10 @@ from ..wire.codecmodel import CodecSpeed
 from . import codecs
 from .context import PlanContext
 from .costs import (boundary_bytes, boundary_element_bytes, boundary_width, compute_seconds,
-                    in_flight, pipeline_estimate, schedule_sync, step_estimate, sync_per_step,
-                    sync_segments, transfer_seconds)
+                    schedule_sync, sync_per_step, sync_segments, transfer_seconds)
 from .partition import GroupSolution, all_solved, describe, proportional_split, solve_chain
 from .simulate import simulate
+from .steptime import in_flight, pipeline_estimate, step_estimate
 from .types import Link, Plan, ReplicaGroup, StagePlan
 
 Chain = tuple[int, ...]
@@ -235,7 +235,7 @@ def choose_codecs(ctx: PlanContext, nodes: Sequence[int], ranges: Sequence[tuple
     the compute time, stronger codecs as the link gets slower (see
     :func:`fedpipe.planner.codecs.choose`; under GPipe the forward and backward
     phases have their own bottlenecks). If that lengthens the group's estimated
-    step (:func:`~fedpipe.planner.costs.pipeline_estimate`, which sees 1F1B's
+    step (:func:`~fedpipe.planner.steptime.pipeline_estimate`, which sees 1F1B's
     round-trip bound) by more than :data:`CODEC_SLACK`, the link that lost the
     most moves to the next stronger codec that is faster, until it does not.
 

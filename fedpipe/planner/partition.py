@@ -10,7 +10,7 @@ and it aims at the pipeline's step time rather than only its bottleneck:
 
 with ``sigma`` the fill-and-drain path (every stage's compute plus every
 transfer, latency included, of one microbatch) and ``period`` the steady-state
-seconds per microbatch (:func:`~fedpipe.planner.costs.pipeline_estimate`).
+seconds per microbatch (:func:`~fedpipe.planner.steptime.pipeline_estimate`).
 
 A first pass (suffix dynamic program, one numpy row per chain position) finds
 the least bottleneck τ*: the smallest possible largest per-stage cost
@@ -30,8 +30,8 @@ from typing import Sequence
 import numpy as np
 
 from .context import PlanContext
-from .costs import (FORWARD_FRACTION, RECOMPUTE_FACTOR, in_flight, pipeline_estimate,  # noqa: F401
-                    stage_memory_bytes, step_estimate)  # (re-export)
+from .costs import FORWARD_FRACTION, RECOMPUTE_FACTOR, stage_memory_bytes  # noqa: F401 (re-export)
+from .steptime import in_flight, pipeline_estimate, step_estimate
 
 THRESHOLDS = (10, 5)
 """How many thresholds the second pass tries (for chains of up to 10 nodes, and
@@ -41,7 +41,7 @@ THRESHOLD_SPAN = 3.0
 STAGE_REWARDS = (0.0, 0.5, 1.0)
 """The second pass also minimises ``sigma - λ·τ·stages`` for these λ: splits over
 more nodes, which shorten 1F1B's round-trip bound (see
-:func:`~fedpipe.planner.costs.pipeline_estimate`) at some cost in ``sigma``."""
+:func:`~fedpipe.planner.steptime.pipeline_estimate`) at some cost in ``sigma``."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,13 @@ class GroupSolution:
         bottleneck: the costliest stage's seconds per microbatch (what the
             min-max program minimises).
         period: steady-state seconds per microbatch
-            (:func:`~fedpipe.planner.costs.pipeline_estimate`).
+            (:func:`~fedpipe.planner.steptime.pipeline_estimate`).
         drain: per stage, seconds from its last backward pass to the end of the
             group's last one (the backward passes and gradient sends below it).
         max_microbatches: the most microbatches the split fits in memory (inf: any).
         positions: where the stages' nodes sit in the chain that was split.
         overlap: steps the schedule runs in the pipeline at once
-            (:func:`~fedpipe.planner.costs.steps_in_flight`).
+            (:func:`~fedpipe.planner.steptime.steps_in_flight`).
     """
 
     nodes: tuple[int, ...]
@@ -76,7 +76,7 @@ class GroupSolution:
 
     def seconds(self, microbatches: int) -> float:
         """Estimated seconds of one step of ``microbatches`` microbatches
-        (:func:`~fedpipe.planner.costs.step_estimate`)."""
+        (:func:`~fedpipe.planner.steptime.step_estimate`)."""
         return step_estimate(self.sigma, self.period, microbatches, len(self.nodes),
                              self.overlap)
 

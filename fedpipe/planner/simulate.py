@@ -19,8 +19,8 @@ from typing import Hashable, Mapping, Sequence
 
 from ..spec import Action, SpecError, StageKey, async_stream, schedule_order, stage_recomputes
 from .costs import (ChainStage, chain_costs, host_factors, optimizer_seconds, pass_seconds,
-                    precision_flops, schedule_sync, steps_in_flight, sync_per_step,
-                    sync_segments, useful_overlap)
+                    precision_flops, schedule_sync, sync_per_step, sync_segments)
+from .steptime import steps_in_flight, useful_overlap
 from .types import (ClusterView, ModelProfile, NodeSpec, Overheads, Plan, PlanError,
                     TrainConfig)
 
@@ -187,7 +187,7 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
     Under "async" with staleness, steps overlap (:func:`fedpipe.spec.async_stream`), so
     one step alone says little: a stream of :data:`STREAM_ROUNDS` rounds of ``k + 1``
     steps is simulated (``k`` the staleness that can bind,
-    :func:`~fedpipe.planner.costs.useful_overlap`), each stage's optimizer step after the
+    :func:`~fedpipe.planner.steptime.useful_overlap`), each stage's optimizer step after the
     last backward of each step, and the timeline is its steady state, away from both
     ends of the stream: ``finish`` is the seconds per step over the middle rounds
     (:data:`TIMED_ROUNDS`), ``last_backward`` each stage's last backward of the last

@@ -231,7 +231,7 @@ class TrainConfig:
         schedule: "gpipe", "1f1b" or "async".
         max_staleness: under "async", steps a forward may run ahead of the updates
             (:attr:`fedpipe.spec.JobSpec.max_staleness`): the steps a group's step is
-            priced as overlapping (:func:`~fedpipe.planner.costs.steps_in_flight`).
+            priced as overlapping (:func:`~fedpipe.planner.steptime.steps_in_flight`).
         state_factor: bytes kept per parameter byte for a stage: weights,
             gradients and optimizer state (4 for AdamW: weights, grads, two moments;
             3 for SGD with momentum, 2 for plain SGD). The tracker derives it from the
