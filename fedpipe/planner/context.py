@@ -139,10 +139,11 @@ class PlanContext:
                 self.stash[k, j] = stash_bytes(profile, k, j, stash_samples)
                 params = sum(layer.parameter_bytes for layer in profile.layers[k:j])
                 scratch = config.step_scratch * params
-                if config.schedule == "async":  # and the stashed weights, as many as any
-                    scratch += copies * params    # stage of the job may keep
-                    self.state[k, j] += scratch
-                    self.disk_state[k, j] += scratch
+                if config.schedule == "async":
+                    # the scratch, and the stashed weights: as many as any stage may keep
+                    kept = scratch + copies * params
+                    self.state[k, j] += kept
+                    self.disk_state[k, j] += kept
                 else:
                     self.scratch[k, j] = scratch
         # a stage's input per microbatch, bytes (by its first layer k); activations' bytes

@@ -244,11 +244,11 @@ def simulate_group(forward: Sequence[float], backward: Sequence[float],
                 eng.dep(B[s + 1][i], tg)
                 eng.dep(tg, B[s][i])
     end = eng.run()
-    done = [max(end[u[k]] for u in updates) for k in range(steps)]  # each step's end
     if steps == 1:
         timed, finish, start = 0, max(end, default=0.0), 0.0
     else:
         lo, hi = (r * overlap - 1 for r in TIMED_ROUNDS)  # the steps ending the rounds
+        done = {k: max(end[u[k]] for u in updates) for k in (lo, hi)}  # when each ended
         timed = hi
         finish = (done[hi] - done[lo]) / (hi - lo)
         start = done[hi] - finish

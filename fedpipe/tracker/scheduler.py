@@ -50,7 +50,6 @@ from .links import LinkMeasurer
 from .nodes import NodeCallError, NodeCalls
 from .planning import Planner
 from . import pauses
-from .pauses import PauseWatch
 from .progress import Progress
 from .readdress import readdress
 from .rebalance import REBALANCE_THRESHOLD, Drains, Rebalancer
@@ -198,7 +197,7 @@ class Tracker:
         for n in store.nodes():
             self.links.add(n.node_id, n.name, n.address, n.registered)
         self.stop_event = threading.Event()
-        self.pauses = PauseWatch(self.stop_event)
+        self.pauses = pauses.PauseWatch(self.stop_event)
         self._moves = futures.ThreadPoolExecutor(1, thread_name_prefix="readdress")
         self.measure_now = self.links.added
         self.jobs.recover()
